@@ -1,0 +1,120 @@
+"""``save``/``load``: thin sugar over ``dcp.save``/``dcp.load`` with cpuckpt's writer and reader.
+
+Checkpoint collectives run on a dedicated gloo group (created once, on first use, by every rank),
+never on the trainer's NCCL group. DCP's ``CheckpointException`` derives from ``BaseException``;
+these functions unwrap it and raise the first rank's cpuckpt error (or a ``CpuckptError``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .config import Config
+from .errors import CpuckptError
+from .reader import StorageReader
+from .writer import StorageWriter
+
+__all__ = ["checkpoint_group", "load", "save"]
+
+logger = logging.getLogger(__name__)
+
+_GROUPS: dict[Any, Any] = {}
+_GROUPS_LOCK = threading.Lock()
+
+
+def checkpoint_group(process_group: Any = None) -> Any:
+    """The gloo group used for checkpoint collectives (None when torch.distributed is not initialised).
+
+    If ``process_group`` is already a gloo group it is used as is. Otherwise a gloo group over the
+    same ranks is created once and cached; every rank must reach this call (it is collective).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    pg = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_backend(pg) == "gloo":
+        return pg
+    with _GROUPS_LOCK:
+        if pg not in _GROUPS:
+            ranks = dist.get_process_group_ranks(pg)
+            _GROUPS[pg] = dist.new_group(ranks=ranks, backend="gloo")
+        return _GROUPS[pg]
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    config: Config | str | os.PathLike | dict | None = None,
+    *,
+    step: int | None = None,
+    process_group: Any = None,
+    planner: Any = None,
+) -> None:
+    """Save ``state_dict`` (DTensors, ShardedTensors, tensors on any device, other objects) to ``path``.
+
+    Every rank calls it. Files are stock DCP-compatible; ``path/.metadata`` appears only once every
+    rank's files are durable.
+
+    Args:
+        state_dict: what to save, as for ``dcp.save``.
+        path: checkpoint directory.
+        config: a :class:`Config`, a YAML path, a dict, or None.
+        step: training step, recorded in the manifest.
+        process_group: the trainer's group; checkpoint collectives use a gloo group over its ranks.
+        planner: a DCP ``SavePlanner`` (default: DCP's default planner).
+
+    Raises:
+        CpuckptError: any rank failed; the message names the rank and the cause.
+
+    Example:
+        >>> cpuckpt.save({"model": model.state_dict()}, "/ckpt/step_100", step=100)
+    """
+    writer = StorageWriter(path, config, step=step)
+    _call(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner,
+                           process_group=checkpoint_group(process_group)), "save", path)
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    config: Config | str | os.PathLike | dict | None = None,
+    *,
+    process_group: Any = None,
+    planner: Any = None,
+) -> None:
+    """Load ``path`` in place into ``state_dict`` (resharding as needed), like ``dcp.load``.
+
+    Reads cpuckpt checkpoints (verifying checksums when configured) and stock DCP checkpoints.
+
+    Raises:
+        CheckpointCorrupt: a file is missing, truncated or fails its checksum.
+        IntegrityError: the checkpoint is not committed (no ``.metadata``).
+    """
+    reader = StorageReader(path, config)
+    _call(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
+                           process_group=checkpoint_group(process_group)), "load", path)
+
+
+def _call(fn: Any, what: str, path: str | os.PathLike) -> None:
+    try:
+        fn()
+    except CheckpointException as e:
+        raise _unwrap(e, what, path) from e
+
+
+def _unwrap(e: CheckpointException, what: str, path: str | os.PathLike) -> BaseException:
+    failures = getattr(e, "failures", {}) or {}
+    for rank in sorted(failures):
+        exc = failures[rank]
+        if isinstance(exc, CpuckptError):
+            return exc
+    if failures:
+        rank = min(failures)
+        return CpuckptError(f"{what} of {path} failed on rank {rank}: {failures[rank]!r}")
+    return CpuckptError(f"{what} of {path} failed: {e}")

@@ -1,0 +1,266 @@
+"""Configuration: one frozen dataclass tree, loaded from YAML, dicts and environment overrides.
+
+Pure: no I/O besides reading the YAML file it is pointed at. Validation is strict: an unknown key,
+a wrong type or an impossible value raises :class:`ConfigError` naming the key and the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+__all__ = [
+    "AsyncConfig",
+    "Config",
+    "IOConfig",
+    "IntegrityConfig",
+    "LayoutConfig",
+    "StagingConfig",
+    "parse_bytes",
+]
+
+_KiB = 1024
+_MiB = 1024 * _KiB
+_GiB = 1024 * _MiB
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": _KiB,
+    "m": 1000**2, "mb": 1000**2, "mib": _MiB,
+    "g": 1000**3, "gb": 1000**3, "gib": _GiB,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024 * _GiB,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any) -> int:
+    """Parse a byte count: an int, or a string such as ``"32MiB"``, ``"1.5GB"``, ``"4096"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a byte count, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(f"expected a byte count such as 4096 or '32MiB', got {value!r}")
+
+
+def _opt(default: Any, doc: str, **checks: Any) -> Any:
+    """A config field with its one-line documentation and validation rules."""
+    return field(default=default, metadata={"doc": doc, **checks})
+
+
+@dataclass(frozen=True)
+class IOConfig:
+    """How bytes reach storage."""
+
+    backend: str = _opt("auto", "File backend: auto (probe O_DIRECT), direct, buffered, or a registered name.")
+    threads: int = _opt(4, "Writer/reader threads per rank.", min=1, max=256)
+    chunk_bytes: int = _opt(32 * _MiB, "Unit of staging, checksumming and pwrite; multiple of layout.align_bytes.",
+                            size=True, min=4 * _KiB)
+    files_per_rank: int = _opt(1, "Data files per rank (threads share one file through pwrite).", min=1, max=1024)
+    fsync: bool = _opt(True, "fsync every file and the directory before a save is reported durable.")
+
+
+@dataclass(frozen=True)
+class LayoutConfig:
+    """How records are placed in a file image."""
+
+    align_bytes: int = _opt(4096, "Block alignment of chunks and O_DIRECT I/O (power of two).",
+                            size=True, min=512, pow2=True)
+    align_data_min_bytes: int = _opt(1 * _MiB, "Tensors at least this large start their data on an "
+                                     "align_bytes boundary (padding is free at that size).", size=True, min=0)
+
+
+@dataclass(frozen=True)
+class IntegrityConfig:
+    """Checksums written with every chunk and checked on load."""
+
+    checksum: str = _opt("crc32c", "Checksum per chunk: crc32c or none.", choices=("crc32c", "none"))
+    verify: str = _opt("always", "Verify checksums on load: always or off.", choices=("always", "off"))
+
+
+@dataclass(frozen=True)
+class StagingConfig:
+    """Host staging: the pool that tensors are copied into before they are written."""
+
+    mode: str = _opt("auto", "snapshot (pool holds the whole shard), streaming (pool recycled), or auto.",
+                     choices=("auto", "snapshot", "streaming"))
+    pool_bytes: int = _opt(0, "Host pool size; 0 sizes it automatically (2 chunks per thread when streaming).",
+                           size=True, min=0)
+    pin: bool = _opt(True, "Pin the pool with cudaHostRegister when CUDA is present.")
+    pretouch: bool = _opt(False, "Touch (and pin) the whole pool when it is created, not at first use.")
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """Background saves."""
+
+    max_in_flight: int = _opt(1, "Saves allowed in flight; a further save waits for the oldest.", min=1, max=16)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything cpuckpt can be told. Defaults live here and are mirrored in configs/default.yaml."""
+
+    io: IOConfig = field(default_factory=IOConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
+    staging: StagingConfig = field(default_factory=StagingConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
+    timeout_s: float = _opt(600.0, "Bound on every wait (threads, peers, pool leases), seconds.", min=0.001)
+
+    def __post_init__(self) -> None:
+        if self.io.chunk_bytes % self.layout.align_bytes:
+            raise ConfigError(
+                f"io.chunk_bytes ({self.io.chunk_bytes}) must be a multiple of layout.align_bytes "
+                f"({self.layout.align_bytes})"
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, *, source: str = "<dict>", env: bool = True) -> Config:
+        """Build a config from nested mappings, then apply ``CPUCKPT_<SECTION>_<KEY>`` overrides.
+
+        Raises:
+            ConfigError: naming the source, the dotted key and the bad value.
+        """
+        data = dict(data or {})
+        if env:
+            data = _apply_env(cls, data)
+        return _build(cls, data, source, prefix="")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, *, env: bool = True) -> Config:
+        """Load a YAML file (see configs/default.yaml for every key).
+
+        Raises:
+            ConfigError: the file is missing, not YAML, or holds a bad key or value.
+        """
+        src = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"{src}: cannot read config file: {e.strerror or e}") from e
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{src}: not valid YAML: {e}") from e
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{src}: top level must be a mapping of sections, got {type(data).__name__}")
+        return cls.from_dict(data, source=src, env=env)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict with YAML key names (``async`` rather than ``async_``)."""
+        return _to_dict(self)
+
+
+def _key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def _to_dict(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        out[_key(f)] = _to_dict(v) if dataclasses.is_dataclass(v) else v
+    return out
+
+
+def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {_key(f): f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}{unknown[0]}"
+        raise ConfigError(f"{source}: unknown key '{where}'; known keys here: {', '.join(sorted(fields))}")
+    kwargs: dict[str, Any] = {}
+    for key, f in fields.items():
+        if key not in data:
+            continue
+        dotted = f"{prefix}{key}"
+        tp = hints[f.name]
+        value = data[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: {dotted} must be a mapping, got {value!r}")
+            kwargs[f.name] = _build(tp, value, source, prefix=f"{dotted}.")
+        else:
+            kwargs[f.name] = _check(dotted, tp, f.metadata, value, source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: str) -> Any:
+    def bad(expect: str) -> ConfigError:
+        return ConfigError(f"{source}: {dotted} must be {expect}, got {value!r}")
+
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+    elif tp is int:
+        if meta.get("size"):
+            try:
+                value = parse_bytes(value)
+            except ValueError:
+                raise bad("a byte count such as 4096 or '32MiB'") from None
+        elif isinstance(value, bool) or not isinstance(value, int):
+            raise bad(f"an int >= {meta.get('min', 0)}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        value = float(value)
+    elif tp is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and value < lo:
+        raise bad(f">= {lo}")
+    if hi is not None and value > hi:
+        raise bad(f"<= {hi}")
+    if meta.get("pow2") and value & (value - 1):
+        raise bad("a power of two")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise bad(f"one of {', '.join(choices)}")
+    return value
+
+
+def _apply_env(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    """Overlay ``CPUCKPT_<SECTION>_<KEY>`` (or ``CPUCKPT_<KEY>`` for top-level keys) as YAML scalars."""
+    for f in dataclasses.fields(cls):
+        key = _key(f)
+        factory = f.default_factory
+        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+            section = dict(data.get(key) or {})
+            for sf in dataclasses.fields(factory):
+                name = f"CPUCKPT_{key}_{sf.name}".upper()
+                if name in os.environ:
+                    section[sf.name] = _env_value(name)
+            if section:
+                data[key] = section
+        else:
+            name = f"CPUCKPT_{key}".upper()
+            if name in os.environ:
+                data[key] = _env_value(name)
+    return data
+
+
+def _env_value(name: str) -> Any:
+    try:
+        return yaml.safe_load(os.environ[name])
+    except yaml.YAMLError as e:
+        raise ConfigError(f"environment variable {name}: not a valid value: {e}") from e

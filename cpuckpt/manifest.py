@@ -1,0 +1,90 @@
+"""The sidecar manifest: JSON, versioned, ignored by stock tools. Pure: (de)serialization only.
+
+Compatibility policy (see docs/FORMAT.md):
+- ``format_version`` grows when fields are added; every field added later has a default, so a
+  reader fills in what an older file lacks.
+- A reader ignores fields it does not know.
+- ``min_reader_version`` is raised only when older readers would misread the data. A reader older
+  than that does not guess: it ignores the manifest and reads the checkpoint like a stock DCP one
+  (the data files are stock-compatible), without checksums, and logs a warning.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "FileEntry",
+    "Manifest",
+    "manifest_from_json",
+    "part_name",
+]
+
+FORMAT_VERSION = 1
+MIN_READER_VERSION = 1
+MANIFEST_NAME = ".cpuckpt.json"
+
+
+def part_name(prefix: str) -> str:
+    """Per-rank manifest part written next to that rank's data files, merged at commit."""
+    return f"{prefix}.cpuckpt-part.json"
+
+
+@dataclass
+class FileEntry:
+    """One data file: its size, per-chunk checksums and where each tensor record's data starts."""
+
+    name: str
+    nbytes: int
+    chunk_bytes: int
+    checksum: str = "crc32c"
+    chunk_checksums: list[int] = field(default_factory=list)
+    # [record_offset, data_offset - record_offset] for every tensor record
+    records: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class Manifest:
+    """Everything cpuckpt knows about a checkpoint beyond DCP's ``.metadata``."""
+
+    format: str = "cpuckpt"
+    format_version: int = FORMAT_VERSION
+    min_reader_version: int = MIN_READER_VERSION
+    cpuckpt_version: str = ""
+    torch_version: str = ""
+    save_id: str = ""
+    step: int | None = None
+    created_unix: float = 0.0
+    world_size: int = 1
+    config: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    files: dict[str, FileEntry] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+
+
+def manifest_from_json(text: str | bytes) -> Manifest:
+    """Parse a manifest, filling defaults for fields an older writer did not know and dropping
+    fields a newer writer added.
+
+    Raises:
+        ValueError: not JSON, or not a cpuckpt manifest.
+    """
+    raw = json.loads(text)
+    if not isinstance(raw, dict) or raw.get("format") != "cpuckpt":
+        raise ValueError("not a cpuckpt manifest")
+    known = set(Manifest.__dataclass_fields__)
+    kwargs = {k: v for k, v in raw.items() if k in known}
+    file_known = set(FileEntry.__dataclass_fields__)
+    files = {}
+    for name, entry in (kwargs.get("files") or {}).items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"manifest entry for {name!r} is not an object")
+        files[name] = FileEntry(**{k: v for k, v in entry.items() if k in file_known})
+    kwargs["files"] = files
+    return Manifest(**kwargs)

@@ -1,0 +1,85 @@
+"""Worker threads for the write/read pipeline. The only module that starts threads.
+
+Tasks run on named threads (``cpuckpt-io-<rank>_<i>``). The first failure cancels the tasks not
+yet started and is re-raised on the caller's thread, chained to the worker's traceback. Every wait
+is bounded and polls in one-second slices, so Ctrl-C still reaches the caller.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+from .errors import CheckpointTimeoutError, CpuckptError
+
+__all__ = ["Cancelled", "run_parallel"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Cancelled(CpuckptError):
+    """Raised inside a task when another task already failed."""
+
+
+def run_parallel(
+    fn: Callable[[T, threading.Event], R],
+    tasks: Iterable[T],
+    *,
+    threads: int,
+    timeout_s: float,
+    name: str,
+) -> list[R]:
+    """Run ``fn(task, cancel_event)`` for every task on ``threads`` threads; results in task order.
+
+    ``fn`` should check ``cancel_event`` between slow steps. With one thread the tasks still run
+    on a worker, so the caller's thread behaves identically either way.
+
+    Raises:
+        The first exception raised by a task (later ones are dropped, as they are usually
+        consequences of the first).
+        CheckpointTimeoutError: the tasks did not finish within ``timeout_s``.
+    """
+    task_list = list(tasks)
+    if not task_list:
+        return []
+    cancel = threading.Event()
+
+    def guarded(task: T) -> R:
+        if cancel.is_set():
+            raise Cancelled(f"{name}: cancelled after an earlier failure")
+        try:
+            return fn(task, cancel)
+        except BaseException:
+            cancel.set()
+            raise
+
+    deadline = time.monotonic() + timeout_s
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, min(threads, len(task_list))), thread_name_prefix=name)
+    try:
+        futures = [pool.submit(guarded, t) for t in task_list]
+        pending = set(futures)
+        first_error: BaseException | None = None
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                cancel.set()
+                raise CheckpointTimeoutError(
+                    f"{name}: {len(pending)} of {len(futures)} tasks still running after {timeout_s:.0f} s"
+                )
+            done, pending = cf.wait(pending, timeout=min(1.0, remaining), return_when=cf.FIRST_EXCEPTION)
+            for f in done:
+                exc = f.exception()
+                if exc is not None and not isinstance(exc, Cancelled) and first_error is None:
+                    first_error = exc
+            if first_error is not None:
+                for f in pending:
+                    f.cancel()
+                cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+                raise first_error
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,257 @@
+"""torch.save-compatible tensor records without pickling tensor data. Pure: no file I/O, no threads.
+
+A record is what stock DCP stores per tensor: the bytes ``torch.save(tensor)`` produces, a small zip
+archive holding a pickle, a few marker entries and the tensor's raw bytes, stored uncompressed. We
+build the record *skeleton* (everything but the data) once per (dtype, shape), with ``torch.save``
+under ``skip_data()`` into a sink that keeps the written pieces and skips the data region, then drop
+the raw bytes in. ``torch.load(weights_only=True)`` reads the result bit-exact; it does not check the
+zip CRC field of the data entry, which we therefore leave as ``torch.save`` wrote it.
+
+The mirror, :func:`parse_record`, recognises a single-tensor record (ours or stock) from its zip
+directory and pickle with a restricted unpickler, so a reader can take the data bytes in place.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+__all__ = ["RecordTemplate", "TensorRecordInfo", "parse_record", "record_template"]
+
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
+_LOCAL_SIG = b"PK\x03\x04"
+
+
+@dataclass(frozen=True)
+class RecordTemplate:
+    """Skeleton of one tensor record: ``head + <data_nbytes raw bytes> + tail``."""
+
+    head: bytes
+    tail: bytes
+    data_nbytes: int
+
+    @property
+    def data_offset(self) -> int:
+        """Offset of the raw tensor bytes from the start of the record."""
+        return len(self.head)
+
+    @property
+    def record_nbytes(self) -> int:
+        return len(self.head) + self.data_nbytes + len(self.tail)
+
+
+class _SparseSink(io.RawIOBase):
+    """A seekable write-only stream that keeps written pieces and leaves skipped ranges unwritten."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[tuple[int, bytes]] = []
+        self.pos = 0
+        self.end = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)
+        self.pieces.append((self.pos, data))
+        self.pos += len(data)
+        self.end = max(self.end, self.pos)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.end + offset
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read_at(self, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) as written; unwritten gaps read as zeros."""
+        out = bytearray(stop - start)
+        for pos, data in self.pieces:
+            lo, hi = max(pos, start), min(pos + len(data), stop)
+            if lo < hi:
+                out[lo - start : hi - start] = data[lo - pos : hi - pos]
+        return bytes(out)
+
+
+@lru_cache(maxsize=8192)
+def record_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplate:
+    """Return the (cached) skeleton of a contiguous CPU tensor record of this dtype and shape.
+
+    Costs one ``torch.save`` under ``skip_data`` (~0.1 ms) per new (dtype, shape); the data
+    region is never materialised, so large shapes cost no more than small ones.
+    """
+    nbytes = _numel(shape) * _itemsize(dtype)
+    # torch.empty only reserves address space for large shapes; skip_data never reads it.
+    proto = torch.empty(shape, dtype=dtype)
+    sink = _SparseSink()
+    with torch.serialization.skip_data():
+        torch.save(proto, sink)
+    del proto
+    data_start = _data_start(sink, nbytes)
+    data_end = data_start + nbytes
+    if nbytes and any(p < data_end and p + len(d) > data_start for p, d in sink.pieces):
+        raise RuntimeError(f"torch.save wrote into the data region of a {dtype} {shape} skeleton")
+    return RecordTemplate(
+        head=sink.read_at(0, data_start), tail=sink.read_at(data_end, sink.end), data_nbytes=nbytes
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _data_start(sink: _SparseSink, nbytes: int) -> int:
+    """Find where the storage's bytes begin: the local header named ``*/data/<key>``."""
+    for pos, data in sink.pieces:
+        if data[:4] != _LOCAL_SIG or len(data) < _LOCAL_HEADER.size:
+            continue
+        fields = _LOCAL_HEADER.unpack_from(data, 0)
+        name_len, extra_len = fields[-2], fields[-1]
+        name = sink.read_at(pos + 30, pos + 30 + name_len).decode("utf-8", "replace")
+        if "/data/" in name and not name.rsplit("/", 1)[-1].startswith("."):
+            return pos + 30 + name_len + extra_len
+    raise RuntimeError(f"no storage entry found in a torch.save skeleton ({nbytes} data bytes)")
+
+
+# ----------------------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True)
+class TensorRecordInfo:
+    """Where a single-tensor record keeps its bytes, and how to view them."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements
+    data_offset: int  # bytes from the record start to the storage's first byte
+    storage_nbytes: int
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype | None
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorDesc:
+    storage: _StorageRef
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _rebuild_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None):  # noqa: ANN001, ARG001
+    if storage.dtype is None:
+        raise pickle.UnpicklingError("untyped storage without a dtype")
+    return _TensorDesc(storage, offset, tuple(size), tuple(stride), storage.dtype)
+
+
+def _rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):  # noqa: ANN001, ARG001
+    return _TensorDesc(storage, offset, tuple(size), tuple(stride), dtype)
+
+
+# Legacy typed storage classes named in tensor pickles (read by name: touching them warns).
+_TYPED_STORAGES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """Allows only what a plain tensor's pickle needs; anything else means 'not a layout we know'."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_v3
+        if module == "collections" and name == "OrderedDict":
+            return OrderedDict
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _StorageType(None)
+        if module == "torch" and name in _TYPED_STORAGES:
+            return _StorageType(_TYPED_STORAGES[name])
+        if module == "torch" and name == "UntypedStorage":
+            return _StorageType(None)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a tensor record")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        _, stype, key, _location, numel = pid
+        dtype = stype.dtype if isinstance(stype, _StorageType) else None
+        return _StorageRef(str(key), dtype, int(numel))
+
+
+def parse_record(record: bytes | bytearray | memoryview) -> TensorRecordInfo | None:
+    """Describe a single-tensor, uncompressed torch.save record, or return None if it is not one.
+
+    Never executes pickled code: only the few globals of a plain tensor pickle are resolved.
+    None means "use torch.load(weights_only=True) on the whole record instead".
+    """
+    buf = bytes(record) if not isinstance(record, bytes) else record
+    try:
+        zf = zipfile.ZipFile(io.BytesIO(buf))
+        infos = {i.filename: i for i in zf.infolist()}
+        pkl_name = next((n for n in infos if n.endswith("/data.pkl")), None)
+        if pkl_name is None:
+            return None
+        prefix = pkl_name[: -len("data.pkl")]
+        desc = _RecordUnpickler(io.BytesIO(zf.read(pkl_name))).load()
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, KeyError, AttributeError,
+            TypeError, IndexError, struct.error):
+        return None
+    if not isinstance(desc, _TensorDesc):
+        return None
+    info = infos.get(f"{prefix}data/{desc.storage.key}")
+    if info is None or info.compress_type != zipfile.ZIP_STORED:
+        return None
+    hdr = buf[info.header_offset : info.header_offset + 30]
+    if len(hdr) < 30 or hdr[:4] != _LOCAL_SIG:
+        return None
+    fields = _LOCAL_HEADER.unpack(hdr)
+    data_offset = info.header_offset + 30 + fields[-2] + fields[-1]
+    if data_offset + info.file_size > len(buf):
+        return None
+    return TensorRecordInfo(
+        dtype=desc.dtype,
+        shape=desc.shape,
+        stride=desc.stride,
+        storage_offset=desc.offset,
+        data_offset=data_offset,
+        storage_nbytes=info.file_size,
+    )

@@ -1,0 +1,269 @@
+"""The DCP ``StorageWriter``: wires layout -> staging -> pipeline -> commit. No syscalls of its own.
+
+Call sequence (DCP drives it; "all" means every rank, "coord" the coordinator):
+
+1. all: ``reset(checkpoint_id)`` then ``set_up_storage_writer(is_coordinator, rank=, use_collectives=)``.
+2. all: ``prepare_local_plan(plan)`` creates the directory.
+3. coord: ``prepare_global_plan(plans)`` makes an existing checkpoint there incomplete (removes its
+   ``.metadata``) and gives every rank its file prefix ``__<rank>_``.
+4. all: ``write_data(plan, planner)``: resolve every item, plan the whole file image, then fill
+   chunks of it in the host pool and ``pwrite`` them from worker threads; truncate, fsync every file
+   and the directory; write this rank's manifest part. Returns a completed ``torch.futures.Future``.
+   Tensors may be changed by the caller once it returns.
+5. coord: ``finish(metadata, results)`` merges the parts into the manifest and writes ``.metadata``.
+
+Records are torch.save-compatible and ``storage_data`` is DCP's own ``_StorageInfo``, so stock
+``FileSystemReader`` loads the checkpoint without cpuckpt installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWriter
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from . import __version__
+from .commit import clear_commit, commit_checkpoint, write_atomic
+from .config import Config
+from .fileio import FileBackend, fsync_dir, get_backend
+from .layout import Chunk, FileLayout, LayoutItem, plan_files
+from .manifest import FileEntry, Manifest, part_name
+from .pipeline import run_parallel
+from .record import record_template
+from .staging import fill_chunk, flat_bytes, get_pool
+
+__all__ = ["StorageWriter", "resolve_config"]
+
+logger = logging.getLogger(__name__)
+
+try:  # the version string stock FileSystemWriter stamps into .metadata
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
+except ImportError:  # pragma: no cover - older torch
+    _DCP_VERSION = "1.0.0"
+
+
+def resolve_config(config: Config | str | os.PathLike | dict | None) -> Config:
+    """Accept a Config, a YAML path, a dict, or None (defaults plus environment overrides)."""
+    if isinstance(config, Config):
+        return config
+    if config is None or isinstance(config, dict):
+        return Config.from_dict(config)
+    return Config.from_yaml(config)
+
+
+@dataclass(frozen=True)
+class _FilePrefix:
+    """Plan-level storage data: the prefix of this rank's file names."""
+
+    prefix: str
+
+
+@dataclass
+class _ResolvedItems:
+    layout_items: list[LayoutItem]
+    sources: list[torch.Tensor | None]
+
+
+class StorageWriter(_DcpStorageWriter):
+    """Writes DCP checkpoints as stock-compatible files through a parallel single-copy pipeline.
+
+    Args:
+        path: checkpoint directory (created if missing).
+        config: a :class:`Config`, a YAML path, a dict, or None for defaults.
+        step: training step, recorded in the manifest.
+
+    Example:
+        >>> import torch.distributed.checkpoint as dcp
+        >>> dcp.save(state_dict, storage_writer=cpuckpt.StorageWriter("/ckpt/step_100"))
+    """
+
+    def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
+                 *, step: int | None = None) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.config = resolve_config(config)
+        self.step = step
+        self.save_id = uuid.uuid4().hex
+        self.rank = 0
+        self.is_coordinator = True
+        self.last_write_s = 0.0
+        self.last_write_nbytes = 0
+
+    # -- DCP contract ---------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        self.rank = int(rank) if rank is not None else 0
+        if kwargs.get("use_collectives", True) is False:
+            raise ValueError("cpuckpt.StorageWriter needs use_collectives=True (one .metadata per checkpoint)")
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.path.mkdir(parents=True, exist_ok=True)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        clear_commit(self.path)
+        return [dataclasses.replace(p, storage_data=_FilePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        t0 = time.perf_counter()
+        prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _FilePrefix) else f"__{self.rank}_"
+        resolved = _resolve_items(plan, planner)
+        cfg = self.config
+        files, placements = plan_files(
+            resolved.layout_items,
+            num_files=cfg.io.files_per_rank,
+            chunk_bytes=cfg.io.chunk_bytes,
+            align_bytes=cfg.layout.align_bytes,
+            align_data_min_bytes=cfg.layout.align_data_min_bytes,
+        )
+        names = [f"{prefix}{k}.distcp" for k in range(len(files))]
+        entries = write_files(self.path, names, files, resolved.sources, cfg, rank=self.rank)
+        for entry, layout in zip(entries, files):
+            entry.records = [
+                [p.record_offset, p.data_offset - p.record_offset]
+                for p in placements
+                if p.file == layout.index and resolved.layout_items[p.item].payload is None
+            ]
+        part = Manifest(files={e.name: e for e in entries})
+        write_atomic(self.path / part_name(prefix), part.to_json().encode(), fsync=cfg.io.fsync)
+        results = [
+            WriteResult(
+                index=wi.index,
+                size_in_bytes=p.record_nbytes,
+                storage_data=_StorageInfo(names[p.file], p.record_offset, p.record_nbytes),
+            )
+            for wi, p in zip(plan.items, placements)
+        ]
+        self.last_write_s = time.perf_counter() - t0
+        self.last_write_nbytes = sum(f.nbytes for f in files)
+        logger.info(
+            "cpuckpt save %s rank %d: %d items, %d bytes in %.3f s (%.2f GB/s), %d file(s)",
+            self.save_id[:8], self.rank, len(plan.items), self.last_write_nbytes, self.last_write_s,
+            self.last_write_nbytes / max(self.last_write_s, 1e-9) / 1e9, len(files),
+        )
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = _DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        manifest = Manifest(
+            cpuckpt_version=__version__,
+            torch_version=torch.__version__,
+            save_id=self.save_id,
+            step=self.step,
+            created_unix=time.time(),
+            world_size=len(results),
+            config=self.config.to_dict(),
+            timings={"coordinator_write_s": self.last_write_s},
+        )
+        commit_checkpoint(self.path, metadata, [f"__{i}_" for i in range(len(results))], manifest,
+                          fsync=self.config.io.fsync)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in str(checkpoint_id)
+
+
+def _resolve_items(plan: SavePlan, planner: SavePlanner) -> _ResolvedItems:
+    layout_items: list[LayoutItem] = []
+    sources: list[torch.Tensor | None] = []
+    for wi in plan.items:
+        data = planner.resolve_data(wi)
+        if wi.type == WriteItemType.BYTE_IO:
+            buf = data.getbuffer()
+            layout_items.append(LayoutItem(data_nbytes=len(buf), payload=buf))
+            sources.append(None)
+            continue
+        t = data.detach()
+        tpl = record_template(t.dtype, tuple(t.shape))
+        layout_items.append(LayoutItem(tpl.data_nbytes, tpl.head, tpl.tail))
+        sources.append(flat_bytes(t))
+    return _ResolvedItems(layout_items, sources)
+
+
+def write_files(
+    directory: Path,
+    names: list[str],
+    files: list[FileLayout],
+    sources: list[torch.Tensor | None],
+    cfg: Config,
+    *,
+    rank: int,
+) -> list[FileEntry]:
+    """Fill and write every chunk of every file image, then truncate and fsync files and directory.
+
+    Each worker thread leases a pool slot, fills it with its chunk, checksums it and pwrites it;
+    the pool bounds host memory (one slot per thread). Returns one manifest entry per file.
+    """
+    backend = get_backend(cfg.io.backend, directory, cfg.layout.align_bytes)
+    threads = cfg.io.threads
+    pool = get_pool(cfg.io.chunk_bytes, max(threads, cfg.staging.pool_bytes // cfg.io.chunk_bytes),
+                    pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
+    paths = [str(directory / n) for n in names]
+    fds: list[int] = []
+    try:
+        for p in paths:
+            fds.append(backend.open_write(p))
+        crcs = [[0] * len(f.chunks) for f in files]
+        chunks = sorted((c for f in files for c in f.chunks), key=lambda c: (c.offset, c.file))
+        use_crc = cfg.integrity.checksum == "crc32c"
+
+        def write_chunk(chunk: Chunk, cancel: threading.Event) -> None:
+            slot = pool.lease(cfg.timeout_s)
+            try:
+                fill_chunk(slot, files[chunk.file], chunk, sources)
+                if use_crc:
+                    crcs[chunk.file][chunk.index] = crc32c.crc32c(slot.view[: chunk.nbytes])
+                nbytes = _io_len(chunk.nbytes, backend, cfg.layout.align_bytes)
+                if nbytes > chunk.nbytes:
+                    slot.tensor[chunk.nbytes : nbytes].zero_()
+                if not cancel.is_set():
+                    backend.pwrite(fds[chunk.file], slot.view[:nbytes], chunk.offset, paths[chunk.file])
+            finally:
+                pool.release(slot)
+
+        run_parallel(write_chunk, chunks, threads=threads, timeout_s=cfg.timeout_s, name=f"cpuckpt-io-{rank}")
+        open_fds, fds = fds, []
+        for fd, layout, p in zip(open_fds, files, paths):
+            backend.finish_write(fd, layout.nbytes, p, cfg.io.fsync)
+        if cfg.io.fsync:
+            fsync_dir(directory)
+    finally:
+        for fd in fds:
+            backend.close(fd)
+    return [
+        FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=cfg.io.chunk_bytes, checksum=cfg.integrity.checksum,
+                  chunk_checksums=c)
+        for n, f, c in zip(names, files, crcs)
+    ]
+
+
+def _io_len(nbytes: int, backend: FileBackend, align: int) -> int:
+    return -(-nbytes // align) * align if backend.aligned else nbytes
