@@ -4,8 +4,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .config import Config  # noqa: E402
-from .errors import (  # noqa: E402
+from .api import load, save
+from .config import Config
+from .errors import (
     CheckpointCorrupt,
     CheckpointTimeoutError,
     ConfigError,
@@ -14,9 +15,8 @@ from .errors import (  # noqa: E402
     StagingError,
     StorageIOError,
 )
-from .reader import StorageReader  # noqa: E402
-from .writer import StorageWriter  # noqa: E402
-from .api import load, save  # noqa: E402
+from .reader import StorageReader
+from .writer import StorageWriter
 
 __all__ = [
     "CheckpointCorrupt",

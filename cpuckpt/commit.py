@@ -148,8 +148,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         obj = _ALLOWED.get((module, name))
         if obj is not None:
             return obj
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            return value
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
 
 

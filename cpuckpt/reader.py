@@ -146,7 +146,7 @@ class StorageReader(_DcpStorageReader):
         return fut
 
     def _plan_files(self, plan: LoadPlan, planner: LoadPlanner) -> dict[str, _FilePlan]:
-        assert self.metadata is not None  # noqa: S101 - set_up_storage_reader ran (DCP contract)
+        assert self.metadata is not None
         chunk_shapes = _chunk_shapes(self.metadata)
         records = {n: dict(map(tuple, e.records)) for n, e in (self.manifest.files if self.manifest else {}).items()}
         plans: dict[str, _FilePlan] = {}
@@ -241,7 +241,7 @@ def _read_cpuckpt_file(fp: _FilePlan, cfg: Config) -> int:
     """Read the needed bytes of one cpuckpt data file; returns bytes read."""
     _check_size(fp)
     entry = fp.entry
-    assert entry is not None  # noqa: S101 - caller checked
+    assert entry is not None
     verify = cfg.integrity.verify == "always" and entry.checksum == "crc32c" and entry.chunk_checksums
     if verify:
         return _read_chunks_verified(fp, entry, cfg)
@@ -372,7 +372,7 @@ def _finish_need(need: _Need, planner: LoadPlanner) -> None:
         planner.load_bytes(need.ri, io.BytesIO(need.bounce.numpy().tobytes()))  # type: ignore[union-attr]
         return
     target = need.target
-    assert target is not None  # noqa: S101 - tensor needs always carry their target
+    assert target is not None
     if need.bounce is not None and need.dtype is not None:
         src = need.bounce.view(need.dtype).reshape(need.src_shape)
         if need.narrowed:

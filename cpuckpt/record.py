@@ -165,13 +165,13 @@ class _TensorDesc:
     dtype: torch.dtype
 
 
-def _rebuild_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None):  # noqa: ANN001, ARG001
+def _rebuild_v2(storage, offset, size, stride, requires_grad, hooks, metadata=None):
     if storage.dtype is None:
         raise pickle.UnpicklingError("untyped storage without a dtype")
     return _TensorDesc(storage, offset, tuple(size), tuple(stride), storage.dtype)
 
 
-def _rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):  # noqa: ANN001, ARG001
+def _rebuild_v3(storage, offset, size, stride, requires_grad, hooks, dtype, metadata=None):
     return _TensorDesc(storage, offset, tuple(size), tuple(stride), dtype)
 
 
