@@ -109,11 +109,11 @@ def _call(fn: Any, what: str, path: str | os.PathLike) -> None:
 
 
 def _unwrap(e: CheckpointException, what: str, path: str | os.PathLike) -> BaseException:
-    failures = getattr(e, "failures", {}) or {}
+    # DCP keeps {rank: (exception, traceback summary)} of every failed rank.
+    failures = {r: (f[0] if isinstance(f, tuple) else f) for r, f in (getattr(e, "failures", {}) or {}).items()}
     for rank in sorted(failures):
-        exc = failures[rank]
-        if isinstance(exc, CpuckptError):
-            return exc
+        if isinstance(failures[rank], CpuckptError):
+            return failures[rank]
     if failures:
         rank = min(failures)
         return CpuckptError(f"{what} of {path} failed on rank {rank}: {failures[rank]!r}")

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from .errors import CheckpointTimeoutError, CpuckptError
 
-__all__ = ["Cancelled", "run_parallel"]
+__all__ = ["Cancelled", "new_executor", "run_parallel", "wait_future"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -83,3 +83,25 @@ def run_parallel(
         return [f.result() for f in futures]
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def new_executor(threads: int, name: str) -> cf.ThreadPoolExecutor:
+    """A pool of ``threads`` named worker threads (``<name>_<i>``)."""
+    return cf.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=name)
+
+
+def wait_future(fut: cf.Future[R], timeout_s: float, what: str) -> R:
+    """Wait for ``fut`` in one-second slices (Ctrl-C stays responsive); re-raise its exception.
+
+    Raises:
+        CheckpointTimeoutError: not done within ``timeout_s``, naming ``what``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CheckpointTimeoutError(f"{what}: not finished after {timeout_s:.0f} s")
+        try:
+            return fut.result(timeout=min(1.0, remaining))
+        except cf.TimeoutError:
+            continue

@@ -1,11 +1,17 @@
 """Host staging: the reused, aligned host pool and the copy of tensor bytes into it.
 
 ``HostPool`` is one page-aligned host region allocated once per process and carved into slots of
-``slot_bytes``; a slot is leased for one chunk and released when that chunk's write finished, so
-no slot is reused early and host memory never exceeds the pool. When CUDA is present the region is
-pinned once (cudaHostRegister), never per checkpoint. ``fill_chunk`` copies one chunk of a file
-image into a slot: skeleton bytes, tensor bytes (any device; GPU bytes are copied device-to-host)
-and zeroed gaps.
+``slot_bytes``. A slot is leased for one chunk and released when that chunk's write finished, so no
+slot is reused early and host memory never exceeds the pool. When CUDA is present the region is
+pinned once (cudaHostRegister), never per checkpoint; ``pretouch`` faults every page in at creation
+so the first checkpoint does not pay for it. Leases of one save are granted in chunk order
+(``LeaseOrder``), so filling may run ahead of writing by at most the pool without deadlock.
+
+``fill_chunk`` copies one chunk of a file image into a slot: skeleton bytes, tensor bytes and
+zeroed gaps. ``DeviceCopier`` orders those copies after the trainer's current CUDA stream on a side
+stream and records one event per chunk, so a writer thread can start on a chunk as soon as its
+device-to-host copies completed while later chunks are still copying. This is the only module that
+touches CUDA streams.
 """
 
 from __future__ import annotations
@@ -16,24 +22,33 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .errors import CheckpointTimeoutError, StagingError
 from .layout import Chunk, FileLayout
 
-__all__ = ["HostPool", "Slot", "fill_chunk", "flat_bytes", "get_pool"]
+__all__ = ["DeviceCopier", "HostPool", "LeaseOrder", "Slot", "fill_chunk", "flat_bytes", "get_pool"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Slot:
-    """A leased piece of the pool: ``tensor`` (uint8) and ``view`` (memoryview) over the same bytes."""
+    """A leased run of the pool: ``tensor`` (uint8) and ``view`` (memoryview) over the same bytes."""
 
     index: int
+    count: int
     tensor: torch.Tensor
     view: memoryview
+
+
+class LeaseOrder:
+    """Grants the leases of one save in ticket order (0, 1, 2, ...)."""
+
+    def __init__(self) -> None:
+        self.next_ticket = 0
 
 
 class HostPool:
@@ -48,13 +63,17 @@ class HostPool:
         self._mmap = mmap.mmap(-1, self.nbytes)  # page-aligned: O_DIRECT-ready
         self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._view = memoryview(self._mmap)
-        self._free = list(range(nslots - 1, -1, -1))
+        self._used = [False] * nslots
+        self._nfree = nslots
         self._cond = threading.Condition()
         self.pinned = False
+        t0 = time.perf_counter()
         if pretouch:
             self._tensor.zero_()
         if pin and torch.cuda.is_available():
             self._pin()
+        logger.info("host pool: %d x %d bytes%s%s in %.3f s", nslots, slot_bytes, ", pinned" if self.pinned else "",
+                    ", pre-touched" if pretouch else "", time.perf_counter() - t0)
 
     def _pin(self) -> None:
         err = torch.cuda.cudart().cudaHostRegister(self._tensor.data_ptr(), self.nbytes, 0)
@@ -63,34 +82,69 @@ class HostPool:
             return
         self.pinned = True
 
-    def lease(self, timeout_s: float) -> Slot:
-        """Take a free slot, waiting for one to be released (back-pressure).
+    def lease(self, timeout_s: float, *, count: int = 1, order: LeaseOrder | None = None,
+              ticket: int | None = None, cancel: threading.Event | None = None) -> Slot:
+        """Take ``count`` adjacent free slots, waiting for releases (back-pressure).
+
+        With ``order``/``ticket`` the lease waits until every lower ticket of that order was granted.
 
         Raises:
-            CheckpointTimeoutError: no slot came free within ``timeout_s``.
+            CheckpointTimeoutError: nothing came free within ``timeout_s``.
+            StagingError: ``count`` exceeds the pool, or ``cancel`` was set while waiting.
         """
+        if count > self.nslots:
+            raise StagingError(f"host pool: {count} slots asked of a pool of {self.nslots}")
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not self._free:
+            while True:
+                if cancel is not None and cancel.is_set():
+                    raise StagingError("host pool: lease abandoned, the save was cancelled")
+                start = -1
+                if order is None or ticket == order.next_ticket:
+                    start = self._find_run(count)
+                if start >= 0:
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CheckpointTimeoutError(
-                        f"host pool: no free slot of {self.nslots} within {timeout_s:.0f} s"
+                        f"host pool: {count} free slot(s) of {self.nslots} not available within {timeout_s:.0f} s"
                     )
                 self._cond.wait(min(remaining, 1.0))
-            i = self._free.pop()
-        lo = i * self.slot_bytes
-        return Slot(i, self._tensor[lo : lo + self.slot_bytes], self._view[lo : lo + self.slot_bytes])
+            for i in range(start, start + count):
+                self._used[i] = True
+            self._nfree -= count
+            if order is not None:
+                order.next_ticket += 1
+                self._cond.notify_all()
+        lo, hi = start * self.slot_bytes, (start + count) * self.slot_bytes
+        return Slot(start, count, self._tensor[lo:hi], self._view[lo:hi])
+
+    def _find_run(self, count: int) -> int:
+        if self._nfree < count:
+            return -1
+        run = 0
+        for i, used in enumerate(self._used):
+            run = 0 if used else run + 1
+            if run == count:
+                return i - count + 1
+        return -1
 
     def release(self, slot: Slot) -> None:
         with self._cond:
-            self._free.append(slot.index)
-            self._cond.notify()
+            for i in range(slot.index, slot.index + slot.count):
+                self._used[i] = False
+            self._nfree += slot.count
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake waiting leases so they notice a cancellation."""
+        with self._cond:
+            self._cond.notify_all()
 
     @property
     def free_slots(self) -> int:
         with self._cond:
-            return len(self._free)
+            return self._nfree
 
     def close(self) -> None:
         """Unpin and unmap (only when no slot is leased)."""
@@ -110,6 +164,9 @@ def get_pool(slot_bytes: int, nslots: int, *, pin: bool, pretouch: bool) -> Host
     """The process's pool, created at first use and reused while its slots are large and many enough.
 
     A pool that is too small is replaced (once idle) by one large enough for both uses.
+
+    Raises:
+        StagingError: the pool is too small and in use by another save.
     """
     global _POOL
     with _POOL_LOCK:
@@ -120,14 +177,23 @@ def get_pool(slot_bytes: int, nslots: int, *, pin: bool, pretouch: bool) -> Host
             if pool.free_slots != pool.nslots:
                 raise StagingError(
                     f"host pool ({pool.nslots} x {pool.slot_bytes} bytes) is in use and too small for "
-                    f"{nslots} x {slot_bytes} bytes; raise staging.pool_bytes or io.chunk_bytes consistently"
+                    f"{nslots} x {slot_bytes} bytes; set staging.pool_bytes large enough for every save in flight"
                 )
-            slot_bytes, nslots = max(slot_bytes, pool.slot_bytes), max(nslots, pool.nslots)
+            nslots = max(nslots, pool.nbytes // slot_bytes)
             logger.info("replacing host pool of %d bytes by %d bytes", pool.nbytes, slot_bytes * nslots)
             pool.close()
             _POOL = None
         _POOL = HostPool(slot_bytes, nslots, pin=pin, pretouch=pretouch)
         return _POOL
+
+
+def release_pool() -> None:
+    """Free the process's pool (e.g. at the end of training); the next save makes a new one."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None:
+            _POOL.close()
+            _POOL = None
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -140,8 +206,12 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None]) -> None:
-    """Copy the image bytes of ``chunk`` into ``slot``: skeletons, tensor bytes, zeros in gaps."""
+def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None],
+               *, non_blocking: bool = False) -> None:
+    """Copy the image bytes of ``chunk`` into ``slot``: skeletons, tensor bytes, zeros in gaps.
+
+    With ``non_blocking`` device-to-host copies are only enqueued on the current CUDA stream.
+    """
     start, stop = chunk.offset, chunk.offset + chunk.nbytes
     buf, view = slot.tensor, slot.view
     cursor = start
@@ -156,9 +226,34 @@ def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[t
             else:
                 src = sources[seg.item]
                 s += seg.src_offset
-                buf[lo - start : hi - start].copy_(src[s : s + hi - lo])  # type: ignore[index]
+                buf[lo - start : hi - start].copy_(src[s : s + hi - lo], non_blocking=non_blocking)  # type: ignore[index]
             cursor = hi
         if cursor < stop:
             buf[cursor - start : stop - start].zero_()
     except RuntimeError as e:
         raise StagingError(f"copying bytes [{cursor}, {stop}) of file {chunk.file} into host memory failed: {e}") from e
+
+
+class DeviceCopier:
+    """Enqueues device-to-host chunk copies on a side stream ordered after the trainer's stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        # Copies start only after kernels already queued on the trainer's stream (that may still
+        # write the tensors) have finished.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    def protect(self, sources: Sequence[torch.Tensor | None]) -> None:
+        """Keep the caching allocator from reusing source memory before our copies ran."""
+        for s in sources:
+            if s is not None and s.device.type == "cuda":
+                s.record_stream(self.stream)
+
+    def fill(self, slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None]) -> Any:
+        """Fill ``slot`` asynchronously; returns the CUDA event that marks its completion."""
+        with torch.cuda.stream(self.stream):
+            fill_chunk(slot, layout, chunk, sources, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event

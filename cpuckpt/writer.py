@@ -21,14 +21,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -40,12 +38,11 @@ from torch.futures import Future
 from . import __version__
 from .commit import clear_commit, commit_checkpoint, write_atomic
 from .config import Config
-from .fileio import FileBackend, fsync_dir, get_backend
-from .layout import Chunk, FileLayout, LayoutItem, plan_files
-from .manifest import FileEntry, Manifest, part_name
-from .pipeline import run_parallel
+from .engine import SaveJob
+from .layout import LayoutItem, plan_files
+from .manifest import Manifest, part_name
 from .record import record_template
-from .staging import fill_chunk, flat_bytes, get_pool
+from .staging import flat_bytes
 
 __all__ = ["StorageWriter", "resolve_config"]
 
@@ -141,7 +138,9 @@ class StorageWriter(_DcpStorageWriter):
             align_data_min_bytes=cfg.layout.align_data_min_bytes,
         )
         names = [f"{prefix}{k}.distcp" for k in range(len(files))]
-        entries = write_files(self.path, names, files, resolved.sources, cfg, rank=self.rank)
+        job = SaveJob(self.path, names, files, resolved.sources, cfg, rank=self.rank, mode="streaming")
+        job.start()
+        entries = job.wait_done()
         for entry, layout in zip(entries, files):
             entry.records = [
                 [p.record_offset, p.data_offset - p.record_offset]
@@ -206,64 +205,3 @@ def _resolve_items(plan: SavePlan, planner: SavePlanner) -> _ResolvedItems:
         layout_items.append(LayoutItem(tpl.data_nbytes, tpl.head, tpl.tail))
         sources.append(flat_bytes(t))
     return _ResolvedItems(layout_items, sources)
-
-
-def write_files(
-    directory: Path,
-    names: list[str],
-    files: list[FileLayout],
-    sources: list[torch.Tensor | None],
-    cfg: Config,
-    *,
-    rank: int,
-) -> list[FileEntry]:
-    """Fill and write every chunk of every file image, then truncate and fsync files and directory.
-
-    Each worker thread leases a pool slot, fills it with its chunk, checksums it and pwrites it;
-    the pool bounds host memory (one slot per thread). Returns one manifest entry per file.
-    """
-    backend = get_backend(cfg.io.backend, directory, cfg.layout.align_bytes)
-    threads = cfg.io.threads
-    pool = get_pool(cfg.io.chunk_bytes, max(threads, cfg.staging.pool_bytes // cfg.io.chunk_bytes),
-                    pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
-    paths = [str(directory / n) for n in names]
-    fds: list[int] = []
-    try:
-        for p in paths:
-            fds.append(backend.open_write(p))
-        crcs = [[0] * len(f.chunks) for f in files]
-        chunks = sorted((c for f in files for c in f.chunks), key=lambda c: (c.offset, c.file))
-        use_crc = cfg.integrity.checksum == "crc32c"
-
-        def write_chunk(chunk: Chunk, cancel: threading.Event) -> None:
-            slot = pool.lease(cfg.timeout_s)
-            try:
-                fill_chunk(slot, files[chunk.file], chunk, sources)
-                if use_crc:
-                    crcs[chunk.file][chunk.index] = crc32c.crc32c(slot.view[: chunk.nbytes])
-                nbytes = _io_len(chunk.nbytes, backend, cfg.layout.align_bytes)
-                if nbytes > chunk.nbytes:
-                    slot.tensor[chunk.nbytes : nbytes].zero_()
-                if not cancel.is_set():
-                    backend.pwrite(fds[chunk.file], slot.view[:nbytes], chunk.offset, paths[chunk.file])
-            finally:
-                pool.release(slot)
-
-        run_parallel(write_chunk, chunks, threads=threads, timeout_s=cfg.timeout_s, name=f"cpuckpt-io-{rank}")
-        open_fds, fds = fds, []
-        for fd, layout, p in zip(open_fds, files, paths):
-            backend.finish_write(fd, layout.nbytes, p, cfg.io.fsync)
-        if cfg.io.fsync:
-            fsync_dir(directory)
-    finally:
-        for fd in fds:
-            backend.close(fd)
-    return [
-        FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=cfg.io.chunk_bytes, checksum=cfg.integrity.checksum,
-                  chunk_checksums=c)
-        for n, f, c in zip(names, files, crcs)
-    ]
-
-
-def _io_len(nbytes: int, backend: FileBackend, align: int) -> int:
-    return -(-nbytes // align) * align if backend.aligned else nbytes

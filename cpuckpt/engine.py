@@ -1,0 +1,307 @@
+"""One rank's save of planned file images: stage chunks into the host pool, write them as they are ready.
+
+The layout of every file is known before the first byte is copied. Chunks are staged in file order:
+CPU tensor bytes by a few fill threads (memcpy releases the GIL), GPU tensor bytes by
+device-to-host copies enqueued from the caller's thread on a side stream (one CUDA event per chunk).
+Writer threads take chunks in order, wait for their copies, checksum and ``pwrite`` them, and
+release the slot. ``staged`` completes when every chunk is in host memory (the caller may change its
+tensors from then on); ``done`` completes when every file and the directory are fsynced.
+
+*snapshot*: the pool holds every chunk, so staging never waits for storage (stall = copy time).
+*streaming*: the pool is smaller; staging waits for writes to free slots, so host memory stays at
+the pool size whatever the shard size.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import crc32c
+import torch
+
+from .config import Config
+from .errors import CheckpointTimeoutError, CpuckptError
+from .fileio import FileBackend, fsync_dir, get_backend
+from .layout import Chunk, FileLayout
+from .manifest import FileEntry
+from .pipeline import new_executor, wait_future
+from .staging import DeviceCopier, HostPool, LeaseOrder, Slot, fill_chunk, get_pool
+
+__all__ = ["SaveJob", "choose_mode"]
+
+logger = logging.getLogger(__name__)
+
+
+def choose_mode(cfg: Config, image_nbytes: int, *, in_flight: int = 1) -> str:
+    """Resolve ``staging.mode: auto``: snapshot unless a configured pool cannot hold the images."""
+    mode = cfg.staging.mode
+    if mode != "auto":
+        return mode
+    pool_bytes = cfg.staging.pool_bytes
+    if pool_bytes == 0 or pool_bytes >= image_nbytes * in_flight:
+        return "snapshot"
+    return "streaming"
+
+
+@dataclass
+class _Stats:
+    stage_s: float = 0.0
+    write_s: float = 0.0
+    nbytes: int = 0
+    mode: str = ""
+    backend: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class SaveJob:
+    """Stages and writes one rank's files. Create, then ``start()`` from the thread that owns the tensors."""
+
+    def __init__(self, directory: Path, names: list[str], files: list[FileLayout],
+                 sources: list[torch.Tensor | None], cfg: Config, *, rank: int, mode: str,
+                 in_flight: int = 1) -> None:
+        self.directory = directory
+        self.names = names
+        self.files = files
+        self.sources = sources
+        self.cfg = cfg
+        self.rank = rank
+        self.mode = mode
+        self.in_flight = in_flight
+        self.staged: cf.Future[None] = cf.Future()
+        self.done: cf.Future[list[FileEntry]] = cf.Future()
+        self.stats = _Stats(mode=mode)
+        self._chunks: list[Chunk] = [c for f in files for c in f.chunks]
+        self._crcs = [[0] * len(f.chunks) for f in files]
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._pending_writes = 0
+        self._submitting = True
+        self._remaining_fills = len(self._chunks)
+        self._fds: list[int] = []
+        self._backend: FileBackend | None = None
+        self._pool: HostPool | None = None
+        self._writers: cf.ThreadPoolExecutor | None = None
+        self._fillers: cf.ThreadPoolExecutor | None = None
+        self._t0 = 0.0
+
+    # -- public ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open the files and begin staging and writing; returns once GPU copies are enqueued
+        (snapshot) or, in streaming mode, once the last chunk has a slot."""
+        cfg = self.cfg
+        self._t0 = time.perf_counter()
+        self.stats.nbytes = sum(f.nbytes for f in self.files)
+        try:
+            self._backend = get_backend(cfg.io.backend, self.directory, cfg.layout.align_bytes)
+            self.stats.backend = self._backend.name
+            nslots = len(self._chunks) * self.in_flight if self.mode == "snapshot" else self._streaming_slots()
+            self._pool = get_pool(cfg.io.chunk_bytes, max(nslots, 1), pin=cfg.staging.pin,
+                                  pretouch=cfg.staging.pretouch)
+            for name in self.names:
+                self._fds.append(self._backend.open_write(str(self.directory / name)))
+        except BaseException as e:
+            self._fail(e)
+            self._finalize()
+            raise
+        if not self._chunks:
+            self._mark_staged()
+        self._writers = new_executor(cfg.io.threads, f"cpuckpt-io-{self.rank}")
+        order = LeaseOrder()
+        gpu = [s for s in self.sources if s is not None and s.device.type == "cuda"]
+        try:
+            if gpu:
+                self._stage_on_device(order, gpu[0].device)
+            elif self._chunks:
+                self._fillers = new_executor(cfg.io.threads, f"cpuckpt-stage-{self.rank}")
+                for ticket, chunk in enumerate(self._chunks):
+                    fill = self._fillers.submit(self._fill_on_host, chunk, order, ticket)
+                    self._submit_write(chunk, fill)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        finally:
+            with self._lock:
+                self._submitting = False
+                idle = self._pending_writes == 0
+            if idle:
+                self._finalize()
+
+    def wait_staged(self, timeout_s: float | None = None) -> None:
+        wait_future(self.staged, self.cfg.timeout_s if timeout_s is None else timeout_s,
+                    f"staging of rank {self.rank}'s checkpoint files")
+
+    def wait_done(self, timeout_s: float | None = None) -> list[FileEntry]:
+        return wait_future(self.done, self.cfg.timeout_s if timeout_s is None else timeout_s,
+                           f"writing rank {self.rank}'s checkpoint files to {self.directory}")
+
+    def cancel(self, reason: BaseException) -> None:
+        """Abort: pending chunks are skipped, the error is reported by ``staged``/``done``."""
+        self._fail(reason)
+
+    # -- staging --------------------------------------------------------------------------------
+    def _streaming_slots(self) -> int:
+        configured = self.cfg.staging.pool_bytes // self.cfg.io.chunk_bytes
+        return max(configured, 2 * self.cfg.io.threads, 2)
+
+    def _stage_on_device(self, order: LeaseOrder, device: torch.device) -> None:
+        assert self._pool is not None
+        copier = DeviceCopier(device)
+        copier.protect(self.sources)
+        event = None
+        for ticket, chunk in enumerate(self._chunks):
+            if self._cancel.is_set():
+                return
+            slot = self._pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
+            try:
+                event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
+            except BaseException:
+                self._pool.release(slot)
+                raise
+            ready: cf.Future[tuple[Slot, object]] = cf.Future()
+            ready.set_result((slot, event))
+            self._submit_write(chunk, ready)
+        # One waiter marks the whole shard staged when the last copy (stream order) completed.
+        self._fillers = new_executor(1, f"cpuckpt-stage-{self.rank}")
+        last = event
+
+        def wait_last() -> None:
+            try:
+                if last is not None:
+                    last.synchronize()
+            except BaseException as e:
+                self._fail(e)
+                return
+            self._mark_staged()
+
+        self._fillers.submit(wait_last)
+
+    def _fill_on_host(self, chunk: Chunk, order: LeaseOrder, ticket: int) -> tuple[Slot, None]:
+        assert self._pool is not None
+        slot = self._pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
+        try:
+            fill_chunk(slot, self.files[chunk.file], chunk, self.sources)
+        except BaseException:
+            self._pool.release(slot)
+            raise
+        self._count_fill()
+        return slot, None
+
+    def _count_fill(self) -> None:
+        with self._lock:
+            self._remaining_fills -= 1
+            last = self._remaining_fills == 0
+        if last:
+            self._mark_staged()
+
+    def _mark_staged(self) -> None:
+        self.stats.stage_s = time.perf_counter() - self._t0
+        if not self.staged.done():
+            self.staged.set_result(None)
+
+    # -- writing --------------------------------------------------------------------------------
+    def _submit_write(self, chunk: Chunk, ready: cf.Future) -> None:
+        assert self._writers is not None
+        with self._lock:
+            self._pending_writes += 1
+        self._writers.submit(self._write_task, chunk, ready)
+
+    def _write_task(self, chunk: Chunk, ready: cf.Future) -> None:
+        try:
+            self._write_when_ready(chunk, ready)
+        finally:
+            with self._lock:
+                self._pending_writes -= 1
+                idle = self._pending_writes == 0 and not self._submitting
+            if idle:
+                self._finalize()
+
+    def _write_when_ready(self, chunk: Chunk, ready: cf.Future) -> None:
+        try:
+            slot, event = ready.result()
+        except BaseException as e:
+            self._fail(e)
+            return
+        assert self._pool is not None and self._backend is not None
+        try:
+            if event is not None:
+                event.synchronize()
+            if self._cancel.is_set():
+                return
+            n = chunk.nbytes
+            if self.cfg.integrity.checksum == "crc32c":
+                self._crcs[chunk.file][chunk.index] = crc32c.crc32c(slot.view[:n])
+            align = self.cfg.layout.align_bytes
+            io_n = -(-n // align) * align if self._backend.aligned else n
+            if io_n > n:
+                slot.tensor[n:io_n].zero_()
+            self._backend.pwrite(self._fds[chunk.file], slot.view[:io_n], chunk.offset,
+                                 str(self.directory / self.names[chunk.file]))
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            self._pool.release(slot)
+
+    def _finalize(self) -> None:
+        """Every submitted write has ended: close the files (on failure) or make them durable."""
+        if self._cancel.is_set():
+            if self._backend is not None and self._fds:
+                fds, self._fds = self._fds, []
+                for fd in fds:
+                    self._backend.close(fd)
+            self._shutdown()
+            return
+        assert self._backend is not None
+        try:
+            fds, self._fds = self._fds, []
+            for i, (fd, layout) in enumerate(zip(fds, self.files)):
+                path = str(self.directory / self.names[i])
+                try:
+                    self._backend.finish_write(fd, layout.nbytes, path, self.cfg.io.fsync)
+                except BaseException:
+                    for other in fds[i + 1 :]:
+                        self._backend.close(other)
+                    raise
+            if self.cfg.io.fsync:
+                fsync_dir(self.directory)
+        except BaseException as e:
+            self._fail(e)
+            return
+        self.stats.write_s = time.perf_counter() - self._t0
+        entries = [
+            FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=self.cfg.io.chunk_bytes,
+                      checksum=self.cfg.integrity.checksum, chunk_checksums=c)
+            for n, f, c in zip(self.names, self.files, self._crcs)
+        ]
+        self._shutdown()
+        logger.debug("rank %d: %d bytes staged in %.3f s, durable in %.3f s (%s, %s)", self.rank,
+                     self.stats.nbytes, self.stats.stage_s, self.stats.write_s, self.mode, self.stats.backend)
+        if not self.done.done():
+            self.done.set_result(entries)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            first = not self._cancel.is_set()
+            self._cancel.set()
+        if not first:
+            return
+        if isinstance(e, CheckpointTimeoutError | CpuckptError | OSError):
+            err = e
+        else:
+            err = CpuckptError(f"rank {self.rank}: saving to {self.directory} failed: {e!r}")
+            err.__cause__ = e
+        logger.error("rank %d: save to %s failed: %s", self.rank, self.directory, err)
+        for fut in (self.staged, self.done):
+            if not fut.done():
+                fut.set_exception(err)
+        if self._pool is not None:
+            self._pool.wake()
+
+    def _shutdown(self) -> None:
+        for ex in (self._fillers, self._writers):
+            if ex is not None:
+                ex.shutdown(wait=False, cancel_futures=True)
