@@ -5,6 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .api import load, save
+from .checkpointer import AsyncSaveHandle, async_save, wait_all
 from .config import Config
 from .errors import (
     CheckpointCorrupt,
@@ -19,6 +20,7 @@ from .reader import StorageReader
 from .writer import StorageWriter
 
 __all__ = [
+    "AsyncSaveHandle",
     "CheckpointCorrupt",
     "CheckpointTimeoutError",
     "Config",
@@ -30,6 +32,8 @@ __all__ = [
     "StorageReader",
     "StorageWriter",
     "__version__",
+    "async_save",
     "load",
     "save",
+    "wait_all",
 ]

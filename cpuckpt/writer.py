@@ -38,9 +38,9 @@ from torch.futures import Future
 from . import __version__
 from .commit import clear_commit, commit_checkpoint, write_atomic
 from .config import Config
-from .engine import SaveJob
+from .engine import SaveJob, choose_mode
 from .layout import LayoutItem, plan_files
-from .manifest import Manifest, part_name
+from .manifest import FileEntry, Manifest, part_name
 from .record import record_template
 from .staging import flat_bytes
 
@@ -100,6 +100,18 @@ class StorageWriter(_DcpStorageWriter):
         self.is_coordinator = True
         self.last_write_s = 0.0
         self.last_write_nbytes = 0
+        self.job: SaveJob | None = None
+        self._deferred = False
+        self._in_flight = 1
+        self._prefix = "__0_"
+        self._records: dict[str, list[list[int]]] = {}
+        self._pending: tuple[Metadata, list[list[WriteResult]]] | None = None
+
+    def defer_commit(self, *, in_flight: int = 1) -> None:
+        """Background mode (used by ``async_save``): ``write_data`` returns once staging has begun and
+        ``finish`` only records the metadata; the committer calls ``write_part``/``commit_deferred``."""
+        self._deferred = True
+        self._in_flight = in_flight
 
     # -- DCP contract ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -127,7 +139,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         t0 = time.perf_counter()
-        prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _FilePrefix) else f"__{self.rank}_"
+        self._prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _FilePrefix) else f"__{self.rank}_"
         resolved = _resolve_items(plan, planner)
         cfg = self.config
         files, placements = plan_files(
@@ -137,18 +149,27 @@ class StorageWriter(_DcpStorageWriter):
             align_bytes=cfg.layout.align_bytes,
             align_data_min_bytes=cfg.layout.align_data_min_bytes,
         )
-        names = [f"{prefix}{k}.distcp" for k in range(len(files))]
-        job = SaveJob(self.path, names, files, resolved.sources, cfg, rank=self.rank, mode="streaming")
-        job.start()
-        entries = job.wait_done()
-        for entry, layout in zip(entries, files):
-            entry.records = [
-                [p.record_offset, p.data_offset - p.record_offset]
-                for p in placements
-                if p.file == layout.index and resolved.layout_items[p.item].payload is None
-            ]
-        part = Manifest(files={e.name: e for e in entries})
-        write_atomic(self.path / part_name(prefix), part.to_json().encode(), fsync=cfg.io.fsync)
+        names = [f"{self._prefix}{k}.distcp" for k in range(len(files))]
+        self._records = {name: [] for name in names}
+        for p in placements:
+            if resolved.layout_items[p.item].payload is None:
+                self._records[names[p.file]].append([p.record_offset, p.data_offset - p.record_offset])
+        image_nbytes = sum(f.nbytes for f in files)
+        mode = choose_mode(cfg, image_nbytes, in_flight=self._in_flight) if self._deferred else "streaming"
+        if self._deferred and self.rank == 0:
+            logger.info("cpuckpt async save: %s mode (%d bytes on rank 0)", mode, image_nbytes)
+        self.job = SaveJob(self.path, names, files, resolved.sources, cfg, rank=self.rank, mode=mode,
+                           in_flight=self._in_flight)
+        self.job.start()
+        if not self._deferred:
+            self.write_part(self.job.wait_done())
+            self.last_write_s = time.perf_counter() - t0
+            self.last_write_nbytes = image_nbytes
+            logger.info(
+                "cpuckpt save %s rank %d: %d items, %d bytes in %.3f s (%.2f GB/s), %d file(s)",
+                self.save_id[:8], self.rank, len(plan.items), image_nbytes, self.last_write_s,
+                image_nbytes / max(self.last_write_s, 1e-9) / 1e9, len(files),
+            )
         results = [
             WriteResult(
                 index=wi.index,
@@ -157,21 +178,33 @@ class StorageWriter(_DcpStorageWriter):
             )
             for wi, p in zip(plan.items, placements)
         ]
-        self.last_write_s = time.perf_counter() - t0
-        self.last_write_nbytes = sum(f.nbytes for f in files)
-        logger.info(
-            "cpuckpt save %s rank %d: %d items, %d bytes in %.3f s (%.2f GB/s), %d file(s)",
-            self.save_id[:8], self.rank, len(plan.items), self.last_write_nbytes, self.last_write_s,
-            self.last_write_nbytes / max(self.last_write_s, 1e-9) / 1e9, len(files),
-        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def write_part(self, entries: list[FileEntry]) -> None:
+        """Write this rank's manifest part (its files' sizes, checksums, record offsets); durable."""
+        for entry in entries:
+            entry.records = self._records.get(entry.name, [])
+        part = Manifest(files={e.name: e for e in entries})
+        write_atomic(self.path / part_name(self._prefix), part.to_json().encode(), fsync=self.config.io.fsync)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = _DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
+        if self._deferred:
+            self._pending = (metadata, results)
+            return
+        self._commit(metadata, results)
+
+    def commit_deferred(self) -> None:
+        """Coordinator, background mode: commit once every rank's files are durable."""
+        if self._pending is None:
+            raise RuntimeError("commit_deferred() before finish(): DCP did not finish planning")
+        self._commit(*self._pending)
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         manifest = Manifest(
             cpuckpt_version=__version__,
             torch_version=torch.__version__,

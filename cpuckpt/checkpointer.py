@@ -1,0 +1,234 @@
+"""Background saves: ``async_save``, its handle, the in-flight bound and the commit protocol.
+
+``async_save`` runs DCP's planning on the caller's thread (on a gloo group), so every file's layout
+is known; the writer then starts staging chunks into the host pool and writing them while the call
+returns. A save is committed by one background thread per process (the committer), which runs the
+saves' commit collectives in order on a second, dedicated gloo group: no two threads ever share a
+group. Each rank reports whether its files are durable; only when all are does the coordinator write
+the manifest and ``.metadata``, and the outcome is broadcast so that every rank's ``wait()`` raises
+the same error. Every wait is bounded by ``timeout_s`` (gloo groups get the same timeout).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import datetime
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .config import Config
+from .errors import CpuckptError
+from .pipeline import new_executor, wait_future
+from .writer import StorageWriter, resolve_config
+
+__all__ = ["AsyncSaveHandle", "async_save", "wait_all"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveStats:
+    """What one background save cost this rank."""
+
+    call_s: float = 0.0  # wall time of the async_save call itself (planning + enqueue)
+    staged_s: float = 0.0  # from the call to "all bytes in host memory"
+    durable_s: float = 0.0  # from the call to "this rank's files fsynced"
+    committed_s: float = 0.0  # from the call to "committed on every rank"
+    nbytes: int = 0
+    mode: str = ""
+
+
+class _Staged:
+    def __init__(self, handle: AsyncSaveHandle) -> None:
+        self._h = handle
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every tensor of this rank is in host memory; then tensors may change."""
+        job = self._h._writer.job
+        if job is None:
+            return
+        job.wait_staged(timeout)
+        if not self._h.stats.staged_s:
+            self._h.stats.staged_s = time.perf_counter() - self._h._t0
+
+    def done(self) -> bool:
+        job = self._h._writer.job
+        return job is None or job.staged.done()
+
+
+class AsyncSaveHandle:
+    """Returned by :func:`async_save`. ``staged.wait()`` then train on; ``wait()`` before relying on it."""
+
+    def __init__(self, writer: StorageWriter, path: str, t0: float) -> None:
+        self._writer = writer
+        self.path = path
+        self._t0 = t0
+        self.staged = _Staged(self)
+        self._committed: cf.Future[None] = cf.Future()
+        self.stats = SaveStats()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the checkpoint is durable and committed on every rank.
+
+        Raises:
+            CpuckptError: this or another rank failed (same error on every rank).
+            CheckpointTimeoutError: not committed within ``timeout`` (default: ``timeout_s``).
+        """
+        wait_future(self._committed, self._writer.config.timeout_s if timeout is None else timeout,
+                    f"committing checkpoint {self.path}")
+
+    def done(self) -> bool:
+        return self._committed.done()
+
+
+class _Checkpointer:
+    """Per-process state: gloo groups, the in-flight saves, the committer thread."""
+
+    def __init__(self, process_group: Any, timeout_s: float) -> None:
+        self.dist = dist.is_available() and dist.is_initialized()
+        self.plan_group = None
+        self.commit_group = None
+        if self.dist:
+            pg = process_group if process_group is not None else dist.group.WORLD
+            ranks = dist.get_process_group_ranks(pg)
+            timeout = datetime.timedelta(seconds=timeout_s)
+            self.plan_group = pg if dist.get_backend(pg) == "gloo" else dist.new_group(ranks, backend="gloo",
+                                                                                       timeout=timeout)
+            self.commit_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            self.coordinator = dist.get_global_rank(self.commit_group, 0)
+        self.in_flight: collections.deque[AsyncSaveHandle] = collections.deque()
+        self.committer = new_executor(1, "cpuckpt-commit")
+
+    def commit(self, handle: AsyncSaveHandle) -> None:
+        """Committer thread: local durability -> agree -> coordinator commits -> share the outcome."""
+        w = handle._writer
+        status: str | None = None
+        try:
+            assert w.job is not None
+            entries = w.job.wait_done()
+            handle.stats.durable_s = time.perf_counter() - handle._t0
+            w.write_part(entries)
+        except BaseException as e:
+            status = f"rank {w.rank}: {e}"
+        outcome: str | None = None
+        try:
+            statuses = [status]
+            if self.dist:
+                statuses = [None] * dist.get_world_size(self.commit_group)
+                dist.all_gather_object(statuses, status, group=self.commit_group)
+            failures = [s for s in statuses if s]
+            if failures:
+                outcome = "; ".join(failures)
+            elif w.is_coordinator:
+                try:
+                    w.commit_deferred()
+                except BaseException as e:
+                    outcome = f"rank {w.rank} (coordinator): commit failed: {e}"
+            if self.dist:
+                box = [outcome]
+                dist.broadcast_object_list(box, src=self.coordinator, group=self.commit_group)
+                outcome = box[0]
+        except BaseException as e:
+            outcome = outcome or f"rank {w.rank}: commit collective failed: {e}"
+        if outcome:
+            handle._committed.set_exception(CpuckptError(f"async save of {handle.path} failed: {outcome}"))
+        else:
+            handle.stats.committed_s = time.perf_counter() - handle._t0
+            logger.info("cpuckpt async save %s committed: stall %.3f s, durable %.3f s, committed %.3f s",
+                        handle.path, handle.stats.staged_s or handle.stats.call_s, handle.stats.durable_s,
+                        handle.stats.committed_s)
+            handle._committed.set_result(None)
+
+
+_CHECKPOINTERS: dict[Any, _Checkpointer] = {}
+_LOCK = threading.Lock()
+
+
+def _checkpointer(process_group: Any, timeout_s: float) -> _Checkpointer:
+    with _LOCK:
+        if process_group not in _CHECKPOINTERS:
+            _CHECKPOINTERS[process_group] = _Checkpointer(process_group, timeout_s)
+        return _CHECKPOINTERS[process_group]
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike,
+    config: Config | str | os.PathLike | dict | None = None,
+    *,
+    step: int | None = None,
+    process_group: Any = None,
+    planner: Any = None,
+) -> AsyncSaveHandle:
+    """Save in the background: returns once the layout is planned and staging has begun.
+
+    The layout of every file is planned first, then chunks are copied into the host pool
+    (device-to-host on a side stream for GPU tensors) and written as each becomes ready, so copies
+    overlap writes. Call ``handle.staged.wait()`` before changing any saved tensor, and
+    ``handle.wait()`` before relying on the checkpoint. At most ``async.max_in_flight`` saves are
+    in flight; a further call first waits for the oldest (and raises its error, if it failed).
+
+    Args:
+        state_dict: as for ``dcp.save``.
+        path: checkpoint directory.
+        config: a :class:`Config`, a YAML path, a dict, or None.
+        step: training step, recorded in the manifest.
+        process_group: the trainer's group; cpuckpt uses gloo groups over the same ranks.
+        planner: a DCP ``SavePlanner``.
+
+    Raises:
+        CpuckptError: planning failed, or an earlier save that had to be waited for failed.
+
+    Example:
+        >>> h = cpuckpt.async_save({"model": model.state_dict()}, f"/ckpt/{step}", step=step)
+        >>> h.staged.wait()          # trainer may now update parameters
+        >>> ...
+        >>> h.wait()                 # durable and committed on every rank
+    """
+    cfg = resolve_config(config)
+    ckpt = _checkpointer(process_group, cfg.timeout_s)
+    while len(ckpt.in_flight) >= cfg.async_.max_in_flight:
+        ckpt.in_flight.popleft().wait()
+    while ckpt.in_flight and ckpt.in_flight[0].done():
+        ckpt.in_flight.popleft()
+    t0 = time.perf_counter()
+    writer = StorageWriter(path, cfg, step=step)
+    writer.defer_commit(in_flight=cfg.async_.max_in_flight)
+    handle = AsyncSaveHandle(writer, str(path), t0)
+    from .api import _call
+
+    try:
+        _call(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=ckpt.plan_group),
+              "async save", path)
+    except BaseException as e:
+        if writer.job is not None:
+            writer.job.cancel(e)
+        raise
+    handle.stats.call_s = time.perf_counter() - t0
+    if writer.job is not None:
+        handle.stats.nbytes = writer.job.stats.nbytes
+        handle.stats.mode = writer.job.mode
+    ckpt.in_flight.append(handle)
+    ckpt.committer.submit(ckpt.commit, handle)
+    return handle
+
+
+def wait_all(timeout: float | None = None) -> None:
+    """Wait for every in-flight save of this process (e.g. before exit); raises the first failure."""
+    first: BaseException | None = None
+    for ckpt in list(_CHECKPOINTERS.values()):
+        while ckpt.in_flight:
+            try:
+                ckpt.in_flight.popleft().wait(timeout)
+            except BaseException as e:
+                first = first or e
+    if first is not None:
+        raise first
