@@ -135,9 +135,10 @@ class Config:
             ConfigError: naming the source, the dotted key and the bad value.
         """
         data = dict(data or {})
+        from_env: dict[str, str] = {}
         if env:
-            data = _apply_env(cls, data)
-        return _build(cls, data, source, prefix="")
+            data = _apply_env(cls, data, from_env)
+        return _build(cls, data, source, prefix="", from_env=from_env)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, *, env: bool = True) -> Config:
@@ -178,7 +179,8 @@ def _to_dict(obj: Any) -> dict[str, Any]:
     return out
 
 
-def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str) -> Any:
+def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str,
+           from_env: Mapping[str, str] | None = None) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {_key(f): f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
@@ -195,9 +197,11 @@ def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str) -> Any:
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{source}: {dotted} must be a mapping, got {value!r}")
-            kwargs[f.name] = _build(tp, value, source, prefix=f"{dotted}.")
+            kwargs[f.name] = _build(tp, value, source, prefix=f"{dotted}.", from_env=from_env)
         else:
-            kwargs[f.name] = _check(dotted, tp, f.metadata, value, source)
+            env_name = (from_env or {}).get(dotted)
+            where = f"environment variable {env_name}" if env_name else source
+            kwargs[f.name] = _check(dotted, tp, f.metadata, value, where)
     try:
         return cls(**kwargs)
     except ConfigError as e:
@@ -224,6 +228,8 @@ def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: st
             raise bad("a number")
         value = float(value)
     elif tp is str:
+        if value is False and "off" in meta.get("choices", ()):
+            value = "off"  # YAML 1.1 reads a bare `off` as false
         if not isinstance(value, str):
             raise bad("a string")
     lo, hi = meta.get("min"), meta.get("max")
@@ -239,8 +245,11 @@ def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: st
     return value
 
 
-def _apply_env(cls: type, data: dict[str, Any]) -> dict[str, Any]:
-    """Overlay ``CPUCKPT_<SECTION>_<KEY>`` (or ``CPUCKPT_<KEY>`` for top-level keys) as YAML scalars."""
+def _apply_env(cls: type, data: dict[str, Any], from_env: dict[str, str]) -> dict[str, Any]:
+    """Overlay ``CPUCKPT_<SECTION>_<KEY>`` (or ``CPUCKPT_<KEY>`` for top-level keys) as YAML scalars.
+
+    Records in ``from_env`` the dotted key -> variable name of every override, for error messages.
+    """
     for f in dataclasses.fields(cls):
         key = _key(f)
         factory = f.default_factory
@@ -250,12 +259,14 @@ def _apply_env(cls: type, data: dict[str, Any]) -> dict[str, Any]:
                 name = f"CPUCKPT_{key}_{sf.name}".upper()
                 if name in os.environ:
                     section[sf.name] = _env_value(name)
+                    from_env[f"{key}.{sf.name}"] = name
             if section:
                 data[key] = section
         else:
             name = f"CPUCKPT_{key}".upper()
             if name in os.environ:
                 data[key] = _env_value(name)
+                from_env[key] = name
     return data
 
 

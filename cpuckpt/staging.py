@@ -250,6 +250,18 @@ class DeviceCopier:
             if s is not None and s.device.type == "cuda":
                 s.record_stream(self.stream)
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Enqueue ``dst.copy_(src)`` on the side stream (keeps ``src`` alive for the allocator)."""
+        src.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self) -> Any:
+        """An event marking everything enqueued so far."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
     def fill(self, slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None]) -> Any:
         """Fill ``slot`` asynchronously; returns the CUDA event that marks its completion."""
         with torch.cuda.stream(self.stream):

@@ -18,6 +18,7 @@ Records are torch.save-compatible and ``storage_data`` is DCP's own ``_StorageIn
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
 import os
@@ -39,9 +40,12 @@ from . import __version__
 from .commit import clear_commit, commit_checkpoint, write_atomic
 from .config import Config
 from .engine import SaveJob, choose_mode
+from .errors import ConfigError, CpuckptError
 from .layout import LayoutItem, plan_files
 from .manifest import FileEntry, Manifest, part_name
+from .pipeline import wait_future
 from .record import record_template
+from .snapshot import PoolSnapshot, snapshot_state_dict
 from .staging import flat_bytes
 
 __all__ = ["StorageWriter", "resolve_config"]
@@ -106,6 +110,48 @@ class StorageWriter(_DcpStorageWriter):
         self._prefix = "__0_"
         self._records: dict[str, list[list[int]]] = {}
         self._pending: tuple[Metadata, list[list[WriteResult]]] | None = None
+        self._snapshot: PoolSnapshot | None = None
+
+    # -- DCP AsyncStager protocol: the dcp.async_save door ------------------------------------------
+    _synchronize_after_execute: bool = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> cf.Future[dict[str, Any]]:
+        """Copy the state dict into the host pool; the future completes when the copies have.
+
+        DCP plans only after staging, so this door is snapshot-only and costs one host memcpy more
+        than :func:`cpuckpt.async_save`.
+
+        Raises:
+            ConfigError: ``staging.mode`` is ``streaming``.
+        """
+        if self.config.staging.mode == "streaming":
+            raise ConfigError(
+                "staging.mode: streaming is not possible through dcp.async_save (DCP stages the whole state "
+                "dict before planning); use cpuckpt.async_save, or mode snapshot/auto"
+            )
+        self.close()
+        self._snapshot = snapshot_state_dict(state_dict, self.config, extra_slots=2 * self.config.io.threads)
+        return self._snapshot.ready
+
+    def synchronize_staging(self) -> None:
+        if self._snapshot is not None:
+            wait_future(self._snapshot.ready, self.config.timeout_s, "staging for dcp.async_save")
+
+    def close(self) -> None:
+        """Return the snapshot's pool memory (DCP calls this; also done after each write)."""
+        if self._snapshot is not None:
+            self._snapshot.release()
+            self._snapshot = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise CpuckptError(
+            "cpuckpt.StorageWriter cannot be sent to another process (DCP's PROCESS async mode): its host pool "
+            "lives in this process. Use AsyncCheckpointerType.THREAD or cpuckpt.async_save."
+        )
 
     def defer_commit(self, *, in_flight: int = 1) -> None:
         """Background mode (used by ``async_save``): ``write_data`` returns once staging has begun and
@@ -160,9 +206,14 @@ class StorageWriter(_DcpStorageWriter):
             logger.info("cpuckpt async save: %s mode (%d bytes on rank 0)", mode, image_nbytes)
         self.job = SaveJob(self.path, names, files, resolved.sources, cfg, rank=self.rank, mode=mode,
                            in_flight=self._in_flight)
-        self.job.start()
+        try:
+            self.job.start()
+            if not self._deferred:
+                self.write_part(self.job.wait_done())
+        finally:
+            if not self._deferred:
+                self.close()  # a dcp.async_save snapshot is no longer needed once written
         if not self._deferred:
-            self.write_part(self.job.wait_done())
             self.last_write_s = time.perf_counter() - t0
             self.last_write_nbytes = image_nbytes
             logger.info(
