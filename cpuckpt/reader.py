@@ -40,7 +40,7 @@ from .fileio import BufferedFileBackend, FileBackend, get_backend
 from .manifest import FileEntry, Manifest
 from .pipeline import run_parallel
 from .record import parse_record
-from .staging import flat_bytes, get_pool
+from .staging import DeviceCopier, flat_bytes, get_pool
 from .writer import resolve_config
 
 __all__ = ["StorageReader"]
@@ -217,7 +217,7 @@ def _tensor_need(ri: ReadItem, data_lo: int, dtype: torch.dtype, shape: tuple[in
             n_el *= s
         lo, hi = data_lo + elem_off * itemsize, data_lo + (elem_off + n_el) * itemsize
         need = _Need(ri, lo, hi, target=target, dtype=dtype, src_shape=lengths)
-        if target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous():
+        if target.device.type in ("cpu", "cuda") and target.dtype == dtype and target.is_contiguous():
             need.dst = flat_bytes(target)
         else:
             need.bounce = torch.empty(hi - lo, dtype=torch.uint8)
@@ -242,13 +242,19 @@ def _read_cpuckpt_file(fp: _FilePlan, cfg: Config) -> int:
     _check_size(fp)
     entry = fp.entry
     assert entry is not None
-    verify = cfg.integrity.verify == "always" and entry.checksum == "crc32c" and entry.chunk_checksums
-    if verify:
-        return _read_chunks_verified(fp, entry, cfg)
+    verify = bool(cfg.integrity.verify == "always" and entry.checksum == "crc32c" and entry.chunk_checksums)
+    to_device = any(n.dst is not None and n.dst.device.type == "cuda" for n in fp.needs)
+    if verify or to_device:
+        return _read_chunks(fp, entry, cfg, verify=verify)
     return _read_ranges(fp, cfg)
 
 
-def _read_chunks_verified(fp: _FilePlan, entry: FileEntry, cfg: Config) -> int:
+def _read_chunks(fp: _FilePlan, entry: FileEntry, cfg: Config, *, verify: bool) -> int:
+    """Read whole chunks into pool slots (aligned: O_DIRECT works), verify, scatter to destinations.
+
+    GPU destinations get their bytes by host-to-device copies from the (pinned) slot on a side
+    stream; the slot is released once those copies completed.
+    """
     cb = entry.chunk_bytes
     by_chunk: dict[int, list[_Need]] = defaultdict(list)
     for need in fp.needs:
@@ -264,6 +270,9 @@ def _read_chunks_verified(fp: _FilePlan, entry: FileEntry, cfg: Config) -> int:
     pool = get_pool(cb, cfg.io.threads, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
     fd = backend.open_read(fp.path)
     try:
+        h2d = DeviceCopier(next(n.dst.device for n in fp.needs if n.dst is not None and n.dst.is_cuda)) \
+            if any(n.dst is not None and n.dst.is_cuda for n in fp.needs) else None
+
         def read_chunk(c: int, cancel: threading.Event) -> int:
             lo, hi = c * cb, min((c + 1) * cb, entry.nbytes)
             want = -(-(hi - lo) // align) * align if backend.aligned else hi - lo
@@ -272,16 +281,24 @@ def _read_chunks_verified(fp: _FilePlan, entry: FileEntry, cfg: Config) -> int:
                 got = backend.pread_into(fd, slot.view[:want], lo, fp.path)
                 if got < hi - lo:
                     raise CheckpointCorrupt(f"{fp.path}: file ends at {lo + got}, expected {entry.nbytes} bytes")
-                crc = crc32c.crc32c(slot.view[: hi - lo])
-                if c >= len(entry.chunk_checksums) or crc != entry.chunk_checksums[c]:
+                crc = crc32c.crc32c(slot.view[: hi - lo]) if verify else None
+                if verify and (c >= len(entry.chunk_checksums) or crc != entry.chunk_checksums[c]):
                     stored = entry.chunk_checksums[c] if c < len(entry.chunk_checksums) else None
                     raise CheckpointCorrupt(
                         f"{fp.path}: checksum mismatch in bytes [{lo}, {hi}) (chunk {c}): "
                         f"stored {stored}, read {crc}; the file is damaged"
                     )
+                on_device = False
                 for need in by_chunk[c]:
                     a, b = max(need.lo, lo), min(need.hi, hi)
-                    need.buffer[a - need.lo : b - need.lo].copy_(slot.tensor[a - lo : b - lo])
+                    dst, src = need.buffer[a - need.lo : b - need.lo], slot.tensor[a - lo : b - lo]
+                    if dst.is_cuda and h2d is not None:
+                        h2d.copy(dst, src)
+                        on_device = True
+                    else:
+                        dst.copy_(src)
+                if on_device:
+                    h2d.record().synchronize()  # the slot may be reused only after the copies ran
                 return hi - lo
             finally:
                 pool.release(slot)

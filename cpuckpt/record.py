@@ -232,10 +232,9 @@ def parse_record(record: bytes | bytearray | memoryview) -> TensorRecordInfo | N
             return None
         prefix = pkl_name[: -len("data.pkl")]
         desc = _RecordUnpickler(io.BytesIO(zf.read(pkl_name))).load()
-    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, KeyError, AttributeError,
-            TypeError, IndexError, struct.error):
+    except Exception:  # any damage (bad zip, unknown compression, hostile pickle, ...) means "not ours"
         return None
-    if not isinstance(desc, _TensorDesc):
+    if not isinstance(desc, _TensorDesc) or not isinstance(desc.dtype, torch.dtype):
         return None
     info = infos.get(f"{prefix}data/{desc.storage.key}")
     if info is None or info.compress_type != zipfile.ZIP_STORED:

@@ -251,8 +251,10 @@ class DeviceCopier:
                 s.record_stream(self.stream)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Enqueue ``dst.copy_(src)`` on the side stream (keeps ``src`` alive for the allocator)."""
-        src.record_stream(self.stream)
+        """Enqueue ``dst.copy_(src)`` on the side stream (keeps device memory alive for the allocator)."""
+        for t in (src, dst):
+            if t.is_cuda:
+                t.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=True)
 
