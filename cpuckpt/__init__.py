@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .api import load, save
+from .api import load, prepare_pool, save
 from .checkpointer import AsyncSaveHandle, async_save, wait_all
 from .config import Config
 from .errors import (
@@ -34,6 +34,7 @@ __all__ = [
     "__version__",
     "async_save",
     "load",
+    "prepare_pool",
     "save",
     "wait_all",
 ]

@@ -19,9 +19,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from .config import Config
 from .errors import CpuckptError
 from .reader import StorageReader
-from .writer import StorageWriter
+from .staging import get_pool
+from .writer import StorageWriter, resolve_config
 
-__all__ = ["checkpoint_group", "load", "save"]
+__all__ = ["checkpoint_group", "load", "prepare_pool", "save"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,19 @@ def load(
     reader = StorageReader(path, config)
     _call(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
                            process_group=checkpoint_group(process_group)), "load", path)
+
+
+def prepare_pool(nbytes: int, config: Config | str | os.PathLike | dict | None = None) -> None:
+    """Create, pre-touch and pin this process's host pool now, sized for a shard of ``nbytes``.
+
+    Call it at start-up so that the first snapshot-mode ``async_save`` does not pay for fresh
+    memory (~0.4 s/GiB on the lent VM) or for pinning it.
+    """
+    cfg = resolve_config(config)
+    chunk = cfg.io.chunk_bytes
+    # Records add ~2 KB each and large tensors are aligned: leave a few chunks of slack.
+    nslots = -(-nbytes // chunk) + max(4, nbytes // chunk // 64)
+    get_pool(chunk, max(nslots, cfg.staging.pool_bytes // chunk), pin=cfg.staging.pin, pretouch=True)
 
 
 def _call(fn: Any, what: str, path: str | os.PathLike) -> None:
