@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
+from .api import _call, dcp_save
 from .config import Config
 from .errors import CpuckptError
 from .pipeline import new_executor, wait_future
@@ -105,7 +105,7 @@ class _Checkpointer:
             self.commit_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
             self.coordinator = dist.get_global_rank(self.commit_group, 0)
         self.in_flight: collections.deque[AsyncSaveHandle] = collections.deque()
-        self.committer = new_executor(1, "cpuckpt-commit")
+        self.committer = new_executor(1, "cpuckpt-commit")  # one thread: commit collectives stay ordered
 
     def commit(self, handle: AsyncSaveHandle) -> None:
         """Committer thread: local durability -> agree -> coordinator commits -> share the outcome."""
@@ -203,11 +203,8 @@ def async_save(
     writer = StorageWriter(path, cfg, step=step)
     writer.defer_commit(in_flight=cfg.async_.max_in_flight)
     handle = AsyncSaveHandle(writer, str(path), t0)
-    from .api import _call
-
     try:
-        _call(lambda: dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=ckpt.plan_group),
-              "async save", path)
+        _call(lambda: dcp_save(state_dict, writer, planner=planner, process_group=ckpt.plan_group), "async save", path)
     except BaseException as e:
         if writer.job is not None:
             writer.job.cancel(e)

@@ -29,7 +29,7 @@ from .errors import CheckpointTimeoutError, CpuckptError
 from .fileio import FileBackend, fsync_dir, get_backend
 from .layout import Chunk, FileLayout
 from .manifest import FileEntry
-from .pipeline import new_executor, wait_future
+from .pipeline import shared_executor, wait_future
 from .staging import DeviceCopier, HostPool, LeaseOrder, Slot, fill_chunk, get_pool
 
 __all__ = ["SaveJob", "choose_mode"]
@@ -110,14 +110,14 @@ class SaveJob:
             raise
         if not self._chunks:
             self._mark_staged()
-        self._writers = new_executor(cfg.io.threads, f"cpuckpt-io-{self.rank}")
+        self._writers = shared_executor(cfg.io.threads, f"cpuckpt-io-{self.rank}")
         order = LeaseOrder()
         gpu = [s for s in self.sources if s is not None and s.device.type == "cuda"]
         try:
             if gpu:
                 self._stage_on_device(order, gpu[0].device)
             elif self._chunks:
-                self._fillers = new_executor(cfg.io.threads, f"cpuckpt-stage-{self.rank}")
+                self._fillers = shared_executor(cfg.io.threads, f"cpuckpt-stage-{self.rank}")
                 for ticket, chunk in enumerate(self._chunks):
                     fill = self._fillers.submit(self._fill_on_host, chunk, order, ticket)
                     self._submit_write(chunk, fill)
@@ -166,7 +166,7 @@ class SaveJob:
             ready.set_result((slot, event))
             self._submit_write(chunk, ready)
         # One waiter marks the whole shard staged when the last copy (stream order) completed.
-        self._fillers = new_executor(1, f"cpuckpt-stage-{self.rank}")
+        self._fillers = shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}")
         last = event
 
         def wait_last() -> None:
@@ -302,6 +302,5 @@ class SaveJob:
             self._pool.wake()
 
     def _shutdown(self) -> None:
-        for ex in (self._fillers, self._writers):
-            if ex is not None:
-                ex.shutdown(wait=False, cancel_futures=True)
+        """Drop references to the shared thread pools (their threads live on for the next save)."""
+        self._fillers = self._writers = None

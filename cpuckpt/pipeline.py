@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from .errors import CheckpointTimeoutError, CpuckptError
 
-__all__ = ["Cancelled", "new_executor", "run_parallel", "wait_future"]
+__all__ = ["Cancelled", "new_executor", "run_parallel", "shared_executor", "wait_future"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -88,6 +88,24 @@ def run_parallel(
 def new_executor(threads: int, name: str) -> cf.ThreadPoolExecutor:
     """A pool of ``threads`` named worker threads (``<name>_<i>``)."""
     return cf.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=name)
+
+
+_SHARED: dict[tuple[str, int], cf.ThreadPoolExecutor] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_executor(threads: int, name: str) -> cf.ThreadPoolExecutor:
+    """A process-wide pool of named threads, created once and reused by every save and load.
+
+    Starting threads per checkpoint costs milliseconds of the trainer's stall; these live until exit.
+    Tasks of one save never wait for tasks of a later one (FIFO), so sharing cannot deadlock.
+    """
+    key = (name, max(1, threads))
+    with _SHARED_LOCK:
+        ex = _SHARED.get(key)
+        if ex is None:
+            ex = _SHARED[key] = new_executor(key[1], name)
+        return ex
 
 
 def wait_future(fut: cf.Future[R], timeout_s: float, what: str) -> R:

@@ -19,7 +19,7 @@ import torch
 
 from .config import Config
 from .errors import StagingError
-from .pipeline import new_executor
+from .pipeline import shared_executor
 from .staging import DeviceCopier, HostPool, Slot, get_pool
 
 __all__ = ["PoolSnapshot", "snapshot_state_dict"]
@@ -129,7 +129,5 @@ def snapshot_state_dict(state_dict: dict[str, Any], cfg: Config, *, extra_slots:
                 return
             snap.ready.set_result(staged)
 
-        waiter = new_executor(1, "cpuckpt-snapshot")
-        waiter.submit(wait)
-        waiter.shutdown(wait=False)
+        shared_executor(1, "cpuckpt-snapshot").submit(wait)
     return snap
