@@ -195,6 +195,8 @@ def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str,
         tp = hints[f.name]
         value = data[key]
         if dataclasses.is_dataclass(tp):
+            if value is None:  # a section whose keys are all commented out
+                value = {}
             if not isinstance(value, Mapping):
                 raise ConfigError(f"{source}: {dotted} must be a mapping, got {value!r}")
             kwargs[f.name] = _build(tp, value, source, prefix=f"{dotted}.", from_env=from_env)
@@ -224,8 +226,8 @@ def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: st
         elif isinstance(value, bool) or not isinstance(value, int):
             raise bad(f"an int >= {meta.get('min', 0)}")
     elif tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad("a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            raise bad("a number")  # value != value: NaN passes every range check
         value = float(value)
     elif tp is str:
         if value is False and "off" in meta.get("choices", ()):

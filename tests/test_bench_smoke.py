@@ -1,0 +1,39 @@
+"""The CPU benchmark still runs: ``benchmarks/bench_cpu.py --smoke`` exits 0 and prints its table.
+
+Asserts nothing about speed (BENCHMARKING.md: benchmarks are never timed tests).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cpu.py"
+
+
+@pytest.mark.timeout(120)
+def test_bench_cpu_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--smoke", "--quiet",
+         "--shm-dir", str(tmp_path / "shm"), "--disk-dir", str(tmp_path / "disk"), "--json", str(out_json)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    out = proc.stdout
+    assert "cpuckpt CPU benchmark" in out
+    for needle in ("floor pwrite", "floor pread", "DCP FileSystemWriter thread_count=1", "cpuckpt default",
+                   "DCP FileSystemReader", "cpuckpt verify=always", "cpuckpt verify=off",
+                   "DCP planning only", "same shapes", "distinct shapes"):
+        assert needle in out, f"{needle!r} missing from the table:\n{out}"
+    assert "WRONG" not in out and "FAILURES" not in out, out
+    results = json.loads(out_json.read_text())
+    assert set(results["targets"]) == {"shm", "disk"}
+    assert not results["failures"]
+    # every run directory is removed afterwards
+    leftovers = [p for d in ("shm", "disk") for p in (tmp_path / d).glob("cpuckpt-bench-*")]
+    assert not leftovers, leftovers

@@ -1,0 +1,386 @@
+"""Config: defaults mirror configs/default.yaml, strict validation with clear messages, env overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cpuckpt import Config, ConfigError
+from cpuckpt.config import parse_bytes
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_YAML = REPO / "configs" / "default.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """No CPUCKPT_* variable from the caller's environment may leak into these tests."""
+    for name in list(os.environ):
+        if name.startswith("CPUCKPT_"):
+            monkeypatch.delenv(name)
+
+
+def _key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    """Dotted YAML keys of every leaf field of the Config dataclass tree."""
+    out = []
+    for f in dataclasses.fields(cls):
+        factory = f.default_factory
+        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+            out += _leaf_keys(factory, f"{prefix}{_key(f)}.")
+        else:
+            out.append(f"{prefix}{_key(f)}")
+    return out
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# ----------------------------------------------------------------------------- default.yaml mirror
+
+
+def test_default_yaml_loads_to_builtin_defaults():
+    assert Config.from_yaml(DEFAULT_YAML, env=False) == Config()
+
+
+def test_default_yaml_values_equal_builtin_defaults_key_by_key():
+    raw = _flatten(yaml.safe_load(DEFAULT_YAML.read_text()))
+    built = _flatten(Config().to_dict())
+    assert set(raw) == set(built), (
+        f"keys only in YAML: {set(raw) - set(built)}, only in Config: {set(built) - set(raw)}"
+    )
+    for key, value in raw.items():
+        expect = built[key]
+        if isinstance(value, str) and isinstance(expect, int) and not isinstance(expect, bool):
+            value = parse_bytes(value)  # size strings such as '32MiB'
+        assert value == expect, f"{key}: default.yaml says {value!r}, Config() has {expect!r}"
+        assert type(value) is type(expect), f"{key}: {type(value).__name__} vs {type(expect).__name__}"
+
+
+def test_every_config_field_is_documented_in_default_yaml():
+    text = DEFAULT_YAML.read_text()
+    raw = _flatten(yaml.safe_load(text))
+    for dotted in _leaf_keys(Config):
+        assert dotted in raw, f"{dotted} is a Config field but missing from {DEFAULT_YAML}"
+        leaf = dotted.rsplit(".", 1)[-1]
+        lines = [ln for ln in text.splitlines() if re.match(rf"^\s*{re.escape(leaf)}\s*:", ln)]
+        assert lines, dotted
+        assert all("#" in ln for ln in lines), f"{dotted} has no comment explaining it in {DEFAULT_YAML}"
+
+
+def test_every_field_has_doc_metadata():
+    def walk(cls):
+        for f in dataclasses.fields(cls):
+            factory = f.default_factory
+            if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+                walk(factory)
+            else:
+                assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
+
+    walk(Config)
+
+
+def test_empty_yaml_means_defaults(tmp_path):
+    assert Config.from_yaml(_write(tmp_path, ""), env=False) == Config()
+    assert Config.from_yaml(_write(tmp_path, "# only a comment\n"), env=False) == Config()
+
+
+def test_to_dict_round_trips():
+    cfg = Config.from_dict({"io": {"threads": 3, "chunk_bytes": "64KiB"}, "async": {"max_in_flight": 2}}, env=False)
+    assert Config.from_dict(cfg.to_dict(), env=False) == cfg
+    assert cfg.to_dict()["async"]["max_in_flight"] == 2
+    assert cfg.async_.max_in_flight == 2
+
+
+def test_config_is_frozen():
+    cfg = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.io.threads = 9  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+def _yaml_error(tmp_path: Path, text: str) -> str:
+    p = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as ei:
+        Config.from_yaml(p, env=False)
+    msg = str(ei.value)
+    assert str(p) in msg, f"message does not name the file: {msg}"
+    return msg
+
+
+@pytest.mark.parametrize(
+    ("text", "dotted"),
+    [
+        ("io:\n  thread: 4\n", "io.thread"),
+        ("io:\n  threads: 4\n  bogus: 1\n", "io.bogus"),
+        ("iox:\n  threads: 4\n", "iox"),
+        ("layout:\n  align: 4096\n", "layout.align"),
+        ("async_:\n  max_in_flight: 2\n", "async_"),
+    ],
+)
+def test_unknown_key_names_dotted_key_and_file(tmp_path, text, dotted):
+    msg = _yaml_error(tmp_path, text)
+    assert f"'{dotted}'" in msg
+    assert "unknown key" in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "dotted", "fragment"),
+    [
+        ("io:\n  threads: eight\n", "io.threads", "'eight'"),
+        ("io:\n  threads: 4.5\n", "io.threads", "4.5"),
+        ("io:\n  threads: true\n", "io.threads", "True"),
+        ("io:\n  fsync: 1\n", "io.fsync", "true or false"),
+        ("io:\n  backend: 3\n", "io.backend", "string"),
+        ("io:\n  chunk_bytes: lots\n", "io.chunk_bytes", "'lots'"),
+        ("io:\n  chunk_bytes: [1]\n", "io.chunk_bytes", "byte count"),
+        ("timeout_s: soon\n", "timeout_s", "number"),
+        ("staging:\n  pin: 'maybe'\n", "staging.pin", "true or false"),
+        ("io: 5\n", "io", "mapping"),
+    ],
+)
+def test_wrong_type_names_dotted_key_and_file(tmp_path, text, dotted, fragment):
+    msg = _yaml_error(tmp_path, text)
+    assert dotted in msg
+    assert fragment in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "dotted"),
+    [
+        ("io:\n  threads: 0\n", "io.threads"),
+        ("io:\n  threads: -3\n", "io.threads"),
+        ("io:\n  threads: 100000\n", "io.threads"),
+        ("io:\n  files_per_rank: 0\n", "io.files_per_rank"),
+        ("io:\n  chunk_bytes: 1000\n", "io.chunk_bytes"),
+        ("layout:\n  align_bytes: 3000\n", "layout.align_bytes"),
+        ("layout:\n  align_bytes: 6144\n", "layout.align_bytes"),
+        ("layout:\n  align_bytes: 256\n", "layout.align_bytes"),
+        ("staging:\n  pool_bytes: -1\n", "staging.pool_bytes"),
+        ("timeout_s: 0\n", "timeout_s"),
+        ("async:\n  max_in_flight: 0\n", "async.max_in_flight"),
+        ("integrity:\n  verify: sometimes\n", "integrity.verify"),
+        ("integrity:\n  checksum: md5\n", "integrity.checksum"),
+        ("staging:\n  mode: lazy\n", "staging.mode"),
+    ],
+)
+def test_impossible_value_names_dotted_key_and_file(tmp_path, text, dotted):
+    msg = _yaml_error(tmp_path, text)
+    assert dotted in msg
+
+
+def test_power_of_two_message(tmp_path):
+    assert "power of two" in _yaml_error(tmp_path, "layout:\n  align_bytes: 3072\n")
+
+
+def test_bad_choice_lists_the_choices(tmp_path):
+    msg = _yaml_error(tmp_path, "integrity:\n  verify: sometimes\n")
+    assert "always" in msg and "off" in msg and "'sometimes'" in msg
+
+
+def test_chunk_not_multiple_of_align_names_both_keys_and_file(tmp_path):
+    msg = _yaml_error(tmp_path, "io:\n  chunk_bytes: 12KiB\nlayout:\n  align_bytes: 8KiB\n")
+    assert "io.chunk_bytes" in msg and "layout.align_bytes" in msg
+    assert "multiple" in msg
+
+
+def test_chunk_not_multiple_of_align_from_dict_and_constructor():
+    with pytest.raises(ConfigError, match=r"io\.chunk_bytes.*layout\.align_bytes"):
+        Config.from_dict({"io": {"chunk_bytes": 6144}}, env=False)
+    from cpuckpt.config import IOConfig
+
+    with pytest.raises(ConfigError, match="multiple"):
+        Config(io=IOConfig(chunk_bytes=6144))
+
+
+def test_dict_source_is_named():
+    with pytest.raises(ConfigError, match=r"<dict>.*io\.threads"):
+        Config.from_dict({"io": {"threads": "eight"}}, env=False)
+    with pytest.raises(ConfigError, match=r"my-source.*'io\.nope'"):
+        Config.from_dict({"io": {"nope": 1}}, source="my-source", env=False)
+
+
+def test_malformed_yaml_names_file(tmp_path):
+    msg = _yaml_error(tmp_path, "io:\n  threads: [4\n  backend: auto\n")
+    assert "YAML" in msg
+
+
+def test_yaml_top_level_not_a_mapping(tmp_path):
+    msg = _yaml_error(tmp_path, "- io\n- layout\n")
+    assert "mapping" in msg
+
+
+def test_missing_file_names_path(tmp_path):
+    p = tmp_path / "does-not-exist.yaml"
+    with pytest.raises(ConfigError) as ei:
+        Config.from_yaml(p, env=False)
+    assert str(p) in str(ei.value)
+
+
+def test_config_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        Config.from_dict({"io": {"threads": 0}}, env=False)
+
+
+# ------------------------------------------------------------------------------------------ sizes
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        (4096, 4096),
+        ("4096", 4096),
+        ("32MiB", 32 * 2**20),
+        ("32mib", 32 * 2**20),
+        ("1GB", 10**9),
+        ("1GiB", 2**30),
+        ("64KiB", 65536),
+        ("64 KiB", 65536),
+        ("1.5KiB", 1536),
+        ("2kb", 2000),
+        ("1TiB", 2**40),
+        ("7B", 7),
+        (0, 0),
+    ],
+)
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("bad", ["lots", "", "-1", "1 XB", "MiB", True, None, 1.5, [4096]])
+def test_parse_bytes_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_bytes(bad)
+
+
+def test_size_strings_in_yaml(tmp_path):
+    p = _write(tmp_path, "io:\n  chunk_bytes: 64KiB\nstaging:\n  pool_bytes: 1GB\n"
+                         "layout:\n  align_data_min_bytes: 2MiB\n")
+    cfg = Config.from_yaml(p, env=False)
+    assert cfg.io.chunk_bytes == 65536
+    assert cfg.staging.pool_bytes == 10**9
+    assert cfg.layout.align_data_min_bytes == 2 * 2**20
+
+
+def test_size_key_rejects_non_size_string(tmp_path):
+    msg = _yaml_error(tmp_path, "staging:\n  pool_bytes: 1 gallon\n")
+    assert "staging.pool_bytes" in msg and "byte count" in msg
+
+
+# -------------------------------------------------------------------------------------------- env
+
+
+def test_env_override_threads(monkeypatch):
+    monkeypatch.setenv("CPUCKPT_IO_THREADS", "8")
+    cfg = Config.from_dict(None)
+    assert cfg.io.threads == 8
+    assert cfg.io.chunk_bytes == Config().io.chunk_bytes
+
+
+def test_env_override_top_level_timeout(monkeypatch):
+    monkeypatch.setenv("CPUCKPT_TIMEOUT_S", "5")
+    cfg = Config.from_dict({})
+    assert cfg.timeout_s == 5.0
+    assert isinstance(cfg.timeout_s, float)
+
+
+def test_env_overrides_yaml_value(monkeypatch, tmp_path):
+    p = _write(tmp_path, "io:\n  threads: 2\n  backend: buffered\n")
+    monkeypatch.setenv("CPUCKPT_IO_THREADS", "8")
+    cfg = Config.from_yaml(p)
+    assert cfg.io.threads == 8
+    assert cfg.io.backend == "buffered"  # the rest of the file still applies
+    assert Config.from_yaml(p, env=False).io.threads == 2
+
+
+def test_env_override_sizes_bools_and_async_section(monkeypatch):
+    monkeypatch.setenv("CPUCKPT_IO_CHUNK_BYTES", "64KiB")
+    monkeypatch.setenv("CPUCKPT_IO_FSYNC", "false")
+    monkeypatch.setenv("CPUCKPT_INTEGRITY_VERIFY", "off")
+    monkeypatch.setenv("CPUCKPT_ASYNC_MAX_IN_FLIGHT", "3")
+    cfg = Config.from_dict(None)
+    assert cfg.io.chunk_bytes == 65536
+    assert cfg.io.fsync is False
+    assert cfg.integrity.verify == "off"
+    assert cfg.async_.max_in_flight == 3
+
+
+def test_env_ignored_when_disabled(monkeypatch):
+    monkeypatch.setenv("CPUCKPT_IO_THREADS", "8")
+    assert Config.from_dict(None, env=False).io.threads == Config().io.threads
+
+
+def test_env_bad_value_names_key_and_variable(monkeypatch):
+    monkeypatch.setenv("CPUCKPT_IO_THREADS", "eight")
+    with pytest.raises(ConfigError) as ei:
+        Config.from_dict(None)
+    msg = str(ei.value)
+    assert "io.threads" in msg
+    assert "CPUCKPT_IO_THREADS" in msg, f"the error does not say the value came from the environment: {msg}"
+
+
+def test_env_bad_value_with_yaml_source_names_variable(monkeypatch, tmp_path):
+    p = _write(tmp_path, "io:\n  backend: buffered\n")
+    monkeypatch.setenv("CPUCKPT_IO_THREADS", "0")
+    with pytest.raises(ConfigError) as ei:
+        Config.from_yaml(p)
+    assert "io.threads" in str(ei.value)
+    assert "CPUCKPT_IO_THREADS" in str(ei.value)
+
+
+def test_env_malformed_yaml_value(monkeypatch):
+    monkeypatch.setenv("CPUCKPT_IO_THREADS", "[8")
+    with pytest.raises(ConfigError, match="CPUCKPT_IO_THREADS"):
+        Config.from_dict(None)
+
+
+def test_bare_off_in_yaml_means_the_string_off(tmp_path):
+    """YAML 1.1 reads an unquoted ``off`` as false; ``verify: off`` must still mean "off"."""
+    cfg = Config.from_yaml(_write(tmp_path, "integrity:\n  verify: off\n"), env=False)
+    assert cfg.integrity.verify == "off"
+    msg = _yaml_error(tmp_path, "integrity:\n  verify: on\n")
+    assert "integrity.verify" in msg
+
+
+def test_nan_timeout_is_rejected(tmp_path):
+    """NaN compares false with every bound, so a range check alone would let it through."""
+    msg = _yaml_error(tmp_path, "timeout_s: .nan\n")
+    assert "timeout_s" in msg
+
+
+def test_section_with_every_key_commented_out_means_defaults(tmp_path):
+    """Users copy default.yaml and comment lines out; an emptied section must not be an error."""
+    text = "io:\n  # threads: 4\nlayout:\nintegrity:\n  verify: always\n"
+    assert Config.from_yaml(_write(tmp_path, text), env=False) == Config()
+
+
+def test_commented_out_copy_of_default_yaml_loads(tmp_path):
+    lines = []
+    for ln in DEFAULT_YAML.read_text().splitlines():
+        stripped = ln.lstrip()
+        indented = ln != stripped
+        lines.append(("  # " + stripped) if indented and stripped and not stripped.startswith("#") else ln)
+    assert Config.from_yaml(_write(tmp_path, "\n".join(lines) + "\n"), env=False) == Config()
