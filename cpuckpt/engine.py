@@ -78,6 +78,8 @@ class SaveJob:
         self._chunks: list[Chunk] = [c for f in files for c in f.chunks]
         self._crcs = [[0] * len(f.chunks) for f in files]
         self._cancel = threading.Event()
+        self._staged_event = threading.Event()
+        self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._pending_writes = 0
         self._submitting = True
@@ -200,6 +202,7 @@ class SaveJob:
 
     def _mark_staged(self) -> None:
         self.stats.stage_s = time.perf_counter() - self._t0
+        self._staged_event.set()
         if not self.staged.done():
             self.staged.set_result(None)
 
@@ -228,6 +231,10 @@ class SaveJob:
             return
         assert self._pool is not None and self._backend is not None
         try:
+            if self.mode == "snapshot" and not self._staged_event.wait(self.cfg.timeout_s):
+                # Snapshot writers start after staging: the stall is then copies only, with no
+                # writer thread competing for the GIL (writing earlier would save < copy time).
+                raise CheckpointTimeoutError(f"rank {self.rank}: staging not finished after {self.cfg.timeout_s} s")
             if event is not None:
                 event.synchronize()
             if self._cancel.is_set():
@@ -254,6 +261,9 @@ class SaveJob:
                 for fd in fds:
                     self._backend.close(fd)
             self._shutdown()
+            # Reported only now that no task holds a slot or a file, so a retry starts clean.
+            if not self.done.done() and self._error is not None:
+                self.done.set_exception(self._error)
             return
         assert self._backend is not None
         try:
@@ -295,9 +305,10 @@ class SaveJob:
             err = CpuckptError(f"rank {self.rank}: saving to {self.directory} failed: {e!r}")
             err.__cause__ = e
         logger.error("rank %d: save to %s failed: %s", self.rank, self.directory, err)
-        for fut in (self.staged, self.done):
-            if not fut.done():
-                fut.set_exception(err)
+        self._error = err
+        self._staged_event.set()  # release writers gated on staging; they see the cancel flag
+        if not self.staged.done():
+            self.staged.set_exception(err)
         if self._pool is not None:
             self._pool.wake()
 

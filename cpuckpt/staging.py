@@ -147,13 +147,20 @@ class HostPool:
             return self._nfree
 
     def close(self) -> None:
-        """Unpin and unmap (only when no slot is leased)."""
+        """Unpin, then unmap (only when no slot is leased).
+
+        Views handed out for finished chunks may still be referenced by completed futures; the
+        mapping is then freed by the garbage collector once the last of them goes.
+        """
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
             self.pinned = False
-        self._view.release()
         del self._tensor
-        self._mmap.close()
+        try:
+            self._view.release()
+            self._mmap.close()
+        except BufferError:
+            logger.debug("host pool: views still referenced; unmapped when they are collected")
 
 
 _POOL: HostPool | None = None
@@ -207,10 +214,11 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None],
-               *, non_blocking: bool = False) -> None:
+               *, deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
     """Copy the image bytes of ``chunk`` into ``slot``: skeletons, tensor bytes, zeros in gaps.
 
-    With ``non_blocking`` device-to-host copies are only enqueued on the current CUDA stream.
+    With ``deferred`` the tensor copies are appended there as (dst, src) pairs instead, for the
+    caller to issue in one batch.
     """
     start, stop = chunk.offset, chunk.offset + chunk.nbytes
     buf, view = slot.tensor, slot.view
@@ -226,7 +234,11 @@ def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[t
             else:
                 src = sources[seg.item]
                 s += seg.src_offset
-                buf[lo - start : hi - start].copy_(src[s : s + hi - lo], non_blocking=non_blocking)  # type: ignore[index]
+                pair = (buf[lo - start : hi - start], src[s : s + hi - lo])  # type: ignore[index]
+                if deferred is None:
+                    pair[0].copy_(pair[1])
+                else:
+                    deferred.append(pair)
             cursor = hi
         if cursor < stop:
             buf[cursor - start : stop - start].zero_()
@@ -266,8 +278,12 @@ class DeviceCopier:
 
     def fill(self, slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None]) -> Any:
         """Fill ``slot`` asynchronously; returns the CUDA event that marks its completion."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        fill_chunk(slot, layout, chunk, sources, deferred=pairs)
         with torch.cuda.stream(self.stream):
-            fill_chunk(slot, layout, chunk, sources, non_blocking=True)
+            if pairs:
+                # One call per chunk: the per-copy Python overhead is stall time.
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
         return event

@@ -1,0 +1,313 @@
+"""Test harness: run a function on N real OS processes joined in a gloo process group.
+
+``run_ranks(world_size, fn, *args, tmp_path=..., timeout_s=120)`` starts ``world_size`` processes
+with cwd ``tmp_path``. Each one initialises ``torch.distributed`` with backend gloo over a
+``FileStore`` inside ``tmp_path`` (no rendezvous port, no fixed /tmp name), loads the module that
+defines ``fn`` *by file path* (pytest runs with ``--import-mode=importlib``, so test modules are not
+importable by name), calls ``fn(*args)``, reports its return value (pickled) or its exception (type,
+message, traceback text) in a per-rank result file, and always calls ``dist.destroy_process_group()``.
+Each rank's stdout/stderr goes to ``tmp_path/_ranks<n>/rank<r>.log``.
+
+The parent enforces a hard deadline: when it passes, every rank still alive is killed and the test
+fails naming the ranks that hung. Once one rank has failed, the others get a short grace period
+(they may be blocked in a collective the failed rank will never join) and are then killed. The
+earliest rank failure is re-raised as :class:`RankError` with the child's traceback text.
+
+Start methods (environment variable ``RANKS_START``):
+
+- ``forkserver`` (default): ranks are forked from a multiprocessing fork server that has imported
+  torch (and DTensor/FSDP/DCP) once per test session, so a rank starts in milliseconds instead of
+  ~4 CPU-seconds of imports; this keeps the suite fast on a 2-core box. Nothing distributed exists
+  in the server: every rank creates its own process group after the fork. The rank then changes
+  into ``tmp_path`` and redirects its output before running anything.
+- ``popen``: ``subprocess.Popen([sys.executable, "-c", ...], cwd=tmp_path)``: fully fresh
+  interpreters (slower; for debugging the harness itself).
+
+Either way ``cpuckpt`` is imported only inside the rank, from the installed package (the rank's
+``sys.path`` holds neither the repository nor its cwd's parent).
+
+The fixture ``run_ranks`` binds ``tmp_path``: ``run_ranks(2, fn, arg1, arg2)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import multiprocessing
+import os
+import pickle
+import runpy
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["RankError", "run_ranks"]
+
+_REPO = Path(__file__).resolve().parents[1]
+
+# Heavy imports done once in the fork server (never cpuckpt: the ranks import the installed one).
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
+            "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "numpy",
+            "yaml", "crc32c"]
+
+# The rank's program. With the popen start method it is ``python -c`` with arguments in sys.argv;
+# forked from the fork server it is run by runpy.run_path with RANK_ARGV, RANK_LOG, RANK_CWD,
+# RANK_ENV and RANK_DROP_PATHS in its globals.
+_CHILD = r"""
+import datetime, importlib.util, os, pickle, sys, time, traceback
+
+if "RANK_ARGV" in globals():
+    argv = RANK_ARGV
+    fd = os.open(RANK_LOG, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(RANK_CWD)
+    for key in [k for k in os.environ if k.startswith("CPUCKPT_")]:
+        del os.environ[key]
+    os.environ.update(RANK_ENV)
+    # neither the cwd nor the parent's cwd / the repository may shadow the installed cpuckpt
+    sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.realpath(p) not in RANK_DROP_PATHS]
+else:
+    argv = sys.argv[1:]
+module_path, fn_name, rank, world, store_path, args_path, result_path, timeout_s = argv
+rank, world, timeout_s = int(rank), int(world), float(timeout_s)
+out = None
+
+
+def failure(e):
+    return {"ok": False, "type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
+            "traceback": traceback.format_exc(), "t": time.time()}
+
+
+try:
+    import torch
+    import torch.distributed as dist
+    if os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_rank_module_{os.getpid()}", module_path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        with open(args_path, "rb") as f:
+            args = pickle.load(f)
+        value = getattr(module, fn_name)(*args)
+        out = {"ok": True, "value": value, "t": time.time()}
+    except BaseException as e:
+        out = failure(e)
+    finally:
+        dist.destroy_process_group()
+except BaseException as e:
+    if out is None:
+        out = failure(e)
+tmp = result_path + ".tmp"
+with open(tmp, "wb") as f:
+    try:
+        pickle.dump(out, f)
+    except Exception as e:
+        f.seek(0)
+        f.truncate()
+        pickle.dump({"ok": False, "type": "PicklingError", "message": f"return value not picklable: {e!r}",
+                     "traceback": "", "t": time.time()}, f)
+os.replace(tmp, result_path)
+sys.stdout.flush()
+sys.stderr.flush()
+sys.exit(0 if out["ok"] else 1)
+"""
+
+
+class RankError(AssertionError):
+    """A rank raised (or died, or hung). ``.rank``, ``.exc_type``, ``.message``, ``.results`` describe it."""
+
+    def __init__(self, text: str, rank: int, exc_type: str, message: str, results: dict[int, dict]) -> None:
+        super().__init__(text)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.message = message
+        self.results = results
+
+
+class _Rank:
+    """One rank's process, whichever way it was started: ``poll()``, ``kill()``, ``wait()``."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    def poll(self) -> int | None:
+        if isinstance(self.proc, subprocess.Popen):
+            return self.proc.poll()
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def wait(self) -> int | None:
+        if isinstance(self.proc, subprocess.Popen):
+            return self.proc.wait()
+        self.proc.join()
+        return self.proc.exitcode
+
+
+_run_counter = 0
+_forkserver_ctx: Any = None
+
+
+def _forkserver() -> Any:
+    global _forkserver_ctx
+    if _forkserver_ctx is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["__main__", *_PRELOAD])
+        _forkserver_ctx = ctx
+    return _forkserver_ctx
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return ""
+    return data[-n:].decode("utf-8", "replace")
+
+
+def run_ranks(
+    world_size: int,
+    fn: Callable[..., Any] | str,
+    *args: Any,
+    tmp_path: Path,
+    timeout_s: float = 120.0,
+    module_path: str | os.PathLike | None = None,
+    grace_s: float = 15.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the ranks' return values (rank order).
+
+    ``fn`` is a function defined at module level in a test module (or helper module), or its name
+    together with ``module_path``. ``args`` must be picklable; so must the return values. ``env``
+    adds environment variables for the ranks (``CPUCKPT_*`` variables of the parent are dropped).
+
+    Raises:
+        RankError: a rank raised (re-raised with its traceback text), died, or hung past ``timeout_s``.
+    """
+    global _run_counter
+    if callable(fn):
+        module_path = module_path or inspect.getfile(fn)
+        fn_name = fn.__name__
+    else:
+        fn_name = fn
+        if module_path is None:
+            raise ValueError("run_ranks: give module_path when fn is a name")
+    module_path = Path(module_path).resolve()  # ranks run in tmp_path
+    tmp_path = Path(tmp_path).resolve()
+    _run_counter += 1
+    work = tmp_path / f"_ranks{_run_counter}"
+    work.mkdir(parents=True)
+    store_path = work / "filestore"
+    args_path = work / "args.pkl"
+    args_path.write_bytes(pickle.dumps(args))
+    script = work / "rank_main.py"
+    script.write_text(_CHILD)
+    rank_env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    rank_env.update(env or {})
+    drop_paths = sorted({os.path.realpath(os.getcwd()), os.path.realpath(_REPO)})
+    start = os.environ.get("RANKS_START", "forkserver")
+    if start not in ("forkserver", "popen"):
+        raise ValueError(f"RANKS_START must be forkserver or popen, got {start!r}")
+
+    ranks: list[_Rank] = []
+    logs = [work / f"rank{r}.log" for r in range(world_size)]
+    results_paths = [work / f"result{r}.pkl" for r in range(world_size)]
+    hung: list[int] = []
+    kill_reason = f"still running at the {timeout_s:.0f} s deadline"
+    try:
+        for r in range(world_size):
+            argv = [str(module_path), fn_name, str(r), str(world_size), str(store_path), str(args_path),
+                    str(results_paths[r]), str(timeout_s)]
+            if start == "popen":
+                child_env = {k: v for k, v in os.environ.items() if not k.startswith("CPUCKPT_")}
+                # the installed cpuckpt, never the source tree: drop the repository from PYTHONPATH
+                pythonpath = [p for p in child_env.pop("PYTHONPATH", "").split(os.pathsep)
+                              if p and os.path.realpath(p) not in drop_paths]
+                if pythonpath:
+                    child_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+                child_env.update(rank_env)
+                with open(logs[r], "wb") as logf:
+                    proc: Any = subprocess.Popen(
+                        [sys.executable, "-c", _CHILD, *argv], cwd=str(tmp_path), env=child_env,
+                        stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    )
+            else:
+                init = {"RANK_ARGV": argv, "RANK_LOG": str(logs[r]), "RANK_CWD": str(tmp_path), "RANK_ENV": rank_env,
+                        "RANK_DROP_PATHS": drop_paths}
+                proc = _forkserver().Process(target=runpy.run_path, args=(str(script),),
+                                             kwargs={"init_globals": init, "run_name": "__cpuckpt_rank__"},
+                                             name=f"rank{r}")
+                proc.start()
+            ranks.append(_Rank(proc))
+        deadline = time.monotonic() + timeout_s
+        first_fail_at: float | None = None
+        while True:
+            codes = [p.poll() for p in ranks]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if first_fail_at is None and any(c not in (None, 0) for c in codes):
+                first_fail_at = now
+            if now > deadline:
+                break
+            if first_fail_at is not None and now > first_fail_at + grace_s:
+                kill_reason = f"still running {grace_s:.0f} s after another rank failed"
+                break
+            time.sleep(0.02)
+    finally:
+        for r, p in enumerate(ranks):
+            if p.poll() is None:
+                hung.append(r)
+                p.kill()
+        for p in ranks:
+            p.wait()
+
+    results: dict[int, dict] = {}
+    for r in range(world_size):
+        try:
+            results[r] = pickle.loads(results_paths[r].read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError):
+            how = f"killed: {kill_reason}" if r in hung else f"exit code {ranks[r].poll()}"
+            results[r] = {"ok": False, "type": "RankDied", "message": f"no result ({how})", "traceback": "",
+                          "t": float("inf") if r in hung else time.time()}
+    failed = sorted((res["t"], r) for r, res in results.items() if not res["ok"])
+    if failed:
+        r = failed[0][1]
+        res = results[r]
+        hung_note = f"; ranks {hung} were killed ({kill_reason})" if hung else ""
+        others = ", ".join(f"rank {q}: {results[q]['type']}: {results[q]['message'][:300]}" for _, q in failed[1:])
+        text = (f"rank {r} of {world_size} failed in {fn_name}: {res['type']}: {res['message']}{hung_note}\n"
+                f"--- rank {r} traceback ---\n{res['traceback']}"
+                f"--- rank {r} output (tail, {logs[r]}) ---\n{_tail(logs[r])}"
+                + (f"\n--- other failures --- {others}" if others else ""))
+        if hung and all(results[q]["type"] == "RankDied" for _, q in failed):
+            text = f"ranks {hung} of {world_size} hung in {fn_name} (killed: {kill_reason})\n" + text
+        raise RankError(text, r, res["type"], res["message"], results)
+    return [results[r]["value"] for r in range(world_size)]
+
+
+@pytest.fixture(name="run_ranks")
+def _run_ranks_fixture(tmp_path: Path) -> Callable[..., list[Any]]:
+    def _run(world_size: int, fn: Callable[..., Any] | str, *args: Any, **kwargs: Any) -> list[Any]:
+        kwargs.setdefault("tmp_path", tmp_path)
+        return run_ranks(world_size, fn, *args, **kwargs)
+
+    return _run
+
+
+@pytest.fixture(scope="session")
+def rank_runner() -> Callable[..., list[Any]]:
+    """The bare ``run_ranks`` (pass ``tmp_path=``), for fixtures wider than one test."""
+    return run_ranks
