@@ -7,6 +7,7 @@ these functions unwrap it and raise the first rank's cpuckpt error (or a ``Cpuck
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import logging
 import os
@@ -35,7 +36,7 @@ _GROUPS: dict[Any, Any] = {}
 _GROUPS_LOCK = threading.Lock()
 
 
-def checkpoint_group(process_group: Any = None) -> Any:
+def checkpoint_group(process_group: Any = None, timeout_s: float | None = None) -> Any:
     """The gloo group used for checkpoint collectives (None when torch.distributed is not initialised).
 
     If ``process_group`` is already a gloo group it is used as is. Otherwise a gloo group over the
@@ -49,7 +50,8 @@ def checkpoint_group(process_group: Any = None) -> Any:
     with _GROUPS_LOCK:
         if pg not in _GROUPS:
             ranks = dist.get_process_group_ranks(pg)
-            _GROUPS[pg] = dist.new_group(ranks=ranks, backend="gloo")
+            timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+            _GROUPS[pg] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
         return _GROUPS[pg]
 
 
@@ -82,8 +84,8 @@ def save(
         >>> cpuckpt.save({"model": model.state_dict()}, "/ckpt/step_100", step=100)
     """
     writer = StorageWriter(path, config, step=step)
-    _call(lambda: dcp_save(state_dict, writer, planner=planner, process_group=checkpoint_group(process_group)),
-          "save", path)
+    group = checkpoint_group(process_group, writer.config.timeout_s)
+    _call(lambda: dcp_save(state_dict, writer, planner=planner, process_group=group), "save", path)
 
 
 def load(
@@ -106,8 +108,8 @@ def load(
     # DCP (torch 2.13) swallows read_metadata's exception and raises a bare AssertionError
     # ("metadata is None; ..."), so an uncommitted checkpoint is reported here, on every rank.
     load_metadata(Path(path))
-    _call(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner,
-                           process_group=checkpoint_group(process_group)), "load", path)
+    group = checkpoint_group(process_group, reader.config.timeout_s)
+    _call(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group), "load", path)
 
 
 def dcp_save(state_dict: dict[str, Any], writer: StorageWriter, *, planner: Any = None,

@@ -115,7 +115,8 @@ class _Checkpointer:
         w = handle._writer
         status: str | None = None
         try:
-            assert w.job is not None
+            if w.job is None:
+                raise RuntimeError("the writer never started a save job (DCP did not call write_data)")
             entries = w.job.wait_done()
             handle.stats.durable_s = time.perf_counter() - handle._t0
             w.write_part(entries)

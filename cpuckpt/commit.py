@@ -54,14 +54,17 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
         fsync_dir(path.parent)
 
 
-def clear_commit(path: Path) -> None:
+def clear_commit(path: Path, *, fsync: bool = True) -> None:
     """Make an existing checkpoint in ``path`` incomplete before it is overwritten."""
+    removed = False
     for name in (METADATA_NAME, MANIFEST_NAME):
         try:
             (path / name).unlink()
+            removed = True
         except FileNotFoundError:
             pass
-    fsync_dir(path)
+    if removed and fsync:
+        fsync_dir(path)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -79,7 +82,7 @@ def commit_checkpoint(path: Path, metadata: Metadata, prefixes: list[str], manif
         part = path / part_name(prefix)
         try:
             entries = manifest_from_json_part(part.read_bytes())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TypeError) as e:
             raise IntegrityError(f"{part}: manifest part of a rank is missing or unreadable: {e}") from e
         for entry in entries:
             size = (path / entry.name).stat().st_size

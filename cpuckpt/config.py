@@ -79,7 +79,8 @@ class LayoutConfig:
     align_bytes: int = _opt(4096, "Block alignment of chunks and O_DIRECT I/O (power of two).",
                             size=True, min=512, pow2=True)
     align_data_min_bytes: int = _opt(1 * _MiB, "Tensors at least this large start their data on an "
-                                     "align_bytes boundary (padding is free at that size).", size=True, min=0)
+                                     "align_bytes boundary (padding is free at that size); 0 aligns none.",
+                                     size=True, min=0)
 
 
 @dataclass(frozen=True)

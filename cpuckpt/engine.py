@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import crc32c
 import torch
@@ -33,6 +34,8 @@ from .pipeline import shared_executor, wait_future
 from .staging import DeviceCopier, HostPool, LeaseOrder, Slot, fill_chunk, get_pool
 
 __all__ = ["SaveJob", "choose_mode"]
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
@@ -151,18 +154,18 @@ class SaveJob:
         return max(configured, 2 * self.cfg.io.threads, 2)
 
     def _stage_on_device(self, order: LeaseOrder, device: torch.device) -> None:
-        assert self._pool is not None
+        pool = self._require(self._pool)
         copier = DeviceCopier(device)
         copier.protect(self.sources)
         event = None
         for ticket, chunk in enumerate(self._chunks):
             if self._cancel.is_set():
                 return
-            slot = self._pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
+            slot = pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
             try:
                 event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
             except BaseException:
-                self._pool.release(slot)
+                pool.release(slot)
                 raise
             ready: cf.Future[tuple[Slot, object]] = cf.Future()
             ready.set_result((slot, event))
@@ -183,12 +186,12 @@ class SaveJob:
         self._fillers.submit(wait_last)
 
     def _fill_on_host(self, chunk: Chunk, order: LeaseOrder, ticket: int) -> tuple[Slot, None]:
-        assert self._pool is not None
-        slot = self._pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
+        pool = self._require(self._pool)
+        slot = pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
         try:
             fill_chunk(slot, self.files[chunk.file], chunk, self.sources)
         except BaseException:
-            self._pool.release(slot)
+            pool.release(slot)
             raise
         self._count_fill()
         return slot, None
@@ -208,10 +211,10 @@ class SaveJob:
 
     # -- writing --------------------------------------------------------------------------------
     def _submit_write(self, chunk: Chunk, ready: cf.Future) -> None:
-        assert self._writers is not None
+        writers = self._require(self._writers)
         with self._lock:
             self._pending_writes += 1
-        self._writers.submit(self._write_task, chunk, ready)
+        writers.submit(self._write_task, chunk, ready)
 
     def _write_task(self, chunk: Chunk, ready: cf.Future) -> None:
         try:
@@ -229,7 +232,7 @@ class SaveJob:
         except BaseException as e:
             self._fail(e)
             return
-        assert self._pool is not None and self._backend is not None
+        pool, backend = self._require(self._pool), self._require(self._backend)
         try:
             if self.mode == "snapshot" and not self._staged_event.wait(self.cfg.timeout_s):
                 # Snapshot writers start after staging: the stall is then copies only, with no
@@ -243,15 +246,15 @@ class SaveJob:
             if self.cfg.integrity.checksum == "crc32c":
                 self._crcs[chunk.file][chunk.index] = crc32c.crc32c(slot.view[:n])
             align = self.cfg.layout.align_bytes
-            io_n = -(-n // align) * align if self._backend.aligned else n
+            io_n = -(-n // align) * align if backend.aligned else n
             if io_n > n:
                 slot.tensor[n:io_n].zero_()
-            self._backend.pwrite(self._fds[chunk.file], slot.view[:io_n], chunk.offset,
+            backend.pwrite(self._fds[chunk.file], slot.view[:io_n], chunk.offset,
                                  str(self.directory / self.names[chunk.file]))
         except BaseException as e:
             self._fail(e)
         finally:
-            self._pool.release(slot)
+            pool.release(slot)
 
     def _finalize(self) -> None:
         """Every submitted write has ended: close the files (on failure) or make them durable."""
@@ -265,21 +268,23 @@ class SaveJob:
             if not self.done.done() and self._error is not None:
                 self.done.set_exception(self._error)
             return
-        assert self._backend is not None
+        backend = self._require(self._backend)
         try:
             fds, self._fds = self._fds, []
             for i, (fd, layout) in enumerate(zip(fds, self.files)):
                 path = str(self.directory / self.names[i])
                 try:
-                    self._backend.finish_write(fd, layout.nbytes, path, self.cfg.io.fsync)
+                    backend.finish_write(fd, layout.nbytes, path, self.cfg.io.fsync)
                 except BaseException:
                     for other in fds[i + 1 :]:
-                        self._backend.close(other)
+                        backend.close(other)
                     raise
             if self.cfg.io.fsync:
                 fsync_dir(self.directory)
         except BaseException as e:
             self._fail(e)
+            if not self.done.done() and self._error is not None:
+                self.done.set_exception(self._error)  # every task has ended: report now
             return
         self.stats.write_s = time.perf_counter() - self._t0
         entries = [
@@ -292,6 +297,13 @@ class SaveJob:
                      self.stats.nbytes, self.stats.stage_s, self.stats.write_s, self.mode, self.stats.backend)
         if not self.done.done():
             self.done.set_result(entries)
+
+    @staticmethod
+    def _require(obj: _T | None) -> _T:
+        """Internal invariant: set up by ``start()`` before any task runs."""
+        if obj is None:
+            raise RuntimeError("SaveJob used before start()")
+        return obj
 
     def _fail(self, e: BaseException) -> None:
         with self._lock:

@@ -2,8 +2,9 @@
 
 A backend is chosen by name (``io.backend``): ``direct`` (O_DIRECT: buffer, offset and length
 aligned), ``buffered`` (page cache), ``auto`` (probe the directory once: O_DIRECT where the
-filesystem accepts it, else buffered with a warning), or ``fault:<errno>@<bytes>`` (a first-class
-fault injector used by the test-suite: fails every write once that many bytes were written).
+filesystem accepts it, else buffered with a warning), or ``fault:<errno>@<bytes>`` /
+``fault:<errno>@fsync`` (a first-class fault injector used by the test-suite: fails every write once
+that many bytes were written, or fails the final fsync).
 Every OSError becomes a :class:`StorageIOError` naming file, offset and length.
 """
 
@@ -136,13 +137,15 @@ class DirectFileBackend(BufferedFileBackend):
 
 
 class FaultInjectingBackend(BufferedFileBackend):
-    """Fails writes with ``errno`` once ``fail_after_bytes`` bytes were written through it (tests)."""
+    """Fails writes with ``errno`` once ``fail_after_bytes`` bytes were written through it, or fails
+    the final fsync (``fail_fsync``). A first-class backend for tests, not a mock."""
 
     name = "fault"
 
-    def __init__(self, err: int, fail_after_bytes: int) -> None:
+    def __init__(self, err: int, fail_after_bytes: int, *, fail_fsync: bool = False) -> None:
         self.err = err
         self.fail_after_bytes = fail_after_bytes
+        self.fail_fsync = fail_fsync
         self._written = 0
         self._lock = threading.Lock()
 
@@ -154,6 +157,13 @@ class FaultInjectingBackend(BufferedFileBackend):
             e = OSError(self.err, os.strerror(self.err))
             raise _io_error("pwrite", e, path, offset, len(buf)) from e
         super().pwrite(fd, buf, offset, path)
+
+    def finish_write(self, fd: int, nbytes: int, path: str, fsync: bool) -> None:
+        if self.fail_fsync:
+            self.close(fd)
+            e = OSError(self.err, os.strerror(self.err))
+            raise _io_error("fsync", e, path) from e
+        super().finish_write(fd, nbytes, path, fsync)
 
 
 _BACKENDS: dict[str, type] = {"buffered": BufferedFileBackend, "direct": DirectFileBackend}
@@ -187,9 +197,12 @@ def _parse_fault(name: str) -> FaultInjectingBackend:
     try:
         err_name, after = name[len("fault:") :].split("@")
         err = getattr(errno_mod, err_name.upper()) if not err_name.isdigit() else int(err_name)
+        if after == "fsync":
+            return FaultInjectingBackend(err, 1 << 62, fail_fsync=True)
         return FaultInjectingBackend(err, int(after))
     except (ValueError, AttributeError):
-        raise ConfigError(f"io.backend: bad fault spec {name!r}; expected e.g. 'fault:ENOSPC@1048576'") from None
+        raise ConfigError(f"io.backend: bad fault spec {name!r}; expected e.g. 'fault:ENOSPC@1048576' or "
+                          "'fault:EIO@fsync'") from None
 
 
 def _direct_supported(directory: str | os.PathLike, align_bytes: int) -> bool:

@@ -112,6 +112,12 @@ class StorageReader(_DcpStorageReader):
         self.metadata = metadata
         self.storage_data = metadata.storage_data
         self.manifest = read_manifest(self.path)
+        md_save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+        if self.manifest is not None and md_save_id and self.manifest.save_id and md_save_id != self.manifest.save_id:
+            # Another writer (e.g. stock DCP) committed here after us: the manifest describes old files.
+            logger.warning("%s: manifest belongs to an earlier save (%s, .metadata says %s); reading as stock DCP",
+                           self.path, self.manifest.save_id, md_save_id)
+            self.manifest = None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -146,7 +152,8 @@ class StorageReader(_DcpStorageReader):
         return fut
 
     def _plan_files(self, plan: LoadPlan, planner: LoadPlanner) -> dict[str, _FilePlan]:
-        assert self.metadata is not None
+        if self.metadata is None:
+            raise RuntimeError("read_data() before set_up_storage_reader(): not called through DCP")
         chunk_shapes = _chunk_shapes(self.metadata)
         records = {n: dict(map(tuple, e.records)) for n, e in (self.manifest.files if self.manifest else {}).items()}
         plans: dict[str, _FilePlan] = {}
@@ -241,7 +248,8 @@ def _read_cpuckpt_file(fp: _FilePlan, cfg: Config) -> int:
     """Read the needed bytes of one cpuckpt data file; returns bytes read."""
     _check_size(fp)
     entry = fp.entry
-    assert entry is not None
+    if entry is None:
+        raise RuntimeError(f"{fp.path}: no manifest entry (stock file routed to the cpuckpt path)")
     verify = bool(cfg.integrity.verify == "always" and entry.checksum == "crc32c" and entry.chunk_checksums)
     to_device = any(n.dst is not None and n.dst.device.type == "cuda" for n in fp.needs)
     if verify or to_device:
@@ -389,7 +397,8 @@ def _finish_need(need: _Need, planner: LoadPlanner) -> None:
         planner.load_bytes(need.ri, io.BytesIO(need.bounce.numpy().tobytes()))  # type: ignore[union-attr]
         return
     target = need.target
-    assert target is not None
+    if target is None:
+        raise RuntimeError(f"tensor read item {need.ri.storage_index} has no destination")
     if need.bounce is not None and need.dtype is not None:
         src = need.bounce.view(need.dtype).reshape(need.src_shape)
         if need.narrowed:

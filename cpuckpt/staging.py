@@ -206,6 +206,8 @@ def release_pool() -> None:
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a tensor's bytes (made contiguous first if it is not)."""
     t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()  # lazy conjugate/negative views: materialise the values
     if not t.is_contiguous():
         t = t.contiguous()
     if t.numel() == 0:

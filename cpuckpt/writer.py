@@ -180,7 +180,7 @@ class StorageWriter(_DcpStorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        clear_commit(self.path)
+        clear_commit(self.path, fsync=self.config.io.fsync)
         return [dataclasses.replace(p, storage_data=_FilePrefix(f"__{i}_")) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
