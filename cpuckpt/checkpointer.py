@@ -59,8 +59,8 @@ class _Staged:
         if job is None:
             return
         job.wait_staged(timeout)
-        if not self._h.stats.staged_s:
-            self._h.stats.staged_s = time.perf_counter() - self._h._t0
+        if not self._h.stats.staged_s:  # when staging finished, not when the caller came to wait
+            self._h.stats.staged_s = job.started_at + job.stats.stage_s - self._h._t0
 
     def done(self) -> bool:
         job = self._h._writer.job

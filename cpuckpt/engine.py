@@ -93,13 +93,14 @@ class SaveJob:
         self._writers: cf.ThreadPoolExecutor | None = None
         self._fillers: cf.ThreadPoolExecutor | None = None
         self._t0 = 0.0
+        self.started_at = 0.0  # perf_counter() when start() began
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Open the files and begin staging and writing; returns once GPU copies are enqueued
         (snapshot) or, in streaming mode, once the last chunk has a slot."""
         cfg = self.cfg
-        self._t0 = time.perf_counter()
+        self._t0 = self.started_at = time.perf_counter()
         self.stats.nbytes = sum(f.nbytes for f in self.files)
         try:
             self._backend = get_backend(cfg.io.backend, self.directory, cfg.layout.align_bytes)
