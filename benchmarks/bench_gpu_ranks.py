@@ -73,7 +73,8 @@ def main() -> None:
     torch.cuda.set_device(local)
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
-    sd = build_state_dict(int(args.gib * GiB), device="cuda", seed=rank)
+    # Each rank owns distinct tensors (as with tensor/pipeline parallel shards): no DCP dedup.
+    sd = {f"rank{rank}": build_state_dict(int(args.gib * GiB), device="cuda", seed=rank)}
     nbytes = state_dict_nbytes(sd)
     total = nbytes * world
     root = Path(args.dir)
