@@ -24,12 +24,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
 
 from .api import _call, dcp_save
+from .checkpoints import after_commit
+from .commit import clear_commit
 from .config import Config
 from .errors import CpuckptError
 from .pipeline import new_executor, wait_future
+from .plancache import CachedPlan, structure_signature
+from .telemetry import record_save
 from .writer import StorageWriter, resolve_config
 
 __all__ = ["AsyncSaveHandle", "async_save", "wait_all"]
@@ -47,6 +54,7 @@ class SaveStats:
     committed_s: float = 0.0  # from the call to "committed on every rank"
     nbytes: int = 0
     mode: str = ""
+    planned: str = "dcp"  # "reused" when the previous save's plan was reused
 
 
 class _Staged:
@@ -76,6 +84,7 @@ class AsyncSaveHandle:
         self._t0 = t0
         self.staged = _Staged(self)
         self._committed: cf.Future[None] = cf.Future()
+        self._reported = False
         self.stats = SaveStats()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -85,8 +94,12 @@ class AsyncSaveHandle:
             CpuckptError: this or another rank failed (same error on every rank).
             CheckpointTimeoutError: not committed within ``timeout`` (default: ``timeout_s``).
         """
-        wait_future(self._committed, self._writer.config.timeout_s if timeout is None else timeout,
-                    f"committing checkpoint {self.path}")
+        try:
+            wait_future(self._committed, self._writer.config.timeout_s if timeout is None else timeout,
+                        f"committing checkpoint {self.path}")
+        except BaseException:
+            self._reported = self._committed.done()  # the caller has seen this failure
+            raise
 
     def done(self) -> bool:
         return self._committed.done()
@@ -108,7 +121,27 @@ class _Checkpointer:
             self.commit_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
             self.coordinator = dist.get_global_rank(self.commit_group, 0)
         self.in_flight: collections.deque[AsyncSaveHandle] = collections.deque()
+        self.plan_cache: CachedPlan | None = None
         self.committer = new_executor(1, "cpuckpt-commit")  # one thread: commit collectives stay ordered
+
+    def agree_to_reuse(self, cached: CachedPlan | None, writer: StorageWriter) -> bool:
+        """Caller's thread: reuse the cached plan only if every rank has one for this structure.
+
+        The coordinator first makes any earlier checkpoint in the directory incomplete, so no rank
+        writes next to a stale ``.metadata`` (DCP's path does the same in prepare_global_plan).
+        """
+        if cached is not None:
+            coordinator = cached.is_coordinator
+        else:
+            coordinator = not self.dist or dist.get_rank(self.plan_group) == 0
+        writer.path.mkdir(parents=True, exist_ok=True)
+        if coordinator:
+            clear_commit(writer.path, fsync=writer.config.io.fsync)
+        if not self.dist:
+            return cached is not None
+        flag = torch.tensor([1 if cached is not None else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.plan_group)
+        return bool(flag.item())
 
     def commit(self, handle: AsyncSaveHandle) -> None:
         """Committer thread: local durability -> agree -> coordinator commits -> share the outcome."""
@@ -124,18 +157,21 @@ class _Checkpointer:
             status = f"rank {w.rank}: {e}"
         outcome: str | None = None
         try:
-            statuses = [status]
+            mine = (status, w.last_results)  # results travel only when the plan was reused
+            reports = [mine]
             if self.dist:
-                statuses = [None] * dist.get_world_size(self.commit_group)
-                dist.all_gather_object(statuses, status, group=self.commit_group)
-            failures = [s for s in statuses if s]
+                reports = [None] * dist.get_world_size(self.commit_group)
+                dist.all_gather_object(reports, mine, group=self.commit_group)
+            failures = [r[0] for r in reports if r[0]]
             if failures:
                 outcome = "; ".join(failures)
             elif w.is_coordinator:
                 try:
-                    w.commit_deferred()
+                    w.commit_deferred([r[1] for r in reports] if w.last_results is not None else None)
                 except BaseException as e:
                     outcome = f"rank {w.rank} (coordinator): commit failed: {e}"
+                else:
+                    after_commit(w.path, w.config)  # `latest`, cleaning, retention: only when configured
             if self.dist:
                 box = [outcome]
                 dist.broadcast_object_list(box, src=self.coordinator, group=self.commit_group)
@@ -146,9 +182,10 @@ class _Checkpointer:
             handle._committed.set_exception(CpuckptError(f"async save of {handle.path} failed: {outcome}"))
         else:
             handle.stats.committed_s = time.perf_counter() - handle._t0
-            logger.info("cpuckpt async save %s committed: stall %.3f s, durable %.3f s, committed %.3f s",
-                        handle.path, handle.stats.staged_s or handle.stats.call_s, handle.stats.durable_s,
-                        handle.stats.committed_s)
+            record_save(w.config, path=handle.path, rank=w.rank, step=w.step, event="async_save",
+                        stall_s=handle.stats.staged_s or handle.stats.call_s, persist_s=handle.stats.durable_s,
+                        committed_s=handle.stats.committed_s, nbytes=handle.stats.nbytes, mode=handle.stats.mode,
+                        files=len(w.job.names) if w.job is not None else 0)
             handle._committed.set_result(None)
 
 
@@ -199,9 +236,11 @@ def async_save(
     """
     cfg = resolve_config(config)
     ckpt = _checkpointer(process_group, cfg.timeout_s)
+    while ckpt.in_flight and ckpt.in_flight[0]._reported:
+        ckpt.in_flight.popleft()  # failed, and the caller already got the error from wait()
     while len(ckpt.in_flight) >= cfg.async_.max_in_flight:
-        ckpt.in_flight.popleft().wait()
-    while ckpt.in_flight and ckpt.in_flight[0].done():
+        ckpt.in_flight.popleft().wait()  # raises a failure nobody has waited for yet
+    while ckpt.in_flight and ckpt.in_flight[0].done() and ckpt.in_flight[0]._committed.exception() is None:
         ckpt.in_flight.popleft()
     t0 = time.perf_counter()
     writer = StorageWriter(path, cfg, step=step)
@@ -209,8 +248,19 @@ def async_save(
     handle = AsyncSaveHandle(writer, str(path), t0)
     try:
         with _gc_paused():
-            _call(lambda: dcp_save(state_dict, writer, planner=planner, process_group=ckpt.plan_group),
-                  "async save", path)
+            state = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+            signature = structure_signature(state) if planner is None else None
+            cached = ckpt.plan_cache if ckpt.plan_cache is not None and ckpt.plan_cache.signature == signature \
+                else None
+            if ckpt.agree_to_reuse(cached, writer):
+                handle.stats.planned = "reused"
+                writer.write_cached(state, cached)  # type: ignore[arg-type]
+            else:
+                own = DefaultSavePlanner() if planner is None else planner
+                _call(lambda: dcp_save(state, writer, planner=own, process_group=ckpt.plan_group), "async save", path)
+                if signature is not None and writer.last_plan is not None:
+                    md = writer._pending[0] if writer.is_coordinator and writer._pending else None
+                    ckpt.plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)
     except BaseException as e:
         if writer.job is not None:
             writer.job.cancel(e)

@@ -98,8 +98,10 @@ def snapshot_state_dict(state_dict: dict[str, Any], cfg: Config, *, extra_slots:
         nonlocal cursor
         loc = _local(t).detach()
         nbytes = loc.numel() * loc.element_size()
-        dst = slot.tensor[cursor : cursor + nbytes].view(loc.dtype).view(loc.shape) if nbytes else \
-            torch.empty(loc.shape, dtype=loc.dtype)
+        # Each staged tensor gets its own storage over the pool's bytes: DCP may pickle the staged
+        # state dict (PROCESS mode moves storages to shared memory), which must never touch the pool.
+        dst = torch.frombuffer(slot.view[cursor : cursor + nbytes], dtype=torch.uint8).view(loc.dtype).view(
+            loc.shape) if nbytes else torch.empty(loc.shape, dtype=loc.dtype)
         cursor += -(-nbytes // _ALIGN) * _ALIGN
         if nbytes:
             if copier is not None and loc.device.type == "cuda":

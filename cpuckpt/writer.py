@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -44,6 +45,7 @@ from .errors import ConfigError, CpuckptError
 from .layout import LayoutItem, plan_files
 from .manifest import FileEntry, Manifest, part_name
 from .pipeline import wait_future
+from .plancache import CachedPlan, reused_metadata
 from .record import record_template
 from .snapshot import PoolSnapshot, snapshot_state_dict
 from .staging import flat_bytes
@@ -111,6 +113,8 @@ class StorageWriter(_DcpStorageWriter):
         self._records: dict[str, list[list[int]]] = {}
         self._pending: tuple[Metadata, list[list[WriteResult]]] | None = None
         self._snapshot: PoolSnapshot | None = None
+        self.last_plan: SavePlan | None = None  # the final local plan of the last write_data
+        self.last_results: list[WriteResult] | None = None  # set when a cached plan was used
 
     # -- DCP AsyncStager protocol: the dcp.async_save door ------------------------------------------
     _synchronize_after_execute: bool = False
@@ -185,6 +189,7 @@ class StorageWriter(_DcpStorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         t0 = time.perf_counter()
+        self.last_plan = plan
         self._prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _FilePrefix) else f"__{self.rank}_"
         resolved = _resolve_items(plan, planner)
         cfg = self.config
@@ -249,11 +254,35 @@ class StorageWriter(_DcpStorageWriter):
             return
         self._commit(metadata, results)
 
-    def commit_deferred(self) -> None:
-        """Coordinator, background mode: commit once every rank's files are durable."""
+    def commit_deferred(self, gathered: list[list[WriteResult]] | None = None) -> None:
+        """Coordinator, background mode: commit once every rank's files are durable.
+
+        ``gathered`` are every rank's results when the save reused a cached plan (DCP did not gather
+        them); they replace the cached metadata's ``storage_data``.
+        """
         if self._pending is None:
             raise RuntimeError("commit_deferred() before finish(): DCP did not finish planning")
-        self._commit(*self._pending)
+        metadata, results = self._pending
+        if results is None:
+            if gathered is None:
+                raise RuntimeError("a save from a cached plan needs every rank's results to commit")
+            results = gathered
+            metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+            metadata.storage_meta = self.storage_meta()
+        self._commit(metadata, results)
+
+    def write_cached(self, state_dict: dict[str, Any], cached: CachedPlan) -> None:
+        """Background mode: start a save from a previous save's plan, without DCP planning.
+
+        The coordinator must already have made ``path`` incomplete (``clear_commit``).
+        """
+        self.rank, self.is_coordinator = cached.rank, cached.is_coordinator
+        self.path.mkdir(parents=True, exist_ok=True)
+        planner = DefaultSavePlanner()
+        planner.set_up_planner(state_dict, self.storage_meta(), cached.is_coordinator)
+        self.last_results = self.write_data(cached.plan, planner).value()
+        if cached.is_coordinator:
+            self._pending = (reused_metadata(cached), None)
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         manifest = Manifest(
