@@ -6,6 +6,15 @@ __version__ = "0.1.0"
 
 from .api import load, prepare_pool, save
 from .checkpointer import AsyncSaveHandle, async_save, wait_all
+from .checkpoints import (
+    apply_retention,
+    clean_incomplete,
+    find_latest,
+    install_sigterm_handler,
+    list_checkpoints,
+    read_latest,
+    update_latest,
+)
 from .config import Config
 from .errors import (
     CheckpointCorrupt,
@@ -32,9 +41,16 @@ __all__ = [
     "StorageReader",
     "StorageWriter",
     "__version__",
+    "apply_retention",
     "async_save",
+    "clean_incomplete",
+    "find_latest",
+    "install_sigterm_handler",
+    "list_checkpoints",
     "load",
     "prepare_pool",
+    "read_latest",
     "save",
+    "update_latest",
     "wait_all",
 ]

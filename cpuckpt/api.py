@@ -12,6 +12,7 @@ import inspect
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,13 @@ import torch.distributed.checkpoint.state_dict_saver as _saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .checkpoints import after_commit, loading
 from .commit import load_metadata
 from .config import Config
 from .errors import CpuckptError
 from .reader import StorageReader
 from .staging import get_pool
+from .telemetry import record_load, record_save
 from .writer import StorageWriter, resolve_config
 
 __all__ = ["checkpoint_group", "dcp_save", "load", "prepare_pool", "save"]
@@ -83,9 +86,15 @@ def save(
     Example:
         >>> cpuckpt.save({"model": model.state_dict()}, "/ckpt/step_100", step=100)
     """
+    t0 = time.perf_counter()
     writer = StorageWriter(path, config, step=step)
     group = checkpoint_group(process_group, writer.config.timeout_s)
     _call(lambda: dcp_save(state_dict, writer, planner=planner, process_group=group), "save", path)
+    elapsed = time.perf_counter() - t0
+    record_save(writer.config, path=path, rank=writer.rank, step=step, stall_s=elapsed, persist_s=elapsed,
+                nbytes=writer.last_write_nbytes, mode="streaming", files=len(writer.job.names) if writer.job else 0)
+    if writer.is_coordinator:
+        after_commit(path, writer.config)  # `latest`, cleaning, retention: only when configured
 
 
 def load(
@@ -104,12 +113,19 @@ def load(
         CheckpointCorrupt: a file is missing, truncated or fails its checksum.
         IntegrityError: the checkpoint is not committed (no ``.metadata``).
     """
+    t0 = time.perf_counter()
     reader = StorageReader(path, config)
     # DCP (torch 2.13) swallows read_metadata's exception and raises a bare AssertionError
     # ("metadata is None; ..."), so an uncommitted checkpoint is reported here, on every rank.
     load_metadata(Path(path))
     group = checkpoint_group(process_group, reader.config.timeout_s)
-    _call(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group), "load", path)
+    with loading(path):  # retention never deletes a checkpoint while it is being loaded
+        _call(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group), "load",
+              path)
+    rank = dist.get_rank(group) if group is not None else 0
+    record_load(reader.config, path=path, rank=rank, seconds=time.perf_counter() - t0,
+                nbytes=reader.last_read_nbytes, files=len({getattr(s, "relative_path", None)
+                                                           for s in reader.storage_data.values()}))
 
 
 def dcp_save(state_dict: dict[str, Any], writer: StorageWriter, *, planner: Any = None,

@@ -13,6 +13,8 @@ import logging
 import os
 import pathlib
 import pickle
+import signal
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -33,12 +35,39 @@ __all__ = [
     "is_complete",
     "load_metadata",
     "read_manifest",
+    "test_hook",
     "write_atomic",
 ]
 
 logger = logging.getLogger(__name__)
 
 METADATA_NAME = ".metadata"
+
+TEST_HOOK_ENV = "CPUCKPT_TEST_HOOK"
+
+
+def test_hook(stage: str) -> None:
+    """Test hook: act at a named stage of the commit path when ``$CPUCKPT_TEST_HOOK`` asks for it.
+
+    ``CPUCKPT_TEST_HOOK="<stage>=kill"`` SIGKILLs this process when it reaches ``<stage>``;
+    ``"<stage>=sleep:<seconds>"`` sleeps there. Several ``;``-separated entries may be given. Stages:
+    ``before-rename:<name>`` / ``after-rename:<name>`` around every atomic write (``<name>`` is
+    ``.metadata``, ``.cpuckpt.json``, ``__<r>_.cpuckpt-part.json`` or ``latest``),
+    ``clear-commit:done``, ``commit:parts-deleted``, ``retention:metadata-removed``. Used by the
+    fault suite to kill a save at exact points; unset (the normal case) it costs one dict lookup.
+    """
+    spec = os.environ.get(TEST_HOOK_ENV)
+    if not spec:
+        return
+    for entry in spec.split(";"):
+        where, _, action = entry.rpartition("=")
+        if where != stage:
+            continue
+        if action == "kill":
+            logger.warning("test hook: SIGKILL at %s", stage)
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action.startswith("sleep:"):
+            time.sleep(float(action[len("sleep:"):]))
 
 
 def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
@@ -49,9 +78,11 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
         if fsync:
             f.flush()
             os.fsync(f.fileno())
+    test_hook(f"before-rename:{path.name}")
     os.replace(tmp, path)
     if fsync:
         fsync_dir(path.parent)
+    test_hook(f"after-rename:{path.name}")
 
 
 def clear_commit(path: Path, *, fsync: bool = True) -> None:
@@ -65,6 +96,7 @@ def clear_commit(path: Path, *, fsync: bool = True) -> None:
             pass
     if removed and fsync:
         fsync_dir(path)
+    test_hook("clear-commit:done")
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -96,6 +128,7 @@ def commit_checkpoint(path: Path, metadata: Metadata, prefixes: list[str], manif
             (path / part_name(prefix)).unlink()
         except FileNotFoundError:
             pass
+    test_hook("commit:parts-deleted")
 
 
 def manifest_from_json_part(data: bytes) -> list[FileEntry]:

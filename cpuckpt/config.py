@@ -21,11 +21,13 @@ from .errors import ConfigError
 
 __all__ = [
     "AsyncConfig",
+    "CheckpointConfig",
     "Config",
     "IOConfig",
     "IntegrityConfig",
     "LayoutConfig",
     "StagingConfig",
+    "TelemetryConfig",
     "parse_bytes",
 ]
 
@@ -111,6 +113,27 @@ class AsyncConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """What the coordinator does in the checkpoint's parent directory (the root) after a commit."""
+
+    update_latest: bool = _opt(False, "After each commit, atomically point <root>/latest at the new checkpoint.")
+    keep_last: int = _opt(0, "Retention: keep the N newest complete checkpoints in the root; 0 keeps all.",
+                          min=0)
+    keep_every: int = _opt(0, "Retention: also keep every checkpoint whose step is a multiple of K; 0 = none.",
+                           min=0)
+    clean_incomplete: bool = _opt(False, "After each commit, delete leftovers of crashed saves in the root.")
+    sigterm_grace_s: float = _opt(30.0, "install_sigterm_handler(): how long SIGTERM waits for in-flight "
+                                  "saves before the previous handler runs, seconds.", min=0.0)
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Per-save/load telemetry records (see cpuckpt.telemetry)."""
+
+    file: str = _opt("", "Append one JSON line per save and load to this file; empty: log lines only.")
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything cpuckpt can be told. Defaults live here and are mirrored in configs/default.yaml."""
 
@@ -119,6 +142,8 @@ class Config:
     integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
     staging: StagingConfig = field(default_factory=StagingConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     timeout_s: float = _opt(600.0, "Bound on every wait (threads, peers, pool leases), seconds.", min=0.001)
 
     def __post_init__(self) -> None:

@@ -4,7 +4,9 @@ A backend is chosen by name (``io.backend``): ``direct`` (O_DIRECT: buffer, offs
 aligned), ``buffered`` (page cache), ``auto`` (probe the directory once: O_DIRECT where the
 filesystem accepts it, else buffered with a warning), or ``fault:<errno>@<bytes>`` /
 ``fault:<errno>@fsync`` (a first-class fault injector used by the test-suite: fails every write once
-that many bytes were written, or fails the final fsync).
+that many bytes were written, or fails the final fsync), or ``fault:KILL@<bytes>`` /
+``fault:KILL@fsync`` (SIGKILLs the whole process once exactly that many bytes reached the files, or
+just before a file's final fsync: deterministic crash points for the kill sweep).
 Every OSError becomes a :class:`StorageIOError` naming file, offset and length.
 """
 
@@ -14,6 +16,7 @@ import errno as errno_mod
 import logging
 import mmap
 import os
+import signal
 import threading
 import uuid
 from pathlib import Path
@@ -26,6 +29,7 @@ __all__ = [
     "DirectFileBackend",
     "FaultInjectingBackend",
     "FileBackend",
+    "KillingBackend",
     "fsync_dir",
     "get_backend",
     "register_backend",
@@ -166,6 +170,40 @@ class FaultInjectingBackend(BufferedFileBackend):
         super().finish_write(fd, nbytes, path, fsync)
 
 
+class KillingBackend(BufferedFileBackend):
+    """SIGKILLs this process once ``kill_after_bytes`` bytes were written through it (the write that
+    crosses the limit is written only up to it), or before a file's final fsync (``kill_fsync``).
+    A first-class backend for crash tests: what is on disk afterwards is exactly what a crash at
+    that byte leaves (minus the page cache loss of a power failure)."""
+
+    name = "kill"
+
+    def __init__(self, kill_after_bytes: int, *, kill_fsync: bool = False) -> None:
+        self.kill_after_bytes = kill_after_bytes
+        self.kill_fsync = kill_fsync
+        self._written = 0
+        self._lock = threading.Lock()
+
+    def pwrite(self, fd: int, buf: memoryview, offset: int, path: str) -> None:
+        view = memoryview(buf).cast("B")
+        with self._lock:  # held across the write: the byte count at the kill is exact
+            room = self.kill_after_bytes - self._written
+            if room >= len(view):
+                self._written += len(view)
+                super().pwrite(fd, view, offset, path)
+                return
+            if room > 0:
+                super().pwrite(fd, view[:room], offset, path)
+            logger.warning("fault backend: SIGKILL after %d bytes (in %s at offset %d)",
+                           self.kill_after_bytes, path, offset + max(room, 0))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def finish_write(self, fd: int, nbytes: int, path: str, fsync: bool) -> None:
+        if self.kill_fsync:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().finish_write(fd, nbytes, path, fsync)
+
+
 _BACKENDS: dict[str, type] = {"buffered": BufferedFileBackend, "direct": DirectFileBackend}
 _PROBED: dict[int, bool] = {}
 _PROBE_LOCK = threading.Lock()
@@ -193,16 +231,18 @@ def get_backend(name: str, directory: str | os.PathLike, align_bytes: int = 4096
     return cls()
 
 
-def _parse_fault(name: str) -> FaultInjectingBackend:
+def _parse_fault(name: str) -> FaultInjectingBackend | KillingBackend:
     try:
         err_name, after = name[len("fault:") :].split("@")
+        if err_name.upper() == "KILL":
+            return KillingBackend(1 << 62, kill_fsync=True) if after == "fsync" else KillingBackend(int(after))
         err = getattr(errno_mod, err_name.upper()) if not err_name.isdigit() else int(err_name)
         if after == "fsync":
             return FaultInjectingBackend(err, 1 << 62, fail_fsync=True)
         return FaultInjectingBackend(err, int(after))
     except (ValueError, AttributeError):
-        raise ConfigError(f"io.backend: bad fault spec {name!r}; expected e.g. 'fault:ENOSPC@1048576' or "
-                          "'fault:EIO@fsync'") from None
+        raise ConfigError(f"io.backend: bad fault spec {name!r}; expected e.g. 'fault:ENOSPC@1048576', "
+                          "'fault:EIO@fsync' or 'fault:KILL@65536'") from None
 
 
 def _direct_supported(directory: str | os.PathLike, align_bytes: int) -> bool:

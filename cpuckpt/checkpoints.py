@@ -1,0 +1,455 @@
+"""Checkpoint roots: which checkpoints are complete, the ``latest`` pointer, retention, cleaning, SIGTERM.
+
+A *root* is a directory whose subdirectories are checkpoints (``<root>/step_100``, ...). This module
+never writes data files and runs no collectives: the coordinator calls :func:`after_commit` once a
+save is committed, and users call :func:`find_latest`, :func:`list_checkpoints`,
+:func:`clean_incomplete`, :func:`apply_retention` and :func:`install_sigterm_handler` directly.
+
+A checkpoint directory is *complete* when its ``.metadata`` is a non-empty file that the restricted
+unpickler accepts and, if it holds a cpuckpt manifest of the same save, the manifest parses and
+every data file it lists exists with the listed size. (Checksums are not read: that is the load's
+job. Inspecting a checkpoint costs one read of ``.metadata`` and one ``stat`` per data file.)
+Deleting a checkpoint first removes its ``.metadata`` (and fsyncs the directory), so a deletion
+that is interrupted leaves an incomplete directory, never a damaged "complete" one.
+
+Cross-process limits: checkpoints being *written* are protected only when the writer is this
+process (its in-flight ``async_save`` handles, and the save being committed). Checkpoints being
+*loaded* are protected by a ``.cpuckpt-loading-<host>-<pid>-<id>`` marker file that
+:func:`cpuckpt.load` creates in the checkpoint for the duration of the load, which protects them
+from retention run by any process that sees the same filesystem. A marker of a process that died
+on this host is ignored; a marker from another host is honoured until it is deleted by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .commit import METADATA_NAME, load_metadata, test_hook, write_atomic
+from .config import Config
+from .errors import CpuckptError, IntegrityError
+from .fileio import fsync_dir
+from .manifest import MANIFEST_NAME, manifest_from_json
+
+__all__ = [
+    "LATEST_NAME",
+    "CheckpointInfo",
+    "after_commit",
+    "apply_retention",
+    "clean_incomplete",
+    "find_latest",
+    "install_sigterm_handler",
+    "list_checkpoints",
+    "loading",
+    "read_latest",
+    "update_latest",
+]
+
+logger = logging.getLogger(__name__)
+
+LATEST_NAME = "latest"
+LOADING_PREFIX = ".cpuckpt-loading-"
+# Names a save of cpuckpt or stock DCP leaves in a checkpoint directory (FORMAT.md section 1).
+_TMP = r"(\.metadata|\.cpuckpt\.json|__\d+_\.cpuckpt-part\.json)\.tmp"
+_CKPT_FILE = re.compile(
+    r"^(\.metadata|\.cpuckpt\.json|__\d+_\d+\.distcp|__\d+_\.cpuckpt-part\.json|\.cpuckpt-probe-[0-9a-f]{32}"
+    rf"|{_TMP}|\.cpuckpt-loading-.+)$"
+)
+_LEFTOVER_FILE = re.compile(rf"^({_TMP}|__\d+_\.cpuckpt-part\.json|\.cpuckpt-probe-[0-9a-f]{{32}})$")
+
+_LOADING: dict[str, int] = {}  # resolved path -> loads in progress in this process
+_LOADING_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint directory under a root, as :func:`list_checkpoints` sees it."""
+
+    path: Path
+    complete: bool
+    step: int | None  # from the manifest; None for stock DCP checkpoints and incomplete ones
+    mtime: float  # of .metadata when complete, else of the directory
+    reason: str  # why it is incomplete ("" when complete)
+
+
+def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
+    """Say whether the checkpoint in ``path`` is complete (see the module docstring) and its step."""
+    path = Path(path)
+    md = path / METADATA_NAME
+    try:
+        st = md.stat()
+    except OSError:
+        return CheckpointInfo(path, False, None, _mtime(path), f"no {METADATA_NAME}")
+    if not md.is_file() or st.st_size == 0:
+        return CheckpointInfo(path, False, None, st.st_mtime, f"{METADATA_NAME} is empty or not a file")
+    try:
+        metadata = load_metadata(path)  # restricted unpickler: garbage or hostile metadata is refused
+    except (IntegrityError, OSError) as e:
+        return CheckpointInfo(path, False, None, st.st_mtime, str(e))
+    try:
+        text = (path / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        return CheckpointInfo(path, True, None, st.st_mtime, "")  # stock DCP checkpoint
+    except OSError as e:
+        return CheckpointInfo(path, False, None, st.st_mtime, f"{MANIFEST_NAME} unreadable: {e}")
+    try:
+        manifest = manifest_from_json(text)
+    except (ValueError, TypeError) as e:
+        return CheckpointInfo(path, False, None, st.st_mtime, f"{MANIFEST_NAME} unreadable: {e}")
+    md_save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    if md_save_id and manifest.save_id and md_save_id != manifest.save_id:
+        # A stock save committed over a cpuckpt one: the reader ignores the stale manifest, so do we.
+        return CheckpointInfo(path, True, None, st.st_mtime, "")
+    for name, entry in manifest.files.items():
+        try:
+            size = (path / name).stat().st_size
+        except OSError:
+            return CheckpointInfo(path, False, manifest.step, st.st_mtime, f"{name} is missing")
+        if size != entry.nbytes:
+            return CheckpointInfo(path, False, manifest.step, st.st_mtime,
+                                  f"{name} has {size} bytes, the manifest says {entry.nbytes}")
+    return CheckpointInfo(path, True, manifest.step, st.st_mtime, "")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    """A directory holding at least one checkpoint file name, and nothing that is not one."""
+    try:
+        names = [e.name for e in os.scandir(path)]
+    except OSError:
+        return False
+    return bool(names) and all(_CKPT_FILE.match(n) for n in names) and any(
+        n == METADATA_NAME or n.endswith(".distcp") or n.endswith(".cpuckpt-part.json") or n.startswith(".cpuckpt")
+        for n in names)
+
+
+def _order_key(info: CheckpointInfo) -> tuple:
+    # Steps first (a stock checkpoint has none and sorts before any stepped one), then commit time.
+    return (info.step is not None, info.step if info.step is not None else 0, info.mtime, info.path.name)
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
+    """Every checkpoint directory directly under ``root``, oldest first.
+
+    Only directories holding nothing but checkpoint files (FORMAT.md section 1) are listed, so
+    unrelated directories in ``root`` are never reported, cleaned or deleted. Ordering: by manifest
+    step, then by the time ``.metadata`` was written, then by name; stock checkpoints (no step) sort
+    before stepped ones.
+    """
+    root = Path(root)
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except FileNotFoundError:
+        return []
+    out = [inspect_checkpoint(Path(e.path)) for e in entries
+           if e.is_dir(follow_symlinks=False) and _looks_like_checkpoint(Path(e.path))]
+    return sorted(out, key=_order_key)
+
+
+def find_latest(root: str | os.PathLike) -> Path | None:
+    """The newest *complete* checkpoint under ``root``, or None.
+
+    The directory scan is the source of truth; the ``latest`` pointer is not trusted alone, so a
+    torn save is never returned, whatever state the pointer is in.
+
+    Example:
+        >>> path = cpuckpt.find_latest("/ckpt")
+        >>> if path is not None:
+        ...     cpuckpt.load(state_dict, path)
+    """
+    complete = [c for c in list_checkpoints(root) if c.complete]
+    return complete[-1].path if complete else None
+
+
+def read_latest(root: str | os.PathLike) -> Path | None:
+    """The checkpoint that ``<root>/latest`` names, if the file exists and that checkpoint is complete."""
+    try:
+        name = (Path(root) / LATEST_NAME).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not name or "/" in name or name in (".", ".."):
+        return None
+    path = Path(root) / name
+    return path if inspect_checkpoint(path).complete else None
+
+
+def update_latest(root: str | os.PathLike, path: str | os.PathLike, *, fsync: bool = True) -> None:
+    """Atomically make ``<root>/latest`` name ``path`` (tmp + fsync + rename + directory fsync).
+
+    The file holds the checkpoint's directory name and a newline, so shell scripts can read it.
+
+    Raises:
+        IntegrityError: ``path`` is not a complete checkpoint directly under ``root``.
+        CpuckptError: ``<root>/latest`` exists and is not a regular file.
+    """
+    root, path = Path(root), Path(path)
+    if path.resolve().parent != root.resolve():
+        raise IntegrityError(f"{path}: not directly under the checkpoint root {root}")
+    if not inspect_checkpoint(path).complete:
+        raise IntegrityError(f"{path}: refusing to point {root / LATEST_NAME} at an incomplete checkpoint")
+    target = root / LATEST_NAME
+    if target.exists() and not target.is_file():
+        raise CpuckptError(f"{target} exists and is not a file; rename it or turn checkpoint.update_latest off")
+    write_atomic(target, (path.name + "\n").encode(), fsync=fsync)
+
+
+# --------------------------------------------------------------------------------------- loading
+
+
+def _marker_alive(name: str) -> bool:
+    """A loading marker counts unless it belongs to a process of this host that no longer exists."""
+    rest = name[len(LOADING_PREFIX):]
+    try:
+        host, pid_s, _ = rest.rsplit("-", 2)
+        pid = int(pid_s)
+    except ValueError:
+        return True
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_being_loaded(path: str | os.PathLike) -> bool:
+    """True while this process, or a live process with a loading marker, loads ``path``."""
+    path = Path(path)
+    with _LOADING_LOCK:
+        if _LOADING.get(str(path.resolve()), 0):
+            return True
+    try:
+        names = [e.name for e in os.scandir(path)]
+    except OSError:
+        return False
+    return any(n.startswith(LOADING_PREFIX) and _marker_alive(n) for n in names)
+
+
+@contextlib.contextmanager
+def loading(path: str | os.PathLike) -> Iterator[None]:
+    """Protect ``path`` from retention while the block runs (used by :func:`cpuckpt.load`).
+
+    Registers the path in this process and creates a marker file in it; if the marker cannot be
+    created (read-only filesystem), only this process's registry protects it.
+    """
+    key = str(Path(path).resolve())
+    with _LOADING_LOCK:
+        _LOADING[key] = _LOADING.get(key, 0) + 1
+    marker = Path(path) / f"{LOADING_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        marker.touch()
+    except OSError as e:
+        logger.debug("cannot create loading marker %s: %s", marker, e)
+        marker = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if marker is not None:
+            with contextlib.suppress(OSError):
+                marker.unlink()
+        with _LOADING_LOCK:
+            _LOADING[key] -= 1
+            if not _LOADING[key]:
+                del _LOADING[key]
+
+
+# ------------------------------------------------------------------------------ cleaning, retention
+
+
+def _delete_checkpoint(path: Path, *, fsync: bool) -> None:
+    """Un-commit first (remove .metadata, fsync the directory), then remove the rest."""
+    with contextlib.suppress(FileNotFoundError):
+        (path / METADATA_NAME).unlink()
+        if fsync:
+            fsync_dir(path)
+    test_hook("retention:metadata-removed")
+    shutil.rmtree(path)
+
+
+def clean_incomplete(root: str | os.PathLike, *, keep: Iterable[str | os.PathLike] = (),
+                     min_age_s: float = 0.0, fsync: bool = True) -> list[Path]:
+    """Delete leftovers of crashed saves under ``root``; returns what was removed.
+
+    Removed: checkpoint directories without a valid commit (see :func:`list_checkpoints`) in which
+    nothing was modified for ``min_age_s`` seconds, a stray ``latest.tmp`` in ``root``, and ``*.tmp``,
+    manifest parts and O_DIRECT probes inside complete checkpoints. Never removed: the directories
+    in ``keep``, any save this process has in flight, and anything younger than ``min_age_s``.
+
+    After a commit the coordinator passes ``min_age_s = timeout_s``: a live save, in this or any
+    other process, touches its directory at least once per ``timeout_s`` (every wait of a save is
+    bounded by it), so only dead saves are that old. With ``min_age_s = 0`` (the default for direct
+    calls) another process's in-flight save in the same root *is* removed.
+    """
+    root = Path(root)
+    protected = {str(Path(p).resolve()) for p in keep} | {str(Path(p).resolve()) for p in _in_flight_paths()}
+    removed: list[Path] = []
+    for info in list_checkpoints(root):
+        if str(info.path.resolve()) in protected or is_being_loaded(info.path):
+            continue
+        if not info.complete and min_age_s > 0 and time.time() - _newest_mtime(info.path) < min_age_s:
+            continue
+        if not info.complete:
+            logger.info("removing incomplete checkpoint %s (%s)", info.path, info.reason)
+            _delete_checkpoint(info.path, fsync=fsync)
+            removed.append(info.path)
+            continue
+        for entry in os.scandir(info.path):
+            if _LEFTOVER_FILE.match(entry.name):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(root):
+            if entry.name == LATEST_NAME + ".tmp" and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _newest_mtime(path: Path) -> float:
+    newest = _mtime(path)
+    with contextlib.suppress(OSError):
+        for e in os.scandir(path):
+            with contextlib.suppress(OSError):
+                newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    return newest
+
+
+def apply_retention(root: str | os.PathLike, keep_last: int, keep_every: int = 0, *,
+                    protect: Iterable[str | os.PathLike] = (), fsync: bool = True) -> list[Path]:
+    """Delete complete checkpoints under ``root`` that the retention rules do not keep; returns them.
+
+    Kept: the ``keep_last`` newest complete checkpoints (``0`` keeps all), those whose step is a
+    multiple of ``keep_every`` (when ``keep_every > 0``), the newest complete checkpoint always,
+    anything in ``protect``, and any checkpoint being loaded (see :func:`loading`). Incomplete
+    directories are left to :func:`clean_incomplete`.
+    """
+    if keep_last <= 0:
+        return []
+    complete = [c for c in list_checkpoints(root) if c.complete]
+    if not complete:
+        return []
+    protected = {str(Path(p).resolve()) for p in protect}
+    keep = {str(c.path.resolve()) for c in complete[-keep_last:]}
+    keep.add(str(complete[-1].path.resolve()))
+    removed: list[Path] = []
+    for c in complete:
+        key = str(c.path.resolve())
+        if key in keep or key in protected:
+            continue
+        if keep_every > 0 and c.step is not None and c.step % keep_every == 0:
+            continue
+        if is_being_loaded(c.path):
+            logger.info("retention: keeping %s, it is being loaded", c.path)
+            continue
+        logger.info("retention: removing %s (step %s)", c.path, c.step)
+        _delete_checkpoint(c.path, fsync=fsync)
+        removed.append(c.path)
+    return removed
+
+
+def _in_flight_paths() -> list[str]:
+    from . import checkpointer
+
+    return [h.path for ckpt in list(checkpointer._CHECKPOINTERS.values()) for h in list(ckpt.in_flight)
+            if not h.done()]
+
+
+def after_commit(path: str | os.PathLike, config: Config) -> None:
+    """Coordinator, right after ``path`` was committed: pointer, cleaning, retention in its parent.
+
+    Does nothing unless ``checkpoint.update_latest``, ``checkpoint.clean_incomplete`` or
+    ``checkpoint.keep_last`` is set. Leftovers are cleaned only once untouched for ``timeout_s``
+    (see :func:`clean_incomplete`). The checkpoint is already committed when this runs, so a
+    failure here is logged as a warning and does not fail the save.
+    """
+    cc = config.checkpoint
+    if not (cc.update_latest or cc.clean_incomplete or cc.keep_last):
+        return
+    path = Path(path)
+    root = path.parent
+    fsync = config.io.fsync
+    try:
+        if cc.update_latest:
+            update_latest(root, path, fsync=fsync)
+        if cc.clean_incomplete:
+            clean_incomplete(root, keep=[path], min_age_s=config.timeout_s, fsync=fsync)
+        if cc.keep_last:
+            apply_retention(root, cc.keep_last, cc.keep_every, protect=[path], fsync=fsync)
+    except (OSError, CpuckptError) as e:
+        logger.warning("checkpoint %s is committed, but maintaining its root %s failed: %s", path, root, e)
+
+
+# ------------------------------------------------------------------------------------------ SIGTERM
+
+_SIGTERM_LOCK = threading.Lock()
+
+
+def install_sigterm_handler(grace_s: float | None = None, config: Config | None = None) -> Any:
+    """On SIGTERM, give in-flight ``async_save``\\ s up to ``grace_s`` to commit, then chain on.
+
+    Call from the main thread (Python delivers signals there). The handler waits for this
+    process's in-flight saves until the grace period ends. Saves that are not committed by then
+    stay recognisably incomplete (no ``.metadata``). Then it runs the handler that was installed
+    before it: a Python handler is called, ``SIG_IGN`` returns, and the default action is taken by
+    re-raising SIGTERM with the default disposition restored (the process ends by SIGTERM).
+
+    Args:
+        grace_s: seconds to wait; default ``config.checkpoint.sigterm_grace_s`` (30).
+        config: where to read the default grace period from.
+
+    Returns:
+        The previous handler.
+    """
+    if grace_s is None:
+        grace_s = (config or Config()).checkpoint.sigterm_grace_s
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: Any) -> None:
+        with _SIGTERM_LOCK:
+            deadline = time.monotonic() + grace_s
+            pending = _in_flight_handles()
+            logger.warning("SIGTERM: waiting up to %.1f s for %d in-flight checkpoint save(s)", grace_s, len(pending))
+            for h in pending:
+                try:
+                    h.wait(max(0.001, deadline - time.monotonic()))
+                except Exception as e:  # reported, then the trainer's handler still runs
+                    logger.warning("SIGTERM: save of %s not committed: %s", h.path, e)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_IGN:
+            return
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
+    return previous
+
+
+def _in_flight_handles() -> list[Any]:
+    from . import checkpointer
+
+    return [h for ckpt in list(checkpointer._CHECKPOINTERS.values()) for h in list(ckpt.in_flight)]

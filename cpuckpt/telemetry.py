@@ -1,0 +1,158 @@
+"""Telemetry: one structured record per save and load, and NVTX ranges. No threads; appends one line per event.
+
+Each record is logged as one INFO line on the ``cpuckpt.telemetry`` logger and, when
+``telemetry.file`` is set (or the environment variable ``CPUCKPT_TELEMETRY_FILE``, through the usual
+config override), appended to that file as one JSON object per line. Lines from several ranks or
+processes may share the file: each is written by a single ``write`` of an ``O_APPEND`` descriptor,
+so lines do not interleave.
+
+Record fields (JSON keys), all per rank:
+
+- ``event``: ``"save"``, ``"async_save"`` or ``"load"``; ``path``, ``rank``, ``step`` (or null);
+- ``stall_s``: how long the caller was blocked (the whole call for synchronous save/load; the
+  staging wait for ``async_save``); ``persist_s``: until this rank's files were durable (save) or
+  read (load); ``committed_s``: until committed on every rank (``async_save`` only, else equal to
+  ``persist_s``);
+- ``nbytes`` and ``gbps`` (``nbytes / persist_s / 1e9``); ``mode`` (staging mode); ``files``;
+- ``pool_nbytes`` and ``pool_pinned``: this process's host pool when the record was made;
+- ``unix_time``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .config import Config
+
+__all__ = ["TelemetryRecord", "nvtx_range", "record_load", "record_save"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TelemetryRecord:
+    """One save or load of one rank (see the module docstring for each field)."""
+
+    event: str
+    path: str
+    rank: int = 0
+    step: int | None = None
+    stall_s: float = 0.0
+    persist_s: float = 0.0
+    committed_s: float = 0.0
+    nbytes: int = 0
+    gbps: float = 0.0
+    mode: str = ""
+    files: int = 0
+    pool_nbytes: int = 0
+    pool_pinned: bool = False
+    unix_time: float = field(default_factory=time.time)
+
+
+def record_save(config: Config, *, path: str | os.PathLike, rank: int = 0, step: int | None = None,
+                stall_s: float, persist_s: float, nbytes: int, mode: str = "", files: int = 0,
+                committed_s: float | None = None, event: str = "save") -> TelemetryRecord:
+    """Log (and, if configured, append as JSON) one save of this rank.
+
+    Called by the core after a save is durable (synchronous ``save``) or committed (``async_save``).
+    Never raises for a telemetry problem: a failing telemetry file is logged as a warning, because a
+    checkpoint must not fail for its statistics.
+
+    Returns:
+        The record that was emitted.
+    """
+    rec = _make(event, path, rank, step, stall_s, persist_s, nbytes, mode, files, committed_s)
+    _emit(rec, config)
+    return rec
+
+
+def record_load(config: Config, *, path: str | os.PathLike, rank: int = 0, seconds: float, nbytes: int,
+                files: int = 0) -> TelemetryRecord:
+    """Log (and, if configured, append as JSON) one load of this rank; the caller was blocked throughout."""
+    rec = _make("load", path, rank, None, seconds, seconds, nbytes, "", files, None)
+    _emit(rec, config)
+    return rec
+
+
+def _make(event: str, path: str | os.PathLike, rank: int, step: int | None, stall_s: float, persist_s: float,
+          nbytes: int, mode: str, files: int, committed_s: float | None) -> TelemetryRecord:
+    pool_nbytes, pinned = _pool_state()
+    return TelemetryRecord(
+        event=event, path=str(path), rank=rank, step=step, stall_s=round(stall_s, 6),
+        persist_s=round(persist_s, 6), committed_s=round(persist_s if committed_s is None else committed_s, 6),
+        nbytes=nbytes, gbps=round(nbytes / persist_s / 1e9, 4) if persist_s > 0 else 0.0, mode=mode, files=files,
+        pool_nbytes=pool_nbytes, pool_pinned=pinned,
+    )
+
+
+def _pool_state() -> tuple[int, bool]:
+    # staging keeps the process's pool private; reading it here must not create one.
+    from . import staging
+
+    pool = getattr(staging, "_POOL", None)
+    return (pool.nbytes, bool(pool.pinned)) if pool is not None else (0, False)
+
+
+def _emit(rec: TelemetryRecord, config: Config) -> None:
+    logger.info(
+        "cpuckpt %s %s rank %d: stall %.3f s, persist %.3f s, %d bytes, %.2f GB/s, mode %s, %d file(s), "
+        "pool %d bytes%s", rec.event, rec.path, rec.rank, rec.stall_s, rec.persist_s, rec.nbytes, rec.gbps,
+        rec.mode or "-", rec.files, rec.pool_nbytes, " pinned" if rec.pool_pinned else "",
+    )
+    target = config.telemetry.file
+    if not target:
+        return
+    line = (json.dumps(dataclasses.asdict(rec), sort_keys=True) + "\n").encode()
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        logger.warning("telemetry.file %s: cannot append the %s record (%s); set telemetry.file to a writable "
+                       "path or to '' to turn it off", target, rec.event, e.strerror or e)
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str) -> Iterator[None]:
+    """An NVTX range named ``name`` around the block when CUDA is available (visible in Nsight
+    Systems); otherwise does nothing and costs next to nothing.
+
+    Example:
+        >>> with nvtx_range("cpuckpt.stage"):
+        ...     copy_chunks()
+    """
+    if not _cuda_available():
+        yield
+        return
+    import torch
+
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
+
+
+_CUDA: bool | None = None
+
+
+def _cuda_available() -> bool:
+    # Cached: torch.cuda.is_available() costs microseconds per call, ranges may be per chunk.
+    global _CUDA
+    if _CUDA is None:
+        try:
+            import torch
+
+            _CUDA = bool(torch.cuda.is_available())
+        except ImportError:  # pragma: no cover - torch is a dependency
+            _CUDA = False
+    return _CUDA

@@ -1,0 +1,266 @@
+"""Checkpoint roots: find_latest, list_checkpoints, the `latest` pointer, retention, cleaning.
+
+Real saves into ``tmp_path`` (one process, no torch.distributed); damage is done with real file
+operations. Crash points inside these operations are covered by tests/faults/test_kill_sweep.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import cpuckpt
+from cpuckpt import IntegrityError
+from cpuckpt.checkpoints import LATEST_NAME, LOADING_PREFIX, after_commit, is_being_loaded, loading
+from cpuckpt.config import Config
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+CFG = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 30}
+
+
+def _sd(k: int) -> dict:
+    g = torch.Generator().manual_seed(k)
+    return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(7, generator=g), "step": k}
+
+
+def _save(root: Path, k: int, **checkpoint) -> Path:
+    path = root / f"step_{k:04d}"
+    cfg = dict(CFG, checkpoint=checkpoint) if checkpoint else CFG
+    cpuckpt.save(_sd(k), path, cfg, step=k)
+    return path
+
+
+def _loads_as(path: Path, k: int) -> bool:
+    want = _sd(k)
+    out = {"w": torch.zeros(64, 64), "b": torch.zeros(7), "step": None}
+    cpuckpt.load(out, path, CFG)
+    return torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"]) and out["step"] == k
+
+
+def _names(paths) -> list[str]:
+    return sorted(Path(p).name for p in paths)
+
+
+# ------------------------------------------------------------------------------------- find_latest
+
+
+def test_find_latest_of_empty_or_missing_root_is_none(tmp_path):
+    assert cpuckpt.find_latest(tmp_path) is None
+    assert cpuckpt.find_latest(tmp_path / "nope") is None
+    assert cpuckpt.list_checkpoints(tmp_path / "nope") == []
+
+
+def test_find_latest_orders_by_step_not_name_or_time(tmp_path):
+    for k in (3, 10, 2):  # step_0010 is written second, step_0002 last
+        _save(tmp_path, k)
+    assert cpuckpt.find_latest(tmp_path) == tmp_path / "step_0010"
+    infos = cpuckpt.list_checkpoints(tmp_path)
+    assert [i.step for i in infos] == [2, 3, 10] and all(i.complete for i in infos)
+
+
+@pytest.mark.parametrize("damage", ["no-metadata", "empty-metadata", "garbage-metadata", "truncated-data",
+                                    "missing-data", "garbage-manifest"])
+def test_torn_newest_checkpoint_is_never_returned(tmp_path, damage):
+    _save(tmp_path, 1)
+    new = _save(tmp_path, 2)
+    data = new / "__0_0.distcp"
+    if damage == "no-metadata":
+        (new / ".metadata").unlink()
+    elif damage == "empty-metadata":
+        (new / ".metadata").write_bytes(b"")
+    elif damage == "garbage-metadata":
+        (new / ".metadata").write_bytes(b"\x80\x04not a pickle at all")
+    elif damage == "truncated-data":
+        os.truncate(data, data.stat().st_size - 1)
+    elif damage == "missing-data":
+        data.unlink()
+    else:
+        (new / ".cpuckpt.json").write_text("{not json")
+    assert cpuckpt.find_latest(tmp_path) == tmp_path / "step_0001"
+    info = {i.path.name: i for i in cpuckpt.list_checkpoints(tmp_path)}["step_0002"]
+    assert not info.complete and info.reason
+    assert _loads_as(tmp_path / "step_0001", 1)
+
+
+def test_stock_dcp_checkpoints_are_listed_and_unrelated_dirs_are_not(tmp_path):
+    dcp.save({"a": torch.ones(3)}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    (tmp_path / "empty").mkdir()
+    infos = cpuckpt.list_checkpoints(tmp_path)
+    assert [i.path.name for i in infos] == ["stock"] and infos[0].complete and infos[0].step is None
+    assert cpuckpt.find_latest(tmp_path) == tmp_path / "stock"
+    _save(tmp_path, 5)
+    assert cpuckpt.find_latest(tmp_path) == tmp_path / "step_0005"  # stepped ones sort after stock ones
+    cpuckpt.clean_incomplete(tmp_path)
+    assert (tmp_path / "notes" / "todo.txt").exists() and (tmp_path / "empty").is_dir()
+
+
+# ---------------------------------------------------------------------------------- latest pointer
+
+
+def test_update_latest_writes_the_name_atomically(tmp_path):
+    a, b = _save(tmp_path, 1), _save(tmp_path, 2)
+    cpuckpt.update_latest(tmp_path, a)
+    assert (tmp_path / LATEST_NAME).read_text() == "step_0001\n"
+    cpuckpt.update_latest(tmp_path, b)
+    assert (tmp_path / LATEST_NAME).read_text() == "step_0002\n"
+    assert cpuckpt.read_latest(tmp_path) == b
+    assert not (tmp_path / "latest.tmp").exists()
+
+
+def test_update_latest_refuses_incomplete_and_foreign_paths(tmp_path):
+    a = _save(tmp_path, 1)
+    other = _save(tmp_path / "elsewhere", 2)
+    with pytest.raises(IntegrityError, match="not directly under"):
+        cpuckpt.update_latest(tmp_path, other)
+    (a / ".metadata").unlink()
+    with pytest.raises(IntegrityError, match="incomplete"):
+        cpuckpt.update_latest(tmp_path, a)
+    assert not (tmp_path / LATEST_NAME).exists()
+
+
+def test_read_latest_ignores_a_pointer_to_a_torn_checkpoint(tmp_path):
+    a = _save(tmp_path, 1)
+    cpuckpt.update_latest(tmp_path, a)
+    (a / ".metadata").unlink()
+    assert cpuckpt.read_latest(tmp_path) is None
+    (tmp_path / LATEST_NAME).write_text("../../etc\n")
+    assert cpuckpt.read_latest(tmp_path) is None
+
+
+def test_latest_that_is_a_directory_is_not_clobbered(tmp_path, caplog):
+    """A user checkpoint called `latest` must survive; the save still succeeds (a warning is logged)."""
+    (tmp_path / LATEST_NAME).mkdir()
+    (tmp_path / LATEST_NAME / "mine.txt").write_text("x")
+    _save(tmp_path, 1, update_latest=True)
+    assert (tmp_path / LATEST_NAME / "mine.txt").exists()
+    assert "not a file" in caplog.text
+
+
+def test_save_with_update_latest_moves_the_pointer(tmp_path):
+    for k in (1, 2):
+        _save(tmp_path, k, update_latest=True)
+        assert cpuckpt.read_latest(tmp_path) == tmp_path / f"step_{k:04d}"
+
+
+def test_async_save_with_update_latest_moves_the_pointer(tmp_path):
+    cfg = dict(CFG, checkpoint={"update_latest": True, "keep_last": 1})
+    for k in (1, 2):
+        cpuckpt.async_save(_sd(k), tmp_path / f"step_{k:04d}", cfg, step=k).wait()
+    assert cpuckpt.read_latest(tmp_path) == tmp_path / "step_0002"
+    assert _names(i.path for i in cpuckpt.list_checkpoints(tmp_path)) == ["step_0002"]
+
+
+# --------------------------------------------------------------------------------------- retention
+
+
+def test_keep_last_and_keep_every(tmp_path):
+    for k in range(1, 8):
+        _save(tmp_path, k, keep_last=2, keep_every=3)
+    assert _names(i.path for i in cpuckpt.list_checkpoints(tmp_path)) == ["step_0003", "step_0006", "step_0007"]
+    assert _loads_as(tmp_path / "step_0007", 7) and _loads_as(tmp_path / "step_0003", 3)
+
+
+def test_retention_keeps_the_newest_complete_even_when_newer_ones_are_torn(tmp_path):
+    for k in (1, 2):
+        _save(tmp_path, k)
+    torn = _save(tmp_path, 3)
+    (torn / ".metadata").unlink()
+    removed = cpuckpt.apply_retention(tmp_path, keep_last=1)
+    assert _names(removed) == ["step_0001"]
+    assert cpuckpt.find_latest(tmp_path) == tmp_path / "step_0002"
+    assert torn.is_dir(), "retention must leave incomplete directories to clean_incomplete"
+
+
+def test_retention_never_deletes_a_checkpoint_being_loaded(tmp_path):
+    for k in (1, 2, 3):
+        _save(tmp_path, k)
+    old = tmp_path / "step_0001"
+    with loading(old):
+        assert is_being_loaded(old)
+        assert any(n.startswith(LOADING_PREFIX) for n in os.listdir(old))
+        assert _names(cpuckpt.apply_retention(tmp_path, keep_last=1)) == ["step_0002"]
+        assert _loads_as(old, 1)  # cpuckpt.load nests fine inside loading()
+    assert not any(n.startswith(LOADING_PREFIX) for n in os.listdir(old)), "marker left behind"
+    assert _names(cpuckpt.apply_retention(tmp_path, keep_last=1)) == ["step_0001"]
+
+
+def test_loading_markers_of_other_processes(tmp_path):
+    """A marker of a live process (or another host) protects; one of a dead local process does not."""
+    for k in (1, 2):
+        _save(tmp_path, k)
+    old = tmp_path / "step_0001"
+    host = socket.gethostname()
+    live = old / f"{LOADING_PREFIX}{host}-{os.getppid()}-abcd1234"
+    live.touch()
+    assert is_being_loaded(old) and cpuckpt.apply_retention(tmp_path, keep_last=1) == []
+    live.unlink()
+    remote = old / f"{LOADING_PREFIX}some-other-host-1-abcd1234"
+    remote.touch()
+    assert cpuckpt.apply_retention(tmp_path, keep_last=1) == []
+    remote.unlink()
+    dead_pid = 2**22 + 12345  # above the default pid_max: no such process
+    (old / f"{LOADING_PREFIX}{host}-{dead_pid}-abcd1234").touch()
+    assert not is_being_loaded(old)
+    assert _names(cpuckpt.apply_retention(tmp_path, keep_last=1)) == ["step_0001"]
+
+
+# ---------------------------------------------------------------------------------------- cleaning
+
+
+def test_clean_incomplete_removes_leftovers_only(tmp_path):
+    good = _save(tmp_path, 1)
+    torn = _save(tmp_path, 2)
+    (torn / ".metadata").unlink()
+    writing = _save(tmp_path, 3)
+    (writing / ".metadata").unlink()
+    (good / "__0_.cpuckpt-part.json").write_text("{}")
+    (good / ".metadata.tmp").write_bytes(b"x")
+    (tmp_path / "latest.tmp").write_text("step_0002\n")
+    removed = cpuckpt.clean_incomplete(tmp_path, keep=[writing])
+    assert _names(removed) == [".metadata.tmp", "__0_.cpuckpt-part.json", "latest.tmp", "step_0002"]
+    assert not torn.exists() and writing.is_dir()
+    assert _loads_as(good, 1)
+
+
+def _age(path: Path, seconds: float) -> None:
+    t = os.stat(path).st_mtime - seconds
+    for p in [path, *path.iterdir()]:
+        os.utime(p, (t, t))
+
+
+def test_clean_incomplete_after_commit_when_configured(tmp_path):
+    """After a commit, only leftovers untouched for timeout_s go: a younger one may be a live save."""
+    _save(tmp_path, 1)
+    old, young = _save(tmp_path, 2), _save(tmp_path, 3)
+    (old / ".metadata").unlink()
+    (young / ".metadata").unlink()
+    _age(old, 31)  # CFG's timeout_s is 30
+    _save(tmp_path, 4, clean_incomplete=True)
+    assert _names(i.path for i in cpuckpt.list_checkpoints(tmp_path)) == ["step_0001", "step_0003", "step_0004"]
+    assert cpuckpt.clean_incomplete(tmp_path, min_age_s=3600) == []
+    assert _names(cpuckpt.clean_incomplete(tmp_path)) == ["step_0003"]
+
+
+def test_after_commit_does_nothing_by_default(tmp_path):
+    a = _save(tmp_path, 1)
+    torn = _save(tmp_path, 2)
+    (torn / ".metadata").unlink()
+    after_commit(a, Config())
+    assert not (tmp_path / LATEST_NAME).exists() and torn.is_dir()
+
+
+def test_stock_save_over_a_cpuckpt_checkpoint_is_complete(tmp_path):
+    """The stale manifest of the earlier cpuckpt save is ignored, as the reader ignores it."""
+    path = _save(tmp_path, 1)
+    dcp.save({"w": torch.ones(64, 64), "b": torch.ones(7)}, storage_writer=dcp.FileSystemWriter(str(path)))
+    info = cpuckpt.list_checkpoints(tmp_path)[0]
+    assert info.complete and info.step is None
+    assert cpuckpt.find_latest(tmp_path) == path
