@@ -95,3 +95,15 @@ def test_wheel_console_scripts_resolve(installed):
     """Every ``[project.scripts]`` entry point of the installed wheel imports (no dangling console script)."""
     bad = {k: v for k, v in installed["probe"]["entry_points"].items() if v != "ok"}
     assert not bad, f"console scripts whose target cannot be imported: {bad}"
+
+
+def test_cli_outside_the_source_tree_says_where_bench_and_demo_live(installed):
+    """From the installed wheel (no benchmarks/ or examples/ beside it), ``bench``/``demo`` exit 2 with
+    a clear message instead of a traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = str(installed["site"])
+    for cmd in ("bench", "demo"):
+        proc = subprocess.run([sys.executable, "-m", "cpuckpt.cli", cmd, "--smoke"], cwd=installed["tmp"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "ships with the cpuckpt source tree" in proc.stderr, proc.stderr

@@ -1,0 +1,268 @@
+"""Finding and describing checkpoints on disk (``cpuckpt ls`` / ``cpuckpt inspect``). Reads, never writes.
+
+Recognised directory kinds:
+
+- ``cpuckpt``: a ``.cpuckpt.json`` manifest or rank manifest parts; complete iff ``.metadata`` exists.
+- ``dcp``: stock DCP, ``.metadata`` (or ``*.distcp`` data files) without a cpuckpt manifest.
+- ``megatron``: ``metadata.json`` holding ``sharded_backend`` (Megatron-Core dist checkpoint);
+  complete when its backend's files are (``.metadata`` for ``torch_dist``).
+- ``deepspeed``: ``*_model_states.pt`` files (a DeepSpeed tag directory); complete when present.
+
+Pickled files are never unpickled here: ``.metadata`` goes through :func:`cpuckpt.commit.load_metadata`
+(DCP classes only) and DeepSpeed ``.pt`` files are only listed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from .checkpoints import find_latest, inspect_checkpoint
+from .commit import METADATA_NAME, load_metadata, read_manifest
+from .errors import CpuckptError
+from .manifest import MANIFEST_NAME, Manifest
+
+__all__ = ["Description", "ListedCheckpoint", "TensorInfo", "describe", "identify", "scan_root", "tensors_of"]
+
+_STEP_RE = re.compile(r"(\d+)(?!.*\d)")  # the last number in a name: step_100, iter_0000100, global_step7
+
+
+@dataclass
+class ListedCheckpoint:
+    """One checkpoint directory as ``ls`` shows it."""
+
+    path: Path
+    kind: str  # cpuckpt, dcp, megatron, deepspeed
+    complete: bool
+    step: int | None
+    nbytes: int
+    mtime: float
+    latest: bool = False
+    reason: str = ""  # why it is incomplete
+
+    @property
+    def status(self) -> str:
+        return "complete" if self.complete else "incomplete"
+
+    @property
+    def age_s(self) -> float:
+        return max(0.0, time.time() - self.mtime)
+
+
+@dataclass
+class TensorInfo:
+    """One state-dict entry of a DCP checkpoint."""
+
+    name: str
+    dtype: str  # "bytes" for non-tensor items
+    shape: tuple[int, ...]
+    shards: int
+    nbytes: int  # data bytes of the full tensor (record bytes for non-tensor items)
+
+
+@dataclass
+class Description:
+    """What ``inspect`` reports about one checkpoint."""
+
+    info: ListedCheckpoint
+    manifest: Manifest | None = None
+    ranks: int | None = None
+    files: dict[str, int] = field(default_factory=dict)  # data file -> bytes on disk
+    tensors: list[TensorInfo] = field(default_factory=list)
+    dcp_version: str = ""
+    save_id: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
+    """Recognise ``path`` as a checkpoint directory, or return None when it is not one."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    try:
+        names = set(os.listdir(p))
+    except OSError:
+        return None
+    kind: str | None = None
+    complete = False
+    step: int | None = None
+    if MANIFEST_NAME in names or any(n.endswith(".cpuckpt-part.json") for n in names):
+        kind, complete = "cpuckpt", METADATA_NAME in names
+        try:
+            manifest = read_manifest(p) if MANIFEST_NAME in names else None
+        except CpuckptError:
+            manifest = None
+        step = manifest.step if manifest is not None else None
+    elif "metadata.json" in names and _megatron_backend(p / "metadata.json") is not None:
+        kind = "megatron"
+        backend = _megatron_backend(p / "metadata.json")
+        complete = METADATA_NAME in names if backend == "torch_dist" else True
+    elif METADATA_NAME in names or any(n.endswith(".distcp") for n in names):
+        kind, complete = "dcp", METADATA_NAME in names
+    elif any(n.endswith("_model_states.pt") for n in names):
+        kind, complete = "deepspeed", True
+    if kind is None:
+        return None
+    reason = "" if complete else "no .metadata"
+    if kind in ("cpuckpt", "dcp"):
+        # the same rule as find_latest/retention: .metadata, and every listed data file at its size
+        checked = inspect_checkpoint(p)
+        complete, reason = checked.complete, checked.reason
+    if step is None:
+        m = _STEP_RE.search(p.name)
+        step = int(m.group(1)) if m else None
+    nbytes, mtime = _tree_size(p)
+    return ListedCheckpoint(path=p, kind=kind, complete=complete, step=step, nbytes=nbytes, mtime=mtime,
+                            reason=reason)
+
+
+def scan_root(root: str | os.PathLike) -> list[ListedCheckpoint]:
+    """Checkpoints in ``root`` (its subdirectories, or ``root`` itself), oldest step first, latest marked.
+
+    The latest is :func:`cpuckpt.find_latest`'s answer (the newest complete cpuckpt or DCP
+    checkpoint); for DeepSpeed and Megatron roots, the directory their pointer file (``latest``,
+    ``latest_checkpointed_iteration.txt``) names; otherwise the complete checkpoint with the highest
+    step (then the newest modification time).
+
+    Raises:
+        FileNotFoundError: ``root`` is not a directory.
+    """
+    r = Path(root)
+    if not r.is_dir():
+        raise FileNotFoundError(f"{r}: not a directory")
+    own = identify(r)
+    if own is not None:
+        found = [own]
+    else:
+        found = [info for d in sorted(r.iterdir()) if d.is_dir() and (info := identify(d)) is not None]
+    found.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.mtime, i.path.name))
+    newest = find_latest(r) if own is None else None  # cpuckpt's rule for cpuckpt and DCP checkpoints
+    latest = next((i for i in found if newest is not None and i.path == newest), None) or _pointer(r, found)
+    if latest is None:
+        complete = [i for i in found if i.complete]
+        if complete:
+            latest = max(complete, key=lambda i: (i.step if i.step is not None else -1, i.mtime))
+    if latest is not None:
+        latest.latest = True
+    return found
+
+
+def _pointer(root: Path, found: list[ListedCheckpoint]) -> ListedCheckpoint | None:
+    for name in ("latest", "latest_checkpointed_iteration.txt"):
+        try:
+            text = (root / name).read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not text:
+            continue
+        target = Path(text).name
+        for info in found:
+            if info.path.name == target or (name.startswith("latest_checkpointed") and info.step == _int(text)):
+                return info
+    return None
+
+
+def _int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _megatron_backend(path: Path) -> str | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    backend = data.get("sharded_backend") if isinstance(data, dict) else None
+    return str(backend) if backend is not None else None
+
+
+def _tree_size(p: Path) -> tuple[int, float]:
+    total, mtime = 0, p.stat().st_mtime
+    for dirpath, _dirs, files in os.walk(p):
+        for n in files:
+            try:
+                st = os.stat(os.path.join(dirpath, n))
+            except OSError:  # removed while we walk (a save in progress)
+                continue
+            total += st.st_size
+            mtime = max(mtime, st.st_mtime)
+    return total, mtime
+
+
+def describe(path: str | os.PathLike) -> Description:
+    """Everything ``inspect`` shows: files, ranks, tensors, versions, config and timings.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a recognised checkpoint directory.
+    """
+    p = Path(path)
+    info = identify(p)
+    if info is None:
+        raise FileNotFoundError(f"{p}: not a checkpoint directory (no .metadata, .cpuckpt.json, "
+                                "metadata.json or *_model_states.pt)")
+    desc = Description(info=info)
+    if info.kind == "deepspeed":
+        desc.files = {n.name: n.stat().st_size for n in sorted(p.glob("*.pt"))}
+        desc.notes.append("DeepSpeed .pt files are pickles; not opened (use DeepSpeed to load them)")
+        return desc
+    try:
+        desc.manifest = read_manifest(p)
+    except CpuckptError as e:
+        desc.notes.append(str(e))
+    if desc.manifest is not None:
+        desc.ranks = desc.manifest.world_size
+        desc.save_id = desc.manifest.save_id
+    if not info.complete:
+        desc.notes.append("no .metadata: the save did not complete; tensors are unknown")
+        desc.files = {n.name: n.stat().st_size for n in sorted(p.glob("*.distcp"))}
+        return desc
+    md = load_metadata(p)
+    desc.dcp_version = str(getattr(md, "version", "") or "")
+    desc.save_id = desc.save_id or str(getattr(getattr(md, "storage_meta", None), "save_id", "") or "")
+    desc.tensors = tensors_of(md)
+    rels = sorted({s.relative_path for s in (md.storage_data or {}).values()})
+    for rel in rels:
+        try:
+            desc.files[rel] = (p / rel).stat().st_size
+        except OSError:
+            desc.files[rel] = -1
+            desc.notes.append(f"{rel}: listed in .metadata but missing")
+    if desc.ranks is None:
+        prefixes = {m.group(1) for rel in rels if (m := re.match(r"__(\d+)_", rel))}
+        desc.ranks = len(prefixes) or None
+    return desc
+
+
+def tensors_of(md: Metadata) -> list[TensorInfo]:
+    """One :class:`TensorInfo` per state-dict entry of a DCP ``Metadata``, in its order."""
+    out = []
+    lengths: dict[str, int] = {}
+    for idx, sinfo in (md.storage_data or {}).items():
+        lengths[idx.fqn] = lengths.get(idx.fqn, 0) + int(getattr(sinfo, "length", 0))
+    for name, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            shape = tuple(int(s) for s in item.size)
+            numel = 1
+            for s in shape:
+                numel *= s
+            itemsize = _itemsize(item.properties.dtype)
+            out.append(TensorInfo(name, str(item.properties.dtype).replace("torch.", ""), shape, len(item.chunks),
+                                  numel * itemsize))
+        elif isinstance(item, BytesStorageMetadata):
+            out.append(TensorInfo(name, "bytes", (), 1, lengths.get(name, 0)))
+    return out
+
+
+def _itemsize(dtype: Any) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()

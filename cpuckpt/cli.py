@@ -1,0 +1,305 @@
+"""The ``cpuckpt`` command line: ls, inspect, verify, convert, bench, demo. Front end only.
+
+The work is done by :mod:`cpuckpt.catalog` (ls, inspect), :mod:`cpuckpt.verification` (verify)
+and :mod:`cpuckpt.export` (convert); this module parses arguments, configures logging (the only
+place in cpuckpt that adds handlers), prints, and maps outcomes to exit codes:
+
+- 0: success (``verify``: every byte checked and sound);
+- 1: ``verify`` found damage;
+- 2: the command could not run (not a checkpoint, incomplete, bad arguments, missing source tree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .config import parse_bytes
+from .errors import CpuckptError
+
+__all__ = ["cli", "main"]
+
+logger = logging.getLogger(__name__)
+
+_EXIT_DAMAGED = 1
+_EXIT_ERROR = 2
+
+
+def _human_bytes(n: int) -> str:
+    if n < 0:
+        return "?"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _human_age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _fail(message: str) -> None:
+    click.echo(f"cpuckpt: error: {message}", err=True)
+    sys.exit(_EXIT_ERROR)
+
+
+class _Bytes(click.ParamType):
+    name = "bytes"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        try:
+            return parse_bytes(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="-v: INFO log lines (telemetry), -vv: DEBUG.")
+@click.version_option(package_name="cpuckpt", prog_name="cpuckpt")
+def cli(verbose: int) -> None:
+    """cpuckpt: inspect, verify and convert checkpoints; run the benchmark and the demo."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # DCP warns once per load that it runs without a process group; that is the CLI's normal case.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+@cli.command("ls")
+@click.argument("root", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per checkpoint.")
+def ls_cmd(root: Path, as_json: bool) -> None:
+    """List the checkpoints in ROOT: step, size, status, age; the latest is marked.
+
+    Recognises cpuckpt, stock DCP, Megatron (metadata.json) and DeepSpeed (*_model_states.pt) checkpoint
+    directories. ROOT may also be a checkpoint directory itself.
+    """
+    from .catalog import scan_root
+
+    try:
+        found = scan_root(root)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    if as_json:
+        for info in found:
+            click.echo(json.dumps({"path": str(info.path), "kind": info.kind, "step": info.step,
+                                   "nbytes": info.nbytes, "status": info.status, "reason": info.reason,
+                                   "age_s": round(info.age_s, 1), "latest": info.latest}))
+        return
+    if not found:
+        click.echo(f"no checkpoints in {root}")
+        return
+    rows = [("NAME", "KIND", "STEP", "SIZE", "STATUS", "AGE", "")]
+    for info in found:
+        status = info.status if info.complete else f"{info.status} ({info.reason})" if info.reason else info.status
+        rows.append((info.path.name if info.path != root else str(root), info.kind,
+                     "-" if info.step is None else str(info.step), _human_bytes(info.nbytes), status,
+                     _human_age(info.age_s), "<- latest" if info.latest else ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+@cli.command("inspect")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--tensors/--no-tensors", default=True, help="List every tensor (default) or only totals.")
+def inspect_cmd(path: Path, as_json: bool, tensors: bool) -> None:
+    """Show ranks, files, tensors, bytes, config, versions and timings of the checkpoint at PATH."""
+    from .catalog import describe
+
+    try:
+        d = describe(path)
+    except (FileNotFoundError, CpuckptError) as e:
+        _fail(str(e))
+    m = d.manifest
+    if as_json:
+        click.echo(json.dumps({
+            "path": str(path), "kind": d.info.kind, "status": d.info.status, "reason": d.info.reason,
+            "step": d.info.step, "ranks": d.ranks, "nbytes": d.info.nbytes, "files": d.files,
+            "save_id": d.save_id, "dcp_version": d.dcp_version,
+            "cpuckpt_version": m.cpuckpt_version if m else None, "torch_version": m.torch_version if m else None,
+            "created_unix": m.created_unix if m else None, "timings": m.timings if m else {},
+            "config": m.config if m else {}, "notes": d.notes,
+            "tensors": [dataclasses.asdict(t) for t in d.tensors],
+        }, indent=2, default=str))
+        return
+    tensor_bytes = sum(t.nbytes for t in d.tensors if t.dtype != "bytes")
+    lines = [
+        f"path:      {path}",
+        f"kind:      {d.info.kind} ({d.info.status}{', ' + d.info.reason if d.info.reason else ''})",
+        f"step:      {'-' if d.info.step is None else d.info.step}",
+        f"ranks:     {'-' if d.ranks is None else d.ranks}",
+        f"size:      {_human_bytes(d.info.nbytes)} on disk ({d.info.nbytes} bytes), "
+        f"tensor data {_human_bytes(tensor_bytes)}",
+    ]
+    if d.save_id:
+        lines.append(f"save id:   {d.save_id}")
+    if m is not None:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created_unix)) if m.created_unix else "-"
+        lines.append(f"written:   {created} by cpuckpt {m.cpuckpt_version or '?'}, torch {m.torch_version or '?'} "
+                     f"(manifest format {m.format_version}, DCP {d.dcp_version or '?'})")
+        if m.timings:
+            lines.append("timings:   " + ", ".join(f"{k} {v:.3f} s" for k, v in sorted(m.timings.items())))
+    elif d.dcp_version:
+        lines.append(f"written:   stock DCP (metadata version {d.dcp_version}); no cpuckpt manifest")
+    lines.append(f"files:     {len(d.files)}")
+    for name, nbytes in sorted(d.files.items()):
+        extra = ""
+        if m is not None and name in m.files:
+            e = m.files[name]
+            extra = f"  {len(e.chunk_checksums)} chunk(s) of {_human_bytes(e.chunk_bytes)}, {e.checksum}"
+        lines.append(f"  {name}  {_human_bytes(nbytes)}{extra}")
+    n_tensors = sum(1 for t in d.tensors if t.dtype != "bytes")
+    lines.append(f"tensors:   {n_tensors}; other items: {len(d.tensors) - n_tensors}")
+    if tensors and d.tensors:
+        rows = [("NAME", "DTYPE", "SHAPE", "SHARDS", "BYTES")]
+        rows += [(t.name, t.dtype, "x".join(map(str, t.shape)) if t.shape else "()", str(t.shards), str(t.nbytes))
+                 for t in d.tensors]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if m is not None and m.config:
+        lines.append("config:")
+        for section, values in m.config.items():
+            if isinstance(values, dict):
+                lines.append(f"  {section}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+            else:
+                lines.append(f"  {section}: {values}")
+    lines += [f"note:      {n}" for n in d.notes]
+    click.echo("\n".join(lines))
+
+
+@cli.command("verify")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+def verify_cmd(path: Path) -> None:
+    """Read every byte of the checkpoint at PATH and check it.
+
+    cpuckpt checkpoints: every chunk's crc32c against the manifest, file sizes, record bounds.
+    Stock DCP checkpoints: every record's zip CRCs, and every tensor record must load. Exit code 1
+    names each damaged file and byte range; 2 means the checkpoint could not be checked at all.
+    """
+    from tqdm import tqdm
+
+    from .commit import read_manifest
+    from .verification import verify_checkpoint
+
+    try:
+        manifest = read_manifest(path)
+        total = sum(e.nbytes for e in manifest.files.values()) if manifest is not None else None
+        # disable=None: a bar on a terminal, nothing when stderr is a pipe or a file
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=None,
+                  file=sys.stderr, leave=False) as bar:
+            report = verify_checkpoint(path, progress=bar.update)
+    except CpuckptError as e:
+        _fail(f"cannot verify: {e}")
+    for note in report.notes:
+        click.echo(f"note: {note}")
+    for damage in report.damage:
+        click.echo(f"DAMAGED {path / damage.file}: bytes [{damage.lo}, {damage.hi}): {damage.what}")
+    what = "chunk(s)" if report.kind == "cpuckpt" else "record(s)"
+    if report.ok:
+        click.echo(f"OK {path}: {report.files} file(s), {report.chunks} {what}, {report.nbytes} bytes verified")
+        return
+    click.echo(f"FAILED {path}: {len(report.damage)} problem(s) in {report.files} file(s)")
+    sys.exit(_EXIT_DAMAGED)
+
+
+@cli.command("convert")
+@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--to", "fmt", type=click.Choice(["safetensors", "torch"]), required=True, help="Output format.")
+@click.option("--max-shard-size", type=_Bytes(), default=None,
+              help="Write HF-style shards of at most this size (e.g. 5GB) and an index into the directory OUT.")
+@click.option("--memory-budget", type=_Bytes(), default="1GiB", show_default=True,
+              help="Tensor bytes held in memory at once (a larger tensor is loaded alone).")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="A cpuckpt YAML config for reading (threads, verification).")
+def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, memory_budget: int,
+                config_path: str | None) -> None:
+    """Write the checkpoint at PATH as full (resharded) tensors to OUT, in safetensors or torch.save format.
+
+    Streams: at most --memory-budget of tensor data is in memory at a time. Non-tensor items go to
+    the safetensors metadata as JSON (or into the torch file); items that cannot are listed as skipped.
+    """
+    from tqdm import tqdm
+
+    from .catalog import describe
+    from .export import export_checkpoint
+
+    try:
+        total = sum(t.nbytes for t in describe(path).tensors if t.dtype != "bytes")
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=None,
+                  file=sys.stderr, leave=False) as bar:
+            report = export_checkpoint(path, out, fmt=fmt, max_shard_bytes=max_shard_size,
+                                       memory_budget_bytes=memory_budget, config=config_path, progress=bar.update)
+    except (CpuckptError, FileNotFoundError, ValueError) as e:
+        _fail(f"cannot convert {path}: {e}")
+    for f in report.files:
+        click.echo(f"wrote {f} ({_human_bytes(f.stat().st_size)})")
+    if report.index is not None:
+        click.echo(f"wrote {report.index}")
+    click.echo(f"{report.tensors} tensor(s), {report.nbytes} bytes of tensor data")
+    for name in sorted(report.metadata):
+        click.echo(f"kept {name}: {report.metadata[name]}")
+    for name, why in sorted(report.skipped.items()):
+        click.echo(f"skipped {name}: {why}")
+
+
+def _source_script(rel: str) -> Path:
+    """A script that ships with the source tree (not the wheel): beside the package, or under the cwd."""
+    for base in (Path(__file__).resolve().parents[1], Path.cwd()):
+        candidate = base / rel
+        if candidate.is_file():
+            return candidate
+    _fail(f"{rel} ships with the cpuckpt source tree, not with the installed package; run this command from a "
+          "clone of the repository (or an editable install: pip install -e .)")
+    raise AssertionError("unreachable")  # _fail exits
+
+
+def _run_script(rel: str, args: tuple[str, ...]) -> None:
+    script = _source_script(rel)
+    sys.stdout.flush()
+    sys.exit(subprocess.call([sys.executable, str(script), *args]))
+
+
+_PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+
+@cli.command("bench", context_settings=_PASS_THROUGH, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench_cmd(args: tuple[str, ...]) -> None:
+    """Run benchmarks/bench_cpu.py with ARGS (e.g. --smoke; --help for its options)."""
+    _run_script("benchmarks/bench_cpu.py", args)
+
+
+@cli.command("demo", context_settings=_PASS_THROUGH, add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def demo_cmd(args: tuple[str, ...]) -> None:
+    """Run examples/demo.py with ARGS (e.g. --quick; --help for its options)."""
+    _run_script("examples/demo.py", args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point (``cpuckpt``)."""
+    try:
+        cli.main(args=argv, prog_name="cpuckpt", standalone_mode=True)
+    except SystemExit as e:
+        code = e.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

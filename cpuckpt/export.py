@@ -1,0 +1,312 @@
+"""Export a DCP checkpoint to consolidated safetensors or torch.save files (``cpuckpt convert``).
+
+Streaming, so host memory stays bounded: the output files' layout is fixed first (a safetensors
+header, or a ``torch.save`` archive written under ``torch.serialization.skip_data`` from fake
+tensors, which reserves every storage's bytes without touching them). Then tensors are loaded in
+batches of at most ``memory_budget_bytes`` through :func:`cpuckpt.load` (resharded to full tensors,
+checksums verified) into a state dict that holds only that batch, and each tensor's bytes are
+``pwrite``-n to their place. Peak memory is about one batch (or the largest tensor, if larger) plus
+the reader's pool (``io.threads`` x ``io.chunk_bytes``).
+
+Non-tensor items are read from their records with ``torch.load(weights_only=True)`` (never arbitrary
+pickles). With safetensors they go into the header's ``__metadata__`` as JSON; values that are not
+JSON-able, or that ``weights_only`` refuses, are skipped and listed in the report.
+
+Note that the zip CRC-32 fields of the tensor entries of a ``--to torch`` file are not those of the
+data (as in cpuckpt's own records, docs/FORMAT.md 3.2): ``torch.load`` reads it, Python's ``zipfile``
+CRC check does not.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from .api import load
+from .commit import load_metadata
+from .config import Config
+
+__all__ = ["ExportReport", "export_checkpoint"]
+
+FORMATS = ("safetensors", "torch")
+
+
+@dataclass
+class _Tensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export_checkpoint` wrote and left out."""
+
+    files: list[Path] = field(default_factory=list)
+    index: Path | None = None
+    tensors: int = 0
+    nbytes: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)  # non-tensor items kept (name -> JSON or repr)
+    skipped: dict[str, str] = field(default_factory=dict)  # non-tensor items left out (name -> why)
+
+
+def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "safetensors",
+                      max_shard_bytes: int | None = None, memory_budget_bytes: int = 1 << 30,
+                      config: Config | str | os.PathLike | dict | None = None,
+                      progress: Callable[[int], None] | None = None) -> ExportReport:
+    """Write the checkpoint at ``src`` as full (unsharded) tensors in ``fmt`` files.
+
+    Args:
+        src: a committed cpuckpt or stock DCP checkpoint directory.
+        out: the output file; with ``max_shard_bytes``, a directory that receives HF-style shards
+            (``model-00001-of-0000N.safetensors`` or ``pytorch_model-...bin``) and an index JSON
+            (just ``model.safetensors`` / ``pytorch_model.bin`` when everything fits in one shard).
+        fmt: ``"safetensors"`` or ``"torch"``.
+        max_shard_bytes: largest shard (tensor data bytes); a larger tensor gets a shard of its own.
+        memory_budget_bytes: tensor bytes held in memory at once (a larger tensor is loaded alone).
+        config: reader configuration for :func:`cpuckpt.load`.
+        progress: called with each batch's tensor bytes once written.
+
+    Returns:
+        An :class:`ExportReport`.
+
+    Raises:
+        ValueError: unknown ``fmt``, or a dtype the format cannot store.
+        IntegrityError / CheckpointCorrupt: the source is incomplete or damaged.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown output format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    src_path, out_path = Path(src), Path(out)
+    md = load_metadata(src_path)
+    tensors: list[_Tensor] = []
+    extras: dict[str, Any] = {}
+    report = ExportReport()
+    for name, item in md.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            shape = tuple(int(s) for s in item.size)
+            numel = 1
+            for s in shape:
+                numel *= s
+            dtype = item.properties.dtype
+            tensors.append(_Tensor(name, dtype, shape, numel * torch.empty((), dtype=dtype).element_size()))
+        elif isinstance(item, BytesStorageMetadata):
+            _read_extra(src_path, md, name, fmt, extras, report)
+    shards = _shard(tensors, max_shard_bytes)
+    if max_shard_bytes is None:
+        targets = [out_path]
+    else:
+        out_path.mkdir(parents=True, exist_ok=True)
+        stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+        n = len(shards)
+        targets = [out_path / f"{stem}.{ext}"] if n == 1 else \
+            [out_path / f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
+    weight_map: dict[str, str] = {}
+    for k, (shard, target) in enumerate(zip(shards, targets)):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shard_extras = extras if k == 0 or fmt == "safetensors" else {}
+        if fmt == "safetensors":
+            offsets = _write_safetensors_header(target, shard, report.metadata)
+        else:
+            offsets = _write_torch_skeleton(target, shard, shard_extras)
+        _fill(src_path, target, shard, offsets, memory_budget_bytes, config, progress)
+        report.files.append(target)
+        for t in shard:
+            weight_map[t.name] = target.name
+    report.tensors = len(tensors)
+    report.nbytes = sum(t.nbytes for t in tensors)
+    if len(targets) > 1:
+        index = out_path / ("model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json")
+        meta: dict[str, Any] = {"total_size": report.nbytes}
+        if fmt == "safetensors" and report.metadata:
+            meta["cpuckpt_extras"] = report.metadata
+        index.write_text(json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+        report.index = index
+    return report
+
+
+def _read_extra(src: Path, md: Any, name: str, fmt: str, extras: dict[str, Any], report: ExportReport) -> None:
+    """Read one non-tensor item's record (weights_only) and keep it where the format can hold it."""
+    sinfo = next((s for idx, s in (md.storage_data or {}).items() if idx.fqn == name), None)
+    if sinfo is None:
+        report.skipped[name] = ".metadata has no record for it"
+        return
+    rel = PurePosixPath(sinfo.relative_path)
+    if rel.is_absolute() or ".." in rel.parts:
+        report.skipped[name] = f"record path {sinfo.relative_path!r} leaves the checkpoint directory"
+        return
+    with open(src / rel, "rb") as f:
+        f.seek(int(sinfo.offset))
+        data = f.read(int(sinfo.length))
+    try:
+        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        report.skipped[name] = f"not loadable with torch.load(weights_only=True): {type(e).__name__}"
+        return
+    if _holds_tensor(value):
+        report.skipped[name] = "a non-tensor item that holds tensors"
+        return
+    if fmt == "safetensors":
+        try:
+            report.metadata[name] = json.dumps(value, sort_keys=True)
+        except (TypeError, ValueError):
+            report.skipped[name] = f"a {type(value).__name__} is not JSON-able"
+            return
+    else:
+        report.metadata[name] = repr(value)[:200]
+    extras[name] = value
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple, set)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _shard(tensors: list[_Tensor], max_shard_bytes: int | None) -> list[list[_Tensor]]:
+    if max_shard_bytes is None:
+        return [tensors]
+    shards: list[list[_Tensor]] = [[]]
+    used = 0
+    for t in tensors:
+        if shards[-1] and used + t.nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(t)
+        used += t.nbytes
+    return shards
+
+
+def _safetensors_dtypes() -> dict[torch.dtype, str]:
+    try:  # safetensors' own table (0.4 onwards), so new dtypes follow the installed version
+        from safetensors.torch import _TYPES
+
+        return {dt: name for name, dt in _TYPES.items()}
+    except ImportError:
+        return {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                torch.bool: "BOOL"}
+
+
+def _write_safetensors_header(target: Path, shard: list[_Tensor], metadata: dict[str, str]) -> dict[str, int]:
+    """Write the header, size the file; return each tensor's absolute data offset."""
+    names = _safetensors_dtypes()
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {"format": "pt", **metadata}
+    else:
+        header["__metadata__"] = {"format": "pt"}
+    pos = 0
+    rel: dict[str, int] = {}
+    for t in shard:
+        if t.dtype not in names:
+            raise ValueError(f"{t.name}: dtype {t.dtype} cannot be stored in safetensors; use --to torch")
+        header[t.name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        rel[t.name] = pos
+        pos += t.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    with open(target, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        f.truncate(8 + len(blob) + pos)
+    base = 8 + len(blob)
+    return {name: base + off for name, off in rel.items()}
+
+
+def _write_torch_skeleton(target: Path, shard: list[_Tensor], extras: dict[str, Any]) -> dict[str, int]:
+    """``torch.save`` the shard's dict with fake tensors and no storage bytes; find each storage's offset."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.serialization import skip_data
+
+    with FakeTensorMode():
+        fake = {t.name: torch.empty(t.shape, dtype=t.dtype) for t in shard}
+    # Tensors first, so storage keys 0..n-1 are the tensors in order (torch.save numbers storages in
+    # pickling order; extras hold no tensors, checked by _holds_tensor).
+    obj: dict[str, Any] = {**fake, **{k: v for k, v in extras.items() if k not in fake}}
+    with skip_data(materialize_fake_tensors=True):
+        torch.save(obj, target)
+    offsets = _zip_data_offsets(target)
+    out = {}
+    for i, t in enumerate(shard):
+        key = f"data/{i}"
+        if key not in offsets:
+            raise RuntimeError(f"{target}: torch.save wrote no storage {key} for {t.name}")
+        out[t.name] = offsets[key]
+    return out
+
+
+def _zip_data_offsets(path: Path) -> dict[str, int]:
+    """``"data/<key>"`` -> absolute offset of that entry's bytes in a torch.save archive."""
+    import zipfile
+
+    out = {}
+    with open(path, "rb") as f, zipfile.ZipFile(f) as z:
+        for zi in z.infolist():
+            parts = zi.filename.split("/", 1)
+            if len(parts) != 2 or not parts[1].startswith("data/"):
+                continue
+            f.seek(zi.header_offset)
+            fixed = f.read(30)
+            sig, name_len, extra_len = fixed[:4], *struct.unpack("<HH", fixed[26:30])
+            if sig != b"PK\x03\x04":
+                raise RuntimeError(f"{path}: bad local header for {zi.filename}")
+            out[parts[1]] = zi.header_offset + 30 + name_len + extra_len
+    return out
+
+
+def _batches(shard: list[_Tensor], budget: int) -> list[list[tuple[_Tensor, int]]]:
+    """Split the shard into batches of at most ``budget`` bytes: (tensor, offset in the arena) pairs."""
+    batches: list[list[tuple[_Tensor, int]]] = [[]]
+    used = 0
+    for t in shard:
+        if batches[-1] and used + t.nbytes > budget:
+            batches.append([])
+            used = 0
+        batches[-1].append((t, used))
+        used += -(-t.nbytes // _ALIGN) * _ALIGN
+    return [b for b in batches if b]
+
+
+_ALIGN = 64  # arena offsets: a multiple of every element size
+
+
+def _fill(src: Path, target: Path, shard: list[_Tensor], offsets: dict[str, int], budget: int,
+          config: Any, progress: Callable[[int], None] | None) -> None:
+    """Load the shard's tensors batch by batch into one reused arena; pwrite each tensor's bytes to its offset.
+
+    One arena for every batch (not fresh tensors per batch) keeps the allocator from holding on to
+    freed batches: peak memory is the arena, whatever malloc does with large blocks.
+    """
+    batches = _batches(shard, budget)
+    if not batches:
+        return
+    arena_nbytes = max(off + -(-t.nbytes // _ALIGN) * _ALIGN for b in batches for t, off in b)
+    arena = torch.empty(max(arena_nbytes, 1), dtype=torch.uint8)
+    fd = os.open(target, os.O_WRONLY)
+    try:
+        for batch in batches:
+            state = {t.name: arena[off : off + t.nbytes].view(t.dtype).reshape(t.shape) for t, off in batch}
+            load(state, src, config)
+            for t, off in batch:
+                view = memoryview(arena[off : off + t.nbytes].numpy())
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], offsets[t.name] + done)
+            if progress is not None:
+                progress(sum(t.nbytes for t, _ in batch))
+    finally:
+        os.close(fd)

@@ -1,0 +1,348 @@
+"""The ``cpuckpt`` command line on real checkpoints written by the test (no mocks).
+
+A module-scoped root holds: ``step_1`` (cpuckpt, one process, several dtypes and non-tensor items,
+64 KiB chunks), ``step_30`` (cpuckpt whose ``.metadata`` was never written: incomplete), ``stock``
+(stock DCP ``FileSystemWriter``), ``iter_0000007`` (Megatron layout: ``metadata.json`` with
+``sharded_backend`` around a DCP checkpoint) and ``global_step5`` (DeepSpeed layout). The 2-rank
+checkpoint is written by real gloo ranks in its own test. ``ls``/``inspect``/``verify``/``convert``
+run in-process through click's ``CliRunner``; the memory-bound ``convert``, ``bench`` and ``demo``
+run the installed console script in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+
+import cpuckpt
+from cpuckpt.cli import cli
+
+SMALL_CFG = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}}
+FULL_2RANK = {"s0": ((64, 33), torch.float32), "s1_bf16": ((10, 300), torch.bfloat16)}
+
+
+def _script() -> list[str]:
+    exe = Path(sys.executable).with_name("cpuckpt")
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "cpuckpt.cli"]
+
+
+def _run(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    return res.exit_code, res.output
+
+
+def _small_state() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "model": {"w": torch.randn(300, 200, generator=g), "b": torch.arange(7, dtype=torch.bfloat16),
+                  "mask": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5, dtype=torch.float64),
+                  "empty": torch.empty(0, 3)},
+        "step": 1,
+        "meta": {"lr": 0.001, "name": "run-a"},
+        "tags": {"a", "b"},  # loadable, not JSON-able
+    }
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpts")
+    cpuckpt.save(_small_state(), root / "step_1", SMALL_CFG, step=1)
+    cpuckpt.save({"x": torch.ones(10)}, root / "step_30", SMALL_CFG, step=30)
+    (root / "step_30" / ".metadata").unlink()  # the state between the manifest and the .metadata rename
+    dcp.save({"w": torch.arange(12.0).reshape(3, 4), "n": 3}, storage_writer=dcp.FileSystemWriter(root / "stock"))
+    mega = root / "iter_0000007"
+    dcp.save({"decoder.w": torch.zeros(4)}, storage_writer=dcp.FileSystemWriter(mega))
+    (mega / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    ds = root / "global_step5"
+    ds.mkdir()
+    torch.save({"module": {"w": torch.zeros(2)}}, ds / "mp_rank_00_model_states.pt")
+    return root
+
+
+# ------------------------------------------------------------------------------------------- ls
+
+
+def test_ls_recognises_every_kind_status_and_latest(root):
+    code, out = _run("ls", root, "--json")
+    assert code == 0, out
+    rows = {Path(r["path"]).name: r for r in map(json.loads, out.splitlines())}
+    assert {k: rows[k]["kind"] for k in rows} == {
+        "step_1": "cpuckpt", "step_30": "cpuckpt", "stock": "dcp", "iter_0000007": "megatron",
+        "global_step5": "deepspeed"}
+    assert rows["step_1"]["status"] == "complete" and rows["step_1"]["step"] == 1
+    assert rows["step_30"]["status"] == "incomplete" and "no .metadata" in rows["step_30"]["reason"]
+    assert rows["stock"]["status"] == "complete" and rows["stock"]["step"] is None
+    assert rows["iter_0000007"]["step"] == 7 and rows["global_step5"]["step"] == 5
+    assert all(r["nbytes"] > 0 for r in rows.values())
+    # the newest *complete* cpuckpt/DCP checkpoint (cpuckpt.find_latest), not the torn step_30
+    assert [k for k, r in rows.items() if r["latest"]] == ["step_1"]
+
+    code, out = _run("ls", root)
+    assert code == 0
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
+    assert "complete" in lines["step_1"] and "<- latest" in lines["step_1"]
+    assert "incomplete" in lines["step_30"] and "latest" not in lines["step_30"]
+
+
+def test_ls_deepspeed_root_uses_its_latest_file(tmp_path):
+    for step in (10, 20):
+        d = tmp_path / f"global_step{step}"
+        d.mkdir()
+        torch.save({"step": step}, d / "mp_rank_00_model_states.pt")
+    (tmp_path / "latest").write_text("global_step10")  # DeepSpeed's pointer wins over the highest step
+    code, out = _run("ls", tmp_path, "--json")
+    assert code == 0, out
+    latest = [Path(r["path"]).name for r in map(json.loads, out.splitlines()) if r["latest"]]
+    assert latest == ["global_step10"]
+
+
+def test_ls_missing_root_is_a_clear_error(tmp_path):
+    code, out = _run("ls", tmp_path / "nope")
+    assert code == 2 and "nope" in out
+
+
+# -------------------------------------------------------------------------------------- inspect
+
+
+def test_inspect_reports_tensors_files_config_versions(root):
+    code, out = _run("inspect", root / "step_1")
+    assert code == 0, out
+    for needle in ("kind:      cpuckpt (complete)", "step:      1", "ranks:     1", "__0_0.distcp",
+                   "crc32c", f"torch {torch.__version__}", f"cpuckpt {cpuckpt.__version__}",
+                   "coordinator_write_s", "chunk_bytes=65536", "model.w", "300x200", "bfloat16", "meta.lr"):
+        assert needle in out, f"{needle!r} missing:\n{out}"
+    code, out = _run("inspect", root / "step_1", "--json")
+    data = json.loads(out)
+    t = {x["name"]: x for x in data["tensors"]}
+    assert t["model.w"]["shape"] == [300, 200] and t["model.w"]["dtype"] == "float32"
+    assert t["model.w"]["nbytes"] == 300 * 200 * 4 and t["model.w"]["shards"] == 1
+    assert t["model.scalar"]["shape"] == [] and t["step"]["dtype"] == "bytes"
+    assert data["config"]["io"]["chunk_bytes"] == 65536 and data["ranks"] == 1
+
+
+def test_inspect_stock_and_incomplete(root):
+    code, out = _run("inspect", root / "stock")
+    assert code == 0 and "stock DCP" in out and "3x4" in out, out
+    code, out = _run("inspect", root / "step_30")
+    assert code == 0 and "incomplete" in out and "no .metadata" in out, out
+
+
+# --------------------------------------------------------------------------------------- verify
+
+
+def test_verify_ok(root):
+    code, out = _run("verify", root / "step_1")
+    assert code == 0 and out.startswith("OK "), out
+    code, out = _run("verify", root / "stock")
+    assert code == 0 and "OK " in out and "record(s)" in out, out
+
+
+def test_verify_damaged_cpuckpt_names_file_and_range(root, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "step_1", bad)
+    data = bad / "__0_0.distcp"
+    size = data.stat().st_size
+    flip = size // 2
+    with open(data, "r+b") as f:
+        f.seek(flip)
+        byte = f.read(1)
+        f.seek(flip)
+        f.write(bytes([byte[0] ^ 0x01]))
+    code, out = _run("verify", bad)
+    assert code == 1, out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("DAMAGED")]
+    assert str(data) in line and "checksum mismatch" in line
+    lo, hi = (int(x) for x in line.split("bytes [")[1].split(")")[0].split(", "))
+    assert lo <= flip < hi and hi - lo <= 64 * 1024
+    assert "FAILED" in out
+
+
+def test_verify_truncated_and_stock_damage(root, tmp_path):
+    bad = tmp_path / "trunc"
+    shutil.copytree(root / "step_1", bad)
+    os.truncate(bad / "__0_0.distcp", 1000)
+    code, out = _run("verify", bad)
+    assert code == 1 and "__0_0.distcp" in out and "truncated" in out, out
+
+    stock = tmp_path / "stock"
+    shutil.copytree(root / "stock", stock)
+    (data,) = stock.glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    pos = raw.index(torch.arange(12.0).reshape(3, 4).numpy().tobytes())  # the tensor's data bytes
+    raw[pos + 5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    code, out = _run("verify", stock)
+    assert code == 1 and data.name in out and "CRC" in out, out
+
+
+def test_verify_incomplete_is_an_error(root):
+    code, out = _run("verify", root / "step_30")
+    assert code == 2 and "no .metadata" in out, out
+
+
+# -------------------------------------------------------------------------------------- convert
+
+
+def _flat_source() -> dict[str, torch.Tensor]:
+    return {f"model.{k}": v for k, v in _small_state()["model"].items()}
+
+
+def test_convert_safetensors_single_file(root, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    out_file = tmp_path / "model.safetensors"
+    code, out = _run("convert", root / "step_1", "--to", "safetensors", out_file)
+    assert code == 0, out
+    loaded = load_file(out_file)
+    src = _flat_source()
+    assert set(loaded) == set(src)
+    for k, v in src.items():
+        assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
+    with safe_open(out_file, "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["step"]) == 1 and json.loads(meta["meta.lr"]) == 0.001
+    assert json.loads(meta["meta.name"]) == "run-a"
+    assert "tags" not in meta and "skipped tags" in out and "JSON" in out
+
+
+def test_convert_torch_sharded_with_index(root, tmp_path):
+    out_dir = tmp_path / "hf"
+    code, out = _run("convert", root / "step_1", "--to", "torch", "--max-shard-size", "100KB", out_dir)
+    assert code == 0, out
+    index = json.loads((out_dir / "pytorch_model.bin.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2 and all((out_dir / s).is_file() for s in shards)
+    merged = {}
+    for s in shards:
+        merged.update(torch.load(out_dir / s, weights_only=True))
+    src = _flat_source()
+    for k, v in src.items():
+        assert torch.equal(merged[k], v) and index["weight_map"][k] in shards, k
+    assert merged["step"] == 1 and merged["tags"] == {"a", "b"}
+    assert index["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in src.values())
+
+
+def _rank_save_sharded(path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sd = {}
+    for name, (shape, dtype) in FULL_2RANK.items():
+        full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape).to(dtype)
+        dim = 1 if name.startswith("s1") else 0
+        local = full.chunk(dist.get_world_size(), dim=dim)[dist.get_rank()].clone()
+        sd[name] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+    sd["plain"] = torch.full((5,), 7.0)
+    cpuckpt.save(sd, path, SMALL_CFG, step=20)
+
+
+def test_two_rank_checkpoint_inspect_verify_convert_resharded(run_ranks, tmp_path):
+    from safetensors.torch import load_file
+
+    path = tmp_path / "step_20"
+    run_ranks(2, _rank_save_sharded, str(path), timeout_s=120)
+    code, out = _run("inspect", path, "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    assert data["ranks"] == 2 and set(data["files"]) == {"__0_0.distcp", "__1_0.distcp"}
+    shards = {t["name"]: t["shards"] for t in data["tensors"]}
+    assert shards["s0"] == 2 and shards["s1_bf16"] == 2 and shards["plain"] == 1
+    assert _run("verify", path)[0] == 0
+
+    out_file = tmp_path / "full.safetensors"
+    code, out = _run("convert", path, "--to", "safetensors", out_file, "--memory-budget", "8KiB")
+    assert code == 0, out
+    loaded = load_file(out_file)
+    for name, (shape, dtype) in FULL_2RANK.items():
+        full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape).to(dtype)
+        assert loaded[name].shape == full.shape and torch.equal(loaded[name], full), name
+    assert torch.equal(loaded["plain"], torch.full((5,), 7.0))
+    out_pt = tmp_path / "full.pt"
+    assert _run("convert", path, "--to", "torch", out_pt)[0] == 0
+    loaded_pt = torch.load(out_pt, weights_only=True)
+    assert all(torch.equal(loaded_pt[k], loaded[k]) for k in loaded)
+
+
+# Python wrapper that runs one command and reports the peak RSS of that child alone.
+_PEAK = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL); "
+         "print(rc, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
+def _peak_rss_bytes(cmd: list[str]) -> int:
+    proc = subprocess.run([sys.executable, "-c", _PEAK, *cmd], capture_output=True, text=True, timeout=120)
+    rc, kib = proc.stdout.split()
+    assert rc == "0", proc.stderr
+    return int(kib) * 1024
+
+
+@pytest.mark.timeout(180)
+def test_convert_memory_stays_bounded(tmp_path):
+    """Converting a 320 MiB checkpoint with a 32 MiB budget keeps peak RSS far below the checkpoint's
+    size: peak minus the RSS of the same CLI merely inspecting the checkpoint (torch, cpuckpt, the
+    metadata) must stay under a third of the source. A non-streaming convert holds every tensor, i.e.
+    at least the whole 320 MiB (measured: +68 MiB with --memory-budget 32MiB, +340 MiB with 4GiB)."""
+    from safetensors import safe_open
+
+    src = tmp_path / "big"
+    g = torch.Generator().manual_seed(3)
+    state = {f"layer{i}.w": torch.randn(2048, 2048, generator=g) for i in range(20)}  # 20 x 16 MiB
+    source_nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    cpuckpt.save(state, src, {"io": {"chunk_bytes": "4MiB", "threads": 2}}, step=3)
+    out_file = tmp_path / "big.safetensors"
+    baseline = _peak_rss_bytes([*_script(), "inspect", str(src)])
+    peak = _peak_rss_bytes([*_script(), "convert", str(src), str(out_file), "--to", "safetensors",
+                            "--memory-budget", "32MiB"])
+    grown = peak - baseline
+    assert grown < source_nbytes / 3, (
+        f"convert grew {grown / 2**20:.0f} MiB over the baseline {baseline / 2**20:.0f} MiB "
+        f"(source {source_nbytes / 2**20:.0f} MiB)")
+    with safe_open(out_file, "pt") as f:
+        assert set(f.keys()) == set(state)
+        for k in ("layer0.w", "layer19.w"):
+            assert torch.equal(f.get_tensor(k), state[k]), k
+    # --to torch imports FakeTensorMode (~60 MiB of modules) for its skeleton: a looser bound
+    peak_pt = _peak_rss_bytes([*_script(), "convert", str(src), str(tmp_path / "big.pt"), "--to", "torch",
+                               "--memory-budget", "32MiB"])
+    assert peak_pt - baseline < source_nbytes / 2, f"--to torch grew {(peak_pt - baseline) / 2**20:.0f} MiB"
+    loaded = torch.load(tmp_path / "big.pt", weights_only=True, mmap=True)
+    assert torch.equal(loaded["layer7.w"], state["layer7.w"])
+
+
+# ------------------------------------------------------------------------------ bench, demo, help
+
+
+@pytest.mark.timeout(120)
+def test_bench_smoke_through_cli(tmp_path):
+    proc = subprocess.run(
+        [*_script(), "bench", "--smoke", "--quiet", "--shm-dir", str(tmp_path / "shm"),
+         "--disk-dir", str(tmp_path / "disk"), "--reps", "1", "--small", "200"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert "cpuckpt CPU benchmark" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_demo_quick_through_cli(tmp_path):
+    proc = subprocess.run([*_script(), "demo", "--quick", "--workdir", str(tmp_path / "work")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert "PASS" in proc.stdout.splitlines()
+
+
+def test_help_lists_every_command():
+    code, out = _run("--help")
+    assert code == 0
+    for name in ("ls", "inspect", "verify", "convert", "bench", "demo"):
+        assert name in out
