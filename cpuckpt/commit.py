@@ -24,7 +24,7 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .errors import IntegrityError
+from .errors import CheckpointCorrupt, IntegrityError
 from .fileio import fsync_dir
 from .manifest import MANIFEST_NAME, FileEntry, Manifest, manifest_from_json, part_name
 
@@ -194,7 +194,8 @@ def load_metadata(path: Path) -> Metadata:
     """Unpickle ``path/.metadata`` without running arbitrary code.
 
     Raises:
-        IntegrityError: missing (save not committed), or not DCP metadata, or refers to globals
+        IntegrityError: missing: the save was never committed (or this is not a checkpoint).
+        CheckpointCorrupt: present but unreadable, not DCP metadata, or referring to globals
             outside DCP's metadata classes (a hostile or foreign pickle).
     """
     md_path = path / METADATA_NAME
@@ -207,7 +208,7 @@ def load_metadata(path: Path) -> Metadata:
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as e:
-        raise IntegrityError(f"{md_path}: refused or unreadable metadata: {e}") from e
+        raise CheckpointCorrupt(f"{md_path}: refused or unreadable metadata: {e}") from e
     if not isinstance(md, Metadata):
-        raise IntegrityError(f"{md_path}: holds a {type(md).__name__}, not DCP Metadata")
+        raise CheckpointCorrupt(f"{md_path}: holds a {type(md).__name__}, not DCP Metadata")
     return md

@@ -32,6 +32,7 @@ from .layout import Chunk, FileLayout
 from .manifest import FileEntry
 from .pipeline import shared_executor, wait_future
 from .staging import DeviceCopier, HostPool, LeaseOrder, Slot, fill_chunk, get_pool
+from .telemetry import nvtx_range
 
 __all__ = ["SaveJob", "choose_mode"]
 
@@ -121,7 +122,8 @@ class SaveJob:
         gpu = [s for s in self.sources if s is not None and s.device.type == "cuda"]
         try:
             if gpu:
-                self._stage_on_device(order, gpu[0].device)
+                with nvtx_range("cpuckpt.stage.d2h"):
+                    self._stage_on_device(order, gpu[0].device)
             elif self._chunks:
                 self._fillers = shared_executor(cfg.io.threads, f"cpuckpt-stage-{self.rank}")
                 for ticket, chunk in enumerate(self._chunks):
@@ -243,19 +245,23 @@ class SaveJob:
                 event.synchronize()
             if self._cancel.is_set():
                 return
-            n = chunk.nbytes
-            if self.cfg.integrity.checksum == "crc32c":
-                self._crcs[chunk.file][chunk.index] = crc32c.crc32c(slot.view[:n])
-            align = self.cfg.layout.align_bytes
-            io_n = -(-n // align) * align if backend.aligned else n
-            if io_n > n:
-                slot.tensor[n:io_n].zero_()
-            backend.pwrite(self._fds[chunk.file], slot.view[:io_n], chunk.offset,
-                                 str(self.directory / self.names[chunk.file]))
+            with nvtx_range("cpuckpt.write"):
+                self._checksum_and_write(chunk, slot, backend)
         except BaseException as e:
             self._fail(e)
         finally:
             pool.release(slot)
+
+    def _checksum_and_write(self, chunk: Chunk, slot: Slot, backend: FileBackend) -> None:
+        n = chunk.nbytes
+        if self.cfg.integrity.checksum == "crc32c":
+            self._crcs[chunk.file][chunk.index] = crc32c.crc32c(slot.view[:n])
+        align = self.cfg.layout.align_bytes
+        io_n = -(-n // align) * align if backend.aligned else n
+        if io_n > n:
+            slot.tensor[n:io_n].zero_()
+        backend.pwrite(self._fds[chunk.file], slot.view[:io_n], chunk.offset,
+                       str(self.directory / self.names[chunk.file]))
 
     def _finalize(self) -> None:
         """Every submitted write has ended: close the files (on failure) or make them durable."""

@@ -43,6 +43,15 @@ class StorageIOError(CpuckptError, OSError):
     def __str__(self) -> str:
         return str(self.args[0])
 
+    def __reduce__(self) -> tuple:
+        # Errors cross ranks pickled (DCP gathers them): keep errno, path, offset and length.
+        return (_rebuild_storage_io_error, (self.args[0], self.path, self.offset, self.nbytes, self.errno))
+
+
+def _rebuild_storage_io_error(message: str, path: str | None, offset: int | None, nbytes: int | None,
+                              errno_: int | None) -> StorageIOError:
+    return StorageIOError(message, path=path, offset=offset, nbytes=nbytes, errno_=errno_)
+
 
 class IntegrityError(CpuckptError):
     """A checkpoint is incomplete or damaged: checksum, size or commit marker is wrong."""

@@ -41,6 +41,7 @@ from .manifest import FileEntry, Manifest
 from .pipeline import run_parallel
 from .record import parse_record
 from .staging import DeviceCopier, flat_bytes, get_pool
+from .telemetry import nvtx_range
 from .writer import resolve_config
 
 __all__ = ["StorageReader"]
@@ -131,6 +132,10 @@ class StorageReader(_DcpStorageReader):
 
     # -- reading --------------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with nvtx_range("cpuckpt.load"):
+            return self._read_data(plan, planner)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         t0 = time.perf_counter()
         cfg = self.config
         plans = self._plan_files(plan, planner)

@@ -46,3 +46,26 @@ def test_stock_save_over_a_cpuckpt_checkpoint_still_loads(tmp_path):
     out = {"a": torch.empty(1000), "b": torch.empty(3)}
     cpuckpt.load(out, path)
     assert torch.equal(out["a"], new["a"]) and torch.equal(out["b"], new["b"])
+
+
+def test_storage_io_error_keeps_its_fields_across_ranks():
+    """DCP pickles a rank's exception to the others; StorageIOError lost errno, path and offset."""
+    import pickle
+
+    e = cpuckpt.StorageIOError("pwrite failed on /ck/__1_0.distcp", path="/ck/__1_0.distcp", offset=4096,
+                               nbytes=65536, errno_=28)
+    back = pickle.loads(pickle.dumps(e))
+    assert isinstance(back, cpuckpt.StorageIOError) and isinstance(back, OSError)
+    assert (back.errno, back.path, back.offset, back.nbytes, str(back)) == (28, e.path, 4096, 65536, str(e))
+
+
+def test_garbage_metadata_is_corrupt_missing_metadata_is_incomplete(tmp_path):
+    """Issue: garbage metadata must raise CheckpointCorrupt; a missing one means 'not committed'."""
+    cpuckpt.save({"a": torch.arange(4)}, tmp_path / "ck")
+    (tmp_path / "ck" / ".metadata").write_bytes(b"\x80\x04garbage")
+    with pytest.raises(cpuckpt.CheckpointCorrupt, match=r"\.metadata"):
+        cpuckpt.load({"a": torch.zeros(4, dtype=torch.int64)}, tmp_path / "ck")
+    (tmp_path / "ck" / ".metadata").unlink()
+    with pytest.raises(cpuckpt.IntegrityError, match="did not complete") as info:
+        cpuckpt.load({"a": torch.zeros(4, dtype=torch.int64)}, tmp_path / "ck")
+    assert not isinstance(info.value, cpuckpt.CheckpointCorrupt)
