@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .api import _call, dcp_save
+from .api import _call, checkpoint_group, dcp_save
 from .checkpoints import after_commit
 from .commit import clear_commit
 from .config import Config
@@ -116,9 +116,8 @@ class _Checkpointer:
             pg = process_group if process_group is not None else dist.group.WORLD
             ranks = dist.get_process_group_ranks(pg)
             timeout = datetime.timedelta(seconds=timeout_s)
-            self.plan_group = pg if dist.get_backend(pg) == "gloo" else dist.new_group(ranks, backend="gloo",
-                                                                                       timeout=timeout)
-            self.commit_group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+            self.plan_group = checkpoint_group(process_group, timeout_s)  # the caller's thread only
+            self.commit_group = dist.new_group(ranks, backend="gloo", timeout=timeout)  # the committer only
             self.coordinator = dist.get_global_rank(self.commit_group, 0)
         self.in_flight: collections.deque[AsyncSaveHandle] = collections.deque()
         self.plan_cache: CachedPlan | None = None
