@@ -90,7 +90,10 @@ class IntegrityConfig:
     """Checksums written with every chunk and checked on load."""
 
     checksum: str = _opt("crc32c", "Checksum per chunk: crc32c or none.", choices=("crc32c", "none"))
-    verify: str = _opt("always", "Verify checksums on load: always or off.", choices=("always", "off"))
+    verify: str = _opt("always", "Verify checksums on load: always, sample (a random share of the chunks), or off.",
+                       choices=("always", "sample", "off"))
+    sample_fraction: float = _opt(0.1, "With verify: sample, the share of chunks checked on each load.", min=0.0,
+                                  max=1.0)
 
 
 @dataclass(frozen=True)

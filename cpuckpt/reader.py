@@ -6,7 +6,8 @@ pickled code) -> ``set_up_storage_reader`` -> ``prepare_local_plan``/``prepare_g
 
 Checkpoints with a cpuckpt manifest are read by file chunk: each worker thread preads one chunk
 (aligned, so O_DIRECT works) into a pool slot, verifies its crc32c, and scatters the bytes into the
-destinations. With ``integrity.verify: off`` byte ranges are read straight into the destination
+destinations (``integrity.verify: sample`` checks a random share of the chunks on each load). With
+``integrity.verify: off`` byte ranges are read straight into the destination
 tensor. A destination that cannot take raw bytes (another dtype, a non-contiguous rectangle of a
 resharded load, a GPU tensor) is filled through a bounce buffer and copied on the caller's thread.
 Stock DCP checkpoints (no manifest) are read record by record: a plain tensor record is viewed in
@@ -18,6 +19,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import random
 import threading
 import time
 import uuid
@@ -255,14 +257,15 @@ def _read_cpuckpt_file(fp: _FilePlan, cfg: Config) -> int:
     entry = fp.entry
     if entry is None:
         raise RuntimeError(f"{fp.path}: no manifest entry (stock file routed to the cpuckpt path)")
-    verify = bool(cfg.integrity.verify == "always" and entry.checksum == "crc32c" and entry.chunk_checksums)
+    mode = cfg.integrity.verify if entry.checksum == "crc32c" and entry.chunk_checksums else "off"
     to_device = any(n.dst is not None and n.dst.device.type == "cuda" for n in fp.needs)
-    if verify or to_device:
-        return _read_chunks(fp, entry, cfg, verify=verify)
+    if mode != "off" or to_device:
+        fraction = {"always": 1.0, "sample": cfg.integrity.sample_fraction, "off": 0.0}[mode]
+        return _read_chunks(fp, entry, cfg, verify_fraction=fraction)
     return _read_ranges(fp, cfg)
 
 
-def _read_chunks(fp: _FilePlan, entry: FileEntry, cfg: Config, *, verify: bool) -> int:
+def _read_chunks(fp: _FilePlan, entry: FileEntry, cfg: Config, *, verify_fraction: float) -> int:
     """Read whole chunks into pool slots (aligned: O_DIRECT works), verify, scatter to destinations.
 
     GPU destinations get their bytes by host-to-device copies from the (pinned) slot on a side
@@ -297,6 +300,9 @@ def _read_chunks(fp: _FilePlan, entry: FileEntry, cfg: Config, *, verify: bool) 
                 got = backend.pread_into(fd, slot.view[:want], lo, fp.path)
                 if got < hi - lo:
                     raise CheckpointCorrupt(f"{fp.path}: file ends at {lo + got}, expected {entry.nbytes} bytes")
+                # "sample" draws anew on every load, so repeated loads cover different chunks.
+                draw = random.random()  # noqa: S311 - sampling, not security
+                verify = verify_fraction >= 1.0 or draw < verify_fraction
                 crc = crc32c.crc32c(slot.view[: hi - lo]) if verify else None
                 if verify and (c >= len(entry.chunk_checksums) or crc != entry.chunk_checksums[c]):
                     stored = entry.chunk_checksums[c] if c < len(entry.chunk_checksums) else None

@@ -69,3 +69,25 @@ def test_garbage_metadata_is_corrupt_missing_metadata_is_incomplete(tmp_path):
     with pytest.raises(cpuckpt.IntegrityError, match="did not complete") as info:
         cpuckpt.load({"a": torch.zeros(4, dtype=torch.int64)}, tmp_path / "ck")
     assert not isinstance(info.value, cpuckpt.CheckpointCorrupt)
+
+
+def test_sampled_verification_checks_a_share_of_chunks(tmp_path):
+    """integrity.verify: sample — a flipped chunk is caught by some loads and all of 'always' loads."""
+    path = tmp_path / "ck"
+    cfg = {"io": {"chunk_bytes": "4KiB"}}
+    cpuckpt.save({"a": torch.arange(64 * 1024, dtype=torch.int32)}, path, cfg)  # 256 KiB: 64+ chunks
+    data = path / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[100_000] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    target = {"a": torch.zeros(64 * 1024, dtype=torch.int32)}
+    with pytest.raises(cpuckpt.CheckpointCorrupt):
+        cpuckpt.load(target, path, {**cfg, "integrity": {"verify": "always"}})
+    caught = 0
+    for _ in range(40):
+        try:
+            cpuckpt.load(target, path, {**cfg, "integrity": {"verify": "sample", "sample_fraction": 0.5}})
+        except cpuckpt.CheckpointCorrupt:
+            caught += 1
+    assert 5 <= caught <= 35, caught  # ~20 expected; p(outside) < 1e-5
+    cpuckpt.load(target, path, {**cfg, "integrity": {"verify": "off"}})  # off: loads the damaged bytes
