@@ -48,6 +48,8 @@ import pytest
 __all__ = ["RankError", "run_ranks"]
 
 _REPO = Path(__file__).resolve().parents[1]
+# tests/dist/_helpers.py is imported by name in the parent (here) and in each rank (its bootstrap).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 
 # Heavy imports done once in the fork server (never cpuckpt: the ranks import the installed one).
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
@@ -93,6 +95,7 @@ try:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
+        sys.path.insert(0, os.path.dirname(module_path))  # the test module's own helpers (tests/dist/_helpers.py)
         spec = importlib.util.spec_from_file_location(f"_rank_module_{os.getpid()}", module_path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module

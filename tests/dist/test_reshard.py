@@ -17,20 +17,7 @@ import pytest
 import torch
 
 
-def _helpers():
-    import importlib.util
-    import sys
-
-    name = "_cpuckpt_dist_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_helpers.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-H = _helpers()
+import _helpers as H  # noqa: E402 - tests/dist is on sys.path (conftest and the rank bootstrap)
 
 SEED = 20240917
 CFG_SAVE = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}}
