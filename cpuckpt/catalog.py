@@ -15,6 +15,7 @@ Pickled files are never unpickled here: ``.metadata`` goes through :func:`cpuckp
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -251,9 +252,7 @@ def tensors_of(md: Metadata) -> list[TensorInfo]:
     for name, item in md.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
             shape = tuple(int(s) for s in item.size)
-            numel = 1
-            for s in shape:
-                numel *= s
+            numel = math.prod(shape)
             itemsize = _itemsize(item.properties.dtype)
             out.append(TensorInfo(name, str(item.properties.dtype).replace("torch.", ""), shape, len(item.chunks),
                                   numel * itemsize))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import struct
 from collections.abc import Callable
@@ -94,9 +95,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
     for name, item in md.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
             shape = tuple(int(s) for s in item.size)
-            numel = 1
-            for s in shape:
-                numel *= s
+            numel = math.prod(shape)
             dtype = item.properties.dtype
             tensors.append(_Tensor(name, dtype, shape, numel * torch.empty((), dtype=dtype).element_size()))
         elif isinstance(item, BytesStorageMetadata):

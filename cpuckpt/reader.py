@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import random
 import threading
@@ -211,9 +212,7 @@ def _safe_relpath(root: Path, rel: str) -> str:
 def _tensor_need(ri: ReadItem, data_lo: int, dtype: torch.dtype, shape: tuple[int, ...], target: torch.Tensor,
                  path: str, record_hi: int) -> _Need:
     itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     if data_lo + numel * itemsize > record_hi:
         raise CheckpointCorrupt(f"{path}: tensor record at {data_lo} overruns its DCP length")
     offsets, lengths = tuple(ri.storage_offsets), tuple(ri.lengths)
@@ -226,9 +225,7 @@ def _tensor_need(ri: ReadItem, data_lo: int, dtype: torch.dtype, shape: tuple[in
             view = view.narrow(d, o, n)
         elem_off, contiguous = view.storage_offset(), view.is_contiguous()
     if contiguous:
-        n_el = 1
-        for s in lengths:
-            n_el *= s
+        n_el = math.prod(lengths)
         lo, hi = data_lo + elem_off * itemsize, data_lo + (elem_off + n_el) * itemsize
         need = _Need(ri, lo, hi, target=target, dtype=dtype, src_shape=lengths)
         if target.device.type in ("cpu", "cuda") and target.dtype == dtype and target.is_contiguous():

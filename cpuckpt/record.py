@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import pickle
 import secrets
 import struct
@@ -252,10 +253,7 @@ def _mask_id(tail: bytes) -> bytes:
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
