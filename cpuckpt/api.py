@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict_saver as _saver
@@ -128,6 +129,16 @@ def load(
                                                            for s in reader.storage_data.values()}))
 
 
+def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy with every ``Stateful`` value replaced by its ``state_dict()``, as dcp.save does.
+
+    Tensors are skipped before the Protocol check: ``isinstance`` against a runtime-checkable
+    Protocol costs ~15 us per value, stall time for flat state dicts of thousands of tensors.
+    """
+    return {k: (v.state_dict() if not isinstance(v, torch.Tensor) and isinstance(v, Stateful) else v)
+            for k, v in state_dict.items()}
+
+
 def dcp_save(state_dict: dict[str, Any], writer: StorageWriter, *, planner: Any = None,
              process_group: Any = None) -> Any:
     """``dcp.save`` with our writer.
@@ -141,7 +152,7 @@ def dcp_save(state_dict: dict[str, Any], writer: StorageWriter, *, planner: Any 
         inspect.signature(inner).parameters
     ):
         return dcp.save(state_dict, storage_writer=writer, planner=planner, process_group=process_group)
-    flat = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+    flat = resolve_stateful(state_dict)
     no_dist = not (dist.is_available() and dist.is_initialized())
     return inner(state_dict=flat, storage_writer=writer, process_group=process_group, no_dist=no_dist,
                  planner=planner)

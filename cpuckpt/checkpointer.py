@@ -27,9 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.stateful import Stateful
 
-from .api import _call, checkpoint_group, dcp_save
+from .api import _call, checkpoint_group, dcp_save, resolve_stateful
 from .checkpoints import after_commit
 from .commit import clear_commit
 from .config import Config
@@ -247,7 +246,7 @@ def async_save(
     handle = AsyncSaveHandle(writer, str(path), t0)
     try:
         with _gc_paused():
-            state = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
+            state = resolve_stateful(state_dict)
             signature = structure_signature(state) if planner is None else None
             cached = ckpt.plan_cache if ckpt.plan_cache is not None and ckpt.plan_cache.signature == signature \
                 else None

@@ -103,18 +103,21 @@ def plan_files(
     if chunk_bytes % align_bytes:
         raise ValueError(f"chunk_bytes {chunk_bytes} is not a multiple of align_bytes {align_bytes}")
     num_files = max(1, min(num_files, len(items)))
-    loads = [0] * num_files
     members: list[list[int]] = [[] for _ in range(num_files)]
-    for i in sorted(range(len(items)), key=lambda k: -items[k].record_nbytes):
-        f = loads.index(min(loads))
-        members[f].append(i)
-        loads[f] += items[i].record_nbytes
+    if num_files == 1:
+        members[0] = list(range(len(items)))
+    else:
+        loads = [0] * num_files
+        for i in sorted(range(len(items)), key=lambda k: -items[k].record_nbytes):
+            f = loads.index(min(loads))
+            members[f].append(i)
+            loads[f] += items[i].record_nbytes
     files = [FileLayout(index=f) for f in range(num_files)]
     placements: list[Placement | None] = [None] * len(items)
     for f, idxs in enumerate(members):
         layout = files[f]
         cursor = 0
-        for i in sorted(idxs):  # keep the caller's order inside a file
+        for i in idxs if num_files == 1 else sorted(idxs):  # keep the caller's order inside a file
             it = items[i]
             if it.payload is None and it.data_nbytes >= align_data_min_bytes > 0:
                 cursor += -(cursor + len(it.head)) % align_bytes
