@@ -1,0 +1,157 @@
+"""DeepSpeed adapter: a ``CheckpointEngine`` that writes DeepSpeed's files through cpuckpt.
+
+Activation, without patching DeepSpeed's sources (DeepSpeed has no config key for a third-party
+engine; it calls ``deepspeed.runtime.engine.create_checkpoint_engine`` inside ``initialize``)::
+
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    ckpt_ds.install("configs/deepspeed.yaml")        # before deepspeed.initialize
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, ...)
+    engine.save_checkpoint(save_dir)                  # returns once tensors are in host memory
+    ...
+    engine.destroy()                                  # commits the last checkpoint, writes `latest`
+
+or, for an engine that already exists, ``ckpt_ds.attach(engine, config)``. A ``"cpuckpt": {...}``
+block in the ds_config overrides ``install``'s settings (``"enabled": false`` turns it off).
+
+Files keep DeepSpeed's names and are torch.save-compatible, so ``zero_to_fp32``,
+``ds_to_universal`` and a stock DeepSpeed load them. The checkpoint is committed (every rank's files
+fsynced, then ``latest`` written atomically by rank 0) at the next ``engine.step()``, at
+``engine.destroy()``, or at :func:`commit_pending`.
+
+Importing this module does not import DeepSpeed; the engine class is loaded on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from .settings import Settings, _as_mapping, resolve_settings
+
+__all__ = ["Settings", "attach", "commit_pending", "install", "installed", "make_engine", "uninstall"]
+
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {}  # "original": DeepSpeed's factory, "config": install()'s settings
+
+
+def _require_deepspeed() -> Any:
+    try:
+        import deepspeed.runtime.engine as ds_engine
+    except ImportError as e:
+        raise ImportError("cpuckpt.integrations.deepspeed needs DeepSpeed: pip install 'cpuckpt[deepspeed]'") from e
+    return ds_engine
+
+
+def make_engine(config: Settings | Mapping[str, Any] | str | os.PathLike | None = None,
+                ds_config: Any = None, *, config_wins: bool = False) -> Any:
+    """Build a :class:`~cpuckpt.integrations.deepspeed.engine.CpuckptCheckpointEngine`.
+
+    Args:
+        config: adapter settings (``Settings``, mapping, YAML path, or None for defaults).
+        ds_config: DeepSpeed's config object or dict; its ``"cpuckpt"`` block, if any, wins over
+            ``config`` unless ``config_wins``.
+
+    Returns:
+        The engine, or None when the settings say ``enabled: false``.
+    """
+    from .engine import CpuckptCheckpointEngine
+
+    params = getattr(ds_config, "_param_dict", ds_config)
+    block = params.get("cpuckpt") if isinstance(params, Mapping) else None
+    if config_wins and isinstance(config, Settings):
+        settings = config
+    elif config_wins and isinstance(block, Mapping):
+        # the explicit settings win key by key; the block's "enabled: false" does not stop attach()
+        settings = resolve_settings({k: v for k, v in block.items() if k != "enabled"}, _as_mapping(config))
+    else:
+        settings = resolve_settings(config, block)
+    if not settings.enabled:
+        return None
+    return CpuckptCheckpointEngine(settings, ds_config if not isinstance(ds_config, Mapping) else None)
+
+
+def install(config: Settings | Mapping[str, Any] | str | os.PathLike | None = None) -> None:
+    """Make every later ``deepspeed.initialize`` use cpuckpt's checkpoint engine.
+
+    Replaces ``deepspeed.runtime.engine.create_checkpoint_engine`` (the name DeepSpeed's engine
+    calls) with a factory returning our engine; DeepSpeed's sources are not modified. Calling it
+    again replaces the settings. Undo with :func:`uninstall`.
+
+    Args:
+        config: adapter settings: a ``Settings``, a mapping, a YAML path (``configs/deepspeed.yaml``)
+            or None for defaults. A ``"cpuckpt"`` block in the ds_config overrides them.
+
+    Raises:
+        ImportError: DeepSpeed is not installed.
+        ConfigError: the settings are invalid (checked now, not at ``initialize``).
+    """
+    ds_engine = _require_deepspeed()
+    resolve_settings(config)  # validate early
+    with _LOCK:
+        original = _STATE.get("original", ds_engine.create_checkpoint_engine)
+
+        def create_checkpoint_engine(config_params: Any, groups: Any, zero_stage: int, has_moe_layers: bool,
+                                     optimize_dp_state: bool) -> Any:
+            engine = make_engine(_STATE.get("config"), config_params)
+            if engine is None:
+                return original(config_params, groups, zero_stage, has_moe_layers, optimize_dp_state)
+            return engine
+
+        create_checkpoint_engine.__wrapped__ = original  # type: ignore[attr-defined]
+        _STATE["original"] = original
+        _STATE["config"] = config
+        ds_engine.create_checkpoint_engine = create_checkpoint_engine
+
+
+def uninstall() -> None:
+    """Give DeepSpeed its own engine factory back (engines already built keep theirs)."""
+    with _LOCK:
+        original = _STATE.pop("original", None)
+        _STATE.pop("config", None)
+        if original is not None:
+            _require_deepspeed().create_checkpoint_engine = original
+
+
+def installed() -> bool:
+    """Whether :func:`install` is in effect."""
+    return "original" in _STATE
+
+
+def attach(engine: Any, config: Settings | Mapping[str, Any] | str | os.PathLike | None = None) -> Any:
+    """Switch an already-built DeepSpeed engine to cpuckpt's checkpoint engine.
+
+    Commits the old engine's pending checkpoint first (collective: call on every rank). Which ranks
+    write the model states is recomputed the way ``initialize`` does it. ``config`` wins over the
+    ds_config's ``"cpuckpt"`` block here (attaching is explicit).
+
+    Returns:
+        The new checkpoint engine (the old one stays when the settings say ``enabled: false``).
+    """
+    old = engine.checkpoint_engine
+    new = make_engine(config, getattr(engine, "_config", None), config_wins=True)
+    if new is None:
+        return old
+    if old is not None and old.is_decoupled():
+        if old.get_commit_info() is not None:
+            engine._commit_decoupled_checkpoint()
+        old.cleanup()
+    engine.checkpoint_engine = new
+    from deepspeed.utils import groups
+
+    dp_rank = groups._get_sequence_data_parallel_rank()
+    rank = engine.local_rank if engine.use_node_local_storage() else dp_rank
+    engine.save_non_zero_checkpoint = new.is_data_parallel_writer(rank) or (
+        engine.zero_optimization_partition_weights() and engine.is_first_weights_partition_group())
+    return new
+
+
+def commit_pending(engine: Any) -> None:
+    """Commit the engine's last checkpoint now (every rank): durable files, then ``latest``.
+
+    Without it the commit happens at the next ``engine.step()`` or at ``engine.destroy()``.
+    """
+    ckpt = engine.checkpoint_engine
+    if ckpt is not None and ckpt.is_decoupled() and ckpt.get_commit_info() is not None:
+        engine._commit_decoupled_checkpoint()
