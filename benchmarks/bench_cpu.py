@@ -494,7 +494,9 @@ class Bench:
                     _fmt(st["gbps"]["median"] / floor) if floor else None,
                     None if is_dcp else _fmt(st["gbps"]["median"] / best_dcp),
                     _fmt(st["cpu_per_gb"]["median"]),
-                    None if is_dcp else _fmt(min_dcp_cpu / st["cpu_per_gb"]["median"]),
+                    # smoke runs can measure 0 CPU-s (os.times ticks are 10 ms): no ratio then
+                    None if is_dcp or not st["cpu_per_gb"]["median"]
+                    else _fmt(min_dcp_cpu / st["cpu_per_gb"]["median"]),
                     f"{st['rss']['median'] / MiB:.0f}/{st['rss']['max'] / MiB:.0f}",
                     None, note,
                 ])
