@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RecordTemplate", "TensorRecordInfo", "parse_record", "record_template"]
+__all__ = ["RecordTemplate", "SparseSink", "TensorRecordInfo", "parse_record", "record_template"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class RecordTemplate:
         return len(self.head) + self.data_nbytes + len(self.tail)
 
 
-class _SparseSink(io.RawIOBase):
+class SparseSink(io.RawIOBase):
     """A seekable write-only stream that keeps written pieces and leaves skipped ranges unwritten."""
 
     def __init__(self) -> None:
@@ -71,13 +71,15 @@ class _SparseSink(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         data = bytes(b)
-        self.pieces.append((self.pos, data))
+        if data:
+            self.pieces.append((self.pos, data))
         self.pos += len(data)
         self.end = max(self.end, self.pos)
         return len(data)
 
     def seek(self, offset: int, whence: int = 0) -> int:
         self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.end + offset
+        self.end = max(self.end, self.pos)
         return self.pos
 
     def tell(self) -> int:
@@ -112,7 +114,7 @@ def _torch_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplat
     nbytes = _numel(shape) * _itemsize(dtype)
     # torch.empty only reserves address space for large shapes; skip_data never reads it.
     proto = torch.empty(shape, dtype=dtype)
-    sink = _SparseSink()
+    sink = SparseSink()
     with torch.serialization.skip_data():
         torch.save(proto, sink)
     del proto
@@ -260,7 +262,7 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _data_start(sink: _SparseSink, nbytes: int) -> int:
+def _data_start(sink: SparseSink, nbytes: int) -> int:
     """Find where the storage's bytes begin: the local header named ``*/data/<key>``."""
     for pos, data in sink.pieces:
         if data[:4] != _LOCAL_SIG or len(data) < _LOCAL_HEADER.size:

@@ -17,7 +17,6 @@ views that require grad are detached, and the file loads as CPU tensors (``locat
 
 from __future__ import annotations
 
-import io
 import itertools
 import logging
 import pickle
@@ -29,6 +28,7 @@ import torch
 
 from cpuckpt.config import Config
 from cpuckpt.layout import FileLayout, LayoutItem, plan_files
+from cpuckpt.record import SparseSink
 from cpuckpt.staging import flat_bytes
 
 __all__ = ["TorchFileImage", "layout_torch_file", "plan_torch_file"]
@@ -47,38 +47,6 @@ class TorchFileImage:
     sources: list[torch.Tensor | None]
     data_offsets: list[int]  # expected file offset of each tensor item's data (sanity check)
     nbytes: int
-
-
-class _Sink(io.RawIOBase):
-    """Seekable write-only stream: keeps each written piece at its offset; skipped ranges stay holes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pieces: list[tuple[int, bytes]] = []
-        self.pos = 0
-        self.end = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        data = bytes(b)
-        if data:
-            self.pieces.append((self.pos, data))
-        self.pos += len(data)
-        self.end = max(self.end, self.pos)
-        return len(data)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = offset if whence == 0 else self.pos + offset if whence == 1 else self.end + offset
-        self.end = max(self.end, self.pos)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
 
 
 class _Recorder:
@@ -148,7 +116,7 @@ def plan_torch_file(obj: Any, *, storage_alignment: int = 4096) -> TorchFileImag
         The image's layout items (in file order) and, per item, the flat bytes to place (or None).
     """
     rec = _Recorder()
-    sink = _Sink()
+    sink = SparseSink()
     try:
         from torch.utils.serialization import config as _ser_config
         save_cfg: Any = _ser_config.save
@@ -184,14 +152,14 @@ def plan_torch_file(obj: Any, *, storage_alignment: int = 4096) -> TorchFileImag
     return TorchFileImage(items=items, sources=sources, data_offsets=offsets, nbytes=sink.end)
 
 
-def _data_regions(sink: _Sink, rec: _Recorder) -> list[tuple[int, int, torch.Tensor]]:
+def _data_regions(sink: SparseSink, rec: _Recorder) -> list[tuple[int, int, torch.Tensor]]:
     """(data offset, nbytes, source) of every storage entry ``<archive>/data/<key>``, in file order."""
     found: dict[str, int] = {}
     for pos, data in sink.pieces:
         if len(data) < 30 or data[:4] != _LOCAL_SIG:
             continue
         name_len, extra_len = int.from_bytes(data[26:28], "little"), int.from_bytes(data[28:30], "little")
-        name = _read(sink, pos + 30, name_len).decode("utf-8", "replace")
+        name = sink.read_at(pos + 30, pos + 30 + name_len).decode("utf-8", "replace")
         head, _, key = name.rpartition("/")
         if head.endswith("/data") and head.count("/") == 1 and key in rec.keys:
             found[key] = pos + 30 + name_len + extra_len
@@ -204,15 +172,6 @@ def _data_regions(sink: _Sink, rec: _Recorder) -> list[tuple[int, int, torch.Ten
         if a + n > b:
             raise RuntimeError(f"torch.save skeleton: storage regions overlap at offset {b}")
     return regions
-
-
-def _read(sink: _Sink, start: int, nbytes: int) -> bytes:
-    out = bytearray(nbytes)
-    for pos, data in sink.pieces:
-        lo, hi = max(pos, start), min(pos + len(data), start + nbytes)
-        if lo < hi:
-            out[lo - start : hi - start] = data[lo - pos : hi - pos]
-    return bytes(out)
 
 
 def _bytes_between(pieces: list[tuple[int, bytes]], k: int, start: int, stop: int) -> tuple[bytes, int]:
