@@ -15,6 +15,17 @@ What is proven, with real DeepSpeed engines and files (no mocks):
   raises from ``save_checkpoint`` (sync) or from the committing ``step()`` (async) on both ranks,
   and ``latest`` is not written;
 - bf16 (ZeRO-1/2/3, ``bf16_zero_pp_rank_*`` optimizer files) round-trips the same way;
+- fp16 with DeepSpeed's ``DynamicLossScaler`` (ZeRO-2 and 3; scale grown twice, one overflow
+  recorded): a new engine's load restores the scaler's state (``cur_scale``, ``cur_iter``,
+  ``last_overflow_iter``, ``cur_hysteresis``, ...) and every tensor bit-exact, and the resumed run's
+  next 3 steps equal the uninterrupted run's (parameters bit-exact, scaler equal); the files' pickled
+  globals (listed by ``get_unsafe_globals_in_checkpoint`` *outside* ``safe_globals``) are covered by
+  ``safe_globals_for_deepspeed()``;
+- ``python -m deepspeed.checkpoint.ds_to_universal`` (run as users run it, its own interpreter) on
+  our ZeRO-2 (``--inject_missing_state``) and ZeRO-3 saves: every ``zero/<param>/fp32.pt`` equals
+  the live parameter at save time, the Adam moments are written, and a new engine with
+  ``"checkpoint": {"load_universal": true}`` loads it (tag from ``latest_universal``) with
+  parameters and optimizer state bit-exact, then trains on;
 - ``"cpuckpt": {"enabled": false}`` leaves DeepSpeed's engine in place, ``attach()`` switches a
   built engine over, and ``commit_pending()`` writes ``latest`` at once;
 - single process: the file holds exactly the zip entries ``torch.save`` writes for a compact clone
@@ -50,7 +61,7 @@ def _setup_env() -> None:
     os.environ.setdefault("MASTER_PORT", "29555")
 
 
-def _ds_config(stage: int, cpuckpt: dict | None = None, bf16: bool = False) -> dict:
+def _ds_config(stage: int, cpuckpt: dict | None = None, bf16: bool = False, extra: dict | None = None) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
@@ -65,17 +76,18 @@ def _ds_config(stage: int, cpuckpt: dict | None = None, bf16: bool = False) -> d
         cfg["bf16"] = {"enabled": True}
     if cpuckpt is not None:
         cfg["cpuckpt"] = cpuckpt
+    cfg.update(extra or {})
     return cfg
 
 
-def _engine(stage: int, seed: int, cpuckpt: dict | None = None, bf16: bool = False):
+def _engine(stage: int, seed: int, cpuckpt: dict | None = None, bf16: bool = False, extra: dict | None = None):
     import deepspeed
     import torch
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_ds_config(stage, cpuckpt, bf16))
+                                      config=_ds_config(stage, cpuckpt, bf16, extra))
     return engine
 
 
@@ -188,9 +200,10 @@ def rank_roundtrip(stage: int, bf16: bool, root: str) -> dict:
     names = sorted(p.name for p in (save_dir / "t1").iterdir())
     allowed = {f"{g.__module__}.{g.__qualname__}" for g in safe_globals_for_deepspeed()}
     unsafe = set()
-    with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
-        for p in (save_dir / "t1").iterdir():
-            unsafe |= set(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
+    for p in (save_dir / "t1").iterdir():
+        # outside safe_globals(): inside, the listed globals count as safe and are not reported
+        unsafe |= set(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
+        with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
             torch.load(p, weights_only=True, map_location="cpu")
     assert unsafe <= allowed, f"globals missing from safe_globals_for_deepspeed(): {unsafe - allowed}"
     ckpt_ds.uninstall()
@@ -284,6 +297,154 @@ def test_attach_commit_pending_and_disabled_block(run_ranks, tmp_path):
     results = run_ranks(2, rank_attach_and_block, str(tmp_path), timeout_s=240)
     for r in results:
         assert r == {"off": "TorchCheckpointEngine", "before": False, "after": "a"}
+
+
+def rank_universal(stage: int, root: str) -> dict:
+    """Our save -> ``python -m deepspeed.checkpoint.ds_to_universal`` (rank 0) -> universal load."""
+    _setup_env()
+    import subprocess
+    import sys
+
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch
+    import torch.distributed as dist
+
+    ckpt_ds.install({"io": {"backend": "buffered", "chunk_bytes": 64 * 1024}})
+    save_dir = Path(root) / "ckpt"
+    engine = _engine(stage, seed=0)
+    for k in range(3):
+        _step(engine, k)
+    saved = _state(engine)
+    engine.save_checkpoint(str(save_dir), tag="t1")
+    _step(engine, 3)  # commits t1 (and changes every tensor)
+    engine.destroy()
+    dist.barrier()
+
+    out_dir = save_dir / "t1_universal"
+    conv = None
+    if dist.get_rank() == 0:  # the way users run it, in its own interpreter
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(save_dir / "t1"),
+               "--output_folder", str(out_dir), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        if stage < 3:  # ZeRO-1/2 conversion wants universal_checkpoint_info, which plain models do not record
+            cmd.append("--inject_missing_state")
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=180)
+        conv = {"rc": proc.returncode, "tail": (proc.stdout + proc.stderr)[-3000:]}
+    dist.barrier()
+    # every parameter's universal fp32 file equals the live parameter at save time
+    fp32 = {}
+    for name in saved["params"]:
+        f = out_dir / "zero" / name / "fp32.pt"
+        # ZeRO-1/2 output is {"param": tensor, ...}; ZeRO-3's merge saves the (flat) tensor itself
+        obj = torch.load(f, weights_only=True) if f.exists() else None
+        fp32[name] = obj["param"] if isinstance(obj, dict) else obj
+    missing = sorted(n for n, v in fp32.items() if v is None)
+    assert not missing, f"ds_to_universal wrote no fp32.pt for {missing} ({conv})"
+    _assert_same({k: v.reshape(saved["params"][k].shape) for k, v in fp32.items()}, saved["params"], "universal fp32")
+    moments = sorted(p.name for p in (out_dir / "zero" / "0.weight").iterdir())
+
+    # a new engine loads the universal checkpoint: parameters and optimizer state as saved
+    engine2 = _engine(stage, seed=123, extra={"checkpoint": {"load_universal": True}})
+    path, _ = engine2.load_checkpoint(str(save_dir))  # tag from latest_universal
+    restored = _state(engine2)
+    _assert_same(restored["params"], saved["params"], f"stage {stage} universal-loaded params")
+    optim_diff = None
+    try:
+        _assert_same(restored["optim"], saved["optim"], f"stage {stage} universal-loaded optimizer")
+    except AssertionError as e:
+        optim_diff = str(e)
+    _step(engine2, 4)  # it trains on
+    engine2.destroy()
+    ckpt_ds.uninstall()
+    return {"conv": conv, "latest_universal": (save_dir / "latest_universal").read_text(), "path": path,
+            "moments": moments, "optim_diff": optim_diff}
+
+
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_ds_to_universal_and_universal_load(run_ranks, tmp_path, stage):
+    results = run_ranks(2, rank_universal, stage, str(tmp_path), timeout_s=240)
+    conv = results[0]["conv"]
+    assert conv["rc"] == 0, conv["tail"]
+    for r in results:
+        assert r["latest_universal"] == "t1_universal"
+        assert r["path"] is not None
+        assert {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"} <= set(r["moments"]), r["moments"]
+        assert r["optim_diff"] is None, r["optim_diff"]
+
+
+_FP16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2,
+                  "hysteresis": 2, "min_loss_scale": 1}}
+
+
+def _scaler_state(engine) -> dict:
+    sc = engine.optimizer.loss_scaler
+    return {"type": type(sc).__name__, **{k: v for k, v in vars(sc).items() if not callable(v)}}
+
+
+def rank_fp16(stage: int, root: str) -> dict:
+    """fp16 with DeepSpeed's DynamicLossScaler: save -> load restores the scaler and every tensor."""
+    _setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch
+    from cpuckpt.integrations.deepspeed.engine import safe_globals_for_deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    # DeepSpeed refuses fp16 on a CPU without AVX512-FP16 (is_fp16_supported); torch computes it anyway.
+    get_accelerator().is_fp16_supported = lambda: True
+    ckpt_ds.install({"io": {"backend": "buffered", "chunk_bytes": 64 * 1024}})
+    save_dir = Path(root) / "ckpt"
+    engine = _engine(stage, seed=0, extra=_FP16)
+    scalers = [_scaler_state(engine)]
+    for k in range(5):  # window 2: the scale grows twice
+        _step(engine, k)
+    # an overflowing step (inf loss): skipped by the optimizer; hysteresis 2 keeps the scale, counts down
+    x = torch.full((2, 8), 6e4, dtype=torch.float16)
+    engine.backward(engine(x).pow(2).mean() * 6e4)
+    engine.step()
+    overflowed = bool(engine.optimizer.overflow)
+    saved, saved_scaler = _state(engine), _scaler_state(engine)
+    scalers.append(saved_scaler)
+    engine.save_checkpoint(str(save_dir), tag="t1")
+    for k in range(5, 8):
+        _step(engine, k)
+    scalers.append(_scaler_state(engine))
+    uninterrupted = _full_params(engine)
+    engine.destroy()
+
+    engine2 = _engine(stage, seed=123, extra=_FP16)
+    _step(engine2, 99)
+    path, _ = engine2.load_checkpoint(str(save_dir), tag="t1")
+    assert path is not None
+    _assert_same(_state(engine2), saved, f"fp16 stage {stage} restored")
+    restored_scaler = _scaler_state(engine2)
+    # the next steps continue exactly as the original run did
+    for k in range(5, 8):
+        _step(engine2, k)
+    continued = _scaler_state(engine2)
+    _assert_same(_full_params(engine2), uninterrupted, "fp16 resumed run vs uninterrupted run")
+    engine2.destroy()
+    unsafe = set()
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in safe_globals_for_deepspeed()}
+    for p in (save_dir / "t1").iterdir():
+        unsafe |= set(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
+        with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
+            torch.load(p, weights_only=True, map_location="cpu")
+    assert unsafe <= allowed, f"globals missing from safe_globals_for_deepspeed(): {unsafe - allowed}"
+    ckpt_ds.uninstall()
+    return {"scalers": scalers, "restored": restored_scaler, "continued": continued, "overflowed": overflowed,
+            "unsafe_globals": sorted(unsafe), "names": sorted(p.name for p in (save_dir / "t1").iterdir())}
+
+
+@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
+def test_fp16_dynamic_loss_scaler_roundtrip(run_ranks, tmp_path, stage):
+    results = run_ranks(2, rank_fp16, stage, str(tmp_path), timeout_s=240)
+    for r in results:
+        init, saved, after = r["scalers"]
+        assert saved["type"] == "DynamicLossScaler"
+        assert saved["cur_scale"] > init["cur_scale"], "the scale never grew: nothing to restore"
+        assert r["overflowed"] and saved["cur_hysteresis"] < init["cur_hysteresis"], "no overflow was recorded"
+        assert r["restored"] == saved
+        assert r["continued"] == after
+        assert "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler" in r["unsafe_globals"]
 
 
 # ------------------------------------------------------------------------- single process, no ranks
