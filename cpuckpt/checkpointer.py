@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +102,13 @@ class AsyncSaveHandle:
 
     def done(self) -> bool:
         return self._committed.done()
+
+    def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call ``fn(None)`` once committed on every rank, or ``fn(error)`` once failed.
+
+        It runs on the committer thread (or at once if the save has already ended), so it must be quick.
+        """
+        self._committed.add_done_callback(lambda f: fn(f.exception()))
 
 
 class _Checkpointer:

@@ -8,6 +8,7 @@ directory without ``.metadata`` is therefore recognisably incomplete, to stock D
 
 from __future__ import annotations
 
+import importlib
 import io
 import logging
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
+import torch.distributed.checkpoint.planner as dcp_planner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -50,10 +52,12 @@ def test_hook(stage: str) -> None:
     """Test hook: act at a named stage of the commit path when ``$CPUCKPT_TEST_HOOK`` asks for it.
 
     ``CPUCKPT_TEST_HOOK="<stage>=kill"`` SIGKILLs this process when it reaches ``<stage>``;
-    ``"<stage>=sleep:<seconds>"`` sleeps there. Several ``;``-separated entries may be given. Stages:
+    ``"<stage>=sleep:<seconds>"`` sleeps there; ``"<stage>=raise"`` raises ``RuntimeError``. Several
+    ``;``-separated entries may be given. Stages:
     ``before-rename:<name>`` / ``after-rename:<name>`` around every atomic write (``<name>`` is
     ``.metadata``, ``.cpuckpt.json``, ``__<r>_.cpuckpt-part.json`` or ``latest``),
-    ``clear-commit:done``, ``commit:parts-deleted``, ``retention:metadata-removed``. Used by the
+    ``clear-commit:done``, ``commit:parts-deleted``, ``retention:metadata-removed``, and
+    ``megatron-worker:rank<r>`` in the Megatron adapter's worker. Used by the
     fault suite to kill a save at exact points; unset (the normal case) it costs one dict lookup.
     """
     spec = os.environ.get(TEST_HOOK_ENV)
@@ -68,6 +72,8 @@ def test_hook(stage: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif action.startswith("sleep:"):
             time.sleep(float(action[len("sleep:"):]))
+        elif action == "raise":
+            raise RuntimeError(f"test hook: raise at {stage}")
 
 
 def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
@@ -171,10 +177,15 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
 }
-for _name in dir(dcp_metadata):
-    _obj = getattr(dcp_metadata, _name)
-    if isinstance(_obj, type) and getattr(_obj, "__module__", "") == dcp_metadata.__name__:
-        _ALLOWED[(dcp_metadata.__name__, _name)] = _obj
+# DCP's metadata classes, and its plan classes: megatron-core stores every rank's SavePlan in
+# ``.metadata`` (``all_local_plans``) to reuse the global metadata on the next save.
+for _module in (dcp_metadata, dcp_planner):
+    for _name in dir(_module):
+        _obj = getattr(_module, _name)
+        if isinstance(_obj, type) and getattr(_obj, "__module__", "") == _module.__name__:
+            _ALLOWED[(_module.__name__, _name)] = _obj
+# megatron-core's own plan/metadata dataclasses, resolved only if a checkpoint names them.
+_LAZY_ALLOWED = {("megatron.core.dist_checkpointing.strategies.torch", n) for n in ("MCoreSavePlan", "MCoreMetadata")}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -184,6 +195,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         obj = _ALLOWED.get((module, name))
         if obj is not None:
             return obj
+        if (module, name) in _LAZY_ALLOWED:
+            return getattr(importlib.import_module(module), name)
         value = getattr(torch, name, None) if module == "torch" else None
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
             return value
