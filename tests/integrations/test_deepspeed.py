@@ -29,7 +29,9 @@ What is proven, with real DeepSpeed engines and files (no mocks):
 - ``"cpuckpt": {"enabled": false}`` leaves DeepSpeed's engine in place, ``attach()`` switches a
   built engine over, and ``commit_pending()`` writes ``latest`` at once;
 - single process: the file holds exactly the zip entries ``torch.save`` writes for a compact clone
-  of the same state dict (views compacted, non-leaf views detached, shared objects kept).
+  of the same state dict (views compacted, non-leaf views detached, shared objects kept);
+- ``benchmarks/bench_deepspeed.py --smoke`` runs (and its check that DeepSpeed's engine and ours
+  write bit-identical tensors for the same state holds).
 
 ``_setup_env`` marks DeepSpeed's inference-only shm op incompatible, so no op is JIT-built (no g++
 or ninja needed, ~30-45 s saved); ``torch_adam`` avoids the fused-Adam build.
@@ -532,3 +534,25 @@ def test_torch_file_matches_torch_save_of_compact_clones(tmp_path):
     for k in ("view", "base", "strided", "bf16", "nonleaf", "empty", "scalar", "i64"):
         assert torch.equal(out[k], sd[k].detach()) and out[k].dtype == sd[k].dtype, k
     assert out["int"] == 3 and out["str"] == "s"
+
+
+@pytest.mark.timeout(180)
+def test_bench_deepspeed_smoke(tmp_path):
+    """``benchmarks/bench_deepspeed.py --smoke`` runs (CPU, gloo, tiny model): both engines, the table,
+    the JSON, and the same state saved by DeepSpeed's engine and by ours holds bit-identical tensors."""
+    import json
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_deepspeed.py"
+    out = tmp_path / "ds.json"
+    proc = subprocess.run([sys.executable, str(bench), "--smoke", "--out", str(out), "--dir", str(tmp_path / "ck")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "| torch | 0 |" in proc.stdout and "| cpuckpt | 1 |" in proc.stdout, proc.stdout
+    results = json.loads(out.read_text())["results"]
+    verify = [r for r in results if r["name"] == "verify"]
+    assert verify and verify[0]["ok"] and verify[0]["tensors"] > 0, verify
+    saves = [r for r in results if r["name"] == "save"]
+    assert {r["engine"] for r in saves} == {"torch", "cpuckpt"} and all(r["bytes"] > 0 for r in saves)
+    assert not (tmp_path / "ck").exists(), "checkpoint directories left behind"
