@@ -19,12 +19,15 @@ GPU synchronised before and after); then ``--next-steps`` training steps, each t
   **persist** = stall + fsync of its files and directory right after the save (what durability
   costs on top); the next steps run after that.
 * cpuckpt (async): ``save_checkpoint`` returns once the tensors are in the pinned host pool; files
-  are written in the background. DeepSpeed commits a decoupled engine at the next ``engine.step()``
-  (before the optimizer update), so the first next step waits for the rest of the write:
-  **persist** = from the call to the end of that commit (files and directory fsynced, ``latest``
-  written). Its first repetition also allocates and pins the host pool and is listed apart.
+  are written in the background. DeepSpeed asks a decoupled engine to commit at the next
+  ``engine.step()`` (before the optimizer update); with ``background_commit`` (default) that commit
+  continues on a background thread, so the step does not wait. **persist** = from the call to the
+  end of the commit (files and directory fsynced, ``latest`` written). Its first repetition also
+  allocates and pins the host pool and is listed apart.
+* cpuckpt-blocking (``--engines ...,cpuckpt-blocking``): ``background_commit: false``, DeepSpeed's own
+  decoupled timing: the first step after the save waits for the rest of the write.
 
-"next step" is the first step after the save (for cpuckpt it includes the commit wait), "steady" the
+"next step" is the first step after the save (cpuckpt-blocking: it includes the commit wait), "steady" the
 median of the following ones, "alone" the median step time with no checkpoint in flight.
 ``--verify`` (on in ``--smoke``) also saves the same state with both engines and checks that every
 tensor in the files is bit-identical. Old checkpoint directories are deleted before the next
@@ -237,15 +240,14 @@ class Bench:
         """``reps`` save repetitions with the engine's current checkpoint engine."""
         ck = engine.checkpoint_engine
         commit_end: list[float] = []
-        if label == "cpuckpt":  # note when DeepSpeed's commit (inside the next step) completes
-            inner = ck.commit
+        if label.startswith("cpuckpt"):  # note when the commit (started by the next step, maybe in the background) ends
+            inner = ck._finish
 
-            def commit(info: Any) -> bool:
-                ok = inner(info)
+            def finish(*a: Any) -> None:
+                inner(*a)
                 commit_end.append(time.perf_counter())
-                return ok
 
-            ck.commit = commit
+            ck._finish = finish
         prev: Path | None = None
         for rep in range(reps):
             counter[0] += 1
@@ -266,9 +268,8 @@ class Bench:
             for _ in range(self.args.next_steps):
                 counter[0] += 1
                 steps.append(self.step(engine, counter[0]))
-            if label == "cpuckpt":
-                if not commit_end:  # no step committed it (next_steps == 0)
-                    self.adapter.commit_pending(engine)
+            if label.startswith("cpuckpt"):
+                self.adapter.commit_pending(engine)  # after the timed steps: a background commit ends here
                 persist = commit_end[0] - t0 if commit_end else time.perf_counter() - t0
             nbytes = dir_bytes(save_dir / "t")
             self.record("save", engine=label, rep=rep, stall_s=t1 - t0, persist_s=persist, bytes=nbytes,
@@ -277,8 +278,8 @@ class Bench:
             prev = save_dir
         if prev is not None:
             shutil.rmtree(prev, ignore_errors=True)
-        if label == "cpuckpt":
-            ck.commit = inner
+        if label.startswith("cpuckpt"):
+            ck._finish = inner
 
     def verify(self, engine: Any, root: Path, counter: list[int], settings: dict[str, Any]) -> None:
         """Same state saved by both engines: every tensor in every file bit-identical."""
@@ -350,6 +351,9 @@ class Bench:
                 self.verify(engine, root, counter, settings)
             if "cpuckpt" in a.engines:
                 self.run_engine(engine, "cpuckpt", a.reps + 1, root, counter)  # rep 0 grows the host pool
+            if "cpuckpt-blocking" in a.engines:  # DeepSpeed's own decoupled timing: step() waits for the commit
+                self.adapter.attach(engine, dict(settings, background_commit=False))
+                self.run_engine(engine, "cpuckpt-blocking", a.reps, root, counter)
             engine.destroy()
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -369,7 +373,7 @@ class Bench:
             return (f"| {engine} | {rep} | {st:.3f} | {pe:.2f} | {nb / GB:.2f} | {nb / pe / GB:.2f} | "
                     f"{'-' if ns is None else f'{ns:.3f}'} | {ss:.3f} |")
 
-        for label in ("torch", "cpuckpt"):
+        for label in ("torch", "cpuckpt", "cpuckpt-blocking"):
             rows = [r for r in saves if r["engine"] == label]
             for r in rows:
                 rep = f"{r['rep']}" + (" (first)" if label == "cpuckpt" and r["rep"] == 0 else "")
@@ -383,8 +387,8 @@ class Bench:
                                  med([r["steady_step_s"] for r in warm])))
         lines += ["",
                   "stall: save_checkpoint wall time (GPU synchronised). persist: torch = stall + fsync of its "
-                  "files; cpuckpt = until DeepSpeed's commit (in the next step()) returned. next step: first "
-                  "step after the save (cpuckpt: includes waiting for the write). GB = 1e9 bytes."]
+                  "files; cpuckpt = until the commit (started by the next step()) ended. next step: first "
+                  "step after the save (cpuckpt-blocking: includes waiting for the write). GB = 1e9 bytes."]
         ver = [r for r in self.results if r["name"] == "verify"]
         if ver:
             lines.append(f"verify: same state saved by both engines, {ver[0]['tensors']} tensors compared, "

@@ -155,3 +155,5 @@ def commit_pending(engine: Any) -> None:
     ckpt = engine.checkpoint_engine
     if ckpt is not None and ckpt.is_decoupled() and ckpt.get_commit_info() is not None:
         engine._commit_decoupled_checkpoint()
+    if ckpt is not None and hasattr(ckpt, "wait"):
+        ckpt.wait()  # a background commit: durable and `latest` written when this returns

@@ -4,9 +4,17 @@ DeepSpeed calls, per ``save_checkpoint`` (every rank): ``create(info)``, then ``
 path)`` once per file this rank writes, and, because this engine is *decoupled*, ``commit`` later:
 from ``engine.step()`` before the next optimizer update, or from ``engine.destroy()`` through
 ``cleanup()``. ``get_commit_info()`` hands DeepSpeed the tag with ``save_latest=False``, so
-DeepSpeed never writes ``latest`` itself (it would write it in place, not atomically); ``commit()``
-waits until this rank's files and directory are fsynced, agrees with every rank (one gloo
-``all_reduce``), and then rank 0 writes ``latest`` via tmp + fsync + rename.
+DeepSpeed never writes ``latest`` itself (it would write it in place, not atomically). Committing
+means: wait until this rank's files and directory are fsynced, agree with every rank (one gloo
+``all_reduce``), then rank 0 writes ``latest`` via tmp + fsync + rename.
+
+With ``background_commit`` (the default for async saves) the commit DeepSpeed requests from
+``engine.step()`` runs on a background thread with its own gloo group, so the step does not wait
+for storage: the tensors already sit in the host pool. The next ``create()`` (the next save),
+``cleanup()`` (``engine.destroy()``) and :meth:`CpuckptCheckpointEngine.wait` wait for it and raise
+its failure, which every rank learns from the same ``all_reduce``. Commits that DeepSpeed makes
+right after ``create`` with the same info object (``save_16bit_model``), and the one in ``cleanup``,
+block: their callers expect durable files on return.
 
 Every file has exactly the name and the bytes layout DeepSpeed's ``torch.save`` would give it, so
 ``zero_to_fp32``, ``ds_to_universal`` and a stock ``TorchCheckpointEngine`` read it.
@@ -15,7 +23,9 @@ Every file has exactly the name and the bytes layout DeepSpeed's ``torch.save`` 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import dataclasses
+import datetime
 import logging
 import time
 from pathlib import Path
@@ -29,6 +39,7 @@ from cpuckpt.api import checkpoint_group
 from cpuckpt.commit import write_atomic
 from cpuckpt.engine import SaveJob
 from cpuckpt.errors import CpuckptError, StagingError
+from cpuckpt.pipeline import new_executor, wait_future
 from cpuckpt.staging import get_pool
 
 from .settings import Settings, resolve_settings
@@ -71,14 +82,19 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self.settings = settings if isinstance(settings, Settings) else resolve_settings(settings)
         self._info: CheckpointCommitInfo | None = None
         self._jobs: list[SaveJob] = []
+        self._background: cf.Future[None] | None = None
+        self._committer: cf.ThreadPoolExecutor | None = None
+        self._commit_group: Any = None
         self.last_save_s = 0.0
         self.last_commit_s = 0.0
 
     # -- DeepSpeed's interface -------------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
-        """A new checkpoint begins (every rank). A previous one not yet committed is committed first."""
+        """A new checkpoint begins (every rank). A previous one not yet committed is committed first,
+        and a background commit still running is waited for (its failure raised here)."""
         if self._info is not None:
             self.commit(self._info)
+        self.wait()
         self._info = info
 
     def save(self, state_dict: Any, path: str) -> None:
@@ -118,17 +134,36 @@ class CpuckptCheckpointEngine(CheckpointEngine):
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make the checkpoint durable on every rank, then (rank 0) write ``latest`` atomically.
 
-        Collective: every rank calls it (DeepSpeed does, from ``step()``/``destroy()``).
+        Collective: every rank calls it (DeepSpeed does, from ``step()``/``destroy()``). With
+        ``background_commit`` the commit requested by ``step()`` continues in the background and
+        this returns at once (see the module docstring).
 
         Raises:
             CpuckptError: this rank's write failed (its error, chained), or another rank's did.
         """
-        t0 = time.perf_counter()
+        direct = info is self._info  # DeepSpeed's save_16bit_model commits the very object it created
         pending = self._info if self._info is not None else info
         self._info = None
-        error = self._wait_jobs()
+        jobs, self._jobs = self._jobs, []
+        self.wait()  # commits stay ordered; an earlier failure is raised first
+        if self.settings.async_save and self.settings.background_commit and not direct:
+            group = self._background_group()
+            self._background = self._background_executor().submit(self._finish, pending, jobs, group)
+            return True
+        self._finish(pending, jobs, checkpoint_group())
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for a background commit (if any) and raise its failure; every rank calls it."""
+        fut, self._background = self._background, None
+        if fut is not None:
+            wait_future(fut, self.settings.core.timeout_s if timeout is None else timeout,
+                        "committing the DeepSpeed checkpoint in the background")
+
+    def _finish(self, pending: CheckpointCommitInfo, jobs: list[SaveJob], group: Any) -> None:
+        t0 = time.perf_counter()
+        error = self._wait_jobs(jobs)
         ok = torch.tensor([0 if error else 1], dtype=torch.int32)
-        group = checkpoint_group()
         if group is not None:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
         if error is not None:
@@ -139,7 +174,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         rank = dist.get_rank() if group is not None else 0
         if pending.save_latest:
             # Rank 0 writes; a second collective tells every rank the outcome, so that ``latest`` is
-            # in place (or the failure raised) on every rank when commit() returns.
+            # in place (or the failure raised) on every rank when the commit ends.
             latest_error: BaseException | None = None
             if rank == 0:
                 try:
@@ -155,7 +190,19 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             if not int(written.item()):
                 raise CpuckptError(f"checkpoint {pending.tag}: rank 0 could not write {pending.save_dir}/latest")
         self.last_commit_s = time.perf_counter() - t0
-        return True
+
+    def _background_executor(self) -> cf.ThreadPoolExecutor:
+        if self._committer is None:
+            self._committer = new_executor(1, "cpuckpt-ds-commit")
+        return self._committer
+
+    def _background_group(self) -> Any:
+        """A gloo group used only by the background committer (created collectively, once)."""
+        if self._commit_group is None and dist.is_available() and dist.is_initialized():
+            timeout = datetime.timedelta(seconds=self.settings.core.timeout_s)
+            self._commit_group = dist.new_group(dist.get_process_group_ranks(dist.group.WORLD), backend="gloo",
+                                                timeout=timeout)
+        return self._commit_group
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         Path(path).mkdir(parents=True, exist_ok=exist_ok)
@@ -170,9 +217,10 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         return dataclasses.replace(self._info, save_latest=False)
 
     def cleanup(self) -> None:
-        """``engine.destroy()``: commit the last checkpoint (its ``latest`` included)."""
+        """``engine.destroy()``: commit the last checkpoint (its ``latest`` included) and wait for it."""
         if self._info is not None:
             self.commit(self._info)
+        self.wait()
 
     def preserves_storage_sharing(self) -> bool:
         # Each tensor is written as its own compact storage (torchfile proxies), so DeepSpeed need
@@ -200,8 +248,9 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                 logger.debug("earlier file failed", exc_info=True)
         get_pool(cfg.io.chunk_bytes, busy + nchunks, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
 
-    def _wait_jobs(self) -> BaseException | None:
-        jobs, self._jobs = self._jobs, []
+    def _wait_jobs(self, jobs: list[SaveJob] | None = None) -> BaseException | None:
+        if jobs is None:
+            jobs, self._jobs = self._jobs, []
         first: BaseException | None = None
         for job in jobs:
             try:

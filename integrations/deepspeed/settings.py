@@ -20,7 +20,7 @@ from cpuckpt.errors import ConfigError
 
 __all__ = ["Settings", "resolve_settings"]
 
-_OWN_KEYS = ("enabled", "async", "storage_alignment", "config_file")
+_OWN_KEYS = ("enabled", "async", "background_commit", "storage_alignment", "config_file")
 _ADAPTER_CORE_DEFAULTS: dict[str, Any] = {"integrity": {"checksum": "none"}}
 
 
@@ -34,12 +34,19 @@ class Settings:
             become durable in the background and the checkpoint is committed (``latest`` written) at
             the next ``engine.step()``, ``engine.destroy()`` or :func:`commit_pending`. False:
             ``save()`` returns once its file is durable (the commit still happens at those points).
+        background_commit: with ``async_save``, the commit DeepSpeed asks for at the next
+            ``engine.step()`` runs in a background thread instead of blocking that step: the
+            tensors are already in host memory, so the optimizer update cannot change the
+            checkpoint; ``latest`` is written once every rank's files are durable. A failure is
+            raised (on every rank) at the next save, ``commit_pending`` or ``engine.destroy()``.
+            False: that step waits until the checkpoint is durable (DeepSpeed's own decoupled timing).
         storage_alignment: alignment of each storage's data inside the torch.save archive.
         core: the cpuckpt ``Config`` (``io``, ``staging``, ``integrity``, ``timeout_s``, ...).
     """
 
     enabled: bool = True
     async_save: bool = True
+    background_commit: bool = True
     storage_alignment: int = 4096
     core: Config = field(default_factory=lambda: Config.from_dict(_ADAPTER_CORE_DEFAULTS))
 
@@ -87,11 +94,14 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
     base = installed if isinstance(installed, Settings) else Settings()
     enabled = own.get("enabled", base.enabled)
     async_save = own.get("async", base.async_save)
+    background = own.get("background_commit", base.background_commit)
     align = own.get("storage_alignment", base.storage_alignment)
     if not isinstance(enabled, bool):
         raise ConfigError(f"cpuckpt deepspeed settings: enabled must be a bool, got {enabled!r}")
     if not isinstance(async_save, bool):
         raise ConfigError(f"cpuckpt deepspeed settings: async must be a bool, got {async_save!r}")
+    if not isinstance(background, bool):
+        raise ConfigError(f"cpuckpt deepspeed settings: background_commit must be a bool, got {background!r}")
     if not isinstance(align, int) or isinstance(align, bool) or align < 64 or align & (align - 1):
         raise ConfigError(f"cpuckpt deepspeed settings: storage_alignment must be a power of two >= 64, got {align!r}")
     keep_core = isinstance(installed, Settings) and not data and not core_file
@@ -99,4 +109,5 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
         core = base.core if keep_core else Config.from_dict(core_data, source="cpuckpt deepspeed settings")
     except ConfigError as e:
         raise ConfigError(f"{e} (the adapter's own keys: {', '.join(_OWN_KEYS)})") from e
-    return Settings(enabled=enabled, async_save=async_save, storage_alignment=align, core=core)
+    return Settings(enabled=enabled, async_save=async_save, background_commit=background, storage_alignment=align,
+                    core=core)

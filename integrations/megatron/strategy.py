@@ -106,8 +106,17 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             finally:
                 channel.remove()
 
-        return compat.make_async_request(async_strategy, wait_for_commit,
-                                         (channel.base, rank, 2 * timeout_s + 60, os.getpid()), [finalize_fn])
+        try:
+            return compat.make_async_request(async_strategy, wait_for_commit,
+                                             (channel.base, rank, 2 * timeout_s + 60, os.getpid()), [finalize_fn])
+        except BaseException:
+            # e.g. async_strategy "nvrx" without nvidia-resiliency-ext: the save goes on (it is already
+            # staged) but nobody will finalize it; wait for it here so no channel file is left behind.
+            try:
+                handle.wait(timeout_s)
+            finally:
+                channel.remove()
+            raise
 
 
 class CpuckptLoadStrategy(TorchDistLoadShardedStrategy):

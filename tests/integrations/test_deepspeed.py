@@ -175,8 +175,9 @@ def rank_roundtrip(stage: int, bf16: bool, root: str) -> dict:
     engine.save_checkpoint(str(save_dir), tag="t1")
     latest_after_save = (save_dir / "latest").exists()
     pending_jobs = len(engine.checkpoint_engine._jobs)
-    for k in range(3, 5):  # the first step commits (after its gradients), then the update changes every tensor
+    for k in range(3, 5):  # the first step starts the commit (background), then the update changes every tensor
         _step(engine, k)
+    engine.checkpoint_engine.wait()  # the background commit has written `latest`
     latest_after_step = (save_dir / "latest").read_text() if (save_dir / "latest").exists() else None
     changed = not torch.equal(_full_params(engine)["0.weight"], saved["params"]["0.weight"])
     # zero_to_fp32 on our files equals the parameters at save time
@@ -237,12 +238,13 @@ def test_zero_roundtrip(run_ranks, tmp_path, stage, bf16):
         assert r["leftovers"] == []
 
 
-def rank_write_failure(root: str, async_save: bool) -> dict:
+def rank_write_failure(root: str, async_save: bool, background: bool) -> dict:
     _setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
 
     ckpt_ds.install()
-    block = {"async": async_save, "io": {"backend": "fault:ENOSPC@4096", "chunk_bytes": 64 * 1024}}
+    block = {"async": async_save, "background_commit": background,
+             "io": {"backend": "fault:ENOSPC@4096", "chunk_bytes": 64 * 1024}}
     engine = _engine(2, seed=0, cpuckpt=block)
     _step(engine, 0)
     save_dir = Path(root) / "ckpt"
@@ -250,7 +252,9 @@ def rank_write_failure(root: str, async_save: bool) -> dict:
     try:
         engine.save_checkpoint(str(save_dir), tag="bad")
         where = "step"
-        _step(engine, 1)  # async: the commit in step() reports the failure
+        _step(engine, 1)  # async, blocking commit: the commit in step() reports the failure
+        where = "commit_pending"
+        ckpt_ds.commit_pending(engine)  # background commit: reported when waited for
     except Exception as e:
         raised = e
     ckpt_ds.uninstall()
@@ -260,14 +264,50 @@ def rank_write_failure(root: str, async_save: bool) -> dict:
             "latest": (save_dir / "latest").exists(), "where": where}
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_write_failure_raises(run_ranks, tmp_path, async_save):
-    results = run_ranks(2, rank_write_failure, str(tmp_path), async_save, timeout_s=240)
+@pytest.mark.parametrize(("async_save", "background", "where"),
+                         [(False, False, "save_checkpoint"), (True, False, "step"), (True, True, "commit_pending")])
+def test_write_failure_raises(run_ranks, tmp_path, async_save, background, where):
+    results = run_ranks(2, rank_write_failure, str(tmp_path), async_save, background, timeout_s=240)
     for r in results:
         assert r["raised"] is not None, "a failing write did not raise"
         assert r["errno"] == errno.ENOSPC or "ENOSPC" in r["msg"] or "No space" in r["msg"], r
         assert r["latest"] is False
-        assert r["where"] == ("step" if async_save else "save_checkpoint"), r
+        assert r["where"] == where, r
+
+
+def rank_commit_timing(root: str, background: bool) -> dict:
+    """The step after a save: does it wait for the commit? (`latest`'s rename is held back 2 s.)"""
+    import time
+
+    _setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+
+    ckpt_ds.install({"background_commit": background, "io": {"backend": "buffered"}})
+    engine = _engine(1, seed=0)
+    _step(engine, 0)
+    save_dir = Path(root) / "ckpt"
+    engine.save_checkpoint(str(save_dir), tag="a")
+    t0 = time.monotonic()
+    _step(engine, 1)
+    step_s = time.monotonic() - t0
+    latest_after_step = (save_dir / "latest").exists()
+    ckpt_ds.commit_pending(engine)
+    latest = (save_dir / "latest").read_text()
+    engine.destroy()
+    ckpt_ds.uninstall()
+    return {"step_s": step_s, "latest_after_step": latest_after_step, "latest": latest}
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "blocking"])
+def test_commit_in_background_does_not_block_the_step(run_ranks, tmp_path, background):
+    env = {"CPUCKPT_TEST_HOOK": "before-rename:latest=sleep:2"}
+    results = run_ranks(2, rank_commit_timing, str(tmp_path), background, timeout_s=240, env=env)
+    for r in results:
+        assert r["latest"] == "a"
+        if background:
+            assert r["step_s"] < 1.5 and not r["latest_after_step"], r
+        else:
+            assert r["step_s"] >= 2.0 and r["latest_after_step"], r
 
 
 def rank_attach_and_block(root: str) -> dict:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The adapters on the GPU machine, in one script (phases: setup, tests, deepspeed, megatron-lm, example;
+# default all). Extra arguments per phase: DS_ARGS, MLM_ARGS.
+# Needs the carried wheels in .whl/ (megatron-core 0.19.2, deepspeed, nvidia-resiliency-ext, ...) and, for
+# the megatron-lm phase, a Megatron-LM checkout in .megatron-lm/ (not part of this repository).
+# Results go to $OUT (logs, JSON) and to stdout (tables).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+phases=${*:-setup tests megatron-lm example deepspeed}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=/tmp/site
+export PYTHONSAFEPATH=1  # the repo root must not shadow the installed cpuckpt (cpuckpt.integrations lives in /tmp/site)
+for phase in $phases; do
+  echo "=== $phase ($(date +%T))"
+  case $phase in
+    setup)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
+        || { echo "cpuckpt install failed"; exit 1; }
+      python3 -c "import torch, megatron.core, deepspeed, cpuckpt.integrations.megatron as m; \
+print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'deepspeed', deepspeed.__version__)"
+      ;;
+    tests)
+      timeout 200 python3 -m pytest --import-mode=importlib -p no:cacheprovider -q -x -o addopts="" \
+        tests/integrations/test_megatron.py tests/integrations/test_megatron_hook.py tests/gpu 2>&1 | tee "$OUT/device_tests.log" | tail -25
+      ;;
+    deepspeed)
+      timeout 300 python3 benchmarks/bench_deepspeed.py --out "$OUT" ${DS_ARGS:-} 2>&1 | tee "$OUT/bench_deepspeed.log" | tail -30
+      ;;
+    megatron-lm)
+      (cd .megatron-lm && make -s -C megatron/core/datasets >/dev/null 2>&1 || echo "datasets helpers build failed")
+      timeout 380 python3 benchmarks/bench_megatron_lm.py --megatron-lm .megatron-lm --out "$OUT" --timeout 170 ${MLM_ARGS:-} 2>&1 \
+        | grep -v "^\s*$" | tail -40
+      ;;
+    example)  # examples/megatron on the GPU: train, SIGKILL during the save of step 15, resume
+      A="examples/megatron/train.py --device cuda --save /tmp/mg --steps 20 --save-interval 5 --events /tmp/mg.events --snapshot-dir /tmp/mg.snap"
+      timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 1 $A --kill-at-step 15 > "$OUT/example_kill.log" 2>&1
+      echo "kill run exit code: $? (expected non-zero: SIGKILL)"
+      timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node 1 $A --resume > "$OUT/example_resume.log" 2>&1
+      echo "resume run exit code: $?"
+      grep -h -E "skipping|resumed from|bit-identical|done: step" "$OUT/example_resume.log" | tail -6
+      ;;
+  esac
+done
