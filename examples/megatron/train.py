@@ -499,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
         events("loss", step=step, loss=loss.hex())
         logger.info("step %3d  loss %.6f", step, loss)
         queue.maybe_finalize_async_calls(blocking=False)
+        if step == args.kill_at_step:
+            # Crash as a real run would: its earlier saves had a save interval's time to finish (this
+            # toy's steps take milliseconds; megatron-core's persistent worker needs seconds to start).
+            queue.maybe_finalize_async_calls(blocking=True)
         if step % args.save_interval == 0 or step == args.kill_at_step:
             schedule_save(model, optimizer, step, args, strategy, queue, events, on_finalized)
             if step == args.kill_at_step:
