@@ -53,10 +53,18 @@ def checkpoint_group(process_group: Any = None, timeout_s: float | None = None) 
         return pg
     with _GROUPS_LOCK:
         if pg not in _GROUPS:
-            ranks = dist.get_process_group_ranks(pg)
-            timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-            _GROUPS[pg] = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+            _GROUPS[pg] = new_gloo_group(pg, timeout_s)
         return _GROUPS[pg]
+
+
+def new_gloo_group(process_group: Any = None, timeout_s: float | None = None) -> Any:
+    """A new gloo group over the ranks of ``process_group`` (default: the world); collective.
+
+    For a thread of its own (a committer): a group must never be used by two threads at once.
+    """
+    pg = process_group if process_group is not None else dist.group.WORLD
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    return dist.new_group(ranks=dist.get_process_group_ranks(pg), backend="gloo", timeout=timeout)
 
 
 def save(

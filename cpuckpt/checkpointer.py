@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
-import datetime
 import gc
 import logging
 import os
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from .api import _call, checkpoint_group, dcp_save, resolve_stateful
+from .api import _call, checkpoint_group, dcp_save, new_gloo_group, resolve_stateful
 from .checkpoints import after_commit
 from .commit import clear_commit
 from .config import Config
@@ -119,11 +118,8 @@ class _Checkpointer:
         self.plan_group = None
         self.commit_group = None
         if self.dist:
-            pg = process_group if process_group is not None else dist.group.WORLD
-            ranks = dist.get_process_group_ranks(pg)
-            timeout = datetime.timedelta(seconds=timeout_s)
             self.plan_group = checkpoint_group(process_group, timeout_s)  # the caller's thread only
-            self.commit_group = dist.new_group(ranks, backend="gloo", timeout=timeout)  # the committer only
+            self.commit_group = new_gloo_group(process_group, timeout_s)  # the committer only
             self.coordinator = dist.get_global_rank(self.commit_group, 0)
         self.in_flight: collections.deque[AsyncSaveHandle] = collections.deque()
         self.plan_cache: CachedPlan | None = None

@@ -31,7 +31,6 @@ for checking the example (run.sh, tests/integrations/test_megatron_example.py), 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import logging
 import multiprocessing
@@ -45,6 +44,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
+
+from cpuckpt.commit import write_atomic
 
 logger = logging.getLogger("megatron_example")
 
@@ -289,7 +291,7 @@ def compare(now: dict[str, Any], saved: dict[str, Any]) -> list[str]:
 
 # ---------------------------------------------------------------------------------- async calls
 class ThreadAsyncCalls:
-    """CPU stand-in for megatron-core's ``AsyncCallsQueue``, which is CUDA-only.
+    """CPU stand-in for megatron-core's ``AsyncCallsQueue``, which calls torch.cuda and so needs a GPU.
 
     Same two methods as the queue, same contract: ``schedule_async_request`` starts the request's
     ``async_fn`` (here in a thread; cpuckpt's request only waits there for its own writer threads to
@@ -353,32 +355,12 @@ def write_tracker(save: str, step: int) -> None:
     """Rank 0, in the request's last finalize function: name ``step`` as the latest complete checkpoint."""
     if dist.get_rank() != 0:
         return
-    path = Path(save) / TRACKER
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(str(step))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_atomic(Path(save) / TRACKER, str(step).encode())  # tmp + fsync + rename + directory fsync
 
 
 def read_tracker(save: str) -> int | None:
     path = Path(save) / TRACKER
     return int(path.read_text().strip()) if path.exists() else None
-
-
-def save_kwargs() -> dict[str, Any]:
-    """megatron-core 0.19's ``save`` defaults to ``async_strategy="nvrx"`` (nvidia-resiliency-ext);
-    cpuckpt's request is megatron-core's own (``"mcore"``), the one ``AsyncCallsQueue`` runs."""
-    from megatron.core import dist_checkpointing
-
-    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters \
-        else {}
 
 
 def schedule_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, args: argparse.Namespace,
@@ -397,7 +379,7 @@ def schedule_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step
         torch.save(snapshot(model, optimizer, step), Path(args.snapshot_dir) / f"iter_{step}_rank{dist.get_rank()}.pt")
     t0 = time.perf_counter()
     request = dist_checkpointing.save(sharded_state_dict(model, optimizer, step), str(path),
-                                      sharded_strategy=strategy, async_sharded_save=True, **save_kwargs())
+                                      sharded_strategy=strategy, async_sharded_save=True, **mcore_async_kwargs())
 
     def finalize() -> None:
         write_tracker(args.save, step)

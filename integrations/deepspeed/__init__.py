@@ -15,8 +15,11 @@ block in the ds_config overrides ``install``'s settings (``"enabled": false`` tu
 
 Files keep DeepSpeed's names and are torch.save-compatible, so ``zero_to_fp32``,
 ``ds_to_universal`` and a stock DeepSpeed load them. The checkpoint is committed (every rank's files
-fsynced, then ``latest`` written atomically by rank 0) at the next ``engine.step()``, at
-``engine.destroy()``, or at :func:`commit_pending`.
+fsynced, then ``latest`` written atomically by rank 0) starting at the next ``engine.step()`` (in the
+background by default, see ``background_commit``), or at ``engine.destroy()`` or
+:func:`commit_pending`, which both wait for it. Call :func:`commit_pending` before reading the
+checkpoint back in the same job (``load_checkpoint`` reads ``latest`` itself) and before tearing the
+process group down without ``engine.destroy()``.
 
 Importing this module does not import DeepSpeed; the engine class is loaded on first use.
 """
@@ -148,9 +151,9 @@ def attach(engine: Any, config: Settings | Mapping[str, Any] | str | os.PathLike
 
 
 def commit_pending(engine: Any) -> None:
-    """Commit the engine's last checkpoint now (every rank): durable files, then ``latest``.
+    """Commit the engine's last checkpoint now and wait for it (every rank): durable files, then ``latest``.
 
-    Without it the commit happens at the next ``engine.step()`` or at ``engine.destroy()``.
+    Also waits for a background commit started by ``engine.step()``, and raises its failure.
     """
     ckpt = engine.checkpoint_engine
     if ckpt is not None and ckpt.is_decoupled() and ckpt.get_commit_info() is not None:

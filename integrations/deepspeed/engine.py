@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
-import datetime
 import logging
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from cpuckpt.api import checkpoint_group
+from cpuckpt.api import checkpoint_group, new_gloo_group
 from cpuckpt.commit import write_atomic
 from cpuckpt.engine import SaveJob
 from cpuckpt.errors import CpuckptError, StagingError
@@ -66,6 +65,13 @@ def safe_globals_for_deepspeed() -> list[Any]:
     from deepspeed.utils.tensor_fragment import fragment_address
 
     return [ZeroStageEnum, LossScalerBase, LossScaler, DynamicLossScaler, fragment_address, argparse.Namespace]
+
+
+def _log_failure(fut: cf.Future[None]) -> None:
+    err = fut.exception()
+    if err is not None:
+        logger.error("background commit of a DeepSpeed checkpoint failed (raised at the next save, "
+                     "commit_pending or destroy): %s", err)
 
 
 class CpuckptCheckpointEngine(CheckpointEngine):
@@ -127,7 +133,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         logger.debug("rank %d: %s staged in %.3f s (%d bytes)", rank, path, self.last_save_s, files[0].nbytes)
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        """``torch.load(weights_only=True)`` with DeepSpeed's few globals allowed; never unrestricted."""
+        """``torch.load(weights_only=True)`` with DeepSpeed's few globals allowed; never unrestricted.
+
+        A background commit still running is waited for first (its files may be the ones asked for).
+        """
+        self.wait()
         with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
             return torch.load(path, map_location=map_location, weights_only=True)
 
@@ -142,23 +152,30 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             CpuckptError: this rank's write failed (its error, chained), or another rank's did.
         """
         direct = info is self._info  # DeepSpeed's save_16bit_model commits the very object it created
+        self.wait()  # commits stay ordered; an earlier failure is raised first
         pending = self._info if self._info is not None else info
         self._info = None
         jobs, self._jobs = self._jobs, []
-        self.wait()  # commits stay ordered; an earlier failure is raised first
         if self.settings.async_save and self.settings.background_commit and not direct:
             group = self._background_group()
-            self._background = self._background_executor().submit(self._finish, pending, jobs, group)
+            fut = self._background_executor().submit(self._finish, pending, jobs, group)
+            fut.add_done_callback(_log_failure)  # told at once, even if nobody waits for it
+            self._background = fut
             return True
         self._finish(pending, jobs, checkpoint_group())
         return True
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for a background commit (if any) and raise its failure; every rank calls it."""
-        fut, self._background = self._background, None
-        if fut is not None:
+        fut = self._background
+        if fut is None:
+            return
+        try:
             wait_future(fut, self.settings.core.timeout_s if timeout is None else timeout,
                         "committing the DeepSpeed checkpoint in the background")
+        finally:
+            if fut.done():  # a timeout keeps it: its slots are still in use, its outcome still owed
+                self._background = None
 
     def _finish(self, pending: CheckpointCommitInfo, jobs: list[SaveJob], group: Any) -> None:
         t0 = time.perf_counter()
@@ -199,9 +216,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
     def _background_group(self) -> Any:
         """A gloo group used only by the background committer (created collectively, once)."""
         if self._commit_group is None and dist.is_available() and dist.is_initialized():
-            timeout = datetime.timedelta(seconds=self.settings.core.timeout_s)
-            self._commit_group = dist.new_group(dist.get_process_group_ranks(dist.group.WORLD), backend="gloo",
-                                                timeout=timeout)
+            self._commit_group = new_gloo_group(None, self.settings.core.timeout_s)
         return self._commit_group
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:

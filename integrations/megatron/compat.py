@@ -12,13 +12,27 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load_planner_kwargs", "make_async_request", "megatron_core_version"]
+__all__ = ["load_planner_kwargs", "make_async_request", "mcore_async_kwargs", "megatron_core_version"]
 
 
 def megatron_core_version() -> str:
     from megatron.core.package_info import __version__
 
     return __version__
+
+
+def mcore_async_kwargs() -> dict[str, Any]:
+    """``dist_checkpointing.save`` keyword arguments for megatron-core's own ``AsyncCallsQueue``.
+
+    megatron-core >= 0.17 picks the request class by ``async_strategy`` and defaults to "nvrx"
+    (nvidia-resiliency-ext's queue); with megatron-core's queue the request must be an "mcore" one.
+    """
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters \
+        else {}
 
 
 def make_async_request(async_strategy: str, fn: Callable[..., None], args: tuple,

@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     script = args[0]
     sys.argv = [script, *args[1:]]
+    sys.path.insert(0, str(Path(script).resolve().parent))  # Megatron-LM's checkout: the hook imports from it
     install()
-    sys.path.insert(0, str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")
 
 

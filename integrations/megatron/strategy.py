@@ -85,7 +85,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         try:
             handle.staged.wait()  # after this the trainer may change any saved tensor
         except BaseException:
-            channel.remove()
+            channel.remove()  # the save fails on (handle.wait raises it at the next async_save/wait_all)
             raise
         timeout_s = self.config.timeout_s
         group = checkpoint_group(None, timeout_s)
@@ -110,19 +110,19 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             return compat.make_async_request(async_strategy, wait_for_commit,
                                              (channel.base, rank, 2 * timeout_s + 60, os.getpid()), [finalize_fn])
         except BaseException:
-            # e.g. async_strategy "nvrx" without nvidia-resiliency-ext: the save goes on (it is already
-            # staged) but nobody will finalize it; wait for it here so no channel file is left behind.
-            try:
-                handle.wait(timeout_s)
-            finally:
-                channel.remove()
+            # e.g. async_strategy "nvrx" without nvidia-resiliency-ext: the save goes on in cpuckpt's
+            # threads (its outcome reaches cpuckpt.wait_all / the next async_save), but no caller will
+            # ever read the channel.
+            channel.remove()
             raise
 
 
 class CpuckptLoadStrategy(TorchDistLoadShardedStrategy):
     """Load strategy: reads torch_dist checkpoints (ours or stock) with :class:`cpuckpt.StorageReader`.
 
-    Resharding works as in megatron-core: DCP plans the reads from the requested shards.
+    Resharding works as in megatron-core: DCP plans the reads from the requested shards. The load is
+    collective (every rank of the default group calls it, as Megatron-LM does); megatron-core 0.19's
+    own torch_dist load reads with ``no_dist=True`` instead.
     """
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None) -> None:

@@ -27,10 +27,13 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 import time
 import traceback
 import uuid
 from pathlib import Path
+
+from cpuckpt.commit import test_hook, write_atomic
 
 __all__ = ["Channel", "new_channel", "wait_for_commit"]
 
@@ -47,10 +50,16 @@ def _channel_dir() -> Path:
 
 
 class Channel:
-    """The status/report file pair of one save on one rank."""
+    """The status/report file pair of one save on one rank.
+
+    On the trainer side, :meth:`post_status` (the committer thread) and :meth:`remove` (finalize, or a
+    failed ``async_save``) may race; a lock and a closed flag make sure no file outlives ``remove``.
+    """
 
     def __init__(self, base: str) -> None:
         self.base = base
+        self._lock = threading.Lock()
+        self._closed = False
 
     @property
     def status_path(self) -> Path:
@@ -62,8 +71,10 @@ class Channel:
 
     # -- trainer side ---------------------------------------------------------------------------
     def post_status(self, error: str | None) -> None:
-        """Trainer: the save ended (``error`` None: committed on every rank)."""
-        _write(self.status_path, error or "")
+        """Trainer: the save ended (``error`` None: committed on every rank). No-op once removed."""
+        with self._lock:
+            if not self._closed:
+                _write(self.status_path, error or "")
 
     def take_report(self) -> str | None:
         """Trainer, at finalize: the caller's report; None if it never wrote one (it died)."""
@@ -74,11 +85,14 @@ class Channel:
         return text
 
     def remove(self) -> None:
-        for p in (self.status_path, self.report_path):
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
+        """Trainer: delete both files; a later ``post_status`` writes nothing."""
+        with self._lock:
+            self._closed = True
+            for p in (self.status_path, self.report_path):
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
 
     # -- caller side ----------------------------------------------------------------------------
     def wait_status(self, timeout_s: float, parent_pid: int) -> str:
@@ -107,8 +121,6 @@ def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int) ->
     """Megatron's ``async_fn``: wait until the trainer reports the save's outcome. Never raises."""
     channel = Channel(base)
     try:
-        from cpuckpt.commit import test_hook
-
         test_hook(f"megatron-worker:rank{rank}")
         channel.wait_status(timeout_s, trainer_pid)
         channel.report(OK)
@@ -122,9 +134,7 @@ def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int) ->
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(path, text.encode(), fsync=False)  # a reader never sees a partial file
 
 
 def _alive(pid: int) -> bool:

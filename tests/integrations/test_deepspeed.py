@@ -238,7 +238,7 @@ def test_zero_roundtrip(run_ranks, tmp_path, stage, bf16):
         assert r["leftovers"] == []
 
 
-def rank_write_failure(root: str, async_save: bool, background: bool) -> dict:
+def rank_write_failure(root: str, async_save: bool, background: bool, surface: str) -> dict:
     _setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
 
@@ -253,26 +253,61 @@ def rank_write_failure(root: str, async_save: bool, background: bool) -> dict:
         engine.save_checkpoint(str(save_dir), tag="bad")
         where = "step"
         _step(engine, 1)  # async, blocking commit: the commit in step() reports the failure
-        where = "commit_pending"
-        ckpt_ds.commit_pending(engine)  # background commit: reported when waited for
+        where = surface
+        if surface == "next_save":
+            engine.save_checkpoint(str(save_dir), tag="next")  # background: reported before it starts
+        else:
+            ckpt_ds.commit_pending(engine)  # background: reported when waited for
     except Exception as e:
         raised = e
     ckpt_ds.uninstall()
     err = raised if raised is None or isinstance(raised, OSError) else raised.__cause__ or raised
     return {"raised": type(raised).__name__ if raised else None,
             "errno": getattr(err, "errno", None), "msg": str(raised),
-            "latest": (save_dir / "latest").exists(), "where": where}
+            "latest": (save_dir / "latest").exists(), "where": where, "next_started": (save_dir / "next").exists()}
 
 
-@pytest.mark.parametrize(("async_save", "background", "where"),
-                         [(False, False, "save_checkpoint"), (True, False, "step"), (True, True, "commit_pending")])
-def test_write_failure_raises(run_ranks, tmp_path, async_save, background, where):
-    results = run_ranks(2, rank_write_failure, str(tmp_path), async_save, background, timeout_s=240)
+@pytest.mark.parametrize(("async_save", "background", "surface"),
+                         [(False, False, "save_checkpoint"), (True, False, "step"), (True, True, "commit_pending"),
+                          (True, True, "next_save")])
+def test_write_failure_raises(run_ranks, tmp_path, async_save, background, surface):
+    results = run_ranks(2, rank_write_failure, str(tmp_path), async_save, background, surface, timeout_s=240)
     for r in results:
         assert r["raised"] is not None, "a failing write did not raise"
         assert r["errno"] == errno.ENOSPC or "ENOSPC" in r["msg"] or "No space" in r["msg"], r
+        assert "bad" in r["msg"], r  # the failure of the first checkpoint, not of a later one
         assert r["latest"] is False
-        assert r["where"] == where, r
+        assert r["where"] == surface, r
+        assert not r["next_started"], "a new save started while an earlier one had failed unreported"
+
+
+def rank_save_16bit_model(root: str) -> dict:
+    """DeepSpeed's save_16bit_model commits right after saving and expects the file on return."""
+    _setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch
+    import torch.distributed as dist
+
+    ckpt_ds.install({"io": {"backend": "buffered"}})
+    engine = _engine(1, seed=0)
+    _step(engine, 0)
+    out = Path(root) / "weights"
+    engine.save_16bit_model(str(out), "model.bin")
+    in_flight = engine.checkpoint_engine._background is not None
+    result = {"in_flight": in_flight}
+    if dist.get_rank() == 0:
+        sd = torch.load(out / "model.bin", weights_only=True)  # right away: must be complete
+        live = {k: v.detach() for k, v in engine.module.state_dict().items()}
+        result["equal"] = sd.keys() == live.keys() and all(torch.equal(sd[k], live[k]) for k in sd)
+    engine.destroy()
+    ckpt_ds.uninstall()
+    return result
+
+
+def test_save_16bit_model_is_complete_on_return(run_ranks, tmp_path):
+    results = run_ranks(2, rank_save_16bit_model, str(tmp_path), timeout_s=240)
+    assert results[0]["equal"], "save_16bit_model's file differs from the live weights"
+    assert not any(r["in_flight"] for r in results), "save_16bit_model's commit was left in the background"
 
 
 def rank_commit_timing(root: str, background: bool) -> dict:

@@ -146,21 +146,11 @@ def test_stock_torch_dist_checkpoint_loads_through_ours(run_ranks, tmp_path):
     run_ranks(2, rank_stock_save_our_load, str(tmp_path), timeout_s=180, env=ENV)
 
 
-def _async_kwargs() -> dict:
-    """megatron-core >= 0.17 picks the request class by ``async_strategy`` (default "nvrx"); these tests
-    use megatron-core's own queue, so they ask for "mcore" where the argument exists."""
-    import inspect
-
-    from megatron.core import dist_checkpointing
-
-    return {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters \
-        else {}
-
-
 def rank_async(root: str, persistent: bool, fully_parallel: bool) -> dict:
     """Two async saves through Megatron's AsyncCallsQueue; tensors change right after scheduling."""
     import cpuckpt.integrations.megatron as ckpt_mg
     import torch.distributed as dist
+    from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -173,7 +163,7 @@ def rank_async(root: str, persistent: bool, fully_parallel: bool) -> dict:
         path.mkdir(exist_ok=True)
         sd = _sharded(step, device)
         request = dist_checkpointing.save(sd, str(path), sharded_strategy=strategy, async_sharded_save=True,
-                                          **_async_kwargs())
+                                          **mcore_async_kwargs())
         request.add_finalize_fn(lambda s=step: finalized.append(s))
         queue.schedule_async_request(request)
         # the trainer moves on at once: the next optimizer step overwrites the saved tensors
@@ -187,8 +177,10 @@ def rank_async(root: str, persistent: bool, fully_parallel: bool) -> dict:
         _check(dist_checkpointing.load(_template(device), str(path)), step, device)
         _check(dist_checkpointing.load(_template(device, split_dim=1), str(path),
                                        sharded_strategy=ckpt_mg.load_strategy()), step, device, split_dim=1)
-    return {"finalized": finalized, "leftovers": sorted(p.name for p in Path("/dev/shm").glob("cpuckpt-megatron-*"))
-            if Path("/dev/shm").is_dir() else []}
+    from cpuckpt.integrations.megatron.worker import _channel_dir
+
+    return {"finalized": finalized, "leftovers": sorted(p.name for p in _channel_dir().glob(
+        f"cpuckpt-megatron-{os.getpid()}-*"))}
 
 
 @pytest.mark.parametrize(("persistent", "fully_parallel"), [(False, False), (True, False), (True, True)],
@@ -197,8 +189,7 @@ def test_async_save_through_megatron_callers(run_ranks, tmp_path, persistent, fu
     results = run_ranks(2, rank_async, str(tmp_path), persistent, fully_parallel, timeout_s=240, env=ENV)
     for r in results:
         assert r["finalized"] == [1, 2]
-    mine = [n for n in results[0]["leftovers"] if "cpuckpt-megatron-" in n]
-    assert not [n for n in mine if str(os.getpid()) in n]
+        assert r["leftovers"] == [], "channel files left behind"
 
 
 def rank_async_failure(root: str, persistent: bool, config: dict | None) -> dict:
@@ -206,6 +197,7 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None) -> dict
     import time
 
     import cpuckpt.integrations.megatron as ckpt_mg
+    from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -214,7 +206,7 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None) -> dict
     path = Path(root) / "iter_1"
     path.mkdir(exist_ok=True)
     request = dist_checkpointing.save(_sharded(1, device), str(path), sharded_strategy=ckpt_mg.save_strategy(config),
-                                      async_sharded_save=True, **_async_kwargs())
+                                      async_sharded_save=True, **mcore_async_kwargs())
     queue.schedule_async_request(request)
     t0 = time.monotonic()
     try:
@@ -225,8 +217,11 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None) -> dict
         error = None
     elapsed = time.monotonic() - t0
     queue.close(abort=True)
+    from cpuckpt.integrations.megatron.worker import _channel_dir
+
     return {"error": error, "elapsed": elapsed, "metadata_json": (path / "metadata.json").exists(),
-            "dcp_metadata": (path / ".metadata").exists()}
+            "dcp_metadata": (path / ".metadata").exists(),
+            "leftovers": sorted(p.name for p in _channel_dir().glob(f"cpuckpt-megatron-{os.getpid()}-*"))}
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["temporal", "persistent"])
@@ -252,3 +247,4 @@ def test_write_failure_raises_on_every_rank(run_ranks, tmp_path):
     for r in results:
         assert r["error"] is not None and "No space left" in r["error"], r
         assert not r["metadata_json"] and not r["dcp_metadata"], "a failed save looks complete"
+        assert r["leftovers"] == [], "channel files left behind"
