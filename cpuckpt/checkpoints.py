@@ -224,6 +224,11 @@ def _marker_alive(name: str) -> bool:
         return True
     if host != socket.gethostname():
         return True
+    return pid_alive(pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host with that pid exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -33,6 +33,7 @@ import traceback
 import uuid
 from pathlib import Path
 
+from cpuckpt.checkpoints import pid_alive
 from cpuckpt.commit import test_hook, write_atomic
 
 __all__ = ["Channel", "new_channel", "wait_for_commit"]
@@ -105,7 +106,7 @@ class Channel:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no outcome from the trainer after {timeout_s:.0f} s ({self.status_path})")
-            if parent_pid and not _alive(parent_pid):
+            if parent_pid and not pid_alive(parent_pid):
                 raise RuntimeError(f"the trainer process {parent_pid} is gone")
             time.sleep(POLL_S)
 
@@ -136,12 +137,3 @@ def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int) ->
 def _write(path: Path, text: str) -> None:
     write_atomic(path, text.encode(), fsync=False)  # a reader never sees a partial file
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
