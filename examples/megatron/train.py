@@ -340,9 +340,11 @@ class ThreadAsyncCalls:
 
 def make_async_queue(device: str) -> Any:
     if device == "cuda":  # Megatron-LM's choice: one persistent worker process per rank
+        from cpuckpt.integrations.megatron.guard import watch_async_queue
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        return AsyncCallsQueue(persistent=True)
+        # a worker killed from outside would otherwise leave megatron-core waiting forever
+        return watch_async_queue(AsyncCallsQueue(persistent=True))
     return ThreadAsyncCalls()
 
 

@@ -7,7 +7,8 @@ With megatron-core directly::
 
     strategy = ckpt_mg.save_strategy("configs/megatron.yaml")
     request = dist_checkpointing.save(sharded_sd, ckpt_dir, sharded_strategy=strategy,
-                                      async_sharded_save=True)
+                                      async_sharded_save=True, async_strategy="mcore")  # (0.17+: "mcore")
+    async_queue = ckpt_mg.watch_async_queue(AsyncCallsQueue(persistent=True))  # a dead worker raises
     async_queue.schedule_async_request(request)        # temporal or persistent caller
     ...
     state = dist_checkpointing.load(sharded_sd, ckpt_dir, sharded_strategy=ckpt_mg.load_strategy())
@@ -27,7 +28,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["CpuckptLoadStrategy", "CpuckptSaveStrategy", "install", "load_strategy", "save_strategy"]
+__all__ = ["CpuckptLoadStrategy", "CpuckptSaveStrategy", "WorkerDiedError", "install", "load_strategy", "save_strategy",
+           "watch_async_queue"]
 
 
 def save_strategy(config: Any = None, *, fully_parallel: bool = False, parallelization_group: Any = None,
@@ -63,4 +65,8 @@ def __getattr__(name: str) -> Any:
         from . import strategy
 
         return getattr(strategy, name)
+    if name in ("watch_async_queue", "WorkerDiedError"):
+        from . import guard
+
+        return getattr(guard, name)
     raise AttributeError(name)

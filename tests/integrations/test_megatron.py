@@ -192,7 +192,7 @@ def test_async_save_through_megatron_callers(run_ranks, tmp_path, persistent, fu
         assert r["leftovers"] == [], "channel files left behind"
 
 
-def rank_async_failure(root: str, persistent: bool, config: dict | None) -> dict:
+def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: bool = False) -> dict:
     """A failing save must raise at finalize on every rank, within the timeout, never hang."""
     import time
 
@@ -203,6 +203,10 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None) -> dict
 
     _, _, device = _setup()
     queue = AsyncCallsQueue(persistent=persistent)
+    if watch:
+        from cpuckpt.integrations.megatron.guard import watch_async_queue
+
+        watch_async_queue(queue, timeout_s=60)
     path = Path(root) / "iter_1"
     path.mkdir(exist_ok=True)
     request = dist_checkpointing.save(_sharded(1, device), str(path), sharded_strategy=ckpt_mg.save_strategy(config),
@@ -239,6 +243,17 @@ def test_dead_temporal_worker_raises_on_every_rank(run_ranks, tmp_path):
     for r in results:
         assert r["error"] is not None and "ended without reporting" in r["error"], r
         assert not r["metadata_json"]
+
+
+def test_dead_persistent_worker_raises_on_every_rank_when_watched(run_ranks, tmp_path):
+    # megatron-core's own persistent caller would wait forever for the killed worker
+    env = dict(ENV, CPUCKPT_TEST_HOOK="megatron-worker:rank0=kill")
+    results = run_ranks(2, rank_async_failure, str(tmp_path), True, None, True, timeout_s=240, env=env)
+    for r in results:
+        assert r["error"] is not None and "WorkerDiedError" in r["error"], r
+        assert ("rank 0's" in r["error"]) or ("another rank's" in r["error"]), r
+        assert not r["metadata_json"]
+        assert r["elapsed"] < 30, r
 
 
 def test_write_failure_raises_on_every_rank(run_ranks, tmp_path):
