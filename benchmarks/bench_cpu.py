@@ -116,12 +116,14 @@ def null_save(sd: dict[str, Any]) -> None:
 
 
 def cpuckpt_null_save() -> Callable[[dict[str, Any]], None] | None:
-    """DCP's planning as ``cpuckpt.save`` drives it (``cpuckpt.api.dcp_save``), or None if it has no such hook.
+    """DCP's planning as ``cpuckpt.save`` drives it (``collectives.dcp_save``), or None if it has no such hook.
 
     cpuckpt.save may skip parts of ``dcp.save`` (e.g. its per-key logging wrapper), so its cost per
     item is taken beyond this planning, not beyond ``dcp.save``'s.
     """
-    hook = getattr(cpuckpt.api, "dcp_save", None)
+    import cpuckpt.backend.collectives as collectives
+
+    hook = getattr(collectives, "dcp_save", None)
     if hook is None:
         return None
     return lambda sd: hook(sd, NullStorageWriter())
@@ -570,7 +572,7 @@ def _reset_targets(sd: Any) -> None:
 def _record_template_cache() -> Any:
     """cpuckpt's record-skeleton cache (an ``lru_cache``), for hit/miss counts; None if it moved."""
     try:
-        from cpuckpt.record import record_template
+        from cpuckpt.format.record import record_template
     except ImportError:
         return None
     return record_template if hasattr(record_template, "cache_info") else None

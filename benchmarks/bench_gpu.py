@@ -48,7 +48,7 @@ from common import (
 )
 
 import cpuckpt
-from cpuckpt.staging import release_pool
+from cpuckpt.transfer.staging import release_pool
 
 logger = logging.getLogger("bench_gpu")
 RESULTS: list[dict[str, Any]] = []

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from .api import load, prepare_pool, save
-from .checkpointer import AsyncSaveHandle, async_save, wait_all
-from .checkpoints import (
-    apply_retention,
-    clean_incomplete,
-    find_latest,
-    install_sigterm_handler,
-    list_checkpoints,
-    read_latest,
-    update_latest,
-)
-from .config import Config
-from .errors import (
+from cpuckpt.api import load, prepare_pool, save
+from cpuckpt.backend.reader import StorageReader
+from cpuckpt.backend.writer import StorageWriter
+from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
+from cpuckpt.config import Config
+from cpuckpt.errors import (
     CheckpointCorrupt,
     CheckpointTimeoutError,
     ConfigError,
@@ -25,8 +16,16 @@ from .errors import (
     StagingError,
     StorageIOError,
 )
-from .reader import StorageReader
-from .writer import StorageWriter
+from cpuckpt.roots import (
+    apply_retention,
+    clean_incomplete,
+    find_latest,
+    install_sigterm_handler,
+    list_checkpoints,
+    read_latest,
+    update_latest,
+)
+from cpuckpt.version import __version__
 
 __all__ = [
     "AsyncSaveHandle",

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from cpuckpt.errors import ConfigError
 
 __all__ = [
     "AsyncConfig",
@@ -30,6 +30,7 @@ __all__ = [
     "StagingConfig",
     "TelemetryConfig",
     "parse_bytes",
+    "resolve_config",
 ]
 
 _KiB = 1024
@@ -132,7 +133,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    """Per-save/load telemetry records (see cpuckpt.telemetry)."""
+    """Per-save/load telemetry records (see cpuckpt.backend.telemetry)."""
 
     file: str = _opt("", "Append one JSON line per save and load to this file; empty: log lines only.")
 
@@ -312,3 +313,11 @@ def _env_value(name: str) -> Any:
         return yaml.safe_load(os.environ[name])
     except yaml.YAMLError as e:
         raise ConfigError(f"environment variable {name}: not a valid value: {e}") from e
+
+def resolve_config(config: Config | str | os.PathLike | dict | None) -> Config:
+    """Accept a Config, a YAML path, a dict, or None (defaults plus environment overrides)."""
+    if isinstance(config, Config):
+        return config
+    if config is None or isinstance(config, dict):
+        return Config.from_dict(config)
+    return Config.from_yaml(config)

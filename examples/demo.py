@@ -56,7 +56,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import cpuckpt
-from cpuckpt.commit import is_complete, read_manifest
+from cpuckpt.backend.committed import is_complete, read_manifest
 
 logger = logging.getLogger("demo")
 

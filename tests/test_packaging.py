@@ -103,7 +103,7 @@ def test_cli_outside_the_source_tree_says_where_bench_and_demo_live(installed):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["PYTHONPATH"] = str(installed["site"])
     for cmd in ("bench", "demo"):
-        proc = subprocess.run([sys.executable, "-m", "cpuckpt.cli", cmd, "--smoke"], cwd=installed["tmp"], env=env,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([sys.executable, "-m", "cpuckpt.tools.cli", cmd, "--smoke"], cwd=installed["tmp"],
+                              env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert "ships with the cpuckpt source tree" in proc.stderr, proc.stderr

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
 
-from cpuckpt.commit import write_atomic
+from cpuckpt.transfer.files import write_atomic
 
 logger = logging.getLogger("megatron_example")
 

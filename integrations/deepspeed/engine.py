@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from cpuckpt.api import checkpoint_group, new_gloo_group
-from cpuckpt.commit import write_atomic
-from cpuckpt.engine import SaveJob
+from cpuckpt.backend.collectives import checkpoint_group, new_gloo_group
 from cpuckpt.errors import CpuckptError, StagingError
-from cpuckpt.pipeline import new_executor, wait_future
-from cpuckpt.staging import get_pool
+from cpuckpt.transfer.files import write_atomic
+from cpuckpt.transfer.save_job import SaveJob
+from cpuckpt.transfer.staging import get_pool
+from cpuckpt.transfer.threads import new_executor, wait_future
 
 from .settings import Settings, resolve_settings
 from .torchfile import chunk_count, layout_torch_file

@@ -4,7 +4,7 @@
 ``torch.serialization.skip_data()``, into a sink that keeps what was written and leaves each
 storage's data region unwritten. The file image is then the skeleton bytes with every tensor's raw
 bytes dropped into its region; :func:`layout_torch_file` plans it as one file of a
-:class:`cpuckpt.engine.SaveJob`, so the bytes are staged once into the host pool and ``pwrite`` by
+:class:`cpuckpt.transfer.save_job.SaveJob`, so the bytes are staged once into the host pool and ``pwrite`` by
 worker threads.
 
 Every plain tensor is pickled as a fresh, compact, contiguous CPU tensor of the same dtype, shape and
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from cpuckpt.config import Config
-from cpuckpt.layout import FileLayout, LayoutItem, plan_files
-from cpuckpt.record import SparseSink
-from cpuckpt.staging import flat_bytes
+from cpuckpt.format.layout import FileLayout, LayoutItem, plan_files
+from cpuckpt.format.record import SparseSink
+from cpuckpt.transfer.staging import flat_bytes
 
 __all__ = ["TorchFileImage", "layout_torch_file", "plan_torch_file"]
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpuckpt.api import checkpoint_group
+from cpuckpt.backend.collectives import checkpoint_group
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
 
 __all__ = ["WorkerDiedError", "watch_async_queue"]

@@ -25,9 +25,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuckpt.config import Config
+from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import ConfigError
-from cpuckpt.writer import resolve_config
 
 __all__ = ["FORMAT", "Selection", "install", "rewrite_argv"]
 

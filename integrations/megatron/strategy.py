@@ -31,10 +31,9 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 import cpuckpt
-from cpuckpt.api import checkpoint_group
-from cpuckpt.config import Config
+from cpuckpt.backend.collectives import checkpoint_group
+from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CpuckptError
-from cpuckpt.writer import resolve_config
 
 from . import compat
 from .worker import OK, new_channel, wait_for_commit

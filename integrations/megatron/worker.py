@@ -33,8 +33,9 @@ import traceback
 import uuid
 from pathlib import Path
 
-from cpuckpt.checkpoints import pid_alive
-from cpuckpt.commit import test_hook, write_atomic
+from cpuckpt import faultpoint
+from cpuckpt.roots import pid_alive
+from cpuckpt.transfer.files import write_atomic
 
 __all__ = ["Channel", "new_channel", "wait_for_commit"]
 
@@ -122,7 +123,7 @@ def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int) ->
     """Megatron's ``async_fn``: wait until the trainer reports the save's outcome. Never raises."""
     channel = Channel(base)
     try:
-        test_hook(f"megatron-worker:rank{rank}")
+        faultpoint.hit(f"megatron-worker:rank{rank}")
         channel.wait_status(timeout_s, trainer_pid)
         channel.report(OK)
     except BaseException as e:

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 
 import cpuckpt
-from cpuckpt.cli import cli
+from cpuckpt.tools.cli import cli
 
 SMALL_CFG = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}}
 FULL_2RANK = {"s0": ((64, 33), torch.float32), "s1_bf16": ((10, 300), torch.bfloat16)}
@@ -32,7 +32,7 @@ FULL_2RANK = {"s0": ((64, 33), torch.float32), "s1_bf16": ((10, 300), torch.bflo
 
 def _script() -> list[str]:
     exe = Path(sys.executable).with_name("cpuckpt")
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "cpuckpt.cli"]
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "cpuckpt.tools.cli"]
 
 
 def _run(*args: str) -> tuple[int, str]:

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 import cpuckpt
-from cpuckpt.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json
+from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cpuckpt import StorageIOError
-from cpuckpt.fileio import FileBackend, get_backend
+from cpuckpt.transfer.files import FileBackend, get_backend
 
 ALIGN = 4096
 

@@ -172,7 +172,7 @@ def rank_snapshot_mutation(root: str) -> dict:
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
     import cpuckpt
-    from cpuckpt.commit import is_complete
+    from cpuckpt.backend.committed import is_complete
 
     mesh = _mesh()
     root_p = Path(root)
@@ -231,7 +231,7 @@ def rank_streaming(root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import cpuckpt
-    import cpuckpt.staging
+    import cpuckpt.transfer.staging
 
     mesh = _mesh()
     root_p = Path(root)
@@ -247,8 +247,9 @@ def rank_streaming(root: str) -> dict:
     _mutate(sd)  # staged means copied, in streaming mode too
     _assert_all_changed(sd, mesh, seed=3, huge=True)
     h.wait()
-    pool = cpuckpt.staging._POOL  # the process's host pool (no public accessor)
-    out["pool_nbytes"] = None if pool is None else pool.nbytes
+    from cpuckpt.transfer.staging import pool_state
+
+    out["pool_nbytes"] = pool_state()[0] or None
     dist.barrier()
     _load_both(path, mesh, 3, "async_save streaming", huge=True)
 
@@ -290,7 +291,7 @@ def rank_write_failure(root: str) -> dict:
     import torch.distributed as dist
 
     import cpuckpt
-    from cpuckpt.commit import is_complete
+    from cpuckpt.backend.committed import is_complete
 
     rank = dist.get_rank()
     mesh = _mesh()
@@ -352,7 +353,7 @@ def rank_in_flight_one(root: str) -> dict:
     import torch.distributed as dist
 
     import cpuckpt
-    from cpuckpt.commit import is_complete
+    from cpuckpt.backend.committed import is_complete
 
     rank = dist.get_rank()
     mesh = _mesh()

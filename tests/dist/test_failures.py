@@ -70,7 +70,7 @@ def rank_fail_on_one_rank(root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import cpuckpt
-    from cpuckpt.commit import is_complete
+    from cpuckpt.backend.committed import is_complete
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -158,7 +158,7 @@ def rank_save_then_stock_load(root: str, backend: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import cpuckpt
-    from cpuckpt.fileio import get_backend
+    from cpuckpt.transfer.files import get_backend
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
@@ -198,7 +198,7 @@ def test_two_rank_save_loads_bit_exact_with_stock_reader(run_ranks, tmp_path, ba
     results = run_ranks(2, rank_save_then_stock_load, str(root), backend, timeout_s=120)
     assert all(r["checked"] > 50 for r in results), results
     if backend == "auto":
-        from cpuckpt.fileio import _direct_supported
+        from cpuckpt.transfer.files import _direct_supported
 
         # auto resolves per filesystem; on this machine's disk that is O_DIRECT (tmpfs would say buffered).
         expected = "direct" if _direct_supported(tmp_path, 4096) else "buffered"

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import cpuckpt
 from cpuckpt import CheckpointCorrupt, CpuckptError, IntegrityError, StorageIOError
-from cpuckpt.commit import is_complete, read_manifest
+from cpuckpt.backend.committed import is_complete, read_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -120,7 +120,7 @@ def test_failed_save_over_existing_checkpoint_makes_it_incomplete(ckpt):
 
 def _all_slots_free(timeout: float = 5.0) -> bool:
     """The process pool's slots all come back (stragglers of a failed save release theirs)."""
-    from cpuckpt.staging import get_pool
+    from cpuckpt.transfer.staging import get_pool
 
     pool = get_pool(CHUNK, 1, pin=False, pretouch=False)  # the existing pool (any pool is large enough)
     deadline = time.monotonic() + timeout

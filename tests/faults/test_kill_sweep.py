@@ -273,7 +273,7 @@ def test_wall_clock_kills(rank_runner, tmp_path_factory, templates, capsys):
 
 
 def test_kill_backend_specs():
-    from cpuckpt.fileio import KillingBackend, get_backend
+    from cpuckpt.transfer.files import KillingBackend, get_backend
 
     b = get_backend("fault:KILL@65536", ".")
     assert isinstance(b, KillingBackend) and b.kill_after_bytes == 65536 and not b.kill_fsync

@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import cpuckpt
-from cpuckpt.staging import get_pool, release_pool
+from cpuckpt.transfer.staging import get_pool, release_pool
 
 pytestmark = [
     pytest.mark.gpu,

@@ -577,7 +577,7 @@ def test_torch_file_matches_torch_save_of_compact_clones(tmp_path):
     from torch.utils.serialization import config as ser_config
 
     from cpuckpt.config import Config
-    from cpuckpt.engine import SaveJob
+    from cpuckpt.transfer.save_job import SaveJob
 
     base = torch.arange(50_000, dtype=torch.float32)
     w = torch.nn.Parameter(torch.randn(10, 7))

@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 
 import cpuckpt
 from cpuckpt import IntegrityError
-from cpuckpt.checkpoints import LATEST_NAME, LOADING_PREFIX, after_commit, is_being_loaded, loading
 from cpuckpt.config import Config
+from cpuckpt.roots import LATEST_NAME, LOADING_PREFIX, after_commit, is_being_loaded, loading
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

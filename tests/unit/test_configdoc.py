@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from cpuckpt import Config
-from cpuckpt.configdoc import config_markdown
+from cpuckpt.tools.configdoc import config_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_committed_config_reference_matches_the_code():
     committed = (REPO / "docs" / "CONFIG.md").read_text()
     assert committed == config_markdown(), (
-        "docs/CONFIG.md is out of date; regenerate it with: .venv/bin/python -m cpuckpt.configdoc docs/CONFIG.md"
+        "docs/CONFIG.md is out of date; regenerate it with: .venv/bin/python -m cpuckpt.tools.configdoc docs/CONFIG.md"
     )
 
 

@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from cpuckpt import ConfigError, CpuckptError, StorageIOError, fileio
-from cpuckpt.fileio import (
+from cpuckpt import ConfigError, CpuckptError, StorageIOError
+from cpuckpt.transfer import files as fileio
+from cpuckpt.transfer.files import (
     BufferedFileBackend,
     DirectFileBackend,
     FaultInjectingBackend,

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from cpuckpt.layout import FileLayout, LayoutItem, Placement, plan_files
+from cpuckpt.format.layout import FileLayout, LayoutItem, Placement, plan_files
 
 N_CASES = 400
 

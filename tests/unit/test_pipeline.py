@@ -10,7 +10,7 @@ import traceback
 import pytest
 
 from cpuckpt import CheckpointTimeoutError, CpuckptError
-from cpuckpt.pipeline import Cancelled, run_parallel
+from cpuckpt.transfer.threads import Cancelled, run_parallel
 
 
 def _alive(prefix: str) -> list[str]:

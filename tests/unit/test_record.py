@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cpuckpt.record import parse_record, record_template
+from cpuckpt.format.record import parse_record, record_template
 
 DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -444,7 +444,7 @@ def test_own_skeleton_writer_is_used_on_this_torch():
 
     This test makes that fallback visible instead of silent.
     """
-    from cpuckpt import record
+    from cpuckpt.format import record
 
     assert record._fast_matches_torch()
     fast = record._fast_template(torch.bfloat16, (3, 5, 7))

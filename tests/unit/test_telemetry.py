@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cpuckpt
-from cpuckpt.telemetry import nvtx_range
+from cpuckpt.transfer.tracing import nvtx_range
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Telemetry: one structured record per save and load, and NVTX ranges. No threads; appends one line per event.
+"""Telemetry: one structured record per save and load. No threads; appends one line per event.
 
 Each record is logged as one INFO line on the ``cpuckpt.telemetry`` logger and, when
 ``telemetry.file`` is set (or the environment variable ``CPUCKPT_TELEMETRY_FILE``, through the usual
@@ -20,20 +20,19 @@ Record fields (JSON keys), all per rank:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .config import Config
+from cpuckpt.config import Config
+from cpuckpt.transfer.staging import pool_state
 
-__all__ = ["TelemetryRecord", "nvtx_range", "record_load", "record_save"]
+__all__ = ["TelemetryRecord", "record_load", "record_save"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("cpuckpt.telemetry")  # the documented logger name
 
 
 @dataclass
@@ -83,7 +82,7 @@ def record_load(config: Config, *, path: str | os.PathLike, rank: int = 0, secon
 
 def _make(event: str, path: str | os.PathLike, rank: int, step: int | None, stall_s: float, persist_s: float,
           nbytes: int, mode: str, files: int, committed_s: float | None) -> TelemetryRecord:
-    pool_nbytes, pinned = _pool_state()
+    pool_nbytes, pinned = pool_state()
     return TelemetryRecord(
         event=event, path=str(path), rank=rank, step=step, stall_s=round(stall_s, 6),
         persist_s=round(persist_s, 6), committed_s=round(persist_s if committed_s is None else committed_s, 6),
@@ -92,12 +91,6 @@ def _make(event: str, path: str | os.PathLike, rank: int, step: int | None, stal
     )
 
 
-def _pool_state() -> tuple[int, bool]:
-    # staging keeps the process's pool private; reading it here must not create one.
-    from . import staging
-
-    pool = getattr(staging, "_POOL", None)
-    return (pool.nbytes, bool(pool.pinned)) if pool is not None else (0, False)
 
 
 def _emit(rec: TelemetryRecord, config: Config) -> None:
@@ -121,38 +114,3 @@ def _emit(rec: TelemetryRecord, config: Config) -> None:
                        "path or to '' to turn it off", target, rec.event, e.strerror or e)
 
 
-@contextlib.contextmanager
-def nvtx_range(name: str) -> Iterator[None]:
-    """An NVTX range named ``name`` around the block when CUDA is available (visible in Nsight
-    Systems); otherwise does nothing and costs next to nothing.
-
-    Example:
-        >>> with nvtx_range("cpuckpt.stage"):
-        ...     copy_chunks()
-    """
-    if not _cuda_available():
-        yield
-        return
-    import torch
-
-    torch.cuda.nvtx.range_push(name)
-    try:
-        yield
-    finally:
-        torch.cuda.nvtx.range_pop()
-
-
-_CUDA: bool | None = None
-
-
-def _cuda_available() -> bool:
-    # Cached: torch.cuda.is_available() costs microseconds per call, ranges may be per chunk.
-    global _CUDA
-    if _CUDA is None:
-        try:
-            import torch
-
-            _CUDA = bool(torch.cuda.is_available())
-        except ImportError:  # pragma: no cover - torch is a dependency
-            _CUDA = False
-    return _CUDA

@@ -37,20 +37,21 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from . import __version__
-from .commit import clear_commit, commit_checkpoint, write_atomic
-from .config import Config
-from .engine import SaveJob, choose_mode
-from .errors import ConfigError, CpuckptError
-from .layout import LayoutItem, plan_files
-from .manifest import FileEntry, Manifest, part_name
-from .pipeline import wait_future
-from .plancache import CachedPlan, reused_metadata
-from .record import record_template
-from .snapshot import PoolSnapshot, snapshot_state_dict
-from .staging import flat_bytes
+from cpuckpt.backend.commit import clear_commit, commit_checkpoint
+from cpuckpt.backend.dcp_stager import PoolSnapshot, snapshot_state_dict
+from cpuckpt.config import Config, resolve_config
+from cpuckpt.errors import ConfigError, CpuckptError
+from cpuckpt.format.layout import LayoutItem, plan_files
+from cpuckpt.format.manifest import FileEntry, Manifest, part_name
+from cpuckpt.format.plancache import CachedPlan, reused_metadata
+from cpuckpt.format.record import record_template
+from cpuckpt.transfer.files import write_atomic
+from cpuckpt.transfer.save_job import SaveJob, choose_mode
+from cpuckpt.transfer.staging import flat_bytes
+from cpuckpt.transfer.threads import wait_future
+from cpuckpt.version import __version__
 
-__all__ = ["StorageWriter", "resolve_config"]
+__all__ = ["StorageWriter"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +61,6 @@ except ImportError:  # pragma: no cover - older torch
     _DCP_VERSION = "1.0.0"
 
 
-def resolve_config(config: Config | str | os.PathLike | dict | None) -> Config:
-    """Accept a Config, a YAML path, a dict, or None (defaults plus environment overrides)."""
-    if isinstance(config, Config):
-        return config
-    if config is None or isinstance(config, dict):
-        return Config.from_dict(config)
-    return Config.from_yaml(config)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ Recognised directory kinds:
   complete when its backend's files are (``.metadata`` for ``torch_dist``).
 - ``deepspeed``: ``*_model_states.pt`` files (a DeepSpeed tag directory); complete when present.
 
-Pickled files are never unpickled here: ``.metadata`` goes through :func:`cpuckpt.commit.load_metadata`
+Pickled files are never unpickled here: ``.metadata`` goes through :func:`cpuckpt.backend.committed.load_metadata`
 (DCP classes only) and DeepSpeed ``.pt`` files are only listed.
 """
 
@@ -25,10 +25,10 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from .checkpoints import find_latest, inspect_checkpoint
-from .commit import METADATA_NAME, load_metadata, read_manifest
-from .errors import CpuckptError
-from .manifest import MANIFEST_NAME, Manifest
+from cpuckpt.backend.committed import METADATA_NAME, load_metadata, read_manifest
+from cpuckpt.errors import CpuckptError
+from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
+from cpuckpt.roots import find_latest, inspect_checkpoint
 
 __all__ = ["Description", "ListedCheckpoint", "TensorInfo", "describe", "identify", "scan_root", "tensors_of"]
 

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from .api import load
-from .commit import load_metadata
-from .config import Config
+from cpuckpt.api import load
+from cpuckpt.backend.committed import load_metadata
+from cpuckpt.config import Config
 
 __all__ = ["ExportReport", "export_checkpoint"]
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from .config import Config
-from .errors import StagingError
-from .pipeline import shared_executor
-from .staging import DeviceCopier, HostPool, Slot, get_pool
+from cpuckpt.config import Config
+from cpuckpt.errors import StagingError
+from cpuckpt.transfer.staging import DeviceCopier, HostPool, Slot, get_pool
+from cpuckpt.transfer.threads import shared_executor
 
 __all__ = ["PoolSnapshot", "snapshot_state_dict"]
 

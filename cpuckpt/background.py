@@ -27,15 +27,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from .api import _call, checkpoint_group, dcp_save, new_gloo_group, resolve_stateful
-from .checkpoints import after_commit
-from .commit import clear_commit
-from .config import Config
-from .errors import CpuckptError
-from .pipeline import new_executor, wait_future
-from .plancache import CachedPlan, structure_signature
-from .telemetry import record_save
-from .writer import StorageWriter, resolve_config
+from cpuckpt.backend import inflight
+from cpuckpt.backend.collectives import checkpoint_group, dcp_save, new_gloo_group, resolve_stateful, run_dcp
+from cpuckpt.backend.commit import clear_commit
+from cpuckpt.backend.telemetry import record_save
+from cpuckpt.backend.writer import StorageWriter
+from cpuckpt.config import Config, resolve_config
+from cpuckpt.errors import CpuckptError
+from cpuckpt.format.plancache import CachedPlan, structure_signature
+from cpuckpt.roots import after_commit
+from cpuckpt.transfer.threads import new_executor, wait_future
 
 __all__ = ["AsyncSaveHandle", "async_save", "wait_all"]
 
@@ -258,7 +259,7 @@ def async_save(
                 writer.write_cached(state, cached)  # type: ignore[arg-type]
             else:
                 own = DefaultSavePlanner() if planner is None else planner
-                _call(lambda: dcp_save(state, writer, planner=own, process_group=ckpt.plan_group), "async save", path)
+                run_dcp(lambda: dcp_save(state, writer, planner=own, process_group=ckpt.plan_group), "async save", path)
                 if signature is not None and writer.last_plan is not None:
                     md = writer._pending[0] if writer.is_coordinator and writer._pending else None
                     ckpt.plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)
@@ -271,6 +272,7 @@ def async_save(
         handle.stats.nbytes = writer.job.stats.nbytes
         handle.stats.mode = writer.job.mode
     ckpt.in_flight.append(handle)
+    inflight.track(handle)
     ckpt.committer.submit(ckpt.commit, handle)
     return handle
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from .errors import CheckpointTimeoutError, CpuckptError
+from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
 
 __all__ = ["Cancelled", "new_executor", "run_parallel", "shared_executor", "wait_future"]
 

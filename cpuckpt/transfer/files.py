@@ -22,7 +22,8 @@ import uuid
 from pathlib import Path
 from typing import ClassVar, Protocol
 
-from .errors import ConfigError, StorageIOError
+from cpuckpt import faultpoint
+from cpuckpt.errors import ConfigError, StorageIOError
 
 __all__ = [
     "BufferedFileBackend",
@@ -288,3 +289,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
         raise _io_error("fsync directory", e, str(path)) from e
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Write ``path`` via a temporary file, fsync, rename, and fsync of the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    faultpoint.hit(f"before-rename:{path.name}")
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(path.parent)
+    faultpoint.hit(f"after-rename:{path.name}")

@@ -23,7 +23,7 @@ from pathlib import Path
 import crc32c
 import torch
 
-from .commit import load_metadata, read_manifest
+from cpuckpt.backend.committed import load_metadata, read_manifest
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
 

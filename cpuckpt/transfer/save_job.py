@@ -25,14 +25,14 @@ from typing import TypeVar
 import crc32c
 import torch
 
-from .config import Config
-from .errors import CheckpointTimeoutError, CpuckptError
-from .fileio import FileBackend, fsync_dir, get_backend
-from .layout import Chunk, FileLayout
-from .manifest import FileEntry
-from .pipeline import shared_executor, wait_future
-from .staging import DeviceCopier, HostPool, LeaseOrder, Slot, fill_chunk, get_pool
-from .telemetry import nvtx_range
+from cpuckpt.config import Config
+from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
+from cpuckpt.format.layout import Chunk, FileLayout
+from cpuckpt.format.manifest import FileEntry
+from cpuckpt.transfer.files import FileBackend, fsync_dir, get_backend
+from cpuckpt.transfer.staging import DeviceCopier, HostPool, LeaseOrder, Slot, fill_chunk, get_pool
+from cpuckpt.transfer.threads import shared_executor, wait_future
+from cpuckpt.transfer.tracing import nvtx_range
 
 __all__ = ["SaveJob", "choose_mode"]
 

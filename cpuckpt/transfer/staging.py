@@ -26,10 +26,13 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointTimeoutError, StagingError
-from .layout import Chunk, FileLayout
+from cpuckpt.errors import CheckpointTimeoutError, StagingError
+from cpuckpt.format.layout import Chunk, FileLayout
 
-__all__ = ["DeviceCopier", "HostPool", "LeaseOrder", "Slot", "fill_chunk", "flat_bytes", "get_pool"]
+__all__ = [
+    "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "fill_chunk", "flat_bytes", "get_pool", "pool_state",
+    "release_pool",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +195,12 @@ def get_pool(slot_bytes: int, nslots: int, *, pin: bool, pretouch: bool) -> Host
             _POOL = None
         _POOL = HostPool(slot_bytes, nslots, pin=pin, pretouch=pretouch)
         return _POOL
+
+
+def pool_state() -> tuple[int, bool]:
+    """``(nbytes, pinned)`` of the process's pool, ``(0, False)`` when there is none; never creates one."""
+    pool = _POOL
+    return (pool.nbytes, bool(pool.pinned)) if pool is not None else (0, False)
 
 
 def release_pool() -> None:

@@ -1,7 +1,7 @@
 """The ``cpuckpt`` command line: ls, inspect, verify, convert, bench, demo. Front end only.
 
-The work is done by :mod:`cpuckpt.catalog` (ls, inspect), :mod:`cpuckpt.verification` (verify)
-and :mod:`cpuckpt.export` (convert); this module parses arguments, configures logging (the only
+The work is done by :mod:`cpuckpt.tools.catalog` (ls, inspect), :mod:`cpuckpt.tools.verification` (verify)
+and :mod:`cpuckpt.tools.export` (convert); this module parses arguments, configures logging (the only
 place in cpuckpt that adds handlers), prints, and maps outcomes to exit codes:
 
 - 0: success (``verify``: every byte checked and sound);
@@ -23,8 +23,8 @@ from typing import Any
 
 import click
 
-from .config import parse_bytes
-from .errors import CpuckptError
+from cpuckpt.config import parse_bytes
+from cpuckpt.errors import CpuckptError
 
 __all__ = ["cli", "main"]
 
@@ -85,7 +85,7 @@ def ls_cmd(root: Path, as_json: bool) -> None:
     Recognises cpuckpt, stock DCP, Megatron (metadata.json) and DeepSpeed (*_model_states.pt) checkpoint
     directories. ROOT may also be a checkpoint directory itself.
     """
-    from .catalog import scan_root
+    from cpuckpt.tools.catalog import scan_root
 
     try:
         found = scan_root(root)
@@ -117,7 +117,7 @@ def ls_cmd(root: Path, as_json: bool) -> None:
 @click.option("--tensors/--no-tensors", default=True, help="List every tensor (default) or only totals.")
 def inspect_cmd(path: Path, as_json: bool, tensors: bool) -> None:
     """Show ranks, files, tensors, bytes, config, versions and timings of the checkpoint at PATH."""
-    from .catalog import describe
+    from cpuckpt.tools.catalog import describe
 
     try:
         d = describe(path)
@@ -191,8 +191,8 @@ def verify_cmd(path: Path) -> None:
     """
     from tqdm import tqdm
 
-    from .commit import read_manifest
-    from .verification import verify_checkpoint
+    from cpuckpt.backend.committed import read_manifest
+    from cpuckpt.tools.verification import verify_checkpoint
 
     try:
         manifest = read_manifest(path)
@@ -234,8 +234,8 @@ def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, mem
     """
     from tqdm import tqdm
 
-    from .catalog import describe
-    from .export import export_checkpoint
+    from cpuckpt.tools.catalog import describe
+    from cpuckpt.tools.export import export_checkpoint
 
     try:
         total = sum(t.nbytes for t in describe(path).tensors if t.dtype != "bytes")

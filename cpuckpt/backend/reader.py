@@ -36,16 +36,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageReader
 from torch.futures import Future
 
-from .commit import load_metadata, read_manifest
-from .config import Config
-from .errors import CheckpointCorrupt, CpuckptError
-from .fileio import BufferedFileBackend, FileBackend, get_backend
-from .manifest import FileEntry, Manifest
-from .pipeline import run_parallel
-from .record import parse_record
-from .staging import DeviceCopier, flat_bytes, get_pool
-from .telemetry import nvtx_range
-from .writer import resolve_config
+from cpuckpt.backend.committed import load_metadata, read_manifest
+from cpuckpt.config import Config, resolve_config
+from cpuckpt.errors import CheckpointCorrupt, CpuckptError
+from cpuckpt.format.manifest import FileEntry, Manifest
+from cpuckpt.format.record import parse_record
+from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
+from cpuckpt.transfer.staging import DeviceCopier, flat_bytes, get_pool
+from cpuckpt.transfer.threads import run_parallel
+from cpuckpt.transfer.tracing import nvtx_range
 
 __all__ = ["StorageReader"]
 

@@ -37,11 +37,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .commit import METADATA_NAME, load_metadata, test_hook, write_atomic
-from .config import Config
-from .errors import CpuckptError, IntegrityError
-from .fileio import fsync_dir
-from .manifest import MANIFEST_NAME, manifest_from_json
+from cpuckpt import faultpoint
+from cpuckpt.backend import inflight
+from cpuckpt.backend.committed import METADATA_NAME, load_metadata
+from cpuckpt.config import Config
+from cpuckpt.errors import CpuckptError, IntegrityError
+from cpuckpt.format.manifest import MANIFEST_NAME, manifest_from_json
+from cpuckpt.transfer.files import fsync_dir, write_atomic
 
 __all__ = [
     "LATEST_NAME",
@@ -288,7 +290,7 @@ def _delete_checkpoint(path: Path, *, fsync: bool) -> None:
         (path / METADATA_NAME).unlink()
         if fsync:
             fsync_dir(path)
-    test_hook("retention:metadata-removed")
+    faultpoint.hit("retention:metadata-removed")
     shutil.rmtree(path)
 
 
@@ -307,7 +309,7 @@ def clean_incomplete(root: str | os.PathLike, *, keep: Iterable[str | os.PathLik
     calls) another process's in-flight save in the same root *is* removed.
     """
     root = Path(root)
-    protected = {str(Path(p).resolve()) for p in keep} | {str(Path(p).resolve()) for p in _in_flight_paths()}
+    protected = {str(Path(p).resolve()) for p in [*keep, *(h.path for h in inflight.pending())]}
     removed: list[Path] = []
     for info in list_checkpoints(root):
         if str(info.path.resolve()) in protected or is_being_loaded(info.path):
@@ -375,13 +377,6 @@ def apply_retention(root: str | os.PathLike, keep_last: int, keep_every: int = 0
     return removed
 
 
-def _in_flight_paths() -> list[str]:
-    from . import checkpointer
-
-    return [h.path for ckpt in list(checkpointer._CHECKPOINTERS.values()) for h in list(ckpt.in_flight)
-            if not h.done()]
-
-
 def after_commit(path: str | os.PathLike, config: Config) -> None:
     """Coordinator, right after ``path`` was committed: pointer, cleaning, retention in its parent.
 
@@ -435,7 +430,7 @@ def install_sigterm_handler(grace_s: float | None = None, config: Config | None 
     def handler(signum: int, frame: Any) -> None:
         with _SIGTERM_LOCK:
             deadline = time.monotonic() + grace_s
-            pending = _in_flight_handles()
+            pending = inflight.pending()
             logger.warning("SIGTERM: waiting up to %.1f s for %d in-flight checkpoint save(s)", grace_s, len(pending))
             for h in pending:
                 try:
@@ -452,9 +447,3 @@ def install_sigterm_handler(grace_s: float | None = None, config: Config | None 
 
     signal.signal(signal.SIGTERM, handler)
     return previous
-
-
-def _in_flight_handles() -> list[Any]:
-    from . import checkpointer
-
-    return [h for ckpt in list(checkpointer._CHECKPOINTERS.values()) for h in list(ckpt.in_flight)]

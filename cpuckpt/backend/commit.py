@@ -1,0 +1,68 @@
+"""The commit protocol, write side: what makes a checkpoint complete (reading it back is ``committed``).
+
+A save is complete when ``.metadata`` exists. The coordinator removes any old ``.metadata`` before
+the first data byte is written, and writes the new one last, after every rank's files are durable
+and the merged manifest is on disk (each via tmp + fsync + rename, then a directory fsync). A
+directory without ``.metadata`` is therefore recognisably incomplete, to stock DCP and to us.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from pathlib import Path
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from cpuckpt import faultpoint
+from cpuckpt.backend.committed import METADATA_NAME, manifest_from_json_part
+from cpuckpt.errors import IntegrityError
+from cpuckpt.format.manifest import MANIFEST_NAME, Manifest, part_name
+from cpuckpt.transfer.files import fsync_dir, write_atomic
+
+__all__ = ["clear_commit", "commit_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+def clear_commit(path: Path, *, fsync: bool = True) -> None:
+    """Make an existing checkpoint in ``path`` incomplete before it is overwritten."""
+    removed = False
+    for name in (METADATA_NAME, MANIFEST_NAME):
+        try:
+            (path / name).unlink()
+            removed = True
+        except FileNotFoundError:
+            pass
+    if removed and fsync:
+        fsync_dir(path)
+    faultpoint.hit("clear-commit:done")
+
+
+def commit_checkpoint(path: Path, metadata: Metadata, prefixes: list[str], manifest: Manifest, *, fsync: bool) -> None:
+    """Coordinator only: merge the ranks' manifest parts, check file sizes, write manifest then ``.metadata``.
+
+    Raises:
+        IntegrityError: a rank's part is missing or a data file's size differs from what it wrote.
+    """
+    for prefix in prefixes:
+        part = path / part_name(prefix)
+        try:
+            entries = manifest_from_json_part(part.read_bytes())
+        except (OSError, ValueError, TypeError) as e:
+            raise IntegrityError(f"{part}: manifest part of a rank is missing or unreadable: {e}") from e
+        for entry in entries:
+            size = (path / entry.name).stat().st_size
+            if size != entry.nbytes:
+                raise IntegrityError(f"{path / entry.name}: {size} bytes on disk, the writer wrote {entry.nbytes}")
+            manifest.files[entry.name] = entry
+    write_atomic(path / MANIFEST_NAME, manifest.to_json().encode(), fsync=fsync)
+    write_atomic(path / METADATA_NAME, pickle.dumps(metadata), fsync=fsync)
+    for prefix in prefixes:
+        try:
+            (path / part_name(prefix)).unlink()
+        except FileNotFoundError:
+            pass
+    faultpoint.hit("commit:parts-deleted")
+
+

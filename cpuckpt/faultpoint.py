@@ -1,0 +1,37 @@
+"""Named fault points: places in the commit path where a test may act. A no-op unless a test installs a handler.
+
+Production code calls :func:`hit` at each stage (``before-rename:<name>``, ``after-rename:<name>``,
+``clear-commit:done``, ``commit:parts-deleted``, ``retention:metadata-removed``,
+``megatron-worker:rank<r>``). Nothing a user can configure (YAML, environment) installs a handler:
+only code does, through :func:`set_handler` (``cpuckpt.testing.faults.install`` in the test-suite).
+Unset, :func:`hit` costs one global read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["get_handler", "hit", "set_handler"]
+
+Handler = Callable[[str], None]
+
+_HANDLER: Handler | None = None
+
+
+def hit(stage: str) -> None:
+    """Reach the fault point ``stage``: the installed handler (if any) may sleep, raise or kill here."""
+    handler = _HANDLER
+    if handler is not None:
+        handler(stage)
+
+
+def set_handler(handler: Handler | None) -> Handler | None:
+    """Install ``handler`` (``None`` removes it) for this process; returns the previous one."""
+    global _HANDLER
+    previous, _HANDLER = _HANDLER, handler
+    return previous
+
+
+def get_handler() -> Handler | None:
+    """The installed handler, e.g. to hand it (picklable) to a worker process started by a framework."""
+    return _HANDLER
