@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cpuckpt import _moved
 from cpuckpt.api import load, prepare_pool, save
 from cpuckpt.backend.reader import StorageReader
 from cpuckpt.backend.writer import StorageWriter
@@ -53,3 +54,5 @@ __all__ = [
     "update_latest",
     "wait_all",
 ]
+
+_moved.install()

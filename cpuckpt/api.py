@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from cpuckpt.backend.collectives import checkpoint_group, dcp_save, run_dcp
+from cpuckpt.backend import collectives
 from cpuckpt.backend.committed import load_metadata
 from cpuckpt.backend.reader import StorageReader
 from cpuckpt.backend.telemetry import record_load, record_save
@@ -59,8 +59,9 @@ def save(
     """
     t0 = time.perf_counter()
     writer = StorageWriter(path, config, step=step)
-    group = checkpoint_group(process_group, writer.config.timeout_s)
-    run_dcp(lambda: dcp_save(state_dict, writer, planner=planner, process_group=group), "save", path)
+    group = collectives.checkpoint_group(process_group, writer.config.timeout_s)
+    collectives.run_dcp(lambda: collectives.dcp_save(state_dict, writer, planner=planner, process_group=group),
+                        "save", path)
     elapsed = time.perf_counter() - t0
     record_save(writer.config, path=path, rank=writer.rank, step=step, stall_s=elapsed, persist_s=elapsed,
                 nbytes=writer.last_write_nbytes, mode="streaming", files=len(writer.job.names) if writer.job else 0)
@@ -89,10 +90,10 @@ def load(
     # DCP (torch 2.13) swallows read_metadata's exception and raises a bare AssertionError
     # ("metadata is None; ..."), so an uncommitted checkpoint is reported here, on every rank.
     load_metadata(Path(path))
-    group = checkpoint_group(process_group, reader.config.timeout_s)
+    group = collectives.checkpoint_group(process_group, reader.config.timeout_s)
     with loading(path):  # retention never deletes a checkpoint while it is being loaded
-        run_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group), "load",
-              path)
+        collectives.run_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group),
+                            "load", path)
     rank = dist.get_rank(group) if group is not None else 0
     record_load(reader.config, path=path, rank=rank, seconds=time.perf_counter() - t0,
                 nbytes=reader.last_read_nbytes, files=len({getattr(s, "relative_path", None)
@@ -110,3 +111,17 @@ def prepare_pool(nbytes: int, config: Config | str | os.PathLike | dict | None =
     # Records add ~2 KB each and large tensors are aligned: leave a few chunks of slack.
     nslots = -(-nbytes // chunk) + max(4, nbytes // chunk // 64)
     get_pool(chunk, max(nslots, cfg.staging.pool_bytes // chunk), pin=cfg.staging.pin, pretouch=True)
+
+
+_MOVED_TO_COLLECTIVES = ("checkpoint_group", "dcp_save", "new_gloo_group", "resolve_stateful")
+
+
+def __getattr__(name: str) -> Any:
+    # One-release aliases: these lived here in cpuckpt 0.1.0 and moved to backend.collectives.
+    if name in _MOVED_TO_COLLECTIVES:
+        import warnings
+
+        warnings.warn(f"cpuckpt.api.{name} moved to cpuckpt.backend.collectives.{name}", DeprecationWarning,
+                      stacklevel=2)
+        return getattr(collectives, name)
+    raise AttributeError(f"module 'cpuckpt.api' has no attribute {name!r}")
