@@ -2,23 +2,21 @@
 
 A backend is chosen by name (``io.backend``): ``direct`` (O_DIRECT: buffer, offset and length
 aligned), ``buffered`` (page cache), ``auto`` (probe the directory once: O_DIRECT where the
-filesystem accepts it, else buffered with a warning), or ``fault:<errno>@<bytes>`` /
-``fault:<errno>@fsync`` (a first-class fault injector used by the test-suite: fails every write once
-that many bytes were written, or fails the final fsync), or ``fault:KILL@<bytes>`` /
-``fault:KILL@fsync`` (SIGKILLs the whole process once exactly that many bytes reached the files, or
-just before a file's final fsync: deterministic crash points for the kill sweep).
+filesystem accepts it, else buffered with a warning), or a name added by :func:`register_backend`.
+A registered name is either plain (``io.backend: <name>``: the factory is called without arguments)
+or a prefix (``io.backend: <name>:<spec>``: the factory is called with the whole string).
 Every OSError becomes a :class:`StorageIOError` naming file, offset and length.
 """
 
 from __future__ import annotations
 
-import errno as errno_mod
+import inspect
 import logging
 import mmap
 import os
-import signal
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -28,12 +26,11 @@ from cpuckpt.errors import ConfigError, StorageIOError
 __all__ = [
     "BufferedFileBackend",
     "DirectFileBackend",
-    "FaultInjectingBackend",
     "FileBackend",
-    "KillingBackend",
     "fsync_dir",
     "get_backend",
     "register_backend",
+    "unregister_backend",
 ]
 
 logger = logging.getLogger(__name__)
@@ -141,109 +138,58 @@ class DirectFileBackend(BufferedFileBackend):
     _read_flags = BufferedFileBackend._read_flags | getattr(os, "O_DIRECT", 0)
 
 
-class FaultInjectingBackend(BufferedFileBackend):
-    """Fails writes with ``errno`` once ``fail_after_bytes`` bytes were written through it, or fails
-    the final fsync (``fail_fsync``). A first-class backend for tests, not a mock."""
+BackendFactory = Callable[..., FileBackend]
 
-    name = "fault"
-
-    def __init__(self, err: int, fail_after_bytes: int, *, fail_fsync: bool = False) -> None:
-        self.err = err
-        self.fail_after_bytes = fail_after_bytes
-        self.fail_fsync = fail_fsync
-        self._written = 0
-        self._lock = threading.Lock()
-
-    def pwrite(self, fd: int, buf: memoryview, offset: int, path: str) -> None:
-        with self._lock:
-            self._written += len(buf)
-            fail = self._written > self.fail_after_bytes
-        if fail:
-            e = OSError(self.err, os.strerror(self.err))
-            raise _io_error("pwrite", e, path, offset, len(buf)) from e
-        super().pwrite(fd, buf, offset, path)
-
-    def finish_write(self, fd: int, nbytes: int, path: str, fsync: bool) -> None:
-        if self.fail_fsync:
-            self.close(fd)
-            e = OSError(self.err, os.strerror(self.err))
-            raise _io_error("fsync", e, path) from e
-        super().finish_write(fd, nbytes, path, fsync)
-
-
-class KillingBackend(BufferedFileBackend):
-    """SIGKILLs this process once ``kill_after_bytes`` bytes were written through it (the write that
-    crosses the limit is written only up to it), or before a file's final fsync (``kill_fsync``).
-    A first-class backend for crash tests: what is on disk afterwards is exactly what a crash at
-    that byte leaves (minus the page cache loss of a power failure)."""
-
-    name = "kill"
-
-    def __init__(self, kill_after_bytes: int, *, kill_fsync: bool = False) -> None:
-        self.kill_after_bytes = kill_after_bytes
-        self.kill_fsync = kill_fsync
-        self._written = 0
-        self._lock = threading.Lock()
-
-    def pwrite(self, fd: int, buf: memoryview, offset: int, path: str) -> None:
-        view = memoryview(buf).cast("B")
-        with self._lock:  # held across the write: the byte count at the kill is exact
-            room = self.kill_after_bytes - self._written
-            if room >= len(view):
-                self._written += len(view)
-                super().pwrite(fd, view, offset, path)
-                return
-            if room > 0:
-                super().pwrite(fd, view[:room], offset, path)
-            logger.warning("fault backend: SIGKILL after %d bytes (in %s at offset %d)",
-                           self.kill_after_bytes, path, offset + max(room, 0))
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def finish_write(self, fd: int, nbytes: int, path: str, fsync: bool) -> None:
-        if self.kill_fsync:
-            os.kill(os.getpid(), signal.SIGKILL)
-        super().finish_write(fd, nbytes, path, fsync)
-
-
-_BACKENDS: dict[str, type] = {"buffered": BufferedFileBackend, "direct": DirectFileBackend}
+_BACKENDS: dict[str, BackendFactory] = {"buffered": BufferedFileBackend, "direct": DirectFileBackend}
 _PROBED: dict[int, bool] = {}
 _PROBE_LOCK = threading.Lock()
 
 
-def register_backend(name: str, cls: type) -> None:
-    """Make ``io.backend: <name>`` select ``cls`` (constructed without arguments)."""
-    _BACKENDS[name] = cls
+def register_backend(name: str, factory: BackendFactory) -> None:
+    """Make ``io.backend`` select a backend made by ``factory`` (a class or any callable).
+
+    ``io.backend: <name>`` calls ``factory()``; ``io.backend: <name>:<spec>`` calls
+    ``factory("<name>:<spec>")`` (the whole string), so one factory serves a family of settings.
+    A factory should raise :class:`ConfigError` for a spec it does not understand.
+
+    Raises:
+        ValueError: ``name`` is empty, contains ``:``, or is ``auto``.
+    """
+    if not name or ":" in name or name == "auto":
+        raise ValueError(f"register_backend: bad backend name {name!r} (non-empty, no ':', not 'auto')")
+    _BACKENDS[name] = factory
+
+
+def unregister_backend(name: str) -> BackendFactory | None:
+    """Forget the backend ``name`` (the built-in ones included); returns its factory, None if unknown."""
+    return _BACKENDS.pop(name, None)
 
 
 def get_backend(name: str, directory: str | os.PathLike, align_bytes: int = 4096) -> FileBackend:
     """Return the backend ``name`` for files in ``directory`` (``auto`` probes O_DIRECT once per device).
 
+    ``<prefix>:<spec>`` goes to the factory registered as ``<prefix>``, called with the whole name.
+
     Raises:
-        ConfigError: ``name`` is not a known backend.
+        ConfigError: ``name`` is not a known backend, its factory does not take (or needs) a spec, or
+            refused it.
     """
     if name == "auto":
         return DirectFileBackend() if _direct_supported(directory, align_bytes) else BufferedFileBackend()
-    if name.startswith("fault:"):
-        return _parse_fault(name)
-    cls = _BACKENDS.get(name)
-    if cls is None:
-        known = ", ".join(sorted([*_BACKENDS, "auto", "fault:<errno>@<bytes>"]))
+    prefix, colon, _ = name.partition(":")
+    factory = _BACKENDS.get(prefix)
+    if factory is None:
+        known = ", ".join(sorted([*_BACKENDS, "auto"]))
         raise ConfigError(f"io.backend: unknown backend {name!r}; known: {known}")
-    return cls()
-
-
-def _parse_fault(name: str) -> FaultInjectingBackend | KillingBackend:
+    args = (name,) if colon else ()
     try:
-        err_name, after = name[len("fault:") :].split("@")
-        if err_name.upper() == "KILL":
-            return KillingBackend(1 << 62, kill_fsync=True) if after == "fsync" else KillingBackend(int(after))
-        err = getattr(errno_mod, err_name.upper()) if not err_name.isdigit() else int(err_name)
-        if after == "fsync":
-            return FaultInjectingBackend(err, 1 << 62, fail_fsync=True)
-        return FaultInjectingBackend(err, int(after))
-    except (ValueError, AttributeError):
-        raise ConfigError(f"io.backend: bad fault spec {name!r}; expected e.g. 'fault:ENOSPC@1048576', "
-                          "'fault:EIO@fsync' or 'fault:KILL@65536'") from None
+        inspect.signature(factory).bind(*args)
+    except TypeError:
+        how = f"takes no spec ('{prefix}')" if colon else f"needs a spec ('{prefix}:<spec>')"
+        raise ConfigError(f"io.backend: backend {prefix!r} {how}, got {name!r}") from None
+    except ValueError:  # no signature to check (a builtin): just call it
+        pass
+    return factory(*args)
 
 
 def _direct_supported(directory: str | os.PathLike, align_bytes: int) -> bool:

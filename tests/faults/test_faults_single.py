@@ -24,6 +24,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 import cpuckpt
 from cpuckpt import CheckpointCorrupt, CpuckptError, IntegrityError, StorageIOError
 from cpuckpt.backend.committed import is_complete, read_manifest
+from cpuckpt.testing import faults
+
+faults.install()  # io.backend "fault:<errno>@<bytes>"
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

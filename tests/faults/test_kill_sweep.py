@@ -5,10 +5,11 @@ Each kill point gets a fresh checkpoint root holding two complete checkpoints, `
 (``run_ranks``) save step 2 into ``<root>/step_0002`` with ``checkpoint.update_latest``,
 ``keep_last: 2`` and ``clean_incomplete`` on, and are SIGKILLed:
 
-- at a byte offset, through the first-class ``io.backend: fault:KILL@<bytes>`` backend (the write
-  that crosses the offset is written up to it, then the process dies), on one rank or on both;
+- at a byte offset, through the ``io.backend: fault:KILL@<bytes>`` backend (the write that crosses
+  the offset is written up to it, then the process dies), on one rank or on both;
 - before a data file's final fsync (``fault:KILL@fsync``);
-- at a named stage of the commit path, through the ``CPUCKPT_TEST_HOOK`` test hook: around every
+- at a named fault point of the commit path (``cpuckpt.faultpoint``), through the stage actions of
+  ``CPUCKPT_TEST_HOOK="<stage>=kill"``: around every
   atomic rename (manifest parts, ``.cpuckpt.json``, ``.metadata``, ``latest``), after the old
   commit is cleared, after the parts are deleted, and half-way through retention's deletion of
   ``step_0000``;
@@ -20,6 +21,10 @@ views of random-bit tensors, NaN payloads included); the previous checkpoint alw
 bit-exact; ``latest`` names a complete checkpoint; ``clean_incomplete`` then removes the torn
 directory and nothing else. Points are drawn from ``CPUCKPT_SWEEP_SEED`` (default fixed), so a run
 is reproducible; ``CPUCKPT_LONG_SWEEP=1`` draws ~5x more byte offsets and wall-clock kills.
+
+The ``fault:`` backends and the stage actions exist only because this module calls
+``cpuckpt.testing.faults.install()`` when it is imported, in pytest and in every rank (the harness
+loads the module by path in each rank, with the point's ``CPUCKPT_TEST_HOOK`` in its environment).
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ import pytest
 import torch
 
 import cpuckpt
+from cpuckpt.testing import faults
+
+# io.backend "fault:KILL@..." and $CPUCKPT_TEST_HOOK: in the ranks too, which load this module by path
+faults.install()
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -273,7 +282,8 @@ def test_wall_clock_kills(rank_runner, tmp_path_factory, templates, capsys):
 
 
 def test_kill_backend_specs():
-    from cpuckpt.transfer.files import KillingBackend, get_backend
+    from cpuckpt.testing.faults import KillingBackend
+    from cpuckpt.transfer.files import get_backend
 
     b = get_backend("fault:KILL@65536", ".")
     assert isinstance(b, KillingBackend) and b.kill_after_bytes == 65536 and not b.kill_fsync

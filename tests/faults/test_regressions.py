@@ -10,6 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import cpuckpt
+from cpuckpt.testing import faults
+
+faults.install()  # io.backend "fault:EIO@fsync"
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

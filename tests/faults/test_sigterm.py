@@ -1,7 +1,8 @@
 """SIGTERM during an async save: finished within the grace period, or left recognisably incomplete.
 
 Real rank processes send themselves a real SIGTERM while an ``async_save`` is in flight (held at
-the ``.metadata`` rename by the ``CPUCKPT_TEST_HOOK`` sleep hook, so it is surely in flight).
+the ``.metadata`` rename by a ``sleep`` stage action of ``cpuckpt.testing.faults``, so it is surely in
+flight).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import cpuckpt
+from cpuckpt.testing import faults
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -36,7 +38,7 @@ def rank_sigterm(root: str, grace_s: float, chain: bool, hook: str) -> dict:
     """Save step 1, start async step 2 (held by ``hook``), SIGTERM ourselves; report what handlers saw."""
     root_p = Path(root)
     cpuckpt.save(state(1), root_p / "step_0001", CFG, step=1)
-    os.environ["CPUCKPT_TEST_HOOK"] = hook
+    faults.install(hook)
     calls: list[tuple[str, float]] = []
     if chain:
         signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(

@@ -1,0 +1,210 @@
+"""Fault injection for cpuckpt's own test-suite: failing and killing file backends, and stage actions.
+
+Nothing here is active in a process until :func:`install` runs in it: the product never imports this
+module, and no setting a user can make (YAML ``io.backend``, ``CPUCKPT_*`` environment variables)
+reaches it otherwise. :func:`install` plugs into two public seams:
+
+- the file-backend registry (:func:`cpuckpt.transfer.files.register_backend`): it registers the
+  ``fault`` prefix, so that ``io.backend`` may then name
+
+  - ``fault:<errno>@<bytes>``: every write fails with ``<errno>`` (a name such as ``ENOSPC`` or a
+    number) once ``<bytes>`` bytes were written through the backend;
+  - ``fault:<errno>@fsync``: a data file's final fsync fails with ``<errno>``;
+  - ``fault:KILL@<bytes>``: SIGKILL of this process once exactly ``<bytes>`` bytes reached the files
+    (the write that crosses the limit is written up to it): deterministic crash points;
+  - ``fault:KILL@fsync``: SIGKILL just before a data file's final fsync;
+
+- the fault points of the commit path (:mod:`cpuckpt.faultpoint`): it installs a
+  :class:`StageActions` handler built from a spec ``"<stage>=<action>[;<stage>=<action>...]"`` where
+  ``<action>`` is ``kill`` (SIGKILL this process), ``sleep:<seconds>`` or ``raise``
+  (``RuntimeError``). The spec is :func:`install`'s argument or, when it is None,
+  ``$CPUCKPT_TEST_HOOK`` as it is when :func:`install` runs. Stages are those
+  :func:`cpuckpt.faultpoint.hit` names (``before-rename:<file>``, ``after-rename:<file>``,
+  ``clear-commit:done``, ``commit:parts-deleted``, ``retention:metadata-removed``,
+  ``megatron-worker:rank<r>``).
+
+The handler is picklable, so code that starts a worker process (the Megatron adapter) hands
+:func:`cpuckpt.faultpoint.get_handler` to it; processes forked after :func:`install` inherit both
+seams. Test modules call :func:`install` at import time, which also covers the rank processes of the
+multi-process harness (they load the test module by path).
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import logging
+import os
+import signal
+import threading
+import time
+
+from cpuckpt import faultpoint
+from cpuckpt.errors import ConfigError
+from cpuckpt.transfer import files
+from cpuckpt.transfer.files import BufferedFileBackend, _io_error
+
+__all__ = [
+    "PREFIX",
+    "TEST_HOOK_ENV",
+    "FaultInjectingBackend",
+    "KillingBackend",
+    "StageActions",
+    "install",
+    "make_backend",
+    "uninstall",
+]
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "fault"
+TEST_HOOK_ENV = "CPUCKPT_TEST_HOOK"
+
+
+class FaultInjectingBackend(BufferedFileBackend):
+    """Fails writes with ``err`` once ``fail_after_bytes`` bytes were written through it, or fails
+    the final fsync (``fail_fsync``). A real backend (real files), not a mock."""
+
+    name = "fault"
+
+    def __init__(self, err: int, fail_after_bytes: int, *, fail_fsync: bool = False) -> None:
+        self.err = err
+        self.fail_after_bytes = fail_after_bytes
+        self.fail_fsync = fail_fsync
+        self._written = 0
+        self._lock = threading.Lock()
+
+    def pwrite(self, fd: int, buf: memoryview, offset: int, path: str) -> None:
+        with self._lock:
+            self._written += len(buf)
+            fail = self._written > self.fail_after_bytes
+        if fail:
+            e = OSError(self.err, os.strerror(self.err))
+            raise _io_error("pwrite", e, path, offset, len(buf)) from e
+        super().pwrite(fd, buf, offset, path)
+
+    def finish_write(self, fd: int, nbytes: int, path: str, fsync: bool) -> None:
+        if self.fail_fsync:
+            self.close(fd)
+            e = OSError(self.err, os.strerror(self.err))
+            raise _io_error("fsync", e, path) from e
+        super().finish_write(fd, nbytes, path, fsync)
+
+
+class KillingBackend(BufferedFileBackend):
+    """SIGKILLs this process once ``kill_after_bytes`` bytes were written through it (the write that
+    crosses the limit is written only up to it), or before a file's final fsync (``kill_fsync``).
+    What is on disk afterwards is exactly what a crash at that byte leaves (minus the page cache loss
+    of a power failure)."""
+
+    name = "kill"
+
+    def __init__(self, kill_after_bytes: int, *, kill_fsync: bool = False) -> None:
+        self.kill_after_bytes = kill_after_bytes
+        self.kill_fsync = kill_fsync
+        self._written = 0
+        self._lock = threading.Lock()
+
+    def pwrite(self, fd: int, buf: memoryview, offset: int, path: str) -> None:
+        view = memoryview(buf).cast("B")
+        with self._lock:  # held across the write: the byte count at the kill is exact
+            room = self.kill_after_bytes - self._written
+            if room >= len(view):
+                self._written += len(view)
+                super().pwrite(fd, view, offset, path)
+                return
+            if room > 0:
+                super().pwrite(fd, view[:room], offset, path)
+            logger.warning("fault backend: SIGKILL after %d bytes (in %s at offset %d)",
+                           self.kill_after_bytes, path, offset + max(room, 0))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def finish_write(self, fd: int, nbytes: int, path: str, fsync: bool) -> None:
+        if self.kill_fsync:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().finish_write(fd, nbytes, path, fsync)
+
+
+def make_backend(spec: str = PREFIX) -> FaultInjectingBackend | KillingBackend:
+    """The backend for ``io.backend: fault:<errno|KILL>@<bytes|fsync>`` (registered by :func:`install`).
+
+    Raises:
+        ConfigError: ``spec`` is not of that form.
+    """
+    try:
+        if not spec.startswith(PREFIX + ":"):
+            raise ValueError(spec)
+        err_name, after = spec[len(PREFIX) + 1 :].split("@")
+        if err_name.upper() == "KILL":
+            return KillingBackend(1 << 62, kill_fsync=True) if after == "fsync" else KillingBackend(int(after))
+        err = getattr(errno_mod, err_name.upper()) if not err_name.isdigit() else int(err_name)
+        if not isinstance(err, int):
+            raise ValueError(err_name)
+        if after == "fsync":
+            return FaultInjectingBackend(err, 1 << 62, fail_fsync=True)
+        return FaultInjectingBackend(err, int(after))
+    except (ValueError, AttributeError):
+        raise ConfigError(f"io.backend: bad fault spec {spec!r}; expected e.g. 'fault:ENOSPC@1048576', "
+                          "'fault:EIO@fsync' or 'fault:KILL@65536'") from None
+
+
+class StageActions:
+    """A :mod:`cpuckpt.faultpoint` handler: ``"<stage>=kill|sleep:<s>|raise"`` entries, ``;``-separated.
+
+    Picklable (it holds only the spec), so it can be handed to a worker process.
+
+    Raises:
+        ConfigError: an entry without ``=`` or with an unknown action.
+    """
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self._actions: dict[str, list[str]] = {}
+        for entry in filter(None, (e.strip() for e in spec.split(";"))):
+            stage, eq, action = entry.rpartition("=")
+            ok = bool(eq and stage) and (action in ("kill", "raise") or action.startswith("sleep:"))
+            if ok and action.startswith("sleep:"):
+                try:
+                    float(action[len("sleep:") :])
+                except ValueError:
+                    ok = False
+            if not ok:
+                raise ConfigError(f"{TEST_HOOK_ENV}: bad entry {entry!r}; expected '<stage>=kill', "
+                                  "'<stage>=sleep:<seconds>' or '<stage>=raise'")
+            self._actions.setdefault(stage, []).append(action)
+
+    def __reduce__(self) -> tuple:
+        return (StageActions, (self.spec,))
+
+    def __repr__(self) -> str:
+        return f"StageActions({self.spec!r})"
+
+    def __call__(self, stage: str) -> None:
+        for action in self._actions.get(stage, ()):
+            if action == "kill":
+                logger.warning("fault point: SIGKILL at %s", stage)
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif action == "raise":
+                raise RuntimeError(f"fault point: raise at {stage}")
+            else:
+                time.sleep(float(action[len("sleep:") :]))
+
+
+def install(stage_spec: str | None = None) -> None:
+    """Enable fault injection in this process: the ``fault:`` backends and the stage actions.
+
+    ``stage_spec`` (else ``$CPUCKPT_TEST_HOOK`` now) sets the stage actions; when both are empty, no
+    stage handler is installed (a previous one is removed). Idempotent; call it again to change the
+    actions.
+    """
+    files.register_backend(PREFIX, make_backend)
+    spec = stage_spec if stage_spec is not None else os.environ.get(TEST_HOOK_ENV, "")
+    faultpoint.set_handler(StageActions(spec) if spec else None)
+
+
+def uninstall() -> None:
+    """Undo :func:`install`: no ``fault:`` backends, no stage handler."""
+    factory = files.unregister_backend(PREFIX)
+    if factory is not None and factory is not make_backend:  # someone else's "fault": keep it
+        files.register_backend(PREFIX, factory)
+    if isinstance(faultpoint.get_handler(), StageActions):
+        faultpoint.set_handler(None)
