@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -33,7 +34,7 @@ from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.telemetry import record_save
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import CpuckptError
+from cpuckpt.errors import FailureReport, rank_error
 from cpuckpt.format.plancache import CachedPlan, structure_signature
 from cpuckpt.roots import after_commit
 from cpuckpt.transfer.threads import new_executor, wait_future
@@ -90,7 +91,9 @@ class AsyncSaveHandle:
         """Block until the checkpoint is durable and committed on every rank.
 
         Raises:
-            CpuckptError: this or another rank failed (same error on every rank).
+            CpuckptError: this or another rank failed: the same class and message on every rank,
+                built by :func:`cpuckpt.errors.rank_error` (``StorageIOError``, an ``OSError`` with
+                ``errno``/``path``, when the lowest failing rank's error was one; ``rank``, ``failures``).
             CheckpointTimeoutError: not committed within ``timeout`` (default: ``timeout_s``).
         """
         try:
@@ -146,9 +149,16 @@ class _Checkpointer:
         return bool(flag.item())
 
     def commit(self, handle: AsyncSaveHandle) -> None:
-        """Committer thread: local durability -> agree -> coordinator commits -> share the outcome."""
+        """Committer thread: local durability -> agree -> coordinator commits -> share the outcome.
+
+        Every rank's :class:`~cpuckpt.errors.FailureReport` (``None`` = its files are durable) travels
+        in one all-gather, with the write results of a reused plan; the coordinator commits only if
+        no rank failed, and broadcasts the reports that decide the outcome (its own commit failure
+        included). Every rank then sets the same :func:`~cpuckpt.errors.rank_error` on the handle,
+        chained to this rank's own original error, if it has one.
+        """
         w = handle._writer
-        status: str | None = None
+        local: BaseException | None = None  # this rank's own original error
         try:
             if w.job is None:
                 raise RuntimeError("the writer never started a save job (DCP did not call write_data)")
@@ -156,22 +166,24 @@ class _Checkpointer:
             handle.stats.durable_s = time.perf_counter() - handle._t0
             w.write_part(entries)
         except BaseException as e:
-            status = f"rank {w.rank}: {e}"
-        outcome: str | None = None
+            local = e
+        mine = None if local is None else FailureReport.of(local, w.rank)
+        outcome: list[FailureReport | None] | None = None  # the reports that fail the save; None: committed
         try:
-            mine = (status, w.last_results)  # results travel only when the plan was reused
-            reports = [mine]
+            gathered: list[Any] = [(mine, w.last_results)]  # results travel only when the plan was reused
             if self.dist:
-                reports = [None] * dist.get_world_size(self.commit_group)
-                dist.all_gather_object(reports, mine, group=self.commit_group)
-            failures = [r[0] for r in reports if r[0]]
-            if failures:
-                outcome = "; ".join(failures)
+                gathered = [None] * dist.get_world_size(self.commit_group)
+                dist.all_gather_object(gathered, (mine, w.last_results), group=self.commit_group)
+            reports = [g[0] for g in gathered]
+            if any(r is not None for r in reports):
+                outcome = reports
             elif w.is_coordinator:
                 try:
-                    w.commit_deferred([r[1] for r in reports] if w.last_results is not None else None)
+                    w.commit_deferred([g[1] for g in gathered] if w.last_results is not None else None)
                 except BaseException as e:
-                    outcome = f"rank {w.rank} (coordinator): commit failed: {e}"
+                    local = e
+                    failed = FailureReport.of(e, w.rank)
+                    outcome = [dataclasses.replace(failed, message=f"commit failed (coordinator): {failed.message}")]
                 else:
                     after_commit(w.path, w.config)  # `latest`, cleaning, retention: only when configured
             if self.dist:
@@ -179,9 +191,17 @@ class _Checkpointer:
                 dist.broadcast_object_list(box, src=self.coordinator, group=self.commit_group)
                 outcome = box[0]
         except BaseException as e:
-            outcome = outcome or f"rank {w.rank}: commit collective failed: {e}"
-        if outcome:
-            handle._committed.set_exception(CpuckptError(f"async save of {handle.path} failed: {outcome}"))
+            if outcome is None:  # the peers' outcome is unknown: this rank's own failure, else the collective's
+                if mine is None:
+                    local = e
+                    failed = FailureReport.of(e, w.rank)
+                    mine = dataclasses.replace(failed, message=f"commit collective failed: {failed.message}")
+                outcome = [mine]
+        error = rank_error(outcome or [], f"async save of {handle.path}")
+        if error is not None:
+            if local is not None:  # as `raise error from local`
+                error.__cause__, error.__suppress_context__ = local, True
+            handle._committed.set_exception(error)
         else:
             handle.stats.committed_s = time.perf_counter() - handle._t0
             record_save(w.config, path=handle.path, rank=w.rank, step=w.step, event="async_save",

@@ -31,7 +31,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 import cpuckpt
-from cpuckpt.backend.collectives import checkpoint_group
+from cpuckpt import faultpoint
+from cpuckpt.backend.collectives import checkpoint_group, gather_failures, raise_if_failed
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CpuckptError
 
@@ -91,23 +92,23 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
 
         def finalize_fn() -> None:
             try:
+                # The channel only says whether this rank's worker process did its part.
                 report = channel.take_report()
-                mine = None if report == OK else report or (
-                    f"rank {rank}: the checkpoint worker process ended without reporting (killed?)")
-                reports = [mine]
-                if group is not None:
-                    reports = [None] * dist.get_world_size(group)
-                    dist.all_gather_object(reports, mine, group=group)
-                handle.wait(timeout_s)  # the save's own outcome: the same error on every rank
-                failures = [r for r in reports if r]
-                if failures:
-                    raise CpuckptError(f"async save of {checkpoint_dir}: {'; '.join(failures)}")
+                worker_error = None if report == OK else CpuckptError(
+                    report or f"the checkpoint worker process of rank {rank} ended without reporting (killed?)")
+                reports = gather_failures(worker_error, rank, group)
+                # The save's own outcome: the error its committer built from every rank's
+                # FailureReport (same class and message on every rank; StorageIOError with
+                # errno/path/rank for an OSError), chained to this rank's original.
+                handle.wait(timeout_s)
+                raise_if_failed(reports, f"async save of {checkpoint_dir}", worker_error)
             finally:
                 channel.remove()
 
         try:
             return compat.make_async_request(async_strategy, wait_for_commit,
-                                             (channel.base, rank, 2 * timeout_s + 60, os.getpid()), [finalize_fn])
+                                             (channel.base, rank, 2 * timeout_s + 60, os.getpid(),
+                                              faultpoint.get_handler()), [finalize_fn])
         except BaseException:
             # e.g. async_strategy "nvrx" without nvidia-resiliency-ext: the save goes on in cpuckpt's
             # threads (its outcome reaches cpuckpt.wait_all / the next async_save), but no caller will

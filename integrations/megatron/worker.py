@@ -14,7 +14,8 @@ spawn cost (shared-memory names, re-opened mappings) at once.
 The channel is two files per save in a temporary directory:
 
 - ``<base>.status``: written atomically by the trainer when the save ended (empty: committed;
-  otherwise the error text). The caller waits for it.
+  otherwise the error text, for logs only). The caller waits for it. The error finalize raises is
+  not read from here: it is the save handle's, built from every rank's ``FailureReport``.
 - ``<base>.worker``: written by the caller before it returns (``ok`` or its own error). A missing
   report at finalize time means the caller process died.
 
@@ -119,10 +120,17 @@ def new_channel(rank: int) -> Channel:
     return Channel(str(_channel_dir() / f"cpuckpt-megatron-{os.getpid()}-r{rank}-{uuid.uuid4().hex[:12]}"))
 
 
-def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int) -> None:
-    """Megatron's ``async_fn``: wait until the trainer reports the save's outcome. Never raises."""
+def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int,
+                    fault_handler: faultpoint.Handler | None = None) -> None:
+    """Megatron's ``async_fn``: wait until the trainer reports the save's outcome. Never raises.
+
+    ``fault_handler`` is the trainer's :func:`cpuckpt.faultpoint.get_handler` (None unless a test
+    installed one): a spawned persistent worker does not inherit it, so it travels with the request.
+    """
     channel = Channel(base)
     try:
+        if fault_handler is not None:
+            faultpoint.set_handler(fault_handler)
         faultpoint.hit(f"megatron-worker:rank{rank}")
         channel.wait_status(timeout_s, trainer_pid)
         channel.report(OK)

@@ -29,11 +29,13 @@ import os
 import time
 from pathlib import Path
 
+import _helpers as H
 import pytest
 import torch
 
+from cpuckpt.testing import faults
 
-import _helpers as H  # noqa: E402 - tests/dist is on sys.path (conftest and the rank bootstrap)
+faults.install()  # io.backend "fault:...", in this process and in every rank (they load this module)
 
 CHUNK_BYTES = 64 * 1024
 

@@ -17,10 +17,12 @@ import os
 import time
 from pathlib import Path
 
+import _helpers as H
 import torch
 
+from cpuckpt.testing import faults
 
-import _helpers as H  # noqa: E402 - tests/dist is on sys.path (conftest and the rank bootstrap)
+faults.install()  # io.backend "fault:...", in this process and in every rank (they load this module)
 
 GOOD = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 60}
 
@@ -154,3 +156,68 @@ def test_write_failure_on_one_rank_fails_every_rank(run_ranks, tmp_path):
     assert not (root / "overwritten" / ".metadata").exists()
     assert not (root / "coord_fails" / ".metadata").exists()
     H.assert_committed_layout(root / "fresh", world=2)  # re-saved successfully at the end
+
+
+# ----------------------------------------------------------------- the same error on every rank
+
+
+def _error_contract(e: BaseException) -> dict:
+    import cpuckpt
+
+    return {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
+            "is_cpuckpt": isinstance(e, cpuckpt.CpuckptError), "is_oserror": isinstance(e, OSError),
+            "errno": getattr(e, "errno", None), "rank": getattr(e, "rank", None),
+            "path": getattr(e, "path", None), "filename": getattr(e, "filename", None),
+            "failures": sorted((getattr(e, "failures", None) or {}).keys()),
+            "cause": type(e.__cause__).__name__ if e.__cause__ is not None else None}
+
+
+def rank_enospc_contract(root: str) -> dict:
+    """ENOSPC on rank 1 only: sync save and async_save().wait() raise the same error on both ranks."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import cpuckpt
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sd = _state_dict(mesh)
+    cfg = _fault("fault:ENOSPC@100000") if rank == 1 else GOOD
+    out: dict = {}
+    for kind in ("sync", "async"):
+        path = Path(root) / kind
+        try:
+            if kind == "sync":
+                cpuckpt.save(sd, path, cfg)
+            else:
+                cpuckpt.async_save(sd, path, cfg).wait()
+        except BaseException as e:  # any class (even a BaseException) is recorded; the test checks it
+            out[kind] = _error_contract(e)
+        else:
+            raise AssertionError(f"rank {rank}: {kind} save into {path} succeeded although rank 1 is out of space")
+        dist.barrier()
+        out[f"{kind}_listing"] = H.checkpoint_listing(path)
+    return out
+
+
+def test_enospc_on_one_rank_is_the_same_oserror_on_every_rank(run_ranks, tmp_path):
+    root = tmp_path / "ckpts"
+    results = run_ranks(2, rank_enospc_contract, str(root), timeout_s=120)
+    for kind in ("sync", "async"):
+        infos = [out[kind] for out in results]
+        # Same class and message on both ranks: no rank takes a different `except` branch.
+        assert infos[0]["type"] == infos[1]["type"] == "cpuckpt.errors.StorageIOError", (kind, infos)
+        assert infos[0]["message"] == infos[1]["message"], (kind, infos)
+        for rank, info in enumerate(infos):
+            assert info["is_cpuckpt"] and info["is_oserror"], (kind, rank, info)
+            assert info["errno"] == errno.ENOSPC, (kind, rank, info)
+            assert info["rank"] == 1, (kind, rank, info)
+            assert info["failures"] == [1], (kind, rank, info)
+            assert info["path"] and "__1_" in Path(info["path"]).name, (kind, rank, info)
+            assert info["filename"] == info["path"], (kind, rank, info)
+            assert "rank 1" in info["message"] and "__1_0.distcp" in info["message"], (kind, rank, info)
+            assert ".metadata" not in results[rank][f"{kind}_listing"], (kind, rank, results[rank])
+        assert not (root / kind / ".metadata").exists(), kind
+    # The original is chained on the rank where it happened (the async error, raised from the handle).
+    assert results[1]["async"]["cause"] is not None, results[1]["async"]
+    assert results[0]["async"]["cause"] is None, results[0]["async"]

@@ -193,13 +193,22 @@ def test_async_save_through_megatron_callers(run_ranks, tmp_path, persistent, fu
 
 
 def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: bool = False) -> dict:
-    """A failing save must raise at finalize on every rank, within the timeout, never hang."""
+    """A failing save must raise at finalize on every rank, within the timeout, never hang.
+
+    Faults come from ``cpuckpt.testing.faults``: the ``fault:`` backend in ``config``, or the stage
+    action of ``$CPUCKPT_TEST_HOOK`` at ``megatron-worker:rank<r>``, which reaches Megatron's caller
+    process by fork (temporal) or with the request (persistent worker, spawned).
+    """
     import time
 
     import cpuckpt.integrations.megatron as ckpt_mg
     from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from cpuckpt.testing import faults
+
+    faults.install()
 
     _, _, device = _setup()
     queue = AsyncCallsQueue(persistent=persistent)
@@ -217,13 +226,17 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: 
         queue.maybe_finalize_async_calls(blocking=True)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
+        contract = {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
+                    "is_oserror": isinstance(e, OSError), "errno": getattr(e, "errno", None),
+                    "rank": getattr(e, "rank", None), "path": getattr(e, "path", None)}
     else:
-        error = None
+        error = contract = None
     elapsed = time.monotonic() - t0
     queue.close(abort=True)
     from cpuckpt.integrations.megatron.worker import _channel_dir
 
-    return {"error": error, "elapsed": elapsed, "metadata_json": (path / "metadata.json").exists(),
+    return {"error": error, "contract": contract, "elapsed": elapsed,
+            "metadata_json": (path / "metadata.json").exists(),
             "dcp_metadata": (path / ".metadata").exists(),
             "leftovers": sorted(p.name for p in _channel_dir().glob(f"cpuckpt-megatron-{os.getpid()}-*"))}
 
@@ -235,6 +248,8 @@ def test_worker_exception_raises_on_every_rank(run_ranks, tmp_path, persistent):
     for r in results:
         assert r["error"] is not None and "checkpoint worker of rank 1" in r["error"], r
         assert not r["metadata_json"], "metadata.json written for a failed save"
+        assert r["contract"]["type"] == "cpuckpt.errors.CpuckptError" and r["contract"]["rank"] == 1, r
+    assert results[0]["contract"]["message"] == results[1]["contract"]["message"], results
 
 
 def test_dead_temporal_worker_raises_on_every_rank(run_ranks, tmp_path):
@@ -243,6 +258,8 @@ def test_dead_temporal_worker_raises_on_every_rank(run_ranks, tmp_path):
     for r in results:
         assert r["error"] is not None and "ended without reporting" in r["error"], r
         assert not r["metadata_json"]
+        assert r["contract"]["type"] == "cpuckpt.errors.CpuckptError" and r["contract"]["rank"] == 0, r
+    assert results[0]["contract"]["message"] == results[1]["contract"]["message"], results
 
 
 def test_dead_persistent_worker_raises_on_every_rank_when_watched(run_ranks, tmp_path):
@@ -263,3 +280,11 @@ def test_write_failure_raises_on_every_rank(run_ranks, tmp_path):
         assert r["error"] is not None and "No space left" in r["error"], r
         assert not r["metadata_json"] and not r["dcp_metadata"], "a failed save looks complete"
         assert r["leftovers"] == [], "channel files left behind"
+        # The error contract: the same StorageIOError (an OSError) on every rank, errno and path kept,
+        # naming the lowest failing rank (both ranks run out of space here: rank 0).
+        c = r["contract"]
+        assert c["type"] == "cpuckpt.errors.StorageIOError" and c["is_oserror"], r
+        assert c["errno"] == errno.ENOSPC and c["rank"] == 0, r
+        assert c["path"] and "__0_" in Path(c["path"]).name, r
+        assert "rank 0" in c["message"], r
+    assert results[0]["contract"]["message"] == results[1]["contract"]["message"], results
