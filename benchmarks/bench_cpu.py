@@ -19,10 +19,10 @@ Variants run one after another, repetitions interleaved (rep 1 of every variant,
 each output deleted before the next. Prints one table at the end (stdout); ``--json`` writes the raw
 samples. Rules: /work/shared/BENCHMARKING.md (ratios within one run, medians of >= 3 with min-max).
 
-Usage:
-    .venv/bin/python benchmarks/bench_cpu.py --gib 4 --targets shm,disk --disk-dir /work/bench-tmp \\
+Usage (from the repository root; ``cpuckpt bench ARGS`` runs the same):
+    .venv/bin/python -m benchmarks.bench_cpu --gib 4 --targets shm,disk --disk-dir /work/bench-tmp \\
         --reps 3 --json bench-cpu.json
-    .venv/bin/python benchmarks/bench_cpu.py --smoke      # seconds; exercises every path, asserts nothing
+    .venv/bin/python -m benchmarks.bench_cpu --smoke      # seconds; exercises every path, asserts nothing
 """
 
 from __future__ import annotations
@@ -50,11 +50,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-from common import GB, GiB, MiB, Sample
-
 import cpuckpt
+from benchmarks import common
+from benchmarks.common import GB, GiB, MiB, Sample, files_under, fresh, tree_nbytes
 
 logger = logging.getLogger("bench_cpu")
 
@@ -130,21 +128,6 @@ def cpuckpt_null_save() -> Callable[[dict[str, Any]], None] | None:
 
 
 # ----------------------------------------------------------------------------------- utilities
-
-
-def _rm(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
-def _files_under(path: Path) -> list[Path]:
-    return [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
-
-
-def _dir_nbytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in _files_under(path))
 
 
 def fs_type(path: Path) -> str:
@@ -262,7 +245,7 @@ class Bench:
                 with common.timed(f"warm-up write of {nbytes / GiB:.2f} GiB to {name} (untimed)"):
                     warm = run_dir / "warmup.bin"
                     common.pwrite_floor(warm, nbytes, 2, False, chunk_bytes=self.args.floor_chunk_mib * MiB)
-                    _rm(warm)
+                    fresh(warm)
             self._floors(res, run_dir, nbytes, cache)
             self._saves(res, run_dir, sd, nbytes)
             if dst is not None:
@@ -281,7 +264,7 @@ class Bench:
             for direct, t in configs:
                 if (direct, t) in skip:
                     continue
-                _rm(path)
+                fresh(path)
                 common.release_memory()
                 r = common.pwrite_floor(path, nbytes, t, direct, chunk_bytes=chunk)
                 if not r.supported:
@@ -300,7 +283,7 @@ class Bench:
                 res["floors"].append({**r.to_dict(), "rep": rep, "cache": label})
                 logger.info("floor pread  %-8s x%d: %.2f GB/s (%s)", "O_DIRECT" if direct else "buffered", t,
                             r.gbps, label)
-        _rm(path)
+        fresh(path)
 
     def _save_variants(self) -> list[tuple[str, str, Callable[[dict[str, Any], Path], None]]]:
         out: list[tuple[str, str, Callable[[dict[str, Any], Path], None]]] = []
@@ -326,13 +309,13 @@ class Bench:
                     s = self._measure(lambda fn=fn, path=path: fn(sd, path))
                 except Exception as e:
                     self._fail(f"{res['dir']}: {name} rep {rep}", e)
-                    _rm(path)
+                    fresh(path)
                     continue
-                self._record(res["saves"], name, s, nbytes, peer=peer, rep=rep, file_bytes=_dir_nbytes(path),
-                             files=len(_files_under(path)))
+                self._record(res["saves"], name, s, nbytes, peer=peer, rep=rep, file_bytes=tree_nbytes(path),
+                             files=len(files_under(path)))
                 logger.info("save %-40s %.3f s  %.2f GB/s  cpu %.2f s  rss+ %.0f MiB", name, s.wall_s,
                             nbytes / s.wall_s / GB, s.cpu_s, s.peak_extra_rss / MiB)
-                _rm(path)
+                fresh(path)
 
     def _loads(self, res: dict[str, Any], run_dir: Path, sd: dict[str, Any], dst: dict[str, Any], nbytes: int,
                cache: CacheControl) -> None:
@@ -348,7 +331,7 @@ class Bench:
         for peer, writer, readers in groups:
             path = run_dir / f"load-{peer}"
             writer(path)
-            files = _files_under(path)
+            files = files_under(path)
             for rep in range(self.reps):
                 for name, fn in readers:
                     _reset_targets(dst)
@@ -365,7 +348,7 @@ class Bench:
                     logger.info("load %-40s %.3f s  %.2f GB/s  cpu %.2f s  rss+ %.0f MiB  (%s)%s", name, s.wall_s,
                                 nbytes / s.wall_s / GB, s.cpu_s, s.peak_extra_rss / MiB, label,
                                 "" if diff is None else f"  WRONG: {diff}")
-            _rm(path)
+            fresh(path)
             common.release_memory()
 
     def _small(self, res: dict[str, Any], run_dir: Path) -> None:
@@ -400,7 +383,7 @@ class Bench:
                         s = self._measure(lambda fn=fn, path=path: fn(path))
                     except Exception as e:
                         self._fail(f"{res['dir']}: small {case} {name} rep {rep}", e)
-                        _rm(path)
+                        fresh(path)
                         continue
                     extra: dict[str, Any] = {"peer": peer, "rep": rep}
                     if rt is not None and before is not None and peer == "cpuckpt":
@@ -412,7 +395,7 @@ class Bench:
                                 s.wall_s / n * 1e6,
                                 f"  skeleton misses {extra['skeleton_cache_misses']}"
                                 if "skeleton_cache_misses" in extra else "")
-                    _rm(path)
+                    fresh(path)
             del sd
             common.release_memory()
 

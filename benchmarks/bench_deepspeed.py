@@ -1,9 +1,9 @@
 """DeepSpeed checkpointing: DeepSpeed's ``TorchCheckpointEngine`` against cpuckpt's engine, one rank.
 
-Run on the device machine (one H200), no torchrun needed::
+Run on the device machine (one H200) from the repository root, no torchrun needed::
 
-    python3 benchmarks/bench_deepspeed.py --out $OUT/bench_deepspeed.json
-    python3 benchmarks/bench_deepspeed.py --smoke --out /tmp/ds.json      # CPU, gloo, tiny model, < 1 min
+    python3 -m benchmarks.bench_deepspeed --out $OUT/bench_deepspeed.json
+    python3 -m benchmarks.bench_deepspeed --smoke --out /tmp/ds.json      # CPU, gloo, tiny model, < 1 min
 
 One process, one DeepSpeed engine (a GPT-like decoder, bf16, ZeRO-1 by default, ``torch_adam``).
 Its checkpoint holds the bf16 weights (``mp_rank_00_model_states.pt``) and the fp32 master weights
@@ -42,12 +42,10 @@ import argparse
 import importlib.util
 import json
 import logging
-import math
 import os
 import platform
 import shutil
 import socket
-import statistics
 import sys
 import tempfile
 import time
@@ -58,9 +56,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.common import GB, ResultLog, fsync_tree, median, named_tensors, same_tensor, tree_nbytes
+
 REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("bench_deepspeed")
-GB = 1e9
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -133,54 +132,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def med(values: list[float]) -> float:
-    return statistics.median(values) if values else math.nan
-
-
-def tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(tensors(v, f"{prefix}/{k}"))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(tensors(v, f"{prefix}/{i}"))
-    return out
-
-
 # ------------------------------------------------------------------------------------------- bench
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.results: list[dict[str, Any]] = []
+        self.results = ResultLog(logger)
+        self.record = self.results.record
         self.cuda = torch.cuda.is_available() and not args.smoke
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
-
-    def record(self, name: str, **fields: Any) -> dict[str, Any]:
-        row = {"name": name, **fields}
-        self.results.append(row)
-        logger.info("%s", json.dumps(row, default=str))
-        return row
 
     def sync(self) -> None:
         if self.cuda:
@@ -271,10 +230,10 @@ class Bench:
             if label.startswith("cpuckpt"):
                 self.adapter.commit_pending(engine)  # after the timed steps: a background commit ends here
                 persist = commit_end[0] - t0 if commit_end else time.perf_counter() - t0
-            nbytes = dir_bytes(save_dir / "t")
+            nbytes = tree_nbytes(save_dir / "t")
             self.record("save", engine=label, rep=rep, stall_s=t1 - t0, persist_s=persist, bytes=nbytes,
                         GBps=nbytes / persist / GB, next_step_s=steps[0] if steps else None,
-                        steady_step_s=med(steps[1:]), steps_s=steps)
+                        steady_step_s=median(steps[1:]), steps_s=steps)
             prev = save_dir
         if prev is not None:
             shutil.rmtree(prev, ignore_errors=True)
@@ -303,18 +262,15 @@ class Bench:
             for n in names:
                 if n not in ours:
                     continue
-                a = tensors(torch.load(root / "verify_torch" / "t" / n, map_location="cpu", weights_only=True))
-                b = tensors(torch.load(root / "verify_cpuckpt" / "t" / n, map_location="cpu", weights_only=True))
+                a = named_tensors(torch.load(root / "verify_torch" / "t" / n, map_location="cpu", weights_only=True))
+                b = named_tensors(torch.load(root / "verify_cpuckpt" / "t" / n, map_location="cpu", weights_only=True))
                 if a.keys() != b.keys():
                     bad.append(f"{n}: tensor keys differ")
                     continue
                 for k in a:
-                    x, y = a[k], b[k]
-                    same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(
-                        x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
                     compared += 1
-                    if not same:
-                        bad.append(f"{n}{k}")
+                    if not same_tensor(a[k], b[k]):
+                        bad.append(f"{n}: {k}")
         self.record("verify", files=names, tensors=compared, mismatches=bad[:10], ok=not bad)
         shutil.rmtree(root / "verify_torch", ignore_errors=True)
         shutil.rmtree(root / "verify_cpuckpt", ignore_errors=True)
@@ -341,7 +297,7 @@ class Bench:
         for _ in range(a.alone_steps):
             counter[0] += 1
             alone.append(self.step(engine, counter[0]))
-        self.record("step_alone", median_s=med(alone), steps_s=alone)
+        self.record("step_alone", median_s=median(alone), steps_s=alone)
         try:
             if "torch" in a.engines:
                 self.run_engine(engine, "torch", a.reps, root, counter)
@@ -381,10 +337,10 @@ class Bench:
                                  r["steady_step_s"]))
             warm = rows[1:] if label == "cpuckpt" else rows
             if len(warm) > 1:
-                lines.append(row(f"**{label}**", f"median of {len(warm)}", med([r["stall_s"] for r in warm]),
-                                 med([r["persist_s"] for r in warm]), med([r["bytes"] for r in warm]),
-                                 med([r["next_step_s"] for r in warm if r["next_step_s"] is not None]),
-                                 med([r["steady_step_s"] for r in warm])))
+                lines.append(row(f"**{label}**", f"median of {len(warm)}", median([r["stall_s"] for r in warm]),
+                                 median([r["persist_s"] for r in warm]), median([r["bytes"] for r in warm]),
+                                 median([r["next_step_s"] for r in warm if r["next_step_s"] is not None]),
+                                 median([r["steady_step_s"] for r in warm])))
         lines += ["",
                   "stall: save_checkpoint wall time (GPU synchronised). persist: torch = stall + fsync of its "
                   "files; cpuckpt = until the commit (started by the next step()) ended. next step: first "

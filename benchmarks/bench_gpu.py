@@ -1,6 +1,6 @@
 """GPU benchmark of cpuckpt against its floors and peers, all in one run (see shared BENCHMARKING.md).
 
-Run on the device machine (one H200):  ``python benchmarks/bench_gpu.py --gib 4 --out $OUT``.
+Run on the device machine (one H200), from the repository root:  ``python -m benchmarks.bench_gpu --gib 4 --out $OUT``.
 Measures, on the same GPU state dict and in the same process:
 
 * floors: pinned D2H and H2D of the same tensors; raw O_DIRECT / buffered pwrite and pread of the
@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -32,63 +31,40 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
+import cpuckpt
+from benchmarks.common import (
     GB,
     GiB,
+    ResultLog,
     RssSampler,
     build_state_dict,
+    clone_empty,
     drop_caches,
     format_table,
+    fresh,
+    fsync_dir,
+    named_tensors,
     pread_floor,
     pwrite_floor,
     release_memory,
+    same_state_dict,
     state_dict_nbytes,
     summarize,
 )
-
-import cpuckpt
 from cpuckpt.transfer.staging import release_pool
 
 logger = logging.getLogger("bench_gpu")
-RESULTS: list[dict[str, Any]] = []
-
-
-def record(name: str, **fields: Any) -> dict[str, Any]:
-    row = {"name": name, **fields}
-    RESULTS.append(row)
-    logger.info("%s", json.dumps(row, default=str))
-    return row
-
-
-def tensors_of(sd: Any) -> list[torch.Tensor]:
-    if isinstance(sd, torch.Tensor):
-        return [sd]
-    if isinstance(sd, dict):
-        return [t for v in sd.values() for t in tensors_of(v)]
-    return []
+RESULTS = ResultLog(logger)
+record = RESULTS.record
 
 
 def sync() -> None:
     torch.cuda.synchronize()
 
 
-def fresh(path: Path) -> Path:
-    shutil.rmtree(path, ignore_errors=True)
-    return path
-
-
-def durable_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ------------------------------------------------------------------------------------------ floors
 def floor_copies(sd: dict[str, Any], reps: int) -> None:
-    ts = tensors_of(sd)
+    ts = list(named_tensors(sd).values())
     nbytes = sum(t.numel() * t.element_size() for t in ts)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     views, off = [], 0
@@ -138,7 +114,7 @@ def dcp_fs_save(sd: dict[str, Any], path: Path, threads: int) -> float:
     sync()
     t0 = time.perf_counter()
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), thread_count=threads))
-    durable_dir(path)
+    fsync_dir(path)
     return time.perf_counter() - t0
 
 
@@ -156,7 +132,7 @@ def dcp_async_default_stager(sd: dict[str, Any], path: Path) -> tuple[float, flo
     else:
         stall = time.perf_counter() - t0
         resp.result()
-    durable_dir(path)
+    fsync_dir(path)
     total = time.perf_counter() - t0
     stager.close()
     return stall, total
@@ -198,29 +174,15 @@ def ck_door(sd: dict[str, Any], path: Path, cfg: dict[str, Any]) -> tuple[float,
     return stall, total
 
 
-def zeros_like_sd(sd: Any) -> Any:
-    if isinstance(sd, torch.Tensor):
-        return torch.zeros_like(sd)
-    if isinstance(sd, dict):
-        return {k: zeros_like_sd(v) for k, v in sd.items()}
-    return sd
-
-
-def same(a: Any, b: Any) -> bool:
-    ta, tb = tensors_of(a), tensors_of(b)
-    return len(ta) == len(tb) and all(torch.equal(x.view(torch.uint8) if x.dim() else x, y.view(torch.uint8) if y.dim()
-                                                  else y) for x, y in zip(ta, tb))
-
-
 def cold_load(path: Path, sd: dict[str, Any], reader: Any) -> tuple[float, bool]:
-    out = zeros_like_sd(sd)
+    out = clone_empty(sd)
     drop_caches()
     sync()
     t0 = time.perf_counter()
     dcp.load(out, storage_reader=reader)
     sync()
     dt = time.perf_counter() - t0
-    ok = same(out, sd)
+    ok = same_state_dict(out, sd) is None
     del out
     return dt, ok
 
@@ -349,7 +311,7 @@ def main() -> None:
     record("machine", gpu=torch.cuda.get_device_name(), torch=torch.__version__, cpus=os.cpu_count())
     sd = build_state_dict(int(args.gib * GiB), device="cuda")
     nbytes = state_dict_nbytes(sd)
-    record("state", GiB=nbytes / GiB, tensors=len(tensors_of(sd)))
+    record("state", GiB=nbytes / GiB, tensors=len(named_tensors(sd)))
     floor_copies(sd, args.reps)
     targets = {"disk": Path(args.disk_dir), "shm": Path(args.shm_dir)}
     for t in args.targets.split(","):

@@ -1,6 +1,7 @@
 """Multi-rank GPU benchmark: one rank per GPU of one host, all variants in one run.
 
-Launch on the device machine with ``torchrun --nproc_per_node N benchmarks/bench_gpu_ranks.py --gib 4``.
+Launch on the device machine, from the repository root, with
+``torchrun --nproc_per_node N -m benchmarks.bench_gpu_ranks --gib 4``.
 Training collectives would use NCCL; cpuckpt's checkpoint collectives use its own gloo groups.
 Each rank holds ``--gib`` of GPU tensors. Measured per rank and in aggregate, in the same run:
 the storage floor (every rank pwrites its bytes with O_DIRECT at once), DCP FileSystemWriter (sync),
@@ -16,7 +17,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,11 +25,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_gpu import dcp_async_default_stager, same, tensors_of, zeros_like_sd
-from common import GB, GiB, build_state_dict, drop_caches, format_table, pwrite_floor, state_dict_nbytes
-
 import cpuckpt
+from benchmarks.bench_gpu import dcp_async_default_stager
+from benchmarks.common import (
+    GB,
+    GiB,
+    build_state_dict,
+    clone_empty,
+    drop_caches,
+    format_table,
+    named_tensors,
+    pwrite_floor,
+    same_state_dict,
+    state_dict_nbytes,
+)
 
 logger = logging.getLogger("bench_gpu_ranks")
 
@@ -51,6 +60,10 @@ def gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def bitexact(out: Any, sd: Any) -> bool:
+    return same_state_dict(out, sd) is None
 
 
 def fresh(path: Path) -> Path:
@@ -122,21 +135,21 @@ def main() -> None:
         snaps.append({"rep": rep, "stall": gather(stall), "persist_s": max(gather(persist))})
     rows["cpuckpt_async_snapshot"] = snaps
 
-    out = zeros_like_sd(sd)
+    out = clone_empty(sd)
     drop_caches()
     s = timed(lambda: cpuckpt.load(out, ck))
-    rows["cpuckpt_load_gpu"] = {"s": s, "GBps": total / s / GB, "bitexact": all(gather(same(out, sd)))}
+    rows["cpuckpt_load_gpu"] = {"s": s, "GBps": total / s / GB, "bitexact": all(gather(bitexact(out, sd)))}
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(fresh(ck)), thread_count=8))
-    out = zeros_like_sd(sd)
+    out = clone_empty(sd)
     drop_caches()
     s = timed(lambda: dcp.load(out, storage_reader=dcp.FileSystemReader(str(ck))))
-    rows["dcp_fs_load_gpu"] = {"s": s, "GBps": total / s / GB, "bitexact": all(gather(same(out, sd)))}
+    rows["dcp_fs_load_gpu"] = {"s": s, "GBps": total / s / GB, "bitexact": all(gather(bitexact(out, sd)))}
     fresh(ck)
 
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        meta = {"world": world, "GiB_per_rank": nbytes / GiB, "tensors_per_rank": len(tensors_of(sd)),
+        meta = {"world": world, "GiB_per_rank": nbytes / GiB, "tensors_per_rank": len(named_tensors(sd)),
                 "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
         (Path(args.out) / "bench_gpu_ranks.json").write_text(json.dumps({**meta, **rows}, indent=1, default=str))
         print(table(meta, rows, total))

@@ -14,9 +14,9 @@ d98e8a64) cannot resume a distributed-optimizer checkpoint into a fresh optimize
 (``DistributedOptimizer.state_dict`` asserts a single Adam ``step`` and finds none), whatever the format.
 
 Megatron-LM is not on PyPI and is not part of this repository: point ``--megatron-lm`` at a checkout
-(``megatron/``, ``pretrain_gpt.py``, ``gpt_builders.py``, ``model_provider.py``).
+(``megatron/``, ``pretrain_gpt.py``, ``gpt_builders.py``, ``model_provider.py``). From the repository root:
 
-    python benchmarks/bench_megatron_lm.py --megatron-lm .megatron-lm --out $OUT
+    python -m benchmarks.bench_megatron_lm --megatron-lm .megatron-lm --out $OUT
 """
 
 from __future__ import annotations

@@ -1,11 +1,16 @@
-"""Reusable pieces of the cpuckpt benchmarks (CPU here; the GPU benchmark reuses them).
+"""Reusable pieces of the cpuckpt benchmarks (every ``benchmarks.bench_*`` module imports them from here).
 
 * state dicts: :func:`build_state_dict` (deterministic, mixed sizes and dtypes, non-tensor items)
-  and :func:`small_state_dict` (many tiny tensors, same or all-distinct shapes);
+  and :func:`small_state_dict` (many tiny tensors, same or all-distinct shapes); :func:`clone_empty`
+  (load targets), :func:`same_state_dict` / :func:`same_tensor` (bit-exact checks),
+  :func:`named_tensors` (every tensor of nested dicts, lists and tuples);
 * measurement: :class:`Meter` (wall time, process CPU-seconds, peak extra RSS from a
-  :class:`RssSampler` thread), :func:`summarize` (median with min-max);
+  :class:`RssSampler` thread), :func:`summarize` (median with min-max), :func:`median`;
+  :class:`ResultLog` (raw result rows, each logged as a JSON line);
 * raw storage floors: :func:`pwrite_floor` and :func:`pread_floor` (aligned buffers, parallel
   ``os.pwrite``/``os.preadv``, O_DIRECT or buffered, fsync);
+* files: :func:`fresh` (remove before a run), :func:`files_under`, :func:`tree_nbytes`,
+  :func:`fsync_dir`, :func:`fsync_tree`;
 * page-cache control (:func:`drop_caches`, :func:`evict_files`) and memory hygiene (:func:`release_memory`);
 * :func:`format_table`, a plain-text table printer.
 
@@ -16,10 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import logging
 import math
 import mmap
 import os
+import shutil
 import statistics
 import threading
 import time
@@ -35,6 +42,7 @@ import torch
 __all__ = [
     "FloorResult",
     "Meter",
+    "ResultLog",
     "RssSampler",
     "Sample",
     "build_state_dict",
@@ -42,17 +50,24 @@ __all__ = [
     "count_leaves",
     "drop_caches",
     "evict_files",
+    "files_under",
     "format_table",
     "freeze_heap",
+    "fresh",
     "fsync_dir",
+    "fsync_tree",
+    "median",
+    "named_tensors",
     "pread_floor",
     "pwrite_floor",
     "read_rss_bytes",
     "release_memory",
     "same_state_dict",
+    "same_tensor",
     "small_state_dict",
     "state_dict_nbytes",
     "summarize",
+    "tree_nbytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -223,6 +238,12 @@ def clone_empty(sd: Any) -> Any:
     return None
 
 
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (bit-exact: a NaN equals the same NaN)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
 def same_state_dict(a: Any, b: Any) -> str | None:
     """None when ``a`` and ``b`` hold bit-identical tensors and equal other leaves; else the first difference."""
     la, lb = dict(_leaves(a)), dict(_leaves(b))
@@ -233,11 +254,22 @@ def same_state_dict(a: Any, b: Any) -> str | None:
         if isinstance(va, torch.Tensor):
             if not isinstance(vb, torch.Tensor) or va.shape != vb.shape or va.dtype != vb.dtype:
                 return f"{k}: tensor metadata differs"
-            if not torch.equal(va.reshape(-1).view(torch.uint8), vb.reshape(-1).view(torch.uint8)):
+            if not same_tensor(va, vb):
                 return f"{k}: tensor bytes differ"
         elif va != vb:
             return f"{k}: {va!r} != {vb!r}"
     return None
+
+
+def named_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor in a nested structure of dicts, lists and tuples, by dotted path (``"a.0.b"``)."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(named_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
 
 
 # ------------------------------------------------------------------------------------- measurement
@@ -330,11 +362,30 @@ def measure(fn: Callable[[], Any]) -> Sample:
     return m.sample
 
 
+def median(values: Sequence[float]) -> float:
+    """The median of ``values``; NaN when empty."""
+    return statistics.median(values) if values else math.nan
+
+
 def summarize(values: Sequence[float]) -> dict[str, float]:
     """``{"median", "min", "max", "n"}`` of ``values`` (NaN when empty)."""
     if not values:
         return {"median": math.nan, "min": math.nan, "max": math.nan, "n": 0}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+    return {"median": median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+class ResultLog(list):
+    """Raw results: one dict per measurement (``{"name": ..., **fields}``), each logged as a JSON line."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        super().__init__()
+        self._log = log
+
+    def record(self, name: str, **fields: Any) -> dict[str, Any]:
+        row = {"name": name, **fields}
+        self.append(row)
+        self._log.info("%s", json.dumps(row, default=str))
+        return row
 
 
 def freeze_heap() -> None:
@@ -390,13 +441,48 @@ def evict_files(paths: Sequence[str | os.PathLike]) -> bool:
     return ok
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory (makes new entries durable)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def _fsync(path: str | os.PathLike, flags: int = 0) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory (makes new entries durable)."""
+    _fsync(path, os.O_DIRECTORY)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file and directory below ``path``, then ``path`` itself (a durable save)."""
+    for p in sorted(Path(path).rglob("*")):
+        _fsync(p)
+    fsync_dir(path)
+
+
+# ------------------------------------------------------------------------------------------- files
+
+
+def fresh(path: str | os.PathLike) -> Path:
+    """Remove whatever is at ``path`` (a directory tree or a file), so a run starts clean; return it."""
+    p = Path(path)
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink(missing_ok=True)
+    return p
+
+
+def files_under(path: str | os.PathLike) -> list[Path]:
+    """Every file below the directory ``path`` (``[path]`` itself when it is not a directory)."""
+    p = Path(path)
+    return [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+
+
+def tree_nbytes(path: str | os.PathLike) -> int:
+    """Bytes of every file below ``path`` (or of the file ``path``)."""
+    return sum(f.stat().st_size for f in files_under(path))
 
 
 # ------------------------------------------------------------------------------------ raw floors
@@ -436,12 +522,42 @@ def _aligned_buffer(nbytes: int, seed: int) -> mmap.mmap:
     return buf
 
 
-def _chunk_offsets(nbytes: int, chunk_bytes: int) -> list[int]:
-    return list(range(0, nbytes, chunk_bytes))
+def _thread_chunks(i: int, threads: int, nbytes: int, chunk_bytes: int, direct: bool,
+                   align: int) -> Iterator[tuple[int, int]]:
+    """(offset, length) of the chunks thread ``i`` moves (chunks ``i, i+T, ...``); O_DIRECT pads to ``align``."""
+    for off in range(i * chunk_bytes, nbytes, threads * chunk_bytes):
+        n = min(chunk_bytes, nbytes - off)
+        yield off, -(-n // align) * align if direct else n
 
 
-def _round_up(n: int, align: int) -> int:
-    return -(-n // align) * align
+def _run_floor(res: FloorResult, path: str | os.PathLike, flags: int, worker: Callable[[int, int], None],
+               after: Callable[[int], None] = lambda fd: None, closed: Callable[[], None] = lambda: None) -> bool:
+    """Open ``path``, run ``worker(i, fd)`` on ``res.threads`` threads, ``after(fd)``, close, ``closed()``;
+    the wall time and process CPU time of all that go into ``res``.
+
+    An O_DIRECT open or I/O the filesystem refuses marks ``res`` unsupported (False is returned);
+    a buffered failure raises.
+    """
+    cpu0, t0 = _cpu_seconds(), time.perf_counter()
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        res.supported, res.error = False, str(e)
+        return False
+    try:
+        with ThreadPoolExecutor(res.threads) as ex:
+            list(ex.map(lambda i: worker(i, fd), range(res.threads)))
+        after(fd)
+    except OSError as e:
+        if not res.direct:
+            raise
+        res.supported, res.error = False, str(e)
+        return False
+    finally:
+        os.close(fd)
+    closed()
+    res.wall_s, res.cpu_s = time.perf_counter() - t0, _cpu_seconds() - cpu0
+    return True
 
 
 def pwrite_floor(path: str | os.PathLike, nbytes: int, threads: int, direct: bool, *,
@@ -456,39 +572,20 @@ def pwrite_floor(path: str | os.PathLike, nbytes: int, threads: int, direct: boo
     res = FloorResult("pwrite", direct, threads, nbytes, chunk_bytes)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     bufs = [_aligned_buffer(chunk_bytes, seed=17 + i) for i in range(threads)]
-    offsets = _chunk_offsets(nbytes, chunk_bytes)
+
+    def worker(i: int, fd: int) -> None:
+        view = memoryview(bufs[i])
+        for off, n in _thread_chunks(i, threads, nbytes, chunk_bytes, direct, align):
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, view[done:n], off + done)
+
+    def durable(fd: int) -> None:
+        os.ftruncate(fd, nbytes)
+        os.fsync(fd)
+
     try:
-        cpu0, t0 = _cpu_seconds(), time.perf_counter()
-        try:
-            fd = os.open(path, flags, 0o644)
-        except OSError as e:
-            res.supported, res.error = False, str(e)
-            return res
-
-        def worker(i: int) -> None:
-            view = memoryview(bufs[i])
-            for off in offsets[i::threads]:
-                n = min(chunk_bytes, nbytes - off)
-                if direct:
-                    n = _round_up(n, align)
-                done = 0
-                while done < n:
-                    done += os.pwrite(fd, view[done:n], off + done)
-
-        try:
-            with ThreadPoolExecutor(threads) as ex:
-                list(ex.map(worker, range(threads)))
-            os.ftruncate(fd, nbytes)
-            os.fsync(fd)
-        except OSError as e:
-            if not direct:
-                raise
-            res.supported, res.error = False, str(e)
-            return res
-        finally:
-            os.close(fd)
-        fsync_dir(Path(path).parent)
-        res.wall_s, res.cpu_s = time.perf_counter() - t0, _cpu_seconds() - cpu0
+        _run_floor(res, path, flags, worker, durable, lambda: fsync_dir(Path(path).parent))
         return res
     finally:
         for b in bufs:
@@ -507,42 +604,21 @@ def pread_floor(path: str | os.PathLike, nbytes: int, threads: int, direct: bool
     bufs = [mmap.mmap(-1, chunk_bytes) for _ in range(threads)]
     for b in bufs:  # touch, so page faults of the buffers are not timed
         torch.frombuffer(b, dtype=torch.uint8).fill_(1)
-    offsets = _chunk_offsets(nbytes, chunk_bytes)
+    got = [0] * threads
+
+    def worker(i: int, fd: int) -> None:
+        view = memoryview(bufs[i])
+        for off, n in _thread_chunks(i, threads, nbytes, chunk_bytes, direct, align):
+            done = 0
+            while done < n:
+                k = os.preadv(fd, [view[done:n]], off + done)
+                if k == 0:
+                    break
+                done += k
+            got[i] += min(done, nbytes - off)
+
     try:
-        cpu0, t0 = _cpu_seconds(), time.perf_counter()
-        try:
-            fd = os.open(path, flags)
-        except OSError as e:
-            res.supported, res.error = False, str(e)
-            return res
-        got = [0] * threads
-
-        def worker(i: int) -> None:
-            view = memoryview(bufs[i])
-            for off in offsets[i::threads]:
-                n = min(chunk_bytes, nbytes - off)
-                if direct:
-                    n = _round_up(n, align)
-                done = 0
-                while done < n:
-                    k = os.preadv(fd, [view[done:n]], off + done)
-                    if k == 0:
-                        break
-                    done += k
-                got[i] += min(done, nbytes - off)
-
-        try:
-            with ThreadPoolExecutor(threads) as ex:
-                list(ex.map(worker, range(threads)))
-        except OSError as e:
-            if not direct:
-                raise
-            res.supported, res.error = False, str(e)
-            return res
-        finally:
-            os.close(fd)
-        res.wall_s, res.cpu_s = time.perf_counter() - t0, _cpu_seconds() - cpu0
-        if sum(got) != nbytes:
+        if _run_floor(res, path, flags, worker) and sum(got) != nbytes:
             raise RuntimeError(f"pread floor read {sum(got)} of {nbytes} bytes from {path}")
         return res
     finally:

@@ -11,6 +11,7 @@ phases=${*:-setup tests megatron-lm example deepspeed}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=/tmp/site
 export PYTHONSAFEPATH=1  # the repo root must not shadow the installed cpuckpt (cpuckpt.integrations lives in /tmp/site)
+BENCH_PATH=/tmp/site:$PWD  # benchmarks run as modules (python -m benchmarks.X); /tmp/site still wins for cpuckpt
 for phase in $phases; do
   echo "=== $phase ($(date +%T))"
   case $phase in
@@ -26,11 +27,13 @@ print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'd
         tests/integrations/test_megatron.py tests/integrations/test_megatron_hook.py tests/gpu 2>&1 | tee "$OUT/device_tests.log" | tail -25
       ;;
     deepspeed)
-      timeout 300 python3 benchmarks/bench_deepspeed.py --out "$OUT" ${DS_ARGS:-} 2>&1 | tee "$OUT/bench_deepspeed.log" | tail -30
+      PYTHONPATH=$BENCH_PATH timeout 300 python3 -m benchmarks.bench_deepspeed --out "$OUT" ${DS_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_deepspeed.log" | tail -30
       ;;
     megatron-lm)
       (cd .megatron-lm && make -s -C megatron/core/datasets >/dev/null 2>&1 || echo "datasets helpers build failed")
-      timeout 380 python3 benchmarks/bench_megatron_lm.py --megatron-lm .megatron-lm --out "$OUT" --timeout 170 ${MLM_ARGS:-} 2>&1 \
+      PYTHONPATH=$BENCH_PATH timeout 380 python3 -m benchmarks.bench_megatron_lm --megatron-lm .megatron-lm --out "$OUT" \
+        --timeout 170 ${MLM_ARGS:-} 2>&1 \
         | grep -v "^\s*$" | tail -40
       ;;
     example)  # examples/megatron on the GPU: train, SIGKILL during the save of step 15, resume

@@ -29,6 +29,8 @@ __all__ = [
     "LayoutConfig",
     "StagingConfig",
     "TelemetryConfig",
+    "build_options",
+    "load_yaml_mapping",
     "parse_bytes",
     "resolve_config",
 ]
@@ -165,11 +167,7 @@ class Config:
         Raises:
             ConfigError: naming the source, the dotted key and the bad value.
         """
-        data = dict(data or {})
-        from_env: dict[str, str] = {}
-        if env:
-            data = _apply_env(cls, data, from_env)
-        return _build(cls, data, source, prefix="", from_env=from_env)
+        return build_options(cls, data, source=source, env_prefix="CPUCKPT_" if env else None)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, *, env: bool = True) -> Config:
@@ -178,24 +176,53 @@ class Config:
         Raises:
             ConfigError: the file is missing, not YAML, or holds a bad key or value.
         """
-        src = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"{src}: cannot read config file: {e.strerror or e}") from e
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{src}: not valid YAML: {e}") from e
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{src}: top level must be a mapping of sections, got {type(data).__name__}")
-        return cls.from_dict(data, source=src, env=env)
+        return cls.from_dict(load_yaml_mapping(path), source=str(path), env=env)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict with YAML key names (``async`` rather than ``async_``)."""
         return _to_dict(self)
+
+
+T = typing.TypeVar("T")
+
+
+def build_options(cls: type[T], data: Mapping[str, Any] | None, *, source: str = "<dict>",
+                  env_prefix: str | None = "CPUCKPT_") -> T:
+    """Build the frozen dataclass tree ``cls`` from nested mappings, as :meth:`Config.from_dict` does.
+
+    Fields declare their checks in their metadata (``doc``, ``min``, ``max``, ``size``, ``pow2``,
+    ``choices``, ``key`` for a YAML name that is not the field's); a field whose type is a dataclass
+    is a section. Unknown keys and bad values raise :class:`ConfigError` naming ``source`` and the
+    dotted key. With ``env_prefix``, ``<env_prefix><SECTION>_<KEY>`` (``<env_prefix><KEY>`` for
+    top-level keys) environment variables override ``data``, read as YAML scalars.
+    """
+    data = dict(data or {})
+    from_env: dict[str, str] = {}
+    if env_prefix is not None:
+        data = _apply_env(cls, data, from_env, env_prefix)
+    return _build(cls, data, source, prefix="", from_env=from_env)
+
+
+def load_yaml_mapping(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML file whose top level is a mapping (an empty file is ``{}``).
+
+    Raises:
+        ConfigError: naming the file: missing or unreadable, not YAML, or not a mapping.
+    """
+    src = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{src}: cannot read config file: {e.strerror or e}") from e
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{src}: not valid YAML: {e}") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{src}: top level must be a mapping of sections, got {type(data).__name__}")
+    return dict(data)
 
 
 def _key(f: dataclasses.Field) -> str:
@@ -283,7 +310,7 @@ def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: st
     return value
 
 
-def _apply_env(cls: type, data: dict[str, Any], from_env: dict[str, str]) -> dict[str, Any]:
+def _apply_env(cls: type, data: dict[str, Any], from_env: dict[str, str], prefix: str = "CPUCKPT_") -> dict[str, Any]:
     """Overlay ``CPUCKPT_<SECTION>_<KEY>`` (or ``CPUCKPT_<KEY>`` for top-level keys) as YAML scalars.
 
     Records in ``from_env`` the dotted key -> variable name of every override, for error messages.
@@ -294,14 +321,14 @@ def _apply_env(cls: type, data: dict[str, Any], from_env: dict[str, str]) -> dic
         if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
             section = dict(data.get(key) or {})
             for sf in dataclasses.fields(factory):
-                name = f"CPUCKPT_{key}_{sf.name}".upper()
+                name = f"{prefix}{key}_{sf.name}".upper()
                 if name in os.environ:
                     section[sf.name] = _env_value(name)
                     from_env[f"{key}.{sf.name}"] = name
             if section:
                 data[key] = section
         else:
-            name = f"CPUCKPT_{key}".upper()
+            name = f"{prefix}{key}".upper()
             if name in os.environ:
                 data[key] = _env_value(name)
                 from_env[key] = name

@@ -5,12 +5,13 @@ never writes data files and runs no collectives: the coordinator calls :func:`af
 save is committed, and users call :func:`find_latest`, :func:`list_checkpoints`,
 :func:`clean_incomplete`, :func:`apply_retention` and :func:`install_sigterm_handler` directly.
 
-A checkpoint directory is *complete* when its ``.metadata`` is a non-empty file that the restricted
-unpickler accepts and, if it holds a cpuckpt manifest of the same save, the manifest parses and
-every data file it lists exists with the listed size. (Checksums are not read: that is the load's
-job. Inspecting a checkpoint costs one read of ``.metadata`` and one ``stat`` per data file.)
-Deleting a checkpoint first removes its ``.metadata`` (and fsyncs the directory), so a deletion
-that is interrupted leaves an incomplete directory, never a damaged "complete" one.
+A checkpoint directory is *complete* as :func:`cpuckpt.backend.committed.check_complete` defines it:
+its ``.metadata`` is a non-empty file that the restricted unpickler accepts and, if it holds a
+cpuckpt manifest of the same save, the manifest parses and every data file it lists exists with the
+listed size. (Checksums are not read: that is the load's job. Inspecting a checkpoint costs one read
+of ``.metadata`` and one ``stat`` per data file.) Deleting a checkpoint first removes its
+``.metadata`` (and fsyncs the directory), so a deletion that is interrupted leaves an incomplete
+directory, never a damaged "complete" one.
 
 Cross-process limits: checkpoints being *written* are protected only when the writer is this
 process (its in-flight ``async_save`` handles, and the save being committed). Checkpoints being
@@ -39,10 +40,9 @@ from typing import Any
 
 from cpuckpt import faultpoint
 from cpuckpt.backend import inflight
-from cpuckpt.backend.committed import METADATA_NAME, load_metadata
+from cpuckpt.backend.committed import METADATA_NAME, check_complete
 from cpuckpt.config import Config
 from cpuckpt.errors import CpuckptError, IntegrityError
-from cpuckpt.format.manifest import MANIFEST_NAME, manifest_from_json
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 
 __all__ = [
@@ -89,40 +89,9 @@ class CheckpointInfo:
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     """Say whether the checkpoint in ``path`` is complete (see the module docstring) and its step."""
     path = Path(path)
-    md = path / METADATA_NAME
-    try:
-        st = md.stat()
-    except OSError:
-        return CheckpointInfo(path, False, None, _mtime(path), f"no {METADATA_NAME}")
-    if not md.is_file() or st.st_size == 0:
-        return CheckpointInfo(path, False, None, st.st_mtime, f"{METADATA_NAME} is empty or not a file")
-    try:
-        metadata = load_metadata(path)  # restricted unpickler: garbage or hostile metadata is refused
-    except (IntegrityError, OSError) as e:
-        return CheckpointInfo(path, False, None, st.st_mtime, str(e))
-    try:
-        text = (path / MANIFEST_NAME).read_bytes()
-    except FileNotFoundError:
-        return CheckpointInfo(path, True, None, st.st_mtime, "")  # stock DCP checkpoint
-    except OSError as e:
-        return CheckpointInfo(path, False, None, st.st_mtime, f"{MANIFEST_NAME} unreadable: {e}")
-    try:
-        manifest = manifest_from_json(text)
-    except (ValueError, TypeError) as e:
-        return CheckpointInfo(path, False, None, st.st_mtime, f"{MANIFEST_NAME} unreadable: {e}")
-    md_save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
-    if md_save_id and manifest.save_id and md_save_id != manifest.save_id:
-        # A stock save committed over a cpuckpt one: the reader ignores the stale manifest, so do we.
-        return CheckpointInfo(path, True, None, st.st_mtime, "")
-    for name, entry in manifest.files.items():
-        try:
-            size = (path / name).stat().st_size
-        except OSError:
-            return CheckpointInfo(path, False, manifest.step, st.st_mtime, f"{name} is missing")
-        if size != entry.nbytes:
-            return CheckpointInfo(path, False, manifest.step, st.st_mtime,
-                                  f"{name} has {size} bytes, the manifest says {entry.nbytes}")
-    return CheckpointInfo(path, True, manifest.step, st.st_mtime, "")
+    c = check_complete(path)
+    mtime = c.committed_at if c.committed_at is not None else _mtime(path)
+    return CheckpointInfo(path, c.complete, c.step, mtime, c.reason)
 
 
 def _mtime(path: Path) -> float:

@@ -1,27 +1,35 @@
-"""The CPU benchmark still runs: ``benchmarks/bench_cpu.py --smoke`` exits 0 and prints its table.
+"""The CPU benchmark still runs: ``python -m benchmarks.bench_cpu --smoke`` exits 0 and prints its table.
 
-Asserts nothing about speed (BENCHMARKING.md: benchmarks are never timed tests).
+Asserts nothing about speed (BENCHMARKING.md: benchmarks are never timed tests). The benchmarks are a
+package run as modules; the repository root is put on PYTHONPATH, the cwd is a scratch directory.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cpu.py"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    return env
 
 
 @pytest.mark.timeout(120)
 def test_bench_cpu_smoke(tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--quiet",
+        [sys.executable, "-m", "benchmarks.bench_cpu", "--smoke", "--quiet",
          "--shm-dir", str(tmp_path / "shm"), "--disk-dir", str(tmp_path / "disk"), "--json", str(out_json)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=110,
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=110,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     out = proc.stdout

@@ -15,7 +15,7 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import Metadata
 
 from cpuckpt import faultpoint
-from cpuckpt.backend.committed import METADATA_NAME, manifest_from_json_part
+from cpuckpt.backend.committed import METADATA_NAME, manifest_from_json_part, size_mismatches
 from cpuckpt.errors import IntegrityError
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest, part_name
 from cpuckpt.transfer.files import fsync_dir, write_atomic
@@ -51,10 +51,10 @@ def commit_checkpoint(path: Path, metadata: Metadata, prefixes: list[str], manif
             entries = manifest_from_json_part(part.read_bytes())
         except (OSError, ValueError, TypeError) as e:
             raise IntegrityError(f"{part}: manifest part of a rank is missing or unreadable: {e}") from e
+        problems = size_mismatches(path, entries, first=True)
+        if problems:
+            raise IntegrityError(str(problems[0]))
         for entry in entries:
-            size = (path / entry.name).stat().st_size
-            if size != entry.nbytes:
-                raise IntegrityError(f"{path / entry.name}: {size} bytes on disk, the writer wrote {entry.nbytes}")
             manifest.files[entry.name] = entry
     write_atomic(path / MANIFEST_NAME, manifest.to_json().encode(), fsync=fsync)
     write_atomic(path / METADATA_NAME, pickle.dumps(metadata), fsync=fsync)

@@ -1,12 +1,30 @@
 """What a committed checkpoint looks like on disk, read back: ``.metadata`` (safely), the manifest, completeness.
 
 Read-only: the write side of the commit protocol is ``commit``.
+
+Completeness, defined once here (:func:`check_complete`), in three steps:
+
+1. *committed*: ``.metadata``, the commit marker written last by a save, is a non-empty regular file
+   (:func:`is_complete`: one ``stat``, nothing read; what a successful save guarantees, and what
+   stock DCP looks for);
+2. ``.metadata`` is accepted by the restricted unpickler as DCP ``Metadata``;
+3. if a cpuckpt manifest of the same save is there, it parses and every data file it lists exists
+   with the listed size (:func:`size_mismatches`; stock DCP checkpoints, and a manifest of an earlier
+   save that a stock save committed over, stop at step 2).
+
+Checksums are not read (that is the load's and ``cpuckpt verify``'s job): the whole check costs one
+read of ``.metadata`` and one ``stat`` per data file. ``find_latest``, retention, the ``latest``
+pointer and ``cpuckpt ls`` use the whole check, so a checkpoint damaged after its commit is never
+picked; :func:`is_complete` is step 1 alone, for callers that only ask "did the save commit?".
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -15,7 +33,19 @@ from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json
 from cpuckpt.format.unpickle import unpickle_metadata
 
-__all__ = ["METADATA_NAME", "is_complete", "load_metadata", "manifest_from_json_part", "read_manifest"]
+__all__ = [
+    "METADATA_NAME",
+    "Completeness",
+    "SizeMismatch",
+    "check_complete",
+    "is_complete",
+    "load_metadata",
+    "manifest_from_json_part",
+    "read_manifest",
+    "same_save",
+    "size_mismatch",
+    "size_mismatches",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +53,128 @@ METADATA_NAME = ".metadata"
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    """True when the checkpoint in ``path`` was committed (its ``.metadata`` exists)."""
-    return (Path(path) / METADATA_NAME).is_file()
+    """True when the checkpoint in ``path`` was committed: ``.metadata`` is a non-empty regular file.
+
+    Step 1 of :func:`check_complete` alone (one ``stat``, nothing is read): the commit protocol's
+    answer to "did the save complete?". Whether the files are still intact is
+    ``check_complete(path).complete`` (what ``find_latest`` and retention use).
+    """
+    return _commit_marker(Path(path))[1] == ""
+
+
+def _commit_marker(path: Path) -> tuple[float | None, str]:
+    """(mtime of ``.metadata`` or None, why it is not a commit marker: "" when it is one)."""
+    try:
+        st = (path / METADATA_NAME).stat()
+    except OSError:
+        return None, f"no {METADATA_NAME}"
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return st.st_mtime, f"{METADATA_NAME} is empty or not a file"
+    return st.st_mtime, ""
+
+
+@dataclass(frozen=True)
+class Completeness:
+    """The answer of :func:`check_complete`."""
+
+    complete: bool
+    reason: str = ""  # why it is incomplete ("" when complete)
+    step: int | None = None  # the manifest's; None for stock DCP checkpoints and unusable manifests
+    committed_at: float | None = None  # mtime of .metadata; None when there is none
+
+
+def check_complete(path: str | os.PathLike) -> Completeness:
+    """Whether the checkpoint in ``path`` is complete (the module docstring's three steps), and why not.
+
+    Never raises for a damaged checkpoint: every problem becomes ``complete=False`` and a reason.
+    """
+    path = Path(path)
+    mtime, why = _commit_marker(path)
+    if why:
+        return Completeness(False, why, None, mtime)
+    try:
+        metadata = load_metadata(path)  # restricted unpickler: garbage or hostile metadata is refused
+    except (IntegrityError, OSError) as e:
+        return Completeness(False, str(e), None, mtime)
+    try:
+        manifest = _manifest_file(path)
+    except (IntegrityError, OSError) as e:
+        return Completeness(False, str(e), None, mtime)
+    if manifest is None or not same_save(manifest, metadata):
+        return Completeness(True, "", None, mtime)  # stock DCP (or stock DCP committed over us)
+    try:
+        problems = size_mismatches(path, manifest.files, first=True)
+    except OSError as e:
+        return Completeness(False, f"cannot stat its data files: {e}", manifest.step, mtime)
+    if problems:
+        return Completeness(False, f"{problems[0].name}: {problems[0].what}", manifest.step, mtime)
+    return Completeness(True, "", manifest.step, mtime)
+
+
+def same_save(manifest: Manifest, metadata: Metadata) -> bool:
+    """False when ``.metadata`` names another save than the manifest: another writer (stock DCP)
+    committed over a cpuckpt checkpoint, so the manifest describes old files and must be ignored."""
+    md_save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+    return not (md_save_id and manifest.save_id and md_save_id != manifest.save_id)
+
+
+# --------------------------------------------------------------------------------------- data file sizes
+
+
+@dataclass(frozen=True)
+class SizeMismatch:
+    """A data file whose size on disk is not what the manifest lists (or that is missing)."""
+
+    name: str  # as the manifest lists it
+    file: Path
+    expected: int | None  # None: any size (only existence was checked)
+    actual: int | None  # None: the file is missing
+
+    @property
+    def what(self) -> str:
+        if self.actual is None:
+            return "data file is missing"
+        return f"{self.actual} bytes on disk, the manifest says {self.expected} (truncated or overwritten)"
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.what}"
+
+
+def size_mismatch(file: str | os.PathLike, expected: int | None, name: str = "") -> SizeMismatch | None:
+    """None when ``file`` exists and has ``expected`` bytes (any size when ``expected`` is None).
+
+    Raises:
+        OSError: ``stat`` failed for another reason than a missing file.
+    """
+    file = Path(file)
+    try:
+        size = file.stat().st_size
+    except FileNotFoundError:
+        size = None
+    if size is None or (expected is not None and size != expected):
+        return SizeMismatch(name or file.name, file, expected, size)
+    return None
+
+
+def size_mismatches(path: Path, files: Mapping[str, FileEntry] | Iterable[FileEntry], *,
+                    first: bool = False) -> list[SizeMismatch]:
+    """The data files in ``path`` whose size differs from their manifest entries (missing ones too).
+
+    ``files``: a manifest's ``files`` (name -> entry), or entries (named by ``entry.name``).
+    ``first``: stop at the first mismatch.
+
+    Raises:
+        OSError: a ``stat`` failed for another reason than a missing file.
+    """
+    pairs = files.items() if isinstance(files, Mapping) else ((e.name, e) for e in files)
+    out = []
+    for name, entry in pairs:
+        problem = size_mismatch(path / name, entry.nbytes, name)
+        if problem is not None:
+            out.append(problem)
+            if first:
+                break
+    return out
 
 
 def manifest_from_json_part(data: bytes) -> list[FileEntry]:
@@ -32,16 +182,27 @@ def manifest_from_json_part(data: bytes) -> list[FileEntry]:
     return list(manifest_from_json(data).files.values())
 
 
-def read_manifest(path: Path) -> Manifest | None:
-    """The checkpoint's manifest, or None for a stock checkpoint (or one from a too-new writer)."""
+def _manifest_file(path: Path) -> Manifest | None:
+    """The parsed manifest file, whatever its version; None when there is none.
+
+    Raises:
+        IntegrityError: it does not parse.
+    """
     try:
         text = (path / MANIFEST_NAME).read_bytes()
     except FileNotFoundError:
         return None
     try:
-        manifest = manifest_from_json(text)
+        return manifest_from_json(text)
     except (ValueError, TypeError) as e:
         raise IntegrityError(f"{path / MANIFEST_NAME}: unreadable manifest: {e}") from e
+
+
+def read_manifest(path: Path) -> Manifest | None:
+    """The checkpoint's manifest, or None for a stock checkpoint (or one from a too-new writer)."""
+    manifest = _manifest_file(path)
+    if manifest is None:
+        return None
     if manifest.min_reader_version > FORMAT_VERSION:
         logger.warning(
             "%s was written by a newer cpuckpt (format %d needs reader >= %d); reading it as a stock "

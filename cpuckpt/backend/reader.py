@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageReader
 from torch.futures import Future
 
-from cpuckpt.backend.committed import load_metadata, read_manifest
+from cpuckpt.backend.committed import load_metadata, read_manifest, same_save, size_mismatch
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError
 from cpuckpt.format.manifest import FileEntry, Manifest
@@ -115,11 +115,10 @@ class StorageReader(_DcpStorageReader):
         self.metadata = metadata
         self.storage_data = metadata.storage_data
         self.manifest = read_manifest(self.path)
-        md_save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
-        if self.manifest is not None and md_save_id and self.manifest.save_id and md_save_id != self.manifest.save_id:
+        if self.manifest is not None and not same_save(self.manifest, metadata):
             # Another writer (e.g. stock DCP) committed here after us: the manifest describes old files.
             logger.warning("%s: manifest belongs to an earlier save (%s, .metadata says %s); reading as stock DCP",
-                           self.path, self.manifest.save_id, md_save_id)
+                           self.path, self.manifest.save_id, metadata.storage_meta.save_id)
             self.manifest = None
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -210,7 +209,7 @@ def _safe_relpath(root: Path, rel: str) -> str:
 
 def _tensor_need(ri: ReadItem, data_lo: int, dtype: torch.dtype, shape: tuple[int, ...], target: torch.Tensor,
                  path: str, record_hi: int) -> _Need:
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     numel = math.prod(shape)
     if data_lo + numel * itemsize > record_hi:
         raise CheckpointCorrupt(f"{path}: tensor record at {data_lo} overruns its DCP length")
@@ -238,13 +237,9 @@ def _tensor_need(ri: ReadItem, data_lo: int, dtype: torch.dtype, shape: tuple[in
 
 
 def _check_size(fp: _FilePlan) -> None:
-    try:
-        size = os.stat(fp.path).st_size
-    except FileNotFoundError:
-        raise CheckpointCorrupt(f"{fp.path}: data file is missing") from None
-    if fp.entry is not None and size != fp.entry.nbytes:
-        raise CheckpointCorrupt(f"{fp.path}: {size} bytes on disk, the manifest says {fp.entry.nbytes} "
-                                "(truncated or overwritten file)")
+    problem = size_mismatch(fp.path, fp.entry.nbytes if fp.entry is not None else None)
+    if problem is not None:
+        raise CheckpointCorrupt(str(problem))
 
 
 def _read_cpuckpt_file(fp: _FilePlan, cfg: Config) -> int:

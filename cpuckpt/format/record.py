@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import pickle
 import secrets
 import struct
@@ -28,12 +27,12 @@ from typing import Any
 
 import torch
 
+from cpuckpt.format.dtypes import tensor_nbytes
+from cpuckpt.format.zipheader import LOCAL_HEADER, LOCAL_SIG, entry_data_offset, written_entries
+
 __all__ = ["RecordTemplate", "SparseSink", "TensorRecordInfo", "parse_record", "record_template"]
 
 logger = logging.getLogger(__name__)
-
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zip local file header, 30 bytes
-_LOCAL_SIG = b"PK\x03\x04"
 
 
 @dataclass(frozen=True)
@@ -111,7 +110,7 @@ def record_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplat
 
 def _torch_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplate:
     """The skeleton as ``torch.save`` writes it, data region skipped (never materialised)."""
-    nbytes = _numel(shape) * _itemsize(dtype)
+    nbytes = tensor_nbytes(dtype, shape)
     # torch.empty only reserves address space for large shapes; skip_data never reads it.
     proto = torch.empty(shape, dtype=dtype)
     sink = SparseSink()
@@ -133,7 +132,6 @@ def _torch_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplat
 # the central directory, a zip64 end record and locator, and the classic end record.
 
 _ALIGN = 64
-_LOCAL = struct.Struct("<4sHHHHHIIIHH")
 _DESC = struct.Struct("<4sIII")
 _CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
 _ZIP64_END = struct.Struct("<4sQHHIIQQQQ")
@@ -154,25 +152,31 @@ class _TensorPickler(pickle.Pickler):
         return None
 
 
-def _entry(out: bytearray, central: list[bytes], name: str, data: bytes | None, nbytes: int, crc: int) -> int:
-    """Append a local entry; ``data`` None leaves an ``nbytes`` hole. Returns the data offset."""
+def _entry(out: bytearray, central: list[bytes], name: str, data: bytes | None, nbytes: int, crc: int, *,
+           base: int = 0) -> None:
+    """Append a local entry to ``out``, whose first byte is at file offset ``base``; ``data`` None leaves
+    an ``nbytes`` hole (the tensor's bytes)."""
     raw = f"archive/{name}".encode()
-    offset = len(out)
-    start = offset + _LOCAL.size + len(raw) + 4
-    pad = -start % _ALIGN
+    offset = base + len(out)
+    pad = -(offset + LOCAL_HEADER.size + len(raw) + 4) % _ALIGN
     flags = _FLAGS if nbytes else _FLAGS & ~0x8  # miniz clears "descriptor follows" for empty entries
-    out += _LOCAL.pack(b"PK\x03\x04", 0, flags, 0, 0, 0, 0, 0, 0, len(raw), 4 + pad)
+    out += LOCAL_HEADER.pack(LOCAL_SIG, 0, flags, 0, 0, 0, 0, 0, 0, len(raw), 4 + pad)
     out += raw + b"FB" + struct.pack("<H", pad) + b"Z" * pad
-    data_offset = len(out)
     if data is not None:
         out += data
     central.append(_CENTRAL.pack(b"PK\x01\x02", 0, 0, flags, 0, 0, 0, crc, nbytes, nbytes, len(raw), 0, 0, 0,
                                  0, 0, offset) + raw)
-    return data_offset
+
+
+def _stored(out: bytearray, central: list[bytes], name: str, data: bytes, *, base: int = 0) -> None:
+    """Append an entry holding ``data``, then its data descriptor (sizes and CRC)."""
+    crc = zlib.crc32(data)
+    _entry(out, central, name, data, len(data), crc, base=base)
+    out += _DESC.pack(b"PK\x07\x08", crc, len(data), len(data))
 
 
 def _fast_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplate:
-    nbytes = _numel(shape) * _itemsize(dtype)
+    nbytes = tensor_nbytes(dtype, shape)
     if nbytes >= 0xFFFFFFFF:  # zip64 sizes: leave those rare giants to torch.save
         return _torch_template(dtype, shape)
     buf = io.BytesIO()
@@ -180,19 +184,16 @@ def _fast_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplate
     pkl = buf.getvalue()
     head = bytearray()
     central: list[bytes] = []
-    _entry(head, central, "data.pkl", pkl, len(pkl), zlib.crc32(pkl))
-    head += _DESC.pack(b"PK\x07\x08", zlib.crc32(pkl), len(pkl), len(pkl))
+    _stored(head, central, "data.pkl", pkl)
     for name, data in _SMALL_ENTRIES_BEFORE:
-        _entry(head, central, name, data, len(data), zlib.crc32(data))
-        head += _DESC.pack(b"PK\x07\x08", zlib.crc32(data), len(data), len(data))
+        _stored(head, central, name, data)
     _entry(head, central, "data/0", None, nbytes, 0)
     # The tail is laid out as if it followed the data: offsets count the data bytes.
     # miniz writes no data descriptor after an empty entry
     tail = bytearray(_DESC.pack(b"PK\x07\x08", 0, nbytes, nbytes) if nbytes else b"")
     base = len(head) + nbytes
-    shifted = _Shifted(tail, base)
     for name, data in (("version", b"3\n"), (".data/serialization_id", _serialization_id())):
-        shifted.entry(central, name, data)
+        _stored(tail, central, name, data, base=base)
     cd_offset = base + len(tail)
     cd = b"".join(central)
     n = len(central)
@@ -202,25 +203,6 @@ def _fast_template(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordTemplate
     tail += _ZIP64_LOC.pack(b"PK\x06\x07", 0, z64, 1)
     tail += _END.pack(b"PK\x05\x06", 0, 0, n, n, len(cd), cd_offset if cd_offset < 0xFFFFFFFF else 0xFFFFFFFF, 0)
     return RecordTemplate(head=bytes(head), tail=bytes(tail), data_nbytes=nbytes)
-
-
-class _Shifted:
-    """Appends entries to ``tail`` whose file offsets start at ``base``."""
-
-    def __init__(self, tail: bytearray, base: int) -> None:
-        self.tail = tail
-        self.base = base
-
-    def entry(self, central: list[bytes], name: str, data: bytes) -> None:
-        raw = f"archive/{name}".encode()
-        offset = self.base + len(self.tail)
-        pad = -(offset + _LOCAL.size + len(raw) + 4) % _ALIGN
-        crc = zlib.crc32(data)
-        self.tail += _LOCAL.pack(b"PK\x03\x04", 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(raw), 4 + pad)
-        self.tail += raw + b"FB" + struct.pack("<H", pad) + b"Z" * pad + data
-        self.tail += _DESC.pack(b"PK\x07\x08", crc, len(data), len(data))
-        central.append(_CENTRAL.pack(b"PK\x01\x02", 0, 0, _FLAGS, 0, 0, 0, crc, len(data), len(data), len(raw),
-                                     0, 0, 0, 0, 0, offset) + raw)
 
 
 def _serialization_id() -> bytes:
@@ -254,24 +236,11 @@ def _mask_id(tail: bytes) -> bytes:
     return bytes(masked)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _data_start(sink: SparseSink, nbytes: int) -> int:
     """Find where the storage's bytes begin: the local header named ``*/data/<key>``."""
-    for pos, data in sink.pieces:
-        if data[:4] != _LOCAL_SIG or len(data) < _LOCAL_HEADER.size:
-            continue
-        fields = _LOCAL_HEADER.unpack_from(data, 0)
-        name_len, extra_len = fields[-2], fields[-1]
-        name = sink.read_at(pos + 30, pos + 30 + name_len).decode("utf-8", "replace")
+    for name, data_start in written_entries(sink.pieces, sink.read_at):
         if "/data/" in name and not name.rsplit("/", 1)[-1].startswith("."):
-            return pos + 30 + name_len + extra_len
+            return data_start
     raise RuntimeError(f"no storage entry found in a torch.save skeleton ({nbytes} data bytes)")
 
 
@@ -380,12 +349,8 @@ def parse_record(record: bytes | bytearray | memoryview) -> TensorRecordInfo | N
     info = infos.get(f"{prefix}data/{desc.storage.key}")
     if info is None or info.compress_type != zipfile.ZIP_STORED:
         return None
-    hdr = buf[info.header_offset : info.header_offset + 30]
-    if len(hdr) < 30 or hdr[:4] != _LOCAL_SIG:
-        return None
-    fields = _LOCAL_HEADER.unpack(hdr)
-    data_offset = info.header_offset + 30 + fields[-2] + fields[-1]
-    if data_offset + info.file_size > len(buf):
+    data_offset = entry_data_offset(info, lambda start, stop: buf[start:stop])
+    if data_offset is None or data_offset + info.file_size > len(buf):
         return None
     return TensorRecordInfo(
         dtype=desc.dtype,

@@ -2,11 +2,14 @@
 
 Recognised directory kinds:
 
-- ``cpuckpt``: a ``.cpuckpt.json`` manifest or rank manifest parts; complete iff ``.metadata`` exists.
+- ``cpuckpt``: a ``.cpuckpt.json`` manifest or rank manifest parts.
 - ``dcp``: stock DCP, ``.metadata`` (or ``*.distcp`` data files) without a cpuckpt manifest.
-- ``megatron``: ``metadata.json`` holding ``sharded_backend`` (Megatron-Core dist checkpoint);
-  complete when its backend's files are (``.metadata`` for ``torch_dist``).
+- ``megatron``: ``metadata.json`` holding ``sharded_backend`` (Megatron-Core dist checkpoint).
 - ``deepspeed``: ``*_model_states.pt`` files (a DeepSpeed tag directory); complete when present.
+
+``cpuckpt``, ``dcp`` and Megatron ``torch_dist`` checkpoints are complete as ``find_latest`` has it
+(:func:`cpuckpt.backend.committed.check_complete`: ``.metadata`` valid, every data file the manifest
+lists at its size); other Megatron backends when present.
 
 Pickled files are never unpickled here: ``.metadata`` goes through :func:`cpuckpt.backend.committed.load_metadata`
 (DCP classes only) and DeepSpeed ``.pt`` files are only listed.
@@ -15,18 +18,17 @@ Pickled files are never unpickled here: ``.metadata`` goes through :func:`cpuckp
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from cpuckpt.backend.committed import METADATA_NAME, load_metadata, read_manifest
+from cpuckpt.backend.committed import METADATA_NAME, is_complete, load_metadata, read_manifest
 from cpuckpt.errors import CpuckptError
+from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
 from cpuckpt.roots import find_latest, inspect_checkpoint
 
@@ -92,10 +94,10 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
     except OSError:
         return None
     kind: str | None = None
-    complete = False
+    dcp_files = True  # a DCP checkpoint (.metadata + data files): completeness as find_latest has it
     step: int | None = None
     if MANIFEST_NAME in names or any(n.endswith(".cpuckpt-part.json") for n in names):
-        kind, complete = "cpuckpt", METADATA_NAME in names
+        kind = "cpuckpt"
         try:
             manifest = read_manifest(p) if MANIFEST_NAME in names else None
         except CpuckptError:
@@ -103,17 +105,16 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
         step = manifest.step if manifest is not None else None
     elif "metadata.json" in names and _megatron_backend(p / "metadata.json") is not None:
         kind = "megatron"
-        backend = _megatron_backend(p / "metadata.json")
-        complete = METADATA_NAME in names if backend == "torch_dist" else True
+        dcp_files = _megatron_backend(p / "metadata.json") == "torch_dist"
     elif METADATA_NAME in names or any(n.endswith(".distcp") for n in names):
-        kind, complete = "dcp", METADATA_NAME in names
+        kind = "dcp"
     elif any(n.endswith("_model_states.pt") for n in names):
-        kind, complete = "deepspeed", True
+        kind, dcp_files = "deepspeed", False
     if kind is None:
         return None
-    reason = "" if complete else "no .metadata"
-    if kind in ("cpuckpt", "dcp"):
-        # the same rule as find_latest/retention: .metadata, and every listed data file at its size
+    complete, reason = True, ""  # other backends' files: complete when present
+    if dcp_files:
+        # the one definition (cpuckpt.backend.committed.check_complete): .metadata, every listed file's size
         checked = inspect_checkpoint(p)
         complete, reason = checked.complete, checked.reason
     if step is None:
@@ -222,11 +223,18 @@ def describe(path: str | os.PathLike) -> Description:
     if desc.manifest is not None:
         desc.ranks = desc.manifest.world_size
         desc.save_id = desc.manifest.save_id
-    if not info.complete:
+    if not is_complete(p):
         desc.notes.append("no .metadata: the save did not complete; tensors are unknown")
         desc.files = {n.name: n.stat().st_size for n in sorted(p.glob("*.distcp"))}
         return desc
-    md = load_metadata(p)
+    if not info.complete:
+        desc.notes.append(f"committed, but incomplete now: {info.reason}")
+    try:
+        md = load_metadata(p)
+    except CpuckptError as e:
+        desc.notes.append(str(e))
+        desc.files = {n.name: n.stat().st_size for n in sorted(p.glob("*.distcp"))}
+        return desc
     desc.dcp_version = str(getattr(md, "version", "") or "")
     desc.save_id = desc.save_id or str(getattr(getattr(md, "storage_meta", None), "save_id", "") or "")
     desc.tensors = tensors_of(md)
@@ -252,16 +260,10 @@ def tensors_of(md: Metadata) -> list[TensorInfo]:
     for name, item in md.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
             shape = tuple(int(s) for s in item.size)
-            numel = math.prod(shape)
-            itemsize = _itemsize(item.properties.dtype)
-            out.append(TensorInfo(name, str(item.properties.dtype).replace("torch.", ""), shape, len(item.chunks),
-                                  numel * itemsize))
+            dtype = item.properties.dtype
+            out.append(TensorInfo(name, str(dtype).replace("torch.", ""), shape, len(item.chunks),
+                                  tensor_nbytes(dtype, shape)))
         elif isinstance(item, BytesStorageMetadata):
             out.append(TensorInfo(name, "bytes", (), 1, lengths.get(name, 0)))
     return out
 
-
-def _itemsize(dtype: Any) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -256,21 +257,30 @@ def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, mem
         click.echo(f"skipped {name}: {why}")
 
 
-def _source_script(rel: str) -> Path:
-    """A script that ships with the source tree (not the wheel): beside the package, or under the cwd."""
-    for base in (Path(__file__).resolve().parents[1], Path.cwd()):
-        candidate = base / rel
-        if candidate.is_file():
-            return candidate
+def _source_root(rel: str) -> Path:
+    """The source tree holding ``rel``, a file that ships with it (not the wheel): the tree the package
+    lies in (an editable install), or the current directory."""
+    for base in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (base / rel).is_file():
+            return base
     _fail(f"{rel} ships with the cpuckpt source tree, not with the installed package; run this command from a "
           "clone of the repository (or an editable install: pip install -e .)")
     raise AssertionError("unreachable")  # _fail exits
 
 
 def _run_script(rel: str, args: tuple[str, ...]) -> None:
-    script = _source_script(rel)
+    script = _source_root(rel) / rel
     sys.stdout.flush()
     sys.exit(subprocess.call([sys.executable, str(script), *args]))
+
+
+def _run_module(module: str, args: tuple[str, ...]) -> None:
+    """``python -m module ARGS`` with the source tree's root on PYTHONPATH (the cwd stays, for relative paths)."""
+    root = _source_root(module.replace(".", "/") + ".py")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    sys.stdout.flush()
+    sys.exit(subprocess.call([sys.executable, "-m", module, *args], env=env))
 
 
 _PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
@@ -279,8 +289,8 @@ _PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help
 @cli.command("bench", context_settings=_PASS_THROUGH, add_help_option=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def bench_cmd(args: tuple[str, ...]) -> None:
-    """Run benchmarks/bench_cpu.py with ARGS (e.g. --smoke; --help for its options)."""
-    _run_script("benchmarks/bench_cpu.py", args)
+    """Run python -m benchmarks.bench_cpu with ARGS (e.g. --smoke; --help for its options)."""
+    _run_module("benchmarks.bench_cpu", args)
 
 
 @cli.command("demo", context_settings=_PASS_THROUGH, add_help_option=False)

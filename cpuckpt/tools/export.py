@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import struct
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from cpuckpt.api import load
 from cpuckpt.backend.committed import load_metadata
 from cpuckpt.config import Config
+from cpuckpt.format.dtypes import tensor_nbytes
+from cpuckpt.format.zipheader import entry_data_offset
 
 __all__ = ["ExportReport", "export_checkpoint"]
 
@@ -95,9 +97,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
     for name, item in md.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
             shape = tuple(int(s) for s in item.size)
-            numel = math.prod(shape)
-            dtype = item.properties.dtype
-            tensors.append(_Tensor(name, dtype, shape, numel * torch.empty((), dtype=dtype).element_size()))
+            tensors.append(_Tensor(name, item.properties.dtype, shape, tensor_nbytes(item.properties.dtype, shape)))
         elif isinstance(item, BytesStorageMetadata):
             _read_extra(src_path, md, name, fmt, extras, report)
     shards = _shard(tensors, max_shard_bytes)
@@ -175,18 +175,24 @@ def _holds_tensor(value: Any) -> bool:
     return False
 
 
+def _pack(tensors: list[_Tensor], budget: int, align: int = 1) -> list[list[tuple[_Tensor, int]]]:
+    """Split ``tensors`` in order into groups of at most ``budget`` bytes (a larger tensor goes alone):
+    (tensor, offset in its group) pairs, each tensor's bytes rounded up to ``align``. No empty groups."""
+    groups: list[list[tuple[_Tensor, int]]] = [[]]
+    used = 0
+    for t in tensors:
+        if groups[-1] and used + t.nbytes > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append((t, used))
+        used += -(-t.nbytes // align) * align
+    return [g for g in groups if g]
+
+
 def _shard(tensors: list[_Tensor], max_shard_bytes: int | None) -> list[list[_Tensor]]:
     if max_shard_bytes is None:
         return [tensors]
-    shards: list[list[_Tensor]] = [[]]
-    used = 0
-    for t in tensors:
-        if shards[-1] and used + t.nbytes > max_shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(t)
-        used += t.nbytes
-    return shards
+    return [[t for t, _ in group] for group in _pack(tensors, max_shard_bytes)] or [[]]
 
 
 def _safetensors_dtypes() -> dict[torch.dtype, str]:
@@ -250,34 +256,22 @@ def _write_torch_skeleton(target: Path, shard: list[_Tensor], extras: dict[str, 
 
 def _zip_data_offsets(path: Path) -> dict[str, int]:
     """``"data/<key>"`` -> absolute offset of that entry's bytes in a torch.save archive."""
-    import zipfile
-
     out = {}
     with open(path, "rb") as f, zipfile.ZipFile(f) as z:
         for zi in z.infolist():
             parts = zi.filename.split("/", 1)
             if len(parts) != 2 or not parts[1].startswith("data/"):
                 continue
-            f.seek(zi.header_offset)
-            fixed = f.read(30)
-            sig, name_len, extra_len = fixed[:4], *struct.unpack("<HH", fixed[26:30])
-            if sig != b"PK\x03\x04":
+            offset = entry_data_offset(zi, lambda start, stop: os.pread(f.fileno(), stop - start, start))
+            if offset is None:
                 raise RuntimeError(f"{path}: bad local header for {zi.filename}")
-            out[parts[1]] = zi.header_offset + 30 + name_len + extra_len
+            out[parts[1]] = offset
     return out
 
 
 def _batches(shard: list[_Tensor], budget: int) -> list[list[tuple[_Tensor, int]]]:
     """Split the shard into batches of at most ``budget`` bytes: (tensor, offset in the arena) pairs."""
-    batches: list[list[tuple[_Tensor, int]]] = [[]]
-    used = 0
-    for t in shard:
-        if batches[-1] and used + t.nbytes > budget:
-            batches.append([])
-            used = 0
-        batches[-1].append((t, used))
-        used += -(-t.nbytes // _ALIGN) * _ALIGN
-    return [b for b in batches if b]
+    return _pack(shard, budget, _ALIGN)
 
 
 _ALIGN = 64  # arena offsets: a multiple of every element size

@@ -23,7 +23,7 @@ from pathlib import Path
 import crc32c
 import torch
 
-from cpuckpt.backend.committed import load_metadata, read_manifest
+from cpuckpt.backend.committed import load_metadata, read_manifest, size_mismatch
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
 
@@ -85,15 +85,13 @@ def verify_checkpoint(path: str | os.PathLike, *,
     for name, entry in sorted(manifest.files.items()):
         report.files += 1
         fpath = p / name
-        try:
-            size = fpath.stat().st_size
-        except FileNotFoundError:
-            report.damage.append(Damage(name, 0, entry.nbytes, "data file is missing"))
-            continue
-        if size != entry.nbytes:
-            report.damage.append(Damage(name, min(size, entry.nbytes), max(size, entry.nbytes),
-                                        f"{size} bytes on disk, the manifest says {entry.nbytes} (truncated or "
-                                        "overwritten)"))
+        bad_size = size_mismatch(fpath, entry.nbytes, name)
+        if bad_size is not None:
+            if bad_size.actual is None:  # missing: nothing more to read
+                report.damage.append(Damage(name, 0, entry.nbytes, bad_size.what))
+                continue
+            lo, hi = sorted((bad_size.actual, entry.nbytes))
+            report.damage.append(Damage(name, lo, hi, bad_size.what))
         if entry.checksum != "crc32c" or not entry.chunk_checksums:
             report.notes.append(f"{name}: written with checksum {entry.checksum!r}; contents not verifiable")
             continue

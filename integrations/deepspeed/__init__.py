@@ -31,7 +31,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from .settings import Settings, _as_mapping, resolve_settings
+from .settings import Settings, resolve_settings
 
 __all__ = ["Settings", "attach", "commit_pending", "install", "installed", "make_engine", "uninstall"]
 
@@ -65,11 +65,9 @@ def make_engine(config: Settings | Mapping[str, Any] | str | os.PathLike | None 
     block = params.get("cpuckpt") if isinstance(params, Mapping) else None
     if config_wins and isinstance(config, Settings):
         settings = config
-    elif config_wins and isinstance(block, Mapping):
-        # the explicit settings win key by key; the block's "enabled: false" does not stop attach()
-        settings = resolve_settings({k: v for k, v in block.items() if k != "enabled"}, _as_mapping(config))
     else:
-        settings = resolve_settings(config, block)
+        # attach(): the explicit settings win key by key; the block's "enabled: false" does not stop it
+        settings = resolve_settings(config, block, block_wins=not config_wins)
     if not settings.enabled:
         return None
     return CpuckptCheckpointEngine(settings, ds_config if not isinstance(ds_config, Mapping) else None)

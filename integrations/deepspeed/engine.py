@@ -6,15 +6,16 @@ from ``engine.step()`` before the next optimizer update, or from ``engine.destro
 ``cleanup()``. ``get_commit_info()`` hands DeepSpeed the tag with ``save_latest=False``, so
 DeepSpeed never writes ``latest`` itself (it would write it in place, not atomically). Committing
 means: wait until this rank's files and directory are fsynced, agree with every rank (one gloo
-``all_reduce``), then rank 0 writes ``latest`` via tmp + fsync + rename.
+all-gather of failure reports), then rank 0 writes ``latest`` via tmp + fsync + rename.
 
 With ``background_commit`` (the default for async saves) the commit DeepSpeed requests from
 ``engine.step()`` runs on a background thread with its own gloo group, so the step does not wait
 for storage: the tensors already sit in the host pool. The next ``create()`` (the next save),
 ``cleanup()`` (``engine.destroy()``) and :meth:`CpuckptCheckpointEngine.wait` wait for it and raise
-its failure, which every rank learns from the same ``all_reduce``. Commits that DeepSpeed makes
-right after ``create`` with the same info object (``save_16bit_model``), and the one in ``cleanup``,
-block: their callers expect durable files on return.
+its failure, which every rank learns from the same all-gather (the same error on every rank).
+Commits that DeepSpeed makes right after ``create`` with the same info object
+(``save_16bit_model``), and the one in ``cleanup``, block: their callers expect durable files on
+return.
 
 Every file has exactly the name and the bytes layout DeepSpeed's ``torch.save`` would give it, so
 ``zero_to_fp32``, ``ds_to_universal`` and a stock ``TorchCheckpointEngine`` read it.
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from cpuckpt.backend.collectives import checkpoint_group, new_gloo_group
+from cpuckpt.backend.collectives import checkpoint_group, gather_failures, new_gloo_group, raise_if_failed
 from cpuckpt.errors import CpuckptError, StagingError
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.save_job import SaveJob
@@ -149,7 +150,9 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         this returns at once (see the module docstring).
 
         Raises:
-            CpuckptError: this rank's write failed (its error, chained), or another rank's did.
+            CpuckptError: this rank's write failed, or another rank's did: the same class and message
+                on every rank (``StorageIOError`` with ``errno``/``path`` for an ``OSError``; ``rank``,
+                ``failures``), chained to this rank's own error where it has one.
         """
         direct = info is self._info  # DeepSpeed's save_16bit_model commits the very object it created
         self.wait()  # commits stay ordered; an earlier failure is raised first
@@ -180,15 +183,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
     def _finish(self, pending: CheckpointCommitInfo, jobs: list[SaveJob], group: Any) -> None:
         t0 = time.perf_counter()
         error = self._wait_jobs(jobs)
-        ok = torch.tensor([0 if error else 1], dtype=torch.int32)
-        if group is not None:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-        if error is not None:
-            raise error
-        if not int(ok.item()):
-            raise CpuckptError(f"checkpoint {pending.tag} in {pending.save_dir}: another rank's save failed; "
-                               "'latest' was not updated")
         rank = dist.get_rank() if group is not None else 0
+        # Every rank raises the same error (the lowest failing rank's class: StorageIOError with
+        # errno/path for an OSError), chained to its own original where it has one.
+        raise_if_failed(gather_failures(error, rank, group),
+                        f"checkpoint {pending.tag} in {pending.save_dir} ('latest' not updated)", error)
         if pending.save_latest:
             # Rank 0 writes; a second collective tells every rank the outcome, so that ``latest`` is
             # in place (or the failure raised) on every rank when the commit ends.
@@ -199,13 +198,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                                  fsync=self.settings.core.io.fsync)
                 except BaseException as e:
                     latest_error = e
-            written = torch.tensor([0 if latest_error else 1], dtype=torch.int32)
-            if group is not None:
-                dist.all_reduce(written, op=dist.ReduceOp.MIN, group=group)
-            if latest_error is not None:
-                raise latest_error
-            if not int(written.item()):
-                raise CpuckptError(f"checkpoint {pending.tag}: rank 0 could not write {pending.save_dir}/latest")
+            raise_if_failed(gather_failures(latest_error, rank, group),
+                            f"checkpoint {pending.tag}: writing {pending.save_dir}/latest", latest_error)
         self.last_commit_s = time.perf_counter() - t0
 
     def _background_executor(self) -> cf.ThreadPoolExecutor:

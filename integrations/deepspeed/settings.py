@@ -1,113 +1,143 @@
 """Settings of the DeepSpeed adapter: its own keys plus a cpuckpt ``Config``. Pure: reads YAML only.
 
-The same mapping is accepted from ``install(config=...)`` (a dict, a YAML path or a ``Settings``)
-and from a ``"cpuckpt": {...}`` block inside the DeepSpeed config; the block's keys win over the
-ones given to ``install``. See ``configs/deepspeed.yaml``.
+One flat mapping holds both (see ``configs/deepspeed.yaml``): the adapter's own keys
+(:class:`AdapterOptions`: ``enabled``, ``async``, ``background_commit``, ``storage_alignment``, and
+``config_file``) beside the core sections (``io``, ``staging``, ``integrity``, ``timeout_s``, ...).
+Both halves are built by cpuckpt's config machinery (:func:`cpuckpt.config.build_options`): strict
+keys, checked values, a :class:`~cpuckpt.errors.ConfigError` naming the source and the dotted key.
+
+Sources, later ones winning key by key: the adapter's defaults (``integrity.checksum: none``), the
+core keys of ``config_file``, what ``install``/``attach`` were given (a dict, a YAML path or a
+``Settings``), the ds_config's ``"cpuckpt"`` block (for ``install``; ``attach`` lets its own settings
+win), and environment variables: ``CPUCKPT_<SECTION>_<KEY>`` for core keys (as for every cpuckpt
+config) and ``CPUCKPT_DEEPSPEED_<KEY>`` for the adapter's own (``CPUCKPT_DEEPSPEED_ASYNC=false``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from cpuckpt.config import Config
+from cpuckpt.config import Config, build_options, load_yaml_mapping
 from cpuckpt.errors import ConfigError
 
-__all__ = ["Settings", "resolve_settings"]
+__all__ = ["AdapterOptions", "Settings", "resolve_settings"]
 
-_OWN_KEYS = ("enabled", "async", "background_commit", "storage_alignment", "config_file")
+ENV_PREFIX = "CPUCKPT_DEEPSPEED_"
+_CONFIG_FILE = "config_file"
 _ADAPTER_CORE_DEFAULTS: dict[str, Any] = {"integrity": {"checksum": "none"}}
 
 
 @dataclass(frozen=True)
-class Settings:
-    """What the adapter does.
+class AdapterOptions:
+    """The adapter's own keys (top level of ``configs/deepspeed.yaml``, beside the core sections).
 
     Attributes:
         enabled: use cpuckpt's engine (False: DeepSpeed's own choice of engine).
-        async_save: ``save()`` returns once the tensors are copied into the host pool; the files
-            become durable in the background and the checkpoint is committed (``latest`` written) at
-            the next ``engine.step()``, ``engine.destroy()`` or :func:`commit_pending`. False:
-            ``save()`` returns once its file is durable (the commit still happens at those points).
+        async_save: (key ``async``) ``save()`` returns once the tensors are copied into the host
+            pool; the files become durable in the background and the checkpoint is committed
+            (``latest`` written) at the next ``engine.step()``, ``engine.destroy()`` or
+            :func:`commit_pending`. False: ``save()`` returns once its file is durable (the commit
+            still happens at those points).
         background_commit: with ``async_save``, the commit DeepSpeed asks for at the next
             ``engine.step()`` runs in a background thread instead of blocking that step: the
             tensors are already in host memory, so the optimizer update cannot change the
             checkpoint; ``latest`` is written once every rank's files are durable. A failure is
             raised (on every rank) at the next save, ``commit_pending`` or ``engine.destroy()``.
             False: that step waits until the checkpoint is durable (DeepSpeed's own decoupled timing).
-        storage_alignment: alignment of each storage's data inside the torch.save archive.
-        core: the cpuckpt ``Config`` (``io``, ``staging``, ``integrity``, ``timeout_s``, ...).
+        storage_alignment: alignment of each storage's data inside the torch.save archive (a power
+            of two >= 64; 4096 lets readers use O_DIRECT / mmap on the data).
     """
 
     enabled: bool = True
-    async_save: bool = True
+    async_save: bool = field(default=True, metadata={"key": "async"})
     background_commit: bool = True
-    storage_alignment: int = 4096
-    core: Config = field(default_factory=lambda: Config.from_dict(_ADAPTER_CORE_DEFAULTS))
+    storage_alignment: int = field(default=4096, metadata={"size": True, "min": 64, "pow2": True})
 
 
-def _as_mapping(config: Settings | Mapping[str, Any] | str | os.PathLike | None, source: str = "") -> dict[str, Any]:
+def _default_core() -> Config:
+    return Config.from_dict(_ADAPTER_CORE_DEFAULTS)
+
+
+@dataclass(frozen=True)
+class Settings(AdapterOptions):
+    """What the adapter does: :class:`AdapterOptions` plus ``core``, the cpuckpt ``Config``
+    (``io``, ``staging``, ``integrity``, ``timeout_s``, ...)."""
+
+    core: Config = field(default_factory=_default_core)
+
+
+_OWN_FIELDS = {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(AdapterOptions)}
+_OWN_KEYS = (*_OWN_FIELDS, _CONFIG_FILE)
+
+
+def _as_mapping(config: Mapping[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
     if config is None:
         return {}
     if isinstance(config, Mapping):
         return dict(config)
-    path = Path(config)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the cpuckpt DeepSpeed settings: {e}") from e
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    return dict(data)
+    return load_yaml_mapping(config)
 
 
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
         out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
     return out
 
 
+def _source(installed: Any, block: Mapping[str, Any] | None, config_file: Any, block_wins: bool) -> str:
+    """Where the merged settings came from, for error messages (lowest precedence first)."""
+    given = str(installed) if isinstance(installed, (str, os.PathLike)) else \
+        "Settings" if isinstance(installed, Settings) else "install()/attach() settings" if installed else ""
+    from_block = 'ds_config "cpuckpt" block' if block else ""
+    layers = [f"config_file {config_file}" if config_file else "",
+              *((given, from_block) if block_wins else (from_block, given))]
+    layers = [x for x in layers if x]
+    return "cpuckpt deepspeed settings" + (f" ({' < '.join(layers)})" if layers else "")
+
+
 def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike | None,
-                     block: Mapping[str, Any] | None = None) -> Settings:
-    """Combine ``install()``'s settings with the ds_config ``"cpuckpt"`` block (the block wins).
+                     block: Mapping[str, Any] | None = None, *, block_wins: bool = True) -> Settings:
+    """Combine ``install()``/``attach()``'s settings with the ds_config ``"cpuckpt"`` block.
+
+    Args:
+        installed: a ``Settings``, a mapping, a YAML path, or None for the defaults.
+        block: the ds_config's ``"cpuckpt"`` block, if any.
+        block_wins: the block's keys win (``install``); False: ``installed``'s keys win and the
+            block's ``enabled`` is ignored (``attach``, which is explicit).
 
     Raises:
-        ConfigError: an unknown key, a wrong type, or an unreadable file (naming the key).
+        ConfigError: an unknown key, a wrong type, or an unreadable file (naming the source and the key).
     """
     if isinstance(installed, Settings) and not block:
         return installed
-    data = {} if isinstance(installed, Settings) else _as_mapping(installed, "install()")
     if block is not None and not isinstance(block, Mapping):
         raise ConfigError(f'ds_config: "cpuckpt" must be a mapping, got {type(block).__name__}')
-    data = _merge(data, block or {})
-    core_file = data.pop("config_file", None)
-    own = {k: data.pop(k) for k in _OWN_KEYS if k in data}
-    core_data = _merge(_as_mapping(core_file, "config_file"), data) if core_file else data
-    # DeepSpeed's files carry no manifest to keep chunk checksums in: do not compute them by default.
-    core_data = _merge(_ADAPTER_CORE_DEFAULTS, core_data)
-    base = installed if isinstance(installed, Settings) else Settings()
-    enabled = own.get("enabled", base.enabled)
-    async_save = own.get("async", base.async_save)
-    background = own.get("background_commit", base.background_commit)
-    align = own.get("storage_alignment", base.storage_alignment)
-    if not isinstance(enabled, bool):
-        raise ConfigError(f"cpuckpt deepspeed settings: enabled must be a bool, got {enabled!r}")
-    if not isinstance(async_save, bool):
-        raise ConfigError(f"cpuckpt deepspeed settings: async must be a bool, got {async_save!r}")
-    if not isinstance(background, bool):
-        raise ConfigError(f"cpuckpt deepspeed settings: background_commit must be a bool, got {background!r}")
-    if not isinstance(align, int) or isinstance(align, bool) or align < 64 or align & (align - 1):
-        raise ConfigError(f"cpuckpt deepspeed settings: storage_alignment must be a power of two >= 64, got {align!r}")
-    keep_core = isinstance(installed, Settings) and not data and not core_file
-    try:
-        core = base.core if keep_core else Config.from_dict(core_data, source="cpuckpt deepspeed settings")
-    except ConfigError as e:
-        raise ConfigError(f"{e} (the adapter's own keys: {', '.join(_OWN_KEYS)})") from e
-    return Settings(enabled=enabled, async_save=async_save, background_commit=background, storage_alignment=align,
-                    core=core)
+    base = installed if isinstance(installed, Settings) else AdapterOptions()
+    given = {} if isinstance(installed, Settings) else _as_mapping(installed)
+    if block_wins:
+        data = _merge(given, block or {})
+    else:
+        data = _merge({k: v for k, v in (block or {}).items() if k != "enabled"}, given)
+    core_file = data.pop(_CONFIG_FILE, None)
+    source = _source(installed, block, core_file, block_wins)
+    own = {key: data.pop(key) for key in _OWN_FIELDS if key in data}
+    base_own = {key: getattr(base, name) for key, name in _OWN_FIELDS.items()}
+    options = build_options(AdapterOptions, {**base_own, **own}, source=source, env_prefix=ENV_PREFIX)
+    if isinstance(installed, Settings) and not data and not core_file:
+        core = installed.core
+    else:
+        core_data = _merge(load_yaml_mapping(core_file), data) if core_file else data
+        if isinstance(installed, Settings):  # the block's core keys go over the given Settings' core
+            core_data = _merge(installed.core.to_dict(), core_data)
+        # DeepSpeed's files carry no manifest to keep chunk checksums in: do not compute them by default.
+        core_data = _merge(_ADAPTER_CORE_DEFAULTS, core_data)
+        try:
+            core = Config.from_dict(core_data, source=source)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (the adapter's own keys: {', '.join(_OWN_KEYS)})") from e
+    return Settings(**{name: getattr(options, name) for name in _OWN_FIELDS.values()}, core=core)

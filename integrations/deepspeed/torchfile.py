@@ -29,13 +29,13 @@ import torch
 from cpuckpt.config import Config
 from cpuckpt.format.layout import FileLayout, LayoutItem, plan_files
 from cpuckpt.format.record import SparseSink
+from cpuckpt.format.zipheader import written_entries
 from cpuckpt.transfer.staging import flat_bytes
 
 __all__ = ["TorchFileImage", "layout_torch_file", "plan_torch_file"]
 
 logger = logging.getLogger(__name__)
 
-_LOCAL_SIG = b"PK\x03\x04"
 _ALIGNMENT_LOCK = threading.Lock()  # torch's storage_alignment is a process-wide setting
 
 
@@ -155,14 +155,10 @@ def plan_torch_file(obj: Any, *, storage_alignment: int = 4096) -> TorchFileImag
 def _data_regions(sink: SparseSink, rec: _Recorder) -> list[tuple[int, int, torch.Tensor]]:
     """(data offset, nbytes, source) of every storage entry ``<archive>/data/<key>``, in file order."""
     found: dict[str, int] = {}
-    for pos, data in sink.pieces:
-        if len(data) < 30 or data[:4] != _LOCAL_SIG:
-            continue
-        name_len, extra_len = int.from_bytes(data[26:28], "little"), int.from_bytes(data[28:30], "little")
-        name = sink.read_at(pos + 30, pos + 30 + name_len).decode("utf-8", "replace")
+    for name, data_start in written_entries(sink.pieces, sink.read_at):
         head, _, key = name.rpartition("/")
         if head.endswith("/data") and head.count("/") == 1 and key in rec.keys:
-            found[key] = pos + 30 + name_len + extra_len
+            found[key] = data_start
     if set(found) != set(rec.keys):
         missing = sorted(set(rec.keys) - set(found))
         raise RuntimeError(f"torch.save skeleton: no zip entry found for storages {missing[:5]}; "

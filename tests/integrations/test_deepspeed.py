@@ -30,7 +30,7 @@ What is proven, with real DeepSpeed engines and files (no mocks):
   built engine over, and ``commit_pending()`` writes ``latest`` at once;
 - single process: the file holds exactly the zip entries ``torch.save`` writes for a compact clone
   of the same state dict (views compacted, non-leaf views detached, shared objects kept);
-- ``benchmarks/bench_deepspeed.py --smoke`` runs (and its check that DeepSpeed's engine and ours
+- ``python -m benchmarks.bench_deepspeed --smoke`` runs (and its check that DeepSpeed's engine and ours
   write bit-identical tensors for the same state holds).
 
 ``_setup_env`` marks DeepSpeed's inference-only shm op incompatible, so no op is JIT-built (no g++
@@ -242,6 +242,9 @@ def rank_write_failure(root: str, async_save: bool, background: bool, surface: s
     _setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
 
+    from cpuckpt.testing import faults
+
+    faults.install()  # io.backend "fault:ENOSPC@4096"
     ckpt_ds.install()
     block = {"async": async_save, "background_commit": background,
              "io": {"backend": "fault:ENOSPC@4096", "chunk_bytes": 64 * 1024}}
@@ -264,6 +267,8 @@ def rank_write_failure(root: str, async_save: bool, background: bool, surface: s
     err = raised if raised is None or isinstance(raised, OSError) else raised.__cause__ or raised
     return {"raised": type(raised).__name__ if raised else None,
             "errno": getattr(err, "errno", None), "msg": str(raised),
+            "is_oserror": isinstance(raised, OSError), "raised_errno": getattr(raised, "errno", None),
+            "rank": getattr(raised, "rank", None), "path": getattr(raised, "path", None),
             "latest": (save_dir / "latest").exists(), "where": where, "next_started": (save_dir / "next").exists()}
 
 
@@ -279,6 +284,13 @@ def test_write_failure_raises(run_ranks, tmp_path, async_save, background, surfa
         assert r["latest"] is False
         assert r["where"] == surface, r
         assert not r["next_started"], "a new save started while an earlier one had failed unreported"
+        # The error contract: an OSError (StorageIOError) carrying errno and the failing file.
+        assert r["raised"] == "StorageIOError" and r["is_oserror"], r
+        assert r["raised_errno"] == errno.ENOSPC and r["path"] and "bad" in r["path"], r
+        if async_save:  # the commit gathered every rank's failure: the lowest failing rank (both fail)
+            assert r["rank"] == 0 and "failed on rank 0" in r["msg"], r
+    if async_save:
+        assert results[0]["msg"] == results[1]["msg"], results
 
 
 def rank_save_16bit_model(root: str) -> dict:
@@ -317,6 +329,9 @@ def rank_commit_timing(root: str, background: bool) -> dict:
     _setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
 
+    from cpuckpt.testing import faults
+
+    faults.install()  # the stage action of $CPUCKPT_TEST_HOOK
     ckpt_ds.install({"background_commit": background, "io": {"backend": "buffered"}})
     engine = _engine(1, seed=0)
     _step(engine, 0)
@@ -613,16 +628,18 @@ def test_torch_file_matches_torch_save_of_compact_clones(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_bench_deepspeed_smoke(tmp_path):
-    """``benchmarks/bench_deepspeed.py --smoke`` runs (CPU, gloo, tiny model): both engines, the table,
+    """``python -m benchmarks.bench_deepspeed --smoke`` runs (CPU, gloo, tiny model): both engines, the table,
     the JSON, and the same state saved by DeepSpeed's engine and by ours holds bit-identical tensors."""
     import json
     import subprocess
     import sys
 
-    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_deepspeed.py"
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     out = tmp_path / "ds.json"
-    proc = subprocess.run([sys.executable, str(bench), "--smoke", "--out", str(out), "--dir", str(tmp_path / "ck")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_deepspeed", "--smoke", "--out", str(out),
+                           "--dir", str(tmp_path / "ck")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=170)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert "| torch | 0 |" in proc.stdout and "| cpuckpt | 1 |" in proc.stdout, proc.stdout
     results = json.loads(out.read_text())["results"]

@@ -53,7 +53,7 @@ def test_old_module_name_still_imports_and_warns(old):
     for name in OLD_ALL[old]:
         assert getattr(module, name) is not None, f"cpuckpt.{old}.{name}"
     with pytest.raises(AttributeError, match="moved to"):
-        module.no_such_name  # noqa: B018
+        module.no_such_name
 
 
 def test_old_api_helpers_resolve_with_a_warning():

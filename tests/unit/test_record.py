@@ -450,3 +450,50 @@ def test_own_skeleton_writer_is_used_on_this_torch():
     fast = record._fast_template(torch.bfloat16, (3, 5, 7))
     slow = record._torch_template(torch.bfloat16, (3, 5, 7))
     assert fast.head == slow.head and record._mask_id(fast.tail) == record._mask_id(slow.tail)
+
+
+# ------------------------------------------------------------------------------ zip headers, dtypes
+
+
+def test_zip_local_headers_give_every_entrys_data_offset():
+    """``entry_data_offset`` (from the central directory) and ``written_entries`` (from the pieces a
+    writer emits) agree with zipfile on where every stored entry's bytes are, in a torch.save archive."""
+    from cpuckpt.format.record import SparseSink
+    from cpuckpt.format.zipheader import LOCAL_HEADER, entry_data_offset, written_entries
+
+    assert LOCAL_HEADER.size == 30
+    obj = {"a": torch.arange(10.0), "b": [torch.ones(3, dtype=torch.int64)], "c": "text"}
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    blob = buf.getvalue()
+    zf = zipfile.ZipFile(io.BytesIO(blob))
+    offsets = {}
+    for info in zf.infolist():
+        off = entry_data_offset(info, lambda start, stop: blob[start:stop])
+        assert off is not None and blob[off : off + info.file_size] == zf.read(info.filename), info.filename
+        offsets[info.filename] = off
+    sink = SparseSink()
+    torch.save(obj, sink)
+    written = dict(written_entries(sink.pieces, sink.read_at))
+    assert written.keys() == offsets.keys()
+    for name, off in written.items():  # the serialization id differs between the two saves, not the layout
+        assert off == offsets[name], name
+
+
+def test_zip_local_header_refuses_short_or_foreign_bytes():
+    from cpuckpt.format.zipheader import LOCAL_HEADER, LOCAL_SIG, local_header
+
+    header = LOCAL_HEADER.pack(LOCAL_SIG, 0, 0, 0, 0, 0, 0, 0, 0, 5, 7)
+    assert local_header(header, 100) == (130, 135, 142)
+    assert local_header(header[:29], 100) is None
+    assert local_header(b"PK\x01\x02" + header[4:], 100) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+def test_tensor_nbytes_matches_element_size(dtype):
+    from cpuckpt.format.dtypes import tensor_nbytes
+
+    for shape in SHAPES:
+        t = torch.empty(shape, dtype=dtype)
+        assert tensor_nbytes(dtype, shape) == t.numel() * t.element_size()
+        assert tensor_nbytes(dtype, torch.Size(shape)) == t.numel() * t.element_size()

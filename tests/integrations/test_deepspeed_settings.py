@@ -1,0 +1,118 @@
+"""The DeepSpeed adapter's settings (``resolve_settings``): cpuckpt's config machinery, no DeepSpeed needed.
+
+configs/deepspeed.yaml loads; the ds_config block wins key by key (``attach`` lets its own settings
+win and ignores the block's ``enabled``); own keys and core keys are validated strictly, errors name
+the key and the source; ``CPUCKPT_DEEPSPEED_<KEY>`` and ``CPUCKPT_<SECTION>_<KEY>`` override.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import cpuckpt.integrations.deepspeed as ckpt_ds
+import pytest
+from cpuckpt.integrations.deepspeed.settings import AdapterOptions, Settings, resolve_settings
+
+from cpuckpt.config import Config
+from cpuckpt.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _no_env_overrides(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("CPUCKPT_"):
+            monkeypatch.delenv(name)
+
+
+def test_public_names_and_defaults():
+    for name in ckpt_ds.__all__:
+        assert getattr(ckpt_ds, name) is not None, name
+    s = resolve_settings(None)
+    assert s == Settings()
+    assert (s.enabled, s.async_save, s.background_commit, s.storage_alignment) == (True, True, True, 4096)
+    assert s.core.integrity.checksum == "none"  # the adapter's default: no manifest to keep checksums in
+    assert isinstance(s, AdapterOptions) and isinstance(s.core, Config)
+
+
+def test_configs_deepspeed_yaml_loads():
+    s = resolve_settings(REPO / "configs" / "deepspeed.yaml")
+    assert (s.enabled, s.async_save, s.background_commit, s.storage_alignment) == (True, True, True, 4096)
+    assert s.core.integrity.checksum == "none" and s.core.io.threads == 4 and s.core.io.chunk_bytes == 32 << 20
+    assert s.core.staging.mode == "auto" and s.core.timeout_s == 600
+
+
+def test_block_wins_key_by_key_and_attach_lets_its_settings_win():
+    given = {"async": False, "storage_alignment": "8KiB", "io": {"threads": 8, "chunk_bytes": "64KiB"}}
+    block = {"enabled": False, "background_commit": False, "io": {"threads": 2}}
+    s = resolve_settings(given, block)
+    assert not s.enabled and not s.async_save and not s.background_commit and s.storage_alignment == 8192
+    assert s.core.io.threads == 2 and s.core.io.chunk_bytes == 64 << 10
+    s = resolve_settings(given, block, block_wins=False)
+    assert s.enabled and not s.background_commit and s.core.io.threads == 8 and s.core.io.chunk_bytes == 64 << 10
+
+
+def test_settings_object_is_kept_and_the_block_goes_over_it():
+    own = Settings(async_save=False, core=Config.from_dict({"io": {"threads": 8}}))
+    assert resolve_settings(own) is own
+    s = resolve_settings(own, {"background_commit": False, "io": {"fsync": False}})
+    assert not s.async_save and not s.background_commit
+    assert s.core.io.threads == 8 and not s.core.io.fsync
+
+
+def test_config_file_supplies_core_keys_under_the_given_ones(tmp_path):
+    core = tmp_path / "core.yaml"
+    core.write_text("io:\n  threads: 6\n  fsync: false\nintegrity:\n  checksum: crc32c\n")
+    s = resolve_settings({"config_file": str(core), "io": {"threads": 3}})
+    assert s.core.io.threads == 3 and not s.core.io.fsync and s.core.integrity.checksum == "crc32c"
+
+
+@pytest.mark.parametrize(("data", "pattern"), [
+    ({"async": "yes"}, r"async must be true or false, got 'yes'"),
+    ({"enabled": 1}, r"enabled must be true or false"),
+    ({"storage_alignment": 100}, r"storage_alignment must be a power of two"),
+    ({"storage_alignment": 32}, r"storage_alignment must be >= 64"),
+    ({"io": {"threads": 0}}, r"io\.threads must be >= 1"),
+    ({"nope": 1}, r"unknown key 'nope'.*the adapter's own keys: enabled, async, background_commit"),
+    ({"io": {"nope": 1}}, r"unknown key 'io\.nope'"),
+])
+def test_bad_keys_and_values_name_the_key_and_the_source(data, pattern):
+    with pytest.raises(ConfigError, match=pattern) as ei:
+        resolve_settings(data)
+    assert "install()/attach() settings" in str(ei.value)
+    with pytest.raises(ConfigError, match=pattern) as ei:
+        resolve_settings(None, data)
+    assert 'ds_config "cpuckpt" block' in str(ei.value)
+
+
+def test_yaml_errors_name_the_file(tmp_path):
+    bad = tmp_path / "ds.yaml"
+    bad.write_text("async: true\nio:\n  threads: -3\n")
+    with pytest.raises(ConfigError, match=r"io\.threads") as ei:
+        resolve_settings(bad)
+    assert str(bad) in str(ei.value)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping") as ei:
+        resolve_settings(bad)
+    assert str(bad) in str(ei.value)
+    bad.write_text("io: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        resolve_settings(bad)
+    with pytest.raises(ConfigError, match="cannot read") as ei:
+        resolve_settings(tmp_path / "missing.yaml")
+    assert "missing.yaml" in str(ei.value)
+    with pytest.raises(ConfigError, match='"cpuckpt" must be a mapping'):
+        resolve_settings(None, ["not", "a", "mapping"])  # type: ignore[arg-type]
+
+
+def test_environment_overrides(monkeypatch):
+    monkeypatch.setenv("CPUCKPT_DEEPSPEED_ASYNC", "false")
+    monkeypatch.setenv("CPUCKPT_DEEPSPEED_STORAGE_ALIGNMENT", "64")
+    monkeypatch.setenv("CPUCKPT_IO_THREADS", "3")
+    s = resolve_settings(REPO / "configs" / "deepspeed.yaml", {"async": True, "io": {"threads": 5}})
+    assert not s.async_save and s.storage_alignment == 64 and s.core.io.threads == 3
+    monkeypatch.setenv("CPUCKPT_DEEPSPEED_BACKGROUND_COMMIT", "maybe")
+    with pytest.raises(ConfigError, match="CPUCKPT_DEEPSPEED_BACKGROUND_COMMIT"):
+        resolve_settings(None)

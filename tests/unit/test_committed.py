@@ -1,0 +1,115 @@
+"""Reading a commit back: the one definition of completeness and the one data-file size check.
+
+``is_complete`` is the commit marker alone; ``check_complete`` adds the metadata and the manifest's
+sizes; every caller of the size check (commit, reader, roots, verify) reports the same
+``SizeMismatch`` wording, naming the file and both sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import cpuckpt
+from cpuckpt.backend.committed import (
+    check_complete,
+    is_complete,
+    read_manifest,
+    same_save,
+    size_mismatch,
+    size_mismatches,
+)
+from cpuckpt.errors import CheckpointCorrupt
+from cpuckpt.tools.verification import verify_checkpoint
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+CFG = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 30}
+DATA = "__0_0.distcp"
+
+
+def _sd() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(64, 64, generator=g), "b": torch.randn(7, generator=g), "step": 3}
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    path = tmp_path / "step_3"
+    cpuckpt.save(_sd(), path, CFG, step=3)
+    return path
+
+
+def test_a_good_checkpoint_is_complete(ckpt):
+    c = check_complete(ckpt)
+    assert c.complete and c.reason == "" and c.step == 3
+    assert c.committed_at == (ckpt / ".metadata").stat().st_mtime
+    assert is_complete(ckpt)
+    manifest = read_manifest(ckpt)
+    assert manifest is not None and size_mismatches(ckpt, manifest.files) == []
+
+
+@pytest.mark.parametrize(("damage", "committed", "fragment"), [
+    ("no-metadata", False, "no .metadata"),
+    ("empty-metadata", False, ".metadata is empty"),
+    ("garbage-metadata", True, ".metadata"),
+    ("garbage-manifest", True, ".cpuckpt.json"),
+    ("truncated-data", True, f"{DATA}: 100 bytes on disk, the manifest says"),
+    ("missing-data", True, f"{DATA}: data file is missing"),
+])
+def test_check_complete_says_why(ckpt, damage, committed, fragment):
+    data = ckpt / DATA
+    if damage == "no-metadata":
+        (ckpt / ".metadata").unlink()
+    elif damage == "empty-metadata":
+        (ckpt / ".metadata").write_bytes(b"")
+    elif damage == "garbage-metadata":
+        (ckpt / ".metadata").write_bytes(b"\x80\x04not a pickle at all")
+    elif damage == "garbage-manifest":
+        (ckpt / ".cpuckpt.json").write_text("{not json")
+    elif damage == "truncated-data":
+        os.truncate(data, 100)
+    else:
+        data.unlink()
+    c = check_complete(ckpt)
+    assert not c.complete and fragment in c.reason, c.reason
+    assert is_complete(ckpt) is committed  # the cheap test sees the commit marker only
+    info = cpuckpt.list_checkpoints(ckpt.parent)[0]
+    assert (info.complete, info.reason) == (c.complete, c.reason)
+    assert cpuckpt.find_latest(ckpt.parent) is None
+
+
+def test_one_size_check_one_wording(ckpt):
+    data = ckpt / DATA
+    size = data.stat().st_size
+    os.truncate(data, 1000)
+    manifest = read_manifest(ckpt)
+    assert manifest is not None
+    (m,) = size_mismatches(ckpt, manifest.files)
+    assert (m.name, m.file, m.expected, m.actual) == (DATA, data, size, 1000)
+    assert str(m) == f"{data}: 1000 bytes on disk, the manifest says {size} (truncated or overwritten)"
+    assert size_mismatches(ckpt, list(manifest.files.values()), first=True) == [m]
+    with pytest.raises(CheckpointCorrupt) as ei:
+        cpuckpt.load({"w": torch.zeros(64, 64), "b": torch.zeros(7), "step": None}, ckpt, CFG)
+    assert str(m) in str(ei.value)
+    assert check_complete(ckpt).reason == f"{DATA}: {m.what}"
+    report = verify_checkpoint(ckpt)
+    assert [(d.file, d.lo, d.hi, d.what) for d in report.damage if d.what == m.what] == [(DATA, 1000, size, m.what)]
+    data.unlink()
+    assert str(size_mismatch(data, None)) == f"{data}: data file is missing"
+    assert size_mismatch(ckpt / ".metadata", None) is None  # None: only existence is checked
+
+
+def test_a_stale_manifest_is_not_this_saves(ckpt):
+    """A stock save committed over a cpuckpt one: its manifest describes old files."""
+    manifest = read_manifest(ckpt)
+    assert manifest is not None
+    dcp.save({"w": torch.ones(64, 64), "b": torch.ones(7)}, storage_writer=dcp.FileSystemWriter(str(ckpt)))
+    md = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    assert not same_save(manifest, md)
+    c = check_complete(ckpt)
+    assert c.complete and c.step is None
