@@ -22,6 +22,7 @@ from cpuckpt.backend.reader import StorageReader
 from cpuckpt.backend.telemetry import record_load, record_save
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.config import Config, resolve_config
+from cpuckpt.errors import ConfigError
 from cpuckpt.roots import after_commit, loading
 from cpuckpt.transfer.staging import get_pool
 
@@ -76,20 +77,28 @@ def load(
     *,
     process_group: Any = None,
     planner: Any = None,
+    storage_reader: StorageReader | None = None,
 ) -> None:
     """Load ``path`` in place into ``state_dict`` (resharding as needed), like ``dcp.load``.
 
     Reads cpuckpt checkpoints (verifying checksums when configured) and stock DCP checkpoints.
+
+    Args:
+        storage_reader: a :class:`StorageReader` of ``path`` to use (default: a new one); afterwards its
+            ``metadata`` and read statistics (``last_read_s``, ``last_read_nbytes``) describe this load.
 
     Raises:
         CheckpointCorrupt: a file is missing, truncated or fails its checksum.
         IntegrityError: the checkpoint is not committed (no ``.metadata``).
     """
     t0 = time.perf_counter()
-    reader = StorageReader(path, config)
+    reader = storage_reader if storage_reader is not None else StorageReader(path, config)
+    if reader.path != Path(path):
+        raise ConfigError(f"load of {path}: storage_reader reads {reader.path}, not this checkpoint")
     # DCP (torch 2.13) swallows read_metadata's exception and raises a bare AssertionError
     # ("metadata is None; ..."), so an uncommitted checkpoint is reported here, on every rank.
-    load_metadata(Path(path))
+    reader.use_metadata(load_metadata(Path(path)))
+    metadata_s = time.perf_counter() - t0
     group = collectives.checkpoint_group(process_group, reader.config.timeout_s)
     with loading(path):  # retention never deletes a checkpoint while it is being loaded
         collectives.run_dcp(lambda: dcp.load(state_dict, storage_reader=reader, planner=planner, process_group=group),
@@ -97,7 +106,8 @@ def load(
     rank = dist.get_rank(group) if group is not None else 0
     record_load(reader.config, path=path, rank=rank, seconds=time.perf_counter() - t0,
                 nbytes=reader.last_read_nbytes, files=len({getattr(s, "relative_path", None)
-                                                           for s in reader.storage_data.values()}))
+                                                           for s in reader.storage_data.values()}),
+                metadata_s=metadata_s, read_s=reader.last_read_s)
 
 
 def prepare_pool(nbytes: int, config: Config | str | os.PathLike | dict | None = None) -> None:

@@ -86,9 +86,11 @@ def test_wheel_installs_cpuckpt_and_integrations(installed):
     names = zipfile.ZipFile(installed["wheel"]).namelist()
     assert "cpuckpt/integrations/__init__.py" in names
     assert not any(n.startswith(("integrations/", "tests/")) for n in names), sorted(names)
-    modules = {Path(n).name for n in names if n.startswith("cpuckpt/") and n.endswith(".py")}
-    expected = {p.name for p in (REPO / "cpuckpt").glob("*.py")}
-    assert expected <= modules, f"modules missing from the wheel: {sorted(expected - modules)}"
+    # Every module of every subpackage ships (a subpackage missing from pyproject's package list would not).
+    expected = {p.relative_to(REPO).as_posix() for p in (REPO / "cpuckpt").rglob("*.py")}
+    expected |= {"cpuckpt/" + p.relative_to(REPO).as_posix() for p in (REPO / "integrations").rglob("*.py")}
+    missing = expected - set(names)
+    assert not missing, f"modules missing from the wheel (add their package to pyproject.toml): {sorted(missing)}"
 
 
 def test_wheel_console_scripts_resolve(installed):

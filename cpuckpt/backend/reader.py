@@ -95,6 +95,7 @@ class StorageReader(_DcpStorageReader):
         self.manifest: Manifest | None = None
         self.last_read_s = 0.0
         self.last_read_nbytes = 0
+        self._preloaded: Metadata | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
@@ -102,8 +103,18 @@ class StorageReader(_DcpStorageReader):
             self.path = Path(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
+    def use_metadata(self, metadata: Metadata) -> None:
+        """Serve ``metadata`` (already read from this checkpoint) to the next ``read_metadata``.
+
+        ``cpuckpt.load`` reads ``.metadata`` itself first (to report an uncommitted checkpoint on every
+        rank); this spares DCP a second read and unpickling of it (megabytes for large models).
+        """
+        self._preloaded = metadata
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = load_metadata(self.path)
+        md, self._preloaded = self._preloaded, None
+        if md is None:
+            md = load_metadata(self.path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id

@@ -52,6 +52,9 @@ class TelemetryRecord:
     files: int = 0
     pool_nbytes: int = 0
     pool_pinned: bool = False
+    metadata_s: float = 0.0  # loads: reading and unpickling .metadata
+    plan_s: float = 0.0  # loads: DCP's load planning and its collectives
+    read_s: float = 0.0  # loads: reads, checksums, copies into the targets (H2D included)
     unix_time: float = field(default_factory=time.time)
 
 
@@ -73,9 +76,14 @@ def record_save(config: Config, *, path: str | os.PathLike, rank: int = 0, step:
 
 
 def record_load(config: Config, *, path: str | os.PathLike, rank: int = 0, seconds: float, nbytes: int,
-                files: int = 0) -> TelemetryRecord:
-    """Log (and, if configured, append as JSON) one load of this rank; the caller was blocked throughout."""
+                files: int = 0, metadata_s: float = 0.0, read_s: float = 0.0) -> TelemetryRecord:
+    """Log (and, if configured, append as JSON) one load of this rank; the caller was blocked throughout.
+
+    ``seconds`` splits into ``metadata_s``, ``read_s`` and the rest, recorded as ``plan_s`` (DCP's planning).
+    """
     rec = _make("load", path, rank, None, seconds, seconds, nbytes, "", files, None)
+    rec.metadata_s, rec.read_s = round(metadata_s, 6), round(read_s, 6)
+    rec.plan_s = round(max(0.0, seconds - metadata_s - read_s), 6)
     _emit(rec, config)
     return rec
 
@@ -91,12 +99,12 @@ def _make(event: str, path: str | os.PathLike, rank: int, step: int | None, stal
     )
 
 
-
-
 def _emit(rec: TelemetryRecord, config: Config) -> None:
+    phases = (f" (metadata {rec.metadata_s:.3f} s, planning {rec.plan_s:.3f} s, reads {rec.read_s:.3f} s)"
+              if rec.event == "load" else "")
     logger.info(
-        "cpuckpt %s %s rank %d: stall %.3f s, persist %.3f s, %d bytes, %.2f GB/s, mode %s, %d file(s), "
-        "pool %d bytes%s", rec.event, rec.path, rec.rank, rec.stall_s, rec.persist_s, rec.nbytes, rec.gbps,
+        "cpuckpt %s %s rank %d: stall %.3f s, persist %.3f s%s, %d bytes, %.2f GB/s, mode %s, %d file(s), "
+        "pool %d bytes%s", rec.event, rec.path, rec.rank, rec.stall_s, rec.persist_s, phases, rec.nbytes, rec.gbps,
         rec.mode or "-", rec.files, rec.pool_nbytes, " pinned" if rec.pool_pinned else "",
     )
     target = config.telemetry.file

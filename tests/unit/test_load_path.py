@@ -1,0 +1,64 @@
+"""The load path reads ``.metadata`` once and reports where its time went (metadata, planning, reads)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import cpuckpt
+import cpuckpt.api
+import cpuckpt.backend.reader
+from cpuckpt.backend import committed
+
+
+def _saved(tmp_path):
+    sd = {"w": torch.randn(512, 256), "b": torch.arange(7), "step": 3}
+    cpuckpt.save(sd, tmp_path / "c", step=3)
+    return sd, tmp_path / "c"
+
+
+def test_metadata_is_read_and_unpickled_once_per_load(tmp_path, monkeypatch):
+    """A large model's .metadata is megabytes of pickle: the commit check and DCP share one read."""
+    sd, path = _saved(tmp_path)
+    calls = []
+
+    def counting(p):
+        calls.append(p)
+        return committed.load_metadata(p)
+
+    monkeypatch.setattr(cpuckpt.api, "load_metadata", counting)
+    monkeypatch.setattr(cpuckpt.backend.reader, "load_metadata", counting)
+    out = {"w": torch.empty(512, 256), "b": torch.empty(7, dtype=torch.int64), "step": 0}
+    reader = cpuckpt.StorageReader(path)
+    cpuckpt.load(out, path, storage_reader=reader)
+    assert len(calls) == 1, calls
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"]) and out["step"] == 3
+    assert reader.metadata is not None and "w" in reader.metadata.state_dict_metadata
+    assert reader.last_read_nbytes >= 512 * 256 * 4
+
+
+def test_a_second_load_with_a_fresh_reader_still_reads_metadata(tmp_path):
+    _, path = _saved(tmp_path)
+    for _ in range(2):
+        out = {"w": torch.empty(512, 256), "b": torch.empty(7, dtype=torch.int64), "step": 0}
+        cpuckpt.load(out, path)
+        assert out["step"] == 3
+
+
+def test_load_telemetry_splits_the_time(tmp_path, monkeypatch):
+    _, path = _saved(tmp_path)
+    sink = tmp_path / "t.jsonl"
+    monkeypatch.setenv("CPUCKPT_TELEMETRY_FILE", str(sink))
+    out = {"w": torch.empty(512, 256), "b": torch.empty(7, dtype=torch.int64), "step": 0}
+    cpuckpt.load(out, path)
+    (rec,) = [json.loads(line) for line in sink.read_text().splitlines()]
+    assert rec["event"] == "load" and rec["read_s"] > 0 and rec["metadata_s"] > 0 and rec["plan_s"] >= 0
+    assert rec["metadata_s"] + rec["plan_s"] + rec["read_s"] == pytest.approx(rec["stall_s"], abs=2e-6)
+
+
+def test_storage_reader_of_another_checkpoint_is_refused(tmp_path):
+    _, path = _saved(tmp_path)
+    with pytest.raises(cpuckpt.ConfigError, match="storage_reader reads"):
+        cpuckpt.load({"w": torch.empty(512, 256)}, path, storage_reader=cpuckpt.StorageReader(tmp_path / "other"))
