@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The adapters on the GPU machine, in one script (phases: setup, tests, deepspeed, megatron-lm, example;
 # default all). Extra arguments per phase: DS_ARGS, MLM_ARGS.
+# megatron-lm: benchmarks/bench_megatron_lm.py, its own phases through MLM_ARGS (default load,reuse,kill;
+# "save" is the torch_dist-vs-cpuckpt save comparison), bounded by MLM_TIMEOUT seconds (default 480; the
+# script gets --budget MLM_TIMEOUT-20 and skips a phase that cannot fit), e.g.
+#   MLM_ARGS="--phases load" bash benchmarks/device_integrations.sh setup megatron-lm
 # Needs the carried wheels in .whl/ (megatron-core 0.19.2, deepspeed, nvidia-resiliency-ext, ...) and, for
 # the megatron-lm phase, a Megatron-LM checkout in .megatron-lm/ (not part of this repository).
 # Results go to $OUT (logs, JSON) and to stdout (tables).
@@ -32,9 +36,10 @@ print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'd
       ;;
     megatron-lm)
       (cd .megatron-lm && make -s -C megatron/core/datasets >/dev/null 2>&1 || echo "datasets helpers build failed")
-      PYTHONPATH=$BENCH_PATH timeout 380 python3 -m benchmarks.bench_megatron_lm --megatron-lm .megatron-lm --out "$OUT" \
-        --timeout 170 ${MLM_ARGS:-} 2>&1 \
-        | grep -v "^\s*$" | tail -40
+      MLM_TIMEOUT=${MLM_TIMEOUT:-480}
+      PYTHONPATH=$BENCH_PATH timeout -k 15 "$MLM_TIMEOUT" python3 -m benchmarks.bench_megatron_lm \
+        --megatron-lm .megatron-lm --out "$OUT" --timeout 200 --budget $((MLM_TIMEOUT - 20)) ${MLM_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_megatron_lm.log" | grep -v "^\s*$" | tail -70
       ;;
     example)  # examples/megatron on the GPU: train, SIGKILL during the save of step 15, resume
       A="examples/megatron/train.py --device cuda --save /tmp/mg --steps 20 --save-interval 5 --events /tmp/mg.events --snapshot-dir /tmp/mg.snap"

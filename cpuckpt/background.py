@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,6 +230,7 @@ def async_save(
     step: int | None = None,
     process_group: Any = None,
     planner: Any = None,
+    plan_key: Hashable | None = None,
 ) -> AsyncSaveHandle:
     """Save in the background: returns once the layout is planned and staging has begun.
 
@@ -245,7 +246,17 @@ def async_save(
         config: a :class:`Config`, a YAML path, a dict, or None.
         step: training step, recorded in the manifest.
         process_group: the trainer's group; cpuckpt uses gloo groups over the same ranks.
-        planner: a DCP ``SavePlanner``.
+        planner: a DCP ``SavePlanner`` (default: DCP's ``DefaultSavePlanner``).
+        plan_key: lets a save with ``planner`` reuse the previous save's plan. By passing it the
+            caller declares that ``planner`` plans deterministically from the state dict's structure,
+            and that equal keys (with the same planner class) mean the same planner settings; a
+            reused plan only calls the planner's ``set_up_planner`` and ``resolve_data``. Without a
+            ``planner`` the plan is always reusable; with one and no ``plan_key``, DCP plans every save.
+
+    A plan is reused when every rank finds its (planner class, ``plan_key``, structure signature)
+    unchanged since its previous ``async_save`` on this process group (``format.plancache``: paths,
+    shapes, dtypes, shards' offsets and sizes, ...; never values), else DCP plans it.
+    ``handle.stats.planned`` says which: ``"reused"`` or ``"dcp"``.
 
     Raises:
         CpuckptError: planning failed, or an earlier save that had to be waited for failed.
@@ -271,12 +282,12 @@ def async_save(
     try:
         with _gc_paused():
             state = resolve_stateful(state_dict)
-            signature = structure_signature(state) if planner is None else None
-            cached = ckpt.plan_cache if ckpt.plan_cache is not None and ckpt.plan_cache.signature == signature \
-                else None
+            signature = _plan_signature(state, planner, plan_key)
+            cached = ckpt.plan_cache if signature is not None and ckpt.plan_cache is not None \
+                and ckpt.plan_cache.signature == signature else None
             if ckpt.agree_to_reuse(cached, writer):
                 handle.stats.planned = "reused"
-                writer.write_cached(state, cached)  # type: ignore[arg-type]
+                writer.write_cached(state, cached, planner)  # type: ignore[arg-type]
             else:
                 own = DefaultSavePlanner() if planner is None else planner
                 run_dcp(lambda: dcp_save(state, writer, planner=own, process_group=ckpt.plan_group), "async save", path)
@@ -295,6 +306,18 @@ def async_save(
     inflight.track(handle)
     ckpt.committer.submit(ckpt.commit, handle)
     return handle
+
+
+def _plan_signature(state: dict[str, Any], planner: Any, plan_key: Hashable | None) -> tuple | None:
+    """The plan cache's key: the planner's identity and settings, and the state dict's structure."""
+    if planner is None:
+        who: tuple = ("DefaultSavePlanner",)
+    elif plan_key is None:
+        return None  # an undeclared planner may plan from anything: DCP plans every save
+    else:
+        who = (type(planner).__module__, type(planner).__qualname__, plan_key)
+    structure = structure_signature(state)
+    return None if structure is None else (who, structure)
 
 
 @contextlib.contextmanager

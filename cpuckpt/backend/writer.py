@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import inspect
 import logging
 import os
 import time
@@ -265,15 +266,22 @@ class StorageWriter(_DcpStorageWriter):
             metadata.storage_meta = self.storage_meta()
         self._commit(metadata, results)
 
-    def write_cached(self, state_dict: dict[str, Any], cached: CachedPlan) -> None:
+    def write_cached(self, state_dict: dict[str, Any], cached: CachedPlan, planner: SavePlanner | None = None) -> None:
         """Background mode: start a save from a previous save's plan, without DCP planning.
 
-        The coordinator must already have made ``path`` incomplete (``clear_commit``).
+        ``planner`` (default: a ``DefaultSavePlanner``) is the save's own planner: it is only set up on
+        ``state_dict`` and asked to resolve each cached item (``resolve_data``), as DCP's ``write_data``
+        would. The coordinator must already have made ``path`` incomplete (``clear_commit``).
         """
         self.rank, self.is_coordinator = cached.rank, cached.is_coordinator
         self.path.mkdir(parents=True, exist_ok=True)
-        planner = DefaultSavePlanner()
-        planner.set_up_planner(state_dict, self.storage_meta(), cached.is_coordinator)
+        if planner is None:
+            planner = DefaultSavePlanner()
+        if "storage_meta" in inspect.signature(planner.set_up_planner).parameters:
+            planner.set_up_planner(state_dict=state_dict, storage_meta=self.storage_meta(),
+                                   is_coordinator=cached.is_coordinator)
+        else:  # planners written before torch 2.4 (DCP calls them the same way)
+            planner.set_up_planner(state_dict, cached.is_coordinator)  # type: ignore[call-arg]
         self.last_results = self.write_data(cached.plan, planner).value()
         if cached.is_coordinator:
             self._pending = (reused_metadata(cached), None)

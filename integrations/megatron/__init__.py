@@ -8,7 +8,8 @@ With megatron-core directly::
     strategy = ckpt_mg.save_strategy("configs/megatron.yaml")
     request = dist_checkpointing.save(sharded_sd, ckpt_dir, sharded_strategy=strategy,
                                       async_sharded_save=True, async_strategy="mcore")  # (0.17+: "mcore")
-    async_queue = ckpt_mg.watch_async_queue(AsyncCallsQueue(persistent=True))  # a dead worker raises
+    # a dead checkpoint worker raises on every rank (megatron: {on_failure: continue}: logged, replaced)
+    async_queue = ckpt_mg.watch_async_queue(AsyncCallsQueue(persistent=True), config="configs/megatron.yaml")
     async_queue.schedule_async_request(request)        # temporal or persistent caller
     ...
     state = dist_checkpointing.load(sharded_sd, ckpt_dir, sharded_strategy=ckpt_mg.load_strategy())
@@ -28,8 +29,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["CpuckptLoadStrategy", "CpuckptSaveStrategy", "WorkerDiedError", "install", "load_strategy", "save_strategy",
-           "watch_async_queue"]
+__all__ = ["CpuckptLoadStrategy", "CpuckptSaveStrategy", "MegatronOptions", "WorkerDiedError", "install",
+           "load_strategy", "save_strategy", "watch_async_queue"]
 
 
 def save_strategy(config: Any = None, *, fully_parallel: bool = False, parallelization_group: Any = None,
@@ -69,4 +70,8 @@ def __getattr__(name: str) -> Any:
         from . import guard
 
         return getattr(guard, name)
+    if name == "MegatronOptions":
+        from .settings import MegatronOptions
+
+        return MegatronOptions
     raise AttributeError(name)

@@ -1,92 +1,253 @@
-"""A watchdog for megatron-core's ``AsyncCallsQueue``: a dead persistent worker becomes an error on every rank.
+"""A watchdog for megatron-core's ``AsyncCallsQueue``: a dead checkpoint worker becomes an error on every rank.
 
-megatron-core's ``PersistentAsyncCaller`` (0.16 to 0.19, and nvidia-resiliency-ext 0.7's) waits for its
-worker's completion message without checking that the worker still lives. A worker killed from
+megatron-core's ``PersistentAsyncCaller`` (0.16 to 0.20-dev, and nvidia-resiliency-ext 0.7's) waits for
+its worker's completion message without checking that the worker still lives. A worker killed from
 outside (the OOM killer, a segfault in a library) leaves ``maybe_finalize_async_calls(blocking=True)``
 spinning forever and the non-blocking form answering "not done" forever; cpuckpt's finalize function
 never runs. (cpuckpt's own worker function never raises, and a dead *temporal* caller is already an
 error at finalize.)
 
-:func:`watch_async_queue` wraps one queue's ``maybe_finalize_async_calls``: while calls are pending,
-every rank checks its persistent worker's process and the ranks agree (one all-reduce on cpuckpt's
-gloo group), so all of them raise :class:`WorkerDiedError` together. A blocking wait is also bounded
-by ``timeout_s``. Queues of other shapes are left unwatched (with a warning).
+:func:`watch_async_queue` wraps one queue's ``maybe_finalize_async_calls``. While calls are pending,
+every rank looks at its workers in two ways:
+
+- cpuckpt's channel (:mod:`.worker`): a worker that took a cpuckpt save wrote its pid and beats
+  about every second; a pid that no longer runs, or a beat older than ``heartbeat_timeout_s``, with
+  no report, is a dead worker. This reads only files cpuckpt owns, on every megatron-core version.
+- the queue (:class:`.compat.AsyncQueueShape`): a persistent worker process that has exited. This
+  is the only way to see a worker that died *before* it took its request (it never wrote to the
+  channel); it reads megatron-core's private attributes, per version, and warns about shapes it
+  does not know.
+
+The ranks agree (one all-reduce on cpuckpt's gloo group per check), so all of them act together.
+A blocking wait is also bounded by ``timeout_s``. Then, on every rank: the calls that completed are
+finalized; the others are dropped (their finalize functions, Megatron's ``metadata.json`` and
+Megatron-LM's tracker file among them, never run, so no such checkpoint looks complete; cpuckpt's
+own finalize step still runs to end its save and remove its channel files); every rank's workers
+are stopped and forgotten, so the queue's next save spawns new ones. With ``on_failure: raise`` (the
+default) every rank then raises :class:`WorkerDiedError` (``CheckpointTimeoutError`` for the bound);
+with ``continue`` every rank logs it and training goes on. ``continue`` also covers a failed save
+that megatron-core finalizes itself (a write error, a worker that raised): every rank raises the same
+cpuckpt error there, which is logged instead.
+
+The queue's ``close()`` is wrapped too: a persistent worker that died while idle (no save pending)
+is forgotten first, since megatron-core's ``close`` would wait forever for it to acknowledge its stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cpuckpt.backend.collectives import checkpoint_group
-from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
+from cpuckpt.config import Config
+from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 
-__all__ = ["WorkerDiedError", "watch_async_queue"]
+from .compat import AsyncQueueShape
+from .settings import MegatronOptions, resolve_options
+from .worker import Channel, wait_for_commit
+
+__all__ = ["FINALIZE_MARK", "WorkerDiedError", "watch_async_queue"]
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05
+_WATCHED = "_cpuckpt_watchdog"
+FINALIZE_MARK = "cpuckpt_finalize"  # on cpuckpt's finalize function: called (abandoned=True) for a dropped call too
 
 
 class WorkerDiedError(CpuckptError):
-    """A rank's persistent checkpoint worker exited while async saves were pending."""
+    """A rank's checkpoint worker exited (or went silent) while async saves were pending."""
 
 
-def _pending_callers(queue: Any) -> list[Any]:
-    return [getattr(call, "async_caller", None) for call in getattr(queue, "async_calls", ())]
+def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
+                      config: MegatronOptions | Config | Mapping[str, Any] | str | os.PathLike | None = None,
+                      on_failure: str | None = None) -> Any:
+    """Wrap ``queue.maybe_finalize_async_calls`` and ``queue.close`` (in place) with the dead-worker
+    check; returns ``queue``.
 
+    Every rank must wrap its queue (the check is collective unless ``no_dist=True`` is passed, which
+    keeps it local: a dead worker then raises on that rank only and nothing is replaced). Wrapping a
+    queue twice is a no-op.
 
-def _dead_worker(queue: Any) -> str | None:
-    """This rank: the exit code of a persistent worker that ended with calls still pending."""
-    for caller in _pending_callers(queue):
-        if caller is None or not hasattr(caller, "comp_q"):  # temporal callers: finalize reports them
-            continue
-        process = getattr(caller, "process", None)
-        code = getattr(process, "exitcode", None)
-        if process is not None and code is not None:
-            return f"pid {process.pid} exit code {code}"
-    return None
+    Args:
+        queue: megatron-core's or nvidia-resiliency-ext's ``AsyncCallsQueue``.
+        timeout_s: bound of one blocking ``maybe_finalize_async_calls(blocking=True)``.
+        config: where the adapter's options come from (the ``megatron:`` block of
+            ``configs/megatron.yaml``, a mapping of that file's shape, a :class:`.MegatronOptions`,
+            or None: defaults and ``CPUCKPT_MEGATRON_*``).
+        on_failure: ``raise`` or ``continue``; overrides ``config``'s.
 
-
-def watch_async_queue(queue: Any, timeout_s: float = 600.0) -> Any:
-    """Wrap ``queue.maybe_finalize_async_calls`` (in place) with the dead-worker check; returns ``queue``.
-
-    Every rank must wrap its queue (the check is collective unless ``no_dist=True`` is passed).
+    Raises:
+        ConfigError: a bad ``config`` or ``on_failure``.
     """
-    if not hasattr(queue, "async_calls") or not hasattr(queue, "maybe_finalize_async_calls"):
-        logger.warning("cpuckpt: %s is not a megatron-core AsyncCallsQueue; not watched", type(queue).__name__)
+    current = getattr(queue, "maybe_finalize_async_calls", None)
+    if getattr(current, _WATCHED, False):
         return queue
-    original = queue.maybe_finalize_async_calls
-    group = checkpoint_group(None, timeout_s)
-
-    def check(no_dist: bool, waited_s: float) -> None:
-        mine = _dead_worker(queue)
-        late = waited_s > timeout_s
-        flags = torch.tensor([1 if mine else 0, 1 if late else 0], dtype=torch.int32)
-        if group is not None and not no_dist:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if int(flags[0]):
-            where = f"rank {rank}'s ({mine})" if mine else "another rank's"
-            raise WorkerDiedError(f"{where} persistent checkpoint worker died with {len(queue.async_calls)} "
-                                  "async save(s) pending; those checkpoints are incomplete")
-        if int(flags[1]):
-            raise CheckpointTimeoutError(f"rank {rank}: async saves not finalized after {timeout_s:.0f} s")
+    options = resolve_options(config)
+    if on_failure is not None:
+        if on_failure not in ("raise", "continue"):
+            raise ConfigError(f"on_failure must be one of raise, continue, got {on_failure!r}")
+        options = dataclasses.replace(options, on_failure=on_failure)
+    if not hasattr(queue, "async_calls") or current is None:
+        logger.warning("cpuckpt: %s is not a megatron-core AsyncCallsQueue; not watched: a dead checkpoint "
+                       "worker may leave its saves pending forever", type(queue).__name__)
+        return queue
+    dog = _Watchdog(queue, current, timeout_s, options)
 
     def maybe_finalize_async_calls(blocking: bool = False, no_dist: bool = False) -> list[int]:
+        return dog.finalize(blocking, no_dist)
+
+    setattr(maybe_finalize_async_calls, _WATCHED, True)
+    queue.maybe_finalize_async_calls = maybe_finalize_async_calls
+    original_close = getattr(queue, "close", None)
+    if callable(original_close):
+
+        def close(abort: bool = False, *args: Any, **kwargs: Any) -> Any:
+            return dog.close(original_close, abort, *args, **kwargs)
+
+        queue.close = close
+    return queue
+
+
+class _Watchdog:
+    def __init__(self, queue: Any, original: Callable[..., list[int]], timeout_s: float,
+                 options: MegatronOptions) -> None:
+        self.queue = queue
+        self.shape = AsyncQueueShape(queue)
+        self.original = original
+        self.timeout_s = timeout_s
+        self.options = options
+
+    def finalize(self, blocking: bool, no_dist: bool) -> list[int]:
         done: list[int] = []
         t0 = time.monotonic()
         while True:
-            if queue.async_calls:  # the same on every rank: scheduling and finalizing are collective
-                check(no_dist, time.monotonic() - t0 if blocking else 0.0)
-            done += original(blocking=False, no_dist=no_dist)
-            if not blocking or not queue.async_calls:
+            if self.queue.async_calls:  # the same on every rank: scheduling and finalizing are collective
+                verdict = self._check(no_dist, time.monotonic() - t0 if blocking else 0.0)
+                if verdict is not None:
+                    return done + self._fail(verdict, no_dist)
+            done += self._finalize_done(no_dist)
+            if not blocking or not self.queue.async_calls:
                 return done
             time.sleep(POLL_S)
 
-    queue.maybe_finalize_async_calls = maybe_finalize_async_calls
-    return queue
+    def close(self, original_close: Callable[..., Any], abort: bool, *args: Any, **kwargs: Any) -> Any:
+        """``queue.close()``: finalize as it would, then forget a persistent worker that died while idle
+        (megatron-core's ``close`` would wait forever for it to acknowledge its stop)."""
+        if not abort:
+            self.finalize(blocking=True, no_dist=False)
+            reason = self.shape.dead_persistent_worker(idle=True)
+            if reason:
+                logger.warning("cpuckpt: the persistent checkpoint worker died while idle (%s); closing the "
+                               "queue without waiting for it", reason)
+                self.shape.abandon([])
+        return original_close(abort, *args, **kwargs)
+
+    # -- one check, agreed by every rank ------------------------------------------------------------
+    def _dead_worker(self) -> str | None:
+        """This rank: why a worker holding one of the pending calls is gone (None: none is)."""
+        pending = self.shape.pending()
+        for call in pending:
+            request = getattr(call, "async_request", None)
+            if request is None or getattr(request, "async_fn", None) is not wait_for_commit:
+                continue
+            reason = Channel(request.async_fn_args[0]).worker_gone(self.options.heartbeat_timeout_s)
+            if reason:
+                return f"checkpoint worker ({reason}) ended without reporting"
+        reason = self.shape.dead_persistent_worker()
+        return f"persistent checkpoint worker ended ({reason})" if reason else None
+
+    def _check(self, no_dist: bool, waited_s: float) -> tuple[str, str | None] | None:
+        mine = self._dead_worker()
+        late = waited_s > self.timeout_s
+        flags = torch.tensor([1 if mine else 0, 1 if late else 0], dtype=torch.int32)
+        group = None if no_dist else checkpoint_group(None, self.timeout_s)
+        if group is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        if int(flags[0]):
+            return "dead", mine
+        if int(flags[1]):
+            return "late", None
+        return None
+
+    # -- what every rank does then ------------------------------------------------------------------
+    def _fail(self, verdict: tuple[str, str | None], no_dist: bool) -> list[int]:
+        kind, mine = verdict
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        group = None if no_dist else checkpoint_group(None, self.timeout_s)
+        reasons: list[str | None] = [mine]
+        if group is not None:
+            reasons = [None] * dist.get_world_size(group)
+            dist.all_gather_object(reasons, mine, group=group)
+        n = len(self.queue.async_calls)
+        err = _error(kind, reasons, n, self.timeout_s, local_rank=rank if group is None else None)
+        if no_dist:  # a local check: no collectives, nothing replaced
+            raise err
+        first_error: CpuckptError | None = None
+        done: list[int] = []
+        try:
+            done = self._finalize_done(no_dist, quiet=True)  # calls that completed everywhere before the death
+        except CpuckptError as e:  # raised alike on every rank
+            first_error = e
+        except BaseException:  # megatron-core's own failure, maybe on this rank only: no more collectives
+            self._drop(self.shape.pending())
+            raise
+        calls = self.shape.pending()
+        self._drop(calls)
+        for call in calls:
+            for fn in getattr(getattr(call, "async_request", None), "finalize_fns", ()):
+                if getattr(fn, FINALIZE_MARK, False):
+                    try:
+                        fn(abandoned=True)  # collective: ends cpuckpt's own save, removes the channel
+                    except CpuckptError as e:
+                        first_error = first_error or e
+        if self.options.on_failure == "raise":
+            raise err from first_error
+        _log_continue(rank, err, first_error, replaced=True)
+        return done
+
+    def _drop(self, calls: list[Any]) -> None:
+        """Forget ``calls`` and stop every worker (a live one would wait on a removed channel)."""
+        self.queue.async_calls.clear()
+        self.shape.abandon(calls)
+
+    def _finalize_done(self, no_dist: bool, quiet: bool = False) -> list[int]:
+        """megatron-core's own non-blocking finalize; with ``continue``, an error every rank agrees on is logged."""
+        try:
+            return self.original(blocking=False, no_dist=no_dist)
+        except CpuckptError as e:
+            # rank_error's errors (``failures`` set) are raised alike on every rank: safe to go on from.
+            if quiet or self.options.on_failure != "continue" or no_dist or not e.failures:
+                raise
+            _log_continue(dist.get_rank() if dist.is_initialized() else 0, e, None, replaced=False)
+            return []
+
+
+def _error(kind: str, reasons: list[str | None], n: int, timeout_s: float, local_rank: int | None) -> CpuckptError:
+    if kind == "late":
+        return CheckpointTimeoutError(f"async saves not finalized after {timeout_s:.0f} s ({n} pending); "
+                                      "their checkpoints are incomplete")
+    dead = {r if local_rank is None else local_rank: why for r, why in enumerate(reasons) if why}
+    first = min(dead)
+    message = f"rank {first}'s {dead[first]} with {n} async save(s) pending"
+    others = "; ".join(f"rank {r}: {why}" for r, why in sorted(dead.items()) if r != first)
+    if others:
+        message += f" (also {others})"
+    err = WorkerDiedError(message + "; those checkpoints are incomplete (no metadata.json)")
+    err.rank = first
+    err.failures = dict(dead)
+    return err
+
+
+def _log_continue(rank: int, err: BaseException, cause: BaseException | None, *, replaced: bool) -> None:
+    also = f" (and: {cause})" if cause is not None and str(cause) not in str(err) else ""
+    logger.error("cpuckpt: rank %d: async save failed: %s%s; training continues (megatron on_failure: continue): "
+                 "that checkpoint has no metadata.json, the last complete one stays the restart point%s",
+                 rank, err, also, "; the next save spawns a new checkpoint worker" if replaced else "")

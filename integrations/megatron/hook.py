@@ -10,7 +10,15 @@ format with other storage. :func:`install`:
    ``--cpuckpt-config PATH`` is taken out;
 2. replaces the two strategy classes that ``megatron.training.checkpointing`` constructs
    (``TorchDistSaveShardedStrategy(cpu_shm_mode=...)`` and
-   ``TorchDistLoadShardedStrategy(cache_metadata=...)``) with cpuckpt's subclasses.
+   ``TorchDistLoadShardedStrategy(cache_metadata=...)``) with cpuckpt's subclasses;
+3. installs the dead-worker watchdog (:func:`.guard.watch_async_queue`) on Megatron-LM's async save
+   queue: ``megatron.training.async_utils`` builds that queue (megatron-core's or, with the default
+   ``--async-strategy nvrx``, nvidia-resiliency-ext's) in ``_get_async_calls_queue`` (every
+   scheduled save goes through it) and in ``init_persistent_async_worker`` (``--use-persistent-ckpt-worker``),
+   so both are wrapped to watch the queue they leave in ``_async_calls_queue``; a module that imported
+   ``init_persistent_async_worker`` by name already (``megatron.training.initialize``) gets the wrapped
+   one too. A missing function is a warning (that path is then not watched). The ``megatron:`` block of
+   ``--cpuckpt-config`` (``on_failure``, ``heartbeat_timeout_s``) configures the watchdog.
 
 Without ``--ckpt-format cpuckpt`` on the command line it changes nothing. Use it through the
 launcher (``python -m cpuckpt.integrations.megatron.launch pretrain_gpt.py ...``) or add one line
@@ -25,10 +33,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuckpt.config import Config, resolve_config
+from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError
 
-__all__ = ["FORMAT", "Selection", "install", "rewrite_argv"]
+from .settings import MegatronOptions, split_config
+
+__all__ = ["FORMAT", "Selection", "install", "rewrite_argv", "watch_megatron_lm_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,9 +105,10 @@ def install(config: Config | str | os.PathLike | dict | None = None, *, argv: li
     sel = rewrite_argv(args[1:])
     if not sel.enabled:
         return False
-    cfg = resolve_config(sel.config if sel.config is not None else config)
+    cfg, options = split_config(sel.config if sel.config is not None else config)
     args[1:] = sel.argv
     patch_training(cfg)
+    watch_megatron_lm_queue(2 * cfg.timeout_s + 60, options)  # the callers' own bound on a save
     logger.info("cpuckpt: --ckpt-format cpuckpt -> torch_dist files written and read by cpuckpt (%s)",
                 sel.config or "default settings")
     return True
@@ -114,6 +125,61 @@ def patch_training(cfg: Config, module: Any = None) -> None:
                 f"PyPI: put its checkout first on PYTHONPATH): {e}"
             ) from e
     module.TorchDistSaveShardedStrategy, module.TorchDistLoadShardedStrategy = _training_classes(cfg)
+
+
+_QUEUE_BUILDERS = ("_get_async_calls_queue", "init_persistent_async_worker")
+
+
+def watch_megatron_lm_queue(timeout_s: float, options: MegatronOptions, module: Any = None,
+                            importers: list[Any] | None = None) -> list[str]:
+    """Wrap the functions of ``megatron.training.async_utils`` that build its async save queue so
+    that every queue they build is watched (:func:`.guard.watch_async_queue`); returns their names.
+
+    ``module`` stands for ``megatron.training.async_utils``; ``importers`` are the modules that may
+    hold the original functions under the same name (default: every loaded ``megatron.training.*``).
+    """
+    if module is None:
+        try:
+            import megatron.training.async_utils as module
+        except ImportError as e:
+            logger.warning("cpuckpt: megatron.training.async_utils not importable (%s): Megatron-LM's async "
+                           "save queue is not watched; a dead checkpoint worker may hang the job", e)
+            return []
+    if importers is None:
+        importers = [m for name, m in list(sys.modules.items()) if name.startswith("megatron.training") and m]
+    wrapped: list[str] = []
+    for name in _QUEUE_BUILDERS:
+        fn = getattr(module, name, None)
+        if fn is None:
+            logger.warning("cpuckpt: %s has no %s(): queues it would build are not watched (a dead checkpoint "
+                           "worker may hang the job); this Megatron-LM is newer or older than cpuckpt knows",
+                           getattr(module, "__name__", module), name)
+            continue
+        if not getattr(fn, "_cpuckpt_watching", False):
+            new = _watching(fn, module, timeout_s, options)
+            setattr(module, name, new)
+            for m in importers:
+                if m is not module and getattr(m, name, None) is fn:
+                    setattr(m, name, new)
+        wrapped.append(name)
+    return wrapped
+
+
+def _watching(fn: Any, module: Any, timeout_s: float, options: MegatronOptions) -> Any:
+    import functools
+
+    from .guard import watch_async_queue
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        queue = result if hasattr(result, "maybe_finalize_async_calls") else getattr(module, "_async_calls_queue", None)
+        if queue is not None:
+            watch_async_queue(queue, timeout_s, config=options)  # a no-op for a queue already watched
+        return result
+
+    wrapper._cpuckpt_watching = True  # type: ignore[attr-defined]
+    return wrapper
 
 
 def _training_classes(cfg: Config) -> tuple[type, type]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,11 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 import cpuckpt
 from cpuckpt import faultpoint
 from cpuckpt.backend.collectives import checkpoint_group, gather_failures, raise_if_failed
-from cpuckpt.config import Config, resolve_config
+from cpuckpt.config import Config
 from cpuckpt.errors import CpuckptError
 
 from . import compat
+from .settings import resolve_core
 from .worker import OK, new_channel, wait_for_commit
 
 __all__ = ["CpuckptLoadStrategy", "CpuckptSaveStrategy"]
@@ -52,15 +54,28 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
     and the returned ``AsyncRequest``'s worker function only waits for that commit (see
     :mod:`.worker`). Its finalize function raises the save's error, if any, on every rank.
 
+    Plan reuse: ``async_save`` reuses the previous save's DCP plan when every rank's translated state
+    dict has the same structure (:func:`cpuckpt.async_save` with ``plan_key``; the signature covers
+    every shard's key, global shape, offsets, sizes, dtype and device type, never values), so only the
+    first save after a structure change pays DCP's planning. Megatron-LM's ``use_cached_ckpt_structure``
+    (``--ckpt-assume-constant-structure``) turns it on even when ``reuse_plan`` is False; the structure
+    is checked either way, so a change the flag promised would not happen is planned by DCP instead of
+    written with a stale plan. The synchronous ``save`` plans with DCP every time.
+    ``last_save_stats.planned`` says which way the last ``async_save`` went.
+
     Args:
         config: cpuckpt settings (a :class:`cpuckpt.Config`, a YAML path, a dict or None).
         keep_only_main_replica: as for megatron-core's ``TorchDistSaveShardedStrategy``.
+        reuse_plan: reuse plans as above (default); False plans every save with DCP unless
+            ``use_cached_ckpt_structure`` is set.
     """
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *,
-                 keep_only_main_replica: bool = True) -> None:
+                 keep_only_main_replica: bool = True, reuse_plan: bool = True) -> None:
         super().__init__(backend="torch_dist", version=1, keep_only_main_replica=keep_only_main_replica)
-        self.config = resolve_config(config)
+        self.config = resolve_core(config)  # a megatron: block (the adapter's own keys) is allowed
+        self.reuse_plan = reuse_plan
+        self.last_save_stats: Any = None  # cpuckpt.background.SaveStats of the last async_save
 
     def _to_pyt(self, sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
         sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
@@ -70,6 +85,14 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         return MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False,
                                 flatten_sharded_tensors=False)
 
+    def _plan_key(self, planner: MCoreSavePlanner) -> tuple | None:
+        """``planner``'s settings: MCoreSavePlanner plans from the structure alone. None: no plan reuse."""
+        if not (self.reuse_plan or getattr(self, "use_cached_ckpt_structure", False)):
+            return None
+        return ("mcore", self.keep_only_main_replica, planner.flatten_state_dict, planner.flatten_sharded_tensors,
+                getattr(planner, "dedup_save_to_lowest_rank", None),
+                getattr(planner, "can_run_decentralized_global_plan", None))
+
     def save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path) -> None:
         """Synchronous save: streams through a bounded pool; durable and committed on return."""
         cpuckpt.save(self._to_pyt(sharded_state_dict), checkpoint_dir, self.config, planner=self._planner())
@@ -77,8 +100,10 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
     def async_save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path,
                    async_strategy: str = "mcore") -> Any:
         """Plan, stage into the host pool, start writing; return Megatron's ``AsyncRequest``."""
+        planner = self._planner()
         handle = cpuckpt.async_save(self._to_pyt(sharded_state_dict), checkpoint_dir, self.config,
-                                    planner=self._planner())
+                                    planner=planner, plan_key=self._plan_key(planner))
+        self.last_save_stats = handle.stats
         rank = dist.get_rank() if dist.is_initialized() else 0
         channel = new_channel(rank)
         handle.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
@@ -90,11 +115,12 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         timeout_s = self.config.timeout_s
         group = checkpoint_group(None, timeout_s)
 
-        def finalize_fn() -> None:
+        def finalize_fn(abandoned: bool = False) -> None:
             try:
-                # The channel only says whether this rank's worker process did its part.
+                # The channel only says whether this rank's worker process did its part (not asked when
+                # the watchdog, guard.py, abandoned the call: it stopped the workers itself).
                 report = channel.take_report()
-                worker_error = None if report == OK else CpuckptError(
+                worker_error = None if report == OK or abandoned else CpuckptError(
                     report or f"the checkpoint worker process of rank {rank} ended without reporting (killed?)")
                 reports = gather_failures(worker_error, rank, group)
                 # The save's own outcome: the error its committer built from every rank's
@@ -105,6 +131,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             finally:
                 channel.remove()
 
+        finalize_fn.cpuckpt_finalize = True  # type: ignore[attr-defined]  # guard: run it for a dropped call too
         try:
             return compat.make_async_request(async_strategy, wait_for_commit,
                                              (channel.base, rank, 2 * timeout_s + 60, os.getpid(),
@@ -127,7 +154,7 @@ class CpuckptLoadStrategy(TorchDistLoadShardedStrategy):
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None) -> None:
         super().__init__()
-        self.config = resolve_config(config)
+        self.config = resolve_core(config)
 
     def load(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path, *args: Any,
              **kwargs: Any) -> dict[str, Any]:
@@ -135,15 +162,25 @@ class CpuckptLoadStrategy(TorchDistLoadShardedStrategy):
                     if isinstance(t, ShardedTensor) and not t.allow_shape_mismatch]
         mismatch = {t.key: t for t in nested_values(sharded_state_dict)
                     if isinstance(t, ShardedTensor) and t.allow_shape_mismatch}
+        t0 = time.perf_counter()
         original = sharded_state_dict
         sharded, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict)
         pyt_state_dict = mcore_to_pyt_state_dict(sharded, True)
         planner = MCoreLoadPlanner(**compat.load_planner_kwargs(self, flexible, mismatch))
-        cpuckpt.load(pyt_state_dict, checkpoint_dir, self.config, planner=planner)
+        t1 = time.perf_counter()
+        reader = cpuckpt.StorageReader(checkpoint_dir, self.config)
+        cpuckpt.load(pyt_state_dict, checkpoint_dir, self.config, planner=planner, storage_reader=reader)
+        t2 = time.perf_counter()
         if getattr(self, "cache_metadata", True):  # megatron-core <= 0.16 always caches it
-            self.cached_global_metadata = cpuckpt.StorageReader(checkpoint_dir, self.config).read_metadata()
+            self.cached_global_metadata = reader.metadata  # the load's own: no second read of .metadata
         state = {k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt_state_dict.items()}
         state = _replace_sharded_keys_with_state_dict_keys(state, flat_mapping, rename_mapping)
         _restore_dict_types(state, original)
+        t3 = time.perf_counter()
+        # cpuckpt's share of Megatron's load-checkpoint time, apart from megatron-core's own work here
+        # (translating sharded tensors before, unwrapping after); the cpuckpt.telemetry line splits
+        # cpuckpt.load further into metadata, DCP planning and reads.
+        logger.info("cpuckpt megatron load %s: translate %.3f s, cpuckpt.load %.3f s, unwrap %.3f s, %d bytes",
+                    checkpoint_dir, t1 - t0, t2 - t1, t3 - t2, reader.last_read_nbytes)
         return state
 

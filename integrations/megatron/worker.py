@@ -18,9 +18,17 @@ The channel is two files per save in a temporary directory:
   not read from here: it is the save handle's, built from every rank's ``FailureReport``.
 - ``<base>.worker``: written by the caller before it returns (``ok`` or its own error). A missing
   report at finalize time means the caller process died.
+- ``<base>.alive``: written by the caller when it takes the request (its pid); its mtime is a
+  heartbeat, renewed about every second while the caller waits. The trainer's watchdog
+  (:mod:`.guard`) reads it through :meth:`Channel.worker_gone`: a pid that no longer runs (or is a
+  zombie) or a stale beat, with no report, means the caller died holding this save. This needs no
+  knowledge of Megatron's caller classes; a caller that dies *before* taking the request never
+  writes the file, and only the queue side (:mod:`.compat`) can see that.
 
 :func:`wait_for_commit` never raises (an exception would kill Megatron's persistent worker and
-leave the trainer waiting forever); its own failures travel in the ``.worker`` file.
+leave the trainer waiting forever), except ``SystemExit`` (an exit someone asked for, e.g.
+nvidia-resiliency-ext's SIGTERM handler when its caller is closed with ``abort=True``); its own
+failures travel in the ``.worker`` file.
 """
 
 from __future__ import annotations
@@ -38,11 +46,12 @@ from cpuckpt import faultpoint
 from cpuckpt.roots import pid_alive
 from cpuckpt.transfer.files import write_atomic
 
-__all__ = ["Channel", "new_channel", "wait_for_commit"]
+__all__ = ["Channel", "new_channel", "process_alive", "wait_for_commit"]
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.005
+HEARTBEAT_S = 1.0
 OK = "ok"
 
 
@@ -72,6 +81,10 @@ class Channel:
     def report_path(self) -> Path:
         return Path(self.base + ".worker")
 
+    @property
+    def alive_path(self) -> Path:
+        return Path(self.base + ".alive")
+
     # -- trainer side ---------------------------------------------------------------------------
     def post_status(self, error: str | None) -> None:
         """Trainer: the save ended (``error`` None: committed on every rank). No-op once removed."""
@@ -87,20 +100,52 @@ class Channel:
             return None
         return text
 
+    def worker_gone(self, stale_s: float) -> str | None:
+        """Trainer: why the caller that took this save is gone without a report, else None.
+
+        None also when no caller has taken the request yet (no ``.alive`` file): the queue side
+        must judge that case.
+        """
+        if self.report_path.exists():
+            return None
+        try:
+            mtime = self.alive_path.stat().st_mtime
+            pid = int(self.alive_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        if not process_alive(pid):
+            reason = f"pid {pid} is gone"
+        elif (age := time.time() - mtime) > stale_s:
+            reason = f"pid {pid} silent for {age:.0f} s"
+        else:
+            return None
+        return None if self.report_path.exists() else reason  # it may have reported just before it ended
+
     def remove(self) -> None:
         """Trainer: delete both files; a later ``post_status`` writes nothing."""
         with self._lock:
             self._closed = True
-            for p in (self.status_path, self.report_path):
+            for p in (self.status_path, self.report_path, self.alive_path):
                 try:
                     p.unlink()
                 except FileNotFoundError:
                     pass
 
     # -- caller side ----------------------------------------------------------------------------
+    def announce(self) -> None:
+        """Caller: it took the request (its pid; the file's mtime is the heartbeat)."""
+        _write(self.alive_path, str(os.getpid()))
+
+    def beat(self) -> None:
+        try:
+            os.utime(self.alive_path)
+        except FileNotFoundError:  # the trainer removed the channel
+            pass
+
     def wait_status(self, timeout_s: float, parent_pid: int) -> str:
-        """Caller: block until the trainer posts the outcome; returns it ('' = committed)."""
+        """Caller: block until the trainer posts the outcome; returns it ('' = committed). Beats meanwhile."""
         deadline = time.monotonic() + timeout_s
+        last_beat = time.monotonic()
         while True:
             try:
                 return self.status_path.read_text()
@@ -110,6 +155,9 @@ class Channel:
                 raise TimeoutError(f"no outcome from the trainer after {timeout_s:.0f} s ({self.status_path})")
             if parent_pid and not pid_alive(parent_pid):
                 raise RuntimeError(f"the trainer process {parent_pid} is gone")
+            if time.monotonic() - last_beat >= HEARTBEAT_S:
+                self.beat()
+                last_beat = time.monotonic()
             time.sleep(POLL_S)
 
     def report(self, text: str) -> None:
@@ -122,25 +170,47 @@ def new_channel(rank: int) -> Channel:
 
 def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int,
                     fault_handler: faultpoint.Handler | None = None) -> None:
-    """Megatron's ``async_fn``: wait until the trainer reports the save's outcome. Never raises.
+    """Megatron's ``async_fn``: wait until the trainer reports the save's outcome. Raises only ``SystemExit``.
 
     ``fault_handler`` is the trainer's :func:`cpuckpt.faultpoint.get_handler` (None unless a test
-    installed one): a spawned persistent worker does not inherit it, so it travels with the request.
+    installed one): a spawned persistent worker does not inherit it, so it travels with the request
+    (and replaces the one an earlier request left in the worker).
     """
     channel = Channel(base)
     try:
-        if fault_handler is not None:
-            faultpoint.set_handler(fault_handler)
+        faultpoint.set_handler(fault_handler)  # the trainer's, as of this request (a persistent worker keeps it)
+        channel.announce()  # from here on the trainer's watchdog sees this process's death
         faultpoint.hit(f"megatron-worker:rank{rank}")
         channel.wait_status(timeout_s, trainer_pid)
         channel.report(OK)
     except BaseException as e:
         text = f"checkpoint worker of rank {rank} (pid {os.getpid()}): {e!r}"
-        logger.error("%s\n%s", text, traceback.format_exc())
+        if isinstance(e, SystemExit):  # stopped on purpose (e.g. the watchdog replacing the workers)
+            logger.info("%s", text)
+        else:
+            logger.error("%s\n%s", text, traceback.format_exc())
         try:
             channel.report(text)
         except BaseException:  # noqa: S110 - nothing left to tell; finalize reports a missing report
             pass
+        if isinstance(e, SystemExit):
+            raise
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs: exists (:func:`cpuckpt.roots.pid_alive`) and is not a zombie.
+
+    A killed persistent worker stays a zombie until its parent (the trainer) reaps it, which
+    megatron-core does not do while it waits; ``kill(pid, 0)`` alone would call it alive.
+    """
+    if not pid_alive(pid):
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no procfs (or it ended just now): trust pid_alive
+        return True
+    fields = stat.rpartition(")")[2].split()
+    return not fields or fields[0] not in ("Z", "X")
 
 
 def _write(path: Path, text: str) -> None:

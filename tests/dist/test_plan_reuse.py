@@ -9,12 +9,12 @@ after that reuses the new plan.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterator, Mapping
+from typing import Any
 
+import _helpers as H
 import torch
 
-
-import _helpers as H  # noqa: E402 - tests/dist is on sys.path (conftest and the rank bootstrap)
 CFG = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 60}
 
 
@@ -65,3 +65,90 @@ def test_plan_is_reused_while_structure_is_unchanged(run_ranks, tmp_path):
     results = run_ranks(2, rank_reuse, str(tmp_path / "ck"), timeout_s=120)
     for planned in results:
         assert planned == ["dcp", "reused", "reused", "dcp", "reused"], planned
+
+
+class _Box(Mapping):
+    """A Mapping that is not a dict: DCP traverses it, so its tensors are part of the plan."""
+
+    def __init__(self, **items: Any) -> None:
+        self._d = dict(items)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def _torch_sharded(name: str, split: int, step: int, *, poisoned: bool = False) -> tuple[Any, torch.Tensor]:
+    """A torch ShardedTensor of a (9, 7) tensor: rank 0 holds rows [0, split), rank 1 the rest."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    rank = dist.get_rank()
+    lo, hi = (0, split) if rank == 0 else (split, 9)
+    want = H.make_full(name, (9, 7), torch.float32, seed=step)[lo:hi].clone()
+    local = H.poison(want) if poisoned else want.clone()
+    return init_from_local_shards([Shard.from_tensor_and_offsets(local, [lo, 0], rank)], 9, 7), want
+
+
+# (what changes, the torch ShardedTensor's split row, the box tensor's rows, requires_grad, planner, plan_key, planned)
+_CASES = [
+    ("first save", 5, 3, False, None, None, "dcp"),
+    ("values only", 5, 3, False, None, None, "reused"),
+    ("ShardedTensor shards: offsets and sizes (same global size)", 6, 3, False, None, None, "dcp"),
+    ("values only", 6, 3, False, None, None, "reused"),
+    ("requires_grad", 6, 3, True, None, None, "dcp"),
+    ("a tensor's shape inside a non-dict Mapping", 6, 4, True, None, None, "dcp"),
+    ("values only", 6, 4, True, None, None, "reused"),
+    ("custom planner, no plan_key", 6, 4, True, "custom", None, "dcp"),
+    ("custom planner, no plan_key", 6, 4, True, "custom", None, "dcp"),
+    ("custom planner with plan_key (another planner than the cached plan's)", 6, 4, True, "custom", "a", "dcp"),
+    ("values only", 6, 4, True, "custom", "a", "reused"),
+    ("another plan_key", 6, 4, True, "custom", "b", "dcp"),
+    ("the default planner again (the cache holds plan_key b's plan)", 6, 4, True, None, None, "dcp"),
+]
+
+
+def _variant_state(step: int, split: int, rows: int, grad: bool) -> tuple[dict, dict]:
+    st, st_want = _torch_sharded("st", split, step)
+    plain = H.make_full("plain", (4, 3), torch.float32, seed=step).requires_grad_(grad)
+    boxed = H.make_full("boxed", (rows, 2), torch.bfloat16, seed=step)
+    want = {"st": st_want, "plain": plain.detach().clone(), "boxed": boxed.clone()}
+    return {"st": st, "plain": plain, "box": _Box(t=boxed), "n": step}, want
+
+
+def rank_reuse_variants(root: str) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    import cpuckpt
+
+    planned = []
+    for step, (_, split, rows, grad, planner, key, _) in enumerate(_CASES):
+        sd, want = _variant_state(step, split, rows, grad)
+        h = cpuckpt.async_save(sd, f"{root}/v{step}", CFG, step=step,
+                               planner=DefaultSavePlanner() if planner else None, plan_key=key)
+        h.staged.wait()
+        for t in (sd["st"].local_shards()[0].tensor, sd["plain"].detach(), sd["box"]["t"]):
+            t.fill_(-7)  # the trainer moves on
+        h.wait()
+        planned.append(h.stats.planned)
+        st, _ = _torch_sharded("st", split, step, poisoned=True)
+        out = {"st": st, "plain": H.poison(want["plain"]), "box": {"t": H.poison(want["boxed"])}, "n": None}
+        dcp.load(out, storage_reader=dcp.FileSystemReader(f"{root}/v{step}"))
+        H.assert_bitexact(out["st"].local_shards()[0].tensor, want["st"], f"st@{step}")
+        H.assert_bitexact(out["plain"], want["plain"], f"plain@{step}")
+        H.assert_bitexact(out["box"]["t"], want["boxed"], f"box@{step}")
+        assert out["n"] == step, out["n"]
+    return planned
+
+
+def test_plan_reuse_covers_sharded_tensors_and_planners(run_ranks, tmp_path):
+    results = run_ranks(2, rank_reuse_variants, str(tmp_path / "ck"), timeout_s=180)
+    expected = [case[-1] for case in _CASES]
+    for planned in results:
+        assert planned == expected, list(zip([c[0] for c in _CASES], planned, expected))

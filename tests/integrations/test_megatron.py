@@ -288,3 +288,308 @@ def test_write_failure_raises_on_every_rank(run_ranks, tmp_path):
         assert c["path"] and "__0_" in Path(c["path"]).name, r
         assert "rank 0" in c["message"], r
     assert results[0]["contract"]["message"] == results[1]["contract"]["message"], results
+
+
+def rank_plan_reuse(root: str, reuse_plan: bool, use_cached: bool, fully_parallel: bool) -> list[str]:
+    """Six async saves through Megatron's queue; every save changes every value, two change the structure.
+
+    1: planned by DCP; 2: new tensor objects, same structure; 3: step 2's tensor objects, new values
+    written in place; 4: 'w' split along dim 1 (every rank's shard changes shape); 5: as 4, new values;
+    6: a new key. Right after each save is scheduled the trainer overwrites the tensors (-7). Each
+    checkpoint must load bit-exact with its own step's values, never an earlier step's (a stale plan
+    or stale tensor references would write those).
+    """
+    import torch
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
+    from cpuckpt.integrations.megatron.strategy import CpuckptLoadStrategy, CpuckptSaveStrategy
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    rank, world, device = _setup()
+    base = CpuckptSaveStrategy(reuse_plan=reuse_plan)
+    base.use_cached_ckpt_structure = use_cached  # as Megatron-LM sets it for --ckpt-assume-constant-structure
+    strategy = FullyParallelSaveStrategyWrapper(base, dist.group.WORLD) if fully_parallel else base
+
+    def extra_local(step: int) -> torch.Tensor:
+        return _full("x", step, device).chunk(world, dim=0)[rank].contiguous()
+
+    def state(step: int, split: int, tensors: tuple | None = None) -> tuple[dict, tuple]:
+        w = _full("w", step, device).chunk(world, dim=split)[rank].contiguous()
+        b = _full("b", step, device)[0].contiguous()
+        if tensors is not None:  # the previous step's tensor objects, new values in place
+            tensors[0].copy_(w)
+            tensors[1].copy_(b)
+            w, b = tensors
+        sd = {"w": ShardedTensor.from_rank_offsets("layer.w", w, (split, rank, world)),
+              "b": ShardedTensor.from_rank_offsets("layer.b", b, replica_id=rank),
+              "obj": ShardedObject("rng", {"rank": rank, "step": step}, (world,), (rank,)),
+              "iteration": step}
+        if step >= 6:
+            sd["extra"] = ShardedTensor.from_rank_offsets("layer.extra", extra_local(step), (0, rank, world))
+        return sd, (w, b)
+
+    queue = AsyncCallsQueue(persistent=False)
+    planned, tensors = [], None
+    for step in range(1, 7):
+        split = 1 if step >= 4 else 0
+        sd, tensors = state(step, split, tensors if step == 3 else None)
+        path = Path(root) / f"iter_{step}"
+        path.mkdir(exist_ok=True)
+        request = dist_checkpointing.save(sd, str(path), sharded_strategy=strategy, async_sharded_save=True,
+                                          **mcore_async_kwargs())
+        planned.append(base.last_save_stats.planned)
+        queue.schedule_async_request(request)
+        for t in tensors:  # the trainer moves on at once
+            t.fill_(-7.0)
+        if "extra" in sd:
+            sd["extra"].data.fill_(-7.0)
+        queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    for step in range(1, 7):
+        split = 1 if step >= 4 else 0
+        path = str(Path(root) / f"iter_{step}")
+        for load_strategy in (None, CpuckptLoadStrategy()):  # stock megatron-core, then ours
+            template = _template(device, split_dim=split)
+            if step >= 6:
+                template["extra"] = ShardedTensor.from_rank_offsets(
+                    "layer.extra", torch.full_like(extra_local(step), float("nan")), (0, rank, world))
+            kwargs = {} if load_strategy is None else {"sharded_strategy": load_strategy}
+            loaded = dist_checkpointing.load(template, path, **kwargs)
+            _check(loaded, step, device, split_dim=split)
+            if step >= 6:
+                assert torch.equal(loaded["extra"].cpu(), extra_local(step).cpu()), f"extra differs at step {step}"
+    return planned
+
+
+@pytest.mark.parametrize(("reuse_plan", "use_cached", "fully_parallel"),
+                         [(True, False, False), (False, True, True), (False, False, False)],
+                         ids=["reuse", "use_cached_ckpt_structure-fully-parallel", "reuse-off"])
+def test_plan_reuse_never_writes_stale_values(run_ranks, tmp_path, reuse_plan, use_cached, fully_parallel):
+    # NeMo-RL#3312: an async save that cached the checkpoint structure wrote an earlier step's weights.
+    results = run_ranks(2, rank_plan_reuse, str(tmp_path), reuse_plan, use_cached, fully_parallel,
+                        timeout_s=300, env=ENV)
+    expected = ["dcp", "reused", "reused", "dcp", "reused", "dcp"] if reuse_plan or use_cached else ["dcp"] * 6
+    for planned in results:
+        assert planned == expected, planned
+
+
+# ------------------------------------------------------------- dead checkpoint workers (Megatron hardening)
+# Each runs with megatron-core's queue ("mcore") and, where megatron-core >= 0.17 and nvidia-resiliency-ext
+# are installed (the GPU machine), with nvidia-resiliency-ext's ("nvrx", Megatron-LM's default).
+def _has_nvrx() -> bool:
+    import importlib.util
+
+    from megatron.core.package_info import __version__
+
+    return importlib.util.find_spec("nvidia_resiliency_ext") is not None and \
+        tuple(int(x) for x in __version__.split(".")[:2]) >= (0, 17)
+
+
+KINDS = ["mcore", pytest.param("nvrx", marks=pytest.mark.skipif(not _has_nvrx(), reason="needs megatron-core >= 0.17 "
+                                                                                         "and nvidia-resiliency-ext"))]
+
+
+def _queue(kind: str):
+    """A persistent-worker ``AsyncCallsQueue`` of ``kind``, and the ``dist_checkpointing.save`` kwargs for it."""
+    import torch
+    from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
+
+    if kind == "nvrx":
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+        # without a GPU its worker may not touch CUDA: cpu_shm_mode skips that (no effect on cpuckpt's requests)
+        return AsyncCallsQueue(persistent=True, **({} if torch.cuda.is_available() else {"cpu_shm_mode": True})), \
+            {"async_strategy": "nvrx"}
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    return AsyncCallsQueue(persistent=True), mcore_async_kwargs()
+
+
+def _worker_pids(queue) -> list[int]:
+    """This rank's checkpoint worker process(es) of the queue's pending calls (any megatron-core version)."""
+    from cpuckpt.integrations.megatron.compat import AsyncQueueShape
+
+    shape = AsyncQueueShape(queue)
+    return sorted({p.pid for call in shape.pending() for p in shape.processes(call.async_caller)})
+
+
+def _leftovers() -> list[str]:
+    from cpuckpt.integrations.megatron.worker import _channel_dir
+
+    return sorted(p.name for p in _channel_dir().glob(f"cpuckpt-megatron-{os.getpid()}-*"))
+
+
+def rank_worker_dies_before_request(root: str, kind: str) -> dict:
+    """Rank 0's persistent worker is SIGKILLed before it takes the first save: it never writes to
+    cpuckpt's channel, so only the queue side can see it (megatron-core would wait forever)."""
+    import signal
+    import time
+
+    import cpuckpt.integrations.megatron as ckpt_mg
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import async_utils
+
+    rank, _, device = _setup()
+    queue, save_kwargs = _queue(kind)
+    ckpt_mg.watch_async_queue(queue, timeout_s=60)
+    path = Path(root) / "iter_1"
+    path.mkdir(exist_ok=True)
+    request = dist_checkpointing.save(_sharded(1, device), str(path), sharded_strategy=ckpt_mg.save_strategy(),
+                                      async_sharded_save=True, **save_kwargs)
+    alive_file = Path(request.async_fn_args[0] + ".alive")
+    # megatron-core 0.17+: the worker is started before any save (Megatron-LM's init_persistent_async_worker).
+    # (nvidia-resiliency-ext replaces a dead pre-started worker itself, so there it is killed as on 0.16.)
+    if kind == "mcore" and hasattr(async_utils.AsyncCallsQueue, "warmup_persistent_caller"):
+        async_utils.AsyncCallsQueue.warmup_persistent_caller(rank)
+        worker = async_utils.PersistentAsyncCaller._persistent_process
+        if rank == 0:
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(30)
+        queue.schedule_async_request(request)
+    else:  # the first save spawns it; a spawned worker needs seconds to start, so it dies first
+        queue.schedule_async_request(request)
+        worker = queue.persistent_caller.process
+        if rank == 0:
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(30)
+    taken = alive_file.exists() if rank == 0 else None  # did the killed worker ever write to the channel?
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = None
+    elapsed = time.monotonic() - t0
+    queue.close(abort=True)
+    return {"error": error, "elapsed": elapsed, "killed_exitcode": worker.exitcode if rank == 0 else None,
+            "taken": taken, "metadata_json": (path / "metadata.json").exists(), "leftovers": _leftovers()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_persistent_worker_killed_before_first_save_raises_on_every_rank(run_ranks, tmp_path, kind):
+    results = run_ranks(2, rank_worker_dies_before_request, str(tmp_path), kind, timeout_s=120, env=ENV)
+    assert results[0]["killed_exitcode"] == -9, results
+    assert results[0]["taken"] is False, "the worker took the save before it was killed: not the case under test"
+    for r in results:
+        assert r["error"] is not None and "WorkerDiedError" in r["error"], r
+        assert "rank 0's persistent checkpoint worker ended" in r["error"] and "exit code -9" in r["error"], r
+        assert not r["metadata_json"], "metadata.json written for a save no worker took"
+        assert r["elapsed"] < 30, r
+        assert r["leftovers"] == [], "channel files left behind"
+
+
+def rank_continue_after_failure(root: str, stage_hook: str, kind: str) -> dict:
+    """``on_failure: continue``: save 1 fails (``stage_hook`` acts in rank 0's worker), save 2 must
+    succeed on new workers and load; save 1 gets no metadata.json; every rank logs the failure."""
+    import logging
+    import time
+
+    import cpuckpt.integrations.megatron as ckpt_mg
+    from megatron.core import dist_checkpointing
+
+    from cpuckpt.testing import faults
+
+    _, _, device = _setup()
+    errors: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.ERROR:
+                errors.append(record.getMessage())
+
+    logging.getLogger("cpuckpt.integrations.megatron.guard").addHandler(Grab())
+    queue, save_kwargs = _queue(kind)
+    ckpt_mg.watch_async_queue(queue, timeout_s=60, config={"megatron": {"on_failure": "continue"}})
+    strategy = ckpt_mg.save_strategy()
+    pids, elapsed = [], []
+    for step in (1, 2):
+        faults.install(stage_hook if step == 1 else "")  # the handler travels with the request it was set for
+        path = Path(root) / f"iter_{step}"
+        path.mkdir(exist_ok=True)
+        request = dist_checkpointing.save(_sharded(step, device), str(path), sharded_strategy=strategy,
+                                          async_sharded_save=True, **save_kwargs)
+        queue.schedule_async_request(request)
+        pids.append(_worker_pids(queue))
+        t0 = time.monotonic()
+        queue.maybe_finalize_async_calls(blocking=True)  # must neither raise nor hang
+        elapsed.append(time.monotonic() - t0)
+    queue.close()
+    _check(dist_checkpointing.load(_template(device), str(Path(root) / "iter_2")), 2, device)
+    _check(dist_checkpointing.load(_template(device, split_dim=1), str(Path(root) / "iter_2"),
+                                   sharded_strategy=ckpt_mg.load_strategy()), 2, device, split_dim=1)
+    return {"errors": errors, "pids": pids, "elapsed": elapsed,
+            "metadata_json": [(Path(root) / f"iter_{s}" / "metadata.json").exists() for s in (1, 2)],
+            "leftovers": _leftovers()}
+
+
+@pytest.mark.parametrize(("stage_hook", "kind"),
+                         [("megatron-worker:rank0=kill", "mcore"), ("megatron-worker:rank0=raise", "mcore"),
+                          *(pytest.param("megatron-worker:rank0=kill", *p.values, marks=p.marks) for p in KINDS[1:])],
+                         ids=["worker-killed", "worker-raised", "worker-killed-nvrx"])
+def test_on_failure_continue_respawns_worker_and_next_save_loads(run_ranks, tmp_path, stage_hook, kind):
+    results = run_ranks(2, rank_continue_after_failure, str(tmp_path), stage_hook, kind, timeout_s=180, env=ENV)
+    killed = stage_hook.endswith("=kill")
+    for r in results:
+        assert len(r["errors"]) == 1 and "training continues" in r["errors"][0], r
+        what = "WorkerDiedError" if killed else "checkpoint worker of rank 0"
+        assert (what in r["errors"][0]) or ("ended without reporting" in r["errors"][0]), r
+        assert r["metadata_json"] == [False, True], r
+        assert r["leftovers"] == [], "channel files left behind"
+        assert r["elapsed"][0] < 30, r
+        if killed:  # a dead worker is replaced on every rank; one that raised lives on
+            assert r["pids"][0] and r["pids"][1] and set(r["pids"][0]).isdisjoint(r["pids"][1]), r
+        else:
+            assert r["pids"][0] == r["pids"][1], r
+
+
+def test_silent_worker_is_dead_after_heartbeat_timeout(run_ranks, tmp_path):
+    # rank 0's worker takes the save, then stops beating (sleeps at its fault point): dead after 3 s,
+    # set through the environment (CPUCKPT_MEGATRON_<KEY>)
+    env = dict(ENV, CPUCKPT_TEST_HOOK="megatron-worker:rank0=sleep:120", CPUCKPT_MEGATRON_HEARTBEAT_TIMEOUT_S="3")
+    results = run_ranks(2, rank_async_failure, str(tmp_path), True, None, True, timeout_s=120, env=env)
+    for r in results:
+        assert r["error"] is not None and "WorkerDiedError" in r["error"] and "silent for" in r["error"], r
+        assert not r["metadata_json"]
+        assert r["elapsed"] < 30, r
+
+
+def rank_worker_dies_idle(root: str, kind: str) -> dict:
+    """Rank 0's persistent worker is SIGKILLed between saves (nothing pending); ``close()`` must not
+    wait forever for it to acknowledge its stop (megatron-core's own close would)."""
+    import signal
+    import time
+
+    import cpuckpt.integrations.megatron as ckpt_mg
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    rank, _, device = _setup()
+    queue, save_kwargs = _queue(kind)
+    ckpt_mg.watch_async_queue(queue, timeout_s=60)
+    path = Path(root) / "iter_1"
+    path.mkdir(exist_ok=True)
+    queue.schedule_async_request(dist_checkpointing.save(
+        _sharded(1, device), str(path), sharded_strategy=ckpt_mg.save_strategy(), async_sharded_save=True,
+        **save_kwargs))
+    [pid] = _worker_pids(queue)
+    queue.maybe_finalize_async_calls(blocking=True)
+    if rank == 0:
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+    dist.barrier()
+    t0 = time.monotonic()
+    queue.close()
+    return {"elapsed": time.monotonic() - t0, "metadata_json": (path / "metadata.json").exists()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_does_not_wait_for_a_worker_that_died_idle(run_ranks, tmp_path, kind):
+    results = run_ranks(2, rank_worker_dies_idle, str(tmp_path), kind, timeout_s=120, env=ENV)
+    for r in results:
+        assert r["metadata_json"] and r["elapsed"] < 20, r

@@ -98,3 +98,105 @@ def test_install_patches_megatron_training(tmp_path):
         assert issubclass(mlm.TorchDistLoadShardedStrategy, CpuckptLoadStrategy)
     finally:
         mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy = originals
+
+
+def _fake_async_utils(with_init: bool = True):
+    """A stand-in for Megatron-LM's ``megatron.training.async_utils``: the module global
+    ``_async_calls_queue``, built by ``_get_async_calls_queue`` (every scheduled save) and by
+    ``init_persistent_async_worker`` (``--use-persistent-ckpt-worker``), as on Megatron-LM main."""
+    import types
+    from collections import deque
+
+    class Queue:
+        def __init__(self) -> None:
+            self.async_calls = deque()
+
+        def maybe_finalize_async_calls(self, blocking=False, no_dist=False):
+            return []
+
+    fake = types.ModuleType("fake_megatron_training_async_utils")
+    fake._async_calls_queue = None
+
+    def _get_async_calls_queue():
+        if fake._async_calls_queue is None:
+            fake._async_calls_queue = Queue()
+        return fake._async_calls_queue
+
+    def init_persistent_async_worker(rank, mp_mode="spawn"):
+        fake._async_calls_queue = Queue()
+
+    fake._get_async_calls_queue = _get_async_calls_queue
+    if with_init:
+        fake.init_persistent_async_worker = init_persistent_async_worker
+    return fake
+
+
+def _watched(queue) -> bool:
+    return bool(getattr(queue.maybe_finalize_async_calls, "_cpuckpt_watchdog", False))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.training") is not None,
+                    reason="Megatron-LM is importable here: test_install_watches_megatron_lm_queue covers it")
+def test_hook_watches_every_queue_megatron_lm_builds():
+    import types
+
+    from cpuckpt.integrations.megatron.hook import watch_megatron_lm_queue
+    from cpuckpt.integrations.megatron.settings import MegatronOptions
+
+    fake = _fake_async_utils()
+    original_init = fake.init_persistent_async_worker
+    initialize = types.ModuleType("fake_initialize")  # `from .async_utils import init_persistent_async_worker`
+    initialize.init_persistent_async_worker = original_init
+    names = watch_megatron_lm_queue(60, MegatronOptions(on_failure="continue"), module=fake, importers=[initialize])
+    assert names == ["_get_async_calls_queue", "init_persistent_async_worker"]
+    assert initialize.init_persistent_async_worker is fake.init_persistent_async_worker is not original_init
+    initialize.init_persistent_async_worker(0, "forkserver")  # initialize_megatron, before any save
+    assert _watched(fake._async_calls_queue)
+    fake._async_calls_queue = None  # reset_persistent_async_worker (in-process restart)
+    assert _watched(fake._get_async_calls_queue())  # schedule_async_save
+    assert fake._async_calls_queue.maybe_finalize_async_calls(blocking=True) == []
+    wrapped = fake._get_async_calls_queue
+    watch_megatron_lm_queue(60, MegatronOptions(), module=fake, importers=[])  # a second install: no double wrap
+    assert fake._get_async_calls_queue is wrapped
+
+
+def test_hook_warns_when_megatron_lm_builds_its_queue_elsewhere(caplog):
+    import logging
+
+    from cpuckpt.integrations.megatron.hook import watch_megatron_lm_queue
+    from cpuckpt.integrations.megatron.settings import MegatronOptions
+
+    fake = _fake_async_utils(with_init=False)
+    with caplog.at_level(logging.WARNING):
+        assert watch_megatron_lm_queue(60, MegatronOptions(), module=fake, importers=[]) == ["_get_async_calls_queue"]
+    assert any("init_persistent_async_worker" in r.getMessage() and "not watched" in r.getMessage()
+               for r in caplog.records)
+    assert _watched(fake._get_async_calls_queue())
+
+
+def test_install_checks_megatron_block_before_training(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("megatron:\n  on_failure: ignore\n")
+    argv = ["pretrain_gpt.py", "--ckpt-format", "cpuckpt", "--cpuckpt-config", str(bad)]
+    with pytest.raises(ConfigError, match="on_failure"):
+        install(argv=argv)
+    assert argv[2] == "cpuckpt", "argv rewritten although the hook failed"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None, reason="needs Megatron-LM (device run)")
+def test_install_watches_megatron_lm_queue(tmp_path):
+    import megatron.training.async_utils as au
+    import megatron.training.checkpointing as mlm
+    import megatron.training.initialize as init
+
+    originals = (mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy, au._get_async_calls_queue,
+                 au.init_persistent_async_worker, init.init_persistent_async_worker)
+    argv = ["pretrain_gpt.py", "--ckpt-format", "cpuckpt"]
+    try:
+        assert install(argv=argv) is True
+        for fn in (au._get_async_calls_queue, au.init_persistent_async_worker, init.init_persistent_async_worker):
+            assert getattr(fn, "_cpuckpt_watching", False), fn
+        assert init.init_persistent_async_worker is au.init_persistent_async_worker
+    finally:
+        (mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy, au._get_async_calls_queue,
+         au.init_persistent_async_worker, init.init_persistent_async_worker) = originals

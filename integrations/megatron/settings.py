@@ -1,0 +1,108 @@
+"""Settings of the Megatron adapter: its own ``megatron:`` block beside the core sections. Pure: reads YAML only.
+
+``configs/megatron.yaml`` holds the cpuckpt core sections (``io``, ``staging``, ``timeout_s``, ...)
+and, optionally, a ``megatron:`` block with the adapter's own keys (:class:`MegatronOptions`). Both
+halves are built by cpuckpt's config machinery (:func:`cpuckpt.config.build_options`): strict keys,
+checked values, a :class:`~cpuckpt.errors.ConfigError` naming the source and the dotted key.
+Environment variables win over the file: ``CPUCKPT_<SECTION>_<KEY>`` for core keys (as for every
+cpuckpt config) and ``CPUCKPT_MEGATRON_<KEY>`` for the adapter's own (``CPUCKPT_MEGATRON_ON_FAILURE=continue``).
+
+Every entry point that takes a ``config`` (``save_strategy``, ``load_strategy``, ``watch_async_queue``,
+``install``, ``--cpuckpt-config``) accepts the same file, a mapping of the same shape, a
+:class:`cpuckpt.Config` (the adapter's keys then come from their defaults and the environment) or None.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpuckpt.config import Config, build_options, load_yaml_mapping
+from cpuckpt.errors import ConfigError
+
+__all__ = ["BLOCK", "ENV_PREFIX", "MegatronOptions", "resolve_core", "resolve_options", "split_config"]
+
+BLOCK = "megatron"
+ENV_PREFIX = "CPUCKPT_MEGATRON_"
+
+
+@dataclass(frozen=True)
+class MegatronOptions:
+    """The Megatron adapter's own keys (the ``megatron:`` block of ``configs/megatron.yaml``).
+
+    Attributes:
+        on_failure: what a failed async save does at finalize (a dead checkpoint worker, a write
+            error, a worker that raised). ``raise``: every rank raises the same error (the job
+            stops; the last complete checkpoint is the restart point). ``continue``: every rank logs
+            the error and training goes on; the failed checkpoint never gets ``metadata.json`` (nor
+            Megatron-LM's tracker file), so a restart still resumes from the last good one; a dead
+            persistent worker is replaced, so the next save runs on a fresh one. Only errors every
+            rank agrees on are continued; anything else is raised.
+        heartbeat_timeout_s: a checkpoint worker that took a save beats every ~1 s while it waits
+            for the save's outcome; one whose beat is older than this is treated as dead (stopped,
+            hung, or gone without its exit being seen).
+    """
+
+    on_failure: str = field(default="raise", metadata={"choices": ("raise", "continue")})
+    heartbeat_timeout_s: float = field(default=60.0, metadata={"min": 2.0})
+
+
+def _mapping(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> tuple[dict[str, Any] | None, str]:
+    if config is None or isinstance(config, Config):
+        return None, "<defaults>"
+    if isinstance(config, Mapping):
+        return dict(config), "<dict>"
+    return load_yaml_mapping(config), str(config)
+
+
+def split_config(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> tuple[Config, MegatronOptions]:
+    """The core :class:`~cpuckpt.Config` and the adapter's :class:`MegatronOptions` of one config source.
+
+    ``config``: a :class:`cpuckpt.Config`, a mapping, a YAML path, or None (defaults; both halves
+    take their environment overrides).
+
+    Raises:
+        ConfigError: an unknown key, a wrong type or an unreadable file (naming the source and the key).
+    """
+    if isinstance(config, MegatronOptions):
+        raise ConfigError("MegatronOptions holds only the adapter's keys; pass the whole config (a path, a mapping)")
+    data, source = _mapping(config)
+    block: Any = None
+    if data is not None:
+        block = data.pop(BLOCK, None)
+        if block is not None and not isinstance(block, Mapping):
+            raise ConfigError(f"{source}: {BLOCK} must be a mapping, got {block!r}")
+    options = _build_options(block, source)
+    if isinstance(config, Config):
+        return config, options
+    try:
+        core = Config.from_dict(data, source=source)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (the Megatron adapter's own keys go in a '{BLOCK}:' block)") from e
+    return core, options
+
+
+@dataclass(frozen=True)
+class _File:
+    """The file's shape as far as the adapter is concerned: its block, as a section (dotted keys
+    ``megatron.<key>`` in errors, ``CPUCKPT_MEGATRON_<KEY>`` from the environment)."""
+
+    megatron: MegatronOptions = field(default_factory=MegatronOptions)
+
+
+def _build_options(block: Mapping[str, Any] | None, source: str) -> MegatronOptions:
+    return build_options(_File, {BLOCK: dict(block or {})}, source=source, env_prefix="CPUCKPT_").megatron
+
+
+def resolve_core(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> Config:
+    """The core half of :func:`split_config` (what the strategies use)."""
+    return split_config(config)[0]
+
+
+def resolve_options(config: MegatronOptions | Config | Mapping[str, Any] | str | os.PathLike | None) -> MegatronOptions:
+    """The adapter half of :func:`split_config`; a :class:`MegatronOptions` is returned as it is."""
+    if isinstance(config, MegatronOptions):
+        return config
+    return split_config(config)[1]
