@@ -20,8 +20,9 @@ Phases (``--phases``, comma-separated, run in the order given; default ``load,re
     threads, buffered and with O_DIRECT (page-aligned buffers), 32 MiB ``preadv`` chunks interleaved
     over the threads. The ratio compares cpuckpt.load with the floor for the same bytes (target 1.15).
 ``reuse``
-    Plan reuse: two cpuckpt runs saving ``--reuse-saves`` times every ``--reuse-interval`` iterations,
-    without and with ``--ckpt-assume-constant-structure``; the ``save-checkpoint`` timer per save
+    Plan reuse: three cpuckpt runs saving ``--reuse-saves`` times every ``--reuse-interval`` iterations:
+    DCP plans every save (``megatron.reuse_plan: false``), plan reuse (the default), and
+    ``--ckpt-assume-constant-structure``; the ``save-checkpoint`` timer per save
     (warm: the saves after the first), cpuckpt's telemetry per save, and whether the previous save was
     finalized before each save started (if not, the timer includes waiting for it: raise the interval).
 ``kill``
@@ -93,7 +94,8 @@ MLOAD_RE = re.compile(r"cpuckpt megatron load (\S+): translate ([\d.]+) s, cpuck
 # cpuckpt.telemetry (INFO), one line per save/load of a rank.
 TELEMETRY_RE = re.compile(
     r"cpuckpt (\w+) (\S+) rank (\d+): stall ([\d.]+) s, persist ([\d.]+) s"
-    r"(?: \(metadata ([\d.]+) s, planning ([\d.]+) s, reads ([\d.]+) s\))?, (\d+) bytes, ([\d.]+) GB/s, "
+    r"(?: \(metadata ([\d.]+) s, planning ([\d.]+) s, reads ([\d.]+) s"
+    r"(?:: parallel reads ([\d.]+) s, copies into targets ([\d.]+) s)?\))?, (\d+) bytes, ([\d.]+) GB/s, "
     r"mode (\S+), (\d+) file\(s\)")
 WORKER_ERROR_RE = re.compile(r"WorkerDiedError|checkpoint worker")
 ERROR_RE = re.compile(r"Traceback|Error|error:|CUDA out of memory")
@@ -146,10 +148,12 @@ def parse_log(lines: Sequence[tuple[float, str]]) -> dict[str, Any]:
                                  "unwrap_s": float(m.group(4)), "nbytes": int(m.group(5))})
         elif m := TELEMETRY_RE.search(line):
             rec = {"t": round(t, 2), "event": m.group(1), "path": m.group(2), "rank": int(m.group(3)),
-                   "stall_s": float(m.group(4)), "persist_s": float(m.group(5)), "nbytes": int(m.group(9)),
-                   "gbps": float(m.group(10)), "mode": m.group(11), "files": int(m.group(12))}
+                   "stall_s": float(m.group(4)), "persist_s": float(m.group(5)), "nbytes": int(m.group(11)),
+                   "gbps": float(m.group(12)), "mode": m.group(13), "files": int(m.group(14))}
             if m.group(6) is not None:
                 rec.update(metadata_s=float(m.group(6)), plan_s=float(m.group(7)), read_s=float(m.group(8)))
+            if m.group(9) is not None:
+                rec.update(read_io_s=float(m.group(9)), read_copy_s=float(m.group(10)))
             out["telemetry"].append(rec)
         if WORKER_ERROR_RE.search(line):
             out["worker_errors"].append({"t": round(t, 2), "line": line.strip()[:400]})
@@ -594,15 +598,18 @@ def phase_load(b: Bench) -> tuple[dict, str]:
             saves[fmt] = b.run(name + "-retry", argv)
     loads: dict[str, dict] = {}
     floors: dict[str, dict] = {}
-    for fmt in formats:
+    # (row, format, environment): cpuckpt's loads once with the config's threads, then with each --load-threads
+    variants = [(fmt, fmt, {}) for fmt in formats] + [
+        (f"cpuckpt io.threads={n}", "cpuckpt", {"CPUCKPT_IO_THREADS": str(n)}) for n in a.load_threads]
+    for row, fmt, env in variants:
         if not a.dry_run and _tracker(root / fmt) != str(it):
-            loads[fmt] = {"name": f"load-{fmt}", "rc": None, "skipped": "no checkpoint to load"}
+            loads[row] = {"name": f"load-{row}", "rc": None, "skipped": "no checkpoint to load"}
             continue
         cold = b.drop_caches()
         load_extra = ["--train-iters", str(it + 1), "--eval-interval", str(10 * it), "--load", str(root / fmt),
                       *RESUME]
-        loads[fmt] = b.run(f"load-{fmt}", b.argv(fmt, "load", load_extra))
-        loads[fmt]["cache_dropped"] = cold
+        loads[row] = b.run(f"load-{row.replace(' ', '-')}", b.argv(fmt, "load", load_extra), env=env)
+        loads[row]["cache_dropped"] = cold
     for fmt in formats:
         if a.dry_run or _tracker(root / fmt) == str(it):
             floors[fmt] = _floor(b, _ckpt_dir(root / fmt, it))
@@ -615,8 +622,8 @@ def phase_load(b: Bench) -> tuple[dict, str]:
     b.clean(root)
 
     rows, summary = [], {}
-    for fmt in formats:
-        ld, fl = loads.get(fmt, {}), floors.get(fmt, {})
+    for row, fmt, _ in variants:
+        ld, fl = loads.get(row, {}), floors.get(fmt, {})
         ml = ld.get("mload") or []  # one per dist_checkpointing.load; summed if Megatron-LM loads more than once
         tele = [x for x in ld.get("telemetry") or [] if x["event"] == "load"]
 
@@ -632,34 +639,37 @@ def phase_load(b: Bench) -> tuple[dict, str]:
         raw_d = bd["wall_s"] * nbytes / tree if bd and tree else None
         load_s = ld["load_ms"] / 1000 if ld.get("load_ms") is not None else None
         share = total(ml, "load_s")
-        s = {"format": fmt, "rc": ld.get("rc"), "load_checkpoint_s": _r(load_s, 3), "cpuckpt_load_s": share,
+        s = {"format": row, "rc": ld.get("rc"), "load_checkpoint_s": _r(load_s, 3), "cpuckpt_load_s": share,
              "cpuckpt_loads": len(ml), "translate_s": total(ml, "translate_s"), "unwrap_s": total(ml, "unwrap_s"),
              "metadata_s": total(tele, "metadata_s"), "plan_s": total(tele, "plan_s"),
-             "reads_s": total(tele, "read_s"), "nbytes": nbytes, "tree_nbytes": tree, "files": fl.get("files"),
+             "reads_s": total(tele, "read_s"), "read_io_s": total(tele, "read_io_s"),
+             "read_copy_s": total(tele, "read_copy_s"), "nbytes": nbytes, "tree_nbytes": tree, "files": fl.get("files"),
              "raw_buffered_s": _r(raw_b, 3), "raw_buffered_threads": bb["threads"] if bb else None,
              "raw_direct_s": _r(raw_d, 3), "raw_direct_threads": bd["threads"] if bd else None,
              "share_over_raw_buffered": _r(share / raw_b if share and raw_b else None),
              "share_over_raw_direct": _r(share / raw_d if share and raw_d else None),
              "load_over_raw_buffered": _r(load_s / raw_b if load_s and raw_b else None),
              "cache_dropped": ld.get("cache_dropped"), "loaded": ld.get("loaded")}
-        summary[fmt] = s
-        split = (f"{s['metadata_s']}/{s['plan_s']}/{s['reads_s']}" if s["metadata_s"] is not None else None)
+        summary[row] = s
+        split = (f"{s['metadata_s']}/{s['plan_s']}/{s['reads_s']} ({s['read_io_s']}+{s['read_copy_s']})"
+                 if s["metadata_s"] is not None else None)
         shown = f"{share} ({len(ml)} loads)" if len(ml) > 1 else share
-        rows.append([fmt, s["rc"], s["load_checkpoint_s"], shown, split,
+        rows.append([row, s["rc"], s["load_checkpoint_s"], shown, split,
                      f"{s['translate_s']}/{s['unwrap_s']}" if ml else None,
                      f"{nbytes / 1e9:.3f}" if nbytes else None,
                      f"{raw_b:.2f} ({bb['threads']} thr)" if raw_b else None,
                      f"{raw_d:.2f} ({bd['threads']} thr)" if raw_d else None,
                      s["share_over_raw_buffered"], s["share_over_raw_direct"], s["load_over_raw_buffered"]])
     table = format_table(
-        ["format", "rc", "load-checkpoint s", "cpuckpt.load s", "metadata/planning/reads s", "translate/unwrap s",
-         "GB", "raw buffered s", "raw O_DIRECT s", "share/raw buf", "share/raw direct", "load-ckpt/raw buf"],
+        ["format", "rc", "load-checkpoint s", "cpuckpt.load s", "metadata/planning/reads (io+copies) s",
+         "translate/unwrap s", "GB", "raw buffered s", "raw O_DIRECT s", "share/raw buf", "share/raw direct",
+         "load-ckpt/raw buf"],
         rows, right=[False, True, True, True, False, False, True, True, True, True, True, True],
         title=f"load: cold resume, model {b.model('load')}, checkpoint of iteration {it}, one rank",
         footnotes=["raw: the checkpoint directory's files read cold (page cache dropped), best of threads "
                    f"{a.floor_threads}, scaled to the format's bytes (cpuckpt: the bytes cpuckpt.load read); "
                    "share = cpuckpt.load s; target share/raw buf <= 1.15",
-                   *[f"{fmt}: {line}" for fmt in formats for line in loads.get(fmt, {}).get("loaded") or []]])
+                   *[f"{row}: {line}" for row, _, _ in variants for line in loads.get(row, {}).get("loaded") or []]])
     return {"summary": summary, "saves": saves, "loads": loads, "floors": floors}, table
 
 
@@ -690,9 +700,18 @@ def phase_reuse(b: Bench) -> tuple[dict, str]:
              "--eval-interval", str(10 * iters), *ASYNC]
     out: dict[str, Any] = {"runs": {}}
     rows = []
-    for variant, flags in (("plain", []), ("constant-structure", ["--ckpt-assume-constant-structure"])):
+    no_reuse = str(megatron_config(b.args.config, Path(tempfile.mkdtemp(prefix="bench_mlm_")) / "no_reuse.yaml",
+                                   reuse_plan=False))
+    precheck = precheck_config(Path(no_reuse))
+    if precheck:
+        logger.warning("reuse: the config loader rejects megatron.reuse_plan here (%s)", precheck)
+    out["no_reuse_config_precheck"] = precheck or "accepted"
+    for variant, flags, config in (("plan every save (megatron.reuse_plan: false)", [], no_reuse),
+                                   ("plan reuse (default)", [], None),
+                                   ("--ckpt-assume-constant-structure", ["--ckpt-assume-constant-structure"], None)):
         b.clean(root)
-        r = b.run(f"reuse-{variant}", b.argv("cpuckpt", "reuse", [*extra, *flags, "--save", str(root / variant)]))
+        r = b.run(f"reuse-{variant.split()[0].strip('-')}",
+                  b.argv("cpuckpt", "reuse", [*extra, *flags, "--save", str(root / "ckpt")], config))
         s = summarize_reuse(r)
         out["runs"][variant] = {"summary": s, "raw": r}
         rows.append([variant, s["rc"], ", ".join(f"{x['ms']:.0f}" for x in s["saves"]), s["first_ms"],
@@ -749,14 +768,19 @@ class KillWatcher:
                     " ".join(worker["cmdline"])[:200], t, self.last_iter)
 
 
-def continue_config(base: str, dest: Path) -> Path:
-    """``base`` YAML with ``megatron: {on_failure: continue}`` merged in, written to ``dest``."""
+def megatron_config(base: str, dest: Path, **keys: Any) -> Path:
+    """``base`` YAML with ``keys`` merged into its ``megatron:`` block, written to ``dest``."""
     import yaml
 
     data = yaml.safe_load(Path(base).read_text()) or {}
-    data.setdefault("megatron", {})["on_failure"] = "continue"
+    data.setdefault("megatron", {}).update(keys)
     dest.write_text(yaml.safe_dump(data, sort_keys=False))
     return dest
+
+
+def continue_config(base: str, dest: Path) -> Path:
+    """``base`` YAML with ``megatron: {on_failure: continue}`` merged in, written to ``dest``."""
+    return megatron_config(base, dest, on_failure="continue")
 
 
 def precheck_config(path: Path) -> str | None:
@@ -935,7 +959,7 @@ def self_test(config: str) -> int:
         try:
             cfg = resolve_config(None)
             telemetry.record_load(cfg, path="/root/x/cpuckpt/iter_0000004", seconds=2.3, nbytes=5098765432,
-                                  files=3, metadata_s=0.05, read_s=2.1)
+                                  files=3, metadata_s=0.05, read_s=2.1, read_io_s=1.9, read_copy_s=0.125)
             telemetry.record_save(cfg, path="/root/x/cpuckpt/iter_0000008", stall_s=0.4, persist_s=2.7,
                                   nbytes=5098765432, mode="snapshot", files=1, event="async_save")
         finally:
@@ -969,6 +993,8 @@ def self_test(config: str) -> int:
         checks += [
             (ld["event"] == "load" and ld["metadata_s"] == 0.05 and ld["read_s"] == 2.1 and ld["plan_s"] == 0.15
              and ld["nbytes"] == 5098765432 and ld["files"] == 3, "telemetry load split"),
+            (not real_telemetry or (ld.get("read_io_s") == 1.9 and ld.get("read_copy_s") == 0.125),
+             "telemetry read split (parallel reads, copies into targets)"),
             (sv["event"] == "async_save" and sv["stall_s"] == 0.4 and sv["persist_s"] == 2.7 and "read_s" not in sv,
              "telemetry save"),
         ]
@@ -1058,7 +1084,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="long enough for a save to persist before the next one (both formats wait otherwise)")
     g = ap.add_argument_group("load phase")
     g.add_argument("--load-iters", type=int, default=4, help="iterations before the one save (then resume +1)")
-    g.add_argument("--floor-threads", type=_threads, default=[1, 4, 8], help="thread counts of the raw reads")
+    g.add_argument("--floor-threads", type=_threads, default=[1, 4, 8, 16], help="thread counts of the raw reads")
+    g.add_argument("--load-threads", type=_threads, default=[16],
+                   help="cpuckpt loads again with these io.threads (CPUCKPT_IO_THREADS); '' for none")
     g = ap.add_argument_group("reuse phase")
     g.add_argument("--reuse-interval", type=int, default=80,
                    help="iterations between saves: long enough for the previous save to be finalized")

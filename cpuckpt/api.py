@@ -85,7 +85,8 @@ def load(
 
     Args:
         storage_reader: a :class:`StorageReader` of ``path`` to use (default: a new one); afterwards its
-            ``metadata`` and read statistics (``last_read_s``, ``last_read_nbytes``) describe this load.
+            ``metadata`` and read statistics (``last_read_s``, ``last_read_nbytes``, ``last_stats``) describe
+            this load.
 
     Raises:
         CheckpointCorrupt: a file is missing, truncated or fails its checksum.
@@ -107,7 +108,8 @@ def load(
     record_load(reader.config, path=path, rank=rank, seconds=time.perf_counter() - t0,
                 nbytes=reader.last_read_nbytes, files=len({getattr(s, "relative_path", None)
                                                            for s in reader.storage_data.values()}),
-                metadata_s=metadata_s, read_s=reader.last_read_s)
+                metadata_s=metadata_s, read_s=reader.last_read_s, read_io_s=reader.last_stats.io_s,
+                read_copy_s=reader.last_stats.finish_s)
 
 
 def prepare_pool(nbytes: int, config: Config | str | os.PathLike | dict | None = None) -> None:

@@ -55,6 +55,8 @@ class TelemetryRecord:
     metadata_s: float = 0.0  # loads: reading and unpickling .metadata
     plan_s: float = 0.0  # loads: DCP's load planning and its collectives
     read_s: float = 0.0  # loads: reads, checksums, copies into the targets (H2D included)
+    read_io_s: float = 0.0  # loads: of read_s, the parallel reads (with checksums and H2D of chunks)
+    read_copy_s: float = 0.0  # loads: of read_s, bounce buffers copied into targets on the caller's thread
     unix_time: float = field(default_factory=time.time)
 
 
@@ -76,13 +78,15 @@ def record_save(config: Config, *, path: str | os.PathLike, rank: int = 0, step:
 
 
 def record_load(config: Config, *, path: str | os.PathLike, rank: int = 0, seconds: float, nbytes: int,
-                files: int = 0, metadata_s: float = 0.0, read_s: float = 0.0) -> TelemetryRecord:
+                files: int = 0, metadata_s: float = 0.0, read_s: float = 0.0, read_io_s: float = 0.0,
+                read_copy_s: float = 0.0) -> TelemetryRecord:
     """Log (and, if configured, append as JSON) one load of this rank; the caller was blocked throughout.
 
     ``seconds`` splits into ``metadata_s``, ``read_s`` and the rest, recorded as ``plan_s`` (DCP's planning).
     """
     rec = _make("load", path, rank, None, seconds, seconds, nbytes, "", files, None)
     rec.metadata_s, rec.read_s = round(metadata_s, 6), round(read_s, 6)
+    rec.read_io_s, rec.read_copy_s = round(read_io_s, 6), round(read_copy_s, 6)
     rec.plan_s = round(max(0.0, seconds - metadata_s - read_s), 6)
     _emit(rec, config)
     return rec
@@ -100,7 +104,8 @@ def _make(event: str, path: str | os.PathLike, rank: int, step: int | None, stal
 
 
 def _emit(rec: TelemetryRecord, config: Config) -> None:
-    phases = (f" (metadata {rec.metadata_s:.3f} s, planning {rec.plan_s:.3f} s, reads {rec.read_s:.3f} s)"
+    phases = (f" (metadata {rec.metadata_s:.3f} s, planning {rec.plan_s:.3f} s, reads {rec.read_s:.3f} s: "
+              f"parallel reads {rec.read_io_s:.3f} s, copies into targets {rec.read_copy_s:.3f} s)"
               if rec.event == "load" else "")
     logger.info(
         "cpuckpt %s %s rank %d: stall %.3f s, persist %.3f s%s, %d bytes, %.2f GB/s, mode %s, %d file(s), "

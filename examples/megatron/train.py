@@ -338,13 +338,14 @@ class ThreadAsyncCalls:
         self.maybe_finalize_async_calls(blocking=True)
 
 
-def make_async_queue(device: str) -> Any:
+def make_async_queue(device: str, config: str | None) -> Any:
     if device == "cuda":  # Megatron-LM's choice: one persistent worker process per rank
         from cpuckpt.integrations.megatron.guard import watch_async_queue
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-        # a worker killed from outside would otherwise leave megatron-core waiting forever
-        return watch_async_queue(AsyncCallsQueue(persistent=True))
+        # a worker killed from outside would otherwise leave megatron-core waiting forever; the
+        # config's megatron: block says whether a failed save raises or training continues
+        return watch_async_queue(AsyncCallsQueue(persistent=True), config=config)
     return ThreadAsyncCalls()
 
 
@@ -472,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     # Megatron-LM's default (--ckpt-fully-parallel-save): the data-parallel replicas split the writing
     strategy = ckpt_mg.save_strategy(args.config, fully_parallel=True,
                                      parallelization_group=parallel_state.get_data_parallel_group())
-    queue = make_async_queue(args.device)
+    queue = make_async_queue(args.device, args.config)
 
     def on_finalized(step: int) -> None:
         events("finalized", step=step)

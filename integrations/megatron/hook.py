@@ -107,14 +107,14 @@ def install(config: Config | str | os.PathLike | dict | None = None, *, argv: li
         return False
     cfg, options = split_config(sel.config if sel.config is not None else config)
     args[1:] = sel.argv
-    patch_training(cfg)
+    patch_training(cfg, options=options)
     watch_megatron_lm_queue(2 * cfg.timeout_s + 60, options)  # the callers' own bound on a save
     logger.info("cpuckpt: --ckpt-format cpuckpt -> torch_dist files written and read by cpuckpt (%s)",
                 sel.config or "default settings")
     return True
 
 
-def patch_training(cfg: Config, module: Any = None) -> None:
+def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | None = None) -> None:
     """Replace the strategy classes ``megatron.training.checkpointing`` constructs by cpuckpt's."""
     if module is None:
         try:
@@ -124,7 +124,8 @@ def patch_training(cfg: Config, module: Any = None) -> None:
                 "--ckpt-format cpuckpt needs Megatron-LM's megatron.training on the path (Megatron-LM is not on "
                 f"PyPI: put its checkout first on PYTHONPATH): {e}"
             ) from e
-    module.TorchDistSaveShardedStrategy, module.TorchDistLoadShardedStrategy = _training_classes(cfg)
+    classes = _training_classes(cfg, options or MegatronOptions())
+    module.TorchDistSaveShardedStrategy, module.TorchDistLoadShardedStrategy = classes
 
 
 _QUEUE_BUILDERS = ("_get_async_calls_queue", "init_persistent_async_worker")
@@ -182,7 +183,7 @@ def _watching(fn: Any, module: Any, timeout_s: float, options: MegatronOptions) 
     return wrapper
 
 
-def _training_classes(cfg: Config) -> tuple[type, type]:
+def _training_classes(cfg: Config, options: MegatronOptions) -> tuple[type, type]:
     from .strategy import CpuckptLoadStrategy, CpuckptSaveStrategy
 
     class MegatronLMSaveStrategy(CpuckptSaveStrategy):
@@ -190,7 +191,7 @@ def _training_classes(cfg: Config) -> tuple[type, type]:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             # cpu_shm_mode (NVRx's worker-side staging) has no meaning here: staging is ours.
-            super().__init__(cfg)
+            super().__init__(cfg, reuse_plan=options.reuse_plan)
 
     class MegatronLMLoadStrategy(CpuckptLoadStrategy):
         """Built by Megatron-LM as ``TorchDistLoadShardedStrategy(cache_metadata=..., ...)``."""

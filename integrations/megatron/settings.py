@@ -43,10 +43,14 @@ class MegatronOptions:
         heartbeat_timeout_s: a checkpoint worker that took a save beats every ~1 s while it waits
             for the save's outcome; one whose beat is older than this is treated as dead (stopped,
             hung, or gone without its exit being seen).
+        reuse_plan: reuse the previous save's DCP plan when the state's structure is unchanged
+            (checked on every save; see :class:`.strategy.CpuckptSaveStrategy`). False plans every
+            save with DCP unless Megatron-LM's ``--ckpt-assume-constant-structure`` is given.
     """
 
     on_failure: str = field(default="raise", metadata={"choices": ("raise", "continue")})
     heartbeat_timeout_s: float = field(default=60.0, metadata={"min": 2.0})
+    reuse_plan: bool = True
 
 
 def _mapping(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> tuple[dict[str, Any] | None, str]:

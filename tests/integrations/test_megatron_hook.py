@@ -69,6 +69,7 @@ def test_install_without_megatron_lm_says_what_is_missing():
 def test_classes_megatron_lm_constructs_are_torch_dist_strategies(tmp_path):
     pytest.importorskip("megatron.core")
     from cpuckpt.integrations.megatron.hook import _training_classes
+    from cpuckpt.integrations.megatron.settings import MegatronOptions
     from megatron.core.dist_checkpointing.strategies.torch import (
         TorchDistLoadShardedStrategy,
         TorchDistSaveShardedStrategy,
@@ -77,11 +78,13 @@ def test_classes_megatron_lm_constructs_are_torch_dist_strategies(tmp_path):
     from cpuckpt.config import Config
 
     cfg = Config.from_dict({"io": {"threads": 3}})
-    save_cls, load_cls = _training_classes(cfg)
+    save_cls, load_cls = _training_classes(cfg, MegatronOptions())
     save = save_cls(cpu_shm_mode=False)  # exactly how megatron.training.checkpointing builds them
     load = load_cls(cache_metadata=True, stream_ckpt_dequant=False)
     assert isinstance(save, TorchDistSaveShardedStrategy) and isinstance(load, TorchDistLoadShardedStrategy)
-    assert save.backend == "torch_dist" and save.config.io.threads == 3
+    assert save.backend == "torch_dist" and save.config.io.threads == 3 and save.reuse_plan is True
+    no_reuse, _ = _training_classes(cfg, MegatronOptions(reuse_plan=False))
+    assert no_reuse(cpu_shm_mode=False).reuse_plan is False  # megatron: {reuse_plan: false}
     assert load.cache_metadata is True and load.config.io.threads == 3
 
 

@@ -62,3 +62,30 @@ def test_storage_reader_of_another_checkpoint_is_refused(tmp_path):
     _, path = _saved(tmp_path)
     with pytest.raises(cpuckpt.ConfigError, match="storage_reader reads"):
         cpuckpt.load({"w": torch.empty(512, 256)}, path, storage_reader=cpuckpt.StorageReader(tmp_path / "other"))
+
+
+@pytest.mark.parametrize("verify", ["always", "off"])
+def test_reads_of_every_file_share_one_set_of_threads_and_are_accounted(tmp_path, monkeypatch, verify):
+    """Several data files: one run of the read threads for all of them (no drain per file), and the
+    read statistics split reads from the caller-thread copies of bounce buffers (a dtype change)."""
+    cfg = {"io": {"files_per_rank": 3, "threads": 2, "chunk_bytes": 65536}, "integrity": {"verify": verify}}
+    sd = {f"t{i}": torch.randn(64, 128) for i in range(6)} | {"h": torch.randn(100, dtype=torch.float64)}
+    cpuckpt.save(sd, tmp_path / "c", cfg)
+    runs = []
+    real = cpuckpt.backend.reader.run_parallel
+
+    def counting(fn, tasks, **kw):
+        runs.append(len(tasks))
+        return real(fn, tasks, **kw)
+
+    monkeypatch.setattr(cpuckpt.backend.reader, "run_parallel", counting)
+    out = {k: torch.empty_like(v) for k, v in sd.items()} | {"h": torch.empty(100, dtype=torch.float32)}
+    reader = cpuckpt.StorageReader(tmp_path / "c", cfg)
+    cpuckpt.load(out, tmp_path / "c", cfg, storage_reader=reader)
+    for k, v in sd.items():
+        assert torch.equal(out[k], v.to(out[k].dtype)), k
+    stats = reader.last_stats
+    assert stats.files == 3 and len(runs) == 1 and runs[0] == stats.jobs >= 3
+    assert stats.bounce_nbytes == 100 * 8  # the float64 record, converted on the caller's thread
+    assert stats.nbytes == reader.last_read_nbytes >= sum(v.numel() * v.element_size() for v in sd.values())
+    assert stats.plan_s + stats.io_s + stats.finish_s <= reader.last_read_s
