@@ -600,7 +600,7 @@ def phase_load(b: Bench) -> tuple[dict, str]:
     floors: dict[str, dict] = {}
     # (row, format, environment): cpuckpt's loads once with the config's threads, then with each --load-threads
     variants = [(fmt, fmt, {}) for fmt in formats] + [
-        (f"cpuckpt io.threads={n}", "cpuckpt", {"CPUCKPT_IO_THREADS": str(n)}) for n in a.load_threads]
+        (f"cpuckpt io.read_threads={n}", "cpuckpt", {"CPUCKPT_IO_READ_THREADS": str(n)}) for n in a.load_threads]
     for row, fmt, env in variants:
         if not a.dry_run and _tracker(root / fmt) != str(it):
             loads[row] = {"name": f"load-{row}", "rc": None, "skipped": "no checkpoint to load"}
@@ -1085,8 +1085,8 @@ def main(argv: list[str] | None = None) -> int:
     g = ap.add_argument_group("load phase")
     g.add_argument("--load-iters", type=int, default=4, help="iterations before the one save (then resume +1)")
     g.add_argument("--floor-threads", type=_threads, default=[1, 4, 8, 16], help="thread counts of the raw reads")
-    g.add_argument("--load-threads", type=_threads, default=[16],
-                   help="cpuckpt loads again with these io.threads (CPUCKPT_IO_THREADS); '' for none")
+    g.add_argument("--load-threads", type=_threads, default=[8],
+                   help="cpuckpt loads again with these io.read_threads (CPUCKPT_IO_READ_THREADS); empty for none")
     g = ap.add_argument_group("reuse phase")
     g.add_argument("--reuse-interval", type=int, default=80,
                    help="iterations between saves: long enough for the previous save to be finalized")

@@ -71,7 +71,10 @@ class IOConfig:
     """How bytes reach storage."""
 
     backend: str = _opt("auto", "File backend: auto (probe O_DIRECT), direct, buffered, or a registered name.")
-    threads: int = _opt(4, "Writer/reader threads per rank.", min=1, max=256)
+    threads: int = _opt(4, "Writer threads per rank (and the stock-checkpoint reader's).", min=1, max=256)
+    read_threads: int = _opt(16, "Reader threads per rank for cpuckpt checkpoints: a cold read waits on the disk, so "
+                             "more reads in flight than writes help (H200: 16 reached the raw read, 8 did not).",
+                             min=1, max=256)
     chunk_bytes: int = _opt(32 * _MiB, "Unit of staging, checksumming and pwrite; multiple of layout.align_bytes.",
                             size=True, min=4 * _KiB)
     files_per_rank: int = _opt(1, "Data files per rank (threads share one file through pwrite).", min=1, max=1024)
@@ -134,6 +137,27 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """The memory tier (``cpuckpt.tier``): checkpoints committed in a node-local RAM root as reused
+    images, persisted to the durable root by a writer process."""
+
+    root: str = _opt("", "RAM root directory; empty: /dev/shm/cpuckpt-<uid>/<job>.")
+    job: str = _opt("", "Job identity of the RAM root, stable across restarts of the same job; empty: derived "
+                    "from the durable root's absolute path.")
+    slots: int = _opt(2, "Memory checkpoints kept in RAM (a ring of reused images, one shard per rank each).",
+                      min=1, max=64)
+    persist_every: int = _opt(1, "Persist every K-th memory checkpoint to the durable root (1: all; 0: none).",
+                              min=0)
+    when_full: str = _opt("wait", "Every slot still held by a persist: wait for one, disk (save to the durable "
+                          "root instead), or skip the save.", choices=("wait", "disk", "skip"))
+    headroom_bytes: int = _opt(1 << 30, "Free space the RAM filesystem must keep after the images are reserved "
+                               "(NCCL, DataLoader shared memory).", size=True, min=0)
+    on_writer_failure: str = _opt("raise", "A writer process found dead at a save: raise on every rank, or "
+                                  "respawn it (what it owed is reported lost) and go on.",
+                                  choices=("raise", "respawn"))
+
+
+@dataclass(frozen=True)
 class TelemetryConfig:
     """Per-save/load telemetry records (see cpuckpt.backend.telemetry)."""
 
@@ -150,6 +174,7 @@ class Config:
     staging: StagingConfig = field(default_factory=StagingConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig, metadata={"key": "async"})
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     timeout_s: float = _opt(600.0, "Bound on every wait (threads, peers, pool leases), seconds.", min=0.001)
 

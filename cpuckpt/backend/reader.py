@@ -175,7 +175,7 @@ class StorageReader(_DcpStorageReader):
             # files (optimizer shards, rank files of a resharded load) read side by side.
             jobs = _read_jobs(plans, planner, cfg, opened, stats)
             stats.jobs = len(jobs)
-            stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.threads, timeout_s=cfg.timeout_s,
+            stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
                                             name="cpuckpt-read"))
         t2 = time.perf_counter()
         stats.io_s = t2 - t1
@@ -299,7 +299,7 @@ def _read_jobs(plans: dict[str, _FilePlan], planner: LoadPlanner, cfg: Config, o
     pool = copiers = None
     if chunked:
         slot_bytes = max(plans[p].entry.chunk_bytes for p in plans if plans[p].path in chunked)  # type: ignore[union-attr]
-        pool = get_pool(slot_bytes, cfg.io.threads, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
+        pool = get_pool(slot_bytes, cfg.io.read_threads, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
         copiers = _Copiers()
     jobs: list[ReadJob] = []
     for fp in plans.values():

@@ -6,7 +6,7 @@ tensors, which reserves every storage's bytes without touching them). Then tenso
 batches of at most ``memory_budget_bytes`` through :func:`cpuckpt.load` (resharded to full tensors,
 checksums verified) into a state dict that holds only that batch, and each tensor's bytes are
 ``pwrite``-n to their place. Peak memory is about one batch (or the largest tensor, if larger) plus
-the reader's pool (``io.threads`` x ``io.chunk_bytes``).
+the reader's pool (``io.read_threads`` x ``io.chunk_bytes``).
 
 Non-tensor items are read from their records with ``torch.load(weights_only=True)`` (never arbitrary
 pickles). With safetensors they go into the header's ``__metadata__`` as JSON; values that are not
