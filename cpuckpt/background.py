@@ -37,6 +37,7 @@ from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import FailureReport, rank_error
 from cpuckpt.format.plancache import CachedPlan, structure_signature
 from cpuckpt.roots import after_commit
+from cpuckpt.transfer.images import ImageSet
 from cpuckpt.transfer.threads import new_executor, wait_future
 
 __all__ = ["AsyncSaveHandle", "async_save", "wait_all"]
@@ -105,6 +106,11 @@ class AsyncSaveHandle:
 
     def done(self) -> bool:
         return self._committed.done()
+
+    @property
+    def save_id(self) -> str:
+        """The save's id (recorded by the committed checkpoint when ``async_save`` got one for every rank)."""
+        return self._writer.save_id
 
     def add_done_callback(self, fn: Callable[[BaseException | None], None]) -> None:
         """Call ``fn(None)`` once committed on every rank, or ``fn(error)`` once failed.
@@ -231,6 +237,8 @@ def async_save(
     process_group: Any = None,
     planner: Any = None,
     plan_key: Hashable | None = None,
+    images: ImageSet | None = None,
+    save_id: str | None = None,
 ) -> AsyncSaveHandle:
     """Save in the background: returns once the layout is planned and staging has begun.
 
@@ -252,6 +260,9 @@ def async_save(
             and that equal keys (with the same planner class) mean the same planner settings; a
             reused plan only calls the planner's ``set_up_planner`` and ``resolve_data``. Without a
             ``planner`` the plan is always reusable; with one and no ``plan_key``, DCP plans every save.
+        images: the memory tier's image files for ``path`` (:class:`cpuckpt.tier.MemoryTier` passes
+            them): staging copies straight into them and nothing is written through the pool.
+        save_id: the id the committed checkpoint records (the same on every rank; default: a new one).
 
     A plan is reused when every rank finds its (planner class, ``plan_key``, structure signature)
     unchanged since its previous ``async_save`` on this process group (``format.plancache``: paths,
@@ -276,7 +287,7 @@ def async_save(
     while ckpt.in_flight and ckpt.in_flight[0].done() and ckpt.in_flight[0]._committed.exception() is None:
         ckpt.in_flight.popleft()
     t0 = time.perf_counter()
-    writer = StorageWriter(path, cfg, step=step)
+    writer = StorageWriter(path, cfg, step=step, images=images, save_id=save_id)
     writer.defer_commit(in_flight=cfg.async_.max_in_flight)
     handle = AsyncSaveHandle(writer, str(path), t0)
     try:

@@ -47,6 +47,7 @@ from cpuckpt.format.manifest import FileEntry, Manifest, part_name
 from cpuckpt.format.plancache import CachedPlan, reused_metadata
 from cpuckpt.format.record import record_template
 from cpuckpt.transfer.files import write_atomic
+from cpuckpt.transfer.images import ImageJob, ImageSet
 from cpuckpt.transfer.save_job import SaveJob, choose_mode
 from cpuckpt.transfer.staging import flat_bytes
 from cpuckpt.transfer.threads import wait_future
@@ -84,6 +85,10 @@ class StorageWriter(_DcpStorageWriter):
         path: checkpoint directory (created if missing).
         config: a :class:`Config`, a YAML path, a dict, or None for defaults.
         step: training step, recorded in the manifest.
+        images: the memory tier's image files of this checkpoint directory: the rank's files are
+            filled in place (device-to-host straight into the mapped pages), with no pool and no writes.
+        save_id: the save's id (default: a new one per save); every rank must pass the same one. The
+            coordinator's is what the manifest and ``.metadata`` record.
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -91,17 +96,19 @@ class StorageWriter(_DcpStorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
-                 *, step: int | None = None) -> None:
+                 *, step: int | None = None, images: ImageSet | None = None, save_id: str | None = None) -> None:
         super().__init__()
+        self._given_save_id = save_id
+        self.images = images  # memory tier: write into these mapped image files instead of through the pool
         self.path = Path(path)
         self.config = resolve_config(config)
         self.step = step
-        self.save_id = uuid.uuid4().hex
+        self.save_id = save_id or uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
         self.last_write_s = 0.0
         self.last_write_nbytes = 0
-        self.job: SaveJob | None = None
+        self.job: SaveJob | ImageJob | None = None
         self._deferred = False
         self._in_flight = 1
         self._prefix = "__0_"
@@ -162,7 +169,7 @@ class StorageWriter(_DcpStorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.path = Path(checkpoint_id)
-        self.save_id = uuid.uuid4().hex
+        self.save_id = self._given_save_id or uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -204,8 +211,11 @@ class StorageWriter(_DcpStorageWriter):
         mode = choose_mode(cfg, image_nbytes, in_flight=self._in_flight) if self._deferred else "streaming"
         if self._deferred and self.rank == 0:
             logger.info("cpuckpt async save: %s mode (%d bytes on rank 0)", mode, image_nbytes)
-        self.job = SaveJob(self.path, names, files, resolved.sources, cfg, rank=self.rank, mode=mode,
-                           in_flight=self._in_flight)
+        if self.images is not None:
+            self.job = ImageJob(self.path, names, files, resolved.sources, cfg, rank=self.rank, images=self.images)
+        else:
+            self.job = SaveJob(self.path, names, files, resolved.sources, cfg, rank=self.rank, mode=mode,
+                               in_flight=self._in_flight)
         try:
             self.job.start()
             if not self._deferred:

@@ -1,0 +1,1 @@
+"""The memory tier: checkpoints committed in a node-local RAM root, persisted by a writer process."""

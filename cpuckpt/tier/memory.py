@@ -1,0 +1,289 @@
+"""The memory tier: checkpoints committed in a node-local RAM root, persisted by a writer process per rank.
+
+A save copies each rank's shard straight into a *reused image* (a preallocated, mapped and, with
+CUDA, pinned file of the RAM root: :mod:`cpuckpt.transfer.images`) and commits it in memory the
+way every cpuckpt save commits (manifest, then ``.metadata``, after every rank's bytes are in), so a
+memory checkpoint is an ordinary checkpoint directory: ``cpuckpt.load``, ``verify``, ``ls`` and stock
+``FileSystemReader`` read it. The RAM root holds ``memory.slots`` such directories (``slot-<k>``), used
+in a ring. Every save whose step is a multiple of ``memory.persist_every`` is then persisted to the
+durable root by this rank's writer process (:mod:`cpuckpt.tier.persister`), which commits the
+durable copy without any collective and outlives the trainer.
+
+"Returned", "committed in memory" and "durable" are three events: ``save`` returns per the staging
+contract of :func:`cpuckpt.async_save` (``handle.staged``), ``handle.wait()`` is the memory commit,
+and :meth:`MemoryTier.persisted` says whether a step is durable.
+
+A slot is *held* while a persist of it is owed; a save that finds its slot held follows
+``memory.when_full``. Ranks agree on that, and on a dead writer, in one all-reduce per save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cpuckpt.backend.collectives import checkpoint_group
+from cpuckpt.backend.committed import check_complete, read_manifest
+from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
+from cpuckpt.config import CheckpointConfig, Config, resolve_config
+from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
+from cpuckpt.roots import list_checkpoints
+from cpuckpt.tier.queue import PersistQueue, PersistRequest
+from cpuckpt.tier.ramroot import RamRoot, job_id_for
+from cpuckpt.transfer.images import ImageSet
+
+__all__ = ["MemoryTier", "WriterDiedError"]
+
+logger = logging.getLogger(__name__)
+
+
+class WriterDiedError(CpuckptError):
+    """A rank's writer process ended while it owed persists (raised on every rank)."""
+
+
+class MemoryTier:
+    """Memory checkpoints of one job in a RAM root, persisted to ``durable_root`` by writer processes.
+
+    Args:
+        durable_root: where persisted checkpoints go (``<durable_root>/<name>``, name ``step_<step>``).
+        config: a :class:`Config`, YAML path, dict or None; its ``memory`` section configures the tier.
+        process_group: the trainer's group (cpuckpt uses gloo groups over the same ranks).
+
+    Example:
+        >>> tier = cpuckpt.MemoryTier("/ckpt", {"memory": {"persist_every": 4}})
+        >>> path = tier.find_latest()
+        >>> if path is not None:
+        ...     cpuckpt.load(state, path)
+        >>> h = tier.save(state, step)   # returns once staged; h.wait(): committed in memory
+        >>> tier.close()                 # newest checkpoint made durable, RAM root removed
+    """
+
+    def __init__(self, durable_root: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
+                 *, process_group: Any = None) -> None:
+        self.config = resolve_config(config)
+        m = self.config.memory
+        self.durable_root = Path(durable_root)
+        self.process_group = process_group
+        self.dist = dist.is_available() and dist.is_initialized()
+        self.group = checkpoint_group(process_group, self.config.timeout_s) if self.dist else None
+        self.rank = dist.get_rank(self.group) if self.dist else 0
+        self.world_size = dist.get_world_size(self.group) if self.dist else 1
+        self.root = RamRoot.open(m.root or None, m.job or job_id_for(self.durable_root), self.rank,
+                                 headroom_bytes=m.headroom_bytes)
+        # Memory saves: no fsync (RAM), and no `latest`/retention in the RAM root (those follow the durable commit).
+        self.memory_config = dataclasses.replace(self.config, io=dataclasses.replace(self.config.io, fsync=False),
+                                                 checkpoint=CheckpointConfig())
+        self.slots = [self.root.path / f"slot-{k}" for k in range(m.slots)]
+        for d in self.slots:
+            d.mkdir(mode=0o700, exist_ok=True)
+        self.images = [ImageSet(d, pin=self.config.staging.pin) for d in self.slots]
+        self.queue = PersistQueue(self.root.path / f"queue-{self.rank}").create()
+        self._writer: subprocess.Popen | None = None
+        self._next = self._slot_after_newest()
+        self._last: tuple[int | None, str, Path] | None = None  # (step, name, slot) of the newest memory save
+        self._ensure_writer()
+
+    # -- paths ----------------------------------------------------------------------------------
+    @property
+    def trainer_lock(self) -> Path:
+        return self.root.path / f".rank-{self.rank}.lock"
+
+    def _slot_after_newest(self) -> int:
+        newest = max(((c.step, k) for k, d in enumerate(self.slots) if (c := check_complete(d)).complete
+                      and c.step is not None), default=None)
+        return 0 if newest is None else (newest[1] + 1) % len(self.slots)
+
+    # -- the writer process -----------------------------------------------------------------------
+    def _ensure_writer(self) -> None:
+        """Start this rank's writer, or adopt the one an earlier trainer of this rank left running."""
+        pid = self.root.writer_alive(self.rank)
+        if pid is not None:
+            logger.info("cpuckpt memory tier: rank %d adopts writer pid %d (still persisting for an earlier trainer)",
+                        self.rank, pid)
+            return
+        self.queue.clear_stop()
+        log = open(self.root.path / f"writer-{self.rank}.log", "ab")  # handed to the child, closed here after Popen
+        try:
+            self._writer = subprocess.Popen(
+                [sys.executable, "-m", "cpuckpt.tier.persister", "--queue", str(self.queue.path),
+                 "--lock", str(self.root.writer_lock_path(self.rank)), "--trainer-lock", str(self.trainer_lock)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                close_fds=True)
+        finally:
+            log.close()
+        deadline = time.monotonic() + 30.0
+        while self.root.writer_alive(self.rank) is None:  # wait until it holds its lock: liveness is the lock
+            if self._writer.poll() is not None:
+                raise WriterDiedError(f"rank {self.rank}: the writer process exited at start (code "
+                                      f"{self._writer.returncode}); see {self.root.path}/writer-{self.rank}.log")
+            if time.monotonic() > deadline:
+                raise CheckpointTimeoutError(f"rank {self.rank}: the writer process did not start within 30 s")
+            time.sleep(0.01)
+        logger.info("cpuckpt memory tier: rank %d writer pid %d, RAM root %s", self.rank, self._writer.pid,
+                    self.root.path)
+
+    def _writer_dead_with_debts(self) -> bool:
+        """A dead writer that owed nothing lost nothing: it is restarted quietly. One that owed is a failure."""
+        if self.root.writer_alive(self.rank) is not None:
+            return False
+        if self._writer is not None:
+            self._writer.poll()  # reap it
+        if not self.queue.owed():
+            self._ensure_writer()
+            return False
+        return True
+
+    def _held(self, slot: Path) -> bool:
+        return any(r.slot == str(slot) for r in self.queue.owed())
+
+    def _agree(self, flags: list[int]) -> list[int]:
+        if not self.dist:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return [int(x) for x in t.tolist()]
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save(self, state_dict: dict[str, Any], step: int, *, name: str | None = None, planner: Any = None,
+             plan_key: Hashable | None = None) -> AsyncSaveHandle | None:
+        """Save ``state_dict`` into the next memory slot; persist it if ``step`` is a multiple of
+        ``memory.persist_every``. Collective: every rank calls it with the same step.
+
+        Returns the handle of the memory save (or of a durable save, ``when_full: disk``), or None when
+        the save was skipped (``when_full: skip``).
+
+        Raises:
+            WriterDiedError: some rank's writer died owing persists (``on_writer_failure: raise``).
+        """
+        name = name or f"step_{step}"
+        k = self._next
+        slot = self.slots[k]
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            # one all-reduce: a dead writer anywhere, a held slot anywhere, and a save id common to all ranks
+            dead, held, token = self._agree([int(self._writer_dead_with_debts()), int(self._held(slot)),
+                                             random.getrandbits(62)])
+            if dead:
+                self._writer_failed()
+                continue
+            if not held:
+                break
+            policy = self.config.memory.when_full
+            if policy == "skip":
+                logger.warning("cpuckpt memory tier: every slot is held by a persist; step %s skipped", step)
+                return None
+            if policy == "disk":
+                logger.warning("cpuckpt memory tier: every slot is held by a persist; step %s goes to the durable "
+                               "root directly", step)
+                return async_save(state_dict, self.durable_root / name, self.config, step=step,
+                                  process_group=self.process_group, planner=planner, plan_key=plan_key)
+            if time.monotonic() > deadline:
+                raise CheckpointTimeoutError(f"memory tier: {slot} still held by a persist after "
+                                             f"{self.config.timeout_s} s (when_full: wait)")
+            logger.info("cpuckpt memory tier: step %s waits for the persist of %s", step, slot.name)
+            time.sleep(0.01)
+        handle = async_save(state_dict, slot, self.memory_config, step=step, process_group=self.process_group,
+                            planner=planner, plan_key=plan_key, images=self.images[k],
+                            save_id=f"{self.root.job[:24]}-{token:016x}")
+        self._next = (k + 1) % len(self.slots)
+        self._last = (step, name, slot)
+        every = self.config.memory.persist_every
+        if every and step % every == 0:
+            self._request_persist(handle, step, name, slot)
+        return handle
+
+    def _request_persist(self, handle: AsyncSaveHandle, step: int | None, name: str, slot: Path) -> None:
+        """Queue the persist now (the writer waits for the memory commit); a failed save cancels it."""
+        req = PersistRequest(seq=self.queue.next_seq(), slot=str(slot), save_id=handle.save_id, step=step,
+                             dest=str(self.durable_root / name), rank=self.rank, world_size=self.world_size,
+                             coordinator=self.rank == 0, config=self.config.to_dict(), trainer_pid=os.getpid(),
+                             trainer_lock=str(self.trainer_lock))
+        self.queue.put(req)
+
+        def cancel_if_failed(error: BaseException | None) -> None:
+            if error is not None:
+                self.queue.cancel(req.seq, f"the memory save failed: {error}")
+
+        handle.add_done_callback(cancel_if_failed)
+
+    def _writer_failed(self) -> None:
+        msg = ("a writer process of the memory tier died owing persists (see writer-<rank>.log in "
+               f"{self.root.path})")
+        if self.config.memory.on_writer_failure == "raise":
+            raise WriterDiedError(f"rank {self.rank}: {msg}")
+        logger.error("cpuckpt memory tier: %s; respawning it (it redoes what was owed)", msg)
+        if self.root.writer_alive(self.rank) is None:
+            self._ensure_writer()
+
+    # -- state ----------------------------------------------------------------------------------
+    def persisted(self, step: int) -> bool:
+        """Whether step ``step`` has a complete durable checkpoint."""
+        return any(c.complete and c.step == step for c in list_checkpoints(self.durable_root))
+
+    def wait_persisted(self, timeout_s: float | None = None) -> None:
+        """Wait until this rank's writer owes nothing (raises if it dies owing)."""
+        deadline = time.monotonic() + (self.config.timeout_s if timeout_s is None else timeout_s)
+        while self.queue.owed():
+            if self.root.writer_alive(self.rank) is None:
+                raise WriterDiedError(f"rank {self.rank}: the writer process died owing persists")
+            if time.monotonic() > deadline:
+                raise CheckpointTimeoutError(f"rank {self.rank}: persists still owed after the timeout")
+            time.sleep(0.01)
+
+    def find_latest(self) -> Path | None:
+        """The newest checkpoint complete in either tier (memory first on equal steps); torn images never."""
+        found: list[tuple[int, int, Path]] = []
+        for d in self.slots:
+            c = check_complete(d)
+            if c.complete and c.step is not None:
+                found.append((c.step, 1, d))
+        found += [(c.step, 0, c.path) for c in list_checkpoints(self.durable_root) if c.complete and c.step is not None]
+        return max(found)[2] if found else None
+
+    def step_of(self, path: str | os.PathLike) -> int | None:
+        manifest = read_manifest(Path(path))
+        return manifest.step if manifest is not None else None
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def close(self, *, persist_newest: bool = True, remove_root: bool = True) -> None:
+        """Normal exit: the newest memory checkpoint is made durable, the writer stops, the RAM root goes.
+
+        Collective when ``remove_root`` (the coordinator removes the shared root after every rank is done).
+        """
+        wait_all()
+        if persist_newest and self._last is not None:
+            step, name, slot = self._last
+            owed = any(r.slot == str(slot) for r in self.queue.owed())
+            if step is not None and not owed and not self.persisted(step):
+                manifest = read_manifest(slot)
+                if manifest is not None and check_complete(slot).complete:
+                    self.queue.put(PersistRequest(
+                        seq=self.queue.next_seq(), slot=str(slot), save_id=manifest.save_id, step=step,
+                        dest=str(self.durable_root / name), rank=self.rank, world_size=self.world_size,
+                        coordinator=self.rank == 0, config=self.config.to_dict(), trainer_pid=os.getpid(),
+                        trainer_lock=str(self.trainer_lock)))
+        self.wait_persisted()
+        self.queue.request_stop()
+        if self._writer is not None:
+            try:
+                self._writer.wait(timeout=self.config.timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.warning("cpuckpt memory tier: rank %d's writer did not exit; left running", self.rank)
+        for images in self.images:
+            images.close()
+        self.root.close()
+        if self.dist:
+            dist.barrier(group=self.group)  # every rank has let go of the root
+        if remove_root and self.rank == 0:
+            self.root.remove()

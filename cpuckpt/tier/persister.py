@@ -1,0 +1,194 @@
+"""The writer process: persists memory checkpoints of one rank to the durable root, outliving its trainer.
+
+Started once per rank by :class:`cpuckpt.tier.memory.MemoryTier` (``python -m cpuckpt.tier.persister``)
+in a session of its own (``setsid``), so a signal to the trainer's process group does not reach it.
+It holds ``<ram root>/.writer-<rank>.lock`` (flock) while it runs, which is how trainers tell a live
+writer from a dead one. For every owed request of its queue (:mod:`cpuckpt.tier.queue`), oldest first:
+
+1. wait until the slot is committed in memory for that save (``.metadata`` and a manifest with the
+   request's ``save_id``); if the trainer died before that, the request fails: that checkpoint was
+   never committed, so it is never persisted or listed;
+2. copy this rank's files to the durable directory through the file backends (O_DIRECT where
+   allowed), computing each chunk's crc32c on the way, fsync;
+3. write this rank's manifest part there (atomic, fsynced): the per-rank *done marker*;
+4. coordinator only: wait for every rank's part, then commit (merged manifest, then ``.metadata``,
+   as a trainer's commit does) and run ``latest``/retention per the config. No collective: a dead
+   trainer cannot block it, and a rank whose part never comes fails the request after ``timeout_s``.
+
+It exits when its trainer is gone and nothing is owed, or when asked to stop and nothing is owed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from cpuckpt.backend.commit import clear_commit, commit_checkpoint
+from cpuckpt.backend.committed import METADATA_NAME, load_metadata, read_manifest
+from cpuckpt.config import Config
+from cpuckpt.errors import CheckpointTimeoutError, IntegrityError
+from cpuckpt.format.manifest import Manifest, part_name
+from cpuckpt.roots import after_commit
+from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
+from cpuckpt.transfer.files import fsync_dir, write_atomic
+from cpuckpt.transfer.images import persist_image
+
+__all__ = ["main", "persist_one"]
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.02
+
+
+def _committed_save_id(slot: Path) -> str | None:
+    """The save committed in memory in ``slot`` (its manifest's id, when ``.metadata`` is there)."""
+    if not (slot / METADATA_NAME).exists():
+        return None
+    manifest = read_manifest(slot)
+    return manifest.save_id if manifest is not None else None
+
+
+def _wait_memory_commit(req: PersistRequest, deadline: float, queue: PersistQueue | None) -> Manifest:
+    slot = Path(req.slot)
+    while True:
+        if queue is not None and queue.outcome(req.seq) is not None:
+            raise IntegrityError(f"{slot}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step})")
+        if _committed_save_id(slot) == req.save_id:
+            manifest = read_manifest(slot)
+            if manifest is not None:
+                return manifest
+        if not lock_held(Path(req.trainer_lock)) and _committed_save_id(slot) != req.save_id:
+            raise IntegrityError(f"{slot}: save {req.save_id[:8]} (step {req.step}) was never committed in memory "
+                                 f"(its trainer, pid {req.trainer_pid}, ended first); it is not persisted")
+        if time.monotonic() > deadline:
+            raise CheckpointTimeoutError(f"{slot}: save {req.save_id[:8]} not committed in memory within the timeout")
+        time.sleep(POLL_S)
+
+
+def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outcome:
+    """Persist one request (steps 1-4 above); the outcome says what happened, never raises."""
+    t0 = time.perf_counter()
+    cfg = Config.from_dict(req.config, source="persist request", env=False)
+    deadline = time.monotonic() + cfg.timeout_s
+    dest, slot = Path(req.dest), Path(req.slot)
+    prefix = f"__{req.rank}_"
+    try:
+        manifest = _wait_memory_commit(req, deadline, queue)
+        dest.mkdir(parents=True, exist_ok=True)
+        if req.coordinator:
+            clear_commit(dest, fsync=cfg.io.fsync)  # an older checkpoint of the same name becomes incomplete
+        mine = [e for name, e in sorted(manifest.files.items()) if name.startswith(prefix)]
+        entries, nbytes = [], 0
+        for e in mine:
+            out = persist_image(slot / e.name, dest / e.name, cfg)
+            if out.nbytes != e.nbytes:
+                raise IntegrityError(f"{slot / e.name}: {out.nbytes} bytes persisted, the memory manifest says "
+                                     f"{e.nbytes}")
+            out.records = e.records
+            entries.append(out)
+            nbytes += out.nbytes
+        if _committed_save_id(slot) != req.save_id:  # the trainer reused the slot under us: never commit that
+            raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
+        write_atomic(dest / part_name(prefix), Manifest(files={e.name: e for e in entries}).to_json().encode(),
+                     fsync=cfg.io.fsync)
+        if cfg.io.fsync:
+            fsync_dir(dest)
+        if req.coordinator:
+            _commit_durable(req, cfg, manifest, dest, slot, deadline)
+    except Exception as e:  # the outcome file carries it to the trainer
+        logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
+        return Outcome(req.seq, False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+    return Outcome(req.seq, True, seconds=time.perf_counter() - t0, nbytes=nbytes)
+
+
+def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Path, slot: Path,
+                    deadline: float) -> None:
+    prefixes = [f"__{r}_" for r in range(req.world_size)]
+    while not all((dest / part_name(p)).exists() for p in prefixes):
+        if time.monotonic() > deadline:
+            missing = [p for p in prefixes if not (dest / part_name(p)).exists()]
+            raise CheckpointTimeoutError(f"{dest}: the parts of {missing} never arrived; not committed")
+        time.sleep(POLL_S)
+    metadata = load_metadata(slot)
+    if _committed_save_id(slot) != req.save_id:
+        raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of {req.save_id[:8]}")
+    metadata.storage_meta.checkpoint_id = str(dest)
+    durable = Manifest(cpuckpt_version=memory.cpuckpt_version, torch_version=memory.torch_version,
+                       save_id=memory.save_id, step=memory.step, created_unix=memory.created_unix,
+                       world_size=memory.world_size, config=req.config,
+                       timings={**memory.timings, "persist_s": time.perf_counter()})
+    commit_checkpoint(dest, metadata, prefixes, durable, fsync=cfg.io.fsync)
+    after_commit(dest, cfg)
+
+
+def _hold_lock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    deadline = time.monotonic() + 30.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"cpuckpt writer: {path} is held by another writer of this rank") from None
+            time.sleep(0.1)
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def lock_held(path: Path) -> bool:
+    """Whether some process holds ``path``'s flock (released when its holder exits, zombie or not)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops our own lock, if we got it
+    return False
+
+
+def serve(queue: PersistQueue, trainer_lock: Path) -> int:
+    """Process owed requests until the trainer is gone (or stop was asked) and nothing is owed."""
+    failures = 0
+    while True:
+        owed = queue.owed()
+        if owed:
+            outcome = persist_one(owed[0], queue)
+            if queue.outcome(outcome.seq) is not None and not outcome.ok:
+                continue  # cancelled by the trainer: its outcome stands
+            failures += not outcome.ok
+            queue.finish(outcome)
+            continue
+        if queue.stop_requested() or not lock_held(trainer_lock):
+            return 1 if failures else 0
+        time.sleep(POLL_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cpuckpt.tier.persister", description=__doc__.splitlines()[0])
+    ap.add_argument("--queue", required=True, help="this rank's queue directory")
+    ap.add_argument("--lock", required=True, help="the writer lock file of this rank")
+    ap.add_argument("--trainer-lock", required=True, help="the trainer's rank lock: the writer exits once it is free "
+                    "and nothing is owed")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s cpuckpt-writer[%(process)d] %(message)s",
+                        stream=sys.stderr)
+    lock_fd = _hold_lock(Path(args.lock))
+    try:
+        return serve(PersistQueue(args.queue), Path(args.trainer_lock))
+    finally:
+        os.close(lock_fd)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

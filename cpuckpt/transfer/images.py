@@ -1,0 +1,618 @@
+"""Reused memory images: a rank's data files in a RAM root (tmpfs), saved into by device-to-host copies.
+
+An ``ImageFile`` is one data file in a RAM-backed directory. It is reserved with ``posix_fallocate``
+(a full tmpfs fails there with ENOSPC, never with SIGBUS in the middle of a copy), mapped
+``MAP_SHARED`` once and, when CUDA is present, pinned with ``cudaHostRegister`` once, so a save is
+a copy from the device straight into the file's pages: no host pool, no ``pwrite``. ``ImageJob``
+fills the images of one save with the same bytes the normal pipeline writes (``fill_chunk``, and
+``DeviceCopier`` for GPU sources), so stock DCP readers load the directory once ``.metadata`` is
+there. ``persist_image`` copies an image to durable storage through the file backends, checksumming
+each chunk on the way (the writer process does that, off the trainer's path).
+
+Capacity and file size. The mapping is ``capacity`` bytes (the size asked, rounded up to 2 MiB) and
+is only replaced when a larger size is asked; the file itself is always exactly ``nbytes`` long and
+every page of it is allocated. The mapping may therefore extend past the end of the file; nothing
+ever touches the mapping past ``nbytes`` (that would be SIGBUS). Shrinking the file (``ftruncate``)
+drops the pages past its new end from tmpfs, so when it grows again those offsets get *new* pages.
+A ``cudaHostRegister`` range pins the physical pages it saw when it was registered, so a range
+that reached past the end would keep stale pages and a later copy through it would land outside
+the file. Hence the pinned ranges never reach past the file's last page: the image is registered in
+segments (whole chunks of the caller, so no chunk's copy crosses two registrations), a segment that
+would reach past a new, smaller end is unregistered before the file is truncated, and the missing
+segments are registered after the file grew. A save of the same size re-registers nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import errno
+import logging
+import mmap
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import crc32c
+import torch
+
+from cpuckpt.config import Config
+from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError
+from cpuckpt.format.layout import Chunk, FileLayout
+from cpuckpt.format.manifest import FileEntry
+from cpuckpt.transfer.files import BufferedFileBackend, get_backend
+from cpuckpt.transfer.save_job import _Stats
+from cpuckpt.transfer.staging import DeviceCopier, Slot, fill_chunk
+from cpuckpt.transfer.threads import run_parallel, shared_executor, wait_future
+from cpuckpt.transfer.tracing import nvtx_range
+
+__all__ = ["ImageFile", "ImageJob", "ImageSet", "persist_image"]
+
+logger = logging.getLogger(__name__)
+
+_MiB = 1 << 20
+CAPACITY_ROUND_BYTES = 2 * _MiB  # mappings grow in these steps, so a slightly larger save reuses them
+PIN_SEGMENT_MIN_BYTES = 64 * _MiB  # registrations are whole chunks, at least this large
+_PAGE = mmap.PAGESIZE
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def _os_error(what: str, e: OSError, path: Path, nbytes: int | None = None) -> StorageIOError:
+    size = f" ({nbytes} bytes)" if nbytes is not None else ""
+    return StorageIOError(f"{what} failed on memory image {path}{size}: [errno {e.errno}] {e.strerror or e}",
+                          path=str(path), nbytes=nbytes, errno_=e.errno)
+
+
+class ImageFile:
+    """One data file in a RAM root: preallocated, mapped MAP_SHARED once, pinned once (CUDA).
+
+    ``nbytes`` is the file's size, ``capacity`` the bytes mapped (``>= nbytes``), ``pinned`` whether
+    ``[0, nbytes)`` is registered with CUDA, ``remaps`` how often the file was (re)mapped and
+    ``pins`` how many ranges were registered (both only grow while the image is reused).
+    Not thread-safe: one save at a time uses an image (``ImageSet`` serialises ``ensure``).
+
+    Raises:
+        StorageIOError: the file cannot be opened (a symbolic link is refused).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, pin: bool = True) -> None:
+        self.path = Path(path)
+        self.pin = pin
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self._fd = os.open(self.path, flags, 0o600)
+            self.nbytes = os.fstat(self._fd).st_size
+        except OSError as e:
+            raise _os_error("open", e, self.path) from e
+        self.capacity = 0
+        self.pinned = False
+        self.remaps = 0
+        self.pins = 0
+        self._mmap: mmap.mmap | None = None
+        self._tensor: torch.Tensor | None = None
+        self._view: memoryview | None = None
+        self._base = 0  # address of the mapping
+        self._regs: dict[int, int] = {}  # registered ranges: offset -> length
+        self._segment = PIN_SEGMENT_MIN_BYTES
+        self._pin_failed = False
+        self._allocated = 0  # [0, _allocated) was reserved by this object and not truncated since
+
+    # -- sizing -----------------------------------------------------------------------------------
+    def ensure(self, nbytes: int, *, chunk_bytes: int | None = None) -> None:
+        """Make the file exactly ``nbytes`` long with every page allocated, mapped (and pinned).
+
+        A size up to ``capacity`` keeps the mapping (and every registration below the file's last
+        page); a larger one maps the file again, ``nbytes`` rounded up to 2 MiB. ``chunk_bytes`` is
+        the unit the caller copies in: registrations are whole multiples of it, so no chunk's copy
+        crosses two of them. Only bytes past those this object already reserved (and did not
+        truncate since) are passed to ``posix_fallocate``; pages punched out of the file by
+        someone else are not noticed.
+
+        Raises:
+            StorageIOError: the filesystem cannot reserve ``nbytes`` (ENOSPC: names the path, the
+                bytes asked and the bytes free), or truncating or mapping failed. The image is
+                then left as it was (a failed reservation) or unmapped.
+        """
+        if nbytes < 0:
+            raise ValueError(f"memory image {self.path}: negative size {nbytes}")
+        if self._fd < 0:
+            raise StagingError(f"memory image {self.path} is closed")
+        if chunk_bytes:
+            segment = chunk_bytes * max(1, -(-PIN_SEGMENT_MIN_BYTES // chunk_bytes))
+            if segment != self._segment:
+                self._unregister(list(self._regs))  # re-registered below in the new unit
+                self._segment = segment
+        self._reserve(nbytes)  # also extends the file; a failure leaves the image as it was
+        try:
+            if nbytes > self.capacity:
+                self._remap(nbytes)
+            else:
+                # Pages past the new last page leave the file: no registration may keep them.
+                last_page = _round_up(nbytes, _PAGE)
+                self._unregister([off for off, n in self._regs.items() if off + n > last_page])
+                self._truncate(nbytes)
+        except BaseException:
+            try:
+                self.nbytes = min(os.fstat(self._fd).st_size, self.capacity)
+            except OSError:
+                self.nbytes = 0
+            raise
+        self.nbytes = nbytes
+        self._register_missing()
+
+    def _reserve(self, nbytes: int) -> None:
+        # Only the bytes past what this object allocated itself: posix_fallocate walks every page of
+        # its range, ~14 ms per GiB on tmpfs even when all are there (a stall on the trainer's path).
+        start = self._allocated
+        if nbytes <= start:
+            return
+        try:
+            os.posix_fallocate(self._fd, start, nbytes - start)
+        except OSError as e:
+            try:
+                st = os.fstatvfs(self._fd)
+                free = f"{st.f_bavail * st.f_frsize} bytes free"
+            except OSError:
+                free = "free space unknown"
+            hint = " (the RAM filesystem is full)" if e.errno == errno.ENOSPC else ""
+            raise StorageIOError(
+                f"reserving {nbytes} bytes for memory image {self.path} failed{hint}: [errno {e.errno}] "
+                f"{e.strerror or e}; {free} on its filesystem",
+                path=str(self.path), offset=0, nbytes=nbytes, errno_=e.errno,
+            ) from e
+        self._allocated = nbytes
+
+    def _truncate(self, nbytes: int) -> None:
+        try:
+            os.ftruncate(self._fd, nbytes)
+        except OSError as e:
+            raise _os_error("ftruncate", e, self.path, nbytes) from e
+        self._allocated = min(self._allocated, nbytes)
+
+    def _remap(self, nbytes: int) -> None:
+        self._unmap()
+        capacity = _round_up(nbytes, CAPACITY_ROUND_BYTES)
+        # mmap needs the file to span the mapping: extend it (sparse, nothing allocated), map,
+        # then cut it back to its exact size. The pages past it are never touched.
+        self._truncate(capacity)
+        try:
+            m = mmap.mmap(self._fd, capacity, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as e:
+            self._truncate(nbytes)
+            if isinstance(e, OSError):
+                raise _os_error("mmap", e, self.path, capacity) from e
+            raise StorageIOError(f"mmap failed on memory image {self.path} ({capacity} bytes): {e}",
+                                 path=str(self.path), nbytes=capacity) from e
+        self._truncate(nbytes)
+        self._mmap = m
+        self._tensor = torch.frombuffer(m, dtype=torch.uint8)
+        self._view = memoryview(m)
+        self._base = self._tensor.data_ptr()
+        self.capacity = capacity
+        self.remaps += 1
+        self._pin_failed = False  # a new mapping: try pinning again
+
+    # -- pinning ----------------------------------------------------------------------------------
+    def _wanted(self) -> list[tuple[int, int]]:
+        last_page = min(_round_up(self.nbytes, _PAGE), self.capacity)
+        return [(off, min(self._segment, last_page - off)) for off in range(0, last_page, self._segment)]
+
+    def _register_missing(self) -> None:
+        wanted = self._wanted()
+        if not (self.pin and wanted and not self._pin_failed and torch.cuda.is_available()):
+            self.pinned = bool(wanted) and all(self._regs.get(off) == n for off, n in wanted)
+            return
+        self._unregister([off for off, n in self._regs.items() if (off, n) not in wanted])
+        cudart = torch.cuda.cudart()
+        for off, n in wanted:
+            if self._regs.get(off) == n:
+                continue
+            err = cudart.cudaHostRegister(self._base + off, n, 0)
+            if int(err) != 0:
+                logger.warning("cudaHostRegister of %d bytes of memory image %s failed (error %s); saving into it "
+                               "unpinned", n, self.path, err)
+                self._unregister(list(self._regs))
+                self._pin_failed = True
+                self.pinned = False
+                return
+            self._regs[off] = n
+            self.pins += 1
+        self.pinned = True
+
+    def _unregister(self, offsets: Sequence[int]) -> None:
+        if not offsets:
+            return
+        cudart = torch.cuda.cudart()
+        for off in offsets:
+            self._regs.pop(off, None)
+            cudart.cudaHostUnregister(self._base + off)
+        self.pinned = False
+
+    # -- access -----------------------------------------------------------------------------------
+    def tensor(self) -> torch.Tensor:
+        """A uint8 tensor over the file's ``nbytes`` bytes (writes go to the file)."""
+        if self._tensor is None:
+            return torch.empty(0, dtype=torch.uint8)
+        return self._tensor[: self.nbytes]
+
+    def view(self) -> memoryview:
+        """A writable memoryview of the same bytes."""
+        if self._view is None:
+            return memoryview(bytearray())
+        return self._view[: self.nbytes]
+
+    def _unmap(self) -> None:
+        self._unregister(list(self._regs))
+        self.pinned = False
+        self._tensor = None
+        m, view, self._mmap, self._view = self._mmap, self._view, None, None
+        self.capacity = 0
+        self._base = 0
+        if m is None:
+            return
+        try:
+            if view is not None:
+                view.release()
+            m.close()
+        except BufferError:
+            logger.debug("memory image %s: views still referenced; unmapped when they are collected", self.path)
+
+    def close(self) -> None:
+        """Unpin, unmap and close the file descriptor; the file stays. Idempotent."""
+        self._unmap()
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __repr__(self) -> str:
+        return (f"ImageFile({str(self.path)!r}, nbytes={self.nbytes}, capacity={self.capacity}, "
+                f"pinned={self.pinned}, remaps={self.remaps})")
+
+
+class ImageSet:
+    """This rank's image files in one checkpoint directory of the RAM root, reused across saves."""
+
+    def __init__(self, directory: str | os.PathLike, *, pin: bool = True) -> None:
+        self.directory = Path(directory)
+        self.pin = pin
+        self._files: dict[str, ImageFile] = {}
+        self._lock = threading.Lock()
+
+    def image(self, name: str, nbytes: int, *, chunk_bytes: int | None = None) -> ImageFile:
+        """The image ``name`` (created at first use, then reused), made exactly ``nbytes`` long.
+
+        Raises:
+            StorageIOError: the directory or file cannot be created, or ``nbytes`` not reserved.
+        """
+        with self._lock:
+            img = self._files.get(name)
+            if img is None:
+                try:
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise _os_error("mkdir", e, self.directory) from e
+                img = self._files[name] = ImageFile(self.directory / name, pin=self.pin)
+            img.ensure(nbytes, chunk_bytes=chunk_bytes)
+            return img
+
+    def get(self, name: str) -> ImageFile | None:
+        """The image ``name`` if it was made, as it is (no resizing)."""
+        with self._lock:
+            return self._files.get(name)
+
+    @property
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._files)
+
+    def reserved_nbytes(self) -> int:
+        """Bytes mapped by every image (the sum of their capacities; each file holds its ``nbytes``)."""
+        with self._lock:
+            return sum(f.capacity for f in self._files.values())
+
+    def close(self) -> None:
+        """Close every image (unpin, unmap); the files stay."""
+        with self._lock:
+            files, self._files = list(self._files.values()), {}
+        for f in files:
+            f.close()
+
+
+class ImageJob:
+    """A rank's save straight into its image files: the same surface as ``SaveJob``.
+
+    ``staged`` and ``done`` complete together, when every byte is in the images (RAM: nothing to
+    fsync). ``done``'s file entries carry no checksums (``checksum="none"``): ``persist_image``
+    computes them off the trainer's path. Bytes past each layout's end are never touched.
+    """
+
+    def __init__(self, directory: Path, names: list[str], files: list[FileLayout],
+                 sources: list[torch.Tensor | None], cfg: Config, *, rank: int, images: ImageSet) -> None:
+        self.directory = Path(directory)
+        self.names = names
+        self.files = files
+        self.sources = sources
+        self.cfg = cfg
+        self.rank = rank
+        self.images = images
+        self.mode = "memory"
+        self.staged: cf.Future[None] = cf.Future()
+        self.done: cf.Future[list[FileEntry]] = cf.Future()
+        self.stats = _Stats(mode="memory", backend="image")
+        self.started_at = 0.0  # perf_counter() when start() began
+        self._chunks: list[Chunk] = [c for f in files for c in f.chunks]
+        self._images: list[ImageFile] = []
+        self._targets: list[tuple[torch.Tensor, memoryview]] | None = None
+        self._lock = threading.Lock()
+        self._cancel = threading.Event()
+        self._error: BaseException | None = None
+        self._pending = 0
+        self._submitting = False
+        self._finished = False
+        self._t0 = 0.0
+
+    # -- public -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Size the images and enqueue (GPU) or start (CPU) every chunk's copies.
+
+        Raises:
+            The error ``staged`` and ``done`` report, when the save failed before returning.
+        """
+        self._t0 = self.started_at = time.perf_counter()
+        self.stats.nbytes = sum(f.nbytes for f in self.files)
+        with self._lock:
+            if self._error is not None:  # cancelled before it started
+                raise self._error
+            self._submitting = True
+        try:
+            if len(self.names) != len(self.files):
+                raise ValueError(f"{len(self.names)} file names for {len(self.files)} layouts")
+            remaps = 0
+            for name, layout in zip(self.names, self.files):
+                old = self.images.get(name)
+                remaps -= old.remaps if old is not None else 0
+                img = self.images.image(name, layout.nbytes, chunk_bytes=self.cfg.io.chunk_bytes)
+                self._images.append(img)
+            self._targets = [(img.tensor(), img.view()) for img in self._images]
+            gpu = [s for s in self.sources if s is not None and s.device.type == "cuda"]
+            if gpu and self._chunks:
+                with nvtx_range("cpuckpt.stage.d2h"):
+                    self._stage_on_device(gpu[0].device)
+            elif self._chunks:
+                fillers = shared_executor(self.cfg.io.threads, f"cpuckpt-stage-{self.rank}")
+                for chunk in self._chunks:
+                    with self._lock:
+                        self._pending += 1
+                    fillers.submit(self._fill_task, chunk)
+            self.stats.extra["image_remaps"] = float(remaps + sum(img.remaps for img in self._images))
+        except BaseException as e:
+            self._fail(e)
+            err = self._error
+            if err is None or err is e:
+                raise
+            raise err from e
+        finally:
+            with self._lock:
+                self._submitting = False
+                idle = self._pending == 0
+            if idle:
+                self._finish()
+
+    def wait_staged(self, timeout_s: float | None = None) -> None:
+        wait_future(self.staged, self.cfg.timeout_s if timeout_s is None else timeout_s,
+                    f"staging of rank {self.rank}'s memory images")
+
+    def wait_done(self, timeout_s: float | None = None) -> list[FileEntry]:
+        return wait_future(self.done, self.cfg.timeout_s if timeout_s is None else timeout_s,
+                           f"saving rank {self.rank}'s memory images in {self.directory}")
+
+    def cancel(self, reason: BaseException) -> None:
+        """Abort: chunks not yet copied are skipped; ``staged``/``done`` report ``reason`` (``done``
+        once no copy still writes into the images)."""
+        self._fail(reason, wrap=False)
+        with self._lock:
+            idle = self._pending == 0 and not self._submitting
+        if idle:
+            self._finish()
+
+    # -- staging ------------------------------------------------------------------------------------
+    def _slot(self, chunk: Chunk) -> Slot:
+        targets = self._targets
+        if targets is None:
+            raise RuntimeError("ImageJob used before start()")
+        tensor, view = targets[chunk.file]
+        lo, hi = chunk.offset, chunk.offset + chunk.nbytes
+        return Slot(index=-1, count=0, tensor=tensor[lo:hi], view=view[lo:hi])
+
+    def _stage_on_device(self, device: torch.device) -> None:
+        copier = DeviceCopier(device)  # copies wait for kernels already queued on the current stream
+        copier.protect(self.sources)
+        last = None
+        try:
+            for chunk in self._chunks:
+                if self._cancel.is_set():
+                    break
+                last = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
+        except BaseException:
+            try:  # no copy may land in the images after the failure is reported
+                copier.stream.synchronize()
+            except BaseException:  # noqa: S110 - the first error is the one reported
+                pass
+            raise
+        with self._lock:
+            self._pending += 1
+        # One waiter marks the images complete when the last copy (stream order) completed.
+        shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}").submit(self._wait_copies, last)
+
+    def _wait_copies(self, event: object) -> None:
+        try:
+            if event is not None:
+                event.synchronize()  # type: ignore[attr-defined]
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            self._task_ended()
+
+    def _fill_task(self, chunk: Chunk) -> None:
+        try:
+            if not self._cancel.is_set():
+                fill_chunk(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            self._task_ended()
+
+    def _task_ended(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            idle = self._pending == 0 and not self._submitting
+        if idle:
+            self._finish()
+
+    def _finish(self) -> None:
+        """Nothing writes into the images any more: report the result (or the error)."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            error = self._error
+        self._targets = None  # drop the views, so an image can be remapped or closed
+        if error is not None:
+            if not self.staged.done():
+                self.staged.set_exception(error)
+            if not self.done.done():
+                self.done.set_exception(error)
+            return
+        self.stats.stage_s = self.stats.write_s = time.perf_counter() - self._t0
+        entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=self.cfg.io.chunk_bytes, checksum="none",
+                             chunk_checksums=[]) for n, f in zip(self.names, self.files)]
+        logger.debug("rank %d: %d bytes saved into memory images in %s in %.3f s", self.rank, self.stats.nbytes,
+                     self.directory, self.stats.stage_s)
+        if not self.staged.done():
+            self.staged.set_result(None)
+        if not self.done.done():
+            self.done.set_result(entries)
+
+    def _fail(self, e: BaseException, *, wrap: bool = True) -> None:
+        err = self._wrap(e) if wrap else self._as_cpuckpt(e)
+        with self._lock:
+            if self._error is not None:
+                return
+            self._error = err
+            self._cancel.set()
+        logger.error("rank %d: save into memory images in %s failed: %s", self.rank, self.directory, err)
+        if not self.staged.done():
+            self.staged.set_exception(err)  # ``done`` follows once no copy still runs (``_finish``)
+
+    def _as_cpuckpt(self, e: BaseException) -> BaseException:
+        if isinstance(e, CpuckptError | OSError | TimeoutError):
+            return e
+        err = CpuckptError(f"rank {self.rank}: saving into memory images in {self.directory} failed: {e!r}")
+        err.__cause__ = e
+        return err
+
+    def _wrap(self, e: BaseException) -> BaseException:
+        """The error of this rank's save: names rank and directory, keeps the class, chains ``e``."""
+        detail = str(e) if isinstance(e, CpuckptError | OSError) else repr(e)
+        msg = f"rank {self.rank}: saving into memory images in {self.directory} failed: {detail}"
+        err: CpuckptError
+        if isinstance(e, StorageIOError):
+            err = StorageIOError(msg, path=e.path, offset=e.offset, nbytes=e.nbytes, errno_=e.errno)
+        elif isinstance(e, OSError):
+            err = StorageIOError(msg, path=None if e.filename is None else str(e.filename), errno_=e.errno)
+        elif isinstance(e, TimeoutError):
+            err = CheckpointTimeoutError(msg)
+        elif isinstance(e, CpuckptError) and not isinstance(e, StagingError):
+            try:
+                err = type(e)(msg)
+            except TypeError:
+                err = CpuckptError(msg)
+        else:
+            err = StagingError(msg)
+        err.__cause__ = e
+        return err
+
+
+def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *,
+                  threads: int | None = None) -> FileEntry:
+    """Copy the image ``src`` to the durable file ``dst``, checksumming every chunk on the way.
+
+    Chunks of ``io.chunk_bytes`` are read into page-aligned buffers on ``threads`` (default
+    ``io.threads``) threads, checksummed (crc32c, as ``SaveJob`` does for the same bytes) and written
+    at the same offset through ``io.backend`` (O_DIRECT where allowed: the last chunk is padded, and
+    ``finish_write`` truncates the file to its size and fsyncs it when ``io.fsync``). The caller
+    fsyncs ``dst``'s directory once its files are written.
+
+    Raises:
+        StorageIOError: reading ``src`` or writing ``dst`` failed, or ``src`` shrank meanwhile.
+        CheckpointTimeoutError: not done within ``timeout_s``.
+    """
+    src_s, dst_s = str(src), str(dst)
+    chunk_bytes, align = cfg.io.chunk_bytes, cfg.layout.align_bytes
+    checksum = cfg.integrity.checksum == "crc32c"
+    reader = BufferedFileBackend()
+    backend = get_backend(cfg.io.backend, Path(dst).parent, align)
+    sfd = reader.open_read(src_s)
+    buffers: list[mmap.mmap] = []
+    try:
+        try:
+            nbytes = os.fstat(sfd).st_size
+        except OSError as e:
+            raise _os_error("fstat", e, Path(src)) from e
+        offsets = list(range(0, nbytes, chunk_bytes))
+        crcs = [0] * len(offsets)
+        nthreads = max(1, min(threads or cfg.io.threads, len(offsets)))
+        free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+        for _ in range(nthreads if offsets else 0):
+            buffers.append(mmap.mmap(-1, chunk_bytes))  # page-aligned: O_DIRECT-ready
+            free.put(buffers[-1])
+        dfd = backend.open_write(dst_s)
+
+        def copy_chunk(k: int, cancel: threading.Event) -> None:
+            off = offsets[k]
+            n = min(chunk_bytes, nbytes - off)
+            buf = free.get()
+            view = memoryview(buf)
+            try:
+                if cancel.is_set():
+                    return
+                got = reader.pread_into(sfd, view[:n], off, src_s)
+                if cancel.is_set():  # another chunk failed or the wait timed out: the files may be closed
+                    return
+                if got != n:
+                    raise StorageIOError(f"memory image {src_s} shrank while being persisted: {got} of {n} bytes "
+                                         f"at offset {off}", path=src_s, offset=off, nbytes=n)
+                if checksum:
+                    crcs[k] = crc32c.crc32c(view[:n])
+                io_n = _round_up(n, align) if backend.aligned else n
+                if io_n > n:
+                    view[n:io_n] = bytes(io_n - n)
+                backend.pwrite(dfd, view[:io_n], off, dst_s)
+            finally:
+                view.release()
+                free.put(buf)
+
+        try:
+            run_parallel(copy_chunk, range(len(offsets)), threads=nthreads, timeout_s=cfg.timeout_s,
+                         name="cpuckpt-persist")
+        except BaseException:
+            backend.close(dfd)
+            raise
+        backend.finish_write(dfd, nbytes, dst_s, cfg.io.fsync)
+    finally:
+        reader.close(sfd)
+        for buf in buffers:
+            try:
+                buf.close()
+            except BufferError:  # a timed-out task still holds it: freed when it ends
+                pass
+    return FileEntry(name=Path(dst).name, nbytes=nbytes, chunk_bytes=chunk_bytes,
+                     checksum="crc32c" if checksum else "none", chunk_checksums=crcs)
