@@ -6,6 +6,7 @@ moves :class:`FailureReport`\\ s between ranks; they always pickle, whatever the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,6 +85,21 @@ class StagingError(CpuckptError, RuntimeError):
 
 class CheckpointTimeoutError(CpuckptError, TimeoutError):
     """A bounded wait (writer threads, pool lease, peer ranks) ran out."""
+
+
+class RamRootError(CpuckptError):
+    """The memory tier's RAM root cannot be used; the message names the path, the reason and the fix."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike | None = None) -> None:
+        super().__init__(message)
+        self.path = None if path is None else str(path)
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild_ram_root_error, (self.args[0], self.path), dict(self.__dict__))
+
+
+def _rebuild_ram_root_error(message: str, path: str | None) -> RamRootError:
+    return RamRootError(message, path=path)
 
 
 @dataclass(frozen=True)
@@ -173,5 +189,5 @@ def _short(message: str, limit: int = 200) -> str:
 _CLASSES: dict[str, type[CpuckptError]] = {
     c.__name__: c
     for c in (CpuckptError, ConfigError, StorageIOError, IntegrityError, CheckpointCorrupt, StagingError,
-              CheckpointTimeoutError)
+              CheckpointTimeoutError, RamRootError)
 }

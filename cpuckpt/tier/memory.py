@@ -52,6 +52,10 @@ class WriterDiedError(CpuckptError):
     """A rank's writer process ended while it owed persists (raised on every rank)."""
 
 
+class PersistError(CpuckptError):
+    """A persist to the durable root failed (raised on every rank at the next save)."""
+
+
 class MemoryTier:
     """Memory checkpoints of one job in a RAM root, persisted to ``durable_root`` by writer processes.
 
@@ -87,11 +91,13 @@ class MemoryTier:
         self.slots = [self.root.path / f"slot-{k}" for k in range(m.slots)]
         for d in self.slots:
             d.mkdir(mode=0o700, exist_ok=True)
-        self.images = [ImageSet(d, pin=self.config.staging.pin) for d in self.slots]
+        # a full RAM filesystem is refused before an image grows (headroom kept), never a SIGBUS mid-copy
+        self.images = [ImageSet(d, pin=self.config.staging.pin, before_grow=self.root.check_space) for d in self.slots]
         self.queue = PersistQueue(self.root.path / f"queue-{self.rank}").create()
         self._writer: subprocess.Popen | None = None
         self._next = self._slot_after_newest()
         self._last: tuple[int | None, str, Path] | None = None  # (step, name, slot) of the newest memory save
+        self._seen = max((o.seq for o in self.queue.outcomes()), default=0)  # outcomes reported so far
         self._ensure_writer()
 
     # -- paths ----------------------------------------------------------------------------------
@@ -144,6 +150,15 @@ class MemoryTier:
             return False
         return True
 
+    def _new_persist_failures(self) -> list[str]:
+        """Failed persists this rank has not reported yet (cancelled ones are the trainer's own doing)."""
+        new = [o for o in self.queue.outcomes() if o.seq > self._seen]
+        if new:
+            self._seen = max(o.seq for o in new)
+        self.queue.prune()
+        return [f"persist request {o.seq} failed: {o.error}" for o in new
+                if not o.ok and not o.error.startswith("cancelled")]
+
     def _held(self, slot: Path) -> bool:
         return any(r.slot == str(slot) for r in self.queue.owed())
 
@@ -171,9 +186,15 @@ class MemoryTier:
         slot = self.slots[k]
         deadline = time.monotonic() + self.config.timeout_s
         while True:
-            # one all-reduce: a dead writer anywhere, a held slot anywhere, and a save id common to all ranks
-            dead, held, token = self._agree([int(self._writer_dead_with_debts()), int(self._held(slot)),
-                                             random.getrandbits(62)])
+            # One all-reduce: a dead writer anywhere, a failed persist anywhere, a held slot anywhere, and a
+            # save id common to all ranks (the maximum of random numbers).
+            failed = self._new_persist_failures()
+            dead, persist_failed, held, token = self._agree(
+                [int(self._writer_dead_with_debts()), int(bool(failed)), int(self._held(slot)),
+                 random.getrandbits(62)])
+            if persist_failed:
+                raise PersistError(f"rank {self.rank}: " + ("; ".join(failed) if failed else
+                                   f"another rank's persist to {self.durable_root} failed (see its log)"))
             if dead:
                 self._writer_failed()
                 continue
@@ -205,10 +226,7 @@ class MemoryTier:
 
     def _request_persist(self, handle: AsyncSaveHandle, step: int | None, name: str, slot: Path) -> None:
         """Queue the persist now (the writer waits for the memory commit); a failed save cancels it."""
-        req = PersistRequest(seq=self.queue.next_seq(), slot=str(slot), save_id=handle.save_id, step=step,
-                             dest=str(self.durable_root / name), rank=self.rank, world_size=self.world_size,
-                             coordinator=self.rank == 0, config=self.config.to_dict(), trainer_pid=os.getpid(),
-                             trainer_lock=str(self.trainer_lock))
+        req = self._persist_request(slot, handle.save_id, step, name)
         self.queue.put(req)
 
         def cancel_if_failed(error: BaseException | None) -> None:
@@ -216,6 +234,12 @@ class MemoryTier:
                 self.queue.cancel(req.seq, f"the memory save failed: {error}")
 
         handle.add_done_callback(cancel_if_failed)
+
+    def _persist_request(self, slot: Path, save_id: str, step: int | None, name: str) -> PersistRequest:
+        return PersistRequest(seq=self.queue.next_seq(), slot=str(slot), save_id=save_id, step=step,
+                              dest=str(self.durable_root / name), rank=self.rank, world_size=self.world_size,
+                              coordinator=self.rank == 0, config=self.config.to_dict(), trainer_pid=os.getpid(),
+                              trainer_lock=str(self.trainer_lock))
 
     def _writer_failed(self) -> None:
         msg = ("a writer process of the memory tier died owing persists (see writer-<rank>.log in "
@@ -259,21 +283,23 @@ class MemoryTier:
     def close(self, *, persist_newest: bool = True, remove_root: bool = True) -> None:
         """Normal exit: the newest memory checkpoint is made durable, the writer stops, the RAM root goes.
 
-        Collective when ``remove_root`` (the coordinator removes the shared root after every rank is done).
+        Collective: the coordinator removes the shared root after every rank is done.
+
+        Raises:
+            PersistError: a persist failed on some rank (the RAM root is then kept).
+            WriterDiedError: this rank's writer died owing persists.
         """
         wait_all()
+        self.wait_persisted()
+        self._agree([0])  # every rank's owed persists are done: all ranks now see the same durable root
         if persist_newest and self._last is not None:
             step, name, slot = self._last
-            owed = any(r.slot == str(slot) for r in self.queue.owed())
-            if step is not None and not owed and not self.persisted(step):
-                manifest = read_manifest(slot)
-                if manifest is not None and check_complete(slot).complete:
-                    self.queue.put(PersistRequest(
-                        seq=self.queue.next_seq(), slot=str(slot), save_id=manifest.save_id, step=step,
-                        dest=str(self.durable_root / name), rank=self.rank, world_size=self.world_size,
-                        coordinator=self.rank == 0, config=self.config.to_dict(), trainer_pid=os.getpid(),
-                        trainer_lock=str(self.trainer_lock)))
-        self.wait_persisted()
+            manifest = read_manifest(slot)
+            if step is not None and manifest is not None and check_complete(slot).complete \
+                    and not self.persisted(step):
+                self.queue.put(self._persist_request(slot, manifest.save_id, step, name))
+                self.wait_persisted()
+        failed = self._new_persist_failures()
         self.queue.request_stop()
         if self._writer is not None:
             try:
@@ -283,7 +309,10 @@ class MemoryTier:
         for images in self.images:
             images.close()
         self.root.close()
-        if self.dist:
-            dist.barrier(group=self.group)  # every rank has let go of the root
+        (any_failed,) = self._agree([int(bool(failed))])  # also: every rank has let go of the root
+        if any_failed:  # the RAM root stays: it may hold the only copy of the newest checkpoint
+            raise PersistError(f"rank {self.rank}: " + ("; ".join(failed) if failed else
+                               f"another rank's persist to {self.durable_root} failed (see its log)") +
+                               f"; the memory checkpoints stay in {self.root.path}")
         if remove_root and self.rank == 0:
             self.root.remove()

@@ -21,7 +21,6 @@ It exits when its trainer is gone and nothing is owed, or when asked to stop and
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import os
 import sys
@@ -35,6 +34,7 @@ from cpuckpt.errors import CheckpointTimeoutError, IntegrityError
 from cpuckpt.format.manifest import Manifest, part_name
 from cpuckpt.roots import after_commit
 from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
+from cpuckpt.tier.ramroot import acquire_lock, lock_holder
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 from cpuckpt.transfer.images import persist_image
 
@@ -126,35 +126,9 @@ def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Pa
     after_commit(dest, cfg)
 
 
-def _hold_lock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    deadline = time.monotonic() + 30.0
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"cpuckpt writer: {path} is held by another writer of this rank") from None
-            time.sleep(0.1)
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
-    return fd
-
-
 def lock_held(path: Path) -> bool:
     """Whether some process holds ``path``'s flock (released when its holder exits, zombie or not)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops our own lock, if we got it
-    return False
+    return lock_holder(path) is not None
 
 
 def serve(queue: PersistQueue, trainer_lock: Path) -> int:
@@ -183,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpuckpt-writer[%(process)d] %(message)s",
                         stream=sys.stderr)
-    lock_fd = _hold_lock(Path(args.lock))
+    lock_fd = acquire_lock(args.lock, wait_s=30.0)
+    if lock_fd is None:
+        logger.error("%s is held by another writer of this rank (pid %s); exiting", args.lock, lock_holder(args.lock))
+        return 2
     try:
         return serve(PersistQueue(args.queue), Path(args.trainer_lock))
     finally:

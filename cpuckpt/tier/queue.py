@@ -98,6 +98,23 @@ class PersistQueue:
                 continue  # a torn request cannot exist (atomic rename); a foreign file is ignored
         return out
 
+    def outcomes(self) -> list[Outcome]:
+        """Every outcome on file, oldest first."""
+        out = []
+        for p in sorted(self.path.glob("*.done")) + sorted(self.path.glob("*.failed")):
+            try:
+                out.append(Outcome(**json.loads(p.read_text())))
+            except (OSError, ValueError, TypeError):
+                continue
+        return sorted(out, key=lambda o: o.seq)
+
+    def prune(self, keep: int = 8) -> None:
+        """Trainer: drop finished requests but the newest ``keep`` (the queue must not grow with the run)."""
+        finished = [o.seq for o in self.outcomes()]
+        for seq in finished[:-keep] if keep else finished:
+            for suffix in (".json", ".done", ".failed"):
+                (self.path / f"{seq:08d}{suffix}").unlink(missing_ok=True)
+
     def stop_requested(self) -> bool:
         return (self.path / "stop").exists()
 

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cpuckpt.errors import ConfigError, CpuckptError
+from cpuckpt.errors import ConfigError, RamRootError
 
 if TYPE_CHECKING:
     from cpuckpt.config import MemoryConfig
@@ -77,21 +77,6 @@ _OPEN_LOCK_WAIT_S = 10.0  # opens of other ranks hold .open.lock for millisecond
 _OWNER_READ_WAIT_S = 1.0  # a creator writes the record right after O_EXCL; give it time
 _POLL_S = 0.02
 _OPEN_ATTEMPTS = 5  # the root vanished under us (cleaned concurrently): start over this often
-
-
-class RamRootError(CpuckptError):
-    """The RAM root cannot be used; the message names the path, the reason and the fix."""
-
-    def __init__(self, message: str, *, path: str | os.PathLike | None = None) -> None:
-        super().__init__(message)
-        self.path = None if path is None else str(path)
-
-    def __reduce__(self) -> tuple:
-        return (_rebuild_ram_root_error, (self.args[0], self.path), dict(self.__dict__))
-
-
-def _rebuild_ram_root_error(message: str, path: str | None) -> RamRootError:
-    return RamRootError(message, path=path)
 
 
 # ------------------------------------------------------------------------------------------ naming

@@ -32,7 +32,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import crc32c
@@ -280,9 +280,11 @@ class ImageFile:
 class ImageSet:
     """This rank's image files in one checkpoint directory of the RAM root, reused across saves."""
 
-    def __init__(self, directory: str | os.PathLike, *, pin: bool = True) -> None:
+    def __init__(self, directory: str | os.PathLike, *, pin: bool = True,
+                 before_grow: Callable[[int], None] | None = None) -> None:
         self.directory = Path(directory)
         self.pin = pin
+        self.before_grow = before_grow  # called with the bytes an image is about to grow by (a space check)
         self._files: dict[str, ImageFile] = {}
         self._lock = threading.Lock()
 
@@ -291,9 +293,13 @@ class ImageSet:
 
         Raises:
             StorageIOError: the directory or file cannot be created, or ``nbytes`` not reserved.
+            Whatever ``before_grow`` raises (the memory tier's space check) before anything is reserved.
         """
         with self._lock:
             img = self._files.get(name)
+            grow = nbytes - (img.capacity if img is not None else 0)
+            if grow > 0 and self.before_grow is not None:
+                self.before_grow(grow)
             if img is None:
                 try:
                     self.directory.mkdir(parents=True, exist_ok=True)

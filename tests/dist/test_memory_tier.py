@@ -158,3 +158,100 @@ def test_a_torn_memory_save_is_never_chosen(run_ranks, tmp_path):
     res = run_ranks(2, _resume, str(durable), str(ram))
     # step 3 may or may not have committed before the kill; a torn one is never loaded (the load is bit-exact)
     assert {r["step"] for r in res} <= {2, 3} and len({r["step"] for r in res}) == 1, res
+
+
+# ------------------------------------------------------------------ one process (no process group)
+
+
+def _one(tmp_path: Path, **memory) -> tuple:
+    from cpuckpt.tier.memory import MemoryTier
+
+    cfg = _cfg(tmp_path / "ram")
+    cfg["memory"].update(memory)
+    return MemoryTier(tmp_path / "durable", cfg), cfg
+
+
+def test_a_ram_root_too_small_is_a_clear_error_and_loses_nothing(tmp_path):
+    import cpuckpt
+    from cpuckpt.tier.ramroot import RamRootError
+
+    tier, _ = _one(tmp_path)
+    tier.save(_state(1, 0), 1).wait()
+    free = os.statvfs(tier.root.path).f_bavail * os.statvfs(tier.root.path).f_frsize
+    tier.root.headroom_bytes = free - 100_000  # the next, larger image cannot keep the headroom
+    big = {"r0": {"w": torch.randn(600, 257), "b": torch.arange(33)}, "step": 2}
+    with pytest.raises(RamRootError, match="headroom"):
+        tier.save(big, 2).wait()
+    latest = tier.find_latest()
+    assert tier.step_of(latest) == 1
+    out = _targets(0)
+    cpuckpt.load(out, latest)
+    H.assert_bitexact(out["r0"]["w"], _state(1, 0)["r0"]["w"], "step 1 after the refused save")
+    tier.root.headroom_bytes = 0
+    tier.close()
+
+
+def test_a_dead_writer_owing_persists_raises_or_is_respawned(tmp_path):
+    import cpuckpt
+    from cpuckpt.tier.memory import WriterDiedError
+
+    for mode in ("raise", "respawn"):
+        base = tmp_path / mode
+        tier, _ = _one(base, persist_every=1, on_writer_failure=mode)
+        tier.save(_state(1, 0), 1).wait()
+        tier.wait_persisted()
+        pid = tier.root.writer_alive(0)
+        os.kill(pid, signal.SIGSTOP)  # it cannot take the next request...
+        tier.save(_state(2, 0), 2).wait()
+        assert tier.queue.owed(), "the persist of step 2 should be owed"
+        os.kill(pid, signal.SIGKILL)  # ...and dies owing it
+        os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while tier.root.writer_alive(0) is not None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        if mode == "raise":
+            with pytest.raises(WriterDiedError, match="died owing persists"):
+                tier.save(_state(3, 0), 3)
+            assert not cpuckpt.find_latest(base / "durable").name.endswith("_2")
+            tier.root.close()
+            continue
+        tier.save(_state(3, 0), 3).wait()  # a new writer redoes step 2, then takes step 3
+        tier.wait_persisted()
+        assert _durable_steps(base / "durable") == [1, 2, 3]
+        tier.close()
+
+
+def test_the_ram_root_of_another_job_is_refused(tmp_path):
+    from cpuckpt.tier.ramroot import RamRoot, RamRootError
+
+    other = RamRoot.open(tmp_path / "ram", "someone-elses-job", 0, headroom_bytes=0)
+    other.close()
+    with pytest.raises(RamRootError, match="someone-elses-job"):
+        _one(tmp_path, job="my-job")
+
+
+def test_memory_use_stays_flat_over_200_saves(tmp_path):
+    """Trainer + writer RSS and the RAM root's bytes after 200 saves vs after 50 (persist every 4th).
+
+    The baseline is taken once the queue keeps its bounded history (the newest 8 finished requests)."""
+    psutil = pytest.importorskip("psutil")
+    tier, _ = _one(tmp_path, persist_every=4)
+    me, writer = psutil.Process(), psutil.Process(tier.root.writer_alive(0))
+
+    def usage() -> tuple[int, int]:
+        rss = me.memory_info().rss + writer.memory_info().rss
+        ram = sum(f.stat().st_blocks * 512 for f in tier.root.path.rglob("*") if f.is_file())
+        return rss, ram
+
+    samples = {}
+    for step in range(1, 201):
+        tier.save(_state(step % 7, 0) | {"step": step}, step).wait()
+        if step in (50, 200):
+            tier.wait_persisted()
+            samples[step] = usage()
+    (rss50, ram50), (rss200, ram200) = samples[50], samples[200]
+    assert abs(rss200 - rss50) <= 0.02 * rss50, f"RSS {rss50} -> {rss200}"
+    assert abs(ram200 - ram50) <= 0.02 * ram50, f"RAM root {ram50} -> {ram200}"
+    assert _durable_steps(tmp_path / "durable") == list(range(4, 201, 4))
+    tier.close()
