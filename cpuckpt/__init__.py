@@ -14,6 +14,7 @@ from cpuckpt.errors import (
     ConfigError,
     CpuckptError,
     IntegrityError,
+    RamRootError,
     StagingError,
     StorageIOError,
 )
@@ -26,6 +27,7 @@ from cpuckpt.roots import (
     read_latest,
     update_latest,
 )
+from cpuckpt.tier.memory import MemoryTier, PersistError, WriterDiedError
 from cpuckpt.version import __version__
 
 __all__ = [
@@ -36,10 +38,14 @@ __all__ = [
     "ConfigError",
     "CpuckptError",
     "IntegrityError",
+    "MemoryTier",
+    "PersistError",
+    "RamRootError",
     "StagingError",
     "StorageIOError",
     "StorageReader",
     "StorageWriter",
+    "WriterDiedError",
     "__version__",
     "apply_retention",
     "async_save",

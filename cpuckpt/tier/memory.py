@@ -33,11 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cpuckpt.api import load
 from cpuckpt.backend.collectives import checkpoint_group
 from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
 from cpuckpt.config import CheckpointConfig, Config, resolve_config
-from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
+from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, IntegrityError
 from cpuckpt.roots import list_checkpoints
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import RamRoot, job_id_for
@@ -267,13 +268,33 @@ class MemoryTier:
 
     def find_latest(self) -> Path | None:
         """The newest checkpoint complete in either tier (memory first on equal steps); torn images never."""
-        found: list[tuple[int, int, Path]] = []
-        for d in self.slots:
-            c = check_complete(d)
-            if c.complete and c.step is not None:
-                found.append((c.step, 1, d))
+        found = self.candidates()
+        return found[0] if found else None
+
+    def candidates(self) -> list[Path]:
+        """Every complete checkpoint of both tiers, newest first (memory before durable on equal steps)."""
+        found = [(c.step, 1, d) for d in self.slots if (c := check_complete(d)).complete and c.step is not None]
         found += [(c.step, 0, c.path) for c in list_checkpoints(self.durable_root) if c.complete and c.step is not None]
-        return max(found)[2] if found else None
+        return [p for _, _, p in sorted(found, reverse=True)]
+
+    def load_latest(self, state_dict: dict[str, Any], *, planner: Any = None) -> Path | None:
+        """Restart: load the newest checkpoint that loads cleanly, falling back to the next on damage.
+
+        A checkpoint whose checksums or sizes do not verify (:class:`IntegrityError`, raised by the load on
+        every rank) is skipped with a warning naming why, so a damaged newest checkpoint costs some
+        steps instead of becoming NaNs or a crash loop. Returns the path loaded, or None (nothing to load).
+        """
+        for path in self.candidates():
+            try:
+                load(state_dict, path, self.config, process_group=self.process_group, planner=planner)
+            except IntegrityError as e:
+                logger.warning("cpuckpt memory tier: %s does not verify (%s); falling back to the next newest",
+                               path, e)
+                continue
+            self._next = next(((k + 1) % len(self.slots) for k, d in enumerate(self.slots) if d == path),
+                              self._next)
+            return path
+        return None
 
     def step_of(self, path: str | os.PathLike) -> int | None:
         manifest = read_manifest(Path(path))

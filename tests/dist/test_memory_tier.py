@@ -255,3 +255,27 @@ def test_memory_use_stays_flat_over_200_saves(tmp_path):
     assert abs(ram200 - ram50) <= 0.02 * ram50, f"RAM root {ram50} -> {ram200}"
     assert _durable_steps(tmp_path / "durable") == list(range(4, 201, 4))
     tier.close()
+
+
+def test_restart_falls_back_past_a_checkpoint_that_does_not_verify(tmp_path, caplog):
+    import cpuckpt
+
+    tier, _ = _one(tmp_path, persist_every=1)
+    for step in (1, 2, 3):
+        tier.save(_state(step, 0), step).wait()
+    tier.close()  # RAM root removed: only the durable copies remain
+    newest = tmp_path / "durable" / "step_3" / "__0_0.distcp"
+    with open(newest, "r+b") as f:  # one flipped byte inside the tensor data
+        f.seek(newest.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    tier, _ = _one(tmp_path, persist_every=1)
+    out = _targets(0)
+    with caplog.at_level("WARNING", logger="cpuckpt.tier.memory"):
+        path = tier.load_latest(out)
+    assert path == tmp_path / "durable" / "step_2" and out["step"] == 2
+    H.assert_bitexact(out["r0"]["w"], _state(2, 0)["r0"]["w"], "fallback load")
+    assert "step_3" in caplog.text and "checksum" in caplog.text
+    tier.close(persist_newest=False)
+    assert cpuckpt.find_latest(tmp_path / "durable").name == "step_3"  # damaged data is not a commit marker
