@@ -264,8 +264,8 @@ def _delete_checkpoint(path: Path, *, fsync: bool) -> None:
 
 
 def clean_incomplete(root: str | os.PathLike, *, keep: Iterable[str | os.PathLike] = (),
-                     min_age_s: float = 0.0, fsync: bool = True) -> list[Path]:
-    """Delete leftovers of crashed saves under ``root``; returns what was removed.
+                     min_age_s: float = 0.0, fsync: bool = True, dry_run: bool = False) -> list[Path]:
+    """Delete leftovers of crashed saves under ``root``; returns what was (``dry_run``: would be) removed.
 
     Removed: checkpoint directories without a valid commit (see :func:`list_checkpoints`) in which
     nothing was modified for ``min_age_s`` seconds, a stray ``latest.tmp`` in ``root``, and ``*.tmp``,
@@ -286,20 +286,23 @@ def clean_incomplete(root: str | os.PathLike, *, keep: Iterable[str | os.PathLik
         if not info.complete and min_age_s > 0 and time.time() - _newest_mtime(info.path) < min_age_s:
             continue
         if not info.complete:
-            logger.info("removing incomplete checkpoint %s (%s)", info.path, info.reason)
-            _delete_checkpoint(info.path, fsync=fsync)
+            if not dry_run:
+                logger.info("removing incomplete checkpoint %s (%s)", info.path, info.reason)
+                _delete_checkpoint(info.path, fsync=fsync)
             removed.append(info.path)
             continue
         for entry in os.scandir(info.path):
             if _LEFTOVER_FILE.match(entry.name):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
                 removed.append(Path(entry.path))
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(root):
             if entry.name == LATEST_NAME + ".tmp" and entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
                 removed.append(Path(entry.path))
     return removed
 

@@ -1,8 +1,9 @@
-"""The ``cpuckpt`` command line: ls, inspect, verify, convert, bench, demo. Front end only.
+"""The ``cpuckpt`` command line: ls, inspect, verify, convert, clean, bench, demo. Front end only.
 
-The work is done by :mod:`cpuckpt.tools.catalog` (ls, inspect), :mod:`cpuckpt.tools.verification` (verify)
-and :mod:`cpuckpt.tools.export` (convert); this module parses arguments, configures logging (the only
-place in cpuckpt that adds handlers), prints, and maps outcomes to exit codes:
+The work is done by :mod:`cpuckpt.tools.catalog` (ls, inspect), :mod:`cpuckpt.tools.verification` (verify),
+:mod:`cpuckpt.tools.export` (convert), :mod:`cpuckpt.roots` and :mod:`cpuckpt.tier.ramroot` (clean); this
+module parses arguments, configures logging (the only place in cpuckpt that adds handlers), prints, and maps
+outcomes to exit codes:
 
 - 0: success (``verify``: every byte checked and sound);
 - 1: ``verify`` found damage;
@@ -70,7 +71,7 @@ class _Bytes(click.ParamType):
 @click.option("-v", "--verbose", count=True, help="-v: INFO log lines (telemetry), -vv: DEBUG.")
 @click.version_option(package_name="cpuckpt", prog_name="cpuckpt")
 def cli(verbose: int) -> None:
-    """cpuckpt: inspect, verify and convert checkpoints; run the benchmark and the demo."""
+    """cpuckpt: list, inspect, verify, convert and clean checkpoints; run the benchmark and the demo."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # DCP warns once per load that it runs without a process group; that is the CLI's normal case.
@@ -256,6 +257,60 @@ def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, mem
     for name, why in sorted(report.skipped.items()):
         click.echo(f"skipped {name}: {why}")
 
+
+
+@cli.command("clean")
+@click.argument("root", required=False, type=click.Path(path_type=Path))
+@click.option("--ram", is_flag=True,
+              help="Remove stale memory-tier RAM roots (no live trainer or writer) under ROOT, a RAM root or the "
+                   "directory holding them; default /dev/shm/cpuckpt-<uid>.")
+@click.option("--min-age", "min_age", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Durable roots: remove only leftovers untouched this long. A live save touches its directory "
+                   "at least once per timeout_s, so keep this >= the trainers' timeout_s; 0 also removes saves "
+                   "that other processes are writing right now.  [default: the default timeout_s, 600]")
+@click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per removed path.")
+def clean_cmd(root: Path | None, ram: bool, min_age: float | None, dry_run: bool, as_json: bool) -> None:
+    """Delete leftovers of crashed saves in the checkpoint root ROOT, or (--ram) stale RAM roots.
+
+    ROOT: torn checkpoint directories (no valid commit) untouched for --min-age, *.tmp files, manifest
+    parts and O_DIRECT probes inside complete checkpoints, and a stray latest.tmp; complete checkpoints and
+    checkpoints being loaded stay. --ram: RAM roots whose trainer and writer locks are all free; live ones stay.
+    """
+    verb = "would remove" if dry_run else "removed"
+    if ram:
+        from cpuckpt.tier.ramroot import RamRootError, clean_ram_roots, default_root
+
+        if min_age is not None:
+            _fail("--min-age applies to checkpoint roots, not to --ram")
+        base = root if root is not None else default_root("x").parent
+        try:
+            removed = clean_ram_roots(root, dry_run=dry_run)
+        except (RamRootError, OSError) as e:  # a RamRootError's message names the offending path too
+            _fail(f"cannot clean RAM roots under {base}: {e}")
+        kind, what = "ram-root", "stale RAM root "
+    else:
+        from cpuckpt.config import Config
+        from cpuckpt.roots import clean_incomplete
+
+        if root is None:
+            _fail("clean needs a checkpoint ROOT (or --ram for RAM roots)")
+        if not root.is_dir():
+            _fail(f"{root}: no such checkpoint root directory")
+        min_age_s = Config().timeout_s if min_age is None else min_age
+        try:
+            removed = clean_incomplete(root, min_age_s=min_age_s, dry_run=dry_run)
+        except (OSError, CpuckptError) as e:
+            _fail(f"cannot clean {root}: {e}")
+        base, kind, what = root, "checkpoint", ""
+    if as_json:
+        for path in removed:
+            click.echo(json.dumps({"path": str(path), "kind": kind, "removed": not dry_run}))
+        return
+    for path in removed:
+        click.echo(f"{verb} {what}{path}")
+    if not removed:
+        click.echo(f"no stale RAM roots under {base}" if ram else f"nothing to clean in {base}")
 
 def _source_root(rel: str) -> Path:
     """The source tree holding ``rel``, a file that ships with it (not the wheel): the tree the package

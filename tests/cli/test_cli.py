@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 
 import cpuckpt
+from cpuckpt.tier.ramroot import RamRoot, acquire_lock, lock_holder
 from cpuckpt.tools.cli import cli
 
 SMALL_CFG = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}}
@@ -350,3 +353,190 @@ def test_help_lists_every_command():
     assert code == 0
     for name in ("ls", "inspect", "verify", "convert", "bench", "demo"):
         assert name in out
+
+
+# ---------------------------------------------------------------------------------------- clean
+
+
+def _ram_base(tmp_path: Path) -> Path:
+    """A directory for RAM roots that passes ramroot's checks: ours, mode 0700 whatever the umask."""
+    base = tmp_path / "base"
+    base.mkdir()
+    os.chmod(base, 0o700)
+    return base
+
+
+def _json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_clean_ram_removes_stale_roots_and_keeps_live_ones(tmp_path):
+    base = _ram_base(tmp_path)
+    RamRoot.open(base / "job1", "job1", 0).close()  # a trainer that ended: stale
+    live = RamRoot.open(base / "job2", "job2", 0)  # a trainer that still runs (this process)
+    RamRoot.open(base / "job3", "job3", 0).close()
+    writer_fd = acquire_lock(base / "job3" / ".writer-0.lock")  # trainer gone, its writer still persisting
+    assert writer_fd is not None
+    try:
+        # flock is per open file description: a probe through a fresh open() in this same process, as the
+        # CLI's, sees our locks as held
+        assert lock_holder(base / "job2" / ".rank-0.lock") == os.getpid()
+        assert lock_holder(base / "job3" / ".writer-0.lock") == os.getpid()
+        code, out = _run("clean", "--ram", base)
+        assert code == 0, out
+        assert out.splitlines() == [f"removed stale RAM root {base / 'job1'}"]
+        assert not (base / "job1").exists()
+        assert (base / "job2" / ".owner.json").is_file() and (base / "job3" / ".owner.json").is_file()
+    finally:
+        live.close()
+        os.close(writer_fd)
+    code, out = _run("clean", "--ram", base)  # every lock free now: both stale
+    assert code == 0, out
+    assert out.splitlines() == [f"removed stale RAM root {base / 'job2'}", f"removed stale RAM root {base / 'job3'}"]
+    assert sorted(os.listdir(base)) == []
+    code, out = _run("clean", "--ram", base)
+    assert code == 0 and out.splitlines() == [f"no stale RAM roots under {base}"], out
+
+
+def test_clean_ram_dry_run_and_json(tmp_path):
+    base = _ram_base(tmp_path)
+    RamRoot.open(base / "job1", "job1", 0).close()
+    with RamRoot.open(base / "job2", "job2", 0):
+        code, out = _run("clean", "--ram", "--dry-run", base)
+        assert code == 0 and out.splitlines() == [f"would remove stale RAM root {base / 'job1'}"], out
+        assert (base / "job1" / ".owner.json").is_file()
+        code, out = _run("clean", "--ram", "--dry-run", "--json", base)
+        assert code == 0, out
+        assert _json_lines(out) == [{"path": str(base / "job1"), "kind": "ram-root", "removed": False}]
+        assert (base / "job1" / ".owner.json").is_file()
+        code, out = _run("clean", "--ram", "--json", base / "job1")  # ROOT may be one RAM root
+        assert code == 0, out
+        assert _json_lines(out) == [{"path": str(base / "job1"), "kind": "ram-root", "removed": True}]
+        assert not (base / "job1").exists() and (base / "job2" / ".owner.json").is_file()
+        code, out = _run("clean", "--ram", "--json", base)
+        assert code == 0 and out == "", out  # nothing stale: no objects
+
+
+def test_clean_ram_default_base_is_the_per_user_directory(tmp_path, monkeypatch):
+    from cpuckpt.tier import ramroot
+
+    shm = tmp_path / "shm"  # a stand-in for /dev/shm, never the real one
+    shm.mkdir()
+    os.chmod(shm, 0o1777)
+    monkeypatch.setattr(ramroot, "SHM_DIR", shm)
+    RamRoot.open(None, "job1", 0).close()
+    stale = shm / f"cpuckpt-{os.geteuid()}" / "job1"
+    assert (stale / ".owner.json").is_file()
+    code, out = _run("clean", "--ram", "--dry-run")
+    assert code == 0 and out.splitlines() == [f"would remove stale RAM root {stale}"], out
+    code, out = _run("clean", "--ram")
+    assert code == 0 and out.splitlines() == [f"removed stale RAM root {stale}"], out
+    assert not stale.exists()
+    code, out = _run("clean", "--ram")
+    assert code == 0 and out.splitlines() == [f"no stale RAM roots under {stale.parent}"], out
+
+
+def test_clean_ram_unsafe_directory_is_a_clear_error(tmp_path):
+    base = _ram_base(tmp_path)
+    RamRoot.open(base / "job1", "job1", 0).close()
+    os.chmod(base, 0o755)  # group and others may read it: ramroot refuses to touch it
+    code, out = _run("clean", "--ram", base)
+    assert code == 2, out
+    assert out.startswith("cpuckpt: error: ") and str(base) in out and "mode 755" in out, out
+    assert "Traceback" not in out and (base / "job1" / ".owner.json").is_file()
+
+
+def _torn_save(path: Path, step: int) -> None:
+    cpuckpt.save({"x": torch.full((10,), float(step))}, path, SMALL_CFG, step=step)
+    (path / ".metadata").unlink()  # a save that died before its commit
+
+
+def _age(path: Path, seconds: float) -> None:
+    """Backdate ``path`` and everything directly in it, as if nothing touched it for ``seconds``."""
+    t = time.time() - seconds
+    for p in [*path.iterdir(), path]:
+        os.utime(p, (t, t), follow_symlinks=False)
+
+
+def test_clean_removes_torn_checkpoint_and_keeps_complete_one(tmp_path):
+    root = tmp_path / "ckpts"
+    cpuckpt.save({"x": torch.ones(10)}, root / "step_1", SMALL_CFG, step=1)
+    _torn_save(root / "step_2", 2)
+    code, out = _run("clean", root, "--min-age", "0")
+    assert code == 0 and out.splitlines() == [f"removed {root / 'step_2'}"], out
+    assert sorted(os.listdir(root)) == ["step_1"]
+    assert cpuckpt.find_latest(root) == root / "step_1"
+    sd = {"x": torch.zeros(10)}
+    cpuckpt.load(sd, root / "step_1")
+    assert torch.equal(sd["x"], torch.ones(10))
+    code, out = _run("clean", root, "--min-age", "0", "--json")
+    assert code == 0 and out == "", out
+    code, out = _run("clean", root, "--min-age", "0")
+    assert code == 0 and out.splitlines() == [f"nothing to clean in {root}"], out
+
+
+def test_clean_spares_recent_torn_saves_by_default(tmp_path):
+    """Without --min-age a torn directory touched in the last timeout_s (600 s) may be another process's
+    live save and stays; once older, it goes."""
+    root = tmp_path / "ckpts"
+    cpuckpt.save({"x": torch.ones(10)}, root / "step_1", SMALL_CFG, step=1)
+    _torn_save(root / "step_2", 2)
+    _age(root / "step_2", 500)
+    code, out = _run("clean", root)
+    assert code == 0 and out.splitlines() == [f"nothing to clean in {root}"], out
+    assert (root / "step_2").is_dir()
+    _age(root / "step_2", 700)
+    code, out = _run("clean", root, "--json")
+    assert code == 0, out
+    assert _json_lines(out) == [{"path": str(root / "step_2"), "kind": "checkpoint", "removed": True}]
+    assert sorted(os.listdir(root)) == ["step_1"]
+
+
+def test_clean_dry_run_lists_exactly_what_clean_removes(tmp_path):
+    root = tmp_path / "ckpts"
+    cpuckpt.save({"x": torch.ones(10)}, root / "step_1", SMALL_CFG, step=1)
+    (root / "step_1" / ".metadata.tmp").write_bytes(b"torn")  # a leftover inside a complete checkpoint
+    _torn_save(root / "step_2", 2)
+    _age(root / "step_2", 3600)  # dead long ago: goes
+    _torn_save(root / "step_3", 3)  # fresh: may be live, stays
+    _torn_save(root / "step_4", 4)
+    (root / "step_4" / f".cpuckpt-loading-{socket.gethostname()}-{os.getpid()}-0123abcd").touch()
+    _age(root / "step_4", 3600)  # old, but being loaded (by this live process): stays
+    (root / "latest.tmp").write_text("step_1\n")  # a pointer update that died
+    (root / "notes").mkdir()  # not a checkpoint: never touched
+    (root / "notes" / "a.tmp").write_text("mine")
+    expected = [root / "step_1" / ".metadata.tmp", root / "step_2", root / "latest.tmp"]
+
+    def snapshot() -> list[str]:
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+    before = snapshot()
+    code, out = _run("clean", root, "--dry-run")
+    assert code == 0, out
+    assert sorted(out.splitlines()) == sorted(f"would remove {p}" for p in expected)
+    code, out = _run("clean", root, "--dry-run", "--json")
+    assert code == 0, out
+    planned = _json_lines(out)
+    assert snapshot() == before  # removed nothing
+    assert sorted(r["path"] for r in planned) == sorted(map(str, expected))
+    assert all(r["kind"] == "checkpoint" and r["removed"] is False for r in planned)
+
+    code, out = _run("clean", root, "--json")
+    assert code == 0, out
+    done = _json_lines(out)
+    assert [r["path"] for r in done] == [r["path"] for r in planned]  # what the dry run promised, in order
+    assert all(r["removed"] is True for r in done)
+    assert not any(p.exists() for p in expected)
+    assert sorted(os.listdir(root)) == ["notes", "step_1", "step_3", "step_4"]
+    assert (root / "notes" / "a.tmp").is_file() and cpuckpt.find_latest(root) == root / "step_1"
+
+
+def test_clean_argument_errors(tmp_path):
+    code, out = _run("clean")
+    assert code == 2 and "ROOT" in out and "--ram" in out, out
+    code, out = _run("clean", tmp_path / "nope")
+    assert code == 2 and "nope" in out, out
+    code, out = _run("clean", "--ram", "--min-age", "5", tmp_path)
+    assert code == 2 and "--min-age" in out, out
+    code, out = _run("--help")
+    assert code == 0 and "clean" in out
