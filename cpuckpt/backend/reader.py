@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -45,7 +45,8 @@ from cpuckpt.errors import CheckpointCorrupt, CpuckptError
 from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
-from cpuckpt.transfer.staging import DeviceCopier, flat_bytes, get_pool
+from cpuckpt.transfer.images import ImageFile
+from cpuckpt.transfer.staging import DeviceCopier, Slot, flat_bytes, get_pool
 from cpuckpt.transfer.threads import run_parallel
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -99,11 +100,16 @@ class StorageReader(_DcpStorageReader):
     Args:
         path: checkpoint directory.
         config: a :class:`Config`, a YAML path, a dict, or None for defaults.
+        images: the memory tier's mapped images of this checkpoint's files (by file name), when this
+            process holds them: their bytes are copied to the targets straight from the (pinned)
+            mapping, with no read and no pool.
     """
 
-    def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
+                 *, images: Mapping[str, ImageFile] | None = None) -> None:
         super().__init__()
         self.path = Path(path)
+        self.images = dict(images or {})  # file name -> this process's live, mapped (pinned) image of it
         self.config = resolve_config(config)
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, Any] = {}
@@ -173,7 +179,7 @@ class StorageReader(_DcpStorageReader):
         with contextlib.ExitStack() as opened:
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
-            jobs = _read_jobs(plans, planner, cfg, opened, stats)
+            jobs = _read_jobs(plans, planner, cfg, opened, stats, self.images)
             stats.jobs = len(jobs)
             stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
                                             name="cpuckpt-read"))
@@ -287,26 +293,33 @@ def _run_job(job: ReadJob, cancel: threading.Event) -> int:
 
 
 def _read_jobs(plans: dict[str, _FilePlan], planner: LoadPlanner, cfg: Config, opened: contextlib.ExitStack,
-               stats: ReadStats) -> list[ReadJob]:
+               stats: ReadStats, images: Mapping[str, ImageFile]) -> list[ReadJob]:
     """The read jobs of every file (opened into ``opened``); each job returns the bytes it read."""
     chunked = {}
-    for fp in plans.values():
+    mapped: dict[str, ImageFile] = {}
+    for rel, fp in plans.items():
         _check_size(fp)
+        image = images.get(rel)
+        if fp.entry is not None and image is not None and image.nbytes == fp.entry.nbytes:
+            mapped[fp.path] = image
         if fp.entry is not None:
             mode = cfg.integrity.verify if fp.entry.checksum == "crc32c" and fp.entry.chunk_checksums else "off"
-            if mode != "off" or any(n.dst is not None and n.dst.is_cuda for n in fp.needs):
+            if mode != "off" or fp.path in mapped or any(n.dst is not None and n.dst.is_cuda for n in fp.needs):
                 chunked[fp.path] = {"always": 1.0, "sample": cfg.integrity.sample_fraction, "off": 0.0}[mode]
     pool = copiers = None
     if chunked:
-        slot_bytes = max(plans[p].entry.chunk_bytes for p in plans if plans[p].path in chunked)  # type: ignore[union-attr]
-        pool = get_pool(slot_bytes, cfg.io.read_threads, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
         copiers = _Copiers()
+    if set(chunked) - set(mapped):
+        slot_bytes = max(fp.entry.chunk_bytes for fp in plans.values()  # type: ignore[union-attr]
+                         if fp.path in chunked and fp.path not in mapped)
+        pool = get_pool(slot_bytes, cfg.io.read_threads, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
     jobs: list[ReadJob] = []
     for fp in plans.values():
         if fp.entry is None:
             jobs += _stock_jobs(fp, planner, cfg, opened)
         elif fp.path in chunked:
-            jobs += _chunk_jobs(fp, fp.entry, cfg, opened, pool, copiers, verify_fraction=chunked[fp.path])
+            jobs += _chunk_jobs(fp, fp.entry, cfg, opened, pool, copiers, verify_fraction=chunked[fp.path],
+                                image=mapped.get(fp.path))
         else:
             jobs += _range_jobs(fp, cfg, opened)
     return jobs
@@ -333,11 +346,12 @@ def _open(backend: FileBackend, path: str, opened: contextlib.ExitStack) -> int:
 
 
 def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib.ExitStack, pool: Any,
-                copiers: Any, *, verify_fraction: float) -> list[ReadJob]:
+                copiers: Any, *, verify_fraction: float, image: ImageFile | None = None) -> list[ReadJob]:
     """Whole chunks read into pool slots (aligned: O_DIRECT works), verified, scattered to destinations.
 
     GPU destinations get their bytes by host-to-device copies from the (pinned) slot on a side
-    stream; the slot is released once those copies completed.
+    stream; the slot is released once those copies completed. A file this process holds as a mapped
+    ``image`` is not read at all: each chunk's "slot" is its bytes of the mapping.
     """
     cb = entry.chunk_bytes
     by_chunk: dict[int, list[_Need]] = defaultdict(list)
@@ -354,14 +368,15 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
     align = cfg.layout.align_bytes
     if backend.aligned and cb % align:
         backend = BufferedFileBackend()
-    fd = _open(backend, fp.path, opened)
+    fd = _open(backend, fp.path, opened) if image is None else -1
 
     def read_chunk(c: int, cancel: threading.Event) -> int:
         lo, hi = c * cb, min((c + 1) * cb, entry.nbytes)
         want = -(-(hi - lo) // align) * align if backend.aligned else hi - lo
-        slot = pool.lease(cfg.timeout_s)
+        slot = pool.lease(cfg.timeout_s) if image is None else \
+            Slot(-1, 0, image.tensor()[lo:hi], image.view()[lo:hi])
         try:
-            got = backend.pread_into(fd, slot.view[:want], lo, fp.path)
+            got = backend.pread_into(fd, slot.view[:want], lo, fp.path) if image is None else hi - lo
             if got < hi - lo:
                 raise CheckpointCorrupt(f"{fp.path}: file ends at {lo + got}, expected {entry.nbytes} bytes")
             # "sample" draws anew on every load, so repeated loads cover different chunks.
@@ -387,7 +402,8 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
                 h2d.record().synchronize()  # the slot may be reused only after the copies ran
             return hi - lo
         finally:
-            pool.release(slot)
+            if image is None:
+                pool.release(slot)
 
     return [functools.partial(read_chunk, c) for c in sorted(by_chunk)]
 

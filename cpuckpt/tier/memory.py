@@ -36,6 +36,7 @@ import torch.distributed as dist
 from cpuckpt.api import load
 from cpuckpt.backend.collectives import checkpoint_group
 from cpuckpt.backend.committed import check_complete, read_manifest
+from cpuckpt.backend.reader import StorageReader
 from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
 from cpuckpt.config import CheckpointConfig, Config, resolve_config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, IntegrityError
@@ -286,7 +287,7 @@ class MemoryTier:
         """
         for path in self.candidates():
             try:
-                load(state_dict, path, self.config, process_group=self.process_group, planner=planner)
+                self.load(state_dict, path, planner=planner)
             except IntegrityError as e:
                 logger.warning("cpuckpt memory tier: %s does not verify (%s); falling back to the next newest",
                                path, e)
@@ -295,6 +296,17 @@ class MemoryTier:
                               self._next)
             return path
         return None
+
+    def load(self, state_dict: dict[str, Any], path: str | os.PathLike, *, planner: Any = None) -> None:
+        """``cpuckpt.load`` of ``path``; a memory checkpoint this process saved is copied straight from its
+        mapped (pinned) images, with no file read. Collective, like ``cpuckpt.load``."""
+        path = Path(path)
+        images = {}
+        for d, image_set in zip(self.slots, self.images):
+            if d == path:
+                images = {n: img for n in image_set.names if (img := image_set.get(n)) is not None}
+        reader = StorageReader(path, self.config, images=images)
+        load(state_dict, path, self.config, process_group=self.process_group, planner=planner, storage_reader=reader)
 
     def step_of(self, path: str | os.PathLike) -> int | None:
         manifest = read_manifest(Path(path))

@@ -279,3 +279,27 @@ def test_restart_falls_back_past_a_checkpoint_that_does_not_verify(tmp_path, cap
     assert "step_3" in caplog.text and "checksum" in caplog.text
     tier.close(persist_newest=False)
     assert cpuckpt.find_latest(tmp_path / "durable").name == "step_3"  # damaged data is not a commit marker
+
+
+def test_a_memory_checkpoint_of_this_process_loads_from_its_images_without_reading(tmp_path, monkeypatch):
+    from cpuckpt.transfer import files
+
+    tier, _ = _one(tmp_path)
+    tier.save(_state(5, 0), 5).wait()
+    path = tier.find_latest()
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("a file was read")
+
+    monkeypatch.setattr(files.BufferedFileBackend, "pread_into", no_reads)
+    out = _targets(0)
+    tier.load(out, path)  # copies from the mapped image: no pread
+    assert out["step"] == 5
+    H.assert_bitexact(out["r0"]["w"], _state(5, 0)["r0"]["w"], "load from the image")
+    H.assert_bitexact(out["r0"]["b"], _state(5, 0)["r0"]["b"], "load from the image")
+    import cpuckpt
+
+    with pytest.raises(Exception, match="a file was read"):  # the ordinary reader does read the files
+        cpuckpt.load(_targets(0), path)
+    monkeypatch.undo()
+    tier.close()
