@@ -303,3 +303,41 @@ def test_a_memory_checkpoint_of_this_process_loads_from_its_images_without_readi
         cpuckpt.load(_targets(0), path)
     monkeypatch.undo()
     tier.close()
+
+
+def _train_then_die_owing(durable: str, ram: str, pids_file: str) -> None:
+    """Rank body: steps 1-4, the writer frozen before step 4's persist; the trainer dies owing it."""
+    import torch.distributed as dist
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(Path(ram)))
+    for step in (1, 2, 3):
+        tier.save(_state(step, rank), step).wait()
+    writer = tier.root.writer_alive(rank)
+    os.kill(writer, signal.SIGSTOP)
+    tier.save(_state(4, rank), 4).wait()  # committed in memory; its persist is owed to a frozen writer
+    assert tier.queue.owed(), "step 4's persist should be owed"
+    with open(f"{pids_file}.{rank}", "w") as f:
+        f.write(str(writer))
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_trainer_killed_while_its_persist_is_owed_the_writer_finishes_it(run_ranks, tmp_path):
+    durable, ram, pids = tmp_path / "durable", tmp_path / "ram", tmp_path / "writer.pid"
+    with pytest.raises(AssertionError, match="rank"):
+        run_ranks(2, _train_then_die_owing, str(durable), str(ram), str(pids))
+    assert _durable_steps(durable) == []  # nothing persisted yet: both writers are frozen
+    for r in (0, 1):
+        os.kill(int(Path(f"{pids}.{r}").read_text()), signal.SIGCONT)
+    _wait_writers_gone(ram)  # trainers gone: each writer finishes what it owed, then exits
+    assert _durable_steps(durable) == [4]
+    import cpuckpt
+
+    out = {"r0": {"w": torch.empty(300, 257), "b": torch.empty(33, dtype=torch.int64)},
+           "r1": {"w": torch.empty(300, 257), "b": torch.empty(33, dtype=torch.int64)}, "step": -1}
+    cpuckpt.load(out, durable / "step_4")
+    for r in (0, 1):
+        H.assert_bitexact(out[f"r{r}"]["w"], _state(4, r)[f"r{r}"]["w"], f"persisted after the trainer died, rank {r}")
