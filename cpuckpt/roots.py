@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -379,7 +379,8 @@ def after_commit(path: str | os.PathLike, config: Config) -> None:
 _SIGTERM_LOCK = threading.Lock()
 
 
-def install_sigterm_handler(grace_s: float | None = None, config: Config | None = None) -> Any:
+def install_sigterm_handler(grace_s: float | None = None, config: Config | None = None, *,
+                            then: Callable[[float], None] | None = None) -> Any:
     """On SIGTERM, give in-flight ``async_save``\\ s up to ``grace_s`` to commit, then chain on.
 
     Call from the main thread (Python delivers signals there). The handler waits for this
@@ -391,6 +392,8 @@ def install_sigterm_handler(grace_s: float | None = None, config: Config | None 
     Args:
         grace_s: seconds to wait; default ``config.checkpoint.sigterm_grace_s`` (30).
         config: where to read the default grace period from.
+        then: called with the grace period's deadline (``time.monotonic()``) once the in-flight saves
+            are waited for, inside the grace period (the memory tier makes its newest checkpoint durable).
 
     Returns:
         The previous handler.
@@ -409,6 +412,11 @@ def install_sigterm_handler(grace_s: float | None = None, config: Config | None 
                     h.wait(max(0.001, deadline - time.monotonic()))
                 except Exception as e:  # reported, then the trainer's handler still runs
                     logger.warning("SIGTERM: save of %s not committed: %s", h.path, e)
+            if then is not None:
+                try:
+                    then(deadline)
+                except Exception as e:
+                    logger.warning("SIGTERM: %s", e)
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_IGN:

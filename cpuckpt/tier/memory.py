@@ -40,7 +40,7 @@ from cpuckpt.backend.reader import StorageReader
 from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
 from cpuckpt.config import CheckpointConfig, Config, resolve_config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, IntegrityError
-from cpuckpt.roots import list_checkpoints
+from cpuckpt.roots import install_sigterm_handler, list_checkpoints
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import RamRoot, job_id_for
 from cpuckpt.transfer.images import ImageSet
@@ -313,6 +313,30 @@ class MemoryTier:
         return manifest.step if manifest is not None else None
 
     # -- shutdown -------------------------------------------------------------------------------
+    def install_sigterm_handler(self, grace_s: float | None = None) -> Any:
+        """On SIGTERM: wait for in-flight saves, make the newest memory checkpoint durable, then chain on.
+
+        Within ``grace_s`` (default ``checkpoint.sigterm_grace_s``): in-flight saves commit, then this
+        rank asks its writer to persist the newest memory checkpoint unless that step was already
+        requested (a multiple of ``memory.persist_every``: then it waits for that), and waits for its
+        writer to owe nothing. No collective runs in the handler; the coordinator's writer commits once
+        every rank's part arrived (ranks that never got SIGTERM never send theirs: bounded by
+        ``timeout_s``). Then the previous handler runs (see :func:`cpuckpt.install_sigterm_handler`).
+        Call from the main thread. Returns the previous handler.
+        """
+        return install_sigterm_handler(grace_s, self.config, then=self._persist_newest_before)
+
+    def _persist_newest_before(self, deadline: float) -> None:
+        if self._last is not None:
+            step, name, slot = self._last
+            every = self.config.memory.persist_every
+            requested = step is not None and bool(every) and step % every == 0
+            manifest = read_manifest(slot)
+            if step is not None and not requested and manifest is not None and check_complete(slot).complete:
+                logger.warning("SIGTERM: persisting step %s from memory to %s", step, self.durable_root / name)
+                self.queue.put(self._persist_request(slot, manifest.save_id, step, name))
+        self.wait_persisted(max(0.001, deadline - time.monotonic()))
+
     def close(self, *, persist_newest: bool = True, remove_root: bool = True) -> None:
         """Normal exit: the newest memory checkpoint is made durable, the writer stops, the RAM root goes.
 

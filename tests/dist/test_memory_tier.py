@@ -341,3 +341,23 @@ def test_a_trainer_killed_while_its_persist_is_owed_the_writer_finishes_it(run_r
     cpuckpt.load(out, durable / "step_4")
     for r in (0, 1):
         H.assert_bitexact(out[f"r{r}"]["w"], _state(4, r)[f"r{r}"]["w"], f"persisted after the trainer died, rank {r}")
+
+
+def test_sigterm_makes_the_newest_memory_checkpoint_durable_then_chains(tmp_path):
+    tier, _ = _one(tmp_path, persist_every=4)
+    chained = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: chained.append(signum))
+    try:
+        previous = tier.install_sigterm_handler(grace_s=20)
+        assert callable(previous)
+        for step in (1, 2, 3):
+            tier.save(_state(step, 0), step).wait()
+        assert _durable_steps(tmp_path / "durable") == []
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # the handler runs on the main thread at the next bytecode
+        assert chained == [signal.SIGTERM], "the trainer's own handler must still run"
+        assert _durable_steps(tmp_path / "durable") == [3]  # persisted from memory within the grace period
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    tier.close()
+    assert _durable_steps(tmp_path / "durable") == [3]  # close() does not persist it twice
