@@ -291,7 +291,7 @@ def async_save(
     writer.defer_commit(in_flight=cfg.async_.max_in_flight)
     handle = AsyncSaveHandle(writer, str(path), t0)
     try:
-        with _gc_paused():
+        with gc_paused():
             state = resolve_stateful(state_dict)
             signature = _plan_signature(state, planner, plan_key)
             cached = ckpt.plan_cache if signature is not None and ckpt.plan_cache is not None \
@@ -332,8 +332,8 @@ def _plan_signature(state: dict[str, Any], planner: Any, plan_key: Hashable | No
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Keep Python's cyclic GC out of the stall window.
+def gc_paused() -> Iterator[None]:
+    """Keep Python's cyclic GC out of the stall window (saves) and out of a load.
 
     Planning allocates thousands of small objects; a full collection they trigger costs ~0.1-0.3 s
     with torch loaded (measured), several times the copy time. The collection still happens, later,
