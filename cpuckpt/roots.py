@@ -403,20 +403,28 @@ def install_sigterm_handler(grace_s: float | None = None, config: Config | None 
     previous = signal.getsignal(signal.SIGTERM)
 
     def handler(signum: int, frame: Any) -> None:
-        with _SIGTERM_LOCK:
-            deadline = time.monotonic() + grace_s
-            pending = inflight.pending()
-            logger.warning("SIGTERM: waiting up to %.1f s for %d in-flight checkpoint save(s)", grace_s, len(pending))
-            for h in pending:
-                try:
-                    h.wait(max(0.001, deadline - time.monotonic()))
-                except Exception as e:  # reported, then the trainer's handler still runs
-                    logger.warning("SIGTERM: save of %s not committed: %s", h.path, e)
-            if then is not None:
-                try:
-                    then(deadline)
-                except Exception as e:
-                    logger.warning("SIGTERM: %s", e)
+        # A second SIGTERM during the grace period (it runs in this same thread) must not wait on the
+        # first one's lock forever: it skips the waiting and chains at once.
+        if _SIGTERM_LOCK.acquire(blocking=False):
+            try:
+                deadline = time.monotonic() + grace_s
+                pending = inflight.pending()
+                logger.warning("SIGTERM: waiting up to %.1f s for %d in-flight checkpoint save(s)", grace_s,
+                               len(pending))
+                for h in pending:
+                    try:
+                        h.wait(max(0.001, deadline - time.monotonic()))
+                    except Exception as e:  # reported, then the trainer's handler still runs
+                        logger.warning("SIGTERM: save of %s not committed: %s", h.path, e)
+                if then is not None:
+                    try:
+                        then(deadline)
+                    except Exception as e:
+                        logger.warning("SIGTERM: %s", e)
+            finally:
+                _SIGTERM_LOCK.release()
+        else:
+            logger.warning("SIGTERM again during the grace period: not waiting any longer")
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_IGN:

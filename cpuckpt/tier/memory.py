@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
+import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -39,7 +40,7 @@ from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.backend.reader import StorageReader
 from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
 from cpuckpt.config import CheckpointConfig, Config, resolve_config
-from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, IntegrityError
+from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError, IntegrityError
 from cpuckpt.roots import install_sigterm_handler, list_checkpoints
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import RamRoot, job_id_for
@@ -85,6 +86,12 @@ class MemoryTier:
         self.group = checkpoint_group(process_group, self.config.timeout_s) if self.dist else None
         self.rank = dist.get_rank(self.group) if self.dist else 0
         self.world_size = dist.get_world_size(self.group) if self.dist else 1
+        if self.dist:  # one RAM root per node holds every rank's images: all ranks must share this host
+            hosts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+            if len(set(hosts)) > 1:
+                raise ConfigError(f"cpuckpt.MemoryTier runs on one node for now; ranks are on {sorted(set(hosts))} "
+                                  "(use cpuckpt.async_save to a shared durable root across nodes)")
         self.root = RamRoot.open(m.root or None, m.job or job_id_for(self.durable_root), self.rank,
                                  headroom_bytes=m.headroom_bytes)
         # Memory saves: no fsync (RAM), and no `latest`/retention in the RAM root (those follow the durable commit).
@@ -99,7 +106,9 @@ class MemoryTier:
         self._writer: subprocess.Popen | None = None
         self._next = self._slot_after_newest()
         self._last: tuple[int | None, str, Path] | None = None  # (step, name, slot) of the newest memory save
-        self._seen = max((o.seq for o in self.queue.outcomes()), default=0)  # outcomes reported so far
+        self._respawn_failed: CpuckptError | None = None
+        self._reported = {o.seq for o in self.queue.outcomes()}  # outcomes already seen (an earlier trainer's too)
+        self._cancel_uncommitted_requests()
         self._ensure_writer()
 
     # -- paths ----------------------------------------------------------------------------------
@@ -130,13 +139,14 @@ class MemoryTier:
                 close_fds=True)
         finally:
             log.close()
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + self.config.timeout_s  # interpreter start + imports (shared filesystems)
         while self.root.writer_alive(self.rank) is None:  # wait until it holds its lock: liveness is the lock
             if self._writer.poll() is not None:
                 raise WriterDiedError(f"rank {self.rank}: the writer process exited at start (code "
                                       f"{self._writer.returncode}); see {self.root.path}/writer-{self.rank}.log")
             if time.monotonic() > deadline:
-                raise CheckpointTimeoutError(f"rank {self.rank}: the writer process did not start within 30 s")
+                raise CheckpointTimeoutError(f"rank {self.rank}: the writer process did not start within "
+                                             f"{self.config.timeout_s} s")
             time.sleep(0.01)
         logger.info("cpuckpt memory tier: rank %d writer pid %d, RAM root %s", self.rank, self._writer.pid,
                     self.root.path)
@@ -148,18 +158,30 @@ class MemoryTier:
         if self._writer is not None:
             self._writer.poll()  # reap it
         if not self.queue.owed():
-            self._ensure_writer()
+            try:
+                self._ensure_writer()
+            except CpuckptError as e:  # reported on every rank through the agreement, not here alone
+                logger.error("cpuckpt memory tier: %s", e)
+                return True
             return False
         return True
 
     def _new_persist_failures(self) -> list[str]:
         """Failed persists this rank has not reported yet (cancelled ones are the trainer's own doing)."""
-        new = [o for o in self.queue.outcomes() if o.seq > self._seen]
-        if new:
-            self._seen = max(o.seq for o in new)
+        outcomes = self.queue.outcomes()
+        new = [o for o in outcomes if o.seq not in self._reported]
+        self._reported = {o.seq for o in outcomes}
         self.queue.prune()
         return [f"persist request {o.seq} failed: {o.error}" for o in new
                 if not o.ok and not o.error.startswith("cancelled")]
+
+    def _cancel_uncommitted_requests(self) -> None:
+        """At start (this trainer holds the rank's lock, so its predecessor is gone): a request whose save
+        never committed in memory can never be persisted; withdraw it so it holds no slot and no writer."""
+        for req in self.queue.owed():
+            manifest = read_manifest(Path(req.slot)) if check_complete(req.slot).complete else None
+            if manifest is None or manifest.save_id != req.save_id:
+                self.queue.cancel(req.seq, "its save never committed in memory (the trainer ended first)")
 
     def _held(self, slot: Path) -> bool:
         return any(r.slot == str(slot) for r in self.queue.owed())
@@ -191,9 +213,14 @@ class MemoryTier:
             # One all-reduce: a dead writer anywhere, a failed persist anywhere, a held slot anywhere, and a
             # save id common to all ranks (the maximum of random numbers).
             failed = self._new_persist_failures()
-            dead, persist_failed, held, token = self._agree(
-                [int(self._writer_dead_with_debts()), int(bool(failed)), int(self._held(slot)),
-                 random.getrandbits(62)])
+            expired = time.monotonic() > deadline
+            dead, persist_failed, held, expired, respawn_failed, token = self._agree(
+                [int(self._writer_dead_with_debts()), int(bool(failed)), int(self._held(slot)), int(expired),
+                 int(self._respawn_failed is not None),
+                 secrets.randbits(62)])  # not `random`: the trainer's own random stream stays untouched
+            if respawn_failed:
+                raise WriterDiedError(f"rank {self.rank}: a writer process could not be respawned"
+                                      + (f": {self._respawn_failed}" if self._respawn_failed else " (on another rank)"))
             if persist_failed:
                 raise PersistError(f"rank {self.rank}: " + ("; ".join(failed) if failed else
                                    f"another rank's persist to {self.durable_root} failed (see its log)"))
@@ -211,7 +238,7 @@ class MemoryTier:
                                "root directly", step)
                 return async_save(state_dict, self.durable_root / name, self.config, step=step,
                                   process_group=self.process_group, planner=planner, plan_key=plan_key)
-            if time.monotonic() > deadline:
+            if expired:  # agreed: every rank raises together
                 raise CheckpointTimeoutError(f"memory tier: {slot} still held by a persist after "
                                              f"{self.config.timeout_s} s (when_full: wait)")
             logger.info("cpuckpt memory tier: step %s waits for the persist of %s", step, slot.name)
@@ -220,10 +247,10 @@ class MemoryTier:
                             planner=planner, plan_key=plan_key, images=self.images[k],
                             save_id=f"{self.root.job[:24]}-{token:016x}")
         self._next = (k + 1) % len(self.slots)
-        self._last = (step, name, slot)
         every = self.config.memory.persist_every
         if every and step % every == 0:
             self._request_persist(handle, step, name, slot)
+        self._last = (step, name, slot)  # after the request: SIGTERM's handler reads both
         return handle
 
     def _request_persist(self, handle: AsyncSaveHandle, step: int | None, name: str, slot: Path) -> None:
@@ -250,7 +277,10 @@ class MemoryTier:
             raise WriterDiedError(f"rank {self.rank}: {msg}")
         logger.error("cpuckpt memory tier: %s; respawning it (it redoes what was owed)", msg)
         if self.root.writer_alive(self.rank) is None:
-            self._ensure_writer()
+            try:
+                self._ensure_writer()
+            except CpuckptError as e:  # agreed on at the next round: every rank raises then
+                self._respawn_failed = e
 
     # -- state ----------------------------------------------------------------------------------
     def persisted(self, step: int) -> bool:
@@ -345,31 +375,51 @@ class MemoryTier:
         Raises:
             PersistError: a persist failed on some rank (the RAM root is then kept).
             WriterDiedError: this rank's writer died owing persists.
+            CpuckptError: an in-flight save failed (the same error on every rank).
         """
-        wait_all()
-        self.wait_persisted()
-        self._agree([0])  # every rank's owed persists are done: all ranks now see the same durable root
-        if persist_newest and self._last is not None:
+        errors: list[BaseException] = []  # this rank's; every decision below is agreed first
+
+        def attempt(fn: Any) -> None:
+            try:
+                fn()
+            except CpuckptError as e:
+                errors.append(e)
+
+        attempt(wait_all)
+        attempt(self.wait_persisted)
+        (bad,) = self._agree([int(bool(errors))])  # also: all owed persists done, every rank sees one durable root
+        if persist_newest and not bad and self._last is not None:
             step, name, slot = self._last
             manifest = read_manifest(slot)
             if step is not None and manifest is not None and check_complete(slot).complete \
                     and not self.persisted(step):
                 self.queue.put(self._persist_request(slot, manifest.save_id, step, name))
-                self.wait_persisted()
-        failed = self._new_persist_failures()
+                attempt(self.wait_persisted)
+        errors += [PersistError(f"rank {self.rank}: {f}") for f in self._new_persist_failures()]
+        self._stop_writer()
+        for images in self.images:
+            images.close()
+        self.root.close()
+        (any_failed,) = self._agree([int(bool(errors))])  # also: every rank has let go of the root
+        if any_failed:  # the RAM root stays: it may hold the only copy of the newest checkpoint
+            if errors:
+                raise errors[0]
+            raise PersistError(f"rank {self.rank}: another rank failed to make its checkpoints durable (see its "
+                               f"log); the memory checkpoints stay in {self.root.path}")
+        if remove_root and self.rank == 0:
+            try:
+                self.root.remove()
+            except CpuckptError as e:  # e.g. a forked child still holds a lock: leave it to `cpuckpt clean --ram`
+                logger.warning("cpuckpt memory tier: RAM root %s left in place (%s); `cpuckpt clean --ram` removes "
+                               "it once nothing holds it", self.root.path, e)
+
+    def _stop_writer(self) -> None:
+        """Ask this rank's writer (started here or adopted) to exit once it owes nothing, and wait for it."""
         self.queue.request_stop()
         if self._writer is not None:
             try:
                 self._writer.wait(timeout=self.config.timeout_s)
             except subprocess.TimeoutExpired:
                 logger.warning("cpuckpt memory tier: rank %d's writer did not exit; left running", self.rank)
-        for images in self.images:
-            images.close()
-        self.root.close()
-        (any_failed,) = self._agree([int(bool(failed))])  # also: every rank has let go of the root
-        if any_failed:  # the RAM root stays: it may hold the only copy of the newest checkpoint
-            raise PersistError(f"rank {self.rank}: " + ("; ".join(failed) if failed else
-                               f"another rank's persist to {self.durable_root} failed (see its log)") +
-                               f"; the memory checkpoints stay in {self.root.path}")
-        if remove_root and self.rank == 0:
-            self.root.remove()
+        elif not self.root.wait_writer_gone(self.rank, self.config.timeout_s):
+            logger.warning("cpuckpt memory tier: rank %d's adopted writer did not exit; left running", self.rank)

@@ -23,15 +23,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 from cpuckpt.backend.commit import clear_commit, commit_checkpoint
-from cpuckpt.backend.committed import METADATA_NAME, load_metadata, read_manifest
+from cpuckpt.backend.committed import METADATA_NAME, check_complete, load_metadata, read_manifest
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, IntegrityError
-from cpuckpt.format.manifest import Manifest, part_name
+from cpuckpt.format.manifest import Manifest, manifest_from_json, part_name
 from cpuckpt.roots import after_commit
 from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import acquire_lock, lock_holder
@@ -70,36 +71,63 @@ def _wait_memory_commit(req: PersistRequest, deadline: float, queue: PersistQueu
         time.sleep(POLL_S)
 
 
+def _durable_save_id(dest: Path) -> str | None:
+    """The save committed in ``dest`` (None when incomplete)."""
+    if not check_complete(dest).complete:
+        return None
+    manifest = read_manifest(dest)
+    return manifest.save_id if manifest is not None else None
+
+
+def _part_save_id(part: Path) -> str | None:
+    try:
+        return manifest_from_json(part.read_bytes()).save_id or None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
 def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outcome:
-    """Persist one request (steps 1-4 above); the outcome says what happened, never raises."""
+    """Persist one request (steps 1-4 above); the outcome says what happened, never raises.
+
+    Idempotent: a request whose save is already committed in ``dest`` (a writer that died between its
+    commit and its outcome file, redone) succeeds at once, and a rank whose part for that save is
+    already there does not write again. Parts carry the save id, so the coordinator never commits a
+    part that an earlier, failed attempt left behind.
+    """
     t0 = time.perf_counter()
     cfg = Config.from_dict(req.config, source="persist request", env=False)
     deadline = time.monotonic() + cfg.timeout_s
     dest, slot = Path(req.dest), Path(req.slot)
     prefix = f"__{req.rank}_"
+    part = dest / part_name(prefix)
+    nbytes = 0
     try:
+        if _durable_save_id(dest) == req.save_id:
+            return Outcome(req.seq, True, seconds=time.perf_counter() - t0)
         manifest = _wait_memory_commit(req, deadline, queue)
         dest.mkdir(parents=True, exist_ok=True)
+        if _part_save_id(part) != req.save_id:
+            # Whatever stands in dest (an older checkpoint of this name, a failed attempt) is made
+            # incomplete before this rank overwrites a byte of it, on every rank.
+            clear_commit(dest, fsync=cfg.io.fsync)
+            part.unlink(missing_ok=True)
+            entries = []
+            for e in (e for name, e in sorted(manifest.files.items()) if name.startswith(prefix)):
+                out = persist_image(slot / e.name, dest / e.name, cfg)
+                if out.nbytes != e.nbytes:
+                    raise IntegrityError(f"{slot / e.name}: {out.nbytes} bytes persisted, the memory manifest "
+                                         f"says {e.nbytes}")
+                out.records = e.records
+                entries.append(out)
+                nbytes += out.nbytes
+            if _committed_save_id(slot) != req.save_id:  # the trainer reused the slot under us: never commit that
+                raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
+            write_atomic(part, Manifest(save_id=req.save_id, files={e.name: e for e in entries}).to_json().encode(),
+                         fsync=cfg.io.fsync)
+            if cfg.io.fsync:
+                fsync_dir(dest)
         if req.coordinator:
-            clear_commit(dest, fsync=cfg.io.fsync)  # an older checkpoint of the same name becomes incomplete
-        mine = [e for name, e in sorted(manifest.files.items()) if name.startswith(prefix)]
-        entries, nbytes = [], 0
-        for e in mine:
-            out = persist_image(slot / e.name, dest / e.name, cfg)
-            if out.nbytes != e.nbytes:
-                raise IntegrityError(f"{slot / e.name}: {out.nbytes} bytes persisted, the memory manifest says "
-                                     f"{e.nbytes}")
-            out.records = e.records
-            entries.append(out)
-            nbytes += out.nbytes
-        if _committed_save_id(slot) != req.save_id:  # the trainer reused the slot under us: never commit that
-            raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
-        write_atomic(dest / part_name(prefix), Manifest(files={e.name: e for e in entries}).to_json().encode(),
-                     fsync=cfg.io.fsync)
-        if cfg.io.fsync:
-            fsync_dir(dest)
-        if req.coordinator:
-            _commit_durable(req, cfg, manifest, dest, slot, deadline)
+            _commit_durable(req, cfg, manifest, dest, slot, deadline, t0)
     except Exception as e:  # the outcome file carries it to the trainer
         logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
         return Outcome(req.seq, False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
@@ -107,12 +135,15 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
 
 
 def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Path, slot: Path,
-                    deadline: float) -> None:
+                    deadline: float, t0: float) -> None:
     prefixes = [f"__{r}_" for r in range(req.world_size)]
-    while not all((dest / part_name(p)).exists() for p in prefixes):
+    while True:  # every rank's part *of this save*: a part of an earlier attempt does not count
+        missing = [p for p in prefixes if _part_save_id(dest / part_name(p)) != req.save_id]
+        if not missing:
+            break
         if time.monotonic() > deadline:
-            missing = [p for p in prefixes if not (dest / part_name(p)).exists()]
-            raise CheckpointTimeoutError(f"{dest}: the parts of {missing} never arrived; not committed")
+            raise CheckpointTimeoutError(f"{dest}: the parts of {missing} for save {req.save_id[:8]} never "
+                                         "arrived; not committed")
         time.sleep(POLL_S)
     metadata = load_metadata(slot)
     if _committed_save_id(slot) != req.save_id:
@@ -121,7 +152,7 @@ def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Pa
     durable = Manifest(cpuckpt_version=memory.cpuckpt_version, torch_version=memory.torch_version,
                        save_id=memory.save_id, step=memory.step, created_unix=memory.created_unix,
                        world_size=memory.world_size, config=req.config,
-                       timings={**memory.timings, "persist_s": time.perf_counter()})
+                       timings={**memory.timings, "coordinator_persist_s": time.perf_counter() - t0})
     commit_checkpoint(dest, metadata, prefixes, durable, fsync=cfg.io.fsync)
     after_commit(dest, cfg)
 
@@ -157,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpuckpt-writer[%(process)d] %(message)s",
                         stream=sys.stderr)
+    # A scheduler's SIGTERM (Slurm signals every process of the step) must not cut a persist short: the
+    # writer ends by itself once its trainer is gone and nothing is owed (SIGKILL still ends it).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     lock_fd = acquire_lock(args.lock, wait_s=30.0)
     if lock_fd is None:
         logger.error("%s is held by another writer of this rank (pid %s); exiting", args.lock, lock_holder(args.lock))

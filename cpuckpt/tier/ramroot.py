@@ -37,6 +37,7 @@ import socket
 import stat
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -515,6 +516,14 @@ def _cgroup_room() -> tuple[int, int] | None:
 # ----------------------------------------------------------------------------------------- RamRoot
 
 
+def _drop_in_child(ref: weakref.ref) -> None:
+    root = ref()
+    if root is not None and root._lock_fd is not None:
+        fd, root._lock_fd = root._lock_fd, None
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 class RamRoot:
     """One rank's handle on the RAM root of its job on this node; holds the rank's trainer lock."""
 
@@ -529,6 +538,10 @@ class RamRoot:
         self.fs_total = fs_total
         self.fs_free = fs_free
         self._lock_fd: int | None = lock_fd
+        # A child forked without exec (DataLoader workers) must not keep the trainer's lock alive after the
+        # trainer lets go: it drops its copy (the lock stays held through the parent's descriptor).
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _drop_in_child(me))
 
     def __repr__(self) -> str:
         return f"RamRoot({str(self.path)!r}, job={self.job!r}, rank={self.rank}, open={self._lock_fd is not None})"

@@ -234,6 +234,11 @@ class ImageFile:
         self.pinned = False
 
     # -- access -----------------------------------------------------------------------------------
+    @property
+    def allocated(self) -> int:
+        """Bytes of the file reserved (``posix_fallocate``) by this object and not truncated away since."""
+        return self._allocated
+
     def tensor(self) -> torch.Tensor:
         """A uint8 tensor over the file's ``nbytes`` bytes (writes go to the file)."""
         if self._tensor is None:
@@ -277,6 +282,13 @@ class ImageFile:
                 f"pinned={self.pinned}, remaps={self.remaps})")
 
 
+def _allocated(path: Path) -> int:
+    try:
+        return os.stat(path, follow_symlinks=False).st_blocks * 512
+    except OSError:
+        return 0
+
+
 class ImageSet:
     """This rank's image files in one checkpoint directory of the RAM root, reused across saves."""
 
@@ -286,6 +298,7 @@ class ImageSet:
         self.pin = pin
         self.before_grow = before_grow  # called with the bytes an image is about to grow by (a space check)
         self._files: dict[str, ImageFile] = {}
+        self._last_done: cf.Future | None = None  # the ``done`` of the last job that filled these images
         self._lock = threading.Lock()
 
     def image(self, name: str, nbytes: int, *, chunk_bytes: int | None = None) -> ImageFile:
@@ -297,7 +310,9 @@ class ImageSet:
         """
         with self._lock:
             img = self._files.get(name)
-            grow = nbytes - (img.capacity if img is not None else 0)
+            # an image file left by an earlier process already holds its pages: only growth is new
+            have = img.allocated if img is not None else _allocated(self.directory / name)
+            grow = nbytes - have
             if grow > 0 and self.before_grow is not None:
                 self.before_grow(grow)
             if img is None:
@@ -308,6 +323,12 @@ class ImageSet:
                 img = self._files[name] = ImageFile(self.directory / name, pin=self.pin)
             img.ensure(nbytes, chunk_bytes=chunk_bytes)
             return img
+
+    def claim(self, done: cf.Future) -> cf.Future | None:
+        """A job takes these images; returns the previous job's ``done`` (it must end before any byte moves)."""
+        with self._lock:
+            previous, self._last_done = self._last_done, done
+            return previous
 
     def get(self, name: str) -> ImageFile | None:
         """The image ``name`` if it was made, as it is (no resizing)."""
@@ -381,6 +402,14 @@ class ImageJob:
         try:
             if len(self.names) != len(self.files):
                 raise ValueError(f"{len(self.names)} file names for {len(self.files)} layouts")
+            # One job at a time per set of images: a save still copying into them (or one that failed
+            # with copies in flight) ends before this one resizes or overwrites a byte.
+            previous = self.images.claim(self.done)
+            if previous is not None:
+                cf.wait([previous], timeout=self.cfg.timeout_s)
+                if not previous.done():
+                    raise CheckpointTimeoutError(f"rank {self.rank}: the previous save into {self.directory} has "
+                                                 f"not ended after {self.cfg.timeout_s} s")
             remaps = 0
             for name, layout in zip(self.names, self.files):
                 old = self.images.get(name)

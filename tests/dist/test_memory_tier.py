@@ -15,6 +15,7 @@ What is proven, with real files, real processes and no mocks:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -240,6 +241,12 @@ def test_memory_use_stays_flat_over_200_saves(tmp_path):
     me, writer = psutil.Process(), psutil.Process(tier.root.writer_alive(0))
 
     def usage() -> tuple[int, int]:
+        import ctypes
+        import gc
+
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap handed back: RSS then measures what is held
         rss = me.memory_info().rss + writer.memory_info().rss
         ram = sum(f.stat().st_blocks * 512 for f in tier.root.path.rglob("*") if f.is_file())
         return rss, ram
@@ -361,3 +368,102 @@ def test_sigterm_makes_the_newest_memory_checkpoint_durable_then_chains(tmp_path
         signal.signal(signal.SIGTERM, before)
     tier.close()
     assert _durable_steps(tmp_path / "durable") == [3]  # close() does not persist it twice
+
+
+# --------------------------------------------------------------- the writer's commit rules, directly
+
+
+def _request(tier, slot: Path, step: int, *, world_size: int = 1, timeout_s: float = 30.0):
+    import dataclasses
+
+    from cpuckpt.backend.committed import read_manifest
+
+    req = tier._persist_request(slot, read_manifest(slot).save_id, step, f"step_{step}")
+    cfg = dict(req.config, timeout_s=timeout_s)
+    return dataclasses.replace(req, world_size=world_size, config=cfg, seq=req.seq + 1000)
+
+
+def test_the_coordinator_never_commits_a_part_left_by_another_save(tmp_path):
+    import json
+
+    from cpuckpt.tier.persister import persist_one
+
+    tier, _ = _one(tmp_path, persist_every=0)
+    tier.save(_state(6, 0), 6).wait()
+    slot = tier.find_latest()
+    dest = tmp_path / "durable" / "step_6"
+    dest.mkdir(parents=True)
+    stale = {"format": "cpuckpt", "save_id": "an-earlier-attempt", "files": {}}
+    (dest / "__1_.cpuckpt-part.json").write_text(json.dumps(stale))  # rank 1's part of a failed earlier try
+    out = persist_one(_request(tier, slot, 6, world_size=2, timeout_s=1.0))
+    assert not out.ok and "never arrived" in out.error, out
+    assert _durable_steps(tmp_path / "durable") == []
+    tier.close(persist_newest=False)
+
+
+def test_a_redone_persist_keeps_the_durable_commit(tmp_path):
+    from cpuckpt.tier.persister import persist_one
+
+    tier, _ = _one(tmp_path, persist_every=0)
+    tier.save(_state(8, 0), 8).wait()
+    req = _request(tier, tier.find_latest(), 8)
+    assert persist_one(req).ok and _durable_steps(tmp_path / "durable") == [8]
+    again = persist_one(req)  # a writer that died after committing, before its outcome file: redone
+    assert again.ok and again.nbytes == 0, again
+    assert _durable_steps(tmp_path / "durable") == [8]
+    tier.close(persist_newest=False)
+
+
+def test_a_failed_persist_is_reported_even_after_a_newer_cancelled_one(tmp_path):
+    from cpuckpt.tier.queue import Outcome
+
+    tier, _ = _one(tmp_path, persist_every=0)
+    tier.queue.finish(Outcome(6, False, error="cancelled: the memory save failed"))
+    assert tier._new_persist_failures() == []
+    tier.queue.finish(Outcome(5, False, error="StorageIOError: no space left"))  # finished later, lower seq
+    assert tier._new_persist_failures() == ["persist request 5 failed: StorageIOError: no space left"]
+    tier._stop_writer()
+    tier.root.close()
+
+
+def test_a_restart_withdraws_requests_whose_save_never_committed(tmp_path):
+    from cpuckpt.tier.queue import PersistQueue, PersistRequest
+
+    tier, cfg = _one(tmp_path, persist_every=0)
+    tier._stop_writer()
+    tier.root.close()  # the trainer "died"; a request for a save that never committed stays owed
+    q = PersistQueue(tmp_path / "ram" / "queue-0")
+    q.put(PersistRequest(seq=1, slot=str(tmp_path / "ram" / "slot-0"), save_id="never-committed", step=1,
+                         dest=str(tmp_path / "durable" / "step_1"), rank=0, world_size=1, coordinator=True,
+                         config=cfg, trainer_pid=1, trainer_lock=str(tmp_path / "ram" / ".rank-0.lock")))
+    assert [r.seq for r in q.owed()] == [1]
+    tier, _ = _one(tmp_path, persist_every=0)
+    assert q.owed() == [] and "never committed" in q.outcome(1).error
+    tier.close(persist_newest=False)
+
+
+def test_one_job_at_a_time_fills_a_set_of_images(tmp_path, monkeypatch):
+    """A save into a slot waits for the previous save into that slot, even one still copying."""
+    from cpuckpt.config import Config
+    from cpuckpt.transfer import images as images_mod
+
+    real = images_mod.fill_chunk
+
+    def slow_fill(*args, **kwargs):
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(images_mod, "fill_chunk", slow_fill)
+    tier, _ = _one(tmp_path, slots=1, persist_every=0)
+    # two saves may be in flight, and there is one slot: only the images' own rule keeps them apart
+    tier.memory_config = Config.from_dict({**tier.memory_config.to_dict(), "async": {"max_in_flight": 2}})
+    h1 = tier.save(_state(1, 0), 1)
+    assert not h1._writer.job.done.done(), "save 1 should still be filling (slow copies)"
+    h2 = tier.save(_state(2, 0), 2)
+    assert h1._writer.job.done.done(), "save 2 started while save 1 was still filling the slot"
+    h2.wait()
+    out = _targets(0)
+    tier.load(out, tier.find_latest())
+    assert out["step"] == 2
+    H.assert_bitexact(out["r0"]["w"], _state(2, 0)["r0"]["w"], "the slot after two overlapping saves")
+    tier.close(persist_newest=False)

@@ -344,3 +344,16 @@ def test_persist_image_no_checksum_and_missing_source(tmp_path):
     assert entry.checksum == "none" and entry.chunk_checksums == [0, 0, 0]
     with pytest.raises(StorageIOError, match="missing"):
         persist_image(tmp_path / "missing", tmp_path / "d2", cfg)
+
+
+def test_images_left_by_an_earlier_process_are_not_counted_again_by_the_space_check(tmp_path):
+    grown: list[int] = []
+    first = ImageSet(tmp_path, pin=False, before_grow=grown.append)
+    first.image("__0_0.distcp", 3 << 20)
+    first.close()
+    assert grown == [3 << 20]
+    again = ImageSet(tmp_path, pin=False, before_grow=grown.append)  # a restarted trainer
+    again.image("__0_0.distcp", 3 << 20)
+    again.image("__0_0.distcp", 5 << 20)
+    again.close()
+    assert grown[1:] == [(5 << 20) - (3 << 20)], grown  # only the growth is new
