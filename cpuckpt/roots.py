@@ -365,13 +365,26 @@ def after_commit(path: str | os.PathLike, config: Config) -> None:
     fsync = config.io.fsync
     try:
         if cc.update_latest:
-            update_latest(root, path, fsync=fsync)
+            _advance_latest(root, path, fsync=fsync)
         if cc.clean_incomplete:
             clean_incomplete(root, keep=[path], min_age_s=config.timeout_s, fsync=fsync)
         if cc.keep_last:
             apply_retention(root, cc.keep_last, cc.keep_every, protect=[path], fsync=fsync)
     except (OSError, CpuckptError) as e:
         logger.warning("checkpoint %s is committed, but maintaining its root %s failed: %s", path, root, e)
+
+
+def _advance_latest(root: Path, path: Path, *, fsync: bool) -> None:
+    """``latest`` only moves forward: a checkpoint committed late (a persist from the memory tier, a slow
+    save) with an older step than the one ``latest`` names leaves it alone."""
+    current = read_latest(root)
+    if current is not None and current != path:
+        old, new = inspect_checkpoint(current).step, inspect_checkpoint(path).step
+        if old is not None and new is not None and new < old:
+            logger.info("%s stays at %s (step %d): %s (step %d) is older", root / LATEST_NAME, current.name, old,
+                        path.name, new)
+            return
+    update_latest(root, path, fsync=fsync)
 
 
 # ------------------------------------------------------------------------------------------ SIGTERM

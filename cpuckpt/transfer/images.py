@@ -638,12 +638,19 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
         try:
             run_parallel(copy_chunk, range(len(offsets)), threads=nthreads, timeout_s=cfg.timeout_s,
                          name="cpuckpt-persist")
+        except CheckpointTimeoutError:
+            # Tasks may still be running: closing now would let a late pwrite land in whatever file
+            # reuses the descriptor number. Both descriptors are left open (a rare, bounded leak), and
+            # the tasks' closures now see -1, so a late read or write fails (EBADF) instead.
+            sfd = dfd = -1
+            raise
         except BaseException:
             backend.close(dfd)
             raise
         backend.finish_write(dfd, nbytes, dst_s, cfg.io.fsync)
     finally:
-        reader.close(sfd)
+        if sfd >= 0:
+            reader.close(sfd)
         for buf in buffers:
             try:
                 buf.close()

@@ -264,3 +264,12 @@ def test_stock_save_over_a_cpuckpt_checkpoint_is_complete(tmp_path):
     info = cpuckpt.list_checkpoints(tmp_path)[0]
     assert info.complete and info.step is None
     assert cpuckpt.find_latest(tmp_path) == path
+
+
+def test_latest_only_moves_forward_when_an_older_step_commits_late(tmp_path):
+    cfg = {"checkpoint": {"update_latest": True}}
+    cpuckpt.save({"w": torch.ones(3)}, tmp_path / "step_10", cfg, step=10)
+    cpuckpt.save({"w": torch.ones(3)}, tmp_path / "step_5", cfg, step=5)  # e.g. a late persist from memory
+    assert cpuckpt.read_latest(tmp_path).name == "step_10"
+    cpuckpt.save({"w": torch.ones(3)}, tmp_path / "step_12", cfg, step=12)
+    assert cpuckpt.read_latest(tmp_path).name == "step_12"
