@@ -109,6 +109,7 @@ class MemoryTier:
         self._respawn_failed: CpuckptError | None = None
         self._reported = {o.seq for o in self.queue.outcomes()}  # outcomes already seen (an earlier trainer's too)
         self._cancel_uncommitted_requests()
+        self._drop_stale_images()
         self._ensure_writer()
 
     # -- paths ----------------------------------------------------------------------------------
@@ -174,6 +175,23 @@ class MemoryTier:
         self.queue.prune()
         return [f"persist request {o.seq} failed: {o.error}" for o in new
                 if not o.ok and not o.error.startswith("cancelled")]
+
+    def _drop_stale_images(self) -> None:
+        """Images no committed checkpoint of this job can use any more (a rank beyond today's world, a file
+        an older layout had) would hold RAM for nothing: this rank removes its own, rank 0 departed ranks'.
+        A slot's committed files stay (a restart loads them); an uncommitted slot's are only reused."""
+        for slot in self.slots:
+            manifest = read_manifest(slot) if check_complete(slot).complete else None
+            keep = set(manifest.files) if manifest is not None else None
+            for f in slot.glob("__*_*.distcp"):
+                owner = f.name[2:].split("_", 1)[0]
+                if not owner.isdigit():
+                    continue
+                mine, departed = int(owner) == self.rank, int(owner) >= self.world_size and self.rank == 0
+                if (mine and keep is not None and f.name not in keep) or (departed and (keep is None or
+                                                                                      f.name not in keep)):
+                    logger.info("cpuckpt memory tier: removing stale image %s", f)
+                    f.unlink(missing_ok=True)
 
     def _cancel_uncommitted_requests(self) -> None:
         """At start (this trainer holds the rank's lock, so its predecessor is gone): a request whose save

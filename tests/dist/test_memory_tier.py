@@ -467,3 +467,18 @@ def test_one_job_at_a_time_fills_a_set_of_images(tmp_path, monkeypatch):
     assert out["step"] == 2
     H.assert_bitexact(out["r0"]["w"], _state(2, 0)["r0"]["w"], "the slot after two overlapping saves")
     tier.close(persist_newest=False)
+
+
+def test_a_restart_removes_images_no_checkpoint_can_use(tmp_path):
+    tier, _ = _one(tmp_path, persist_every=0)
+    tier.save(_state(1, 0), 1).wait()
+    slot = tier.find_latest()
+    tier.close(persist_newest=False, remove_root=False)
+    (slot / "__3_0.distcp").write_bytes(b"x" * 4096)  # a rank the job no longer has
+    (slot / "__0_1.distcp").write_bytes(b"x" * 4096)  # a file of an older layout of this rank
+    tier, _ = _one(tmp_path, persist_every=0)
+    assert sorted(p.name for p in slot.glob("*.distcp")) == ["__0_0.distcp"]
+    out = _targets(0)
+    tier.load(out, tier.find_latest())  # the committed checkpoint is untouched
+    H.assert_bitexact(out["r0"]["w"], _state(1, 0)["r0"]["w"], "after the clean-up")
+    tier.close(persist_newest=False)
