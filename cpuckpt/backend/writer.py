@@ -42,7 +42,7 @@ from cpuckpt.backend.commit import clear_commit, commit_checkpoint
 from cpuckpt.backend.dcp_stager import PoolSnapshot, snapshot_state_dict
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import ConfigError, CpuckptError
-from cpuckpt.format.layout import LayoutItem, plan_files
+from cpuckpt.format.layout import LayoutCache, LayoutItem
 from cpuckpt.format.manifest import FileEntry, Manifest, part_name
 from cpuckpt.format.plancache import CachedPlan, reused_metadata
 from cpuckpt.format.record import record_template
@@ -63,6 +63,10 @@ except ImportError:  # pragma: no cover - older torch
     _DCP_VERSION = "1.0.0"
 
 
+
+
+# Saves of an unchanged structure (plan reuse) get their file layout from here, not planned again.
+_LAYOUTS = LayoutCache()
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,7 @@ class StorageWriter(_DcpStorageWriter):
         self._prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _FilePrefix) else f"__{self.rank}_"
         resolved = _resolve_items(plan, planner)
         cfg = self.config
-        files, placements = plan_files(
+        files, placements = _LAYOUTS.plan(
             resolved.layout_items,
             num_files=cfg.io.files_per_rank,
             chunk_bytes=cfg.io.chunk_bytes,

@@ -11,10 +11,13 @@ The image is cut into chunks of ``chunk_bytes`` (aligned), the unit of staging, 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Chunk", "FileLayout", "LayoutItem", "Placement", "Segment", "plan_files"]
+__all__ = ["Chunk", "FileLayout", "LayoutCache", "LayoutItem", "Placement", "Segment", "plan_files"]
 
 
 @dataclass(frozen=True)
@@ -153,3 +156,56 @@ def _add_segments(out: list[Segment], i: int, it: LayoutItem, offset: int) -> No
     offset += it.data_nbytes
     if it.tail:
         out.append(Segment(offset, len(it.tail), i, payload=it.tail))
+
+
+class LayoutCache:
+    """``plan_files``, remembered for the last few distinct item lists.
+
+    A save that reuses its plan has the same records in the same order as the save before, so its
+    layout is the same; only the bytes of its non-tensor items (same lengths: they are part of the
+    key) differ, and are bound afresh into a copy of the cached segments. The key holds every input
+    ``plan_files`` reads: the settings, and per item its data length, its skeleton bytes (cached,
+    shared objects: hashed once) and whether it is raw bytes.
+    """
+
+    def __init__(self, maxsize: int = 4) -> None:
+        self.maxsize = maxsize
+        self.hits = 0
+        self._entries: OrderedDict[tuple, tuple[list[FileLayout], list[Placement], list[tuple[int, int, int]]]] = \
+            OrderedDict()
+        self._lock = threading.Lock()  # saves may plan on two threads (the dcp.async_save door's executor)
+
+    def plan(self, items: Sequence[LayoutItem], *, num_files: int, chunk_bytes: int, align_bytes: int,
+             align_data_min_bytes: int) -> tuple[list[FileLayout], list[Placement]]:
+        key = (num_files, chunk_bytes, align_bytes, align_data_min_bytes,
+               tuple((it.data_nbytes, it.head, it.tail, None if it.payload is None else len(it.payload))
+                     for it in items))
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+        if entry is None:
+            files, placements = plan_files(items, num_files=num_files, chunk_bytes=chunk_bytes,
+                                           align_bytes=align_bytes, align_data_min_bytes=align_data_min_bytes)
+            where = [(s.item, f.index, k) for f in files for k, s in enumerate(f.segments)
+                     if items[s.item].payload is not None]
+            # kept without the payloads (they belong to this save): a placeholder until bound again
+            kept = [_with_segments(f, [dataclasses.replace(s, payload=b"") if items[s.item].payload is not None
+                                       else s for s in f.segments]) for f in files]
+            with self._lock:
+                self._entries[key] = (kept, placements, where)
+                if len(self._entries) > self.maxsize:
+                    self._entries.popitem(last=False)
+            return files, placements
+        kept, placements, where = entry
+        files = [_with_segments(f, list(f.segments)) for f in kept]
+        for item, f, k in where:
+            files[f].segments[k] = dataclasses.replace(files[f].segments[k], payload=items[item].payload)
+        return files, placements
+
+
+def _with_segments(layout: FileLayout, segments: list[Segment]) -> FileLayout:
+    """A layout sharing ``layout``'s chunks and segment starts (never changed) with its own segment list."""
+    return FileLayout(index=layout.index, nbytes=layout.nbytes, segments=segments, chunks=layout.chunks,
+                      _starts=layout._starts)

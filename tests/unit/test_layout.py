@@ -259,3 +259,49 @@ def test_exact_chunk_boundaries():
     assert [(c.offset, c.nbytes) for c in files[0].chunks] == [(0, 4096), (4096, 4096)]
     files, _ = plan_files([LayoutItem(8193)], num_files=1, chunk_bytes=4096, align_bytes=4096, align_data_min_bytes=0)
     assert [(c.offset, c.nbytes) for c in files[0].chunks] == [(0, 4096), (4096, 4096), (8192, 1)]
+
+
+# ------------------------------------------------------------------------------------ LayoutCache
+
+
+def _items(payload: bytes = b"step=7", head: bytes = b"H" * 64) -> list:
+    from cpuckpt.format.layout import LayoutItem
+
+    return [LayoutItem(4096, head, b"T" * 22), LayoutItem(len(payload), payload=memoryview(payload)),
+            LayoutItem(3 << 20, head, b"T" * 22)]
+
+
+KW = {"num_files": 1, "chunk_bytes": 1 << 20, "align_bytes": 4096, "align_data_min_bytes": 1 << 20}
+
+
+def _payloads(files) -> list[bytes]:
+    return [bytes(s.payload) for f in files for s in f.segments if s.payload is not None]
+
+
+def test_layout_cache_returns_the_same_layout_with_this_saves_payload():
+    from cpuckpt.format.layout import LayoutCache, plan_files
+
+    cache = LayoutCache()
+    first, p1 = cache.plan(_items(b"step=7"), **KW)
+    again, p2 = cache.plan(_items(b"step=8"), **KW)  # same lengths: the cached layout, new bytes bound
+    fresh, p3 = plan_files(_items(b"step=8"), **KW)
+    assert cache.hits == 1 and p2 == p3
+    assert [(s.file_offset, s.nbytes, s.item, s.src_offset) for s in again[0].segments] == \
+        [(s.file_offset, s.nbytes, s.item, s.src_offset) for s in fresh[0].segments]
+    assert _payloads(again) == _payloads(fresh) and b"step=8" in _payloads(again)
+    assert b"step=7" in _payloads(first)  # the first save's layout is not rebound under it
+    again[0].segments.clear()  # a caller's copy: the cache is not affected
+    assert cache.plan(_items(b"step=9"), **KW)[0][0].segments
+
+
+def test_layout_cache_misses_when_anything_plan_files_reads_changes():
+    from cpuckpt.format.layout import LayoutCache
+
+    cache = LayoutCache()
+    cache.plan(_items(), **KW)
+    cache.plan(_items(b"step=10"), **KW)  # longer payload
+    cache.plan(_items(head=b"h" * 64), **KW)  # same length, other skeleton bytes (another dtype)
+    cache.plan(_items(), **{**KW, "align_data_min_bytes": 0})
+    assert cache.hits == 0
+    cache.plan(_items(), **KW)
+    assert cache.hits == 1
