@@ -282,7 +282,7 @@ def test_layout_cache_returns_the_same_layout_with_this_saves_payload():
     from cpuckpt.format.layout import LayoutCache, plan_files
 
     cache = LayoutCache()
-    first, p1 = cache.plan(_items(b"step=7"), **KW)
+    first, _ = cache.plan(_items(b"step=7"), **KW)
     again, p2 = cache.plan(_items(b"step=8"), **KW)  # same lengths: the cached layout, new bytes bound
     fresh, p3 = plan_files(_items(b"step=8"), **KW)
     assert cache.hits == 1 and p2 == p3
