@@ -39,10 +39,13 @@ from benchmarks.common import (
     RssSampler,
     build_state_dict,
     clone_empty,
+    copy_floors,
+    device_sync,
     drop_caches,
     format_table,
     fresh,
     fsync_dir,
+    matmul_loop,
     named_tensors,
     pread_floor,
     pwrite_floor,
@@ -58,36 +61,11 @@ RESULTS = ResultLog(logger)
 record = RESULTS.record
 
 
-def sync() -> None:
-    torch.cuda.synchronize()
-
-
 # ------------------------------------------------------------------------------------------ floors
 def floor_copies(sd: dict[str, Any], reps: int) -> None:
-    ts = list(named_tensors(sd).values())
-    nbytes = sum(t.numel() * t.element_size() for t in ts)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    views, off = [], 0
-    for t in ts:
-        n = t.numel() * t.element_size()
-        views.append((t, host[off : off + n]))
-        off += n
-    for direction in ("d2h", "h2d"):
-        times = []
-        for _ in range(reps + 1):
-            sync()
-            t0 = time.perf_counter()
-            for t, h in views:
-                src = t.reshape(-1).view(torch.uint8)
-                if direction == "d2h":
-                    h.copy_(src, non_blocking=True)
-                else:
-                    src.copy_(h, non_blocking=True)
-            sync()
-            times.append(time.perf_counter() - t0)
-        s = summarize(times[1:])
+    nbytes, floors = copy_floors(sd, reps)
+    for direction, s in floors.items():
         record(f"floor_{direction}_pinned", s=s, GBps=nbytes / s["median"] / GB)
-    del host, views
 
 
 def floor_storage(target: Path, nbytes: int) -> tuple[float, float]:
@@ -111,7 +89,7 @@ def floor_storage(target: Path, nbytes: int) -> tuple[float, float]:
 
 # ------------------------------------------------------------------------------------------- peers
 def dcp_fs_save(sd: dict[str, Any], path: Path, threads: int) -> float:
-    sync()
+    device_sync()
     t0 = time.perf_counter()
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path), thread_count=threads))
     fsync_dir(path)
@@ -122,7 +100,7 @@ def dcp_async_default_stager(sd: dict[str, Any], path: Path) -> tuple[float, flo
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     stager = DefaultStager(StagingOptions(True, True, True, True))
-    sync()
+    device_sync()
     t0 = time.perf_counter()
     resp = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(str(path)), async_stager=stager)
     if hasattr(resp, "staging_completion"):
@@ -140,7 +118,7 @@ def dcp_async_default_stager(sd: dict[str, Any], path: Path) -> tuple[float, flo
 
 def torch_save(sd: dict[str, Any], path: Path) -> float:
     path.mkdir(parents=True, exist_ok=True)
-    sync()
+    device_sync()
     t0 = time.perf_counter()
     with open(path / "model.pt", "wb") as f:
         torch.save(sd, f)
@@ -151,11 +129,11 @@ def torch_save(sd: dict[str, Any], path: Path) -> float:
 
 # ---------------------------------------------------------------------------------------- cpuckpt
 def ck_async(sd: dict[str, Any], path: Path, cfg: dict[str, Any]) -> tuple[float, float, Any]:
-    sync()
+    device_sync()
     t0 = time.perf_counter()
     h = cpuckpt.async_save(sd, path, cfg)
     h.staged.wait()
-    sync()
+    device_sync()
     stall = time.perf_counter() - t0
     h.wait()
     return stall, time.perf_counter() - t0, h.stats
@@ -163,7 +141,7 @@ def ck_async(sd: dict[str, Any], path: Path, cfg: dict[str, Any]) -> tuple[float
 
 def ck_door(sd: dict[str, Any], path: Path, cfg: dict[str, Any]) -> tuple[float, float]:
     w = cpuckpt.StorageWriter(path, cfg)
-    sync()
+    device_sync()
     t0 = time.perf_counter()
     resp = dcp.async_save(sd, storage_writer=w)
     resp.staging_completion.result()
@@ -177,10 +155,10 @@ def ck_door(sd: dict[str, Any], path: Path, cfg: dict[str, Any]) -> tuple[float,
 def cold_load(path: Path, sd: dict[str, Any], reader: Any) -> tuple[float, bool]:
     out = clone_empty(sd)
     drop_caches()
-    sync()
+    device_sync()
     t0 = time.perf_counter()
     dcp.load(out, storage_reader=reader)
-    sync()
+    device_sync()
     dt = time.perf_counter() - t0
     ok = same_state_dict(out, sd) is None
     del out
@@ -188,24 +166,10 @@ def cold_load(path: Path, sd: dict[str, Any], reader: Any) -> tuple[float, bool]
 
 
 # ------------------------------------------------------------------------------------ train loop
-def matmul_loop(iters: int) -> list[float]:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    times = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a = (a @ b) * 1e-4
-        sync()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def training_interference(sd: dict[str, Any], path: Path, cfg: dict[str, Any]) -> None:
     matmul_loop(5)
     alone = summarize(matmul_loop(40))
-    sync()
+    device_sync()
     t0 = time.perf_counter()
     h = cpuckpt.async_save(sd, fresh(path), cfg)
     h.staged.wait()
@@ -243,7 +207,7 @@ def run_target(sd: dict[str, Any], nbytes: int, name: str, target: Path, reps: i
     # cpuckpt sync save
     for threads in (4, 8):
         cfg = {"io": {"threads": threads}}
-        sync()
+        device_sync()
         t0 = time.perf_counter()
         cpuckpt.save(sd, fresh(ck), cfg)
         s = time.perf_counter() - t0

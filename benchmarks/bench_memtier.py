@@ -46,13 +46,17 @@ from benchmarks.common import (
     ResultLog,
     build_state_dict,
     clone_empty,
+    copy_floors,
+    device_sync,
     format_table,
     fresh,
+    matmul_loop,
     named_tensors,
     pwrite_floor,
     same_state_dict,
     state_dict_nbytes,
     summarize,
+    timed_call,
 )
 from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.transfer.staging import release_pool
@@ -65,33 +69,10 @@ PERSIST_EVERY = 1000  # steps 1..reps+2 are memory-only saves; 1000, 2000, ... a
 CUDA = torch.cuda.is_available()
 
 
-sync = torch.cuda.synchronize if CUDA else (lambda: None)
-
-
-def timed_call(fn: Any) -> float:
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t0
-
-
 # ------------------------------------------------------------------------------------------ floors
 def floor_copies(sd: dict[str, Any], reps: int) -> None:
-    """Pinned D2H and H2D of every tensor into/from one host buffer (a first, discarded, warm-up run)."""
-    ts = list(named_tensors(sd).values())
-    nbytes = sum(t.numel() * t.element_size() for t in ts)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=CUDA)
-    views, off = [], 0
-    for t in ts:
-        n = t.numel() * t.element_size()
-        views.append((t.reshape(-1).view(torch.uint8), host[off : off + n]))
-        off += n
-    for d in ("d2h", "h2d"):
-        def copy(d: str = d) -> None:
-            for src, h in views:
-                h.copy_(src, non_blocking=True) if d == "d2h" else src.copy_(h, non_blocking=True)
-        s = summarize([timed_call(copy) for _ in range(reps + 1)][1:])
+    nbytes, floors = copy_floors(sd, reps)
+    for d, s in floors.items():
         record(f"floor_{d}_pinned", s=s, GBps=nbytes / s["median"] / GB, pinned=CUDA)
 
 
@@ -108,13 +89,13 @@ def floor_pwrite(root: Path, nbytes: int) -> None:
 # ------------------------------------------------------------------------------------------- saves
 def timed_save(save: Any) -> tuple[float, float, float, Any]:
     """(t0, stall, committed, handle) of one background save started by ``save()`` at ``t0``."""
-    sync()
+    device_sync()
     t0 = time.perf_counter()
     h = save()
     if h is None:
         raise RuntimeError("the memory tier skipped the save")
     h.staged.wait()
-    sync()
+    device_sync()
     stall = time.perf_counter() - t0
     h.wait()
     return t0, stall, time.perf_counter() - t0, h
@@ -155,24 +136,11 @@ def persists(tier: MemoryTier, sd: dict[str, Any], durable: Path, n: int) -> Non
 
 
 # ------------------------------------------------------------------------------------ interference
-def matmul_loop(iters: int, n: int) -> list[float]:
-    a = torch.randn(n, n, device="cuda" if CUDA else "cpu", dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    times = []
-    for _ in range(iters):
-        def step() -> None:
-            nonlocal a
-            for _ in range(4):
-                a = (a @ b) * 1e-4
-        times.append(timed_call(step))
-    return times
-
-
 def interference(label: str, start: Any, busy: Any, n: int, iters: int) -> None:
     """Matmul iteration time alone, then while ``busy()`` after ``start()`` returned a staged handle."""
     matmul_loop(3, n)
     alone = summarize(matmul_loop(iters, n))
-    sync()
+    device_sync()
     t0 = time.perf_counter()
     h = start()
     h.staged.wait()

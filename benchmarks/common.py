@@ -47,7 +47,9 @@ __all__ = [
     "Sample",
     "build_state_dict",
     "clone_empty",
+    "copy_floors",
     "count_leaves",
+    "device_sync",
     "drop_caches",
     "evict_files",
     "files_under",
@@ -56,6 +58,7 @@ __all__ = [
     "fresh",
     "fsync_dir",
     "fsync_tree",
+    "matmul_loop",
     "median",
     "named_tensors",
     "pread_floor",
@@ -67,6 +70,7 @@ __all__ = [
     "small_state_dict",
     "state_dict_nbytes",
     "summarize",
+    "timed_call",
     "tree_nbytes",
 ]
 
@@ -273,6 +277,61 @@ def named_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------- measurement
+
+
+def device_sync() -> None:
+    """Wait for the GPU's queued work (a no-op without CUDA): timings bracket real device time."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_call(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` took, the device synchronised before and after."""
+    device_sync()
+    t0 = time.perf_counter()
+    fn()
+    device_sync()
+    return time.perf_counter() - t0
+
+
+def copy_floors(sd: dict[str, Any], reps: int) -> tuple[int, dict[str, dict[str, float]]]:
+    """The device-to-host and host-to-device floors of ``sd``'s tensors: every tensor copied into (out of)
+    one pinned host buffer (pageable without CUDA), ``reps`` timed runs after a discarded warm-up.
+
+    Returns the bytes and ``{"d2h": summary, "h2d": summary}`` (:func:`summarize` of the seconds).
+    """
+    ts = list(named_tensors(sd).values())
+    nbytes = sum(t.numel() * t.element_size() for t in ts)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    views, off = [], 0
+    for t in ts:
+        n = t.numel() * t.element_size()
+        views.append((t.reshape(-1).view(torch.uint8), host[off : off + n]))
+        off += n
+    out = {}
+    for direction in ("d2h", "h2d"):
+        def copy(direction: str = direction) -> None:
+            for src, h in views:
+                if direction == "d2h":
+                    h.copy_(src, non_blocking=True)
+                else:
+                    src.copy_(h, non_blocking=True)
+        out[direction] = summarize([timed_call(copy) for _ in range(reps + 1)][1:])
+    return nbytes, out
+
+
+def matmul_loop(iters: int, n: int = 8192) -> list[float]:
+    """Seconds per iteration of a training-like loop (4 bf16 matmuls of n x n), the device synchronised."""
+    a = torch.randn(n, n, device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    times = []
+    for _ in range(iters):
+        def step() -> None:
+            nonlocal a
+            for _ in range(4):
+                a = (a @ b) * 1e-4
+        times.append(timed_call(step))
+    return times
 
 
 def read_rss_bytes() -> int:
