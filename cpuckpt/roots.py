@@ -43,6 +43,7 @@ from cpuckpt.backend import inflight
 from cpuckpt.backend.committed import METADATA_NAME, check_complete
 from cpuckpt.config import Config
 from cpuckpt.errors import CpuckptError, IntegrityError
+from cpuckpt.procs import pid_alive
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 
 __all__ = [
@@ -196,17 +197,6 @@ def _marker_alive(name: str) -> bool:
     if host != socket.gethostname():
         return True
     return pid_alive(pid)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this host with that pid exists (one we may not signal counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def is_being_loaded(path: str | os.PathLike) -> bool:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cpuckpt.errors import ConfigError, RamRootError
+from cpuckpt.procs import pid_alive
 
 if TYPE_CHECKING:
     from cpuckpt.config import MemoryConfig
@@ -125,19 +126,6 @@ def job_id_for(durable_root: str | os.PathLike) -> str:
 # ------------------------------------------------------------------------------------------- locks
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether a process of this host has that pid (one we may not signal counts as alive)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _private_file(fd: int) -> int:
     """Make a file we just opened with mode 0600 have that mode whatever the umask; returns ``fd``."""
     try:
@@ -157,19 +145,14 @@ def _read_pid(fd: int) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def acquire_lock(path: str | os.PathLike, *, dir_fd: int | None = None, wait_s: float = _ACQUIRE_WAIT_S) -> int | None:
-    """Flock ``path`` exclusively (creating it 0600) and write our pid in it; the fd, or None if held.
-
-    Keep the fd open as long as the lock must hold (closing it, or the process ending, releases it).
-    Retries for ``wait_s``: a liveness probe of another process holds the lock for an instant.
-    The writer process takes its ``.writer-<rank>.lock`` with this.
-    """
+def _locked_fd(path: str | os.PathLike, dir_fd: int | None, wait_s: float) -> int | None:
+    """Open ``path`` (created 0600) and flock it exclusively, retrying for ``wait_s``; None if still held."""
     fd = _private_file(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd))
     deadline = time.monotonic() + wait_s
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
+            return fd
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 os.close(fd)
@@ -178,6 +161,18 @@ def acquire_lock(path: str | os.PathLike, *, dir_fd: int | None = None, wait_s: 
         except BaseException:
             os.close(fd)
             raise
+
+
+def acquire_lock(path: str | os.PathLike, *, dir_fd: int | None = None, wait_s: float = _ACQUIRE_WAIT_S) -> int | None:
+    """Flock ``path`` exclusively (creating it 0600) and write our pid in it; the fd, or None if held.
+
+    Keep the fd open as long as the lock must hold (closing it, or the process ending, releases it).
+    Retries for ``wait_s``: a liveness probe of another process holds the lock for an instant.
+    The writer process takes its ``.writer-<rank>.lock`` with this.
+    """
+    fd = _locked_fd(path, dir_fd, wait_s)
+    if fd is None:
+        return None
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -211,7 +206,7 @@ def lock_holder(path: str | os.PathLike, *, dir_fd: int | None = None) -> int | 
         pid = None
         for _ in range(5):
             pid = _read_pid(fd)
-            if pid is not None and _pid_alive(pid):
+            if pid is not None and pid_alive(pid):
                 return pid
             time.sleep(_POLL_S)
         return pid if pid is not None else -1
@@ -317,21 +312,12 @@ def _root_still_there(path: Path, dir_fd: int) -> bool:
 
 def _take_open_lock(path: Path, dir_fd: int, wait_s: float) -> int | None:
     """Flock the root's ``.open.lock``; None when the root was removed meanwhile (start over)."""
-    fd = _private_file(os.open(OPEN_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                               dir_fd=dir_fd))
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                raise RamRootError(
-                    f"RAM root {path}: {path / OPEN_LOCK_NAME} stayed locked for {wait_s:.0f} s (another "
-                    f"process is opening, cleaning or removing this root and hangs); find it with "
-                    f"`fuser {path / OPEN_LOCK_NAME}` and stop it", path=path) from None
-            time.sleep(_POLL_S)
+    fd = _locked_fd(OPEN_LOCK_NAME, dir_fd, wait_s)
+    if fd is None:
+        raise RamRootError(
+            f"RAM root {path}: {path / OPEN_LOCK_NAME} stayed locked for {wait_s:.0f} s (another "
+            f"process is opening, cleaning or removing this root and hangs); find it with "
+            f"`fuser {path / OPEN_LOCK_NAME}` and stop it", path=path)
     if _same_file(OPEN_LOCK_NAME, dir_fd, fd) and _root_still_there(path, dir_fd):
         return fd
     os.close(fd)
