@@ -138,3 +138,27 @@ def assert_committed_layout(path: str | Path, world: int, files_per_rank: int = 
         for k in range(files_per_rank):
             expected.add(f"__{r}_{k}.distcp")
     assert names == expected, f"{path}: files {sorted(names)}, expected {sorted(expected)}"
+
+
+# ------------------------------------------------------------------------------------ layouts
+
+
+def plan_layout(values: list[Any], cfg: Any, num_files: int = 2) -> tuple[list[str], list[Any], list[Any]]:
+    """What the StorageWriter plans for ``values`` (tensors as records, ``bytes`` as raw items) on rank 0:
+    file names, file layouts and per-item sources, for driving a SaveJob or an ImageJob directly."""
+    from cpuckpt.format.layout import LayoutItem, plan_files
+    from cpuckpt.format.record import record_template
+    from cpuckpt.transfer.staging import flat_bytes
+
+    items, sources = [], []
+    for v in values:
+        if isinstance(v, bytes):
+            items.append(LayoutItem(data_nbytes=len(v), payload=v))
+            sources.append(None)
+            continue
+        tpl = record_template(v.dtype, tuple(v.shape))
+        items.append(LayoutItem(tpl.data_nbytes, tpl.head, tpl.tail))
+        sources.append(flat_bytes(v))
+    files, _ = plan_files(items, num_files=num_files, chunk_bytes=cfg.io.chunk_bytes,
+                          align_bytes=cfg.layout.align_bytes, align_data_min_bytes=cfg.layout.align_data_min_bytes)
+    return [f"__0_{k}.distcp" for k in range(len(files))], files, sources

@@ -11,15 +11,14 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import _helpers as H
 import pytest
 import torch
 
 from cpuckpt.config import Config
-from cpuckpt.format.layout import LayoutItem, plan_files
-from cpuckpt.format.record import record_template
 from cpuckpt.transfer.images import ImageFile, ImageJob, ImageSet
 from cpuckpt.transfer.save_job import SaveJob
-from cpuckpt.transfer.staging import flat_bytes, release_pool
+from cpuckpt.transfer.staging import release_pool
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,24 +60,9 @@ def _state(seed: int = 0) -> list[object]:
     ]
 
 
-def _plan(values: list[object], num_files: int = 2):
-    items, sources = [], []
-    for v in values:
-        if isinstance(v, bytes):
-            items.append(LayoutItem(data_nbytes=len(v), payload=v))
-            sources.append(None)
-            continue
-        tpl = record_template(v.dtype, tuple(v.shape))
-        items.append(LayoutItem(tpl.data_nbytes, tpl.head, tpl.tail))
-        sources.append(flat_bytes(v))
-    files, _ = plan_files(items, num_files=num_files, chunk_bytes=CFG.io.chunk_bytes,
-                          align_bytes=CFG.layout.align_bytes, align_data_min_bytes=CFG.layout.align_data_min_bytes)
-    return [f"__0_{k}.distcp" for k in range(len(files))], files, sources
-
-
 def _disk(directory: Path, values: list[object]) -> list[str]:
     directory.mkdir(parents=True, exist_ok=True)
-    names, files, sources = _plan(values)
+    names, files, sources = H.plan_layout(values, CFG)
     job = SaveJob(directory, names, files, sources, CFG, rank=0, mode="snapshot")
     job.start()
     job.wait_done(60)
@@ -86,7 +70,7 @@ def _disk(directory: Path, values: list[object]) -> list[str]:
 
 
 def _image(directory: Path, values: list[object], images: ImageSet) -> ImageJob:
-    names, files, sources = _plan(values)
+    names, files, sources = H.plan_layout(values, CFG)
     job = ImageJob(directory, names, files, sources, CFG, rank=0, images=images)
     job.start()
     return job
@@ -143,7 +127,7 @@ def test_copies_wait_for_kernels_queued_on_the_current_stream(ram_dir: Path) -> 
     big.mul_(2)  # queued behind them: the save must see 2s
     images = ImageSet(ram_dir)
     try:
-        names, files, sources = _plan([big, a], num_files=1)
+        names, files, sources = H.plan_layout([big, a], CFG, num_files=1)
         job = ImageJob(ram_dir, names, files, sources, CFG, rank=0, images=images)
         job.start()
         job.wait_done(60)

@@ -7,18 +7,16 @@ import os
 import tempfile
 from pathlib import Path
 
+import _helpers as H
 import crc32c
 import pytest
 import torch
 
 from cpuckpt.config import Config
 from cpuckpt.errors import CpuckptError, StagingError, StorageIOError
-from cpuckpt.format.layout import LayoutItem, plan_files
-from cpuckpt.format.record import record_template
 from cpuckpt.transfer import images as images_mod
 from cpuckpt.transfer.images import CAPACITY_ROUND_BYTES, ImageFile, ImageJob, ImageSet, persist_image
 from cpuckpt.transfer.save_job import SaveJob
-from cpuckpt.transfer.staging import flat_bytes
 
 CHUNK = 64 * 1024
 
@@ -42,32 +40,16 @@ def _state(scale: float = 1.0) -> list[object]:
     ]
 
 
-def _plan(values: list[object], cfg: Config, num_files: int = 2):
-    items, sources = [], []
-    for v in values:
-        if isinstance(v, bytes):
-            items.append(LayoutItem(data_nbytes=len(v), payload=v))
-            sources.append(None)
-            continue
-        tpl = record_template(v.dtype, tuple(v.shape))
-        items.append(LayoutItem(tpl.data_nbytes, tpl.head, tpl.tail))
-        sources.append(flat_bytes(v))
-    files, _ = plan_files(items, num_files=num_files, chunk_bytes=cfg.io.chunk_bytes,
-                          align_bytes=cfg.layout.align_bytes, align_data_min_bytes=cfg.layout.align_data_min_bytes)
-    names = [f"__0_{k}.distcp" for k in range(len(files))]
-    return names, files, sources
-
-
 def _save_job(directory: Path, values, cfg, num_files=2):
     directory.mkdir(parents=True, exist_ok=True)
-    names, files, sources = _plan(values, cfg, num_files)
+    names, files, sources = H.plan_layout(values, cfg, num_files)
     job = SaveJob(directory, names, files, sources, cfg, rank=0, mode="snapshot")
     job.start()
     return job.wait_done(30), names
 
 
 def _image_job(directory: Path, values, cfg, images: ImageSet, *, rank=0, num_files=2):
-    names, files, sources = _plan(values, cfg, num_files)
+    names, files, sources = H.plan_layout(values, cfg, num_files)
     job = ImageJob(directory, names, files, sources, cfg, rank=rank, images=images)
     job.start()
     return job, names
@@ -242,7 +224,7 @@ def test_image_job_single_file_and_empty(tmp_path):
 
 def test_image_job_short_source_fails_naming_the_rank(tmp_path):
     cfg = _cfg()
-    names, files, sources = _plan(_state(), cfg)
+    names, files, sources = H.plan_layout(_state(), cfg)
     sources[0] = sources[0][:-100]  # fewer bytes than its layout says
     images = ImageSet(tmp_path / "ram", pin=False)
     try:
@@ -275,7 +257,8 @@ def test_image_job_fill_error_and_sync_error(tmp_path, monkeypatch):
         # a synchronous failure (no space to reserve) is raised by start() and by both futures
         monkeypatch.setattr(images_mod.os, "posix_fallocate",
                             lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
-        names, files, sources = _plan(_state(2.0) + [torch.zeros(4 * CAPACITY_ROUND_BYTES, dtype=torch.uint8)], cfg)
+        grown = _state(2.0) + [torch.zeros(4 * CAPACITY_ROUND_BYTES, dtype=torch.uint8)]
+        names, files, sources = H.plan_layout(grown, cfg)
         job = ImageJob(tmp_path / "ram", names, files, sources, cfg, rank=6, images=images)
         with pytest.raises(StorageIOError, match="rank 6") as ei:
             job.start()
@@ -289,7 +272,7 @@ def test_image_job_cancel(tmp_path):
     cfg = _cfg()
     images = ImageSet(tmp_path / "ram", pin=False)
     try:
-        names, files, sources = _plan(_state(), cfg)
+        names, files, sources = H.plan_layout(_state(), cfg)
         job = ImageJob(tmp_path / "ram", names, files, sources, cfg, rank=0, images=images)
         job.cancel(CpuckptError("stop"))
         with pytest.raises(CpuckptError, match="stop"):
