@@ -107,7 +107,7 @@ class MemoryTier:
         self._next = self._slot_after_newest()
         self._last: tuple[int | None, str, Path] | None = None  # (step, name, slot) of the newest memory save
         self._respawn_failed: CpuckptError | None = None
-        self._reported = {o.seq for o in self.queue.outcomes()}  # outcomes already seen (an earlier trainer's too)
+        self._reported = set(self.queue.finished())  # outcomes already seen (an earlier trainer's too)
         self._cancel_uncommitted_requests()
         self._drop_stale_images()
         self._ensure_writer()
@@ -169,9 +169,9 @@ class MemoryTier:
 
     def _new_persist_failures(self) -> list[str]:
         """Failed persists this rank has not reported yet (cancelled ones are the trainer's own doing)."""
-        outcomes = self.queue.outcomes()
-        new = [o for o in outcomes if o.seq not in self._reported]
-        self._reported = {o.seq for o in outcomes}
+        finished = self.queue.finished()
+        new = self.queue.outcomes([seq for seq in finished if seq not in self._reported])  # only new ones are read
+        self._reported = set(finished)
         self.queue.prune()
         return [f"persist request {o.seq} failed: {o.error}" for o in new
                 if not o.ok and not o.error.startswith("cancelled")]

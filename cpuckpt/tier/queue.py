@@ -86,31 +86,41 @@ class PersistQueue:
         return None
 
     # -- both -----------------------------------------------------------------------------------
+    def _finished_seqs(self, names: set[str]) -> list[int]:
+        return sorted({int(n.split(".")[0]) for n in names
+                       if n.endswith((".done", ".failed")) and n.split(".")[0].isdigit()})
+
     def owed(self) -> list[PersistRequest]:
-        """Requests without an outcome, oldest first."""
+        """Requests without an outcome, oldest first (one directory listing; only owed requests are read)."""
+        names = set(os.listdir(self.path))
+        finished = set(self._finished_seqs(names))
         out = []
-        for p in sorted(self.path.glob("*.json")):
-            if not p.stem.isdigit() or self.outcome(int(p.stem)) is not None:
+        for name in sorted(names):
+            stem = name[: -len(".json")]
+            if not name.endswith(".json") or not stem.isdigit() or int(stem) in finished:
                 continue
             try:
-                out.append(PersistRequest(**json.loads(p.read_text())))
+                out.append(PersistRequest(**json.loads((self.path / name).read_text())))
             except (OSError, ValueError, TypeError):
                 continue  # a torn request cannot exist (atomic rename); a foreign file is ignored
         return out
 
-    def outcomes(self) -> list[Outcome]:
-        """Every outcome on file, oldest first."""
+    def finished(self) -> list[int]:
+        """Sequence numbers that have an outcome, oldest first (a directory listing; nothing is read)."""
+        return self._finished_seqs(set(os.listdir(self.path)))
+
+    def outcomes(self, seqs: list[int] | None = None) -> list[Outcome]:
+        """The outcomes of ``seqs`` (default: every finished request), oldest first."""
         out = []
-        for p in sorted(self.path.glob("*.done")) + sorted(self.path.glob("*.failed")):
-            try:
-                out.append(Outcome(**json.loads(p.read_text())))
-            except (OSError, ValueError, TypeError):
-                continue
-        return sorted(out, key=lambda o: o.seq)
+        for seq in sorted(self.finished() if seqs is None else seqs):
+            outcome = self.outcome(seq)
+            if outcome is not None:
+                out.append(outcome)
+        return out
 
     def prune(self, keep: int = 8) -> None:
         """Trainer: drop finished requests but the newest ``keep`` (the queue must not grow with the run)."""
-        finished = [o.seq for o in self.outcomes()]
+        finished = self.finished()
         for seq in finished[:-keep] if keep else finished:
             for suffix in (".json", ".done", ".failed"):
                 (self.path / f"{seq:08d}{suffix}").unlink(missing_ok=True)
