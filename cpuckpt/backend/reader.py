@@ -179,7 +179,7 @@ class StorageReader(_DcpStorageReader):
         with contextlib.ExitStack() as opened:
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
-            jobs = _read_jobs(plans, planner, cfg, opened, stats, self.images)
+            jobs = _read_jobs(plans, planner, cfg, opened, self.images)
             stats.jobs = len(jobs)
             stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
                                             name="cpuckpt-read"))
@@ -293,7 +293,7 @@ def _run_job(job: ReadJob, cancel: threading.Event) -> int:
 
 
 def _read_jobs(plans: dict[str, _FilePlan], planner: LoadPlanner, cfg: Config, opened: contextlib.ExitStack,
-               stats: ReadStats, images: Mapping[str, ImageFile]) -> list[ReadJob]:
+               images: Mapping[str, ImageFile]) -> list[ReadJob]:
     """The read jobs of every file (opened into ``opened``); each job returns the bytes it read."""
     chunked = {}
     mapped: dict[str, ImageFile] = {}

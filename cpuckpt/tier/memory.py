@@ -104,7 +104,8 @@ class MemoryTier:
         self.images = [ImageSet(d, pin=self.config.staging.pin, before_grow=self.root.check_space) for d in self.slots]
         self.queue = PersistQueue(self.root.path / f"queue-{self.rank}").create()
         self._writer: subprocess.Popen | None = None
-        self._next = self._slot_after_newest()
+        newest_in_memory = next((path for path in self.candidates() if path in self.slots), None)
+        self._next = self._slot_after(newest_in_memory)
         self._last: tuple[int | None, str, Path] | None = None  # (step, name, slot) of the newest memory save
         self._respawn_failed: CpuckptError | None = None
         self._reported = set(self.queue.finished())  # outcomes already seen (an earlier trainer's too)
@@ -117,10 +118,9 @@ class MemoryTier:
     def trainer_lock(self) -> Path:
         return self.root.path / f".rank-{self.rank}.lock"
 
-    def _slot_after_newest(self) -> int:
-        newest = max(((c.step, k) for k, d in enumerate(self.slots) if (c := check_complete(d)).complete
-                      and c.step is not None), default=None)
-        return 0 if newest is None else (newest[1] + 1) % len(self.slots)
+    def _slot_after(self, path: Path | None) -> int:
+        """The ring's next slot after ``path`` (slot 0 when ``path`` is not a slot): it must not be overwritten."""
+        return (self.slots.index(path) + 1) % len(self.slots) if path in self.slots else 0
 
     # -- the writer process -----------------------------------------------------------------------
     def _ensure_writer(self) -> None:
@@ -340,8 +340,8 @@ class MemoryTier:
                 logger.warning("cpuckpt memory tier: %s does not verify (%s); falling back to the next newest",
                                path, e)
                 continue
-            self._next = next(((k + 1) % len(self.slots) for k, d in enumerate(self.slots) if d == path),
-                              self._next)
+            if path in self.slots:
+                self._next = self._slot_after(path)
             return path
         return None
 
