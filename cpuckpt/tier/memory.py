@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +77,11 @@ class MemoryTier:
     """
 
     def __init__(self, durable_root: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
-                 *, process_group: Any = None) -> None:
+                 *, process_group: Any = None, report_persist_failures: bool = True) -> None:
         self.config = resolve_config(config)
+        # False: the caller awaits every persist itself and reports its outcome (the Megatron adapter's
+        # finalize does), so a failed persist is not raised a second time at the next save.
+        self.report_persist_failures = report_persist_failures
         m = self.config.memory
         self.durable_root = Path(durable_root)
         self.process_group = process_group
@@ -106,7 +109,8 @@ class MemoryTier:
         self._writer: subprocess.Popen | None = None
         newest_in_memory = next((path for path in self.candidates() if path in self.slots), None)
         self._next = self._slot_after(newest_in_memory)
-        self._last: tuple[int | None, str, Path] | None = None  # (step, name, slot) of the newest memory save
+        self._last: tuple[int | None, Path, Path] | None = None  # (step, dest, slot) of the newest memory save
+        self.last_persist: PersistRequest | None = None
         self._respawn_failed: CpuckptError | None = None
         self._reported = set(self.queue.finished())  # outcomes already seen (an earlier trainer's too)
         self._cancel_uncommitted_requests()
@@ -213,9 +217,15 @@ class MemoryTier:
 
     # -- saving ---------------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], step: int, *, name: str | None = None, planner: Any = None,
-             plan_key: Hashable | None = None) -> AsyncSaveHandle | None:
+             plan_key: Hashable | None = None, persist: bool | None = None, dest: str | os.PathLike | None = None,
+             before_fill: Callable[[Path], None] | None = None) -> AsyncSaveHandle | None:
         """Save ``state_dict`` into the next memory slot; persist it if ``step`` is a multiple of
         ``memory.persist_every``. Collective: every rank calls it with the same step.
+
+        ``persist`` True/False overrides ``persist_every`` for this save; ``dest`` is where a persist (or a
+        ``when_full: disk`` save) goes, default ``<durable_root>/<name>``; ``before_fill(slot)`` runs on every
+        rank once the slot is chosen, before a byte of it changes (adapters name the slot their own way).
+        :attr:`last_persist` is the persist request this save made, or None.
 
         Returns the handle of the memory save (or of a durable save, ``when_full: disk``), or None when
         the save was skipped (``when_full: skip``).
@@ -224,13 +234,15 @@ class MemoryTier:
             WriterDiedError: some rank's writer died owing persists (``on_writer_failure: raise``).
         """
         name = name or f"step_{step}"
+        dest = Path(dest) if dest is not None else self.durable_root / name
+        self.last_persist = None
         k = self._next
         slot = self.slots[k]
         deadline = time.monotonic() + self.config.timeout_s
         while True:
             # One all-reduce: a dead writer anywhere, a failed persist anywhere, a held slot anywhere, and a
             # save id common to all ranks (the maximum of random numbers).
-            failed = self._new_persist_failures()
+            failed = self._new_persist_failures() if self.report_persist_failures else []
             expired = time.monotonic() > deadline
             dead, persist_failed, held, expired, respawn_failed, token = self._agree(
                 [int(self._writer_dead_with_debts()), int(bool(failed)), int(self._held(slot)), int(expired),
@@ -254,26 +266,28 @@ class MemoryTier:
             if policy == "disk":
                 logger.warning("cpuckpt memory tier: every slot is held by a persist; step %s goes to the durable "
                                "root directly", step)
-                return async_save(state_dict, self.durable_root / name, self.config, step=step,
-                                  process_group=self.process_group, planner=planner, plan_key=plan_key)
+                return async_save(state_dict, dest, self.config, step=step, process_group=self.process_group,
+                                  planner=planner, plan_key=plan_key)
             if expired:  # agreed: every rank raises together
                 raise CheckpointTimeoutError(f"memory tier: {slot} still held by a persist after "
                                              f"{self.config.timeout_s} s (when_full: wait)")
             logger.info("cpuckpt memory tier: step %s waits for the persist of %s", step, slot.name)
             time.sleep(0.01)
+        if before_fill is not None:
+            before_fill(slot)
         handle = async_save(state_dict, slot, self.memory_config, step=step, process_group=self.process_group,
                             planner=planner, plan_key=plan_key, images=self.images[k],
                             save_id=f"{self.root.job[:24]}-{token:016x}")
         self._next = (k + 1) % len(self.slots)
         every = self.config.memory.persist_every
-        if every and step % every == 0:
-            self._request_persist(handle, step, name, slot)
-        self._last = (step, name, slot)  # after the request: SIGTERM's handler reads both
+        if persist if persist is not None else bool(every) and step % every == 0:
+            self.last_persist = self._request_persist(handle, step, dest, slot)
+        self._last = (step, dest, slot)  # after the request: SIGTERM's handler reads both
         return handle
 
-    def _request_persist(self, handle: AsyncSaveHandle, step: int | None, name: str, slot: Path) -> None:
+    def _request_persist(self, handle: AsyncSaveHandle, step: int | None, dest: Path, slot: Path) -> PersistRequest:
         """Queue the persist now (the writer waits for the memory commit); a failed save cancels it."""
-        req = self._persist_request(slot, handle.save_id, step, name)
+        req = self._persist_request(slot, handle.save_id, step, dest)
         self.queue.put(req)
 
         def cancel_if_failed(error: BaseException | None) -> None:
@@ -281,10 +295,11 @@ class MemoryTier:
                 self.queue.cancel(req.seq, f"the memory save failed: {error}")
 
         handle.add_done_callback(cancel_if_failed)
+        return req
 
-    def _persist_request(self, slot: Path, save_id: str, step: int | None, name: str) -> PersistRequest:
+    def _persist_request(self, slot: Path, save_id: str, step: int | None, dest: Path) -> PersistRequest:
         return PersistRequest(seq=self.queue.next_seq(), slot=str(slot), save_id=save_id, step=step,
-                              dest=str(self.durable_root / name), rank=self.rank, world_size=self.world_size,
+                              dest=str(dest), rank=self.rank, world_size=self.world_size,
                               coordinator=self.rank == 0, config=self.config.to_dict(), trainer_pid=os.getpid(),
                               trainer_lock=str(self.trainer_lock))
 
@@ -376,13 +391,13 @@ class MemoryTier:
 
     def _persist_newest_before(self, deadline: float) -> None:
         if self._last is not None:
-            step, name, slot = self._last
+            step, dest, slot = self._last
             every = self.config.memory.persist_every
             requested = step is not None and bool(every) and step % every == 0
             manifest = read_manifest(slot)
             if step is not None and not requested and manifest is not None and check_complete(slot).complete:
-                logger.warning("SIGTERM: persisting step %s from memory to %s", step, self.durable_root / name)
-                self.queue.put(self._persist_request(slot, manifest.save_id, step, name))
+                logger.warning("SIGTERM: persisting step %s from memory to %s", step, dest)
+                self.queue.put(self._persist_request(slot, manifest.save_id, step, dest))
         self.wait_persisted(max(0.001, deadline - time.monotonic()))
 
     def close(self, *, persist_newest: bool = True, remove_root: bool = True) -> None:
@@ -407,13 +422,14 @@ class MemoryTier:
         attempt(self.wait_persisted)
         (bad,) = self._agree([int(bool(errors))])  # also: all owed persists done, every rank sees one durable root
         if persist_newest and not bad and self._last is not None:
-            step, name, slot = self._last
+            step, dest, slot = self._last
             manifest = read_manifest(slot)
             if step is not None and manifest is not None and check_complete(slot).complete \
                     and not self.persisted(step):
-                self.queue.put(self._persist_request(slot, manifest.save_id, step, name))
+                self.queue.put(self._persist_request(slot, manifest.save_id, step, dest))
                 attempt(self.wait_persisted)
-        errors += [PersistError(f"rank {self.rank}: {f}") for f in self._new_persist_failures()]
+        if self.report_persist_failures:
+            errors += [PersistError(f"rank {self.rank}: {f}") for f in self._new_persist_failures()]
         self._stop_writer()
         for images in self.images:
             images.close()

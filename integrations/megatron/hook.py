@@ -124,8 +124,64 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
                 "--ckpt-format cpuckpt needs Megatron-LM's megatron.training on the path (Megatron-LM is not on "
                 f"PyPI: put its checkout first on PYTHONPATH): {e}"
             ) from e
-    classes = _training_classes(cfg, options or MegatronOptions())
+    options = options or MegatronOptions()
+    classes = _training_classes(cfg, options)
     module.TorchDistSaveShardedStrategy, module.TorchDistLoadShardedStrategy = classes
+    if options.memory_tier:
+        _route_to_memory_tier(cfg, module)
+
+
+_MEMORY: Any = None  # the process's MegatronMemory (memory: true), made from Megatron-LM's arguments
+
+
+def _memory(cfg: Config) -> Any:
+    """The process's :class:`.memory.MegatronMemory`, from Megatron-LM's ``--save`` and non-persistent dir."""
+    global _MEMORY
+    if _MEMORY is None:
+        from megatron.training import get_args
+
+        from .memory import MegatronMemory
+
+        args = get_args()
+        if not args.save:
+            raise ConfigError("megatron.memory_tier needs --save (the durable root)")
+        np_dir = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, "non_persistent")
+        _MEMORY = MegatronMemory(args.save, np_dir, cfg)
+    return _MEMORY
+
+
+def _route_to_memory_tier(cfg: Config, module: Any) -> None:
+    """Non-persistent pruning becomes the ring's (:meth:`.memory.MegatronMemory.cleanup`), and the end of
+    training (``maybe_finalize_async_save(terminate=True)``) closes the tier (writers stop, RAM root goes)."""
+    original_cleanup = module.cleanup_old_non_persistent_checkpoint
+
+    def cleanup_old_non_persistent_checkpoint(save_dir: Any, leave_ckpt_num: int = 1, do_async: bool = False) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        if not _memory(cfg).cleanup(save_dir):
+            original_cleanup(save_dir, leave_ckpt_num=leave_ckpt_num, do_async=do_async)
+
+    module.cleanup_old_non_persistent_checkpoint = cleanup_old_non_persistent_checkpoint
+    import functools
+
+    import megatron.training.async_utils as async_utils
+
+    original_finalize = async_utils.maybe_finalize_async_save
+    if getattr(original_finalize, "_cpuckpt_memory", False):
+        return
+
+    @functools.wraps(original_finalize)
+    def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -> None:
+        original_finalize(blocking=blocking, terminate=terminate)
+        if terminate and _MEMORY is not None:
+            _MEMORY.close()
+
+    maybe_finalize_async_save._cpuckpt_memory = True  # type: ignore[attr-defined]
+    for m in [async_utils] + [m for name, m in list(sys.modules.items()) if name.startswith("megatron.training") and m]:
+        if getattr(m, "maybe_finalize_async_save", None) is original_finalize:
+            m.maybe_finalize_async_save = maybe_finalize_async_save
 
 
 _QUEUE_BUILDERS = ("_get_async_calls_queue", "init_persistent_async_worker")
@@ -191,7 +247,8 @@ def _training_classes(cfg: Config, options: MegatronOptions) -> tuple[type, type
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             # cpu_shm_mode (NVRx's worker-side staging) has no meaning here: staging is ours.
-            super().__init__(cfg, reuse_plan=options.reuse_plan)
+            super().__init__(cfg, reuse_plan=options.reuse_plan,
+                             memory=_memory(cfg) if options.memory_tier else None)
 
     class MegatronLMLoadStrategy(CpuckptLoadStrategy):
         """Built by Megatron-LM as ``TorchDistLoadShardedStrategy(cache_metadata=..., ...)``."""

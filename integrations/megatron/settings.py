@@ -46,11 +46,16 @@ class MegatronOptions:
         reuse_plan: reuse the previous save's DCP plan when the state's structure is unchanged
             (checked on every save; see :class:`.strategy.CpuckptSaveStrategy`). False plans every
             save with DCP unless Megatron-LM's ``--ckpt-assume-constant-structure`` is given.
+        memory_tier: Megatron-LM's async saves go through cpuckpt's memory tier (the core config's
+            ``memory:`` section): non-persistent global saves become memory checkpoints in a RAM
+            root, persistent saves memory checkpoints persisted to ``--save`` by a writer process
+            (see :mod:`.memory`). Needs ``--async-save``; sync saves write to disk as before.
     """
 
     on_failure: str = field(default="raise", metadata={"choices": ("raise", "continue")})
     heartbeat_timeout_s: float = field(default=60.0, metadata={"min": 2.0})
     reuse_plan: bool = True
+    memory_tier: bool = False
 
 
 def _mapping(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> tuple[dict[str, Any] | None, str]:

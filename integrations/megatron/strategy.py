@@ -38,8 +38,9 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CpuckptError
 
 from . import compat
+from .memory import MegatronMemory
 from .settings import resolve_core
-from .worker import OK, new_channel, wait_for_commit
+from .worker import OK, PersistWait, new_channel, wait_for_commit
 
 __all__ = ["CpuckptLoadStrategy", "CpuckptSaveStrategy"]
 
@@ -71,10 +72,12 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
     """
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *,
-                 keep_only_main_replica: bool = True, reuse_plan: bool = True) -> None:
+                 keep_only_main_replica: bool = True, reuse_plan: bool = True,
+                 memory: MegatronMemory | None = None) -> None:
         super().__init__(backend="torch_dist", version=1, keep_only_main_replica=keep_only_main_replica)
         self.config = resolve_core(config)  # a megatron: block (the adapter's own keys) is allowed
         self.reuse_plan = reuse_plan
+        self.memory = memory  # routes async saves of Megatron-LM's iter_<N> directories into the memory tier
         self.last_save_stats: Any = None  # cpuckpt.background.SaveStats of the last async_save
 
     def _to_pyt(self, sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -99,10 +102,23 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path,
                    async_strategy: str = "mcore") -> Any:
-        """Plan, stage into the host pool, start writing; return Megatron's ``AsyncRequest``."""
+        """Plan, stage into the host pool, start writing; return Megatron's ``AsyncRequest``.
+
+        With :attr:`memory` set, a save of Megatron-LM's ``iter_<N>`` is a memory-tier save instead (see
+        :mod:`.memory`); for a persistent one the worker also waits for the writer process's persist.
+        """
         planner = self._planner()
-        handle = cpuckpt.async_save(self._to_pyt(sharded_state_dict), checkpoint_dir, self.config,
-                                    planner=planner, plan_key=self._plan_key(planner))
+        state = self._to_pyt(sharded_state_dict)
+        route = self.memory.route(checkpoint_dir) if self.memory is not None else None
+        persist = None
+        if route is None:
+            handle = cpuckpt.async_save(state, checkpoint_dir, self.config, planner=planner,
+                                        plan_key=self._plan_key(planner))
+        else:
+            handle, request = self.memory.save(state, route, planner=planner, plan_key=self._plan_key(planner))
+            if request is not None:
+                tier = self.memory.tier
+                persist = PersistWait(str(tier.queue.path), request.seq, str(tier.root.writer_lock_path(tier.rank)))
         self.last_save_stats = handle.stats
         rank = dist.get_rank() if dist.is_initialized() else 0
         channel = new_channel(rank)
@@ -135,7 +151,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         try:
             return compat.make_async_request(async_strategy, wait_for_commit,
                                              (channel.base, rank, 2 * timeout_s + 60, os.getpid(),
-                                              faultpoint.get_handler()), [finalize_fn])
+                                              faultpoint.get_handler(), persist), [finalize_fn])
         except BaseException:
             # e.g. async_strategy "nvrx" without nvidia-resiliency-ext: the save goes on in cpuckpt's
             # threads (its outcome reaches cpuckpt.wait_all / the next async_save), but no caller will

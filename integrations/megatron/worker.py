@@ -40,13 +40,14 @@ import threading
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from cpuckpt import faultpoint
 from cpuckpt.roots import pid_alive
 from cpuckpt.transfer.files import write_atomic
 
-__all__ = ["Channel", "new_channel", "process_alive", "wait_for_commit"]
+__all__ = ["Channel", "PersistWait", "new_channel", "process_alive", "wait_for_commit", "wait_for_persist"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,20 +169,38 @@ def new_channel(rank: int) -> Channel:
     return Channel(str(_channel_dir() / f"cpuckpt-megatron-{os.getpid()}-r{rank}-{uuid.uuid4().hex[:12]}"))
 
 
+@dataclass(frozen=True)
+class PersistWait:
+    """What a worker waits for after the memory commit of a persistent save (the memory tier's persist)."""
+
+    queue: str  # the rank's persist queue directory
+    seq: int  # the request's sequence number there
+    writer_lock: str  # the rank's writer lock: free means the writer process is gone
+
+
+WRITER_GONE_GRACE_S = 5.0
+
+
 def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int,
-                    fault_handler: faultpoint.Handler | None = None) -> None:
+                    fault_handler: faultpoint.Handler | None = None, persist: PersistWait | None = None) -> None:
     """Megatron's ``async_fn``: wait until the trainer reports the save's outcome. Raises only ``SystemExit``.
 
     ``fault_handler`` is the trainer's :func:`cpuckpt.faultpoint.get_handler` (None unless a test
     installed one): a spawned persistent worker does not inherit it, so it travels with the request
     (and replaces the one an earlier request left in the worker).
+    With ``persist`` (a persistent save through the memory tier), the memory commit is followed by a
+    wait for the writer process's outcome: Megatron finalizes (``metadata.json``, the tracker) only
+    once the checkpoint is durable.
     """
     channel = Channel(base)
     try:
         faultpoint.set_handler(fault_handler)  # the trainer's, as of this request (a persistent worker keeps it)
         channel.announce()  # from here on the trainer's watchdog sees this process's death
         faultpoint.hit(f"megatron-worker:rank{rank}")
-        channel.wait_status(timeout_s, trainer_pid)
+        deadline = time.monotonic() + timeout_s
+        status = channel.wait_status(timeout_s, trainer_pid)
+        if persist is not None and not status:  # a failed memory save cancels its persist: nothing to wait for
+            wait_for_persist(channel, persist, max(1.0, deadline - time.monotonic()))
         channel.report(OK)
     except BaseException as e:
         text = f"checkpoint worker of rank {rank} (pid {os.getpid()}): {e!r}"
@@ -195,6 +214,39 @@ def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int,
             pass
         if isinstance(e, SystemExit):
             raise
+
+
+def wait_for_persist(channel: Channel, persist: PersistWait, timeout_s: float) -> None:
+    """Caller: block until the rank's writer process finished the persist (beats meanwhile).
+
+    Raises:
+        RuntimeError: the persist failed, or the writer process is gone without an outcome.
+        TimeoutError: no outcome within ``timeout_s``.
+    """
+    from cpuckpt.tier.queue import PersistQueue
+    from cpuckpt.tier.ramroot import lock_holder
+
+    queue = PersistQueue(persist.queue)
+    deadline = time.monotonic() + timeout_s
+    last_beat = time.monotonic()
+    gone_since: float | None = None
+    while (outcome := queue.outcome(persist.seq)) is None:
+        now = time.monotonic()
+        if lock_holder(persist.writer_lock) is None:  # a writer being respawned may take it over: a grace period
+            gone_since = gone_since or now
+            if now - gone_since > WRITER_GONE_GRACE_S:
+                raise RuntimeError(f"the memory tier's writer process is gone, owing persist {persist.seq} "
+                                   f"({persist.queue})")
+        else:
+            gone_since = None
+        if now > deadline:
+            raise TimeoutError(f"persist {persist.seq} of {persist.queue} not done after {timeout_s:.0f} s")
+        if now - last_beat >= HEARTBEAT_S:
+            channel.beat()
+            last_beat = now
+        time.sleep(POLL_S)
+    if not outcome.ok:
+        raise RuntimeError(f"persist to the durable root failed: {outcome.error}")
 
 
 def process_alive(pid: int) -> bool:

@@ -1,0 +1,219 @@
+"""Megatron-LM checkpoints through cpuckpt's memory tier (``megatron: {memory_tier: true}``).
+
+Megatron-LM already has two kinds of saves, and this maps both onto :class:`cpuckpt.MemoryTier`:
+
+- **Non-persistent global saves** (``--non-persistent-save-interval N --non-persistent-ckpt-type
+  global [--non-persistent-global-ckpt-dir D]``) go to ``D/iter_<N>`` (default ``D`` =
+  ``<save>/non_persistent``), which Megatron-LM loads when it is newer than the newest persistent
+  checkpoint (it compares the two directories' ``latest_checkpointed_iteration.txt``). Here they are
+  memory saves: the bytes go into a ring slot of the RAM root (device-to-host straight into reused,
+  pinned images), and ``D/iter_<N>`` becomes a symbolic link to that slot. Megatron-LM's own pruning
+  of ``D`` (``cleanup_old_non_persistent_checkpoint``) is replaced: the ring is the retention. When
+  a slot is reused, the links to it are removed first, and ``D``'s tracker is moved back to the
+  newest checkpoint still linked if it named one of them (a tracker never names a slot being
+  overwritten).
+- **Persistent saves** (``--save-interval``, ``<save>/iter_<N>``) are memory saves plus a persist
+  request: the trainer stalls for the device-to-host copy only, the rank's writer process writes the
+  durable copy, and Megatron's checkpoint worker waits for the writer's outcome, so Megatron's
+  finalize (``metadata.json``, then ``<save>/latest_checkpointed_iteration.txt``) runs only once the
+  checkpoint is durable. (A restart before the next memory save therefore reads that checkpoint from
+  the durable root: its slot is not linked into ``D``.)
+
+Memory-only saves never advance ``<save>/latest_checkpointed_iteration.txt``. Megatron-core writes
+``common.pt`` (and, at finalize, ``metadata.json``) into the directory it was given; for a memory
+save rank 0 moves what is there into the slot before replacing the directory by the link.
+A restart needs nothing from cpuckpt: Megatron-LM reads the trackers and loads ``D/iter_<N>``
+through the link (a fresh process reads the slot's files from RAM).
+
+Everything here runs on rank 0 unless it says otherwise; the tier itself is collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from cpuckpt.backend.commit import clear_commit
+from cpuckpt.backend.committed import check_complete
+from cpuckpt.config import Config
+from cpuckpt.errors import ConfigError
+from cpuckpt.tier.memory import MemoryTier
+from cpuckpt.tier.queue import PersistRequest
+from cpuckpt.transfer.files import write_atomic
+
+__all__ = ["TRACKER", "MegatronMemory", "Route"]
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER = re.compile(r"iter_(\d+)$")
+
+
+class Route:
+    """Where one Megatron save goes: ``memory`` (non-persistent) or ``durable`` (persistent)."""
+
+    def __init__(self, kind: str, step: int, path: Path) -> None:
+        self.kind, self.step, self.path = kind, step, path
+
+
+class MegatronMemory:
+    """Routes Megatron-LM's saves into a :class:`MemoryTier` of the job (one per trainer process).
+
+    Args:
+        save_dir: Megatron-LM's ``--save`` (the durable root).
+        non_persistent_dir: where Megatron-LM puts non-persistent global checkpoints.
+        config: the core cpuckpt config (its ``memory:`` section configures the tier).
+    """
+
+    def __init__(self, save_dir: str | os.PathLike, non_persistent_dir: str | os.PathLike, config: Config) -> None:
+        self.save_dir = Path(os.path.abspath(save_dir))
+        self.np_dir = Path(os.path.abspath(non_persistent_dir))
+        if self.np_dir == self.save_dir:
+            raise ConfigError(f"the non-persistent checkpoint directory must differ from --save ({self.save_dir})")
+        if config.memory.when_full == "skip":  # Megatron-LM would still name the skipped iteration in its tracker
+            raise ConfigError("memory.when_full: skip is not supported with Megatron-LM (use wait or disk)")
+        self.config = config
+        self._tier: MemoryTier | None = None
+
+    # -- routing --------------------------------------------------------------------------------
+    def route(self, checkpoint_dir: str | os.PathLike) -> Route | None:
+        """The route of a save to ``checkpoint_dir``; None: not Megatron's ``iter_<N>`` under either root."""
+        path = Path(os.path.abspath(checkpoint_dir))
+        match = _ITER.match(path.name)
+        if match is None:
+            return None
+        if path.parent == self.np_dir:
+            return Route("memory", int(match.group(1)), path)
+        if path.parent == self.save_dir:
+            return Route("durable", int(match.group(1)), path)
+        return None
+
+    @property
+    def tier(self) -> MemoryTier:
+        """The job's tier, made at the first routed save (collective: every rank saves together)."""
+        if self._tier is None:
+            # Megatron's finalize reports each persist's outcome (the worker waits for it), so the tier
+            # does not raise it again at the next save.
+            self._tier = MemoryTier(self.save_dir, self.config, report_persist_failures=False)
+        return self._tier
+
+    def save(self, state_dict: dict[str, Any], route: Route, *, planner: Any = None,
+             plan_key: Any = None) -> tuple[Any, PersistRequest | None]:
+        """Memory save (plus a persist request for a durable route); collective. Returns (handle, request)."""
+        tier = self.tier
+        durable = route.kind == "durable"
+        handle = tier.save(state_dict, route.step, name=route.path.name, planner=planner, plan_key=plan_key,
+                           persist=durable, dest=route.path,
+                           before_fill=lambda slot: self._link(route, slot) if tier.rank == 0 else None)
+        return handle, tier.last_persist
+
+    def close(self) -> None:
+        """End of training: stop the writers and remove the RAM root (Megatron's own final save is the
+        durable one; a memory-only checkpoint cannot be persisted as a Megatron checkpoint here)."""
+        if self._tier is not None:
+            tier, self._tier = self._tier, None
+            tier.close(persist_newest=False)
+            if tier.rank == 0:
+                self._remove_links()
+
+    # -- the non-persistent directory (rank 0) ------------------------------------------------------
+    def _link(self, route: Route, slot: Path) -> None:
+        """Before ``slot`` is refilled: unlink its old names; a memory route then names it ``D/iter_<N>``."""
+        self.np_dir.mkdir(parents=True, exist_ok=True)
+        incoming = self.np_dir / f".incoming-{route.path.name}"
+        if route.kind == "memory":  # megatron-core already wrote common.pt into the directory it was given
+            if incoming.exists():  # a crash between these steps left it
+                _remove(incoming)
+            incoming.mkdir()
+            given = route.path
+            for entry in _megatron_files(given):
+                os.replace(entry, incoming / entry.name)
+            _remove(given)
+        self._unlink_slot(slot)
+        clear_commit(slot, fsync=False)  # no name and no tracker may see the slot's old checkpoint from here on
+        for entry in _megatron_files(slot):  # the previous checkpoint's common.pt, metadata.json, ...
+            _remove(entry)
+        if route.kind == "memory":
+            for entry in list(incoming.iterdir()):
+                os.replace(entry, slot / entry.name)
+            incoming.rmdir()
+            os.symlink(slot, route.path, target_is_directory=True)
+
+    def _unlink_slot(self, slot: Path) -> None:
+        """Remove every ``D/iter_*`` link to ``slot``; a tracker naming one of them moves back."""
+        removed: set[int] = set()
+        for link, step, target in self._links():
+            if target == slot:
+                link.unlink()
+                removed.add(step)
+        tracker = self.np_dir / TRACKER
+        try:
+            named = int(tracker.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return
+        if named not in removed:
+            return
+        remaining = [step for _, step, target in self._links() if check_complete(target).complete]
+        if remaining:
+            write_atomic(tracker, str(max(remaining)).encode(), fsync=False)
+            logger.info("cpuckpt memory tier: %s reuses the slot of iteration %d; %s now names %d",
+                        slot.name, named, tracker, max(remaining))
+        else:
+            tracker.unlink(missing_ok=True)
+            logger.info("cpuckpt memory tier: %s reuses the slot of iteration %d; no older memory checkpoint "
+                        "is left, %s removed (a restart loads the newest persistent checkpoint)", slot.name,
+                        named, tracker)
+
+    def _links(self) -> list[tuple[Path, int, Path]]:
+        """(link, iteration, resolved target) of every ``iter_*`` link in ``D``."""
+        out = []
+        if not self.np_dir.is_dir():
+            return out
+        for link in self.np_dir.iterdir():
+            match = _ITER.match(link.name)
+            if match and link.is_symlink():
+                out.append((link, int(match.group(1)), Path(os.path.realpath(link))))
+        return out
+
+    def _remove_links(self) -> None:
+        """The RAM root is gone: links into it and the tracker that names them would dangle."""
+        for link, _, _ in self._links():
+            link.unlink(missing_ok=True)
+        (self.np_dir / TRACKER).unlink(missing_ok=True)
+
+    def cleanup(self, save_dir: str | os.PathLike) -> bool:
+        """Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` for ``D``: the ring is the retention.
+        Only links whose slot no longer holds a complete checkpoint go. Returns False for another dir."""
+        if Path(os.path.abspath(save_dir)) != self.np_dir:
+            return False
+        for link, _, target in self._links():
+            if not target.is_dir():
+                link.unlink(missing_ok=True)
+        try:
+            named = int((self.np_dir / TRACKER).read_text().strip())
+        except (FileNotFoundError, ValueError):
+            named = None
+        for entry in self.np_dir.iterdir() if named is not None else ():  # real directories older than the
+            match = _ITER.match(entry.name)  # tracker's (``when_full: disk`` saves, runs without the tier)
+            if match and not entry.is_symlink() and entry.is_dir() and int(match.group(1)) < named:
+                shutil.rmtree(entry, ignore_errors=True)
+        return True
+
+
+def _megatron_files(directory: Path) -> list[Path]:
+    """What Megatron wrote into a checkpoint directory (``common.pt``, ``metadata.json``, ...): everything
+    but cpuckpt's data files (``__<rank>_<i>.distcp``) and hidden files (``.metadata``, manifests)."""
+    if not directory.is_dir():
+        return []
+    return [e for e in directory.iterdir() if not e.name.startswith((".", "__"))]
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)

@@ -1,0 +1,198 @@
+"""Megatron-LM's saves through cpuckpt's memory tier, with real megatron-core on 2 gloo ranks.
+
+Each rank drives megatron-core the way Megatron-LM's ``save_checkpoint`` does (rank 0 prunes the
+non-persistent directory and creates ``iter_<N>``, ``dist_checkpointing.save`` with the async
+strategy, a finalize function that writes the directory's ``latest_checkpointed_iteration.txt``,
+megatron-core's persistent ``AsyncCallsQueue``) and restarts the way Megatron-LM's loader does (the
+newer of the two trackers, ``dist_checkpointing.load`` of ``iter_<N>``). Megatron-LM itself is not on
+PyPI; the hook that installs this into ``pretrain_gpt.py`` runs on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ranks load this file by path, too
+from test_megatron import ENV, _check, _setup, _sharded, _template
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _config(root: Path) -> dict:
+    return {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"},
+            "memory": {"root": str(root / "ram"), "slots": 2, "headroom_bytes": 0}, "timeout_s": 60}
+
+
+def _read_tracker(d: Path) -> int | None:
+    try:
+        return int((d / TRACKER).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _megatron_save(strategy, queue, router, d: Path, it: int, device: str) -> dict:
+    """One save as Megatron-LM's save_checkpoint makes it (async, persistent worker)."""
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
+    from megatron.core import dist_checkpointing
+
+    path = d / f"iter_{it:07d}"
+    if dist.get_rank() == 0:
+        if d == router.np_dir:
+            assert router.cleanup(d)  # replaces Megatron-LM's cleanup_old_non_persistent_checkpoint
+        path.mkdir(parents=True, exist_ok=True)  # ensure_directory_exists
+    sd = _sharded(it, device)
+    request = dist_checkpointing.save(sd, str(path), sharded_strategy=strategy, async_sharded_save=True,
+                                      **mcore_async_kwargs())
+
+    def iter_finalize_fn() -> None:  # Megatron-LM's: the tracker of the directory saved to
+        if dist.get_rank() == 0:
+            (d / TRACKER).write_text(str(it))
+
+    request.add_finalize_fn(iter_finalize_fn)
+    queue.schedule_async_request(request)
+    return sd
+
+
+def rank_train(root: str, iterations: list[int]) -> None:
+    """Memory (non-persistent) saves every iteration, persistent ones every 4th; then SIGKILL (a crash)."""
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from cpuckpt.config import Config
+
+    _, _, device = _setup()
+    root_p = Path(root)
+    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(_config(root_p)))
+    strategy = CpuckptSaveStrategy(_config(root_p), memory=router)
+    queue = AsyncCallsQueue(persistent=True)
+    for it in iterations:
+        d = router.save_dir if it % 4 == 0 else router.np_dir
+        sd = _megatron_save(strategy, queue, router, d, it, device)
+        for t in (sd["w"].data, sd["b"].data):  # the next optimizer step changes every saved tensor
+            t.fill_(-7.0)
+        queue.maybe_finalize_async_calls(blocking=True)  # finalize: memory commit (or durable, every 4th)
+    # stock megatron-core reads the newest memory checkpoint through its iter_<N> link, and the durable one
+    newest = router.np_dir / f"iter_{iterations[-1]:07d}"
+    _check(dist_checkpointing.load(_template(device), str(newest)), iterations[-1], device)
+    durable = max(i for i in iterations if i % 4 == 0)
+    _check(dist_checkpointing.load(_template(device), str(router.save_dir / f"iter_{durable:07d}")), durable, device)
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_restart(root: str) -> dict:
+    """Megatron-LM's restart: load the newer of the two trackers' checkpoints, then train on."""
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron import load_strategy
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from cpuckpt.config import Config
+
+    _, _, device = _setup()
+    root_p = Path(root)
+    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(_config(root_p)))
+    np_it, save_it = _read_tracker(router.np_dir) or -1, _read_tracker(router.save_dir) or -1
+    d, it = (router.np_dir, np_it) if np_it >= save_it else (router.save_dir, save_it)
+    loaded = dist_checkpointing.load(_template(device), str(d / f"iter_{it:07d}"),
+                                     sharded_strategy=load_strategy(_config(root_p)))
+    _check(loaded, it, device)
+    from_memory = os.path.realpath(d / f"iter_{it:07d}").startswith(str(root_p / "ram"))
+    strategy = CpuckptSaveStrategy(_config(root_p), memory=router)
+    queue = AsyncCallsQueue(persistent=True)
+    _megatron_save(strategy, queue, router, router.np_dir, it + 1, device)
+    queue.maybe_finalize_async_calls(blocking=True)
+    dist.barrier()
+    # the save after the restart took the other slot: the checkpoint just loaded is still there
+    _check(dist_checkpointing.load(_template(device), str(d / f"iter_{it:07d}")), it, device)
+    out = {"loaded": it, "from_memory": from_memory, "np_tracker": _read_tracker(router.np_dir),
+           "links": sorted(p.name for p in router.np_dir.iterdir() if p.is_symlink()),
+           "ram": str(router.tier.root.path)}
+    queue.close()
+    router.close()  # end of training (Megatron-LM: maybe_finalize_async_save(terminate=True))
+    dist.barrier()
+    out["after_close"] = {"ram_exists": Path(out["ram"]).exists(), "np_tracker": _read_tracker(router.np_dir),
+                          "links": sorted(p.name for p in router.np_dir.iterdir() if p.is_symlink())}
+    return out
+
+
+def _wait_writers_gone(ram: Path, timeout_s: float = 30.0) -> None:
+    from cpuckpt.tier.persister import lock_held
+
+    deadline = time.monotonic() + timeout_s
+    while any(lock_held(p) for p in ram.rglob(".writer-*.lock")):
+        assert time.monotonic() < deadline, "writer processes still running after their trainers died"
+        time.sleep(0.05)
+
+
+def test_memory_and_persistent_saves_then_sigkill_resume_from_memory(run_ranks, tmp_path):
+    with pytest.raises(AssertionError, match="rank"):
+        run_ranks(2, rank_train, str(tmp_path), list(range(1, 7)), timeout_s=240, env=ENV)
+    _wait_writers_gone(tmp_path / "ram")
+    save, np_dir = tmp_path / "save", tmp_path / "save" / "non_persistent"
+    # memory-only saves never advance --save's tracker: it names the persistent save (4); the memory one 6
+    assert _read_tracker(save) == 4 and _read_tracker(np_dir) == 6
+    # the ring of 2 slots holds the two newest memory checkpoints (5, 6), each under Megatron's name
+    links = {p.name: os.path.realpath(p) for p in np_dir.iterdir() if p.is_symlink()}
+    assert sorted(links) == ["iter_0000005", "iter_0000006"], links
+    assert len(set(links.values())) == 2 and all("/slot-" in t for t in links.values()), links
+    durable = save / "iter_0000004"  # a whole torch_dist checkpoint: data, .metadata, common.pt, metadata.json
+    assert not durable.is_symlink()
+    assert {".metadata", "metadata.json", "common.pt"} <= {p.name for p in durable.iterdir()}
+    assert sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == ["iter_0000004"]
+
+    res = run_ranks(2, rank_restart, str(tmp_path), timeout_s=240, env=ENV)
+    assert [(r["loaded"], r["from_memory"]) for r in res] == [(6, True), (6, True)], res
+    assert res[0]["np_tracker"] == 7 and res[0]["links"] == ["iter_0000006", "iter_0000007"], res[0]
+    # end of training: RAM root removed, and no link or tracker left pointing into it
+    assert res[0]["after_close"] == {"ram_exists": False, "np_tracker": None, "links": []}, res[0]["after_close"]
+
+
+def test_reusing_a_slot_moves_the_tracker_off_the_checkpoint_it_held(tmp_path):
+    """slots=1: the next memory save overwrites the only slot, so the tracker must not name the old one."""
+    from cpuckpt.integrations.megatron.memory import MegatronMemory, Route
+
+    from cpuckpt.config import Config
+
+    router = MegatronMemory(tmp_path / "save", tmp_path / "np", Config.from_dict(_config(tmp_path)))
+    slot = tmp_path / "slot-0"
+    slot.mkdir()
+    (slot / ".metadata").write_bytes(b"x")
+    (slot / "common.pt").write_bytes(b"old")
+    router.np_dir.mkdir()
+    os.symlink(slot, router.np_dir / "iter_0000008")
+    (router.np_dir / TRACKER).write_text("8")
+    given = router.np_dir / "iter_0000016"
+    given.mkdir()
+    (given / "common.pt").write_bytes(b"new")  # megatron-core wrote it before the strategy ran
+    router._link(Route("memory", 16, given), slot)
+    assert not (router.np_dir / "iter_0000008").exists()
+    assert not (router.np_dir / TRACKER).exists(), "the tracker still names a checkpoint being overwritten"
+    assert not (slot / ".metadata").exists()
+    assert (router.np_dir / "iter_0000016").is_symlink() and (slot / "common.pt").read_bytes() == b"new"
+
+
+def test_skip_when_full_is_refused_for_megatron(tmp_path):
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+
+    from cpuckpt.config import Config
+    from cpuckpt.errors import ConfigError
+
+    cfg = _config(tmp_path)
+    cfg["memory"]["when_full"] = "skip"
+    with pytest.raises(ConfigError, match="skip"):
+        MegatronMemory(tmp_path / "save", tmp_path / "np", Config.from_dict(cfg))
