@@ -85,6 +85,7 @@ ITER_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(
 # Megatron's Timers.log: "(min, max) time across ranks (ms):" then "    save-checkpoint ....: (min, max)";
 # with --timing-log-option max: "    save-checkpoint ....: max". The timer is on by default (log level 0).
 SAVE_RE = re.compile(r"save-checkpoint \.*: \(?([\d.]+)(?:, ([\d.]+)\))?")
+NP_SAVE_RE = re.compile(r"save-checkpoint-non-persistent \.*: \(?([\d.]+)(?:, ([\d.]+)\))?")
 LOAD_RE = re.compile(r"load-checkpoint \.*: \(?([\d.]+)(?:, ([\d.]+)\))?")
 LOADED_RE = re.compile(r"successfully loaded checkpoint from (\S+).*iteration\D+(\d+)")
 SAVED_RE = re.compile(r"successfully saved checkpoint from iteration\s+(\d+) to (\S+)")
@@ -110,12 +111,12 @@ FLAGS = (
 )
 ASYNC = ["--async-save", "--use-persistent-ckpt-worker"]
 RESUME = ["--exit-on-missing-checkpoint", "--override-opt-param-scheduler"]  # train-iters grew: LR schedule differs
-PHASES = ("save", "load", "reuse", "kill")
+PHASES = ("save", "load", "reuse", "kill", "memory")
 SAVE_MODEL = (16, 2048, 16)  # layers, hidden, heads of the save phase (BENCHMARKS.md's table)
 PHASE_MODEL = (24, 1024, 16)  # load, reuse, kill
 # Rough seconds per phase on one H200 (startup of pretrain_gpt ~30 s per run); --budget skips a phase
 # that cannot start with at least this much left.
-PHASE_MIN_S = {"save": 240, "load": 150, "reuse": 110, "kill": 90}
+PHASE_MIN_S = {"save": 240, "load": 150, "reuse": 110, "kill": 90, "memory": 200}
 RESERVE_S = 15.0  # kept back from --budget for tables, JSON and cleanup
 
 
@@ -128,8 +129,8 @@ def _max_ms(m: re.Match) -> float:
 
 def parse_log(lines: Sequence[tuple[float, str]]) -> dict[str, Any]:
     """Everything the phases read from one run's log; ``lines`` are (seconds since start, text)."""
-    out: dict[str, Any] = {"iters": [], "saves": [], "load_ms": None, "loaded": [], "saved": [], "mload": [],
-                           "telemetry": [], "worker_errors": [], "errors": []}
+    out: dict[str, Any] = {"iters": [], "saves": [], "np_saves": [], "load_ms": None, "loaded": [], "saved": [],
+                           "mload": [], "telemetry": [], "worker_errors": [], "errors": []}
     for t, line in lines:
         if m := ITER_RE.search(line):
             out["iters"].append({"t": round(t, 2), "it": int(m.group(1)), "ms": float(m.group(2))})
@@ -137,6 +138,9 @@ def parse_log(lines: Sequence[tuple[float, str]]) -> dict[str, Any]:
             # The timer line comes right after save_checkpoint returned: the save started ms earlier.
             ms = _max_ms(m)
             out["saves"].append({"t": round(t, 2), "ms": ms, "start_t": round(t - ms / 1000, 2)})
+        elif m := NP_SAVE_RE.search(line):
+            ms = _max_ms(m)
+            out["np_saves"].append({"t": round(t, 2), "ms": ms, "start_t": round(t - ms / 1000, 2)})
         elif m := LOAD_RE.search(line):
             out["load_ms"] = _max_ms(m)
         elif m := LOADED_RE.search(line):
@@ -888,6 +892,123 @@ def phase_kill(b: Bench) -> tuple[dict, str]:
     return out, table
 
 
+# -------------------------------------------------------------------------------------------- memory
+
+
+class JobKiller:
+    """SIGKILL the whole job (torchrun and its trainers) once iteration ``at``'s save is finalized."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.info: dict[str, Any] = {"killed": False}
+
+    def __call__(self, t: float, line: str, proc: subprocess.Popen, ctl: dict[str, Any]) -> None:
+        m = SAVED_RE.search(line)
+        if m and int(m.group(1)) == self.at and not self.info["killed"]:
+            self.info.update(killed=True, kill_t=round(t, 2))
+            logger.info("memory: SIGKILL to the job's process group at %.1f s (iteration %d finalized)", t, self.at)
+            _kill_group(proc)
+
+
+def memory_tier_config(base: str, dest: Path, ram: Path, slots: int) -> Path:
+    """``base`` YAML with ``megatron: {memory_tier: true}`` and a ``memory:`` section, written to ``dest``."""
+    import yaml
+
+    data = yaml.safe_load(Path(base).read_text()) or {}
+    data.setdefault("megatron", {})["memory_tier"] = True
+    data.setdefault("memory", {}).update(root=str(ram), slots=slots)
+    dest.write_text(yaml.safe_dump(data, sort_keys=False))
+    return dest
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 1) if xs else None
+
+
+def summarize_memory(r: dict[str, Any], interval: int) -> dict[str, Any]:
+    """Save timers, and iteration times alone vs while a persistent save's write runs."""
+    saved_t = {x["it"]: x["t"] for x in r["saved"]}
+    windows = []  # (start, end) of each persistent save: the timer line to its "successfully saved" line
+    for sv in r["saves"]:
+        its = [x["it"] for x in r["iters"] if x["t"] <= sv["t"]]
+        it = max(its, default=0)
+        if it in saved_t:
+            windows.append((sv["t"], saved_t[it]))
+    during = [x["ms"] for x in r["iters"] if any(a < x["t"] <= b for a, b in windows)]
+    alone = [x["ms"] for x in r["iters"] if x["it"] > 5 and not any(a < x["t"] <= b for a, b in windows)
+             and (x["it"] - 1) % interval != 0]  # nor the iteration right after a save
+    med = _median
+    return {"run": r["name"], "rc": r["rc"], "save_ms": [round(x["ms"]) for x in r["saves"]],
+            "np_save_ms": [round(x["ms"]) for x in r["np_saves"]],
+            "np_save_warm_median_ms": med([x["ms"] for x in r["np_saves"][1:]]),
+            "iter_ms_alone": med(alone), "iter_ms_during_persist": med(during), "n_during": len(during),
+            "during_over_alone": round(med(during) / med(alone), 3) if during and alone else None,
+            "persist_windows_s": [round(b - a, 2) for a, b in windows], "saved_iters": sorted(saved_t),
+            "wall_s": r.get("wall_s")}
+
+
+def phase_memory(b: Bench) -> tuple[dict, str]:
+    """Memory saves every --memory-interval iterations, durable every --memory-durable, with and without the
+    memory tier; the tier's run is SIGKILLed (whole job) after --memory-kill-at and relaunched from memory."""
+    a = b.args
+    root = b.root / "memory"
+    ram = Path(a.memory_ram)
+    b.clean(root)
+    shutil.rmtree(ram, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_mlm_"))
+    cfg_on = memory_tier_config(a.config, tmp / "memory_on.yaml", ram, a.memory_slots)
+    extra = ["--save-interval", str(a.memory_durable), "--non-persistent-save-interval", str(a.memory_interval),
+             "--non-persistent-ckpt-type", "global", "--eval-interval", str(10 * a.memory_iters), *ASYNC]
+    train = ["--train-iters", str(a.memory_iters), *extra]
+    out: dict[str, Any] = {}
+    off = b.run("memory-off", b.argv("cpuckpt", "memory", [*train, "--save", str(root / "off")]))
+    b.clean(root / "off")
+    killer = JobKiller(a.memory_kill_at)
+    on = b.run("memory-on", b.argv("cpuckpt", "memory", [*train, "--save", str(root / "on")], config=str(cfg_on)),
+               on_line=None if a.dry_run else killer)
+    np_dir = root / "on" / "non_persistent"
+    out["after_kill"] = {"killed": killer.info, "save_tracker": _tracker(root / "on"), "np_tracker": _tracker(np_dir),
+                         "links": {p.name: os.path.realpath(p) for p in np_dir.glob("iter_*") if p.is_symlink()}
+                         if np_dir.is_dir() else {}}
+    newest = np_dir / f"iter_{int(out['after_kill']['np_tracker'] or 0):07d}"
+    if not a.dry_run and newest.exists():  # every byte as the save wrote it (its crc32c), before the relaunch
+        v = subprocess.run([sys.executable, "-m", "cpuckpt", "verify", str(newest)], capture_output=True, text=True,
+                           env=b.env, timeout=300)
+        out["verify"] = {"rc": v.returncode, "out": (v.stdout + v.stderr)[-600:]}
+    b.drop_caches()  # the relaunch reads the RAM root; the durable files are not in the page cache
+    relaunch = b.run("memory-relaunch", b.argv("cpuckpt", "memory", [
+        "--train-iters", str(a.memory_iters), *extra, "--save", str(root / "on"), "--load", str(root / "on"),
+        "--exit-on-missing-checkpoint"], config=str(cfg_on)))
+    out["after_relaunch"] = {"ram_root_left": sorted(str(p) for p in ram.rglob("*"))[:10] if ram.exists() else [],
+                             "save_tracker": _tracker(root / "on")}
+    b.clean(root)
+    shutil.rmtree(ram, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    rows = []
+    for r in (off, on):
+        s = summarize_memory(r, a.memory_interval)
+        out[r["name"]] = {"summary": s, "raw": r}
+        rows.append([s["run"], s["rc"], s["np_save_ms"], s["np_save_warm_median_ms"], s["save_ms"],
+                     s["iter_ms_alone"], s["iter_ms_during_persist"], s["during_over_alone"], s["persist_windows_s"]])
+    ml = relaunch.get("mload") or []
+    out["memory-relaunch"] = {"raw": relaunch, "loaded": relaunch.get("loaded"),
+                              "load_checkpoint_s": relaunch["load_ms"] / 1000 if relaunch.get("load_ms") else None,
+                              "cpuckpt_load_s": round(sum(x["load_s"] for x in ml), 3) if ml else None,
+                              "nbytes": sum(x["nbytes"] for x in ml) if ml else None}
+    rl = out["memory-relaunch"]
+    table = format_table(
+        ["run", "rc", "save-checkpoint-non-persistent ms", "warm median", "save-checkpoint ms", "iter ms alone",
+         "iter ms during persist", "ratio", "persist windows s"], rows,
+        title=f"memory: saves every {a.memory_interval} iterations, durable every {a.memory_durable}, "
+              f"model {b.model('memory')}, memory-on SIGKILLed after iteration {a.memory_kill_at}",
+        footnotes=[f"after the kill: {out['after_kill']}", f"verify of the newest memory checkpoint: "
+                   f"{out.get('verify')}",
+                   f"relaunch: rc {relaunch['rc']}, load-checkpoint {rl['load_checkpoint_s']} s, cpuckpt's share "
+                   f"{rl['cpuckpt_load_s']} s for {rl['nbytes']} bytes; {rl['loaded']}",
+                   f"after the relaunch's normal exit: {out['after_relaunch']}"])
+    return out, table
+
+
 def megatron_versions(b: Bench) -> dict[str, Any]:
     """Where the runs find megatron.core, megatron.training and cpuckpt (the checkout is first on PYTHONPATH,
     and ``megatron`` is a namespace package, so its ``megatron.core`` may win over the wheel's); no imports."""
@@ -1098,6 +1219,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--kill-grace", type=float, default=100.0,
                    help="seconds after the kill before a still-running trainer is reported as HANG and killed "
                         "(above the adapter's megatron.heartbeat_timeout_s, 60 s in configs/megatron.yaml)")
+    g = ap.add_argument_group("memory phase")
+    g.add_argument("--memory-iters", type=int, default=100)
+    g.add_argument("--memory-interval", type=int, default=8, help="--non-persistent-save-interval")
+    g.add_argument("--memory-durable", type=int, default=64, help="--save-interval")
+    g.add_argument("--memory-kill-at", type=int, default=88, help="SIGKILL the job once this save is finalized")
+    g.add_argument("--memory-slots", type=int, default=3)
+    g.add_argument("--memory-ram", default="/dev/shm/cpuckpt-bench-mlm-ram", help="the memory tier's RAM root")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.self_test:
@@ -1116,7 +1244,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         b.results["megatron"] = megatron_versions(b)
         logger.info("the runs import: %s", b.results["megatron"])
-    fns = {"save": phase_save, "load": phase_load, "reuse": phase_reuse, "kill": phase_kill}
+    fns = {"save": phase_save, "load": phase_load, "reuse": phase_reuse, "kill": phase_kill, "memory": phase_memory}
     tables: list[str] = []
     failed = False
     try:
