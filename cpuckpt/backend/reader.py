@@ -12,6 +12,14 @@ tensor. A destination that cannot take raw bytes (another dtype, a non-contiguou
 resharded load, a GPU tensor) is filled through a bounce buffer and copied on the caller's thread.
 Stock DCP checkpoints (no manifest) are read record by record: a plain tensor record is viewed in
 place, anything else goes through ``torch.load(weights_only=True)``.
+
+Files in a RAM filesystem (the memory tier's root) are mapped, not read (``backend.ramread``): chunks
+are checksummed and copied straight from the mapping. For GPU targets, ``h2d`` picks how: ``bounce``
+reads them like disk files (pread into the pinned pool, then H2D), ``register`` pins each chunk of
+the mapping while it is copied.
+
+Two ways in: DCP's ``read_data(plan, planner)``, and :meth:`StorageReader.read_whole`, the load fast
+path's (``backend.fastload``): whole saved tensors by name, no ``ReadItem`` and no planner.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -40,13 +48,14 @@ from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageRea
 from torch.futures import Future
 
 from cpuckpt.backend.committed import load_metadata, read_manifest, same_save, size_mismatch
+from cpuckpt.backend.ramread import H2D_MODES, MappedFile, in_ram
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import CheckpointCorrupt, CpuckptError
+from cpuckpt.errors import CheckpointCorrupt, ConfigError, CpuckptError
 from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
 from cpuckpt.transfer.images import ImageFile
-from cpuckpt.transfer.staging import DeviceCopier, Slot, flat_bytes, get_pool
+from cpuckpt.transfer.staging import DeviceCopier, flat_bytes, get_pool
 from cpuckpt.transfer.threads import run_parallel
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -55,19 +64,20 @@ __all__ = ["ReadStats", "StorageReader"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Need:
-    """One ReadItem's bytes: file range ``[lo, hi)`` and where they go."""
+    """One item's bytes: file range ``[lo, hi)`` and where they go (no ``target``: a bytes item)."""
 
-    ri: ReadItem
+    ri: ReadItem | None  # None on the fast path (``read_whole``)
     lo: int
     hi: int
-    dst: torch.Tensor | None = None  # raw-byte destination (CPU uint8 view of the target)
+    dst: torch.Tensor | None = None  # raw-byte destination (uint8 view of the target's memory)
     bounce: torch.Tensor | None = None  # host staging when the target cannot take raw bytes
     target: torch.Tensor | None = None
     dtype: torch.dtype | None = None
     src_shape: tuple[int, ...] = ()  # shape of the bytes in [lo, hi) (whole chunk or contiguous rectangle)
     narrowed: bool = False  # bounce holds the whole saved chunk and must be narrowed
+    name: str = ""  # the fast path's state-dict key
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -76,7 +86,7 @@ class _Need:
 
 @dataclass
 class ReadStats:
-    """Where one ``read_data`` went: telemetry and the benchmarks split a load's read time with it."""
+    """Where one read went: telemetry and the benchmarks split a load's read time with it."""
 
     plan_s: float = 0.0  # matching read items to file ranges and destinations
     io_s: float = 0.0  # the parallel reads (checksums and host-to-device copies of chunks included)
@@ -85,6 +95,10 @@ class ReadStats:
     files: int = 0
     jobs: int = 0
     bounce_nbytes: int = 0  # bytes that went through a bounce buffer (dtype change, resharded rectangle)
+    items: int = 0
+    fast_path: bool = False  # read by ``read_whole`` (no DCP planning)
+    mapped_files: int = 0  # files copied from a mapping (RAM filesystem or this process's images), not read
+    registered_nbytes: int = 0  # bytes of RAM files pinned for host-to-device copies (``h2d="register"``)
 
 
 @dataclass
@@ -92,6 +106,28 @@ class _FilePlan:
     path: str
     entry: FileEntry | None
     needs: list[_Need] = field(default_factory=list)
+
+
+class _Files:
+    """The files of one read: each relative path checked once, each manifest's records indexed once."""
+
+    def __init__(self, root: Path, manifest: Manifest | None) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.plans: dict[str, _FilePlan] = {}
+        self._seen: dict[str, tuple[_FilePlan, dict[int, int] | None]] = {}
+
+    def get(self, relative_path: str) -> tuple[_FilePlan, dict[int, int] | None]:
+        """The plan of a ``.metadata`` data path and its records (record offset -> data offset), None: stock."""
+        hit = self._seen.get(relative_path)
+        if hit is None:
+            rel = _safe_relpath(self.root, relative_path)
+            entry = self.manifest.files.get(rel) if self.manifest else None
+            fp = self.plans.get(rel)
+            if fp is None:
+                fp = self.plans[rel] = _FilePlan(str(self.root / rel), entry)
+            hit = self._seen[relative_path] = (fp, dict(map(tuple, entry.records)) if entry is not None else None)
+        return hit
 
 
 class StorageReader(_DcpStorageReader):
@@ -103,13 +139,18 @@ class StorageReader(_DcpStorageReader):
         images: the memory tier's mapped images of this checkpoint's files (by file name), when this
             process holds them: their bytes are copied to the targets straight from the (pinned)
             mapping, with no read and no pool.
+        h2d: how files in a RAM filesystem reach GPU targets: ``"bounce"`` (pread into the pinned
+            pool, then copy) or ``"register"`` (pin each chunk of the file's mapping while it is copied).
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
-                 *, images: Mapping[str, ImageFile] | None = None) -> None:
+                 *, images: Mapping[str, ImageFile] | None = None, h2d: str = "bounce") -> None:
         super().__init__()
+        if h2d not in H2D_MODES:
+            raise ConfigError(f"StorageReader h2d must be one of {', '.join(H2D_MODES)}, got {h2d!r}")
         self.path = Path(path)
         self.images = dict(images or {})  # file name -> this process's live, mapped (pinned) image of it
+        self.h2d = h2d
         self.config = resolve_config(config)
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, Any] = {}
@@ -168,70 +209,142 @@ class StorageReader(_DcpStorageReader):
     # -- reading --------------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         with nvtx_range("cpuckpt.load"):
-            return self._read_data(plan, planner)
+            t0 = time.perf_counter()
+            plans = self._plan_files(plan, planner)
+            stats = self._read(plans, t0, len(plan.items))
+            t2 = time.perf_counter()
+            for fp in plans.values():
+                for need in fp.needs:
+                    stats.bounce_nbytes += _finish_need(need, planner)
+            self._account(stats, t0, t2)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
 
-    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        t0 = time.perf_counter()
-        cfg = self.config
-        plans = self._plan_files(plan, planner)
-        stats = ReadStats(files=len(plans), plan_s=time.perf_counter() - t0)
+    def read_whole(self, tensors: Sequence[tuple[str, torch.Tensor]], blobs: Sequence[str]) -> dict[str, bytes]:
+        """Fill whole saved tensors into their targets and return the bytes of bytes items: the load fast path.
+
+        ``backend.fastload`` calls it instead of DCP's planning and ``read_data``, after
+        ``set_up_storage_reader``, having checked against ``.metadata`` that every name in ``tensors``
+        (state-dict key, target) was saved as one chunk at offset zero of the target's shape, and that
+        every name in ``blobs`` is a bytes item. Reads, checks and copies are ``read_data``'s.
+
+        Returns:
+            name -> the saved bytes of each of ``blobs`` (for ``torch.load``).
+
+        Raises:
+            CheckpointCorrupt: ``.metadata`` has no single storage entry for a name, or a file is
+                missing, truncated or fails its checksum.
+        """
+        with nvtx_range("cpuckpt.load"):
+            t0 = time.perf_counter()
+            plans = self._plan_whole(tensors, blobs)
+            stats = self._read(plans, t0, len(tensors) + len(blobs))
+            stats.fast_path = True
+            t2 = time.perf_counter()
+            out: dict[str, bytes] = {}
+            for fp in plans.values():
+                for need in fp.needs:
+                    if need.target is None:
+                        out[need.name] = need.bounce.numpy().tobytes()  # type: ignore[union-attr]
+                    else:
+                        stats.bounce_nbytes += _copy_bounce(need)
+            self._account(stats, t0, t2)
+        return out
+
+    def _read(self, plans: dict[str, _FilePlan], t0: float, items: int) -> ReadStats:
+        stats = ReadStats(files=len(plans), plan_s=time.perf_counter() - t0, items=items)
         t1 = time.perf_counter()
+        cfg = self.config
         with contextlib.ExitStack() as opened:
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
-            jobs = _read_jobs(plans, planner, cfg, opened, self.images)
+            jobs, sources = _read_jobs(plans, cfg, opened, self.images, self.h2d)
             stats.jobs = len(jobs)
             stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
                                             name="cpuckpt-read"))
-        t2 = time.perf_counter()
-        stats.io_s = t2 - t1
-        for fp in plans.values():
-            for need in fp.needs:
-                stats.bounce_nbytes += _finish_need(need, planner)
+            stats.mapped_files = len(sources)
+            stats.registered_nbytes = sum(getattr(s, "registered_nbytes", 0) for s in sources)
+        stats.io_s = time.perf_counter() - t1
+        return stats
+
+    def _account(self, stats: ReadStats, t0: float, t2: float) -> None:
         stats.finish_s = time.perf_counter() - t2
         self.last_stats = stats
         self.last_read_s = time.perf_counter() - t0
         self.last_read_nbytes = stats.nbytes
-        logger.info("cpuckpt load %s: %d items, %d bytes in %.3f s (%.2f GB/s; plan %.3f s, reads %.3f s, "
-                    "copies into targets %.3f s for %d bytes)", self.load_id[:8], len(plan.items), stats.nbytes,
-                    self.last_read_s, stats.nbytes / max(self.last_read_s, 1e-9) / 1e9, stats.plan_s,
-                    stats.io_s, stats.finish_s, stats.bounce_nbytes)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
+        logger.info("cpuckpt load %s: %d items%s, %d bytes in %.3f s (%.2f GB/s; plan %.3f s, reads %.3f s, "
+                    "copies into targets %.3f s for %d bytes)", self.load_id[:8], stats.items,
+                    " (fast path)" if stats.fast_path else "", stats.nbytes, self.last_read_s,
+                    stats.nbytes / max(self.last_read_s, 1e-9) / 1e9, stats.plan_s, stats.io_s, stats.finish_s,
+                    stats.bounce_nbytes)
 
     def _plan_files(self, plan: LoadPlan, planner: LoadPlanner) -> dict[str, _FilePlan]:
         if self.metadata is None:
             raise RuntimeError("read_data() before set_up_storage_reader(): not called through DCP")
         chunk_shapes = _chunk_shapes(self.metadata)
-        records = {n: dict(map(tuple, e.records)) for n, e in (self.manifest.files if self.manifest else {}).items()}
-        plans: dict[str, _FilePlan] = {}
+        files = _Files(self.path, self.manifest)
+        storage_data = self.storage_data
         for ri in plan.items:
-            sinfo = self.storage_data.get(ri.storage_index)
+            sinfo = storage_data.get(ri.storage_index)
             if sinfo is None:
                 raise CheckpointCorrupt(f"{self.path}: .metadata has no storage entry for {ri.storage_index}")
-            if getattr(sinfo, "transform_descriptors", None):
-                raise CpuckptError(
-                    f"{self.path}: {sinfo.relative_path} uses stream transforms {sinfo.transform_descriptors}; "
-                    "cpuckpt does not read those, load it with torch's FileSystemReader"
-                )
-            rel = _safe_relpath(self.path, sinfo.relative_path)
-            entry = self.manifest.files.get(rel) if self.manifest else None
-            fp = plans.setdefault(rel, _FilePlan(str(self.path / rel), entry))
-            lo, hi = int(sinfo.offset), int(sinfo.offset) + int(sinfo.length)
+            _check_plain(self.path, sinfo)
+            fp, records = files.get(sinfo.relative_path)
+            lo = int(sinfo.offset)
+            hi = lo + int(sinfo.length)
             if ri.type == LoadItemType.BYTE_IO:
                 fp.needs.append(_Need(ri, lo, hi, bounce=torch.empty(hi - lo, dtype=torch.uint8)))
                 continue
             dtype, shape = chunk_shapes[(ri.storage_index.fqn, tuple(ri.storage_index.offset or ()))]
             target = planner.resolve_tensor(ri).detach()
-            if entry is None:
+            if records is None:
                 fp.needs.append(_Need(ri, lo, hi, target=target, dtype=dtype, src_shape=shape))
                 continue
-            data_rel = records[rel].get(lo)
+            data_rel = records.get(lo)
             if data_rel is None:
                 raise CheckpointCorrupt(f"{fp.path}: manifest lists no tensor record at offset {lo}")
             fp.needs.append(_tensor_need(ri, lo + data_rel, dtype, shape, target, fp.path, hi))
-        return plans
+        return files.plans
+
+    def _plan_whole(self, tensors: Sequence[tuple[str, torch.Tensor]], blobs: Sequence[str]) -> dict[str, _FilePlan]:
+        if self.metadata is None:
+            raise RuntimeError("read_whole() before set_up_storage_reader()")
+        # name -> its one storage entry (None: more than one, or not at offset zero)
+        entries: dict[str, Any] = {}
+        for index, sinfo in self.storage_data.items():
+            whole = not index.offset or not any(index.offset)
+            entries[index.fqn] = sinfo if whole and index.fqn not in entries else None
+        md = self.metadata.state_dict_metadata
+        files = _Files(self.path, self.manifest)
+        for name, target in tensors:
+            sinfo = entries.get(name)
+            if sinfo is None:
+                raise CheckpointCorrupt(f"{self.path}: .metadata has no single whole-tensor storage entry for {name!r}")
+            _check_plain(self.path, sinfo)
+            fp, records = files.get(sinfo.relative_path)
+            lo = int(sinfo.offset)
+            hi = lo + int(sinfo.length)
+            tmd = md[name]
+            dtype, shape = tmd.properties.dtype, tuple(tmd.size)
+            if records is None:
+                target = target.detach()
+                fp.needs.append(_Need(None, lo, hi, target=target, dtype=dtype, src_shape=shape, name=name))
+                continue
+            data_rel = records.get(lo)
+            if data_rel is None:
+                raise CheckpointCorrupt(f"{fp.path}: manifest lists no tensor record at offset {lo}")
+            fp.needs.append(_tensor_need(None, lo + data_rel, dtype, shape, target, fp.path, hi, name))
+        for name in blobs:
+            sinfo = entries.get(name)
+            if sinfo is None:
+                raise CheckpointCorrupt(f"{self.path}: .metadata has no storage entry for {name!r}")
+            _check_plain(self.path, sinfo)
+            fp, _ = files.get(sinfo.relative_path)
+            lo = int(sinfo.offset)
+            hi = lo + int(sinfo.length)
+            fp.needs.append(_Need(None, lo, hi, bounce=torch.empty(hi - lo, dtype=torch.uint8), name=name))
+        return files.plans
 
 
 def _chunk_shapes(md: Metadata) -> dict[tuple[str, tuple[int, ...]], tuple[torch.dtype, tuple[int, ...]]]:
@@ -243,6 +356,14 @@ def _chunk_shapes(md: Metadata) -> dict[tuple[str, tuple[int, ...]], tuple[torch
     return out
 
 
+def _check_plain(root: Path, sinfo: Any) -> None:
+    if getattr(sinfo, "transform_descriptors", None):
+        raise CpuckptError(
+            f"{root}: {sinfo.relative_path} uses stream transforms {sinfo.transform_descriptors}; "
+            "cpuckpt does not read those, load it with torch's FileSystemReader"
+        )
+
+
 def _safe_relpath(root: Path, rel: str) -> str:
     p = PurePosixPath(rel)
     if p.is_absolute() or ".." in p.parts or not p.parts:
@@ -250,14 +371,18 @@ def _safe_relpath(root: Path, rel: str) -> str:
     return str(p)
 
 
-def _tensor_need(ri: ReadItem, data_lo: int, dtype: torch.dtype, shape: tuple[int, ...], target: torch.Tensor,
-                 path: str, record_hi: int) -> _Need:
+def _tensor_need(ri: ReadItem | None, data_lo: int, dtype: torch.dtype, shape: tuple[int, ...],
+                 target: torch.Tensor, path: str, record_hi: int, name: str = "") -> _Need:
+    """The bytes of a tensor record's data that ``ri`` asks for (None: all of them) and where they go."""
     itemsize = dtype.itemsize
     numel = math.prod(shape)
     if data_lo + numel * itemsize > record_hi:
         raise CheckpointCorrupt(f"{path}: tensor record at {data_lo} overruns its DCP length")
-    offsets, lengths = tuple(ri.storage_offsets), tuple(ri.lengths)
-    full = all(o == 0 for o in offsets) and lengths == shape
+    if ri is None:
+        full, lengths = True, shape
+    else:
+        offsets, lengths = tuple(ri.storage_offsets), tuple(ri.lengths)
+        full = lengths == shape and not any(offsets)
     if full:
         elem_off, contiguous = 0, True
     else:
@@ -268,15 +393,16 @@ def _tensor_need(ri: ReadItem, data_lo: int, dtype: torch.dtype, shape: tuple[in
     if contiguous:
         n_el = math.prod(lengths)
         lo, hi = data_lo + elem_off * itemsize, data_lo + (elem_off + n_el) * itemsize
-        need = _Need(ri, lo, hi, target=target, dtype=dtype, src_shape=lengths)
-        if target.device.type in ("cpu", "cuda") and target.dtype == dtype and target.is_contiguous():
-            need.dst = flat_bytes(target)
-        else:
-            need.bounce = torch.empty(hi - lo, dtype=torch.uint8)
-        return need
+        # A lazily conjugated/negated target would get its bytes written into a materialised copy.
+        if ((target.is_cuda or target.is_cpu) and target.dtype == dtype and target.is_contiguous()
+                and not target.is_conj() and not target.is_neg()):
+            return _Need(ri, lo, hi, dst=flat_bytes(target), target=target, dtype=dtype, src_shape=lengths,
+                         name=name)
+        return _Need(ri, lo, hi, bounce=torch.empty(hi - lo, dtype=torch.uint8), target=target.detach(),
+                     dtype=dtype, src_shape=lengths, name=name)
     hi = data_lo + numel * itemsize
-    return _Need(ri, data_lo, hi, target=target, dtype=dtype, src_shape=shape, narrowed=True,
-                 bounce=torch.empty(hi - data_lo, dtype=torch.uint8))
+    return _Need(ri, data_lo, hi, target=target.detach(), dtype=dtype, src_shape=shape, narrowed=True,
+                 bounce=torch.empty(hi - data_lo, dtype=torch.uint8), name=name)
 
 
 def _check_size(fp: _FilePlan) -> None:
@@ -286,26 +412,33 @@ def _check_size(fp: _FilePlan) -> None:
 
 
 ReadJob = Callable[[threading.Event], int]
+_Source = ImageFile | MappedFile  # a file's bytes already in (mapped) memory: copied from, never read
 
 
 def _run_job(job: ReadJob, cancel: threading.Event) -> int:
     return job(cancel)
 
 
-def _read_jobs(plans: dict[str, _FilePlan], planner: LoadPlanner, cfg: Config, opened: contextlib.ExitStack,
-               images: Mapping[str, ImageFile]) -> list[ReadJob]:
-    """The read jobs of every file (opened into ``opened``); each job returns the bytes it read."""
+def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.ExitStack,
+               images: Mapping[str, ImageFile], h2d: str) -> tuple[list[ReadJob], list[_Source]]:
+    """The read jobs of every file (opened into ``opened``; each job returns the bytes it read) and the
+    mapped sources they copy from instead of reading."""
     chunked = {}
-    mapped: dict[str, ImageFile] = {}
+    mapped: dict[str, _Source] = {}
     for rel, fp in plans.items():
         _check_size(fp)
+        if fp.entry is None or not fp.needs:
+            continue
+        to_gpu = any(n.dst is not None and n.dst.is_cuda for n in fp.needs)
         image = images.get(rel)
-        if fp.entry is not None and image is not None and image.nbytes == fp.entry.nbytes:
+        if image is not None and image.nbytes == fp.entry.nbytes:
             mapped[fp.path] = image
-        if fp.entry is not None:
-            mode = cfg.integrity.verify if fp.entry.checksum == "crc32c" and fp.entry.chunk_checksums else "off"
-            if mode != "off" or fp.path in mapped or any(n.dst is not None and n.dst.is_cuda for n in fp.needs):
-                chunked[fp.path] = {"always": 1.0, "sample": cfg.integrity.sample_fraction, "off": 0.0}[mode]
+        elif in_ram(fp.path) and (not to_gpu or h2d == "register"):
+            # Checked its size just above: the mapping never reaches past the file's end.
+            mapped[fp.path] = opened.enter_context(MappedFile(fp.path, fp.entry.nbytes))
+        mode = cfg.integrity.verify if fp.entry.checksum == "crc32c" and fp.entry.chunk_checksums else "off"
+        if mode != "off" or fp.path in mapped or to_gpu:
+            chunked[fp.path] = {"always": 1.0, "sample": cfg.integrity.sample_fraction, "off": 0.0}[mode]
     pool = copiers = None
     if chunked:
         copiers = _Copiers()
@@ -316,13 +449,14 @@ def _read_jobs(plans: dict[str, _FilePlan], planner: LoadPlanner, cfg: Config, o
     jobs: list[ReadJob] = []
     for fp in plans.values():
         if fp.entry is None:
-            jobs += _stock_jobs(fp, planner, cfg, opened)
+            jobs += _stock_jobs(fp, opened)
         elif fp.path in chunked:
+            source = mapped.get(fp.path)
             jobs += _chunk_jobs(fp, fp.entry, cfg, opened, pool, copiers, verify_fraction=chunked[fp.path],
-                                image=mapped.get(fp.path))
+                                source=source, register=isinstance(source, MappedFile) and h2d == "register")
         else:
             jobs += _range_jobs(fp, cfg, opened)
-    return jobs
+    return jobs, list(mapped.values())
 
 
 class _Copiers:
@@ -345,13 +479,38 @@ def _open(backend: FileBackend, path: str, opened: contextlib.ExitStack) -> int:
     return fd
 
 
+def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _Copiers) -> list[DeviceCopier]:
+    """Copy the bytes ``[lo, hi)`` of a file, held in ``src``, into every need overlapping them.
+
+    Returns the copiers that got host-to-device copies (the caller waits for them before ``src`` is reused).
+    """
+    used: list[DeviceCopier] = []
+    for need in needs:
+        buf = need.buffer
+        if need.lo >= lo and need.hi <= hi:  # the common case: the whole item is in this chunk
+            dst, part = buf, src[need.lo - lo : need.hi - lo]
+        else:
+            a, b = max(need.lo, lo), min(need.hi, hi)
+            dst, part = buf[a - need.lo : b - need.lo], src[a - lo : b - lo]
+        if dst.is_cuda:
+            h2d = copiers.get(dst.device)
+            h2d.copy(dst, part)
+            if h2d not in used:
+                used.append(h2d)
+        else:
+            dst.copy_(part)
+    return used
+
+
 def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib.ExitStack, pool: Any,
-                copiers: Any, *, verify_fraction: float, image: ImageFile | None = None) -> list[ReadJob]:
+                copiers: Any, *, verify_fraction: float, source: _Source | None = None,
+                register: bool = False) -> list[ReadJob]:
     """Whole chunks read into pool slots (aligned: O_DIRECT works), verified, scattered to destinations.
 
     GPU destinations get their bytes by host-to-device copies from the (pinned) slot on a side
-    stream; the slot is released once those copies completed. A file this process holds as a mapped
-    ``image`` is not read at all: each chunk's "slot" is its bytes of the mapping.
+    stream; the slot is released once those copies completed. A file held in memory (``source``: this
+    process's image, or a mapped file of a RAM filesystem) is not read at all: each chunk's "slot" is
+    its bytes of the mapping; with ``register`` a chunk with GPU destinations is pinned while it is copied.
     """
     cb = entry.chunk_bytes
     by_chunk: dict[int, list[_Need]] = defaultdict(list)
@@ -368,69 +527,87 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
     align = cfg.layout.align_bytes
     if backend.aligned and cb % align:
         backend = BufferedFileBackend()
-    fd = _open(backend, fp.path, opened) if image is None else -1
+    fd = _open(backend, fp.path, opened) if source is None else -1
 
     def read_chunk(c: int, cancel: threading.Event) -> int:
         lo, hi = c * cb, min((c + 1) * cb, entry.nbytes)
-        want = -(-(hi - lo) // align) * align if backend.aligned else hi - lo
-        slot = pool.lease(cfg.timeout_s) if image is None else \
-            Slot(-1, 0, image.tensor()[lo:hi], image.view()[lo:hi])
+        needs = by_chunk[c]
+        slot = None
+        pinned = False
+        if source is None:
+            want = -(-(hi - lo) // align) * align if backend.aligned else hi - lo
+            slot = pool.lease(cfg.timeout_s)
+            src, view = slot.tensor, slot.view
+        else:
+            src, view = source.tensor()[lo:hi], source.view()[lo:hi]
         try:
-            got = backend.pread_into(fd, slot.view[:want], lo, fp.path) if image is None else hi - lo
-            if got < hi - lo:
-                raise CheckpointCorrupt(f"{fp.path}: file ends at {lo + got}, expected {entry.nbytes} bytes")
+            if slot is not None:
+                got = backend.pread_into(fd, view[:want], lo, fp.path)
+                if got < hi - lo:
+                    raise CheckpointCorrupt(f"{fp.path}: file ends at {lo + got}, expected {entry.nbytes} bytes")
             # "sample" draws anew on every load, so repeated loads cover different chunks.
             draw = random.random()  # noqa: S311 - sampling, not security
             verify = verify_fraction >= 1.0 or draw < verify_fraction
-            crc = crc32c.crc32c(slot.view[: hi - lo]) if verify else None
+            crc = crc32c.crc32c(view[: hi - lo]) if verify else None
             if verify and (c >= len(entry.chunk_checksums) or crc != entry.chunk_checksums[c]):
                 stored = entry.chunk_checksums[c] if c < len(entry.chunk_checksums) else None
                 raise CheckpointCorrupt(
                     f"{fp.path}: checksum mismatch in bytes [{lo}, {hi}) (chunk {c}): "
                     f"stored {stored}, read {crc}; the file is damaged"
                 )
-            h2d = None
-            for need in by_chunk[c]:
-                a, b = max(need.lo, lo), min(need.hi, hi)
-                dst, src = need.buffer[a - need.lo : b - need.lo], slot.tensor[a - lo : b - lo]
-                if dst.is_cuda:
-                    h2d = copiers.get(dst.device)
-                    h2d.copy(dst, src)
-                else:
-                    dst.copy_(src)
-            if h2d is not None:
-                h2d.record().synchronize()  # the slot may be reused only after the copies ran
+            if register and any(n.dst is not None and n.dst.is_cuda for n in needs):
+                pinned = source.register(lo, hi)  # type: ignore[union-attr]
+            for h2d in _scatter(needs, lo, hi, src, copiers):
+                h2d.record().synchronize()  # the slot (or pinned range) may be reused only after the copies ran
             return hi - lo
         finally:
-            if image is None:
+            if pinned:
+                source.unregister(lo)  # type: ignore[union-attr]
+            if slot is not None:
                 pool.release(slot)
 
     return [functools.partial(read_chunk, c) for c in sorted(by_chunk)]
 
 
 def _range_jobs(fp: _FilePlan, cfg: Config, opened: contextlib.ExitStack) -> list[ReadJob]:
-    """Without verification: pread each needed range straight into its destination."""
+    """Without verification: pread each needed range straight into its destination.
+
+    Ranges are batched into jobs of about ``io.chunk_bytes``: one thread-pool task per small item
+    would cost more than its read.
+    """
     backend: FileBackend = BufferedFileBackend()
-    pieces = []
     step = cfg.io.chunk_bytes
+    batches: list[list[tuple[_Need, int, int]]] = []
+    batch: list[tuple[_Need, int, int]] = []
+    batch_nbytes = 0
     for need in fp.needs:
         for a in range(need.lo, need.hi, step):
-            pieces.append((need, a, min(a + step, need.hi)))
-    if not pieces:
+            b = min(a + step, need.hi)
+            batch.append((need, a, b))
+            batch_nbytes += b - a
+            if batch_nbytes >= step:
+                batches.append(batch)
+                batch, batch_nbytes = [], 0
+    if batch:
+        batches.append(batch)
+    if not batches:
         return []
     fd = _open(backend, fp.path, opened)
 
-    def read_piece(need: _Need, a: int, b: int, cancel: threading.Event) -> int:
-        view = memoryview(need.buffer[a - need.lo : b - need.lo].numpy())
-        got = backend.pread_into(fd, view, a, fp.path)
-        if got < b - a:
-            raise CheckpointCorrupt(f"{fp.path}: file ends at {a + got}, record needs bytes up to {b}")
-        return got
+    def read_pieces(pieces: list[tuple[_Need, int, int]], cancel: threading.Event) -> int:
+        total = 0
+        for need, a, b in pieces:
+            view = memoryview(need.buffer[a - need.lo : b - need.lo].numpy())
+            got = backend.pread_into(fd, view, a, fp.path)
+            if got < b - a:
+                raise CheckpointCorrupt(f"{fp.path}: file ends at {a + got}, record needs bytes up to {b}")
+            total += got
+        return total
 
-    return [functools.partial(read_piece, *piece) for piece in pieces]
+    return [functools.partial(read_pieces, batch) for batch in batches]
 
 
-def _stock_jobs(fp: _FilePlan, planner: LoadPlanner, cfg: Config, opened: contextlib.ExitStack) -> list[ReadJob]:
+def _stock_jobs(fp: _FilePlan, opened: contextlib.ExitStack) -> list[ReadJob]:
     """A stock DCP file: one record per item, viewed in place when it is a plain tensor record."""
     if not fp.needs:
         return []
@@ -442,12 +619,13 @@ def _stock_jobs(fp: _FilePlan, planner: LoadPlanner, cfg: Config, opened: contex
         got = backend.pread_into(fd, memoryview(buf), need.lo, fp.path)
         if got < len(buf):
             raise CheckpointCorrupt(f"{fp.path}: file ends at {need.lo + got}, record needs up to {need.hi}")
-        if need.ri.type == LoadItemType.BYTE_IO:
+        if need.target is None:
             need.bounce = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
             return got
         src = _tensor_from_record(buf, fp.path, need.lo)
-        src = _narrow(src, need.ri.storage_offsets, need.ri.lengths)
-        need.target.copy_(src)  # type: ignore[union-attr]
+        if need.ri is not None:
+            src = _narrow(src, need.ri.storage_offsets, need.ri.lengths)
+        need.target.copy_(src)
         return got
 
     return [functools.partial(read_record, need) for need in fp.needs]
@@ -476,23 +654,29 @@ def _narrow(t: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     return t
 
 
+def _copy_bounce(need: _Need) -> int:
+    """Caller's thread: copy a tensor need's bounce buffer into its target; returns the bytes copied."""
+    if need.bounce is None or need.dtype is None or need.target is None:
+        return 0
+    src = need.bounce.view(need.dtype).reshape(need.src_shape)
+    if need.narrowed and need.ri is not None:
+        src = _narrow(src, need.ri.storage_offsets, need.ri.lengths)
+    need.target.copy_(src.reshape(need.target.shape))
+    return need.bounce.numel()
+
+
 def _finish_need(need: _Need, planner: LoadPlanner) -> int:
     """Caller's thread: copy bounce buffers into targets, hand bytes and tensors back to DCP.
 
     Returns the bytes copied from a bounce buffer into a tensor target.
     """
+    if need.ri is None:
+        raise RuntimeError(f"read item {need.name!r} has no ReadItem to finish")
     if need.ri.type == LoadItemType.BYTE_IO:
         planner.load_bytes(need.ri, io.BytesIO(need.bounce.numpy().tobytes()))  # type: ignore[union-attr]
         return 0
-    target = need.target
-    if target is None:
+    if need.target is None:
         raise RuntimeError(f"tensor read item {need.ri.storage_index} has no destination")
-    if need.bounce is not None and need.dtype is not None:
-        src = need.bounce.view(need.dtype).reshape(need.src_shape)
-        if need.narrowed:
-            src = _narrow(src, need.ri.storage_offsets, need.ri.lengths)
-        target.copy_(src.reshape(target.shape))
-        planner.commit_tensor(need.ri, target)
-        return need.bounce.numel()
-    planner.commit_tensor(need.ri, target)
-    return 0
+    copied = _copy_bounce(need)
+    planner.commit_tensor(need.ri, need.target)
+    return copied
