@@ -16,6 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["Chunk", "FileLayout", "LayoutCache", "LayoutItem", "Placement", "Segment", "plan_files"]
 
@@ -80,6 +81,9 @@ class FileLayout:
     segments: list[Segment] = field(default_factory=list)
     chunks: list[Chunk] = field(default_factory=list)
     _starts: list[int] = field(default_factory=list, repr=False)
+    # chunk index -> a prepared batched copy of that chunk (transfer.fillplan.FillProgram), set by a
+    # save that repeats an earlier one; chunks without one are filled segment by segment
+    fill_programs: dict[int, Any] | None = field(default=None, repr=False)
 
     def segments_in(self, start: int, stop: int) -> Iterator[Segment]:
         """Segments overlapping ``[start, stop)``, in file order."""

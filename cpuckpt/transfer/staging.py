@@ -28,6 +28,7 @@ import torch
 
 from cpuckpt.errors import CheckpointTimeoutError, StagingError
 from cpuckpt.format.layout import Chunk, FileLayout
+from cpuckpt.transfer.fillplan import FillProgram
 
 __all__ = [
     "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "fill_chunk", "flat_bytes", "get_pool", "pool_state",
@@ -234,7 +235,11 @@ def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[t
     start, stop = chunk.offset, chunk.offset + chunk.nbytes
     buf, view = slot.tensor, slot.view
     cursor = start
+    program = _host_program(layout, chunk) if deferred is None else None
     try:
+        if program is not None:  # one batched copy of prepared pieces (transfer.fillplan)
+            program.fill(buf[: chunk.nbytes])
+            return
         for seg in layout.segments_in(start, stop):
             lo, hi = max(seg.file_offset, start), min(seg.file_offset + seg.nbytes, stop)
             if lo > cursor:
@@ -257,6 +262,14 @@ def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[t
         raise StagingError(f"copying bytes [{cursor}, {stop}) of file {chunk.file} into host memory failed: {e}") from e
 
 
+def _host_program(layout: FileLayout, chunk: Chunk) -> FillProgram | None:
+    programs = layout.fill_programs
+    if not programs:
+        return None
+    program = programs.get(chunk.index)
+    return program if program is not None and program.device is None else None
+
+
 class DeviceCopier:
     """Enqueues device-to-host chunk copies on a side stream ordered after the trainer's stream."""
 
@@ -269,9 +282,10 @@ class DeviceCopier:
 
     def protect(self, sources: Sequence[torch.Tensor | None]) -> None:
         """Keep the caching allocator from reusing source memory before our copies ran."""
+        stream = self.stream
         for s in sources:
-            if s is not None and s.device.type == "cuda":
-                s.record_stream(self.stream)
+            if s is not None and s.is_cuda:
+                s.record_stream(stream)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Enqueue ``dst.copy_(src)`` on the side stream (keeps device memory alive for the allocator)."""
@@ -288,7 +302,26 @@ class DeviceCopier:
         return event
 
     def fill(self, slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None]) -> Any:
-        """Fill ``slot`` asynchronously; returns the CUDA event that marks its completion."""
+        """Fill ``slot`` asynchronously; returns the CUDA event that marks its completion.
+
+        A chunk with a device program (``transfer.fillplan``) is gathered on the device into a scratch
+        buffer (allocated on the side stream, so the allocator reuses it only after this copy) and
+        copied to the host in one copy; a host program is copied at once; any other chunk is copied
+        segment by segment.
+        """
+        programs = layout.fill_programs
+        program = programs.get(chunk.index) if programs else None
+        if program is not None and program.device == self.device:
+            with torch.cuda.stream(self.stream):
+                scratch = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
+                program.fill(scratch)
+                slot.tensor[: chunk.nbytes].copy_(scratch, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return event
+        if program is not None and program.device is None:  # host bytes only: copied now
+            fill_chunk(slot, layout, chunk, sources)
+            return self.record()
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         fill_chunk(slot, layout, chunk, sources, deferred=pairs)
         with torch.cuda.stream(self.stream):

@@ -1,0 +1,104 @@
+"""Fill programs copy exactly the bytes ``fill_chunk`` copies segment by segment, over many random layouts.
+
+Random records (skeletons, tensor data of random lengths, non-tensor payloads, aligned and packed),
+random chunk sizes that cut records anywhere, some tensors copied afresh every save (placeholders),
+and payloads that change between saves of the same layout. Plain RNG, no hypothesis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from cpuckpt.format.layout import FileLayout, LayoutItem, plan_files
+from cpuckpt.transfer.fillplan import MIN_PIECES, RUN_BYTES, bind_programs, build_programs
+from cpuckpt.transfer.staging import Slot, fill_chunk
+
+N_CASES = 60
+
+
+def _case(rng: random.Random) -> tuple[list[LayoutItem], list[torch.Tensor | None], set[int], dict]:
+    items: list[LayoutItem] = []
+    sources: list[torch.Tensor | None] = []
+    payload_items: set[int] = set()
+    for i in range(rng.choice([1, 5, 30, 120])):
+        if rng.random() < 0.2:
+            n = rng.choice([1, 17, 300, 5000])
+            items.append(LayoutItem(data_nbytes=n, payload=rng.randbytes(n)))
+            sources.append(None)
+            payload_items.add(i)
+            continue
+        n = rng.choice([0, 1, 4, 48, 256, 1000, 3 * 4096 + 5, RUN_BYTES + 3])
+        head, tail = rng.randbytes(rng.choice([0, 64, 700])), rng.randbytes(rng.choice([0, 300, 825]))
+        items.append(LayoutItem(data_nbytes=n, head=head, tail=tail))
+        sources.append(torch.randint(0, 256, (n,), dtype=torch.uint8))
+    params = {"num_files": rng.choice([1, 2, 3]), "chunk_bytes": 512 * rng.choice([1, 3, 8, 64]),
+              "align_bytes": 512, "align_data_min_bytes": rng.choice([0, 1000, 4096])}
+    return items, sources, payload_items, params
+
+
+def _fill_all(files, sources) -> list[bytes]:
+    out = []
+    for layout in files:
+        for chunk in layout.chunks:
+            buf = torch.full((chunk.nbytes,), 0xAB, dtype=torch.uint8)  # no byte may be left as it was
+            fill_chunk(Slot(0, 1, buf, memoryview(buf.numpy())), layout, chunk, sources)
+            out.append(bytes(buf.numpy()))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(N_CASES))
+def test_programs_fill_the_same_bytes_as_segments(seed: int) -> None:
+    rng = random.Random(seed)
+    items, sources, payload_items, params = _case(rng)
+    files, _ = plan_files(items, **params)
+    expected = _fill_all(files, sources)  # segment by segment: no programs yet
+    dynamic = {i for i, s in enumerate(sources) if s is not None and rng.random() < 0.3}
+    build_programs(files, sources, dynamic=dynamic, payload_items=payload_items)
+    used = [p for f in files for p in (f.fill_programs or {}).values()]
+    assert all(len(p.pieces) >= MIN_PIECES and p.device is None for p in used)
+
+    # the next save: new bytes for the copied-afresh tensors and the payloads (same lengths), same layout
+    fresh = list(sources)
+    for i in dynamic:
+        fresh[i] = torch.randint(0, 256, sources[i].shape, dtype=torch.uint8)  # type: ignore[union-attr]
+    payloads = {i: torch.randint(0, 256, (items[i].data_nbytes,), dtype=torch.uint8) for i in payload_items}
+    new_items = [LayoutItem(data_nbytes=it.data_nbytes, payload=bytes(payloads[i].numpy()))
+                 if i in payload_items else it for i, it in enumerate(items)]
+    plain, _ = plan_files(new_items, **params)  # the same layout, bound to the new payloads
+    bound = bind_programs([_with_payload_segments(f, p) for f, p in zip(files, plain)], fresh, payloads)
+    assert _fill_all(bound, fresh) == _fill_all(plain, fresh)
+    if not dynamic and not payload_items:  # nothing to bind: the programs as built
+        assert _fill_all(files, sources) == expected
+
+
+def test_many_small_records_use_programs() -> None:
+    """The case programs exist for: one chunk of many small records (one skeleton piece between two tensors)."""
+    items = [LayoutItem(data_nbytes=256, head=b"H" * 300, tail=b"T" * 500) for _ in range(100)]
+    sources = [torch.randint(0, 256, (256,), dtype=torch.uint8) for _ in items]
+    files, _ = plan_files(items, num_files=1, chunk_bytes=1 << 20, align_bytes=512, align_data_min_bytes=0)
+    expected = _fill_all(files, sources)
+    build_programs(files, sources, dynamic=set(), payload_items=set())
+    program = files[0].fill_programs[0]  # type: ignore[index]
+    assert len(program.pieces) == 201 and len(program.runs) > 1
+    assert _fill_all(files, sources) == expected
+    sources[7].fill_(3)  # pieces are views: a later save copies the tensors' current bytes
+    assert _fill_all(files, sources) == _fill_all([dataclasses.replace(files[0], fill_programs=None)], sources)
+
+
+def _with_payload_segments(programmed: FileLayout, plain: FileLayout) -> FileLayout:
+    """``programmed``'s programs over ``plain``'s segments (what a reusing save binds)."""
+    return dataclasses.replace(plain, fill_programs=programmed.fill_programs)
+
+
+def test_unbound_program_refuses_to_fill() -> None:
+    items = [LayoutItem(data_nbytes=3, payload=b"abc")] + [LayoutItem(data_nbytes=4, head=b"h", tail=b"t")] * 9
+    sources = [None] + [torch.arange(4, dtype=torch.uint8)] * 9
+    files, _ = plan_files(items, num_files=1, chunk_bytes=4096, align_bytes=512, align_data_min_bytes=0)
+    build_programs(files, sources, dynamic=set(), payload_items={0})
+    program = files[0].fill_programs[0]  # type: ignore[index]
+    with pytest.raises(RuntimeError, match="bind_programs"):
+        program.fill(torch.empty(files[0].nbytes, dtype=torch.uint8))
