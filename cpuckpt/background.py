@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from cpuckpt.backend import inflight
 from cpuckpt.backend.collectives import checkpoint_group, dcp_save, new_gloo_group, resolve_stateful, run_dcp
 from cpuckpt.backend.commit import clear_commit
+from cpuckpt.backend.itemcache import CachedItems
 from cpuckpt.backend.telemetry import record_save
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.config import Config, resolve_config
@@ -56,6 +57,7 @@ class SaveStats:
     nbytes: int = 0
     mode: str = ""
     planned: str = "dcp"  # "reused" when the previous save's plan was reused
+    resolved: str = "planner"  # "cached" when the previous save's resolved items were reused (backend.itemcache)
 
 
 class _Staged:
@@ -133,6 +135,8 @@ class _Checkpointer:
             self.coordinator = dist.get_global_rank(self.commit_group, 0)
         self.in_flight: collections.deque[AsyncSaveHandle] = collections.deque()
         self.plan_cache: CachedPlan | None = None
+        self.items: CachedItems | None = None  # the last save's resolved items (plan_cache's save)
+        self.unfit: tuple | None = None  # a plan signature whose saves do not qualify for ``items``
         self.committer = new_executor(1, "cpuckpt-commit")  # one thread: commit collectives stay ordered
 
     def agree_to_reuse(self, cached: CachedPlan | None, writer: StorageWriter) -> bool:
@@ -267,7 +271,10 @@ def async_save(
     A plan is reused when every rank finds its (planner class, ``plan_key``, structure signature)
     unchanged since its previous ``async_save`` on this process group (``format.plancache``: paths,
     shapes, dtypes, shards' offsets and sizes, ...; never values), else DCP plans it.
-    ``handle.stats.planned`` says which: ``"reused"`` or ``"dcp"``.
+    ``handle.stats.planned`` says which: ``"reused"`` or ``"dcp"``. A reused plan whose tensors are
+    the previous save's (same storages, offsets, shapes, strides, dtypes; ``backend.itemcache``) also
+    skips the planner: one check per leaf, then the cached layout and batched fills
+    (``handle.stats.resolved == "cached"``); with DCP's default planner only.
 
     Raises:
         CpuckptError: planning failed, or an earlier save that had to be waited for failed.
@@ -293,18 +300,7 @@ def async_save(
     try:
         with gc_paused():
             state = resolve_stateful(state_dict)
-            signature = _plan_signature(state, planner, plan_key)
-            cached = ckpt.plan_cache if signature is not None and ckpt.plan_cache is not None \
-                and ckpt.plan_cache.signature == signature else None
-            if ckpt.agree_to_reuse(cached, writer):
-                handle.stats.planned = "reused"
-                writer.write_cached(state, cached, planner)  # type: ignore[arg-type]
-            else:
-                own = DefaultSavePlanner() if planner is None else planner
-                run_dcp(lambda: dcp_save(state, writer, planner=own, process_group=ckpt.plan_group), "async save", path)
-                if signature is not None and writer.last_plan is not None:
-                    md = writer._pending[0] if writer.is_coordinator and writer._pending else None
-                    ckpt.plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)
+            _plan(ckpt, writer, handle, state, planner, plan_key)
     except BaseException as e:
         if writer.job is not None:
             writer.job.cancel(e)
@@ -319,14 +315,61 @@ def async_save(
     return handle
 
 
-def _plan_signature(state: dict[str, Any], planner: Any, plan_key: Hashable | None) -> tuple | None:
-    """The plan cache's key: the planner's identity and settings, and the state dict's structure."""
-    if planner is None:
-        who: tuple = ("DefaultSavePlanner",)
-    elif plan_key is None:
-        return None  # an undeclared planner may plan from anything: DCP plans every save
+def _plan(ckpt: _Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, state: dict[str, Any],
+          planner: Any, plan_key: Hashable | None) -> None:
+    """Caller's thread: start the save from the cached items, the cached plan, or DCP's planning.
+
+    Every rank must agree before DCP planning is skipped (one all-reduce). The cheapest cache that
+    still fits is used: the resolved items (one check per leaf), else the plan (set-up and
+    ``resolve_data`` per item); a save through either of the slower paths refreshes the caches.
+    """
+    who = _planner_identity(planner, plan_key)
+    hit = ckpt.items.match(state, who) if who is not None and ckpt.items is not None else None
+    signature = None
+    if hit is not None:
+        cached: CachedPlan | None = ckpt.items.cached  # type: ignore[union-attr]
     else:
-        who = (type(planner).__module__, type(planner).__qualname__, plan_key)
+        signature = _plan_signature(state, who)
+        cached = ckpt.plan_cache if signature is not None and ckpt.plan_cache is not None \
+            and ckpt.plan_cache.signature == signature else None
+    own = DefaultSavePlanner() if planner is None else planner
+    if ckpt.agree_to_reuse(cached, writer):
+        handle.stats.planned = "reused"
+        if hit is not None:
+            handle.stats.resolved = "cached"
+            writer.write_items(ckpt.items, hit)  # type: ignore[arg-type]
+            return
+        writer.write_cached(state, cached, own)  # type: ignore[arg-type]
+    else:
+        run_dcp(lambda: dcp_save(state, writer, planner=own, process_group=ckpt.plan_group), "async save",
+                writer.path)
+        if signature is None and hit is not None:  # this rank's items fit, another rank's did not
+            signature = _plan_signature(state, who)
+        if signature is None or writer.last_plan is None:
+            ckpt.items = None
+            return
+        md = writer._pending[0] if writer.is_coordinator and writer._pending else None
+        ckpt.plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)
+    ckpt.items = None
+    if writer.last_written is not None and ckpt.plan_cache is not None and ckpt.unfit != ckpt.plan_cache.signature:
+        ckpt.items = CachedItems.build(who, ckpt.plan_cache, state, own, writer.last_written)
+        if ckpt.items is None:
+            ckpt.unfit = ckpt.plan_cache.signature  # the same structure will not fit either: do not try again
+
+
+def _planner_identity(planner: Any, plan_key: Hashable | None) -> tuple | None:
+    """The planner's identity and settings; None when its plans may not be reused."""
+    if planner is None:
+        return ("DefaultSavePlanner",)
+    if plan_key is None:
+        return None  # an undeclared planner may plan from anything: DCP plans every save
+    return (type(planner).__module__, type(planner).__qualname__, plan_key)
+
+
+def _plan_signature(state: dict[str, Any], who: tuple | None) -> tuple | None:
+    """The plan cache's key: the planner's identity and settings, and the state dict's structure."""
+    if who is None:
+        return None
     structure = structure_signature(state)
     return None if structure is None else (who, structure)
 

@@ -40,6 +40,7 @@ from torch.futures import Future
 
 from cpuckpt.backend.commit import clear_commit, commit_checkpoint
 from cpuckpt.backend.dcp_stager import PoolSnapshot, snapshot_state_dict
+from cpuckpt.backend.itemcache import CachedItems, ItemsHit, SaveLayout, WrittenItems
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import ConfigError, CpuckptError
 from cpuckpt.format.layout import LayoutCache, LayoutItem
@@ -63,8 +64,6 @@ except ImportError:  # pragma: no cover - older torch
     _DCP_VERSION = "1.0.0"
 
 
-
-
 # Saves of an unchanged structure (plan reuse) get their file layout from here, not planned again.
 _LAYOUTS = LayoutCache()
 
@@ -80,6 +79,7 @@ class _FilePrefix:
 class _ResolvedItems:
     layout_items: list[LayoutItem]
     sources: list[torch.Tensor | None]
+    objects: list[Any]
 
 
 class StorageWriter(_DcpStorageWriter):
@@ -121,6 +121,7 @@ class StorageWriter(_DcpStorageWriter):
         self._snapshot: PoolSnapshot | None = None
         self.last_plan: SavePlan | None = None  # the final local plan of the last write_data
         self.last_results: list[WriteResult] | None = None  # set when a cached plan was used
+        self.last_written: WrittenItems | None = None  # what the last write_data resolved and planned
 
     # -- DCP AsyncStager protocol: the dcp.async_save door ------------------------------------------
     _synchronize_after_execute: bool = False
@@ -198,27 +199,51 @@ class StorageWriter(_DcpStorageWriter):
         self.last_plan = plan
         self._prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _FilePrefix) else f"__{self.rank}_"
         resolved = _resolve_items(plan, planner)
+        layout = self._plan_layout(plan, resolved.layout_items)
+        self.last_written = WrittenItems(plan, resolved.objects, resolved.sources, resolved.layout_items, layout)
+        self._start(layout, resolved.sources, len(plan.items), t0)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(layout.results)
+        return fut
+
+    def _plan_layout(self, plan: SavePlan, layout_items: list[LayoutItem]) -> SaveLayout:
+        """This rank's files for ``layout_items`` (one per plan item): layout, records, write results."""
         cfg = self.config
         files, placements = _LAYOUTS.plan(
-            resolved.layout_items,
+            layout_items,
             num_files=cfg.io.files_per_rank,
             chunk_bytes=cfg.io.chunk_bytes,
             align_bytes=cfg.layout.align_bytes,
             align_data_min_bytes=cfg.layout.align_data_min_bytes,
         )
         names = [f"{self._prefix}{k}.distcp" for k in range(len(files))]
-        self._records = {name: [] for name in names}
+        records: dict[str, list[list[int]]] = {name: [] for name in names}
         for p in placements:
-            if resolved.layout_items[p.item].payload is None:
-                self._records[names[p.file]].append([p.record_offset, p.data_offset - p.record_offset])
+            if layout_items[p.item].payload is None:
+                records[names[p.file]].append([p.record_offset, p.data_offset - p.record_offset])
+        results = [
+            WriteResult(
+                index=wi.index,
+                size_in_bytes=p.record_nbytes,
+                storage_data=_StorageInfo(names[p.file], p.record_offset, p.record_nbytes),
+            )
+            for wi, p in zip(plan.items, placements)
+        ]
+        return SaveLayout(names, files, placements, records, results)
+
+    def _start(self, layout: SaveLayout, sources: list[torch.Tensor | None], nitems: int, t0: float) -> None:
+        """Start staging (and writing) ``layout``; in the synchronous mode, wait until written."""
+        cfg = self.config
+        names, files = layout.names, layout.files
+        self._records = layout.records
         image_nbytes = sum(f.nbytes for f in files)
         mode = choose_mode(cfg, image_nbytes, in_flight=self._in_flight) if self._deferred else "streaming"
         if self._deferred and self.rank == 0:
             logger.info("cpuckpt async save: %s mode (%d bytes on rank 0)", mode, image_nbytes)
         if self.images is not None:
-            self.job = ImageJob(self.path, names, files, resolved.sources, cfg, rank=self.rank, images=self.images)
+            self.job = ImageJob(self.path, names, files, sources, cfg, rank=self.rank, images=self.images)
         else:
-            self.job = SaveJob(self.path, names, files, resolved.sources, cfg, rank=self.rank, mode=mode,
+            self.job = SaveJob(self.path, names, files, sources, cfg, rank=self.rank, mode=mode,
                                in_flight=self._in_flight)
         try:
             self.job.start()
@@ -232,20 +257,9 @@ class StorageWriter(_DcpStorageWriter):
             self.last_write_nbytes = image_nbytes
             logger.info(
                 "cpuckpt save %s rank %d: %d items, %d bytes in %.3f s (%.2f GB/s), %d file(s)",
-                self.save_id[:8], self.rank, len(plan.items), image_nbytes, self.last_write_s,
+                self.save_id[:8], self.rank, nitems, image_nbytes, self.last_write_s,
                 image_nbytes / max(self.last_write_s, 1e-9) / 1e9, len(files),
             )
-        results = [
-            WriteResult(
-                index=wi.index,
-                size_in_bytes=p.record_nbytes,
-                storage_data=_StorageInfo(names[p.file], p.record_offset, p.record_nbytes),
-            )
-            for wi, p in zip(plan.items, placements)
-        ]
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
 
     def write_part(self, entries: list[FileEntry]) -> None:
         """Write this rank's manifest part (its files' sizes, checksums, record offsets); durable."""
@@ -287,8 +301,7 @@ class StorageWriter(_DcpStorageWriter):
         ``state_dict`` and asked to resolve each cached item (``resolve_data``), as DCP's ``write_data``
         would. The coordinator must already have made ``path`` incomplete (``clear_commit``).
         """
-        self.rank, self.is_coordinator = cached.rank, cached.is_coordinator
-        self.path.mkdir(parents=True, exist_ok=True)
+        self._adopt(cached)
         if planner is None:
             planner = DefaultSavePlanner()
         if "storage_meta" in inspect.signature(planner.set_up_planner).parameters:
@@ -297,6 +310,29 @@ class StorageWriter(_DcpStorageWriter):
         else:  # planners written before torch 2.4 (DCP calls them the same way)
             planner.set_up_planner(state_dict, cached.is_coordinator)  # type: ignore[call-arg]
         self.last_results = self.write_data(cached.plan, planner).value()
+
+    def write_items(self, items: CachedItems, hit: ItemsHit) -> None:
+        """Background mode: start a save whose items a previous save resolved (``backend.itemcache``).
+
+        No planner runs: ``hit`` holds this save's sources and non-tensor payloads, and the cached
+        layout is used as it is unless those payloads changed length. The coordinator must already have
+        made ``path`` incomplete (``clear_commit``).
+        """
+        t0 = time.perf_counter()
+        cached = items.cached
+        self._adopt(cached)
+        self.last_plan = cached.plan
+        storage = cached.plan.storage_data
+        self._prefix = storage.prefix if isinstance(storage, _FilePrefix) else f"__{self.rank}_"
+        layout = items.layout_for(hit)
+        if layout is None:  # a non-tensor value's pickle changed length: plan the files again
+            layout = items.adopt_for(self._plan_layout(cached.plan, items.layout_items(hit)), hit)
+        self._start(layout, hit.sources, len(cached.plan.items), t0)
+        self.last_results = layout.results
+
+    def _adopt(self, cached: CachedPlan) -> None:
+        """Take rank, role and (coordinator) metadata from a cached plan, as DCP's set-up would."""
+        self.rank, self.is_coordinator = cached.rank, cached.is_coordinator
         if cached.is_coordinator:
             self._pending = (reused_metadata(cached), None)
 
@@ -322,8 +358,10 @@ class StorageWriter(_DcpStorageWriter):
 def _resolve_items(plan: SavePlan, planner: SavePlanner) -> _ResolvedItems:
     layout_items: list[LayoutItem] = []
     sources: list[torch.Tensor | None] = []
+    objects: list[Any] = []
     for wi in plan.items:
         data = planner.resolve_data(wi)
+        objects.append(data)
         if wi.type == WriteItemType.BYTE_IO:
             buf = data.getbuffer()
             layout_items.append(LayoutItem(data_nbytes=len(buf), payload=buf))
@@ -333,4 +371,4 @@ def _resolve_items(plan: SavePlan, planner: SavePlanner) -> _ResolvedItems:
         tpl = record_template(t.dtype, tuple(t.shape))
         layout_items.append(LayoutItem(tpl.data_nbytes, tpl.head, tpl.tail))
         sources.append(flat_bytes(t))
-    return _ResolvedItems(layout_items, sources)
+    return _ResolvedItems(layout_items, sources, objects)

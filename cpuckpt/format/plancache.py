@@ -65,7 +65,8 @@ def _walk(obj: Any, path: tuple, out: list[tuple]) -> bool:
     if isinstance(obj, Mapping):  # DCP traverses any Mapping, not only dicts
         out.append((path, "M", len(obj)))
         for k, v in obj.items():
-            if not _walk(v, (*path, k), out):
+            # DCP names a value by str(key): 1 and True are equal keys of different names
+            if not _walk(v, (*path, k if type(k) is str else str(k)), out):
                 return False
         return True
     if isinstance(obj, list | tuple):

@@ -62,6 +62,14 @@ class _Stats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+def _cuda_device(sources: list[torch.Tensor | None]) -> torch.device | None:
+    """The device of the first CUDA source (``is_cuda`` is a few times cheaper than ``device.type``)."""
+    for s in sources:
+        if s is not None and s.is_cuda:
+            return s.device
+    return None
+
+
 class SaveJob:
     """Stages and writes one rank's files. Create, then ``start()`` from the thread that owns the tensors."""
 
@@ -119,11 +127,11 @@ class SaveJob:
             self._mark_staged()
         self._writers = shared_executor(cfg.io.threads, f"cpuckpt-io-{self.rank}")
         order = LeaseOrder()
-        gpu = [s for s in self.sources if s is not None and s.device.type == "cuda"]
+        device = _cuda_device(self.sources)
         try:
-            if gpu:
+            if device is not None:
                 with nvtx_range("cpuckpt.stage.d2h"):
-                    self._stage_on_device(order, gpu[0].device)
+                    self._stage_on_device(order, device)
             elif self._chunks:
                 self._fillers = shared_executor(cfg.io.threads, f"cpuckpt-stage-{self.rank}")
                 for ticket, chunk in enumerate(self._chunks):

@@ -1,0 +1,321 @@
+"""A rank's resolved save, reused when the next state dict repeats it: one check per item, no DCP.
+
+Plan reuse (``format.plancache``) skips DCP's planning, but a reused plan still resolves every item
+through the planner (set-up traversal, ``resolve_data``), builds a flat byte view per tensor, a
+record skeleton per item, a layout key and the write results: ~30 us per item on the trainer's
+thread. Training saves the same tensors again and again, usually through new wrapper objects
+(``module.state_dict()`` returns fresh ``detach()`` aliases of the same storages), so
+``CachedItems`` keeps, per write item, where its value sits in the state dict (a position in DCP's
+traversal order) and what it resolved to (the tensor's flat byte view), together with the layout,
+records, write results and the prepared batched fills (``transfer.fillplan``). A later save uses
+them after one walk of the state dict and one comparison per leaf:
+
+- the containers: each mapping's class, keys and key types, each traversed list's class and length,
+  and every leaf's class (DCP's traversal: mappings and lists holding tensors or mappings are
+  walked, other values are leaves written as pickled bytes);
+- a tensor this rank writes from a cached view: its storage (the same ``StorageImpl``, which the
+  cached view keeps alive, so no other tensor can own those addresses), storage offset, shape,
+  strides, dtype, ``requires_grad`` and pinning, plus the conjugate and negative bits of complex
+  tensors; the same storage at the same offset, shape and strides means the cached view reads
+  exactly the tensor's bytes;
+- any other tensor (written by another rank after deduplication, or copied anew every save because
+  it is not contiguous): shape, strides, dtype, device, ``requires_grad``, pinning.
+
+Non-tensor leaves are pickled afresh every save (``torch.save``, as DCP's planner does); when their
+lengths change the layout is planned again. Only plain tensors and DCP's ``DefaultSavePlanner``
+(methods not overridden) qualify; anything else (DTensors, sharded tensors, a planner with its own
+``resolve_data``) keeps the plan-reuse path. The cache holds views of the last save's tensors, as
+that save's handle does, until a save of another structure replaces it. Pure: no I/O, no collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from cpuckpt.format.layout import FileLayout, LayoutItem, Placement
+from cpuckpt.format.plancache import CachedPlan
+from cpuckpt.transfer.fillplan import bind_programs, build_programs
+from cpuckpt.transfer.staging import flat_bytes
+
+__all__ = ["CachedItems", "ItemsHit", "SaveLayout", "WrittenItems", "walk_state"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, bytes, type(None), tuple})
+_KEY_TYPES = frozenset({str, int, bool})  # equal keys of equal types have equal DCP names (str(key))
+_PLANNER_METHODS = ("set_up_planner", "resolve_data", "lookup_object", "transform_object")
+
+
+@dataclass(frozen=True)
+class SaveLayout:
+    """One rank's planned files of a save: what the writer needs to stage them and report them."""
+
+    names: list[str]
+    files: list[FileLayout]
+    placements: list[Placement]
+    records: dict[str, list[list[int]]]  # file name -> [record offset, data offset in record] per tensor
+    results: list[WriteResult]
+
+
+@dataclass(frozen=True)
+class WrittenItems:
+    """What the writer resolved for a save's plan: per item, the resolved object, its source, its layout item."""
+
+    plan: SavePlan
+    objects: list[Any]  # planner.resolve_data(item), before any conversion
+    sources: list[torch.Tensor | None]  # flat uint8 bytes of tensor items, None for byte items
+    layout_items: list[LayoutItem]
+    layout: SaveLayout
+
+
+@dataclass(frozen=True)
+class ItemsHit:
+    """A save that repeats the cached one: this save's sources and non-tensor payloads."""
+
+    sources: list[torch.Tensor | None]
+    payloads: dict[int, memoryview]  # item -> torch.save bytes of its value
+    payload_nbytes: tuple[int, ...]
+
+
+def walk_state(state: Mapping[Any, Any], leaves: list[Any], skeleton: list[Any],
+               paths: list[tuple] | None = None) -> bool:
+    """Collect the leaves and the container skeleton of ``state`` in DCP's traversal order.
+
+    ``paths`` (when given) receives each leaf's DCP object path (``str`` of mapping keys, list
+    indexes). Returns False when a mapping has keys of a type other than ``str``, ``int``, ``bool`` (two such
+    keys may be equal yet name different paths) and ``paths`` is given.
+    """
+    return _walk(state, (), leaves, skeleton, paths)
+
+
+def _walk(obj: Any, path: tuple, leaves: list[Any], skeleton: list[Any], paths: list[tuple] | None) -> bool:
+    if isinstance(obj, list):
+        skeleton.append((type(obj), len(obj)))
+        entries: Any = enumerate(obj)
+        is_list = True
+    else:
+        keys = tuple(obj)
+        types = tuple(map(type, keys))
+        skeleton.append((type(obj), keys, types))
+        if paths is not None and not _KEY_TYPES.issuperset(types):
+            return False
+        entries = obj.items()
+        is_list = False
+    for k, v in entries:
+        t = type(v)
+        if t not in _LEAF_TYPES and (isinstance(v, Mapping) or (isinstance(v, list) and not _terminal_list(v))):
+            sub = (*path, k if is_list else str(k)) if paths is not None else path
+            if not _walk(v, sub, leaves, skeleton, paths):
+                return False
+            continue
+        skeleton.append(t)
+        leaves.append(v)
+        if paths is not None:
+            paths.append((*path, k if is_list else str(k)))
+    return True
+
+
+def _terminal_list(values: list) -> bool:
+    """DCP writes a list as one pickled value unless it holds a tensor, a mapping or such a list."""
+    for v in values:
+        if isinstance(v, torch.Tensor | Mapping):
+            return False
+        if isinstance(v, list) and not _terminal_list(v):
+            return False
+    return True
+
+
+def _full_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t.requires_grad,
+            t.is_pinned())
+
+
+def _light_key(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_pinned())
+
+
+def _pickled(obj: Any) -> memoryview:
+    """The bytes DCP's ``DefaultSavePlanner.transform_object`` produces for a non-tensor value."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getbuffer()
+
+
+def default_planner_like(planner: Any) -> bool:
+    """The planner resolves items exactly as DCP's ``DefaultSavePlanner`` does."""
+    cls = type(planner)
+    return isinstance(planner, DefaultSavePlanner) and all(
+        getattr(cls, m) is getattr(DefaultSavePlanner, m) for m in _PLANNER_METHODS)
+
+
+class CachedItems:
+    """The resolved items, layout and fills of one rank's save; build with :meth:`build`."""
+
+    def __init__(self, who: Hashable, cached: CachedPlan, skeleton: list[Any], written: WrittenItems,
+                 static: list[tuple[int, int]], dynamic: list[tuple[int, int]], byte_items: list[tuple[int, int]],
+                 other_tensors: list[int], complex_items: list[int]) -> None:
+        self.who = who
+        self.cached = cached
+        self.skeleton = skeleton
+        self.plan = written.plan
+        self._static_pos = [p for _, p in static]
+        self._dynamic = dynamic  # (item, position): copied afresh every save (not contiguous)
+        self._byte_items = byte_items  # (item, position): pickled every save
+        self._light_pos = [p for _, p in dynamic] + other_tensors
+        self._complex_pos = complex_items
+        self._sources: list[torch.Tensor | None] = [None] * len(written.plan.items)
+        for item, _ in static:
+            self._sources[item] = written.sources[item]
+        byte_set = {item for item, _ in byte_items}
+        self._tensor_layout_items = [None if i in byte_set else li for i, li in enumerate(written.layout_items)]
+        self.hits = 0
+        self._static_keys: list[tuple] = []
+        self._light_keys: list[tuple] = []
+        self._complex_keys: list[tuple] = []
+        self._layout: SaveLayout | None = None
+        self._payload_nbytes: tuple[int, ...] = ()
+        self._where: list[tuple[int, int, int]] = []
+
+    @classmethod
+    def build(cls, who: Hashable, cached: CachedPlan, state: Mapping[str, Any], planner: Any,
+              written: WrittenItems) -> CachedItems | None:
+        """The cache of a save just started from ``state`` with ``planner`` (set up), or None if it does not qualify.
+
+        Args:
+            who: the planner's identity and settings (``async_save``'s plan key).
+            cached: the save's plan, as kept for plan reuse.
+            state: the state dict saved (Stateful objects resolved).
+            planner: the planner DCP (or the plan-reuse path) set up on ``state``.
+            written: what the writer resolved and planned for it.
+        """
+        if not default_planner_like(planner):
+            return None
+        leaves: list[Any] = []
+        skeleton: list[Any] = []
+        paths: list[tuple] = []
+        if not walk_state(state, leaves, skeleton, paths):
+            return None
+        where = {p: i for i, p in enumerate(paths)}
+        if len(where) != len(paths):
+            return None  # two leaves with one DCP path: DCP itself refuses such a state dict
+        mappings = getattr(planner, "mappings", None) if getattr(planner, "flatten_state_dict", False) else None
+        static: list[tuple[int, int]] = []
+        dynamic: list[tuple[int, int]] = []
+        byte_items: list[tuple[int, int]] = []
+        written_pos: set[int] = set()
+        for i, wi in enumerate(written.plan.items):
+            path = mappings.get(wi.index.fqn) if mappings is not None else (wi.index.fqn,)
+            pos = where.get(tuple(path)) if path is not None else None
+            if pos is None:
+                return None
+            leaf = leaves[pos]
+            if wi.type == WriteItemType.BYTE_IO:
+                if isinstance(leaf, torch.Tensor) or wi.index.offset is not None:
+                    return None
+                byte_items.append((i, pos))
+                continue
+            if wi.type != WriteItemType.TENSOR or type(leaf) not in _PLAIN or written.objects[i] is not leaf:
+                return None
+            src = written.sources[i]
+            if src is None:
+                return None
+            aliased = (leaf.is_contiguous() and not leaf.is_conj() and not leaf.is_neg()
+                       and (src.numel() == 0 or src.untyped_storage()._cdata == leaf.untyped_storage()._cdata))
+            (static if aliased else dynamic).append((i, pos))
+            written_pos.add(pos)
+        other_tensors = []
+        for pos, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                if type(leaf) not in _PLAIN:
+                    return None  # DTensor and other subclasses: the plan-reuse path
+                if pos not in written_pos:
+                    other_tensors.append(pos)
+        complex_items = [p for _, p in static if leaves[p].is_complex()]
+        items = cls(who, cached, skeleton, written, static, dynamic, byte_items, other_tensors, complex_items)
+        items._static_keys = [_full_key(leaves[p]) for p in items._static_pos]
+        items._light_keys = [_light_key(leaves[p]) for p in items._light_pos]
+        items._complex_keys = [(leaves[p].is_conj(), leaves[p].is_neg()) for p in complex_items]
+        items.adopt(written.layout, written.sources)
+        return items
+
+    def match(self, state: Mapping[str, Any], who: Hashable) -> ItemsHit | None:
+        """This save's sources and payloads if ``state`` repeats the cached save, else None."""
+        if who != self.who:
+            return None
+        leaves: list[Any] = []
+        skeleton: list[Any] = []
+        walk_state(state, leaves, skeleton)
+        if skeleton != self.skeleton:
+            return None
+        try:
+            # _full_key and _light_key, inlined: a function call per tensor is a third of the check
+            if [(t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t.requires_grad,
+                 t.is_pinned()) for t in map(leaves.__getitem__, self._static_pos)] != self._static_keys:
+                return None
+            if [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_pinned())
+                    for t in map(leaves.__getitem__, self._light_pos)] != self._light_keys:
+                return None
+            if [(leaves[p].is_conj(), leaves[p].is_neg()) for p in self._complex_pos] != self._complex_keys:
+                return None
+        except RuntimeError:  # e.g. a tensor without storage: let DCP deal with it
+            return None
+        sources = list(self._sources)
+        for item, pos in self._dynamic:
+            sources[item] = flat_bytes(leaves[pos])
+        payloads = {item: _pickled(leaves[pos]) for item, pos in self._byte_items}
+        self.hits += 1
+        return ItemsHit(sources, payloads, tuple(len(payloads[item]) for item, _ in self._byte_items))
+
+    def layout_for(self, hit: ItemsHit) -> SaveLayout | None:
+        """The cached layout with ``hit``'s payloads bound, or None if their lengths changed."""
+        layout = self._layout
+        if layout is None or hit.payload_nbytes != self._payload_nbytes:
+            return None
+        return self._bind(layout, hit)
+
+    def layout_items(self, hit: ItemsHit) -> list[LayoutItem]:
+        """The items to plan a new layout for ``hit`` (its payloads changed length)."""
+        items = list(self._tensor_layout_items)
+        for item, payload in hit.payloads.items():
+            items[item] = LayoutItem(data_nbytes=len(payload), payload=payload)
+        return items  # type: ignore[return-value]
+
+    def adopt(self, layout: SaveLayout, sources: Sequence[torch.Tensor | None]) -> None:
+        """Keep ``layout`` (planned for ``sources``) for later saves, with its fills prepared."""
+        byte_items = {item for item, _ in self._byte_items}
+        files = [dataclasses.replace(f, segments=[dataclasses.replace(s, payload=b"") if s.item in byte_items else s
+                                                  for s in f.segments], fill_programs=None)
+                 for f in layout.files]
+        self._where = [(s.item, f.index, k) for f in files for k, s in enumerate(f.segments) if s.item in byte_items]
+        build_programs(files, sources, dynamic={item for item, _ in self._dynamic}, payload_items=byte_items)
+        self._layout = dataclasses.replace(layout, files=files)
+        self._payload_nbytes = tuple(self._payload_len(layout, item) for item, _ in self._byte_items)
+
+    def adopt_for(self, layout: SaveLayout, hit: ItemsHit) -> SaveLayout:
+        """Keep ``layout`` (planned for ``hit``) for later saves; returns it bound to ``hit``."""
+        self.adopt(layout, hit.sources)
+        return self._bind(self._layout, hit)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _payload_len(layout: SaveLayout, item: int) -> int:
+        return layout.placements[item].data_nbytes
+
+    def _bind(self, layout: SaveLayout, hit: ItemsHit) -> SaveLayout:
+        files = list(layout.files)
+        if self._where:
+            segments = {f: list(files[f].segments) for _, f, _ in self._where}
+            for item, f, k in self._where:
+                segments[f][k] = dataclasses.replace(segments[f][k], payload=hit.payloads[item])
+            for f, segs in segments.items():
+                files[f] = dataclasses.replace(files[f], segments=segs)
+        payloads = {item: torch.frombuffer(p, dtype=torch.uint8) if len(p) else torch.empty(0, dtype=torch.uint8)
+                    for item, p in hit.payloads.items()}
+        return dataclasses.replace(layout, files=bind_programs(files, hit.sources, payloads))

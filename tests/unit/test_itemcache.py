@@ -1,0 +1,288 @@
+"""Saves that repeat the previous one reuse its resolved items; every change that would make them wrong is caught.
+
+One process, no process group: ``async_save`` to files (the pool path) and into memory images (the
+memory tier's path). Each case saves a state dict twice, changes one thing in between, and checks
+both which path the second save took (``stats.resolved``) and that every checkpoint loads bit-exact
+with the values of its own save: a wrong reuse would load the old tensor's bytes or fail to load.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+import cpuckpt
+from cpuckpt.backend.itemcache import walk_state
+from cpuckpt.background import async_save
+from cpuckpt.transfer.images import ImageSet
+
+CFG = {"io": {"chunk_bytes": "8KiB", "threads": 2, "backend": "buffered", "fsync": False},
+       "layout": {"align_bytes": 512, "align_data_min_bytes": "4KiB"}, "timeout_s": 60}
+
+
+class _Model:
+    """Tensors that persist across steps; ``state_dict()`` returns fresh ``detach()`` aliases, as nn.Module does."""
+
+    def __init__(self, n: int = 40) -> None:
+        g = torch.Generator().manual_seed(n)
+        self.params: dict[str, torch.Tensor] = OrderedDict(
+            (f"layer{i}.w", torch.randn(3 + i % 4, 5 + i % 3, generator=g).to(
+                torch.bfloat16 if i % 5 == 0 else torch.float32)) for i in range(n))
+        self.params["big"] = torch.randn(3000, generator=g)  # several chunks, aligned
+        self.params["empty"] = torch.empty(0)
+        self.params["ints"] = torch.arange(11, dtype=torch.int64)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return OrderedDict((k, v.detach()) for k, v in self.params.items())
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for v in self.params.values():
+                if v.is_floating_point():
+                    v.add_(1.0)
+                else:
+                    v.add_(3)
+
+
+def _state(model: _Model, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "extra": {"step": step, "lr": 0.5 / (step + 1), "tags": ["a", "b"]}}
+
+
+def _save(state: dict[str, Any], path: Path, images: ImageSet | None = None, **kw: Any) -> cpuckpt.AsyncSaveHandle:
+    h = async_save(state, path, CFG, images=images, **kw)
+    h.wait()
+    return h
+
+
+def _like(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return torch.full_like(value, 7) if value.numel() else torch.empty_like(value)
+    if isinstance(value, dict):
+        return type(value)((k, _like(v)) for k, v in value.items())
+    return None
+
+
+def _assert_loads(path: Path, want: dict[str, Any]) -> None:
+    out = _like(want)
+    cpuckpt.load(out, path, CFG)
+    _assert_equal(out, want, "")
+
+
+def _assert_equal(got: Any, want: Any, where: str) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), where
+        assert got.dtype == want.dtype and got.shape == want.shape, (where, got.dtype, got.shape)
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), where
+    elif isinstance(want, dict):
+        assert set(got) == set(want), where
+        for k in want:
+            _assert_equal(got[k], want[k], f"{where}/{k}")
+    else:
+        assert got == want, (where, got, want)
+
+
+def _snapshot(state: Any) -> Any:
+    """The values saved, kept apart from the live tensors the trainer goes on changing."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _snapshot(v) for k, v in state.items()}
+    return state
+
+
+@pytest.fixture(params=["pool", "images"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[[int], tuple[Path, ImageSet | None]]:
+    """Where save ``k`` goes: a new directory per save, or one memory-image directory reused by every save."""
+    images = ImageSet(tmp_path / "slot", pin=False) if request.param == "images" else None
+
+    def where(k: int) -> tuple[Path, ImageSet | None]:
+        return (tmp_path / "slot", images) if images is not None else (tmp_path / f"s{k}", None)
+
+    yield where
+    if images is not None:
+        images.close()
+
+
+def _run(target: Callable[[int], tuple[Path, ImageSet | None]], states: list[Callable[[], dict]]) -> list[str]:
+    """Save each state in turn (built just before its save), check each checkpoint, return how each was resolved."""
+    resolved = []
+    for k, make in enumerate(states):
+        state = make()
+        want = _snapshot(state)
+        path, images = target(k)
+        h = _save(state, path, images)
+        resolved.append(h.stats.resolved)
+        _assert_loads(path, want)
+    return resolved
+
+
+def test_repeated_saves_reuse_items_and_stay_bit_exact(target):
+    model = _Model()
+
+    def make(step: int) -> Callable[[], dict]:
+        def build() -> dict:
+            model.step()
+            return _state(model, step)
+        return build
+
+    assert _run(target, [make(s) for s in range(4)]) == ["planner", "cached", "cached", "cached"]
+
+
+@pytest.mark.parametrize("change", [
+    "shape", "dtype", "replaced", "data_assigned", "offset", "strides", "requires_grad", "new_key",
+    "key_removed", "leaf_becomes_tensor", "int_key_type",
+])
+def test_a_change_is_never_reused(target, change):
+    """Every change that makes the cached items wrong falls back to the planner; the next save reuses again."""
+    model = _Model(12)
+    base = torch.randn(6, 6)
+    square = torch.randn(5, 5)
+    o0, o1 = torch.ones(3), torch.zeros(2)
+
+    def first() -> dict:
+        sd = _state(model, 0)
+        sd["view"] = base[1:].reshape(-1)[:6]
+        sd["square"] = square.detach()
+        sd["optim"] = {0: o0.detach(), 1: o1.detach()}
+        return sd
+
+    def changed() -> dict:
+        p = model.params
+        if change == "shape":
+            p["layer1.w"] = torch.randn(4, 4)  # new storage and a new shape
+        elif change == "dtype":
+            p["layer2.w"].data = p["layer2.w"].data.to(torch.float64)
+        elif change == "replaced":
+            p["layer3.w"] = p["layer3.w"].clone() + 5  # same shape, dtype, strides: another storage
+        elif change == "data_assigned":
+            p["layer4.w"].data = torch.randn_like(p["layer4.w"])  # the same object, another storage
+        sd = first()
+        if change == "offset":
+            sd["view"] = base[2:].reshape(-1)[:6]  # the same storage, shape and strides: another offset
+        elif change == "strides":
+            sd["square"] = square.t()  # the same storage, offset and shape: other strides
+        elif change == "requires_grad":
+            sd["model"]["layer5.w"] = p["layer5.w"].detach().requires_grad_(True)
+        elif change == "new_key":
+            sd["model"]["added"] = torch.ones(2)
+        elif change == "key_removed":
+            del sd["extra"]["lr"]
+        elif change == "leaf_becomes_tensor":
+            sd["extra"]["step"] = torch.tensor(1)
+        elif change == "int_key_type":
+            sd["optim"] = {0: o0.detach(), True: o1.detach()}  # 1 == True, but DCP names it "True"
+        return sd
+
+    saved: dict[str, Any] = {}
+
+    def second() -> dict:
+        model.step()
+        saved["sd"] = changed()
+        return saved["sd"]
+
+    def third() -> dict:  # the same structure and storages as the second save, through new aliases
+        model.step()
+        return _fresh_aliases(saved["sd"])
+
+    assert _run(target, [first, first, second, third]) == ["planner", "cached", "planner", "cached"]
+
+
+def _fresh_aliases(state: Any) -> Any:
+    """The same tensors through new wrapper objects (what ``state_dict()`` returns on the next step)."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().requires_grad_(state.requires_grad) if state.requires_grad else state.detach()
+    if isinstance(state, dict):
+        return type(state)((k, _fresh_aliases(v)) for k, v in state.items())
+    return state
+
+
+def test_non_contiguous_and_conjugated_tensors_are_copied_afresh(target):
+    """A non-contiguous or conjugated tensor is copied every save (its bytes are not a view of its storage)."""
+    base = torch.randn(8, 6)
+    z = torch.randn(5, dtype=torch.complex64)
+    many = {f"t{i}": torch.randn(4) for i in range(20)}
+
+    def make(conj: bool) -> Callable[[], dict]:
+        def build() -> dict:
+            base.add_(1)
+            z.mul_(2)
+            return {"nc": base.t(), "z": z.conj() if conj else z, "many": dict(many)}
+        return build
+
+    # a viewed complex tensor becomes a conjugate view of the same storage: its view would read the wrong
+    # values, so it is a change; a conjugate view is copied every save, so it may become plain again
+    assert _run(target, [make(False), make(False), make(True), make(True), make(False)]) == \
+        ["planner", "cached", "planner", "cached", "cached"]
+
+
+def test_non_tensor_values_change_freely(target):
+    """Pickled values are made every save; a change of their length plans the layout again, still from the cache."""
+    ts = {f"t{i}": torch.randn(3, 3) for i in range(30)}
+    values = [{"step": 1, "s": "x"}, {"step": 2, "s": "y"}, {"step": 10 ** 30, "s": "longer" * 50},
+              {"step": 3, "s": "z"}, {"step": 4, "s": "w"}]
+
+    tail = torch.zeros(5)
+
+    def make(v: dict) -> Callable[[], dict]:
+        def build() -> dict:
+            tail.fill_(float(v["step"] % 7))
+            return {"ts": dict(ts), "meta": dict(v), "tail": tail.detach()}
+        return build
+
+    assert _run(target, [make(v) for v in values]) == ["planner", "cached", "cached", "cached", "cached"]
+
+
+def test_tied_tensors(target):
+    """One tensor under two keys, then untied: positions are checked one by one."""
+    w = torch.randn(4, 4)
+
+    other = torch.randn(3)
+    copy = torch.empty(4, 4)
+
+    def tied() -> dict:
+        w.add_(1)
+        return {"a": w.detach(), "b": w.detach(), "c": other.detach()}
+
+    def untied() -> dict:
+        w.add_(1)
+        copy.copy_(w + 1)
+        return {"a": w.detach(), "b": copy.detach(), "c": other.detach()}
+
+    assert _run(target, [tied, tied, untied, untied, tied]) == ["planner", "cached", "planner", "cached", "planner"]
+
+
+def test_a_planner_with_its_own_resolve_data_never_uses_the_cache(tmp_path):
+    class Scaled(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            data = super().resolve_data(write_item)
+            return data * 2 if isinstance(data, torch.Tensor) else data
+
+    t = {"a": torch.ones(3), "b": torch.arange(4.0)}
+    got = [_save(dict(t), tmp_path / f"s{k}", planner=Scaled(), plan_key="x2").stats for k in range(3)]
+    assert [(s.planned, s.resolved) for s in got] == [("dcp", "planner"), ("reused", "planner"), ("reused", "planner")]
+    out = {"a": torch.zeros(3), "b": torch.zeros(4)}
+    cpuckpt.load(out, tmp_path / "s2", CFG)
+    assert torch.equal(out["a"], torch.full((3,), 2.0)) and torch.equal(out["b"], torch.arange(4.0) * 2)
+
+
+def test_walk_follows_dcp_traversal():
+    """Leaves and their DCP paths: lists of tensors or mappings are walked, other lists and tuples are values."""
+    t = torch.ones(1)
+    state = {"a": {"b": t, 3: [t, {"c": 1}], "plain": [1, [2, 3]], "tup": (t, t)}, "d": [[1], [t]]}
+    leaves: list[Any] = []
+    skeleton: list[Any] = []
+    paths: list[tuple] = []
+    assert walk_state(state, leaves, skeleton, paths)
+    assert paths == [("a", "b"), ("a", "3", 0), ("a", "3", 1, "c"), ("a", "plain"), ("a", "tup"), ("d", 0),
+                     ("d", 1, 0)]
+    _, mappings = flatten_state_dict(state)
+    assert paths == [tuple(p) for p in mappings.values()]  # DCP's own traversal, in the same order
+    assert leaves[3] == [1, [2, 3]] and leaves[5] == [1]
+    assert not walk_state({1.5: t}, [], [], [])  # float keys: equal keys may name different paths
