@@ -155,6 +155,9 @@ class MemoryConfig:
     on_writer_failure: str = _opt("raise", "A writer process found dead at a save: raise on every rank, or "
                                   "respawn it (what it owed is reported lost) and go on.",
                                   choices=("raise", "respawn"))
+    checksum: bool = _opt(True, "Record crc32c per chunk of memory checkpoints (with integrity.checksum: crc32c), "
+                          "computed on worker threads after the copies, before the memory commit; loads verify "
+                          "them per integrity.verify and the writer verifies them while persisting.")
 
 
 @dataclass(frozen=True)

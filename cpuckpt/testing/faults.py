@@ -16,17 +16,20 @@ reaches it otherwise. :func:`install` plugs into two public seams:
 
 - the fault points of the commit path (:mod:`cpuckpt.faultpoint`): it installs a
   :class:`StageActions` handler built from a spec ``"<stage>=<action>[;<stage>=<action>...]"`` where
-  ``<action>`` is ``kill`` (SIGKILL this process), ``sleep:<seconds>`` or ``raise``
+  ``<action>`` is ``kill`` (SIGKILL this process), ``sleep:<seconds>``, ``wait:<path>`` (until that
+  file exists: another process orders this one; ``RuntimeError`` after 120 s) or ``raise``
   (``RuntimeError``). The spec is :func:`install`'s argument or, when it is None,
   ``$CPUCKPT_TEST_HOOK`` as it is when :func:`install` runs. Stages are those
   :func:`cpuckpt.faultpoint.hit` names (``before-rename:<file>``, ``after-rename:<file>``,
   ``clear-commit:done``, ``commit:parts-deleted``, ``retention:metadata-removed``,
-  ``megatron-worker:rank<r>``).
+  ``megatron-worker:rank<r>``, ``persist-chunk:<file>:<chunk>``).
 
 The handler is picklable, so code that starts a worker process (the Megatron adapter) hands
 :func:`cpuckpt.faultpoint.get_handler` to it; processes forked after :func:`install` inherit both
 seams. Test modules call :func:`install` at import time, which also covers the rank processes of the
-multi-process harness (they load the test module by path).
+multi-process harness (they load the test module by path). A fresh interpreter that the code under
+test starts itself (the memory tier's writer, ``python -m cpuckpt.tier.persister``) inherits neither:
+:func:`child_env` gives the environment that makes it call :func:`install` at startup.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 from cpuckpt import faultpoint
 from cpuckpt.errors import ConfigError
@@ -49,6 +53,7 @@ __all__ = [
     "FaultInjectingBackend",
     "KillingBackend",
     "StageActions",
+    "child_env",
     "install",
     "make_backend",
     "uninstall",
@@ -147,8 +152,12 @@ def make_backend(spec: str = PREFIX) -> FaultInjectingBackend | KillingBackend:
                           "'fault:EIO@fsync' or 'fault:KILL@65536'") from None
 
 
+WAIT_LIMIT_S = 120.0  # a ``wait:<path>`` action gives up after this long
+
+
 class StageActions:
-    """A :mod:`cpuckpt.faultpoint` handler: ``"<stage>=kill|sleep:<s>|raise"`` entries, ``;``-separated.
+    """A :mod:`cpuckpt.faultpoint` handler: ``"<stage>=kill|sleep:<s>|wait:<path>|raise"`` entries,
+    ``;``-separated.
 
     Picklable (it holds only the spec), so it can be handed to a worker process.
 
@@ -161,7 +170,7 @@ class StageActions:
         self._actions: dict[str, list[str]] = {}
         for entry in filter(None, (e.strip() for e in spec.split(";"))):
             stage, eq, action = entry.rpartition("=")
-            ok = bool(eq and stage) and (action in ("kill", "raise") or action.startswith("sleep:"))
+            ok = bool(eq and stage) and (action in ("kill", "raise") or action.startswith(("sleep:", "wait:")))
             if ok and action.startswith("sleep:"):
                 try:
                     float(action[len("sleep:") :])
@@ -169,7 +178,7 @@ class StageActions:
                     ok = False
             if not ok:
                 raise ConfigError(f"{TEST_HOOK_ENV}: bad entry {entry!r}; expected '<stage>=kill', "
-                                  "'<stage>=sleep:<seconds>' or '<stage>=raise'")
+                                  "'<stage>=sleep:<seconds>', '<stage>=wait:<path>' or '<stage>=raise'")
             self._actions.setdefault(stage, []).append(action)
 
     def __reduce__(self) -> tuple:
@@ -185,8 +194,18 @@ class StageActions:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif action == "raise":
                 raise RuntimeError(f"fault point: raise at {stage}")
+            elif action.startswith("wait:"):
+                _wait_for_file(action[len("wait:") :], stage)
             else:
                 time.sleep(float(action[len("sleep:") :]))
+
+
+def _wait_for_file(path: str, stage: str) -> None:
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"fault point {stage}: {path} did not appear within {WAIT_LIMIT_S:.0f} s")
+        time.sleep(0.01)
 
 
 def install(stage_spec: str | None = None) -> None:
@@ -208,3 +227,31 @@ def uninstall() -> None:
         files.register_backend(PREFIX, factory)
     if isinstance(faultpoint.get_handler(), StageActions):
         faultpoint.set_handler(None)
+
+
+_SITECUSTOMIZE = """\
+# Written by cpuckpt.testing.faults.child_env for a test: fault injection in child interpreters.
+import os
+
+if os.environ.get({env!r}):
+    from cpuckpt.testing import faults
+
+    faults.install()
+"""
+
+
+def child_env(directory: str | os.PathLike, stage_spec: str) -> dict[str, str]:
+    """Environment that makes Python interpreters started from now on call :func:`install` at startup.
+
+    For processes the code under test starts itself, which inherit no handler (the memory tier's
+    writer). Writes ``<directory>/sitecustomize.py`` (a test's own temporary directory) and returns
+    ``PYTHONPATH`` with ``directory`` first and ``CPUCKPT_TEST_HOOK = stage_spec``: merge them into
+    ``os.environ`` of the process that starts the children; remove ``CPUCKPT_TEST_HOOK`` again before
+    a child that must run clean (a respawned writer) is started. A ``sitecustomize`` later on the
+    path is shadowed.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(env=TEST_HOOK_ENV))
+    path = os.environ.get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(directory), path) if p), TEST_HOOK_ENV: stage_spec}

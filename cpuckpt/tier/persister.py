@@ -9,7 +9,9 @@ writer from a dead one. For every owed request of its queue (:mod:`cpuckpt.tier.
    request's ``save_id``); if the trainer died before that, the request fails: that checkpoint was
    never committed, so it is never persisted or listed;
 2. copy this rank's files to the durable directory through the file backends (O_DIRECT where
-   allowed), computing each chunk's crc32c on the way, fsync;
+   allowed), computing each chunk's crc32c on the way and comparing it with the memory manifest's
+   when that has checksums (``memory.checksum``): a RAM page damaged since the memory commit fails
+   the persist (``CheckpointCorrupt``), and that destination is never committed; fsync;
 3. write this rank's manifest part there (atomic, fsynced): the per-rank *done marker*;
 4. coordinator only: wait for every rank's part, then commit (merged manifest, then ``.metadata``,
    as a trainer's commit does) and run ``latest``/retention per the config. No collective: a dead
@@ -113,7 +115,7 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
             part.unlink(missing_ok=True)
             entries = []
             for e in (e for name, e in sorted(manifest.files.items()) if name.startswith(prefix)):
-                out = persist_image(slot / e.name, dest / e.name, cfg)
+                out = persist_image(slot / e.name, dest / e.name, cfg, expect=e)
                 if out.nbytes != e.nbytes:
                     raise IntegrityError(f"{slot / e.name}: {out.nbytes} bytes persisted, the memory manifest "
                                          f"says {e.nbytes}")

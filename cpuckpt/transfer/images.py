@@ -6,8 +6,12 @@ An ``ImageFile`` is one data file in a RAM-backed directory. It is reserved with
 a copy from the device straight into the file's pages: no host pool, no ``pwrite``. ``ImageJob``
 fills the images of one save with the same bytes the normal pipeline writes (``fill_chunk``, and
 ``DeviceCopier`` for GPU sources), so stock DCP readers load the directory once ``.metadata`` is
-there. ``persist_image`` copies an image to durable storage through the file backends, checksumming
-each chunk on the way (the writer process does that, off the trainer's path).
+there. With ``memory.checksum`` (and ``integrity.checksum: crc32c``) each chunk's crc32c is computed
+from the image on worker threads after the copies (GPU: each chunk after its own): ``staged`` waits
+for the copies only, ``done`` (and so the memory commit) for the checksums too. ``persist_image`` copies an image to
+durable storage through the file backends, checksumming each chunk on the way (the writer process
+does that, off the trainer's path) and comparing with the memory checkpoint's checksums when it has
+them, so a RAM page damaged after the save is never made durable.
 
 Capacity and file size. The mapping is ``capacity`` bytes (the size asked, rounded up to 2 MiB) and
 is only replaced when a larger size is asked; the file itself is always exactly ``nbytes`` long and
@@ -38,8 +42,9 @@ from pathlib import Path
 import crc32c
 import torch
 
+from cpuckpt import faultpoint
 from cpuckpt.config import Config
-from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError
+from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
@@ -356,9 +361,13 @@ class ImageSet:
 class ImageJob:
     """A rank's save straight into its image files: the same surface as ``SaveJob``.
 
-    ``staged`` and ``done`` complete together, when every byte is in the images (RAM: nothing to
-    fsync). ``done``'s file entries carry no checksums (``checksum="none"``): ``persist_image``
-    computes them off the trainer's path. Bytes past each layout's end are never touched.
+    ``staged`` completes when every byte is in the images (RAM: nothing to fsync), ``done`` once
+    every chunk's crc32c is computed too (``memory.checksum`` with ``integrity.checksum: crc32c``;
+    else together, and ``done``'s entries carry no checksums). Checksums are computed from the image
+    itself, on the ``cpuckpt-crc-<rank>`` threads. GPU sources: each chunk once its CUDA event
+    completed, overlapping the (DMA) copies of later chunks. CPU sources: once every fill ended, since
+    fills and checksums would compete for the same cores and ``staged`` is what the trainer waits for.
+    Bytes past each layout's end are never touched.
     """
 
     def __init__(self, directory: Path, names: list[str], files: list[FileLayout],
@@ -376,12 +385,17 @@ class ImageJob:
         self.stats = _Stats(mode="memory", backend="image")
         self.started_at = 0.0  # perf_counter() when start() began
         self._chunks: list[Chunk] = [c for f in files for c in f.chunks]
+        self._checksum = cfg.memory.checksum and cfg.integrity.checksum == "crc32c"
+        self._checksum_after_copies = False  # CPU fills: every chunk's checksum is queued once all ended
+        self._crcs = [[0] * len(f.chunks) for f in files]
         self._images: list[ImageFile] = []
         self._targets: list[tuple[torch.Tensor, memoryview]] | None = None
         self._lock = threading.Lock()
         self._cancel = threading.Event()
         self._error: BaseException | None = None
-        self._pending = 0
+        self._pending = 0  # tasks not ended: copies (or the GPU copies' waiter) and checksums
+        self._copying = 0  # of those, the copies: ``staged`` completes when none is left
+        self._copied = False  # every copy ended (``_copies_ended`` ran)
         self._submitting = False
         self._finished = False
         self._t0 = 0.0
@@ -422,10 +436,12 @@ class ImageJob:
                 with nvtx_range("cpuckpt.stage.d2h"):
                     self._stage_on_device(gpu[0].device)
             elif self._chunks:
+                self._checksum_after_copies = self._checksum
                 fillers = shared_executor(self.cfg.io.threads, f"cpuckpt-stage-{self.rank}")
                 for chunk in self._chunks:
                     with self._lock:
                         self._pending += 1
+                        self._copying += 1
                     fillers.submit(self._fill_task, chunk)
             self.stats.extra["image_remaps"] = float(remaps + sum(img.remaps for img in self._images))
         except BaseException as e:
@@ -437,6 +453,10 @@ class ImageJob:
         finally:
             with self._lock:
                 self._submitting = False
+                copied = self._copying == 0
+            if copied:
+                self._copies_ended()  # may queue the checksums
+            with self._lock:
                 idle = self._pending == 0
             if idle:
                 self._finish()
@@ -476,6 +496,8 @@ class ImageJob:
                 if self._cancel.is_set():
                     break
                 last = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
+                if self._checksum:
+                    self._submit_checksum(chunk, last)
         except BaseException:
             try:  # no copy may land in the images after the failure is reported
                 copier.stream.synchronize()
@@ -484,6 +506,7 @@ class ImageJob:
             raise
         with self._lock:
             self._pending += 1
+            self._copying += 1
         # One waiter marks the images complete when the last copy (stream order) completed.
         shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}").submit(self._wait_copies, last)
 
@@ -494,6 +517,7 @@ class ImageJob:
         except BaseException as e:
             self._fail(e)
         finally:
+            self._copy_ended()
             self._task_ended()
 
     def _fill_task(self, chunk: Chunk) -> None:
@@ -503,7 +527,54 @@ class ImageJob:
         except BaseException as e:
             self._fail(e)
         finally:
+            self._copy_ended()  # the last one queues the checksums before this task ends: no early finish
             self._task_ended()
+
+    # -- checksums ----------------------------------------------------------------------------------
+    def _submit_checksum(self, chunk: Chunk, event: object | None) -> None:
+        with self._lock:
+            self._pending += 1
+        try:
+            shared_executor(self.cfg.io.threads, f"cpuckpt-crc-{self.rank}").submit(self._checksum_task, chunk, event)
+        except BaseException:  # the executor refused (interpreter shutdown): nothing will run it
+            self._task_ended()
+            raise
+
+    def _checksum_task(self, chunk: Chunk, event: object | None) -> None:
+        """crc32c of ``chunk``'s bytes in the image, once its copy completed (``event``: a GPU chunk's)."""
+        try:
+            if event is not None and not self._cancel.is_set():
+                event.synchronize()  # type: ignore[attr-defined]
+            if self._cancel.is_set():
+                return
+            targets = self._targets
+            if targets is None:
+                raise RuntimeError("ImageJob used before start()")
+            with targets[chunk.file][1][chunk.offset : chunk.offset + chunk.nbytes] as view:
+                self._crcs[chunk.file][chunk.index] = crc32c.crc32c(view)
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            self._task_ended()
+
+    def _copy_ended(self) -> None:
+        with self._lock:
+            self._copying -= 1
+            copied = self._copying == 0 and not self._submitting
+        if copied:
+            self._copies_ended()
+
+    def _copies_ended(self) -> None:
+        """Every copy into the images completed: ``staged``; CPU fills: queue the checksums now."""
+        with self._lock:
+            if self._error is not None or self._copied:  # reached from start() and from the last copy
+                return
+            self._copied = True
+            self.stats.stage_s = time.perf_counter() - self._t0
+        _settle(self.staged, None)
+        if self._checksum_after_copies:
+            for chunk in self._chunks:
+                self._submit_checksum(chunk, None)
 
     def _task_ended(self) -> None:
         with self._lock:
@@ -521,20 +592,21 @@ class ImageJob:
             error = self._error
         self._targets = None  # drop the views, so an image can be remapped or closed
         if error is not None:
-            if not self.staged.done():
-                self.staged.set_exception(error)
-            if not self.done.done():
-                self.done.set_exception(error)
+            _settle(self.staged, error=error)
+            _settle(self.done, error=error)
             return
-        self.stats.stage_s = self.stats.write_s = time.perf_counter() - self._t0
-        entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=self.cfg.io.chunk_bytes, checksum="none",
-                             chunk_checksums=[]) for n, f in zip(self.names, self.files)]
-        logger.debug("rank %d: %d bytes saved into memory images in %s in %.3f s", self.rank, self.stats.nbytes,
-                     self.directory, self.stats.stage_s)
-        if not self.staged.done():
-            self.staged.set_result(None)
-        if not self.done.done():
-            self.done.set_result(entries)
+        self.stats.write_s = time.perf_counter() - self._t0
+        if not self.stats.stage_s:
+            self.stats.stage_s = self.stats.write_s
+        self.stats.extra["checksum_s"] = self.stats.write_s - self.stats.stage_s if self._checksum else 0.0
+        entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=self.cfg.io.chunk_bytes,
+                             checksum="crc32c" if self._checksum else "none",
+                             chunk_checksums=list(c) if self._checksum else [])
+                   for n, f, c in zip(self.names, self.files, self._crcs)]
+        logger.debug("rank %d: %d bytes saved into memory images in %s in %.3f s (checksums done at %.3f s)",
+                     self.rank, self.stats.nbytes, self.directory, self.stats.stage_s, self.stats.write_s)
+        _settle(self.staged, None)
+        _settle(self.done, entries)
 
     def _fail(self, e: BaseException, *, wrap: bool = True) -> None:
         err = self._wrap(e) if wrap else self._as_cpuckpt(e)
@@ -544,8 +616,7 @@ class ImageJob:
             self._error = err
             self._cancel.set()
         logger.error("rank %d: save into memory images in %s failed: %s", self.rank, self.directory, err)
-        if not self.staged.done():
-            self.staged.set_exception(err)  # ``done`` follows once no copy still runs (``_finish``)
+        _settle(self.staged, error=err)  # ``done`` follows once no copy still runs (``_finish``)
 
     def _as_cpuckpt(self, e: BaseException) -> BaseException:
         if isinstance(e, CpuckptError | OSError | TimeoutError):
@@ -576,8 +647,33 @@ class ImageJob:
         return err
 
 
+def _settle(fut: cf.Future, result: object = None, *, error: BaseException | None = None) -> None:
+    """Complete ``fut`` unless it already is (a failure and a success may race from two threads)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except cf.InvalidStateError:
+        pass
+
+
+def _expected_crcs(src: str, expect: FileEntry | None, nbytes: int, chunk_bytes: int) -> list[int] | None:
+    """The memory manifest's checksums of ``src`` to compare with (None: it recorded none)."""
+    if expect is None or expect.checksum != "crc32c" or not expect.chunk_checksums:
+        return None
+    if expect.nbytes != nbytes:
+        raise CheckpointCorrupt(f"memory image {src} holds {nbytes} bytes, its memory manifest says {expect.nbytes}; "
+                                "not persisted")
+    nchunks = -(-nbytes // chunk_bytes)
+    if len(expect.chunk_checksums) != nchunks:
+        raise CheckpointCorrupt(f"memory image {src}: its memory manifest has {len(expect.chunk_checksums)} chunk "
+                                f"checksums for {nchunks} chunks of {chunk_bytes} bytes; not persisted")
+    return expect.chunk_checksums
+
+
 def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *,
-                  threads: int | None = None) -> FileEntry:
+                  threads: int | None = None, expect: FileEntry | None = None) -> FileEntry:
     """Copy the image ``src`` to the durable file ``dst``, checksumming every chunk on the way.
 
     Chunks of ``io.chunk_bytes`` are read into page-aligned buffers on ``threads`` (default
@@ -586,12 +682,24 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
     ``finish_write`` truncates the file to its size and fsyncs it when ``io.fsync``). The caller
     fsyncs ``dst``'s directory once its files are written.
 
+    ``expect`` is ``src``'s entry in the memory checkpoint's manifest: when it records crc32c per chunk
+    (``memory.checksum``), every chunk is compared with it after it is read and before it is written
+    (its ``chunk_bytes`` is then the unit), so bytes damaged in RAM since the memory commit never reach
+    ``dst`` whole; the caller must not commit ``dst`` after an error. Between reading a chunk and
+    writing it, each task passes the fault point ``persist-chunk:<dst name>:<chunk index>``.
+
     Raises:
+        CheckpointCorrupt: ``src`` does not match ``expect`` (a chunk's checksum, its size or chunk count).
         StorageIOError: reading ``src`` or writing ``dst`` failed, or ``src`` shrank meanwhile.
         CheckpointTimeoutError: not done within ``timeout_s``.
     """
     src_s, dst_s = str(src), str(dst)
     chunk_bytes, align = cfg.io.chunk_bytes, cfg.layout.align_bytes
+    if expect is not None and expect.checksum == "crc32c" and expect.chunk_checksums:
+        chunk_bytes = expect.chunk_bytes  # the unit the checksums were computed in
+        if chunk_bytes <= 0 or chunk_bytes % align:
+            raise CheckpointCorrupt(f"memory image {src_s}: its manifest's chunk_bytes {chunk_bytes} is not a positive "
+                                    f"multiple of layout.align_bytes ({align}); not persisted")
     checksum = cfg.integrity.checksum == "crc32c"
     reader = BufferedFileBackend()
     backend = get_backend(cfg.io.backend, Path(dst).parent, align)
@@ -604,6 +712,8 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
             raise _os_error("fstat", e, Path(src)) from e
         offsets = list(range(0, nbytes, chunk_bytes))
         crcs = [0] * len(offsets)
+        expected = _expected_crcs(src_s, expect, nbytes, chunk_bytes)
+        name = Path(dst).name
         nthreads = max(1, min(threads or cfg.io.threads, len(offsets)))
         free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         for _ in range(nthreads if offsets else 0):
@@ -625,8 +735,14 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
                 if got != n:
                     raise StorageIOError(f"memory image {src_s} shrank while being persisted: {got} of {n} bytes "
                                          f"at offset {off}", path=src_s, offset=off, nbytes=n)
-                if checksum:
+                if checksum or expected is not None:
                     crcs[k] = crc32c.crc32c(view[:n])
+                if expected is not None and crcs[k] != expected[k]:
+                    raise CheckpointCorrupt(
+                        f"memory image {src_s}: checksum mismatch in bytes [{off}, {off + n}) (chunk {k}): recorded "
+                        f"{expected[k]} at the memory commit, read {crcs[k]}; the RAM copy is damaged and is not "
+                        f"persisted to {dst_s}")
+                faultpoint.hit(f"persist-chunk:{name}:{k}")
                 io_n = _round_up(n, align) if backend.aligned else n
                 if io_n > n:
                     view[n:io_n] = bytes(io_n - n)
@@ -657,4 +773,4 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
             except BufferError:  # a timed-out task still holds it: freed when it ends
                 pass
     return FileEntry(name=Path(dst).name, nbytes=nbytes, chunk_bytes=chunk_bytes,
-                     checksum="crc32c" if checksum else "none", chunk_checksums=crcs)
+                     checksum="crc32c" if checksum else "none", chunk_checksums=crcs if checksum else [0] * len(crcs))

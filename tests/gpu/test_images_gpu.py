@@ -12,10 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import _helpers as H
+import crc32c
 import pytest
 import torch
 
 from cpuckpt.config import Config
+from cpuckpt.transfer import images as images_mod
 from cpuckpt.transfer.images import ImageFile, ImageJob, ImageSet
 from cpuckpt.transfer.save_job import SaveJob
 from cpuckpt.transfer.staging import release_pool
@@ -166,3 +168,49 @@ def test_shrink_then_grow_copies_land_in_the_file(ram_dir: Path) -> None:
         assert torch.equal(back, src.cpu())
     finally:
         img.close()
+
+
+def _crcs(data: bytes, chunk_bytes: int) -> list[int]:
+    return [crc32c.crc32c(data[o : o + chunk_bytes]) for o in range(0, len(data), chunk_bytes)]
+
+
+def test_checksums_of_cuda_saves_are_the_disk_paths_and_follow_each_chunks_copy(
+        tmp_path: Path, ram_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each chunk's crc32c is computed from the pinned image once that chunk's D2H copy completed (its
+    CUDA event), on the crc threads: ``staged`` does not wait for them, the memory commit (``done``) does,
+    and they equal the disk path's checksums of the same bytes, whatever the trainer does after staged."""
+    import threading
+
+    sd = _state(3)
+    tmp_path.joinpath("disk").mkdir()
+    names, files, sources = H.plan_layout(sd, CFG)
+    disk = SaveJob(tmp_path / "disk", names, files, sources, CFG, rank=0, mode="snapshot")
+    disk.start()
+    disk_entries = disk.wait_done(60)
+    gate = threading.Event()
+
+    class GatedCrc:
+        @staticmethod
+        def crc32c(view: memoryview) -> int:
+            assert gate.wait(60), "test gate never opened"
+            return crc32c.crc32c(view)
+
+    monkeypatch.setattr(images_mod, "crc32c", GatedCrc)
+    images = ImageSet(ram_dir, pin=True)
+    try:
+        job = _image(ram_dir, sd, images)
+        job.wait_staged(60)  # every D2H copy completed; no checksum could finish
+        assert not job.done.done()
+        for v in sd:
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+                v.add_(1)  # the trainer's next step: the checksums are of the image, not of the tensors
+        gate.set()
+        entries = job.wait_done(60)
+        for e, d in zip(entries, disk_entries):
+            data = (ram_dir / e.name).read_bytes()
+            assert data == (tmp_path / "disk" / e.name).read_bytes(), e.name
+            assert e.checksum == "crc32c" and e.chunk_checksums == d.chunk_checksums == _crcs(data, e.chunk_bytes)
+        assert sum(len(e.chunk_checksums) for e in entries) > 4  # several chunks, several crc tasks
+    finally:
+        gate.set()
+        images.close()

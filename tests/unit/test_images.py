@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from cpuckpt.config import Config
-from cpuckpt.errors import CpuckptError, StagingError, StorageIOError
+from cpuckpt.errors import CheckpointCorrupt, CpuckptError, IntegrityError, StagingError, StorageIOError
+from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer import images as images_mod
 from cpuckpt.transfer.images import CAPACITY_ROUND_BYTES, ImageFile, ImageJob, ImageSet, persist_image
 from cpuckpt.transfer.save_job import SaveJob
@@ -187,10 +188,11 @@ def test_image_job_bytes_equal_save_job(tmp_path):
         assert job.staged.done() and job.stats.mode == "memory" and job.stats.backend == "image"
         assert job.stats.nbytes == sum(e.nbytes for e in entries) and job.started_at > 0
         assert job.stats.extra["image_remaps"] == len(names)  # first save: every file mapped once
-        for e, ie in zip(entries, ientries):
+        for e, ie in zip(entries, ientries):  # the same checksums as the disk path records (memory.checksum)
             assert (ie.name, ie.nbytes, ie.chunk_bytes, ie.checksum, ie.chunk_checksums) == (
-                e.name, e.nbytes, CHUNK, "none", [])
+                e.name, e.nbytes, CHUNK, "crc32c", e.chunk_checksums)
             assert (tmp_path / "ram" / e.name).read_bytes() == (tmp_path / "disk" / e.name).read_bytes()
+        assert sum(len(e.chunk_checksums) for e in entries) > len(entries)  # several chunks
         remaps = [images.image(n, e.nbytes).remaps for n, e in zip(names, entries)]
 
         # the same structure with other values: the same mappings, the new bytes
@@ -199,10 +201,11 @@ def test_image_job_bytes_equal_save_job(tmp_path):
         job2.wait_done(30)
         assert [images.image(n, e.nbytes).remaps for n, e in zip(names, entries)] == remaps
         assert job2.stats.extra["image_remaps"] == 0
-        for n in names:
+        for n, e2 in zip(names, job2.done.result()):
             new = (tmp_path / "ram" / n).read_bytes()
             assert new == (tmp_path / "disk2" / n).read_bytes()
             assert new != (tmp_path / "disk" / n).read_bytes()
+            assert e2.chunk_checksums == [crc32c.crc32c(new[o : o + CHUNK]) for o in range(0, len(new), CHUNK)]
     finally:
         images.close()
 
@@ -340,3 +343,123 @@ def test_images_left_by_an_earlier_process_are_not_counted_again_by_the_space_ch
     again.image("__0_0.distcp", 5 << 20)
     again.close()
     assert grown[1:] == [(5 << 20) - (3 << 20)], grown  # only the growth is new
+
+
+# ---------------------------------------------------------------------------------------- checksums of memory saves
+def test_image_job_staged_before_its_checksums_are_done(tmp_path, monkeypatch):
+    """``staged`` waits for the copies only; ``done`` (the memory commit) for every chunk's checksum too."""
+    import threading
+
+    gate, seen = threading.Event(), []
+
+    class SlowCrc:
+        @staticmethod
+        def crc32c(view):
+            seen.append(threading.current_thread().name)
+            assert gate.wait(30), "test gate never opened"
+            return crc32c.crc32c(view)
+
+    monkeypatch.setattr(images_mod, "crc32c", SlowCrc)
+    cfg = _cfg()
+    images = ImageSet(tmp_path / "ram", pin=False)
+    try:
+        job, _ = _image_job(tmp_path / "ram", _state(), cfg, images, rank=4)
+        job.wait_staged(30)  # every copy ended although no checksum can finish
+        assert not job.done.done()
+        gate.set()
+        entries = job.wait_done(30)
+        assert seen and all(n.startswith("cpuckpt-crc-4") for n in seen), seen
+        for e in entries:
+            data = (tmp_path / "ram" / e.name).read_bytes()
+            assert e.checksum == "crc32c"
+            assert e.chunk_checksums == [crc32c.crc32c(data[o : o + CHUNK]) for o in range(0, len(data), CHUNK)]
+        assert job.stats.write_s >= job.stats.stage_s > 0 and job.stats.extra["checksum_s"] >= 0
+    finally:
+        gate.set()
+        images.close()
+
+
+@pytest.mark.parametrize("settings", [{"memory": {"checksum": False}}, {"integrity": {"checksum": "none"}}])
+def test_image_job_without_checksums(tmp_path, settings):
+    cfg = Config.from_dict({"io": {"chunk_bytes": CHUNK, "threads": 2, "backend": "buffered"}, **settings}, env=False)
+    images = ImageSet(tmp_path / "ram", pin=False)
+    try:
+        job, _ = _image_job(tmp_path / "ram", _state(), cfg, images)
+        for e in job.wait_done(30):
+            assert (e.checksum, e.chunk_checksums) == ("none", [])
+        assert job.stats.extra["checksum_s"] == 0.0
+    finally:
+        images.close()
+
+
+def _memory_entry(src: Path) -> FileEntry:
+    data = src.read_bytes()
+    return FileEntry(name=src.name, nbytes=len(data), chunk_bytes=CHUNK, checksum="crc32c",
+                     chunk_checksums=[crc32c.crc32c(data[o : o + CHUNK]) for o in range(0, len(data), CHUNK)])
+
+
+def test_persist_image_verifies_the_memory_checksums(tmp_path):
+    cfg = _cfg()
+    src = tmp_path / "src.distcp"
+    src.write_bytes(os.urandom(5 * CHUNK + 777))
+    expect = _memory_entry(src)
+    (tmp_path / "out").mkdir()
+    out = persist_image(src, tmp_path / "out" / "ok.distcp", cfg, expect=expect)
+    assert out.chunk_checksums == expect.chunk_checksums and (tmp_path / "out" / "ok.distcp").read_bytes() == \
+        src.read_bytes()
+
+    with open(src, "r+b") as f:  # one RAM page damaged after the memory commit
+        f.seek(3 * CHUNK + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(CheckpointCorrupt, match=r"chunk 3\).*not persisted") as ei:
+        persist_image(src, tmp_path / "out" / "bad.distcp", cfg, expect=expect)
+    assert isinstance(ei.value, IntegrityError) and str(src) in str(ei.value)
+
+    short = FileEntry(name=src.name, nbytes=expect.nbytes - 1, chunk_bytes=CHUNK, checksum="crc32c",
+                      chunk_checksums=expect.chunk_checksums)
+    with pytest.raises(CheckpointCorrupt, match="memory manifest says"):
+        persist_image(src, tmp_path / "out" / "short.distcp", cfg, expect=short)
+    assert not (tmp_path / "out" / "short.distcp").exists()  # refused before the destination is opened
+    few = FileEntry(name=src.name, nbytes=expect.nbytes, chunk_bytes=CHUNK, checksum="crc32c",
+                    chunk_checksums=expect.chunk_checksums[:-1])
+    with pytest.raises(CheckpointCorrupt, match="5 chunk checksums for 6 chunks"):
+        persist_image(src, tmp_path / "out" / "few.distcp", cfg, expect=few)
+    # a memory checkpoint saved without checksums: nothing to compare, the copy goes through
+    none = FileEntry(name=src.name, nbytes=expect.nbytes, chunk_bytes=CHUNK, checksum="none", chunk_checksums=[])
+    out = persist_image(src, tmp_path / "out" / "unchecked.distcp", cfg, expect=none)
+    assert out.checksum == "crc32c" and (tmp_path / "out" / "unchecked.distcp").read_bytes() == src.read_bytes()
+
+
+def test_persist_image_passes_a_fault_point_per_chunk(tmp_path):
+    from cpuckpt import faultpoint
+    from cpuckpt.testing import faults
+
+    cfg = _cfg()
+    src = tmp_path / "src.distcp"
+    src.write_bytes(os.urandom(4 * CHUNK))
+    (tmp_path / "out").mkdir()
+    stages: list[str] = []
+    previous = faultpoint.set_handler(stages.append)
+    try:
+        persist_image(src, tmp_path / "out" / "a.distcp", cfg)
+        assert sorted(stages) == [f"persist-chunk:a.distcp:{k}" for k in range(4)]
+        faults.install("persist-chunk:b.distcp:2=raise")
+        with pytest.raises(RuntimeError, match=r"persist-chunk:b\.distcp:2"):
+            persist_image(src, tmp_path / "out" / "b.distcp", cfg)
+    finally:
+        faults.uninstall()
+        faultpoint.set_handler(previous)
+
+
+def test_child_env_installs_the_stage_actions_in_a_fresh_interpreter(tmp_path):
+    import subprocess
+    import sys
+
+    from cpuckpt.testing import faults
+
+    env = {**os.environ, **faults.child_env(tmp_path / "site", "x:1=raise")}
+    code = "from cpuckpt import faultpoint; print(faultpoint.get_handler())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "StageActions('x:1=raise')", out.stderr
