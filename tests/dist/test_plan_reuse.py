@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import _helpers as H
+import pytest
 import torch
 
 CFG = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 60}
@@ -152,3 +153,80 @@ def test_plan_reuse_covers_sharded_tensors_and_planners(run_ranks, tmp_path):
     expected = [case[-1] for case in _CASES]
     for planned in results:
         assert planned == expected, list(zip([c[0] for c in _CASES], planned, expected))
+
+
+# ------------------------------------------------------------------ cached items (backend.itemcache)
+
+# step -> what rank 1 changes before that save, and how each rank's save is then resolved: rank 0 and rank 1
+_ITEM_STEPS = [
+    ("first save", "dcp", "dcp"),
+    ("values only (new detach() aliases of the same tensors)", "cached", "cached"),
+    ("values only, a pickled value grows", "cached", "cached"),
+    ("rank 1 replaces one of its tensors (same shape): its own items are resolved again, the plan holds",
+     "cached", "plan"),
+    ("values only", "cached", "cached"),
+    ("rank 1 changes a tensor's shape: every rank plans with DCP", "dcp", "dcp"),
+    ("values only", "cached", "cached"),
+    ("rank 1 replaces the replicated tensor (DCP deduplicates it: one rank writes it)", "cached", "rep"),
+    ("values only", "cached", "cached"),
+]
+_STATS = {"dcp": ("dcp", "planner"), "plan": ("reused", "planner"), "cached": ("reused", "cached")}
+
+
+def rank_cached_items(root: str, images: bool) -> tuple[list[tuple[str, str]], bool]:
+    """Rank-local tensors, a replicated tensor (DCP deduplicates it: one rank writes it) and non-tensor values."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import cpuckpt
+    from cpuckpt.transfer.images import ImageSet
+
+    rank = dist.get_rank()
+    own = {f"w{i}@{rank}": H.make_full(f"w{i}", (3 + i % 3, 4), torch.float32, seed=rank) for i in range(12)}
+    rep = H.make_full("rep", (5, 2), torch.bfloat16)
+    image_set = ImageSet(f"{root}/slot", pin=False) if images else None
+    seen = []
+    writes_rep = False
+    for step in range(len(_ITEM_STEPS)):
+        if step == 3 and rank == 1:
+            own["w5@1"] = own["w5@1"].clone()
+        if step == 5 and rank == 1:
+            own["w6@1"] = torch.zeros(7)
+        if step == 7 and rank == 1:
+            rep = rep.clone()
+        for t in [*own.values(), rep]:
+            t.add_(1)  # both ranks' replicated copies stay equal
+        sd = {"own": {k: v.detach() for k, v in own.items()}, "rep": rep.detach(),
+              "meta": {"step": step, "name": "n" * (1 + step // 2)}}
+        want = {"own": {k: v.clone() for k, v in own.items()}, "rep": rep.clone()}
+        path = f"{root}/slot" if images else f"{root}/s{step}"
+        h = cpuckpt.async_save(sd, path, CFG, step=step, images=image_set)
+        h.staged.wait()
+        for t in [*own.values(), rep]:
+            t.add_(100)  # the trainer moves on once staged
+        h.wait()
+        seen.append((h.stats.planned, h.stats.resolved))
+        out = {"own": {k: H.poison(v) for k, v in want["own"].items()}, "rep": H.poison(want["rep"]),
+               "meta": {"step": None, "name": None}}
+        dcp.load(out, storage_reader=dcp.FileSystemReader(path))
+        for k in own:
+            H.assert_bitexact(out["own"][k], want["own"][k], f"own.{k}@{step}")
+        H.assert_bitexact(out["rep"], want["rep"], f"rep@{step}")
+        assert out["meta"] == {"step": step, "name": "n" * (1 + step // 2)}, out["meta"]
+        if step == 7:
+            where = dcp.FileSystemReader(path).read_metadata().storage_data
+            writes_rep = any(k.fqn == "rep" and v.relative_path.startswith(f"__{rank}_") for k, v in where.items())
+        dist.barrier()  # nobody saves into the slot again before every rank has read it
+    if image_set is not None:
+        image_set.close()
+    return seen, writes_rep
+
+
+@pytest.mark.parametrize("images", [False, True], ids=["pool", "images"])
+def test_cached_items_on_two_ranks(run_ranks, tmp_path, images):
+    results = run_ranks(2, rank_cached_items, str(tmp_path / "ck"), images, timeout_s=180)
+    for rank, (seen, writes_rep) in enumerate(results):
+        # the rank that does not write the replicated tensor only checks its shape: its items still hold
+        want = [w if w != "rep" else ("plan" if writes_rep else "cached") for w in (s[1 + rank] for s in _ITEM_STEPS)]
+        expected = [_STATS[w] for w in want]
+        assert seen == expected, (rank, list(zip([s[0] for s in _ITEM_STEPS], seen, expected)))
