@@ -15,8 +15,11 @@ runs every part small (CPU tensors without CUDA) in under a minute. One process,
 3. persist by the writer process: call to ``wait_persisted()`` with the durable checkpoint complete, 3 times;
 4. interference: a bf16 matmul loop alone and while the writer process persists (until the queue owes
    nothing); the before: the same while ``cpuckpt.async_save`` persists to the same disk (trainer threads);
-5. loads into GPU tensors, bit-exact: in the saving process (verify always/off) and in a fresh process
-   (``--child-load``: the restart case; it rebuilds the deterministic state to compare).
+5. loads into GPU tensors, bit-exact, in the saving process: from the mapped images (``MemoryTier.load``),
+   through the reader (``cpuckpt.load``: the fast path) with ``h2d`` bounce and register, and through
+   DCP's planner (``dcp.load`` with the same reader: the fast path's before), reps interleaved; and in a
+   fresh process per ``h2d`` mode (``--child-load``: the restart case; it rebuilds the deterministic state
+   to compare and records each load's ``ReadStats``).
 
 One tier serves parts 2-5 (one writer, images reserved once): ``memory.persist_every`` is ``PERSIST_EVERY``;
 part 2 uses steps that are not multiples of it (nothing persists), parts 3-4 steps that are. Durable copies
@@ -26,6 +29,7 @@ are deleted once measured (small disk), so the tier is closed with ``persist_new
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 import cpuckpt
 from benchmarks.common import (
@@ -166,16 +171,33 @@ def timed_loads(sd: dict[str, Any], path: Path, reps: int, loader: Any = None) -
     return times, same_state_dict(targets, sd) is None
 
 
-def child_load(path: str, nbytes: int, device: str) -> None:
+def reader_load(h2d: str = "bounce", stats: list[dict[str, Any]] | None = None) -> Any:
+    """A loader: ``cpuckpt.load`` through a ``StorageReader(h2d=h2d)``; appends each load's read statistics."""
+    def load(targets: dict[str, Any], path: Path) -> None:
+        reader = cpuckpt.StorageReader(path, h2d=h2d)
+        cpuckpt.load(targets, path, storage_reader=reader)
+        if stats is not None:
+            stats.append(dataclasses.asdict(reader.last_stats))
+    return load
+
+
+def dcp_planner_load(targets: dict[str, Any], path: Path) -> None:
+    """The before of the load fast path: stock ``dcp.load`` (DCP's planner) through cpuckpt's reader."""
+    dcp.load(targets, storage_reader=cpuckpt.StorageReader(path))
+
+
+def child_load(path: str, nbytes: int, device: str, h2d: str) -> None:
     """``--child-load``: a fresh process loads the RAM checkpoint (first and second load), prints one JSON line."""
     ref = build_state_dict(nbytes, device=device)
-    times, exact = timed_loads(ref, Path(path), 2)
-    print(json.dumps({"child_load": {"first_s": times[0], "second_s": times[1], "bitexact": exact,
-                                     "nbytes": state_dict_nbytes(ref)}}), flush=True)
+    stats: list[dict[str, Any]] = []
+    times, exact = timed_loads(ref, Path(path), 2, reader_load(h2d, stats))
+    print(json.dumps({"child_load": {"first_s": times[0], "second_s": times[1], "bitexact": exact, "h2d": h2d,
+                                     "nbytes": state_dict_nbytes(ref), "read_stats": stats}}), flush=True)
 
 
-def spawn_child_load(path: Path, gib: float, timeout_s: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.bench_memtier", "--child-load", str(path), "--gib", repr(gib)]
+def spawn_child_load(path: Path, gib: float, timeout_s: float, h2d: str = "bounce") -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.bench_memtier", "--child-load", str(path), "--gib", repr(gib),
+           "--h2d", h2d]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0
@@ -237,12 +259,23 @@ def run(args: argparse.Namespace, sd: dict[str, Any], nbytes: int, durable: Path
         if latest is None or ram not in latest.parents:
             raise RuntimeError(f"the newest checkpoint {latest} is not in memory")
         # memory checkpoints carry no checksums (the writer computes them for the durable copy)
-        for label, loader in (("from its mapped images (MemoryTier.load)", tier.load),
-                              ("read from the RAM root (cpuckpt.load)", None)):
-            times, exact = timed_loads(sd, latest, reps, loader)
-            record("memtier_load", variant=label, s=summarize(times), bitexact=exact, path=str(latest))
-        child = spawn_child_load(latest, args.gib, max(30.0, deadline - time.monotonic()))
-        record("memtier_load_child", **child, path=str(latest))
+        # variants interleaved rep by rep (noisy machines); "DCP planner" is the load fast path's before
+        variants = {"from its mapped images (MemoryTier.load)": tier.load,
+                    "read from the RAM root (cpuckpt.load, h2d bounce)": reader_load("bounce"),
+                    "read from the RAM root (cpuckpt.load, h2d register)": reader_load("register"),
+                    "read from the RAM root, DCP planner (dcp.load + StorageReader)": dcp_planner_load}
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        exact = dict.fromkeys(variants, True)
+        for _ in range(reps):
+            for label, loader in variants.items():
+                t, ok = timed_loads(sd, latest, 1, loader)
+                times[label] += t
+                exact[label] = exact[label] and ok
+        for label in variants:
+            record("memtier_load", variant=label, s=summarize(times[label]), bitexact=exact[label], path=str(latest))
+        for h2d in ("bounce", "register"):
+            child = spawn_child_load(latest, args.gib, max(30.0, deadline - time.monotonic()), h2d)
+            record("memtier_load_child", **child, path=str(latest))
 
     part("floor_copies", lambda: floor_copies(sd, reps), False)
     part("memtier_init", make_tier, False)
@@ -273,6 +306,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=280.0, help="start no part after this many seconds")
     ap.add_argument("--smoke", action="store_true", help="small sizes, CPU tensors without CUDA (< 1 min)")
     ap.add_argument("--child-load", help=argparse.SUPPRESS)
+    ap.add_argument("--h2d", default="bounce", choices=("bounce", "register"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("cpuckpt").setLevel(logging.WARNING)
@@ -283,7 +317,7 @@ def main() -> None:
         raise SystemExit("bench_memtier needs a CUDA device (or --smoke)")
     device = "cuda" if CUDA else "cpu"
     if args.child_load:
-        return child_load(args.child_load, int(args.gib * GiB), device)
+        return child_load(args.child_load, int(args.gib * GiB), device, args.h2d)
     record("machine", gpu=torch.cuda.get_device_name() if CUDA else None, torch=torch.__version__,
            cpus=os.cpu_count(), cpuckpt=cpuckpt.__version__, argv=sys.argv[1:])
     durable, ram = Path(args.durable_dir).absolute(), Path(args.ram_dir).absolute()
@@ -357,7 +391,7 @@ def summary_table(nbytes: int) -> str:
             lambda g, x, e=r["bitexact"]: x >= 0.5 and e)
     for r in get("memtier_load_child"):
         for k in ("first", "second"):
-            row(f"memtier load, fresh process, {k} (bitexact={r['bitexact']})", [r[f"{k}_s"]], h2d,
+            row(f"memtier load, fresh process, h2d {r.get('h2d')}, {k} (bitexact={r['bitexact']})", [r[f"{k}_s"]], h2d,
                 ">= 10 GB/s" if k == "first" else "-", (lambda g, x, e=r["bitexact"]: g >= 10 and e)
                 if k == "first" else None)
     foot = ["seconds: median (min-max) over the reps; ratio: GB/s over the floor's GB/s (interference: ms ratio).",
