@@ -96,7 +96,8 @@ class SaveJob:
         self._pending_writes = 0
         self._submitting = True
         self._remaining_fills = len(self._chunks)
-        self._fds: list[int] = []
+        self._fds: list[int | None] = [None] * len(names)  # opened by the first write into each file
+        self._open_lock = threading.Lock()
         self._backend: FileBackend | None = None
         self._pool: HostPool | None = None
         self._writers: cf.ThreadPoolExecutor | None = None
@@ -106,8 +107,8 @@ class SaveJob:
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Open the files and begin staging and writing; returns once GPU copies are enqueued
-        (snapshot) or, in streaming mode, once the last chunk has a slot."""
+        """Begin staging and writing; returns once GPU copies are enqueued (snapshot) or, in streaming
+        mode, once the last chunk has a slot. Files are opened by the writer threads, off the caller's path."""
         cfg = self.cfg
         self._t0 = self.started_at = time.perf_counter()
         self.stats.nbytes = sum(f.nbytes for f in self.files)
@@ -117,8 +118,6 @@ class SaveJob:
             nslots = len(self._chunks) * self.in_flight if self.mode == "snapshot" else self._streaming_slots()
             self._pool = get_pool(cfg.io.chunk_bytes, max(nslots, 1), pin=cfg.staging.pin,
                                   pretouch=cfg.staging.pretouch)
-            for name in self.names:
-                self._fds.append(self._backend.open_write(str(self.directory / name)))
         except BaseException as e:
             self._fail(e)
             self._finalize()
@@ -268,16 +267,30 @@ class SaveJob:
         io_n = -(-n // align) * align if backend.aligned else n
         if io_n > n:
             slot.tensor[n:io_n].zero_()
-        backend.pwrite(self._fds[chunk.file], slot.view[:io_n], chunk.offset,
+        backend.pwrite(self._fd(chunk.file, backend), slot.view[:io_n], chunk.offset,
                        str(self.directory / self.names[chunk.file]))
+
+    def _fd(self, file: int, backend: FileBackend) -> int:
+        """File ``file``'s descriptor, opened at first use (by a writer thread, or by ``_finalize``)."""
+        fd = self._fds[file]
+        if fd is not None:
+            return fd
+        with self._open_lock:
+            fd = self._fds[file]
+            if fd is None:
+                if self._cancel.is_set():
+                    raise CpuckptError(f"rank {self.rank}: save to {self.directory} cancelled")
+                fd = self._fds[file] = backend.open_write(str(self.directory / self.names[file]))
+        return fd
 
     def _finalize(self) -> None:
         """Every submitted write has ended: close the files (on failure) or make them durable."""
         if self._cancel.is_set():
-            if self._backend is not None and self._fds:
+            if self._backend is not None:
                 fds, self._fds = self._fds, []
                 for fd in fds:
-                    self._backend.close(fd)
+                    if fd is not None:
+                        self._backend.close(fd)
             self._shutdown()
             # Reported only now that no task holds a slot or a file, so a retry starts clean.
             if not self.done.done() and self._error is not None:
@@ -285,13 +298,21 @@ class SaveJob:
             return
         backend = self._require(self._backend)
         try:
-            fds, self._fds = self._fds, []
-            for i, (fd, layout) in enumerate(zip(fds, self.files)):
+            try:  # a file no write touched (no chunks: an empty file) is created here
+                opened = [self._fd(i, backend) for i in range(len(self.names))]
+            except BaseException:
+                for fd in self._fds:
+                    if fd is not None:
+                        backend.close(fd)
+                raise
+            finally:
+                self._fds = []
+            for i, (fd, layout) in enumerate(zip(opened, self.files)):
                 path = str(self.directory / self.names[i])
                 try:
                     backend.finish_write(fd, layout.nbytes, path, self.cfg.io.fsync)
                 except BaseException:
-                    for other in fds[i + 1 :]:
+                    for other in opened[i + 1 :]:
                         backend.close(other)
                     raise
             if self.cfg.io.fsync:
