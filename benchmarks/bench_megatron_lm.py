@@ -217,6 +217,16 @@ def _children(pid: int) -> list[dict[str, Any]]:
     return out
 
 
+def _descendants(pid: int) -> list[dict[str, Any]]:
+    """Every process below ``pid`` (children first)."""
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += [k["pid"] for k in kids]
+    return out
+
+
 def find_ckpt_worker(launcher_pid: int) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """The persistent checkpoint worker of the first trainer below ``launcher_pid`` (torchrun).
 
@@ -905,9 +915,19 @@ class JobKiller:
     def __call__(self, t: float, line: str, proc: subprocess.Popen, ctl: dict[str, Any]) -> None:
         m = SAVED_RE.search(line)
         if m and int(m.group(1)) == self.at and not self.info["killed"]:
-            self.info.update(killed=True, kill_t=round(t, 2))
-            logger.info("memory: SIGKILL to the job's process group at %.1f s (iteration %d finalized)", t, self.at)
+            # torchrun starts its trainers in sessions of their own: kill every process below it, but the
+            # memory tier's writers (they must survive their trainers), then torchrun's group
+            victims = [c for c in _descendants(proc.pid)
+                       if not any("cpuckpt.tier.persister" in a for a in c["cmdline"])]
+            for c in victims:
+                try:
+                    os.kill(c["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             _kill_group(proc)
+            self.info.update(killed=True, kill_t=round(t, 2), pids=[c["pid"] for c in victims])
+            logger.info("memory: SIGKILL at %.1f s (iteration %d finalized) to %d processes", t, self.at,
+                        len(victims))
 
 
 def memory_tier_config(base: str, dest: Path, ram: Path, slots: int) -> Path:

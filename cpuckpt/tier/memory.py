@@ -144,21 +144,38 @@ class MemoryTier:
                 close_fds=True)
         finally:
             log.close()
-        deadline = time.monotonic() + self.config.timeout_s  # interpreter start + imports (shared filesystems)
-        while self.root.writer_alive(self.rank) is None:  # wait until it holds its lock: liveness is the lock
-            if self._writer.poll() is not None:
-                raise WriterDiedError(f"rank {self.rank}: the writer process exited at start (code "
-                                      f"{self._writer.returncode}); see {self.root.path}/writer-{self.rank}.log")
-            if time.monotonic() > deadline:
-                raise CheckpointTimeoutError(f"rank {self.rank}: the writer process did not start within "
-                                             f"{self.config.timeout_s} s")
-            time.sleep(0.01)
-        logger.info("cpuckpt memory tier: rank %d writer pid %d, RAM root %s", self.rank, self._writer.pid,
+        # Not waited for: its interpreter and imports take seconds, and requests wait in the queue meanwhile.
+        # Until it holds its lock, the child process itself says whether it lives (_writer_running).
+        logger.info("cpuckpt memory tier: rank %d writer pid %d starting, RAM root %s", self.rank, self._writer.pid,
                     self.root.path)
+
+    def _writer_running(self) -> bool:
+        """The rank's writer holds its lock, or the one started here is still starting."""
+        if self.root.writer_alive(self.rank) is not None:
+            return True
+        return self._writer is not None and self._writer.poll() is None
+
+    def writer_pid(self, timeout_s: float | None = None) -> int:
+        """The pid of this rank's writer once it runs (holds its lock); waits for a starting one.
+
+        Raises:
+            WriterDiedError: it exited (see ``writer-<rank>.log`` in the RAM root).
+            CheckpointTimeoutError: it did not start within ``timeout_s`` (default ``timeout_s``).
+        """
+        deadline = time.monotonic() + (self.config.timeout_s if timeout_s is None else timeout_s)
+        while (pid := self.root.writer_alive(self.rank)) is None:
+            if not self._writer_running():
+                code = self._writer.returncode if self._writer is not None else None
+                raise WriterDiedError(f"rank {self.rank}: the writer process exited (code {code}); see "
+                                      f"{self.root.path}/writer-{self.rank}.log")
+            if time.monotonic() > deadline:
+                raise CheckpointTimeoutError(f"rank {self.rank}: the writer process did not start in time")
+            time.sleep(0.01)
+        return pid
 
     def _writer_dead_with_debts(self) -> bool:
         """A dead writer that owed nothing lost nothing: it is restarted quietly. One that owed is a failure."""
-        if self.root.writer_alive(self.rank) is not None:
+        if self._writer_running():
             return False
         if self._writer is not None:
             self._writer.poll()  # reap it
@@ -309,7 +326,7 @@ class MemoryTier:
         if self.config.memory.on_writer_failure == "raise":
             raise WriterDiedError(f"rank {self.rank}: {msg}")
         logger.error("cpuckpt memory tier: %s; respawning it (it redoes what was owed)", msg)
-        if self.root.writer_alive(self.rank) is None:
+        if not self._writer_running():
             try:
                 self._ensure_writer()
             except CpuckptError as e:  # agreed on at the next round: every rank raises then
@@ -324,7 +341,7 @@ class MemoryTier:
         """Wait until this rank's writer owes nothing (raises if it dies owing)."""
         deadline = time.monotonic() + (self.config.timeout_s if timeout_s is None else timeout_s)
         while self.queue.owed():
-            if self.root.writer_alive(self.rank) is None:
+            if not self._writer_running():
                 raise WriterDiedError(f"rank {self.rank}: the writer process died owing persists")
             if time.monotonic() > deadline:
                 raise CheckpointTimeoutError(f"rank {self.rank}: persists still owed after the timeout")

@@ -53,7 +53,7 @@ def _train(durable: str, ram: str, steps: list[int], kill_after: int | None, kil
 
     rank = dist.get_rank()
     tier = MemoryTier(durable, _cfg(Path(ram)))
-    out = {"writer_pid": tier.root.writer_alive(rank)}
+    out = {"writer_pid": tier.writer_pid()}
     for step in steps:
         h = tier.save(_state(step, rank), step)
         if kill_mid and step == kill_after:
@@ -201,7 +201,7 @@ def test_a_dead_writer_owing_persists_raises_or_is_respawned(tmp_path):
         tier, _ = _one(base, persist_every=1, on_writer_failure=mode)
         tier.save(_state(1, 0), 1).wait()
         tier.wait_persisted()
-        pid = tier.root.writer_alive(0)
+        pid = tier.writer_pid()
         os.kill(pid, signal.SIGSTOP)  # it cannot take the next request...
         tier.save(_state(2, 0), 2).wait()
         assert tier.queue.owed(), "the persist of step 2 should be owed"
@@ -238,7 +238,7 @@ def test_memory_use_stays_flat_over_200_saves(tmp_path):
     The baseline is taken once the queue keeps its bounded history (the newest 8 finished requests)."""
     psutil = pytest.importorskip("psutil")
     tier, _ = _one(tmp_path, persist_every=4)
-    me, writer = psutil.Process(), psutil.Process(tier.root.writer_alive(0))
+    me, writer = psutil.Process(), psutil.Process(tier.writer_pid())
 
     def usage() -> tuple[int, int]:
         import ctypes
@@ -322,7 +322,7 @@ def _train_then_die_owing(durable: str, ram: str, pids_file: str) -> None:
     tier = MemoryTier(durable, _cfg(Path(ram)))
     for step in (1, 2, 3):
         tier.save(_state(step, rank), step).wait()
-    writer = tier.root.writer_alive(rank)
+    writer = tier.writer_pid()
     os.kill(writer, signal.SIGSTOP)
     tier.save(_state(4, rank), 4).wait()  # committed in memory; its persist is owed to a frozen writer
     assert tier.queue.owed(), "step 4's persist should be owed"
@@ -378,7 +378,7 @@ def _request(tier, slot: Path, step: int, *, world_size: int = 1, timeout_s: flo
 
     from cpuckpt.backend.committed import read_manifest
 
-    req = tier._persist_request(slot, read_manifest(slot).save_id, step, f"step_{step}")
+    req = tier._persist_request(slot, read_manifest(slot).save_id, step, tier.durable_root / f"step_{step}")
     cfg = dict(req.config, timeout_s=timeout_s)
     return dataclasses.replace(req, world_size=world_size, config=cfg, seq=req.seq + 1000)
 

@@ -107,7 +107,7 @@ def test_a_flipped_byte_in_a_memory_image_fails_its_load_and_its_persist(tmp_pat
     tier = _one(tmp_path, persist_every=1)
     tier.save(_state(1, 0), 1).wait()
     tier.wait_persisted()
-    writer = tier.root.writer_alive(0)
+    writer = tier.writer_pid()
     os.kill(writer, signal.SIGSTOP)  # the persist of step 2 waits for us
     try:
         tier.save(_state(2, 0), 2).wait()  # committed in memory, with checksums
@@ -188,7 +188,7 @@ def _writer_killed_in_a_copy(durable: str, ram: str, site: str) -> None:
     tier = MemoryTier(durable, _cfg(Path(ram), on_writer_failure="respawn"))
     tier.save(_state(1, rank), 1).wait()
     if rank == 1:
-        _wait("rank 1's writer died", lambda: tier.root.writer_alive(1) is None)
+        _wait("rank 1's writer died", lambda: not tier._writer_running())
         log = (tier.root.path / "writer-1.log").read_text()
         assert f"SIGKILL at {stage}" in log, f"seed {SEED}: the writer was not killed at {stage}:\n{log}"
     dist.barrier()
@@ -234,7 +234,7 @@ def _all_killed_in_a_copy(durable: str, ram: str, site: str) -> None:
     dist.barrier()  # step 3 committed in memory on every rank
     if rank == 0:
         go.touch()
-    _wait(f"rank {rank}'s writer died", lambda: tier.root.writer_alive(rank) is None)
+    _wait(f"rank {rank}'s writer died", lambda: not tier._writer_running())
     dist.barrier()
     assert _durable_steps(Path(durable)) == [], f"seed {SEED}: a torn persist is listed"
     with pytest.raises(WriterDiedError, match="died owing persists"):
