@@ -185,6 +185,8 @@ def _move_constants(programs: list[tuple[FillProgram, list[int]]]) -> None:
         by_device.setdefault(program.device, []).append((program, where))  # type: ignore[arg-type]
     for device, group in by_device.items():
         host = [program.pieces[k] for program, where in group for k in where]
+        if not host:
+            continue
         moved = torch.cat(host).to(device).split([t.numel() for t in host])  # type: ignore[union-attr]
         it = iter(moved)
         for program, where in group:
