@@ -268,9 +268,12 @@ class CachedItems:
         except RuntimeError:  # e.g. a tensor without storage: let DCP deal with it
             return None
         sources = list(self._sources)
-        for item, pos in self._dynamic:
-            sources[item] = flat_bytes(leaves[pos])
-        payloads = {item: _pickled(leaves[pos]) for item, pos in self._byte_items}
+        try:
+            for item, pos in self._dynamic:
+                sources[item] = flat_bytes(leaves[pos])
+            payloads = {item: _pickled(leaves[pos]) for item, pos in self._byte_items}
+        except Exception:  # e.g. a value that no longer pickles: the planner's path reports it (raising here,
+            return None  # before the ranks agree, would leave the other ranks waiting in the collective)
         self.hits += 1
         return ItemsHit(sources, payloads, tuple(len(payloads[item]) for item, _ in self._byte_items))
 

@@ -286,3 +286,17 @@ def test_walk_follows_dcp_traversal():
     assert paths == [tuple(p) for p in mappings.values()]  # DCP's own traversal, in the same order
     assert leaves[3] == [1, [2, 3]] and leaves[5] == [1]
     assert not walk_state({1.5: t}, [], [], [])  # float keys: equal keys may name different paths
+
+
+def test_a_value_that_stops_pickling_fails_the_save_and_the_next_save_recovers(tmp_path):
+    """A value that no longer pickles (a tuple stays a tuple): the save raises, naming it; the next one works."""
+    import threading
+
+    t = {f"t{i}": torch.randn(2) for i in range(10)}
+    assert _save({"t": dict(t), "v": (1,)}, tmp_path / "a").stats.resolved == "planner"
+    assert _save({"t": dict(t), "v": (2,)}, tmp_path / "b").stats.resolved == "cached"
+    with pytest.raises(cpuckpt.CpuckptError, match="cannot pickle"):  # agreed like any planning error
+        async_save({"t": dict(t), "v": (threading.Lock(),)}, tmp_path / "c", CFG)
+    h = _save({"t": dict(t), "v": (3,)}, tmp_path / "d")
+    assert h.stats.resolved in ("planner", "cached")
+    _assert_loads(tmp_path / "d", _snapshot({"t": dict(t), "v": (3,)}))
