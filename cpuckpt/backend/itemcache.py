@@ -133,15 +133,6 @@ def _terminal_list(values: list) -> bool:
     return True
 
 
-def _full_key(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t.requires_grad,
-            t.is_pinned())
-
-
-def _light_key(t: torch.Tensor) -> tuple:
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_pinned())
-
-
 def _pickled(obj: Any) -> memoryview:
     """The bytes DCP's ``DefaultSavePlanner.transform_object`` produces for a non-tensor value."""
     buf = io.BytesIO()
@@ -240,11 +231,22 @@ class CachedItems:
                     other_tensors.append(pos)
         complex_items = [p for _, p in static if leaves[p].is_complex()]
         items = cls(who, cached, skeleton, written, static, dynamic, byte_items, other_tensors, complex_items)
-        items._static_keys = [_full_key(leaves[p]) for p in items._static_pos]
-        items._light_keys = [_light_key(leaves[p]) for p in items._light_pos]
-        items._complex_keys = [(leaves[p].is_conj(), leaves[p].is_neg()) for p in complex_items]
+        items._static_keys, items._light_keys, items._complex_keys = items._keys(leaves)
         items.adopt(written.layout, written.sources)
         return items
+
+    def _keys(self, leaves: list[Any]) -> tuple[list[tuple], list[tuple], list[tuple]]:
+        """What is checked of the tensors: written from a cached view; otherwise; complex ones' lazy bits.
+
+        One comprehension each, no call per tensor: this is most of a cached save's call path.
+        """
+        get = leaves.__getitem__
+        static = [(t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t.requires_grad,
+                   t.is_pinned()) for t in map(get, self._static_pos)]
+        light = [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_pinned())
+                 for t in map(get, self._light_pos)]
+        lazy = [(t.is_conj(), t.is_neg()) for t in map(get, self._complex_pos)]
+        return static, light, lazy
 
     def match(self, state: Mapping[str, Any], who: Hashable) -> ItemsHit | None:
         """This save's sources and payloads if ``state`` repeats the cached save, else None."""
@@ -256,14 +258,7 @@ class CachedItems:
         if skeleton != self.skeleton:
             return None
         try:
-            # _full_key and _light_key, inlined: a function call per tensor is a third of the check
-            if [(t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t.requires_grad,
-                 t.is_pinned()) for t in map(leaves.__getitem__, self._static_pos)] != self._static_keys:
-                return None
-            if [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_pinned())
-                    for t in map(leaves.__getitem__, self._light_pos)] != self._light_keys:
-                return None
-            if [(leaves[p].is_conj(), leaves[p].is_neg()) for p in self._complex_pos] != self._complex_keys:
+            if self._keys(leaves) != (self._static_keys, self._light_keys, self._complex_keys):
                 return None
         except RuntimeError:  # e.g. a tensor without storage: let DCP deal with it
             return None
