@@ -20,6 +20,11 @@ format with other storage. :func:`install`:
    one too. A missing function is a warning (that path is then not watched). The ``megatron:`` block of
    ``--cpuckpt-config`` (``on_failure``, ``heartbeat_timeout_s``) configures the watchdog.
 
+4. with ``megatron: {memory_tier: true}``, routes async saves through the memory tier
+   (:mod:`.memory`): Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` leaves the
+   non-persistent directory to the ring, and ``maybe_finalize_async_save(terminate=True)`` (the end
+   of training) closes the tier.
+
 Without ``--ckpt-format cpuckpt`` on the command line it changes nothing. Use it through the
 launcher (``python -m cpuckpt.integrations.megatron.launch pretrain_gpt.py ...``) or add one line
 at the top of the script: ``import cpuckpt.integrations.megatron as m; m.install()``.

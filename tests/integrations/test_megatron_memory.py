@@ -196,3 +196,10 @@ def test_skip_when_full_is_refused_for_megatron(tmp_path):
     cfg["memory"]["when_full"] = "skip"
     with pytest.raises(ConfigError, match="skip"):
         MegatronMemory(tmp_path / "save", tmp_path / "np", Config.from_dict(cfg))
+
+
+def test_configs_megatron_memory_yaml_loads():
+    from cpuckpt.integrations.megatron.settings import split_config
+
+    core, options = split_config(Path(__file__).resolve().parents[2] / "configs" / "megatron-memory.yaml")
+    assert options.memory_tier and core.memory.slots == 3 and core.memory.when_full == "wait"
