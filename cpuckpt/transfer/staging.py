@@ -279,6 +279,22 @@ class DeviceCopier:
         # Copies start only after kernels already queued on the trainer's stream (that may still
         # write the tensors) have finished.
         self.stream.wait_stream(torch.cuda.current_stream(device))
+        self._scratch: torch.Tensor | None = None  # device gathers (fillplan), reused chunk after chunk
+
+    def _scratch_for(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of one device buffer that every gather of this copier reuses in stream order.
+
+        Allocated on the caller's (trainer's) stream, so the caching allocator gives the block back to
+        training afterwards (a block allocated on a side stream stays cached for that stream, and the
+        streams come from a pool of 32); ``record_stream`` delays its reuse until the side stream's
+        copies are done.
+        """
+        scratch = self._scratch
+        if scratch is None or scratch.numel() < nbytes:
+            scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            scratch.record_stream(self.stream)
+            self._scratch = scratch
+        return scratch[:nbytes]
 
     def protect(self, sources: Sequence[torch.Tensor | None]) -> None:
         """Keep the caching allocator from reusing source memory before our copies ran."""
@@ -305,15 +321,14 @@ class DeviceCopier:
         """Fill ``slot`` asynchronously; returns the CUDA event that marks its completion.
 
         A chunk with a device program (``transfer.fillplan``) is gathered on the device into a scratch
-        buffer (allocated on the side stream, so the allocator reuses it only after this copy) and
-        copied to the host in one copy; a host program is copied at once; any other chunk is copied
-        segment by segment.
+        buffer and copied to the host in one copy; a host program is copied at once; any other chunk
+        is copied segment by segment.
         """
         programs = layout.fill_programs
         program = programs.get(chunk.index) if programs else None
         if program is not None and program.device == self.device:
+            scratch = self._scratch_for(chunk.nbytes)
             with torch.cuda.stream(self.stream):
-                scratch = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
                 program.fill(scratch)
                 slot.tensor[: chunk.nbytes].copy_(scratch, non_blocking=True)
                 event = torch.cuda.Event()

@@ -125,3 +125,21 @@ def test_host_bytes_in_a_chunk_keep_it_on_the_segment_path(tmp_path: Path) -> No
         for chunk in f.chunks:
             if any(seg.item == host for seg in f.segments_in(chunk.offset, chunk.offset + chunk.nbytes)):
                 assert (f.fill_programs or {}).get(chunk.index) is None, "mixed devices: segment by segment"
+
+
+def test_device_gathers_do_not_grow_reserved_memory(tmp_path: Path) -> None:
+    """The gather scratch comes from the trainer's stream: repeated saves reserve no more device memory.
+
+    (A scratch allocated on the side stream would stay cached for that stream; copiers take their
+    streams from a pool of 32, so every save could keep another chunk-sized block reserved.)
+    """
+    trainer = _Trainer(n=2000)
+    reserved = []
+    for k in range(10):
+        trainer.update()
+        h = cpuckpt.async_save(trainer.state_dict(), tmp_path / f"s{k % 2}", CFG, step=k)
+        h.wait()
+        assert k < 2 or _device_programs(h) > 0
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved[-1] == reserved[3], reserved
