@@ -89,6 +89,7 @@ class AsyncSaveHandle:
         self._committed: cf.Future[None] = cf.Future()
         self._reported = False
         self.stats = SaveStats()
+        self.node_commit: Callable[..., list[FailureReport | None] | None] | None = None  # see async_save
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint is durable and committed on every rank.
@@ -185,8 +186,13 @@ class _Checkpointer:
                 gathered = [None] * dist.get_world_size(self.commit_group)
                 dist.all_gather_object(gathered, (mine, w.last_results), group=self.commit_group)
             reports = [g[0] for g in gathered]
+            agreed = False  # the outcome is already every rank's (node_commit agrees on it itself)
             if any(r is not None for r in reports):
                 outcome = reports
+            elif handle.node_commit is not None and self.dist:
+                outcome = handle.node_commit(w, [g[1] for g in gathered] if w.last_results is not None else None,
+                                             self.commit_group, self.coordinator)
+                agreed = True
             elif w.is_coordinator:
                 try:
                     w.commit_deferred([g[1] for g in gathered] if w.last_results is not None else None)
@@ -196,7 +202,7 @@ class _Checkpointer:
                     outcome = [dataclasses.replace(failed, message=f"commit failed (coordinator): {failed.message}")]
                 else:
                     after_commit(w.path, w.config)  # `latest`, cleaning, retention: only when configured
-            if self.dist:
+            if self.dist and not agreed:
                 box = [outcome]
                 dist.broadcast_object_list(box, src=self.coordinator, group=self.commit_group)
                 outcome = box[0]
@@ -243,6 +249,7 @@ def async_save(
     plan_key: Hashable | None = None,
     images: ImageSet | None = None,
     save_id: str | None = None,
+    node_commit: Callable[..., list[FailureReport | None] | None] | None = None,
 ) -> AsyncSaveHandle:
     """Save in the background: returns once the layout is planned and staging has begun.
 
@@ -267,6 +274,10 @@ def async_save(
         images: the memory tier's image files for ``path`` (:class:`cpuckpt.tier.MemoryTier` passes
             them): staging copies straight into them and nothing is written through the pool.
         save_id: the id the committed checkpoint records (the same on every rank; default: a new one).
+        node_commit: replaces the coordinator's commit and the outcome's broadcast once every rank's
+            files are in (the memory tier across nodes: ``cpuckpt.tier.nodecommit``): called on every rank
+            as ``node_commit(writer, gathered_results, commit_group, coordinator)`` on the committer thread,
+            it returns the outcome agreed by every rank (None: committed), running its own collectives.
 
     A plan is reused when every rank finds its (planner class, ``plan_key``, structure signature)
     unchanged since its previous ``async_save`` on this process group (``format.plancache``: paths,
@@ -297,6 +308,7 @@ def async_save(
     writer = StorageWriter(path, cfg, step=step, images=images, save_id=save_id)
     writer.defer_commit(in_flight=cfg.async_.max_in_flight)
     handle = AsyncSaveHandle(writer, str(path), t0)
+    handle.node_commit = node_commit
     try:
         with gc_paused():
             state = resolve_stateful(state_dict)

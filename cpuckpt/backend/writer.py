@@ -283,6 +283,15 @@ class StorageWriter(_DcpStorageWriter):
         ``gathered`` are every rank's results when the save reused a cached plan (DCP did not gather
         them); they replace the cached metadata's ``storage_data``.
         """
+        self._commit(*self.pending_commit(gathered))
+
+    def pending_commit(self, gathered: list[list[WriteResult]] | None = None
+                       ) -> tuple[Metadata, list[list[WriteResult]]]:
+        """Coordinator, background mode: the global ``.metadata`` and every rank's results, not written.
+
+        ``commit_deferred`` writes them here; the memory tier across nodes sends them to every node, whose
+        leader commits its own RAM copy (``cpuckpt.tier.nodecommit``).
+        """
         if self._pending is None:
             raise RuntimeError("commit_deferred() before finish(): DCP did not finish planning")
         metadata, results = self._pending
@@ -292,7 +301,7 @@ class StorageWriter(_DcpStorageWriter):
             results = gathered
             metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
             metadata.storage_meta = self.storage_meta()
-        self._commit(metadata, results)
+        return metadata, results
 
     def write_cached(self, state_dict: dict[str, Any], cached: CachedPlan, planner: SavePlanner | None = None) -> None:
         """Background mode: start a save from a previous save's plan, without DCP planning.
@@ -337,18 +346,21 @@ class StorageWriter(_DcpStorageWriter):
             self._pending = (reused_metadata(cached), None)
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        manifest = Manifest(
+        commit_checkpoint(self.path, metadata, [f"__{i}_" for i in range(len(results))],
+                          self.manifest_header(len(results)), fsync=self.config.io.fsync)
+
+    def manifest_header(self, world_size: int) -> Manifest:
+        """The committed manifest of this save, without its files (the commit adds every rank's part)."""
+        return Manifest(
             cpuckpt_version=__version__,
             torch_version=torch.__version__,
             save_id=self.save_id,
             step=self.step,
             created_unix=time.time(),
-            world_size=len(results),
+            world_size=world_size,
             config=self.config.to_dict(),
             timings={"coordinator_write_s": self.last_write_s},
         )
-        commit_checkpoint(self.path, metadata, [f"__{i}_" for i in range(len(results))], manifest,
-                          fsync=self.config.io.fsync)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
