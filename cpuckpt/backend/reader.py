@@ -484,7 +484,7 @@ def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _
 
     Returns the copiers that got host-to-device copies (the caller waits for them before ``src`` is reused).
     """
-    used: list[DeviceCopier] = []
+    to_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for need in needs:
         buf = need.buffer
         if need.lo >= lo and need.hi <= hi:  # the common case: the whole item is in this chunk
@@ -493,12 +493,16 @@ def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _
             a, b = max(need.lo, lo), min(need.hi, hi)
             dst, part = buf[a - need.lo : b - need.lo], src[a - lo : b - lo]
         if dst.is_cuda:
-            h2d = copiers.get(dst.device)
-            h2d.copy(dst, part)
-            if h2d not in used:
-                used.append(h2d)
+            dsts, srcs = to_device.setdefault(dst.device, ([], []))
+            dsts.append(dst)
+            srcs.append(part)
         else:
             dst.copy_(part)
+    used: list[DeviceCopier] = []
+    for device, (dsts, srcs) in to_device.items():  # one enqueue per device and chunk
+        h2d = copiers.get(device)
+        h2d.copy_many(dsts, srcs)
+        used.append(h2d)
     return used
 
 
