@@ -445,11 +445,12 @@ def test_persist_image_passes_a_fault_point_per_chunk(tmp_path):
     try:
         persist_image(src, tmp_path / "out" / "a.distcp", cfg)
         assert sorted(stages) == [f"persist-chunk:a.distcp:{k}" for k in range(4)]
-        faults.install("persist-chunk:b.distcp:2=raise")
+        # the stage actions alone: install()/uninstall() would also drop the fault: backends that other
+        # test modules installed at import
+        faultpoint.set_handler(faults.StageActions("persist-chunk:b.distcp:2=raise"))
         with pytest.raises(RuntimeError, match=r"persist-chunk:b\.distcp:2"):
             persist_image(src, tmp_path / "out" / "b.distcp", cfg)
     finally:
-        faults.uninstall()
         faultpoint.set_handler(previous)
 
 
