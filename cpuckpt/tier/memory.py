@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -36,12 +35,14 @@ import torch.distributed as dist
 
 from cpuckpt.api import load
 from cpuckpt.backend.collectives import checkpoint_group
+from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import check_complete, read_manifest
-from cpuckpt.backend.reader import StorageReader
+from cpuckpt.backend.reader import ReadStats, StorageReader
 from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
 from cpuckpt.config import CheckpointConfig, Config, resolve_config
-from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError, IntegrityError
+from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, IntegrityError
 from cpuckpt.roots import install_sigterm_handler, list_checkpoints
+from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import RamRoot, job_id_for
 from cpuckpt.transfer.images import ImageSet
@@ -89,14 +90,13 @@ class MemoryTier:
         self.group = checkpoint_group(process_group, self.config.timeout_s) if self.dist else None
         self.rank = dist.get_rank(self.group) if self.dist else 0
         self.world_size = dist.get_world_size(self.group) if self.dist else 1
-        if self.dist:  # one RAM root per node holds every rank's images: all ranks must share this host
-            hosts: list[Any] = [None] * self.world_size
-            dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-            if len(set(hosts)) > 1:
-                raise ConfigError(f"cpuckpt.MemoryTier runs on one node for now; ranks are on {sorted(set(hosts))} "
-                                  "(use cpuckpt.async_save to a shared durable root across nodes)")
         self.root = RamRoot.open(m.root or None, m.job or job_id_for(self.durable_root), self.rank,
                                  headroom_bytes=m.headroom_bytes)
+        # One RAM root per node (cpuckpt.tier.nodes): each node's slots hold its own ranks' images, and each
+        # node commits its own copy of a save when the ranks span several.
+        self.nodes = NodeMap.gather(node_key(self.root.path), self.rank, self.world_size, self.group)
+        self._node_commit = None if self.nodes.single else node_commit(self.nodes)
+        self.loads: list[tuple[Path, ReadStats]] = []  # (path, read statistics) of every load, oldest first
         # Memory saves: no fsync (RAM), and no `latest`/retention in the RAM root (those follow the durable commit).
         self.memory_config = dataclasses.replace(self.config, io=dataclasses.replace(self.config.io, fsync=False),
                                                  checkpoint=CheckpointConfig())
@@ -108,7 +108,7 @@ class MemoryTier:
         self.queue = PersistQueue(self.root.path / f"queue-{self.rank}").create()
         self._writer: subprocess.Popen | None = None
         newest_in_memory = next((path for path in self.candidates() if path in self.slots), None)
-        self._next = self._slot_after(newest_in_memory)
+        self._next = self._agree_next(self._slot_after(newest_in_memory))
         self._last: tuple[int | None, Path, Path] | None = None  # (step, dest, slot) of the newest memory save
         self.last_persist: PersistRequest | None = None
         self._respawn_failed: CpuckptError | None = None
@@ -125,6 +125,10 @@ class MemoryTier:
     def _slot_after(self, path: Path | None) -> int:
         """The ring's next slot after ``path`` (slot 0 when ``path`` is not a slot): it must not be overwritten."""
         return (self.slots.index(path) + 1) % len(self.slots) if path in self.slots else 0
+
+    def _agree_next(self, k: int) -> int:
+        """Across nodes every rank must fill the same slot index (a node's leader commits its own slot-k)."""
+        return k if self.nodes.single else self._agree([k])[0]
 
     # -- the writer process -----------------------------------------------------------------------
     def _ensure_writer(self) -> None:
@@ -200,7 +204,11 @@ class MemoryTier:
     def _drop_stale_images(self) -> None:
         """Images no committed checkpoint of this job can use any more (a rank beyond today's world, a file
         an older layout had) would hold RAM for nothing: this rank removes its own, rank 0 departed ranks'.
-        A slot's committed files stay (a restart loads them); an uncommitted slot's are only reused."""
+        A slot's committed files stay (a restart loads them); an uncommitted slot's are only reused.
+        Across nodes, a node's leader removes every image of a rank that is not on this node now (a restart
+        that moved ranks, or changed the world, restores from the durable tier), unless that rank's writer
+        here still runs (it may be persisting from them)."""
+        here = set(self.nodes.node_ranks)
         for slot in self.slots:
             manifest = read_manifest(slot) if check_complete(slot).complete else None
             keep = set(manifest.files) if manifest is not None else None
@@ -209,8 +217,10 @@ class MemoryTier:
                 if not owner.isdigit():
                     continue
                 mine, departed = int(owner) == self.rank, int(owner) >= self.world_size and self.rank == 0
-                if (mine and keep is not None and f.name not in keep) or (departed and (keep is None or
-                                                                                      f.name not in keep)):
+                moved = (not self.nodes.single and self.nodes.is_leader and int(owner) not in here
+                         and self.root.writer_alive(int(owner)) is None)
+                if (mine and keep is not None and f.name not in keep) or moved or (departed and (keep is None or
+                                                                                               f.name not in keep)):
                     logger.info("cpuckpt memory tier: removing stale image %s", f)
                     f.unlink(missing_ok=True)
 
@@ -292,9 +302,13 @@ class MemoryTier:
             time.sleep(0.01)
         if before_fill is not None:
             before_fill(slot)
+        if not self.nodes.single and self.nodes.is_leader:
+            # Each node's slot is made incomplete by its own leader before any byte of it changes (the
+            # coordinator clears only its own); async_save's planning collective orders this before every fill.
+            clear_commit(slot, fsync=False)
         handle = async_save(state_dict, slot, self.memory_config, step=step, process_group=self.process_group,
                             planner=planner, plan_key=plan_key, images=self.images[k],
-                            save_id=f"{self.root.job[:24]}-{token:016x}")
+                            save_id=f"{self.root.job[:24]}-{token:016x}", node_commit=self._node_commit)
         self._next = (k + 1) % len(self.slots)
         every = self.config.memory.persist_every
         if persist if persist is not None else bool(every) and step % every == 0:
@@ -348,15 +362,27 @@ class MemoryTier:
             time.sleep(0.01)
 
     def find_latest(self) -> Path | None:
-        """The newest checkpoint complete in either tier (memory first on equal steps); torn images never."""
+        """The newest checkpoint complete in either tier (memory first on equal steps); torn images never.
+
+        Across nodes: collective (see :meth:`candidates`).
+        """
         found = self.candidates()
         return found[0] if found else None
 
-    def candidates(self) -> list[Path]:
-        """Every complete checkpoint of both tiers, newest first (memory before durable on equal steps)."""
-        found = [(c.step, 1, d) for d in self.slots if (c := check_complete(d)).complete and c.step is not None]
+    def candidates(self, state_dict: dict[str, Any] | None = None, *, planner: Any = None) -> list[Path]:
+        """Every complete checkpoint of both tiers, newest first (memory before durable on equal steps).
+
+        Across nodes (ranks in several RAM roots) it is collective: a memory checkpoint is listed only
+        when every rank's node holds the files that rank needs (its load plan of ``state_dict`` with
+        ``planner`` when given, else its own files); the path listed is this rank's node's slot.
+        """
+        if self.nodes.single:
+            found = [(c.step, 1, d) for d in self.slots if (c := check_complete(d)).complete and c.step is not None]
+        else:
+            held = agree_held(held_saves(self.slots, self.rank, state_dict, planner), self.world_size, self.group)
+            found = [(step, 1, slot) for (step, _), slot in held.items()]
         found += [(c.step, 0, c.path) for c in list_checkpoints(self.durable_root) if c.complete and c.step is not None]
-        return [p for _, _, p in sorted(found, reverse=True)]
+        return [p for _, _, p in sorted(found, key=lambda f: (f[0], f[1], str(f[2])), reverse=True)]
 
     def load_latest(self, state_dict: dict[str, Any], *, planner: Any = None) -> Path | None:
         """Restart: load the newest checkpoint that loads cleanly, falling back to the next on damage.
@@ -365,15 +391,14 @@ class MemoryTier:
         every rank) is skipped with a warning naming why, so a damaged newest checkpoint costs some
         steps instead of becoming NaNs or a crash loop. Returns the path loaded, or None (nothing to load).
         """
-        for path in self.candidates():
+        for path in self.candidates(state_dict, planner=planner):
             try:
                 self.load(state_dict, path, planner=planner)
             except IntegrityError as e:
                 logger.warning("cpuckpt memory tier: %s does not verify (%s); falling back to the next newest",
                                path, e)
                 continue
-            if path in self.slots:
-                self._next = self._slot_after(path)
+            self._next = self._agree_next(self._slot_after(path) if path in self.slots else self._next)
             return path
         return None
 
@@ -386,7 +411,11 @@ class MemoryTier:
             if d == path:
                 images = {n: img for n in image_set.names if (img := image_set.get(n)) is not None}
         reader = StorageReader(path, self.config, images=images)
-        load(state_dict, path, self.config, process_group=self.process_group, planner=planner, storage_reader=reader)
+        try:
+            load(state_dict, path, self.config, process_group=self.process_group, planner=planner,
+                 storage_reader=reader)
+        finally:
+            self.loads.append((path, reader.last_stats))
 
     def step_of(self, path: str | os.PathLike) -> int | None:
         manifest = read_manifest(Path(path))
@@ -420,7 +449,7 @@ class MemoryTier:
     def close(self, *, persist_newest: bool = True, remove_root: bool = True) -> None:
         """Normal exit: the newest memory checkpoint is made durable, the writer stops, the RAM root goes.
 
-        Collective: the coordinator removes the shared root after every rank is done.
+        Collective: each node's leader removes its node's root after every rank is done.
 
         Raises:
             PersistError: a persist failed on some rank (the RAM root is then kept).
@@ -457,7 +486,7 @@ class MemoryTier:
                 raise errors[0]
             raise PersistError(f"rank {self.rank}: another rank failed to make its checkpoints durable (see its "
                                f"log); the memory checkpoints stay in {self.root.path}")
-        if remove_root and self.rank == 0:
+        if remove_root and self.nodes.is_leader:
             try:
                 self.root.remove()
             except CpuckptError as e:  # e.g. a forked child still holds a lock: leave it to `cpuckpt clean --ram`

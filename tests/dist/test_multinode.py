@@ -1,0 +1,256 @@
+"""The memory tier across nodes, launched as users launch it: two torchrun launches stand in for two nodes.
+
+Each launch is ``python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d
+--rdzv-endpoint 127.0.0.1:<port>`` with its own RAM root (``memory.root``) and one shared durable root;
+ranks come from the rendezvous (``--local-addr`` 127.0.0.1 / 127.0.0.2 keeps launch *i* rank *i*, so
+that "node 1" is known). A small linear model is trained by hand (plain tensors, momentum), saved to
+memory every step and persisted every 4th. Real processes, real files, real writer processes; nothing
+is mocked. Proven:
+
+1. both launches SIGKILLed (trainers, agents) after step 10, nothing deleted: the relaunch resumes from
+   the newest *memory* checkpoint (step 10, each node's own slot), bit-exact, and every byte it loads
+   comes from the RAM roots (the tier's read statistics name only slots: zero bytes from the durable root);
+2. trained on to step 14 (durable 12), then both SIGKILLed again, node 1's writer SIGKILLed by pid and
+   node 1's RAM root deleted: node 0 still holds step 14 in memory, but not every node does, so the
+   relaunch resumes from the newest *durable* checkpoint (step 12), bit-exact; it trains on and ``close``
+   makes step 16 durable.
+
+The worker is this file run as a script (``__main__``); it checks bit-exactness itself against a replay
+of the same deterministic training, and reports in JSON files the test reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(150)
+
+THIS = Path(__file__).resolve()
+TIMEOUT_S = 20  # the tier's own bound (collectives, writers)
+PHASE_S = 60  # the test's bound on one launch phase
+
+
+# ---------------------------------------------------------------------------------------- the worker
+
+
+def _init_state(rank: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(rank + 1)
+    return {f"r{rank}": {"w": torch.randn(8, 16, generator=g), "b": torch.zeros(8), "m": torch.zeros(8, 16),
+                         "step": 0}}
+
+
+def _train_step(state: dict, rank: int, step: int) -> None:
+    """One SGD-with-momentum step of a linear regression on data drawn from (rank, step)."""
+    import torch
+
+    s = state[f"r{rank}"]
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x, t = torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g)
+    e = x @ s["w"].T + s["b"] - t
+    s["m"].mul_(0.9).add_(2 * e.T @ x / 32)
+    s["w"].sub_(0.01 * s["m"])
+    s["b"].sub_(0.01 * 2 * e.mean(0))
+    s["step"] = step
+
+
+def _replay(rank: int, step: int) -> dict:
+    state = _init_state(rank)
+    for k in range(1, step + 1):
+        _train_step(state, rank, k)
+    return state
+
+
+def _bitexact(a: dict, b: dict) -> list[str]:
+    import torch
+
+    bad = []
+    for key in a:
+        x, y = a[key], b[key]
+        same = (torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if isinstance(x, torch.Tensor) else x == y)
+        if not same:
+            bad.append(key)
+    return bad
+
+
+def worker(argv: list[str]) -> int:
+    """One trainer rank: resume (or start), train to ``--until``, then hold (killed) or close."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ram", required=True)
+    ap.add_argument("--durable", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--phase", required=True)
+    ap.add_argument("--until", type=int, required=True)
+    ap.add_argument("--hold", action="store_true")
+    args = ap.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    import cpuckpt
+    from cpuckpt.backend.committed import check_complete
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = {"io": {"threads": 1, "backend": "buffered", "chunk_bytes": 64 * 1024}, "timeout_s": TIMEOUT_S,
+           "memory": {"root": args.ram, "persist_every": 4, "slots": 2, "headroom_bytes": 0}}
+    tier = cpuckpt.MemoryTier(args.durable, cfg)
+    out = Path(args.out)
+    slot_steps = [check_complete(s).step for s in tier.slots]
+    state = _init_state(rank)
+    path = tier.load_latest(state)
+    step = state[f"r{rank}"]["step"]
+    report = {"rank": rank, "pid": os.getpid(), "ram": args.ram, "slot_steps_before": slot_steps,
+              "loaded": str(path) if path else None, "in_memory": path in tier.slots, "step": step,
+              "bitexact_bad": _bitexact(state[f"r{rank}"], _replay(rank, step)[f"r{rank}"]),
+              "loads": [(str(p), st.nbytes) for p, st in tier.loads],
+              "slots": [str(s) for s in tier.slots]}
+    for k in range(step + 1, args.until + 1):
+        _train_step(state, rank, k)
+        h = tier.save(state, k)
+        h.wait()  # committed in memory on every node (tensors may change after staged; wait() covers it)
+    report["final_bad"] = _bitexact(state[f"r{rank}"], _replay(rank, args.until)[f"r{rank}"])
+    if args.hold:  # wait for the owed persists, then stand still until the test kills this node
+        tier.wait_persisted()
+        dist.barrier()
+        report["writer_pid"] = tier.writer_pid()
+        report["durable"] = sorted(c.step for c in cpuckpt.list_checkpoints(args.durable) if c.complete)
+        (out / f"{args.phase}-{rank}.json").write_text(json.dumps(report))
+        time.sleep(300)
+        return 3
+    tier.close()
+    report["durable"] = sorted(c.step for c in cpuckpt.list_checkpoints(args.durable) if c.complete)
+    (out / f"{args.phase}-{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ the test
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp: Path, node: int, phase: str, port: int, until: int, hold: bool) -> subprocess.Popen:
+    ram, out = tmp / f"ram{node}", tmp / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{phase}-{port}",
+           "--rdzv-conf", "join_timeout=40,read_timeout=40", "--local-addr", f"127.0.0.{node + 1}",
+           "--max-restarts", "0", "--monitor-interval", "0.5", str(THIS), "--ram", str(ram),
+           "--durable", str(tmp / "durable"), "--out", str(out), "--phase", phase, "--until", str(until)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = open(tmp / f"{phase}-node{node}.log", "ab")  # handed to the child, closed here after Popen
+    try:
+        return subprocess.Popen(cmd + (["--hold"] if hold else []), cwd=tmp, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        log.close()
+
+
+def _logs(tmp: Path, phase: str) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                     for p in sorted(tmp.glob(f"{phase}-node*.log")))
+
+
+def _kill_launch(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+def _kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool) -> tuple[list[dict], list[subprocess.Popen]]:
+    """Launch both nodes; return each rank's report (by rank) once written, and the launches."""
+    port = _free_port()
+    procs = [_launch(tmp, node, phase, port, until, hold) for node in (0, 1)]
+    deadline = time.monotonic() + PHASE_S
+    files = [tmp / "out" / f"{phase}-{r}.json" for r in (0, 1)]
+    try:
+        while not all(f.exists() for f in files) or (not hold and any(p.poll() is None for p in procs)):
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                why = "a launch failed" if failed else f"not done within {PHASE_S} s"
+                raise AssertionError(f"phase {phase}: {why}\n{_logs(tmp, phase)}")
+            time.sleep(0.2)
+    except BaseException:
+        for p in procs:
+            _kill_launch(p)
+        raise
+    return [json.loads(f.read_text()) for f in files], procs
+
+
+def _kill_node(tmp: Path, launch: subprocess.Popen, report: dict) -> None:
+    """SIGKILL a node's trainer (torchrun starts it in a session of its own) and its agent's process group."""
+    _kill_pid(report["pid"])
+    _kill_launch(launch)
+
+
+def _check_resume(reports: list[dict], phase: str, step: int, *, memory: bool) -> None:
+    for r in reports:
+        assert r["step"] == step, f"{phase} rank {r['rank']}: resumed at step {r['step']}, expected {step} ({r})"
+        assert r["in_memory"] is memory, f"{phase} rank {r['rank']}: loaded {r['loaded']}, memory={memory} expected"
+        assert not r["bitexact_bad"], f"{phase} rank {r['rank']}: {r['bitexact_bad']} differ from the replay"
+        assert not r["final_bad"], f"{phase} rank {r['rank']}: trained state differs from the replay"
+
+
+def test_two_nodes_resume_from_memory_then_from_disk_after_a_lost_ram_root(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    # Train steps 1..10: durable 4 and 8, memory slots 9 and 10 on both nodes.
+    reports, procs = _run_phase(tmp_path, "train", 10, hold=True)
+    for r in reports:
+        assert r["durable"] == [4, 8], f"rank {r['rank']}: durable steps {r['durable']}"
+        assert r["loaded"] is None, r
+    for launch, r in zip(procs, reports):
+        _kill_node(tmp_path, launch, r)
+
+    # 1. Nothing lost: resume from memory (step 10), only RAM bytes read.
+    reports, procs = _run_phase(tmp_path, "memory", 14, hold=True)
+    _check_resume(reports, "memory", 10, memory=True)
+    for r in reports:
+        assert r["loaded"] in r["slots"] and r["loaded"].startswith(r["ram"]), r
+        assert r["loads"] and all(p.startswith(r["ram"]) for p, _ in r["loads"]), \
+            f"rank {r['rank']}: reads outside its RAM root: {r['loads']}"
+        assert sum(n for _, n in r["loads"]) > 0, r["loads"]
+        assert r["durable"] == [4, 8, 12], f"rank {r['rank']}: durable steps {r['durable']}"
+    for launch, r in zip(procs, reports):
+        _kill_node(tmp_path, launch, r)
+    # 2. Node 1 lost its RAM: its writer killed by pid, its RAM root deleted.
+    node1 = next(r for r in reports if r["rank"] == 1)
+    _kill_pid(node1["writer_pid"])
+    shutil.rmtree(node1["ram"])
+
+    reports, _ = _run_phase(tmp_path, "disk", 16, hold=False)
+    _check_resume(reports, "disk", 12, memory=False)
+    by_rank = {r["rank"]: r for r in reports}
+    assert 14 in by_rank[0]["slot_steps_before"], f"node 0 should still hold step 14 in memory: {by_rank[0]}"
+    assert not any(by_rank[1]["slot_steps_before"]), f"node 1's RAM root was deleted: {by_rank[1]}"
+    for r in reports:
+        assert r["loaded"] == str(tmp_path / "durable" / "step_12"), r
+        assert r["durable"] == [4, 8, 12, 16], f"rank {r['rank']}: durable steps {r['durable']}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(worker(sys.argv[1:]))
