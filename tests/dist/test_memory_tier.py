@@ -482,3 +482,64 @@ def test_a_restart_removes_images_no_checkpoint_can_use(tmp_path):
     tier.load(out, tier.find_latest())  # the committed checkpoint is untouched
     H.assert_bitexact(out["r0"]["w"], _state(1, 0)["r0"]["w"], "after the clean-up")
     tier.close(persist_newest=False)
+
+
+def _two_nodes(durable: str, ram_base: str) -> dict:
+    """Rank body: each rank its own RAM root (two nodes on one host); step 1 durable, step 2 in memory only.
+
+    ``shared`` is the same on both ranks, so DCP deduplicates it into one rank's file: the node of the
+    other rank lacks a file its rank needs to load it.
+    """
+    import torch.distributed as dist
+
+    from cpuckpt.backend.committed import read_manifest
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    ram = Path(ram_base) / f"node{rank}"
+    tier = MemoryTier(durable, _cfg(ram, persist_every=0))
+
+    def state(step: int, *, shared: bool) -> dict:
+        own = {f"r{rank}": {**_state(step, rank)[f"r{rank}"], "step": step}}
+        return own | ({"shared": torch.arange(1000.0) * step} if shared else {})
+
+    def targets(*, shared: bool) -> dict:
+        own = {f"r{rank}": {**_targets(rank)[f"r{rank}"], "step": -1}}
+        return own | ({"shared": torch.empty(1000)} if shared else {})
+
+    tier.save(state(1, shared=True), 1, persist=True).wait()
+    tier.wait_persisted()
+    tier.save(state(2, shared=True), 2).wait()
+    out: dict = {"nodes": tier.nodes.nodes, "slot": str(tier.slots[1]),
+                 "files": sorted(read_manifest(tier.slots[1]).files)}
+    out["own_rule"] = [str(p) for p in tier.candidates()]
+    with_shared, without = targets(shared=True), targets(shared=False)
+    out["with_shared"] = str(tier.load_latest(with_shared))
+    expect = state(1, shared=True)
+    for key in ("w", "b"):
+        H.assert_bitexact(with_shared[f"r{rank}"][key], expect[f"r{rank}"][key], f"rank {rank} durable {key}")
+    H.assert_bitexact(with_shared["shared"], expect["shared"], f"rank {rank} durable shared")
+    out["without"] = str(tier.load_latest(without))
+    expect = state(2, shared=False)
+    for key in ("w", "b"):
+        H.assert_bitexact(without[f"r{rank}"][key], expect[f"r{rank}"][key], f"rank {rank} memory {key}")
+    out["steps"] = (with_shared[f"r{rank}"]["step"], without[f"r{rank}"]["step"])
+    tier.close(persist_newest=False)
+    out["removed"] = not ram.exists()
+    return out
+
+
+def test_ranks_in_separate_ram_roots_commit_per_node_and_restart_where_every_node_holds_what_it_needs(
+        run_ranks, tmp_path):
+    """Two RAM roots are two nodes: each node's slot is committed with only its ranks' files, and a memory
+    checkpoint is chosen only when every rank's node holds the files that rank's load plan reads."""
+    durable, ram = tmp_path / "durable", tmp_path / "ram"
+    res = run_ranks(2, _two_nodes, str(durable), str(ram))
+    for rank, r in enumerate(res):
+        assert r["nodes"] == 2, r
+        assert r["files"] and all(f.startswith(f"__{rank}_") for f in r["files"]), f"rank {rank}: {r['files']}"
+        assert r["own_rule"][0] == r["slot"], f"rank {rank}: own files are in memory: {r['own_rule']}"
+        assert r["with_shared"] == str(durable / "step_1"), f"rank {rank}: {r['with_shared']}"
+        assert r["without"] == r["slot"], f"rank {rank}: {r['without']}"
+        assert r["steps"] == (1, 2), r
+        assert r["removed"], f"rank {rank}: its node's RAM root was not removed at close"
