@@ -15,6 +15,10 @@ and :meth:`MemoryTier.persisted` says whether a step is durable.
 
 A slot is *held* while a persist of it is owed; a save that finds its slot held follows
 ``memory.when_full``. Ranks agree on that, and on a dead writer, in one all-reduce per save.
+
+Across nodes (ranks in several RAM roots: :mod:`cpuckpt.tier.nodes`) each node's slot holds its own
+ranks' images and is committed by its node's leader, complete for the ranks it holds; a restart loads a
+memory checkpoint only when every rank's node holds the files that rank reads, else a durable one.
 """
 
 from __future__ import annotations
@@ -379,7 +383,8 @@ class MemoryTier:
         if self.nodes.single:
             found = [(c.step, 1, d) for d in self.slots if (c := check_complete(d)).complete and c.step is not None]
         else:
-            held = agree_held(held_saves(self.slots, self.rank, state_dict, planner), self.world_size, self.group)
+            mine = held_saves(self.slots, self.rank, self.world_size, state_dict, planner)
+            held = agree_held(mine, self.world_size, self.group)
             found = [(step, 1, slot) for (step, _), slot in held.items()]
         found += [(c.step, 0, c.path) for c in list_checkpoints(self.durable_root) if c.complete and c.step is not None]
         return [p for _, _, p in sorted(found, key=lambda f: (f[0], f[1], str(f[2])), reverse=True)]

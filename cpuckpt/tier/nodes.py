@@ -150,16 +150,20 @@ def needed_files(metadata: Metadata, rank: int, state_dict: dict[str, Any] | Non
     return {info.relative_path for info in storage.values() if info.relative_path.startswith(prefix)}
 
 
-def held_saves(slots: list[Path], rank: int, state_dict: dict[str, Any] | None = None,
+def held_saves(slots: list[Path], rank: int, world_size: int, state_dict: dict[str, Any] | None = None,
                planner: Any = None) -> dict[Held, Path]:
-    """The memory checkpoints this rank's node holds complete *for this rank*, by (step, save id)."""
+    """The memory checkpoints this rank's node holds complete *for this rank*, by (step, save id).
+
+    A checkpoint of another world size is never held: the ranks' files sit on the nodes of the old
+    world, so a restart with a different world size reshards from the durable tier.
+    """
     out: dict[Held, Path] = {}
     for slot in slots:
         c = check_complete(slot)
         if not c.complete or c.step is None:
             continue
         manifest = read_manifest(slot)
-        if manifest is None or not manifest.save_id:
+        if manifest is None or not manifest.save_id or manifest.world_size != world_size:
             continue
         try:
             metadata = load_metadata(slot)

@@ -16,6 +16,8 @@ writer from a dead one. For every owed request of its queue (:mod:`cpuckpt.tier.
 4. coordinator only: wait for every rank's part, then commit (merged manifest, then ``.metadata``,
    as a trainer's commit does) and run ``latest``/retention per the config. No collective: a dead
    trainer cannot block it, and a rank whose part never comes fails the request after ``timeout_s``.
+   Across nodes its own slot holds only its node's files; it needs only the global ``.metadata`` and
+   the manifest's header from there (every node's slot has them), the parts come from the durable root.
 
 It exits when its trainer is gone and nothing is owed, or when asked to stop and nothing is owed.
 """
