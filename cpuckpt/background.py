@@ -35,13 +35,15 @@ from cpuckpt.backend.itemcache import CachedItems
 from cpuckpt.backend.telemetry import record_save
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import FailureReport, rank_error
+from cpuckpt.errors import ConfigError, FailureReport, rank_error
 from cpuckpt.format.plancache import CachedPlan, structure_signature
 from cpuckpt.roots import after_commit
 from cpuckpt.transfer.images import ImageSet
 from cpuckpt.transfer.threads import new_executor, wait_future
 
-__all__ = ["AsyncSaveHandle", "async_save", "wait_all"]
+__all__ = ["ORDERINGS", "AsyncSaveHandle", "async_save", "wait_all"]
+
+ORDERINGS = ("host", "stream")  # async_save(ordering=...): see its docstring
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +111,26 @@ class AsyncSaveHandle:
 
     def done(self) -> bool:
         return self._committed.done()
+
+    def wait_stream(self, stream: Any = None) -> None:
+        """Order GPU work after this rank's device-to-host copies, without blocking the host.
+
+        ``stream`` (a ``torch.cuda.Stream``; default: the current stream of the device the save copies
+        from) waits on a CUDA event recorded after the save's last copy, so kernels enqueued on it
+        afterwards may write any saved tensor. Call it before the first kernel that writes a saved
+        tensor, on every stream that writes one. Without GPU sources it does nothing (CPU tensors
+        are copied by ``staged``, or before ``async_save(ordering="stream")`` returns). Errors of the
+        copies are reported by ``staged.wait()`` and ``wait()``, never here.
+        """
+        job = self._writer.job
+        fence = getattr(job, "fence", None)
+        if fence is not None:
+            fence.order(stream)
+
+    @property
+    def copies_on_device(self) -> bool:
+        """Whether this save copies from a GPU (then ``wait_stream`` orders work after those copies)."""
+        return getattr(self._writer.job, "fence", None) is not None
 
     @property
     def save_id(self) -> str:
@@ -250,6 +272,7 @@ def async_save(
     images: ImageSet | None = None,
     save_id: str | None = None,
     node_commit: Callable[..., list[FailureReport | None] | None] | None = None,
+    ordering: str = "host",
 ) -> AsyncSaveHandle:
     """Save in the background: returns once the layout is planned and staging has begun.
 
@@ -278,6 +301,23 @@ def async_save(
             files are in (the memory tier across nodes: ``cpuckpt.tier.nodecommit``): called on every rank
             as ``node_commit(writer, gathered_results, commit_group, coordinator)`` on the committer thread,
             it returns the outcome agreed by every rank (None: committed), running its own collectives.
+        ordering: what the caller must do before changing a saved tensor (the contract below).
+
+    **Ordering contract.** ``"host"`` (the default): the call returns once planning is done and
+    staging has begun; no saved tensor (CPU or GPU) may change before ``handle.staged.wait()``
+    returned. ``"stream"`` (zero-stall, like DCP's ``DefaultStager`` with async staging, but ordered by
+    the trainer rather than by a host wait): the call returns once every CPU tensor's bytes and every
+    non-tensor value are in host memory (CPU tensors and objects may change at once) and every
+    device-to-host copy is *enqueued* on a side stream that waits for the caller's current stream.
+    GPU tensors may then be read freely, and written only by work ordered after
+    ``handle.wait_stream(stream)`` on each stream that writes them (a host-side ``staged.wait()``
+    also orders everything). Kernels that merely read saved tensors (a forward) overlap the copies.
+    The caching allocator cannot reuse a source's memory before the copies ran (``record_stream``),
+    and host-pool slots or image bytes are reused only once their copies completed (``staged`` and
+    ``wait`` keep their meaning). Saves that *stream* (``staging.mode: streaming``, a pool smaller
+    than the shard) still block inside the call until the last chunk has a slot; the contract holds
+    for them too. The ``dcp.async_save`` door cannot express a GPU-side wait: DCP completes its
+    staging future only after a host wait, which is its (correct) contract.
 
     A plan is reused when every rank finds its (planner class, ``plan_key``, structure signature)
     unchanged since its previous ``async_save`` on this process group (``format.plancache``: paths,
@@ -296,6 +336,8 @@ def async_save(
         >>> ...
         >>> h.wait()                 # durable and committed on every rank
     """
+    if ordering not in ORDERINGS:
+        raise ConfigError(f"async_save: ordering must be one of {', '.join(ORDERINGS)}, got {ordering!r}")
     cfg = resolve_config(config)
     ckpt = _checkpointer(process_group, cfg.timeout_s)
     while ckpt.in_flight and ckpt.in_flight[0]._reported:
@@ -324,6 +366,11 @@ def async_save(
     ckpt.in_flight.append(handle)
     inflight.track(handle)
     ckpt.committer.submit(ckpt.commit, handle)
+    if ordering == "stream" and writer.job is not None and writer.job.fence is None:
+        # No device copies: host threads copy the CPU tensors, and the contract lets them change once
+        # the call returned. (With device copies every host byte was copied on this thread while the
+        # copies were enqueued.) A failure is raised here and, agreed by every rank, by wait().
+        handle.staged.wait()
     return handle
 
 

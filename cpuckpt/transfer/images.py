@@ -49,7 +49,7 @@ from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
 from cpuckpt.transfer.save_job import _Stats
-from cpuckpt.transfer.staging import DeviceCopier, Slot, fill_chunk
+from cpuckpt.transfer.staging import CopyFence, DeviceCopier, Slot, fill_chunk
 from cpuckpt.transfer.threads import run_parallel, shared_executor, wait_future
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -399,6 +399,8 @@ class ImageJob:
         self._submitting = False
         self._finished = False
         self._t0 = 0.0
+        # GPU sources: the end of the copies enqueued so far (``AsyncSaveHandle.wait_stream``); None: host fills.
+        self.fence: CopyFence | None = None
 
     # -- public -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -490,12 +492,13 @@ class ImageJob:
     def _stage_on_device(self, device: torch.device) -> None:
         copier = DeviceCopier(device)  # copies wait for kernels already queued on the current stream
         copier.protect(self.sources)
+        fence = self.fence = CopyFence(device)
         last = None
         try:
             for chunk in self._chunks:
                 if self._cancel.is_set():
                     break
-                last = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
+                last = fence.event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
                 if self._checksum:
                     self._submit_checksum(chunk, last)
         except BaseException:

@@ -30,7 +30,7 @@ from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.files import FileBackend, fsync_dir, get_backend
-from cpuckpt.transfer.staging import DeviceCopier, HostPool, LeaseOrder, Slot, fill_chunk, get_pool
+from cpuckpt.transfer.staging import CopyFence, DeviceCopier, HostPool, LeaseOrder, Slot, fill_chunk, get_pool
 from cpuckpt.transfer.threads import shared_executor, wait_future
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -104,6 +104,9 @@ class SaveJob:
         self._fillers: cf.ThreadPoolExecutor | None = None
         self._t0 = 0.0
         self.started_at = 0.0  # perf_counter() when start() began
+        # GPU sources: the end of the device-to-host copies enqueued so far (``AsyncSaveHandle.wait_stream``).
+        # None: no device copies, so every byte is copied by host threads (``staged``).
+        self.fence: CopyFence | None = None
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -167,13 +170,14 @@ class SaveJob:
         pool = self._require(self._pool)
         copier = DeviceCopier(device)
         copier.protect(self.sources)
+        fence = self.fence = CopyFence(device)
         event = None
         for ticket, chunk in enumerate(self._chunks):
             if self._cancel.is_set():
                 return
             slot = pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
             try:
-                event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
+                event = fence.event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
             except BaseException:
                 pool.release(slot)
                 raise

@@ -31,7 +31,7 @@ from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.transfer.fillplan import FillProgram
 
 __all__ = [
-    "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "fill_chunk", "flat_bytes", "get_pool", "pool_state",
+    "CopyFence", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "fill_chunk", "flat_bytes", "get_pool", "pool_state",
     "release_pool",
 ]
 
@@ -268,6 +268,33 @@ def _host_program(layout: FileLayout, chunk: Chunk) -> FillProgram | None:
         return None
     program = programs.get(chunk.index)
     return program if program is not None and program.device is None else None
+
+
+class CopyFence:
+    """The end of a save's device-to-host copies, for ordering GPU work after them without a host wait.
+
+    ``event`` is recorded on the copier's side stream after the last copy enqueued so far;
+    ``devices`` are the CUDA devices the copies read from.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.event: Any = None
+        self.devices: set[torch.device] = {device}
+
+    def order(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current stream of every device in ``devices``) wait for the copies.
+
+        A GPU-side wait (``cudaStreamWaitEvent``): the host does not block. Kernels enqueued on that
+        stream afterwards run only once every copy enqueued before ``event`` has completed.
+        """
+        event = self.event
+        if event is None:
+            return
+        if stream is not None:
+            stream.wait_event(event)
+            return
+        for device in sorted(self.devices, key=str):
+            torch.cuda.current_stream(device).wait_event(event)
 
 
 class DeviceCopier:
