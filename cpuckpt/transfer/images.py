@@ -73,6 +73,19 @@ def _os_error(what: str, e: OSError, path: Path, nbytes: int | None = None) -> S
                           path=str(path), nbytes=nbytes, errno_=e.errno)
 
 
+def _consume_cuda_error() -> None:
+    """Clear the CUDA runtime's last error that a failed ``cudaHostRegister`` leaves behind.
+
+    (E.g. a file on a disk filesystem, not tmpfs.) The runtime keeps it until someone asks, and
+    PyTorch asks after its next kernel launch, which would then fail for no fault of its own (on the
+    H200: a device gather of the next save raised "invalid argument"). A tiny launch here takes it.
+    """
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:  # torch.AcceleratorError is a RuntimeError: the stale error, now cleared
+        pass
+
+
 class ImageFile:
     """One data file in a RAM root: preallocated, mapped MAP_SHARED once, pinned once (CUDA).
 
@@ -219,6 +232,7 @@ class ImageFile:
                 continue
             err = cudart.cudaHostRegister(self._base + off, n, 0)
             if int(err) != 0:
+                _consume_cuda_error()
                 logger.warning("cudaHostRegister of %d bytes of memory image %s failed (error %s); saving into it "
                                "unpinned", n, self.path, err)
                 self._unregister(list(self._regs))
