@@ -25,6 +25,16 @@ format with other storage. :func:`install`:
    non-persistent directory to the ring, and ``maybe_finalize_async_save(terminate=True)`` (the end
    of training) closes the tier.
 
+5. with ``megatron: {ordering: optimizer}``, wraps the ``step`` of every ``megatron.core.optimizer``
+   class (:func:`order_optimizer_steps`): async saves return once their device-to-host copies are
+   enqueued, the next forward and backward overlap them, and the next optimizer step first makes its
+   stream wait for them (a GPU-side wait). What Megatron-LM writes into saved tensors before that
+   step: MoE ``expert_bias`` (``finalize_model_grads``), cloned at save time by the strategy; with
+   ``--overlap-param-gather`` the next forward re-gathers parameters that ``force_param_sync`` already
+   made whole before the save (the same bytes: no step ran in between). Megatron-LM's ``--async-save``
+   uses the persistent caller, which does not synchronize the device; megatron-core's temporal caller
+   does (``torch.cuda.synchronize()`` before its fork), which removes the overlap but stays correct.
+
 Without ``--ckpt-format cpuckpt`` on the command line it changes nothing. Use it through the
 launcher (``python -m cpuckpt.integrations.megatron.launch pretrain_gpt.py ...``) or add one line
 at the top of the script: ``import cpuckpt.integrations.megatron as m; m.install()``.
@@ -43,7 +53,7 @@ from cpuckpt.errors import ConfigError
 
 from .settings import MegatronOptions, split_config
 
-__all__ = ["FORMAT", "Selection", "install", "rewrite_argv", "watch_megatron_lm_queue"]
+__all__ = ["FORMAT", "Selection", "install", "order_optimizer_steps", "rewrite_argv", "watch_megatron_lm_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +144,55 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
     module.TorchDistSaveShardedStrategy, module.TorchDistLoadShardedStrategy = classes
     if options.memory_tier:
         _route_to_memory_tier(cfg, module)
+    if options.ordering == "optimizer":
+        order_optimizer_steps()
+
+
+def order_optimizer_steps(base: type | None = None) -> list[str]:
+    """Wrap ``step`` of ``base`` (default: megatron-core's ``MegatronOptimizer``) and of every subclass
+    defining one, so each step first calls :func:`.strategy.order_pending_saves`; returns the classes' names.
+
+    A step that calls another wrapped step (``ChainedOptimizer``) orders once: the pending list is
+    emptied by the first. Classes defined after this call are covered through a wrapped base's
+    ``step`` only if they do not define their own.
+    """
+    import functools
+
+    from . import strategy
+
+    if base is None:
+        import megatron.core.optimizer  # noqa: F401  # defines the subclasses (distributed, fp16, chained)
+        from megatron.core.optimizer.optimizer import MegatronOptimizer as base
+
+    classes: list[type] = []
+    todo = [base]
+    while todo:
+        cls = todo.pop()
+        if cls not in classes:
+            classes.append(cls)
+            todo.extend(cls.__subclasses__())
+    names: list[str] = []
+    for cls in classes:
+        fn = cls.__dict__.get("step")
+        if fn is None:
+            continue
+        names.append(cls.__qualname__)
+        if getattr(fn, "_cpuckpt_ordered", False):
+            continue
+
+        def make(original: Any) -> Any:
+            @functools.wraps(original)
+            def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+                strategy.order_pending_saves()  # a GPU-side wait: the host does not block
+                return original(self, *args, **kwargs)
+
+            step._cpuckpt_ordered = True  # type: ignore[attr-defined]
+            return step
+
+        cls.step = make(fn)  # type: ignore[attr-defined]
+    strategy._STEPS_ORDERED = True
+    logger.info("cpuckpt: optimizer steps wait for pending checkpoint copies: %s", ", ".join(sorted(names)))
+    return names
 
 
 _MEMORY: Any = None  # the process's MegatronMemory (memory: true), made from Megatron-LM's arguments
@@ -253,7 +312,7 @@ def _training_classes(cfg: Config, options: MegatronOptions) -> tuple[type, type
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             # cpu_shm_mode (NVRx's worker-side staging) has no meaning here: staging is ours.
             super().__init__(cfg, reuse_plan=options.reuse_plan,
-                             memory=_memory(cfg) if options.memory_tier else None)
+                             memory=_memory(cfg) if options.memory_tier else None, ordering=options.ordering)
 
     class MegatronLMLoadStrategy(CpuckptLoadStrategy):
         """Built by Megatron-LM as ``TorchDistLoadShardedStrategy(cache_metadata=..., ...)``."""

@@ -50,12 +50,20 @@ class MegatronOptions:
             ``memory:`` section): non-persistent global saves become memory checkpoints in a RAM
             root, persistent saves memory checkpoints persisted to ``--save`` by a writer process
             (see :mod:`.memory`). Needs ``--async-save``; sync saves write to disk as before.
+        ordering: when an async save lets training go on. ``host`` (default): the strategy returns
+            once every byte is in host memory (the trainer waits for the device-to-host copy).
+            ``optimizer``: it returns once the copies are enqueued; the next forward and backward
+            overlap them, and the next optimizer step (every ``megatron.core.optimizer`` class's
+            ``step``, wrapped by the hook) makes its stream wait for them on the GPU. Tensors that
+            change before that step (MoE ``expert_bias``, updated in ``finalize_model_grads``) are
+            copied on the GPU at save time instead. Memory-tier saves keep ``host``.
     """
 
     on_failure: str = field(default="raise", metadata={"choices": ("raise", "continue")})
     heartbeat_timeout_s: float = field(default=60.0, metadata={"min": 2.0})
     reuse_plan: bool = True
     memory_tier: bool = False
+    ordering: str = field(default="host", metadata={"choices": ("host", "optimizer")})
 
 
 def _mapping(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> tuple[dict[str, Any] | None, str]:

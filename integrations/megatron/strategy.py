@@ -35,16 +35,45 @@ import cpuckpt
 from cpuckpt import faultpoint
 from cpuckpt.backend.collectives import checkpoint_group, gather_failures, raise_if_failed
 from cpuckpt.config import Config
-from cpuckpt.errors import CpuckptError
+from cpuckpt.errors import ConfigError, CpuckptError
 
 from . import compat
 from .memory import MegatronMemory
 from .settings import resolve_core
 from .worker import OK, PersistWait, new_channel, wait_for_commit
 
-__all__ = ["CpuckptLoadStrategy", "CpuckptSaveStrategy"]
+__all__ = ["EAGER_SUFFIXES", "CpuckptLoadStrategy", "CpuckptSaveStrategy", "order_pending_saves"]
 
 logger = logging.getLogger(__name__)
+
+# ordering="optimizer": saved tensors Megatron writes *before* the optimizer step, copied on the GPU at
+# save time (small). MoE routers' ``expert_bias`` is updated in ``finalize_model_grads``.
+EAGER_SUFFIXES = ("expert_bias",)
+
+_PENDING: list[Any] = []  # handles of saves whose device copies no optimizer step was ordered after yet
+_STEPS_ORDERED = False  # set by hook.order_optimizer_steps: every optimizer step calls order_pending_saves
+
+
+def order_pending_saves() -> int:
+    """Make the current stream wait (on the GPU) for the copies of every save not yet ordered; returns how many.
+
+    Called at the start of each optimizer step (ordering ``optimizer``), before the first kernel that
+    writes a saved tensor after the save returned (see :class:`CpuckptSaveStrategy`).
+    """
+    pending, _PENDING[:] = list(_PENDING), []
+    for handle in pending:
+        handle.wait_stream()
+    return len(pending)
+
+
+def _snapshot_eager(sharded_state_dict: dict[str, Any]) -> int:
+    """Replace the data of saved tensors written before the optimizer step by GPU copies (stream-ordered)."""
+    n = 0
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedTensor) and sh.key.endswith(EAGER_SUFFIXES) and sh.data is not None:
+            sh.data = sh.data.detach().clone()  # on the trainer's stream: the save's copies wait for it
+            n += 1
+    return n
 
 
 class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
@@ -69,15 +98,28 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         keep_only_main_replica: as for megatron-core's ``TorchDistSaveShardedStrategy``.
         reuse_plan: reuse plans as above (default); False plans every save with DCP unless
             ``use_cached_ckpt_structure`` is set.
+        ordering: ``host`` (default): ``async_save`` returns once every byte is in host memory.
+            ``optimizer``: it returns once the device-to-host copies are enqueued
+            (:func:`cpuckpt.async_save` with ``ordering="stream"``: CPU tensors and objects are copied
+            before the return); the caller's next optimizer step must call :func:`order_pending_saves`
+            first (Megatron-LM: the hook wraps every ``megatron.core.optimizer`` step; others call
+            ``hook.order_optimizer_steps()``, checked here). Saved tensors that change before that
+            step (:data:`EAGER_SUFFIXES`: MoE ``expert_bias``) are cloned on the GPU at save time.
+            Memory-tier saves keep ``host``. megatron-core's temporal caller runs
+            ``torch.cuda.synchronize()`` before it forks, which waits for the copies anyway (correct,
+            no overlap); the persistent caller (``--use-persistent-ckpt-worker``) does not.
     """
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *,
                  keep_only_main_replica: bool = True, reuse_plan: bool = True,
-                 memory: MegatronMemory | None = None) -> None:
+                 memory: MegatronMemory | None = None, ordering: str = "host") -> None:
         super().__init__(backend="torch_dist", version=1, keep_only_main_replica=keep_only_main_replica)
         self.config = resolve_core(config)  # a megatron: block (the adapter's own keys) is allowed
         self.reuse_plan = reuse_plan
         self.memory = memory  # routes async saves of Megatron-LM's iter_<N> directories into the memory tier
+        if ordering not in ("host", "optimizer"):
+            raise ConfigError(f"CpuckptSaveStrategy: ordering must be host or optimizer, got {ordering!r}")
+        self.ordering = ordering
         self.last_save_stats: Any = None  # cpuckpt.background.SaveStats of the last async_save
 
     def _to_pyt(self, sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -108,12 +150,19 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         :mod:`.memory`); for a persistent one the worker also waits for the writer process's persist.
         """
         planner = self._planner()
-        state = self._to_pyt(sharded_state_dict)
         route = self.memory.route(checkpoint_dir) if self.memory is not None else None
+        overlap = self.ordering == "optimizer" and route is None
+        if overlap:
+            if not _STEPS_ORDERED:
+                raise ConfigError("megatron.ordering optimizer: no optimizer step waits for the save's copies; "
+                                  "call cpuckpt.integrations.megatron.hook.order_optimizer_steps() first "
+                                  "(hook.install() does), or use ordering host")
+            _snapshot_eager(sharded_state_dict)
+        state = self._to_pyt(sharded_state_dict)
         persist = None
         if route is None:
             handle = cpuckpt.async_save(state, checkpoint_dir, self.config, planner=planner,
-                                        plan_key=self._plan_key(planner))
+                                        plan_key=self._plan_key(planner), ordering="stream" if overlap else "host")
         else:
             handle, request = self.memory.save(state, route, planner=planner, plan_key=self._plan_key(planner))
             if request is not None:
@@ -124,7 +173,10 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         channel = new_channel(rank)
         handle.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
         try:
-            handle.staged.wait()  # after this the trainer may change any saved tensor
+            if overlap:
+                _PENDING.append(handle)  # the next optimizer step orders itself after the copies
+            else:
+                handle.staged.wait()  # after this the trainer may change any saved tensor
         except BaseException:
             channel.remove()  # the save fails on (handle.wait raises it at the next async_save/wait_all)
             raise

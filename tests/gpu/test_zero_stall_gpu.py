@@ -1,0 +1,134 @@
+"""Zero-stall saves on the GPU: ``async_save(ordering="stream")`` + ``handle.wait_stream()``.
+
+Run on the device machine (``pytest -m gpu tests/gpu/test_zero_stall_gpu.py``); skipped without CUDA.
+The CPU half of the contract runs in CI (tests/dist/test_zero_stall.py).
+
+Each test first queues a ~50 ms ``torch.cuda._sleep`` on the trainer's stream, so the save's side
+stream (which waits for the trainer's stream) and the mutations queued after the call all start when
+the sleep ends, whatever the Python launch latency: the race is then decided on the GPU alone. The
+mutation of a 512 MiB tensor takes well under a millisecond; its copy to the host ~10 ms or more.
+
+- with ``wait_stream()`` before a kernel chain that changes every byte of every saved tensor
+  (including a "running mean" buffer written by a forward), the checkpoint holds the values of the
+  save's step, bit-exact (pool and memory-tier images); a read-only "forward" before the wait overlaps;
+- the negative control: the same mutation without ``wait_stream()`` lands in the checkpoint (torn),
+  so the positive test would have seen it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import cpuckpt
+from cpuckpt.transfer.images import ImageSet
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the device machine)"),
+]
+
+CFG = {"io": {"chunk_bytes": "16MiB", "threads": 4}, "staging": {"mode": "snapshot"}, "timeout_s": 120}
+SLEEP_CYCLES = 100_000_000  # ~50 ms at ~2 GHz
+
+
+@pytest.fixture
+def ram_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on tmpfs (/dev/shm) where there is one (images are pinned there), else under tmp_path."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="cpuckpt-test-") as d:
+            yield Path(d)
+    else:
+        yield tmp_path / "ram"
+
+
+def _state() -> dict:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    return {
+        "big": torch.randn(128 * 1024 * 1024, device="cuda", generator=g),  # 512 MiB
+        "w": torch.randn(1024, 1024, device="cuda", generator=g),
+        "bf16": torch.randn(4096, device="cuda", generator=g).to(torch.bfloat16),
+        "i64": torch.randint(0, 1 << 40, (1000,), device="cuda", generator=g),
+        "running_mean": torch.randn(1024, device="cuda", generator=g),  # a buffer the "forward" writes
+        "cpu": torch.arange(1000, dtype=torch.int64),
+        "meta": {"step": 7},
+    }
+
+
+def _expected(sd: dict) -> dict:
+    torch.cuda.synchronize()
+    return {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else dict(v)) for k, v in sd.items()}
+
+
+def _mutate_on_stream(sd: dict) -> None:
+    """A chain of kernels on the current stream: a forward that writes the buffer, then every byte of every
+    GPU tensor changed (+3 on each byte: three in-place passes); the CPU tensor and the object too."""
+    with torch.no_grad():
+        x = sd["w"] @ sd["w"]  # "forward"
+        sd["running_mean"].mul_(0.5).add_(x[:, :1].squeeze(1))  # a BatchNorm-style buffer update
+        for _ in range(3):
+            for k, v in sd.items():
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    v.view(torch.uint8).add_(1)
+    sd["cpu"].add_(1)
+    sd["meta"]["step"] = -1
+
+
+def _checkpoint(path: Path, like: dict) -> dict:
+    dest = {k: (torch.empty_like(v, device="cpu") if isinstance(v, torch.Tensor) else {"step": -99})
+            for k, v in like.items()}
+    cpuckpt.load(dest, path)
+    return dest
+
+
+def _differing_tensors(got: dict, want: dict) -> list[str]:
+    return [k for k, v in want.items()
+            if isinstance(v, torch.Tensor) and not torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))]
+
+
+def _save_and_mutate(sd: dict, path: Path, *, order: bool, images: ImageSet | None = None) -> cpuckpt.AsyncSaveHandle:
+    torch.cuda._sleep(SLEEP_CYCLES)  # everything below is queued before any of it runs
+    h = cpuckpt.async_save(sd, path, CFG, ordering="stream", images=images)
+    assert h.copies_on_device
+    with torch.no_grad():
+        _ = sd["big"].sum()  # a read-only kernel: may overlap the copies
+    if order:
+        h.wait_stream()
+    _mutate_on_stream(sd)
+    return h
+
+
+@pytest.mark.parametrize("target", ["pool", "images"])
+def test_mutations_after_wait_stream_are_not_saved(tmp_path: Path, ram_dir: Path, target: str) -> None:
+    sd = _state()
+    want = _expected(sd)
+    images = ImageSet(ram_dir / "slot", pin=True) if target == "images" else None
+    path = ram_dir / "slot" if images is not None else tmp_path / "ckpt"
+    h = _save_and_mutate(sd, path, order=True, images=images)
+    h.wait()
+    torch.cuda.synchronize()
+    mutated = _expected(sd)
+    assert _differing_tensors(mutated, want) == [k for k, v in want.items() if isinstance(v, torch.Tensor)], \
+        "the mutation must have changed every saved tensor (test sanity)"
+    got = _checkpoint(path, want)
+    assert _differing_tensors(got, want) == [], f"{target}: the checkpoint holds values written after the save"
+    assert got["meta"] == {"step": 7}
+    if images is not None:
+        images.close()
+
+
+def test_without_wait_stream_the_checkpoint_is_torn(tmp_path: Path) -> None:
+    """Negative control: the same mutation, not ordered after the copies, reaches the checkpoint."""
+    sd = _state()
+    want = _expected(sd)
+    h = _save_and_mutate(sd, tmp_path / "ckpt", order=False)
+    h.wait()
+    got = _checkpoint(tmp_path / "ckpt", want)
+    torn = _differing_tensors(got, want)
+    assert "big" in torn, f"expected the unordered mutation to reach the 512 MiB tensor's copy, torn: {torn}"
+    assert "cpu" not in torn and got["meta"] == {"step": 7}  # host values are snapshotted before the return
