@@ -21,6 +21,20 @@ background by default, see ``background_commit``), or at ``engine.destroy()`` or
 checkpoint back in the same job (``load_checkpoint`` reads ``latest`` itself) and before tearing the
 process group down without ``engine.destroy()``.
 
+Every tag the engine writes gets a hidden completion marker (``<tag>/.cpuckpt-complete.json``,
+written after every rank's files are durable and before ``latest`` moves; see :mod:`.marker`).
+:func:`check_tag` says whether a tag is complete, :func:`find_latest` names the newest complete
+one, and :func:`check_before_load` (collective) refuses a torn tag on every rank, verifying every
+chunk's crc32c with ``verify=True``. The engine's own ``load`` refuses files of a torn tag.
+
+With ``memory_dir`` set (a node-local tmpfs directory), checkpoints go there first and every
+``persist_every``-th to ``save_dir``; at restart, :func:`latest_dir` names the directory (and tag)
+holding the newer complete checkpoint::
+
+    found = ckpt_ds.latest_dir(save_dir, memory_dir)
+    if found is not None:
+        engine.load_checkpoint(str(found.directory), tag=found.tag)
+
 Importing this module does not import DeepSpeed; the engine class is loaded on first use.
 """
 
@@ -29,11 +43,15 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from .marker import LatestTag, TagMarker, TagStatus, check_tag, find_latest, latest_dir, require_complete
 from .settings import Settings, resolve_settings
 
-__all__ = ["Settings", "attach", "commit_pending", "install", "installed", "make_engine", "uninstall"]
+__all__ = ["LatestTag", "Settings", "TagMarker", "TagStatus", "attach", "check_before_load", "check_tag",
+           "commit_pending", "find_latest", "install", "installed", "latest_dir", "make_engine", "require_complete",
+           "uninstall"]
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}  # "original": DeepSpeed's factory, "config": install()'s settings
@@ -158,3 +176,50 @@ def commit_pending(engine: Any) -> None:
         engine._commit_decoupled_checkpoint()
     if ckpt is not None and hasattr(ckpt, "wait"):
         ckpt.wait()  # a background commit: durable and `latest` written when this returns
+
+
+def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, verify: bool = True,
+                      allow_unmarked: bool = False) -> TagMarker | None:
+    """Refuse, on every rank, a tag that is not complete; call it on every rank before ``load_checkpoint``.
+
+    Every rank checks the marker and every listed file's size; with ``verify``, each rank also
+    reads its share of the files (those it wrote, when the world size is the saving one) and
+    compares every chunk's crc32c. One all-gather of the outcomes (when torch.distributed is
+    initialised) makes every rank raise the same error.
+
+    Args:
+        save_dir: the directory to load from (``save_dir``, ``memory_dir`` or ``latest_dir(...).directory``).
+        tag: the tag; None: the one ``save_dir/latest`` names.
+        verify: compare the crc32c the marker records (files saved with ``integrity.checksum: none``
+            are checked by size only).
+        allow_unmarked: accept a tag that stock DeepSpeed wrote (no cpuckpt files to check).
+
+    Returns:
+        The tag's marker (None for an accepted unmarked tag).
+
+    Raises:
+        IntegrityError: the tag is missing, torn, or unmarked (unless allowed); ``CheckpointCorrupt``
+            when a chunk's crc32c differs. The same class and message on every rank.
+    """
+    import torch.distributed as dist
+
+    from cpuckpt.backend.collectives import checkpoint_group, gather_failures, raise_if_failed
+
+    from .marker import _refusal, owned_files, verify_files
+
+    group = checkpoint_group()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
+    error: BaseException | None = None
+    marker: TagMarker | None = None
+    try:
+        marker = require_complete(save_dir, tag, allow_unmarked=allow_unmarked)
+        if verify and marker is not None:
+            tag_dir = Path(save_dir) / marker.tag
+            problems = verify_files(tag_dir, marker, owned_files(marker, rank, world))
+            if problems:
+                raise _refusal(TagStatus(tag_dir, "torn", marker, tuple(problems)))
+    except Exception as e:
+        error = e
+    raise_if_failed(gather_failures(error, rank, group), f"checking DeepSpeed checkpoint {save_dir} before loading",
+                    error)
+    return marker

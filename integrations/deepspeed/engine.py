@@ -6,7 +6,8 @@ from ``engine.step()`` before the next optimizer update, or from ``engine.destro
 ``cleanup()``. ``get_commit_info()`` hands DeepSpeed the tag with ``save_latest=False``, so
 DeepSpeed never writes ``latest`` itself (it would write it in place, not atomically). Committing
 means: wait until this rank's files and directory are fsynced, agree with every rank (one gloo
-all-gather of failure reports), then rank 0 writes ``latest`` via tmp + fsync + rename.
+all-gather of failure reports and written files), then rank 0 writes the tag's completion marker
+and ``latest`` via tmp + fsync + rename.
 
 With ``background_commit`` (the default for async saves) the commit DeepSpeed requests from
 ``engine.step()`` runs on a background thread with its own gloo group, so the step does not wait
@@ -17,17 +18,32 @@ Commits that DeepSpeed makes right after ``create`` with the same info object
 (``save_16bit_model``), and the one in ``cleanup``, block: their callers expect durable files on
 return.
 
+Completion marker (:mod:`.marker`): before a rank writes its first byte into ``<save_dir>/<tag>``,
+it removes the tag's ``.cpuckpt-complete.json`` and creates ``.cpuckpt-saving`` (directory
+fsynced). The commit's all-gather carries each rank's files (sizes, per-chunk crc32c) and the
+global step; rank 0 then writes the marker atomically, then ``latest``, and a second all-gather
+tells every rank the outcome. ``load`` refuses a file of a torn tag. With ``memory_dir``, the files
+of a checkpoint's tag go there instead (no fsync; its own marker and ``latest``), except every
+``persist_every``-th checkpoint, which goes to ``save_dir``.
+
 Every file has exactly the name and the bytes layout DeepSpeed's ``torch.save`` would give it, so
-``zero_to_fp32``, ``ds_to_universal`` and a stock ``TorchCheckpointEngine`` read it.
+``zero_to_fp32``, ``ds_to_universal`` and a stock ``TorchCheckpointEngine`` read it (the two hidden
+files are never opened by them).
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import logging
+import os
+import shutil
+import socket
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +52,16 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from cpuckpt.backend.collectives import checkpoint_group, gather_failures, new_gloo_group, raise_if_failed
-from cpuckpt.errors import CpuckptError, StagingError
+from cpuckpt.backend.ramread import in_ram
+from cpuckpt.config import Config
+from cpuckpt.errors import ConfigError, CpuckptError, FailureReport, StagingError
+from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.save_job import SaveJob
 from cpuckpt.transfer.staging import get_pool
 from cpuckpt.transfer.threads import new_executor, wait_future
 
+from .marker import MARKER_NAME, SAVING_NAME, TagFile, _refusal, check_tag, new_marker, open_tag, write_marker
 from .settings import Settings, resolve_settings
 from .torchfile import chunk_count, layout_torch_file
 
@@ -75,6 +95,27 @@ def _log_failure(fut: cf.Future[None]) -> None:
                      "commit_pending or destroy): %s", err)
 
 
+@dataclass
+class _Checkpoint:
+    """One ``save_checkpoint`` (or ``save_16bit_model``) of this rank, from ``create`` to its commit."""
+
+    info: CheckpointCommitInfo
+    memory: bool = False  # its tag is written to memory_dir (no fsync), not to save_dir
+    jobs: list[SaveJob] = field(default_factory=list)  # async saves still being written
+    written: list[tuple[Path, FileEntry]] = field(default_factory=list)  # sync saves, durable
+    opened: set[Path] = field(default_factory=set)  # tag directories made incomplete by this rank
+    global_step: int | None = None  # from the model states file, when this rank wrote one
+
+    @property
+    def tag_dir(self) -> Path:
+        """Where the tag's files go (``save_dir/tag``, or ``memory_dir/tag`` for a memory save)."""
+        return Path(os.path.abspath(self.info.save_dir)) / self.info.tag
+
+    def root(self, settings: Settings) -> Path:
+        """The directory that holds this checkpoint's tag, marker and ``latest``."""
+        return Path(os.path.abspath(settings.memory_dir)) if self.memory else Path(os.path.abspath(self.info.save_dir))
+
+
 class CpuckptCheckpointEngine(CheckpointEngine):
     """Writes DeepSpeed's checkpoint files with cpuckpt: one copy into the host pool, parallel pwrite.
 
@@ -88,10 +129,14 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self.name = ENGINE_NAME
         self.settings = settings if isinstance(settings, Settings) else resolve_settings(settings)
         self._info: CheckpointCommitInfo | None = None
+        self._ckpt: _Checkpoint | None = None
         self._jobs: list[SaveJob] = []
         self._background: cf.Future[None] | None = None
         self._committer: cf.ThreadPoolExecutor | None = None
         self._commit_group: Any = None
+        self._tags_committed = 0  # checkpoints with files in a tag directory, agreed by every rank
+        self._memory_cfg = _memory_config(self.settings.core) if self.settings.memory_dir else None
+        self._memory_checked = False
         self.last_save_s = 0.0
         self.last_commit_s = 0.0
 
@@ -103,47 +148,82 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             self.commit(self._info)
         self.wait()
         self._info = info
+        st = self.settings
+        memory = bool(st.memory_dir) and (self._tags_committed + 1) % st.persist_every != 0
+        if memory and not self._memory_checked:
+            root = Path(st.memory_dir)
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not in_ram(root / "latest"):
+                logger.warning("memory_dir %s is not on a RAM filesystem (tmpfs): memory checkpoints are "
+                               "written there without fsync all the same", root)
+            self._memory_checked = True
+        self._ckpt = _Checkpoint(info, memory=memory)
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` to exactly ``path`` as a torch.save-compatible file.
+
+        A file of the checkpoint's tag directory goes to ``memory_dir`` instead when this save is a
+        memory save. Before this rank's first byte into a tag directory, its completion marker is
+        removed (see :mod:`.marker`).
 
         Async: returns once every tensor byte is copied into the host pool; the caller may then
         change its tensors. Otherwise returns once the file is durable. A failure raises here (or,
         async, at ``commit``).
         """
         t0 = time.perf_counter()
-        st, cfg = self.settings, self.settings.core
+        st = self.settings
+        ckpt = self._ckpt
+        target, in_tag = self._route(path)
+        cfg = self._memory_cfg if ckpt is not None and ckpt.memory and in_tag and self._memory_cfg else st.core
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         try:
+            if ckpt is not None and in_tag and target.parent not in ckpt.opened:
+                open_tag(target.parent, fsync=cfg.io.fsync)
+                ckpt.opened.add(target.parent)
+            if ckpt is not None and isinstance(state_dict, Mapping) and isinstance(state_dict.get("global_steps"), int):
+                ckpt.global_step = state_dict["global_steps"]
             files, sources = layout_torch_file(state_dict, cfg, storage_alignment=st.storage_alignment)
             # Sync saves stream through the small pool (bounded host memory) unless told otherwise.
             mode = "snapshot" if st.async_save or cfg.staging.mode == "snapshot" else "streaming"
             if st.async_save:
                 self._reserve_pool(chunk_count(files[0].nbytes, cfg))
-            job = SaveJob(Path(path).parent, [Path(path).name], files, sources, cfg, rank=rank, mode=mode)
+            job = SaveJob(target.parent, [target.name], files, sources, cfg, rank=rank, mode=mode)
             job.start()
             if st.async_save:
                 self._jobs.append(job)
                 job.wait_staged()
             else:
-                job.wait_done()
+                entries = job.wait_done()
+                if ckpt is not None:
+                    ckpt.written.append((target, entries[0]))
         except BaseException:
             self._abandon()
             raise
         self.last_save_s = time.perf_counter() - t0
-        logger.debug("rank %d: %s staged in %.3f s (%d bytes)", rank, path, self.last_save_s, files[0].nbytes)
+        logger.debug("rank %d: %s staged in %.3f s (%d bytes)", rank, target, self.last_save_s, files[0].nbytes)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """``torch.load(weights_only=True)`` with DeepSpeed's few globals allowed; never unrestricted.
 
         A background commit still running is waited for first (its files may be the ones asked for).
+        A file of a tag directory that cpuckpt's engine left torn (its save never committed, or a
+        listed file missing or of another size) is refused, on every rank that loads from it; files
+        of tags written by stock DeepSpeed (no cpuckpt files) load as they are.
+
+        Raises:
+            IntegrityError: the tag is torn (the message names it and what is wrong).
         """
         self.wait()
+        tag_dir = Path(path).parent
+        if (tag_dir / MARKER_NAME).exists() or (tag_dir / SAVING_NAME).exists():
+            status = check_tag(tag_dir.parent, tag_dir.name)
+            if not status.complete:
+                raise _refusal(status)
         with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
             return torch.load(path, map_location=map_location, weights_only=True)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """Make the checkpoint durable on every rank, then (rank 0) write ``latest`` atomically.
+        """Make the checkpoint durable on every rank, then (rank 0) write its marker and ``latest``.
 
         Collective: every rank calls it (DeepSpeed does, from ``step()``/``destroy()``). With
         ``background_commit`` the commit requested by ``step()`` continues in the background and
@@ -156,16 +236,16 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         """
         direct = info is self._info  # DeepSpeed's save_16bit_model commits the very object it created
         self.wait()  # commits stay ordered; an earlier failure is raised first
-        pending = self._info if self._info is not None else info
-        self._info = None
-        jobs, self._jobs = self._jobs, []
+        ckpt = self._ckpt if self._ckpt is not None and self._info is not None else _Checkpoint(info)
+        self._info = self._ckpt = None
+        ckpt.jobs, self._jobs = self._jobs, []
         if self.settings.async_save and self.settings.background_commit and not direct:
             group = self._background_group()
-            fut = self._background_executor().submit(self._finish, pending, jobs, group)
+            fut = self._background_executor().submit(self._finish, ckpt, group)
             fut.add_done_callback(_log_failure)  # told at once, even if nobody waits for it
             self._background = fut
             return True
-        self._finish(pending, jobs, checkpoint_group())
+        self._finish(ckpt, checkpoint_group())
         return True
 
     def wait(self, timeout: float | None = None) -> None:
@@ -180,27 +260,65 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             if fut.done():  # a timeout keeps it: its slots are still in use, its outcome still owed
                 self._background = None
 
-    def _finish(self, pending: CheckpointCommitInfo, jobs: list[SaveJob], group: Any) -> None:
+    def _finish(self, ckpt: _Checkpoint, group: Any) -> None:
+        """Durable files on every rank -> one all-gather -> rank 0: marker, ``latest`` -> one all-gather."""
         t0 = time.perf_counter()
-        error = self._wait_jobs(jobs)
+        pending = ckpt.info
+        error, written = self._wait_jobs(ckpt.jobs)
         rank = dist.get_rank() if group is not None else 0
+        root = ckpt.root(self.settings)
+        tag_dir = root / pending.tag
+        mine: dict[str, TagFile] = {}
+        for path, entry in [*ckpt.written, *written]:
+            if path.parent == tag_dir or tag_dir in path.parents:
+                mine[path.relative_to(tag_dir).as_posix()] = TagFile.of(entry, rank)
+        report = (None if error is None else FailureReport.of(error, rank), mine, ckpt.global_step,
+                  socket.gethostname())
+        gathered = _all_gather(report, group)
         # Every rank raises the same error (the lowest failing rank's class: StorageIOError with
         # errno/path for an OSError), chained to its own original where it has one.
-        raise_if_failed(gather_failures(error, rank, group),
-                        f"checkpoint {pending.tag} in {pending.save_dir} ('latest' not updated)", error)
-        if pending.save_latest:
-            # Rank 0 writes; a second collective tells every rank the outcome, so that ``latest`` is
-            # in place (or the failure raised) on every rank when the commit ends.
-            latest_error: BaseException | None = None
+        raise_if_failed([g[0] for g in gathered],
+                        f"checkpoint {pending.tag} in {root} ('latest' not updated)", error)
+        files = {name: f for g in gathered for name, f in g[1].items()}
+        steps = [g[2] for g in gathered if g[2] is not None]
+        if ckpt.memory and files and len({g[3] for g in gathered}) > 1:
+            raise ConfigError(f"memory_dir {root}: ranks on several hosts ({sorted({g[3] for g in gathered})}); "
+                              "a node-local memory directory needs every rank on one host (unset memory_dir)")
+        fsync = self.settings.core.io.fsync and not ckpt.memory
+        if files or pending.save_latest:
+            # Rank 0 writes; a second collective tells every rank the outcome, so that the marker and
+            # ``latest`` are in place (or the failure raised) on every rank when the commit ends.
+            final_error: BaseException | None = None
             if rank == 0:
                 try:
-                    write_atomic(Path(pending.save_dir) / "latest", pending.tag.encode(),
-                                 fsync=self.settings.core.io.fsync)
+                    if files:
+                        marker = new_marker(pending.tag, len(gathered), files, max(steps) if steps else None)
+                        write_marker(tag_dir, marker, fsync=fsync)
+                    if pending.save_latest:
+                        write_atomic(root / "latest", pending.tag.encode(), fsync=fsync)
+                    if ckpt.memory and pending.save_latest:
+                        _drop_old_memory_tags(root, pending.tag, self.settings.memory_keep)
                 except BaseException as e:
-                    latest_error = e
-            raise_if_failed(gather_failures(latest_error, rank, group),
-                            f"checkpoint {pending.tag}: writing {pending.save_dir}/latest", latest_error)
+                    final_error = e
+            raise_if_failed(gather_failures(final_error, rank, group),
+                            f"checkpoint {pending.tag}: writing its marker and {root}/latest", final_error)
+        if files:
+            self._tags_committed += 1
         self.last_commit_s = time.perf_counter() - t0
+        logger.debug("rank %d: checkpoint %s committed in %s (%d files)", rank, pending.tag, root, len(files))
+
+    def _route(self, path: str) -> tuple[Path, bool]:
+        """(where ``path`` is written, whether it lies in the checkpoint's tag directory)."""
+        p = Path(os.path.abspath(path))
+        ckpt = self._ckpt
+        if ckpt is None:
+            return p, False
+        tag_dir = ckpt.tag_dir
+        if p.parent != tag_dir and tag_dir not in p.parents:
+            return p, False
+        if ckpt.memory:
+            return ckpt.root(self.settings) / ckpt.info.tag / p.relative_to(tag_dir), True
+        return p, True
 
     def _background_executor(self) -> cf.ThreadPoolExecutor:
         if self._committer is None:
@@ -214,7 +332,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         return self._commit_group
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        Path(path).mkdir(parents=True, exist_ok=exist_ok)
+        p = Path(os.path.abspath(path))
+        ckpt = self._ckpt
+        if ckpt is not None and ckpt.memory and (p == ckpt.tag_dir or ckpt.tag_dir in p.parents):
+            p = ckpt.root(self.settings) / ckpt.info.tag / p.relative_to(ckpt.tag_dir)  # a memory save's tag
+        p.mkdir(parents=True, exist_ok=exist_ok)
 
     def is_decoupled(self) -> bool:
         # Always: only then does DeepSpeed leave ``latest`` to us and call cleanup() at destroy().
@@ -257,20 +379,59 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                 logger.debug("earlier file failed", exc_info=True)
         get_pool(cfg.io.chunk_bytes, busy + nchunks, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
 
-    def _wait_jobs(self, jobs: list[SaveJob] | None = None) -> BaseException | None:
+    def _wait_jobs(self, jobs: list[SaveJob] | None = None
+                   ) -> tuple[BaseException | None, list[tuple[Path, FileEntry]]]:
+        """Wait for every job; (the first failure, the written files with their entries)."""
         if jobs is None:
             jobs, self._jobs = self._jobs, []
         first: BaseException | None = None
+        written: list[tuple[Path, FileEntry]] = []
         for job in jobs:
             try:
-                job.wait_done()
+                entries = job.wait_done()
+                written += [(job.directory / n, e) for n, e in zip(job.names, entries)]
             except BaseException as e:
                 first = first or e
-        return first
+        return first, written
 
     def _abandon(self) -> None:
         """A save failed: this checkpoint will never be committed; stop its other files."""
         for job in self._jobs:
             job.cancel(CpuckptError("checkpoint abandoned: another file of it failed"))
         self._wait_jobs()
-        self._info = None
+        self._info = self._ckpt = None
+
+
+def _memory_config(core: Config) -> Config:
+    """The core config for memory saves: buffered writes (tmpfs refuses O_DIRECT), no fsync."""
+    return dataclasses.replace(core, io=dataclasses.replace(core.io, backend="buffered", fsync=False))
+
+
+def _all_gather(obj: Any, group: Any) -> list[Any]:
+    if group is None:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _drop_old_memory_tags(root: Path, current: str, keep: int) -> None:
+    """Keep the ``keep`` newest cpuckpt tags of a memory directory (``current`` always); remove the rest.
+
+    Only directories with a marker or a saving file are ever removed (nothing else in ``root`` is
+    touched). A failure to remove one is logged: the new checkpoint is committed either way.
+    """
+    tags = []
+    for sub in root.iterdir():
+        if sub.name == current or not sub.is_dir():
+            continue
+        marked = sub / MARKER_NAME
+        if marked.exists() or (sub / SAVING_NAME).exists():
+            with contextlib.suppress(FileNotFoundError):
+                tags.append((((marked if marked.exists() else sub / SAVING_NAME).stat().st_mtime), sub))
+    tags.sort(reverse=True)
+    for _, sub in tags[max(keep - 1, 0):]:
+        try:
+            shutil.rmtree(sub)
+        except OSError as e:
+            logger.warning("memory_dir %s: could not remove old tag %s: %s", root, sub.name, e)

@@ -1,16 +1,18 @@
 """Settings of the DeepSpeed adapter: its own keys plus a cpuckpt ``Config``. Pure: reads YAML only.
 
 One flat mapping holds both (see ``configs/deepspeed.yaml``): the adapter's own keys
-(:class:`AdapterOptions`: ``enabled``, ``async``, ``background_commit``, ``storage_alignment``, and
-``config_file``) beside the core sections (``io``, ``staging``, ``integrity``, ``timeout_s``, ...).
-Both halves are built by cpuckpt's config machinery (:func:`cpuckpt.config.build_options`): strict
-keys, checked values, a :class:`~cpuckpt.errors.ConfigError` naming the source and the dotted key.
+(:class:`AdapterOptions`: ``enabled``, ``async``, ``background_commit``, ``storage_alignment``,
+``memory_dir``, ``persist_every``, ``memory_keep``, and ``config_file``) beside the core sections
+(``io``, ``staging``, ``integrity``, ``timeout_s``, ...). Both halves are built by cpuckpt's config
+machinery (:func:`cpuckpt.config.build_options`): strict keys, checked values, a
+:class:`~cpuckpt.errors.ConfigError` naming the source and the dotted key.
 
-Sources, later ones winning key by key: the adapter's defaults (``integrity.checksum: none``), the
-core keys of ``config_file``, what ``install``/``attach`` were given (a dict, a YAML path or a
-``Settings``), the ds_config's ``"cpuckpt"`` block (for ``install``; ``attach`` lets its own settings
-win), and environment variables: ``CPUCKPT_<SECTION>_<KEY>`` for core keys (as for every cpuckpt
-config) and ``CPUCKPT_DEEPSPEED_<KEY>`` for the adapter's own (``CPUCKPT_DEEPSPEED_ASYNC=false``).
+Sources, later ones winning key by key: cpuckpt's defaults (``integrity.checksum: crc32c``: each
+tag's completion marker keeps the chunk checksums), the core keys of ``config_file``, what
+``install``/``attach`` were given (a dict, a YAML path or a ``Settings``), the ds_config's
+``"cpuckpt"`` block (for ``install``; ``attach`` lets its own settings win), and environment
+variables: ``CPUCKPT_<SECTION>_<KEY>`` for core keys (as for every cpuckpt config) and
+``CPUCKPT_DEEPSPEED_<KEY>`` for the adapter's own (``CPUCKPT_DEEPSPEED_ASYNC=false``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ __all__ = ["AdapterOptions", "Settings", "resolve_settings"]
 
 ENV_PREFIX = "CPUCKPT_DEEPSPEED_"
 _CONFIG_FILE = "config_file"
-_ADAPTER_CORE_DEFAULTS: dict[str, Any] = {"integrity": {"checksum": "none"}}
+# Core keys whose adapter default differs from cpuckpt's (none since the tag marker keeps chunk checksums).
+_ADAPTER_CORE_DEFAULTS: dict[str, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,25 @@ class AdapterOptions:
             False: that step waits until the checkpoint is durable (DeepSpeed's own decoupled timing).
         storage_alignment: alignment of each storage's data inside the torch.save archive (a power
             of two >= 64; 4096 lets readers use O_DIRECT / mmap on the data).
+        memory_dir: a node-local RAM directory (tmpfs, e.g. ``/dev/shm/<job>``; every rank on one
+            host) where checkpoints go first: tag directories with DeepSpeed's files, written without
+            fsync, committed with the same marker and a ``latest`` of their own. Empty: off (every
+            checkpoint goes to ``save_dir``). :func:`~cpuckpt.integrations.deepspeed.latest_dir`
+            tells which of the two holds the newer complete checkpoint.
+        persist_every: with ``memory_dir``, every ``persist_every``-th checkpoint of this engine
+            (counted from its start) goes to the durable ``save_dir`` instead; the others go to
+            ``memory_dir`` (1: every checkpoint durable).
+        memory_keep: tags kept in ``memory_dir`` (the newest; older ones are removed after each
+            memory commit).
     """
 
     enabled: bool = True
     async_save: bool = field(default=True, metadata={"key": "async"})
     background_commit: bool = True
     storage_alignment: int = field(default=4096, metadata={"size": True, "min": 64, "pow2": True})
+    memory_dir: str = ""
+    persist_every: int = field(default=4, metadata={"min": 1})
+    memory_keep: int = field(default=2, metadata={"min": 1})
 
 
 def _default_core() -> Config:
@@ -134,7 +150,6 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
         core_data = _merge(load_yaml_mapping(core_file), data) if core_file else data
         if isinstance(installed, Settings):  # the block's core keys go over the given Settings' core
             core_data = _merge(installed.core.to_dict(), core_data)
-        # DeepSpeed's files carry no manifest to keep chunk checksums in: do not compute them by default.
         core_data = _merge(_ADAPTER_CORE_DEFAULTS, core_data)
         try:
             core = Config.from_dict(core_data, source=source)

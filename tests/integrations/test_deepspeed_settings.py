@@ -33,14 +33,16 @@ def test_public_names_and_defaults():
     s = resolve_settings(None)
     assert s == Settings()
     assert (s.enabled, s.async_save, s.background_commit, s.storage_alignment) == (True, True, True, 4096)
-    assert s.core.integrity.checksum == "none"  # the adapter's default: no manifest to keep checksums in
+    assert s.core.integrity.checksum == "crc32c"  # each tag's completion marker keeps the chunk checksums
+    assert (s.memory_dir, s.persist_every, s.memory_keep) == ("", 4, 2)  # no memory directory unless named
     assert isinstance(s, AdapterOptions) and isinstance(s.core, Config)
 
 
 def test_configs_deepspeed_yaml_loads():
     s = resolve_settings(REPO / "configs" / "deepspeed.yaml")
     assert (s.enabled, s.async_save, s.background_commit, s.storage_alignment) == (True, True, True, 4096)
-    assert s.core.integrity.checksum == "none" and s.core.io.threads == 4 and s.core.io.chunk_bytes == 32 << 20
+    assert s.core.integrity.checksum == "crc32c" and s.core.io.threads == 4 and s.core.io.chunk_bytes == 32 << 20
+    assert (s.memory_dir, s.persist_every, s.memory_keep) == ("", 4, 2)
     assert s.core.staging.mode == "auto" and s.core.timeout_s == 600
 
 
@@ -74,6 +76,9 @@ def test_config_file_supplies_core_keys_under_the_given_ones(tmp_path):
     ({"enabled": 1}, r"enabled must be true or false"),
     ({"storage_alignment": 100}, r"storage_alignment must be a power of two"),
     ({"storage_alignment": 32}, r"storage_alignment must be >= 64"),
+    ({"memory_dir": 5}, r"memory_dir must be a string"),
+    ({"persist_every": 0}, r"persist_every must be >= 1"),
+    ({"memory_keep": 0}, r"memory_keep must be >= 1"),
     ({"io": {"threads": 0}}, r"io\.threads must be >= 1"),
     ({"nope": 1}, r"unknown key 'nope'.*the adapter's own keys: enabled, async, background_commit"),
     ({"io": {"nope": 1}}, r"unknown key 'io\.nope'"),
@@ -111,8 +116,10 @@ def test_environment_overrides(monkeypatch):
     monkeypatch.setenv("CPUCKPT_DEEPSPEED_ASYNC", "false")
     monkeypatch.setenv("CPUCKPT_DEEPSPEED_STORAGE_ALIGNMENT", "64")
     monkeypatch.setenv("CPUCKPT_IO_THREADS", "3")
+    monkeypatch.setenv("CPUCKPT_DEEPSPEED_MEMORY_DIR", "/dev/shm/job7")
     s = resolve_settings(REPO / "configs" / "deepspeed.yaml", {"async": True, "io": {"threads": 5}})
     assert not s.async_save and s.storage_alignment == 64 and s.core.io.threads == 3
+    assert s.memory_dir == "/dev/shm/job7"
     monkeypatch.setenv("CPUCKPT_DEEPSPEED_BACKGROUND_COMMIT", "maybe")
     with pytest.raises(ConfigError, match="CPUCKPT_DEEPSPEED_BACKGROUND_COMMIT"):
         resolve_settings(None)

@@ -1,0 +1,324 @@
+"""Completion markers of DeepSpeed tag directories, and finding the newest complete tag. No collectives.
+
+DeepSpeed itself tells a complete tag from a torn one only by ``<save_dir>/latest``. cpuckpt's engine
+adds two hidden files to each tag directory it writes (stock DeepSpeed, ``zero_to_fp32`` and
+``ds_to_universal`` look files up by their DeepSpeed names and never open these):
+
+- ``.cpuckpt-saving``: created (and the directory fsynced) by every rank before it writes its first
+  byte into the tag, right after removing the marker: a tag being (re)written is never taken for
+  complete, and is told apart from a tag written by stock DeepSpeed (which has neither file);
+- ``.cpuckpt-complete.json`` (the *marker*): written by rank 0 once every rank's files are durable,
+  via tmp + fsync + rename + directory fsync, before ``latest`` moves. It lists every file (path
+  relative to the tag directory, the rank that wrote it, its size, per-chunk crc32c when
+  ``integrity.checksum`` is crc32c), the world size, the tag and the global step.
+
+A tag is *complete* when its marker parses and every listed file has its listed size; *torn* when it
+has the saving file or a marker that does not match the files; *unmarked* when it has neither (stock
+DeepSpeed wrote it: nothing to check). ``verify`` also compares every chunk's crc32c.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import crc32c
+
+from cpuckpt.backend.committed import size_mismatches
+from cpuckpt.errors import CheckpointCorrupt, IntegrityError
+from cpuckpt.format.manifest import FileEntry
+from cpuckpt.transfer.files import fsync_dir, write_atomic
+from cpuckpt.version import __version__
+
+__all__ = [
+    "MARKER_NAME",
+    "SAVING_NAME",
+    "LatestTag",
+    "TagFile",
+    "TagMarker",
+    "TagStatus",
+    "check_tag",
+    "find_latest",
+    "latest_dir",
+    "read_marker",
+    "require_complete",
+]
+
+logger = logging.getLogger(__name__)
+
+MARKER_NAME = ".cpuckpt-complete.json"
+SAVING_NAME = ".cpuckpt-saving"
+FORMAT = "cpuckpt-deepspeed-tag"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TagFile:
+    """One file of a tag: who wrote it, its size and its per-chunk crc32c (empty: not recorded)."""
+
+    rank: int
+    nbytes: int
+    chunk_bytes: int
+    checksum: str = "none"
+    chunk_checksums: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, entry: FileEntry, rank: int) -> TagFile:
+        crcs = tuple(entry.chunk_checksums) if entry.checksum == "crc32c" else ()
+        return cls(rank=rank, nbytes=entry.nbytes, chunk_bytes=entry.chunk_bytes,
+                   checksum=entry.checksum if crcs else "none", chunk_checksums=crcs)
+
+
+@dataclass(frozen=True)
+class TagMarker:
+    """The content of ``.cpuckpt-complete.json``. New fields need defaults (old markers still parse)."""
+
+    tag: str
+    world_size: int
+    files: dict[str, TagFile]
+    global_step: int | None = None
+    created_unix: float = 0.0
+    cpuckpt_version: str = ""
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> TagMarker:
+        """Parse a marker; anything malformed is an :class:`IntegrityError` naming ``where``."""
+        try:
+            data = json.loads(text)
+            if data.get("format") != FORMAT:
+                raise ValueError(f"format is {data.get('format')!r}, not {FORMAT!r}")
+            if int(data.get("format_version", 0)) > FORMAT_VERSION:
+                raise ValueError(f"format_version {data['format_version']} is newer than this cpuckpt "
+                                 f"reads ({FORMAT_VERSION}); upgrade cpuckpt")
+            files = {str(k): TagFile(**{**v, "chunk_checksums": tuple(v.get("chunk_checksums", ()))})
+                     for k, v in data["files"].items()}
+            known = {f.name for f in dataclasses.fields(cls)}
+            return cls(**{**{k: v for k, v in data.items() if k in known}, "files": files})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise IntegrityError(f"{where}: not a valid cpuckpt DeepSpeed marker ({e})") from e
+
+
+@dataclass(frozen=True)
+class TagStatus:
+    """What :func:`check_tag` found. ``state``: complete, torn, unmarked (stock DeepSpeed) or missing."""
+
+    path: Path
+    state: str
+    marker: TagMarker | None = None
+    problems: tuple[str, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        return self.state == "complete"
+
+    def describe(self) -> str:
+        return f"{self.path}: {self.state}" + (f" ({'; '.join(self.problems)})" if self.problems else "")
+
+
+@dataclass(frozen=True)
+class LatestTag:
+    """A complete tag to load: ``engine.load_checkpoint(found.directory, tag=found.tag)``."""
+
+    directory: Path
+    tag: str
+    global_step: int | None
+    marker: TagMarker = field(repr=False, compare=False, default=None)  # type: ignore[assignment]
+
+
+# -- writing (the engine) ----------------------------------------------------------------------------
+def open_tag(tag_dir: Path, *, fsync: bool) -> None:
+    """Before this rank writes a byte into ``tag_dir``: remove the marker, create the saving file.
+
+    Every rank calls it (no collective): whichever rank writes first has already made the tag
+    incomplete. With ``fsync`` the directory is fsynced, so the removal is durable before any byte.
+    """
+    tag_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        (tag_dir / MARKER_NAME).unlink()
+    fd = os.open(tag_dir / SAVING_NAME, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.close(fd)
+    if fsync:
+        fsync_dir(tag_dir)
+
+
+def write_marker(tag_dir: Path, marker: TagMarker, *, fsync: bool) -> None:
+    """Rank 0, after every rank's files are durable: the marker (atomically), then drop the saving file."""
+    write_atomic(tag_dir / MARKER_NAME, marker.to_json().encode(), fsync=fsync)
+    with contextlib.suppress(FileNotFoundError):
+        (tag_dir / SAVING_NAME).unlink()
+    if fsync:
+        fsync_dir(tag_dir)
+
+
+def new_marker(tag: str, world_size: int, files: dict[str, TagFile], global_step: int | None) -> TagMarker:
+    return TagMarker(tag=tag, world_size=world_size, files=dict(sorted(files.items())), global_step=global_step,
+                     created_unix=time.time(), cpuckpt_version=__version__)
+
+
+# -- reading -----------------------------------------------------------------------------------------
+def read_marker(tag_dir: str | os.PathLike) -> TagMarker | None:
+    """The tag's marker, or None when it has none.
+
+    Raises:
+        IntegrityError: the marker exists but is not a valid marker.
+    """
+    path = Path(tag_dir) / MARKER_NAME
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    return TagMarker.from_json(text, str(path))
+
+
+def _crc_problems(tag_dir: Path, name: str, f: TagFile) -> list[str]:
+    if not f.chunk_checksums:
+        return []
+    out = []
+    with open(tag_dir / name, "rb", buffering=0) as fh:
+        for c, stored in enumerate(f.chunk_checksums):
+            lo, hi = c * f.chunk_bytes, min((c + 1) * f.chunk_bytes, f.nbytes)
+            data = os.pread(fh.fileno(), hi - lo, lo)
+            crc = crc32c.crc32c(data)
+            if len(data) != hi - lo or crc != stored:
+                out.append(f"{name}: checksum mismatch in chunk {c} (bytes [{lo}, {hi})): stored {stored}, read {crc}")
+    return out
+
+
+def verify_files(tag_dir: Path, marker: TagMarker, names: list[str] | None = None) -> list[str]:
+    """Compare the crc32c of ``names`` (default: every file the marker lists); the mismatches found."""
+    out: list[str] = []
+    for name in sorted(marker.files) if names is None else names:
+        out += _crc_problems(tag_dir, name, marker.files[name])
+    return out
+
+
+def check_tag(save_dir: str | os.PathLike, tag: str, *, verify: bool = False) -> TagStatus:
+    """Whether ``<save_dir>/<tag>`` is a complete checkpoint. Reads only; never raises for damage.
+
+    Args:
+        save_dir: the directory given to ``save_checkpoint``/``load_checkpoint``.
+        tag: the tag (its subdirectory).
+        verify: also read every listed file and compare its chunks' crc32c (files saved with
+            ``integrity.checksum: none`` are checked by size only).
+
+    Returns:
+        A :class:`TagStatus`: ``complete``, ``torn`` (with the problems found), ``unmarked`` (no
+        cpuckpt files: stock DeepSpeed wrote it) or ``missing`` (no such directory).
+    """
+    tag_dir = Path(save_dir) / tag
+    if not tag_dir.is_dir():
+        return TagStatus(tag_dir, "missing")
+    try:
+        marker = read_marker(tag_dir)
+    except IntegrityError as e:
+        return TagStatus(tag_dir, "torn", None, (str(e),))
+    if marker is None:
+        if (tag_dir / SAVING_NAME).exists():
+            return TagStatus(tag_dir, "torn", None, ("no completion marker: its save never committed",))
+        return TagStatus(tag_dir, "unmarked")
+    problems = []
+    if marker.tag != tag:
+        problems.append(f"the marker is of tag {marker.tag!r}")
+    entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=f.chunk_bytes) for n, f in marker.files.items()]
+    problems += [str(m) for m in size_mismatches(tag_dir, entries)]
+    if verify and not problems:
+        problems += verify_files(tag_dir, marker)
+    return TagStatus(tag_dir, "torn" if problems else "complete", marker, tuple(problems))
+
+
+def require_complete(save_dir: str | os.PathLike, tag: str | None = None, *, verify: bool = False,
+                     allow_unmarked: bool = False) -> TagMarker | None:
+    """Raise unless ``<save_dir>/<tag>`` (``tag`` None: the one ``latest`` names) is complete.
+
+    Returns:
+        Its marker (None for an unmarked tag when ``allow_unmarked``).
+
+    Raises:
+        CheckpointCorrupt: a listed file's crc32c differs (``verify``).
+        IntegrityError: no ``latest``, no such tag, a torn tag, or an unmarked one (unless allowed).
+    """
+    if tag is None:
+        tag = _read_latest(Path(save_dir))
+        if tag is None:
+            raise IntegrityError(f"{save_dir}: no 'latest' file names a tag to load")
+    status = check_tag(save_dir, tag, verify=verify)
+    if status.complete or (allow_unmarked and status.state == "unmarked"):
+        return status.marker
+    raise _refusal(status)
+
+
+def _refusal(status: TagStatus) -> IntegrityError:
+    cls = CheckpointCorrupt if any("checksum mismatch" in p for p in status.problems) else IntegrityError
+    hint = {"torn": "load an earlier tag (cpuckpt.integrations.deepspeed.find_latest(save_dir) names the newest "
+                    "complete one)",
+            "unmarked": "it was not written by cpuckpt's engine (pass allow_unmarked=True to accept it)",
+            "missing": "check save_dir and tag"}[status.state]
+    return cls(f"DeepSpeed checkpoint {status.describe()}: refusing to load it; {hint}")
+
+
+def _read_latest(directory: Path) -> str | None:
+    try:
+        return (directory / "latest").read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def find_latest(save_dir: str | os.PathLike, *, verify: bool = False) -> LatestTag | None:
+    """The newest complete tag in ``save_dir``: the one ``latest`` names when it is complete,
+    otherwise the complete tag with the highest global step (then the newest marker). None: none."""
+    root = Path(save_dir)
+    named = _read_latest(root)
+    if named is not None:
+        status = check_tag(root, named, verify=verify)
+        if status.complete and status.marker is not None:
+            return LatestTag(root, named, status.marker.global_step, status.marker)
+        logger.warning("%s names tag %r, which is %s; looking for an earlier complete tag",
+                       root / "latest", named, status.describe())
+    best: tuple[tuple[int, float], LatestTag] | None = None
+    for sub in root.iterdir() if root.is_dir() else ():
+        if not (sub / MARKER_NAME).exists() or sub.name == named:
+            continue
+        status = check_tag(root, sub.name, verify=verify)
+        if status.complete and status.marker is not None:
+            m = status.marker
+            key = (m.global_step if m.global_step is not None else -1, m.created_unix)
+            if best is None or key > best[0]:
+                best = (key, LatestTag(root, sub.name, m.global_step, m))
+    return best[1] if best else None
+
+
+def latest_dir(save_dir: str | os.PathLike, memory_dir: str | os.PathLike | None, *,
+               verify: bool = False) -> LatestTag | None:
+    """Which directory holds the newer complete checkpoint: the durable ``save_dir`` or ``memory_dir``.
+
+    Compares the global steps of :func:`find_latest` in each; the memory copy wins a tie (it reads
+    faster). Pass the result to DeepSpeed: ``engine.load_checkpoint(found.directory, tag=found.tag)``.
+    Reads only (no collective); every rank of one host gets the same answer.
+
+    Returns:
+        The newest complete tag, or None when neither directory has one.
+    """
+    found = [x for x in (find_latest(memory_dir, verify=verify) if memory_dir else None,
+                         find_latest(save_dir, verify=verify)) if x is not None]
+    if not found:
+        return None
+    return max(found, key=lambda x: x.global_step if x.global_step is not None else -1)
+
+
+def owned_files(marker: TagMarker, rank: int, world_size: int) -> list[str]:
+    """The files ``rank`` checks when ``world_size`` ranks share a verification (its own when it wrote any)."""
+    if world_size == marker.world_size:
+        return sorted(n for n, f in marker.files.items() if f.rank == rank)
+    return [n for i, n in enumerate(sorted(marker.files)) if i % world_size == rank]
+
