@@ -158,6 +158,10 @@ class MemoryConfig:
     checksum: bool = _opt(True, "Record crc32c per chunk of memory checkpoints (with integrity.checksum: crc32c), "
                           "computed on worker threads after the copies, before the memory commit; loads verify "
                           "them per integrity.verify and the writer verifies them while persisting.")
+    writer_threads: int = _opt(0, "Threads of each writer process's persist (read the image, crc32c, pwrite); 0: "
+                               "io.threads. Fewer leave more of the node's cores to training.", min=0)
+    writer_nice: int = _opt(0, "Niceness the writer processes add to themselves (0-19): a persist yields the "
+                            "CPU to training.", min=0, max=19)
 
 
 @dataclass(frozen=True)
