@@ -180,7 +180,7 @@ class Bench:
         t0 = time.perf_counter()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         self.record("engine", params=nparams, stage=a.stage, init_s=time.perf_counter() - t0,
-                    checkpoint_engine=type(engine.checkpoint_engine).__name__)
+                    checkpoint_engine=type(engine.checkpoint_engine).__name__, cpuckpt_checksum=a.checksum)
         return engine
 
     def step(self, engine: Any, k: int) -> float:
@@ -254,9 +254,13 @@ class Bench:
         self.adapter.commit_pending(engine)
         from cpuckpt.integrations.deepspeed.engine import safe_globals_for_deepspeed
 
-        names = sorted(p.name for p in (root / "verify_torch" / "t").iterdir())
-        ours = sorted(p.name for p in (root / "verify_cpuckpt" / "t").iterdir())
+        # DeepSpeed's file names only: cpuckpt adds its hidden completion marker, checked apart
+        names = sorted(p.name for p in (root / "verify_torch" / "t").iterdir() if not p.name.startswith("."))
+        ours = sorted(p.name for p in (root / "verify_cpuckpt" / "t").iterdir() if not p.name.startswith("."))
         bad: list[str] = [] if names == ours else [f"file names differ: {names} vs {ours}"]
+        marked = self.adapter.check_tag(root / "verify_cpuckpt", "t", verify=True)
+        if not marked.complete:
+            bad.append(f"completion marker: {marked.describe()}")
         compared = 0
         with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
             for n in names:
@@ -301,7 +305,7 @@ class Bench:
         try:
             if "torch" in a.engines:
                 self.run_engine(engine, "torch", a.reps, root, counter)
-            settings = {"async": True, "io": {"threads": a.io_threads}}
+            settings = {"async": True, "io": {"threads": a.io_threads}, "integrity": {"checksum": a.checksum}}
             self.adapter.attach(engine, settings)
             if a.verify:
                 self.verify(engine, root, counter, settings)
@@ -368,6 +372,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--alone-steps", type=int, default=5)
     ap.add_argument("--engines", default="torch,cpuckpt")
     ap.add_argument("--io-threads", type=int, default=8)
+    ap.add_argument("--checksum", default="crc32c", choices=("crc32c", "none"),
+                    help="integrity.checksum of cpuckpt's saves (crc32c per chunk, kept in each tag's marker)")
     ap.add_argument("--verify", action="store_true", help="save the same state with both engines and compare")
     ap.add_argument("--dir", default="", help="checkpoint root (default: /root/cpuckpt-bench-ds on CUDA, else tmp)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON file, or a directory for its JSON")
