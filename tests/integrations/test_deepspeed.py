@@ -2,7 +2,9 @@
 
 What is proven, with real DeepSpeed engines and files (no mocks):
 
-- ZeRO-1, 2 and 3 (fp32): ``save_checkpoint`` through ``install()`` writes DeepSpeed's file names;
+- ZeRO-1, 2 and 3 (fp32): ``save_checkpoint`` through ``install()`` writes DeepSpeed's file names
+  (plus the hidden completion marker, and no ``.cpuckpt-saving`` once committed; the marker's own
+  tests are in test_deepspeed_marker.py);
   training continues (so the snapshot is tested: the saved tensors change right after ``save``);
   a new engine's ``load_checkpoint`` restores the parameters, the fp32 master partitions and every
   optimizer-state tensor bit-exact; ``zero_to_fp32``'s Python API on our files equals the live
