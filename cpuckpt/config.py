@@ -158,10 +158,18 @@ class MemoryConfig:
     checksum: bool = _opt(True, "Record crc32c per chunk of memory checkpoints (with integrity.checksum: crc32c), "
                           "computed on worker threads after the copies, before the memory commit; loads verify "
                           "them per integrity.verify and the writer verifies them while persisting.")
+    prepare_slots: bool = _opt(True, "After the first save, reserve, map and pin the other slots' images to the same "
+                               "sizes on a background thread, so no later save pays for it.")
     writer_threads: int = _opt(0, "Threads of each writer process's persist (read the image, crc32c, pwrite); 0: "
                                "io.threads. Fewer leave more of the node's cores to training.", min=0)
     writer_nice: int = _opt(0, "Niceness the writer processes add to themselves (0-19): a persist yields the "
                             "CPU to training.", min=0, max=19)
+    replicas: int = _opt(0, "Copy each memory checkpoint to this many partner nodes' RAM roots (the next nodes "
+                         "in the sorted list of node identities), in the background, over TCP between the writer "
+                         "processes; a node then holds (slots + replicas x slots) x shard. A restart restores a lost "
+                         "node's slot from a replica instead of reading the durable root.", min=0, max=8)
+    replica_host: str = _opt("", "Address this node's replica receiver listens on and partners connect to; empty: "
+                             "the host name.")
 
 
 @dataclass(frozen=True)

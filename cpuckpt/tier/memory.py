@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +50,7 @@ from cpuckpt.roots import install_sigterm_handler, list_checkpoints
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import RamRoot, job_id_for
+from cpuckpt.tier.recovery import Replication, Restore, agree_available, node_copies
 from cpuckpt.transfer.images import ImageSet
 
 __all__ = ["MemoryTier", "WriterDiedError"]
@@ -111,6 +113,8 @@ class MemoryTier:
         self.images = [ImageSet(d, pin=self.config.staging.pin, before_grow=self.root.check_space) for d in self.slots]
         self.queue = PersistQueue(self.root.path / f"queue-{self.rank}").create()
         self._writer: subprocess.Popen | None = None
+        self._replication: Replication | None = None  # memory.replicas across nodes; set once the writers listen
+        self._pending: dict[Path, list[Restore]] = {}  # slots to restore from another node's copy before a load
         newest_in_memory = next((path for path in self.candidates() if path in self.slots), None)
         self._next = self._agree_next(self._slot_after(newest_in_memory))
         self._last: tuple[int | None, Path, Path] | None = None  # (step, dest, slot) of the newest memory save
@@ -120,6 +124,10 @@ class MemoryTier:
         self._cancel_uncommitted_requests()
         self._drop_stale_images()
         self._ensure_writer()
+        if m.replicas and not self.nodes.single:
+            pid = self._writer.pid if self._writer is not None else self.root.writer_alive(self.rank)
+            self._replication = Replication.start(self.nodes, self.root.path, pid, m.replicas, self.group,
+                                                  self.config.timeout_s)
 
     # -- paths ----------------------------------------------------------------------------------
     @property
@@ -148,7 +156,7 @@ class MemoryTier:
             self._writer = subprocess.Popen(
                 [sys.executable, "-m", "cpuckpt.tier.persister", "--queue", str(self.queue.path),
                  "--lock", str(self.root.writer_lock_path(self.rank)), "--trainer-lock", str(self.trainer_lock),
-                 "--nice", str(self.config.memory.writer_nice)],
+                 "--nice", str(self.config.memory.writer_nice)] + self._listen_args(),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 close_fds=True)
         finally:
@@ -157,6 +165,14 @@ class MemoryTier:
         # Until it holds its lock, the child process itself says whether it lives (_writer_running).
         logger.info("cpuckpt memory tier: rank %d writer pid %d starting, RAM root %s", self.rank, self._writer.pid,
                     self.root.path)
+
+    def _listen_args(self) -> list[str]:
+        """A node leader's writer receives the partners' replicas (``memory.replicas``; cpuckpt.tier.replica)."""
+        m = self.config.memory
+        if not m.replicas or self.nodes.single or not self.nodes.is_leader:
+            return []
+        return ["--listen", m.replica_host or socket.gethostname(), "--root", str(self.root.path),
+                "--headroom", str(m.headroom_bytes), "--timeout", str(self.config.timeout_s)]
 
     def _writer_running(self) -> bool:
         """The rank's writer holds its lock, or the one started here is still starting."""
@@ -203,8 +219,11 @@ class MemoryTier:
         new = self.queue.outcomes([seq for seq in finished if seq not in self._reported])  # only new ones are read
         self._reported = set(finished)
         self.queue.prune()
+        for o in new:
+            if o.error.startswith("replica:"):  # a missing replica is no lost checkpoint: training goes on
+                logger.warning("cpuckpt memory tier: request %d: %s", o.seq, o.error)
         return [f"persist request {o.seq} failed: {o.error}" for o in new
-                if not o.ok and not o.error.startswith("cancelled")]
+                if not o.ok and not o.error.startswith(("cancelled", "replica:"))]
 
     def _drop_stale_images(self) -> None:
         """Images no committed checkpoint of this job can use any more (a rank beyond today's world, a file
@@ -315,6 +334,8 @@ class MemoryTier:
                             planner=planner, plan_key=plan_key, images=self.images[k],
                             save_id=f"{self.root.job[:24]}-{token:016x}", node_commit=self._node_commit)
         self._next = (k + 1) % len(self.slots)
+        if self._replication is not None and self.nodes.is_leader and self._replication.partners:
+            self._request_replica(self._replication, handle, step, slot)
         every = self.config.memory.persist_every
         if persist if persist is not None else bool(every) and step % every == 0:
             self.last_persist = self._request_persist(handle, step, dest, slot)
@@ -332,6 +353,16 @@ class MemoryTier:
 
         handle.add_done_callback(cancel_if_failed)
         return req
+
+    def _request_replica(self, rep: Replication, handle: AsyncSaveHandle, step: int | None, slot: Path) -> None:
+        """Queue the copy of this node's slot to the partners: the writer sends it once committed in memory.
+        The slot stays held until then, so the ring never overwrites a slot being copied."""
+        req = dataclasses.replace(self._persist_request(slot, handle.save_id, step, slot), kind="replicate",
+                                  partners=tuple((e.host, e.port) for e in rep.partners),
+                                  source=self.nodes.keys[self.rank], token=rep.token)
+        self.queue.put(req)
+        handle.add_done_callback(lambda error: None if error is None else
+                                 self.queue.cancel(req.seq, f"the memory save failed: {error}"))
 
     def _persist_request(self, slot: Path, save_id: str, step: int | None, dest: Path) -> PersistRequest:
         return PersistRequest(seq=self.queue.next_seq(), slot=str(slot), save_id=save_id, step=step,
@@ -372,6 +403,8 @@ class MemoryTier:
         Across nodes: collective (see :meth:`candidates`).
         """
         found = self.candidates()
+        if found and found[0] in self._pending:
+            self._restore(found[0])
         return found[0] if found else None
 
     def candidates(self, state_dict: dict[str, Any] | None = None, *, planner: Any = None) -> list[Path]:
@@ -385,7 +418,12 @@ class MemoryTier:
             found = [(c.step, 1, d) for d in self.slots if (c := check_complete(d)).complete and c.step is not None]
         else:
             mine = held_saves(self.slots, self.rank, self.world_size, state_dict, planner)
-            held = agree_held(mine, self.world_size, self.group)
+            if self.config.memory.replicas:  # own slots, or a copy another node holds (restored before the load)
+                copies = node_copies(self.root.path, self.slots, self.rank, self.world_size) \
+                    if self.nodes.is_leader else []
+                held, self._pending = agree_available(self.nodes, mine, copies, self.slots, self.group)
+            else:
+                held = agree_held(mine, self.world_size, self.group)
             found = [(step, 1, slot) for (step, _), slot in held.items()]
         found += [(c.step, 0, c.path) for c in list_checkpoints(self.durable_root) if c.complete and c.step is not None]
         return [p for _, _, p in sorted(found, key=lambda f: (f[0], f[1], str(f[2])), reverse=True)]
@@ -412,6 +450,8 @@ class MemoryTier:
         """``cpuckpt.load`` of ``path``; a memory checkpoint this process saved is copied straight from its
         mapped (pinned) images, with no file read. Collective, like ``cpuckpt.load``."""
         path = Path(path)
+        if path in self._pending:
+            self._restore(path)
         images = {}
         for d, image_set in zip(self.slots, self.images):
             if d == path:
@@ -422,6 +462,13 @@ class MemoryTier:
                  storage_reader=reader)
         finally:
             self.loads.append((path, reader.last_stats))
+
+    def _restore(self, path: Path) -> None:
+        """Collective: copy the checkpoint a lost node's ``path`` should hold from another node's copy."""
+        restores = self._pending.pop(path)
+        if self._replication is None:
+            raise IntegrityError(f"rank {self.rank}: {path} needs a restore from a replica, but replication is off")
+        self._replication.restore(restores, self.group)
 
     def step_of(self, path: str | os.PathLike) -> int | None:
         manifest = read_manifest(Path(path))

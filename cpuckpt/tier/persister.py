@@ -19,6 +19,11 @@ writer from a dead one. For every owed request of its queue (:mod:`cpuckpt.tier.
    Across nodes its own slot holds only its node's files; it needs only the global ``.metadata`` and
    the manifest's header from there (every node's slot has them), the parts come from the durable root.
 
+A *replicate* request (``memory.replicas``, the node leader's writer) sends the slot, once committed
+in memory, to each partner node's writer (:mod:`cpuckpt.tier.replica`); with ``--listen`` this writer
+also receives partners' replicas into its RAM root on a thread of its own. A failed replica is reported
+as such (``replica: ...``) and never fails training: it only means that copy does not exist.
+
 It exits when its trainer is gone and nothing is owed, or when asked to stop and nothing is owed.
 """
 
@@ -41,10 +46,12 @@ from cpuckpt.format.manifest import Manifest, manifest_from_json, part_name
 from cpuckpt.roots import after_commit
 from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import acquire_lock, lock_holder
+from cpuckpt.tier.replica import Endpoint, Listener, send_slot
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 from cpuckpt.transfer.images import persist_image
+from cpuckpt.transfer.threads import new_executor
 
-__all__ = ["main", "persist_one"]
+__all__ = ["main", "persist_one", "replicate_one"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +106,8 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
     already there does not write again. Parts carry the save id, so the coordinator never commits a
     part that an earlier, failed attempt left behind.
     """
+    if req.kind == "replicate":
+        return replicate_one(req, queue)
     t0 = time.perf_counter()
     cfg = Config.from_dict(req.config, source="persist request", env=False)
     if cfg.memory.writer_threads:  # fewer threads than the trainer's own writes: cores left to training
@@ -139,6 +148,34 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
         logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
         return Outcome(req.seq, False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
     return Outcome(req.seq, True, seconds=time.perf_counter() - t0, nbytes=nbytes)
+
+
+def replicate_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outcome:
+    """Send the slot of ``req``, once committed in memory, to every partner; never raises.
+
+    Every partner is tried; the outcome fails (``replica: ...``) when any did not commit its copy.
+    """
+    t0 = time.perf_counter()
+    cfg = Config.from_dict(req.config, source="replicate request", env=False)
+    errors, nbytes = [], 0
+    try:
+        _wait_memory_commit(req, time.monotonic() + cfg.timeout_s, queue)
+    except Exception as e:  # never committed in memory: nothing to replicate
+        errors.append(f"{type(e).__name__}: {e}")
+    else:
+        for host, port in req.partners:
+            try:
+                nbytes += send_slot(Endpoint(host, int(port)), req.token, source=req.source, slot=Path(req.slot),
+                                    save_id=req.save_id, into="replica", timeout_s=cfg.timeout_s)
+            except Exception as e:  # the next partner still gets its copy
+                errors.append(f"{type(e).__name__}: {e}")
+    seconds = time.perf_counter() - t0
+    if errors:
+        logger.warning("replica of step %s (%s) incomplete: %s", req.step, req.save_id[:8], "; ".join(errors))
+        return Outcome(req.seq, False, error="replica: " + "; ".join(errors), seconds=seconds, nbytes=nbytes)
+    logger.info("replicated step %s (%s): %d bytes to %d partner(s) in %.3f s", req.step, req.save_id[:8], nbytes,
+                len(req.partners), seconds)
+    return Outcome(req.seq, True, seconds=seconds, nbytes=nbytes)
 
 
 def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Path, slot: Path,
@@ -193,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trainer-lock", required=True, help="the trainer's rank lock: the writer exits once it is free "
                     "and nothing is owed")
     ap.add_argument("--nice", type=int, default=0, help="niceness to add (memory.writer_nice)")
+    ap.add_argument("--listen", default="", help="receive partners' replicas on this address (memory.replicas)")
+    ap.add_argument("--root", default="", help="the RAM root replicas are received into")
+    ap.add_argument("--headroom", type=int, default=0, help="memory.headroom_bytes (the RAM bound of replicas)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="timeout_s: bound on a replica connection")
     args = ap.parse_args(argv)
     if args.nice:
         os.nice(args.nice)  # a persist yields the CPU to the training processes of the node
@@ -206,9 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     if lock_fd is None:
         logger.error("%s is held by another writer of this rank (pid %s); exiting", args.lock, lock_holder(args.lock))
         return 2
+    listener, rx = None, None
     try:
+        if args.listen:  # after the lock: the endpoint names this writer's pid, which trainers check
+            listener = Listener(Path(args.root), args.listen, headroom_bytes=args.headroom, timeout_s=args.timeout)
+            rx = new_executor(1, "cpuckpt-replica-rx")
+            rx.submit(listener.serve_forever)
+            listener.publish()
         return serve(PersistQueue(args.queue), Path(args.trainer_lock))
     finally:
+        if listener is not None and rx is not None:
+            listener.stop()
+            rx.shutdown(wait=True)
         os.close(lock_fd)
 
 

@@ -35,6 +35,12 @@ class PersistRequest:
     config: dict[str, Any]  # the core Config as a dict (the writer process builds its own)
     trainer_pid: int
     trainer_lock: str  # the trainer's rank lock: held while the trainer lives (a zombie holds none)
+    # "persist" (to dest) or "replicate" (the slot to each of ``partners``: [host, port] pairs; ``source`` is
+    # this node's key, ``token`` the job's replica token); see cpuckpt.tier.replica
+    kind: str = "persist"
+    partners: tuple = ()
+    source: str = ""
+    token: str = ""
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ __all__ = [
     "default_root",
     "job_id_for",
     "lock_holder",
+    "require_free",
 ]
 
 logger = logging.getLogger(__name__)
@@ -471,6 +472,20 @@ def _space(path: Path) -> tuple[int, int]:
         raise RamRootError(f"cannot statvfs the RAM root {path}: {e}; set memory.root to a usable directory",
                            path=path) from e
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+
+
+def require_free(path: Path, nbytes: int, *, already_reserved: int, headroom_bytes: int, what: str) -> None:
+    """Refuse ``nbytes`` more RAM-root bytes for ``what`` (a replica's files, reserved by a writer process,
+    which has no :class:`RamRoot`) unless ``headroom_bytes`` stay free: the same bound as
+    :meth:`RamRoot.check_space`, so own slots plus replica slots never fill the node's RAM."""
+    needed = max(0, nbytes - already_reserved)
+    _, free = _space(path)
+    if free - needed < headroom_bytes:
+        raise RamRootError(
+            f"RAM root {path}: {what} needs {_human(needed)} ({needed} bytes) more, the filesystem has "
+            f"{_human(free)} free, and memory.headroom_bytes={_human(headroom_bytes)} must stay free: the node "
+            f"holds (memory.slots + memory.replicas x memory.slots) x shard; lower memory.replicas or "
+            f"memory.slots, or make the RAM filesystem larger", path=path)
 
 
 def _cgroup_room() -> tuple[int, int] | None:

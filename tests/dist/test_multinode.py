@@ -4,16 +4,19 @@ Each launch is ``python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 -
 --rdzv-endpoint 127.0.0.1:<port>`` with its own RAM root (``memory.root``) and one shared durable root;
 ranks come from the rendezvous (``--local-addr`` 127.0.0.1 / 127.0.0.2 keeps launch *i* rank *i*, so
 that "node 1" is known). A small linear model is trained by hand (plain tensors, momentum), saved to
-memory every step and persisted every 4th. Real processes, real files, real writer processes; nothing
-is mocked. Proven:
+memory every step and persisted every 4th. Real processes, real files, real writer processes, real
+sockets between them; nothing is mocked. Proven:
 
-1. both launches SIGKILLed (trainers, agents) after step 10, nothing deleted: the relaunch resumes from
-   the newest *memory* checkpoint (step 10, each node's own slot), bit-exact, and every byte it loads
-   comes from the RAM roots (the tier's read statistics name only slots: zero bytes from the durable root);
-2. trained on to step 14 (durable 12), then both SIGKILLed again, node 1's writer SIGKILLed by pid and
-   node 1's RAM root deleted: node 0 still holds step 14 in memory, but not every node does, so the
-   relaunch resumes from the newest *durable* checkpoint (step 12), bit-exact; it trains on and ``close``
-   makes step 16 durable.
+1. ``memory.replicas: 1`` (each node's slot copied to the other node's RAM root by the writers over TCP,
+   each writer listening on its own loopback address): after step 10 both launches are SIGKILLed
+   (trainers, agents), node 1's writer is SIGKILLed by pid and node 1's RAM root deleted. The relaunch
+   restores node 1's slot from node 0's replica and resumes from the newest *memory* checkpoint (step 10),
+   bit-exact, and every byte it loads comes from the RAM roots (the tier's read statistics name only
+   slots: zero bytes from the durable root);
+2. trained on to step 14 (durable 12), then the same loss again, relaunched with ``memory.replicas: 0``:
+   node 0 still holds step 14 in memory (and a replica of node 1's), but without replicas not every node
+   does, so the relaunch resumes from the newest *durable* checkpoint (step 12), an older step, bit-exact;
+   it trains on and ``close`` makes step 16 durable.
 
 The worker is this file run as a script (``__main__``); it checks bit-exactness itself against a replay
 of the same deterministic training, and reports in JSON files the test reads.
@@ -94,6 +97,8 @@ def worker(argv: list[str]) -> int:
     ap.add_argument("--phase", required=True)
     ap.add_argument("--until", type=int, required=True)
     ap.add_argument("--hold", action="store_true")
+    ap.add_argument("--replicas", type=int, default=0)
+    ap.add_argument("--host", default="127.0.0.1", help="this node's address (its replica receiver listens there)")
     args = ap.parse_args(argv)
     import torch
     import torch.distributed as dist
@@ -105,7 +110,9 @@ def worker(argv: list[str]) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cfg = {"io": {"threads": 1, "backend": "buffered", "chunk_bytes": 64 * 1024}, "timeout_s": TIMEOUT_S,
-           "memory": {"root": args.ram, "persist_every": 4, "slots": 2, "headroom_bytes": 0}}
+           "memory": {"root": args.ram, "persist_every": 4, "slots": 2, "headroom_bytes": 0,
+                                                                                   "replicas": args.replicas,
+                                                                                   "replica_host": args.host}}
     tier = cpuckpt.MemoryTier(args.durable, cfg)
     out = Path(args.out)
     slot_steps = [check_complete(s).step for s in tier.slots]
@@ -146,13 +153,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp: Path, node: int, phase: str, port: int, until: int, hold: bool) -> subprocess.Popen:
+def _launch(tmp: Path, node: int, phase: str, port: int, until: int, hold: bool, replicas: int) -> subprocess.Popen:
     ram, out = tmp / f"ram{node}", tmp / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{phase}-{port}",
            "--rdzv-conf", "join_timeout=40,read_timeout=40", "--local-addr", f"127.0.0.{node + 1}",
            "--max-restarts", "0", "--monitor-interval", "0.5", str(THIS), "--ram", str(ram),
-           "--durable", str(tmp / "durable"), "--out", str(out), "--phase", phase, "--until", str(until)]
+           "--durable", str(tmp / "durable"), "--out", str(out), "--phase", phase, "--until", str(until),
+           "--replicas", str(replicas), "--host", f"127.0.0.{node + 1}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = open(tmp / f"{phase}-node{node}.log", "ab")  # handed to the child, closed here after Popen
     try:
@@ -182,10 +190,11 @@ def _kill_pid(pid: int) -> None:
         pass
 
 
-def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool) -> tuple[list[dict], list[subprocess.Popen]]:
+def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool,
+               replicas: int) -> tuple[list[dict], list[subprocess.Popen]]:
     """Launch both nodes; return each rank's report (by rank) once written, and the launches."""
     port = _free_port()
-    procs = [_launch(tmp, node, phase, port, until, hold) for node in (0, 1)]
+    procs = [_launch(tmp, node, phase, port, until, hold, replicas) for node in (0, 1)]
     deadline = time.monotonic() + PHASE_S
     files = [tmp / "out" / f"{phase}-{r}.json" for r in (0, 1)]
     try:
@@ -216,33 +225,39 @@ def _check_resume(reports: list[dict], phase: str, step: int, *, memory: bool) -
         assert not r["final_bad"], f"{phase} rank {r['rank']}: trained state differs from the replay"
 
 
-def test_two_nodes_resume_from_memory_then_from_disk_after_a_lost_ram_root(tmp_path: Path) -> None:
-    (tmp_path / "out").mkdir()
-    # Train steps 1..10: durable 4 and 8, memory slots 9 and 10 on both nodes.
-    reports, procs = _run_phase(tmp_path, "train", 10, hold=True)
-    for r in reports:
-        assert r["durable"] == [4, 8], f"rank {r['rank']}: durable steps {r['durable']}"
-        assert r["loaded"] is None, r
+def _lose_node1(tmp: Path, procs: list[subprocess.Popen], reports: list[dict]) -> None:
+    """Both launches SIGKILLed; node 1's writer SIGKILLed by pid and its RAM root deleted (a replaced node)."""
     for launch, r in zip(procs, reports):
-        _kill_node(tmp_path, launch, r)
-
-    # 1. Nothing lost: resume from memory (step 10), only RAM bytes read.
-    reports, procs = _run_phase(tmp_path, "memory", 14, hold=True)
-    _check_resume(reports, "memory", 10, memory=True)
-    for r in reports:
-        assert r["loaded"] in r["slots"] and r["loaded"].startswith(r["ram"]), r
-        assert r["loads"] and all(p.startswith(r["ram"]) for p, _ in r["loads"]), \
-            f"rank {r['rank']}: reads outside its RAM root: {r['loads']}"
-        assert sum(n for _, n in r["loads"]) > 0, r["loads"]
-        assert r["durable"] == [4, 8, 12], f"rank {r['rank']}: durable steps {r['durable']}"
-    for launch, r in zip(procs, reports):
-        _kill_node(tmp_path, launch, r)
-    # 2. Node 1 lost its RAM: its writer killed by pid, its RAM root deleted.
+        _kill_node(tmp, launch, r)
     node1 = next(r for r in reports if r["rank"] == 1)
     _kill_pid(node1["writer_pid"])
     shutil.rmtree(node1["ram"])
 
-    reports, _ = _run_phase(tmp_path, "disk", 16, hold=False)
+
+def test_two_nodes_resume_from_a_partner_replica_then_from_disk_without_replicas(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    # Train steps 1..10 with replicas: durable 4 and 8, memory slots 9 and 10 on both nodes, each replicated.
+    reports, procs = _run_phase(tmp_path, "train", 10, hold=True, replicas=1)
+    for r in reports:
+        assert r["durable"] == [4, 8], f"rank {r['rank']}: durable steps {r['durable']}"
+        assert r["loaded"] is None, r
+    _lose_node1(tmp_path, procs, reports)
+
+    # 1. Node 1 lost its RAM: restored from node 0's replica, resumed from memory (step 10), only RAM bytes read.
+    reports, procs = _run_phase(tmp_path, "replica", 14, hold=True, replicas=1)
+    _check_resume(reports, "replica", 10, memory=True)
+    by_rank = {r["rank"]: r for r in reports}
+    assert not any(by_rank[1]["slot_steps_before"]), f"node 1's RAM root was deleted: {by_rank[1]}"
+    for r in reports:
+        assert r["loaded"] in r["slots"] and r["loaded"].startswith(r["ram"]), r
+        assert r["loads"] and all(p.startswith(r["ram"]) for p, _ in r["loads"]), \
+            f"rank {r['rank']}: reads outside its RAM root (the durable root?): {r['loads']}"
+        assert sum(n for _, n in r["loads"]) > 0, r["loads"]
+        assert r["durable"] == [4, 8, 12], f"rank {r['rank']}: durable steps {r['durable']}"
+    _lose_node1(tmp_path, procs, reports)
+
+    # 2. The same loss without replicas: node 0 alone holds step 14, so the job resumes from disk (step 12).
+    reports, _ = _run_phase(tmp_path, "disk", 16, hold=False, replicas=0)
     _check_resume(reports, "disk", 12, memory=False)
     by_rank = {r["rank"]: r for r in reports}
     assert 14 in by_rank[0]["slot_steps_before"], f"node 0 should still hold step 14 in memory: {by_rank[0]}"

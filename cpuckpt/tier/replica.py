@@ -1,0 +1,361 @@
+"""Replicas of memory checkpoints on partner nodes: the TCP protocol, its sender and its receiver.
+
+Who and over what: the *writer process* of each node's leader replicates (it outlives its trainer, and
+a gloo group dies with any member, so no collective is used): after the node's memory commit it sends
+the node's slot (every data file its manifest lists, the manifest, ``.metadata``) to the writer of each
+partner node over a plain TCP connection. The receiver writes it into
+``<its RAM root>/replica-<hash of the source node key>/slot-<k>``: it checks the RAM bound first
+(the headroom check of the RAM root), preallocates every file, compares each chunk's crc32c with the
+source manifest's as it arrives, and commits the replica the way every checkpoint commits (manifest,
+then ``.metadata`` last) only when every byte arrived and verified and the sender confirms that its
+slot was not reused meanwhile. A replica directory is thus an ordinary checkpoint directory, complete
+for the source node's ranks. The same protocol restores a lost node at restart (``into="slot"``: the
+holder's trainer sends the replica into the new node's own ``slot-<k>``).
+
+On a GPU cluster this copy should use the RDMA NIC (a verbs/UCX or NCCL send from the registered,
+pinned image memory, GPUDirect-free since the bytes are in host RAM already): a TCP socket costs a
+kernel copy per side and a core per few GB/s, where RDMA moves the bytes at line rate with no CPU.
+
+Connections are authenticated by a per-job token that the trainers agree on and keep in the RAM root
+(``.replica-token``, 0600): a listener on a shared host must not accept another user's bytes.
+
+Must not: run collectives, import the trainer's state, read the durable root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import crc32c
+
+from cpuckpt.backend.commit import clear_commit
+from cpuckpt.backend.committed import METADATA_NAME, check_complete, read_manifest
+from cpuckpt.errors import CheckpointCorrupt, CpuckptError
+from cpuckpt.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json
+from cpuckpt.tier.ramroot import require_free
+from cpuckpt.transfer.files import write_atomic
+
+__all__ = ["Endpoint", "Listener", "ReplicaError", "partners", "read_endpoint", "read_token", "replica_dir",
+           "replica_slots", "send_slot", "write_token"]
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"CPKREP1\n"
+TOKEN_NAME = ".replica-token"  # noqa: S105 (a file name, not a secret)
+ENDPOINT_NAME = "replica-endpoint.json"
+SOURCE_NAME = "source.json"
+_LEN = struct.Struct("!Q")
+_RECV_BYTES = 4 << 20  # receive buffer when a file records no chunk size
+
+
+class ReplicaError(CpuckptError):
+    """A replica could not be sent, received or committed (names the peer and the slot)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """Where a node's replica receiver (its leader's writer) listens."""
+
+    host: str
+    port: int
+
+
+def replica_dir(root: Path, source: str, slot_name: str) -> Path:
+    """``<root>/replica-<16 hex of sha256(source node key)>/<slot_name>``: the source key holds ':' and '/'."""
+    return root / f"replica-{hashlib.sha256(source.encode()).hexdigest()[:16]}" / slot_name
+
+
+def replica_slots(root: Path) -> list[tuple[str, Path]]:
+    """(source node key, slot directory) of every replica slot directory in ``root``."""
+    out = []
+    for d in sorted(root.glob("replica-*")):
+        try:
+            source = json.loads((d / SOURCE_NAME).read_text())["source"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        out += [(source, s) for s in sorted(d.glob("slot-*")) if s.is_dir()]
+    return out
+
+
+def partners(keys: list[str] | tuple[str, ...], mine: str, replicas: int) -> list[str]:
+    """The ``replicas`` nodes after ``mine`` in the sorted list of stable node keys (never itself)."""
+    ring = sorted(set(keys))
+    i = ring.index(mine)
+    return [ring[(i + j) % len(ring)] for j in range(1, min(replicas, len(ring) - 1) + 1)]
+
+
+def write_token(root: Path, token: str) -> None:
+    write_atomic(root / TOKEN_NAME, token.encode(), fsync=False)
+    os.chmod(root / TOKEN_NAME, 0o600)
+
+
+def read_token(root: Path) -> str | None:
+    try:
+        return (root / TOKEN_NAME).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def read_endpoint(root: Path, pid: int | None = None) -> Endpoint | None:
+    """The endpoint the writer ``pid`` (any, when None) published in ``root``, or None."""
+    try:
+        data = json.loads((root / ENDPOINT_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if pid is not None and data.get("pid") != pid:
+        return None
+    return Endpoint(data["host"], int(data["port"]))
+
+
+# ------------------------------------------------------------------------------------------- framing
+
+
+def _send_msg(sock: socket.socket, obj: Any) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {len(view)} bytes")
+        got += n
+
+
+def _recv_msg(sock: socket.socket, limit: int = 1 << 30) -> Any:
+    head = bytearray(_LEN.size)
+    _recv_exact(sock, memoryview(head))
+    (n,) = _LEN.unpack(head)
+    if n > limit:
+        raise ReplicaError(f"message of {n} bytes refused (limit {limit})")
+    data = bytearray(n)
+    _recv_exact(sock, memoryview(data))
+    return json.loads(data)
+
+
+# ------------------------------------------------------------------------------------------- sender
+
+
+def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_id: str, into: str,
+              timeout_s: float) -> int:
+    """Send the memory checkpoint ``save_id`` in ``slot`` to ``endpoint``; returns the data bytes sent.
+
+    ``into``: ``"replica"`` (kept as a replica of node ``source``) or ``"slot"`` (the receiver's own slot of
+    the same name: a restore). Returns only after the receiver committed it.
+
+    Raises:
+        ReplicaError: the slot is not (or no longer) that save, the peer refused or failed (its reason),
+            or the connection failed or timed out.
+    """
+    manifest = read_manifest(slot)
+    if manifest is None or manifest.save_id != save_id or not check_complete(slot).complete:
+        raise ReplicaError(f"{slot}: not the committed memory checkpoint {save_id[:8]}; nothing sent")
+    metadata = (slot / METADATA_NAME).read_bytes()
+    names = sorted(manifest.files)
+    what = f"replica of {slot} ({save_id[:8]}) to {endpoint.host}:{endpoint.port}"
+    nbytes = 0
+    try:
+        with _connect(endpoint, timeout_s) as sock:
+            sock.sendall(MAGIC)
+            _send_msg(sock, {"token": token, "into": into, "source": source, "slot": slot.name, "save_id": save_id,
+                             "manifest": manifest.to_json(), "metadata_nbytes": len(metadata)})
+            accept = _recv_msg(sock)  # token, slot name and RAM bound are checked before any data moves
+            if not accept.get("ok"):
+                raise ReplicaError(f"{what} refused by the receiver: {accept.get('error')}")
+            for name in names:
+                with open(slot / name, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    want = manifest.files[name].nbytes
+                    if size < want:
+                        raise ReplicaError(f"{what}: {slot / name} has {size} bytes, its manifest says {want}")
+                    nbytes += sock.sendfile(f, 0, want)  # no copy through Python (tmpfs page cache → socket)
+            sock.sendall(metadata)
+            # The slot must still hold that save after the last byte left (its trainer reuses slots in a ring):
+            # else abort, and the receiver never commits what it got.
+            again = read_manifest(slot)
+            intact = again is not None and again.save_id == save_id
+            sock.sendall(b"C" if intact else b"A")
+            reply = _recv_msg(sock)
+    except (OSError, ValueError) as e:
+        raise ReplicaError(f"{what} failed: {type(e).__name__}: {e}") from e
+    if not intact:
+        raise ReplicaError(f"{what}: the slot was reused while sending; aborted, not committed there")
+    if not reply.get("ok"):
+        raise ReplicaError(f"{what} refused by the receiver: {reply.get('error')}")
+    return nbytes
+
+
+def _connect(endpoint: Endpoint, timeout_s: float) -> socket.socket:
+    """Connect, retrying refusals until ``timeout_s`` (a receiver starting after a restart is not up yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock = socket.create_connection((endpoint.host, endpoint.port),
+                                            timeout=max(0.1, deadline - time.monotonic()))
+            sock.settimeout(timeout_s)
+            return sock
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------ receiver
+
+
+class Listener:
+    """The replica receiver of one writer process: a listening socket, one connection at a time.
+
+    ``serve_forever`` runs on a thread of its own (started by the writer through ``transfer.threads``);
+    ``stop`` ends it. Every failure of a connection is answered to the sender and logged; none ends it.
+    """
+
+    def __init__(self, root: Path, host: str, *, headroom_bytes: int, timeout_s: float) -> None:
+        self.root, self.headroom_bytes, self.timeout_s = root, headroom_bytes, timeout_s
+        self.sock = socket.create_server((host, 0))
+        self.sock.settimeout(0.5)  # stop() is noticed within this
+        self.endpoint = Endpoint(host, self.sock.getsockname()[1])
+        self._stop = threading.Event()
+
+    def publish(self) -> None:
+        """Write ``<root>/replica-endpoint.json`` (host, port, this pid): the trainers read and exchange it."""
+        data = {**dataclasses.asdict(self.endpoint), "pid": os.getpid()}
+        write_atomic(self.root / ENDPOINT_NAME, json.dumps(data).encode(), fsync=False)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, peer = self.sock.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(self.timeout_s)
+                    try:
+                        receive(conn, self.root, headroom_bytes=self.headroom_bytes)
+                    except Exception as e:  # answered to the sender (best effort), then the next connection
+                        logger.error("replica from %s failed: %s", peer, e)
+                        try:
+                            _send_msg(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                        except OSError:
+                            pass
+        finally:
+            self.sock.close()
+
+
+def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
+    """Receive one slot from ``conn`` into ``root`` (see the module docstring); returns its directory.
+
+    Raises:
+        ReplicaError: a bad token or header, a slot name outside the RAM root.
+        RamRootError: the RAM bound (the headroom would not stay free).
+        CheckpointCorrupt: a chunk whose crc32c is not the source manifest's.
+    """
+    magic = bytearray(len(MAGIC))
+    _recv_exact(conn, memoryview(magic))
+    if bytes(magic) != MAGIC:
+        raise ReplicaError("not a cpuckpt replica connection")
+    head = _recv_msg(conn, limit=256 << 20)
+    token = read_token(root)
+    if token is None or not hmac.compare_digest(str(head.get("token", "")), token):
+        raise ReplicaError(f"{root}: replica refused: wrong job token")
+    name = str(head["slot"])
+    if not name.startswith("slot-") or not name[5:].isdigit():
+        raise ReplicaError(f"replica refused: bad slot name {name!r}")
+    manifest: Manifest = manifest_from_json(head["manifest"])
+    if head["into"] == "slot":
+        target = root / name
+    elif head["into"] == "replica":
+        target = replica_dir(root, str(head["source"]), name)
+        target.parent.mkdir(mode=0o700, exist_ok=True)
+        write_atomic(target.parent / SOURCE_NAME, json.dumps({"source": head["source"]}).encode(), fsync=False)
+    else:
+        raise ReplicaError(f"replica refused: unknown destination {head['into']!r}")
+    target.mkdir(mode=0o700, exist_ok=True)
+    clear_commit(target, fsync=False)  # incomplete from its first changed byte until the commit below
+    entries = [manifest.files[n] for n in sorted(manifest.files)]
+    existing = sum(_size(target / e.name) for e in entries)
+    # The RAM bound: (own slots + replica slots) x shard must leave memory.headroom_bytes free.
+    require_free(target, sum(e.nbytes for e in entries), already_reserved=existing, headroom_bytes=headroom_bytes,
+                 what=f"a replica of {head['source']} ({name})")
+    _send_msg(conn, {"ok": True})
+    t0 = time.perf_counter()
+    damaged: list[str] = []  # the stream is read to its end either way, so the sender gets the reason
+    for e in entries:
+        _receive_file(conn, target / e.name, e, damaged)
+    metadata = bytearray(int(head["metadata_nbytes"]))
+    _recv_exact(conn, memoryview(metadata))
+    verdict = bytearray(1)
+    _recv_exact(conn, memoryview(verdict))
+    if damaged:
+        raise CheckpointCorrupt(f"{damaged[0]}; the replica is not committed")
+    if bytes(verdict) != b"C":
+        raise ReplicaError(f"{target}: the sender aborted (its slot was reused while sending); not committed")
+    write_atomic(target / MANIFEST_NAME, manifest.to_json().encode(), fsync=False)
+    write_atomic(target / METADATA_NAME, bytes(metadata), fsync=False)
+    _send_msg(conn, {"ok": True})
+    logger.info("received %s of %s (save %s, step %s) into %s in %.3f s", _human(sum(e.nbytes for e in entries)),
+                head["source"], manifest.save_id[:8], manifest.step, target, time.perf_counter() - t0)
+    return target
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _receive_file(conn: socket.socket, path: Path, entry: Any, damaged: list[str]) -> None:
+    """Preallocate ``path`` (a full tmpfs fails here, never as a SIGBUS later), receive and verify each chunk;
+    a chunk whose crc32c differs is named in ``damaged`` and the rest is still read (never written)."""
+    check = entry.checksum == "crc32c" and bool(entry.chunk_checksums)
+    chunk = entry.chunk_bytes if entry.chunk_bytes > 0 else _RECV_BYTES
+    buf = bytearray(min(chunk, max(entry.nbytes, 1)))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        if entry.nbytes:
+            os.posix_fallocate(fd, 0, entry.nbytes)
+        os.ftruncate(fd, entry.nbytes)
+        offset = 0
+        for k in range((entry.nbytes + chunk - 1) // chunk if entry.nbytes else 0):
+            n = min(chunk, entry.nbytes - offset)
+            view = memoryview(buf)[:n]
+            _recv_exact(conn, view)
+            if check and crc32c.crc32c(view) != entry.chunk_checksums[k]:
+                damaged.append(f"{path}: chunk {k} (offset {offset}, {n} bytes) arrived with a crc32c other than "
+                               "the source manifest's")
+            if not damaged:
+                os.pwrite(fd, view, offset)
+            offset += n
+    finally:
+        os.close(fd)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -1,0 +1,134 @@
+"""The replica protocol over a real loopback socket, into real files; and the restart plan over replicas.
+
+A checkpoint written by ``cpuckpt.save`` (crc32c per chunk in its manifest) stands in for a node's memory
+slot; a :class:`Listener` on a thread receives it. Proven: a replica is byte-identical, complete only after
+its ``.metadata``, and loads bit-exact; a damaged byte, a wrong token or the RAM bound refuse it and
+leave nothing complete; a restore lands in the receiver's own slot; partners follow the sorted node keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import cpuckpt
+from cpuckpt.backend.committed import check_complete, read_manifest
+from cpuckpt.tier.nodes import NodeMap
+from cpuckpt.tier.recovery import Copy, plan_restores
+from cpuckpt.tier.replica import Listener, ReplicaError, partners, replica_dir, replica_slots, send_slot, write_token
+from cpuckpt.transfer.threads import new_executor
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture
+def slot(tmp_path: Path) -> Path:
+    path = tmp_path / "node0" / "slot-1"
+    g = torch.Generator().manual_seed(7)
+    state = {"w": torch.randn(300, 257, generator=g), "b": torch.arange(10, dtype=torch.int64)}
+    cpuckpt.save(state, path, {"io": {"chunk_bytes": 64 * 1024}}, step=5)
+    return path
+
+
+def _serve(root: Path, headroom_bytes: int = 0) -> Iterator[Listener]:
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_token(root, TOKEN)
+    listener = Listener(root, "127.0.0.1", headroom_bytes=headroom_bytes, timeout_s=10)
+    pool = new_executor(1, "test-replica-rx")
+    done = pool.submit(listener.serve_forever)
+    try:
+        yield listener
+    finally:
+        listener.stop()
+        done.result(timeout=10)
+        pool.shutdown()
+
+
+@pytest.fixture
+def partner(tmp_path: Path) -> Iterator[Listener]:
+    yield from _serve(tmp_path / "node1")
+
+
+def _send(listener: Listener, slot: Path, *, token: str = TOKEN, into: str = "replica") -> int:
+    return send_slot(listener.endpoint, token, source="hostA:boot:/ram0", slot=slot,
+                     save_id=read_manifest(slot).save_id, into=into, timeout_s=10)
+
+
+def test_replica_is_byte_identical_complete_and_loads(slot: Path, partner: Listener) -> None:
+    nbytes = _send(partner, slot)
+    target = replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")
+    assert replica_slots(partner.root) == [("hostA:boot:/ram0", target)]
+    assert check_complete(target).complete and check_complete(target).step == 5
+    names = sorted(read_manifest(slot).files)
+    assert nbytes == sum((slot / n).stat().st_size for n in names)
+    for name in names + [".metadata"]:
+        assert (target / name).read_bytes() == (slot / name).read_bytes(), name
+    state = {"w": torch.zeros(300, 257), "b": torch.zeros(10, dtype=torch.int64)}
+    cpuckpt.load(state, target)
+    g = torch.Generator().manual_seed(7)
+    assert torch.equal(state["w"], torch.randn(300, 257, generator=g))
+    # a restore: the same bytes into the receiver's own slot of that name
+    _send(partner, slot, into="slot")
+    assert check_complete(partner.root / "slot-1").complete
+
+
+def test_a_damaged_byte_is_refused_and_nothing_is_committed(slot: Path, partner: Listener) -> None:
+    _send(partner, slot)  # a complete replica first: the failed one below must not leave it looking complete
+    name = sorted(read_manifest(slot).files)[0]
+    data = bytearray((slot / name).read_bytes())
+    data[70_000] ^= 0x01  # in chunk 1 (64 KiB chunks)
+    (slot / name).write_bytes(bytes(data))
+    with pytest.raises(ReplicaError, match=r"chunk 1 .*crc32c"):
+        _send(partner, slot)
+    assert not check_complete(replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")).complete
+
+
+def test_a_wrong_token_is_refused(slot: Path, partner: Listener) -> None:
+    with pytest.raises(ReplicaError, match="wrong job token"):
+        _send(partner, slot, token="f" * 32)
+    assert replica_slots(partner.root) == []
+
+
+def test_the_ram_bound_refuses_a_replica_that_would_eat_the_headroom(slot: Path, tmp_path: Path) -> None:
+    for listener in _serve(tmp_path / "tight", headroom_bytes=1 << 60):
+        with pytest.raises(ReplicaError, match=r"memory.headroom_bytes.*memory.replicas"):
+            _send(listener, slot)
+        assert not check_complete(replica_dir(listener.root, "hostA:boot:/ram0", "slot-1")).complete
+
+
+def test_a_slot_that_is_not_that_save_is_not_sent(slot: Path, partner: Listener) -> None:
+    with pytest.raises(ReplicaError, match="not the committed memory checkpoint"):
+        send_slot(partner.endpoint, TOKEN, source="x", slot=slot, save_id="other", into="replica", timeout_s=5)
+
+
+def test_partners_follow_the_sorted_node_keys_not_the_ranks() -> None:
+    keys = ("c:1:/r", "a:1:/r", "b:1:/r", "a:1:/r")
+    assert partners(keys, "a:1:/r", 1) == ["b:1:/r"]
+    assert partners(keys, "c:1:/r", 1) == ["a:1:/r"]
+    assert partners(keys, "b:1:/r", 5) == ["c:1:/r", "a:1:/r"]  # never itself, at most the other nodes
+    assert partners(("a",), "a", 1) == []
+
+
+def _copy(holder: int, slot: str, replica: bool, files: tuple[str, ...], step: int = 9) -> Copy:
+    return Copy(holder, f"/n{holder}/{slot}", slot, replica, step, "s9", files, ("__0_0.distcp", "__1_0.distcp"))
+
+
+def test_plan_restores_a_lost_node_from_the_partner_replica_only() -> None:
+    nodes = NodeMap(0, ("n0", "n1"))
+    own0 = _copy(0, "slot-1", False, ("__0_0.distcp",))
+    rep1 = _copy(0, "slot-1", True, ("__1_0.distcp",))
+    # node 1 lost its RAM: rank 1 holds nothing, node 0 holds its own slot and a replica of node 1's
+    plans = plan_restores(nodes, [[(9, "s9")], []], [own0, rep1])
+    assert [(r.target, r.source) for r in plans[(9, "s9")]] == [(1, rep1)]
+    # without the replica: not available
+    assert plan_restores(nodes, [[(9, "s9")], []], [own0]) == {}
+    # both hold their own: available, nothing to restore
+    own1 = _copy(1, "slot-1", False, ("__1_0.distcp",))
+    assert plan_restores(nodes, [[(9, "s9")], [(9, "s9")]], [own0, own1, rep1]) == {(9, "s9"): []}
+    # node 1 has its own copy yet rank 1 needs more (deduplicated values): not restorable from a replica
+    assert plan_restores(nodes, [[(9, "s9")], []], [own0, own1, rep1]) == {}
