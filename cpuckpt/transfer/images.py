@@ -328,20 +328,32 @@ class ImageSet:
             Whatever ``before_grow`` raises (the memory tier's space check) before anything is reserved.
         """
         with self._lock:
-            img = self._files.get(name)
-            # an image file left by an earlier process already holds its pages: only growth is new
-            have = img.allocated if img is not None else _allocated(self.directory / name)
-            grow = nbytes - have
-            if grow > 0 and self.before_grow is not None:
-                self.before_grow(grow)
-            if img is None:
-                try:
-                    self.directory.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise _os_error("mkdir", e, self.directory) from e
-                img = self._files[name] = ImageFile(self.directory / name, pin=self.pin)
-            img.ensure(nbytes, chunk_bytes=chunk_bytes)
-            return img
+            return self._image(name, nbytes, chunk_bytes)
+
+    def prepare(self, name: str, nbytes: int, *, chunk_bytes: int | None = None) -> bool:
+        """Make image ``name`` ``nbytes`` long (reserved, mapped, pinned) unless it already exists here:
+        an existing image may be in use by a job, so it is never resized. Returns whether it made one."""
+        with self._lock:
+            if name in self._files:
+                return False
+            self._image(name, nbytes, chunk_bytes)
+            return True
+
+    def _image(self, name: str, nbytes: int, chunk_bytes: int | None) -> ImageFile:
+        img = self._files.get(name)
+        # an image file left by an earlier process already holds its pages: only growth is new
+        have = img.allocated if img is not None else _allocated(self.directory / name)
+        grow = nbytes - have
+        if grow > 0 and self.before_grow is not None:
+            self.before_grow(grow)
+        if img is None:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise _os_error("mkdir", e, self.directory) from e
+            img = self._files[name] = ImageFile(self.directory / name, pin=self.pin)
+        img.ensure(nbytes, chunk_bytes=chunk_bytes)
+        return img
 
     def claim(self, done: cf.Future) -> cf.Future | None:
         """A job takes these images; returns the previous job's ``done`` (it must end before any byte moves)."""

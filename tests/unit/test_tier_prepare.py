@@ -1,0 +1,55 @@
+"""The memory tier prepares the other slots' images after the first save (memory.prepare_slots).
+
+Single process, real RAM-root files and a real writer process; the images are checked directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import cpuckpt
+from cpuckpt.tier.memory import MemoryTier
+
+
+def _cfg(tmp_path: Path, prepare: bool) -> dict:
+    return {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 30,
+            "memory": {"root": str(tmp_path / "ram"), "persist_every": 0, "slots": 3, "headroom_bytes": 0,
+                       "prepare_slots": prepare}}
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(256, 129, generator=g), "b": torch.randn(77, generator=g), "step": step}
+
+
+def test_after_the_first_save_the_other_slots_images_exist_and_later_saves_do_not_grow_them(tmp_path):
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=True))
+    try:
+        tier.save(_state(1), 1).wait()
+        assert tier.wait_prepared(30) and tier._prepared is not None
+        first = {n: tier.images[0].get(n).nbytes for n in tier.images[0].names}
+        assert first, "the first save made no image"
+        for images in tier.images[1:]:
+            assert {n: images.get(n).nbytes for n in images.names} == first, images.directory
+        made = [(images.get(n), images.get(n).remaps) for images in tier.images[1:] for n in images.names]
+        for step in (2, 3):
+            tier.save(_state(step), step).wait()
+        assert all(img.remaps == remaps for img, remaps in made), "a later save grew a prepared image"
+        out = {"w": torch.empty(256, 129), "b": torch.empty(77), "step": -1}
+        cpuckpt.load(out, tier.find_latest())
+        want = _state(3)
+        assert out["step"] == 3 and torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"])
+    finally:
+        tier.close(persist_newest=False)
+
+
+def test_without_prepare_slots_only_saved_slots_have_images(tmp_path):
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    try:
+        tier.save(_state(1), 1).wait()
+        assert tier._prepared is None
+        assert tier.images[0].names and not tier.images[1].names and not tier.images[2].names
+    finally:
+        tier.close(persist_newest=False)
