@@ -8,6 +8,7 @@ leave nothing complete; a restore lands in the receiver's own slot; partners fol
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,10 @@ import torch
 
 import cpuckpt
 from cpuckpt.backend.committed import check_complete, read_manifest
+from cpuckpt.config import Config
 from cpuckpt.tier.nodes import NodeMap
+from cpuckpt.tier.persister import replicate_one
+from cpuckpt.tier.queue import PersistRequest
 from cpuckpt.tier.recovery import Copy, plan_restores
 from cpuckpt.tier.replica import Listener, ReplicaError, partners, replica_dir, replica_slots, send_slot, write_token
 from cpuckpt.transfer.threads import new_executor
@@ -132,3 +136,25 @@ def test_plan_restores_a_lost_node_from_the_partner_replica_only() -> None:
     assert plan_restores(nodes, [[(9, "s9")], [(9, "s9")]], [own0, own1, rep1]) == {(9, "s9"): []}
     # node 1 has its own copy yet rank 1 needs more (deduplicated values): not restorable from a replica
     assert plan_restores(nodes, [[(9, "s9")], []], [own0, own1, rep1]) == {}
+
+
+def _replicate_request(slot: Path, endpoints: list[tuple[str, int]], tmp_path: Path) -> PersistRequest:
+    cfg = Config.from_dict({"timeout_s": 5}, env=False).to_dict()
+    return PersistRequest(seq=1, slot=str(slot), save_id=read_manifest(slot).save_id, step=5, dest=str(slot), rank=0,
+                          world_size=1, coordinator=True, config=cfg, trainer_pid=0,
+                          trainer_lock=str(tmp_path / "no-trainer.lock"), kind="replicate", partners=tuple(endpoints),
+                          source="hostA:boot:/ram0", token=TOKEN)
+
+
+def test_the_writer_replicates_to_every_partner_and_reports_a_failed_one_as_a_replica(
+        slot: Path, partner: Listener, tmp_path: Path) -> None:
+    ok = replicate_one(_replicate_request(slot, [("127.0.0.1", partner.endpoint.port)], tmp_path))
+    assert ok.ok and ok.nbytes > 0, ok
+    assert check_complete(replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")).complete
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        dead_port = closed.getsockname()[1]  # nothing listens there once closed
+    out = replicate_one(_replicate_request(slot, [("127.0.0.1", dead_port), ("127.0.0.1", partner.endpoint.port)],
+                                           tmp_path))
+    # the live partner still got its copy; the outcome is a failed *replica* (the trainer warns, never raises)
+    assert not out.ok and out.error.startswith("replica:") and f"127.0.0.1:{dead_port}" in out.error, out
+    assert out.nbytes == ok.nbytes
