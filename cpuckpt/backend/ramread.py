@@ -37,7 +37,7 @@ __all__ = ["H2D_MODES", "MappedFile", "in_ram"]
 
 logger = logging.getLogger(__name__)
 
-H2D_MODES = ("bounce", "register")  # how a fresh process copies a RAM file to the GPU
+H2D_MODES = ("auto", "bounce", "register")  # how a RAM file reaches the GPU (auto: see StorageReader)
 _RAM_MAGIC = {0x01021994, 0x858458F6}  # TMPFS_MAGIC, RAMFS_MAGIC (linux/magic.h)
 _HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: pin without write access (no copy-on-write)
 _PAGE = mmap.PAGESIZE

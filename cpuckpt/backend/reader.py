@@ -55,7 +55,7 @@ from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
 from cpuckpt.transfer.images import ImageFile
-from cpuckpt.transfer.staging import DeviceCopier, flat_bytes, get_pool
+from cpuckpt.transfer.staging import DeviceCopier, flat_bytes, get_pool, pool_state
 from cpuckpt.transfer.threads import run_parallel
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -140,11 +140,14 @@ class StorageReader(_DcpStorageReader):
             process holds them: their bytes are copied to the targets straight from the (pinned)
             mapping, with no read and no pool.
         h2d: how files in a RAM filesystem reach GPU targets: ``"bounce"`` (pread into the pinned
-            pool, then copy) or ``"register"`` (pin each chunk of the file's mapping while it is copied).
+            pool, then copy), ``"register"`` (pin each chunk of the file's mapping while it is copied), or
+            ``"auto"`` (the default): bounce when the process already has its pinned pool, else register
+            (a fresh process's restart then pins no pool first; on the H200, 4 GiB: register 10.7 GB/s
+            vs bounce 9.4 GB/s for a fresh process's first load, bounce 18.2 vs 10.4 GB/s once the pool exists).
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
-                 *, images: Mapping[str, ImageFile] | None = None, h2d: str = "bounce") -> None:
+                 *, images: Mapping[str, ImageFile] | None = None, h2d: str = "auto") -> None:
         super().__init__()
         if h2d not in H2D_MODES:
             raise ConfigError(f"StorageReader h2d must be one of {', '.join(H2D_MODES)}, got {h2d!r}")
@@ -259,7 +262,9 @@ class StorageReader(_DcpStorageReader):
         with contextlib.ExitStack() as opened:
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
-            jobs, sources = _read_jobs(plans, cfg, opened, self.images, self.h2d)
+            h2d = self.h2d if self.h2d != "auto" else \
+                "bounce" if pool_state()[0] or not cfg.staging.pin else "register"
+            jobs, sources = _read_jobs(plans, cfg, opened, self.images, h2d)
             stats.jobs = len(jobs)
             stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
                                             name="cpuckpt-read"))
