@@ -298,7 +298,7 @@ def async_save(
             them): staging copies straight into them and nothing is written through the pool.
         save_id: the id the committed checkpoint records (the same on every rank; default: a new one).
         node_commit: replaces the coordinator's commit and the outcome's broadcast once every rank's
-            files are in (the memory tier across nodes: ``cpuckpt.tier.nodecommit``): called on every rank
+            files are in (the memory tier across nodes: ``cpuckpt.tier.nodes.node_commit``): called on every rank
             as ``node_commit(writer, gathered_results, commit_group, coordinator)`` on the committer thread,
             it returns the outcome agreed by every rank (None: committed), running its own collectives.
         ordering: what the caller must do before changing a saved tensor (the contract below).

@@ -122,6 +122,7 @@ class MemoryTier:
         self.last_persist: PersistRequest | None = None
         self._prepared: threading.Thread | None = None  # the background preparation of the other slots' images
         self._prepare_lock = threading.Lock()
+        self._prepare_decided = threading.Event()  # the first save ended: preparation started or not needed
         self._closing = threading.Event()
         self._respawn_failed: CpuckptError | None = None
         self._reported = set(self.queue.finished())  # outcomes already seen (an earlier trainer's too)
@@ -328,8 +329,16 @@ class MemoryTier:
                                              f"{self.config.timeout_s} s (when_full: wait)")
             logger.info("cpuckpt memory tier: step %s waits for the persist of %s", step, slot.name)
             time.sleep(0.01)
-        if before_fill is not None:
-            before_fill(slot)
+        if before_fill is not None:  # an adapter's naming: its failure on any rank is every rank's (agreed)
+            failure: BaseException | None = None
+            try:
+                before_fill(slot)
+            except Exception as e:  # reported on every rank just below
+                failure = e
+            (any_failed,) = self._agree([int(failure is not None)])
+            if any_failed:
+                raise CpuckptError(f"rank {self.rank}: preparing {slot} for step {step} failed" +
+                                   (f": {failure}" if failure else " on another rank (see its log)")) from failure
         if not self.nodes.single and self.nodes.is_leader:
             # Each node's slot is made incomplete by its own leader before any byte of it changes (the
             # coordinator clears only its own); async_save's planning collective orders this before every fill.
@@ -338,8 +347,9 @@ class MemoryTier:
                             planner=planner, plan_key=plan_key, images=self.images[k],
                             save_id=f"{self.root.job[:24]}-{token:016x}", node_commit=self._node_commit)
         self._next = (k + 1) % len(self.slots)
-        if self.config.memory.prepare_slots and self._prepared is None:
-            handle.add_done_callback(lambda error, k=k: None if error is not None else self._prepare_slots(k))
+        if self.config.memory.prepare_slots and not self._prepare_decided.is_set():
+            handle.add_done_callback(lambda error, k=k: self._prepare_slots(k) if error is None
+                                     else self._prepare_decided.set())
         if self._replication is not None and self.nodes.is_leader and self._replication.partners:
             self._request_replica(self._replication, handle, step, slot)
         every = self.config.memory.persist_every
@@ -351,36 +361,37 @@ class MemoryTier:
     def _prepare_slots(self, k: int) -> None:
         """Once slot ``k`` holds a committed save: reserve, map and pin the other slots' missing images to
         the same sizes on a background thread (a first save into a slot otherwise pays it: ~2.8 s for 5 GB
-        on the H200). Images that exist are left alone (a job may be filling them)."""
+        on the H200). A slot holding a complete checkpoint or owed to a persist is left alone (an earlier
+        process's checkpoint there may be loaded or persisted), and so is every image that exists here
+        (a job may be filling it)."""
         sizes = {n: img.nbytes for n in self.images[k].names if (img := self.images[k].get(n)) is not None}
-        others = [images for j, images in enumerate(self.images) if j != k]
 
         def run() -> None:
-            for images in others:
-                for name, nbytes in sizes.items():
-                    if self._closing.is_set():
-                        return
-                    try:
+            try:
+                for j, images in enumerate(self.images):
+                    if j == k or self._held(self.slots[j]) or check_complete(self.slots[j]).complete:
+                        continue
+                    for name, nbytes in sizes.items():
+                        if self._closing.is_set():
+                            return
                         images.prepare(name, nbytes, chunk_bytes=self.config.io.chunk_bytes)
-                    except CpuckptError as e:  # e.g. the RAM root's headroom: the save that needs it says so
-                        logger.warning("cpuckpt memory tier: preparing %s/%s ahead failed: %s", images.directory.name,
-                                       name, e)
-                        return
+            except CpuckptError as e:  # e.g. the RAM root's headroom: the save that needs the image says so
+                logger.warning("cpuckpt memory tier: preparing the slots' images ahead failed: %s", e)
 
-        with self._prepare_lock:  # one preparation per tier, whichever save's callback comes first
-            if self._prepared is None:
-                thread = threading.Thread(target=run, name=f"cpuckpt-prepare-{self.rank}", daemon=True)
-                thread.start()
-                self._prepared = thread
+        with self._prepare_lock:  # one preparation per tier; none once close() began
+            if self._prepared is None and not self._closing.is_set():
+                self._prepared = threading.Thread(target=run, name=f"cpuckpt-prepare-{self.rank}", daemon=True)
+                self._prepared.start()
+        self._prepare_decided.set()
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
-        """Wait for the background preparation of the slots' images (started after the first save's
-        commit); True when it ended (or none was started)."""
+        """Wait for the background preparation of the slots' images (started after the first committed save);
+        True when it ended, or none will run (``prepare_slots`` off, or the first save failed)."""
+        if not self.config.memory.prepare_slots or self._last is None:
+            return True
         deadline = time.monotonic() + (self.config.timeout_s if timeout_s is None else timeout_s)
-        while self._prepared is None and self.config.memory.prepare_slots and self._last is not None:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
+        if not self._prepare_decided.wait(max(0.0, deadline - time.monotonic())):
+            return False
         if self._prepared is not None:
             self._prepared.join(max(0.0, deadline - time.monotonic()))
             return not self._prepared.is_alive()
@@ -574,9 +585,11 @@ class MemoryTier:
         if self.report_persist_failures:
             errors += [PersistError(f"rank {self.rank}: {f}") for f in self._new_persist_failures()]
         self._stop_writer()
-        self._closing.set()
-        if self._prepared is not None:
-            self._prepared.join()  # it stops after the image in hand: nothing maps or pins past this point
+        with self._prepare_lock:  # from here on no preparation starts
+            self._closing.set()
+            prepared = self._prepared
+        if prepared is not None:
+            prepared.join()  # it stops after the image in hand: nothing maps or pins past this point
         for images in self.images:
             images.close()
         self.root.close()

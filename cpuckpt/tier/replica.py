@@ -173,7 +173,7 @@ def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_i
     what = f"replica of {slot} ({save_id[:8]}) to {endpoint.host}:{endpoint.port}"
     nbytes = 0
     try:
-        with _connect(endpoint, timeout_s) as sock:
+        with _connect(endpoint, min(timeout_s, CONNECT_RETRY_S)) as sock:
             sock.sendall(MAGIC)
             _send_msg(sock, {"token": token, "into": into, "source": source, "slot": slot.name, "save_id": save_id,
                              "manifest": manifest.to_json(), "metadata_nbytes": len(metadata)})
@@ -201,6 +201,11 @@ def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_i
     if not reply.get("ok"):
         raise ReplicaError(f"{what} refused by the receiver: {reply.get('error')}")
     return nbytes
+
+
+# A partner refusing connections for this long is down (or its writer was respawned on another port): the
+# replica fails with a warning instead of holding its slot, and so the ring, for the whole timeout.
+CONNECT_RETRY_S = 10.0
 
 
 def _connect(endpoint: Endpoint, timeout_s: float) -> socket.socket:
@@ -293,12 +298,13 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
     else:
         raise ReplicaError(f"replica refused: unknown destination {head['into']!r}")
     target.mkdir(mode=0o700, exist_ok=True)
-    clear_commit(target, fsync=False)  # incomplete from its first changed byte until the commit below
     entries = [manifest.files[n] for n in sorted(manifest.files)]
     existing = sum(_size(target / e.name) for e in entries)
-    # The RAM bound: (own slots + replica slots) x shard must leave memory.headroom_bytes free.
+    # The RAM bound: (own slots + replica slots) x shard must leave memory.headroom_bytes free. Checked
+    # before anything changes: a refused copy leaves the target's complete checkpoint as it was.
     require_free(target, sum(e.nbytes for e in entries), already_reserved=existing, headroom_bytes=headroom_bytes,
                  what=f"a replica of {head['source']} ({name})")
+    clear_commit(target, fsync=False)  # incomplete from its first changed byte until the commit below
     _send_msg(conn, {"ok": True})
     t0 = time.perf_counter()
     damaged: list[str] = []  # the stream is read to its end either way, so the sender gets the reason

@@ -146,8 +146,9 @@ class MegatronMemory:
     def _unlink_slot(self, slot: Path) -> None:
         """Remove every ``D/iter_*`` link to ``slot``; a tracker naming one of them moves back."""
         removed: set[int] = set()
+        real_slot = Path(os.path.realpath(slot))  # the links resolve symlinks in the RAM root's path too
         for link, step, target in self._links():
-            if target == slot:
+            if target == real_slot:
                 link.unlink()
                 removed.add(step)
         tracker = self.np_dir / TRACKER

@@ -203,3 +203,25 @@ def test_configs_megatron_memory_yaml_loads():
 
     core, options = split_config(Path(__file__).resolve().parents[2] / "configs" / "megatron-memory.yaml")
     assert options.memory_tier and core.memory.slots == 3 and core.memory.when_full == "wait"
+
+
+def test_links_are_found_through_a_symlinked_ram_root(tmp_path):
+    """/dev/shm may be a symlink (/run/shm): a slot's old links must still be recognised and removed."""
+    from cpuckpt.integrations.megatron.memory import MegatronMemory, Route
+
+    from cpuckpt.config import Config
+
+    router = MegatronMemory(tmp_path / "save", tmp_path / "np", Config.from_dict(_config(tmp_path)))
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "shm")
+    slot = tmp_path / "shm" / "slot-0"  # the path the tier uses: through the symlink
+    slot.mkdir()
+    (slot / ".metadata").write_bytes(b"x")
+    router.np_dir.mkdir()
+    os.symlink(slot, router.np_dir / "iter_0000008")
+    (router.np_dir / TRACKER).write_text("8")
+    given = router.np_dir / "iter_0000016"
+    given.mkdir()
+    router._link(Route("memory", 16, given), slot)
+    assert not (router.np_dir / "iter_0000008").is_symlink(), "the old link to the refilled slot is still there"
+    assert not (router.np_dir / TRACKER).exists()

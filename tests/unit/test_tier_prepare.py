@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import cpuckpt
@@ -51,5 +52,23 @@ def test_without_prepare_slots_only_saved_slots_have_images(tmp_path):
         tier.save(_state(1), 1).wait()
         assert tier._prepared is None
         assert tier.images[0].names and not tier.images[1].names and not tier.images[2].names
+    finally:
+        tier.close(persist_newest=False)
+
+
+def test_a_failed_before_fill_is_an_error_and_the_slot_is_untouched(tmp_path):
+    from cpuckpt.errors import CpuckptError
+
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    try:
+        tier.save(_state(1), 1).wait()
+
+        def refuse(slot: Path) -> None:
+            raise OSError(f"cannot name {slot}")
+
+        with pytest.raises(CpuckptError, match=r"preparing .*slot-1.* for step 2 failed: cannot name"):
+            tier.save(_state(2), 2, before_fill=refuse)
+        assert not (tier.slots[1] / ".metadata").exists() and tier.find_latest() == tier.slots[0]
+        assert tier.wait_prepared(1)  # prepare_slots off: nothing to wait for
     finally:
         tier.close(persist_newest=False)
