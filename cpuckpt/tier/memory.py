@@ -87,6 +87,7 @@ class MemoryTier:
     def __init__(self, durable_root: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
                  *, process_group: Any = None, report_persist_failures: bool = True) -> None:
         self.config = resolve_config(config)
+        self._config_dict = self.config.to_dict()  # what every request carries: built once, not per save
         # False: the caller awaits every persist itself and reports its outcome (the Megatron adapter's
         # finalize does), so a failed persist is not raised a second time at the next save.
         self.report_persist_failures = report_persist_failures
@@ -422,7 +423,7 @@ class MemoryTier:
     def _persist_request(self, slot: Path, save_id: str, step: int | None, dest: Path) -> PersistRequest:
         return PersistRequest(seq=self.queue.next_seq(), slot=str(slot), save_id=save_id, step=step,
                               dest=str(dest), rank=self.rank, world_size=self.world_size,
-                              coordinator=self.rank == 0, config=self.config.to_dict(), trainer_pid=os.getpid(),
+                              coordinator=self.rank == 0, config=self._config_dict, trainer_pid=os.getpid(),
                               trainer_lock=str(self.trainer_lock))
 
     def _writer_failed(self) -> None:
