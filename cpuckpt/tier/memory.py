@@ -275,14 +275,16 @@ class MemoryTier:
     # -- saving ---------------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], step: int, *, name: str | None = None, planner: Any = None,
              plan_key: Hashable | None = None, persist: bool | None = None, dest: str | os.PathLike | None = None,
-             before_fill: Callable[[Path], None] | None = None) -> AsyncSaveHandle | None:
+             before_fill: Callable[[Path], None] | None = None, ordering: str = "host") -> AsyncSaveHandle | None:
         """Save ``state_dict`` into the next memory slot; persist it if ``step`` is a multiple of
         ``memory.persist_every``. Collective: every rank calls it with the same step.
 
         ``persist`` True/False overrides ``persist_every`` for this save; ``dest`` is where a persist (or a
         ``when_full: disk`` save) goes, default ``<durable_root>/<name>``; ``before_fill(slot)`` runs on every
         rank once the slot is chosen, before a byte of it changes (adapters name the slot their own way).
-        :attr:`last_persist` is the persist request this save made, or None.
+        :attr:`last_persist` is the persist request this save made, or None. ``ordering`` as for
+        :func:`cpuckpt.async_save` (``stream``: returns once the GPU copies are enqueued; order writes to
+        the saved tensors after ``handle.wait_stream()``).
 
         Returns the handle of the memory save (or of a durable save, ``when_full: disk``), or None when
         the save was skipped (``when_full: skip``).
@@ -324,7 +326,7 @@ class MemoryTier:
                 logger.warning("cpuckpt memory tier: every slot is held by a persist; step %s goes to the durable "
                                "root directly", step)
                 return async_save(state_dict, dest, self.config, step=step, process_group=self.process_group,
-                                  planner=planner, plan_key=plan_key)
+                                  planner=planner, plan_key=plan_key, ordering=ordering)
             if expired:  # agreed: every rank raises together
                 raise CheckpointTimeoutError(f"memory tier: {slot} still held by a persist after "
                                              f"{self.config.timeout_s} s (when_full: wait)")
@@ -346,7 +348,8 @@ class MemoryTier:
             clear_commit(slot, fsync=False)
         handle = async_save(state_dict, slot, self.memory_config, step=step, process_group=self.process_group,
                             planner=planner, plan_key=plan_key, images=self.images[k],
-                            save_id=f"{self.root.job[:24]}-{token:016x}", node_commit=self._node_commit)
+                            save_id=f"{self.root.job[:24]}-{token:016x}", node_commit=self._node_commit,
+                            ordering=ordering)
         self._next = (k + 1) % len(self.slots)
         if self.config.memory.prepare_slots and not self._prepare_decided.is_set():
             handle.add_done_callback(lambda error, k=k: self._prepare_slots(k) if error is None

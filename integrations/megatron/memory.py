@@ -101,13 +101,14 @@ class MegatronMemory:
             self._tier = MemoryTier(self.save_dir, self.config, report_persist_failures=False)
         return self._tier
 
-    def save(self, state_dict: dict[str, Any], route: Route, *, planner: Any = None,
-             plan_key: Any = None) -> tuple[Any, PersistRequest | None]:
-        """Memory save (plus a persist request for a durable route); collective. Returns (handle, request)."""
+    def save(self, state_dict: dict[str, Any], route: Route, *, planner: Any = None, plan_key: Any = None,
+             ordering: str = "host") -> tuple[Any, PersistRequest | None]:
+        """Memory save (plus a persist request for a durable route); collective. Returns (handle, request).
+        ``ordering`` as for :func:`cpuckpt.async_save` (``stream``: the caller orders its writes on the GPU)."""
         tier = self.tier
         durable = route.kind == "durable"
         handle = tier.save(state_dict, route.step, name=route.path.name, planner=planner, plan_key=plan_key,
-                           persist=durable, dest=route.path,
+                           persist=durable, dest=route.path, ordering=ordering,
                            before_fill=lambda slot: self._link(route, slot) if tier.rank == 0 else None)
         return handle, tier.last_persist
 

@@ -56,7 +56,7 @@ class MegatronOptions:
             overlap them, and the next optimizer step (every ``megatron.core.optimizer`` class's
             ``step``, wrapped by the hook) makes its stream wait for them on the GPU. Tensors that
             change before that step (MoE ``expert_bias``, updated in ``finalize_model_grads``) are
-            copied on the GPU at save time instead. Memory-tier saves keep ``host``.
+            copied on the GPU at save time instead. Memory-tier saves order the same way.
     """
 
     on_failure: str = field(default="raise", metadata={"choices": ("raise", "continue")})

@@ -105,7 +105,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             first (Megatron-LM: the hook wraps every ``megatron.core.optimizer`` step; others call
             ``hook.order_optimizer_steps()``, checked here). Saved tensors that change before that
             step (:data:`EAGER_SUFFIXES`: MoE ``expert_bias``) are cloned on the GPU at save time.
-            Memory-tier saves keep ``host``. megatron-core's temporal caller runs
+            Memory-tier saves too. megatron-core's temporal caller runs
             ``torch.cuda.synchronize()`` before it forks, which waits for the copies anyway (correct,
             no overlap); the persistent caller (``--use-persistent-ckpt-worker``) does not.
     """
@@ -151,7 +151,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         """
         planner = self._planner()
         route = self.memory.route(checkpoint_dir) if self.memory is not None else None
-        overlap = self.ordering == "optimizer" and route is None
+        overlap = self.ordering == "optimizer"
         if overlap:
             if not _STEPS_ORDERED:
                 raise ConfigError("megatron.ordering optimizer: no optimizer step waits for the save's copies; "
@@ -164,7 +164,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             handle = cpuckpt.async_save(state, checkpoint_dir, self.config, planner=planner,
                                         plan_key=self._plan_key(planner), ordering="stream" if overlap else "host")
         else:
-            handle, request = self.memory.save(state, route, planner=planner, plan_key=self._plan_key(planner))
+            handle, request = self.memory.save(state, route, planner=planner, plan_key=self._plan_key(planner),
+                                               ordering="stream" if overlap else "host")
             if request is not None:
                 tier = self.memory.tier
                 persist = PersistWait(str(tier.queue.path), request.seq, str(tier.root.writer_lock_path(tier.rank)))

@@ -75,11 +75,17 @@ def rank_train(root: str, iterations: list[int]) -> None:
     _, _, device = _setup()
     root_p = Path(root)
     router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(_config(root_p)))
-    strategy = CpuckptSaveStrategy(_config(root_p), memory=router)
+    from cpuckpt.integrations.megatron.hook import order_optimizer_steps
+
+    order_optimizer_steps()  # the training below orders its writes after the saves' copies (ordering optimizer)
+    strategy = CpuckptSaveStrategy(_config(root_p), memory=router, ordering="optimizer")
     queue = AsyncCallsQueue(persistent=True)
     for it in iterations:
         d = router.save_dir if it % 4 == 0 else router.np_dir
         sd = _megatron_save(strategy, queue, router, d, it, device)
+        from cpuckpt.integrations.megatron.strategy import order_pending_saves
+
+        order_pending_saves()  # what the wrapped optimizer step does first
         for t in (sd["w"].data, sd["b"].data):  # the next optimizer step changes every saved tensor
             t.fill_(-7.0)
         queue.maybe_finalize_async_calls(blocking=True)  # finalize: memory commit (or durable, every 4th)
