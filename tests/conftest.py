@@ -314,3 +314,13 @@ def _run_ranks_fixture(tmp_path: Path) -> Callable[..., list[Any]]:
 def rank_runner() -> Callable[..., list[Any]]:
     """The bare ``run_ranks`` (pass ``tmp_path=``), for fixtures wider than one test."""
     return run_ranks
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``slow`` tests (pyproject: "off by default") run only with ``-m slow`` or ``CPUCKPT_SLOW=1``."""
+    if "slow" in (config.getoption("markexpr") or "") or os.environ.get("CPUCKPT_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow or CPUCKPT_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

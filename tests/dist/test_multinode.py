@@ -153,9 +153,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(tmp: Path, node: int, phase: str, port: int, until: int, hold: bool, replicas: int) -> subprocess.Popen:
+def _launch(tmp: Path, node: int, phase: str, port: int, until: int, hold: bool, replicas: int,
+            nproc: int = 1) -> subprocess.Popen:
     ram, out = tmp / f"ram{node}", tmp / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{phase}-{port}",
            "--rdzv-conf", "join_timeout=40,read_timeout=40", "--local-addr", f"127.0.0.{node + 1}",
            "--max-restarts", "0", "--monitor-interval", "0.5", str(THIS), "--ram", str(ram),
@@ -190,13 +191,13 @@ def _kill_pid(pid: int) -> None:
         pass
 
 
-def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool,
-               replicas: int) -> tuple[list[dict], list[subprocess.Popen]]:
+def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool, replicas: int,
+               nproc: int = 1) -> tuple[list[dict], list[subprocess.Popen]]:
     """Launch both nodes; return each rank's report (by rank) once written, and the launches."""
     port = _free_port()
-    procs = [_launch(tmp, node, phase, port, until, hold, replicas) for node in (0, 1)]
-    deadline = time.monotonic() + PHASE_S
-    files = [tmp / "out" / f"{phase}-{r}.json" for r in (0, 1)]
+    procs = [_launch(tmp, node, phase, port, until, hold, replicas, nproc) for node in (0, 1)]
+    deadline = time.monotonic() + PHASE_S * nproc
+    files = [tmp / "out" / f"{phase}-{r}.json" for r in range(2 * nproc)]
     try:
         while not all(f.exists() for f in files) or (not hold and any(p.poll() is None for p in procs)):
             failed = [p for p in procs if p.poll() not in (None, 0)]
@@ -211,9 +212,10 @@ def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool,
     return [json.loads(f.read_text()) for f in files], procs
 
 
-def _kill_node(tmp: Path, launch: subprocess.Popen, report: dict) -> None:
-    """SIGKILL a node's trainer (torchrun starts it in a session of its own) and its agent's process group."""
-    _kill_pid(report["pid"])
+def _kill_node(tmp: Path, launch: subprocess.Popen, reports: list[dict]) -> None:
+    """SIGKILL a node's trainers (torchrun starts them in sessions of their own) and its agent's process group."""
+    for report in reports:
+        _kill_pid(report["pid"])
     _kill_launch(launch)
 
 
@@ -226,28 +228,42 @@ def _check_resume(reports: list[dict], phase: str, step: int, *, memory: bool) -
 
 
 def _lose_node1(tmp: Path, procs: list[subprocess.Popen], reports: list[dict]) -> None:
-    """Both launches SIGKILLed; node 1's writer SIGKILLed by pid and its RAM root deleted (a replaced node)."""
-    for launch, r in zip(procs, reports):
-        _kill_node(tmp, launch, r)
-    node1 = next(r for r in reports if r["rank"] == 1)
-    _kill_pid(node1["writer_pid"])
-    shutil.rmtree(node1["ram"])
+    """Both launches SIGKILLed; node 1's writers SIGKILLed by pid and its RAM root deleted (a replaced node)."""
+    by_node = [[r for r in reports if r["ram"] == str(tmp / f"ram{node}")] for node in (0, 1)]
+    for launch, node_reports in zip(procs, by_node):
+        _kill_node(tmp, launch, node_reports)
+    for r in by_node[1]:
+        _kill_pid(r["writer_pid"])
+    shutil.rmtree(by_node[1][0]["ram"])
 
 
 def test_two_nodes_resume_from_a_partner_replica_then_from_disk_without_replicas(tmp_path: Path) -> None:
+    _two_nodes(tmp_path, nproc=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_nodes_of_two_ranks_each(tmp_path: Path) -> None:
+    """The same with 2 ranks per node (4 trainers, 4 writers): for a machine with cores to spare (``-m slow``)."""
+    _two_nodes(tmp_path, nproc=2)
+
+
+def _two_nodes(tmp_path: Path, *, nproc: int) -> None:
     (tmp_path / "out").mkdir()
+    node1_ranks = set(range(nproc, 2 * nproc))
     # Train steps 1..10 with replicas: durable 4 and 8, memory slots 9 and 10 on both nodes, each replicated.
-    reports, procs = _run_phase(tmp_path, "train", 10, hold=True, replicas=1)
+    reports, procs = _run_phase(tmp_path, "train", 10, hold=True, replicas=1, nproc=nproc)
     for r in reports:
         assert r["durable"] == [4, 8], f"rank {r['rank']}: durable steps {r['durable']}"
         assert r["loaded"] is None, r
     _lose_node1(tmp_path, procs, reports)
 
     # 1. Node 1 lost its RAM: restored from node 0's replica, resumed from memory (step 10), only RAM bytes read.
-    reports, procs = _run_phase(tmp_path, "replica", 14, hold=True, replicas=1)
+    reports, procs = _run_phase(tmp_path, "replica", 14, hold=True, replicas=1, nproc=nproc)
     _check_resume(reports, "replica", 10, memory=True)
     by_rank = {r["rank"]: r for r in reports}
-    assert not any(by_rank[1]["slot_steps_before"]), f"node 1's RAM root was deleted: {by_rank[1]}"
+    for rank in node1_ranks:
+        assert not any(by_rank[rank]["slot_steps_before"]), f"node 1's RAM root was deleted: {by_rank[rank]}"
     for r in reports:
         assert r["loaded"] in r["slots"] and r["loaded"].startswith(r["ram"]), r
         assert r["loads"] and all(p.startswith(r["ram"]) for p, _ in r["loads"]), \
@@ -257,11 +273,12 @@ def test_two_nodes_resume_from_a_partner_replica_then_from_disk_without_replicas
     _lose_node1(tmp_path, procs, reports)
 
     # 2. The same loss without replicas: node 0 alone holds step 14, so the job resumes from disk (step 12).
-    reports, _ = _run_phase(tmp_path, "disk", 16, hold=False, replicas=0)
+    reports, _ = _run_phase(tmp_path, "disk", 16, hold=False, replicas=0, nproc=nproc)
     _check_resume(reports, "disk", 12, memory=False)
     by_rank = {r["rank"]: r for r in reports}
     assert 14 in by_rank[0]["slot_steps_before"], f"node 0 should still hold step 14 in memory: {by_rank[0]}"
-    assert not any(by_rank[1]["slot_steps_before"]), f"node 1's RAM root was deleted: {by_rank[1]}"
+    for rank in node1_ranks:
+        assert not any(by_rank[rank]["slot_steps_before"]), f"node 1's RAM root was deleted: {by_rank[rank]}"
     for r in reports:
         assert r["loaded"] == str(tmp_path / "durable" / "step_12"), r
         assert r["durable"] == [4, 8, 12, 16], f"rank {r['rank']}: durable steps {r['durable']}"
