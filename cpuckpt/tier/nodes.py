@@ -35,9 +35,10 @@ from cpuckpt.backend.collectives import resolve_stateful
 from cpuckpt.backend.commit import commit_checkpoint
 from cpuckpt.backend.committed import check_complete, load_metadata, read_manifest
 from cpuckpt.errors import FailureReport, IntegrityError
+from cpuckpt.format.manifest import Manifest
 from cpuckpt.tier.ramroot import BOOT_ID_PATH
 
-__all__ = ["NodeMap", "agree_held", "held_saves", "needed_files", "node_commit", "node_key"]
+__all__ = ["NodeMap", "agree_held", "committed_slot", "held_saves", "needed_files", "node_commit", "node_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,24 +160,31 @@ def held_saves(slots: list[Path], rank: int, world_size: int, state_dict: dict[s
     """
     out: dict[Held, Path] = {}
     for slot in slots:
-        c = check_complete(slot)
-        if not c.complete or c.step is None:
+        committed = committed_slot(slot, world_size)
+        if committed is None:
             continue
-        manifest = read_manifest(slot)
-        if manifest is None or not manifest.save_id or manifest.world_size != world_size:
-            continue
-        try:
-            metadata = load_metadata(slot)
-        except (IntegrityError, OSError) as e:
-            logger.warning("cpuckpt memory tier: %s: %s", slot, e)
-            continue
+        step, manifest, metadata = committed
         missing = needed_files(metadata, rank, state_dict, planner) - set(manifest.files)
         if missing:
             logger.info("cpuckpt memory tier: %s (step %s) lacks %d file(s) rank %d needs (%s, ...): held by "
-                        "other nodes only", slot, c.step, len(missing), rank, sorted(missing)[0])
+                        "other nodes only", slot, step, len(missing), rank, sorted(missing)[0])
             continue
-        out[(c.step, manifest.save_id)] = slot
+        out[(step, manifest.save_id)] = slot
     return out
+
+
+def committed_slot(slot: Path, world_size: int) -> tuple[int, Manifest, Metadata] | None:
+    """(step, manifest, ``.metadata``) of the memory checkpoint committed in ``slot`` with this world size;
+    None when there is none (incomplete, no save id, another world size, unreadable metadata)."""
+    c = check_complete(slot)
+    manifest = read_manifest(slot) if c.complete else None
+    if manifest is None or c.step is None or not manifest.save_id or manifest.world_size != world_size:
+        return None
+    try:
+        return c.step, manifest, load_metadata(slot)
+    except (IntegrityError, OSError) as e:
+        logger.warning("cpuckpt memory tier: %s: %s", slot, e)
+        return None
 
 
 def agree_held(mine: dict[Held, Path], world_size: int, group: Any) -> dict[Held, Path]:

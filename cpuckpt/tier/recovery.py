@@ -33,9 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpuckpt.backend.committed import check_complete, load_metadata, read_manifest
 from cpuckpt.errors import CheckpointTimeoutError, IntegrityError
-from cpuckpt.tier.nodes import Held, NodeMap
+from cpuckpt.tier.nodes import Held, NodeMap, committed_slot
 from cpuckpt.tier.replica import (
     Endpoint,
     ReplicaError,
@@ -83,17 +82,12 @@ def node_copies(root: Path, slots: list[Path], rank: int, world_size: int) -> li
     """Every complete copy in this node's RAM root (own slots, then replicas) of this world size."""
     out = []
     for replica, slot in [(False, s) for s in slots] + [(True, s) for _, s in replica_slots(root)]:
-        c = check_complete(slot)
-        manifest = read_manifest(slot) if c.complete else None
-        if manifest is None or c.step is None or not manifest.save_id or manifest.world_size != world_size:
+        committed = committed_slot(slot, world_size)
+        if committed is None:
             continue
-        try:
-            metadata = load_metadata(slot)
-        except (IntegrityError, OSError) as e:
-            logger.warning("cpuckpt memory tier: %s: %s", slot, e)
-            continue
+        step, manifest, metadata = committed
         every = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-        out.append(Copy(rank, str(slot), slot.name, replica, c.step, manifest.save_id, tuple(sorted(manifest.files)),
+        out.append(Copy(rank, str(slot), slot.name, replica, step, manifest.save_id, tuple(sorted(manifest.files)),
                         tuple(every)))
     return out
 
