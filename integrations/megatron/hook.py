@@ -35,6 +35,9 @@ format with other storage. :func:`install`:
    uses the persistent caller, which does not synchronize the device; megatron-core's temporal caller
    does (``torch.cuda.synchronize()`` before its fork), which removes the overlap but stays correct.
 
+6. with ``megatron: {prepare_pool: true}`` (the default), reserves the host pool in the background
+   after the first optimizer step (:mod:`.prepare`), so the first save is as fast as later ones.
+
 Without ``--ckpt-format cpuckpt`` on the command line it changes nothing. Use it through the
 launcher (``python -m cpuckpt.integrations.megatron.launch pretrain_gpt.py ...``) or add one line
 at the top of the script: ``import cpuckpt.integrations.megatron as m; m.install()``.
@@ -146,6 +149,10 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
         _route_to_memory_tier(cfg, module)
     if options.ordering == "optimizer":
         order_optimizer_steps()
+    if options.prepare_pool and not options.memory_tier:
+        from .prepare import PoolPreparer, prepare_after_first_step
+
+        prepare_after_first_step(PoolPreparer(cfg))
 
 
 def order_optimizer_steps(base: type | None = None) -> list[str]:

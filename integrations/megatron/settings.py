@@ -57,6 +57,10 @@ class MegatronOptions:
             ``step``, wrapped by the hook) makes its stream wait for them on the GPU. Tensors that
             change before that step (MoE ``expert_bias``, updated in ``finalize_model_grads``) are
             copied on the GPU at save time instead. Memory-tier saves order the same way.
+        prepare_pool: after the first optimizer step, reserve (allocate, touch, pin) the host pool
+            on a background thread, sized from the model and optimizer state (:mod:`.prepare`), so
+            the first async save costs what later ones cost. Not used with ``memory_tier`` (saves go
+            into the tier's images, which are prepared after the first save).
     """
 
     on_failure: str = field(default="raise", metadata={"choices": ("raise", "continue")})
@@ -64,6 +68,7 @@ class MegatronOptions:
     reuse_plan: bool = True
     memory_tier: bool = False
     ordering: str = field(default="host", metadata={"choices": ("host", "optimizer")})
+    prepare_pool: bool = True
 
 
 def _mapping(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> tuple[dict[str, Any] | None, str]:

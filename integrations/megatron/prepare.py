@@ -1,0 +1,209 @@
+"""First save = warm save: the host pool is reserved in the background once the optimizer state exists.
+
+A fresh process's first async save would otherwise allocate, touch and pin a pool as large as the
+rank's shard inside the save (4.8 s for 13 GB on the H200). Megatron builds its sharded state dict
+only when it saves, but what that dict holds is already known after the first optimizer step:
+the model's parameters and buffers, the optimizer's main (fp32) parameters and its state (Adam's
+moments exist only after that step). :class:`PoolPreparer` sums those tensors' bytes once, after
+the first step of any wrapped ``megatron.core.optimizer`` class (:func:`prepare_after_first_step`),
+and calls :func:`cpuckpt.prepare_pool` on a background thread. A save that arrives while the
+pool is being made waits for the rest of it (the pool's lock), not for a second pool.
+
+The sum over-estimates on purpose (model parameters replicated over data-parallel ranks are
+counted on every rank, though Megatron saves each once; records and alignment add a little): a
+pool that is too small is replaced by a new one at the first save, which costs the whole
+allocation again. Only snapshot-mode saves (the default, ``staging.pool_bytes: 0``) use such a
+pool; with ``staging.pool_bytes`` set the pool is that size and is prepared as such.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from cpuckpt.config import Config
+from cpuckpt.transfer.save_job import choose_mode
+
+__all__ = ["PoolPreparer", "pool_nbytes", "prepare_after_first_step", "state_nbytes"]
+
+logger = logging.getLogger(__name__)
+
+SLACK = 1.02  # on top of the tensors' bytes: records, alignment, small objects
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    """Tensors directly in ``obj`` or one level of dict/list/tuple inside it (optimizer state values)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            if isinstance(v, torch.Tensor):
+                yield v
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+def state_nbytes(optimizer: Any) -> int:
+    """Bytes of what a Megatron checkpoint of this rank holds, from a megatron-core optimizer.
+
+    Counts each storage range once: the model chunks' parameters and buffers (``model_chunks``, or
+    the float16/fp32 parameter groups of optimizers without them), and per inner torch optimizer
+    its parameter groups (the main parameters) and its state tensors.
+    """
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if key not in seen:
+            seen.add(key)
+            total += key[1]
+
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        chunks = getattr(opt, "model_chunks", None) or []
+        for chunk in chunks:
+            for p in chunk.parameters():
+                add(p)
+            for b in chunk.buffers():
+                add(b)
+        if not chunks:
+            for groups in (getattr(opt, "float16_groups", None), getattr(opt, "fp32_from_fp32_groups", None)):
+                for group in groups or []:
+                    for p in group:
+                        add(p)
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and hasattr(inner, "param_groups"):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    add(p)
+            for st in getattr(inner, "state", {}).values():
+                for t in _tensors(st):
+                    add(t)
+    return total
+
+
+def pool_nbytes(cfg: Config, shard_nbytes: int) -> int:
+    """The pool async saves of a ``shard_nbytes`` shard use: the shard per save in flight (snapshot
+    mode), or the configured bounded pool (streaming)."""
+    in_flight = cfg.async_.max_in_flight
+    if choose_mode(cfg, shard_nbytes, in_flight=in_flight) == "snapshot":
+        return shard_nbytes * in_flight
+    return max(cfg.staging.pool_bytes, 2 * cfg.io.threads * cfg.io.chunk_bytes)
+
+
+class PoolPreparer:
+    """Reserves the host pool once, in the background, sized by :func:`state_nbytes` (see the module)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.nbytes = 0
+        self.seconds: float | None = None  # how long the pool took to make (None: not done)
+        self.error: BaseException | None = None
+        self._started = False
+        self._lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+
+    def after_step(self, optimizer: Any) -> None:
+        """Start the reservation after the first optimizer step (later calls do nothing)."""
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        try:
+            self.nbytes = pool_nbytes(self.cfg, int(state_nbytes(optimizer) * SLACK))
+        except Exception:  # an optimizer this does not understand: the first save makes the pool itself
+            logger.warning("cpuckpt: could not size the host pool from the optimizer; the first save makes it",
+                           exc_info=True)
+            return
+        if self.nbytes == 0:
+            return
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.thread = threading.Thread(target=self._prepare, args=(device,), name="cpuckpt-prepare-pool",
+                                       daemon=True)
+        self.thread.start()
+
+    def _prepare(self, device: int | None) -> None:
+        from cpuckpt.api import prepare_pool
+
+        t0 = time.perf_counter()
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # pin under the trainer's device, as a save would
+            prepare_pool(self.nbytes, self.cfg)
+        except BaseException as e:  # the first save makes (and reports) the pool itself
+            self.error = e
+            logger.warning("cpuckpt: preparing the host pool of %d bytes failed: %s", self.nbytes, e)
+            return
+        self.seconds = time.perf_counter() - t0
+        logger.info("cpuckpt: host pool of %d bytes prepared in the background in %.2f s", self.nbytes, self.seconds)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the reservation finished (or never started) within ``timeout``."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+            return not self.thread.is_alive()
+        return True
+
+
+_DEPTH = threading.local()  # wrapped steps in progress on this thread (ChainedOptimizer nests them)
+_PREPARER: PoolPreparer | None = None  # the one the wrapped steps call (the last install's)
+
+
+def prepare_after_first_step(preparer: PoolPreparer, base: type | None = None) -> list[str]:
+    """Wrap ``step`` of ``base`` (default: megatron-core's ``MegatronOptimizer``) and its subclasses so
+    the outermost step, once done, calls ``preparer.after_step(optimizer)``; returns the classes' names.
+
+    Wrapping is done once per class; a later call only replaces the preparer the steps call.
+    """
+    global _PREPARER
+    if base is None:
+        import megatron.core.optimizer  # noqa: F401  # defines the subclasses (distributed, fp16, chained)
+        from megatron.core.optimizer.optimizer import MegatronOptimizer as base
+
+    _PREPARER = preparer
+    classes: list[type] = []
+    todo = [base]
+    while todo:
+        cls = todo.pop()
+        if cls not in classes:
+            classes.append(cls)
+            todo.extend(cls.__subclasses__())
+    names: list[str] = []
+    for cls in classes:
+        fn = cls.__dict__.get("step")
+        if fn is None:
+            continue
+        names.append(cls.__qualname__)
+        if getattr(fn, "_cpuckpt_prepares", False):
+            continue
+
+        def make(original: Any) -> Any:
+            @functools.wraps(original)
+            def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+                depth = getattr(_DEPTH, "n", 0)
+                _DEPTH.n = depth + 1
+                try:
+                    result = original(self, *args, **kwargs)
+                finally:
+                    _DEPTH.n = depth
+                if depth == 0 and _PREPARER is not None:
+                    _PREPARER.after_step(self)
+                return result
+
+            step._cpuckpt_prepares = True  # type: ignore[attr-defined]
+            return step
+
+        cls.step = make(fn)  # type: ignore[attr-defined]
+    logger.info("cpuckpt: the host pool is prepared after the first optimizer step (%s)", ", ".join(sorted(names)))
+    return names
