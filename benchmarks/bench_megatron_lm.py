@@ -112,6 +112,11 @@ FLAGS = (
 ASYNC = ["--async-save", "--use-persistent-ckpt-worker"]
 RESUME = ["--exit-on-missing-checkpoint", "--override-opt-param-scheduler"]  # train-iters grew: LR schedule differs
 PHASES = ("save", "load", "reuse", "kill", "memory")
+# save phase: --formats may name these cpuckpt variants (their keys merged into --config's megatron: block)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "cpuckpt-zero": {"ordering": "optimizer"},  # copies overlap the next forward/backward (zero-stall)
+    "cpuckpt-unprepared": {"prepare_pool": False},  # the pool made inside the first save (as before)
+}
 SAVE_MODEL = (16, 2048, 16)  # layers, hidden, heads of the save phase (BENCHMARKS.md's table)
 PHASE_MODEL = (24, 1024, 16)  # load, reuse, kill
 # Rough seconds per phase on one H200 (startup of pretrain_gpt ~30 s per run); --budget skips a phase
@@ -441,6 +446,10 @@ class Bench:
     def argv(self, fmt: str, phase: str, extra: list[str], config: str | None = None) -> list[str]:
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={self.args.nproc}"]
+        if fmt in VARIANTS:  # cpuckpt with the variant's megatron: keys merged into --config
+            dest = Path(tempfile.mkdtemp(prefix="bench_mlm_")) / f"{fmt}.yaml"
+            config = str(megatron_config(config or self.args.config, dest, **VARIANTS[fmt]))
+            fmt = "cpuckpt"
         if fmt == "cpuckpt":
             entry = ["-m", "cpuckpt.integrations.megatron.launch", str(self.mlm / "pretrain_gpt.py"),
                      "--ckpt-format", "cpuckpt", "--cpuckpt-config", config or self.args.config]
@@ -515,9 +524,14 @@ def summarize_save(r: dict, save_interval: int) -> dict:
     after_save = [x["ms"] for x in r["iters"] if x["it"] > 1 and (x["it"] - 1) % save_interval == 0]
     steady = [x["ms"] for x in r["iters"]
               if x["it"] > 5 and (x["it"] - 1) % save_interval != 0 and x["it"] % save_interval != 0]
+    ours = [x for x in r.get("telemetry_file") or [] if x.get("event") == "async_save" and x.get("rank") == 0]
     return {
         "run": r["name"], "rc": r["rc"],
         "save_checkpoint_ms": [round(s["ms"], 1) for s in r["saves"]],
+        # cpuckpt's share of each save: the async_save call, and how long the caller was blocked in all
+        # (the call, or the staging wait when the strategy waited for it); the rest is Megatron-LM's own work
+        "cpuckpt_call_ms": [round(1000 * x.get("call_s", 0.0), 1) for x in ours],
+        "cpuckpt_stall_ms": [round(1000 * x.get("stall_s", 0.0), 1) for x in ours],
         "iter_ms_median": round(statistics.median(steady), 1) if steady else None,
         "iter_ms_after_save": [round(x, 1) for x in after_save],
         "iter_ms_mean_all": round(statistics.fmean(times), 1) if times else None,
@@ -536,17 +550,18 @@ def phase_save(b: Bench) -> tuple[dict, str]:
     for fmt in formats:
         b.clean(root)  # one run's checkpoints at a time (disk space)
         results.append(b.run(f"save-{fmt}", b.argv(fmt, "save", [*common, "--save", str(root / fmt)])))
-    if a.resume and "cpuckpt" in formats:
+    resumed = formats[-1]  # the last run's checkpoints are the ones still on disk
+    if a.resume and (resumed == "cpuckpt" or resumed in VARIANTS):
         resume = ["--train-iters", str(a.iters + 5), "--eval-interval", str(10 * a.iters),
-                  "--load", str(root / "cpuckpt"), *RESUME]
+                  "--load", str(root / resumed), *RESUME]
         results.append(b.run("save-resume-stock", b.argv("torch_dist", "save", resume)))
     b.clean(root)
     rows = [summarize_save(r, a.save_interval) for r in results]
     table = format_table(
-        ["run", "rc", "save-checkpoint ms (per save)", "iter ms (median)", "iter ms right after saves",
-         "exit wait s", "wall s"],
-        [[s["run"], s["rc"], s["save_checkpoint_ms"], s["iter_ms_median"], s["iter_ms_after_save"], s["exit_wait_s"],
-          s["wall_s"]] for s in rows],
+        ["run", "rc", "save-checkpoint ms (per save)", "cpuckpt call / stall ms", "iter ms (median)",
+         "iter ms right after saves", "exit wait s", "wall s"],
+        [[s["run"], s["rc"], s["save_checkpoint_ms"], f"{s['cpuckpt_call_ms']} / {s['cpuckpt_stall_ms']}",
+          s["iter_ms_median"], s["iter_ms_after_save"], s["exit_wait_s"], s["wall_s"]] for s in rows],
         title=f"save: torch_dist vs cpuckpt, {a.iters} iterations, --save-interval {a.save_interval}, "
               f"model {b.model('save')}",
         footnotes=[f"{r['name']}: {line}" for r in results for line in r["loaded"]])

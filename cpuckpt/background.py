@@ -245,7 +245,7 @@ class _Checkpointer:
             record_save(w.config, path=handle.path, rank=w.rank, step=w.step, event="async_save",
                         stall_s=handle.stats.staged_s or handle.stats.call_s, persist_s=handle.stats.durable_s,
                         committed_s=handle.stats.committed_s, nbytes=handle.stats.nbytes, mode=handle.stats.mode,
-                        files=len(w.job.names) if w.job is not None else 0)
+                        files=len(w.job.names) if w.job is not None else 0, call_s=handle.stats.call_s)
             handle._committed.set_result(None)
 
 

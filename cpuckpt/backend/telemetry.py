@@ -10,9 +10,10 @@ Record fields (JSON keys), all per rank:
 
 - ``event``: ``"save"``, ``"async_save"`` or ``"load"``; ``path``, ``rank``, ``step`` (or null);
 - ``stall_s``: how long the caller was blocked (the whole call for synchronous save/load; the
-  staging wait for ``async_save``); ``persist_s``: until this rank's files were durable (save) or
-  read (load); ``committed_s``: until committed on every rank (``async_save`` only, else equal to
-  ``persist_s``);
+  staging wait for ``async_save``, or the call alone when nobody waited for staging, as with
+  ``ordering="stream"``); ``call_s``: the ``async_save`` call itself (planning and enqueueing);
+  ``persist_s``: until this rank's files were durable (save) or read (load); ``committed_s``:
+  until committed on every rank (``async_save`` only, else equal to ``persist_s``);
 - ``nbytes`` and ``gbps`` (``nbytes / persist_s / 1e9``); ``mode`` (staging mode); ``files``;
 - ``pool_nbytes`` and ``pool_pinned``: this process's host pool when the record was made;
 - ``unix_time``.
@@ -46,6 +47,7 @@ class TelemetryRecord:
     stall_s: float = 0.0
     persist_s: float = 0.0
     committed_s: float = 0.0
+    call_s: float = 0.0  # async_save: the call itself (planning + enqueue)
     nbytes: int = 0
     gbps: float = 0.0
     mode: str = ""
@@ -62,7 +64,7 @@ class TelemetryRecord:
 
 def record_save(config: Config, *, path: str | os.PathLike, rank: int = 0, step: int | None = None,
                 stall_s: float, persist_s: float, nbytes: int, mode: str = "", files: int = 0,
-                committed_s: float | None = None, event: str = "save") -> TelemetryRecord:
+                committed_s: float | None = None, event: str = "save", call_s: float = 0.0) -> TelemetryRecord:
     """Log (and, if configured, append as JSON) one save of this rank.
 
     Called by the core after a save is durable (synchronous ``save``) or committed (``async_save``).
@@ -73,6 +75,7 @@ def record_save(config: Config, *, path: str | os.PathLike, rank: int = 0, step:
         The record that was emitted.
     """
     rec = _make(event, path, rank, step, stall_s, persist_s, nbytes, mode, files, committed_s)
+    rec.call_s = round(call_s, 6)
     _emit(rec, config)
     return rec
 
