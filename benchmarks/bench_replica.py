@@ -168,7 +168,7 @@ def _ratio_rows(results: dict[str, list[float]]) -> dict[str, dict[str, float]]:
             for ref in ("gloo", "raw")}
 
 
-def _throughput(args: argparse.Namespace, work: Path) -> dict:
+def _throughput(args: argparse.Namespace, work: Path) -> tuple[dict, str]:
     slot, rx_root = work / "slot-0", work / "rx"
     rx_root.mkdir(mode=0o700)
     numel = int(args.nbytes) // 4
@@ -220,13 +220,13 @@ def _throughput(args: argparse.Namespace, work: Path) -> dict:
     summary = {k: summarize(v) for k, v in results.items()}
     ratios = _ratio_rows(results)
     rows = [[k, f"{s['median']:.3f}", f"{s['min']:.3f}-{s['max']:.3f}"] for k, s in {**summary, **ratios}.items()]
-    sys.stdout.write(f"cpuckpt replica throughput, {nbytes / 2**20:.0f} MiB, loopback, {args.reps} reps "
-                     f"(interleaved), gloo in {args.chunk >> 20} MiB chunks\n")
-    sys.stdout.write(format_table(["path", "GB/s median (ratio)", "min-max"], rows) + "\n")
-    return {"nbytes": nbytes, "chunk": args.chunk, "gbps": results, "summary": summary, "ratios": ratios}
+    text = (f"cpuckpt replica throughput, {nbytes / 2**20:.0f} MiB, loopback, {args.reps} reps "
+            f"(interleaved), gloo in {args.chunk >> 20} MiB chunks\n"
+            + format_table(["path", "GB/s median (ratio)", "min-max"], rows) + "\n")
+    return {"nbytes": nbytes, "chunk": args.chunk, "gbps": results, "summary": summary, "ratios": ratios}, text
 
 
-def _stall(args: argparse.Namespace, work: Path) -> dict:
+def _stall(args: argparse.Namespace, work: Path) -> tuple[dict, str]:
     d = work / "stall"
     d.mkdir()
     result = replica_stall.run(d, nbytes=int(args.stall_nbytes), saves=args.stall_saves, block=args.stall_block,
@@ -240,12 +240,12 @@ def _stall(args: argparse.Namespace, work: Path) -> dict:
                      f"{(a['median'] - b['median']) * 1e3:+.2f}"])
     result["diff_ms"] = {m: (s["replicas=1"][m]["median"] - s["replicas=0"][m]["median"]) * 1e3
                          for m in replica_stall.METRICS}
-    sys.stdout.write(f"cpuckpt replica save stall, 2 nodes on loopback, {args.stall_nbytes / 1e6:.0f} MB per rank, "
-                     f"{args.stall_saves} saves per config in blocks of {args.stall_block} (alternating), "
-                     f"gap {args.gap_s * 1e3:.0f} ms; ms from the call, slower rank per save\n")
-    sys.stdout.write(format_table(["event", "replicas 0: median (min-max)", "replicas 1: median (min-max)",
-                                   "1 - 0 (median)"], rows) + "\n")
-    return result
+    text = (f"cpuckpt replica save stall, 2 nodes on loopback, {args.stall_nbytes / 1e6:.0f} MB per rank, "
+            f"{args.stall_saves} saves per config in blocks of {args.stall_block} (alternating), "
+            f"gap {args.gap_s * 1e3:.0f} ms; ms from the call, slower rank per save\n"
+            + format_table(["event", "replicas 0: median (min-max)", "replicas 1: median (min-max)",
+                            "1 - 0 (median)"], rows) + "\n")
+    return result, text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stall-block", type=int, default=5, help="saves per block (replicas 1 and 0 alternate)")
     p.add_argument("--stall-warmup", type=int, default=4, help="uncounted saves per configuration first")
     p.add_argument("--gap-s", type=float, default=0.05, help="sleep before each save (a training step)")
-    p.add_argument("--smoke", action="store_true", help="a tiny run that keeps the script working")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny run that keeps the script working (both parts at the same time)")
     p.add_argument("--serve", default="", help=argparse.SUPPRESS)
     p.add_argument("--gloo-init", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -274,10 +275,27 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="cpuckpt-bench-", dir=args.dir))
     try:
         result: dict = {"argv": sys.argv[1:] if argv is None else argv}
-        if args.only != "stall":
-            result.update(_throughput(args, work))
-        if args.only != "throughput":
-            result["stall"] = _stall(args, work)
+        stall = None
+        if args.smoke and not args.only:
+            # the two parts run at the same time (their processes' imports overlap; a smoke run's times mean
+            # nothing); the stall part's processes are its own, the throughput part's gloo group is this process's
+            from concurrent.futures import ThreadPoolExecutor
+
+            ex = ThreadPoolExecutor(1)
+            stall = ex.submit(_stall, args, work)
+            ex.shutdown(wait=False)
+        try:
+            if args.only != "stall":
+                part, text = _throughput(args, work)
+                result.update(part)
+                sys.stdout.write(text)
+        finally:
+            if stall is not None:
+                result["stall"], text = stall.result()
+                sys.stdout.write(text)
+        if args.only != "throughput" and stall is None:
+            result["stall"], text = _stall(args, work)
+            sys.stdout.write(text)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_replica.json").write_text(json.dumps(result, indent=1))
