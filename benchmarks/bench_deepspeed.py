@@ -1,4 +1,4 @@
-"""DeepSpeed checkpointing: DeepSpeed's ``TorchCheckpointEngine`` against cpuckpt's engine, one rank.
+"""DeepSpeed checkpointing: DeepSpeed's own engines (torch.save, decoupled) against cpuckpt's, one rank.
 
 Run on the device machine (one H200) from the repository root, no torchrun needed::
 
@@ -12,8 +12,11 @@ parameter, ~13.6 GB for the default ~0.97 B parameters.
 
 For each engine, in the same process and on the same training state (the engine is built once with
 DeepSpeed's default engine, then switched with ``cpuckpt.integrations.deepspeed.attach``), each
-repetition does: one training step; ``engine.save_checkpoint(fresh_dir, tag)`` (timed: **stall**,
-GPU synchronised before and after); then ``--next-steps`` training steps, each timed.
+repetition does: one training step (it ends GPU-synchronised); ``engine.save_checkpoint(fresh_dir,
+tag)``, timed from the call to its return with nothing synchronised around it (**stall**: the time
+the training thread cannot run); then ``--next-steps`` training steps, each timed (synchronised at
+its end). **lost** = stall + (next step - step alone): what the save cost the training loop, the
+honest figure for engines whose work continues after the call returns (cpuckpt-zero, decoupled).
 
 * torch (DeepSpeed's ``TorchCheckpointEngine``): ``torch.save`` per file, synchronous, no fsync.
   **persist** = stall + fsync of its files and directory right after the save (what durability
@@ -22,13 +25,40 @@ GPU synchronised before and after); then ``--next-steps`` training steps, each t
   are written in the background. DeepSpeed asks a decoupled engine to commit at the next
   ``engine.step()`` (before the optimizer update); with ``background_commit`` (default) that commit
   continues on a background thread, so the step does not wait. **persist** = from the call to the
-  end of the commit (files and directory fsynced, ``latest`` written). Its first repetition also
-  allocates and pins the host pool and is listed apart.
+  end of the commit (files and directory fsynced, ``latest`` written). Its first repetition is
+  listed apart (the pool was prepared before it, see below).
 * cpuckpt-blocking (``--engines ...,cpuckpt-blocking``): ``background_commit: false``, DeepSpeed's own
   decoupled timing: the first step after the save waits for the rest of the write.
+* cpuckpt-zero (``ordering: optimizer``): ``save_checkpoint`` returns once the device-to-host copies
+  are enqueued; the next forward and backward overlap them and the next optimizer step waits for them
+  on the GPU (no host block). Its cost shows in the next step, hence **lost**.
+* decoupled: DeepSpeed's own ``DecoupledCheckpointEngine`` (``"checkpoint": {"writer": {"decoupled":
+  true, "type": ..., "data_parallel": "replica"}}``; 0.19.8 raises without ``data_parallel``), built
+  here through DeepSpeed's ``create_checkpoint_engine`` with that writer config (and the launcher's
+  ``CROSS_SIZE``/``CROSS_RANK`` variables it reads); ``--decoupled-writer PYTHON`` by default:
+  ``FAST`` needs DeepSpeed's ``async_io`` op, a JIT build with libaio. ``save()`` hands the live
+  tensors (CUDA IPC handles, no snapshot) to a spawned writer process (started by the engine; its
+  first save, listed apart, also waits for that process to import DeepSpeed); the commit at the
+  next ``step()`` waits until that process has written every file (``torch.save``, no fsync), so
+  the first step after the save carries the whole write. 0.19.8's
+  ``save()`` cannot send ZeRO-1/2's optimizer state to that process as DeepSpeed builds it (views of
+  the fp32 partitions that require grad; torch refuses non-leaf tensors across processes), so the
+  bench detaches every tensor first (no copy: what a fixed DeepSpeed would hand over). Nothing
+  snapshots the tensors, so the forward between save and step (buffers) may change what is written.
+  **persist** = until that commit ended + an fsync of the files afterwards. It runs in one process on
+  one GPU (the writer is a child process); ``--smoke`` runs it on CPU (shared-memory tensors).
 
-"next step" is the first step after the save (cpuckpt-blocking: it includes the commit wait), "steady" the
-median of the following ones, "alone" the median step time with no checkpoint in flight.
+The host pool: attaching cpuckpt to an engine that has stepped prepares the pool on a background
+thread (``prepare_pool``, sized from the live tensors); the bench keeps training until that is done
+(**prepare** row: bytes, seconds, steps run meanwhile and their median), so every cpuckpt rep 0
+(listed apart as "first") is the first save of a run that prepared its pool.
+
+"next step" is the first step after the save (cpuckpt-blocking, decoupled: it includes the commit wait;
+cpuckpt-zero: the GPU-side wait for the copies), "steady" the median of the following ones, "alone" the
+median step time with no checkpoint in flight. Run the new variants with, e.g.::
+
+    python3 -m benchmarks.bench_deepspeed --engines torch,cpuckpt,cpuckpt-zero,decoupled --reps 2 --out $OUT
+
 ``--verify`` (on in ``--smoke``) also saves the same state with both engines and checks that every
 tensor in the files is bit-identical. Old checkpoint directories are deleted before the next
 repetition (the page cache cannot be dropped between repetitions on every machine). Prints a
@@ -60,6 +90,7 @@ from benchmarks.common import GB, ResultLog, fsync_tree, median, named_tensors, 
 
 REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("bench_deepspeed")
+ENGINES = ("torch", "cpuckpt", "cpuckpt-zero", "cpuckpt-blocking", "decoupled")
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -126,6 +157,19 @@ def import_adapter() -> Any:
     return adapter
 
 
+def _detached(obj: Any) -> Any:
+    """``obj`` with every tensor detached (no copy): DeepSpeed 0.19.8's decoupled engine puts ZeRO-1/2's
+    optimizer state on a multiprocessing queue as it is, and torch refuses to send its fp32 partition
+    views (non-leaf tensors that require grad) to another process."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, dict):
+        return type(obj)((k, _detached(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_detached(v) for v in obj)
+    return obj
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,8 +194,9 @@ class Bench:
         import deepspeed
         import deepspeed.ops
 
+        # CROSS_SIZE/CROSS_RANK: what DeepSpeed's launcher exports (its checkpoint writer config reads them)
         for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                     "MASTER_ADDR": "127.0.0.1"}.items():
+                     "MASTER_ADDR": "127.0.0.1", "CROSS_SIZE": "1", "CROSS_RANK": "0"}.items():
             os.environ.setdefault(k, v)
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         # an inference-only shared-memory op DeepSpeed would JIT-build (g++, ~30 s); gloo/nccl do the rest
@@ -199,14 +244,16 @@ class Bench:
         """``reps`` save repetitions with the engine's current checkpoint engine."""
         ck = engine.checkpoint_engine
         commit_end: list[float] = []
-        if label.startswith("cpuckpt"):  # note when the commit (started by the next step, maybe in the background) ends
-            inner = ck._finish
+        hook = "_finish" if label.startswith("cpuckpt") else "commit" if label == "decoupled" else ""
+        if hook:  # note when the commit (started by the next step, maybe in the background) ends
+            inner = getattr(ck, hook)
 
-            def finish(*a: Any) -> None:
-                inner(*a)
+            def finish(*a: Any) -> Any:
+                out = inner(*a)
                 commit_end.append(time.perf_counter())
+                return out
 
-            ck._finish = finish
+            setattr(ck, hook, finish)
         prev: Path | None = None
         for rep in range(reps):
             counter[0] += 1
@@ -215,10 +262,8 @@ class Bench:
                 shutil.rmtree(prev, ignore_errors=True)
             save_dir = root / f"{label}_{rep}"
             commit_end.clear()
-            self.sync()
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # the step before ended synchronised; nothing more is (see the docstring)
             engine.save_checkpoint(str(save_dir), tag="t")
-            self.sync()
             t1 = time.perf_counter()
             if label == "torch":
                 fsync_tree(save_dir)
@@ -230,15 +275,22 @@ class Bench:
             if label.startswith("cpuckpt"):
                 self.adapter.commit_pending(engine)  # after the timed steps: a background commit ends here
                 persist = commit_end[0] - t0 if commit_end else time.perf_counter() - t0
+            elif label == "decoupled":
+                engine._commit_decoupled_checkpoint()  # only if no step committed it (next_steps 0)
+                end = commit_end[0] if commit_end else time.perf_counter()
+                f0 = time.perf_counter()
+                fsync_tree(save_dir)  # DeepSpeed's writer process does not fsync
+                persist = end - t0 + time.perf_counter() - f0
             nbytes = tree_nbytes(save_dir / "t")
-            self.record("save", engine=label, rep=rep, stall_s=t1 - t0, persist_s=persist, bytes=nbytes,
+            lost = t1 - t0 + max(0.0, steps[0] - self.alone) if steps else t1 - t0
+            self.record("save", engine=label, rep=rep, stall_s=t1 - t0, lost_s=lost, persist_s=persist, bytes=nbytes,
                         GBps=nbytes / persist / GB, next_step_s=steps[0] if steps else None,
                         steady_step_s=median(steps[1:]), steps_s=steps)
             prev = save_dir
         if prev is not None:
             shutil.rmtree(prev, ignore_errors=True)
-        if label.startswith("cpuckpt"):
-            ck._finish = inner
+        if hook:
+            delattr(ck, hook)  # the class's method again
 
     def verify(self, engine: Any, root: Path, counter: list[int], settings: dict[str, Any]) -> None:
         """Same state saved by both engines: every tensor in every file bit-identical."""
@@ -301,22 +353,86 @@ class Bench:
         for _ in range(a.alone_steps):
             counter[0] += 1
             alone.append(self.step(engine, counter[0]))
-        self.record("step_alone", median_s=median(alone), steps_s=alone)
+        self.alone = median(alone)
+        self.record("step_alone", median_s=self.alone, steps_s=alone)
         try:
             if "torch" in a.engines:
                 self.run_engine(engine, "torch", a.reps, root, counter)
             settings = {"async": True, "io": {"threads": a.io_threads}, "integrity": {"checksum": a.checksum}}
-            self.adapter.attach(engine, settings)
+            variants = {"cpuckpt": settings, "cpuckpt-zero": dict(settings, ordering="optimizer"),
+                        "cpuckpt-blocking": dict(settings, background_commit=False)}
+            attached = False
+            if a.verify or any(v in a.engines for v in variants):
+                self.adapter.attach(engine, settings)
+                self.prepare(engine, counter)
+                attached = True
             if a.verify:
                 self.verify(engine, root, counter, settings)
-            if "cpuckpt" in a.engines:
-                self.run_engine(engine, "cpuckpt", a.reps + 1, root, counter)  # rep 0 grows the host pool
-            if "cpuckpt-blocking" in a.engines:  # DeepSpeed's own decoupled timing: step() waits for the commit
-                self.adapter.attach(engine, dict(settings, background_commit=False))
-                self.run_engine(engine, "cpuckpt-blocking", a.reps, root, counter)
+            for label, st in variants.items():
+                if label in a.engines:
+                    if st is not settings or not attached:
+                        self.adapter.attach(engine, st)
+                    attached = False
+                    # rep 0 is listed apart ("first"): the first save of this engine
+                    self.run_engine(engine, label, a.reps + 1, root, counter)
+            if "decoupled" in a.engines:
+                try:
+                    self.attach_decoupled(engine)
+                except Exception as e:  # e.g. no spawn-able writer process here: reported, the rest still runs
+                    logger.exception("decoupled engine unavailable")
+                    self.record("decoupled_error", error=f"{type(e).__name__}: {e}")
+                else:
+                    self.run_engine(engine, "decoupled", a.reps + 1, root, counter)
             engine.destroy()
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+    def prepare(self, engine: Any, counter: list[int]) -> None:
+        """Train on while cpuckpt prepares the host pool in the background (``prepare_pool``); record it."""
+        ck = engine.checkpoint_engine
+        preparer = getattr(ck, "_preparer", None)
+        steps: list[float] = []
+        t0 = time.perf_counter()
+        while preparer is not None and not preparer.done and len(steps) < 200:
+            counter[0] += 1
+            steps.append(self.step(engine, counter[0]))
+        if preparer is not None:
+            preparer.join()
+        from cpuckpt.transfer.staging import pool_state
+
+        nbytes, pinned = pool_state()
+        self.record("prepare", estimate_bytes=getattr(ck, "prepared_bytes", None), pool_bytes=nbytes, pinned=pinned,
+                    prepare_s=getattr(preparer, "seconds", None), waited_s=time.perf_counter() - t0,
+                    steps_during=len(steps), median_step_during_s=median(steps) if steps else None)
+
+    def attach_decoupled(self, engine: Any) -> None:
+        """Switch to DeepSpeed's ``DecoupledCheckpointEngine`` the way ``initialize`` would build it."""
+        from deepspeed.runtime.checkpoint_engine.utils import create_checkpoint_engine
+        from deepspeed.runtime.model_checkpointing.config import get_checkpoint_writer_config
+        from deepspeed.runtime.model_checkpointing.constants import CHECKPOINT_WRITER
+        from deepspeed.utils import groups
+
+        old = engine.checkpoint_engine
+        if old is not None and old.is_decoupled():
+            self.adapter.commit_pending(engine)
+            old.cleanup()
+        # data_parallel: DeepSpeed 0.19.8 fails without one (DataParallelWriterFactory reads a dp_rank that
+        # UniversalParallelInfo does not have); "replica": every data-parallel rank writes its share.
+        writer = {"decoupled": True, "type": self.args.decoupled_writer, "data_parallel": "replica"}
+        engine._config.checkpoint_config[CHECKPOINT_WRITER] = get_checkpoint_writer_config({"writer": writer})
+        new = create_checkpoint_engine(engine._config, groups, engine.zero_optimization_stage(), engine.has_moe_layers,
+                                       not engine.zero_optimization_partition_weights())
+        inner_save = new.save
+
+        def save(state_dict: Any, path: str) -> None:
+            inner_save(_detached(state_dict), path)
+
+        new.save = save
+        engine.checkpoint_engine = new
+        dp_rank = groups._get_sequence_data_parallel_rank()
+        engine.save_non_zero_checkpoint = new.is_data_parallel_writer(dp_rank) or (
+            engine.zero_optimization_partition_weights() and engine.is_first_weights_partition_group())
+        self.record("decoupled_engine", engine=type(new).__name__, writer=writer)
 
     # -- report ------------------------------------------------------------------------------------
     def table(self) -> str:
@@ -326,29 +442,43 @@ class Bench:
         lines = [f"DeepSpeed ZeRO-{eng['stage']} bf16, {eng['params'] / 1e6:,.1f} M params, 1 rank, "
                  f"{self.device.type}; step alone {alone:.3f} s",
                  "",
-                 "| engine | rep | stall s | persist s | GB | GB/s | next step s | steady step s |",
-                 "|---|---|---:|---:|---:|---:|---:|---:|"]
+                 "| engine | rep | stall s | lost s | persist s | GB | GB/s | next step s | steady step s |",
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
 
-        def row(engine: str, rep: str, st: float, pe: float, nb: float, ns: float | None, ss: float) -> str:
-            return (f"| {engine} | {rep} | {st:.3f} | {pe:.2f} | {nb / GB:.2f} | {nb / pe / GB:.2f} | "
+        def row(engine: str, rep: str, st: float, lo: float, pe: float, nb: float, ns: float | None,
+                ss: float) -> str:
+            return (f"| {engine} | {rep} | {st:.3f} | {lo:.3f} | {pe:.2f} | {nb / GB:.2f} | {nb / pe / GB:.2f} | "
                     f"{'-' if ns is None else f'{ns:.3f}'} | {ss:.3f} |")
 
-        for label in ("torch", "cpuckpt", "cpuckpt-blocking"):
+        for label in ENGINES:
             rows = [r for r in saves if r["engine"] == label]
+            first = label != "torch"  # rep 0 of these is listed apart
             for r in rows:
-                rep = f"{r['rep']}" + (" (first)" if label == "cpuckpt" and r["rep"] == 0 else "")
-                lines.append(row(label, rep, r["stall_s"], r["persist_s"], r["bytes"], r["next_step_s"],
+                rep = f"{r['rep']}" + (" (first)" if first and r["rep"] == 0 else "")
+                lines.append(row(label, rep, r["stall_s"], r["lost_s"], r["persist_s"], r["bytes"], r["next_step_s"],
                                  r["steady_step_s"]))
-            warm = rows[1:] if label == "cpuckpt" else rows
+            warm = rows[1:] if first else rows
             if len(warm) > 1:
                 lines.append(row(f"**{label}**", f"median of {len(warm)}", median([r["stall_s"] for r in warm]),
+                                 median([r["lost_s"] for r in warm]),
                                  median([r["persist_s"] for r in warm]), median([r["bytes"] for r in warm]),
                                  median([r["next_step_s"] for r in warm if r["next_step_s"] is not None]),
                                  median([r["steady_step_s"] for r in warm])))
         lines += ["",
-                  "stall: save_checkpoint wall time (GPU synchronised). persist: torch = stall + fsync of its "
-                  "files; cpuckpt = until the commit (started by the next step()) ended. next step: first "
-                  "step after the save (cpuckpt-blocking: includes waiting for the write). GB = 1e9 bytes."]
+                  "stall: save_checkpoint call to return (nothing synchronised around it). lost: stall + (next step "
+                  "- step alone). persist: torch = stall + fsync of its files; cpuckpt* = until the commit (started "
+                  "by the next step()) ended; decoupled = until its commit ended + fsync. next step: first step "
+                  "after the save (cpuckpt-blocking, decoupled: includes waiting for the write; cpuckpt-zero: the "
+                  "GPU-side wait for the copies). GB = 1e9 bytes."]
+        prep = [r for r in self.results if r["name"] == "prepare"]
+        if prep:
+            p = prep[0]
+            lines.append(f"prepare_pool: {(p['pool_bytes'] or 0) / GB:.2f} GB pool (estimate "
+                         f"{(p['estimate_bytes'] or 0) / GB:.2f} GB, pinned {p['pinned']}) in "
+                         f"{p['prepare_s'] or 0:.2f} s in the background; {p['steps_during']} steps ran meanwhile")
+        err = [r for r in self.results if r["name"] == "decoupled_error"]
+        if err:
+            lines.append(f"decoupled: not run: {err[0]['error']}")
         ver = [r for r in self.results if r["name"] == "verify"]
         if ver:
             lines.append(f"verify: same state saved by both engines, {ver[0]['tensors']} tensors compared, "
@@ -370,7 +500,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--next-steps", type=int, default=4, help="training steps timed after each save")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--alone-steps", type=int, default=5)
-    ap.add_argument("--engines", default="torch,cpuckpt")
+    ap.add_argument("--engines", default="torch,cpuckpt",
+                    help=f"comma-separated, of: {', '.join(ENGINES)}")
+    ap.add_argument("--decoupled-writer", default="PYTHON", choices=("PYTHON", "FAST"),
+                    help="DeepSpeed's writer type for the decoupled engine (FAST: async_io op, JIT-built)")
     ap.add_argument("--io-threads", type=int, default=8)
     ap.add_argument("--checksum", default="crc32c", choices=("crc32c", "none"),
                     help="integrity.checksum of cpuckpt's saves (crc32c per chunk, kept in each tag's marker)")
@@ -379,6 +512,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON file, or a directory for its JSON")
     args = ap.parse_args(argv)
     args.engines = args.engines.split(",")
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown:
+        ap.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     if args.smoke:
         args.layers, args.hidden, args.heads, args.vocab, args.seq, args.micro_batch = 2, 64, 4, 256, 32, 2
         args.reps, args.next_steps, args.warmup, args.alone_steps = 2, 2, 1, 2

@@ -35,6 +35,44 @@ holding the newer complete checkpoint::
     if found is not None:
         engine.load_checkpoint(str(found.directory), tag=found.tag)
 
+**Zero-stall saves** (``ordering: optimizer``, async only; the default ``host`` keeps
+``save_checkpoint`` blocked until every byte is in host memory). The contract, what is ordered where:
+
+- ``save_checkpoint`` returns once every file's device-to-host copies are *enqueued* on a side stream
+  that waits for the trainer's current stream. CPU tensors (ZeRO-Offload's fp32 partitions and
+  optimizer state) and non-tensor values (loss scaler, scheduler, step counters) are copied into
+  host memory before it returns; a file with no device tensors is waited for as with ``host``.
+- The module's saved buffers (BatchNorm running statistics and the like, written in place by the
+  forward) are cloned on the current stream at save time, so the next forward may run at once.
+- The next ``engine.step()`` at a gradient-accumulation boundary (every ``step()`` with
+  ``managed_gradient_accumulation: false``), and every ``_take_model_step`` (the pipeline engine's
+  optimizer step), first makes the current CUDA stream wait for the copies of every pending save
+  (``CopyFence.order``: ``cudaStreamWaitEvent``, the host does not block). Everything DeepSpeed writes
+  into saved tensors comes after that point on that stream: the optimizer update, ZeRO's copies from
+  the fp32 master into the bf16/fp16 parameters, the loss scaler, the scheduler. Forward and backward
+  in between overlap the copies. In DeepSpeed 0.19.8 the optimizer update and the parameter copies run
+  on the current stream; its ZeRO side streams (reductions, overflow checks) write gradients only.
+  Work on a stream that never waits on the current one is not ordered.
+- ``commit`` (from ``step()``, :func:`commit_pending`, ``destroy()``) orders the pending copies the
+  same way before a background commit takes the files, and a blocking commit waits for them; ``load``
+  and the engine's ``wait()`` wait on the host until they are done (a load writes into tensors the
+  copies may still read; a tag not yet committed is refused as torn anyway).
+- The hooks wrap ``DeepSpeedEngine.step`` and ``_take_model_step`` at class level (see
+  :mod:`.zero_stall`), installed by the engine itself: ``install()``/``attach()`` users change only
+  the setting.
+
+What this cannot order: tensors the caller hands DeepSpeed in ``client_state`` and changes before the
+next optimizer step (clone them, or use ``host``), and GPU writes on streams that never wait on the
+trainer's stream. DeepSpeed's ``CheckpointEngine`` door has no way to say "order your next writes
+after my copies" (its ``save()`` is synchronous by contract), which is why the step is hooked; the
+same holds for DCP's ``async_save`` door, which completes its staging only after a host wait.
+
+**Warm first save** (``prepare_pool``, on by default for async saves): after the engine's first
+optimizer step (or at :func:`attach` of an engine that has stepped), the rank's checkpoint bytes are
+estimated from its live tensors (parameters and buffers, fp32 master partitions, optimizer state,
+slightly over) and ``cpuckpt.prepare_pool`` creates, pre-touches and pins the host pool on a
+background thread; a save that comes earlier waits for the remainder only.
+
 Importing this module does not import DeepSpeed; the engine class is loaded on first use.
 """
 
@@ -143,7 +181,8 @@ def attach(engine: Any, config: Settings | Mapping[str, Any] | str | os.PathLike
 
     Commits the old engine's pending checkpoint first (collective: call on every rank). Which ranks
     write the model states is recomputed the way ``initialize`` does it. ``config`` wins over the
-    ds_config's ``"cpuckpt"`` block here (attaching is explicit).
+    ds_config's ``"cpuckpt"`` block here (attaching is explicit). An engine that has already stepped
+    gets its host pool prepared now (``prepare_pool``).
 
     Returns:
         The new checkpoint engine (the old one stays when the settings say ``enabled: false``).
@@ -163,6 +202,9 @@ def attach(engine: Any, config: Settings | Mapping[str, Any] | str | os.PathLike
     rank = engine.local_rank if engine.use_node_local_storage() else dp_rank
     engine.save_non_zero_checkpoint = new.is_data_parallel_writer(rank) or (
         engine.zero_optimization_partition_weights() and engine.is_first_weights_partition_group())
+    new.bind(engine)
+    if getattr(engine, "global_steps", 0) > 0:
+        new.after_optimizer_step(engine)
     return new
 
 

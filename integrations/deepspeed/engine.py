@@ -26,6 +26,13 @@ tells every rank the outcome. ``load`` refuses a file of a torn tag. With ``memo
 of a checkpoint's tag go there instead (no fsync; its own marker and ``latest``), except every
 ``persist_every``-th checkpoint, which goes to ``save_dir``.
 
+With ``ordering: optimizer`` an async ``save()`` returns once its device-to-host copies are enqueued
+(host bytes copied, module buffers cloned); the copies are fenced, and the next optimizer step of the
+DeepSpeed engine orders its stream after every fence not yet ordered (:mod:`.zero_stall`, and the
+contract in :mod:`cpuckpt.integrations.deepspeed`). ``commit`` orders them too before a background
+commit takes the files; ``load`` and :meth:`CpuckptCheckpointEngine.wait` wait on the host until the
+copies are done. With ``prepare_pool`` the host pool is prepared after the first optimizer step.
+
 Every file has exactly the name and the bytes layout DeepSpeed's ``torch.save`` would give it, so
 ``zero_to_fp32``, ``ds_to_universal`` and a stock ``TorchCheckpointEngine`` read it (the two hidden
 files are never opened by them).
@@ -42,6 +49,7 @@ import os
 import shutil
 import socket
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,12 +66,20 @@ from cpuckpt.errors import ConfigError, CpuckptError, FailureReport, StagingErro
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.save_job import SaveJob
-from cpuckpt.transfer.staging import get_pool
+from cpuckpt.transfer.staging import get_pool, pool_state
 from cpuckpt.transfer.threads import new_executor, wait_future
 
 from .marker import MARKER_NAME, SAVING_NAME, TagFile, _refusal, check_tag, new_marker, open_tag, write_marker
 from .settings import Settings, resolve_settings
 from .torchfile import chunk_count, layout_torch_file
+from .zero_stall import (
+    PoolPreparer,
+    buffer_pointers,
+    current_device,
+    estimate_checkpoint_bytes,
+    order_engine_steps,
+    snapshot_buffers,
+)
 
 __all__ = ["ENGINE_NAME", "CpuckptCheckpointEngine", "safe_globals_for_deepspeed"]
 
@@ -139,6 +155,13 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._memory_checked = False
         self.last_save_s = 0.0
         self.last_commit_s = 0.0
+        # ordering optimizer: jobs whose device copies no GPU work has been ordered after yet
+        self._unordered: list[SaveJob] = []
+        self._ds_engine: Any = None  # weakref to the DeepSpeed engine, set by its first step (or attach)
+        self._preparer: PoolPreparer | None = None
+        self._prepare_decided = not (self.settings.async_save and self.settings.prepare_pool)
+        if self.settings.async_save:
+            order_engine_steps()  # the step hooks: ordering optimizer, and prepare_pool after the first step
 
     # -- DeepSpeed's interface -------------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -146,7 +169,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         and a background commit still running is waited for (its failure raised here)."""
         if self._info is not None:
             self.commit(self._info)
-        self.wait()
+        self._wait_background()
+        self._join_prepare()
         self._info = info
         st = self.settings
         memory = bool(st.memory_dir) and (self._tags_committed + 1) % st.persist_every != 0
@@ -167,8 +191,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         removed (see :mod:`.marker`).
 
         Async: returns once every tensor byte is copied into the host pool; the caller may then
-        change its tensors. Otherwise returns once the file is durable. A failure raises here (or,
-        async, at ``commit``).
+        change its tensors. With ``ordering: optimizer``: once the device-to-host copies are enqueued
+        (CPU tensors and non-tensor values are copied, the module's buffers cloned); GPU tensors may
+        be written only by work the next optimizer step orders after the copies (a job without device
+        copies is waited for as with ``host``). Otherwise returns once the file is durable. A failure
+        raises here (or, async, at ``commit``).
         """
         t0 = time.perf_counter()
         st = self.settings
@@ -176,7 +203,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         target, in_tag = self._route(path)
         cfg = self._memory_cfg if ckpt is not None and ckpt.memory and in_tag and self._memory_cfg else st.core
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        overlap = st.async_save and st.ordering == "optimizer"
+        self._join_prepare()
         try:
+            if overlap and isinstance(state_dict, Mapping):
+                state_dict = snapshot_buffers(state_dict, self._buffers())
             if ckpt is not None and in_tag and target.parent not in ckpt.opened:
                 open_tag(target.parent, fsync=cfg.io.fsync)
                 ckpt.opened.add(target.parent)
@@ -191,7 +222,10 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             job.start()
             if st.async_save:
                 self._jobs.append(job)
-                job.wait_staged()
+                if overlap and job.fence is not None:
+                    self._unordered.append(job)  # host bytes are in; the next optimizer step orders after the rest
+                else:
+                    job.wait_staged()
             else:
                 entries = job.wait_done()
                 if ckpt is not None:
@@ -205,7 +239,9 @@ class CpuckptCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         """``torch.load(weights_only=True)`` with DeepSpeed's few globals allowed; never unrestricted.
 
-        A background commit still running is waited for first (its files may be the ones asked for).
+        A background commit still running is waited for first (its files may be the ones asked for),
+        and so are the device-to-host copies of saves not yet committed (``ordering: optimizer``): the
+        caller writes the loaded values into tensors those copies may still read.
         A file of a tag directory that cpuckpt's engine left torn (its save never committed, or a
         listed file missing or of another size) is refused, on every rank that loads from it; files
         of tags written by stock DeepSpeed (no cpuckpt files) load as they are.
@@ -235,7 +271,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                 ``failures``), chained to this rank's own error where it has one.
         """
         direct = info is self._info  # DeepSpeed's save_16bit_model commits the very object it created
-        self.wait()  # commits stay ordered; an earlier failure is raised first
+        self._wait_background()  # commits stay ordered; an earlier failure is raised first
+        self.order_pending()  # the caller's next kernels (the optimizer step) come after this checkpoint's copies
         ckpt = self._ckpt if self._ckpt is not None and self._info is not None else _Checkpoint(info)
         self._info = self._ckpt = None
         ckpt.jobs, self._jobs = self._jobs, []
@@ -249,7 +286,16 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         return True
 
     def wait(self, timeout: float | None = None) -> None:
-        """Wait for a background commit (if any) and raise its failure; every rank calls it."""
+        """Wait for a background commit (if any) and raise its failure; every rank calls it.
+
+        Also waits (host side) until the device-to-host copies of saves not yet committed are done,
+        so that the caller may then change any tensor (``ordering: optimizer``).
+        """
+        self._wait_background(timeout)
+        self._settle(timeout)
+
+    def _wait_background(self, timeout: float | None = None) -> None:
+        """Wait for a background commit (if any) and raise its failure."""
         fut = self._background
         if fut is None:
             return
@@ -352,11 +398,75 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         if self._info is not None:
             self.commit(self._info)
         self.wait()
+        self._join_prepare()
 
     def preserves_storage_sharing(self) -> bool:
         # Each tensor is written as its own compact storage (torchfile proxies), so DeepSpeed need
         # not clone views before handing them over.
         return False
+
+    # -- zero-stall ordering and pool preparation (called by the DeepSpeedEngine hooks) -------------
+    def bind(self, ds_engine: Any) -> None:
+        """Remember the DeepSpeed engine (weakly): its module's buffers are snapshotted at save time."""
+        if self._ds_engine is None or self._ds_engine() is not ds_engine:
+            self._ds_engine = weakref.ref(ds_engine)
+
+    def before_optimizer_writes(self, ds_engine: Any = None) -> int:
+        """The DeepSpeed engine is about to write saved tensors: order its stream after pending copies."""
+        return self.order_pending()
+
+    def order_pending(self, stream: Any = None) -> int:
+        """Make ``stream`` (default: the current stream of each device copied from) wait, on the GPU, for
+        the copies of every save not yet ordered; returns how many saves were ordered."""
+        jobs, self._unordered = self._unordered, []
+        for job in jobs:
+            if job.fence is not None:
+                job.fence.order(stream)
+        return len(jobs)
+
+    def after_optimizer_step(self, ds_engine: Any) -> None:
+        """After the first optimizer step (``prepare_pool``): size this rank's checkpoint, prepare the pool."""
+        if self._prepare_decided:
+            return
+        self._prepare_decided = True
+        cfg = self.settings.core
+        try:
+            nbytes = estimate_checkpoint_bytes(ds_engine, chunk_bytes=cfg.io.chunk_bytes,
+                                               storage_alignment=self.settings.storage_alignment)
+        except Exception as e:  # an unfamiliar engine or optimizer: the first save sizes the pool itself
+            logger.warning("cpuckpt: could not size the DeepSpeed checkpoint (the first save allocates the pool): %s",
+                           e)
+            return
+        if pool_state()[0] >= nbytes:
+            return
+        self._preparer = PoolPreparer(nbytes, cfg, current_device())
+
+    @property
+    def prepared_bytes(self) -> int | None:
+        """The checkpoint size the pool was prepared for (None: not prepared)."""
+        return None if self._preparer is None else self._preparer.nbytes
+
+    def _join_prepare(self) -> None:
+        preparer = self._preparer
+        if preparer is not None and not preparer.done:
+            waited = preparer.join(self.settings.core.timeout_s)
+            logger.info("cpuckpt: save waited %.3f s for the host pool's preparation", waited)
+
+    def _buffers(self) -> set[tuple[int, tuple[int, ...]]]:
+        ds_engine = self._ds_engine() if self._ds_engine is not None else None
+        module = getattr(ds_engine, "module", None) if ds_engine is not None else None
+        return buffer_pointers(module) if module is not None else set()
+
+    def _settle(self, timeout: float | None = None) -> None:
+        """Host wait until the copies of saves not yet committed are done (their errors are commit's)."""
+        self.order_pending()  # GPU-side too, for enqueued copies of a job whose staging failed
+        for job in self._jobs:
+            try:
+                job.wait_staged(timeout)
+            except Exception:
+                if not job.staged.done():  # timed out: its copies may still read the tensors
+                    raise
+                logger.debug("a pending save's staging failed (raised by its commit)", exc_info=True)
 
     # -- internals ------------------------------------------------------------------------------
     def _reserve_pool(self, nchunks: int) -> None:
@@ -396,6 +506,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
 
     def _abandon(self) -> None:
         """A save failed: this checkpoint will never be committed; stop its other files."""
+        self.order_pending()  # enqueued copies still read the tensors
         for job in self._jobs:
             job.cancel(CpuckptError("checkpoint abandoned: another file of it failed"))
         self._wait_jobs()

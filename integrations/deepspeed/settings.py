@@ -1,8 +1,8 @@
 """Settings of the DeepSpeed adapter: its own keys plus a cpuckpt ``Config``. Pure: reads YAML only.
 
 One flat mapping holds both (see ``configs/deepspeed.yaml``): the adapter's own keys
-(:class:`AdapterOptions`: ``enabled``, ``async``, ``background_commit``, ``storage_alignment``,
-``memory_dir``, ``persist_every``, ``memory_keep``, and ``config_file``) beside the core sections
+(:class:`AdapterOptions`: ``enabled``, ``async``, ``background_commit``, ``ordering``, ``prepare_pool``,
+``storage_alignment``, ``memory_dir``, ``persist_every``, ``memory_keep``, and ``config_file``) beside the core sections
 (``io``, ``staging``, ``integrity``, ``timeout_s``, ...). Both halves are built by cpuckpt's config
 machinery (:func:`cpuckpt.config.build_options`): strict keys, checked values, a
 :class:`~cpuckpt.errors.ConfigError` naming the source and the dotted key.
@@ -51,6 +51,16 @@ class AdapterOptions:
             checkpoint; ``latest`` is written once every rank's files are durable. A failure is
             raised (on every rank) at the next save, ``commit_pending`` or ``engine.destroy()``.
             False: that step waits until the checkpoint is durable (DeepSpeed's own decoupled timing).
+        ordering: with ``async_save``, when ``save()`` returns. ``host`` (default): once every byte is
+            in the host pool (the trainer then stalls for the whole device-to-host copy).
+            ``optimizer`` (zero-stall): once the device-to-host copies are *enqueued* (CPU tensors and
+            non-tensor values are copied before the return); the module's saved buffers are cloned on
+            the GPU at save time, and the next optimizer step of the DeepSpeed engine first makes its
+            current CUDA stream wait for the copies (a GPU-side wait: forward and backward overlap
+            them). See :mod:`cpuckpt.integrations.deepspeed` for the contract.
+        prepare_pool: with ``async_save``, size this rank's checkpoint after the engine's first
+            optimizer step and create (pre-touch, pin) the host pool for it in a background thread,
+            so that the first save is as fast as later ones. False: the first save allocates it.
         storage_alignment: alignment of each storage's data inside the torch.save archive (a power
             of two >= 64; 4096 lets readers use O_DIRECT / mmap on the data).
         memory_dir: a node-local RAM directory (tmpfs, e.g. ``/dev/shm/<job>``; every rank on one
@@ -68,6 +78,8 @@ class AdapterOptions:
     enabled: bool = True
     async_save: bool = field(default=True, metadata={"key": "async"})
     background_commit: bool = True
+    ordering: str = field(default="host", metadata={"choices": ("host", "optimizer")})
+    prepare_pool: bool = True
     storage_alignment: int = field(default=4096, metadata={"size": True, "min": 64, "pow2": True})
     memory_dir: str = ""
     persist_every: int = field(default=4, metadata={"min": 1})

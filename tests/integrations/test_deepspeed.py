@@ -32,7 +32,8 @@ What is proven, with real DeepSpeed engines and files (no mocks):
   built engine over, and ``commit_pending()`` writes ``latest`` at once;
 - single process: the file holds exactly the zip entries ``torch.save`` writes for a compact clone
   of the same state dict (views compacted, non-leaf views detached, shared objects kept);
-- ``python -m benchmarks.bench_deepspeed --smoke`` runs (and its check that DeepSpeed's engine and ours
+- ``python -m benchmarks.bench_deepspeed --smoke`` runs with every engine (torch, cpuckpt, cpuckpt-zero,
+  DeepSpeed's decoupled) (and its check that DeepSpeed's engine and ours
   write bit-identical tensors for the same state holds).
 
 ``_setup_env`` marks DeepSpeed's inference-only shm op incompatible, so no op is JIT-built (no g++
@@ -630,8 +631,10 @@ def test_torch_file_matches_torch_save_of_compact_clones(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_bench_deepspeed_smoke(tmp_path):
-    """``python -m benchmarks.bench_deepspeed --smoke`` runs (CPU, gloo, tiny model): both engines, the table,
-    the JSON, and the same state saved by DeepSpeed's engine and by ours holds bit-identical tensors."""
+    """``python -m benchmarks.bench_deepspeed --smoke`` runs (CPU, gloo, tiny model): every engine (cpuckpt-zero:
+    ordering optimizer; decoupled: DeepSpeed's DecoupledCheckpointEngine with its writer process), the host
+    pool prepared before the first cpuckpt save, the table, the JSON, and the same state saved by DeepSpeed's
+    engine and by ours holds bit-identical tensors."""
     import json
     import subprocess
     import sys
@@ -639,14 +642,20 @@ def test_bench_deepspeed_smoke(tmp_path):
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     out = tmp_path / "ds.json"
+    engines = ["torch", "cpuckpt", "cpuckpt-zero", "decoupled"]
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_deepspeed", "--smoke", "--out", str(out),
-                           "--dir", str(tmp_path / "ck")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=170)
+                           "--dir", str(tmp_path / "ck"), "--engines", ",".join(engines)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert "| torch | 0 |" in proc.stdout and "| cpuckpt | 1 |" in proc.stdout, proc.stdout
+    assert "| cpuckpt-zero | 1 |" in proc.stdout and "| decoupled | 1 |" in proc.stdout, proc.stdout
     results = json.loads(out.read_text())["results"]
+    assert not [r for r in results if r["name"] == "decoupled_error"], results
     verify = [r for r in results if r["name"] == "verify"]
     assert verify and verify[0]["ok"] and verify[0]["tensors"] > 0, verify
     saves = [r for r in results if r["name"] == "save"]
-    assert {r["engine"] for r in saves} == {"torch", "cpuckpt"} and all(r["bytes"] > 0 for r in saves)
+    assert {r["engine"] for r in saves} == set(engines) and all(r["bytes"] > 0 for r in saves)
+    assert all(r["lost_s"] >= r["stall_s"] for r in saves)
+    prep = [r for r in results if r["name"] == "prepare"]
+    assert prep and prep[0]["pool_bytes"] >= prep[0]["estimate_bytes"] > 0, prep
     assert not (tmp_path / "ck").exists(), "checkpoint directories left behind"

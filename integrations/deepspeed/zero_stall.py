@@ -1,0 +1,260 @@
+"""Zero-stall saves (``ordering: optimizer``) and the warm first save (``prepare_pool``) for DeepSpeed.
+
+DeepSpeed's ``CheckpointEngine.save()`` is synchronous by contract: once it returns, DeepSpeed and
+the trainer may change every tensor they handed over, and nothing in that interface lets the engine
+ask for its next writes to wait. So, with ``ordering: optimizer``, the engine's own ``save()``
+returns once the device-to-host copies are *enqueued*, and :func:`order_engine_steps` wraps
+``DeepSpeedEngine.step`` and ``DeepSpeedEngine._take_model_step`` (class-level, once, no source
+changes) so that the first kernel that may write a saved tensor after the save is queued behind the
+copies: a GPU-side wait (:meth:`cpuckpt.transfer.staging.CopyFence.order` on the current stream),
+never a host block. The same hooks size the checkpoint after the first optimizer step and prepare the
+host pool in a background thread (:class:`PoolPreparer`).
+
+What writes saved tensors between ``save_checkpoint`` and the next optimizer update, and how each is
+covered:
+
+- the forward: module buffers (BatchNorm running statistics, ``num_batches_tracked``) are written
+  in place. They are small, so :func:`snapshot_buffers` clones them at save time on the current
+  stream (the copies read the clones);
+- the backward: writes gradients (never saved) and, with ZeRO, gradient partitions (never saved);
+- ``engine.step()`` at a gradient-accumulation boundary (or every ``step()`` with
+  ``managed_gradient_accumulation: false`` or ZenFlow): the hook runs before DeepSpeed's own code in
+  ``step()``, so before the unmanaged boundary's reductions, the decoupled commit, the optimizer
+  update, ZeRO's copies from the fp32 master into the bf16/fp16 parameters, the loss scaler's update
+  and the learning-rate scheduler. A managed non-boundary ``step()`` writes nothing saved and is left
+  unordered (the next micro-batches keep overlapping the copies);
+- ``_take_model_step`` (the pipeline engine's optimizer step calls it directly, without ``step()``):
+  ordered again (a no-op when ``step()`` already did).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from cpuckpt.config import Config
+
+__all__ = ["PoolPreparer", "buffer_pointers", "current_device", "estimate_checkpoint_bytes", "order_engine_steps",
+           "snapshot_buffers"]
+
+logger = logging.getLogger(__name__)
+
+_HOOKED = ("step", "_take_model_step")
+
+
+def _checkpoint_engine(ds_engine: Any) -> Any:
+    """The DeepSpeed engine's checkpoint engine when it is ours (has the hooks), else None."""
+    ck = vars(ds_engine).get("checkpoint_engine")  # not getattr: DeepSpeedEngine.__getattr__ falls back to the module
+    return ck if hasattr(ck, "before_optimizer_writes") else None
+
+
+def _boundary(ds_engine: Any) -> bool:
+    """Whether this ``step()`` may write saved state (see the module docstring); True when unsure."""
+    try:
+        if getattr(ds_engine, "zenflow", False):
+            return True
+        managed = getattr(ds_engine, "managed_gradient_accumulation", None)
+        if managed is not None and not managed():
+            return True
+        return bool(ds_engine.is_gradient_accumulation_boundary())
+    except Exception:  # another DeepSpeed version: order every step rather than miss one
+        return True
+
+
+def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ck = _checkpoint_engine(self)
+        if ck is not None:
+            ck.bind(self)
+            if _boundary(self):
+                ck.before_optimizer_writes(self)  # a GPU-side wait: the host does not block
+        return original(self, *args, **kwargs)
+
+    step._cpuckpt_ordered = True  # type: ignore[attr-defined]
+    return step
+
+
+def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _take_model_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ck = _checkpoint_engine(self)
+        if ck is not None:
+            ck.bind(self)
+            ck.before_optimizer_writes(self)
+        result = original(self, *args, **kwargs)
+        if ck is not None:
+            ck.after_optimizer_step(self)  # the optimizer's state exists now: size the checkpoint
+        return result
+
+    _take_model_step._cpuckpt_ordered = True  # type: ignore[attr-defined]
+    return _take_model_step
+
+
+_LOCK = threading.Lock()
+
+
+def order_engine_steps(base: type | None = None) -> list[str]:
+    """Wrap ``step`` and ``_take_model_step`` of ``base`` (default: DeepSpeed's ``DeepSpeedEngine``).
+
+    Idempotent. The wrappers cost one dictionary look-up per call for engines whose checkpoint
+    engine is not cpuckpt's. Returns the names wrapped (or found wrapped).
+    """
+    if base is None:
+        from deepspeed.runtime.engine import DeepSpeedEngine as base
+    names: list[str] = []
+    with _LOCK:
+        for name, wrap in zip(_HOOKED, (_wrap_step, _wrap_take_model_step)):
+            fn = base.__dict__.get(name)
+            if fn is None:
+                logger.warning("cpuckpt: %s has no %s(): saves with ordering optimizer are not ordered there; "
+                               "this DeepSpeed is newer or older than cpuckpt knows", base.__qualname__, name)
+                continue
+            if not getattr(fn, "_cpuckpt_ordered", False):
+                setattr(base, name, wrap(fn))
+            names.append(name)
+    return names
+
+
+def buffer_pointers(module: Any) -> set[tuple[int, tuple[int, ...]]]:
+    """(data pointer, shape) of every non-empty buffer of ``module``: what :func:`snapshot_buffers` clones."""
+    return {(b.data_ptr(), tuple(b.shape)) for b in module.buffers() if b is not None and b.numel()}
+
+
+def snapshot_buffers(state: Mapping[str, Any], buffers: set[tuple[int, tuple[int, ...]]]) -> Mapping[str, Any]:
+    """``state`` with the module's buffers replaced by clones made now, on the current stream.
+
+    A buffer is recognised by its data pointer and shape (``buffers``, from :func:`buffer_pointers`)
+    or, in DeepSpeed's model states file, by name (its ``buffer_names`` key lists the entries of its
+    ``module`` mapping). The top level and the ``module`` mapping are searched (DeepSpeed's model
+    states, and the pipeline engine's per-layer files, which are a module state dict). Changed
+    mappings are shallow copies (``copy.copy``: their type and attributes such as a state dict's
+    ``_metadata`` stay, so the file's bytes are those ``torch.save`` would write); ``state`` itself
+    is not modified.
+    """
+    import copy
+
+    names = state.get("buffer_names")
+    named = set(names) if isinstance(names, (list, tuple)) else set()
+
+    def clone_in(m: Mapping[str, Any], by_name: set[str]) -> Mapping[str, Any]:
+        out: Any = None
+        for k, v in m.items():
+            if isinstance(v, torch.Tensor) and v.numel() and (
+                    k in by_name or (v.data_ptr(), tuple(v.shape)) in buffers):
+                if out is None:
+                    out = copy.copy(m)
+                out[k] = v.detach().clone()  # enqueued before the save's copies, which wait for this stream
+        return m if out is None else out
+
+    result = clone_in(state, set())
+    module = state.get("module")
+    if isinstance(module, Mapping):
+        new = clone_in(module, named)
+        if new is not module:
+            result = copy.copy(result) if result is state else result
+            result["module"] = new  # type: ignore[index]
+    return result
+
+
+def estimate_checkpoint_bytes(ds_engine: Any, *, chunk_bytes: int, storage_alignment: int) -> int:
+    """This rank's checkpoint image bytes for ``ds_engine``, from its live tensors (slightly over).
+
+    Counts the module's parameters (when this rank writes the model states file; ZeRO-3's partitioned
+    parameters are empty there) and buffers, the wrapped optimizer's parameters (ZeRO / bf16 / fp16:
+    the fp32 master partitions; plain fp32: the module's parameters, counted once) and its state
+    tensors (Adam's moments; before the first step, Adam's two fp32 moments and step are assumed).
+    Adds each tensor's alignment and pickle record, and a partial chunk per file.
+    """
+    seen: set[int] = set()
+    total = [0, 0]  # bytes, tensors
+
+    def add(t: Any) -> None:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return
+        key = t.data_ptr()
+        if key in seen:
+            return
+        seen.add(key)
+        total[0] += t.numel() * t.element_size()
+        total[1] += 1
+
+    module = ds_engine.module
+    if getattr(ds_engine, "save_non_zero_checkpoint", True):
+        for p in module.parameters():
+            add(p)
+    for b in module.buffers():
+        add(b)
+    opt = getattr(ds_engine, "optimizer", None)
+    base = getattr(opt, "optimizer", opt) if opt is not None else None
+    groups = getattr(base, "param_groups", None) or []
+    masters = [p for g in groups for p in g.get("params", [])]
+    for p in masters:
+        add(p)
+    states = [v for s in getattr(base, "state", {}).values() if isinstance(s, Mapping) for v in s.values()]
+    if any(isinstance(v, torch.Tensor) for v in states):
+        for v in states:
+            add(v)
+    else:  # no step yet: Adam-like, two fp32 moments and a step per master (an overestimate for SGD)
+        total[0] += sum(2 * 4 * p.numel() + 8 for p in masters if isinstance(p, torch.Tensor))
+        total[1] += 3 * len(masters)
+    nfiles = 2 + len(getattr(module, "forward_funcs", ()) or ())  # model + optimizer states (+ pipeline layers)
+    nbytes = total[0] + total[1] * (storage_alignment + 512) + nfiles * chunk_bytes
+    return int(nbytes * 1.02)
+
+
+class PoolPreparer:
+    """Creates, pre-touches and pins the host pool for ``nbytes`` on a background thread.
+
+    A save that arrives earlier waits (:meth:`join`) for the remainder only: the pool must not be
+    replaced between a save taking it and leasing from it. A failure is logged (the first save then
+    allocates the pool itself), never raised.
+    """
+
+    def __init__(self, nbytes: int, cfg: Config, device: Any = None) -> None:
+        self.nbytes = nbytes
+        self.seconds: float | None = None
+        self.error: BaseException | None = None
+        self._cfg = cfg
+        self._device = device
+        self._thread = threading.Thread(target=self._run, name="cpuckpt-ds-prepare-pool", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import cpuckpt
+
+        t0 = time.perf_counter()
+        try:
+            if self._device is not None:
+                torch.cuda.set_device(self._device)  # pin from the trainer's device, not device 0's context
+            cpuckpt.prepare_pool(self.nbytes, self._cfg)
+        except Exception as e:
+            self.error = e
+            logger.warning("cpuckpt: preparing a %d-byte host pool failed (the first save allocates it): %s",
+                           self.nbytes, e)
+        self.seconds = time.perf_counter() - t0
+        logger.info("cpuckpt: host pool prepared for %d bytes in %.3f s", self.nbytes, self.seconds)
+
+    def join(self, timeout_s: float | None = None) -> float:
+        """Wait for the preparation; returns the seconds waited."""
+        t0 = time.perf_counter()
+        self._thread.join(timeout_s)
+        return time.perf_counter() - t0
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def current_device() -> Any:
+    """The trainer thread's CUDA device (for the preparing thread), or None without CUDA."""
+    try:
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    except Exception:
+        return None
