@@ -521,12 +521,13 @@ class ImageJob:
         fence = self.fence = CopyFence(device)
         last = None
         try:
-            for chunk in self._chunks:
-                if self._cancel.is_set():
-                    break
-                last = fence.event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
-                if self._checksum:
-                    self._submit_checksum(chunk, last)
+            with copier.enqueueing():
+                for chunk in self._chunks:
+                    if self._cancel.is_set():
+                        break
+                    last = fence.event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
+                    if self._checksum:
+                        self._submit_checksum(chunk, last)
         except BaseException:
             try:  # no copy may land in the images after the failure is reported
                 copier.stream.synchronize()

@@ -172,18 +172,19 @@ class SaveJob:
         copier.protect(self.sources)
         fence = self.fence = CopyFence(device)
         event = None
-        for ticket, chunk in enumerate(self._chunks):
-            if self._cancel.is_set():
-                return
-            slot = pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
-            try:
-                event = fence.event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
-            except BaseException:
-                pool.release(slot)
-                raise
-            ready: cf.Future[tuple[Slot, object]] = cf.Future()
-            ready.set_result((slot, event))
-            self._submit_write(chunk, ready)
+        with copier.enqueueing():
+            for ticket, chunk in enumerate(self._chunks):
+                if self._cancel.is_set():
+                    return
+                slot = pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
+                try:
+                    event = fence.event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
+                except BaseException:
+                    pool.release(slot)
+                    raise
+                ready: cf.Future[tuple[Slot, object]] = cf.Future()
+                ready.set_result((slot, event))
+                self._submit_write(chunk, ready)
         # One waiter marks the whole shard staged when the last copy (stream order) completed.
         self._fillers = shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}")
         last = event

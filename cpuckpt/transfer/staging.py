@@ -16,11 +16,14 @@ touches CUDA streams.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextlib
 import logging
 import mmap
+import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +51,26 @@ class Slot:
     view: memoryview
 
 
+PRETOUCH_THREADS = 16
+
+
+def pretouch_pages(t: torch.Tensor) -> None:
+    """Fault in every page of ``t`` (uint8) by zeroing it on up to ``PRETOUCH_THREADS`` threads.
+
+    One thread faults ~2.3 GB/s (13 GB: 5.6 s on the H200 machine, where a trainer's torch may run
+    one intra-op thread); 16 threads took 0.7 s. ``zero_`` releases the GIL, so the threads overlap.
+    """
+    n = t.numel()
+    threads = max(1, min(PRETOUCH_THREADS, os.cpu_count() or 1, n // (64 << 20)))
+    if threads == 1:
+        t.zero_()
+        return
+    step = -(-n // threads)
+    step += -step % (2 << 20)  # huge-page aligned pieces
+    with cf.ThreadPoolExecutor(threads, thread_name_prefix="cpuckpt-pretouch") as ex:
+        list(ex.map(lambda lo: t[lo : lo + step].zero_(), range(0, n, step)))
+
+
 class LeaseOrder:
     """Grants the leases of one save in ticket order (0, 1, 2, ...)."""
 
@@ -73,7 +96,7 @@ class HostPool:
         self.pinned = False
         t0 = time.perf_counter()
         if pretouch:
-            self._tensor.zero_()
+            pretouch_pages(self._tensor)
         if pin and torch.cuda.is_available():
             self._pin()
         logger.info("host pool: %d x %d bytes%s%s in %.3f s", nslots, slot_bytes, ", pinned" if self.pinned else "",
@@ -307,6 +330,21 @@ class DeviceCopier:
         # write the tensors) have finished.
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self._scratch: torch.Tensor | None = None  # device gathers (fillplan), reused chunk after chunk
+        self._entered = False  # inside enqueueing(): the side stream is already current
+
+    @contextlib.contextmanager
+    def enqueueing(self) -> Iterator[None]:
+        """Make the side stream current for a run of :meth:`fill` calls: one stream switch per save
+        instead of one per chunk (each ``torch.cuda.stream`` context cost ~50 µs on the H200)."""
+        with torch.cuda.stream(self.stream):
+            self._entered = True
+            try:
+                yield
+            finally:
+                self._entered = False
+
+    def _on_stream(self) -> Any:
+        return contextlib.nullcontext() if self._entered else torch.cuda.stream(self.stream)
 
     def _scratch_for(self, nbytes: int) -> torch.Tensor:
         """``nbytes`` of one device buffer that every gather of this copier reuses in stream order.
@@ -364,7 +402,7 @@ class DeviceCopier:
         program = programs.get(chunk.index) if programs else None
         if program is not None and program.device == self.device:
             scratch = self._scratch_for(chunk.nbytes)
-            with torch.cuda.stream(self.stream):
+            with self._on_stream():
                 program.fill(scratch)
                 slot.tensor[: chunk.nbytes].copy_(scratch, non_blocking=True)
                 event = torch.cuda.Event()
@@ -375,7 +413,7 @@ class DeviceCopier:
             return self.record()
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         fill_chunk(slot, layout, chunk, sources, deferred=pairs)
-        with torch.cuda.stream(self.stream):
+        with self._on_stream():
             if pairs:
                 # One call per chunk: the per-copy Python overhead is stall time.
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
