@@ -230,7 +230,8 @@ def _stall(args: argparse.Namespace, work: Path) -> tuple[dict, str]:
     d = work / "stall"
     d.mkdir()
     result = replica_stall.run(d, nbytes=int(args.stall_nbytes), saves=args.stall_saves, block=args.stall_block,
-                               warmup=args.stall_warmup, gap_s=args.gap_s)
+                               warmup=args.stall_warmup, gap_s=args.gap_s,
+                               open_order="0,1" if args.smoke else "1,0")
     s = result["summary"]
     rows = []
     for m in replica_stall.METRICS:

@@ -50,6 +50,9 @@ def worker(argv: list[str]) -> int:
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--gap-s", type=float, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--open-order", default="1,0",
+                    help="the order the tiers are opened in (bench_replica --smoke: 0,1, so the replicas-0 writers "
+                         "start while the replicas-1 tier waits for its writers to listen)")
     args = ap.parse_args(argv)
     import torch
     import torch.distributed as dist
@@ -64,7 +67,7 @@ def worker(argv: list[str]) -> int:
     state = {f"r{rank}": {f"t{i}": torch.randn(numel // 8, generator=g) for i in range(8)}}
     tiers: dict[int, Any] = {}
     spent: dict[str, float] = {}
-    for k in (1, 0):
+    for k in (int(x) for x in args.open_order.split(",")):
         cfg = {"io": {"threads": 1, "backend": "buffered"}, "timeout_s": TIMEOUT_S,
                "memory": {"root": str(work / f"ram-k{k}-node{rank}"), "persist_every": 0, "slots": 2,
                           "headroom_bytes": 0, "replicas": k, "replica_host": f"127.0.0.{rank + 1}"}}
@@ -134,7 +137,7 @@ def _free_port() -> int:
 
 
 def run(work: Path, *, nbytes: int, saves: int, block: int, warmup: int, gap_s: float,
-        timeout_s: float = 600) -> dict[str, Any]:
+        timeout_s: float = 600, open_order: str = "1,0") -> dict[str, Any]:
     """Launch both ranks; return every rank's rows and the summary (per save, the slower rank's time)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
@@ -147,7 +150,7 @@ def run(work: Path, *, nbytes: int, saves: int, block: int, warmup: int, gap_s: 
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "benchmarks.replica_stall", "--rank", str(r), "--init", init, "--work",
                  str(work), "--nbytes", str(nbytes), "--saves", str(saves), "--block", str(block), "--warmup",
-                 str(warmup), "--gap-s", str(gap_s), "--out", str(outs[r])],
+                 str(warmup), "--gap-s", str(gap_s), "--out", str(outs[r]), "--open-order", open_order],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
     try:
         deadline = time.monotonic() + timeout_s
