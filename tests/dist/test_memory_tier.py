@@ -196,9 +196,10 @@ def test_a_dead_writer_owing_persists_raises_or_is_respawned(tmp_path):
     import cpuckpt
     from cpuckpt.tier.memory import WriterDiedError
 
-    for mode in ("raise", "respawn"):
+    # both tiers first: their writers' interpreters start at the same time
+    tiers = {mode: _one(tmp_path / mode, persist_every=1, on_writer_failure=mode)[0] for mode in ("raise", "respawn")}
+    for mode, tier in tiers.items():
         base = tmp_path / mode
-        tier, _ = _one(base, persist_every=1, on_writer_failure=mode)
         tier.save(_state(1, 0), 1).wait()
         tier.wait_persisted()
         pid = tier.writer_pid()
