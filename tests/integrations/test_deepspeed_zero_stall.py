@@ -44,6 +44,8 @@ DELAY_S = 0.4
 
 # ----------------------------------------------------------------------------------- rank side
 def _setup_env() -> None:
+    # The gloo ranks train on the CPU everywhere, also on a GPU machine (2 ranks, maybe 1 GPU).
+    os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed.ops
     import torch.distributed as dist
 
