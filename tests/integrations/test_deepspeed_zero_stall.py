@@ -44,8 +44,6 @@ DELAY_S = 0.4
 
 # ----------------------------------------------------------------------------------- rank side
 def _setup_env() -> None:
-    # The gloo ranks train on the CPU everywhere, also on a GPU machine (2 ranks, maybe 1 GPU).
-    os.environ["DS_ACCELERATOR"] = "cpu"
     import deepspeed.ops
     import torch.distributed as dist
 
@@ -235,7 +233,9 @@ def rank_zero_stall(root: str) -> dict:
 @pytest.fixture(scope="module")
 def zero_stall_run(rank_runner, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ds_zero_stall")
-    return rank_runner(2, rank_zero_stall, str(tmp), tmp_path=tmp, timeout_s=240)
+    # The gloo ranks train on the CPU everywhere, also on a GPU machine (2 ranks, maybe 1 GPU): DeepSpeed
+    # picks its accelerator when imported, so the ranks get it from their environment.
+    return rank_runner(2, rank_zero_stall, str(tmp), tmp_path=tmp, timeout_s=240, env={"DS_ACCELERATOR": "cpu"})
 
 
 def test_optimizer_ordering_real_path_keeps_the_save_step(zero_stall_run):
@@ -424,6 +424,9 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+_GPU_PORT: int | None = None  # the in-process NCCL group's port, shared by the parametrizations
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA device (runs on the device machine)")
 @pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "negative-control"])
@@ -440,13 +443,17 @@ def test_gpu_optimizer_ordering_keeps_the_save_step(tmp_path, monkeypatch, order
     from cpuckpt.transfer import staging
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if not dist.is_initialized():
+    # Every parametrization sets the launcher's variables (monkeypatch undoes them after each test);
+    # the process group of the first one stays and is reused.
+    global _GPU_PORT
+    if _GPU_PORT is None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-            monkeypatch.setenv(k, v)
+            _GPU_PORT = sock.getsockname()[1]
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_GPU_PORT)}.items():
+        monkeypatch.setenv(k, v)
+    if not dist.is_initialized():
         torch.cuda.set_device(0)
         deepspeed.init_distributed(dist_backend="nccl")
     original_init = staging.DeviceCopier.__init__
