@@ -48,6 +48,7 @@ from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
 from cpuckpt.config import CheckpointConfig, Config, resolve_config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, IntegrityError
 from cpuckpt.roots import install_sigterm_handler, list_checkpoints
+from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import RamRoot, job_id_for
@@ -342,12 +343,18 @@ class MemoryTier:
             if any_failed:
                 raise CpuckptError(f"rank {self.rank}: preparing {slot} for step {step} failed" +
                                    (f": {failure}" if failure else " on another rank (see its log)")) from failure
-        if not self.nodes.single and self.nodes.is_leader:
-            # Each node's slot is made incomplete by its own leader before any byte of it changes (the
-            # coordinator clears only its own); async_save's planning collective orders this before every fill.
-            clear_commit(slot, fsync=False)
+        slot_planner, slot_key = planner, plan_key
+        if not self.nodes.single:
+            # Replicated items: one copy per node, so each node's slot holds what its ranks load (nodecopies).
+            slot_planner = with_node_copies(planner, self.nodes.keys)
+            slot_key = None if planner is not None and plan_key is None else ("node-copies", self.nodes.keys,
+                                                                               plan_key)
+            if self.nodes.is_leader:
+                # Each node's slot is made incomplete by its own leader before any byte of it changes (the
+                # coordinator clears only its own); async_save's planning collective orders this before every fill.
+                clear_commit(slot, fsync=False)
         handle = async_save(state_dict, slot, self.memory_config, step=step, process_group=self.process_group,
-                            planner=planner, plan_key=plan_key, images=self.images[k],
+                            planner=slot_planner, plan_key=slot_key, images=self.images[k],
                             save_id=f"{self.root.job[:24]}-{token:016x}", node_commit=self._node_commit,
                             ordering=ordering)
         self._next = (k + 1) % len(self.slots)

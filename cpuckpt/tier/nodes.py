@@ -10,6 +10,8 @@ files are in, the coordinator sends the global ``.metadata`` and the manifest's 
 that lists only its node's files and writes it, then ``.metadata``, into its slot, and one all-gather
 agrees on the outcome. A node's slot is then complete *for the ranks it holds*: ``check_complete`` and
 stock readers accept it, but a rank can load from it only the tensors whose files the node holds.
+Items several ranks save (replicated values) are written once per node (:mod:`.nodecopies`) and each
+leader's ``.metadata`` names its own node's copy, so a node's slot holds everything its ranks load.
 
 At restart each rank lists the (step, save id) of its node's slots that hold every file it needs
 (:func:`needed_files`: the files of its load plan when the state dict is known, else its own files),
@@ -36,6 +38,7 @@ from cpuckpt.backend.commit import commit_checkpoint
 from cpuckpt.backend.committed import check_complete, load_metadata, read_manifest
 from cpuckpt.errors import FailureReport, IntegrityError
 from cpuckpt.format.manifest import Manifest
+from cpuckpt.tier.nodecopies import node_storage
 from cpuckpt.tier.ramroot import BOOT_ID_PATH
 
 __all__ = ["NodeMap", "agree_held", "committed_slot", "held_saves", "needed_files", "node_commit", "node_key"]
@@ -105,7 +108,7 @@ def node_commit(nodes: NodeMap, *, fsync: bool = False) -> Any:
         if writer.is_coordinator:
             try:
                 metadata, results = writer.pending_commit(gathered)
-                sent = (metadata, writer.manifest_header(len(results)))
+                sent = (metadata, writer.manifest_header(len(results)), node_storage(results, nodes.keys))
             except Exception as e:  # every rank gets it as the outcome
                 failed = FailureReport.of(e, writer.rank)
                 sent = dataclasses.replace(failed, message=f"commit failed (coordinator): {failed.message}")
@@ -113,10 +116,14 @@ def node_commit(nodes: NodeMap, *, fsync: bool = False) -> Any:
         dist.broadcast_object_list(box, src=coordinator, group=group)
         if isinstance(box[0], FailureReport):
             return [box[0]]
-        metadata, manifest = box[0]
+        metadata, manifest, copies = box[0]
         mine: FailureReport | None = None
         if nodes.is_leader:
             try:
+                own = copies.get(nodes.keys[nodes.rank])
+                if own:  # this node's copies of replicated items (tier.nodecopies), not another node's
+                    metadata = copy.copy(metadata)
+                    metadata.storage_data = {**(metadata.storage_data or {}), **own}
                 commit_checkpoint(writer.path, metadata, [f"__{r}_" for r in nodes.node_ranks], manifest, fsync=fsync)
             except Exception as e:  # agreed below, raised on every rank
                 failed = FailureReport.of(e, writer.rank)

@@ -499,8 +499,9 @@ def test_a_restart_removes_images_no_checkpoint_can_use(tmp_path):
 def _two_nodes(durable: str, ram_base: str) -> dict:
     """Rank body: each rank its own RAM root (two nodes on one host); step 1 durable, step 2 in memory only.
 
-    ``shared`` is the same on both ranks, so DCP deduplicates it into one rank's file: the node of the
-    other rank lacks a file its rank needs to load it.
+    ``shared`` is the same on both ranks: DCP would write it into one rank's file, the tier writes it once
+    per node, so each node's slot holds it. A rank that loads the *other* rank's part needs a file only
+    the other node holds: then the newest durable checkpoint is chosen.
     """
     import torch.distributed as dist
 
@@ -525,17 +526,19 @@ def _two_nodes(durable: str, ram_base: str) -> dict:
     out: dict = {"nodes": tier.nodes.nodes, "slot": str(tier.slots[1]),
                  "files": sorted(read_manifest(tier.slots[1]).files)}
     out["own_rule"] = [str(p) for p in tier.candidates()]
-    with_shared, without = targets(shared=True), targets(shared=False)
+    other = 1 - rank
+    with_shared = targets(shared=True)
+    cross = targets(shared=False) | {f"r{other}": {**_targets(other)[f"r{other}"], "step": -1}}
     out["with_shared"] = str(tier.load_latest(with_shared))
-    expect = state(1, shared=True)
+    expect = state(2, shared=True)
     for key in ("w", "b"):
-        H.assert_bitexact(with_shared[f"r{rank}"][key], expect[f"r{rank}"][key], f"rank {rank} durable {key}")
-    H.assert_bitexact(with_shared["shared"], expect["shared"], f"rank {rank} durable shared")
-    out["without"] = str(tier.load_latest(without))
-    expect = state(2, shared=False)
+        H.assert_bitexact(with_shared[f"r{rank}"][key], expect[f"r{rank}"][key], f"rank {rank} memory {key}")
+    H.assert_bitexact(with_shared["shared"], expect["shared"], f"rank {rank} memory shared (its node's copy)")
+    out["cross"] = str(tier.load_latest(cross))
     for key in ("w", "b"):
-        H.assert_bitexact(without[f"r{rank}"][key], expect[f"r{rank}"][key], f"rank {rank} memory {key}")
-    out["steps"] = (with_shared[f"r{rank}"]["step"], without[f"r{rank}"]["step"])
+        H.assert_bitexact(cross[f"r{other}"][key], _state(1, other)[f"r{other}"][key],
+                          f"rank {rank} durable: rank {other}'s {key}")
+    out["steps"] = (with_shared[f"r{rank}"]["step"], cross[f"r{rank}"]["step"])
     tier.close(persist_newest=False)
     out["removed"] = not ram.exists()
     return out
@@ -551,7 +554,7 @@ def test_ranks_in_separate_ram_roots_commit_per_node_and_restart_where_every_nod
         assert r["nodes"] == 2, r
         assert r["files"] and all(f.startswith(f"__{rank}_") for f in r["files"]), f"rank {rank}: {r['files']}"
         assert r["own_rule"][0] == r["slot"], f"rank {rank}: own files are in memory: {r['own_rule']}"
-        assert r["with_shared"] == str(durable / "step_1"), f"rank {rank}: {r['with_shared']}"
-        assert r["without"] == r["slot"], f"rank {rank}: {r['without']}"
-        assert r["steps"] == (1, 2), r
+        assert r["with_shared"] == r["slot"], f"rank {rank}: {r['with_shared']}"
+        assert r["cross"] == str(durable / "step_1"), f"rank {rank}: {r['cross']}"
+        assert r["steps"] == (2, 1), r
         assert r["removed"], f"rank {rank}: its node's RAM root was not removed at close"

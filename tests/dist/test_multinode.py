@@ -4,7 +4,9 @@ Each launch is ``python -m torch.distributed.run --nnodes 2 --nproc-per-node 1 -
 --rdzv-endpoint 127.0.0.1:<port>`` with its own RAM root (``memory.root``) and one shared durable root;
 ranks come from the rendezvous (``--local-addr`` 127.0.0.1 / 127.0.0.2 keeps launch *i* rank *i*, so
 that "node 1" is known). A small linear model is trained by hand (plain tensors, momentum), saved to
-memory every step and persisted every 4th. Real processes, real files, real writer processes, real
+memory every step and persisted every 4th; a replicated part (the same keys and values on every rank,
+which DCP writes into one rank's file) is written once per node, so each node's slot holds it. Real
+processes, real files, real writer processes, real
 sockets between them; nothing is mocked. Proven:
 
 1. ``memory.replicas: 1`` (each node's slot copied to the other node's RAM root by the writers over TCP,
@@ -52,7 +54,9 @@ def _init_state(rank: int) -> dict:
 
     g = torch.Generator().manual_seed(rank + 1)
     return {f"r{rank}": {"w": torch.randn(8, 16, generator=g), "b": torch.zeros(8), "m": torch.zeros(8, 16),
-                         "step": 0}}
+                         "step": 0},
+            # Replicated on every rank (same keys, same values): DCP writes it once per job, the tier once per node.
+            "shared": {"scale": torch.ones(4), "n": 0}}
 
 
 def _train_step(state: dict, rank: int, step: int) -> None:
@@ -67,6 +71,8 @@ def _train_step(state: dict, rank: int, step: int) -> None:
     s["w"].sub_(0.01 * s["m"])
     s["b"].sub_(0.01 * 2 * e.mean(0))
     s["step"] = step
+    state["shared"]["scale"].mul_(0.5).add_(step)
+    state["shared"]["n"] = step
 
 
 def _replay(rank: int, step: int) -> dict:
@@ -86,6 +92,12 @@ def _bitexact(a: dict, b: dict) -> list[str]:
         if not same:
             bad.append(key)
     return bad
+
+
+def _same_as_replay(state: dict, rank: int, step: int) -> list[str]:
+    """Keys of this rank's and the replicated part that differ from a replay to ``step``."""
+    replay = _replay(rank, step)
+    return _bitexact(state[f"r{rank}"], replay[f"r{rank}"]) + _bitexact(state["shared"], replay["shared"])
 
 
 def worker(argv: list[str]) -> int:
@@ -121,14 +133,14 @@ def worker(argv: list[str]) -> int:
     step = state[f"r{rank}"]["step"]
     report = {"rank": rank, "pid": os.getpid(), "ram": args.ram, "slot_steps_before": slot_steps,
               "loaded": str(path) if path else None, "in_memory": path in tier.slots, "step": step,
-              "bitexact_bad": _bitexact(state[f"r{rank}"], _replay(rank, step)[f"r{rank}"]),
+              "bitexact_bad": _same_as_replay(state, rank, step),
               "loads": [(str(p), st.nbytes) for p, st in tier.loads],
               "slots": [str(s) for s in tier.slots]}
     for k in range(step + 1, args.until + 1):
         _train_step(state, rank, k)
         h = tier.save(state, k)
         h.wait()  # committed in memory on every node (tensors may change after staged; wait() covers it)
-    report["final_bad"] = _bitexact(state[f"r{rank}"], _replay(rank, args.until)[f"r{rank}"])
+    report["final_bad"] = _same_as_replay(state, rank, args.until)
     if args.hold:  # wait for the owed persists, then stand still until the test kills this node
         tier.wait_persisted()
         dist.barrier()
