@@ -166,37 +166,17 @@ def order_optimizer_steps(base: type | None = None) -> list[str]:
     import functools
 
     from . import strategy
+    from .prepare import wrap_optimizer_steps
 
-    if base is None:
-        import megatron.core.optimizer  # noqa: F401  # defines the subclasses (distributed, fp16, chained)
-        from megatron.core.optimizer.optimizer import MegatronOptimizer as base
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            strategy.order_pending_saves()  # a GPU-side wait: the host does not block
+            return original(self, *args, **kwargs)
 
-    classes: list[type] = []
-    todo = [base]
-    while todo:
-        cls = todo.pop()
-        if cls not in classes:
-            classes.append(cls)
-            todo.extend(cls.__subclasses__())
-    names: list[str] = []
-    for cls in classes:
-        fn = cls.__dict__.get("step")
-        if fn is None:
-            continue
-        names.append(cls.__qualname__)
-        if getattr(fn, "_cpuckpt_ordered", False):
-            continue
+        return step
 
-        def make(original: Any) -> Any:
-            @functools.wraps(original)
-            def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-                strategy.order_pending_saves()  # a GPU-side wait: the host does not block
-                return original(self, *args, **kwargs)
-
-            step._cpuckpt_ordered = True  # type: ignore[attr-defined]
-            return step
-
-        cls.step = make(fn)  # type: ignore[attr-defined]
+    names = wrap_optimizer_steps("_cpuckpt_ordered", make, base)
     strategy._STEPS_ORDERED = True
     logger.info("cpuckpt: optimizer steps wait for pending checkpoint copies: %s", ", ".join(sorted(names)))
     return names

@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ import torch
 from cpuckpt.config import Config
 from cpuckpt.transfer.save_job import choose_mode
 
-__all__ = ["PoolPreparer", "pool_nbytes", "prepare_after_first_step", "state_nbytes"]
+__all__ = ["PoolPreparer", "pool_nbytes", "prepare_after_first_step", "state_nbytes", "wrap_optimizer_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -160,18 +160,15 @@ _DEPTH = threading.local()  # wrapped steps in progress on this thread (ChainedO
 _PREPARER: PoolPreparer | None = None  # the one the wrapped steps call (the last install's)
 
 
-def prepare_after_first_step(preparer: PoolPreparer, base: type | None = None) -> list[str]:
-    """Wrap ``step`` of ``base`` (default: megatron-core's ``MegatronOptimizer``) and its subclasses so
-    the outermost step, once done, calls ``preparer.after_step(optimizer)``; returns the classes' names.
-
-    Wrapping is done once per class; a later call only replaces the preparer the steps call.
-    """
-    global _PREPARER
+def wrap_optimizer_steps(marker: str, make: Callable[[Any], Any], base: type | None = None) -> list[str]:
+    """Replace ``step`` of ``base`` (default: megatron-core's ``MegatronOptimizer``) and of every subclass
+    defining one by ``make(step)``, once per class (a step carrying ``marker`` is left as it is); returns
+    the classes' names. Classes defined later are covered through a wrapped base only if they do not
+    define their own ``step``."""
     if base is None:
         import megatron.core.optimizer  # noqa: F401  # defines the subclasses (distributed, fp16, chained)
         from megatron.core.optimizer.optimizer import MegatronOptimizer as base
 
-    _PREPARER = preparer
     classes: list[type] = []
     todo = [base]
     while todo:
@@ -185,25 +182,34 @@ def prepare_after_first_step(preparer: PoolPreparer, base: type | None = None) -
         if fn is None:
             continue
         names.append(cls.__qualname__)
-        if getattr(fn, "_cpuckpt_prepares", False):
-            continue
+        if not getattr(fn, marker, False):
+            wrapped = make(fn)
+            setattr(wrapped, marker, True)
+            cls.step = wrapped  # type: ignore[attr-defined]
+    return names
 
-        def make(original: Any) -> Any:
-            @functools.wraps(original)
-            def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-                depth = getattr(_DEPTH, "n", 0)
-                _DEPTH.n = depth + 1
-                try:
-                    result = original(self, *args, **kwargs)
-                finally:
-                    _DEPTH.n = depth
-                if depth == 0 and _PREPARER is not None:
-                    _PREPARER.after_step(self)
-                return result
 
-            step._cpuckpt_prepares = True  # type: ignore[attr-defined]
-            return step
+def prepare_after_first_step(preparer: PoolPreparer, base: type | None = None) -> list[str]:
+    """Wrap the optimizer classes' ``step`` (:func:`wrap_optimizer_steps`) so the outermost step, once
+    done, calls ``preparer.after_step(optimizer)``; a later call only replaces the preparer."""
+    global _PREPARER
+    _PREPARER = preparer
 
-        cls.step = make(fn)  # type: ignore[attr-defined]
+    def make(original: Any) -> Any:
+        @functools.wraps(original)
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            depth = getattr(_DEPTH, "n", 0)
+            _DEPTH.n = depth + 1
+            try:
+                result = original(self, *args, **kwargs)
+            finally:
+                _DEPTH.n = depth
+            if depth == 0 and _PREPARER is not None:
+                _PREPARER.after_step(self)
+            return result
+
+        return step
+
+    names = wrap_optimizer_steps("_cpuckpt_prepares", make, base)
     logger.info("cpuckpt: the host pool is prepared after the first optimizer step (%s)", ", ".join(sorted(names)))
     return names
