@@ -25,7 +25,9 @@ save rank 0 moves what is there into the slot before replacing the directory by 
 A restart needs nothing from cpuckpt: Megatron-LM reads the trackers and loads ``D/iter_<N>``
 through the link (a fresh process reads the slot's files from RAM).
 
-Everything here runs on rank 0 unless it says otherwise; the tier itself is collective.
+Everything here runs on rank 0 unless it says otherwise; the tier itself is collective. One node only:
+a tier whose ranks use several RAM roots is refused with a ``ConfigError`` on every rank at the first
+save (the links in ``D`` and Megatron's own files live in one node's slot).
 """
 
 from __future__ import annotations
@@ -98,7 +100,15 @@ class MegatronMemory:
         if self._tier is None:
             # Megatron's finalize reports each persist's outcome (the worker waits for it), so the tier
             # does not raise it again at the next save.
-            self._tier = MemoryTier(self.save_dir, self.config, report_persist_failures=False)
+            tier = MemoryTier(self.save_dir, self.config, report_persist_failures=False)
+            if not tier.nodes.single:  # the same on every rank (the node map is gathered): all raise together
+                tier.close(persist_newest=False)
+                raise ConfigError(
+                    f"megatron.memory_tier: the job's ranks use {tier.nodes.nodes} RAM roots (nodes); Megatron-LM's "
+                    f"memory checkpoints are links in {self.np_dir} to one node's slot (with common.pt and "
+                    "metadata.json there only), so they work on one node only: run without memory_tier across "
+                    "nodes, or use cpuckpt.MemoryTier directly")
+            self._tier = tier
         return self._tier
 
     def save(self, state_dict: dict[str, Any], route: Route, *, planner: Any = None, plan_key: Any = None,

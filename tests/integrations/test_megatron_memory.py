@@ -231,3 +231,29 @@ def test_links_are_found_through_a_symlinked_ram_root(tmp_path):
     router._link(Route("memory", 16, given), slot)
     assert not (router.np_dir / "iter_0000008").is_symlink(), "the old link to the refilled slot is still there"
     assert not (router.np_dir / TRACKER).exists()
+
+
+def rank_two_nodes(root: str) -> str:
+    """Each rank its own RAM root (two nodes): the first memory save is refused on every rank."""
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.memory import MegatronMemory, Route
+
+    from cpuckpt.config import Config
+    from cpuckpt.errors import ConfigError
+
+    rank = dist.get_rank()
+    cfg = _config(Path(root))
+    cfg["memory"]["root"] = str(Path(root) / f"ram{rank}")
+    router = MegatronMemory(Path(root) / "save", Path(root) / "save" / "non_persistent", Config.from_dict(cfg))
+    route = Route("memory", 4, router.np_dir / "iter_0000004")
+    try:
+        router.save({"x": __import__("torch").zeros(4)}, route)
+    except ConfigError as e:
+        assert not (Path(root) / f"ram{rank}").exists() or not any((Path(root) / f"ram{rank}").iterdir())
+        return str(e)
+    return "saved"
+
+
+def test_memory_tier_across_nodes_is_refused_on_every_rank(run_ranks, tmp_path):
+    res = run_ranks(2, rank_two_nodes, str(tmp_path), timeout_s=120)
+    assert all("2 RAM roots" in r and "one node only" in r for r in res), res
