@@ -49,6 +49,7 @@ from cpuckpt.backend.collectives import checkpoint_group
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 
+from . import deferred
 from .compat import AsyncQueueShape
 from .settings import MegatronOptions, resolve_options
 from .worker import Channel, wait_for_commit
@@ -100,8 +101,10 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
                        "worker may leave its saves pending forever", type(queue).__name__)
         return queue
     dog = _Watchdog(queue, current, timeout_s, options)
+    deferred.enable()  # this finalize is a start point for saves recorded by the strategy (deferred.py)
 
     def maybe_finalize_async_calls(blocking: bool = False, no_dist: bool = False) -> list[int]:
+        deferred.start_all()  # after Megatron-LM's save-checkpoint timer, before the next train_step
         return dog.finalize(blocking, no_dist)
 
     setattr(maybe_finalize_async_calls, _WATCHED, True)

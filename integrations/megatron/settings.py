@@ -56,7 +56,9 @@ class MegatronOptions:
             overlap them, and the next optimizer step (every ``megatron.core.optimizer`` class's
             ``step``, wrapped by the hook) makes its stream wait for them on the GPU. Tensors that
             change before that step (MoE ``expert_bias``, updated in ``finalize_model_grads``) are
-            copied on the GPU at save time instead. Memory-tier saves order the same way.
+            copied on the GPU at save time instead. Memory-tier saves order the same way. Saves to
+            the durable root start after Megatron-LM's ``save-checkpoint`` timer (its synchronize
+            would wait for the copies), at the watched async queue's next finalize (:mod:`.deferred`).
         prepare_pool: after the first optimizer step, reserve (allocate, touch, pin) the host pool
             on a background thread, sized from the model and optimizer state (:mod:`.prepare`), so
             the first async save costs what later ones cost. Not used with ``memory_tier`` (saves go

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from cpuckpt.backend.collectives import checkpoint_group, gather_failures, raise
 from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError
 
-from . import compat
+from . import compat, deferred
 from .memory import MegatronMemory
 from .settings import resolve_core
 from .worker import OK, PersistWait, new_channel, wait_for_commit
@@ -60,10 +61,40 @@ def order_pending_saves() -> int:
     Called at the start of each optimizer step (ordering ``optimizer``), before the first kernel that
     writes a saved tensor after the save returned (see :class:`CpuckptSaveStrategy`).
     """
+    deferred.start_all()  # saves no start point started yet (deferred.py): enqueued now, without overlap
     pending, _PENDING[:] = list(_PENDING), []
     for handle in pending:
         handle.wait_stream()
     return len(pending)
+
+
+class _Started:
+    """A save's handle, made when its start ran (at once, or at a start point: see :mod:`.deferred`)."""
+
+    def __init__(self, start: Any) -> None:
+        self._start = start
+        self._handle: Any = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._handle is not None or self._error is not None:
+                return
+            try:
+                self._handle = self._start()
+            except BaseException as e:
+                self._error = e
+                raise
+
+    def handle(self) -> Any:
+        """The handle, starting the save first if no start point did (every rank comes here alike)."""
+        if self._handle is None and self._error is None:
+            deferred.start_all()  # this save and any recorded before it, in order
+            self.start()
+        if self._error is not None:
+            raise CpuckptError(f"the deferred save failed to start: {self._error}") from self._error
+        return self._handle
 
 
 def _snapshot_eager(sharded_state_dict: dict[str, Any]) -> int:
@@ -107,7 +138,10 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             step (:data:`EAGER_SUFFIXES`: MoE ``expert_bias``) are cloned on the GPU at save time.
             Memory-tier saves too. megatron-core's temporal caller runs
             ``torch.cuda.synchronize()`` before it forks, which waits for the copies anyway (correct,
-            no overlap); the persistent caller (``--use-persistent-ckpt-worker``) does not.
+            no overlap); the persistent caller (``--use-persistent-ckpt-worker``) does not. With a
+            queue watched by cpuckpt (Megatron-LM: the hook), a save to the durable root is only
+            recorded here and started at the queue's next finalize, after Megatron-LM's timer has
+            synchronized the device (:mod:`.deferred`).
     """
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *,
@@ -158,25 +192,47 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                                   "call cpuckpt.integrations.megatron.hook.order_optimizer_steps() first "
                                   "(hook.install() does), or use ordering host")
             _snapshot_eager(sharded_state_dict)
-        state = self._to_pyt(sharded_state_dict)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        channel = new_channel(rank)
         persist = None
-        if route is None:
-            handle = cpuckpt.async_save(state, checkpoint_dir, self.config, planner=planner,
-                                        plan_key=self._plan_key(planner), ordering="stream" if overlap else "host")
-        else:
-            handle, request = self.memory.save(state, route, planner=planner, plan_key=self._plan_key(planner),
+        if route is not None:  # memory-tier saves start at once (their persist request is part of the call)
+            handle, request = self.memory.save(self._to_pyt(sharded_state_dict), route, planner=planner,
+                                               plan_key=self._plan_key(planner),
                                                ordering="stream" if overlap else "host")
             if request is not None:
                 tier = self.memory.tier
                 persist = PersistWait(str(tier.queue.path), request.seq, str(tier.root.writer_lock_path(tier.rank)))
-        self.last_save_stats = handle.stats
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        channel = new_channel(rank)
-        handle.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
-        try:
-            if overlap:
-                _PENDING.append(handle)  # the next optimizer step orders itself after the copies
+            started = _Started(lambda: handle)
+            started.start()
+        else:
+            def start() -> Any:
+                h = cpuckpt.async_save(self._to_pyt(sharded_state_dict), checkpoint_dir, self.config,
+                                       planner=planner, plan_key=self._plan_key(planner),
+                                       ordering="stream" if overlap else "host")
+                self.last_save_stats = h.stats
+                h.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
+                if overlap:
+                    _PENDING.append(h)  # the next optimizer step orders itself after the copies
+                return h
+
+            started = _Started(start)
+            if overlap and deferred.enabled():
+                # After Megatron-LM's timer (whose synchronize would wait for the copies): see deferred.py.
+                deferred.defer(self._deferred_start(started, channel))
             else:
+                try:
+                    started.start()
+                except BaseException:
+                    channel.remove()
+                    raise
+        handle = started.handle() if started._handle is not None else None
+        if route is not None:
+            self.last_save_stats = handle.stats
+            handle.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
+            if overlap:
+                _PENDING.append(handle)
+        try:
+            if handle is not None and not overlap:
                 handle.staged.wait()  # after this the trainer may change any saved tensor
         except BaseException:
             channel.remove()  # the save fails on (handle.wait raises it at the next async_save/wait_all)
@@ -195,7 +251,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                 # The save's own outcome: the error its committer built from every rank's
                 # FailureReport (same class and message on every rank; StorageIOError with
                 # errno/path/rank for an OSError), chained to this rank's original.
-                handle.wait(timeout_s)
+                started.handle().wait(timeout_s)
                 raise_if_failed(reports, f"async save of {checkpoint_dir}", worker_error)
             finally:
                 channel.remove()
@@ -211,6 +267,17 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             # ever read the channel.
             channel.remove()
             raise
+
+
+    @staticmethod
+    def _deferred_start(started: _Started, channel: Any) -> Any:
+        def start() -> None:
+            try:
+                started.start()
+            except BaseException as e:  # the worker waiting on the channel learns it too
+                channel.post_status(f"the save failed to start: {e}")
+                raise
+        return start
 
 
 class CpuckptLoadStrategy(TorchDistLoadShardedStrategy):

@@ -123,3 +123,83 @@ def test_optimizer_ordering_keeps_the_save_step(run_ranks, tmp_path):
         assert {"MixedPrecisionOptimizer", "FP32Optimizer", "ChainedOptimizer"} <= set(out["wrapped"]), (rank, out)
         assert out["pending_after_save"] == 1, (rank, out)
         assert out["pending_after_step"] == 0, (rank, out)  # the wrapped step ordered the save before its body
+
+
+def rank_deferred_start(root: str) -> dict:
+    """With a watched queue the save is only recorded; the queue's next finalize starts it (deferred.py)."""
+    import torch
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron import deferred, hook, strategy
+    from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
+    from cpuckpt.integrations.megatron.guard import watch_async_queue
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    device = _setup()
+    rank = dist.get_rank()
+    hook.order_optimizer_steps()
+    queue = watch_async_queue(AsyncCallsQueue(persistent=torch.cuda.is_available()), 60.0)
+    ours = strategy.CpuckptSaveStrategy(ordering="optimizer")
+    out: dict = {"enabled": deferred.enabled()}
+
+    def save(step: int, live: dict) -> Path:
+        path = Path(root) / f"iter_{step}"
+        path.mkdir(parents=True, exist_ok=True)
+        request = dist_checkpointing.save(_sharded(live), str(path), sharded_strategy=ours, async_sharded_save=True,
+                                          **mcore_async_kwargs())
+        queue.schedule_async_request(request)
+        return path
+
+    def check(path: Path, want: dict) -> None:
+        template = _sharded({k: torch.full_like(t, float("nan")) for k, t in want.items()})
+        loaded = dist_checkpointing.load(template, str(path))
+        for key in ("w", "b", "bias"):
+            got = loaded[key].detach().cpu()
+            assert torch.equal(got.view(torch.uint8), want[key].cpu().view(torch.uint8)), f"rank {rank}: {key}"
+
+    # 1. A training iteration: recorded at the save, started by the next (non-blocking) finalize, ordered by the step.
+    live = _values(3, device)
+    want = {k: t.detach().cpu().clone() for k, t in live.items()}
+    path = save(3, live)
+    out["recorded"] = len(deferred._STARTS)
+    out["pending_at_save"] = len(strategy._PENDING)
+    out["files_at_save"] = sorted(p.name for p in path.glob("__*"))
+    queue.maybe_finalize_async_calls(blocking=False)
+    out["recorded_after_finalize"] = len(deferred._STARTS)
+    out["pending_after_finalize"] = len(strategy._PENDING)
+    live["bias"].add_(1.0)  # finalize_model_grads' expert_bias update (cloned at the save)
+    bare = FP32Optimizer.__new__(FP32Optimizer)
+    try:
+        bare.step()
+    except AttributeError:
+        pass  # the wrapped step ordered the save, then its body failed on the bare instance
+    out["pending_after_step"] = len(strategy._PENDING)
+    with torch.no_grad():
+        live["w"].fill_(-7.0)
+        live["b"].fill_(-7.0)
+    queue.maybe_finalize_async_calls(blocking=True)
+    check(path, want)
+
+    # 2. The last save of a run: a blocking finalize right after it starts it first (no start point came).
+    live = _values(4, device)
+    want = {k: t.detach().cpu().clone() for k, t in live.items()}
+    path = save(4, live)
+    out["recorded_last"] = len(deferred._STARTS)
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    check(path, want)
+    out["recorded_end"] = len(deferred._STARTS)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_watched_queue_starts_the_save_after_the_timer(run_ranks, tmp_path):
+    results = run_ranks(2, rank_deferred_start, str(tmp_path), timeout_s=180, env=ENV)
+    for rank, out in enumerate(results):
+        assert out["enabled"], (rank, out)
+        assert out["recorded"] == 1 and out["pending_at_save"] == 0, (rank, out)
+        assert out["files_at_save"] == [], (rank, out)  # nothing planned or written inside save_checkpoint
+        assert out["recorded_after_finalize"] == 0 and out["pending_after_finalize"] == 1, (rank, out)
+        assert out["pending_after_step"] == 0, (rank, out)
+        assert out["recorded_last"] == 1 and out["recorded_end"] == 0, (rank, out)
