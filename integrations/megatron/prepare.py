@@ -30,7 +30,8 @@ import torch
 from cpuckpt.config import Config
 from cpuckpt.transfer.save_job import choose_mode
 
-__all__ = ["PoolPreparer", "pool_nbytes", "prepare_after_first_step", "state_nbytes", "wrap_optimizer_steps"]
+__all__ = ["PoolPreparer", "pool_nbytes", "prepare_after_first_step", "state_nbytes", "wait_prepared",
+           "wrap_optimizer_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,16 @@ def pool_nbytes(cfg: Config, shard_nbytes: int) -> int:
     return max(cfg.staging.pool_bytes, 2 * cfg.io.threads * cfg.io.chunk_bytes)
 
 
+def _async_saves() -> bool:
+    """Whether Megatron-LM runs with ``--async-save`` (True where its arguments are not known)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return bool(getattr(get_args(), "async_save", True))
+    except Exception:  # megatron-core alone, or arguments not parsed: assume async saves
+        return True
+
+
 class PoolPreparer:
     """Reserves the host pool once, in the background, sized by :func:`state_nbytes` (see the module)."""
 
@@ -120,6 +131,8 @@ class PoolPreparer:
             if self._started:
                 return
             self._started = True
+        if not _async_saves():
+            return  # sync saves stream through a bounded pool: a shard-sized one would only hold memory
         try:
             self.nbytes = pool_nbytes(self.cfg, int(state_nbytes(optimizer) * SLACK))
         except Exception:  # an optimizer this does not understand: the first save makes the pool itself
@@ -187,6 +200,16 @@ def wrap_optimizer_steps(marker: str, make: Callable[[Any], Any], base: type | N
             setattr(wrapped, marker, True)
             cls.step = wrapped  # type: ignore[attr-defined]
     return names
+
+
+def wait_prepared(timeout: float | None = None) -> None:
+    """Let a preparation in progress finish before a save takes the pool (a save must never hold a pool
+    that the preparation then replaces). A no-op when nothing is being prepared."""
+    preparer = _PREPARER
+    if preparer is not None and preparer.thread is not None and preparer.thread.is_alive():
+        t0 = time.perf_counter()
+        preparer.wait(timeout)
+        logger.info("cpuckpt: save waited %.3f s for the host pool's preparation", time.perf_counter() - t0)
 
 
 def prepare_after_first_step(preparer: PoolPreparer, base: type | None = None) -> list[str]:

@@ -38,7 +38,7 @@ from cpuckpt.backend.collectives import checkpoint_group, gather_failures, raise
 from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError
 
-from . import compat, deferred
+from . import compat, deferred, prepare
 from .memory import MegatronMemory
 from .settings import resolve_core
 from .worker import OK, PersistWait, new_channel, wait_for_commit
@@ -174,6 +174,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
 
     def save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path) -> None:
         """Synchronous save: streams through a bounded pool; durable and committed on return."""
+        prepare.wait_prepared(self.config.timeout_s)
         cpuckpt.save(self._to_pyt(sharded_state_dict), checkpoint_dir, self.config, planner=self._planner())
 
     def async_save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path,
@@ -206,6 +207,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             started.start()
         else:
             def start() -> Any:
+                prepare.wait_prepared(self.config.timeout_s)  # never take a pool the preparation replaces
                 h = cpuckpt.async_save(self._to_pyt(sharded_state_dict), checkpoint_dir, self.config,
                                        planner=planner, plan_key=self._plan_key(planner),
                                        ordering="stream" if overlap else "host")

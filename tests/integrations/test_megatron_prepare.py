@@ -94,7 +94,9 @@ def test_first_step_prepares_the_pool_the_first_save_uses(fresh_pool, tmp_path):
     model(torch.randn(16, 512)).sum().backward()
     assert staging.pool_state() == (0, False)
     opt.step()
-    assert preparer.wait(60) and preparer.error is None and preparer.seconds is not None
+    prepare.wait_prepared(60)  # what a save does first: never take a pool the preparation then replaces
+    assert preparer.thread is not None and not preparer.thread.is_alive()
+    assert preparer.error is None and preparer.seconds is not None
     # What the checkpoint holds: parameters, BatchNorm's buffers, Adam's moments and step counters.
     adam_state = [t for st in opt.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     want = _bytes(model.parameters()) + _bytes(model.buffers()) + _bytes(adam_state)
