@@ -5,7 +5,9 @@ Megatron-LM's ``save-checkpoint`` timer calls ``torch.cuda.synchronize()`` when 
 copies enqueued inside ``save_checkpoint`` block the trainer until they are done (on the H200, 13 GB:
 the timer read 0.34 s of which the strategy's call was 0.04 s). So, when the async queue is watched
 by cpuckpt (:func:`.guard.watch_async_queue`, which the Megatron-LM hook installs), the strategy only
-records the save; it is planned and its copies enqueued at the next *start point*, after the timer:
+records the save (to the durable root, or a non-persistent memory-tier save; a persistent memory-tier
+save starts at once, its persist request being part of the call); it is planned and its copies
+enqueued at the next *start point*, after the timer:
 
 - the next ``maybe_finalize_async_calls`` of the watched queue (Megatron-LM calls it at the top of every
   iteration, before ``train_step``): the copies then overlap that iteration's forward and backward;

@@ -196,49 +196,41 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         rank = dist.get_rank() if dist.is_initialized() else 0
         channel = new_channel(rank)
         persist = None
-        if route is not None:  # memory-tier saves start at once (their persist request is part of the call)
-            handle, request = self.memory.save(self._to_pyt(sharded_state_dict), route, planner=planner,
-                                               plan_key=self._plan_key(planner),
-                                               ordering="stream" if overlap else "host")
-            if request is not None:
-                tier = self.memory.tier
-                persist = PersistWait(str(tier.queue.path), request.seq, str(tier.root.writer_lock_path(tier.rank)))
-            started = _Started(lambda: handle)
-            started.start()
-        else:
-            def start() -> Any:
-                prepare.wait_prepared(self.config.timeout_s)  # never take a pool the preparation replaces
-                h = cpuckpt.async_save(self._to_pyt(sharded_state_dict), checkpoint_dir, self.config,
-                                       planner=planner, plan_key=self._plan_key(planner),
-                                       ordering="stream" if overlap else "host")
-                self.last_save_stats = h.stats
-                h.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
-                if overlap:
-                    _PENDING.append(h)  # the next optimizer step orders itself after the copies
-                return h
+        requests: list[Any] = []
 
-            started = _Started(start)
-            if overlap and deferred.enabled():
-                # After Megatron-LM's timer (whose synchronize would wait for the copies): see deferred.py.
-                deferred.defer(self._deferred_start(started, channel))
+        def start() -> Any:
+            state = self._to_pyt(sharded_state_dict)
+            if route is None:
+                prepare.wait_prepared(self.config.timeout_s)  # never take a pool the preparation replaces
+                h = cpuckpt.async_save(state, checkpoint_dir, self.config, planner=planner,
+                                       plan_key=self._plan_key(planner), ordering="stream" if overlap else "host")
             else:
-                try:
-                    started.start()
-                except BaseException:
-                    channel.remove()
-                    raise
-        handle = started.handle() if started._handle is not None else None
-        if route is not None:
-            self.last_save_stats = handle.stats
-            handle.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
+                h, request = self.memory.save(state, route, planner=planner, plan_key=self._plan_key(planner),
+                                              ordering="stream" if overlap else "host")
+                requests.append(request)
+            self.last_save_stats = h.stats
+            h.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
             if overlap:
-                _PENDING.append(handle)
-        try:
-            if handle is not None and not overlap:
-                handle.staged.wait()  # after this the trainer may change any saved tensor
-        except BaseException:
-            channel.remove()  # the save fails on (handle.wait raises it at the next async_save/wait_all)
-            raise
+                _PENDING.append(h)  # the next optimizer step orders itself after the copies
+            return h
+
+        started = _Started(start)
+        # After Megatron-LM's timer, whose synchronize would wait for the copies (deferred.py). A persistent
+        # memory-tier save starts at once: its persist request is part of the request handed to Megatron.
+        if overlap and deferred.enabled() and (route is None or route.kind == "memory"):
+            deferred.defer(self._deferred_start(started, channel))
+        else:
+            try:
+                started.start()
+                if not overlap:
+                    started.handle().staged.wait()  # after this the trainer may change any saved tensor
+            except BaseException:
+                channel.remove()  # the save fails on (handle.wait raises it at the next async_save/wait_all)
+                raise
+            if requests and requests[0] is not None:
+                tier = self.memory.tier
+                persist = PersistWait(str(tier.queue.path), requests[0].seq,
+                                      str(tier.root.writer_lock_path(tier.rank)))
         timeout_s = self.config.timeout_s
         group = checkpoint_group(None, timeout_s)
 

@@ -187,9 +187,32 @@ def rank_deferred_start(root: str) -> dict:
     path = save(4, live)
     out["recorded_last"] = len(deferred._STARTS)
     queue.maybe_finalize_async_calls(blocking=True)
-    queue.close()
     check(path, want)
     out["recorded_end"] = len(deferred._STARTS)
+
+    # 3. A memory-tier (non-persistent) save is deferred the same way; the link appears when it starts.
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+
+    from cpuckpt.config import Config
+
+    cfg = Config.from_dict({"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 60,
+                            "memory": {"root": str(Path(root) / "ram"), "slots": 2, "headroom_bytes": 0}})
+    memory = MegatronMemory(Path(root) / "save", Path(root) / "np", cfg)
+    ours = strategy.CpuckptSaveStrategy(cfg, ordering="optimizer", memory=memory)
+    live = _values(5, device)
+    want = {k: t.detach().cpu().clone() for k, t in live.items()}
+    link = Path(root) / "np" / "iter_0000005"
+    link.mkdir(parents=True, exist_ok=True)
+    request = dist_checkpointing.save(_sharded(live), str(link), sharded_strategy=ours, async_sharded_save=True,
+                                      **mcore_async_kwargs())
+    queue.schedule_async_request(request)
+    out["memory_recorded"] = len(deferred._STARTS)
+    out["memory_link_at_save"] = link.is_symlink()
+    queue.maybe_finalize_async_calls(blocking=True)
+    out["memory_link_after"] = link.is_symlink()
+    check(link, want)
+    queue.close()
+    memory.close()
     return out
 
 
@@ -203,3 +226,5 @@ def test_a_watched_queue_starts_the_save_after_the_timer(run_ranks, tmp_path):
         assert out["recorded_after_finalize"] == 0 and out["pending_after_finalize"] == 1, (rank, out)
         assert out["pending_after_step"] == 0, (rank, out)
         assert out["recorded_last"] == 1 and out["recorded_end"] == 0, (rank, out)
+        assert out["memory_recorded"] == 1 and not out["memory_link_at_save"], (rank, out)
+        assert out["memory_link_after"], (rank, out)
