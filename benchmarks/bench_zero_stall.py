@@ -28,15 +28,20 @@ Two parts, each in one process, warm (the host pool prepared, one discarded save
    waited for (durable) before the next, outside the timing. One stream-ordered save is checked
    bit-exact against the values at its call after its step changed every saved tensor.
 
-Raw JSON goes to ``--out``; one table is printed last. Checkpoints under ``--dir`` are deleted at the end.
+``--profile`` adds a cProfile of the cpuckpt variants' save calls (the caller's thread: where the
+blocked time goes, per function). Raw JSON goes to ``--out``; one table is printed last. Checkpoints
+under ``--dir`` are deleted at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import logging
 import os
+import pstats
 import shutil
 import time
 from collections.abc import Callable
@@ -113,15 +118,20 @@ VARIANTS = ("cpuckpt-host", "cpuckpt-stream", "dcp-async-stager")
 
 
 # ------------------------------------------------------------------------------------- bench state
-def bench_state_blocked(sd: dict[str, Any], root: Path, reps: int) -> None:
+def bench_state_blocked(sd: dict[str, Any], root: Path, reps: int, profile: bool = False) -> None:
     for name in VARIANTS:
         saver = Saver(name)
+        prof = cProfile.Profile() if profile and name.startswith("cpuckpt") else None
         for rep in range(reps + 1):  # rep 0: warm-up (plans, pool, item cache), not summarised
             path = fresh(root / "state")
             device_sync()
             t0 = time.perf_counter()
             try:
+                if prof is not None and rep:
+                    prof.enable()
                 h = saver.start(sd, path)
+                if prof is not None and rep:
+                    prof.disable()
                 t_call = time.perf_counter() - t0
                 saver.order(h)
                 blocked = time.perf_counter() - t0
@@ -135,6 +145,11 @@ def bench_state_blocked(sd: dict[str, Any], root: Path, reps: int) -> None:
             record("state_blocked", variant=name, rep=rep, call_s=t_call, blocked_s=blocked, copies_done_s=copies,
                    durable_s=time.perf_counter() - t0, resolved=getattr(stats, "resolved", None),
                    planned=getattr(stats, "planned", None))
+        if prof is not None:  # the caller's thread only: where the call's time goes, per function
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+            record("state_call_profile", variant=name, reps=reps, top=out.getvalue()[-6000:])
+            logger.info("call profile, %s, %d saves:\n%s", name, reps, out.getvalue()[-6000:])
 
 
 # ------------------------------------------------------------------------------------- real model
@@ -279,6 +294,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--smoke", action="store_true", help="CPU allowed, tiny sizes")
     ap.add_argument("--parts", default="state,model")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the bench state's save calls (caller's thread); printed and in the JSON")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("cpuckpt").setLevel(logging.WARNING)
@@ -299,7 +316,7 @@ def main() -> None:
             floor = floors["d2h"]["median"]
             record("state", GiB=nbytes / GiB, tensors=len(named_tensors(sd)), d2h_floor=floors["d2h"])
             cpuckpt.prepare_pool(nbytes, CFG)
-            bench_state_blocked(sd, root, args.reps)
+            bench_state_blocked(sd, root, args.reps, args.profile)
             del sd
             release_pool()
             if device == "cuda":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The adapters on the GPU machine, in one script (phases: setup, tests, deepspeed, megatron-lm, example;
-# default all). Extra arguments per phase: DS_ARGS, MLM_ARGS.
+# The adapters on the GPU machine, in one script (phases: setup, tests, deepspeed, megatron-lm, example,
+# zero (benchmarks/bench_zero_stall.py); default all but zero). Extra arguments per phase: DS_ARGS, MLM_ARGS.
 # megatron-lm: benchmarks/bench_megatron_lm.py, its own phases through MLM_ARGS (default load,reuse,kill;
 # "save" is the torch_dist-vs-cpuckpt save comparison), bounded by MLM_TIMEOUT seconds (default 480; the
 # script gets --budget MLM_TIMEOUT-20 and skips a phase that cannot fit), e.g.
@@ -29,6 +29,11 @@ print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'd
     tests)
       timeout 200 python3 -m pytest --import-mode=importlib -p no:cacheprovider -q -x -o addopts="" \
         tests/integrations/test_megatron.py tests/integrations/test_megatron_hook.py tests/gpu 2>&1 | tee "$OUT/device_tests.log" | tail -25
+      ;;
+    zero)  # zero-stall: bench state blocked time (with a profile of the call), a real step overlapping its copy
+      PYTHONPATH=$BENCH_PATH timeout 240 python3 -m benchmarks.bench_zero_stall --gib 4 --reps 4 --profile \
+        --out "$OUT" --dir /root/cpuckpt-zs 2>&1 | tee "$OUT/bench_zero_stall.log" | grep -v "^20" | tail -16
+      rm -rf /root/cpuckpt-zs
       ;;
     deepspeed)
       PYTHONPATH=$BENCH_PATH timeout 300 python3 -m benchmarks.bench_deepspeed --out "$OUT" ${DS_ARGS:-} 2>&1 \
