@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cpuckpt import _moved
-from cpuckpt.api import load, prepare_pool, save
+from cpuckpt.api import load, prepare_pool, prepare_pool_in_background, save
 from cpuckpt.backend.reader import StorageReader
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
@@ -55,6 +55,7 @@ __all__ = [
     "list_checkpoints",
     "load",
     "prepare_pool",
+    "prepare_pool_in_background",
     "read_latest",
     "save",
     "update_latest",

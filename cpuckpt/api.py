@@ -1,4 +1,4 @@
-"""``save``/``load``/``prepare_pool``: thin sugar over ``dcp.save``/``dcp.load`` with cpuckpt's writer and reader.
+"""``save``, ``load``, ``prepare_pool`` (also in the background): sugar over ``dcp.save``/``dcp.load``.
 
 Checkpoint collectives run on a dedicated gloo group (``backend.collectives``). DCP's
 ``CheckpointException`` derives from ``BaseException``; these functions raise the same
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from cpuckpt.backend import collectives, fastload
@@ -26,7 +28,7 @@ from cpuckpt.errors import ConfigError
 from cpuckpt.roots import after_commit, loading
 from cpuckpt.transfer.staging import get_pool
 
-__all__ = ["load", "prepare_pool", "save"]
+__all__ = ["PoolPreparation", "load", "prepare_pool", "prepare_pool_in_background", "save"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,59 @@ def prepare_pool(nbytes: int, config: Config | str | os.PathLike | dict | None =
     # Records add ~2 KB each and large tensors are aligned: leave a few chunks of slack.
     nslots = -(-nbytes // chunk) + max(4, nbytes // chunk // 64)
     get_pool(chunk, max(nslots, cfg.staging.pool_bytes // chunk), pin=cfg.staging.pin, pretouch=True)
+
+
+class PoolPreparation:
+    """:func:`prepare_pool` running on a background thread (made by :func:`prepare_pool_in_background`).
+
+    ``nbytes`` is what it prepares for; ``seconds`` how long that took and ``error`` why it failed
+    (None until then, or when it did not fail). A failure is logged, never raised: the first save
+    then makes the pool itself.
+    """
+
+    def __init__(self, nbytes: int, config: Config | str | os.PathLike | dict | None = None) -> None:
+        self.nbytes = nbytes
+        self.seconds: float | None = None
+        self.error: BaseException | None = None
+        self._config = config
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self._thread = threading.Thread(target=self._run, args=(device,), name="cpuckpt-prepare-pool", daemon=True)
+        self._thread.start()
+
+    def _run(self, device: int | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)  # pin under the caller's device (its context), as a save would
+            prepare_pool(self.nbytes, self._config)
+        except Exception as e:
+            self.error = e
+            logger.warning("cpuckpt: preparing a host pool for %d bytes failed (the first save makes it): %s",
+                           self.nbytes, e)
+            return
+        self.seconds = time.perf_counter() - t0
+        logger.info("cpuckpt: host pool for %d bytes prepared in the background in %.2f s", self.nbytes, self.seconds)
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> float:
+        """Wait for the preparation (at most ``timeout`` s); returns the seconds waited."""
+        t0 = time.perf_counter()
+        self._thread.join(timeout)
+        return time.perf_counter() - t0
+
+
+def prepare_pool_in_background(nbytes: int, config: Config | str | os.PathLike | dict | None = None
+                               ) -> PoolPreparation:
+    """:func:`prepare_pool` on a background thread, under the caller's CUDA device; returns at once.
+
+    For adapters that learn a shard's size while training runs (after the first optimizer step). A save
+    must :meth:`~PoolPreparation.join` a preparation still running before it takes the pool: the
+    preparation may replace a smaller idle pool, and a save must never hold the pool it replaces.
+    """
+    return PoolPreparation(nbytes, config)
 
 
 _MOVED_TO_COLLECTIVES = ("checkpoint_group", "dcp_save", "new_gloo_group", "resolve_stateful")

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
+from cpuckpt.api import PoolPreparation, prepare_pool_in_background
 from cpuckpt.backend.collectives import checkpoint_group, gather_failures, new_gloo_group, raise_if_failed
 from cpuckpt.backend.ramread import in_ram
 from cpuckpt.config import Config
@@ -73,9 +74,7 @@ from .marker import MARKER_NAME, SAVING_NAME, TagFile, _refusal, check_tag, new_
 from .settings import Settings, resolve_settings
 from .torchfile import chunk_count, layout_torch_file
 from .zero_stall import (
-    PoolPreparer,
     buffer_pointers,
-    current_device,
     estimate_checkpoint_bytes,
     order_engine_steps,
     snapshot_buffers,
@@ -158,7 +157,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         # ordering optimizer: jobs whose device copies no GPU work has been ordered after yet
         self._unordered: list[SaveJob] = []
         self._ds_engine: Any = None  # weakref to the DeepSpeed engine, set by its first step (or attach)
-        self._preparer: PoolPreparer | None = None
+        self._preparer: PoolPreparation | None = None
         self._prepare_decided = not (self.settings.async_save and self.settings.prepare_pool)
         if self.settings.async_save:
             order_engine_steps()  # the step hooks: ordering optimizer, and prepare_pool after the first step
@@ -439,7 +438,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             return
         if pool_state()[0] >= nbytes:
             return
-        self._preparer = PoolPreparer(nbytes, cfg, current_device())
+        self._preparer = prepare_pool_in_background(nbytes, cfg)
 
     @property
     def prepared_bytes(self) -> int | None:

@@ -8,7 +8,7 @@ returns once the device-to-host copies are *enqueued*, and :func:`order_engine_s
 changes) so that the first kernel that may write a saved tensor after the save is queued behind the
 copies: a GPU-side wait (:meth:`cpuckpt.transfer.staging.CopyFence.order` on the current stream),
 never a host block. The same hooks size the checkpoint after the first optimizer step and prepare the
-host pool in a background thread (:class:`PoolPreparer`).
+host pool in a background thread (:func:`cpuckpt.api.prepare_pool_in_background`).
 
 What writes saved tensors between ``save_checkpoint`` and the next optimizer update, and how each is
 covered:
@@ -32,16 +32,12 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from cpuckpt.config import Config
-
-__all__ = ["PoolPreparer", "buffer_pointers", "current_device", "estimate_checkpoint_bytes", "order_engine_steps",
-           "snapshot_buffers"]
+__all__ = ["buffer_pointers", "estimate_checkpoint_bytes", "order_engine_steps", "snapshot_buffers"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,54 +203,3 @@ def estimate_checkpoint_bytes(ds_engine: Any, *, chunk_bytes: int, storage_align
     nfiles = 2 + len(getattr(module, "forward_funcs", ()) or ())  # model + optimizer states (+ pipeline layers)
     nbytes = total[0] + total[1] * (storage_alignment + 512) + nfiles * chunk_bytes
     return int(nbytes * 1.02)
-
-
-class PoolPreparer:
-    """Creates, pre-touches and pins the host pool for ``nbytes`` on a background thread.
-
-    A save that arrives earlier waits (:meth:`join`) for the remainder only: the pool must not be
-    replaced between a save taking it and leasing from it. A failure is logged (the first save then
-    allocates the pool itself), never raised.
-    """
-
-    def __init__(self, nbytes: int, cfg: Config, device: Any = None) -> None:
-        self.nbytes = nbytes
-        self.seconds: float | None = None
-        self.error: BaseException | None = None
-        self._cfg = cfg
-        self._device = device
-        self._thread = threading.Thread(target=self._run, name="cpuckpt-ds-prepare-pool", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import cpuckpt
-
-        t0 = time.perf_counter()
-        try:
-            if self._device is not None:
-                torch.cuda.set_device(self._device)  # pin from the trainer's device, not device 0's context
-            cpuckpt.prepare_pool(self.nbytes, self._cfg)
-        except Exception as e:
-            self.error = e
-            logger.warning("cpuckpt: preparing a %d-byte host pool failed (the first save allocates it): %s",
-                           self.nbytes, e)
-        self.seconds = time.perf_counter() - t0
-        logger.info("cpuckpt: host pool prepared for %d bytes in %.3f s", self.nbytes, self.seconds)
-
-    def join(self, timeout_s: float | None = None) -> float:
-        """Wait for the preparation; returns the seconds waited."""
-        t0 = time.perf_counter()
-        self._thread.join(timeout_s)
-        return time.perf_counter() - t0
-
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-
-def current_device() -> Any:
-    """The trainer thread's CUDA device (for the preparing thread), or None without CUDA."""
-    try:
-        return torch.cuda.current_device() if torch.cuda.is_available() else None
-    except Exception:
-        return None

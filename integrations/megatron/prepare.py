@@ -6,8 +6,8 @@ only when it saves, but what that dict holds is already known after the first op
 the model's parameters and buffers, the optimizer's main (fp32) parameters and its state (Adam's
 moments exist only after that step). :class:`PoolPreparer` sums those tensors' bytes once, after
 the first step of any wrapped ``megatron.core.optimizer`` class (:func:`prepare_after_first_step`),
-and calls :func:`cpuckpt.prepare_pool` on a background thread. A save that arrives while the
-pool is being made waits for the rest of it (the pool's lock), not for a second pool.
+and calls :func:`cpuckpt.prepare_pool_in_background`. A save that arrives while the pool is being
+made waits for the rest of it (:func:`wait_prepared`), not for a second pool.
 
 The sum over-estimates on purpose (model parameters replicated over data-parallel ranks are
 counted on every rank, though Megatron saves each once; records and alignment add a little): a
@@ -21,12 +21,12 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from cpuckpt.api import PoolPreparation, prepare_pool_in_background
 from cpuckpt.config import Config
 from cpuckpt.transfer.save_job import choose_mode
 
@@ -114,16 +114,17 @@ def _async_saves() -> bool:
 
 
 class PoolPreparer:
-    """Reserves the host pool once, in the background, sized by :func:`state_nbytes` (see the module)."""
+    """Reserves the host pool once, in the background, sized by :func:`state_nbytes` (see the module).
+
+    ``preparation`` is the running or finished :class:`cpuckpt.api.PoolPreparation` (None: none started).
+    """
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.nbytes = 0
-        self.seconds: float | None = None  # how long the pool took to make (None: not done)
-        self.error: BaseException | None = None
+        self.preparation: PoolPreparation | None = None
         self._started = False
         self._lock = threading.Lock()
-        self.thread: threading.Thread | None = None
 
     def after_step(self, optimizer: Any) -> None:
         """Start the reservation after the first optimizer step (later calls do nothing)."""
@@ -139,34 +140,8 @@ class PoolPreparer:
             logger.warning("cpuckpt: could not size the host pool from the optimizer; the first save makes it",
                            exc_info=True)
             return
-        if self.nbytes == 0:
-            return
-        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        self.thread = threading.Thread(target=self._prepare, args=(device,), name="cpuckpt-prepare-pool",
-                                       daemon=True)
-        self.thread.start()
-
-    def _prepare(self, device: int | None) -> None:
-        from cpuckpt.api import prepare_pool
-
-        t0 = time.perf_counter()
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)  # pin under the trainer's device, as a save would
-            prepare_pool(self.nbytes, self.cfg)
-        except BaseException as e:  # the first save makes (and reports) the pool itself
-            self.error = e
-            logger.warning("cpuckpt: preparing the host pool of %d bytes failed: %s", self.nbytes, e)
-            return
-        self.seconds = time.perf_counter() - t0
-        logger.info("cpuckpt: host pool of %d bytes prepared in the background in %.2f s", self.nbytes, self.seconds)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Whether the reservation finished (or never started) within ``timeout``."""
-        if self.thread is not None:
-            self.thread.join(timeout)
-            return not self.thread.is_alive()
-        return True
+        if self.nbytes:
+            self.preparation = prepare_pool_in_background(self.nbytes, self.cfg)
 
 
 _DEPTH = threading.local()  # wrapped steps in progress on this thread (ChainedOptimizer nests them)
@@ -205,11 +180,9 @@ def wrap_optimizer_steps(marker: str, make: Callable[[Any], Any], base: type | N
 def wait_prepared(timeout: float | None = None) -> None:
     """Let a preparation in progress finish before a save takes the pool (a save must never hold a pool
     that the preparation then replaces). A no-op when nothing is being prepared."""
-    preparer = _PREPARER
-    if preparer is not None and preparer.thread is not None and preparer.thread.is_alive():
-        t0 = time.perf_counter()
-        preparer.wait(timeout)
-        logger.info("cpuckpt: save waited %.3f s for the host pool's preparation", time.perf_counter() - t0)
+    preparation = _PREPARER.preparation if _PREPARER is not None else None
+    if preparation is not None and not preparation.done:
+        logger.info("cpuckpt: save waited %.3f s for the host pool's preparation", preparation.join(timeout))
 
 
 def prepare_after_first_step(preparer: PoolPreparer, base: type | None = None) -> list[str]:

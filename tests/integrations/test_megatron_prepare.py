@@ -95,8 +95,9 @@ def test_first_step_prepares_the_pool_the_first_save_uses(fresh_pool, tmp_path):
     assert staging.pool_state() == (0, False)
     opt.step()
     prepare.wait_prepared(60)  # what a save does first: never take a pool the preparation then replaces
-    assert preparer.thread is not None and not preparer.thread.is_alive()
-    assert preparer.error is None and preparer.seconds is not None
+    made = preparer.preparation
+    assert made is not None and made.done and made.nbytes == preparer.nbytes
+    assert made.error is None and made.seconds is not None
     # What the checkpoint holds: parameters, BatchNorm's buffers, Adam's moments and step counters.
     adam_state = [t for st in opt.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     want = _bytes(model.parameters()) + _bytes(model.buffers()) + _bytes(adam_state)
@@ -105,7 +106,7 @@ def test_first_step_prepares_the_pool_the_first_save_uses(fresh_pool, tmp_path):
     assert pool is not None and pool.nbytes >= preparer.nbytes
 
     opt.step()  # later steps start nothing
-    assert preparer.thread is not None and not preparer.thread.is_alive()
+    assert preparer.preparation is made and made.done
 
     state = {"model": model.state_dict(), "optim": opt.optimizer.state_dict()}
     handle = cpuckpt.async_save(state, tmp_path / "ckpt", CFG)

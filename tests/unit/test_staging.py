@@ -28,3 +28,20 @@ def test_pool_created_with_pretouch_is_zeroed_and_leasable():
         pool.release(slot)
     finally:
         pool.close()
+
+
+def test_prepare_pool_in_background_makes_the_pool_and_reports_failures():
+    import cpuckpt
+
+    staging.release_pool()
+    try:
+        made = cpuckpt.prepare_pool_in_background(8 * 2**20, {"io": {"chunk_bytes": "1MiB"}, "staging": {"pin": False}})
+        made.join(60)
+        assert made.done and made.error is None and made.seconds is not None
+        nbytes, _ = staging.pool_state()
+        assert nbytes >= 8 * 2**20
+        bad = cpuckpt.prepare_pool_in_background(2**20, {"io": {"no_such_key": 1}})
+        bad.join(60)
+        assert bad.done and bad.error is not None and bad.seconds is None  # logged, not raised
+    finally:
+        staging.release_pool()
