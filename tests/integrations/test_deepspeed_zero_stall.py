@@ -31,6 +31,7 @@ are spared, so the positive run would have seen a race.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,9 @@ from types import SimpleNamespace
 import pytest
 
 pytest.importorskip("deepspeed")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ranks load this file by path, too
+from test_deepspeed import _tensors
 
 DELAY_S = 0.4
 
@@ -86,21 +90,6 @@ def _step(engine, k: int) -> None:
     x = torch.randn(4, 8, generator=g)
     engine.backward(engine(x).float().pow(2).mean())
     engine.step()
-
-
-def _tensors(obj, prefix: str = "") -> dict:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    out: dict = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(_tensors(v, f"{prefix}/{k}"))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            out.update(_tensors(v, f"{prefix}/{i}"))
-    return out
 
 
 def _live(engine) -> dict:
