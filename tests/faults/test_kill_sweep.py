@@ -209,12 +209,12 @@ def _check_root(root: Path, world: int, *, big: bool = False) -> dict[str, int]:
     return {"torn": len(torn), "committed": committed}
 
 
-def _run_point(rank_runner, tmp_path: Path, templates, point: tuple) -> dict[str, int]:
-    """Run one kill point and check the root; returns its figures (summed by the caller)."""
+def _run_point(rank_runner, tmp_path: Path, templates, point: tuple) -> None:
     pid, world, backends, hook, mode = point
     root = tmp_path / pid.replace(":", "_").replace("/", "_")
     shutil.copytree(templates[world], root)
     env = {"CPUCKPT_TEST_HOOK": hook} if hook else {}
+    FIGURES["points"] += 1
     try:
         rank_runner(world, rank_save, str(root), 2, world, backends, mode, tmp_path=tmp_path, env=env,
                     timeout_s=60, grace_s=0.5)
@@ -223,44 +223,31 @@ def _run_point(rank_runner, tmp_path: Path, templates, point: tuple) -> dict[str
         assert results is not None, e
         died = [r for r, res in results.items() if "exit code -9" in res.get("message", "")]
         assert died, f"{pid}: no rank was SIGKILLed: {e}"
+        FIGURES["killed"] += 1
     else:
         pytest.fail(f"{pid}: the kill point was never reached (the save completed)")
     fig = _check_root(root, world)
     should_commit = hook.split("=")[0] in COMMITTED_STAGES
     assert fig["committed"] == (1 if should_commit else 0), f"{pid}: {fig}"
+    FIGURES["torn"] += fig["torn"]
+    FIGURES["committed_before_kill"] += fig["committed"]
     shutil.rmtree(root)
-    return {"killed": 1, "torn": fig["torn"], "committed_before_kill": fig["committed"]}
 
 
 def test_kill_sweep(rank_runner, tmp_path_factory, templates, capsys):
-    from concurrent.futures import ThreadPoolExecutor
-
     world_nbytes = {w: _data_nbytes(tmp_path_factory, w) for w in (1, 2)}
     points = _points(world_nbytes[1], world_nbytes[2])
     assert len(points) >= 45
     t0 = time.monotonic()
     failures = []
-
-    def one(point: tuple, tmp: Path) -> dict[str, int]:
+    for point in points:
+        tmp = tmp_path_factory.mktemp("kill")
         try:
-            return _run_point(rank_runner, tmp, templates, point)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    # Two points at a time (each point is its own root and its own process group; the kills are at byte
-    # offsets and named stages, not at times, so running two at once moves no kill point).
-    with ThreadPoolExecutor(2) as ex:
-        futures = [(point, ex.submit(one, point, tmp_path_factory.mktemp("kill"))) for point in points]
-        for point, fut in futures:
-            FIGURES["points"] += 1
-            try:
-                fig = fut.result()
-            except AssertionError as e:
-                failures.append(f"{point[0]}: {str(e)[:2000]}")
-                FIGURES["lost"] += 1
-            else:
-                for k, v in fig.items():
-                    FIGURES[k] += v
+            _run_point(rank_runner, tmp, templates, point)
+        except AssertionError as e:
+            failures.append(f"{point[0]}: {str(e)[:2000]}")
+            FIGURES["lost"] += 1
+        shutil.rmtree(tmp, ignore_errors=True)
     with capsys.disabled():
         print(f"\nkill sweep (seed {SEED}): {len(points)} deterministic kill points, {FIGURES['killed']} killed, "
               f"{FIGURES['torn']} torn saves never returned, {FIGURES['committed_before_kill']} committed before "
