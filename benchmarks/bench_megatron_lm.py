@@ -996,10 +996,11 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
              "--non-persistent-ckpt-type", "global", "--eval-interval", str(10 * a.memory_iters), *ASYNC]
     train = ["--train-iters", str(a.memory_iters), *extra]
     out: dict[str, Any] = {}
-    off = b.run("memory-off", b.argv("cpuckpt", "memory", [*train, "--save", str(root / "off")]))
+    fmt = a.memory_format
+    off = b.run("memory-off", b.argv(fmt, "memory", [*train, "--save", str(root / "off")]))
     b.clean(root / "off")
     killer = JobKiller(a.memory_kill_at)
-    on = b.run("memory-on", b.argv("cpuckpt", "memory", [*train, "--save", str(root / "on")], config=str(cfg_on)),
+    on = b.run("memory-on", b.argv(fmt, "memory", [*train, "--save", str(root / "on")], config=str(cfg_on)),
                on_line=None if a.dry_run else killer)
     np_dir = root / "on" / "non_persistent"
     out["after_kill"] = {"killed": killer.info, "save_tracker": _tracker(root / "on"), "np_tracker": _tracker(np_dir),
@@ -1011,7 +1012,7 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
                            env=b.env, timeout=300)
         out["verify"] = {"rc": v.returncode, "out": (v.stdout + v.stderr)[-600:]}
     b.drop_caches()  # the relaunch reads the RAM root; the durable files are not in the page cache
-    relaunch = b.run("memory-relaunch", b.argv("cpuckpt", "memory", [
+    relaunch = b.run("memory-relaunch", b.argv(fmt, "memory", [
         "--train-iters", str(a.memory_iters), *extra, "--save", str(root / "on"), "--load", str(root / "on"),
         "--exit-on-missing-checkpoint"], config=str(cfg_on)))
     out["after_relaunch"] = {"ram_root_left": sorted(str(p) for p in ram.rglob("*"))[:10] if ram.exists() else [],
@@ -1034,7 +1035,7 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
     table = format_table(
         ["run", "rc", "save-checkpoint-non-persistent ms", "warm median", "save-checkpoint ms", "iter ms alone",
          "iter ms during persist", "ratio", "persist windows s"], rows,
-        title=f"memory: saves every {a.memory_interval} iterations, durable every {a.memory_durable}, "
+        title=f"memory ({fmt}): saves every {a.memory_interval} iterations, durable every {a.memory_durable}, "
               f"model {b.model('memory')}, memory-on SIGKILLed after iteration {a.memory_kill_at}",
         footnotes=[f"after the kill: {out['after_kill']}", f"verify of the newest memory checkpoint: "
                    f"{out.get('verify')}",
@@ -1260,6 +1261,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--memory-durable", type=int, default=64, help="--save-interval")
     g.add_argument("--memory-kill-at", type=int, default=88, help="SIGKILL the job once this save is finalized")
     g.add_argument("--memory-slots", type=int, default=3)
+    g.add_argument("--memory-format", default="cpuckpt", choices=["cpuckpt", *VARIANTS],
+                   help="cpuckpt or a variant (e.g. cpuckpt-zero: ordering optimizer) for all three runs")
     g.add_argument("--memory-ram", default="/dev/shm/cpuckpt-bench-mlm-ram", help="the memory tier's RAM root")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -519,15 +519,17 @@ class ImageJob:
         copier = DeviceCopier(device)  # copies wait for kernels already queued on the current stream
         copier.protect(self.sources)
         fence = self.fence = CopyFence(device)
-        last = None
+        events: list[tuple[Chunk, object]] = []  # checksummed: each chunk's event, for its checksum task
         try:
             with copier.enqueueing():
                 for chunk in self._chunks:
                     if self._cancel.is_set():
                         break
-                    last = fence.event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
-                    if self._checksum:
-                        self._submit_checksum(chunk, last)
+                    event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources,
+                                        record=self._checksum)
+                    if event is not None:
+                        events.append((chunk, event))
+                fence.event = copier.record()
         except BaseException:
             try:  # no copy may land in the images after the failure is reported
                 copier.stream.synchronize()
@@ -537,13 +539,17 @@ class ImageJob:
         with self._lock:
             self._pending += 1
             self._copying += 1
-        # One waiter marks the images complete when the last copy (stream order) completed.
-        shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}").submit(self._wait_copies, last)
+        # One waiter queues the checksums (off the caller's path: a checksum thread woken per chunk had
+        # taken the GIL from the caller) and marks the images complete when the last copy completed.
+        shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}").submit(self._wait_copies, fence.event, events)
 
-    def _wait_copies(self, event: object) -> None:
+    def _wait_copies(self, last: object, events: list[tuple[Chunk, object]]) -> None:
         try:
-            if event is not None:
-                event.synchronize()  # type: ignore[attr-defined]
+            try:
+                for chunk, event in events:
+                    self._submit_checksum(chunk, event)
+            finally:
+                last.synchronize()  # type: ignore[attr-defined]  # copies end before any failure is reported
         except BaseException as e:
             self._fail(e)
         finally:

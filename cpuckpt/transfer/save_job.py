@@ -2,14 +2,17 @@
 
 The layout of every file is known before the first byte is copied. Chunks are staged in file order:
 CPU tensor bytes by a few fill threads (memcpy releases the GIL), GPU tensor bytes by
-device-to-host copies enqueued from the caller's thread on a side stream (one CUDA event per chunk).
-Writer threads take chunks in order, wait for their copies, checksum and ``pwrite`` them, and
-release the slot. ``staged`` completes when every chunk is in host memory (the caller may change its
-tensors from then on); ``done`` completes when every file and the directory are fsynced.
+device-to-host copies enqueued from the caller's thread on a side stream. Writer threads take chunks
+in order, wait for their copies, checksum and ``pwrite`` them, and release the slot. ``staged``
+completes when every chunk is in host memory (the caller may change its tensors from then on);
+``done`` completes when every file and the directory are fsynced.
 
-*snapshot*: the pool holds every chunk, so staging never waits for storage (stall = copy time).
+*snapshot*: the pool holds every chunk, so staging never waits for storage (stall = copy time). GPU
+sources: the caller's path only enqueues copies (one lease of every slot, one CUDA event at the end);
+the writes are handed over once every copy completed.
 *streaming*: the pool is smaller; staging waits for writes to free slots, so host memory stays at
-the pool size whatever the shard size.
+the pool size whatever the shard size. GPU sources: one CUDA event per chunk, each chunk handed to
+the writers as soon as it is enqueued.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -167,38 +171,72 @@ class SaveJob:
         return max(configured, 2 * self.cfg.io.threads, 2)
 
     def _stage_on_device(self, order: LeaseOrder, device: torch.device) -> None:
-        pool = self._require(self._pool)
         copier = DeviceCopier(device)
         copier.protect(self.sources)
-        fence = self.fence = CopyFence(device)
-        event = None
+        self.fence = CopyFence(device)
         with copier.enqueueing():
-            for ticket, chunk in enumerate(self._chunks):
-                if self._cancel.is_set():
-                    return
-                slot = pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
-                try:
-                    event = fence.event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
-                except BaseException:
-                    pool.release(slot)
-                    raise
-                ready: cf.Future[tuple[Slot, object]] = cf.Future()
-                ready.set_result((slot, event))
-                self._submit_write(chunk, ready)
-        # One waiter marks the whole shard staged when the last copy (stream order) completed.
-        self._fillers = shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}")
-        last = event
+            if self.mode == "snapshot":
+                self._enqueue_snapshot(copier)
+            else:
+                self._enqueue_streaming(copier, order)
 
-        def wait_last() -> None:
-            try:
-                if last is not None:
-                    last.synchronize()
-            except BaseException as e:
-                self._fail(e)
+    def _enqueue_streaming(self, copier: DeviceCopier, order: LeaseOrder) -> None:
+        """Lease, copy and hand each chunk to the writers in turn (a write frees the slot a later chunk needs)."""
+        pool, fence = self._require(self._pool), self._require(self.fence)
+        event = None
+        for ticket, chunk in enumerate(self._chunks):
+            if self._cancel.is_set():
                 return
-            self._mark_staged()
+            slot = pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
+            try:
+                event = fence.event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
+            except BaseException:
+                pool.release(slot)
+                raise
+            ready: cf.Future[tuple[Slot, object]] = cf.Future()
+            ready.set_result((slot, event))
+            self._submit_write(chunk, ready)
+        self._submit_waiter(event, [])
 
-        self._fillers.submit(wait_last)
+    def _enqueue_snapshot(self, copier: DeviceCopier) -> None:
+        """Enqueue every chunk's copies with nothing else on the caller's path: one lease of all slots,
+        one event after the last copy, and the writes handed to the writers only once staged (by the
+        waiter, off the caller's thread: a writer woken per chunk had taken the GIL from the caller)."""
+        pool, fence = self._require(self._pool), self._require(self.fence)
+        slots = pool.lease_each(len(self._chunks), self.cfg.timeout_s, cancel=self._cancel)
+        try:
+            for chunk, slot in zip(self._chunks, slots):
+                if self._cancel.is_set():
+                    break
+                copier.fill(slot, self.files[chunk.file], chunk, self.sources, record=False)
+            fence.event = copier.record()
+        except BaseException:
+            copier.stream.synchronize()  # no copy may land in a slot after it is released
+            for slot in slots:
+                pool.release(slot)
+            raise
+        self._submit_waiter(fence.event, slots)
+
+    def _submit_waiter(self, last: object, slots: list[Slot]) -> None:
+        """One waiter marks the whole shard staged when the last copy (stream order) completed, then
+        hands ``slots`` (snapshot: one per chunk, in order) to the writers."""
+        with self._lock:
+            self._pending_writes += 1  # the waiter: no finalize before it handed every write over
+        self._fillers = shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}")
+        self._fillers.submit(self._run_pending, self._wait_then_write, last, slots)
+
+    def _wait_then_write(self, last: object, slots: list[Slot]) -> None:
+        try:
+            if last is not None:
+                last.synchronize()  # type: ignore[attr-defined]
+        except BaseException as e:
+            self._fail(e)
+        else:
+            self._mark_staged()
+        for chunk, slot in zip(self._chunks, slots):
+            ready: cf.Future[tuple[Slot, object]] = cf.Future()
+            ready.set_result((slot, None))
+            self._submit_write(chunk, ready)  # after a failure each write releases its slot unwritten
 
     def _fill_on_host(self, chunk: Chunk, order: LeaseOrder, ticket: int) -> tuple[Slot, None]:
         pool = self._require(self._pool)
@@ -232,8 +270,12 @@ class SaveJob:
         writers.submit(self._write_task, chunk, ready)
 
     def _write_task(self, chunk: Chunk, ready: cf.Future) -> None:
+        self._run_pending(self._write_when_ready, chunk, ready)
+
+    def _run_pending(self, task: Callable[..., None], *args: object) -> None:
+        """Run a pending write (or the copies' waiter, which hands writes over); the last to end finalizes."""
         try:
-            self._write_when_ready(chunk, ready)
+            task(*args)
         finally:
             with self._lock:
                 self._pending_writes -= 1

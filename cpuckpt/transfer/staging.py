@@ -146,6 +146,35 @@ class HostPool:
         lo, hi = start * self.slot_bytes, (start + count) * self.slot_bytes
         return Slot(start, count, self._tensor[lo:hi], self._view[lo:hi])
 
+    def lease_each(self, n: int, timeout_s: float, *, cancel: threading.Event | None = None) -> list[Slot]:
+        """Take ``n`` single slots at once (one lock acquisition; a snapshot save leases all its chunks).
+
+        Waits until ``n`` slots are free; nothing is held while waiting, so two such leases cannot deadlock.
+
+        Raises:
+            CheckpointTimeoutError: ``n`` slots did not come free within ``timeout_s``.
+            StagingError: ``n`` exceeds the pool, or ``cancel`` was set while waiting.
+        """
+        if n > self.nslots:
+            raise StagingError(f"host pool: {n} slots asked of a pool of {self.nslots}")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._nfree < n:
+                if cancel is not None and cancel.is_set():
+                    raise StagingError("host pool: lease abandoned, the save was cancelled")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CheckpointTimeoutError(
+                        f"host pool: {n} free slot(s) of {self.nslots} not available within {timeout_s:.0f} s"
+                    )
+                self._cond.wait(min(remaining, 1.0))
+            free = [i for i, used in enumerate(self._used) if not used][:n]
+            for i in free:
+                self._used[i] = True
+            self._nfree -= n
+        size, tensor, view = self.slot_bytes, self._tensor, self._view
+        return [Slot(i, 1, tensor[i * size : (i + 1) * size], view[i * size : (i + 1) * size]) for i in free]
+
     def _find_run(self, count: int) -> int:
         if self._nfree < count:
             return -1
@@ -391,8 +420,10 @@ class DeviceCopier:
         event.record(self.stream)
         return event
 
-    def fill(self, slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None]) -> Any:
-        """Fill ``slot`` asynchronously; returns the CUDA event that marks its completion.
+    def fill(self, slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None], *,
+             record: bool = True) -> Any:
+        """Fill ``slot`` asynchronously; returns the CUDA event that marks its completion (None when
+        ``record`` is false: the caller records one event after a run of chunks, ~10 µs saved per chunk).
 
         A chunk with a device program (``transfer.fillplan``) is gathered on the device into a scratch
         buffer and copied to the host in one copy; a host program is copied at once; any other chunk
@@ -405,18 +436,14 @@ class DeviceCopier:
             with self._on_stream():
                 program.fill(scratch)
                 slot.tensor[: chunk.nbytes].copy_(scratch, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            return event
+                return self.record() if record else None
         if program is not None and program.device is None:  # host bytes only: copied now
             fill_chunk(slot, layout, chunk, sources)
-            return self.record()
+            return self.record() if record else None
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         fill_chunk(slot, layout, chunk, sources, deferred=pairs)
         with self._on_stream():
             if pairs:
                 # One call per chunk: the per-copy Python overhead is stall time.
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return event
+            return self.record() if record else None

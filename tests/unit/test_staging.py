@@ -1,4 +1,4 @@
-"""Host staging pieces that need no GPU: the pool's pre-touch over several threads."""
+"""Host staging pieces that need no GPU: the pool's pre-touch over several threads, its bulk lease."""
 
 from __future__ import annotations
 
@@ -26,6 +26,41 @@ def test_pool_created_with_pretouch_is_zeroed_and_leasable():
         slot = pool.lease(5.0)
         assert slot.tensor.numel() == 2**20 and int(slot.tensor.count_nonzero()) == 0
         pool.release(slot)
+    finally:
+        pool.close()
+
+
+def test_lease_each_takes_distinct_free_slots_and_waits_for_releases():
+    import threading
+
+    import pytest
+
+    from cpuckpt.errors import CheckpointTimeoutError, StagingError
+
+    pool = staging.HostPool(4096, 6, pin=False)
+    try:
+        first = pool.lease(5.0)
+        slots = pool.lease_each(4, 5.0)
+        assert len({s.index for s in slots} | {first.index}) == 5 and pool.free_slots == 1
+        for s in slots:
+            assert s.count == 1 and s.tensor.numel() == 4096 and len(s.view) == 4096
+        slots[0].tensor.fill_(1)  # each slot is its own bytes
+        assert int(slots[1].tensor.count_nonzero()) == 0
+        with pytest.raises(CheckpointTimeoutError):
+            pool.lease_each(3, 0.05)  # one free: nothing taken while waiting
+        assert pool.free_slots == 1
+        threading.Timer(0.1, pool.release, (first,)).start()
+        more = pool.lease_each(2, 5.0)
+        assert pool.free_slots == 0 and {s.index for s in more}.isdisjoint(s.index for s in slots)
+        with pytest.raises(StagingError):
+            pool.lease_each(7, 1.0)
+        cancel = threading.Event()
+        cancel.set()
+        with pytest.raises(StagingError, match="cancelled"):
+            pool.lease_each(1, 5.0, cancel=cancel)
+        for s in slots + more:
+            pool.release(s)
+        assert pool.free_slots == 6
     finally:
         pool.close()
 
