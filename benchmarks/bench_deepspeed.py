@@ -69,11 +69,14 @@ markdown table; raw results go to ``--out`` (a ``.json`` path, or a directory to
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib.util
+import io
 import json
 import logging
 import os
 import platform
+import pstats
 import shutil
 import socket
 import sys
@@ -262,9 +265,20 @@ class Bench:
                 shutil.rmtree(prev, ignore_errors=True)
             save_dir = root / f"{label}_{rep}"
             commit_end.clear()
+            prof = cProfile.Profile() if self.args.profile and rep == reps - 1 and label != "torch" else None
             t0 = time.perf_counter()  # the step before ended synchronised; nothing more is (see the docstring)
+            if prof is not None:
+                prof.enable()
             engine.save_checkpoint(str(save_dir), tag="t")
+            if prof is not None:
+                prof.disable()
             t1 = time.perf_counter()
+            if prof is not None:  # the caller's thread: where the call's time goes (cumulative, then own time)
+                out = io.StringIO()
+                for key in ("cumulative", "tottime"):
+                    pstats.Stats(prof, stream=out).sort_stats(key).print_stats(30)
+                self.record("call_profile", engine=label, rep=rep, stall_s=t1 - t0, top=out.getvalue()[-12000:])
+                logger.info("call profile, %s rep %d:\n%s", label, rep, out.getvalue()[-12000:])
             if label == "torch":
                 fsync_tree(save_dir)
                 persist = time.perf_counter() - t0
@@ -508,6 +522,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--checksum", default="crc32c", choices=("crc32c", "none"),
                     help="integrity.checksum of cpuckpt's saves (crc32c per chunk, kept in each tag's marker)")
     ap.add_argument("--verify", action="store_true", help="save the same state with both engines and compare")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile each non-torch engine's last save_checkpoint call (caller's thread)")
     ap.add_argument("--dir", default="", help="checkpoint root (default: /root/cpuckpt-bench-ds on CUDA, else tmp)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON file, or a directory for its JSON")
     args = ap.parse_args(argv)

@@ -13,6 +13,7 @@ directory and pickle with a restricted unpickler, so a reader can take the data 
 
 from __future__ import annotations
 
+import bisect
 import io
 import logging
 import pickle
@@ -61,6 +62,7 @@ class SparseSink(io.RawIOBase):
         self.pieces: list[tuple[int, bytes]] = []
         self.pos = 0
         self.end = 0
+        self._index: tuple[list[int], list[tuple[int, int, bytes]], int] | None = None  # see ``read_at``
 
     def writable(self) -> bool:
         return True
@@ -72,6 +74,7 @@ class SparseSink(io.RawIOBase):
         data = bytes(b)
         if data:
             self.pieces.append((self.pos, data))
+            self._index = None
         self.pos += len(data)
         self.end = max(self.end, self.pos)
         return len(data)
@@ -85,9 +88,18 @@ class SparseSink(io.RawIOBase):
         return self.pos
 
     def read_at(self, start: int, stop: int) -> bytes:
-        """Bytes [start, stop) as written; unwritten gaps read as zeros."""
+        """Bytes [start, stop) as written (a later write over an earlier one wins); unwritten gaps read as zeros.
+
+        The pieces are indexed by offset once (after the last write), so reading every entry name of an
+        archive of thousands of pieces is not quadratic (it had cost ~0.5 ms per read at 1,000 pieces).
+        """
+        if self._index is None:
+            order = sorted((pos, seq, data) for seq, (pos, data) in enumerate(self.pieces))
+            self._index = ([p for p, _, _ in order], order, max((len(d) for _, _, d in order), default=0))
+        starts, order, longest = self._index
+        found = order[bisect.bisect_left(starts, start - longest + 1) : bisect.bisect_left(starts, stop)]
         out = bytearray(stop - start)
-        for pos, data in self.pieces:
+        for pos, _, data in sorted(found, key=lambda e: e[1]):  # in write order
             lo, hi = max(pos, start), min(pos + len(data), stop)
             if lo < hi:
                 out[lo - start : hi - start] = data[lo - pos : hi - pos]

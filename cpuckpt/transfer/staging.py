@@ -355,9 +355,10 @@ class DeviceCopier:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self._caller_stream = torch.cuda.current_stream(device)
         # Copies start only after kernels already queued on the trainer's stream (that may still
         # write the tensors) have finished.
-        self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.stream.wait_stream(self._caller_stream)
         self._scratch: torch.Tensor | None = None  # device gathers (fillplan), reused chunk after chunk
         self._entered = False  # inside enqueueing(): the side stream is already current
 
@@ -385,7 +386,8 @@ class DeviceCopier:
         """
         scratch = self._scratch
         if scratch is None or scratch.numel() < nbytes:
-            scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            with torch.cuda.stream(self._caller_stream):  # not the side stream ``enqueueing`` made current
+                scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             scratch.record_stream(self.stream)
             self._scratch = scratch
         return scratch[:nbytes]

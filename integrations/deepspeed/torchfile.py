@@ -17,6 +17,7 @@ views that require grad are detached, and the file loads as CPU tensors (``locat
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import pickle
@@ -37,6 +38,9 @@ __all__ = ["TorchFileImage", "layout_torch_file", "plan_torch_file"]
 logger = logging.getLogger(__name__)
 
 _ALIGNMENT_LOCK = threading.Lock()  # torch's storage_alignment is a process-wide setting
+# Exact types torch.save's persistent_id returns None for (it names only TypedStorage and storages).
+_NEVER_STORAGES = frozenset({int, float, bool, str, bytes, type(None), tuple, list, dict, collections.OrderedDict,
+                             torch.Size, torch.dtype, torch.device})
 
 
 @dataclass
@@ -67,7 +71,14 @@ def _pickle_module(rec: _Recorder) -> Any:
             # torch's subclass defines persistent_id; wrap it (the C pickler reads it at __init__)
             # to learn which storage got which archive key.
             inner = self.persistent_id
-            self.persistent_id = lambda obj: _record_key(rec, obj, inner(obj))  # type: ignore[method-assign]
+
+            def persistent_id(obj: Any) -> Any:  # called for every object pickled: None for all but storages
+                if type(obj) in _NEVER_STORAGES:
+                    return None  # most objects: torch's two Python calls skipped
+                pid = inner(obj)
+                return pid if pid is None else _record_key(rec, obj, pid)
+
+            self.persistent_id = persistent_id  # type: ignore[method-assign]
             super().__init__(file, protocol, **kwargs)
 
         def reducer_override(self, obj: Any) -> Any:

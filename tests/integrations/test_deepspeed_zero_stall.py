@@ -404,7 +404,9 @@ def test_estimate_covers_the_files_and_prepares_the_pool(tmp_path):
 
 
 # ------------------------------------------------------------------------------- on the GPU
-SLEEP_CYCLES = 100_000_000  # ~50 ms at ~2 GHz
+# ~1 s at ~1.8 GHz: longer than DeepSpeed's host work up to the next step's optimizer kernels (a 50 ms
+# delay let the unordered copies finish first on the H200, and the negative control saw no race)
+SLEEP_CYCLES = 2_000_000_000
 
 
 def _cuda() -> bool:

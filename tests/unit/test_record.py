@@ -480,6 +480,36 @@ def test_zip_local_headers_give_every_entrys_data_offset():
         assert off == offsets[name], name
 
 
+def test_sparse_sink_reads_back_what_was_written_later_writes_winning():
+    """``read_at`` equals a plain byte buffer given the same writes and seeks (gaps read as zeros), also
+    when pieces overlap, a long piece covers many short ones, and after more writes than it indexed."""
+    import random
+
+    from cpuckpt.format.record import SparseSink
+
+    rng = random.Random(7)
+    sink = SparseSink()
+    ref = bytearray()
+    for k in range(600):
+        if k % 50 == 49:  # read while writing: the index is rebuilt after each write
+            a = rng.randrange(len(ref) + 1)
+            b = rng.randrange(a, len(ref) + 1)
+            assert sink.read_at(a, b) == bytes(ref[a:b])
+        pos = rng.randrange(len(ref) + 64) if k % 7 else 0  # seeks back (overwrites) and past the end (gaps)
+        data = bytes(rng.randrange(256) for _ in range(rng.choice((1, 3, 40, 900))))
+        sink.seek(pos)
+        sink.write(data)
+        if len(ref) < pos + len(data):
+            ref.extend(bytes(pos + len(data) - len(ref)))
+        ref[pos : pos + len(data)] = data
+    assert sink.end == len(ref)
+    for _ in range(300):
+        a = rng.randrange(len(ref) + 1)
+        b = rng.randrange(a, min(len(ref), a + 2000) + 1)
+        assert sink.read_at(a, b) == bytes(ref[a:b]), (a, b)
+    assert sink.read_at(0, len(ref)) == bytes(ref)
+
+
 def test_zip_local_header_refuses_short_or_foreign_bytes():
     from cpuckpt.format.zipheader import LOCAL_HEADER, LOCAL_SIG, local_header
 
