@@ -54,7 +54,7 @@ from .compat import AsyncQueueShape
 from .settings import MegatronOptions, resolve_options
 from .worker import Channel, wait_for_commit
 
-__all__ = ["FINALIZE_MARK", "WorkerDiedError", "watch_async_queue"]
+__all__ = ["DIR_MARK", "FINALIZE_MARK", "WorkerDiedError", "finalize_saves_under", "watch_async_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
 
     setattr(maybe_finalize_async_calls, _WATCHED, True)
     queue.maybe_finalize_async_calls = maybe_finalize_async_calls
+    queue._cpuckpt_dog = dog
     original_close = getattr(queue, "close", None)
     if callable(original_close):
 
@@ -117,6 +118,43 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
 
         queue.close = close
     return queue
+
+
+DIR_MARK = "cpuckpt_dir"  # on cpuckpt's finalize function: the checkpoint directory of its save
+
+
+def finalize_saves_under(queue: Any, parent: str | os.PathLike, keep: int) -> list[int]:
+    """Finalize ``queue``'s calls in order until no pending cpuckpt save into ``parent/<dir>`` is left but
+    the newest ``keep`` (collective, like a blocking finalize); returns the finalized call ids.
+
+    Called before Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` removes all but the newest
+    ``keep`` directories of ``parent`` (or the memory tier's ring reuses one): megatron-core writes a
+    save's ``metadata.json`` into its directory only when it finalizes the call, which the persistent
+    worker (started by the first save, ~5 s) or a slow persist can delay past the removal. Every rank
+    holds the same calls in the same order, so every rank waits for the same ones.
+    """
+    calls = list(getattr(queue, "async_calls", ()) or ())
+    if not calls:
+        return []
+    parent = os.path.abspath(parent)
+    under = [i for i, call in enumerate(calls) if _save_dir_parent(call) == parent]
+    doomed = under[: max(0, len(under) - keep)]
+    if not doomed:
+        return []
+    deferred.start_all()  # a recorded save's call cannot complete before it starts
+    until = len(calls) - (doomed[-1] + 1)
+    dog = getattr(queue, "_cpuckpt_dog", None)
+    if dog is None:
+        return queue.maybe_finalize_async_calls(blocking=True)
+    return dog.finalize(blocking=True, no_dist=False, until=until)
+
+
+def _save_dir_parent(call: Any) -> str | None:
+    for fn in getattr(getattr(call, "async_request", None), "finalize_fns", ()) or ():
+        directory = getattr(fn, DIR_MARK, None)
+        if directory is not None:
+            return os.path.dirname(os.path.abspath(directory))
+    return None
 
 
 class _Watchdog:
@@ -128,7 +166,8 @@ class _Watchdog:
         self.timeout_s = timeout_s
         self.options = options
 
-    def finalize(self, blocking: bool, no_dist: bool) -> list[int]:
+    def finalize(self, blocking: bool, no_dist: bool, until: int = 0) -> list[int]:
+        """Megatron's finalize with the dead-worker check; blocking: until at most ``until`` calls are pending."""
         done: list[int] = []
         t0 = time.monotonic()
         while True:
@@ -137,7 +176,7 @@ class _Watchdog:
                 if verdict is not None:
                     return done + self._fail(verdict, no_dist)
             done += self._finalize_done(no_dist)
-            if not blocking or not self.queue.async_calls:
+            if not blocking or len(self.queue.async_calls) <= until:
                 return done
             time.sleep(POLL_S)
 

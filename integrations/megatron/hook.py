@@ -20,7 +20,10 @@ format with other storage. :func:`install`:
    one too. A missing function is a warning (that path is then not watched). The ``megatron:`` block of
    ``--cpuckpt-config`` (``on_failure``, ``heartbeat_timeout_s``) configures the watchdog.
 
-4. with ``megatron: {memory_tier: true}``, routes async saves through the memory tier
+4. wraps Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` so that every rank first finalizes
+   the pending saves into the directories it removes (Megatron-LM removes them without asking, and a
+   save finalized after its directory went fails: :func:`.guard.finalize_saves_under`); with
+   ``megatron: {memory_tier: true}``, routes async saves through the memory tier
    (:mod:`.memory`): Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` leaves the
    non-persistent directory to the ring, and ``maybe_finalize_async_save(terminate=True)`` (the end
    of training) closes the tier.
@@ -147,6 +150,7 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
     module.TorchDistSaveShardedStrategy, module.TorchDistLoadShardedStrategy = classes
     if options.memory_tier:
         _route_to_memory_tier(cfg, module)
+    _finalize_before_cleanup(module)
     if options.ordering == "optimizer":
         order_optimizer_steps()
     if options.prepare_pool and not options.memory_tier:
@@ -233,6 +237,37 @@ def _route_to_memory_tier(cfg: Config, module: Any) -> None:
     for m in [async_utils] + [m for name, m in list(sys.modules.items()) if name.startswith("megatron.training") and m]:
         if getattr(m, "maybe_finalize_async_save", None) is original_finalize:
             m.maybe_finalize_async_save = maybe_finalize_async_save
+
+
+def _megatron_lm_queue() -> Any:
+    """Megatron-LM's async save queue (``megatron.training.async_utils._async_calls_queue``), or None."""
+    try:
+        from megatron.training import async_utils
+    except ImportError:
+        return None
+    return getattr(async_utils, "_async_calls_queue", None)
+
+
+def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue) -> None:
+    """Before ``cleanup_old_non_persistent_checkpoint`` removes older non-persistent directories (or the
+    memory tier's ring reuses one), every rank finalizes the pending saves into them
+    (:func:`.guard.finalize_saves_under`): Megatron-LM removes them without asking (its own TODO there),
+    and a save finalized after its directory went fails with ``metadata.json`` not found."""
+    import functools
+
+    original = getattr(module, "cleanup_old_non_persistent_checkpoint", None)
+    if original is None or getattr(original, "_cpuckpt_finalizing", False):
+        return
+
+    @functools.wraps(original)
+    def cleanup_old_non_persistent_checkpoint(save_dir: Any, leave_ckpt_num: int = 1, do_async: bool = False) -> None:
+        from .guard import finalize_saves_under
+
+        finalize_saves_under(queue_of(), save_dir, leave_ckpt_num)
+        original(save_dir, leave_ckpt_num=leave_ckpt_num, do_async=do_async)
+
+    cleanup_old_non_persistent_checkpoint._cpuckpt_finalizing = True  # type: ignore[attr-defined]
+    module.cleanup_old_non_persistent_checkpoint = cleanup_old_non_persistent_checkpoint
 
 
 _QUEUE_BUILDERS = ("_get_async_calls_queue", "init_persistent_async_worker")

@@ -251,6 +251,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                 channel.remove()
 
         finalize_fn.cpuckpt_finalize = True  # type: ignore[attr-defined]  # guard: run it for a dropped call too
+        finalize_fn.cpuckpt_dir = str(checkpoint_dir)  # type: ignore[attr-defined]  # guard.finalize_saves_under
         try:
             return compat.make_async_request(async_strategy, wait_for_commit,
                                              (channel.base, rank, 2 * timeout_s + 60, os.getpid(),

@@ -228,3 +228,77 @@ def test_a_watched_queue_starts_the_save_after_the_timer(run_ranks, tmp_path):
         assert out["recorded_last"] == 1 and out["recorded_end"] == 0, (rank, out)
         assert out["memory_recorded"] == 1 and not out["memory_link_at_save"], (rank, out)
         assert out["memory_link_after"], (rank, out)
+
+
+def _megatron_lm_cleanup(save_dir, leave_ckpt_num=1, do_async=False) -> None:
+    """What Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` does (megatron/training/checkpointing.py,
+    not on PyPI): on rank 0, remove every ``iter_*`` directory of ``save_dir`` but the newest ``leave_ckpt_num``,
+    without looking at pending saves."""
+    import shutil
+
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return
+    found = sorted(Path(save_dir).glob("iter_*"), key=lambda p: int(p.name[len("iter_"):]))
+    for p in found[:-leave_ckpt_num]:
+        shutil.rmtree(p)
+
+
+def rank_cleanup_finalizes_older_saves(root: str, wrapped: bool) -> dict:
+    """Three non-persistent saves left pending (their worker slow to report), then Megatron-LM's cleanup:
+    wrapped by the hook, it first finalizes the saves into the directories it removes."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron import hook, strategy
+    from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
+    from cpuckpt.integrations.megatron.guard import watch_async_queue
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    device = _setup()
+    queue = watch_async_queue(AsyncCallsQueue(persistent=torch.cuda.is_available()), 60.0)
+    module = types.SimpleNamespace(cleanup_old_non_persistent_checkpoint=_megatron_lm_cleanup)
+    if wrapped:
+        hook._finalize_before_cleanup(module, queue_of=lambda: queue)
+    ours = strategy.CpuckptSaveStrategy()
+    np_dir = Path(root) / "non_persistent"
+    for step in (8, 16, 24):
+        module.cleanup_old_non_persistent_checkpoint(str(np_dir), leave_ckpt_num=1, do_async=False)
+        dist.barrier()
+        path = np_dir / f"iter_{step:07d}"
+        path.mkdir(parents=True, exist_ok=True)
+        request = dist_checkpointing.save(_sharded(_values(step, device)), str(path), sharded_strategy=ours,
+                                          async_sharded_save=True, **mcore_async_kwargs())
+        queue.schedule_async_request(request)  # no finalize in between: its worker has not reported yet
+    out: dict = {"pending": len(queue.async_calls)}
+    dist.barrier()
+    out["dirs"] = sorted(p.name for p in np_dir.iterdir())
+    if not wrapped:  # finalizing now would fail on rank 0 only (it writes metadata.json) and hang rank 1
+        queue.async_calls.clear()
+        return out
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    if out["dirs"]:  # the kept saves load (metadata.json written), with their own values
+        out["loads"] = []
+        for name in out["dirs"]:
+            want = _values(int(name[len("iter_"):]), device)
+            template = _sharded({k: torch.full_like(t, float("nan")) for k, t in want.items()})
+            loaded = dist_checkpointing.load(template, str(np_dir / name))
+            out["loads"].append(all(torch.equal(loaded[k].cpu(), want[k].cpu()) for k in ("w", "b", "bias")))
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("wrapped", [True, False], ids=["hooked", "megatron-lm-alone"])
+def test_cleanup_finalizes_the_saves_it_removes(run_ranks, tmp_path, wrapped):
+    results = run_ranks(2, rank_cleanup_finalizes_older_saves, str(tmp_path), wrapped, timeout_s=180, env=ENV)
+    for rank, out in enumerate(results):
+        # the cleanup before the save of 24 removed iter_8 and kept iter_16
+        assert out["dirs"] == ["iter_0000016", "iter_0000024"], (rank, out)
+        if wrapped:  # ... after finalizing the save of 8: 16 and 24 pending, both load
+            assert out["pending"] == 2 and out["loads"] == [True, True], (rank, out)
+        else:  # Megatron-LM alone: the save of 8 is still pending, its directory (and metadata.json) gone
+            assert out["pending"] == 3, (rank, out)
