@@ -113,6 +113,11 @@ class StagingConfig:
                            size=True, min=0)
     pin: bool = _opt(True, "Pin the pool with cudaHostRegister when CUDA is present.")
     pretouch: bool = _opt(False, "Touch (and pin) the whole pool when it is created, not at first use.")
+    d2h_window_bytes: int = _opt(0, "Device-to-host bytes enqueued ahead (GPU sources, snapshot saves); 0 "
+                                 "enqueues a save's copies at once. With a window a thread keeps that much in "
+                                 "flight, so a trainer's small copies (.item()) wait behind it, not behind the "
+                                 "whole save: for copies overlapping training (ordering stream/optimizer).",
+                                 size=True, min=0)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ segments are registered after the file grew. A save of the same size re-register
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import errno
 import logging
@@ -518,7 +519,14 @@ class ImageJob:
     def _stage_on_device(self, device: torch.device) -> None:
         copier = DeviceCopier(device)  # copies wait for kernels already queued on the current stream
         copier.protect(self.sources)
-        fence = self.fence = CopyFence(device)
+        fence = self.fence = CopyFence(device, self.cfg.timeout_s)
+        if self.cfg.staging.d2h_window_bytes:  # a thread enqueues, a window ahead (see SaveJob._feed_snapshot)
+            fence.enqueuing()
+            with self._lock:
+                self._pending += 1
+                self._copying += 1
+            shared_executor(1, f"cpuckpt-d2h-feed-{self.rank}").submit(self._feed_copies, copier)
+            return
         events: list[tuple[Chunk, object]] = []  # checksummed: each chunk's event, for its checksum task
         try:
             with copier.enqueueing():
@@ -542,6 +550,42 @@ class ImageJob:
         # One waiter queues the checksums (off the caller's path: a checksum thread woken per chunk had
         # taken the GIL from the caller) and marks the images complete when the last copy completed.
         shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}").submit(self._wait_copies, fence.event, events)
+
+    def _feed_copies(self, copier: DeviceCopier) -> None:
+        window = self.cfg.staging.d2h_window_bytes
+        in_flight: collections.deque[tuple[int, object]] = collections.deque()
+        ahead = 0
+        last = None
+        try:
+            with copier.enqueueing():
+                for chunk in self._chunks:
+                    while in_flight and ahead + chunk.nbytes > window:
+                        n, event = in_flight.popleft()
+                        event.synchronize()  # type: ignore[attr-defined]
+                        ahead -= n
+                    if self._cancel.is_set():
+                        break
+                    event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
+                    in_flight.append((chunk.nbytes, event))
+                    ahead += chunk.nbytes
+                    if self._checksum:
+                        self._submit_checksum(chunk, event)
+                last = copier.record()
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            try:  # no copy lands in the images after a failure is reported
+                copier.stream.synchronize()
+            except BaseException as e:
+                self._fail(e)
+            self._require_fence().finish(last)
+            self._copy_ended()
+            self._task_ended()
+
+    def _require_fence(self) -> CopyFence:
+        if self.fence is None:
+            raise RuntimeError("ImageJob used before start()")
+        return self.fence
 
     def _wait_copies(self, last: object, events: list[tuple[Chunk, object]]) -> None:
         try:

@@ -17,6 +17,7 @@ the writers as soon as it is enqueued.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import threading
@@ -173,12 +174,56 @@ class SaveJob:
     def _stage_on_device(self, order: LeaseOrder, device: torch.device) -> None:
         copier = DeviceCopier(device)
         copier.protect(self.sources)
-        self.fence = CopyFence(device)
+        self.fence = CopyFence(device, self.cfg.timeout_s)
+        if self.mode == "snapshot" and self.cfg.staging.d2h_window_bytes and self._chunks:
+            self._feed_snapshot(copier)
+            return
         with copier.enqueueing():
             if self.mode == "snapshot":
                 self._enqueue_snapshot(copier)
             else:
                 self._enqueue_streaming(copier, order)
+
+    def _feed_snapshot(self, copier: DeviceCopier) -> None:
+        """``staging.d2h_window_bytes``: lease every slot here, then a thread enqueues the copies keeping at
+        most the window in flight, so a copy the trainer enqueues meanwhile (``loss.item()``) waits behind
+        at most the window: device-to-host copies of all streams share the copy engine in enqueue order,
+        and a whole 13 GB save queued at once had held Megatron-LM's first ``.item()`` for its 0.25 s."""
+        pool, fence = self._require(self._pool), self._require(self.fence)
+        slots = pool.lease_each(len(self._chunks), self.cfg.timeout_s, cancel=self._cancel)
+        fence.enqueuing()
+        with self._lock:
+            self._pending_writes += 1  # the feeder: no finalize before it handed every write over
+        self._fillers = shared_executor(1, f"cpuckpt-d2h-feed-{self.rank}")
+        self._fillers.submit(self._run_pending, self._feed_then_write, copier, slots)
+
+    def _feed_then_write(self, copier: DeviceCopier, slots: list[Slot]) -> None:
+        window = self.cfg.staging.d2h_window_bytes
+        in_flight: collections.deque[tuple[int, object]] = collections.deque()  # (bytes, event) per chunk
+        ahead = 0
+        last = None
+        try:
+            with copier.enqueueing():
+                for chunk, slot in zip(self._chunks, slots):
+                    while in_flight and ahead + chunk.nbytes > window:
+                        n, event = in_flight.popleft()
+                        event.synchronize()  # type: ignore[attr-defined]
+                        ahead -= n
+                    if self._cancel.is_set():
+                        break
+                    event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
+                    in_flight.append((chunk.nbytes, event))
+                    ahead += chunk.nbytes
+                last = copier.record()
+        except BaseException as e:
+            self._fail(e)
+            try:
+                copier.stream.synchronize()  # no copy lands in a slot once the writes (which release them) run
+            except BaseException:  # noqa: S110 - the first error is the one reported
+                pass
+        finally:
+            self._require(self.fence).finish(last)
+        self._wait_then_write(last, slots)
 
     def _enqueue_streaming(self, copier: DeviceCopier, order: LeaseOrder) -> None:
         """Lease, copy and hand each chunk to the writers in turn (a write frees the slot a later chunk needs)."""

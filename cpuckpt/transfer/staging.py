@@ -329,16 +329,34 @@ class CopyFence:
     ``devices`` are the CUDA devices the copies read from.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, timeout_s: float = 600.0) -> None:
         self.event: Any = None
         self.devices: set[torch.device] = {device}
+        self.timeout_s = timeout_s
+        self._final = threading.Event()  # ``event`` is the last copy's (cleared while a thread still enqueues)
+        self._final.set()
+
+    def enqueuing(self) -> None:
+        """A thread still enqueues copies (``staging.d2h_window_bytes``): ``order`` waits for :meth:`finish`."""
+        self._final.clear()
+
+    def finish(self, event: Any) -> None:
+        """Every copy is enqueued; ``event`` follows the last."""
+        self.event = event
+        self._final.set()
 
     def order(self, stream: Any = None) -> None:
         """Make ``stream`` (default: the current stream of every device in ``devices``) wait for the copies.
 
-        A GPU-side wait (``cudaStreamWaitEvent``): the host does not block. Kernels enqueued on that
-        stream afterwards run only once every copy enqueued before ``event`` has completed.
+        A GPU-side wait (``cudaStreamWaitEvent``): the host does not block, unless copies are still
+        being enqueued by a thread (a ``d2h_window_bytes`` save), which it waits for first. Kernels
+        enqueued on that stream afterwards run only once every copy of the save has completed.
+
+        Raises:
+            CheckpointTimeoutError: the copies were not all enqueued within ``timeout_s``.
         """
+        if not self._final.wait(self.timeout_s):
+            raise CheckpointTimeoutError(f"device-to-host copies not all enqueued within {self.timeout_s:.0f} s")
         event = self.event
         if event is None:
             return

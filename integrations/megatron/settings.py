@@ -14,6 +14,7 @@ Every entry point that takes a ``config`` (``save_strategy``, ``load_strategy``,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class MegatronOptions:
             copied on the GPU at save time instead. Memory-tier saves order the same way. Saves to
             the durable root start after Megatron-LM's ``save-checkpoint`` timer (its synchronize
             would wait for the copies), at the watched async queue's next finalize (:mod:`.deferred`).
+            A thread enqueues the copies 256 MiB ahead (``staging.d2h_window_bytes``, when left 0), so
+            the iteration's ``.item()`` calls do not wait behind the whole save on the copy engine.
         prepare_pool: after the first optimizer step, reserve (allocate, touch, pin) the host pool
             on a background thread, sized from the model and optimizer state (:mod:`.prepare`), so
             the first async save costs what later ones cost. Not used with ``memory_tier`` (saves go
@@ -100,12 +103,23 @@ def split_config(config: Config | Mapping[str, Any] | str | os.PathLike | None) 
             raise ConfigError(f"{source}: {BLOCK} must be a mapping, got {block!r}")
     options = _build_options(block, source)
     if isinstance(config, Config):
-        return config, options
+        return _windowed(config, options), options
     try:
         core = Config.from_dict(data, source=source)
     except ConfigError as e:
         raise ConfigError(f"{e} (the Megatron adapter's own keys go in a '{BLOCK}:' block)") from e
-    return core, options
+    return _windowed(core, options), options
+
+
+ORDERING_WINDOW_BYTES = 256 << 20
+
+
+def _windowed(core: Config, options: MegatronOptions) -> Config:
+    """``ordering: optimizer`` overlaps the copies with an iteration whose ``.item()`` calls would otherwise
+    wait behind the whole save on the copy engine: ``staging.d2h_window_bytes`` 0 becomes 256 MiB."""
+    if options.ordering != "optimizer" or core.staging.d2h_window_bytes:
+        return core
+    return dataclasses.replace(core, staging=dataclasses.replace(core.staging, d2h_window_bytes=ORDERING_WINDOW_BYTES))
 
 
 @dataclass(frozen=True)

@@ -91,9 +91,14 @@ def _differing_tensors(got: dict, want: dict) -> list[str]:
             if isinstance(v, torch.Tensor) and not torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))]
 
 
-def _save_and_mutate(sd: dict, path: Path, *, order: bool, images: ImageSet | None = None) -> cpuckpt.AsyncSaveHandle:
+def _cfg(window: int = 0) -> dict:
+    return {**CFG, "staging": {**CFG["staging"], "d2h_window_bytes": window}}
+
+
+def _save_and_mutate(sd: dict, path: Path, *, order: bool, images: ImageSet | None = None,
+                     window: int = 0) -> cpuckpt.AsyncSaveHandle:
     torch.cuda._sleep(SLEEP_CYCLES)  # everything below is queued before any of it runs
-    h = cpuckpt.async_save(sd, path, CFG, ordering="stream", images=images)
+    h = cpuckpt.async_save(sd, path, _cfg(window), ordering="stream", images=images)
     assert h.copies_on_device
     with torch.no_grad():
         _ = sd["big"].sum()  # a read-only kernel: may overlap the copies
@@ -103,13 +108,14 @@ def _save_and_mutate(sd: dict, path: Path, *, order: bool, images: ImageSet | No
     return h
 
 
+@pytest.mark.parametrize("window", [0, 32 << 20], ids=["all-at-once", "windowed"])
 @pytest.mark.parametrize("target", ["pool", "images"])
-def test_mutations_after_wait_stream_are_not_saved(tmp_path: Path, ram_dir: Path, target: str) -> None:
+def test_mutations_after_wait_stream_are_not_saved(tmp_path: Path, ram_dir: Path, target: str, window: int) -> None:
     sd = _state()
     want = _expected(sd)
     images = ImageSet(ram_dir / "slot", pin=True) if target == "images" else None
     path = ram_dir / "slot" if images is not None else tmp_path / "ckpt"
-    h = _save_and_mutate(sd, path, order=True, images=images)
+    h = _save_and_mutate(sd, path, order=True, images=images, window=window)
     h.wait()
     torch.cuda.synchronize()
     mutated = _expected(sd)
@@ -132,3 +138,31 @@ def test_without_wait_stream_the_checkpoint_is_torn(tmp_path: Path) -> None:
     torn = _differing_tensors(got, want)
     assert "big" in torn, f"expected the unordered mutation to reach the 512 MiB tensor's copy, torn: {torn}"
     assert "cpu" not in torn and got["meta"] == {"step": 7}  # host values are snapshotted before the return
+
+
+@pytest.mark.parametrize("window", [0, 32 << 20], ids=["all-at-once", "windowed"])
+@pytest.mark.parametrize("target", ["pool", "images"])
+def test_a_small_copy_waits_behind_the_window_not_the_save(tmp_path: Path, ram_dir: Path, target: str,
+                                                          window: int) -> None:
+    """``staging.d2h_window_bytes``: a trainer's small device-to-host copy (``loss.item()``) enqueued right
+    after the call completes while the save's copies are still running; all at once (the control), it
+    completes only after the whole save (the copy engine serves device-to-host copies in enqueue order)."""
+    sd = _state()
+    images = ImageSet(ram_dir / "slot", pin=True) if target == "images" else None
+    path = ram_dir / "slot" if images is not None else tmp_path / "ckpt"
+    torch.cuda._sleep(SLEEP_CYCLES)  # the save's copies and the small copy queue up while this runs
+    h = cpuckpt.async_save(sd, path, _cfg(window), ordering="stream", images=images)
+    small = sd["w"][0, :1].to("cpu", non_blocking=True)  # the trainer's .item(), on its own stream
+    done_small = torch.cuda.Event()
+    done_small.record()
+    done_small.synchronize()
+    fence = h._writer.job.fence
+    if window:
+        assert not fence._final.is_set(), "the whole save was enqueued before the small copy completed"
+    else:
+        assert fence.event.query(), "the small copy completed before the save's copies: no shared queue here"
+    h.wait_stream()
+    h.wait()
+    assert float(small[0]) == float(_expected(sd)["w"][0, 0])
+    if images is not None:
+        images.close()
