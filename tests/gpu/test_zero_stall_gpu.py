@@ -152,7 +152,8 @@ def test_a_small_copy_waits_behind_the_window_not_the_save(tmp_path: Path, ram_d
     path = ram_dir / "slot" if images is not None else tmp_path / "ckpt"
     torch.cuda._sleep(SLEEP_CYCLES)  # the save's copies and the small copy queue up while this runs
     h = cpuckpt.async_save(sd, path, _cfg(window), ordering="stream", images=images)
-    small = sd["w"][0, :1].to("cpu", non_blocking=True)  # the trainer's .item(), on its own stream
+    small = torch.empty(1, pin_memory=True)  # the trainer's .item(): an asynchronous copy on its stream
+    small.copy_(sd["w"][0, :1], non_blocking=True)
     done_small = torch.cuda.Event()
     done_small.record()
     done_small.synchronize()

@@ -404,8 +404,7 @@ def test_estimate_covers_the_files_and_prepares_the_pool(tmp_path):
 
 
 # ------------------------------------------------------------------------------- on the GPU
-# ~1 s at ~1.8 GHz: longer than DeepSpeed's host work up to the next step's optimizer kernels (a 50 ms
-# delay let the unordered copies finish first on the H200, and the negative control saw no race)
+# ~1 s at ~1.8 GHz: the save's copies start after DeepSpeed's host work has queued the next step
 SLEEP_CYCLES = 2_000_000_000
 
 
@@ -461,7 +460,11 @@ def test_gpu_optimizer_ordering_keeps_the_save_step(tmp_path, monkeypatch, order
             return 0
 
         monkeypatch.setattr(CpuckptCheckpointEngine, "order_pending", no_order)
-    ckpt_ds.install({"ordering": "optimizer", "io": {"chunk_bytes": "16MiB"}, "timeout_s": 120})
+    # A window: DeepSpeed's step reads values back (.item()) before its optimizer writes, and a small
+    # device-to-host copy waits behind every copy enqueued before it on the H200's copy engine; with the
+    # whole save enqueued at once the step could not race the copies (the negative control saw no race).
+    ckpt_ds.install({"ordering": "optimizer", "io": {"chunk_bytes": "16MiB"}, "timeout_s": 120,
+                     "staging": {"d2h_window_bytes": "16MiB"}})
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4096, 8192), torch.nn.BatchNorm1d(8192),
