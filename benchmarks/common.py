@@ -320,18 +320,33 @@ def copy_floors(sd: dict[str, Any], reps: int) -> tuple[int, dict[str, dict[str,
     return nbytes, out
 
 
+_MATMUL_OPERANDS: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
 def matmul_loop(iters: int, n: int = 8192) -> list[float]:
-    """Seconds per iteration of a training-like loop (4 bf16 matmuls of n x n), the device synchronised."""
-    a = torch.randn(n, n, device="cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
-    b = torch.randn_like(a)
-    times = []
-    for _ in range(iters):
-        def step() -> None:
-            nonlocal a
-            for _ in range(4):
-                a = (a @ b) * 1e-4
-        times.append(timed_call(step))
-    return times
+    """Seconds per iteration of a training-like loop (4 bf16 matmuls of n x n), the device synchronised.
+
+    Every call multiplies the same random operands (made once per size and device). An earlier loop fed
+    each product back scaled by 1e-4, so its operands decayed towards zero within one call while each
+    new call started from fresh random ones: "alone" (one long call) ran mostly on near-zero data and
+    "during a persist" (many 1-iteration calls) on random data, the likely cause of the 1.11-1.15 x once
+    reported as interference. A diagnostic on the H200 that used the same data in both measured 0.99-1.01 x
+    during in-process and writer-process persists (BENCHMARKS.md, fifth session).
+    """
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ops = _MATMUL_OPERANDS.get((n, device))
+    if ops is None:
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
+        ops = _MATMUL_OPERANDS[(n, device)] = (a, torch.randn(n, n, device=device, dtype=torch.bfloat16,
+                                                               generator=g), torch.empty_like(a))
+    a, b, c = ops
+
+    def step() -> None:
+        for _ in range(4):
+            torch.mm(a, b, out=c)
+
+    return [timed_call(step) for _ in range(iters)]
 
 
 def read_rss_bytes() -> int:
