@@ -28,7 +28,6 @@ segments are registered after the file grew. A save of the same size re-register
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import errno
 import logging
@@ -50,7 +49,7 @@ from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
 from cpuckpt.transfer.save_job import _Stats
-from cpuckpt.transfer.staging import CopyFence, DeviceCopier, Slot, fill_chunk
+from cpuckpt.transfer.staging import CopyFence, CopyWindow, DeviceCopier, Slot, fill_chunk
 from cpuckpt.transfer.threads import run_parallel, shared_executor, wait_future
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -552,22 +551,16 @@ class ImageJob:
         shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}").submit(self._wait_copies, fence.event, events)
 
     def _feed_copies(self, copier: DeviceCopier) -> None:
-        window = self.cfg.staging.d2h_window_bytes
-        in_flight: collections.deque[tuple[int, object]] = collections.deque()
-        ahead = 0
+        window = CopyWindow(self.cfg.staging.d2h_window_bytes)
         last = None
         try:
             with copier.enqueueing():
                 for chunk in self._chunks:
-                    while in_flight and ahead + chunk.nbytes > window:
-                        n, event = in_flight.popleft()
-                        event.synchronize()  # type: ignore[attr-defined]
-                        ahead -= n
+                    window.admit(chunk.nbytes)
                     if self._cancel.is_set():
                         break
                     event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
-                    in_flight.append((chunk.nbytes, event))
-                    ahead += chunk.nbytes
+                    window.add(chunk.nbytes, event)
                     if self._checksum:
                         self._submit_checksum(chunk, event)
                 last = copier.record()

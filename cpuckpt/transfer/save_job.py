@@ -17,7 +17,6 @@ the writers as soon as it is enqueued.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import logging
 import threading
@@ -35,7 +34,16 @@ from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.files import FileBackend, fsync_dir, get_backend
-from cpuckpt.transfer.staging import CopyFence, DeviceCopier, HostPool, LeaseOrder, Slot, fill_chunk, get_pool
+from cpuckpt.transfer.staging import (
+    CopyFence,
+    CopyWindow,
+    DeviceCopier,
+    HostPool,
+    LeaseOrder,
+    Slot,
+    fill_chunk,
+    get_pool,
+)
 from cpuckpt.transfer.threads import shared_executor, wait_future
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -198,22 +206,15 @@ class SaveJob:
         self._fillers.submit(self._run_pending, self._feed_then_write, copier, slots)
 
     def _feed_then_write(self, copier: DeviceCopier, slots: list[Slot]) -> None:
-        window = self.cfg.staging.d2h_window_bytes
-        in_flight: collections.deque[tuple[int, object]] = collections.deque()  # (bytes, event) per chunk
-        ahead = 0
+        window = CopyWindow(self.cfg.staging.d2h_window_bytes)
         last = None
         try:
             with copier.enqueueing():
                 for chunk, slot in zip(self._chunks, slots):
-                    while in_flight and ahead + chunk.nbytes > window:
-                        n, event = in_flight.popleft()
-                        event.synchronize()  # type: ignore[attr-defined]
-                        ahead -= n
+                    window.admit(chunk.nbytes)
                     if self._cancel.is_set():
                         break
-                    event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
-                    in_flight.append((chunk.nbytes, event))
-                    ahead += chunk.nbytes
+                    window.add(chunk.nbytes, copier.fill(slot, self.files[chunk.file], chunk, self.sources))
                 last = copier.record()
         except BaseException as e:
             self._fail(e)

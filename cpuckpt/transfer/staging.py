@@ -16,6 +16,7 @@ touches CUDA streams.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import logging
@@ -34,8 +35,8 @@ from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.transfer.fillplan import FillProgram
 
 __all__ = [
-    "CopyFence", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "fill_chunk", "flat_bytes", "get_pool", "pool_state",
-    "release_pool",
+    "CopyFence", "CopyWindow", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "fill_chunk", "flat_bytes", "get_pool",
+    "pool_state", "release_pool",
 ]
 
 logger = logging.getLogger(__name__)
@@ -365,6 +366,29 @@ class CopyFence:
             return
         for device in sorted(self.devices, key=str):
             torch.cuda.current_stream(device).wait_event(event)
+
+
+class CopyWindow:
+    """At most ``nbytes`` of enqueued device-to-host copies not yet complete (``staging.d2h_window_bytes``).
+
+    :meth:`admit` blocks (on CUDA events, the GIL released) until a chunk of ``n`` more bytes fits,
+    :meth:`add` counts a chunk's copies by the event that follows them.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._in_flight: collections.deque[tuple[int, Any]] = collections.deque()
+        self._ahead = 0
+
+    def admit(self, n: int) -> None:
+        while self._in_flight and self._ahead + n > self.nbytes:
+            done, event = self._in_flight.popleft()
+            event.synchronize()
+            self._ahead -= done
+
+    def add(self, n: int, event: Any) -> None:
+        self._in_flight.append((n, event))
+        self._ahead += n
 
 
 class DeviceCopier:
