@@ -13,4 +13,4 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check ".[test]"
 .venv/bin/ruff check .
 export PYTHONUNBUFFERED=1
-exec .venv/bin/pytest --import-mode=importlib -p no:cacheprovider "$@"
+exec .venv/bin/pytest --import-mode=importlib -p no:cacheprovider --durations=15 "$@"
