@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import crc32c
 import torch
@@ -200,10 +200,7 @@ class SaveJob:
         pool, fence = self._require(self._pool), self._require(self.fence)
         slots = pool.lease_each(len(self._chunks), self.cfg.timeout_s, cancel=self._cancel)
         fence.enqueuing()
-        with self._lock:
-            self._pending_writes += 1  # the feeder: no finalize before it handed every write over
-        self._fillers = shared_executor(1, f"cpuckpt-d2h-feed-{self.rank}")
-        self._fillers.submit(self._run_pending, self._feed_then_write, copier, slots)
+        self._submit_pending(f"cpuckpt-d2h-feed-{self.rank}", self._feed_then_write, copier, slots)
 
     def _feed_then_write(self, copier: DeviceCopier, slots: list[Slot]) -> None:
         window = CopyWindow(self.cfg.staging.d2h_window_bytes)
@@ -266,10 +263,29 @@ class SaveJob:
     def _submit_waiter(self, last: object, slots: list[Slot]) -> None:
         """One waiter marks the whole shard staged when the last copy (stream order) completed, then
         hands ``slots`` (snapshot: one per chunk, in order) to the writers."""
+        self._submit_pending(f"cpuckpt-d2h-wait-{self.rank}", self._wait_then_write, last, slots, copies_end=last)
+
+    def _submit_pending(self, executor: str, task: Callable[..., None], arg: object, slots: list[Slot], *,
+                        copies_end: Any = None) -> None:
+        """Run ``task(arg, slots)`` on a one-thread executor as a pending write: no finalize before it
+        handed every write over. If it cannot be submitted (interpreter shutdown), the slots go back once
+        the copies into them ended (``copies_end``, a CUDA event) and the error is raised."""
         with self._lock:
-            self._pending_writes += 1  # the waiter: no finalize before it handed every write over
-        self._fillers = shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}")
-        self._fillers.submit(self._run_pending, self._wait_then_write, last, slots)
+            self._pending_writes += 1
+        try:
+            self._fillers = shared_executor(1, executor)
+            self._fillers.submit(self._run_pending, task, arg, slots)
+        except BaseException:
+            with self._lock:
+                self._pending_writes -= 1
+            if copies_end is not None:
+                copies_end.synchronize()
+            pool = self._require(self._pool)
+            for slot in slots:
+                pool.release(slot)
+            if isinstance(self.fence, CopyFence):
+                self.fence.finish(self.fence.event)  # nobody will enqueue more: order() must not wait
+            raise
 
     def _wait_then_write(self, last: object, slots: list[Slot]) -> None:
         try:
