@@ -519,58 +519,64 @@ class ImageJob:
         copier = DeviceCopier(device)  # copies wait for kernels already queued on the current stream
         copier.protect(self.sources)
         fence = self.fence = CopyFence(device, self.cfg.timeout_s)
-        if self.cfg.staging.d2h_window_bytes:  # a thread enqueues, a window ahead (see SaveJob._feed_snapshot)
+        if self.cfg.staging.d2h_window_bytes:  # a thread enqueues, a window ahead (SaveJob._enqueue_snapshot)
             fence.enqueuing()
-            with self._lock:
-                self._pending += 1
-                self._copying += 1
-            shared_executor(1, f"cpuckpt-d2h-feed-{self.rank}").submit(self._feed_copies, copier)
+            self._submit_copy_task(copier, f"cpuckpt-d2h-feed-{self.rank}", self._feed_copies, copier)
             return
         events: list[tuple[Chunk, object]] = []  # checksummed: each chunk's event, for its checksum task
+        fence.event = self._enqueue_copies(copier, None, lambda chunk, event: events.append((chunk, event)))
+        # One waiter queues the checksums (off the caller's path: a checksum thread woken per chunk had
+        # taken the GIL from the caller) and marks the images complete when the last copy completed.
+        self._submit_copy_task(copier, f"cpuckpt-d2h-wait-{self.rank}", self._wait_copies, fence.event, events)
+
+    def _enqueue_copies(self, copier: DeviceCopier, window: CopyWindow | None,
+                        each: Callable[[Chunk, object], object]) -> object:
+        """Enqueue every chunk's copies into the images (at most ``window`` bytes in flight when given), and
+        with checksums pass each chunk's event to ``each``; returns the event after the last copy. On a
+        failure the copies already enqueued are waited for before it is raised."""
         try:
             with copier.enqueueing():
                 for chunk in self._chunks:
+                    if window is not None:
+                        window.admit(chunk.nbytes)
                     if self._cancel.is_set():
                         break
                     event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources,
-                                        record=self._checksum)
-                    if event is not None:
-                        events.append((chunk, event))
-                fence.event = copier.record()
+                                        record=window is not None or self._checksum)
+                    if window is not None:
+                        window.add(chunk.nbytes, event)
+                    if self._checksum:
+                        each(chunk, event)
+                return copier.record()
         except BaseException:
-            try:  # no copy may land in the images after the failure is reported
-                copier.stream.synchronize()
-            except BaseException:  # noqa: S110 - the first error is the one reported
-                pass
+            copier.drain()  # no copy may land in the images after the failure is reported
             raise
+
+    def _submit_copy_task(self, copier: DeviceCopier, executor: str, task: Callable[..., None], *args: object) -> None:
+        """Run ``task(*args)`` on a one-thread executor as the copies' task (``staged`` waits for it); if it
+        cannot be submitted (interpreter shutdown), the copies already enqueued end first and it is raised."""
         with self._lock:
             self._pending += 1
             self._copying += 1
-        # One waiter queues the checksums (off the caller's path: a checksum thread woken per chunk had
-        # taken the GIL from the caller) and marks the images complete when the last copy completed.
-        shared_executor(1, f"cpuckpt-d2h-wait-{self.rank}").submit(self._wait_copies, fence.event, events)
+        try:
+            shared_executor(1, executor).submit(task, *args)
+        except BaseException:
+            with self._lock:
+                self._pending -= 1
+                self._copying -= 1
+            copier.drain()
+            fence = self._require_fence()
+            fence.finish(fence.event)  # nobody will enqueue more: order() must not wait
+            raise
 
     def _feed_copies(self, copier: DeviceCopier) -> None:
-        window = CopyWindow(self.cfg.staging.d2h_window_bytes)
         last = None
         try:
-            with copier.enqueueing():
-                for chunk in self._chunks:
-                    window.admit(chunk.nbytes)
-                    if self._cancel.is_set():
-                        break
-                    event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
-                    window.add(chunk.nbytes, event)
-                    if self._checksum:
-                        self._submit_checksum(chunk, event)
-                last = copier.record()
+            last = self._enqueue_copies(copier, CopyWindow(self.cfg.staging.d2h_window_bytes), self._submit_checksum)
+            last.synchronize()  # type: ignore[attr-defined]
         except BaseException as e:
             self._fail(e)
         finally:
-            try:  # no copy lands in the images after a failure is reported
-                copier.stream.synchronize()
-            except BaseException as e:
-                self._fail(e)
             self._require_fence().finish(last)
             self._copy_ended()
             self._task_ended()

@@ -182,43 +182,58 @@ class SaveJob:
     def _stage_on_device(self, order: LeaseOrder, device: torch.device) -> None:
         copier = DeviceCopier(device)
         copier.protect(self.sources)
-        self.fence = CopyFence(device, self.cfg.timeout_s)
-        if self.mode == "snapshot" and self.cfg.staging.d2h_window_bytes and self._chunks:
-            self._feed_snapshot(copier)
-            return
-        with copier.enqueueing():
-            if self.mode == "snapshot":
-                self._enqueue_snapshot(copier)
-            else:
+        fence = self.fence = CopyFence(device, self.cfg.timeout_s)
+        if self.mode != "snapshot":
+            with copier.enqueueing():
                 self._enqueue_streaming(copier, order)
-
-    def _feed_snapshot(self, copier: DeviceCopier) -> None:
-        """``staging.d2h_window_bytes``: lease every slot here, then a thread enqueues the copies keeping at
-        most the window in flight, so a copy the trainer enqueues meanwhile (``loss.item()``) waits behind
-        at most the window: device-to-host copies of all streams share the copy engine in enqueue order,
-        and a whole 13 GB save queued at once had held Megatron-LM's first ``.item()`` for its 0.25 s."""
-        pool, fence = self._require(self._pool), self._require(self.fence)
+            return
+        # Snapshot: nothing on the caller's path but the copies (one lease of every slot, one event after
+        # the last copy); the writes are handed over once staged, by the waiter (a writer woken per chunk
+        # had taken the GIL from the caller).
+        pool = self._require(self._pool)
         slots = pool.lease_each(len(self._chunks), self.cfg.timeout_s, cancel=self._cancel)
-        fence.enqueuing()
-        self._submit_pending(f"cpuckpt-d2h-feed-{self.rank}", self._feed_then_write, copier, slots)
+        if self.cfg.staging.d2h_window_bytes and self._chunks:
+            fence.enqueuing()
+            self._submit_pending(f"cpuckpt-d2h-feed-{self.rank}", self._feed_then_write, copier, slots)
+            return
+        try:
+            fence.event = self._enqueue_snapshot(copier, slots, None)
+        except BaseException:
+            for slot in slots:
+                pool.release(slot)
+            raise
+        self._submit_waiter(fence.event, slots)
 
-    def _feed_then_write(self, copier: DeviceCopier, slots: list[Slot]) -> None:
-        window = CopyWindow(self.cfg.staging.d2h_window_bytes)
-        last = None
+    def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot], window: CopyWindow | None) -> Any:
+        """Enqueue every chunk's copies into its slot; returns the event after the last copy.
+
+        With a ``window`` (``staging.d2h_window_bytes``, on the feeder thread) at most that many bytes are
+        in flight, so a copy the trainer enqueues meanwhile (``loss.item()``) waits behind the window only:
+        device-to-host copies of all streams share the copy engine in enqueue order, and a whole 13 GB
+        save queued at once had held Megatron-LM's first ``.item()`` for its 0.25 s. On a failure the
+        copies already enqueued are waited for before it is raised (the slots are released after).
+        """
         try:
             with copier.enqueueing():
                 for chunk, slot in zip(self._chunks, slots):
-                    window.admit(chunk.nbytes)
+                    if window is not None:
+                        window.admit(chunk.nbytes)
                     if self._cancel.is_set():
                         break
-                    window.add(chunk.nbytes, copier.fill(slot, self.files[chunk.file], chunk, self.sources))
-                last = copier.record()
+                    event = copier.fill(slot, self.files[chunk.file], chunk, self.sources, record=window is not None)
+                    if window is not None:
+                        window.add(chunk.nbytes, event)
+                return copier.record()
+        except BaseException:
+            copier.drain()
+            raise
+
+    def _feed_then_write(self, copier: DeviceCopier, slots: list[Slot]) -> None:
+        last = None
+        try:
+            last = self._enqueue_snapshot(copier, slots, CopyWindow(self.cfg.staging.d2h_window_bytes))
         except BaseException as e:
             self._fail(e)
-            try:
-                copier.stream.synchronize()  # no copy lands in a slot once the writes (which release them) run
-            except BaseException:  # noqa: S110 - the first error is the one reported
-                pass
         finally:
             self._require(self.fence).finish(last)
         self._wait_then_write(last, slots)
@@ -240,25 +255,6 @@ class SaveJob:
             ready.set_result((slot, event))
             self._submit_write(chunk, ready)
         self._submit_waiter(event, [])
-
-    def _enqueue_snapshot(self, copier: DeviceCopier) -> None:
-        """Enqueue every chunk's copies with nothing else on the caller's path: one lease of all slots,
-        one event after the last copy, and the writes handed to the writers only once staged (by the
-        waiter, off the caller's thread: a writer woken per chunk had taken the GIL from the caller)."""
-        pool, fence = self._require(self._pool), self._require(self.fence)
-        slots = pool.lease_each(len(self._chunks), self.cfg.timeout_s, cancel=self._cancel)
-        try:
-            for chunk, slot in zip(self._chunks, slots):
-                if self._cancel.is_set():
-                    break
-                copier.fill(slot, self.files[chunk.file], chunk, self.sources, record=False)
-            fence.event = copier.record()
-        except BaseException:
-            copier.stream.synchronize()  # no copy may land in a slot after it is released
-            for slot in slots:
-                pool.release(slot)
-            raise
-        self._submit_waiter(fence.event, slots)
 
     def _submit_waiter(self, last: object, slots: list[Slot]) -> None:
         """One waiter marks the whole shard staged when the last copy (stream order) completed, then

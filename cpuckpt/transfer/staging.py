@@ -24,7 +24,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,22 +122,15 @@ class HostPool:
         """
         if count > self.nslots:
             raise StagingError(f"host pool: {count} slots asked of a pool of {self.nslots}")
-        deadline = time.monotonic() + timeout_s
+        start = -1
+
+        def found() -> bool:
+            nonlocal start
+            start = self._find_run(count) if order is None or ticket == order.next_ticket else -1
+            return start >= 0
+
         with self._cond:
-            while True:
-                if cancel is not None and cancel.is_set():
-                    raise StagingError("host pool: lease abandoned, the save was cancelled")
-                start = -1
-                if order is None or ticket == order.next_ticket:
-                    start = self._find_run(count)
-                if start >= 0:
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CheckpointTimeoutError(
-                        f"host pool: {count} free slot(s) of {self.nslots} not available within {timeout_s:.0f} s"
-                    )
-                self._cond.wait(min(remaining, 1.0))
+            self._wait_for(found, count, timeout_s, cancel)
             for i in range(start, start + count):
                 self._used[i] = True
             self._nfree -= count
@@ -158,23 +151,29 @@ class HostPool:
         """
         if n > self.nslots:
             raise StagingError(f"host pool: {n} slots asked of a pool of {self.nslots}")
-        deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._nfree < n:
-                if cancel is not None and cancel.is_set():
-                    raise StagingError("host pool: lease abandoned, the save was cancelled")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CheckpointTimeoutError(
-                        f"host pool: {n} free slot(s) of {self.nslots} not available within {timeout_s:.0f} s"
-                    )
-                self._cond.wait(min(remaining, 1.0))
+            self._wait_for(lambda: self._nfree >= n, n, timeout_s, cancel)
             free = [i for i, used in enumerate(self._used) if not used][:n]
             for i in free:
                 self._used[i] = True
             self._nfree -= n
         size, tensor, view = self.slot_bytes, self._tensor, self._view
         return [Slot(i, 1, tensor[i * size : (i + 1) * size], view[i * size : (i + 1) * size]) for i in free]
+
+    def _wait_for(self, ready: Callable[[], bool], n: int, timeout_s: float, cancel: threading.Event | None) -> None:
+        """Wait on ``_cond`` (held) until ``ready()``, releases waking it up (back-pressure)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise StagingError("host pool: lease abandoned, the save was cancelled")
+            if ready():
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CheckpointTimeoutError(
+                    f"host pool: {n} free slot(s) of {self.nslots} not available within {timeout_s:.0f} s"
+                )
+            self._cond.wait(min(remaining, 1.0))
 
     def _find_run(self, count: int) -> int:
         if self._nfree < count:
@@ -458,6 +457,12 @@ class DeviceCopier:
         with torch.cuda.stream(self.stream):
             torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
 
+    def drain(self) -> None:
+        """Wait for every copy enqueued so far, after a failure (no copy may land in memory handed back);
+        an error here is dropped: the failure that led here is the one reported."""
+        with contextlib.suppress(BaseException):
+            self.stream.synchronize()
+
     def record(self) -> Any:
         """An event marking everything enqueued so far."""
         event = torch.cuda.Event()
@@ -480,14 +485,12 @@ class DeviceCopier:
             with self._on_stream():
                 program.fill(scratch)
                 slot.tensor[: chunk.nbytes].copy_(scratch, non_blocking=True)
-                return self.record() if record else None
-        if program is not None and program.device is None:  # host bytes only: copied now
+        elif program is not None and program.device is None:  # host bytes only: copied now
             fill_chunk(slot, layout, chunk, sources)
-            return self.record() if record else None
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        fill_chunk(slot, layout, chunk, sources, deferred=pairs)
-        with self._on_stream():
+        else:
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            fill_chunk(slot, layout, chunk, sources, deferred=pairs)
             if pairs:
-                # One call per chunk: the per-copy Python overhead is stall time.
-                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
-            return self.record() if record else None
+                with self._on_stream():  # one call per chunk: the per-copy Python overhead is stall time
+                    torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+        return self.record() if record else None
