@@ -39,6 +39,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError
 
 from . import compat, deferred, prepare
+from .guard import DIR_MARK, FINALIZE_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
 from .worker import OK, PersistWait, new_channel, wait_for_commit
@@ -250,8 +251,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             finally:
                 channel.remove()
 
-        finalize_fn.cpuckpt_finalize = True  # type: ignore[attr-defined]  # guard: run it for a dropped call too
-        finalize_fn.cpuckpt_dir = str(checkpoint_dir)  # type: ignore[attr-defined]  # guard.finalize_saves_under
+        setattr(finalize_fn, FINALIZE_MARK, True)  # the watchdog runs it for a dropped call too
+        setattr(finalize_fn, DIR_MARK, str(checkpoint_dir))  # guard.finalize_saves_under
         try:
             return compat.make_async_request(async_strategy, wait_for_commit,
                                              (channel.base, rank, 2 * timeout_s + 60, os.getpid(),
