@@ -534,6 +534,7 @@ class ImageJob:
         """Enqueue every chunk's copies into the images (at most ``window`` bytes in flight when given), and
         with checksums pass each chunk's event to ``each``; returns the event after the last copy. On a
         failure the copies already enqueued are waited for before it is raised."""
+        batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # no event per chunk: one copy call for all
         try:
             with copier.enqueueing():
                 for chunk in self._chunks:
@@ -542,11 +543,12 @@ class ImageJob:
                     if self._cancel.is_set():
                         break
                     event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources,
-                                        record=window is not None or self._checksum)
+                                        record=window is not None or self._checksum, batch=batch)
                     if window is not None:
                         window.add(chunk.nbytes, event)
                     if self._checksum:
                         each(chunk, event)
+                copier.copy_batch(batch)
                 return copier.record()
         except BaseException:
             copier.drain()  # no copy may land in the images after the failure is reported

@@ -213,6 +213,7 @@ class SaveJob:
         save queued at once had held Megatron-LM's first ``.item()`` for its 0.25 s. On a failure the
         copies already enqueued are waited for before it is raised (the slots are released after).
         """
+        batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # all at once: one copy call for every chunk
         try:
             with copier.enqueueing():
                 for chunk, slot in zip(self._chunks, slots):
@@ -220,9 +221,11 @@ class SaveJob:
                         window.admit(chunk.nbytes)
                     if self._cancel.is_set():
                         break
-                    event = copier.fill(slot, self.files[chunk.file], chunk, self.sources, record=window is not None)
+                    event = copier.fill(slot, self.files[chunk.file], chunk, self.sources, record=window is not None,
+                                        batch=batch)
                     if window is not None:
                         window.add(chunk.nbytes, event)
+                copier.copy_batch(batch)
                 return copier.record()
         except BaseException:
             copier.drain()

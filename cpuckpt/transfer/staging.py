@@ -470,13 +470,15 @@ class DeviceCopier:
         return event
 
     def fill(self, slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None], *,
-             record: bool = True) -> Any:
+             record: bool = True, batch: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
         """Fill ``slot`` asynchronously; returns the CUDA event that marks its completion (None when
         ``record`` is false: the caller records one event after a run of chunks, ~10 µs saved per chunk).
 
         A chunk with a device program (``transfer.fillplan``) is gathered on the device into a scratch
         buffer and copied to the host in one copy; a host program is copied at once; any other chunk
-        is copied segment by segment.
+        is copied segment by segment: with ``batch`` (and ``record`` false) its (dst, src) pairs are
+        appended there for one :meth:`copy_batch` after a run of chunks (one call for a whole save
+        instead of one per chunk).
         """
         programs = layout.fill_programs
         program = programs.get(chunk.index) if programs else None
@@ -488,9 +490,18 @@ class DeviceCopier:
         elif program is not None and program.device is None:  # host bytes only: copied now
             fill_chunk(slot, layout, chunk, sources)
         else:
+            if batch is not None and not record:
+                fill_chunk(slot, layout, chunk, sources, deferred=batch)
+                return None
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             fill_chunk(slot, layout, chunk, sources, deferred=pairs)
-            if pairs:
-                with self._on_stream():  # one call per chunk: the per-copy Python overhead is stall time
-                    torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+            self.copy_batch(pairs)
         return self.record() if record else None
+
+    def copy_batch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Enqueue the (dst, src) pairs :meth:`fill` deferred, in one ``_foreach_copy_`` (the per-copy
+        Python overhead is stall time); empties ``pairs``."""
+        if pairs:
+            with self._on_stream():
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+            pairs.clear()

@@ -22,6 +22,7 @@ import itertools
 import logging
 import pickle
 import threading
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,10 @@ logger = logging.getLogger(__name__)
 
 _ALIGNMENT_LOCK = threading.Lock()  # torch's storage_alignment is a process-wide setting
 # Exact types torch.save's persistent_id returns None for (it names only TypedStorage and storages).
+# Classes and functions (a reduce's callable, an enum's class) are never storages either.
 _NEVER_STORAGES = frozenset({int, float, bool, str, bytes, type(None), tuple, list, dict, collections.OrderedDict,
-                             torch.Size, torch.dtype, torch.device})
+                             torch.Size, torch.dtype, torch.device, type, types.FunctionType,
+                             types.BuiltinFunctionType})
 
 
 @dataclass
