@@ -257,6 +257,17 @@ class Bench:
                 return out
 
             setattr(ck, hook, finish)
+        save_calls: list[float] = []  # the checkpoint engine's own save() calls inside each save_checkpoint
+        inner_save = ck.save
+
+        def timed_save(*a: Any, **kw: Any) -> Any:
+            s0 = time.perf_counter()
+            try:
+                return inner_save(*a, **kw)
+            finally:
+                save_calls.append(time.perf_counter() - s0)
+
+        ck.save = timed_save
         prev: Path | None = None
         for rep in range(reps):
             counter[0] += 1
@@ -265,7 +276,9 @@ class Bench:
                 shutil.rmtree(prev, ignore_errors=True)
             save_dir = root / f"{label}_{rep}"
             commit_end.clear()
-            prof = cProfile.Profile() if self.args.profile and rep == reps - 1 and label != "torch" else None
+            save_calls.clear()
+            profiled = rep in (0, reps - 1) and label != "torch"
+            prof = cProfile.Profile() if self.args.profile and profiled else None
             t0 = time.perf_counter()  # the step before ended synchronised; nothing more is (see the docstring)
             if prof is not None:
                 prof.enable()
@@ -297,7 +310,8 @@ class Bench:
                 persist = end - t0 + time.perf_counter() - f0
             nbytes = tree_nbytes(save_dir / "t")
             lost = t1 - t0 + max(0.0, steps[0] - self.alone) if steps else t1 - t0
-            self.record("save", engine=label, rep=rep, stall_s=t1 - t0, lost_s=lost, persist_s=persist, bytes=nbytes,
+            self.record("save", engine=label, rep=rep, stall_s=t1 - t0, engine_save_s=sum(save_calls),
+                        engine_saves=len(save_calls), lost_s=lost, persist_s=persist, bytes=nbytes,
                         GBps=nbytes / persist / GB, next_step_s=steps[0] if steps else None,
                         steady_step_s=median(steps[1:]), steps_s=steps)
             prev = save_dir
@@ -305,6 +319,7 @@ class Bench:
             shutil.rmtree(prev, ignore_errors=True)
         if hook:
             delattr(ck, hook)  # the class's method again
+        del ck.save
 
     def verify(self, engine: Any, root: Path, counter: list[int], settings: dict[str, Any]) -> None:
         """Same state saved by both engines: every tensor in every file bit-identical."""
@@ -456,34 +471,37 @@ class Bench:
         lines = [f"DeepSpeed ZeRO-{eng['stage']} bf16, {eng['params'] / 1e6:,.1f} M params, 1 rank, "
                  f"{self.device.type}; step alone {alone:.3f} s",
                  "",
-                 "| engine | rep | stall s | lost s | persist s | GB | GB/s | next step s | steady step s |",
-                 "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| engine | rep | stall s | engine save() s | lost s | persist s | GB | GB/s | next step s "
+                 "| steady step s |",
+                 "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
-        def row(engine: str, rep: str, st: float, lo: float, pe: float, nb: float, ns: float | None,
+        def row(engine: str, rep: str, st: float, es: float, lo: float, pe: float, nb: float, ns: float | None,
                 ss: float) -> str:
-            return (f"| {engine} | {rep} | {st:.3f} | {lo:.3f} | {pe:.2f} | {nb / GB:.2f} | {nb / pe / GB:.2f} | "
-                    f"{'-' if ns is None else f'{ns:.3f}'} | {ss:.3f} |")
+            return (f"| {engine} | {rep} | {st:.3f} | {es:.3f} | {lo:.3f} | {pe:.2f} | {nb / GB:.2f} | "
+                    f"{nb / pe / GB:.2f} | {'-' if ns is None else f'{ns:.3f}'} | {ss:.3f} |")
 
         for label in ENGINES:
             rows = [r for r in saves if r["engine"] == label]
             first = label != "torch"  # rep 0 of these is listed apart
             for r in rows:
                 rep = f"{r['rep']}" + (" (first)" if first and r["rep"] == 0 else "")
-                lines.append(row(label, rep, r["stall_s"], r["lost_s"], r["persist_s"], r["bytes"], r["next_step_s"],
-                                 r["steady_step_s"]))
+                lines.append(row(label, rep, r["stall_s"], r.get("engine_save_s", 0.0), r["lost_s"], r["persist_s"],
+                                 r["bytes"], r["next_step_s"], r["steady_step_s"]))
             warm = rows[1:] if first else rows
             if len(warm) > 1:
                 lines.append(row(f"**{label}**", f"median of {len(warm)}", median([r["stall_s"] for r in warm]),
+                                 median([r.get("engine_save_s", 0.0) for r in warm]),
                                  median([r["lost_s"] for r in warm]),
                                  median([r["persist_s"] for r in warm]), median([r["bytes"] for r in warm]),
                                  median([r["next_step_s"] for r in warm if r["next_step_s"] is not None]),
                                  median([r["steady_step_s"] for r in warm])))
         lines += ["",
-                  "stall: save_checkpoint call to return (nothing synchronised around it). lost: stall + (next step "
-                  "- step alone). persist: torch = stall + fsync of its files; cpuckpt* = until the commit (started "
-                  "by the next step()) ended; decoupled = until its commit ended + fsync. next step: first step "
-                  "after the save (cpuckpt-blocking, decoupled: includes waiting for the write; cpuckpt-zero: the "
-                  "GPU-side wait for the copies). GB = 1e9 bytes."]
+                  "stall: save_checkpoint call to return (nothing synchronised around it). engine save(): the "
+                  "checkpoint engine's save() calls within it (the rest is DeepSpeed's own work). lost: stall + "
+                  "(next step - step alone). persist: torch = stall + fsync of its files; cpuckpt* = until the "
+                  "commit (started by the next step()) ended; decoupled = until its commit ended + fsync. next "
+                  "step: first step after the save (cpuckpt-blocking, decoupled: includes waiting for the write; "
+                  "cpuckpt-zero: the GPU-side wait for the copies). GB = 1e9 bytes."]
         prep = [r for r in self.results if r["name"] == "prepare"]
         if prep:
             p = prep[0]
@@ -523,7 +541,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="integrity.checksum of cpuckpt's saves (crc32c per chunk, kept in each tag's marker)")
     ap.add_argument("--verify", action="store_true", help="save the same state with both engines and compare")
     ap.add_argument("--profile", action="store_true",
-                    help="cProfile each non-torch engine's last save_checkpoint call (caller's thread)")
+                    help="cProfile each non-torch engine's first and last save_checkpoint calls (caller's thread)")
     ap.add_argument("--dir", default="", help="checkpoint root (default: /root/cpuckpt-bench-ds on CUDA, else tmp)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="JSON file, or a directory for its JSON")
     args = ap.parse_args(argv)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,17 +147,29 @@ def test_a_small_copy_waits_behind_the_window_not_the_save(tmp_path: Path, ram_d
                                                           window: int) -> None:
     """``staging.d2h_window_bytes``: a trainer's small device-to-host copy (``loss.item()``) enqueued right
     after the call completes while the save's copies are still running; all at once (the control), it
-    completes only after the whole save (the copy engine serves device-to-host copies in enqueue order)."""
+    completes only after the whole save (with one hardware queue, as Megatron-LM runs (conftest.py), the
+    copy engine serves every stream's device-to-host copies in enqueue order)."""
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        pytest.skip("one shared copy queue needs CUDA_DEVICE_MAX_CONNECTIONS=1 (tests/gpu/conftest.py sets it)")
     sd = _state()
+    small = torch.empty(1, pin_memory=True)  # the trainer's .item(): an asynchronous copy on its stream
     images = ImageSet(ram_dir / "slot", pin=True) if target == "images" else None
     path = ram_dir / "slot" if images is not None else tmp_path / "ckpt"
-    torch.cuda._sleep(SLEEP_CYCLES)  # the save's copies and the small copy queue up while this runs
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(3 * SLEEP_CYCLES)  # the save's copies and the small copy queue up while this runs
+    slept = torch.cuda.Event(enable_timing=True)
+    slept.record()
+    t0 = time.perf_counter()
     h = cpuckpt.async_save(sd, path, _cfg(window), ordering="stream", images=images)
-    small = torch.empty(1, pin_memory=True)  # the trainer's .item(): an asynchronous copy on its stream
     small.copy_(sd["w"][0, :1], non_blocking=True)
+    call_ms = 1000 * (time.perf_counter() - t0)
     done_small = torch.cuda.Event()
     done_small.record()
     done_small.synchronize()
+    sleep_ms = start.elapsed_time(slept)
+    assert call_ms < sleep_ms, f"the call ({call_ms:.0f} ms) outlasted the sleep ({sleep_ms:.0f} ms): nothing queued"
     fence = h._writer.job.fence
     if window:
         assert not fence._final.is_set(), "the whole save was enqueued before the small copy completed"
