@@ -209,7 +209,8 @@ class SaveJob:
 
         With a ``window`` (``staging.d2h_window_bytes``, on the feeder thread) at most that many bytes are
         in flight, so a copy the trainer enqueues meanwhile (``loss.item()``) waits behind the window only:
-        device-to-host copies of all streams share the copy engine in enqueue order, and a whole 13 GB
+        device-to-host copies of all streams share the copy engine in enqueue order (one hardware queue:
+        ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as Megatron-LM runs), and a whole 13 GB
         save queued at once had held Megatron-LM's first ``.item()`` for its 0.25 s. On a failure the
         copies already enqueued are waited for before it is raised (the slots are released after).
         """
