@@ -602,7 +602,8 @@ def test_torch_file_matches_torch_save_of_compact_clones(tmp_path):
     x = torch.randn(5, 5, requires_grad=True)
     sd = {"view": base[10:20], "base": base, "param": w, "strided": base[::3], "bf16": torch.randn(300).bfloat16(),
           "nonleaf": (x * 2)[1:3], "int": 3, "str": "s", "empty": torch.empty(0), "scalar": torch.tensor(2.5),
-          "shared": [w, {"again": base[10:20]}], "i64": torch.arange(7)}
+          "shared": [w, {"again": base[10:20]}], "i64": torch.arange(7), "bool": torch.arange(6) > 2,
+          "u16": torch.arange(5, dtype=torch.int32).to(torch.uint16)}
     cfg = Config.from_dict({"io": {"backend": "buffered", "chunk_bytes": 64 * 1024}})
     files, sources = layout_torch_file(sd, cfg, storage_alignment=4096)
     job = SaveJob(tmp_path, ["ours.pt"], files, sources, cfg, rank=0, mode="streaming")
@@ -624,7 +625,7 @@ def test_torch_file_matches_torch_save_of_compact_clones(tmp_path):
     out = torch.load(tmp_path / "ours.pt", weights_only=True)
     assert isinstance(out["param"], torch.nn.Parameter) and out["shared"][0] is out["param"]
     assert out["view"].untyped_storage().nbytes() == 40  # only the view's bytes, not the base's
-    for k in ("view", "base", "strided", "bf16", "nonleaf", "empty", "scalar", "i64"):
+    for k in ("view", "base", "strided", "bf16", "nonleaf", "empty", "scalar", "i64", "bool", "u16"):
         assert torch.equal(out[k], sd[k].detach()) and out[k].dtype == sd[k].dtype, k
     assert out["int"] == 3 and out["str"] == "s"
 
