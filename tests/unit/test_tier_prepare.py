@@ -72,3 +72,36 @@ def test_a_failed_before_fill_is_an_error_and_the_slot_is_untouched(tmp_path):
         assert tier.wait_prepared(1)  # prepare_slots off: nothing to wait for
     finally:
         tier.close(persist_newest=False)
+
+
+def test_after_a_restart_the_first_save_prepares_the_slots_holding_older_checkpoints_untouched(tmp_path):
+    """A relaunch finds the ring full of complete checkpoints: after its first save, the other slots' files
+    (already of the right sizes) are mapped here ahead of the saves that will reuse them, and each still holds
+    its checkpoint, bit-exact."""
+    from cpuckpt.backend.committed import check_complete
+
+    cfg = _cfg(tmp_path, prepare=True)
+    tier = MemoryTier(tmp_path / "durable", cfg)
+    for step in (1, 2, 3):
+        tier.save(_state(step), step).wait()
+    tier.close(persist_newest=False, remove_root=False)
+
+    tier = MemoryTier(tmp_path / "durable", cfg)  # the relaunch: a new tier over the same RAM root
+    try:
+        assert all(not images.names for images in tier.images), "a new process has mapped nothing yet"
+        handle = tier.save(_state(4), 4)
+        handle.wait()
+        assert tier.wait_prepared(30)
+        saved = next(j for j, images in enumerate(tier.images) if images.names and tier.slots[j] == tier.find_latest())
+        names = set(tier.images[saved].names)
+        for j, images in enumerate(tier.images):
+            if j == saved:
+                continue
+            assert set(images.names) == names, f"slot {j} was not prepared after the relaunch's first save"
+            assert check_complete(tier.slots[j]).complete, f"preparing slot {j} changed its checkpoint"
+            out = {"w": torch.empty(256, 129), "b": torch.empty(77), "step": -1}
+            cpuckpt.load(out, tier.slots[j])
+            want = _state(out["step"])
+            assert out["step"] in (2, 3) and torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"])
+    finally:
+        tier.close(persist_newest=False)
