@@ -531,28 +531,11 @@ class ImageJob:
 
     def _enqueue_copies(self, copier: DeviceCopier, window: CopyWindow | None,
                         each: Callable[[Chunk, object], object]) -> object:
-        """Enqueue every chunk's copies into the images (at most ``window`` bytes in flight when given), and
-        with checksums pass each chunk's event to ``each``; returns the event after the last copy. On a
-        failure the copies already enqueued are waited for before it is raised."""
-        batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # no event per chunk: one copy call for all
-        try:
-            with copier.enqueueing():
-                for chunk in self._chunks:
-                    if window is not None:
-                        window.admit(chunk.nbytes)
-                    if self._cancel.is_set():
-                        break
-                    event = copier.fill(self._slot(chunk), self.files[chunk.file], chunk, self.sources,
-                                        record=window is not None or self._checksum, batch=batch)
-                    if window is not None:
-                        window.add(chunk.nbytes, event)
-                    if self._checksum:
-                        each(chunk, event)
-                copier.copy_batch(batch)
-                return copier.record()
-        except BaseException:
-            copier.drain()  # no copy may land in the images after the failure is reported
-            raise
+        """Enqueue every chunk's copies into the images (:meth:`DeviceCopier.enqueue`); with checksums each
+        chunk's event goes to ``each``. Returns the event after the last copy."""
+        targets = ((chunk, self._slot(chunk), self.files[chunk.file]) for chunk in self._chunks)
+        return copier.enqueue(targets, self.sources, window=window, cancel=self._cancel,
+                              each=each if self._checksum else None)
 
     def _submit_copy_task(self, copier: DeviceCopier, executor: str, task: Callable[..., None], *args: object) -> None:
         """Run ``task(*args)`` on a one-thread executor as the copies' task (``staged`` waits for it); if it

@@ -205,32 +205,9 @@ class SaveJob:
         self._submit_waiter(fence.event, slots)
 
     def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot], window: CopyWindow | None) -> Any:
-        """Enqueue every chunk's copies into its slot; returns the event after the last copy.
-
-        With a ``window`` (``staging.d2h_window_bytes``, on the feeder thread) at most that many bytes are
-        in flight, so a copy the trainer enqueues meanwhile (``loss.item()``) waits behind the window only:
-        device-to-host copies of all streams share the copy engine in enqueue order (one hardware queue:
-        ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as Megatron-LM runs), and a whole 13 GB
-        save queued at once had held Megatron-LM's first ``.item()`` for its 0.25 s. On a failure the
-        copies already enqueued are waited for before it is raised (the slots are released after).
-        """
-        batch: list[tuple[torch.Tensor, torch.Tensor]] = []  # all at once: one copy call for every chunk
-        try:
-            with copier.enqueueing():
-                for chunk, slot in zip(self._chunks, slots):
-                    if window is not None:
-                        window.admit(chunk.nbytes)
-                    if self._cancel.is_set():
-                        break
-                    event = copier.fill(slot, self.files[chunk.file], chunk, self.sources, record=window is not None,
-                                        batch=batch)
-                    if window is not None:
-                        window.add(chunk.nbytes, event)
-                copier.copy_batch(batch)
-                return copier.record()
-        except BaseException:
-            copier.drain()
-            raise
+        """Enqueue every chunk's copies into its slot (:meth:`DeviceCopier.enqueue`); the event after the last."""
+        targets = ((chunk, slot, self.files[chunk.file]) for chunk, slot in zip(self._chunks, slots))
+        return copier.enqueue(targets, self.sources, window=window, cancel=self._cancel)
 
     def _feed_then_write(self, copier: DeviceCopier, slots: list[Slot]) -> None:
         last = None

@@ -24,7 +24,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -497,6 +497,40 @@ class DeviceCopier:
             fill_chunk(slot, layout, chunk, sources, deferred=pairs)
             self.copy_batch(pairs)
         return self.record() if record else None
+
+    def enqueue(self, targets: Iterable[tuple[Chunk, Slot, FileLayout]], sources: Sequence[torch.Tensor | None], *,
+                window: CopyWindow | None, cancel: threading.Event,
+                each: Callable[[Chunk, Any], object] | None = None) -> Any:
+        """Enqueue the copies of every (chunk, slot, layout) of a save; returns the event after the last copy.
+
+        With a ``window`` (``staging.d2h_window_bytes``, on a feeder thread) at most that many bytes are in
+        flight, so a copy the trainer enqueues meanwhile (``loss.item()``) waits behind the window only:
+        with one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``, as Megatron-LM runs) device-to-host
+        copies of all streams share the copy engine in enqueue order, and a whole 13 GB save queued at once
+        had held Megatron-LM's first ``.item()`` for its 0.25 s. ``each`` gets every chunk's own event (the
+        memory images' checksums); without either, every chunk's copies go in one :meth:`copy_batch`. Stops
+        early once ``cancel`` is set. On a failure the copies already enqueued are waited for before it is
+        raised (no copy may land in memory handed back).
+        """
+        record = window is not None or each is not None
+        batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        try:
+            with self.enqueueing():
+                for chunk, slot, layout in targets:
+                    if window is not None:
+                        window.admit(chunk.nbytes)
+                    if cancel.is_set():
+                        break
+                    event = self.fill(slot, layout, chunk, sources, record=record, batch=batch)
+                    if window is not None:
+                        window.add(chunk.nbytes, event)
+                    if each is not None:
+                        each(chunk, event)
+                self.copy_batch(batch)
+                return self.record()
+        except BaseException:
+            self.drain()
+            raise
 
     def copy_batch(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Enqueue the (dst, src) pairs :meth:`fill` deferred, in one ``_foreach_copy_`` (the per-copy

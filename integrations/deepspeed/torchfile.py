@@ -18,6 +18,7 @@ views that require grad are detached, and the file loads as CPU tensors (``locat
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import pickle
@@ -112,6 +113,7 @@ def _plain_reduce(proxy: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
                                              collections.OrderedDict())
 
 
+@functools.cache
 def _plain_reduce_agrees() -> bool:
     """This torch reduces a fresh tensor as :func:`_plain_reduce` does (checked once per process)."""
     probe = torch.empty((2, 3), requires_grad=True)
@@ -125,13 +127,10 @@ def _plain_reduce_agrees() -> bool:
 
 
 _NEW_DTYPES: frozenset = frozenset(getattr(torch.storage, "_new_dtypes", lambda: ())())  # reduced to v3 records
-_PLAIN_REDUCE: list[bool] = []  # [agrees], once known
 
 
 def _reduce_proxy(proxy: torch.Tensor, protocol: int) -> Any:
-    if not _PLAIN_REDUCE:
-        _PLAIN_REDUCE.append(_plain_reduce_agrees())
-    if _PLAIN_REDUCE[0] and proxy.dtype not in _NEW_DTYPES:
+    if proxy.dtype not in _NEW_DTYPES and _plain_reduce_agrees():
         return _plain_reduce(proxy)
     return proxy.__reduce_ex__(protocol)
 
