@@ -299,9 +299,14 @@ class Bench:
                 fsync_tree(save_dir)
                 persist = time.perf_counter() - t0
             steps = []
+            stager_wait = None
+            if hasattr(ck, "last_collect_s"):
+                ck.last_collect_s = 0.0
             for _ in range(self.args.next_steps):
                 counter[0] += 1
                 steps.append(self.step(engine, counter[0]))
+                if len(steps) == 1:  # cpuckpt, deferred layout: what the next step waited for the stager
+                    stager_wait = getattr(ck, "last_collect_s", None)
             if label.startswith("cpuckpt"):
                 self.adapter.commit_pending(engine)  # after the timed steps: a background commit ends here
                 persist = commit_end[0] - t0 if commit_end else time.perf_counter() - t0
@@ -316,7 +321,8 @@ class Bench:
             self.record("save", engine=label, rep=rep, stall_s=t1 - t0, engine_save_s=sum(save_calls),
                         engine_saves=len(save_calls), lost_s=lost, persist_s=persist, bytes=nbytes,
                         GBps=nbytes / persist / GB, next_step_s=steps[0] if steps else None,
-                        steady_step_s=median(steps[1:]), steps_s=steps)
+                        steady_step_s=median(steps[1:]), steps_s=steps,
+                        stager_wait_s=stager_wait)
             prev = save_dir
         if prev is not None:
             shutil.rmtree(prev, ignore_errors=True)

@@ -84,11 +84,13 @@ def _cuda_device(sources: list[torch.Tensor | None]) -> torch.device | None:
 
 
 class SaveJob:
-    """Stages and writes one rank's files. Create, then ``start()`` from the thread that owns the tensors."""
+    """Stages and writes one rank's files. Create, then ``start()`` from the thread that owns the tensors,
+    or from another thread with ``start_after``, a CUDA event the owner recorded on its stream when it
+    handed them over (its later kernels must not write them before the copies: see ``fence``)."""
 
     def __init__(self, directory: Path, names: list[str], files: list[FileLayout],
                  sources: list[torch.Tensor | None], cfg: Config, *, rank: int, mode: str,
-                 in_flight: int = 1) -> None:
+                 in_flight: int = 1, start_after: Any = None) -> None:
         self.directory = directory
         self.names = names
         self.files = files
@@ -97,6 +99,7 @@ class SaveJob:
         self.rank = rank
         self.mode = mode
         self.in_flight = in_flight
+        self.start_after = start_after  # CUDA event: the device copies wait for it, not for the current stream
         self.staged: cf.Future[None] = cf.Future()
         self.done: cf.Future[list[FileEntry]] = cf.Future()
         self.stats = _Stats(mode=mode)
@@ -180,7 +183,7 @@ class SaveJob:
         return max(configured, 2 * self.cfg.io.threads, 2)
 
     def _stage_on_device(self, order: LeaseOrder, device: torch.device) -> None:
-        copier = DeviceCopier(device)
+        copier = DeviceCopier(device, after=self.start_after)
         copier.protect(self.sources)
         fence = self.fence = CopyFence(device, self.cfg.timeout_s)
         if self.mode != "snapshot":

@@ -393,13 +393,18 @@ class CopyWindow:
 class DeviceCopier:
     """Enqueues device-to-host chunk copies on a side stream ordered after the trainer's stream."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, after: Any = None) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self._caller_stream = torch.cuda.current_stream(device)
         # Copies start only after kernels already queued on the trainer's stream (that may still
-        # write the tensors) have finished.
-        self.stream.wait_stream(self._caller_stream)
+        # write the tensors) have finished; ``after`` (a CUDA event the trainer recorded when it handed
+        # the tensors over) when the copies are enqueued later, from another thread: waiting for the
+        # stream then would also wait for the trainer's next kernels.
+        if after is not None:
+            self.stream.wait_event(after)
+        else:
+            self.stream.wait_stream(self._caller_stream)
         self._scratch: torch.Tensor | None = None  # device gathers (fillplan), reused chunk after chunk
         self._entered = False  # inside enqueueing(): the side stream is already current
 

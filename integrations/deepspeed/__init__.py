@@ -38,15 +38,19 @@ holding the newer complete checkpoint::
 **Zero-stall saves** (``ordering: optimizer``, async only; the default ``host`` keeps
 ``save_checkpoint`` blocked until every byte is in host memory). The contract, what is ordered where:
 
-- ``save_checkpoint`` returns once every file's device-to-host copies are *enqueued* on a side stream
-  that waits for the trainer's current stream. CPU tensors (ZeRO-Offload's fp32 partitions and
-  optimizer state) and non-tensor values (loss scaler, scheduler, step counters) are copied into
-  host memory before it returns; a file with no device tensors is waited for as with ``host``.
+- ``save_checkpoint`` returns once every file's state is *frozen* (:mod:`.freeze`: containers copied,
+  CPU tensors up to 64 MiB cloned, other objects such as the loss scaler deep-copied, a CUDA event
+  recorded on the current stream). A stager thread then lays each file out and enqueues its
+  device-to-host copies on a side stream that waits for that event. A state that cannot be frozen
+  (ZeRO-Offload's large CPU partitions, tensor subclasses) is laid out before the return, its CPU
+  tensors and non-tensor values copied into host memory; such a file with no device tensors is waited
+  for as with ``host``.
 - The module's saved buffers (BatchNorm running statistics and the like, written in place by the
   forward) are cloned on the current stream at save time, so the next forward may run at once.
 - The next ``engine.step()`` at a gradient-accumulation boundary (every ``step()`` with
   ``managed_gradient_accumulation: false``), and every ``_take_model_step`` (the pipeline engine's
-  optimizer step), first makes the current CUDA stream wait for the copies of every pending save
+  optimizer step), first waits until the stager has enqueued every pending save's copies (a host
+  wait, usually already over), then makes the current CUDA stream wait for those copies
   (``CopyFence.order``: ``cudaStreamWaitEvent``, the host does not block). Everything DeepSpeed writes
   into saved tensors comes after that point on that stream: the optimizer update, ZeRO's copies from
   the fp32 master into the bf16/fp16 parameters, the loss scaler, the scheduler. Forward and backward

@@ -26,12 +26,13 @@ tells every rank the outcome. ``load`` refuses a file of a torn tag. With ``memo
 of a checkpoint's tag go there instead (no fsync; its own marker and ``latest``), except every
 ``persist_every``-th checkpoint, which goes to ``save_dir``.
 
-With ``ordering: optimizer`` an async ``save()`` returns once its device-to-host copies are enqueued
-(host bytes copied, module buffers cloned); the copies are fenced, and the next optimizer step of the
-DeepSpeed engine orders its stream after every fence not yet ordered (:mod:`.zero_stall`, and the
-contract in :mod:`cpuckpt.integrations.deepspeed`). ``commit`` orders them too before a background
-commit takes the files; ``load`` and :meth:`CpuckptCheckpointEngine.wait` wait on the host until the
-copies are done. With ``prepare_pool`` the host pool is prepared after the first optimizer step.
+With ``ordering: optimizer`` an async ``save()`` returns once the state is frozen (:mod:`.freeze`); a
+stager thread lays the file out and enqueues its device-to-host copies after the call. The copies are
+fenced, and the next optimizer step of the DeepSpeed engine orders its stream after every fence not yet
+ordered (:mod:`.zero_stall`, and the contract in :mod:`cpuckpt.integrations.deepspeed`). ``commit``
+orders them too before a background commit takes the files; ``load`` and
+:meth:`CpuckptCheckpointEngine.wait` wait on the host until the copies are done. With ``prepare_pool``
+the host pool is prepared after the first optimizer step.
 
 Every file has exactly the name and the bytes layout DeepSpeed's ``torch.save`` would give it, so
 ``zero_to_fp32``, ``ds_to_universal`` and a stock ``TorchCheckpointEngine`` read it (the two hidden
@@ -70,6 +71,7 @@ from cpuckpt.transfer.save_job import SaveJob
 from cpuckpt.transfer.staging import get_pool, pool_state
 from cpuckpt.transfer.threads import new_executor, wait_future
 
+from .freeze import Frozen, NotFreezable, freeze
 from .marker import MARKER_NAME, SAVING_NAME, TagFile, _refusal, check_tag, new_marker, open_tag, write_marker
 from .settings import Settings, resolve_settings
 from .torchfile import chunk_count, layout_torch_file
@@ -120,6 +122,7 @@ class _Checkpoint:
     written: list[tuple[Path, FileEntry]] = field(default_factory=list)  # sync saves, durable
     opened: set[Path] = field(default_factory=set)  # tag directories made incomplete by this rank
     global_step: int | None = None  # from the model states file, when this rank wrote one
+    error: BaseException | None = None  # a deferred save's staging failed (raised by the commit)
 
     @property
     def tag_dir(self) -> Path:
@@ -146,6 +149,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._info: CheckpointCommitInfo | None = None
         self._ckpt: _Checkpoint | None = None
         self._jobs: list[SaveJob] = []
+        self._staging: list[cf.Future[None]] = []  # deferred saves the stager thread lays out (.freeze)
+        self._stager: cf.ThreadPoolExecutor | None = None
         self._background: cf.Future[None] | None = None
         self._committer: cf.ThreadPoolExecutor | None = None
         self._commit_group: Any = None
@@ -153,6 +158,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._memory_cfg = _memory_config(self.settings.core) if self.settings.memory_dir else None
         self._memory_checked = False
         self.last_save_s = 0.0
+        self.last_collect_s = 0.0  # how long the last wait for the stager thread took (deferred saves)
         self.last_commit_s = 0.0
         # ordering optimizer: jobs whose device copies no GPU work has been ordered after yet
         self._unordered: list[SaveJob] = []
@@ -190,11 +196,14 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         removed (see :mod:`.marker`).
 
         Async: returns once every tensor byte is copied into the host pool; the caller may then
-        change its tensors. With ``ordering: optimizer``: once the device-to-host copies are enqueued
-        (CPU tensors and non-tensor values are copied, the module's buffers cloned); GPU tensors may
-        be written only by work the next optimizer step orders after the copies (a job without device
-        copies is waited for as with ``host``). Otherwise returns once the file is durable. A failure
-        raises here (or, async, at ``commit``).
+        change its tensors. With ``ordering: optimizer``: once the state is frozen (:mod:`.freeze`:
+        containers copied, CPU tensors cloned, the module's buffers cloned, a CUDA event recorded); the
+        stager thread then lays the file out and enqueues its device-to-host copies, which wait for that
+        event. GPU tensors may be written only by work the next optimizer step orders after the copies
+        (that step first waits until the stager has enqueued them). A state that cannot be frozen is laid
+        out here and returns once its copies are enqueued (a job without device copies is waited for as
+        with ``host``). Otherwise returns once the file is durable. A failure raises here (or, async, at
+        ``commit``: a deferred save's failure always does, on every rank).
         """
         t0 = time.perf_counter()
         st = self.settings
@@ -207,18 +216,13 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         try:
             if overlap and isinstance(state_dict, Mapping):
                 state_dict = snapshot_buffers(state_dict, self._buffers())
-            if ckpt is not None and in_tag and target.parent not in ckpt.opened:
-                open_tag(target.parent, fsync=cfg.io.fsync)
-                ckpt.opened.add(target.parent)
             if ckpt is not None and isinstance(state_dict, Mapping) and isinstance(state_dict.get("global_steps"), int):
                 ckpt.global_step = state_dict["global_steps"]
-            files, sources = layout_torch_file(state_dict, cfg, storage_alignment=st.storage_alignment)
-            # Sync saves stream through the small pool (bounded host memory) unless told otherwise.
-            mode = "snapshot" if st.async_save or cfg.staging.mode == "snapshot" else "streaming"
-            if st.async_save:
-                self._reserve_pool(chunk_count(files[0].nbytes, cfg))
-            job = SaveJob(target.parent, [target.name], files, sources, cfg, rank=rank, mode=mode)
-            job.start()
+            if overlap and ckpt is not None and self._defer(state_dict, target, in_tag, cfg, rank, ckpt):
+                self.last_save_s = time.perf_counter() - t0
+                return
+            self._collect_staging()  # files staged on this thread come after those deferred before them
+            job = self._start_job(state_dict, target, in_tag, cfg, rank, ckpt)
             if st.async_save:
                 self._jobs.append(job)
                 if overlap and job.fence is not None:
@@ -233,7 +237,78 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             self._abandon()
             raise
         self.last_save_s = time.perf_counter() - t0
-        logger.debug("rank %d: %s staged in %.3f s (%d bytes)", rank, target, self.last_save_s, files[0].nbytes)
+        logger.debug("rank %d: %s staged in %.3f s (%d bytes)", rank, target, self.last_save_s, job.stats.nbytes)
+
+    def _start_job(self, state: Any, target: Path, in_tag: bool, cfg: Config, rank: int, ckpt: _Checkpoint | None,
+                   *, start_after: Any = None) -> SaveJob:
+        """Lay ``state`` out as ``target``'s file and start its job (the tag opened first, the pool reserved)."""
+        st = self.settings
+        if ckpt is not None and in_tag and target.parent not in ckpt.opened:
+            open_tag(target.parent, fsync=cfg.io.fsync)
+            ckpt.opened.add(target.parent)
+        files, sources = layout_torch_file(state, cfg, storage_alignment=st.storage_alignment)
+        # Sync saves stream through the small pool (bounded host memory) unless told otherwise.
+        mode = "snapshot" if st.async_save or cfg.staging.mode == "snapshot" else "streaming"
+        if st.async_save:
+            self._reserve_pool(chunk_count(files[0].nbytes, cfg))
+        job = SaveJob(target.parent, [target.name], files, sources, cfg, rank=rank, mode=mode, start_after=start_after)
+        job.start()
+        return job
+
+    def _defer(self, state: Mapping[str, Any], target: Path, in_tag: bool, cfg: Config, rank: int,
+               ckpt: _Checkpoint) -> bool:
+        """Freeze ``state`` (:mod:`.freeze`) and leave its layout and staging to the stager thread; False
+        when it cannot be frozen (the caller then stages it on this thread)."""
+        try:
+            frozen = freeze(state)
+        except NotFreezable as e:
+            logger.debug("rank %d: %s is staged on the caller's thread: %s", rank, target, e)
+            return False
+        self._staging.append(self._stager_executor().submit(self._stage_frozen, frozen, target, in_tag, cfg,
+                                                            rank, ckpt))
+        return True
+
+    def _stage_frozen(self, frozen: Frozen, target: Path, in_tag: bool, cfg: Config, rank: int,
+                      ckpt: _Checkpoint) -> None:
+        """On the stager thread: lay out and start a deferred save (its copies wait for ``frozen.event``).
+
+        A failure is kept in ``ckpt`` (its commit raises it on every rank), not raised: the thread that
+        collects this (:meth:`_collect_staging`) may be the optimizer step, where one rank raising alone
+        would leave the others in the step's collectives.
+        """
+        t0 = time.perf_counter()
+        try:
+            with torch.cuda.device(frozen.device) if frozen.device is not None else contextlib.nullcontext():
+                job = self._start_job(frozen.state, target, in_tag, cfg, rank, ckpt, start_after=frozen.event)
+        except BaseException as e:
+            ckpt.error = ckpt.error or e
+            logger.error("rank %d: staging %s failed (raised by the checkpoint's commit): %s", rank, target, e)
+            return
+        self._jobs.append(job)  # only this thread touches _jobs while a deferred save is being staged
+        if job.fence is not None:
+            self._unordered.append(job)
+        logger.debug("rank %d: %s laid out and staged after the call in %.3f s", rank, target,
+                     time.perf_counter() - t0)
+
+    def _collect_staging(self, timeout: float | None = None) -> None:
+        """Wait until the stager thread has started every deferred save (their copies are enqueued)."""
+        futures, self._staging = self._staging, []
+        if not futures:
+            return
+        t0 = time.perf_counter()
+        for i, fut in enumerate(futures):
+            try:
+                wait_future(fut, self.settings.core.timeout_s if timeout is None else timeout,
+                            "laying out and staging a DeepSpeed checkpoint file after its save() returned")
+            except BaseException:
+                self._staging = futures[i:] + self._staging  # still owed
+                raise
+        self.last_collect_s = time.perf_counter() - t0
+
+    def _stager_executor(self) -> cf.ThreadPoolExecutor:
+        if self._stager is None:
+            self._stager = new_executor(1, "cpuckpt-ds-stage")
+        return self._stager
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """``torch.load(weights_only=True)`` with DeepSpeed's few globals allowed; never unrestricted.
@@ -310,6 +385,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         t0 = time.perf_counter()
         pending = ckpt.info
         error, written = self._wait_jobs(ckpt.jobs)
+        error = ckpt.error or error
         rank = dist.get_rank() if group is not None else 0
         root = ckpt.root(self.settings)
         tag_dir = root / pending.tag
@@ -416,7 +492,9 @@ class CpuckptCheckpointEngine(CheckpointEngine):
 
     def order_pending(self, stream: Any = None) -> int:
         """Make ``stream`` (default: the current stream of each device copied from) wait, on the GPU, for
-        the copies of every save not yet ordered; returns how many saves were ordered."""
+        the copies of every save not yet ordered; returns how many saves were ordered. Deferred saves
+        still being laid out are waited for (on the host) until their copies are enqueued."""
+        self._collect_staging()
         jobs, self._unordered = self._unordered, []
         for job in jobs:
             if job.fence is not None:

@@ -4,12 +4,14 @@ One real 2-rank gloo run (DeepSpeed 0.19, ZeRO-2 fp32: the step copies the fp32 
 the module's parameters; a model with a BatchNorm whose running statistics the forward writes)
 proves, end to end:
 
-- real path (CPU: no device copies, so the job is waited for as with ``host``): the step after the
-  save changes every saved tensor (parameters, BatchNorm buffers, fp32 master partitions, Adam
-  moments and step), and the committed files hold the save-step values bit-exact;
+- real path (CPU: the state is frozen at the call, its CPU tensors cloned, and laid out and staged by
+  the stager thread after it): the step after the save changes every saved tensor (parameters,
+  BatchNorm buffers, fp32 master partitions, Adam moments and step), and the committed files hold the
+  save-step values bit-exact;
 - simulated device copies: every job gets a fence whose ``order`` is a host wait for its staging
   (what ``cudaStreamWaitEvent`` does on the GPU, done on the host), and every chunk's host copy is
-  delayed by 0.4 s. ``save()`` then returns before any byte is copied, the next forward writes the
+  delayed by 0.4 s. ``save()`` then returns before any byte is copied (the file still being laid out, or
+  its copies enqueued), the next forward writes the
   BatchNorm buffers and the next step updates everything while copies are pending, and the files
   still hold the save-step values bit-exact: the buffers were cloned at save time, and the hook
   ordered the fences before the optimizer's first write (the recorded events show the order). A
@@ -18,7 +20,10 @@ proves, end to end:
   the rank's checkpoint files; the first save uses that very pool (not replaced, not grown).
 
 Unit tests (one process) cover the hook's placement (boundary / non-boundary / ``_take_model_step``),
-``order_pending`` with fake fences, ``snapshot_buffers`` and the size estimate.
+``order_pending`` with fake fences, ``snapshot_buffers``, the size estimate, ``freeze`` (the copy
+``torch.save`` writes the state of the call from, after the state changed) and a deferred save (laid out
+after the call, after the state changed: the file holds the call's values; a failure of its layout
+raised by its commit, ``latest`` left alone).
 
 On the device machine (``pytest -m gpu``; skipped without CUDA), one in-process DeepSpeed engine (NCCL,
 world 1) with real fences: every device-to-host copy is delayed ~50 ms on its side stream (a
@@ -193,8 +198,8 @@ def rank_zero_stall(root: str) -> dict:
         saved = _live(engine)
         engine.save_checkpoint(str(save_dir), tag="b")
         out["b_save_s"] = ck.last_save_s  # one file's save() call
-        out["b_pending"] = len(ck._unordered)
-        out["b_staged_at_return"] = all(j.staged.done() for j in ck._jobs)
+        out["b_pending"] = len(ck._staging) + len(ck._unordered)  # being laid out, or copies enqueued
+        out["b_staged_at_return"] = bool(ck._jobs) and all(j.staged.done() for j in list(ck._jobs))
         events.append("saved")
         _step(engine, 3)  # forward writes the BatchNorm buffers while the copies are pending
         live = _live(engine)
@@ -205,10 +210,11 @@ def rank_zero_stall(root: str) -> dict:
 
         # a load while copies are pending waits for them
         engine.save_checkpoint(str(save_dir), tag="c")
-        pending = len(ck._unordered)
+        pending = len(ck._staging) + len(ck._unordered)
         ck.load(str(next((save_dir / "b").glob(f"*_pp_rank_{rank}_mp_rank_00_optim_states.pt"))))
         out["c_pending_before_load"] = pending
-        out["c_staged_after_load"] = all(j.staged.done() for j in ck._jobs) and not ck._unordered
+        out["c_staged_after_load"] = all(j.staged.done() for j in ck._jobs) and not ck._unordered \
+            and not ck._staging
         ckpt_ds.commit_pending(engine)
     finally:
         save_job.SaveJob.start, save_job.fill_chunk, opt.step = original_start, original_fill, original_step
@@ -403,6 +409,129 @@ def test_estimate_covers_the_files_and_prepares_the_pool(tmp_path):
         staging.release_pool()
 
 
+def _state_to_freeze():
+    """A state like DeepSpeed's (the objects are importable: the test loads the files back)."""
+    import argparse
+    import collections
+    import http
+
+    import torch
+
+    module = collections.OrderedDict(w=torch.randn(4, 3), b=torch.arange(3.0))  # no views: torch.save keeps
+    # a view's whole storage, cpuckpt's file only the view's bytes (test_deepspeed: compact clones)
+    module._metadata = collections.OrderedDict({"": {"version": 1}})  # what Module.state_dict() sets
+    shared = [1, 2]
+    x = torch.randn(3, requires_grad=True)
+    return {"module": module, "optimizer": {"state": {0: {"step": torch.tensor(7.0), "exp_avg": torch.ones(6)}},
+                                            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]},
+            "scaler": SimpleNamespace(cur_scale=8.0), "stage": http.HTTPStatus.OK,
+            "args": argparse.Namespace(lr=0.1, layers=[2, 3]),
+            "shared": (shared, shared), "leaf": x, "shapes": [torch.Size([4, 3])], "global_steps": 3}
+
+
+def _saved_bytes(obj) -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _mutate(state) -> None:
+    import torch
+
+    state["module"]["w"].add_(1)
+    state["module"]["b"].zero_()
+    state["module"]["extra"] = torch.zeros(1)
+    state["module"]._metadata[""]["version"] = 2
+    state["optimizer"]["state"][0]["step"] += 1
+    state["optimizer"]["param_groups"][0]["lr"] = 0.5
+    state["scaler"].cur_scale = 4.0
+    state["args"].layers.append(9)
+    state["shared"][0].append(3)
+    with torch.no_grad():
+        state["leaf"].mul_(2)
+    state["global_steps"] = 4
+
+
+def test_freeze_keeps_the_state_of_the_call():
+    """``torch.save`` of the frozen copy writes the very bytes it wrote for the state at the call, after
+    the containers, CPU tensors (in place), ``_metadata``, a mutable object and a Namespace were changed;
+    shared references stay shared; what it cannot copy safely is refused."""
+    import pytest
+    import torch
+    from cpuckpt.integrations.deepspeed.freeze import NotFreezable, freeze
+
+    state = _state_to_freeze()
+    want = _saved_bytes(state)
+    frozen = freeze(state)
+    assert frozen.device is None and frozen.event is None and frozen.cpu_bytes > 0
+    _mutate(state)
+    assert _saved_bytes(state) != want, "the mutations changed nothing: the test proves nothing"
+    assert _saved_bytes(frozen.state) == want
+    assert frozen.state["shared"][0] is frozen.state["shared"][1]
+    assert frozen.state["stage"] is state["stage"] and frozen.state["leaf"].requires_grad
+
+    with pytest.raises(NotFreezable, match="bytes of CPU tensors"):
+        freeze({"big": torch.zeros(1000)}, max_cpu_bytes=1000)
+    with pytest.raises(NotFreezable, match="Parameter"):
+        freeze({"p": torch.nn.Parameter(torch.zeros(2))})
+    with pytest.raises(NotFreezable, match="UntypedStorage"):
+        freeze({"s": torch.zeros(2).untyped_storage()})
+
+
+def test_deferred_save_is_laid_out_after_the_call_and_keeps_its_values(tmp_path):
+    """``ordering: optimizer``: ``save()`` returns with the file still to be laid out by the stager thread;
+    the state changed right after the call; the committed file loads as the state at the call. A failure of
+    the deferred layout is raised by the checkpoint's commit, and ``latest`` is not written."""
+    import threading
+
+    import pytest
+    import torch
+    from cpuckpt.integrations.deepspeed import torchfile
+    from cpuckpt.integrations.deepspeed.engine import CpuckptCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from cpuckpt.errors import CpuckptError
+
+    ck = CpuckptCheckpointEngine({"ordering": "optimizer", "prepare_pool": False,
+                                  "io": {"backend": "buffered", "chunk_bytes": 64 * 1024}})
+    gate = threading.Event()
+    original = torchfile.plan_torch_file
+
+    def gated(obj, **kwargs):  # the stager waits until the caller has changed the state
+        assert gate.wait(30)
+        return original(obj, **kwargs)
+
+    state = _state_to_freeze()
+    want = torch.load(__import__("io").BytesIO(_saved_bytes(state)), weights_only=False)
+    info = CheckpointCommitInfo(tag="t1", save_dir=str(tmp_path), save_latest=True)
+    torchfile.plan_torch_file = gated
+    try:
+        ck.create(info)
+        ck.save(state, str(tmp_path / "t1" / "mp_rank_00_model_states.pt"))
+        assert len(ck._staging) == 1 and not ck._jobs, "save() laid the file out on the caller's thread"
+        _mutate(state)
+        gate.set()
+        ck.commit(info)
+        ck.wait()
+    finally:
+        torchfile.plan_torch_file = original
+    got = torch.load(tmp_path / "t1" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert _saved_bytes(got) == _saved_bytes(want)
+    assert (tmp_path / "latest").read_text() == "t1"
+
+    info = CheckpointCommitInfo(tag="t2", save_dir=str(tmp_path), save_latest=True)
+    ck.create(info)
+    ck.save({"f": lambda: 0}, str(tmp_path / "t2" / "mp_rank_00_model_states.pt"))  # freezes; cannot be pickled
+    with pytest.raises(CpuckptError, match="t2"):
+        ck.commit(info)  # DeepSpeed's own commit of the object it created blocks (a step's commit would not)
+    assert (tmp_path / "latest").read_text() == "t1"
+    ck.cleanup()
+
+
 # ------------------------------------------------------------------------------- on the GPU
 # ~1 s at ~1.8 GHz: the save's copies start after DeepSpeed's host work has queued the next step
 SLEEP_CYCLES = 2_000_000_000
@@ -448,14 +577,15 @@ def test_gpu_optimizer_ordering_keeps_the_save_step(tmp_path, monkeypatch, order
         deepspeed.init_distributed(dist_backend="nccl")
     original_init = staging.DeviceCopier.__init__
 
-    def delayed_copier(self, device) -> None:
-        original_init(self, device)
+    def delayed_copier(self, device, after=None) -> None:
+        original_init(self, device, after)
         with torch.cuda.stream(self.stream):
             torch.cuda._sleep(SLEEP_CYCLES)  # the copies start after the trainer's next kernels are queued
 
     monkeypatch.setattr(staging.DeviceCopier, "__init__", delayed_copier)
     if not ordered:
         def no_order(self, stream=None) -> int:
+            self._collect_staging()  # the stager has enqueued the copies; nothing waits for them
             self._unordered.clear()
             return 0
 
@@ -485,8 +615,8 @@ def test_gpu_optimizer_ordering_keeps_the_save_step(tmp_path, monkeypatch, order
         step(1)
         saved = _live(engine)
         engine.save_checkpoint(str(tmp_path / "ckpt"), tag="g")
-        pending = len(ck._unordered)
-        staged_at_return = all(j.staged.done() for j in ck._jobs)
+        pending = len(ck._staging) + len(ck._unordered)  # being laid out, or copies enqueued
+        staged_at_return = bool(ck._jobs) and all(j.staged.done() for j in list(ck._jobs))
         step(2)  # forward writes the buffers, the optimizer every other saved tensor
         ordered_after_step = not ck._unordered
         live = _live(engine)
