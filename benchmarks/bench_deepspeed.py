@@ -32,6 +32,9 @@ honest figure for engines whose work continues after the call returns (cpuckpt-z
 * cpuckpt-zero (``ordering: optimizer``): ``save_checkpoint`` returns once the device-to-host copies
   are enqueued; the next forward and backward overlap them and the next optimizer step waits for them
   on the GPU (no host block). Its cost shows in the next step, hence **lost**.
+* cpuckpt-zero-d2d: the same with ``staging: {device_snapshot: true}``: the save's GPU bytes are copied into
+  spare device memory first, the next optimizer step waits for that copy only, and the copies to the host
+  read it.
 * decoupled: DeepSpeed's own ``DecoupledCheckpointEngine`` (``"checkpoint": {"writer": {"decoupled":
   true, "type": ..., "data_parallel": "replica"}}``; 0.19.8 raises without ``data_parallel``), built
   here through DeepSpeed's ``create_checkpoint_engine`` with that writer config (and the launcher's
@@ -53,8 +56,9 @@ thread (``prepare_pool``, sized from the live tensors); the bench keeps training
 (**prepare** row: bytes, seconds, steps run meanwhile and their median), so every cpuckpt rep 0
 (listed apart as "first") is the first save of a run that prepared its pool.
 
-"next step" is the first step after the save (cpuckpt-blocking, decoupled: it includes the commit wait;
-cpuckpt-zero: the GPU-side wait for the copies), "steady" the median of the following ones, "alone" the
+"next step" is the first step after the save, timed from the moment the save returned, with no
+synchronisation before it (cpuckpt-blocking, decoupled: it includes the commit wait; cpuckpt-zero: the
+GPU-side wait for the copies still running), "steady" the median of the following ones, "alone" the
 median step time with no checkpoint in flight. Run the new variants with, e.g.::
 
     python3 -m benchmarks.bench_deepspeed --engines torch,cpuckpt,cpuckpt-zero,decoupled --reps 2 --out $OUT
@@ -93,7 +97,7 @@ from benchmarks.common import GB, ResultLog, fsync_tree, median, named_tensors, 
 
 REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("bench_deepspeed")
-ENGINES = ("torch", "cpuckpt", "cpuckpt-zero", "cpuckpt-blocking", "decoupled")
+ENGINES = ("torch", "cpuckpt", "cpuckpt-zero", "cpuckpt-zero-d2d", "cpuckpt-blocking", "decoupled")
 
 
 # ----------------------------------------------------------------------------------------- model
@@ -234,11 +238,16 @@ class Bench:
                     checkpoint_engine=type(engine.checkpoint_engine).__name__, cpuckpt_checksum=a.checksum)
         return engine
 
-    def step(self, engine: Any, k: int) -> float:
+    def step(self, engine: Any, k: int, *, sync_first: bool = True) -> float:
+        """One training step, timed until the device is idle. ``sync_first=False`` (the step right after a
+        save) starts the clock at once: a synchronisation before it would wait, untimed, for the save's
+        copies still running on the side stream."""
+        t0 = time.perf_counter()
         g = torch.Generator(device=self.device).manual_seed(k)
         ids = torch.randint(0, self.args.vocab, (self.args.micro_batch, self.args.seq), device=self.device, generator=g)
-        self.sync()
-        t0 = time.perf_counter()
+        if sync_first:
+            self.sync()
+            t0 = time.perf_counter()
         loss = engine(ids)
         engine.backward(loss)
         engine.step()
@@ -304,7 +313,7 @@ class Bench:
                 ck.last_collect_s = 0.0
             for _ in range(self.args.next_steps):
                 counter[0] += 1
-                steps.append(self.step(engine, counter[0]))
+                steps.append(self.step(engine, counter[0], sync_first=bool(steps)))
                 if len(steps) == 1:  # cpuckpt, deferred layout: what the next step waited for the stager
                     stager_wait = getattr(ck, "last_collect_s", None)
             if label.startswith("cpuckpt"):
@@ -398,6 +407,7 @@ class Bench:
                 self.run_engine(engine, "torch", a.reps, root, counter)
             settings = {"async": True, "io": {"threads": a.io_threads}, "integrity": {"checksum": a.checksum}}
             variants = {"cpuckpt": settings, "cpuckpt-zero": dict(settings, ordering="optimizer"),
+                        "cpuckpt-zero-d2d": dict(settings, ordering="optimizer", staging={"device_snapshot": True}),
                         "cpuckpt-blocking": dict(settings, background_commit=False)}
             attached = False
             if a.verify or any(v in a.engines for v in variants):

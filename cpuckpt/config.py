@@ -118,6 +118,11 @@ class StagingConfig:
                                  "flight, so a trainer's small copies (.item()) wait behind it, not behind the "
                                  "whole save: for copies overlapping training (ordering stream/optimizer).",
                                  size=True, min=0)
+    device_snapshot: bool = _opt(False, "Copy a snapshot save's GPU bytes into spare device memory first "
+                                 "(device-to-device, at memory speed), then to the host from there: the GPU-side "
+                                 "ordering of the trainer's next writes (ordering stream/optimizer) then waits for "
+                                 "that copy only, not for PCIe. Costs device memory as large as those bytes, kept "
+                                 "for later saves.")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
+from cpuckpt.transfer.device_snapshot import DeviceSnapshot, snapshot_sources
+from cpuckpt.transfer.device_snapshot import release as release_snapshot
 from cpuckpt.transfer.files import FileBackend, fsync_dir, get_backend
 from cpuckpt.transfer.staging import (
     CopyFence,
@@ -123,6 +125,7 @@ class SaveJob:
         # GPU sources: the end of the device-to-host copies enqueued so far (``AsyncSaveHandle.wait_stream``).
         # None: no device copies, so every byte is copied by host threads (``staged``).
         self.fence: CopyFence | None = None
+        self._snapshot: DeviceSnapshot | None = None  # staging.device_snapshot: the device buffer it copied into
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -195,17 +198,34 @@ class SaveJob:
         # had taken the GIL from the caller).
         pool = self._require(self._pool)
         slots = pool.lease_each(len(self._chunks), self.cfg.timeout_s, cancel=self._cancel)
+        if self.cfg.staging.device_snapshot and self._chunks:
+            # The trainer's tensors are read by one device-to-device copy; ordering waits for it only, and
+            # the copies to the host read the snapshot (transfer.device_snapshot).
+            try:
+                self.sources, self._snapshot = snapshot_sources(self.sources, device, copier.stream,
+                                                                torch.cuda.current_stream(device))
+                fence.event = copier.record()
+            except BaseException:
+                for slot in slots:
+                    pool.release(slot)
+                raise
         if self.cfg.staging.d2h_window_bytes and self._chunks:
-            fence.enqueuing()
+            if self._snapshot is None:
+                fence.enqueuing()
             self._submit_pending(f"cpuckpt-d2h-feed-{self.rank}", self._feed_then_write, copier, slots)
             return
         try:
-            fence.event = self._enqueue_snapshot(copier, slots, None)
+            last = self._enqueue_snapshot(copier, slots, None)
         except BaseException:
+            release_snapshot(self._snapshot, None)  # enqueue waited for what it had enqueued
             for slot in slots:
                 pool.release(slot)
             raise
-        self._submit_waiter(fence.event, slots)
+        if self._snapshot is None:
+            fence.event = last
+        else:
+            release_snapshot(self._snapshot, last)
+        self._submit_waiter(last, slots)
 
     def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot], window: CopyWindow | None) -> Any:
         """Enqueue every chunk's copies into its slot (:meth:`DeviceCopier.enqueue`); the event after the last."""
@@ -219,7 +239,10 @@ class SaveJob:
         except BaseException as e:
             self._fail(e)
         finally:
-            self._require(self.fence).finish(last)
+            if self._snapshot is None:
+                self._require(self.fence).finish(last)
+            else:  # the fence is the device-to-device copy's; a failed enqueue waited for its copies
+                release_snapshot(self._snapshot, last)
         self._wait_then_write(last, slots)
 
     def _enqueue_streaming(self, copier: DeviceCopier, order: LeaseOrder) -> None:

@@ -92,14 +92,14 @@ def _differing_tensors(got: dict, want: dict) -> list[str]:
             if isinstance(v, torch.Tensor) and not torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))]
 
 
-def _cfg(window: int = 0) -> dict:
-    return {**CFG, "staging": {**CFG["staging"], "d2h_window_bytes": window}}
+def _cfg(window: int = 0, device_snapshot: bool = False) -> dict:
+    return {**CFG, "staging": {**CFG["staging"], "d2h_window_bytes": window, "device_snapshot": device_snapshot}}
 
 
 def _save_and_mutate(sd: dict, path: Path, *, order: bool, images: ImageSet | None = None,
-                     window: int = 0) -> cpuckpt.AsyncSaveHandle:
+                     window: int = 0, device_snapshot: bool = False) -> cpuckpt.AsyncSaveHandle:
     torch.cuda._sleep(SLEEP_CYCLES)  # everything below is queued before any of it runs
-    h = cpuckpt.async_save(sd, path, _cfg(window), ordering="stream", images=images)
+    h = cpuckpt.async_save(sd, path, _cfg(window, device_snapshot), ordering="stream", images=images)
     assert h.copies_on_device
     with torch.no_grad():
         _ = sd["big"].sum()  # a read-only kernel: may overlap the copies
@@ -127,6 +127,42 @@ def test_mutations_after_wait_stream_are_not_saved(tmp_path: Path, ram_dir: Path
     assert got["meta"] == {"step": 7}
     if images is not None:
         images.close()
+
+
+@pytest.mark.parametrize("window", [0, 32 << 20], ids=["all-at-once", "windowed"])
+def test_device_snapshot_orders_after_the_device_copy_only(tmp_path: Path, monkeypatch, window: int) -> None:
+    """``staging.device_snapshot``: the copies to the host are held back ~1 s on the side stream (a sleep
+    queued before them, after the device-to-device copy); the mutation after ``wait_stream`` runs before
+    they do (the trainer's stream is done while the save is not staged), and the checkpoint still holds the
+    save's values bit-exact: the host copies read the snapshot. A second save reuses the device buffer."""
+    from cpuckpt.transfer import device_snapshot, staging
+
+    original = staging.DeviceCopier.enqueue
+
+    def held_back(self, *args, **kwargs):
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(20 * SLEEP_CYCLES)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(staging.DeviceCopier, "enqueue", held_back)
+    sd = _state()
+    want = _expected(sd)
+    h = _save_and_mutate(sd, tmp_path / "ckpt", order=True, window=window, device_snapshot=True)
+    t0 = time.perf_counter()
+    torch.cuda.current_stream().synchronize()
+    trainer_s = time.perf_counter() - t0
+    staged_then = h._writer.job.staged.done()
+    h.wait()
+    assert trainer_s < 0.5 and not staged_then, (trainer_s, staged_then)
+    torch.cuda.synchronize()
+    assert _differing_tensors(_expected(sd), want) == [k for k, v in want.items() if isinstance(v, torch.Tensor)]
+    got = _checkpoint(tmp_path / "ckpt", want)
+    assert _differing_tensors(got, want) == [], "the checkpoint holds values written after the device copy"
+    kept = len(device_snapshot._BUFFERS)
+    want2 = _expected(sd)
+    cpuckpt.async_save(sd, tmp_path / "again", _cfg(window, True), ordering="stream").wait()
+    assert len(device_snapshot._BUFFERS) == kept and _differing_tensors(_checkpoint(tmp_path / "again", want2),
+                                                                        want2) == []
 
 
 def test_without_wait_stream_the_checkpoint_is_torn(tmp_path: Path) -> None:
