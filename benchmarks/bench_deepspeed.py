@@ -12,11 +12,13 @@ parameter, ~13.6 GB for the default ~0.97 B parameters.
 
 For each engine, in the same process and on the same training state (the engine is built once with
 DeepSpeed's default engine, then switched with ``cpuckpt.integrations.deepspeed.attach``), each
-repetition does: one training step (it ends GPU-synchronised); ``engine.save_checkpoint(fresh_dir,
-tag)``, timed from the call to its return with nothing synchronised around it (**stall**: the time
-the training thread cannot run); then ``--next-steps`` training steps, each timed (synchronised at
-its end). **lost** = stall + (next step - step alone): what the save cost the training loop, the
-honest figure for engines whose work continues after the call returns (cpuckpt-zero, decoupled).
+repetition does: one training step (it ends with the trainer's stream synchronised);
+``engine.save_checkpoint(fresh_dir, tag)``, timed from the call to its return with nothing synchronised
+around it (**stall**: the time the training thread cannot run); then ``--next-steps`` training steps,
+each timed until the trainer's stream is done (not the whole device: copies on a save's side stream
+count only where the trainer's kernels wait for them). **lost** = stall + (next step - step alone): what
+the save cost the training loop, the honest figure for engines whose work continues after the call
+returns (cpuckpt-zero, decoupled).
 
 * torch (DeepSpeed's ``TorchCheckpointEngine``): ``torch.save`` per file, synchronous, no fsync.
   **persist** = stall + fsync of its files and directory right after the save (what durability
@@ -193,8 +195,10 @@ class Bench:
         self.device = torch.device("cuda", 0) if self.cuda else torch.device("cpu")
 
     def sync(self) -> None:
+        """Wait for the trainer's stream (what its next step waits for), not the whole device: a save's
+        copies on a side stream count only where the trainer's kernels wait for them."""
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
 
     # -- set-up ------------------------------------------------------------------------------------
     def init_distributed(self) -> None:
@@ -291,7 +295,7 @@ class Bench:
             save_calls.clear()
             profiled = rep in (0, reps - 1) and label != "torch"
             prof = cProfile.Profile() if self.args.profile and profiled else None
-            t0 = time.perf_counter()  # the step before ended synchronised; nothing more is (see the docstring)
+            t0 = time.perf_counter()  # the step before ended with its stream synchronised (see the docstring)
             if prof is not None:
                 prof.enable()
             engine.save_checkpoint(str(save_dir), tag="t")

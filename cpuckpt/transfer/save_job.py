@@ -205,6 +205,9 @@ class SaveJob:
                 self.sources, self._snapshot = snapshot_sources(self.sources, device, copier.stream,
                                                                 torch.cuda.current_stream(device))
                 fence.event = copier.record()
+                if self.cfg.staging.d2h_window_bytes:  # a feeder copies host bytes after the call, and the
+                    # fence (so wait_stream) no longer waits for it: CPU sources are cloned now
+                    self.sources = [s.clone() if s is not None and not s.is_cuda else s for s in self.sources]
             except BaseException:
                 for slot in slots:
                     pool.release(slot)
