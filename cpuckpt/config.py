@@ -31,6 +31,7 @@ __all__ = [
     "TelemetryConfig",
     "build_options",
     "load_yaml_mapping",
+    "overlap_window",
     "parse_bytes",
     "resolve_config",
 ]
@@ -398,3 +399,15 @@ def resolve_config(config: Config | str | os.PathLike | dict | None) -> Config:
     if config is None or isinstance(config, dict):
         return Config.from_dict(config)
     return Config.from_yaml(config)
+
+
+OVERLAP_WINDOW_BYTES = 256 * _MiB
+
+
+def overlap_window(core: Config) -> Config:
+    """``core`` for saves whose copies overlap the next training step (the adapters' ``ordering: optimizer``):
+    ``staging.d2h_window_bytes`` left 0 becomes 256 MiB, so the step's own small device-to-host copies
+    (``.item()``) wait behind at most that much on the copy engine, not behind the whole save."""
+    if core.staging.d2h_window_bytes:
+        return core
+    return dataclasses.replace(core, staging=dataclasses.replace(core.staging, d2h_window_bytes=OVERLAP_WINDOW_BYTES))

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuckpt.config import Config, build_options, load_yaml_mapping
+from cpuckpt.config import Config, build_options, load_yaml_mapping, overlap_window
 from cpuckpt.errors import ConfigError
 
 __all__ = ["AdapterOptions", "Settings", "resolve_settings"]
@@ -53,11 +53,13 @@ class AdapterOptions:
             False: that step waits until the checkpoint is durable (DeepSpeed's own decoupled timing).
         ordering: with ``async_save``, when ``save()`` returns. ``host`` (default): once every byte is
             in the host pool (the trainer then stalls for the whole device-to-host copy).
-            ``optimizer`` (zero-stall): once the device-to-host copies are *enqueued* (CPU tensors and
-            non-tensor values are copied before the return); the module's saved buffers are cloned on
-            the GPU at save time, and the next optimizer step of the DeepSpeed engine first makes its
-            current CUDA stream wait for the copies (a GPU-side wait: forward and backward overlap
-            them). See :mod:`cpuckpt.integrations.deepspeed` for the contract.
+            ``optimizer`` (zero-stall): once the state is frozen (containers copied, CPU tensors
+            cloned; a stager thread then lays the file out and enqueues the device-to-host copies);
+            the module's saved buffers are cloned on the GPU at save time, and the next optimizer
+            step of the DeepSpeed engine first makes its current CUDA stream wait for the copies (a
+            GPU-side wait: forward and backward overlap them). A thread keeps 256 MiB of copies in
+            flight (``staging.d2h_window_bytes`` left 0), so the step's ``.item()`` waits behind no
+            more. See :mod:`cpuckpt.integrations.deepspeed` for the contract.
         prepare_pool: with ``async_save``, size this rank's checkpoint after the engine's first
             optimizer step and create (pre-touch, pin) the host pool for it in a background thread,
             so that the first save is as fast as later ones. False: the first save allocates it.
@@ -167,4 +169,6 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
             core = Config.from_dict(core_data, source=source)
         except ConfigError as e:
             raise ConfigError(f"{e} (the adapter's own keys: {', '.join(_OWN_KEYS)})") from e
+    if options.ordering == "optimizer" and options.async_save:
+        core = overlap_window(core)  # the step's .item() would wait behind the whole save's copies
     return Settings(**{name: getattr(options, name) for name in _OWN_FIELDS.values()}, core=core)

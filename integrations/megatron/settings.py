@@ -14,13 +14,12 @@ Every entry point that takes a ``config`` (``save_strategy``, ``load_strategy``,
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuckpt.config import Config, build_options, load_yaml_mapping
+from cpuckpt.config import Config, build_options, load_yaml_mapping, overlap_window
 from cpuckpt.errors import ConfigError
 
 __all__ = ["BLOCK", "ENV_PREFIX", "MegatronOptions", "resolve_core", "resolve_options", "split_config"]
@@ -111,15 +110,10 @@ def split_config(config: Config | Mapping[str, Any] | str | os.PathLike | None) 
     return _windowed(core, options), options
 
 
-ORDERING_WINDOW_BYTES = 256 << 20
-
-
 def _windowed(core: Config, options: MegatronOptions) -> Config:
     """``ordering: optimizer`` overlaps the copies with an iteration whose ``.item()`` calls would otherwise
-    wait behind the whole save on the copy engine: ``staging.d2h_window_bytes`` 0 becomes 256 MiB."""
-    if options.ordering != "optimizer" or core.staging.d2h_window_bytes:
-        return core
-    return dataclasses.replace(core, staging=dataclasses.replace(core.staging, d2h_window_bytes=ORDERING_WINDOW_BYTES))
+    wait behind the whole save on the copy engine (:func:`cpuckpt.config.overlap_window`)."""
+    return overlap_window(core) if options.ordering == "optimizer" else core
 
 
 @dataclass(frozen=True)

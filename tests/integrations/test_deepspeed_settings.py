@@ -123,3 +123,16 @@ def test_environment_overrides(monkeypatch):
     monkeypatch.setenv("CPUCKPT_DEEPSPEED_BACKGROUND_COMMIT", "maybe")
     with pytest.raises(ConfigError, match="CPUCKPT_DEEPSPEED_BACKGROUND_COMMIT"):
         resolve_settings(None)
+
+
+def test_ordering_optimizer_keeps_a_copy_window():
+    """``ordering: optimizer``: ``staging.d2h_window_bytes`` left 0 becomes 256 MiB (the step's ``.item()``
+    would wait behind the whole save's copies on the copy engine); a value given is kept; ``host`` keeps 0."""
+    from cpuckpt.config import OVERLAP_WINDOW_BYTES
+
+    window = resolve_settings({"ordering": "optimizer"}).core.staging.d2h_window_bytes
+    assert window == OVERLAP_WINDOW_BYTES == 256 << 20
+    given = {"ordering": "optimizer", "staging": {"d2h_window_bytes": "16MiB"}}
+    assert resolve_settings(given).core.staging.d2h_window_bytes == 16 << 20
+    assert resolve_settings({}).core.staging.d2h_window_bytes == 0
+    assert resolve_settings({"ordering": "optimizer", "async": False}).core.staging.d2h_window_bytes == 0
