@@ -11,7 +11,9 @@ reach, in one walk on the call path, so the rest can run on another thread:
   tuples: new containers;
 - CUDA tensors (plain tensors and parameters): the same objects. The next optimizer step's GPU-side
   ordering covers them as before; the copies wait for an event recorded now, not for the stream at the
-  time they are enqueued (which would also wait for the next forward and backward);
+  time they are enqueued (which would also wait for the next forward and backward). A tensor that is not
+  contiguous (or has a lazy conjugate or negative bit) is cloned contiguous now, on the current stream:
+  the layout would otherwise make that copy later, on a stream the copies do not wait for;
 - CPU plain tensors: clones (at most ``max_cpu_bytes`` in all; more is refused, and the caller copies
   them into the host pool on the call path as before);
 - immutable values (numbers, strings, bytes, None, enum members, torch dtypes, devices, sizes, classes
@@ -144,7 +146,14 @@ class _Walker:
                 self.device = t.device
             elif t.device != self.device:
                 raise NotFreezable(f"CUDA tensors on {self.device} and {t.device}")
-            return t
+            if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+                return t
+            # Laying it out would make it contiguous with a kernel on the stager's stream, which the copies
+            # (waiting for the event of the call) would not wait for: made contiguous now, on this stream.
+            if type(t) is not torch.Tensor:
+                raise NotFreezable("a CUDA parameter that is not contiguous")
+            out = t.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+            return out.requires_grad_(True) if t.requires_grad else out
         if t.device.type != "cpu" or type(t) is not torch.Tensor:
             raise NotFreezable(f"a {type(t).__qualname__} on {t.device}")
         self.cpu_bytes += t.numel() * t.element_size()
