@@ -254,6 +254,8 @@ def table(floor_d2h: float) -> str:
         if err:
             rows.append([f"bench state: {name}", "error", err[0]["error"][:60], "-", "-"])
             continue
+        if not runs:  # --parts without the bench state
+            continue
         b = summarize([r["blocked_s"] for r in runs])
         c = summarize([r["copies_done_s"] for r in runs])
         rows.append([f"bench state: {name}", f"{b['median']:.4f} ({b['min']:.4f}-{b['max']:.4f})",
