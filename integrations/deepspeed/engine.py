@@ -474,6 +474,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             self.commit(self._info)
         self.wait()
         self._join_prepare()
+        for name in ("_stager", "_committer"):  # idle now: their threads end (a later save starts new ones)
+            executor = getattr(self, name)
+            if executor is not None:
+                executor.shutdown(wait=False)
+                setattr(self, name, None)
 
     def preserves_storage_sharing(self) -> bool:
         # Each tensor is written as its own compact storage (torchfile proxies), so DeepSpeed need
