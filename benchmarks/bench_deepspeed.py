@@ -36,7 +36,12 @@ returns (cpuckpt-zero, decoupled).
   on the GPU (no host block). Its cost shows in the next step, hence **lost**.
 * cpuckpt-zero-d2d: the same with ``staging: {device_snapshot: true}``: the save's GPU bytes are copied into
   spare device memory first, the next optimizer step waits for that copy only, and the copies to the host
-  read it.
+  read it. On a GPU, a **d2d_probe** row first times that device-to-device copy alone over the engine's state.
+
+Every save's record holds ``next_step_phases_s``: the host time of the first step after it, by part
+(forward, backward, step; inside the step the checkpoint engine's ``order_pending``, DeepSpeed's
+``_commit_decoupled_checkpoint`` with its barrier, ``_take_model_step``; the final synchronisation), so a
+step that waits shows where.
 * decoupled: DeepSpeed's own ``DecoupledCheckpointEngine`` (``"checkpoint": {"writer": {"decoupled":
   true, "type": ..., "data_parallel": "replica"}}``; 0.19.8 raises without ``data_parallel``), built
   here through DeepSpeed's ``create_checkpoint_engine`` with that writer config (and the launcher's
@@ -75,6 +80,7 @@ markdown table; raw results go to ``--out`` (a ``.json`` path, or a directory to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import importlib.util
 import io
@@ -88,6 +94,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +186,32 @@ def _detached(obj: Any) -> Any:
     return obj
 
 
+@contextlib.contextmanager
+def timed_methods(phases: dict[str, float], methods: list[tuple[Any, str]]) -> Iterator[None]:
+    """Within the block, each ``obj.name`` (an instance attribute shadowing the method) adds its host time
+    to ``phases[name]``; the instances are left as they were afterwards."""
+    installed = []
+    for obj, name in methods:
+        if obj is None or not hasattr(obj, name) or name in vars(obj):
+            continue
+        original = getattr(obj, name)
+
+        def timed(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                phases[_name] = phases.get(_name, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, timed)
+        installed.append((obj, name))
+    try:
+        yield
+    finally:
+        for obj, name in installed:
+            delattr(obj, name)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -242,20 +275,37 @@ class Bench:
                     checkpoint_engine=type(engine.checkpoint_engine).__name__, cpuckpt_checksum=a.checksum)
         return engine
 
-    def step(self, engine: Any, k: int, *, sync_first: bool = True) -> float:
-        """One training step, timed until the device is idle. ``sync_first=False`` (the step right after a
-        save) starts the clock at once: a synchronisation before it would wait, untimed, for the save's
-        copies still running on the side stream."""
+    def step(self, engine: Any, k: int, *, sync_first: bool = True, phases: dict[str, float] | None = None
+             ) -> float:
+        """One training step, timed until the trainer's stream is done. ``sync_first=False`` (the step right
+        after a save) starts the clock at once: a synchronisation before it would wait, untimed, for the
+        save's copies still running on the side stream. ``phases`` gets the host time of each part: forward,
+        backward, step (and inside it the checkpoint engine's ordering, DeepSpeed's decoupled commit with its
+        barrier, the model step) and the final synchronisation: where the host waited."""
         t0 = time.perf_counter()
         g = torch.Generator(device=self.device).manual_seed(k)
         ids = torch.randint(0, self.args.vocab, (self.args.micro_batch, self.args.seq), device=self.device, generator=g)
         if sync_first:
             self.sync()
             t0 = time.perf_counter()
-        loss = engine(ids)
-        engine.backward(loss)
-        engine.step()
-        self.sync()
+        if phases is None:
+            loss = engine(ids)
+            engine.backward(loss)
+            engine.step()
+            self.sync()
+            return time.perf_counter() - t0
+        inner = [(engine.checkpoint_engine, "order_pending"), (engine, "_commit_decoupled_checkpoint"),
+                 (engine, "_take_model_step")]
+        with timed_methods(phases, inner):
+            t = time.perf_counter()
+            loss = engine(ids)
+            phases["forward"], t = time.perf_counter() - t, time.perf_counter()
+            engine.backward(loss)
+            phases["backward"], t = time.perf_counter() - t, time.perf_counter()
+            engine.step()
+            phases["step"], t = time.perf_counter() - t, time.perf_counter()
+            self.sync()
+            phases["sync"] = time.perf_counter() - t
         return time.perf_counter() - t0
 
     # -- measurements ------------------------------------------------------------------------------
@@ -315,9 +365,10 @@ class Bench:
             stager_wait = None
             if hasattr(ck, "last_collect_s"):
                 ck.last_collect_s = 0.0
+            phases: dict[str, float] = {}
             for _ in range(self.args.next_steps):
                 counter[0] += 1
-                steps.append(self.step(engine, counter[0], sync_first=bool(steps)))
+                steps.append(self.step(engine, counter[0], sync_first=bool(steps), phases=None if steps else phases))
                 if len(steps) == 1:  # cpuckpt, deferred layout: what the next step waited for the stager
                     stager_wait = getattr(ck, "last_collect_s", None)
             if label.startswith("cpuckpt"):
@@ -335,7 +386,7 @@ class Bench:
                         engine_saves=len(save_calls), lost_s=lost, persist_s=persist, bytes=nbytes,
                         GBps=nbytes / persist / GB, next_step_s=steps[0] if steps else None,
                         steady_step_s=median(steps[1:]), steps_s=steps,
-                        stager_wait_s=stager_wait)
+                        stager_wait_s=stager_wait, next_step_phases_s=phases)
             prev = save_dir
         if prev is not None:
             shutil.rmtree(prev, ignore_errors=True)
@@ -420,6 +471,11 @@ class Bench:
                 attached = True
             if a.verify:
                 self.verify(engine, root, counter, settings)
+            if "cpuckpt-zero-d2d" in a.engines and self.cuda:
+                try:
+                    self.d2d_probe(engine)
+                except Exception as e:  # a probe, not a result: the variants still run
+                    self.record("d2d_probe", error=repr(e))
             for label, st in variants.items():
                 if label in a.engines:
                     if st is not settings or not attached:
@@ -438,6 +494,27 @@ class Bench:
             engine.destroy()
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+    def d2d_probe(self, engine: Any, reps: int = 3) -> None:
+        """The device snapshot's device-to-device copy (``transfer.device_snapshot``, the code a
+        ``device_snapshot`` save runs) over this engine's GPU state, timed alone on an idle device."""
+        from cpuckpt.transfer.device_snapshot import release, snapshot_sources
+        from cpuckpt.transfer.staging import flat_bytes
+
+        state = {"module": engine.module.state_dict(), "optim": engine.optimizer.state_dict()}
+        sources = [flat_bytes(t) for t in named_tensors(state).values() if t.is_cuda]
+        nbytes = sum(t.numel() for t in sources)
+        device = sources[0].device
+        stream = torch.cuda.Stream(device=device)
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            _, snap = snapshot_sources(sources, device, stream, torch.cuda.current_stream(device))
+            stream.synchronize()
+            times.append(time.perf_counter() - t)
+            release(snap, None)
+        self.record("d2d_probe", bytes=nbytes, tensors=len(sources), s=times, GBps=nbytes / median(times) / GB)
 
     def prepare(self, engine: Any, counter: list[int]) -> None:
         """Train on while cpuckpt prepares the host pool in the background (``prepare_pool``); record it."""
