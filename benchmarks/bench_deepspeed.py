@@ -102,7 +102,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import GB, ResultLog, fsync_tree, median, named_tensors, same_tensor, tree_nbytes
+from benchmarks.common import (
+    GB,
+    ResultLog,
+    fsync_tree,
+    median,
+    named_tensors,
+    same_tensor,
+    tree_nbytes,
+    with_time_spent,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 logger = logging.getLogger("bench_deepspeed")
@@ -194,16 +203,7 @@ def timed_methods(phases: dict[str, float], methods: list[tuple[Any, str]]) -> I
     for obj, name in methods:
         if obj is None or not hasattr(obj, name) or name in vars(obj):
             continue
-        original = getattr(obj, name)
-
-        def timed(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                phases[_name] = phases.get(_name, 0.0) + time.perf_counter() - t
-
-        setattr(obj, name, timed)
+        setattr(obj, name, with_time_spent(getattr(obj, name), name, phases))
         installed.append((obj, name))
     try:
         yield

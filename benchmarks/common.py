@@ -72,6 +72,7 @@ __all__ = [
     "summarize",
     "timed_call",
     "tree_nbytes",
+    "with_time_spent",
 ]
 
 logger = logging.getLogger(__name__)
@@ -277,6 +278,19 @@ def named_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------- measurement
+
+
+def with_time_spent(fn: Callable[..., Any], name: str, spent: dict[str, float]) -> Callable[..., Any]:
+    """``fn``, adding the seconds spent in each call to ``spent[name]`` (to time a method from outside)."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+    return timed
 
 
 def device_sync() -> None:

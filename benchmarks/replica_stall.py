@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import summarize
+from benchmarks.common import summarize, with_time_spent
 
 TIMEOUT_S = 60
 METRICS = ("request", "returned", "stall", "commit", "replicated")
@@ -118,16 +118,7 @@ def worker(argv: list[str]) -> int:
 
 def _time_method(obj: Any, name: str, spent: dict[str, float]) -> None:
     """Add the seconds spent in ``obj.name`` to ``spent[name]`` (the benchmark's own wrapper; obj is unchanged)."""
-    inner = getattr(obj, name)
-
-    def timed(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **kw)
-        finally:
-            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
-
-    setattr(obj, name, timed)
+    setattr(obj, name, with_time_spent(getattr(obj, name), name, spent))
 
 
 def _free_port() -> int:
