@@ -362,15 +362,10 @@ class Bench:
                 fsync_tree(save_dir)
                 persist = time.perf_counter() - t0
             steps = []
-            stager_wait = None
-            if hasattr(ck, "last_collect_s"):
-                ck.last_collect_s = 0.0
             phases: dict[str, float] = {}
             for _ in range(self.args.next_steps):
                 counter[0] += 1
                 steps.append(self.step(engine, counter[0], sync_first=bool(steps), phases=None if steps else phases))
-                if len(steps) == 1:  # cpuckpt, deferred layout: what the next step waited for the stager
-                    stager_wait = getattr(ck, "last_collect_s", None)
             if label.startswith("cpuckpt"):
                 self.adapter.commit_pending(engine)  # after the timed steps: a background commit ends here
                 persist = commit_end[0] - t0 if commit_end else time.perf_counter() - t0
@@ -386,7 +381,7 @@ class Bench:
                         engine_saves=len(save_calls), lost_s=lost, persist_s=persist, bytes=nbytes,
                         GBps=nbytes / persist / GB, next_step_s=steps[0] if steps else None,
                         steady_step_s=median(steps[1:]), steps_s=steps,
-                        stager_wait_s=stager_wait, next_step_phases_s=phases)
+                        next_step_phases_s=phases)
             prev = save_dir
         if prev is not None:
             shutil.rmtree(prev, ignore_errors=True)

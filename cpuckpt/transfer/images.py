@@ -49,7 +49,7 @@ from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
 from cpuckpt.transfer.save_job import _Stats
-from cpuckpt.transfer.staging import CopyFence, CopyWindow, DeviceCopier, Slot, fill_chunk
+from cpuckpt.transfer.staging import CopyFence, CopyWindow, DeviceCopier, Slot, fill_chunk, own_host_sources
 from cpuckpt.transfer.threads import run_parallel, shared_executor, wait_future
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -520,6 +520,7 @@ class ImageJob:
         copier.protect(self.sources)
         fence = self.fence = CopyFence(device, self.cfg.timeout_s)
         if self.cfg.staging.d2h_window_bytes:  # a thread enqueues, a window ahead (SaveJob._enqueue_snapshot)
+            self.sources = own_host_sources(self.sources)  # it copies host bytes after the call
             fence.enqueuing()
             self._submit_copy_task(copier, f"cpuckpt-d2h-feed-{self.rank}", self._feed_copies, copier)
             return

@@ -45,6 +45,7 @@ from cpuckpt.transfer.staging import (
     Slot,
     fill_chunk,
     get_pool,
+    own_host_sources,
 )
 from cpuckpt.transfer.threads import shared_executor, wait_future
 from cpuckpt.transfer.tracing import nvtx_range
@@ -205,14 +206,12 @@ class SaveJob:
                 self.sources, self._snapshot = snapshot_sources(self.sources, device, copier.stream,
                                                                 torch.cuda.current_stream(device))
                 fence.event = copier.record()
-                if self.cfg.staging.d2h_window_bytes:  # a feeder copies host bytes after the call, and the
-                    # fence (so wait_stream) no longer waits for it: CPU sources are cloned now
-                    self.sources = [s.clone() if s is not None and not s.is_cuda else s for s in self.sources]
             except BaseException:
                 for slot in slots:
                     pool.release(slot)
                 raise
         if self.cfg.staging.d2h_window_bytes and self._chunks:
+            self.sources = own_host_sources(self.sources)  # the feeder copies host bytes after the call
             if self._snapshot is None:
                 fence.enqueuing()
             self._submit_pending(f"cpuckpt-d2h-feed-{self.rank}", self._feed_then_write, copier, slots)

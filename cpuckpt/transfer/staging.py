@@ -36,7 +36,7 @@ from cpuckpt.transfer.fillplan import FillProgram
 
 __all__ = [
     "CopyFence", "CopyWindow", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "fill_chunk", "flat_bytes", "get_pool",
-    "pool_state", "release_pool",
+    "own_host_sources", "pool_state", "release_pool",
 ]
 
 logger = logging.getLogger(__name__)
@@ -275,6 +275,13 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.reshape(-1).view(torch.uint8)
+
+
+def own_host_sources(sources: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``sources`` with every CPU tensor cloned, for copies a feeder thread makes after the call returned
+    (``staging.d2h_window_bytes``): the caller may change its CPU tensors at once (the ordering contract),
+    and nothing else makes it wait for the feeder before that."""
+    return [s.clone() if s is not None and not s.is_cuda else s for s in sources]
 
 
 def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None],

@@ -158,7 +158,6 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._memory_cfg = _memory_config(self.settings.core) if self.settings.memory_dir else None
         self._memory_checked = False
         self.last_save_s = 0.0
-        self.last_collect_s = 0.0  # how long the last wait for the stager thread took (deferred saves)
         self.last_commit_s = 0.0
         # ordering optimizer: jobs whose device copies no GPU work has been ordered after yet
         self._unordered: list[SaveJob] = []
@@ -290,20 +289,16 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         logger.debug("rank %d: %s laid out and staged after the call in %.3f s", rank, target,
                      time.perf_counter() - t0)
 
-    def _collect_staging(self, timeout: float | None = None) -> None:
+    def _collect_staging(self) -> None:
         """Wait until the stager thread has started every deferred save (their copies are enqueued)."""
         futures, self._staging = self._staging, []
-        if not futures:
-            return
-        t0 = time.perf_counter()
         for i, fut in enumerate(futures):
             try:
-                wait_future(fut, self.settings.core.timeout_s if timeout is None else timeout,
+                wait_future(fut, self.settings.core.timeout_s,
                             "laying out and staging a DeepSpeed checkpoint file after its save() returned")
             except BaseException:
                 self._staging = futures[i:] + self._staging  # still owed
                 raise
-        self.last_collect_s = time.perf_counter() - t0
 
     def _stager_executor(self) -> cf.ThreadPoolExecutor:
         if self._stager is None:

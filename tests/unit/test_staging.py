@@ -101,3 +101,14 @@ def test_copy_window_waits_for_the_oldest_copies_until_a_chunk_fits():
         window.admit(n)
         assert waited == expect[k], (k, waited)  # 80 + 40 > 100: one ends; 250 waits for all; 10 for the 250
         window.add(n, Event(k))
+
+
+def test_own_host_sources_clones_cpu_sources_for_a_feeder():
+    """A window's feeder copies host bytes after the call returned: the CPU sources it reads are clones, so a
+    change the caller makes at once does not reach them; missing sources stay missing."""
+    from cpuckpt.transfer.staging import own_host_sources
+
+    src = torch.arange(8, dtype=torch.uint8)
+    owned = own_host_sources([src, None])
+    src.add_(1)
+    assert owned[1] is None and torch.equal(owned[0], torch.arange(8, dtype=torch.uint8))
