@@ -152,14 +152,16 @@ class _Walker:
             # (waiting for the event of the call) would not wait for: made contiguous now, on this stream.
             if type(t) is not torch.Tensor:
                 raise NotFreezable("a CUDA parameter that is not contiguous")
-            out = t.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
-            return out.requires_grad_(True) if t.requires_grad else out
+            return _compact_clone(t)
         if t.device.type != "cpu" or type(t) is not torch.Tensor:
             raise NotFreezable(f"a {type(t).__qualname__} on {t.device}")
         self.cpu_bytes += t.numel() * t.element_size()
         if self.cpu_bytes > self.max_cpu_bytes:
             raise NotFreezable(f"more than {self.max_cpu_bytes} bytes of CPU tensors")
-        out = t.detach().clone(memory_format=torch.contiguous_format)
-        if t.requires_grad:
-            out.requires_grad_(True)
-        return out
+        return _compact_clone(t)
+
+
+def _compact_clone(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t``'s values made now, ``requires_grad`` as ``t`` (what the file records)."""
+    out = t.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+    return out.requires_grad_(True) if t.requires_grad else out
