@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cpuckpt import _moved
-from cpuckpt.api import load, prepare_pool, prepare_pool_in_background, save
+from cpuckpt.api import load, pause_copies, prepare_pool, prepare_pool_in_background, save
 from cpuckpt.backend.reader import StorageReader
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
@@ -54,6 +54,7 @@ __all__ = [
     "install_sigterm_handler",
     "list_checkpoints",
     "load",
+    "pause_copies",
     "prepare_pool",
     "prepare_pool_in_background",
     "read_latest",

@@ -7,6 +7,7 @@ Checkpoint collectives run on a dedicated gloo group (``backend.collectives``). 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -26,9 +27,10 @@ from cpuckpt.background import gc_paused
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import ConfigError
 from cpuckpt.roots import after_commit, loading
+from cpuckpt.transfer.copy_gate import GATE
 from cpuckpt.transfer.staging import get_pool
 
-__all__ = ["PoolPreparation", "load", "prepare_pool", "prepare_pool_in_background", "save"]
+__all__ = ["PoolPreparation", "load", "pause_copies", "prepare_pool", "prepare_pool_in_background", "save"]
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +188,22 @@ def prepare_pool_in_background(nbytes: int, config: Config | str | os.PathLike |
     preparation may replace a smaller idle pool, and a save must never hold the pool it replaces.
     """
     return PoolPreparation(nbytes, config)
+
+
+def pause_copies() -> contextlib.AbstractContextManager[None]:
+    """A context for the trainer's optimizer step (or any code that reads device values on the host,
+    ``loss.item()``) while saves' device-to-host copies overlap training: windowed copies
+    (``staging.d2h_window_bytes``) enqueue no more until it ends, so those reads wait for the copies in
+    flight only, not for the rest of the save (:mod:`cpuckpt.transfer.copy_gate`). The DeepSpeed and
+    Megatron adapters hold it around the optimizer step themselves. ::
+
+        handle = cpuckpt.async_save(state, path, {"staging": {"d2h_window_bytes": 64 << 20,
+                                                              "device_snapshot": True}}, ordering="stream")
+        loss = model(batch); loss.backward()
+        with cpuckpt.pause_copies():
+            optimizer.step()  # its kernels wait for the snapshot (GPU-side); its .item() for 64 MiB at most
+    """
+    return GATE.held()
 
 
 _MOVED_TO_COLLECTIVES = ("checkpoint_group", "dcp_save", "new_gloo_group", "resolve_stateful")

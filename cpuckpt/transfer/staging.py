@@ -32,6 +32,7 @@ import torch
 
 from cpuckpt.errors import CheckpointTimeoutError, StagingError
 from cpuckpt.format.layout import Chunk, FileLayout
+from cpuckpt.transfer.copy_gate import GATE
 from cpuckpt.transfer.fillplan import FillProgram
 
 __all__ = [
@@ -377,8 +378,9 @@ class CopyFence:
 class CopyWindow:
     """At most ``nbytes`` of enqueued device-to-host copies not yet complete (``staging.d2h_window_bytes``).
 
-    :meth:`admit` blocks (on CUDA events, the GIL released) until a chunk of ``n`` more bytes fits,
-    :meth:`add` counts a chunk's copies by the event that follows them.
+    :meth:`admit` blocks (on CUDA events, the GIL released) until a chunk of ``n`` more bytes fits and
+    the trainer does not hold the copy gate (:mod:`.copy_gate`: its own device-to-host reads then wait
+    for this window only); :meth:`add` counts a chunk's copies by the event that follows them.
     """
 
     def __init__(self, nbytes: int) -> None:
@@ -391,6 +393,7 @@ class CopyWindow:
             done, event = self._in_flight.popleft()
             event.synchronize()
             self._ahead -= done
+        GATE.wait_open()
 
     def add(self, n: int, event: Any) -> None:
         self._in_flight.append((n, event))
@@ -516,10 +519,10 @@ class DeviceCopier:
         """Enqueue the copies of every (chunk, slot, layout) of a save; returns the event after the last copy.
 
         With a ``window`` (``staging.d2h_window_bytes``, on a feeder thread) at most that many bytes are in
-        flight, so a copy the trainer enqueues meanwhile (``loss.item()``) waits behind the window only:
-        with one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``, as Megatron-LM runs) device-to-host
-        copies of all streams share the copy engine in enqueue order, and a whole 13 GB save queued at once
-        had held Megatron-LM's first ``.item()`` for its 0.25 s. ``each`` gets every chunk's own event (the
+        flight, and none are added while the trainer holds the copy gate (:mod:`.copy_gate`), so a copy the
+        trainer enqueues there (``loss.item()``) waits behind the window only. A window alone is not enough:
+        the copy engine serves the side stream while it has work, and a trainer's ``.item()`` waited for all
+        the copies left, fed 64 MiB at a time or queued at once (H200). ``each`` gets every chunk's own event (the
         memory images' checksums); without either, every chunk's copies go in one :meth:`copy_batch`. Stops
         early once ``cancel`` is set. On a failure the copies already enqueued are waited for before it is
         raised (no copy may land in memory handed back).

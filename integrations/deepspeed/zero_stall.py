@@ -25,6 +25,12 @@ covered:
   unordered (the next micro-batches keep overlapping the copies);
 - ``_take_model_step`` (the pipeline engine's optimizer step calls it directly, without ``step()``):
   ordered again (a no-op when ``step()`` already did).
+
+Both then run DeepSpeed's code holding the copy gate (:mod:`cpuckpt.transfer.copy_gate`): the ZeRO
+step's overflow check and gradient norm (``.item()``) would otherwise wait on the host for every copy
+left (DeepSpeed's step after a 14.56 GB save: 0.36 s against 0.136 s alone, H200); with the gate they
+wait for the copies in flight (``staging.d2h_window_bytes``) only. The optimizer's kernels still wait
+for the copies, or for the device snapshot (``staging.device_snapshot``), on the GPU.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from cpuckpt.transfer.copy_gate import GATE
 
 __all__ = ["buffer_pointers", "estimate_checkpoint_bytes", "order_engine_steps", "snapshot_buffers"]
 
@@ -67,11 +75,14 @@ def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         ck = _checkpoint_engine(self)
-        if ck is not None:
-            ck.bind(self)
-            if _boundary(self):
-                ck.before_optimizer_writes(self)  # a GPU-side wait: the host does not block
-        return original(self, *args, **kwargs)
+        if ck is None:
+            return original(self, *args, **kwargs)
+        ck.bind(self)
+        if not _boundary(self):
+            return original(self, *args, **kwargs)
+        ck.before_optimizer_writes(self)  # a GPU-side wait: the host does not block
+        with GATE.held():  # the step's .item() calls wait for the copies in flight only
+            return original(self, *args, **kwargs)
 
     step._cpuckpt_ordered = True  # type: ignore[attr-defined]
     return step
@@ -81,12 +92,13 @@ def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _take_model_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         ck = _checkpoint_engine(self)
-        if ck is not None:
-            ck.bind(self)
-            ck.before_optimizer_writes(self)
-        result = original(self, *args, **kwargs)
-        if ck is not None:
-            ck.after_optimizer_step(self)  # the optimizer's state exists now: size the checkpoint
+        if ck is None:
+            return original(self, *args, **kwargs)
+        ck.bind(self)
+        ck.before_optimizer_writes(self)
+        with GATE.held():
+            result = original(self, *args, **kwargs)
+        ck.after_optimizer_step(self)  # the optimizer's state exists now: size the checkpoint
         return result
 
     _take_model_step._cpuckpt_ordered = True  # type: ignore[attr-defined]

@@ -131,7 +131,7 @@ def test_ordering_optimizer_keeps_a_copy_window():
     from cpuckpt.config import OVERLAP_WINDOW_BYTES
 
     window = resolve_settings({"ordering": "optimizer"}).core.staging.d2h_window_bytes
-    assert window == OVERLAP_WINDOW_BYTES == 256 << 20
+    assert window == OVERLAP_WINDOW_BYTES == 64 << 20
     given = {"ordering": "optimizer", "staging": {"d2h_window_bytes": "16MiB"}}
     assert resolve_settings(given).core.staging.d2h_window_bytes == 16 << 20
     assert resolve_settings({}).core.staging.d2h_window_bytes == 0

@@ -1,0 +1,73 @@
+"""The copy gate: windowed device-to-host feeders pause while the trainer holds it, within a limit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from cpuckpt.transfer import staging
+from cpuckpt.transfer.copy_gate import GATE, CopyGate
+
+
+def _in_thread(fn) -> tuple[threading.Thread, list]:
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    return t, out
+
+
+def test_a_feeder_waits_while_another_thread_holds_the_gate():
+    gate = CopyGate(hold_limit_s=30.0)
+    released = []
+    with gate.held():
+        t, out = _in_thread(lambda: (gate.wait_open(), time.monotonic()))
+        time.sleep(0.3)
+        assert t.is_alive(), "the feeder enqueued while the trainer held the gate"
+        released.append(time.monotonic())
+    t.join(5)
+    waited, resumed = out[0]
+    assert resumed >= released[0] and waited >= 0.25, (waited, resumed, released)
+    assert not gate.is_held and gate.wait_open() == 0.0
+
+
+def test_the_holders_own_thread_and_nested_holds():
+    gate = CopyGate(hold_limit_s=30.0)
+    with gate.held():
+        with gate.held():
+            assert gate.wait_open() < 0.05  # the holder may enqueue copies itself
+        assert gate.is_held, "the outer hold ended with the inner one"
+        t, _ = _in_thread(gate.wait_open)
+        time.sleep(0.2)
+        assert t.is_alive()
+    t.join(5)
+    assert not t.is_alive() and not gate.is_held
+
+
+def test_a_hold_longer_than_the_limit_stalls_a_feeder_once():
+    gate = CopyGate(hold_limit_s=0.2)
+    with gate.held():
+        t, out = _in_thread(lambda: [gate.wait_open() for _ in range(3)])
+        t.join(5)
+        first, *later = out[0]
+        assert 0.15 <= first < 2.0 and all(w < 0.05 for w in later), out  # the rest of this hold: no waits
+    with gate.held():  # a new hold pauses the feeder again
+        t, out = _in_thread(gate.wait_open)
+        t.join(5)
+        assert out[0] >= 0.15, out
+
+
+class _DoneEvent:
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_copy_window_admits_no_chunk_while_the_trainer_holds_the_gate():
+    window = staging.CopyWindow(64)
+    window.add(48, _DoneEvent())
+    admitted = threading.Event()
+    with GATE.held():
+        t = threading.Thread(target=lambda: (window.admit(32), admitted.set()))
+        t.start()
+        assert not admitted.wait(0.3), "a chunk was admitted while the trainer held the gate"
+    assert admitted.wait(5), "the window stayed closed after the hold"
+    t.join(5)
