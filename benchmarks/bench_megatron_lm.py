@@ -117,10 +117,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cpuckpt-zero": {"ordering": "optimizer"},  # copies overlap the next forward/backward (zero-stall)
     "cpuckpt-unprepared": {"prepare_pool": False},  # the pool made inside the first save (as before)
     "cpuckpt-zero-constant": {"ordering": "optimizer"},  # zero-stall with VARIANT_FLAGS below
+    # zero-stall with the device snapshot: the next optimizer step waits for a device-to-device copy only
+    "cpuckpt-zero-snapshot": {"ordering": "optimizer", "staging": {"device_snapshot": True}},
 }
 # Megatron-LM flags a variant adds to its command line. --ckpt-assume-constant-structure: Megatron-LM
 # validates the sharding of the first save only (otherwise of every save, inside save-checkpoint's timer).
-VARIANT_FLAGS: dict[str, list[str]] = {"cpuckpt-zero-constant": ["--ckpt-assume-constant-structure"]}
+VARIANT_FLAGS: dict[str, list[str]] = {"cpuckpt-zero-constant": ["--ckpt-assume-constant-structure"],
+                                       "cpuckpt-zero-snapshot": ["--ckpt-assume-constant-structure"]}
 SAVE_MODEL = (16, 2048, 16)  # layers, hidden, heads of the save phase (BENCHMARKS.md's table)
 PHASE_MODEL = (24, 1024, 16)  # load, reuse, kill
 # Rough seconds per phase on one H200 (startup of pretrain_gpt ~30 s per run); --budget skips a phase
@@ -803,10 +806,13 @@ class KillWatcher:
 
 
 def megatron_config(base: str, dest: Path, **keys: Any) -> Path:
-    """``base`` YAML with ``keys`` merged into its ``megatron:`` block, written to ``dest``."""
+    """``base`` YAML with ``keys`` merged into its ``megatron:`` block (a ``staging`` mapping into the core
+    block of that name), written to ``dest``."""
     import yaml
 
     data = yaml.safe_load(Path(base).read_text()) or {}
+    if "staging" in keys:
+        data.setdefault("staging", {}).update(keys.pop("staging"))
     data.setdefault("megatron", {}).update(keys)
     dest.write_text(yaml.safe_dump(data, sort_keys=False))
     return dest
