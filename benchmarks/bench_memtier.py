@@ -16,7 +16,7 @@ runs every part small (CPU tensors without CUDA) in under a minute. One process,
 4. interference: a bf16 matmul loop alone and while the writer process persists (until the queue owes
    nothing); the before: the same while ``cpuckpt.async_save`` persists to the same disk (trainer threads);
 5. loads into GPU tensors, bit-exact, in the saving process: from the mapped images (``MemoryTier.load``),
-   through the reader (``cpuckpt.load``: the fast path) with ``h2d`` bounce and register, and through
+   through the reader (``cpuckpt.load``: the fast path) with ``h2d`` bounce, register and ring, and through
    DCP's planner (``dcp.load`` with the same reader: the fast path's before), reps interleaved; and in a
    fresh process per ``h2d`` mode (``--child-load``: the restart case; it rebuilds the deterministic state
    to compare and records each load's ``ReadStats``).
@@ -224,7 +224,12 @@ def run(args: argparse.Namespace, sd: dict[str, Any], nbytes: int, durable: Path
     snap = {"io": {"threads": 8}, "staging": {"mode": "snapshot"}}
     tier: MemoryTier | None = None
 
+    wanted = set(args.parts.split(",")) if args.parts else None
+
     def part(name: str, fn: Any, needs_tier: bool = True) -> None:
+        if wanted is not None and name not in wanted and name != "memtier_init":
+            record("skipped", part=name, why="not in --parts")
+            return
         if (needs_tier and tier is None) or time.monotonic() > deadline:
             record("skipped", part=name, why="no tier" if needs_tier and tier is None else "over --budget-s")
             return
@@ -267,6 +272,7 @@ def run(args: argparse.Namespace, sd: dict[str, Any], nbytes: int, durable: Path
         variants = {"from its mapped images (MemoryTier.load)": tier.load,
                     "read from the RAM root (cpuckpt.load, h2d bounce)": reader_load("bounce"),
                     "read from the RAM root (cpuckpt.load, h2d register)": reader_load("register"),
+                    "read from the RAM root (cpuckpt.load, h2d ring)": reader_load("ring"),
                     "read from the RAM root, DCP planner (dcp.load + StorageReader)": dcp_planner_load}
         times: dict[str, list[float]] = {k: [] for k in variants}
         exact = dict.fromkeys(variants, True)
@@ -277,7 +283,7 @@ def run(args: argparse.Namespace, sd: dict[str, Any], nbytes: int, durable: Path
                 exact[label] = exact[label] and ok
         for label in variants:
             record("memtier_load", variant=label, s=summarize(times[label]), bitexact=exact[label], path=str(latest))
-        for h2d in ("bounce", "register"):
+        for h2d in ("bounce", "register", "ring"):
             child = spawn_child_load(latest, args.gib, max(30.0, deadline - time.monotonic()), h2d)
             record("memtier_load_child", **child, path=str(latest))
 
@@ -308,9 +314,11 @@ def main() -> None:
     ap.add_argument("--ram-dir", default="/dev/shm/cpuckpt-memtier")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--budget-s", type=float, default=280.0, help="start no part after this many seconds")
+    ap.add_argument("--parts", default="", help="comma-separated parts to run (default all; the tier is always "
+                    "made), e.g. floor_copies,memtier_saves,loads")
     ap.add_argument("--smoke", action="store_true", help="small sizes, CPU tensors without CUDA (< 1 min)")
     ap.add_argument("--child-load", help=argparse.SUPPRESS)
-    ap.add_argument("--h2d", default="bounce", choices=("bounce", "register"), help=argparse.SUPPRESS)
+    ap.add_argument("--h2d", default="bounce", choices=("bounce", "register", "ring"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("cpuckpt").setLevel(logging.WARNING)

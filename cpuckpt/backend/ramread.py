@@ -6,7 +6,8 @@ straight from the mapping. For host-to-device copies a mapped range must be pinn
 ways the memory-tier issue names are selected by ``h2d`` (see :data:`H2D_MODES`): ``bounce`` leaves
 RAM files to the ordinary chunk path (``pread`` into the pinned pool, then H2D: two copies, no
 registration), ``register`` registers each chunk of the mapping with ``cudaHostRegister`` (read-only)
-on the reader's thread while other threads copy theirs, copies from it and unregisters it.
+on the reader's thread while other threads copy theirs, copies from it and unregisters it, ``ring``
+copies each chunk of the mapping through a small pinned ring (``transfer.pinned_ring``).
 
 Owns: detection (``statfs``), the mapping, per-range registration. Must not: write to a file,
 touch CUDA streams (copies go through ``transfer.staging.DeviceCopier``).
@@ -37,7 +38,7 @@ __all__ = ["H2D_MODES", "MappedFile", "in_ram"]
 
 logger = logging.getLogger(__name__)
 
-H2D_MODES = ("auto", "bounce", "register")  # how a RAM file reaches the GPU (auto: see StorageReader)
+H2D_MODES = ("auto", "bounce", "register", "ring")  # how a RAM file reaches the GPU (auto: see StorageReader)
 _RAM_MAGIC = {0x01021994, 0x858458F6}  # TMPFS_MAGIC, RAMFS_MAGIC (linux/magic.h)
 _HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: pin without write access (no copy-on-write)
 _PAGE = mmap.PAGESIZE

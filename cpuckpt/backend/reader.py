@@ -55,6 +55,7 @@ from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
 from cpuckpt.transfer.images import ImageFile
+from cpuckpt.transfer.pinned_ring import PinnedRing
 from cpuckpt.transfer.staging import DeviceCopier, flat_bytes, get_pool, pool_state
 from cpuckpt.transfer.threads import run_parallel
 from cpuckpt.transfer.tracing import nvtx_range
@@ -140,10 +141,13 @@ class StorageReader(_DcpStorageReader):
             process holds them: their bytes are copied to the targets straight from the (pinned)
             mapping, with no read and no pool.
         h2d: how files in a RAM filesystem reach GPU targets: ``"bounce"`` (pread into the pinned
-            pool, then copy), ``"register"`` (pin each chunk of the file's mapping while it is copied), or
-            ``"auto"`` (the default): bounce when the process already has its pinned pool, else register
-            (a fresh process's restart then pins no pool first; on the H200, 4 GiB: register 10.7 GB/s
-            vs bounce 9.4 GB/s for a fresh process's first load, bounce 18.2 vs 10.4 GB/s once the pool exists).
+            pool, then copy), ``"register"`` (pin each chunk of the file's mapping while it is copied),
+            ``"ring"`` (copy each chunk of the mapping through a small pinned ring,
+            :mod:`cpuckpt.transfer.pinned_ring`), or ``"auto"`` (the default): bounce when the process
+            already has its pinned pool, else ring (a fresh process's restart then pins no pool first; on
+            the H200, 4 GiB: bounce 9.4 GB/s for a fresh process's first load against register 10.7 GB/s,
+            bounce 18.2 vs 10.4 GB/s once the pool exists; the ring's own copies, a fresh process:
+            17.3 GB/s against registering pieces 9.5-11.3 GB/s).
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
@@ -263,7 +267,7 @@ class StorageReader(_DcpStorageReader):
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
             h2d = self.h2d if self.h2d != "auto" else \
-                "bounce" if pool_state()[0] or not cfg.staging.pin else "register"
+                "bounce" if pool_state()[0] or not cfg.staging.pin else "ring"
             jobs, sources = _read_jobs(plans, cfg, opened, self.images, h2d)
             stats.jobs = len(jobs)
             stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
@@ -438,7 +442,7 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
         image = images.get(rel)
         if image is not None and image.nbytes == fp.entry.nbytes:
             mapped[fp.path] = image
-        elif in_ram(fp.path) and (not to_gpu or h2d == "register"):
+        elif in_ram(fp.path) and (not to_gpu or h2d in ("register", "ring")):
             # Checked its size just above: the mapping never reaches past the file's end.
             mapped[fp.path] = opened.enter_context(MappedFile(fp.path, fp.entry.nbytes))
         mode = cfg.integrity.verify if fp.entry.checksum == "crc32c" and fp.entry.chunk_checksums else "off"
@@ -458,17 +462,19 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
         elif fp.path in chunked:
             source = mapped.get(fp.path)
             jobs += _chunk_jobs(fp, fp.entry, cfg, opened, pool, copiers, verify_fraction=chunked[fp.path],
-                                source=source, register=isinstance(source, MappedFile) and h2d == "register")
+                                source=source, h2d=h2d if isinstance(source, MappedFile) else "")
         else:
             jobs += _range_jobs(fp, cfg, opened)
     return jobs, list(mapped.values())
 
 
 class _Copiers:
-    """One host-to-device copier per device, shared by every file of a load."""
+    """One host-to-device copier per device, shared by every file of a load (and, made on first use,
+    one pinned ring per device for ``h2d="ring"``)."""
 
     def __init__(self) -> None:
         self._by_device: dict[torch.device, DeviceCopier] = {}
+        self._rings: dict[torch.device, PinnedRing] = {}
         self._lock = threading.Lock()
 
     def get(self, device: torch.device) -> DeviceCopier:
@@ -477,6 +483,12 @@ class _Copiers:
                 self._by_device[device] = DeviceCopier(device)
             return self._by_device[device]
 
+    def ring(self, device: torch.device) -> PinnedRing:
+        with self._lock:
+            if device not in self._rings:
+                self._rings[device] = PinnedRing(device)
+            return self._rings[device]
+
 
 def _open(backend: FileBackend, path: str, opened: contextlib.ExitStack) -> int:
     fd = backend.open_read(path)
@@ -484,10 +496,13 @@ def _open(backend: FileBackend, path: str, opened: contextlib.ExitStack) -> int:
     return fd
 
 
-def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _Copiers) -> list[DeviceCopier]:
+def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _Copiers,
+             ring_timeout_s: float | None = None) -> list[DeviceCopier]:
     """Copy the bytes ``[lo, hi)`` of a file, held in ``src``, into every need overlapping them.
 
     Returns the copiers that got host-to-device copies (the caller waits for them before ``src`` is reused).
+    With ``ring_timeout_s`` (``src`` is not pinned: ``h2d="ring"``) device bytes go through a pair of the
+    device's pinned ring instead, and have arrived when this returns.
     """
     to_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for need in needs:
@@ -505,6 +520,10 @@ def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _
             dst.copy_(part)
     used: list[DeviceCopier] = []
     for device, (dsts, srcs) in to_device.items():  # one enqueue per device and chunk
+        if ring_timeout_s is not None:
+            with copiers.ring(device).lease(ring_timeout_s) as pair:
+                pair.copy(dsts, srcs)
+            continue
         h2d = copiers.get(device)
         h2d.copy_many(dsts, srcs)
         used.append(h2d)
@@ -513,13 +532,14 @@ def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _
 
 def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib.ExitStack, pool: Any,
                 copiers: Any, *, verify_fraction: float, source: _Source | None = None,
-                register: bool = False) -> list[ReadJob]:
+                h2d: str = "") -> list[ReadJob]:
     """Whole chunks read into pool slots (aligned: O_DIRECT works), verified, scattered to destinations.
 
     GPU destinations get their bytes by host-to-device copies from the (pinned) slot on a side
     stream; the slot is released once those copies completed. A file held in memory (``source``: this
     process's image, or a mapped file of a RAM filesystem) is not read at all: each chunk's "slot" is
-    its bytes of the mapping; with ``register`` a chunk with GPU destinations is pinned while it is copied.
+    its bytes of the mapping; a mapped file's chunk with GPU destinations is pinned while it is copied
+    (``h2d="register"``) or goes through the pinned ring (``h2d="ring"``).
     """
     cb = entry.chunk_bytes
     by_chunk: dict[int, list[_Need]] = defaultdict(list)
@@ -564,10 +584,11 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
                     f"{fp.path}: checksum mismatch in bytes [{lo}, {hi}) (chunk {c}): "
                     f"stored {stored}, read {crc}; the file is damaged"
                 )
-            if register and any(n.dst is not None and n.dst.is_cuda for n in needs):
+            if h2d == "register" and any(n.dst is not None and n.dst.is_cuda for n in needs):
                 pinned = source.register(lo, hi)  # type: ignore[union-attr]
-            for h2d in _scatter(needs, lo, hi, src, copiers):
-                h2d.record().synchronize()  # the slot (or pinned range) may be reused only after the copies ran
+            ring_timeout = cfg.timeout_s if h2d == "ring" else None
+            for copier in _scatter(needs, lo, hi, src, copiers, ring_timeout):
+                copier.record().synchronize()  # the slot (or pinned range) may be reused only after the copies ran
             return hi - lo
         finally:
             if pinned:

@@ -43,7 +43,7 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("verify", ["always", "off"])
-@pytest.mark.parametrize("h2d", ["bounce", "register"])
+@pytest.mark.parametrize("h2d", ["bounce", "register", "ring"])
 def test_ram_checkpoint_loads_bit_exact_into_gpu_tensors(ram_dir, h2d, verify):
     sd = _state()
     cfg = {**CFG, "integrity": {"verify": verify}}
@@ -56,13 +56,16 @@ def test_ram_checkpoint_loads_bit_exact_into_gpu_tensors(ram_dir, h2d, verify):
     assert stats.fast_path
     if h2d == "register":
         assert stats.mapped_files == 1 and stats.registered_nbytes >= sum(v.nbytes for v in sd.values())
+    elif h2d == "ring":  # mapped, copied through the pinned ring: nothing of the file registered
+        assert stats.mapped_files == 1 and stats.registered_nbytes == 0
     else:
         assert stats.mapped_files == 0 and stats.registered_nbytes == 0
     for k, v in sd.items():
         assert torch.equal(out[k].cpu(), v), k
 
 
-def test_load_is_ordered_after_kernels_queued_on_the_targets(ram_dir):
+@pytest.mark.parametrize("h2d", ["register", "ring"])
+def test_load_is_ordered_after_kernels_queued_on_the_targets(ram_dir, h2d):
     """Targets still being written by queued kernels (a long matmul, then a fill) get the saved bytes, not the fill."""
     sd = {"w": torch.randn(2048, 2048)}
     cpuckpt.save(sd, ram_dir / "c", CFG)
@@ -71,7 +74,7 @@ def test_load_is_ordered_after_kernels_queued_on_the_targets(ram_dir):
     for _ in range(20):
         a = a @ a / 4096
     out["w"].fill_(1.0)  # queued behind the matmuls when the load starts
-    cpuckpt.load(out, ram_dir / "c", CFG, storage_reader=cpuckpt.StorageReader(ram_dir / "c", CFG, h2d="register"))
+    cpuckpt.load(out, ram_dir / "c", CFG, storage_reader=cpuckpt.StorageReader(ram_dir / "c", CFG, h2d=h2d))
     assert torch.equal(out["w"].cpu(), sd["w"])
 
 
