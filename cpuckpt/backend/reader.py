@@ -144,10 +144,11 @@ class StorageReader(_DcpStorageReader):
             pool, then copy), ``"register"`` (pin each chunk of the file's mapping while it is copied),
             ``"ring"`` (copy each chunk of the mapping through a small pinned ring,
             :mod:`cpuckpt.transfer.pinned_ring`), or ``"auto"`` (the default): bounce when the process
-            already has its pinned pool, else ring (a fresh process's restart then pins no pool first; on
-            the H200, 4 GiB: bounce 9.4 GB/s for a fresh process's first load against register 10.7 GB/s,
-            bounce 18.2 vs 10.4 GB/s once the pool exists; the ring's own copies, a fresh process:
-            17.3 GB/s against registering pieces 9.5-11.3 GB/s).
+            already has its pinned pool, else register (a fresh process's restart then pins no pool
+            first). On the H200, 4 GiB bench state, a fresh process's first load: register 10.1-10.7 GB/s,
+            bounce 9.4-9.75, ring 5.7; bounce 18.2-19.2 GB/s once the pool exists. The ring's copies
+            alone (one 4 GiB tensor, 8 threads) reached 17.3 GB/s: what slows it in the reader is not
+            known yet.
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
@@ -267,7 +268,7 @@ class StorageReader(_DcpStorageReader):
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
             h2d = self.h2d if self.h2d != "auto" else \
-                "bounce" if pool_state()[0] or not cfg.staging.pin else "ring"
+                "bounce" if pool_state()[0] or not cfg.staging.pin else "register"
             jobs, sources = _read_jobs(plans, cfg, opened, self.images, h2d)
             stats.jobs = len(jobs)
             stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,

@@ -6,7 +6,10 @@ registering the mapping piece by piece pins its pages in the driver at 9.5 GB/s 
 11.3 GB/s (four); copies straight from the pageable mapping reach 4.8-5.5 GB/s. Copying each 8 MiB
 piece on the CPU into a pinned buffer and from there to the device, double-buffered, on 8 pairs
 of buffers with a stream each: **17.3 GB/s, pinning the 128 MiB ring included** (0.05 s); 16 pairs
-were slower (14.4 GB/s).
+were slower (14.4 GB/s). Through the reader (``h2d="ring"``: 16 read threads, each chunk checksummed
+on the mapping first, the 1,422 tensors of the bench state) a fresh process's first load of 4 GiB
+reached only 5.7 GB/s against 10.1 GB/s registering, so ``auto`` still registers; where the reader
+loses the ring's speed is not known yet.
 
 Owns: the ring's pinned buffers, one CUDA stream per pair. Callers lease a pair per chunk of work;
 :meth:`RingPair.copy` returns once its copies have completed (the pair is then free for anyone).
