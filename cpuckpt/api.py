@@ -200,8 +200,9 @@ def pause_copies() -> contextlib.AbstractContextManager[None]:
         handle = cpuckpt.async_save(state, path, {"staging": {"d2h_window_bytes": 64 << 20,
                                                               "device_snapshot": True}}, ordering="stream")
         loss = model(batch); loss.backward()
+        handle.wait_stream()  # GPU-side: the next kernels wait for the device snapshot
         with cpuckpt.pause_copies():
-            optimizer.step()  # its kernels wait for the snapshot (GPU-side); its .item() for 64 MiB at most
+            optimizer.step()  # its .item() calls wait for 64 MiB of copies at most
     """
     return GATE.held()
 
