@@ -16,7 +16,9 @@ with :func:`cpuckpt.pause_copies`. Copies enqueued all at once (no window) canno
 
 A hold never stalls a save for long: a feeder waits at most ``HOLD_LIMIT_S`` for one hold, then
 feeds on until that hold ends (a trainer that holds the gate across its whole loop only loses the
-pause, never its checkpoint).
+pause, never its checkpoint). A holder that waits on the host for a save (a commit inside DeepSpeed's
+step, ``staged.wait()``: :func:`cpuckpt.transfer.threads.wait_future`) lifts its hold meanwhile, so it
+never waits for copies that its own hold keeps back.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class CopyGate:
         self.hold_limit_s = hold_limit_s
         self._cond = threading.Condition()
         self._holders: dict[int, int] = {}  # thread id -> depth of its nested holds
+        self._lifted: dict[int, int] = {}  # holders waiting for the copies themselves (depth of lifts)
         self._hold = 0  # counts holds (the gate going from open to held)
         self._expired = -1  # the hold a feeder stopped waiting for
 
@@ -59,12 +62,34 @@ class CopyGate:
                 depth = self._holders.pop(me) - 1
                 if depth:
                     self._holders[me] = depth
-                elif not self._holders:
+                else:
                     self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def lifted(self) -> Iterator[None]:
+        """Within the block, this thread's hold (if any) keeps no copy back: it waits for them itself."""
+        me = threading.get_ident()
+        if me not in self._holders:
+            yield
+            return
+        with self._cond:
+            self._lifted[me] = self._lifted.get(me, 0) + 1
+            self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                depth = self._lifted.pop(me) - 1
+                if depth:
+                    self._lifted[me] = depth
 
     @property
     def is_held(self) -> bool:
         return bool(self._holders)
+
+    def _closed_for(self, me: int) -> bool:
+        """Whether a feeder on thread ``me`` must wait: another thread holds the gate without lifting it."""
+        return me not in self._holders and any(t not in self._lifted for t in self._holders)
 
     def wait_open(self) -> float:
         """Block while another thread holds the gate (at most ``hold_limit_s`` per hold); seconds waited.
@@ -74,9 +99,10 @@ class CopyGate:
         """
         if not self._holders:  # the common case: no lock taken
             return 0.0
+        me = threading.get_ident()
         t0 = time.monotonic()
         with self._cond:
-            while self._holders and threading.get_ident() not in self._holders and self._hold != self._expired:
+            while self._closed_for(me) and self._hold != self._expired:
                 left = self.hold_limit_s - (time.monotonic() - t0)
                 if left <= 0:
                     self._expired = self._hold

@@ -363,8 +363,11 @@ class CopyFence:
         Raises:
             CheckpointTimeoutError: the copies were not all enqueued within ``timeout_s``.
         """
-        if not self._final.wait(self.timeout_s):
-            raise CheckpointTimeoutError(f"device-to-host copies not all enqueued within {self.timeout_s:.0f} s")
+        if not self._final.is_set():
+            with GATE.lifted():  # ordered inside a held copy gate: the feeder must go on to finish
+                final = self._final.wait(self.timeout_s)
+            if not final:
+                raise CheckpointTimeoutError(f"device-to-host copies not all enqueued within {self.timeout_s:.0f} s")
         event = self.event
         if event is None:
             return

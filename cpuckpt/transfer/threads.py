@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
+from cpuckpt.transfer.copy_gate import GATE
 
 __all__ = ["Cancelled", "new_executor", "run_parallel", "shared_executor", "wait_future"]
 
@@ -114,6 +115,13 @@ def wait_future(fut: cf.Future[R], timeout_s: float, what: str) -> R:
     Raises:
         CheckpointTimeoutError: not done within ``timeout_s``, naming ``what``.
     """
+    if fut.done():
+        return fut.result()
+    with GATE.lifted():  # a trainer holding the copy gate waits for copies here: let them go on
+        return _wait(fut, timeout_s, what)
+
+
+def _wait(fut: cf.Future[R], timeout_s: float, what: str) -> R:
     deadline = time.monotonic() + timeout_s
     while True:
         remaining = deadline - time.monotonic()

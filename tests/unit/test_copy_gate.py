@@ -71,3 +71,48 @@ def test_a_copy_window_admits_no_chunk_while_the_trainer_holds_the_gate():
         assert not admitted.wait(0.3), "a chunk was admitted while the trainer held the gate"
     assert admitted.wait(5), "the window stayed closed after the hold"
     t.join(5)
+
+
+def test_a_holder_waiting_for_a_save_lifts_its_hold():
+    """A trainer that holds the gate and waits on the host for a save (DeepSpeed's commit inside its step)
+    must not wait for copies its own hold keeps back: ``wait_future`` lifts the hold meanwhile."""
+    import concurrent.futures as cf
+
+    from cpuckpt.transfer.threads import wait_future
+
+    staged: cf.Future = cf.Future()
+
+    def feeder() -> None:  # a copy that needs the gate open, then the save's staging is done
+        GATE.wait_open()
+        staged.set_result("staged")
+
+    with GATE.held():
+        t = threading.Thread(target=feeder)
+        t0 = time.monotonic()
+        t.start()
+        assert wait_future(staged, 10.0, "staging") == "staged"
+        waited = time.monotonic() - t0
+        assert waited < 1.0, f"the holder waited {waited:.2f} s for copies its own hold kept back"
+        late = threading.Thread(target=GATE.wait_open)  # the lift ended with the wait: feeders pause again
+        late.start()
+        time.sleep(0.2)
+        assert late.is_alive()
+    late.join(5)
+    t.join(5)
+
+
+def test_lifting_without_holding_changes_nothing():
+    gate = CopyGate(hold_limit_s=30.0)
+    with gate.lifted():
+        assert not gate.is_held and gate.wait_open() == 0.0
+    with gate.held():
+        def lift_elsewhere() -> None:
+            with gate.lifted():  # another thread's lift is not this hold's
+                time.sleep(0.5)
+
+        t, _ = _in_thread(lift_elsewhere)
+        t2, _ = _in_thread(gate.wait_open)
+        time.sleep(0.2)
+        assert t2.is_alive()
+    t2.join(5)
+    t.join(5)
