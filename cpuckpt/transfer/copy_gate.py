@@ -95,17 +95,21 @@ class CopyGate:
         """Block while another thread holds the gate (at most ``hold_limit_s`` per hold); seconds waited.
 
         The holder's own thread never waits (it may enqueue copies itself), nor does a feeder once the
-        current hold has outlasted the limit.
+        current hold has outlasted the limit. Holds of several threads count as one while they overlap.
         """
         if not self._holders:  # the common case: no lock taken
             return 0.0
         me = threading.get_ident()
         t0 = time.monotonic()
         with self._cond:
+            hold, start = self._hold, t0  # the limit counts per hold, not per call
             while self._closed_for(me) and self._hold != self._expired:
-                left = self.hold_limit_s - (time.monotonic() - t0)
+                if self._hold != hold:
+                    hold, start = self._hold, time.monotonic()
+                left = self.hold_limit_s - (time.monotonic() - start)
                 if left <= 0:
                     self._expired = self._hold
+                    self._cond.notify_all()  # every feeder waiting for this hold goes on
                     logger.debug("copies resume: the trainer held them back for %.1f s", self.hold_limit_s)
                     break
                 self._cond.wait(left)

@@ -47,6 +47,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
+from cpuckpt.transfer.copy_gate import GATE
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
 from cpuckpt.transfer.save_job import _Stats
 from cpuckpt.transfer.staging import CopyFence, CopyWindow, DeviceCopier, Slot, fill_chunk, own_host_sources
@@ -448,7 +449,8 @@ class ImageJob:
             # with copies in flight) ends before this one resizes or overwrites a byte.
             previous = self.images.claim(self.done)
             if previous is not None:
-                cf.wait([previous], timeout=self.cfg.timeout_s)
+                with GATE.lifted():  # the previous save's copies must go on even inside a held copy gate
+                    cf.wait([previous], timeout=self.cfg.timeout_s)
                 if not previous.done():
                     raise CheckpointTimeoutError(f"rank {self.rank}: the previous save into {self.directory} has "
                                                  f"not ended after {self.cfg.timeout_s} s")

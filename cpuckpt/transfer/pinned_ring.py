@@ -11,8 +11,9 @@ on the mapping first, the 1,422 tensors of the bench state) a fresh process's fi
 reached only 5.7 GB/s against 10.1 GB/s registering, so ``auto`` still registers; where the reader
 loses the ring's speed is not known yet.
 
-Owns: the ring's pinned buffers, one CUDA stream per pair. Callers lease a pair per chunk of work;
-:meth:`RingPair.copy` returns once its copies have completed (the pair is then free for anyone).
+Owns: the ring's pinned buffers (pinned whatever ``staging.pin`` says: the ring is for GPU targets),
+one CUDA stream and two events per pair. Callers lease a pair per chunk of work; :meth:`RingPair.copy`
+returns once its copies have completed (the pair is then free for anyone).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import queue
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import torch
 
@@ -40,29 +40,28 @@ class RingPair:
         self.stream = torch.cuda.Stream(device=device)
         # after the kernels already queued that may still write the targets (as DeviceCopier)
         self.stream.wait_stream(torch.cuda.current_stream(device))
-        self._events: list[Any] = [None, None]
+        self._events = (torch.cuda.Event(), torch.cuda.Event())  # the last copy out of each piece
 
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> int:
         """Copy each host ``src`` (uint8, any memory) into its device ``dst`` (uint8, same length); returns
-        the bytes copied once every copy has completed."""
+        the bytes copied once every copy has completed (also when it raises: no copy outlives the call)."""
         piece = self.pieces[0].numel()
         k = done = 0
-        for dst, src in zip(dsts, srcs, strict=True):
-            for off in range(0, src.numel(), piece):
-                n = min(piece, src.numel() - off)
-                buf = self.pieces[k % 2][:n]
-                if self._events[k % 2] is not None:
-                    self._events[k % 2].synchronize()  # that piece's previous copy has left the buffer
-                buf.copy_(src[off : off + n])
-                with torch.cuda.stream(self.stream):
-                    dst[off : off + n].copy_(buf, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record(self.stream)
-                self._events[k % 2] = event
-                k += 1
-                done += n
-        self.stream.synchronize()
-        self._events = [None, None]
+        try:
+            with torch.cuda.stream(self.stream):  # one stream switch per call (~50 µs each on the H200)
+                for dst, src in zip(dsts, srcs, strict=True):
+                    for off in range(0, src.numel(), piece):
+                        n = min(piece, src.numel() - off)
+                        buf = self.pieces[k % 2][:n]
+                        if k >= 2:
+                            self._events[k % 2].synchronize()  # that piece's previous copy has left the buffer
+                        buf.copy_(src[off : off + n])
+                        dst[off : off + n].copy_(buf, non_blocking=True)
+                        self._events[k % 2].record(self.stream)
+                        k += 1
+                        done += n
+        finally:
+            self.stream.synchronize()
         return done
 
 

@@ -162,7 +162,14 @@ class HostPool:
         return [Slot(i, 1, tensor[i * size : (i + 1) * size], view[i * size : (i + 1) * size]) for i in free]
 
     def _wait_for(self, ready: Callable[[], bool], n: int, timeout_s: float, cancel: threading.Event | None) -> None:
-        """Wait on ``_cond`` (held) until ``ready()``, releases waking it up (back-pressure)."""
+        """Wait on ``_cond`` (held) until ``ready()``, releases waking it up (back-pressure); a trainer
+        holding the copy gate lifts it meanwhile (the slots come free as earlier saves' copies go on)."""
+        if ready():
+            return
+        with GATE.lifted():
+            self._wait_slots(ready, n, timeout_s, cancel)
+
+    def _wait_slots(self, ready: Callable[[], bool], n: int, timeout_s: float, cancel: threading.Event | None) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             if cancel is not None and cancel.is_set():
