@@ -54,15 +54,12 @@ class CopyGate:
         with self._cond:
             if not self._holders:
                 self._hold += 1
-            self._holders[me] = self._holders.get(me, 0) + 1
+            _enter(self._holders, me)
         try:
             yield
         finally:
             with self._cond:
-                depth = self._holders.pop(me) - 1
-                if depth:
-                    self._holders[me] = depth
-                else:
+                if _leave(self._holders, me):
                     self._cond.notify_all()
 
     @contextlib.contextmanager
@@ -73,15 +70,13 @@ class CopyGate:
             yield
             return
         with self._cond:
-            self._lifted[me] = self._lifted.get(me, 0) + 1
+            _enter(self._lifted, me)
             self._cond.notify_all()
         try:
             yield
         finally:
             with self._cond:
-                depth = self._lifted.pop(me) - 1
-                if depth:
-                    self._lifted[me] = depth
+                _leave(self._lifted, me)
 
     @property
     def is_held(self) -> bool:
@@ -114,6 +109,18 @@ class CopyGate:
                     break
                 self._cond.wait(left)
         return time.monotonic() - t0
+
+
+def _enter(depths: dict[int, int], me: int) -> None:
+    depths[me] = depths.get(me, 0) + 1
+
+
+def _leave(depths: dict[int, int], me: int) -> bool:
+    """One level of ``me``'s nesting ends; True when it was the outermost."""
+    depth = depths.pop(me) - 1
+    if depth:
+        depths[me] = depth
+    return not depth
 
 
 GATE = CopyGate()

@@ -16,6 +16,15 @@ def _in_thread(fn) -> tuple[threading.Thread, list]:
     return t, out
 
 
+def _paused(wait) -> threading.Thread:
+    """A feeder thread running ``wait``, checked to still wait 0.2 s later (join it after the hold)."""
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive(), "the feeder went on while the trainer held the gate"
+    return t
+
+
 def test_a_feeder_waits_while_another_thread_holds_the_gate():
     gate = CopyGate(hold_limit_s=30.0)
     released = []
@@ -36,9 +45,7 @@ def test_the_holders_own_thread_and_nested_holds():
         with gate.held():
             assert gate.wait_open() < 0.05  # the holder may enqueue copies itself
         assert gate.is_held, "the outer hold ended with the inner one"
-        t, _ = _in_thread(gate.wait_open)
-        time.sleep(0.2)
-        assert t.is_alive()
+        t = _paused(gate.wait_open)
     t.join(5)
     assert not t.is_alive() and not gate.is_held
 
@@ -93,10 +100,7 @@ def test_a_holder_waiting_for_a_save_lifts_its_hold():
         assert wait_future(staged, 10.0, "staging") == "staged"
         waited = time.monotonic() - t0
         assert waited < 1.0, f"the holder waited {waited:.2f} s for copies its own hold kept back"
-        late = threading.Thread(target=GATE.wait_open)  # the lift ended with the wait: feeders pause again
-        late.start()
-        time.sleep(0.2)
-        assert late.is_alive()
+        late = _paused(GATE.wait_open)  # the lift ended with the wait: feeders pause again
     late.join(5)
     t.join(5)
 
@@ -111,9 +115,7 @@ def test_lifting_without_holding_changes_nothing():
                 time.sleep(0.5)
 
         t, _ = _in_thread(lift_elsewhere)
-        t2, _ = _in_thread(gate.wait_open)
-        time.sleep(0.2)
-        assert t2.is_alive()
+        t2 = _paused(gate.wait_open)
     t2.join(5)
     t.join(5)
 
