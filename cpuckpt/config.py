@@ -113,7 +113,8 @@ class StagingConfig:
     pool_bytes: int = _opt(0, "Host pool size; 0 sizes it automatically (2 chunks per thread when streaming).",
                            size=True, min=0)
     pin: bool = _opt(True, "Pin the pool with cudaHostRegister when CUDA is present.")
-    pretouch: bool = _opt(False, "Touch (and pin) the whole pool when it is created, not at first use.")
+    pretouch: bool = _opt(False, "Touch the whole pool when it is created, not at first use (a pinned pool is "
+                          "always touched first, on many threads: pinning faults untouched pages in on one).")
     d2h_window_bytes: int = _opt(0, "Device-to-host bytes enqueued ahead (GPU sources, snapshot saves); 0 "
                                  "enqueues a save's copies at once. With a window a thread keeps that much in "
                                  "flight and adds none while the trainer holds the copy gate (the adapters' "

@@ -5,7 +5,7 @@ pickled code) -> ``set_up_storage_reader`` -> ``prepare_local_plan``/``prepare_g
 (unchanged) -> ``read_data(plan, planner)``.
 
 Checkpoints with a cpuckpt manifest are read by file chunk: each worker thread preads one chunk
-(aligned, so O_DIRECT works) into a pool slot, verifies its crc32c, and scatters the bytes into the
+(aligned, so O_DIRECT works) into a slot, verifies its crc32c, and scatters the bytes into the
 destinations (``integrity.verify: sample`` checks a random share of the chunks on each load). With
 ``integrity.verify: off`` byte ranges are read straight into the destination
 tensor. A destination that cannot take raw bytes (another dtype, a non-contiguous rectangle of a
@@ -15,8 +15,12 @@ place, anything else goes through ``torch.load(weights_only=True)``.
 
 Files in a RAM filesystem (the memory tier's root) are mapped, not read (``backend.ramread``): chunks
 are checksummed and copied straight from the mapping. For GPU targets, ``h2d`` picks how: ``bounce``
-reads them like disk files (pread into the pinned pool, then H2D), ``register`` pins each chunk of
-the mapping while it is copied.
+reads them like disk files (pread into a pinned slot, then H2D), ``register`` pins each chunk of
+the mapping while it is copied, ``ring`` copies it through a small pinned ring.
+
+The slots are the process's pool when it has one (a trainer that saved already), else a load's own
+:class:`~cpuckpt.transfer.read_slots.ReadSlots`, each pinned at its first host-to-device copy while
+the others are read: a restarted process pins no pool up front.
 
 Two ways in: DCP's ``read_data(plan, planner)``, and :meth:`StorageReader.read_whole`, the load fast
 path's (``backend.fastload``): whole saved tensors by name, no ``ReadItem`` and no planner.
@@ -54,9 +58,11 @@ from cpuckpt.errors import CheckpointCorrupt, ConfigError, CpuckptError
 from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
+from cpuckpt.transfer.hostcopy import copy_host_bytes
 from cpuckpt.transfer.images import ImageFile
 from cpuckpt.transfer.pinned_ring import PinnedRing
-from cpuckpt.transfer.staging import DeviceCopier, flat_bytes, get_pool, pool_state
+from cpuckpt.transfer.read_slots import ReadSlots
+from cpuckpt.transfer.staging import DeviceCopier, existing_pool, flat_bytes
 from cpuckpt.transfer.threads import run_parallel
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -100,6 +106,7 @@ class ReadStats:
     fast_path: bool = False  # read by ``read_whole`` (no DCP planning)
     mapped_files: int = 0  # files copied from a mapping (RAM filesystem or this process's images), not read
     registered_nbytes: int = 0  # bytes of RAM files pinned for host-to-device copies (``h2d="register"``)
+    slots_pinned_nbytes: int = 0  # bytes of this load's own read slots pinned (a process without a pool)
 
 
 @dataclass
@@ -140,15 +147,13 @@ class StorageReader(_DcpStorageReader):
         images: the memory tier's mapped images of this checkpoint's files (by file name), when this
             process holds them: their bytes are copied to the targets straight from the (pinned)
             mapping, with no read and no pool.
-        h2d: how files in a RAM filesystem reach GPU targets: ``"bounce"`` (pread into the pinned
-            pool, then copy), ``"register"`` (pin each chunk of the file's mapping while it is copied),
+        h2d: how files in a RAM filesystem reach GPU targets: ``"bounce"`` (pread into a pinned
+            slot, then copy), ``"register"`` (pin each chunk of the file's mapping while it is copied),
             ``"ring"`` (copy each chunk of the mapping through a small pinned ring,
-            :mod:`cpuckpt.transfer.pinned_ring`), or ``"auto"`` (the default): bounce when the process
-            already has its pinned pool, else register (a fresh process's restart then pins no pool
-            first). On the H200, 4 GiB bench state, a fresh process's first load: register 10.1-10.7 GB/s,
-            bounce 9.4-9.75, ring 5.7; bounce 18.2-19.2 GB/s once the pool exists. The ring's copies
-            alone (one 4 GiB tensor, 8 threads) reached 17.3 GB/s: what slows it in the reader is not
-            known yet.
+            :mod:`cpuckpt.transfer.pinned_ring`), or ``"auto"`` (the default, bounce). On the H200, 4 GiB
+            bench state, a fresh process's first load: register 5.9-10.7 GB/s (the driver pins pages
+            on one thread), ring 8.6-8.9, bounce 16.4-19.5 GB/s once slots are pinned (3.3-9.75 when
+            a whole pool was pinned first; per-slot pinning while reading: ``read_slots``).
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
@@ -267,14 +272,14 @@ class StorageReader(_DcpStorageReader):
         with contextlib.ExitStack() as opened:
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
-            h2d = self.h2d if self.h2d != "auto" else \
-                "bounce" if pool_state()[0] or not cfg.staging.pin else "register"
-            jobs, sources = _read_jobs(plans, cfg, opened, self.images, h2d)
+            h2d = "bounce" if self.h2d == "auto" else self.h2d
+            jobs, sources, pool = _read_jobs(plans, cfg, opened, self.images, h2d)
             stats.jobs = len(jobs)
             stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
                                             name="cpuckpt-read"))
             stats.mapped_files = len(sources)
             stats.registered_nbytes = sum(getattr(s, "registered_nbytes", 0) for s in sources)
+            stats.slots_pinned_nbytes = getattr(pool, "pinned_nbytes", 0)
         stats.io_s = time.perf_counter() - t1
         return stats
 
@@ -430,9 +435,9 @@ def _run_job(job: ReadJob, cancel: threading.Event) -> int:
 
 
 def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.ExitStack,
-               images: Mapping[str, ImageFile], h2d: str) -> tuple[list[ReadJob], list[_Source]]:
-    """The read jobs of every file (opened into ``opened``; each job returns the bytes it read) and the
-    mapped sources they copy from instead of reading."""
+               images: Mapping[str, ImageFile], h2d: str) -> tuple[list[ReadJob], list[_Source], Any]:
+    """The read jobs of every file (opened into ``opened``; each job returns the bytes it read), the
+    mapped sources they copy from instead of reading, and the slots they read into (None: no slots)."""
     chunked = {}
     mapped: dict[str, _Source] = {}
     for rel, fp in plans.items():
@@ -455,7 +460,10 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
     if set(chunked) - set(mapped):
         slot_bytes = max(fp.entry.chunk_bytes for fp in plans.values()  # type: ignore[union-attr]
                          if fp.path in chunked and fp.path not in mapped)
-        pool = get_pool(slot_bytes, cfg.io.read_threads, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
+        # The process's pool when it has one (a trainer that saved); else slots for this load, each pinned
+        # while the others are read (read_slots: no pool pinned up front on a restart's first load).
+        pool = existing_pool(slot_bytes) or opened.enter_context(
+            ReadSlots(slot_bytes, cfg.io.read_threads, pin=cfg.staging.pin))
     jobs: list[ReadJob] = []
     for fp in plans.values():
         if fp.entry is None:
@@ -466,7 +474,7 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
                                 source=source, h2d=h2d if isinstance(source, MappedFile) else "")
         else:
             jobs += _range_jobs(fp, cfg, opened)
-    return jobs, list(mapped.values())
+    return jobs, list(mapped.values()), pool
 
 
 class _Copiers:
@@ -518,7 +526,7 @@ def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _
             dsts.append(dst)
             srcs.append(part)
         else:
-            dst.copy_(part)
+            copy_host_bytes(dst, part)
     used: list[DeviceCopier] = []
     for device, (dsts, srcs) in to_device.items():  # one enqueue per device and chunk
         if ring_timeout_s is not None:
@@ -585,7 +593,10 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
                     f"{fp.path}: checksum mismatch in bytes [{lo}, {hi}) (chunk {c}): "
                     f"stored {stored}, read {crc}; the file is damaged"
                 )
-            if h2d == "register" and any(n.dst is not None and n.dst.is_cuda for n in needs):
+            to_gpu = any(n.dst is not None and n.dst.is_cuda for n in needs)
+            if to_gpu and slot is not None:
+                pool.pin(slot)  # once per slot of a load's own ReadSlots; the process pool is pinned already
+            elif to_gpu and h2d == "register":
                 pinned = source.register(lo, hi)  # type: ignore[union-attr]
             ring_timeout = cfg.timeout_s if h2d == "ring" else None
             for copier in _scatter(needs, lo, hi, src, copiers, ring_timeout):

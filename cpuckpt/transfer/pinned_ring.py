@@ -8,8 +8,9 @@ piece on the CPU into a pinned buffer and from there to the device, double-buffe
 of buffers with a stream each: **17.3 GB/s, pinning the 128 MiB ring included** (0.05 s); 16 pairs
 were slower (14.4 GB/s). Through the reader (``h2d="ring"``: 16 read threads, each chunk checksummed
 on the mapping first, the 1,422 tensors of the bench state) a fresh process's first load of 4 GiB
-reached only 5.7 GB/s against 10.1 GB/s registering, so ``auto`` still registers; where the reader
-loses the ring's speed is not known yet.
+reached 5.7 GB/s; with each CPU copy one ``memmove`` (``transfer.hostcopy``) 8.6 GB/s (16 threads)
+to 8.9 (8), and 8.8 without checksums. Reading into pinned slots (``bounce``) went 16-19.5 GB/s, so
+the ring stays an explicit mode.
 
 Owns: the ring's pinned buffers (pinned whatever ``staging.pin`` says: the ring is for GPU targets),
 one CUDA stream and two events per pair. Callers lease a pair per chunk of work; :meth:`RingPair.copy`
@@ -25,6 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from cpuckpt.errors import CheckpointTimeoutError
+from cpuckpt.transfer.hostcopy import copy_host_bytes
 
 __all__ = ["PAIRS", "PIECE_BYTES", "PinnedRing", "RingPair"]
 
@@ -55,7 +57,7 @@ class RingPair:
                         buf = self.pieces[k % 2][:n]
                         if k >= 2:
                             self._events[k % 2].synchronize()  # that piece's previous copy has left the buffer
-                        buf.copy_(src[off : off + n])
+                        copy_host_bytes(buf, src[off : off + n])  # this thread only (see hostcopy)
                         dst[off : off + n].copy_(buf, non_blocking=True)
                         self._events[k % 2].record(self.stream)
                         k += 1

@@ -3,9 +3,10 @@
 ``HostPool`` is one page-aligned host region allocated once per process and carved into slots of
 ``slot_bytes``. A slot is leased for one chunk and released when that chunk's write finished, so no
 slot is reused early and host memory never exceeds the pool. When CUDA is present the region is
-pinned once (cudaHostRegister), never per checkpoint; ``pretouch`` faults every page in at creation
-so the first checkpoint does not pay for it. Leases of one save are granted in chunk order
-(``LeaseOrder``), so filling may run ahead of writing by at most the pool without deadlock.
+pinned once (cudaHostRegister), never per checkpoint, after its pages were faulted in on many
+threads (``pretouch``: also without pinning) so the first checkpoint does not pay for them. Leases
+of one save are granted in chunk order (``LeaseOrder``), so filling may run ahead of writing by at
+most the pool without deadlock.
 
 ``fill_chunk`` copies one chunk of a file image into a slot: skeleton bytes, tensor bytes and
 zeroed gaps. ``DeviceCopier`` orders those copies after the trainer's current CUDA stream on a side
@@ -36,8 +37,8 @@ from cpuckpt.transfer.copy_gate import GATE
 from cpuckpt.transfer.fillplan import FillProgram
 
 __all__ = [
-    "CopyFence", "CopyWindow", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "fill_chunk", "flat_bytes", "get_pool",
-    "own_host_sources", "pool_state", "release_pool",
+    "CopyFence", "CopyWindow", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "existing_pool", "fill_chunk",
+    "flat_bytes", "get_pool", "own_host_sources", "pool_state", "release_pool",
 ]
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,11 @@ class HostPool:
         self._cond = threading.Condition()
         self.pinned = False
         t0 = time.perf_counter()
+        pin = pin and torch.cuda.is_available()
+        pretouch = pretouch or pin  # pinning faults every page in anyway, on one driver thread: touch on many first
         if pretouch:
             pretouch_pages(self._tensor)
-        if pin and torch.cuda.is_available():
+        if pin:
             self._pin()
         logger.info("host pool: %d x %d bytes%s%s in %.3f s", nslots, slot_bytes, ", pinned" if self.pinned else "",
                     ", pre-touched" if pretouch else "", time.perf_counter() - t0)
@@ -110,6 +113,10 @@ class HostPool:
             logger.warning("cudaHostRegister of a %d-byte pool failed (error %s); staging unpinned", self.nbytes, err)
             return
         self.pinned = True
+
+    def pin(self, slot: Slot) -> bool:
+        """Whether ``slot`` is pinned: the pool is pinned whole at creation (``ReadSlots`` pins per slot)."""
+        return self.pinned
 
     def lease(self, timeout_s: float, *, count: int = 1, order: LeaseOrder | None = None,
               ticket: int | None = None, cancel: threading.Event | None = None) -> Slot:
@@ -256,6 +263,12 @@ def get_pool(slot_bytes: int, nslots: int, *, pin: bool, pretouch: bool) -> Host
             _POOL = None
         _POOL = HostPool(slot_bytes, nslots, pin=pin, pretouch=pretouch)
         return _POOL
+
+
+def existing_pool(slot_bytes: int) -> HostPool | None:
+    """The process's pool when it exists with slots of at least ``slot_bytes``; never creates one."""
+    pool = _POOL
+    return pool if pool is not None and pool.slot_bytes >= slot_bytes else None
 
 
 def pool_state() -> tuple[int, bool]:

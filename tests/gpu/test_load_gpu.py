@@ -103,3 +103,28 @@ def test_mapped_file_registers_and_unregisters_read_only(ram_dir):
         m.unregister(0)
         assert bytes(dst.cpu().numpy()) == payload[: 4 << 20]
         assert m.register(4 << 20, len(payload))  # the file's last partial page
+
+
+@pytest.mark.parametrize("pool_first", [False, True])
+def test_a_load_without_a_pool_pins_its_own_slots_one_at_a_time(tmp_path, pool_first):
+    """A restart (no process pool) pins only the slots it copies from and keeps no pool; with a pool it reads
+    through that pool and pins nothing more."""
+    from cpuckpt.transfer import staging
+
+    sd = _state()
+    cfg = {**CFG, "io": {**CFG["io"], "read_threads": 3}}
+    cpuckpt.save(sd, tmp_path / "c", cfg)
+    staging.release_pool()
+    if pool_first:
+        staging.get_pool(1 << 20, 4, pin=True, pretouch=False)
+    out = {k: torch.full_like(v, 7, device="cuda") for k, v in sd.items()}
+    reader = cpuckpt.StorageReader(tmp_path / "c", cfg)
+    cpuckpt.load(out, tmp_path / "c", cfg, storage_reader=reader)
+    pinned = reader.last_stats.slots_pinned_nbytes
+    if pool_first:
+        assert pinned == 0 and staging.pool_state()[0] == 4 << 20
+    else:
+        assert 0 < pinned <= 3 << 20 and staging.pool_state() == (0, False)
+    for k, v in sd.items():
+        assert torch.equal(out[k].cpu(), v), k
+    staging.release_pool()

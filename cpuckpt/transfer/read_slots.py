@@ -1,0 +1,121 @@
+"""Staging slots for one load in a process without a host pool: pinned one slot at a time, while reading.
+
+A restarted trainer has no pinned pool yet. Pinning one before the first read costs its whole size up
+front (on the H200: 16 x 32 MiB pinned in 0.15-1.0 s, pre-touched first 0.22 s for 20 slots), and the
+load then ran at 3.3-10 GB/s against 16-19.5 GB/s once a pool existed. :class:`ReadSlots` pins nothing
+at creation: each slot is registered (``cudaHostRegister``, 32 MiB: a few ms) by the read thread that
+first copies from it to a GPU, after its first ``pread`` faulted its pages in, so the pinning of one slot
+overlaps the reads and copies of the others, and a load into CPU tensors pins nothing at all.
+
+Slots are registered separately, so a lease is always one slot (a copy never spans two
+registrations); the process pool (``staging.get_pool``) stays what saves use. :meth:`close` unpins
+and unmaps: the slots live for one load.
+
+Owns: one anonymous page-aligned mapping (O_DIRECT-ready), its per-slot registrations, the free list.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import queue
+import threading
+
+import torch
+
+from cpuckpt.errors import CheckpointTimeoutError
+from cpuckpt.transfer.staging import Slot
+
+__all__ = ["ReadSlots"]
+
+logger = logging.getLogger(__name__)
+
+
+class ReadSlots:
+    """``nslots`` slots of ``slot_bytes`` with blocking leases; a slot is pinned at :meth:`pin` (``pin``:
+    whether pinning is wanted at all, e.g. ``staging.pin``)."""
+
+    def __init__(self, slot_bytes: int, nslots: int, *, pin: bool = True) -> None:
+        if slot_bytes <= 0 or nslots <= 0:
+            raise ValueError(f"read slots need slot_bytes > 0 and nslots > 0, got {slot_bytes} x {nslots}")
+        self.slot_bytes = slot_bytes
+        self.nslots = nslots
+        self.nbytes = slot_bytes * nslots
+        self._want_pin = pin and torch.cuda.is_available()
+        self._mmap = mmap.mmap(-1, self.nbytes)
+        self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._view = memoryview(self._mmap)
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(nslots):
+            self._free.put(i)
+        self._pinned = [False] * nslots  # each entry is only changed by the thread holding that slot
+        self._failed = threading.Event()  # a registration was refused: the rest copy unpinned too
+        self._lock = threading.Lock()
+        self._leased = 0
+        self.pinned_nbytes = 0
+
+    def lease(self, timeout_s: float) -> Slot:
+        """A free slot, waiting up to ``timeout_s`` for one to be released.
+
+        Raises:
+            CheckpointTimeoutError: none came free in time.
+        """
+        try:
+            i = self._free.get(timeout=timeout_s)
+        except queue.Empty:
+            raise CheckpointTimeoutError(f"read slots: none of {self.nslots} free within {timeout_s:.0f} s") from None
+        with self._lock:
+            self._leased += 1
+        lo = i * self.slot_bytes
+        return Slot(i, 1, self._tensor[lo : lo + self.slot_bytes], self._view[lo : lo + self.slot_bytes])
+
+    def release(self, slot: Slot) -> None:
+        with self._lock:
+            self._leased -= 1
+        self._free.put(slot.index)
+
+    def pin(self, slot: Slot) -> bool:
+        """Pin ``slot`` for host-to-device copies (once; the caller holds the lease). False: copies from it
+        run unpinned (pinning not wanted, no CUDA, or the driver refused: logged once)."""
+        i = slot.index
+        if self._pinned[i]:
+            return True
+        if not self._want_pin or self._failed.is_set():
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(slot.tensor.data_ptr(), self.slot_bytes, 0)
+        if int(err) != 0:
+            if not self._failed.is_set():
+                self._failed.set()
+                logger.warning("cudaHostRegister of a %d-byte read slot failed (error %s); this load copies "
+                               "unpinned", self.slot_bytes, err)
+            return False
+        self._pinned[i] = True
+        with self._lock:
+            self.pinned_nbytes += self.slot_bytes
+        return True
+
+    def close(self) -> None:
+        """Unpin every slot and unmap. A slot still leased (a read thread outliving a timed-out load) may
+        still be copied from: then nothing is unpinned or unmapped, and the memory stays until exit."""
+        with self._lock:
+            leased = self._leased
+        if leased:
+            logger.warning("read slots: %d of %d slots still leased at close; leaving %d bytes mapped", leased,
+                           self.nslots, self.nbytes)
+            return
+        for i, pinned in enumerate(self._pinned):
+            if pinned:
+                torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr() + i * self.slot_bytes)
+                self._pinned[i] = False
+        del self._tensor
+        try:
+            self._view.release()
+            self._mmap.close()
+        except BufferError:
+            logger.debug("read slots: views still referenced; unmapped when they are collected")
+
+    def __enter__(self) -> ReadSlots:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

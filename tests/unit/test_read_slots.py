@@ -1,0 +1,118 @@
+"""A load's own read slots (``transfer.read_slots``) and single-thread host copies (``transfer.hostcopy``).
+
+Pinning needs CUDA: tests/gpu/test_load_gpu.py checks that a load without a process pool pins its
+slots one at a time. Here: leases, back-pressure, alignment, teardown, and that a load leaves no
+process pool behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+
+import pytest
+import torch
+
+import cpuckpt
+from cpuckpt.errors import CheckpointTimeoutError
+from cpuckpt.transfer import staging
+from cpuckpt.transfer.hostcopy import copy_host_bytes
+from cpuckpt.transfer.read_slots import ReadSlots
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def test_slots_are_distinct_page_aligned_and_writable():
+    with ReadSlots(1 << 20, 3, pin=False) as slots:
+        leased = [slots.lease(1.0) for _ in range(3)]
+        assert sorted(s.index for s in leased) == [0, 1, 2]
+        for s in leased:
+            assert s.tensor.data_ptr() % mmap.PAGESIZE == 0 and s.tensor.numel() == 1 << 20
+            s.tensor.fill_(s.index + 1)
+        for s in leased:
+            assert int(s.tensor.min()) == int(s.tensor.max()) == s.index + 1
+            slots.release(s)
+
+
+def test_a_lease_waits_for_a_release_and_times_out_with_a_clear_error():
+    with ReadSlots(4096, 1, pin=False) as slots:
+        held = slots.lease(1.0)
+        with pytest.raises(CheckpointTimeoutError, match="none of 1 free"):
+            slots.lease(0.05)
+        threading.Timer(0.1, slots.release, args=(held,)).start()
+        t0 = time.monotonic()
+        again = slots.lease(5.0)
+        assert again.index == held.index and time.monotonic() - t0 >= 0.05
+        slots.release(again)
+
+
+def test_pin_is_refused_without_cuda_or_when_not_wanted():
+    with ReadSlots(4096, 2, pin=True) as slots:
+        s = slots.lease(1.0)
+        assert slots.pin(s) is torch.cuda.is_available()
+        slots.release(s)
+    with ReadSlots(4096, 2, pin=False) as slots:
+        s = slots.lease(1.0)
+        assert slots.pin(s) is False and slots.pinned_nbytes == 0
+        slots.release(s)
+
+
+def test_close_leaves_the_memory_mapped_while_a_slot_is_still_leased(caplog):
+    slots = ReadSlots(4096, 2, pin=False)
+    s = slots.lease(1.0)
+    with caplog.at_level(logging.WARNING, logger="cpuckpt.transfer.read_slots"):
+        slots.close()
+    assert "1 of 2 slots still leased" in caplog.text
+    s.tensor.fill_(5)  # still mapped: a straggling read thread does not fault
+    assert int(s.tensor.sum()) == 5 * 4096
+
+
+def test_a_load_without_a_process_pool_leaves_none_behind(tmp_path):
+    sd = {"w": torch.randn(300, 200), "b": torch.arange(1000)}
+    cfg = {"io": {"chunk_bytes": "64KiB"}, "integrity": {"verify": "always"}}
+    cpuckpt.save(sd, tmp_path / "c", cfg)
+    staging.release_pool()
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reader = cpuckpt.StorageReader(tmp_path / "c", cfg)
+    cpuckpt.load(out, tmp_path / "c", cfg, storage_reader=reader)
+    assert staging.pool_state() == (0, False)
+    assert reader.last_stats.slots_pinned_nbytes == 0  # CPU targets: no slot pinned, with or without CUDA
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+
+
+def test_a_load_reads_through_the_process_pool_when_there_is_one(tmp_path):
+    sd = {"w": torch.randn(300, 200)}
+    cfg = {"io": {"chunk_bytes": "64KiB"}}
+    cpuckpt.save(sd, tmp_path / "c", cfg)
+    pool = staging.get_pool(64 << 10, 2, pin=False, pretouch=False)
+    leases = []
+    real_lease = pool.lease
+
+    def counting_lease(*a, **kw):
+        leases.append(1)
+        return real_lease(*a, **kw)
+
+    pool.lease = counting_lease
+    try:
+        out = {"w": torch.zeros(300, 200)}
+        cpuckpt.load(out, tmp_path / "c", cfg)
+    finally:
+        del pool.lease
+    assert leases and torch.equal(out["w"], sd["w"])
+    assert staging.existing_pool(64 << 10) is pool and staging.existing_pool(1 << 20) is None
+
+
+@pytest.mark.parametrize("case", ["contiguous", "strided", "dtype", "empty"])
+def test_copy_host_bytes_equals_copy(case):
+    src = torch.arange(4096, dtype=torch.uint8)
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    if case == "strided":
+        src, dst = src.view(64, 64).t(), torch.zeros(64, 64, dtype=torch.uint8)
+    elif case == "dtype":
+        src = torch.arange(4096, dtype=torch.int32)
+    elif case == "empty":
+        src, dst = src[:0], dst[:0]
+    copy_host_bytes(dst, src)
+    assert torch.equal(dst, src.to(dst.dtype))
