@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 H2D_MODES = ("auto", "bounce", "register", "ring")  # how a RAM file reaches the GPU (auto: see StorageReader)
 _RAM_MAGIC = {0x01021994, 0x858458F6}  # TMPFS_MAGIC, RAMFS_MAGIC (linux/magic.h)
 _HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly: pin without write access (no copy-on-write)
+_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every context (chunks may go to several devices)
 _PAGE = mmap.PAGESIZE
 
 
@@ -86,6 +87,7 @@ class MappedFile:
         self._regs: set[int] = set()
         self.registered_nbytes = 0
         self.failed_registrations = 0
+        self._device: torch.device | None = None  # where ranges were registered (unregistered there)
         if nbytes == 0:
             self._tensor = torch.empty(0, dtype=torch.uint8)
             self._view = memoryview(b"")
@@ -115,8 +117,9 @@ class MappedFile:
         """A read-only memoryview of the file's bytes."""
         return self._view
 
-    def register(self, lo: int, hi: int) -> bool:
-        """Pin the pages of ``[lo, hi)`` for device copies (``lo`` page-aligned); False when CUDA refused.
+    def register(self, lo: int, hi: int, device: torch.device | None = None) -> bool:
+        """Pin the pages of ``[lo, hi)`` for device copies to ``device`` (registered under it: a read
+        thread's current device is device 0) (``lo`` page-aligned); False when CUDA refused.
 
         The range is extended to its last page (inside the mapping). A refusal is logged once per
         file and leaves the range unpinned: copies from it still work, at pageable speed.
@@ -126,7 +129,8 @@ class MappedFile:
         n = min(-(-hi // _PAGE) * _PAGE, len(self._mmap)) - lo
         if n <= 0:
             return False
-        err = torch.cuda.cudart().cudaHostRegister(self._base + lo, n, _HOST_REGISTER_READ_ONLY)
+        with torch.cuda.device(device):
+            err = torch.cuda.cudart().cudaHostRegister(self._base + lo, n, _HOST_REGISTER_READ_ONLY | _PORTABLE)
         if int(err) != 0:
             with self._lock:
                 self.failed_registrations += 1
@@ -138,6 +142,7 @@ class MappedFile:
         with self._lock:
             self._regs.add(lo)
             self.registered_nbytes += n
+            self._device = self._device or device
         return True
 
     def unregister(self, lo: int) -> None:
@@ -146,14 +151,17 @@ class MappedFile:
             if lo not in self._regs:
                 return
             self._regs.discard(lo)
-        torch.cuda.cudart().cudaHostUnregister(self._base + lo)
+        with torch.cuda.device(self._device):
+            torch.cuda.cudart().cudaHostUnregister(self._base + lo)
 
     def close(self) -> None:
         """Unregister what is left and unmap; views still referenced keep the mapping until collected."""
         with self._lock:
             left, self._regs = list(self._regs), set()
-        for lo in left:
-            torch.cuda.cudart().cudaHostUnregister(self._base + lo)
+        if left:
+            with torch.cuda.device(self._device):
+                for lo in left:
+                    torch.cuda.cudart().cudaHostUnregister(self._base + lo)
         if self._mmap is None:
             return
         del self._tensor

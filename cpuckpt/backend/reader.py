@@ -66,7 +66,12 @@ from cpuckpt.transfer.staging import DeviceCopier, existing_pool, flat_bytes
 from cpuckpt.transfer.threads import run_parallel
 from cpuckpt.transfer.tracing import nvtx_range
 
-__all__ = ["ReadStats", "StorageReader"]
+__all__ = ["RAM_READ_SLOTS", "ReadStats", "StorageReader"]
+
+# Slots a load without a process pool pins when every file it reads is in RAM. A fresh process's 4 GiB
+# load from tmpfs on the H200: 8 slots 0.363 s, 16 slots 0.473 s, 32 slots 0.624 s (pinning a slot costs
+# more than the reads it lets run in parallel); reads from disk keep io.read_threads slots in flight.
+RAM_READ_SLOTS = 8
 
 logger = logging.getLogger(__name__)
 
@@ -462,8 +467,13 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
                          if fp.path in chunked and fp.path not in mapped)
         # The process's pool when it has one (a trainer that saved); else slots for this load, each pinned
         # while the others are read (read_slots: no pool pinned up front on a restart's first load).
-        pool = existing_pool(slot_bytes) or opened.enter_context(
-            ReadSlots(slot_bytes, cfg.io.read_threads, pin=cfg.staging.pin))
+        pool = existing_pool(slot_bytes)
+        if pool is None:
+            from_ram = all(in_ram(p) for p in set(chunked) - set(mapped))
+            slots = ReadSlots(slot_bytes, min(cfg.io.read_threads, RAM_READ_SLOTS) if from_ram else cfg.io.read_threads,
+                              pin=cfg.staging.pin)
+            opened.callback(slots.close_later)
+            pool = slots
     jobs: list[ReadJob] = []
     for fp in plans.values():
         if fp.entry is None:
@@ -593,11 +603,11 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
                     f"{fp.path}: checksum mismatch in bytes [{lo}, {hi}) (chunk {c}): "
                     f"stored {stored}, read {crc}; the file is damaged"
                 )
-            to_gpu = any(n.dst is not None and n.dst.is_cuda for n in needs)
-            if to_gpu and slot is not None:
-                pool.pin(slot)  # once per slot of a load's own ReadSlots; the process pool is pinned already
-            elif to_gpu and h2d == "register":
-                pinned = source.register(lo, hi)  # type: ignore[union-attr]
+            gpu = next((n.dst.device for n in needs if n.dst is not None and n.dst.is_cuda), None)
+            if gpu is not None and slot is not None:
+                pool.pin(slot, gpu)  # once per slot of a load's own ReadSlots; the process pool is pinned already
+            elif gpu is not None and h2d == "register":
+                pinned = source.register(lo, hi, gpu)  # type: ignore[union-attr]
             ring_timeout = cfg.timeout_s if h2d == "ring" else None
             for copier in _scatter(needs, lo, hi, src, copiers, ring_timeout):
                 copier.record().synchronize()  # the slot (or pinned range) may be reused only after the copies ran

@@ -8,8 +8,10 @@ first copies from it to a GPU, after its first ``pread`` faulted its pages in, s
 overlaps the reads and copies of the others, and a load into CPU tensors pins nothing at all.
 
 Slots are registered separately, so a lease is always one slot (a copy never spans two
-registrations); the process pool (``staging.get_pool``) stays what saves use. :meth:`close` unpins
-and unmaps: the slots live for one load.
+registrations); the process pool (``staging.get_pool``) stays what saves use. A slot is registered
+under the device it is copied to (a read thread's current device is device 0, where a rank of another
+GPU must not make a context) and portable (later chunks may go to another device). :meth:`close` unpins
+and unmaps: the slots live for one load; :meth:`close_later` does it off the caller's path.
 
 Owns: one anonymous page-aligned mapping (O_DIRECT-ready), its per-slot registrations, the free list.
 """
@@ -29,6 +31,8 @@ from cpuckpt.transfer.staging import Slot
 __all__ = ["ReadSlots"]
 
 logger = logging.getLogger(__name__)
+
+_PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every context, not only the registering one
 
 
 class ReadSlots:
@@ -52,6 +56,7 @@ class ReadSlots:
         self._failed = threading.Event()  # a registration was refused: the rest copy unpinned too
         self._lock = threading.Lock()
         self._leased = 0
+        self._device: torch.device | None = None  # where the first slot was registered (unregistered there)
         self.pinned_nbytes = 0
 
     def lease(self, timeout_s: float) -> Slot:
@@ -74,15 +79,16 @@ class ReadSlots:
             self._leased -= 1
         self._free.put(slot.index)
 
-    def pin(self, slot: Slot) -> bool:
-        """Pin ``slot`` for host-to-device copies (once; the caller holds the lease). False: copies from it
-        run unpinned (pinning not wanted, no CUDA, or the driver refused: logged once)."""
+    def pin(self, slot: Slot, device: torch.device) -> bool:
+        """Pin ``slot`` for host-to-device copies to ``device`` (once; the caller holds the lease). False:
+        copies from it run unpinned (pinning not wanted, no CUDA, or the driver refused: logged once)."""
         i = slot.index
         if self._pinned[i]:
             return True
         if not self._want_pin or self._failed.is_set():
             return False
-        err = torch.cuda.cudart().cudaHostRegister(slot.tensor.data_ptr(), self.slot_bytes, 0)
+        with torch.cuda.device(device):
+            err = torch.cuda.cudart().cudaHostRegister(slot.tensor.data_ptr(), self.slot_bytes, _PORTABLE)
         if int(err) != 0:
             if not self._failed.is_set():
                 self._failed.set()
@@ -92,6 +98,7 @@ class ReadSlots:
         self._pinned[i] = True
         with self._lock:
             self.pinned_nbytes += self.slot_bytes
+            self._device = self._device or device
         return True
 
     def close(self) -> None:
@@ -103,16 +110,22 @@ class ReadSlots:
             logger.warning("read slots: %d of %d slots still leased at close; leaving %d bytes mapped", leased,
                            self.nslots, self.nbytes)
             return
-        for i, pinned in enumerate(self._pinned):
-            if pinned:
-                torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr() + i * self.slot_bytes)
-                self._pinned[i] = False
+        if self._device is not None:
+            with torch.cuda.device(self._device):
+                for i, pinned in enumerate(self._pinned):
+                    if pinned:
+                        torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr() + i * self.slot_bytes)
+                        self._pinned[i] = False
         del self._tensor
         try:
             self._view.release()
             self._mmap.close()
         except BufferError:
             logger.debug("read slots: views still referenced; unmapped when they are collected")
+
+    def close_later(self) -> None:
+        """:meth:`close` on a daemon thread: a load returns without waiting for the unpinning."""
+        threading.Thread(target=self.close, name="cpuckpt-read-slots-close", daemon=True).start()
 
     def __enter__(self) -> ReadSlots:
         return self

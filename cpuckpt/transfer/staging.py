@@ -114,7 +114,7 @@ class HostPool:
             return
         self.pinned = True
 
-    def pin(self, slot: Slot) -> bool:
+    def pin(self, slot: Slot, device: Any = None) -> bool:
         """Whether ``slot`` is pinned: the pool is pinned whole at creation (``ReadSlots`` pins per slot)."""
         return self.pinned
 

@@ -51,11 +51,11 @@ def test_a_lease_waits_for_a_release_and_times_out_with_a_clear_error():
 def test_pin_is_refused_without_cuda_or_when_not_wanted():
     with ReadSlots(4096, 2, pin=True) as slots:
         s = slots.lease(1.0)
-        assert slots.pin(s) is torch.cuda.is_available()
+        assert slots.pin(s, torch.device("cuda", 0)) is torch.cuda.is_available()
         slots.release(s)
     with ReadSlots(4096, 2, pin=False) as slots:
         s = slots.lease(1.0)
-        assert slots.pin(s) is False and slots.pinned_nbytes == 0
+        assert slots.pin(s, torch.device("cuda", 0)) is False and slots.pinned_nbytes == 0
         slots.release(s)
 
 
