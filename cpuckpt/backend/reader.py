@@ -66,12 +66,7 @@ from cpuckpt.transfer.staging import DeviceCopier, existing_pool, flat_bytes
 from cpuckpt.transfer.threads import run_parallel
 from cpuckpt.transfer.tracing import nvtx_range
 
-__all__ = ["RAM_READ_SLOTS", "ReadStats", "StorageReader"]
-
-# Slots a load without a process pool pins when every file it reads is in RAM. A fresh process's 4 GiB
-# load from tmpfs on the H200: 8 slots 0.363 s, 16 slots 0.473 s, 32 slots 0.624 s (pinning a slot costs
-# more than the reads it lets run in parallel); reads from disk keep io.read_threads slots in flight.
-RAM_READ_SLOTS = 8
+__all__ = ["ReadStats", "StorageReader"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +151,10 @@ class StorageReader(_DcpStorageReader):
             slot, then copy), ``"register"`` (pin each chunk of the file's mapping while it is copied),
             ``"ring"`` (copy each chunk of the mapping through a small pinned ring,
             :mod:`cpuckpt.transfer.pinned_ring`), or ``"auto"`` (the default, bounce). On the H200, 4 GiB
-            bench state, a fresh process's first load: register 5.9-10.7 GB/s (the driver pins pages
-            on one thread), ring 8.6-8.9, bounce 16.4-19.5 GB/s once slots are pinned (3.3-9.75 when
-            a whole pool was pinned first; per-slot pinning while reading: ``read_slots``).
+            bench state, a fresh process's first load: bounce 12.9-13.2 GB/s pinning its 16 slots while
+            reading (``read_slots``; 3.3-9.75 when a whole pool was pinned first), register 5.9-11.2
+            (the driver pins the file's pages on one thread), ring 7.8-8.9; bounce 16.4-20 GB/s through a
+            pool that exists.
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
@@ -469,9 +465,7 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
         # while the others are read (read_slots: no pool pinned up front on a restart's first load).
         pool = existing_pool(slot_bytes)
         if pool is None:
-            from_ram = all(in_ram(p) for p in set(chunked) - set(mapped))
-            slots = ReadSlots(slot_bytes, min(cfg.io.read_threads, RAM_READ_SLOTS) if from_ram else cfg.io.read_threads,
-                              pin=cfg.staging.pin)
+            slots = ReadSlots(slot_bytes, cfg.io.read_threads, pin=cfg.staging.pin)
             opened.callback(slots.close_later)
             pool = slots
     jobs: list[ReadJob] = []

@@ -1,11 +1,12 @@
 """Staging slots for one load in a process without a host pool: pinned one slot at a time, while reading.
 
 A restarted trainer has no pinned pool yet. Pinning one before the first read costs its whole size up
-front (on the H200: 16 x 32 MiB pinned in 0.15-1.0 s, pre-touched first 0.22 s for 20 slots), and the
-load then ran at 3.3-10 GB/s against 16-19.5 GB/s once a pool existed. :class:`ReadSlots` pins nothing
-at creation: each slot is registered (``cudaHostRegister``, 32 MiB: a few ms) by the read thread that
-first copies from it to a GPU, after its first ``pread`` faulted its pages in, so the pinning of one slot
-overlaps the reads and copies of the others, and a load into CPU tensors pins nothing at all.
+front (on the H200: 16 x 32 MiB pinned in 0.15-1.0 s, touched first 0.18-0.23 s), and a fresh process's
+4 GiB load from tmpfs then ran at 3.3-9.75 GB/s against 16-20 GB/s once a pool existed. :class:`ReadSlots`
+pins nothing at creation: each slot is registered (``cudaHostRegister``) by the read thread that first
+copies from it to a GPU, after its first ``pread`` faulted its pages in, so the pinning of one slot
+overlaps the reads and copies of the others (the same load: 12.9-13.2 GB/s with 16 slots, 13.0-13.4 with 12,
+11.1-11.5 with 8), and a load into CPU tensors pins nothing at all.
 
 Slots are registered separately, so a lease is always one slot (a copy never spans two
 registrations); the process pool (``staging.get_pool``) stays what saves use. A slot is registered
