@@ -4,8 +4,8 @@ A file in a RAM filesystem is already in memory: ``pread`` into a staging slot i
 nothing. The reader maps such a file read-only (:class:`MappedFile`) and checksums and copies
 straight from the mapping. For host-to-device copies a mapped range must be pinned first; the two
 ways the memory-tier issue names are selected by ``h2d`` (see :data:`H2D_MODES`): ``bounce`` leaves
-RAM files to the ordinary chunk path (``pread`` into the pinned pool, then H2D: two copies, no
-registration), ``register`` registers each chunk of the mapping with ``cudaHostRegister`` (read-only)
+RAM files to the ordinary chunk path (``pread`` into a pinned slot, then H2D: two copies, no
+registration of the file), ``register`` registers each chunk of the mapping with ``cudaHostRegister`` (read-only)
 on the reader's thread while other threads copy theirs, copies from it and unregisters it, ``ring``
 copies each chunk of the mapping through a small pinned ring (``transfer.pinned_ring``).
 

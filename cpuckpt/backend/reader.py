@@ -463,7 +463,7 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
                          if fp.path in chunked and fp.path not in mapped)
         # The process's pool when it has one (a trainer that saved); else slots for this load, each pinned
         # while the others are read (read_slots: no pool pinned up front on a restart's first load).
-        pool = existing_pool(slot_bytes)
+        pool = existing_pool(slot_bytes, cfg.io.read_threads)
         if pool is None:
             slots = ReadSlots(slot_bytes, cfg.io.read_threads, pin=cfg.staging.pin)
             opened.callback(slots.close_later)
@@ -510,10 +510,11 @@ def _open(backend: FileBackend, path: str, opened: contextlib.ExitStack) -> int:
 
 
 def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _Copiers,
-             ring_timeout_s: float | None = None) -> list[DeviceCopier]:
+             ring_timeout_s: float | None = None, used: list[DeviceCopier] | None = None) -> list[DeviceCopier]:
     """Copy the bytes ``[lo, hi)`` of a file, held in ``src``, into every need overlapping them.
 
-    Returns the copiers that got host-to-device copies (the caller waits for them before ``src`` is reused).
+    Returns the copiers that got host-to-device copies (the caller waits for them before ``src`` is reused),
+    also appended to ``used`` as they get them (a caller waits for them when this raises).
     With ``ring_timeout_s`` (``src`` is not pinned: ``h2d="ring"``) device bytes go through a pair of the
     device's pinned ring instead, and have arrived when this returns.
     """
@@ -531,15 +532,15 @@ def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _
             srcs.append(part)
         else:
             copy_host_bytes(dst, part)
-    used: list[DeviceCopier] = []
+    used = [] if used is None else used
     for device, (dsts, srcs) in to_device.items():  # one enqueue per device and chunk
         if ring_timeout_s is not None:
             with copiers.ring(device).lease(ring_timeout_s) as pair:
                 pair.copy(dsts, srcs)
             continue
         h2d = copiers.get(device)
+        used.append(h2d)  # before the enqueue: a failed enqueue may have queued some copies
         h2d.copy_many(dsts, srcs)
-        used.append(h2d)
     return used
 
 
@@ -576,6 +577,7 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
         needs = by_chunk[c]
         slot = None
         pinned = False
+        copying: list[DeviceCopier] = []
         if source is None:
             want = -(-(hi - lo) // align) * align if backend.aligned else hi - lo
             slot = pool.lease(cfg.timeout_s)
@@ -603,9 +605,12 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
             elif gpu is not None and h2d == "register":
                 pinned = source.register(lo, hi, gpu)  # type: ignore[union-attr]
             ring_timeout = cfg.timeout_s if h2d == "ring" else None
-            for copier in _scatter(needs, lo, hi, src, copiers, ring_timeout):
+            for copier in _scatter(needs, lo, hi, src, copiers, ring_timeout, copying):
                 copier.record().synchronize()  # the slot (or pinned range) may be reused only after the copies ran
             return hi - lo
+        except BaseException:
+            _drain(copying)  # no copy may still read the slot (or range) released or unpinned below
+            raise
         finally:
             if pinned:
                 source.unregister(lo)  # type: ignore[union-attr]
@@ -613,6 +618,15 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
                 pool.release(slot)
 
     return [functools.partial(read_chunk, c) for c in sorted(by_chunk)]
+
+
+def _drain(copying: list[DeviceCopier]) -> None:
+    """After a failure: wait, best effort, for every copy queued from a chunk's memory."""
+    for copier in copying:
+        try:
+            copier.record().synchronize()
+        except Exception:  # the failure being raised says more
+            logger.debug("waiting for a failed chunk's copies", exc_info=True)
 
 
 def _range_jobs(fp: _FilePlan, cfg: Config, opened: contextlib.ExitStack) -> list[ReadJob]:

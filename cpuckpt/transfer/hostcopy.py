@@ -18,11 +18,11 @@ __all__ = ["copy_host_bytes"]
 def copy_host_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for host tensors of the same dtype and size, on the calling thread only.
 
-    Contiguous tensors are copied by one ``memmove``; anything else (strided views, other dtypes or
-    devices) falls back to ``copy_``.
+    Contiguous tensors of one shape and dtype are copied by one ``memmove``; anything else (strided views,
+    other dtypes, shapes or devices, lazily conjugated or negated views) falls back to ``copy_``.
     """
-    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
-            and dst.numel() == src.numel() and dst.is_contiguous() and src.is_contiguous()):
+    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype and dst.shape == src.shape
+            and dst.is_contiguous() and src.is_contiguous() and not src.is_conj() and not src.is_neg()):
         nbytes = dst.numel() * dst.element_size()
         if nbytes:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)

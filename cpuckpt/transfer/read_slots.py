@@ -9,10 +9,12 @@ overlaps the reads and copies of the others (the same load: 12.9-13.2 GB/s with 
 11.1-11.5 with 8), and a load into CPU tensors pins nothing at all.
 
 Slots are registered separately, so a lease is always one slot (a copy never spans two
-registrations); the process pool (``staging.get_pool``) stays what saves use. A slot is registered
-under the device it is copied to (a read thread's current device is device 0, where a rank of another
-GPU must not make a context) and portable (later chunks may go to another device). :meth:`close` unpins
-and unmaps: the slots live for one load; :meth:`close_later` does it off the caller's path.
+registrations). The process pool (``staging.get_pool``) stays what saves use; a process that loads
+often but never saves can make one (``cpuckpt.prepare_pool``) for its loads to read through. A slot is
+registered under the device it is copied to (a read thread's current device is device 0, where a rank
+of another GPU must not make a context) and portable (later chunks may go to another device).
+:meth:`close` unpins and unmaps: the slots live for one load; :meth:`close_later` does it off the
+caller's path.
 
 Owns: one anonymous page-aligned mapping (O_DIRECT-ready), its per-slot registrations, the free list.
 """
@@ -26,7 +28,7 @@ import threading
 
 import torch
 
-from cpuckpt.errors import CheckpointTimeoutError
+from cpuckpt.errors import CheckpointTimeoutError, StagingError
 from cpuckpt.transfer.staging import Slot
 
 __all__ = ["ReadSlots"]
@@ -38,14 +40,20 @@ _PORTABLE = 0x01  # cudaHostRegisterPortable: pinned for every context, not only
 
 class ReadSlots:
     """``nslots`` slots of ``slot_bytes`` with blocking leases; a slot is pinned at :meth:`pin` (``pin``:
-    whether pinning is wanted at all, e.g. ``staging.pin``)."""
+    whether pinning is wanted at all, e.g. ``staging.pin``).
+
+    Slots start on page boundaries (a page is never shared by two registrations). Once closed, no slot is
+    leased again; a close while slots are still leased (a read thread outliving a timed-out load) is
+    carried out by the last release, so nothing is unpinned or unmapped under a copy.
+    """
 
     def __init__(self, slot_bytes: int, nslots: int, *, pin: bool = True) -> None:
         if slot_bytes <= 0 or nslots <= 0:
             raise ValueError(f"read slots need slot_bytes > 0 and nslots > 0, got {slot_bytes} x {nslots}")
         self.slot_bytes = slot_bytes
         self.nslots = nslots
-        self.nbytes = slot_bytes * nslots
+        self._stride = -(-slot_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.nbytes = self._stride * nslots
         self._want_pin = pin and torch.cuda.is_available()
         self._mmap = mmap.mmap(-1, self.nbytes)
         self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
@@ -57,6 +65,7 @@ class ReadSlots:
         self._failed = threading.Event()  # a registration was refused: the rest copy unpinned too
         self._lock = threading.Lock()
         self._leased = 0
+        self._state = "open"  # -> "closing" (close asked while leased: the last release closes) -> "closed"
         self._device: torch.device | None = None  # where the first slot was registered (unregistered there)
         self.pinned_nbytes = 0
 
@@ -65,20 +74,27 @@ class ReadSlots:
 
         Raises:
             CheckpointTimeoutError: none came free in time.
+            StagingError: the slots were closed.
         """
         try:
             i = self._free.get(timeout=timeout_s)
         except queue.Empty:
             raise CheckpointTimeoutError(f"read slots: none of {self.nslots} free within {timeout_s:.0f} s") from None
         with self._lock:
+            if self._state != "open":
+                self._free.put(i)
+                raise StagingError("read slots: leased after the load closed them")
             self._leased += 1
-        lo = i * self.slot_bytes
+        lo = i * self._stride
         return Slot(i, 1, self._tensor[lo : lo + self.slot_bytes], self._view[lo : lo + self.slot_bytes])
 
     def release(self, slot: Slot) -> None:
         with self._lock:
             self._leased -= 1
+            last = self._leased == 0 and self._state == "closing"
         self._free.put(slot.index)
+        if last:
+            self._teardown()
 
     def pin(self, slot: Slot, device: torch.device) -> bool:
         """Pin ``slot`` for host-to-device copies to ``device`` (once; the caller holds the lease). False:
@@ -103,19 +119,29 @@ class ReadSlots:
         return True
 
     def close(self) -> None:
-        """Unpin every slot and unmap. A slot still leased (a read thread outliving a timed-out load) may
-        still be copied from: then nothing is unpinned or unmapped, and the memory stays until exit."""
+        """Unpin every slot and unmap, now or, while slots are still leased, at the last release (their
+        reads may still be copying from them). Idempotent."""
         with self._lock:
+            if self._state != "open":
+                return
+            self._state = "closing"
             leased = self._leased
         if leased:
-            logger.warning("read slots: %d of %d slots still leased at close; leaving %d bytes mapped", leased,
-                           self.nslots, self.nbytes)
+            logger.warning("read slots: %d of %d slots still leased at close; unpinned and unmapped at their "
+                           "release", leased, self.nslots)
             return
+        self._teardown()
+
+    def _teardown(self) -> None:
+        with self._lock:
+            if self._state == "closed":
+                return
+            self._state = "closed"
         if self._device is not None:
             with torch.cuda.device(self._device):
                 for i, pinned in enumerate(self._pinned):
                     if pinned:
-                        torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr() + i * self.slot_bytes)
+                        torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr() + i * self._stride)
                         self._pinned[i] = False
         del self._tensor
         try:

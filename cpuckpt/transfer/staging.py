@@ -265,10 +265,10 @@ def get_pool(slot_bytes: int, nslots: int, *, pin: bool, pretouch: bool) -> Host
         return _POOL
 
 
-def existing_pool(slot_bytes: int) -> HostPool | None:
-    """The process's pool when it exists with slots of at least ``slot_bytes``; never creates one."""
+def existing_pool(slot_bytes: int, nslots: int = 1) -> HostPool | None:
+    """The process's pool when it exists with ``nslots`` slots of at least ``slot_bytes``; never creates one."""
     pool = _POOL
-    return pool if pool is not None and pool.slot_bytes >= slot_bytes else None
+    return pool if pool is not None and pool.slot_bytes >= slot_bytes and pool.nslots >= nslots else None
 
 
 def pool_state() -> tuple[int, bool]:

@@ -7,6 +7,7 @@ process pool behind.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import threading
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import cpuckpt
-from cpuckpt.errors import CheckpointTimeoutError
+from cpuckpt.errors import CheckpointTimeoutError, StagingError
 from cpuckpt.transfer import staging
 from cpuckpt.transfer.hostcopy import copy_host_bytes
 from cpuckpt.transfer.read_slots import ReadSlots
@@ -59,7 +60,7 @@ def test_pin_is_refused_without_cuda_or_when_not_wanted():
         slots.release(s)
 
 
-def test_close_leaves_the_memory_mapped_while_a_slot_is_still_leased(caplog):
+def test_close_while_a_slot_is_leased_waits_for_its_release(caplog):
     slots = ReadSlots(4096, 2, pin=False)
     s = slots.lease(1.0)
     with caplog.at_level(logging.WARNING, logger="cpuckpt.transfer.read_slots"):
@@ -67,9 +68,31 @@ def test_close_leaves_the_memory_mapped_while_a_slot_is_still_leased(caplog):
     assert "1 of 2 slots still leased" in caplog.text
     s.tensor.fill_(5)  # still mapped: a straggling read thread does not fault
     assert int(s.tensor.sum()) == 5 * 4096
+    with pytest.raises(StagingError, match="after the load closed them"):
+        slots.lease(1.0)  # closing: nothing new is handed out
+    slots.release(s)  # the last release tears down
+    assert slots._state == "closed"
+    slots.close()  # idempotent
 
 
-def test_a_load_without_a_process_pool_leaves_none_behind(tmp_path):
+def test_slots_of_odd_sizes_start_on_their_own_pages():
+    with ReadSlots(1000, 3, pin=False) as slots:
+        leased = [slots.lease(1.0) for _ in range(3)]
+        starts = sorted(s.tensor.data_ptr() for s in leased)
+        assert all(p % mmap.PAGESIZE == 0 for p in starts) and len(set(p // mmap.PAGESIZE for p in starts)) == 3
+        assert all(s.tensor.numel() == 1000 for s in leased)
+        for s in leased:
+            slots.release(s)
+
+
+@pytest.fixture
+def no_pool():
+    staging.release_pool()
+    yield
+    staging.release_pool()
+
+
+def test_a_load_without_a_process_pool_leaves_none_behind(tmp_path, no_pool):
     sd = {"w": torch.randn(300, 200), "b": torch.arange(1000)}
     cfg = {"io": {"chunk_bytes": "64KiB"}, "integrity": {"verify": "always"}}
     cpuckpt.save(sd, tmp_path / "c", cfg)
@@ -82,11 +105,13 @@ def test_a_load_without_a_process_pool_leaves_none_behind(tmp_path):
     assert all(torch.equal(out[k], v) for k, v in sd.items())
 
 
-def test_a_load_reads_through_the_process_pool_when_there_is_one(tmp_path):
+@pytest.mark.parametrize("nslots", [16, 2])
+def test_a_load_reads_through_the_process_pool_when_it_has_a_slot_per_thread(tmp_path, no_pool, nslots):
     sd = {"w": torch.randn(300, 200)}
-    cfg = {"io": {"chunk_bytes": "64KiB"}}
+    cfg = {"io": {"chunk_bytes": "64KiB", "read_threads": 4}}
     cpuckpt.save(sd, tmp_path / "c", cfg)
-    pool = staging.get_pool(64 << 10, 2, pin=False, pretouch=False)
+    staging.release_pool()
+    pool = staging.get_pool(64 << 10, nslots, pin=False, pretouch=False)
     leases = []
     real_lease = pool.lease
 
@@ -100,19 +125,29 @@ def test_a_load_reads_through_the_process_pool_when_there_is_one(tmp_path):
         cpuckpt.load(out, tmp_path / "c", cfg)
     finally:
         del pool.lease
-    assert leases and torch.equal(out["w"], sd["w"])
-    assert staging.existing_pool(64 << 10) is pool and staging.existing_pool(1 << 20) is None
+    assert torch.equal(out["w"], sd["w"])
+    assert bool(leases) is (nslots >= 4)  # fewer slots than read threads: the load's own slots instead
+    assert staging.existing_pool(64 << 10, nslots) is pool and staging.existing_pool(1 << 20) is None
 
 
-@pytest.mark.parametrize("case", ["contiguous", "strided", "dtype", "empty"])
-def test_copy_host_bytes_equals_copy(case):
+@pytest.mark.parametrize("case", ["contiguous", "strided", "dtype", "shape", "empty"])
+def test_copy_host_bytes_equals_copy_and_memmoves_only_plain_bytes(case, monkeypatch):
+    calls = []
+    real = ctypes.memmove
+    monkeypatch.setattr(ctypes, "memmove", lambda d, s, n: calls.append(n) or real(d, s, n))
     src = torch.arange(4096, dtype=torch.uint8)
     dst = torch.zeros(4096, dtype=torch.uint8)
     if case == "strided":
         src, dst = src.view(64, 64).t(), torch.zeros(64, 64, dtype=torch.uint8)
     elif case == "dtype":
         src = torch.arange(4096, dtype=torch.int32)
+    elif case == "shape":  # as many bytes, shapes that do not broadcast: copy_ refuses, so must this
+        with pytest.raises(RuntimeError):
+            copy_host_bytes(torch.zeros(64, 64, dtype=torch.uint8), src)
+        assert calls == []
+        return
     elif case == "empty":
         src, dst = src[:0], dst[:0]
     copy_host_bytes(dst, src)
-    assert torch.equal(dst, src.to(dst.dtype))
+    assert torch.equal(dst, src.to(dst.dtype).reshape(dst.shape))
+    assert calls == ([4096] if case == "contiguous" else [])
