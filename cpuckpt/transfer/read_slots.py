@@ -29,7 +29,7 @@ import threading
 import torch
 
 from cpuckpt.errors import CheckpointTimeoutError, StagingError
-from cpuckpt.transfer.staging import Slot
+from cpuckpt.transfer.staging import Slot, unmap
 
 __all__ = ["ReadSlots"]
 
@@ -144,11 +144,7 @@ class ReadSlots:
                         torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr() + i * self._stride)
                         self._pinned[i] = False
         del self._tensor
-        try:
-            self._view.release()
-            self._mmap.close()
-        except BufferError:
-            logger.debug("read slots: views still referenced; unmapped when they are collected")
+        unmap(self._view, self._mmap, "read slots")
 
     def close_later(self) -> None:
         """:meth:`close` on a daemon thread: a load returns without waiting for the unpinning."""

@@ -38,7 +38,7 @@ from cpuckpt.transfer.fillplan import FillProgram
 
 __all__ = [
     "CopyFence", "CopyWindow", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "existing_pool", "fill_chunk",
-    "flat_bytes", "get_pool", "own_host_sources", "pool_state", "release_pool",
+    "flat_bytes", "get_pool", "own_host_sources", "pool_state", "release_pool", "unmap",
 ]
 
 logger = logging.getLogger(__name__)
@@ -227,11 +227,17 @@ class HostPool:
             torch.cuda.cudart().cudaHostUnregister(self._tensor.data_ptr())
             self.pinned = False
         del self._tensor
-        try:
-            self._view.release()
-            self._mmap.close()
-        except BufferError:
-            logger.debug("host pool: views still referenced; unmapped when they are collected")
+        unmap(self._view, self._mmap, "host pool")
+
+
+def unmap(view: memoryview, mapping: mmap.mmap, what: str) -> None:
+    """Release ``view`` and close ``mapping`` now, or, while views of it are still referenced (completed
+    futures may hold slots' views), leave it to the garbage collector."""
+    try:
+        view.release()
+        mapping.close()
+    except BufferError:
+        logger.debug("%s: views still referenced; unmapped when they are collected", what)
 
 
 _POOL: HostPool | None = None
