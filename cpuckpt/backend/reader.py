@@ -18,9 +18,10 @@ are checksummed and copied straight from the mapping. For GPU targets, ``h2d`` p
 reads them like disk files (pread into a pinned slot, then H2D), ``register`` pins each chunk of
 the mapping while it is copied, ``ring`` copies it through a small pinned ring.
 
-The slots are the process's pool when it has one (a trainer that saved already), else a load's own
-:class:`~cpuckpt.transfer.read_slots.ReadSlots`, each pinned at its first host-to-device copy while
-the others are read: a restarted process pins no pool up front.
+The slots are the process's pool when it has one with a slot per read thread (a trainer that saved
+already, or ``cpuckpt.prepare_pool``), else a load's own :class:`~cpuckpt.transfer.read_slots.ReadSlots`,
+each pinned at its first host-to-device copy while the others are read: a restarted process pins no
+pool up front.
 
 Two ways in: DCP's ``read_data(plan, planner)``, and :meth:`StorageReader.read_whole`, the load fast
 path's (``backend.fastload``): whole saved tensors by name, no ``ReadItem`` and no planner.
