@@ -151,3 +151,27 @@ def test_copy_host_bytes_equals_copy_and_memmoves_only_plain_bytes(case, monkeyp
     copy_host_bytes(dst, src)
     assert torch.equal(dst, src.to(dst.dtype).reshape(dst.shape))
     assert calls == ([4096] if case == "contiguous" else [])
+
+
+def test_a_loads_own_slots_are_torn_down_after_it(tmp_path, no_pool, monkeypatch):
+    import cpuckpt.backend.reader as reader_mod
+
+    made: list[ReadSlots] = []
+
+    class Recorded(ReadSlots):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(reader_mod, "ReadSlots", Recorded)
+    sd = {"w": torch.randn(300, 200)}
+    cfg = {"io": {"chunk_bytes": "64KiB", "read_threads": 3}}
+    cpuckpt.save(sd, tmp_path / "c", cfg)
+    staging.release_pool()
+    out = {"w": torch.zeros(300, 200)}
+    cpuckpt.load(out, tmp_path / "c", cfg)
+    assert torch.equal(out["w"], sd["w"]) and len(made) == 1 and made[0].nslots == 3
+    deadline = time.monotonic() + 10
+    while made[0]._state != "closed" and time.monotonic() < deadline:  # closed on a daemon thread
+        time.sleep(0.01)
+    assert made[0]._state == "closed" and made[0]._mmap.closed
