@@ -511,11 +511,11 @@ def _open(backend: FileBackend, path: str, opened: contextlib.ExitStack) -> int:
 
 
 def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _Copiers,
-             ring_timeout_s: float | None = None, used: list[DeviceCopier] | None = None) -> list[DeviceCopier]:
+             ring_timeout_s: float | None, used: list[DeviceCopier]) -> None:
     """Copy the bytes ``[lo, hi)`` of a file, held in ``src``, into every need overlapping them.
 
-    Returns the copiers that got host-to-device copies (the caller waits for them before ``src`` is reused),
-    also appended to ``used`` as they get them (a caller waits for them when this raises).
+    Appends each copier to ``used`` as it gets host-to-device copies (the caller waits for them before
+    ``src`` is reused, also when this raises).
     With ``ring_timeout_s`` (``src`` is not pinned: ``h2d="ring"``) device bytes go through a pair of the
     device's pinned ring instead, and have arrived when this returns.
     """
@@ -533,7 +533,6 @@ def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _
             srcs.append(part)
         else:
             copy_host_bytes(dst, part)
-    used = [] if used is None else used
     for device, (dsts, srcs) in to_device.items():  # one enqueue per device and chunk
         if ring_timeout_s is not None:
             with copiers.ring(device).lease(ring_timeout_s) as pair:
@@ -542,7 +541,6 @@ def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _
         h2d = copiers.get(device)
         used.append(h2d)  # before the enqueue: a failed enqueue may have queued some copies
         h2d.copy_many(dsts, srcs)
-    return used
 
 
 def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib.ExitStack, pool: Any,
@@ -606,7 +604,8 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
             elif gpu is not None and h2d == "register":
                 pinned = source.register(lo, hi, gpu)  # type: ignore[union-attr]
             ring_timeout = cfg.timeout_s if h2d == "ring" else None
-            for copier in _scatter(needs, lo, hi, src, copiers, ring_timeout, copying):
+            _scatter(needs, lo, hi, src, copiers, ring_timeout, copying)
+            for copier in copying:
                 copier.record().synchronize()  # the slot (or pinned range) may be reused only after the copies ran
             return hi - lo
         except BaseException:
