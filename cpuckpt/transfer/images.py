@@ -420,10 +420,13 @@ class ImageJob:
         self._lock = threading.Lock()
         self._cancel = threading.Event()
         self._error: BaseException | None = None
-        self._pending = 0  # tasks not ended: copies (or the GPU copies' waiter) and checksums
-        self._copying = 0  # of those, the copies: ``staged`` completes when none is left
+        # Tasks not ended: copies (or the GPU copies' waiter), checksums, and ``start()`` itself while it
+        # submits. Whoever submits a task holds a token of its own until the submission is done, so the
+        # count cannot reach zero while tasks are still being queued (a checksum that ended first had
+        # finished the job with crc32c 0 for the chunks not yet queued).
+        self._pending = 0
+        self._copying = 0  # of those, the copies (and ``start()``): ``staged`` completes when none is left
         self._copied = False  # every copy ended (``_copies_ended`` ran)
-        self._submitting = False
         self._finished = False
         self._t0 = 0.0
         # GPU sources: the end of the copies enqueued so far (``AsyncSaveHandle.wait_stream``); None: host fills.
@@ -441,7 +444,8 @@ class ImageJob:
         with self._lock:
             if self._error is not None:  # cancelled before it started
                 raise self._error
-            self._submitting = True
+            self._pending += 1  # start()'s token (see __init__), given back in ``finally``
+            self._copying += 1
         try:
             if len(self.names) != len(self.files):
                 raise ValueError(f"{len(self.names)} file names for {len(self.files)} layouts")
@@ -481,15 +485,8 @@ class ImageJob:
                 raise
             raise err from e
         finally:
-            with self._lock:
-                self._submitting = False
-                copied = self._copying == 0
-            if copied:
-                self._copies_ended()  # may queue the checksums
-            with self._lock:
-                idle = self._pending == 0
-            if idle:
-                self._finish()
+            self._copy_ended()  # the last copy to end queues the checksums, under a token still held
+            self._task_ended()
 
     def wait_staged(self, timeout_s: float | None = None) -> None:
         wait_future(self.staged, self.cfg.timeout_s if timeout_s is None else timeout_s,
@@ -504,7 +501,7 @@ class ImageJob:
         once no copy still writes into the images)."""
         self._fail(reason, wrap=False)
         with self._lock:
-            idle = self._pending == 0 and not self._submitting
+            idle = self._pending == 0
         if idle:
             self._finish()
 
@@ -627,7 +624,7 @@ class ImageJob:
     def _copy_ended(self) -> None:
         with self._lock:
             self._copying -= 1
-            copied = self._copying == 0 and not self._submitting
+            copied = self._copying == 0
         if copied:
             self._copies_ended()
 
@@ -646,7 +643,7 @@ class ImageJob:
     def _task_ended(self) -> None:
         with self._lock:
             self._pending -= 1
-            idle = self._pending == 0 and not self._submitting
+            idle = self._pending == 0
         if idle:
             self._finish()
 
