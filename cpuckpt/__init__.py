@@ -18,6 +18,7 @@ from cpuckpt.errors import (
     StagingError,
     StorageIOError,
 )
+from cpuckpt.restart import load_latest
 from cpuckpt.roots import (
     apply_retention,
     clean_incomplete,
@@ -54,6 +55,7 @@ __all__ = [
     "install_sigterm_handler",
     "list_checkpoints",
     "load",
+    "load_latest",
     "pause_copies",
     "prepare_pool",
     "prepare_pool_in_background",
