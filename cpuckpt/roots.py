@@ -36,13 +36,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cpuckpt import faultpoint
 from cpuckpt.backend import inflight
 from cpuckpt.backend.committed import METADATA_NAME, check_complete
 from cpuckpt.config import Config
 from cpuckpt.errors import CpuckptError, IntegrityError
+from cpuckpt.paths import local_path
 from cpuckpt.procs import pid_alive
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 
@@ -56,6 +57,7 @@ __all__ = [
     "install_sigterm_handler",
     "list_checkpoints",
     "loading",
+    "ordered",
     "read_latest",
     "update_latest",
 ]
@@ -88,8 +90,12 @@ class CheckpointInfo:
 
 
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
-    """Say whether the checkpoint in ``path`` is complete (see the module docstring) and its step."""
-    path = Path(path)
+    """Say whether the checkpoint in ``path`` is complete (see the module docstring) and its step.
+
+    Raises:
+        ConfigError: ``path`` is a URL.
+    """
+    path = Path(local_path(path))
     c = check_complete(path)
     mtime = c.committed_at if c.committed_at is not None else _mtime(path)
     return CheckpointInfo(path, c.complete, c.step, mtime, c.reason)
@@ -113,34 +119,65 @@ def _looks_like_checkpoint(path: Path) -> bool:
         for n in names)
 
 
-def _order_key(info: CheckpointInfo) -> tuple:
-    # Steps first (a stock checkpoint has none and sorts before any stepped one), then commit time.
-    return (info.step is not None, info.step if info.step is not None else 0, info.mtime, info.path.name)
+T = TypeVar("T")
+
+
+def ordered(items: Iterable[T], step: Callable[[T], int | None], committed: Callable[[T], float],
+            name: Callable[[T], str]) -> list[T]:
+    """``items`` (checkpoints of one root) oldest first, by the one rule that ``find_latest``,
+    retention and ``cpuckpt ls`` share.
+
+    The rule: a checkpoint with a step ranks by ``(step, commit time, name)``. A checkpoint without
+    one (a stock ``dcp.save``, a ``StorageWriter`` given no step) counts as having the highest step
+    among the checkpoints committed before it (none: below every step), then its commit time decides.
+    So a step-less checkpoint ranks above everything committed before it, and a checkpoint committed
+    after it ranks above it unless that one has a lower step than those (a late persist of an older
+    step). Steps alone would rank a step-less checkpoint below any stepped one, however old; commit
+    times alone would let a late persist of an older step win. The result is a total order (one key
+    per checkpoint), so every caller agrees.
+    """
+    items = list(items)
+    by_time = sorted(range(len(items)), key=lambda i: (committed(items[i]), name(items[i])))
+    effective: dict[int, int] = {}
+    highest = -1  # below every real step (steps are >= 0)
+    for i in by_time:
+        s = step(items[i])
+        effective[i] = s if s is not None else highest
+        if s is not None:
+            highest = max(highest, s)
+    keys = {i: (effective[i], committed(items[i]), name(items[i])) for i in range(len(items))}
+    return [items[i] for i in sorted(range(len(items)), key=keys.__getitem__)]
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
     """Every checkpoint directory directly under ``root``, oldest first.
 
     Only directories holding nothing but checkpoint files (FORMAT.md section 1) are listed, so
-    unrelated directories in ``root`` are never reported, cleaned or deleted. Ordering: by manifest
-    step, then by the time ``.metadata`` was written, then by name; stock checkpoints (no step) sort
-    before stepped ones.
+    unrelated directories in ``root`` are never reported, cleaned or deleted. Ordering: :func:`ordered`,
+    by manifest step and commit time (when ``.metadata`` was written: it is written last).
+
+    Raises:
+        ConfigError: ``root`` is a URL (``s3://...``): only local directories are supported.
     """
-    root = Path(root)
+    root = Path(local_path(root, "checkpoint root"))
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except FileNotFoundError:
         return []
     out = [inspect_checkpoint(Path(e.path)) for e in entries
            if e.is_dir(follow_symlinks=False) and _looks_like_checkpoint(Path(e.path))]
-    return sorted(out, key=_order_key)
+    return ordered(out, lambda c: c.step, lambda c: c.mtime, lambda c: c.path.name)
 
 
 def find_latest(root: str | os.PathLike) -> Path | None:
     """The newest *complete* checkpoint under ``root``, or None.
 
     The directory scan is the source of truth; the ``latest`` pointer is not trusted alone, so a
-    torn save is never returned, whatever state the pointer is in.
+    torn save is never returned, whatever state the pointer is in. "Newest" is :func:`ordered`'s
+    rule. Checksums are not read: :func:`cpuckpt.load_latest` falls back past a damaged one.
+
+    Raises:
+        ConfigError: ``root`` is a URL.
 
     Example:
         >>> path = cpuckpt.find_latest("/ckpt")
@@ -152,7 +189,12 @@ def find_latest(root: str | os.PathLike) -> Path | None:
 
 
 def read_latest(root: str | os.PathLike) -> Path | None:
-    """The checkpoint that ``<root>/latest`` names, if the file exists and that checkpoint is complete."""
+    """The checkpoint that ``<root>/latest`` names, if the file exists and that checkpoint is complete.
+
+    Raises:
+        ConfigError: ``root`` is a URL.
+    """
+    root = local_path(root, "checkpoint root")
     try:
         name = (Path(root) / LATEST_NAME).read_text().strip()
     except (OSError, UnicodeDecodeError):
@@ -171,8 +213,9 @@ def update_latest(root: str | os.PathLike, path: str | os.PathLike, *, fsync: bo
     Raises:
         IntegrityError: ``path`` is not a complete checkpoint directly under ``root``.
         CpuckptError: ``<root>/latest`` exists and is not a regular file.
+        ConfigError: ``root`` or ``path`` is a URL.
     """
-    root, path = Path(root), Path(path)
+    root, path = Path(local_path(root, "checkpoint root")), Path(local_path(path))
     if path.resolve().parent != root.resolve():
         raise IntegrityError(f"{path}: not directly under the checkpoint root {root}")
     if not inspect_checkpoint(path).complete:
@@ -266,8 +309,11 @@ def clean_incomplete(root: str | os.PathLike, *, keep: Iterable[str | os.PathLik
     other process, touches its directory at least once per ``timeout_s`` (every wait of a save is
     bounded by it), so only dead saves are that old. With ``min_age_s = 0`` (the default for direct
     calls) another process's in-flight save in the same root *is* removed.
+
+    Raises:
+        ConfigError: ``root`` is a URL.
     """
-    root = Path(root)
+    root = Path(local_path(root, "checkpoint root"))
     protected = {str(Path(p).resolve()) for p in [*keep, *(h.path for h in inflight.pending())]}
     removed: list[Path] = []
     for info in list_checkpoints(root):
@@ -314,7 +360,11 @@ def apply_retention(root: str | os.PathLike, keep_last: int, keep_every: int = 0
     multiple of ``keep_every`` (when ``keep_every > 0``), the newest complete checkpoint always,
     anything in ``protect``, and any checkpoint being loaded (see :func:`loading`). Incomplete
     directories are left to :func:`clean_incomplete`.
+
+    Raises:
+        ConfigError: ``root`` is a URL.
     """
+    root = local_path(root, "checkpoint root")
     if keep_last <= 0:
         return []
     complete = [c for c in list_checkpoints(root) if c.complete]

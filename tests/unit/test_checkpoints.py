@@ -273,3 +273,65 @@ def test_latest_only_moves_forward_when_an_older_step_commits_late(tmp_path):
     assert cpuckpt.read_latest(tmp_path).name == "step_10"
     cpuckpt.save({"w": torch.ones(3)}, tmp_path / "step_12", cfg, step=12)
     assert cpuckpt.read_latest(tmp_path).name == "step_12"
+
+
+# ---------------------------------------------------------------------- one ordering, URLs refused
+
+
+def _commit_time(path: Path, t: float) -> None:
+    """Pretend ``path`` was committed at ``t`` (its ``.metadata``, written last, carries the commit time)."""
+    os.utime(path / ".metadata", (t, t))
+
+
+def _stepless(path: Path, k: int) -> Path:
+    """A ``dcp.save`` through cpuckpt's ``StorageWriter`` given no step: a manifest with ``step: null``."""
+    dcp.save(_sd(k), storage_writer=cpuckpt.StorageWriter(path, CFG))
+    return path
+
+
+def test_a_stepless_save_newer_than_a_stepped_one_is_the_latest(tmp_path):
+    import time
+
+    now = time.time()
+    _commit_time(_save(tmp_path, 1), now - 100)
+    newer = _stepless(tmp_path / "step_0002", 2)
+    _commit_time(newer, now - 50)
+    assert cpuckpt.list_checkpoints(tmp_path)[-1].step is None
+    assert cpuckpt.find_latest(tmp_path) == newer
+    _commit_time(newer, now - 200)  # committed before the stepped one: that one is newer
+    assert cpuckpt.find_latest(tmp_path) == tmp_path / "step_0001"
+
+
+def test_ls_and_find_latest_share_one_order(tmp_path):
+    """Stock (old), step 5, a step-less save after it, then a late persist of step 3: the step-less one
+    ranks above everything committed before it; the late older step does not outrank it."""
+    import time
+
+    from cpuckpt.tools.catalog import scan_root
+
+    now = time.time()
+    dcp.save(_sd(0), storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))
+    _commit_time(tmp_path / "stock", now - 300)
+    _commit_time(_save(tmp_path, 5), now - 200)
+    _commit_time(_stepless(tmp_path / "plain", 6), now - 100)
+    _commit_time(_save(tmp_path, 3), now - 50)
+    want = ["stock", "step_0003", "step_0005", "plain"]
+    assert [c.path.name for c in cpuckpt.list_checkpoints(tmp_path)] == want
+    listed = scan_root(tmp_path)
+    assert [i.path.name for i in listed] == want
+    assert [i.path.name for i in listed if i.latest] == ["plain"] == [cpuckpt.find_latest(tmp_path).name]
+
+
+def test_every_root_entry_point_refuses_a_url(tmp_path):
+    from cpuckpt.roots import inspect_checkpoint
+
+    url = "s3://bucket/run"
+    calls = [lambda: cpuckpt.find_latest(url), lambda: cpuckpt.list_checkpoints(url),
+             lambda: cpuckpt.read_latest(url), lambda: cpuckpt.update_latest(url, f"{url}/step_1"),
+             lambda: cpuckpt.update_latest(tmp_path, "s3://bucket/run/step_1"),
+             lambda: cpuckpt.clean_incomplete(url), lambda: cpuckpt.apply_retention(url, 2),
+             lambda: inspect_checkpoint(f"{url}/step_1"), lambda: cpuckpt.load_latest({}, url)]
+    for call in calls:
+        with pytest.raises(cpuckpt.ConfigError, match=r"s3://.*not supported"):
+            call()
+    assert not (Path.cwd() / "s3:").exists()
