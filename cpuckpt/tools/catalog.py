@@ -26,11 +26,12 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from cpuckpt.backend.committed import METADATA_NAME, is_complete, load_metadata, read_manifest
+from cpuckpt.backend.committed import METADATA_NAME, is_complete, load_metadata, read_manifest, same_save
 from cpuckpt.errors import CpuckptError
 from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
-from cpuckpt.roots import find_latest, inspect_checkpoint
+from cpuckpt.paths import local_path
+from cpuckpt.roots import find_latest, inspect_checkpoint, ordered
 
 __all__ = ["Description", "ListedCheckpoint", "TensorInfo", "describe", "identify", "scan_root", "tensors_of"]
 
@@ -44,15 +45,18 @@ class ListedCheckpoint:
     path: Path
     kind: str  # cpuckpt, dcp, megatron, deepspeed
     complete: bool
-    step: int | None
+    step: int | None  # shown: the manifest's, else the last number in the directory name
     nbytes: int
-    mtime: float
+    mtime: float  # when it was written, what AGE shows (see identify)
     latest: bool = False
-    reason: str = ""  # why it is incomplete
+    reason: str = ""  # why it is incomplete, or (damaged) the first damage found
+    rank_step: int | None = None  # the step it is ranked by: find_latest's for DCP checkpoints
+    damaged: bool = False  # complete, but ``scan_root(verify=True)`` found damage in its bytes
+    rank_time: float = 0.0  # the commit time it is ranked by: find_latest's (.metadata's mtime) for DCP ones
 
     @property
     def status(self) -> str:
-        return "complete" if self.complete else "incomplete"
+        return "damaged" if self.damaged else "complete" if self.complete else "incomplete"
 
     @property
     def age_s(self) -> float:
@@ -94,6 +98,7 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
     except OSError:
         return None
     kind: str | None = None
+    manifest: Manifest | None = None
     dcp_files = True  # a DCP checkpoint (.metadata + data files): completeness as find_latest has it
     step: int | None = None
     if MANIFEST_NAME in names or any(n.endswith(".cpuckpt-part.json") for n in names):
@@ -113,30 +118,59 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
     if kind is None:
         return None
     complete, reason = True, ""  # other backends' files: complete when present
+    nbytes, newest = _tree_size(p)
+    commit_time: float | None = None
+    rank_step = step
     if dcp_files:
         # the one definition (cpuckpt.backend.committed.check_complete): .metadata, every listed file's size
         checked = inspect_checkpoint(p)
-        complete, reason = checked.complete, checked.reason
+        complete, reason, rank_step = checked.complete, checked.reason, checked.step
+        if complete:
+            commit_time = checked.mtime  # .metadata's mtime: written last, by the commit
     if step is None:
         m = _STEP_RE.search(p.name)
         step = int(m.group(1)) if m else None
-    nbytes, mtime = _tree_size(p)
-    return ListedCheckpoint(path=p, kind=kind, complete=complete, step=step, nbytes=nbytes, mtime=mtime,
-                            reason=reason)
+    if not dcp_files:
+        rank_step = step
+    rank_time = commit_time if commit_time is not None else newest
+    return ListedCheckpoint(path=p, kind=kind, complete=complete, step=step, nbytes=nbytes,
+                            mtime=_written_at(p, manifest, commit_time) or rank_time, reason=reason,
+                            rank_step=rank_step, rank_time=rank_time)
 
 
-def scan_root(root: str | os.PathLike) -> list[ListedCheckpoint]:
-    """Checkpoints in ``root`` (its subdirectories, or ``root`` itself), oldest step first, latest marked.
+def _written_at(p: Path, manifest: Manifest | None, commit_time: float | None) -> float | None:
+    """The manifest's ``created_unix`` (set at the commit; a persisted memory checkpoint keeps its memory
+    save's), when the manifest is of the save that committed ``.metadata``; else None.
 
-    The latest is :func:`cpuckpt.find_latest`'s answer (the newest complete cpuckpt or DCP
-    checkpoint); for DeepSpeed and Megatron roots, the directory their pointer file (``latest``,
-    ``latest_checkpointed_iteration.txt``) names; otherwise the complete checkpoint with the highest
-    step (then the newest modification time).
+    Not a directory's or file's mtime: loading a checkpoint creates and removes a marker in it, and
+    copying it resets every mtime."""
+    if manifest is None or not manifest.created_unix or commit_time is None:
+        return None
+    try:
+        return manifest.created_unix if same_save(manifest, load_metadata(p)) else None
+    except (CpuckptError, OSError):
+        return None
+
+
+def scan_root(root: str | os.PathLike, *, verify: bool = False) -> list[ListedCheckpoint]:
+    """Checkpoints in ``root`` (its subdirectories, or ``root`` itself), oldest first, latest marked.
+
+    Order: :func:`cpuckpt.roots.ordered`, the rule of ``find_latest`` (step, then commit time; a
+    step-less checkpoint ranks above those committed before it), by the step ``find_latest`` uses
+    (the manifest's) for DCP checkpoints and the directory name's for DeepSpeed and other Megatron
+    backends. The latest is :func:`cpuckpt.find_latest`'s answer (the newest complete cpuckpt or
+    DCP checkpoint); for DeepSpeed and Megatron roots, the directory their pointer file (``latest``,
+    ``latest_checkpointed_iteration.txt``) names; otherwise the newest complete one in that order.
+
+    ``verify``: read every byte of each complete cpuckpt or DCP checkpoint and check it
+    (:func:`cpuckpt.tools.verification.verify_checkpoint`); a damaged one is marked ``damaged`` and the
+    latest is then the newest one that verifies (the one :func:`cpuckpt.load_latest` would load).
 
     Raises:
         FileNotFoundError: ``root`` is not a directory.
+        ConfigError: ``root`` is a URL.
     """
-    r = Path(root)
+    r = Path(local_path(root, "checkpoint root"))
     if not r.is_dir():
         raise FileNotFoundError(f"{r}: not a directory")
     own = identify(r)
@@ -144,16 +178,34 @@ def scan_root(root: str | os.PathLike) -> list[ListedCheckpoint]:
         found = [own]
     else:
         found = [info for d in sorted(r.iterdir()) if d.is_dir() and (info := identify(d)) is not None]
-    found.sort(key=lambda i: (i.step is None, i.step if i.step is not None else 0, i.mtime, i.path.name))
+    found = ordered(found, lambda i: i.rank_step, lambda i: i.rank_time, lambda i: i.path.name)
+    if verify:
+        _verify_all(found)
     newest = find_latest(r) if own is None else None  # cpuckpt's rule for cpuckpt and DCP checkpoints
     latest = next((i for i in found if newest is not None and i.path == newest), None) or _pointer(r, found)
+    if latest is not None and latest.damaged:
+        latest = next((i for i in reversed(found) if i.complete and not i.damaged and i.kind != "deepspeed"), None)
     if latest is None:
-        complete = [i for i in found if i.complete]
-        if complete:
-            latest = max(complete, key=lambda i: (i.step if i.step is not None else -1, i.mtime))
+        latest = next((i for i in reversed(found) if i.complete and not i.damaged), None)
     if latest is not None:
         latest.latest = True
     return found
+
+
+def _verify_all(found: list[ListedCheckpoint]) -> None:
+    from cpuckpt.tools.verification import verify_checkpoint
+
+    for info in found:
+        if not info.complete or info.kind == "deepspeed" or not (info.path / METADATA_NAME).is_file():
+            continue
+        try:
+            report = verify_checkpoint(info.path)
+        except CpuckptError as e:
+            info.damaged, info.reason = True, str(e)
+            continue
+        if not report.ok:
+            info.damaged = True
+            info.reason = f"{len(report.damage)} problem(s), first: {report.damage[0]}"
 
 
 def _pointer(root: Path, found: list[ListedCheckpoint]) -> ListedCheckpoint | None:
@@ -188,7 +240,9 @@ def _megatron_backend(path: Path) -> str | None:
 
 
 def _tree_size(p: Path) -> tuple[int, float]:
-    total, mtime = 0, p.stat().st_mtime
+    """Bytes of every file under ``p`` and the newest file mtime (not the directory's: a load's
+    marker file changes that)."""
+    total, mtime = 0, 0.0
     for dirpath, _dirs, files in os.walk(p):
         for n in files:
             try:
@@ -197,7 +251,7 @@ def _tree_size(p: Path) -> tuple[int, float]:
                 continue
             total += st.st_size
             mtime = max(mtime, st.st_mtime)
-    return total, mtime
+    return total, mtime or p.stat().st_mtime
 
 
 def describe(path: str | os.PathLike) -> Description:

@@ -57,6 +57,24 @@ def _fail(message: str) -> None:
     sys.exit(_EXIT_ERROR)
 
 
+class _LocalPath(click.Path):
+    """``click.Path`` that first refuses a URL (``s3://...``) in one line, before any existence check."""
+
+    def __init__(self, what: str, **kwargs: Any) -> None:
+        super().__init__(path_type=Path, **kwargs)
+        self.what = what
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        from cpuckpt.errors import ConfigError
+        from cpuckpt.paths import local_path
+
+        try:
+            local_path(value, self.what)
+        except ConfigError as e:
+            _fail(str(e))
+        return super().convert(value, param, ctx)
+
+
 class _Bytes(click.ParamType):
     name = "bytes"
 
@@ -79,19 +97,25 @@ def cli(verbose: int) -> None:
 
 
 @cli.command("ls")
-@click.argument("root", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("root", type=_LocalPath("checkpoint root", file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per checkpoint.")
-def ls_cmd(root: Path, as_json: bool) -> None:
+@click.option("--verify", is_flag=True,
+              help="Read every byte of each complete checkpoint and check it (crc32c); damaged ones are marked "
+                   "and the latest is the newest that verifies (the one cpuckpt.load_latest loads).")
+def ls_cmd(root: Path, as_json: bool, verify: bool) -> None:
     """List the checkpoints in ROOT: step, size, status, age; the latest is marked.
 
     Recognises cpuckpt, stock DCP, Megatron (metadata.json) and DeepSpeed (*_model_states.pt) checkpoint
-    directories. ROOT may also be a checkpoint directory itself.
+    directories. ROOT may also be a checkpoint directory itself. Order and latest are find_latest's
+    (step, then commit time); AGE is the time since the checkpoint was written (its manifest, else its
+    commit), which loading it does not change. Without --verify, "complete" means committed with every
+    file at its size; checksums are not read.
     """
     from cpuckpt.tools.catalog import scan_root
 
     try:
-        found = scan_root(root)
-    except FileNotFoundError as e:
+        found = scan_root(root, verify=verify)
+    except (OSError, CpuckptError) as e:
         _fail(str(e))
     if as_json:
         for info in found:
@@ -104,7 +128,8 @@ def ls_cmd(root: Path, as_json: bool) -> None:
         return
     rows = [("NAME", "KIND", "STEP", "SIZE", "STATUS", "AGE", "")]
     for info in found:
-        status = info.status if info.complete else f"{info.status} ({info.reason})" if info.reason else info.status
+        status = info.status if info.complete and not info.damaged else \
+            f"{info.status} ({info.reason})" if info.reason else info.status
         rows.append((info.path.name if info.path != root else str(root), info.kind,
                      "-" if info.step is None else str(info.step), _human_bytes(info.nbytes), status,
                      _human_age(info.age_s), "<- latest" if info.latest else ""))
@@ -114,7 +139,7 @@ def ls_cmd(root: Path, as_json: bool) -> None:
 
 
 @cli.command("inspect")
-@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("path", type=_LocalPath("checkpoint path", exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--tensors/--no-tensors", default=True, help="List every tensor (default) or only totals.")
 def inspect_cmd(path: Path, as_json: bool, tensors: bool) -> None:
@@ -183,7 +208,7 @@ def inspect_cmd(path: Path, as_json: bool, tensors: bool) -> None:
 
 
 @cli.command("verify")
-@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("path", type=_LocalPath("checkpoint path", exists=True, file_okay=False))
 def verify_cmd(path: Path) -> None:
     """Read every byte of the checkpoint at PATH and check it.
 
@@ -218,8 +243,8 @@ def verify_cmd(path: Path) -> None:
 
 
 @cli.command("convert")
-@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("path", type=_LocalPath("checkpoint path", exists=True, file_okay=False))
+@click.argument("out", type=_LocalPath("output path"))
 @click.option("--to", "fmt", type=click.Choice(["safetensors", "torch"]), required=True, help="Output format.")
 @click.option("--max-shard-size", type=_Bytes(), default=None,
               help="Write HF-style shards of at most this size (e.g. 5GB) and an index into the directory OUT.")
@@ -227,12 +252,14 @@ def verify_cmd(path: Path) -> None:
               help="Tensor bytes held in memory at once (a larger tensor is loaded alone).")
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
               help="A cpuckpt YAML config for reading (threads, verification).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT (sharded: write into a non-empty OUT).")
 def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, memory_budget: int,
-                config_path: str | None) -> None:
+                config_path: str | None, overwrite: bool) -> None:
     """Write the checkpoint at PATH as full (resharded) tensors to OUT, in safetensors or torch.save format.
 
     Streams: at most --memory-budget of tensor data is in memory at a time. Non-tensor items go to
     the safetensors metadata as JSON (or into the torch file); items that cannot are listed as skipped.
+    OUT's parent directory must exist; an existing OUT is refused unless --overwrite.
     """
     from tqdm import tqdm
 
@@ -244,8 +271,9 @@ def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, mem
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=None,
                   file=sys.stderr, leave=False) as bar:
             report = export_checkpoint(path, out, fmt=fmt, max_shard_bytes=max_shard_size,
-                                       memory_budget_bytes=memory_budget, config=config_path, progress=bar.update)
-    except (CpuckptError, FileNotFoundError, ValueError) as e:
+                                       memory_budget_bytes=memory_budget, config=config_path, progress=bar.update,
+                                       overwrite=overwrite)
+    except (CpuckptError, OSError, ValueError) as e:
         _fail(f"cannot convert {path}: {e}")
     for f in report.files:
         click.echo(f"wrote {f} ({_human_bytes(f.stat().st_size)})")

@@ -37,6 +37,7 @@ from cpuckpt.backend.committed import load_metadata
 from cpuckpt.config import Config
 from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.zipheader import entry_data_offset
+from cpuckpt.paths import local_path
 
 __all__ = ["ExportReport", "export_checkpoint"]
 
@@ -66,7 +67,7 @@ class ExportReport:
 def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "safetensors",
                       max_shard_bytes: int | None = None, memory_budget_bytes: int = 1 << 30,
                       config: Config | str | os.PathLike | dict | None = None,
-                      progress: Callable[[int], None] | None = None) -> ExportReport:
+                      progress: Callable[[int], None] | None = None, overwrite: bool = False) -> ExportReport:
     """Write the checkpoint at ``src`` as full (unsharded) tensors in ``fmt`` files.
 
     Args:
@@ -79,6 +80,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
         memory_budget_bytes: tensor bytes held in memory at once (a larger tensor is loaded alone).
         config: reader configuration for :func:`cpuckpt.load`.
         progress: called with each batch's tensor bytes once written.
+        overwrite: replace an existing output file (sharded: write into a non-empty directory).
 
     Returns:
         An :class:`ExportReport`.
@@ -86,10 +88,16 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
     Raises:
         ValueError: unknown ``fmt``, or a dtype the format cannot store.
         IntegrityError / CheckpointCorrupt: the source is incomplete or damaged.
+        FileExistsError: the output exists (a file, or a non-empty directory when sharded) and not ``overwrite``.
+        IsADirectoryError / NotADirectoryError: the output is a directory where a file goes, or the reverse.
+        FileNotFoundError: the output's parent directory does not exist (it is never created silently).
+        ConfigError: ``src`` or ``out`` is a URL.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown output format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    src_path, out_path = Path(src), Path(out)
+    src_path = Path(local_path(src))
+    out_path = Path(local_path(out, "output path"))
+    _check_output(out_path, sharded=max_shard_bytes is not None, overwrite=overwrite)
     md = load_metadata(src_path)
     tensors: list[_Tensor] = []
     extras: dict[str, Any] = {}
@@ -104,14 +112,13 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
     if max_shard_bytes is None:
         targets = [out_path]
     else:
-        out_path.mkdir(parents=True, exist_ok=True)
+        out_path.mkdir(exist_ok=True)
         stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
         n = len(shards)
         targets = [out_path / f"{stem}.{ext}"] if n == 1 else \
             [out_path / f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
     weight_map: dict[str, str] = {}
     for k, (shard, target) in enumerate(zip(shards, targets)):
-        target.parent.mkdir(parents=True, exist_ok=True)
         shard_extras = extras if k == 0 or fmt == "safetensors" else {}
         if fmt == "safetensors":
             offsets = _write_safetensors_header(target, shard, report.metadata)
@@ -131,6 +138,25 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
         index.write_text(json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
         report.index = index
     return report
+
+
+def _check_output(out: Path, *, sharded: bool, overwrite: bool) -> None:
+    """Refuse, before anything is read or written, an output path that cannot or must not be written."""
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{out}: its parent directory {out.parent} does not exist (create it first)")
+    if sharded:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"{out}: exists and is not a directory (with a maximum shard size, the "
+                                     "output is a directory of shards)")
+        if out.is_dir() and any(out.iterdir()) and not overwrite:
+            raise FileExistsError(f"{out}: directory is not empty; pass --overwrite (overwrite=True) to write "
+                                  "the shards into it")
+        return
+    if out.is_dir():
+        raise IsADirectoryError(f"{out}: is a directory; give a file name (or a maximum shard size to write "
+                                "shards into a directory)")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out}: exists; pass --overwrite (overwrite=True) to replace it")
 
 
 def _read_extra(src: Path, md: Any, name: str, fmt: str, extras: dict[str, Any], report: ExportReport) -> None:

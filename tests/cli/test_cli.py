@@ -86,13 +86,14 @@ def test_ls_recognises_every_kind_status_and_latest(root):
     assert rows["stock"]["status"] == "complete" and rows["stock"]["step"] is None
     assert rows["iter_0000007"]["step"] == 7 and rows["global_step5"]["step"] == 5
     assert all(r["nbytes"] > 0 for r in rows.values())
-    # the newest *complete* cpuckpt/DCP checkpoint (cpuckpt.find_latest), not the torn step_30
-    assert [k for k, r in rows.items() if r["latest"]] == ["step_1"]
+    # the newest *complete* cpuckpt/DCP checkpoint (cpuckpt.find_latest), not the torn step_30: the stock
+    # one, step-less but committed after step_1 (a step-less checkpoint outranks those committed before it)
+    assert [k for k, r in rows.items() if r["latest"]] == ["stock"] == [cpuckpt.find_latest(root).name]
 
     code, out = _run("ls", root)
     assert code == 0
     lines = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
-    assert "complete" in lines["step_1"] and "<- latest" in lines["step_1"]
+    assert "complete" in lines["step_1"] and "<- latest" in lines["stock"]
     assert "incomplete" in lines["step_30"] and "latest" not in lines["step_30"]
 
 
@@ -111,6 +112,65 @@ def test_ls_deepspeed_root_uses_its_latest_file(tmp_path):
 def test_ls_missing_root_is_a_clear_error(tmp_path):
     code, out = _run("ls", tmp_path / "nope")
     assert code == 2 and "nope" in out
+
+
+def _flip(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _ls_rows(*args: object) -> dict[str, dict]:
+    code, out = _run("ls", *args, "--json")
+    assert code == 0, out
+    return {Path(r["path"]).name: r for r in map(json.loads, out.splitlines())}
+
+
+def test_ls_verify_marks_a_damaged_checkpoint_and_moves_latest(tmp_path):
+    for k in (1, 2, 3):
+        cpuckpt.save({"w": torch.randn(200, 100), "step": k}, tmp_path / f"step_{k}", SMALL_CFG, step=k)
+    _flip(tmp_path / "step_3" / "__0_0.distcp")
+    rows = _ls_rows(tmp_path)  # sizes are intact: without --verify it looks complete
+    assert rows["step_3"]["status"] == "complete" and rows["step_3"]["latest"]
+    rows = _ls_rows(tmp_path, "--verify")
+    assert rows["step_3"]["status"] == "damaged" and "checksum mismatch" in rows["step_3"]["reason"]
+    assert [k for k, r in rows.items() if r["latest"]] == ["step_2"]
+    assert rows["step_1"]["status"] == rows["step_2"]["status"] == "complete"
+    code, out = _run("ls", tmp_path, "--verify")
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
+    assert code == 0 and "damaged (" in lines["step_3"] and "<- latest" in lines["step_2"]
+
+
+def test_ls_age_is_the_commit_time_and_a_load_does_not_reset_it(tmp_path):
+    path = tmp_path / "step_1"
+    cpuckpt.save({"w": torch.ones(10)}, path, SMALL_CFG, step=1)
+    manifest = json.loads((path / ".cpuckpt.json").read_text())
+    manifest["created_unix"] = time.time() - 7200  # written two hours ago
+    (path / ".cpuckpt.json").write_text(json.dumps(manifest))
+    stock = tmp_path / "stock"
+    dcp.save({"w": torch.ones(10)}, storage_writer=dcp.FileSystemWriter(stock))
+    old = time.time() - 3600
+    for f in stock.iterdir():
+        os.utime(f, (old, old))
+    for p in (path, stock):
+        cpuckpt.load({"w": torch.zeros(10)}, p, SMALL_CFG)  # a loading marker comes and goes in p
+    rows = _ls_rows(tmp_path)
+    assert 7100 < rows["step_1"]["age_s"] < 7300, rows["step_1"]
+    assert 3500 < rows["stock"]["age_s"] < 3700, rows["stock"]
+    code, out = _run("ls", tmp_path)
+    assert code == 0, out
+    lines = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
+    assert " 2h" in lines["step_1"] and " 1h" in lines["stock"], out
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify", "convert"])
+def test_a_url_is_refused_in_one_line(command, tmp_path):
+    args = [command, "s3://bucket/run/step_1"] + (["--to", "torch", tmp_path / "x.pt"] if command == "convert" else [])
+    code, out = _run(*args)
+    assert code == 2 and "URLs (s3://) are not supported" in out and "Traceback" not in out, out
+    if command == "convert":
+        code, out = _run("convert", tmp_path, "--to", "torch", "gs://bucket/x.pt")
+        assert code == 2 and "output path 'gs://bucket/x.pt'" in out and "not supported" in out, out
 
 
 # -------------------------------------------------------------------------------------- inspect
@@ -216,6 +276,27 @@ def test_convert_safetensors_single_file(root, tmp_path):
     assert json.loads(meta["step"]) == 1 and json.loads(meta["meta.lr"]) == 0.001
     assert json.loads(meta["meta.name"]) == "run-a"
     assert "tags" not in meta and "skipped tags" in out and "JSON" in out
+
+
+def test_convert_refuses_bad_or_existing_outputs_in_one_line(root, tmp_path):
+    src = root / "step_1"
+    existing_dir = tmp_path / "existing"
+    existing_dir.mkdir()
+    code, out = _run("convert", src, "--to", "safetensors", existing_dir)
+    assert code == 2 and "is a directory" in out and "Traceback" not in out, out
+    code, out = _run("convert", src, "--to", "safetensors", tmp_path / "no" / "such" / "m.safetensors")
+    assert code == 2 and "does not exist" in out and not (tmp_path / "no").exists(), out
+    target = tmp_path / "m.safetensors"
+    target.write_bytes(b"precious")
+    code, out = _run("convert", src, "--to", "safetensors", target)
+    assert code == 2 and "--overwrite" in out and target.read_bytes() == b"precious", out
+    code, out = _run("convert", src, "--to", "safetensors", target, "--overwrite")
+    assert code == 0 and target.stat().st_size > 100, out
+    (existing_dir / "keep.txt").write_text("x")
+    code, out = _run("convert", src, "--to", "torch", "--max-shard-size", "100KB", existing_dir)
+    assert code == 2 and "not empty" in out, out
+    code, out = _run("convert", src, "--to", "torch", "--max-shard-size", "100KB", existing_dir, "--overwrite")
+    assert code == 0, out
 
 
 def test_convert_torch_sharded_with_index(root, tmp_path):
