@@ -92,8 +92,8 @@ from .marker import LatestTag, TagMarker, TagStatus, check_tag, find_latest, lat
 from .settings import Settings, resolve_settings
 
 __all__ = ["LatestTag", "Settings", "TagMarker", "TagStatus", "attach", "check_before_load", "check_tag",
-           "commit_pending", "find_latest", "install", "installed", "latest_dir", "make_engine", "require_complete",
-           "uninstall"]
+           "commit_pending", "find_latest", "install", "installed", "latest_dir", "load_latest", "make_engine",
+           "require_complete", "select_tag", "uninstall"]
 
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}  # "original": DeepSpeed's factory, "config": install()'s settings
@@ -269,3 +269,76 @@ def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, ve
     raise_if_failed(gather_failures(error, rank, group), f"checking DeepSpeed checkpoint {save_dir} before loading",
                     error)
     return marker
+
+
+def select_tag(save_dir: str | os.PathLike, *, fallback_on_corrupt: bool = True) -> LatestTag | None:
+    """The newest complete tag of ``save_dir`` whose every listed file passes its crc32c, on every rank.
+
+    Collective (every rank calls it): rank 0's list of complete tags (:func:`.marker.complete_tags`,
+    ``latest``'s first) is broadcast, then each candidate goes through :func:`check_before_load` with
+    ``verify=True`` (each rank reads its share; one all-gather, the same outcome everywhere). A tag that
+    fails with ``IntegrityError`` (``CheckpointCorrupt``: a chunk's crc32c) is logged as a WARNING and the
+    next newest is tried, by every rank together (a bad file on one rank moves them all).
+
+    Returns:
+        The tag to load, or None when ``save_dir`` has no complete tag.
+
+    Raises:
+        CheckpointCorrupt: complete tags exist but none verifies; with ``fallback_on_corrupt=False``, the
+            newest does not.
+        ConfigError: ``save_dir`` is a URL.
+    """
+    import logging
+
+    import torch.distributed as dist
+
+    from cpuckpt.backend.collectives import checkpoint_group
+    from cpuckpt.errors import CheckpointCorrupt, IntegrityError
+    from cpuckpt.paths import local_path
+
+    from .marker import complete_tags
+
+    root = Path(local_path(save_dir, "DeepSpeed save_dir"))
+    group = checkpoint_group()
+    box: list[Any] = [None]
+    if group is None or dist.get_rank(group) == 0:
+        box = [[(t.tag, t.global_step) for t in complete_tags(root)]]
+    if group is not None:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    failures: list[str] = []
+    for tag, step in box[0]:
+        try:
+            marker = check_before_load(root, tag, verify=True)
+        except IntegrityError as e:
+            if not fallback_on_corrupt:
+                raise
+            failures.append(str(e))
+            logging.getLogger(__name__).warning("cpuckpt: DeepSpeed tag %s does not verify (%s); falling back to "
+                                                "the next newest complete tag", root / tag, e)
+            continue
+        return LatestTag(root, tag, step, marker)  # type: ignore[arg-type]
+    if failures:
+        raise CheckpointCorrupt(f"no complete DeepSpeed tag in {root} verifies: {'; '.join(failures)}")
+    return None
+
+
+def load_latest(engine: Any, save_dir: str | os.PathLike, *, fallback_on_corrupt: bool | None = None,
+                **load_kwargs: Any) -> tuple[Any, Any]:
+    """``engine.load_checkpoint(save_dir)`` of the newest tag that verifies (:func:`select_tag`).
+
+    DeepSpeed's own ``load_checkpoint(save_dir)`` loads whatever ``latest`` names, damaged or not; this
+    checks every file's crc32c first (before DeepSpeed writes anything into the engine) and falls back
+    to the next newest complete tag on every rank together. ``fallback_on_corrupt``: default the
+    engine's setting (``fallback_on_corrupt``, true), else true. ``load_kwargs`` go to ``load_checkpoint``.
+
+    Returns:
+        What ``load_checkpoint`` returns (``load_path``, ``client_state``); ``(None, None)`` when there is
+        no complete tag.
+    """
+    if fallback_on_corrupt is None:
+        settings = getattr(getattr(engine, "checkpoint_engine", None), "settings", None)
+        fallback_on_corrupt = getattr(settings, "fallback_on_corrupt", True)
+    found = select_tag(save_dir, fallback_on_corrupt=bool(fallback_on_corrupt))
+    if found is None:
+        return None, None
+    return engine.load_checkpoint(str(found.directory), tag=found.tag, **load_kwargs)

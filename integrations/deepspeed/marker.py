@@ -33,6 +33,7 @@ import crc32c
 from cpuckpt.backend.committed import size_mismatches
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 from cpuckpt.format.manifest import FileEntry
+from cpuckpt.paths import local_path
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 from cpuckpt.version import __version__
 
@@ -44,6 +45,7 @@ __all__ = [
     "TagMarker",
     "TagStatus",
     "check_tag",
+    "complete_tags",
     "find_latest",
     "latest_dir",
     "read_marker",
@@ -296,6 +298,23 @@ def find_latest(save_dir: str | os.PathLike, *, verify: bool = False) -> LatestT
             if best is None or key > best[0]:
                 best = (key, LatestTag(root, sub.name, m.global_step, m))
     return best[1] if best else None
+
+
+def complete_tags(save_dir: str | os.PathLike) -> list[LatestTag]:
+    """Every complete tag in ``save_dir``, newest first: the one ``latest`` names (when complete), then by
+    global step, then marker time (the order :func:`find_latest` picks from). Sizes only; no checksums."""
+    root = Path(local_path(save_dir, "DeepSpeed save_dir"))
+    named = _read_latest(root)
+    found: list[tuple[tuple[int, int, float], LatestTag]] = []
+    for sub in sorted(root.iterdir()) if root.is_dir() else ():
+        if not (sub / MARKER_NAME).exists():
+            continue
+        status = check_tag(root, sub.name)
+        if status.complete and status.marker is not None:
+            m = status.marker
+            key = (int(sub.name == named), m.global_step if m.global_step is not None else -1, m.created_unix)
+            found.append((key, LatestTag(root, sub.name, m.global_step, m)))
+    return [t for _, t in sorted(found, key=lambda kt: kt[0], reverse=True)]
 
 
 def latest_dir(save_dir: str | os.PathLike, memory_dir: str | os.PathLike | None, *,

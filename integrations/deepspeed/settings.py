@@ -75,6 +75,9 @@ class AdapterOptions:
             ``memory_dir`` (1: every checkpoint durable).
         memory_keep: tags kept in ``memory_dir`` (the newest; older ones are removed after each
             memory commit).
+        fallback_on_corrupt: :func:`~cpuckpt.integrations.deepspeed.load_latest` loads the next newest
+            complete tag when the newest fails its crc32c check on any rank (all ranks together, with a
+            WARNING naming the tag and the damage). False: it raises ``CheckpointCorrupt`` instead.
     """
 
     enabled: bool = True
@@ -86,6 +89,7 @@ class AdapterOptions:
     memory_dir: str = ""
     persist_every: int = field(default=4, metadata={"min": 1})
     memory_keep: int = field(default=2, metadata={"min": 1})
+    fallback_on_corrupt: bool = True
 
 
 def _default_core() -> Config:

@@ -298,3 +298,33 @@ def test_marker_states_fallback_and_ties(tmp_path):
     (root / "latest").write_text("d")
     assert (ckpt_ds.latest_dir(root, mem).directory, ckpt_ds.latest_dir(root, mem).tag) == (root, "d")
     assert sorted(os.listdir(root / "d")) == sorted(["x.pt", MARKER_NAME])  # the saving file went with the marker
+
+
+def test_select_tag_falls_back_past_a_tag_that_fails_its_crc32c(tmp_path, caplog):
+    import logging
+
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+
+    from cpuckpt.errors import CheckpointCorrupt, ConfigError
+
+    root = tmp_path / "ckpt"
+    assert ckpt_ds.select_tag(root) is None and ckpt_ds.load_latest(object(), root) == (None, None)
+    for tag, step in (("a", 10), ("b", 20), ("c", 30)):
+        _tag(root, tag, {"x.pt": bytes(range(step, step + 20))}, step)
+    (root / "latest").write_text("c")
+    data = bytearray((root / "c" / "x.pt").read_bytes())
+    data[10] ^= 0xFF  # same size: check_tag and find_latest still call it complete
+    (root / "c" / "x.pt").write_bytes(bytes(data))
+    assert ckpt_ds.find_latest(root).tag == "c"
+    with caplog.at_level(logging.WARNING):
+        found = ckpt_ds.select_tag(root)
+    assert (found.directory, found.tag, found.global_step) == (root, "b", 20)
+    assert any("c does not verify" in r.getMessage() for r in caplog.records)
+    with pytest.raises(CheckpointCorrupt, match="checksum mismatch"):
+        ckpt_ds.select_tag(root, fallback_on_corrupt=False)
+    for tag in ("a", "b"):
+        (root / tag / "x.pt").write_bytes(b"\0" * 20)
+    with pytest.raises(CheckpointCorrupt, match=r"no complete DeepSpeed tag .* verifies"):
+        ckpt_ds.select_tag(root)
+    with pytest.raises(ConfigError, match="s3://"):
+        ckpt_ds.select_tag("s3://bucket/ds")
