@@ -102,6 +102,9 @@ class IntegrityConfig:
                        choices=("always", "sample", "off"))
     sample_fraction: float = _opt(0.1, "With verify: sample, the share of chunks checked on each load.", min=0.0,
                                   max=1.0)
+    trusted: bool = _opt(False, "Unpickle non-tensor values with full pickle (it runs any code a checkpoint "
+                         "names: only for checkpoints you wrote). Off: torch.load(weights_only=True) semantics "
+                         "plus numpy arrays; other classes need torch.serialization.add_safe_globals.")
 
 
 @dataclass(frozen=True)

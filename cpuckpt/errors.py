@@ -19,6 +19,7 @@ __all__ = [
     "IntegrityError",
     "StagingError",
     "StorageIOError",
+    "UnsafeCheckpointError",
     "rank_error",
 ]
 
@@ -77,6 +78,26 @@ class IntegrityError(CpuckptError):
 
 class CheckpointCorrupt(IntegrityError):
     """Loaded bytes do not match what was written (names the file and byte offset)."""
+
+
+class UnsafeCheckpointError(CheckpointCorrupt):
+    """A non-tensor value names a global that a safe load does not resolve (it could run code).
+
+    ``key`` is the value's state-dict key, ``names`` the refused globals (``module.name``). The
+    message says how to allow them: ``torch.serialization.add_safe_globals`` or ``integrity.trusted``.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, names: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.key = key
+        self.names = tuple(names)
+
+    def __reduce__(self) -> tuple:
+        return (_rebuild_unsafe_checkpoint_error, (self.args[0], self.key, self.names), dict(self.__dict__))
+
+
+def _rebuild_unsafe_checkpoint_error(message: str, key: str | None, names: tuple[str, ...]) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(message, key=key, names=names)
 
 
 class StagingError(CpuckptError, RuntimeError):
@@ -188,6 +209,6 @@ def _short(message: str, limit: int = 200) -> str:
 
 _CLASSES: dict[str, type[CpuckptError]] = {
     c.__name__: c
-    for c in (CpuckptError, ConfigError, StorageIOError, IntegrityError, CheckpointCorrupt, StagingError,
-              CheckpointTimeoutError, RamRootError)
+    for c in (CpuckptError, ConfigError, StorageIOError, IntegrityError, CheckpointCorrupt, UnsafeCheckpointError,
+              StagingError, CheckpointTimeoutError, RamRootError)
 }

@@ -1,15 +1,28 @@
-"""Restricted unpickling of DCP ``.metadata``: only DCP's metadata classes, torch dtypes and plain containers.
+"""Restricted unpickling: DCP ``.metadata``, and the non-tensor values of a checkpoint.
+
+``.metadata`` resolves only DCP's metadata classes, torch dtypes and plain containers
+(:func:`unpickle_metadata`). Non-tensor values (``BYTE_IO`` items: ``torch.save(value)`` bytes, as
+DCP's planner and our writer store them) load with ``torch.load(weights_only=True)`` semantics
+(:func:`load_value`): torch's own allow-list, whatever the process added with
+``torch.serialization.add_safe_globals``/``safe_globals``, and :data:`EXTRA_SAFE_GLOBALS`; only
+``integrity.trusted`` unpickles them with full pickle. Stock DCP's planner would run any pickled
+code in them (``DefaultLoadPlanner.load_bytes`` is ``torch.load(weights_only=False)``).
 
 Pure: no I/O. Loading an untrusted checkpoint must never run pickled code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
+import logging
 import pathlib
 import pickle
+import re
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +30,11 @@ import torch.distributed.checkpoint.metadata as dcp_metadata
 import torch.distributed.checkpoint.planner as dcp_planner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["unpickle_metadata"]
+from cpuckpt.errors import CheckpointCorrupt, UnsafeCheckpointError
+
+__all__ = ["EXTRA_SAFE_GLOBALS", "load_value", "reencode", "unpickle_metadata"]
+
+logger = logging.getLogger(__name__)
 
 
 _ALLOWED: dict[tuple[str, str], Any] = {
@@ -65,3 +82,138 @@ def unpickle_metadata(data: bytes) -> Any:
         pickle.UnpicklingError: it names a global outside the allowed set.
     """
     return _MetadataUnpickler(io.BytesIO(data)).load()
+
+
+# -- non-tensor values ---------------------------------------------------------------------------
+
+# Globals allowed beyond torch's weights_only defaults, by ``module.name`` as a pickle names them;
+# each resolved only when a value names it (importing numpy is never forced). Why each one:
+# - numpy arrays, dtypes and scalars (numpy 2 names ``numpy._core``, numpy 1 ``numpy.core``): the
+#   RNG state that megatron-core's sharded state dict saves (``np.random.get_state()`` holds an
+#   ndarray), and plain user values. ``_reconstruct`` only makes an empty array of an allowed class
+#   (``ndarray``); its ``__setstate__`` takes raw bytes, or for object arrays objects that went
+#   through this same filter. The numpy.dtypes classes are what ``np.dtype(...)`` returns: the
+#   weights_only unpickler checks the built object's class before ``__setstate__``.
+_EXTRA_NAMES: tuple[str, ...] = tuple(
+    f"{core}.multiarray.{name}" for core in ("numpy._core", "numpy.core") for name in ("_reconstruct", "scalar")
+) + ("numpy.ndarray", "numpy.dtype")
+EXTRA_SAFE_GLOBALS = frozenset(_EXTRA_NAMES)
+
+_extra_lock = threading.Lock()  # torch's allow-list is process-wide: one temporary widening at a time
+
+
+def _resolve_extra(names: set[str]) -> list[Any] | None:
+    """The objects to allow for ``names`` (each in :data:`EXTRA_SAFE_GLOBALS`); None if one does not resolve."""
+    out: list[Any] = []
+    for full in names:
+        module, _, name = full.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            return None
+    if any(n.startswith("numpy.") for n in names):
+        with contextlib.suppress(ImportError):  # numpy < 1.25 has no numpy.dtypes (nor dtype classes to allow)
+            dtypes = importlib.import_module("numpy.dtypes")
+            out.extend(c for c in (getattr(dtypes, n, None) for n in getattr(dtypes, "__all__", ()))
+                       if isinstance(c, type))
+    return out
+
+
+def _unsafe_globals(data: bytes) -> list[str]:
+    """The globals ``data`` names that the weights_only unpickler would refuse (a static scan, runs nothing)."""
+    try:
+        return sorted(torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data)))
+    except Exception:  # not a torch.save zip, or a pickle the scanner cannot walk: no names to report
+        return []
+
+
+_WO_REASON = re.compile(r"WeightsUnpickler error: (.*?)(?:\n|$)", re.S)
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _is_refusal(err: BaseException) -> bool:
+    """True when ``err`` is the weights_only unpickler refusing something, not damaged bytes."""
+    return isinstance(err, pickle.UnpicklingError) and str(err).startswith("Weights only load failed")
+
+
+def _refusal(err: BaseException) -> str:
+    """torch's one-line reason from a weights_only refusal (its message also offers weights_only=False)."""
+    m = _WO_REASON.search(str(err))
+    return (m.group(1) if m else str(err).splitlines()[0] if str(err) else type(err).__name__).strip()
+
+
+def _with_extras(load: Callable[[], Any], extras: list[Any]) -> Any:
+    """``load()`` with ``extras`` added to torch's allow-list for the call (those it lacks; removed after)."""
+    with _extra_lock:
+        present = set(torch.serialization.get_safe_globals())
+        with torch.serialization.safe_globals([g for g in extras if g not in present]):
+            return load()
+
+
+def load_value(data: bytes, key: str, *, trusted: bool = False, where: str = "") -> Any:
+    """Decode one non-tensor value (``torch.save`` bytes) without running code the checkpoint names.
+
+    ``weights_only`` semantics (torch's defaults, the process's ``add_safe_globals``/``safe_globals``)
+    plus :data:`EXTRA_SAFE_GLOBALS`; ``trusted`` unpickles with full pickle, as stock DCP does.
+    Tensors come back on the device they were saved from, as with DCP's ``load_bytes``.
+    ``where`` (the checkpoint's path) and ``key`` (the state-dict key) go into error messages.
+
+    Raises:
+        UnsafeCheckpointError: the value names a global outside the allowed set (the message names
+            the key, the globals and how to allow them). Nothing of the value's own code ran.
+        CheckpointCorrupt: the bytes are not a loadable ``torch.save`` value.
+    """
+    place = f"{where}: " if where else ""
+    if trusted:
+        try:
+            return torch.load(io.BytesIO(data), weights_only=False)
+        except Exception as e:
+            raise CheckpointCorrupt(f"{place}non-tensor value {key!r} does not load: {e}") from e
+
+    if bytes(data[:4]) != _ZIP_MAGIC:  # torch.save writes a zip; anything else would take torch's legacy path
+        raise CheckpointCorrupt(f"{place}non-tensor value {key!r} is not a loadable torch.save value "
+                                f"(no zip archive; {len(data)} bytes)")
+
+    def safe() -> Any:
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+    try:
+        return safe()
+    except Exception as e:
+        if not _is_refusal(e):
+            raise CheckpointCorrupt(f"{place}non-tensor value {key!r} is not a loadable torch.save value: "
+                                    f"{type(e).__name__}: {e}") from e
+        refused, first = _unsafe_globals(data), e
+    if refused and set(refused) <= EXTRA_SAFE_GLOBALS:
+        extras = _resolve_extra(set(refused))
+        if extras is not None:
+            try:
+                return _with_extras(safe, extras)
+            except Exception as e:
+                if not _is_refusal(e):
+                    raise CheckpointCorrupt(f"{place}non-tensor value {key!r} is not a loadable torch.save value: "
+                                            f"{type(e).__name__}: {e}") from e
+                refused, first = _unsafe_globals(data), e
+    names = [n for n in refused if n not in EXTRA_SAFE_GLOBALS] or refused
+    what = ", ".join(names) if names else _refusal(first)
+    hint = f"torch.serialization.add_safe_globals([{', '.join(n.rpartition('.')[2] for n in names)}])" if names \
+        else "torch.serialization.add_safe_globals([...])"
+    raise UnsafeCheckpointError(
+        f"{place}non-tensor value {key!r} was not loaded: it names {what}, which a safe load does not allow "
+        f"(unpickling it could run code). If you trust this checkpoint (you wrote it), allow the class with "
+        f"{hint} before loading, or set integrity.trusted: true (env CPUCKPT_INTEGRITY_TRUSTED=1) to unpickle "
+        f"non-tensor values with full pickle.", key=key, names=names) from first
+
+
+def reencode(value: Any) -> io.BytesIO:
+    """``torch.save(value)`` into a rewound stream: a safely loaded value, for a planner's ``load_bytes``.
+
+    A planner unpickles what it is handed with full pickle (DCP's ``load_bytes``); bytes re-encoded
+    from a value built by :func:`load_value` name only globals that it allowed.
+    """
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    return buf
