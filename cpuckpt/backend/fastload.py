@@ -18,7 +18,9 @@ Then DCP's default planner would issue one full-chunk ``ReadItem`` per tensor (t
 narrowed, is the destination; ``commit_tensor`` does nothing) and one bytes item per non-tensor
 (``set_element(state_dict, path, torch.load(bytes, weights_only=False))``), with no global
 planning; :func:`load` does exactly that through :meth:`StorageReader.read_whole` (the same reads,
-checks and copies, a dtype change included). ``Stateful`` values are handled as ``dcp.load``
+checks and copies, a dtype change included), except that bytes items are decoded as the reader's
+``read_data`` decodes them: ``weights_only`` semantics unless ``integrity.trusted``
+(:func:`~cpuckpt.format.unpickle.load_value`). ``Stateful`` values are handled as ``dcp.load``
 handles them. With several ranks, one all-reduce agrees on the path first (every rank takes the
 same one), and failures are agreed on after the reads (:func:`~cpuckpt.errors.rank_error`, as
 ``run_dcp`` raises them for DCP's path).
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import io
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from cpuckpt.backend.collectives import gather_failures, raise_if_failed
 from cpuckpt.backend.reader import StorageReader
+from cpuckpt.format.unpickle import load_value
 
 __all__ = ["FastPlan", "load", "plan_fast"]
 
@@ -159,9 +161,10 @@ def _load_fast(state_dict: dict[str, Any], plan: FastPlan, reader: StorageReader
         metadata = reader.read_metadata()  # the preloaded one; stamps this load's id as DCP's path does
         reader.set_up_storage_reader(metadata, rank == 0)
         blobs = reader.read_whole(plan.tensors, list(plan.blobs))
+        trusted, where = reader.config.integrity.trusted, str(reader.path)
         for fqn, path in plan.blobs.items():
-            # what DefaultLoadPlanner.load_bytes does with a flattened state dict
-            set_element(state_dict, path, torch.load(io.BytesIO(blobs[fqn]), weights_only=False))
+            # what DefaultLoadPlanner.load_bytes does with a flattened state dict, but weights_only unless trusted
+            set_element(state_dict, path, load_value(blobs[fqn], fqn, trusted=trusted, where=where))
     except Exception as e:
         error = e
     # One error for every rank, built as run_dcp builds it from DCP's gathered failures (also without a group:

@@ -11,7 +11,8 @@ destinations (``integrity.verify: sample`` checks a random share of the chunks o
 tensor. A destination that cannot take raw bytes (another dtype, a non-contiguous rectangle of a
 resharded load, a GPU tensor) is filled through a bounce buffer and copied on the caller's thread.
 Stock DCP checkpoints (no manifest) are read record by record: a plain tensor record is viewed in
-place, anything else goes through ``torch.load(weights_only=True)``.
+place, anything else goes through ``torch.load(weights_only=True)``. Non-tensor (bytes) items are
+decoded with weights_only semantics too (``format.unpickle.load_value``) unless ``integrity.trusted``.
 
 Files in a RAM filesystem (the memory tier's root) are mapped, not read (``backend.ramread``): chunks
 are checksummed and copied straight from the mapping. For GPU targets, ``h2d`` picks how: ``bounce``
@@ -47,6 +48,8 @@ from typing import Any
 
 import crc32c
 import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageReader
@@ -58,6 +61,7 @@ from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CheckpointCorrupt, ConfigError, CpuckptError
 from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.record import parse_record
+from cpuckpt.format.unpickle import load_value, reencode
 from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
 from cpuckpt.transfer.hostcopy import copy_host_bytes
 from cpuckpt.transfer.images import ImageFile
@@ -230,7 +234,8 @@ class StorageReader(_DcpStorageReader):
             t2 = time.perf_counter()
             for fp in plans.values():
                 for need in fp.needs:
-                    stats.bounce_nbytes += _finish_need(need, planner)
+                    stats.bounce_nbytes += _finish_need(need, planner, trusted=self.config.integrity.trusted,
+                                                        where=str(self.path))
             self._account(stats, t0, t2)
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -725,15 +730,44 @@ def _copy_bounce(need: _Need) -> int:
     return need.bounce.numel()
 
 
-def _finish_need(need: _Need, planner: LoadPlanner) -> int:
+def _load_bytes(planner: LoadPlanner, ri: ReadItem, value: Any) -> None:
+    """Give the planner a bytes item's safely decoded ``value``.
+
+    A planner whose ``load_bytes`` is DCP's own gets ``value`` placed as that method places what it
+    unpickles (no second decode: a ShardedObject can hold a whole optimizer state). Any other
+    ``load_bytes`` gets ``torch.save(value)``: it unpickles with full pickle, so it must never see
+    the checkpoint's bytes, only bytes naming the globals the safe load allowed.
+    """
+    if type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
+        # DefaultLoadPlanner.load_bytes (torch 2.0-2.13) with the unpickling already done
+        if planner.flatten_state_dict:
+            set_element(planner.original_state_dict, planner.mappings[ri.dest_index.fqn], value)
+        else:
+            planner.state_dict[ri.dest_index.fqn] = value
+        return
+    planner.load_bytes(ri, reencode(value))
+
+
+def _finish_need(need: _Need, planner: LoadPlanner, *, trusted: bool = False, where: str = "") -> int:
     """Caller's thread: copy bounce buffers into targets, hand bytes and tensors back to DCP.
 
+    A bytes item is decoded by :func:`~cpuckpt.format.unpickle.load_value` (weights_only semantics),
+    never by the planner's ``load_bytes`` (full pickle) from the saved bytes: see :func:`_load_bytes`.
+    ``trusted``: the saved bytes go to ``load_bytes`` as they are.
+
     Returns the bytes copied from a bounce buffer into a tensor target.
+
+    Raises:
+        UnsafeCheckpointError: a bytes item names a global that a safe load does not allow.
     """
     if need.ri is None:
         raise RuntimeError(f"read item {need.name!r} has no ReadItem to finish")
     if need.ri.type == LoadItemType.BYTE_IO:
-        planner.load_bytes(need.ri, io.BytesIO(need.bounce.numpy().tobytes()))  # type: ignore[union-attr]
+        data = need.bounce.numpy().tobytes()  # type: ignore[union-attr]
+        if trusted:
+            planner.load_bytes(need.ri, io.BytesIO(data))
+        else:
+            _load_bytes(planner, need.ri, load_value(data, need.ri.dest_index.fqn, where=where))
         return 0
     if need.target is None:
         raise RuntimeError(f"tensor read item {need.ri.storage_index} has no destination")
