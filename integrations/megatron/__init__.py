@@ -13,6 +13,8 @@ With megatron-core directly::
     async_queue.schedule_async_request(request)        # temporal or persistent caller
     ...
     state = dist_checkpointing.load(sharded_sd, ckpt_dir, sharded_strategy=ckpt_mg.load_strategy())
+    # restart: the newest complete iter_* of a root; a damaged one (crc32c) falls back to the next newest
+    loaded = ckpt_mg.load_latest(sharded_sd, root, "configs/megatron.yaml")  # None: nothing saved yet
 
 With Megatron-LM's training scripts, ``--ckpt-format cpuckpt [--cpuckpt-config PATH.yaml]`` after
 either ``python -m cpuckpt.integrations.megatron.launch pretrain_gpt.py ...`` or one line at the top
@@ -30,7 +32,7 @@ import os
 from typing import Any
 
 __all__ = ["CpuckptLoadStrategy", "CpuckptSaveStrategy", "MegatronOptions", "WorkerDiedError", "install",
-           "load_strategy", "save_strategy", "watch_async_queue"]
+           "load_latest", "load_strategy", "save_strategy", "watch_async_queue"]
 
 
 def save_strategy(config: Any = None, *, fully_parallel: bool = False, parallelization_group: Any = None,
@@ -52,6 +54,15 @@ def load_strategy(config: Any = None) -> Any:
     from .strategy import CpuckptLoadStrategy
 
     return CpuckptLoadStrategy(config)
+
+
+def load_latest(sharded_state_dict: Any, root: str | os.PathLike, config: Any = None, **kwargs: Any) -> Any:
+    """``dist_checkpointing.load`` of the newest complete ``iter_*`` under ``root``, falling back past
+    damage on every rank together; returns a :class:`.fallback.LatestLoad` or None
+    (:func:`.fallback.load_latest`)."""
+    from .fallback import load_latest as _load_latest
+
+    return _load_latest(sharded_state_dict, root, config, **kwargs)
 
 
 def install(config: str | os.PathLike | None = None) -> None:

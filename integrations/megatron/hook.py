@@ -43,6 +43,12 @@ format with other storage. :func:`install`:
 6. with ``megatron: {prepare_pool: true}`` (the default), reserves the host pool in the background
    after the first optimizer step (:mod:`.prepare`), so the first save is as fast as later ones.
 
+7. with ``megatron: {fallback_on_corrupt: true}`` (the default), wraps ``load_checkpoint`` (also where
+   ``megatron.training.training`` imported it by name): a newest checkpoint that fails cpuckpt's
+   checks on load makes every rank load the next newest complete iteration, through Megatron-LM's own
+   ``load_checkpoint`` again with ``read_metadata`` answering that iteration (:func:`.fallback.fall_back_on_corrupt`
+   says why no data of the damaged one remains). Nothing runs before a load: no cost when nothing is damaged.
+
 Without ``--ckpt-format cpuckpt`` on the command line it changes nothing. Use it through the
 launcher (``python -m cpuckpt.integrations.megatron.launch pretrain_gpt.py ...``) or add one line
 at the top of the script: ``import cpuckpt.integrations.megatron as m; m.install()``.
@@ -159,6 +165,10 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
         from .prepare import PoolPreparer, prepare_after_first_step
 
         prepare_after_first_step(PoolPreparer(cfg))
+    if options.fallback_on_corrupt:
+        from .fallback import fall_back_on_corrupt
+
+        fall_back_on_corrupt(module)  # a missing function is a warning: the load then raises as before
 
 
 def order_optimizer_steps(base: type | None = None) -> list[str]:
@@ -349,5 +359,11 @@ def _training_classes(cfg: Config, options: MegatronOptions) -> tuple[type, type
             super().__init__(cfg)
             self.cache_metadata = cache_metadata
             self.stream_ckpt_dequant = stream_ckpt_dequant
+
+        def load(self, sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+            from .fallback import _LOADING
+
+            _LOADING[0] = str(checkpoint_dir)  # the directory a fallback (fallback.py) moves away from
+            return super().load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
     return MegatronLMSaveStrategy, MegatronLMLoadStrategy

@@ -65,6 +65,12 @@ class MegatronOptions:
             on a background thread, sized from the model and optimizer state (:mod:`.prepare`), so
             the first async save costs what later ones cost. Not used with ``memory_tier`` (saves go
             into the tier's images, which are prepared after the first save).
+        fallback_on_corrupt: a restart whose newest checkpoint fails cpuckpt's checks on load (a chunk's
+            crc32c, a short or missing file, on any rank) loads the next newest complete iteration
+            instead, on every rank together, with a WARNING naming the damaged directory and why
+            (:mod:`.fallback`: Megatron-LM's ``load_checkpoint`` through the hook, megatron-core
+            through :func:`~cpuckpt.integrations.megatron.load_latest`). Nothing on disk changes.
+            False: the load raises ``CheckpointCorrupt``.
     """
 
     on_failure: str = field(default="raise", metadata={"choices": ("raise", "continue")})
@@ -73,6 +79,7 @@ class MegatronOptions:
     memory_tier: bool = False
     ordering: str = field(default="host", metadata={"choices": ("host", "optimizer")})
     prepare_pool: bool = True
+    fallback_on_corrupt: bool = True
 
 
 def _mapping(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> tuple[dict[str, Any] | None, str]:
