@@ -111,7 +111,7 @@ FLAGS = (
 )
 ASYNC = ["--async-save", "--use-persistent-ckpt-worker"]
 RESUME = ["--exit-on-missing-checkpoint", "--override-opt-param-scheduler"]  # train-iters grew: LR schedule differs
-PHASES = ("save", "load", "reuse", "kill", "memory")
+PHASES = ("save", "load", "reuse", "kill", "memory", "fallback")
 # save phase: --formats may name these cpuckpt variants (their keys merged into --config's megatron: block)
 VARIANTS: dict[str, dict[str, Any]] = {
     "cpuckpt-zero": {"ordering": "optimizer"},  # copies overlap the next forward/backward (zero-stall)
@@ -128,7 +128,7 @@ SAVE_MODEL = (16, 2048, 16)  # layers, hidden, heads of the save phase (BENCHMAR
 PHASE_MODEL = (24, 1024, 16)  # load, reuse, kill
 # Rough seconds per phase on one H200 (startup of pretrain_gpt ~30 s per run); --budget skips a phase
 # that cannot start with at least this much left.
-PHASE_MIN_S = {"save": 240, "load": 150, "reuse": 110, "kill": 90, "memory": 200}
+PHASE_MIN_S = {"save": 240, "load": 150, "reuse": 110, "kill": 90, "memory": 200, "fallback": 90}
 RESERVE_S = 15.0  # kept back from --budget for tables, JSON and cleanup
 
 
@@ -1232,6 +1232,62 @@ def _threads(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
 
+# ------------------------------------------------------------------------------------------ fallback
+
+
+def flip_byte(path: Path) -> int:
+    """Flip one byte in the middle of ``path`` (a data file): damage after the commit. Returns the offset."""
+    offset = path.stat().st_size // 2
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return offset
+
+
+def phase_fallback(b: Bench) -> tuple[dict, str]:
+    """Restart past damage: save at iterations K and 2K, flip a byte in the newest one's data, relaunch.
+
+    Megatron-LM's tracker names 2K; with ``megatron: {fallback_on_corrupt: true}`` (the default) the
+    relaunch must log the damaged checkpoint, load K and train on; with ``false`` it must fail.
+    """
+    a = b.args
+    k = 4
+    root = b.root / "fallback"
+    save = root / "ckpt"
+    b.clean(root)
+    saved = b.run("fallback-save", b.argv("cpuckpt", "fallback", ["--train-iters", str(2 * k), "--save-interval",
+                                                                  str(k), "--eval-interval", str(100 * k),
+                                                                  "--save", str(save), *ASYNC]))
+    damaged = None
+    if not a.dry_run:
+        files = sorted((_ckpt_dir(save, 2 * k)).glob("__0_*.distcp"), key=lambda f: f.stat().st_size)
+        if files:
+            damaged = {"file": str(files[-1]), "offset": flip_byte(files[-1])}
+    tmp = Path(tempfile.mkdtemp(prefix="bench_mlm_"))
+    strict = megatron_config(a.config, tmp / "strict.yaml", fallback_on_corrupt=False)
+    resume = ["--train-iters", str(2 * k + 2), "--eval-interval", str(100 * k), "--load", str(save), *RESUME]
+    runs = {name: b.run(name, b.argv("cpuckpt", "fallback", resume, config=config))
+            for name, config in (("fallback-resume", None), ("fallback-strict", str(strict)))}
+    b.clean(root)
+    shutil.rmtree(tmp, ignore_errors=True)
+    rows = []
+    out: dict[str, Any] = {"save": saved, "damaged": damaged, "runs": runs}
+    for name, r in runs.items():
+        log_path = b.out / f"mlm_{name}.log"
+        log = log_path.read_text(errors="replace") if log_path.is_file() else ""
+        warned = "falling back to the next newest checkpoint" in log
+        corrupt = "CheckpointCorrupt" in log
+        last = max((i["it"] for i in r["iters"]), default=None)
+        rows.append([name, r["rc"], (r["loaded"] or ["-"])[-1][-80:], warned, corrupt, last])
+    table = format_table(["run", "rc", "loaded (Megatron-LM's line)", "fallback logged", "CheckpointCorrupt in log",
+                          "last iteration"], rows,
+                         title=f"fallback: saves at {k} and {2 * k}, a byte flipped in iter_{2 * k:07d}'s data "
+                               f"({damaged}), relaunched; model {b.model('fallback')}")
+    return out, table
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phases", default="load,reuse,kill", help=f"comma-separated, run in this order: {PHASES}")
@@ -1304,7 +1360,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         b.results["megatron"] = megatron_versions(b)
         logger.info("the runs import: %s", b.results["megatron"])
-    fns = {"save": phase_save, "load": phase_load, "reuse": phase_reuse, "kill": phase_kill, "memory": phase_memory}
+    fns = {"save": phase_save, "load": phase_load, "reuse": phase_reuse, "kill": phase_kill, "memory": phase_memory,
+           "fallback": phase_fallback}
     tables: list[str] = []
     failed = False
     try:
