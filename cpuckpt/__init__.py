@@ -17,6 +17,7 @@ from cpuckpt.errors import (
     RamRootError,
     StagingError,
     StorageIOError,
+    UnsafeCheckpointError,
 )
 from cpuckpt.restart import load_latest
 from cpuckpt.roots import (
@@ -46,6 +47,7 @@ __all__ = [
     "StorageIOError",
     "StorageReader",
     "StorageWriter",
+    "UnsafeCheckpointError",
     "WriterDiedError",
     "__version__",
     "apply_retention",

@@ -19,7 +19,7 @@ from cpuckpt.api import load
 from cpuckpt.backend import collectives
 from cpuckpt.backend.committed import is_complete
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import CheckpointCorrupt, IntegrityError
+from cpuckpt.errors import CheckpointCorrupt, IntegrityError, UnsafeCheckpointError
 from cpuckpt.paths import local_path
 from cpuckpt.roots import list_checkpoints
 
@@ -89,6 +89,8 @@ def load_latest(
         path = root_path / name
         try:
             load(state_dict, path, cfg, process_group=process_group, planner=planner)
+        except UnsafeCheckpointError:
+            raise  # a refused pickle global: an older checkpoint holds values of the same kinds
         except IntegrityError as e:
             if not fallback_on_corrupt:
                 raise

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from cpuckpt.backend.collectives import checkpoint_group
 from cpuckpt.backend.committed import check_complete, is_complete
-from cpuckpt.errors import CheckpointCorrupt, IntegrityError
+from cpuckpt.errors import CheckpointCorrupt, IntegrityError, UnsafeCheckpointError
 from cpuckpt.paths import local_path
 
 __all__ = ["TRACKER", "Candidate", "LatestLoad", "fall_back_on_corrupt", "load_latest", "next_candidate"]
@@ -192,6 +192,8 @@ def load_latest(sharded_state_dict: dict[str, Any] | Callable[[], dict[str, Any]
         sd = sharded_state_dict() if callable(sharded_state_dict) else sharded_state_dict
         try:
             state = dist_checkpointing.load(sd, found.path, strategy, **load_kwargs)
+        except UnsafeCheckpointError:
+            raise  # a refused pickle global: an older checkpoint holds values of the same kinds
         except IntegrityError as e:
             if not fallback:
                 raise
@@ -257,6 +259,8 @@ def fall_back_on_corrupt(module: Any, importers: list[Any] | None = None) -> boo
         _LOADING[0] = None
         try:
             return original(*args, **kwargs)
+        except UnsafeCheckpointError:
+            raise  # a refused pickle global: an older checkpoint holds values of the same kinds
         except IntegrityError as e:
             failed, first = _LOADING[0], e
         return _retry(module, original, args, kwargs, failed, first)
@@ -321,6 +325,8 @@ def _retry(module: Any, original: Any, args: tuple, kwargs: dict, failed: str | 
         _LOADING[0] = None
         try:
             result = original(*args, **kwargs)
+        except UnsafeCheckpointError:
+            raise  # a refused pickle global: an older checkpoint holds values of the same kinds
         except IntegrityError as e:
             failures.append(f"{found.path}: {e}")
             logger.warning("cpuckpt: %s does not load cleanly (%s); falling back to the next newest checkpoint",

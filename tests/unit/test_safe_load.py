@@ -347,3 +347,16 @@ def test_megatron_sharded_objects_load_safely_and_a_hostile_one_is_refused(run_r
         assert "pathlib.Path" in r["error"][1] and "extra" in r["error"][1], r
         assert not r["marker"], "a rank ran the checkpoint's pickled code"
     assert results[0]["error"] == results[1]["error"]
+
+
+def test_load_latest_raises_a_refused_value_instead_of_falling_back(tmp_path):
+    """A refused global is not damage: ``load_latest`` must not walk back to an older checkpoint (which
+    holds values of the same kinds) nor report every checkpoint corrupt."""
+    root = tmp_path / "root"
+    marker = tmp_path / "pwned"
+    cpuckpt.save({"w": torch.randn(64, 8), "evil": None, "step": 1}, root / "step_1", CFG, step=1)
+    cpuckpt.save({"w": torch.randn(64, 8), "evil": Touch(str(marker)), "step": 2}, root / "step_2", CFG, step=2)
+    with pytest.raises(UnsafeCheckpointError) as info:
+        cpuckpt.load_latest(_targets(), root, CFG)
+    assert "step_2" in str(info.value)
+    assert not marker.exists(), "the checkpoint's pickled code ran"
