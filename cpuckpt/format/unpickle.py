@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from cpuckpt.errors import CheckpointCorrupt, UnsafeCheckpointError
 
-__all__ = ["EXTRA_SAFE_GLOBALS", "load_value", "reencode", "unpickle_metadata"]
+__all__ = ["EXTRA_SAFE_GLOBALS", "load_value", "reencode", "unpickle_metadata", "with_safe_globals"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,9 @@ def _refusal(err: BaseException) -> str:
     return (m.group(1) if m else str(err).splitlines()[0] if str(err) else type(err).__name__).strip()
 
 
-def _with_extras(load: Callable[[], Any], extras: list[Any]) -> Any:
-    """``load()`` with ``extras`` added to torch's allow-list for the call (those it lacks; removed after)."""
+def with_safe_globals(load: Callable[[], Any], extras: list[Any]) -> Any:
+    """``load()`` with ``extras`` added to torch's allow-list for the call: only those it lacks, removed after
+    (``torch.serialization.safe_globals`` alone would also remove, on exit, entries the user had added before)."""
     with _extra_lock:
         present = set(torch.serialization.get_safe_globals())
         with torch.serialization.safe_globals([g for g in extras if g not in present]):
@@ -190,7 +191,7 @@ def load_value(data: bytes, key: str, *, trusted: bool = False, where: str = "")
         extras = _resolve_extra(set(refused))
         if extras is not None:
             try:
-                return _with_extras(safe, extras)
+                return with_safe_globals(safe, extras)
             except Exception as e:
                 if not _is_refusal(e):
                     raise CheckpointCorrupt(f"{place}non-tensor value {key!r} is not a loadable torch.save value: "

@@ -66,6 +66,7 @@ from cpuckpt.backend.ramread import in_ram
 from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError, FailureReport, StagingError
 from cpuckpt.format.manifest import FileEntry
+from cpuckpt.format.unpickle import with_safe_globals
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.save_job import SaveJob
 from cpuckpt.transfer.staging import get_pool, pool_state
@@ -324,8 +325,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             status = check_tag(tag_dir.parent, tag_dir.name)
             if not status.complete:
                 raise _refusal(status)
-        with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+        return with_safe_globals(lambda: torch.load(path, map_location=map_location, weights_only=True),
+                                 safe_globals_for_deepspeed())
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make the checkpoint durable on every rank, then (rank 0) write its marker and ``latest``.

@@ -360,3 +360,17 @@ def test_load_latest_raises_a_refused_value_instead_of_falling_back(tmp_path):
         cpuckpt.load_latest(_targets(), root, CFG)
     assert "step_2" in str(info.value)
     assert not marker.exists(), "the checkpoint's pickled code ran"
+
+
+def test_extra_safe_globals_for_one_load_leave_the_users_allow_list_as_it_was():
+    """The adapters' extra classes are added for one load only; an entry the user had added stays afterwards
+    (``torch.serialization.safe_globals`` alone removes it on exit: the DeepSpeed engine's load did)."""
+    from cpuckpt.format.unpickle import with_safe_globals
+
+    torch.serialization.add_safe_globals([Point])
+    try:
+        assert with_safe_globals(lambda: 7, [Point, collections.Counter]) == 7
+        allowed = torch.serialization.get_safe_globals()
+        assert Point in allowed and collections.Counter not in allowed
+    finally:
+        torch.serialization.clear_safe_globals()
