@@ -7,10 +7,12 @@ a wrong type or an impossible value raises :class:`ConfigError` naming the key a
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import os
 import re
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,7 @@ from typing import Any
 import yaml
 
 from cpuckpt.errors import ConfigError
+from cpuckpt.paths import local_path
 
 __all__ = [
     "AsyncConfig",
@@ -157,7 +160,7 @@ class MemoryConfig:
     """The memory tier (``cpuckpt.tier``): checkpoints committed in a node-local RAM root as reused
     images, persisted to the durable root by a writer process."""
 
-    root: str = _opt("", "RAM root directory; empty: /dev/shm/cpuckpt-<uid>/<job>.")
+    root: str = _opt("", "RAM root directory; empty: /dev/shm/cpuckpt-<uid>/<job>.", path=True)
     job: str = _opt("", "Job identity of the RAM root, stable across restarts of the same job; empty: derived "
                     "from the durable root's absolute path.")
     slots: int = _opt(2, "Memory checkpoints kept in RAM (a ring of reused images, one shard per rank each).",
@@ -192,7 +195,8 @@ class MemoryConfig:
 class TelemetryConfig:
     """Per-save/load telemetry records (see cpuckpt.backend.telemetry)."""
 
-    file: str = _opt("", "Append one JSON line per save and load to this file; empty: log lines only.")
+    file: str = _opt("", "Append one JSON line per save and load to this file; empty: log lines only.",
+                     path=True)
 
 
 @dataclass(frozen=True)
@@ -223,6 +227,8 @@ class Config:
         Raises:
             ConfigError: naming the source, the dotted key and the bad value.
         """
+        if env:
+            warn_unknown_env(cls)
         return build_options(cls, data, source=source, env_prefix="CPUCKPT_" if env else None)
 
     @classmethod
@@ -247,15 +253,20 @@ def build_options(cls: type[T], data: Mapping[str, Any] | None, *, source: str =
     """Build the frozen dataclass tree ``cls`` from nested mappings, as :meth:`Config.from_dict` does.
 
     Fields declare their checks in their metadata (``doc``, ``min``, ``max``, ``size``, ``pow2``,
-    ``choices``, ``key`` for a YAML name that is not the field's); a field whose type is a dataclass
+    ``choices``, ``path`` for a local path that refuses URLs, ``key`` for a YAML name that is not the
+    field's); a field whose type is a dataclass
     is a section. Unknown keys and bad values raise :class:`ConfigError` naming ``source`` and the
     dotted key. With ``env_prefix``, ``<env_prefix><SECTION>_<KEY>`` (``<env_prefix><KEY>`` for
     top-level keys) environment variables override ``data``, read as YAML scalars.
     """
-    data = dict(data or {})
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: top level must be a mapping of sections, got {data!r}")
+    data = dict(data)
     from_env: dict[str, str] = {}
     if env_prefix is not None:
-        data = _apply_env(cls, data, from_env, env_prefix)
+        data = _apply_env(cls, data, from_env, env_prefix, source)
     return _build(cls, data, source, prefix="", from_env=from_env)
 
 
@@ -302,6 +313,11 @@ def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str,
            from_env: Mapping[str, str] | None = None) -> Any:
     hints = _type_hints(cls)
     fields = {_key(f): f for f in dataclasses.fields(cls)}
+    for k in data:
+        if not isinstance(k, str):  # YAML reads `1:` or `true:` as a non-string key; sorted() would fail on it
+            where = f"section {prefix[:-1]}" if prefix else "the top level"
+            raise ConfigError(f"{source}: key {k!r} in {where} is not a name; known keys here: "
+                              f"{', '.join(sorted(fields))}")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{prefix}{unknown[0]}"
@@ -317,7 +333,7 @@ def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str,
             if value is None:  # a section whose keys are all commented out
                 value = {}
             if not isinstance(value, Mapping):
-                raise ConfigError(f"{source}: {dotted} must be a mapping, got {value!r}")
+                raise ConfigError(f"{source}: {dotted} must be a mapping of keys, got {value!r}")
             kwargs[f.name] = _build(tp, value, source, prefix=f"{dotted}.", from_env=from_env)
         else:
             env_name = (from_env or {}).get(dotted)
@@ -353,6 +369,8 @@ def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: st
             value = "off"  # YAML 1.1 reads a bare `off` as false
         if not isinstance(value, str):
             raise bad("a string")
+        if meta.get("path"):
+            local_path(value, what=f"{source}: {dotted}")  # "s3://b/x" would become the local dir s3:/b/x
     lo, hi = meta.get("min"), meta.get("max")
     if lo is not None and value < lo:
         raise bad(f">= {lo}")
@@ -366,7 +384,8 @@ def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: st
     return value
 
 
-def _apply_env(cls: type, data: dict[str, Any], from_env: dict[str, str], prefix: str = "CPUCKPT_") -> dict[str, Any]:
+def _apply_env(cls: type, data: dict[str, Any], from_env: dict[str, str], prefix: str = "CPUCKPT_",
+               source: str = "<dict>") -> dict[str, Any]:
     """Overlay ``CPUCKPT_<SECTION>_<KEY>`` (or ``CPUCKPT_<KEY>`` for top-level keys) as YAML scalars.
 
     Records in ``from_env`` the dotted key -> variable name of every override, for error messages.
@@ -375,7 +394,10 @@ def _apply_env(cls: type, data: dict[str, Any], from_env: dict[str, str], prefix
         key = _key(f)
         factory = f.default_factory
         if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
-            section = dict(data.get(key) or {})
+            given = data.get(key)
+            if given is not None and not isinstance(given, Mapping):  # `io: fast`: dict() would fail unnamed
+                raise ConfigError(f"{source}: {key} must be a mapping of keys, got {given!r}")
+            section = dict(given or {})
             for sf in dataclasses.fields(factory):
                 name = f"{prefix}{key}_{sf.name}".upper()
                 if name in os.environ:
@@ -396,6 +418,48 @@ def _env_value(name: str) -> Any:
         return yaml.safe_load(os.environ[name])
     except yaml.YAMLError as e:
         raise ConfigError(f"environment variable {name}: not a valid value: {e}") from e
+
+
+# CPUCKPT_ variables that are not keys of Config: the adapters' own settings (their option trees read
+# them), the test suite's and the benchmarks' switches. A misspelled key must not hide among them.
+NOT_CONFIG_ENV_PREFIXES = ("CPUCKPT_MEGATRON_", "CPUCKPT_DEEPSPEED_", "CPUCKPT_TEST_", "CPUCKPT_BENCH_")
+NOT_CONFIG_ENV = frozenset({"CPUCKPT_SWEEP_SEED", "CPUCKPT_LONG_SWEEP", "CPUCKPT_SLOW"})
+_warned_env: set[str] = set()
+
+
+def _env_names(cls: type, prefix: str = "CPUCKPT_") -> list[str]:
+    """Every override variable :func:`_apply_env` reads for ``cls``."""
+    names = []
+    for f in dataclasses.fields(cls):
+        key = _key(f)
+        factory = f.default_factory
+        if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+            names += [f"{prefix}{key}_{sf.name}".upper() for sf in dataclasses.fields(factory)]
+        else:
+            names.append(f"{prefix}{key}".upper())
+    return names
+
+
+def warn_unknown_env(cls: type | None = None) -> list[str]:
+    """Warn (once per process and variable) about ``CPUCKPT_*`` variables that match no key of ``cls``.
+
+    A misspelled override (``CPUCKPT_IO_THREAD=8``) is otherwise ignored without a word. Returns the
+    variables it warned about now.
+    """
+    known = set(_env_names(Config if cls is None else cls))
+    warned = []
+    for name in sorted(os.environ):
+        if (not name.startswith("CPUCKPT_") or name in known or name in NOT_CONFIG_ENV
+                or name.startswith(NOT_CONFIG_ENV_PREFIXES) or name in _warned_env):
+            continue
+        _warned_env.add(name)
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.warn(f"environment variable {name} matches no cpuckpt config key and is ignored{hint}; "
+                      f"see docs/CONFIG.md for the names", UserWarning, stacklevel=3)
+        warned.append(name)
+    return warned
+
 
 def resolve_config(config: Config | str | os.PathLike | dict | None) -> Config:
     """Accept a Config, a YAML path, a dict, or None (defaults plus environment overrides)."""

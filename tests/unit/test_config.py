@@ -384,3 +384,99 @@ def test_commented_out_copy_of_default_yaml_loads(tmp_path):
         indented = ln != stripped
         lines.append(("  # " + stripped) if indented and stripped and not stripped.startswith("#") else ln)
     assert Config.from_yaml(_write(tmp_path, "\n".join(lines) + "\n"), env=False) == Config()
+
+
+# ---------------------------------------------------------------------------- malformed shapes, URLs
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("io: fast\n", "cfg.yaml: io must be a mapping of keys, got 'fast'"),
+    ("memory: [1, 2]\n", "cfg.yaml: memory must be a mapping of keys, got [1, 2]"),
+    ("- io\n- layout\n", "cfg.yaml: top level must be a mapping of sections"),
+    ("1: 2\n", "cfg.yaml: key 1 in the top level is not a name"),
+    ("io:\n  true: 2\n", "cfg.yaml: key True in section io is not a name"),
+])
+def test_malformed_shapes_name_the_file_and_the_key(tmp_path, text, expect):
+    """A section given a scalar used to escape as a bare ValueError ("dictionary update sequence")."""
+    with pytest.raises(ConfigError) as ei:
+        Config.from_yaml(_write(tmp_path, text))  # env=True: the env overlay is where `io: fast` crashed
+    assert str(ei.value).startswith(f"{tmp_path}/{expect}"), str(ei.value)
+
+
+def test_malformed_shapes_from_dict_name_the_source():
+    with pytest.raises(ConfigError, match=r"^job\.yaml: io must be a mapping of keys, got 3$"):
+        Config.from_dict({"io": 3}, source="job.yaml")
+    with pytest.raises(ConfigError, match=r"^job\.yaml: top level must be a mapping of sections"):
+        Config.from_dict(["io"], source="job.yaml")  # type: ignore[arg-type]
+
+
+def test_null_section_is_defaults_even_with_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("CPUCKPT_IO_THREADS", "7")
+    assert Config.from_yaml(_write(tmp_path, "io:\nmemory: null\n")).io.threads == 7
+
+
+@pytest.mark.parametrize("key", ["memory.root", "telemetry.file"])
+def test_path_keys_refuse_urls_naming_file_and_key(tmp_path, key):
+    section, leaf = key.split(".")
+    p = _write(tmp_path, f"{section}:\n  {leaf}: s3://bucket/run\n")
+    with pytest.raises(ConfigError, match=rf"cfg\.yaml: {re.escape(key)} 's3://bucket/run': URLs \(s3://\)"):
+        Config.from_yaml(p, env=False)
+    ok = _write(tmp_path, f"{section}:\n  {leaf}: {tmp_path}/x\n", name="ok.yaml")
+    assert Config.from_yaml(ok, env=False).to_dict()[section][leaf] == f"{tmp_path}/x"
+
+
+def test_path_key_from_env_refusing_url_names_the_variable(monkeypatch):
+    monkeypatch.setenv("CPUCKPT_MEMORY_ROOT", "gs://b/ram")
+    with pytest.raises(ConfigError, match=r"environment variable CPUCKPT_MEMORY_ROOT: memory\.root 'gs://b/ram'"):
+        Config.from_dict(None)
+
+
+# ------------------------------------------------------------------------------- unknown CPUCKPT_*
+
+
+@pytest.fixture
+def _fresh_env_warnings(monkeypatch):
+    import cpuckpt.config as config_mod
+
+    monkeypatch.setattr(config_mod, "_warned_env", set())
+
+
+def _warnings_of(fn) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_misspelled_env_variable_warns_once(monkeypatch, _fresh_env_warnings):
+    monkeypatch.setenv("CPUCKPT_IO_THREAD", "8")
+    first = _warnings_of(lambda: Config.from_dict(None))
+    assert len(first) == 1 and "CPUCKPT_IO_THREAD " in first[0] and "CPUCKPT_IO_THREADS" in first[0], first
+    assert _warnings_of(lambda: Config.from_dict(None)) == []  # once per process and variable
+    assert Config.from_dict(None).io.threads == Config().io.threads
+
+
+def test_env_warning_is_shown_by_default(tmp_path):
+    """Default warning filters (no pytest capture): a user sees the line on stderr."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CPUCKPT_")}
+    env["CPUCKPT_STAGING_MOD"] = "snapshot"
+    out = subprocess.run([sys.executable, "-c", "import cpuckpt; cpuckpt.Config.from_dict(None)"], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "CPUCKPT_STAGING_MOD matches no cpuckpt config key" in out.stderr
+    assert "CPUCKPT_STAGING_MODE" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["CPUCKPT_TEST_HOOK", "CPUCKPT_SWEEP_SEED", "CPUCKPT_LONG_SWEEP", "CPUCKPT_SLOW",
+                                  "CPUCKPT_MEGATRON_ON_FAILURE", "CPUCKPT_DEEPSPEED_ASYNC", "CPUCKPT_BENCH_DISK_DIR",
+                                  "CPUCKPT_TEST_SHM", "CPUCKPT_TELEMETRY_FILE", "CPUCKPT_TIMEOUT_S",
+                                  "CPUCKPT_ASYNC_MAX_IN_FLIGHT"])
+def test_legitimate_env_variables_do_not_warn(monkeypatch, _fresh_env_warnings, name):
+    value = "1" if name != "CPUCKPT_TELEMETRY_FILE" else "/tmp/t.jsonl"
+    monkeypatch.setenv(name, value)
+    assert _warnings_of(lambda: Config.from_dict(None)) == []
