@@ -15,6 +15,12 @@ one wins, else the newest durable one. Before it is loaded, each copy's holder (
 sends it into the lost node's own slot over the replica protocol (:func:`Replication.restore`), so the
 load reads only RAM roots: nothing from the durable root.
 
+A restore overwrites a slot, so it is planned only where it destroys nothing newer (:func:`agree_available`):
+never into a slot holding a complete checkpoint of the same or a newer step, and never into a slot that a
+newer available checkpoint reads or restores into (an older checkpoint that needs such a slot is not
+available). The receiver refuses it too (:func:`cpuckpt.tier.replica.receive`). Restores are only planned
+here; they run inside :meth:`cpuckpt.MemoryTier.load` of that checkpoint, never in a query.
+
 A rank whose load plan needs another node's file (DCP deduplicates replicated values into one rank's
 file) is not helped by this yet: its node's slot lists only its node's files, so such a checkpoint stays
 unavailable (the durable one is loaded), as without replicas.
@@ -47,7 +53,7 @@ from cpuckpt.tier.replica import (
     write_token,
 )
 
-__all__ = ["Copy", "Replication", "Restore", "node_copies", "plan_restores"]
+__all__ = ["Copy", "Replication", "Restore", "agree_available", "node_copies", "overwrites", "plan_restores"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,13 +201,18 @@ def agree_available(nodes: NodeMap, mine: dict[Held, Path], copies: list[Copy], 
     by_name = {s.name: s for s in slots}
     paths: dict[Held, Path] = {}
     pending: dict[Path, list[Restore]] = {}
-    claimed: set[tuple[str, str]] = set()  # (node, slot) a newer save's restore overwrites: older ones there are gone
+    # What each node's own slots hold now: a restore must never overwrite a complete checkpoint of the same or
+    # a newer step (available or not: a node may hold the only copy of a newer step).
+    content = {(nodes.keys[c.holder], c.slot): c.held for c in copies if not c.replica}
+    # (node, slot) a newer available save reads or restores into: an older save that needs it is not available
+    # (its restore would destroy the newer one, or the newer one's restore destroys it before it is loaded).
+    claimed: set[tuple[str, str]] = set()
     for save, restores in sorted(plans.items(), reverse=True):
         uses = {(nodes.keys[c.holder], c.slot) for c in copies if c.held == save and not c.replica}
         targets = {(nodes.keys[r.target], r.source.slot) for r in restores}
-        if (uses | targets) & claimed:
+        if (uses | targets) & claimed or any(overwrites(content.get(t), save) for t in targets):
             continue  # the same on every rank: computed from the gathered lists alone
-        claimed |= targets
+        claimed |= uses | targets
         if save in mine:
             path = mine[save]
         else:
@@ -213,3 +224,9 @@ def agree_available(nodes: NodeMap, mine: dict[Held, Path], copies: list[Copy], 
         if restores:
             pending[path] = restores
     return paths, pending
+
+
+def overwrites(present: Held | None, restored: Held) -> bool:
+    """Whether restoring ``restored`` into a slot that holds ``present`` complete destroys a checkpoint that is
+    not older than it (a newer step, or another save of the same step: which one is newer is not known)."""
+    return present is not None and present != restored and present[0] >= restored[0]

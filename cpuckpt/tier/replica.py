@@ -291,6 +291,7 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
     manifest: Manifest = manifest_from_json(head["manifest"])
     if head["into"] == "slot":
         target = root / name
+        _refuse_overwriting_newer(target, manifest)
     elif head["into"] == "replica":
         target = replica_dir(root, str(head["source"]), name)
         target.parent.mkdir(mode=0o700, exist_ok=True)
@@ -324,6 +325,21 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
     logger.info("received %s of %s (save %s, step %s) into %s in %.3f s", _human(sum(e.nbytes for e in entries)),
                 head["source"], manifest.save_id[:8], manifest.step, target, time.perf_counter() - t0)
     return target
+
+
+def _refuse_overwriting_newer(target: Path, incoming: Manifest) -> None:
+    """A restore into a node's own slot must never destroy a complete checkpoint that is not older than the
+    one restored (a newer step, or another save of the same step): the slot may hold the newest checkpoint
+    of the job. Checked before a byte of the slot changes."""
+    if not check_complete(target).complete:
+        return
+    present = read_manifest(target)
+    if present is None or present.save_id == incoming.save_id:
+        return
+    if present.step is None or incoming.step is None or present.step >= incoming.step:
+        raise ReplicaError(f"{target}: restore of step {incoming.step} ({incoming.save_id[:8]}) refused: the slot "
+                           f"holds the complete checkpoint of step {present.step} ({present.save_id[:8]}), which is "
+                           "not older; it is left as it is")
 
 
 def _size(path: Path) -> int:
