@@ -18,6 +18,12 @@ The channel is two files per save in a temporary directory:
   not read from here: it is the save handle's, built from every rank's ``FailureReport``.
 - ``<base>.worker``: written by the caller before it returns (``ok`` or its own error). A missing
   report at finalize time means the caller process died.
+``<base>`` is a :mod:`cpuckpt.runfiles` name (``cpuckpt-megatron-p<trainer pid>-b<boot>-r<rank>-<id>``):
+a trainer killed with SIGKILL leaves its files behind, and the next trainer's first channel (or
+``cpuckpt clean --ram``) removes those whose trainer is gone. The caller process exits when the
+trainer that started it is gone (:func:`_watch_parent`): Megatron's persistent worker would otherwise
+block in its queue forever, an orphan holding its interpreter's memory.
+
 - ``<base>.alive``: written by the caller when it takes the request (its pid); its mtime is a
   heartbeat, renewed about every second while the caller waits. The trainer's watchdog
   (:mod:`.guard`) reads it through :meth:`Channel.worker_gone`: a pid that no longer runs (or is a
@@ -35,15 +41,13 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import threading
 import time
 import traceback
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpuckpt import faultpoint
+from cpuckpt import faultpoint, runfiles
 from cpuckpt.roots import pid_alive
 from cpuckpt.transfer.files import write_atomic
 
@@ -56,10 +60,10 @@ HEARTBEAT_S = 1.0
 OK = "ok"
 
 
-def _channel_dir() -> Path:
-    shm = Path("/dev/shm")
-    root = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return root
+PARENT_POLL_S = 0.5
+_cleaned_stale = False
+_watching: int | None = None
+_watch_lock = threading.Lock()
 
 
 class Channel:
@@ -165,8 +169,44 @@ class Channel:
         _write(self.report_path, text)
 
 
+def _channel_dir() -> Path:
+    """Where channels live: /dev/shm where it is writable, else the temp directory."""
+    return runfiles.run_dir()
+
+
 def new_channel(rank: int) -> Channel:
-    return Channel(str(_channel_dir() / f"cpuckpt-megatron-{os.getpid()}-r{rank}-{uuid.uuid4().hex[:12]}"))
+    """A fresh channel of this trainer; the first one of a process also removes stale channels of dead trainers."""
+    global _cleaned_stale
+    if not _cleaned_stale:
+        _cleaned_stale = True
+        try:
+            runfiles.clean_stale()
+        except OSError as e:  # never fail a save over someone else's leftovers
+            logger.warning("could not remove stale channel files: %s", e)
+    return Channel(runfiles.run_file_base("megatron", f"r{rank}"))
+
+
+def _watch_parent(trainer_pid: int) -> None:
+    """In a caller process started by ``trainer_pid``: exit as soon as that trainer is gone.
+
+    A trainer killed with SIGKILL cannot stop Megatron's persistent worker, which then blocks in
+    its request queue forever (reparented to init). A daemon thread polls the parent pid: when it
+    changes, the trainer has died and nothing will ever be asked of this process again.
+    """
+    global _watching
+    with _watch_lock:
+        if _watching == trainer_pid or os.getpid() == trainer_pid or os.getppid() != trainer_pid:
+            return  # already watching, the trainer itself (a synchronous call), or not its child
+        _watching = trainer_pid
+
+    def watch() -> None:
+        while os.getppid() == trainer_pid:
+            time.sleep(PARENT_POLL_S)
+        logger.warning("checkpoint worker (pid %d): the trainer %d is gone; exiting", os.getpid(), trainer_pid)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="cpuckpt-parent-watch", daemon=True).start()
 
 
 @dataclass(frozen=True)
@@ -194,6 +234,7 @@ def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int,
     """
     channel = Channel(base)
     try:
+        _watch_parent(trainer_pid)
         faultpoint.set_handler(fault_handler)  # the trainer's, as of this request (a persistent worker keeps it)
         channel.announce()  # from here on the trainer's watchdog sees this process's death
         faultpoint.hit(f"megatron-worker:rank{rank}")

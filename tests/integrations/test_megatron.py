@@ -180,7 +180,7 @@ def rank_async(root: str, persistent: bool, fully_parallel: bool) -> dict:
     from cpuckpt.integrations.megatron.worker import _channel_dir
 
     return {"finalized": finalized, "leftovers": sorted(p.name for p in _channel_dir().glob(
-        f"cpuckpt-megatron-{os.getpid()}-*"))}
+        f"cpuckpt-megatron-p{os.getpid()}-*"))}
 
 
 @pytest.mark.parametrize(("persistent", "fully_parallel"), [(False, False), (True, False), (True, True)],
@@ -238,7 +238,7 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: 
     return {"error": error, "contract": contract, "elapsed": elapsed,
             "metadata_json": (path / "metadata.json").exists(),
             "dcp_metadata": (path / ".metadata").exists(),
-            "leftovers": sorted(p.name for p in _channel_dir().glob(f"cpuckpt-megatron-{os.getpid()}-*"))}
+            "leftovers": sorted(p.name for p in _channel_dir().glob(f"cpuckpt-megatron-p{os.getpid()}-*"))}
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["temporal", "persistent"])
@@ -419,7 +419,7 @@ def _worker_pids(queue) -> list[int]:
 def _leftovers() -> list[str]:
     from cpuckpt.integrations.megatron.worker import _channel_dir
 
-    return sorted(p.name for p in _channel_dir().glob(f"cpuckpt-megatron-{os.getpid()}-*"))
+    return sorted(p.name for p in _channel_dir().glob(f"cpuckpt-megatron-p{os.getpid()}-*"))
 
 
 def rank_worker_dies_before_request(root: str, kind: str) -> dict:

@@ -94,6 +94,7 @@ def rank_train(root: str, iterations: list[int]) -> None:
     _check(dist_checkpointing.load(_template(device), str(newest)), iterations[-1], device)
     durable = max(i for i in iterations if i % 4 == 0)
     _check(dist_checkpointing.load(_template(device), str(router.save_dir / f"iter_{durable:07d}")), durable, device)
+    (root_p / f"trainer-pid-{dist.get_rank()}").write_text(str(os.getpid()))
     dist.barrier()
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -145,10 +146,41 @@ def _wait_writers_gone(ram: Path, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _processes_in(cwd: Path) -> list[str]:
+    """Processes (of any parent) whose working directory is ``cwd``: the ranks' and their children's."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
+        try:
+            if p.cwd() == str(cwd) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"pid {p.pid} (parent {p.info['ppid']}): {' '.join(p.info['cmdline'] or [])[:120]}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def _wait_no_process_in(cwd: Path, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while left := _processes_in(cwd):
+        assert time.monotonic() < deadline, f"processes outlived their SIGKILLed trainers: {left}"
+        time.sleep(0.2)
+
+
 def test_memory_and_persistent_saves_then_sigkill_resume_from_memory(run_ranks, tmp_path):
+    from cpuckpt import runfiles
+
     with pytest.raises(AssertionError, match="rank"):
         run_ranks(2, rank_train, str(tmp_path), list(range(1, 7)), timeout_s=240, env=ENV)
     _wait_writers_gone(tmp_path / "ram")
+    # Megatron's persistent workers (spawned by the killed trainers) exit with them, not orphaned to init
+    _wait_no_process_in(tmp_path)
+    # what a trainer killed mid-save leaves in /dev/shm: the restart's first save removes it
+    dead = [int((tmp_path / f"trainer-pid-{r}").read_text()) for r in range(2)]
+    stale = [runfiles.run_dir() / f"cpuckpt-megatron-p{pid}-b{runfiles.boot_tag()}-r{r}-0123456789ab.{ext}"
+             for r, pid in enumerate(dead) for ext in ("alive", "status")]
+    for path in stale:
+        path.write_text("1")
     save, np_dir = tmp_path / "save", tmp_path / "save" / "non_persistent"
     # memory-only saves never advance --save's tracker: it names the persistent save (4); the memory one 6
     assert _read_tracker(save) == 4 and _read_tracker(np_dir) == 6
@@ -166,6 +198,8 @@ def test_memory_and_persistent_saves_then_sigkill_resume_from_memory(run_ranks, 
     assert res[0]["np_tracker"] == 7 and res[0]["links"] == ["iter_0000006", "iter_0000007"], res[0]
     # end of training: RAM root removed, and no link or tracker left pointing into it
     assert res[0]["after_close"] == {"ram_exists": False, "np_tracker": None, "links": []}, res[0]["after_close"]
+    assert [p.name for p in stale if p.exists()] == []
+    _wait_no_process_in(tmp_path)
 
 
 def test_reusing_a_slot_moves_the_tracker_off_the_checkpoint_it_held(tmp_path):

@@ -1,0 +1,131 @@
+"""Per-process files in a shared directory (``/dev/shm``), named so that anyone can tell when their owner is gone.
+
+Base layer (no torch). A process that leaves small liveness or channel files next to other users'
+files (the Megatron adapter's ``.status``/``.alive``/``.worker`` files) names them
+
+    ``cpuckpt-<tag>-p<pid>-b<boot>-<rest>``
+
+``pid`` is the owning process, ``boot`` the first 12 hex digits of ``/proc/sys/kernel/random/boot_id``.
+An owner killed with SIGKILL cannot remove its files; the next run (:func:`clean_stale`, called by
+whoever creates such files) and ``cpuckpt clean --ram`` remove every file of this shape whose owner
+pid no longer runs on this boot, or that was written on another boot (a pid recorded there says
+nothing about the process that has it now). cpuckpt itself needs to know nothing about the tag.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import stat
+import tempfile
+import uuid
+from pathlib import Path
+
+__all__ = ["RunFile", "boot_tag", "clean_stale", "parse", "run_dir", "run_file_base"]
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "cpuckpt-"
+BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
+SHM_DIR = Path("/dev/shm")
+_NAME_RE = re.compile(r"^cpuckpt-(?P<tag>[a-z0-9][a-z0-9-]*?)-p(?P<pid>\d+)-b(?P<boot>[0-9a-f]{12}|noboot)(?:[-.]|$)")
+_TAG_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+
+
+def boot_tag() -> str:
+    """This boot's tag: the first 12 hex digits of the kernel's boot id (``noboot`` without procfs)."""
+    try:
+        text = BOOT_ID_PATH.read_text().strip().replace("-", "").lower()
+    except OSError:
+        return "noboot"
+    return text[:12] if re.fullmatch(r"[0-9a-f]{12,}", text) else "noboot"
+
+
+def run_dir() -> Path:
+    """``/dev/shm`` where it is writable, else the temp directory."""
+    if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK):
+        return SHM_DIR
+    return Path(tempfile.gettempdir())
+
+
+def run_file_base(tag: str, extra: str = "", directory: str | os.PathLike | None = None) -> str:
+    """A fresh path prefix ``<dir>/cpuckpt-<tag>-p<pid>-b<boot>-[<extra>-]<uuid12>`` owned by this process."""
+    if not _TAG_RE.match(tag):
+        raise ValueError(f"run file tag {tag!r}: lowercase letters, digits and dashes only")
+    where = Path(directory) if directory is not None else run_dir()
+    middle = f"{extra}-" if extra else ""
+    return str(where / f"{PREFIX}{tag}-p{os.getpid()}-b{boot_tag()}-{middle}{uuid.uuid4().hex[:12]}")
+
+
+class RunFile:
+    """What a run file's name says about its owner."""
+
+    def __init__(self, name: str, tag: str, pid: int, boot: str) -> None:
+        self.name, self.tag, self.pid, self.boot = name, tag, pid, boot
+
+    def owner_gone(self, boot: str | None = None) -> bool:
+        """True when the owner cannot be running: written on another boot, or its pid is gone (or a zombie)."""
+        boot = boot_tag() if boot is None else boot
+        if self.boot != boot:
+            return True
+        return not _running(self.pid)
+
+
+def parse(name: str) -> RunFile | None:
+    """The owner recorded in a run file's name; None for any other name."""
+    m = _NAME_RE.match(name)
+    if m is None:
+        return None
+    return RunFile(name, m.group("tag"), int(m.group("pid")), m.group("boot"))
+
+
+def _running(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it runs
+        return True
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return True
+    return not fields or fields[0] not in ("Z", "X")
+
+
+def clean_stale(directory: str | os.PathLike | None = None, *, dry_run: bool = False,
+                uid: int | None = None) -> list[Path]:
+    """Remove the run files in ``directory`` (default :func:`run_dir`) whose owner is gone; returns them.
+
+    Only regular files of ``uid`` (default: this user) that match the run file name are touched:
+    never a directory, a symlink, or another user's file (the directory is shared, sticky /dev/shm).
+    """
+    where = Path(directory) if directory is not None else run_dir()
+    uid = os.geteuid() if uid is None else uid
+    boot = boot_tag()
+    try:
+        names = sorted(os.listdir(where))
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        info = parse(name)
+        if info is None or not info.owner_gone(boot):
+            continue
+        path = where / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+            continue
+        if not dry_run:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            logger.info("removed stale %s (owner pid %d gone)", path, info.pid)
+        removed.append(path)
+    return removed
