@@ -740,12 +740,15 @@ def clean_ram_roots(base: str | os.PathLike | None = None, *, dry_run: bool = Fa
     """Remove every stale RAM root under ``base``; returns those removed (or, ``dry_run``, those it would remove).
 
     ``base`` defaults to ``/dev/shm/cpuckpt-<uid>``; a ``base`` that is itself a RAM root (holds an
-    ``.owner.json``) is the only candidate. A root is stale when none of its trainer and writer
-    locks is held. Live roots, and directories that are no RAM root of ``uid`` (no owner record,
-    a symlink, someone else's), are left alone and logged.
+    ``.owner.json``) is the only candidate; a shared system directory (:func:`is_shared_dir`, e.g.
+    ``/dev/shm`` itself) stands for the per-user directory in it. A root is stale when none of its
+    trainer and writer locks is held. Live roots, and directories that are no RAM root of ``uid``
+    (no owner record, a symlink, someone else's), are left alone and logged.
     """
     uid = os.geteuid() if uid is None else uid
     base = _default_base(uid) if base is None else Path(os.path.abspath(os.fspath(base)))
+    if is_shared_dir(base):  # never judge (or advise chmod on) /dev/shm or /tmp: only our directory in it
+        base = base / f"cpuckpt-{uid}"
     if not os.path.lexists(base):
         return []
     base_fd = _open_dir(base, uid, "RAM root directory")
@@ -759,6 +762,18 @@ def clean_ram_roots(base: str | os.PathLike | None = None, *, dry_run: bool = Fa
         if _clean_one(root, uid, dry_run):
             removed.append(root)
     return removed
+
+
+def is_shared_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory shared by all users (world-writable and sticky: /dev/shm, /tmp).
+
+    Such a directory is never a RAM root nor a directory of RAM roots, whatever its mode says.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and bool(st.st_mode & stat.S_ISVTX) and bool(st.st_mode & stat.S_IWOTH)
 
 
 def _clean_one(root: Path, uid: int, dry_run: bool) -> bool:

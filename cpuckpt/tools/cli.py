@@ -291,7 +291,8 @@ def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, mem
 @click.argument("root", required=False, type=click.Path(path_type=Path))
 @click.option("--ram", is_flag=True,
               help="Remove stale memory-tier RAM roots (no live trainer or writer) under ROOT, a RAM root or the "
-                   "directory holding them; default /dev/shm/cpuckpt-<uid>.")
+                   "directory holding them; default /dev/shm/cpuckpt-<uid>. Without ROOT (or with ROOT /dev/shm) "
+                   "also stale cpuckpt-* process files in /dev/shm (their owner pid gone, or another boot's).")
 @click.option("--min-age", "min_age", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Durable roots: remove only leftovers untouched this long. A live save touches its directory "
                    "at least once per timeout_s, so keep this >= the trainers' timeout_s; 0 also removes saves "
@@ -303,17 +304,27 @@ def clean_cmd(root: Path | None, ram: bool, min_age: float | None, dry_run: bool
 
     ROOT: torn checkpoint directories (no valid commit) untouched for --min-age, *.tmp files, manifest
     parts and O_DIRECT probes inside complete checkpoints, and a stray latest.tmp; complete checkpoints and
-    checkpoints being loaded stay. --ram: RAM roots whose trainer and writer locks are all free; live ones stay.
+    checkpoints being loaded stay. --ram: RAM roots whose trainer and writer locks are all free; live ones stay;
+    and process files (``cpuckpt-<tag>-p<pid>-b<boot>-*``, e.g. the Megatron adapter's) of processes gone.
     """
     verb = "would remove" if dry_run else "removed"
+    files: list[Path] = []
     if ram:
-        from cpuckpt.tier.ramroot import RamRootError, clean_ram_roots, default_root
+        from cpuckpt import runfiles
+        from cpuckpt.tier.ramroot import RamRootError, clean_ram_roots, default_root, is_shared_dir
 
         if min_age is not None:
             _fail("--min-age applies to checkpoint roots, not to --ram")
         base = root if root is not None else default_root("x").parent
+        files_dir = base.parent if root is None else None
+        if root is not None and is_shared_dir(root):  # /dev/shm itself: our directory and our files in it
+            base, files_dir = root / f"cpuckpt-{os.geteuid()}", root
+            click.echo(f"{root} is a shared system directory, not a RAM root: cleaning {base} and stale "
+                       f"cpuckpt process files in {root}", err=True)
         try:
             removed = clean_ram_roots(root, dry_run=dry_run)
+            if files_dir is not None:
+                files = runfiles.clean_stale(files_dir, dry_run=dry_run)
         except (RamRootError, OSError) as e:  # a RamRootError's message names the offending path too
             _fail(f"cannot clean RAM roots under {base}: {e}")
         kind, what = "ram-root", "stale RAM root "
@@ -334,10 +345,14 @@ def clean_cmd(root: Path | None, ram: bool, min_age: float | None, dry_run: bool
     if as_json:
         for path in removed:
             click.echo(json.dumps({"path": str(path), "kind": kind, "removed": not dry_run}))
+        for path in files:
+            click.echo(json.dumps({"path": str(path), "kind": "process-file", "removed": not dry_run}))
         return
     for path in removed:
         click.echo(f"{verb} {what}{path}")
-    if not removed:
+    for path in files:
+        click.echo(f"{verb} stale process file {path}")
+    if not removed and not files:
         click.echo(f"no stale RAM roots under {base}" if ram else f"nothing to clean in {base}")
 
 def _source_root(rel: str) -> Path:
