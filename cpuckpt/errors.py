@@ -20,6 +20,8 @@ __all__ = [
     "StagingError",
     "StorageIOError",
     "UnsafeCheckpointError",
+    "as_storage_error",
+    "is_interrupt",
     "rank_error",
 ]
 
@@ -121,6 +123,36 @@ class RamRootError(CpuckptError):
 
 def _rebuild_ram_root_error(message: str, path: str | None) -> RamRootError:
     return RamRootError(message, path=path)
+
+
+def is_interrupt(exc: BaseException | None) -> bool:
+    """True for ``KeyboardInterrupt``, ``SystemExit`` and other ``BaseException``\\ s that are not errors.
+
+    They are never wrapped into a cpuckpt error (a trainer's ``except Exception`` must not swallow
+    Ctrl-C): entry points re-raise them as themselves, after telling background work to stop.
+    DCP's ``CheckpointException`` is not one: it carries errors, and ``run_dcp`` unwraps it.
+    """
+    if exc is None or isinstance(exc, Exception):
+        return False
+    # By name: this module imports no torch.
+    return not any(c.__name__ == "CheckpointException" and c.__module__.startswith("torch.")
+                   for c in type(exc).__mro__)
+
+
+def as_storage_error(exc: OSError, what: str, path: str | os.PathLike | None = None) -> StorageIOError:
+    """``exc`` as a :class:`StorageIOError` (itself when it is one), keeping errno and the path.
+
+    ``what`` says what was being done (``"create checkpoint directory"``); ``path`` defaults to the
+    error's own ``filename``.
+    """
+    if isinstance(exc, StorageIOError):
+        return exc
+    where = str(path) if path is not None else (None if exc.filename is None else os.fsdecode(exc.filename))
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    err = StorageIOError(f"{what} {where}: [errno {exc.errno}] {reason}" if where else f"{what}: {reason}",
+                         path=where, errno_=exc.errno)
+    err.__cause__ = exc
+    return err
 
 
 @dataclass(frozen=True)

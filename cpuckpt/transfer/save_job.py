@@ -30,7 +30,7 @@ import crc32c
 import torch
 
 from cpuckpt.config import Config
-from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
+from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, is_interrupt
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.device_snapshot import DeviceSnapshot, snapshot_sources
@@ -170,12 +170,15 @@ class SaveJob:
                 self._finalize()
 
     def wait_staged(self, timeout_s: float | None = None) -> None:
+        """Block until every chunk is in host memory; Ctrl-C here cancels the job and propagates."""
         wait_future(self.staged, self.cfg.timeout_s if timeout_s is None else timeout_s,
-                    f"staging of rank {self.rank}'s checkpoint files")
+                    f"staging of rank {self.rank}'s checkpoint files", on_interrupt=self.cancel)
 
     def wait_done(self, timeout_s: float | None = None) -> list[FileEntry]:
+        """Block until every file is durable; Ctrl-C here cancels the job and propagates."""
         return wait_future(self.done, self.cfg.timeout_s if timeout_s is None else timeout_s,
-                           f"writing rank {self.rank}'s checkpoint files to {self.directory}")
+                           f"writing rank {self.rank}'s checkpoint files to {self.directory}",
+                           on_interrupt=self.cancel)
 
     def cancel(self, reason: BaseException) -> None:
         """Abort: pending chunks are skipped, the error is reported by ``staged``/``done``."""
@@ -463,6 +466,9 @@ class SaveJob:
             return
         if isinstance(e, CheckpointTimeoutError | CpuckptError | OSError):
             err = e
+        elif is_interrupt(e):  # Ctrl-C on the waiting thread: the waiter re-raises the interrupt itself
+            err = CpuckptError(f"rank {self.rank}: save to {self.directory} interrupted ({type(e).__name__})")
+            err.__cause__ = e
         else:
             err = CpuckptError(f"rank {self.rank}: saving to {self.directory} failed: {e!r}")
             err.__cause__ = e

@@ -2,24 +2,29 @@
 
 Tasks run on named threads (``cpuckpt-io-<rank>_<i>``). The first failure cancels the tasks not
 yet started and is re-raised on the caller's thread, chained to the worker's traceback. Every wait
-is bounded and polls in one-second slices, so Ctrl-C still reaches the caller.
+is bounded and polls in one-second slices, so Ctrl-C still reaches the caller. A ``KeyboardInterrupt``
+(or ``SystemExit``) raised in a waiting thread is never converted: the work waited for is told to stop
+(``cancel``), and the interrupt propagates as itself.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from cpuckpt.errors import CheckpointTimeoutError, CpuckptError
+from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, is_interrupt
 from cpuckpt.transfer.copy_gate import GATE
 
-__all__ = ["Cancelled", "new_executor", "run_parallel", "shared_executor", "wait_future"]
+__all__ = ["Cancelled", "new_executor", "run_parallel", "shared_executor", "stop_after_interrupt", "wait_future"]
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+logger = logging.getLogger(__name__)
 
 
 class Cancelled(CpuckptError):
@@ -82,6 +87,10 @@ def run_parallel(
                 cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
                 raise first_error
         return [f.result() for f in futures]
+    except BaseException as e:
+        if is_interrupt(e):  # Ctrl-C on the caller's thread: running tasks stop at their next check
+            cancel.set()
+        raise
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
@@ -109,16 +118,35 @@ def shared_executor(threads: int, name: str) -> cf.ThreadPoolExecutor:
         return ex
 
 
-def wait_future(fut: cf.Future[R], timeout_s: float, what: str) -> R:
+def wait_future(fut: cf.Future[R], timeout_s: float, what: str, *,
+                on_interrupt: Callable[[BaseException], None] | None = None) -> R:
     """Wait for ``fut`` in one-second slices (Ctrl-C stays responsive); re-raise its exception.
+
+    A ``KeyboardInterrupt``/``SystemExit`` raised in this (the waiting) thread propagates as itself,
+    never converted, after ``on_interrupt(interrupt)`` has told the work behind ``fut`` to stop (so
+    its threads end and the process can exit); a failure of ``on_interrupt`` is logged, not raised.
 
     Raises:
         CheckpointTimeoutError: not done within ``timeout_s``, naming ``what``.
     """
     if fut.done():
         return fut.result()
-    with GATE.lifted():  # a trainer holding the copy gate waits for copies here: let them go on
-        return _wait(fut, timeout_s, what)
+    try:
+        with GATE.lifted():  # a trainer holding the copy gate waits for copies here: let them go on
+            return _wait(fut, timeout_s, what)
+    except BaseException as e:
+        if is_interrupt(e) and on_interrupt is not None:
+            stop_after_interrupt(on_interrupt, e, what)
+        raise
+
+
+def stop_after_interrupt(stop: Callable[[BaseException], None], interrupt: BaseException, what: str) -> None:
+    """Call ``stop(interrupt)`` (cancel background work after Ctrl-C); never raises, so the interrupt
+    that is propagating is the one the caller sees."""
+    try:
+        stop(interrupt)
+    except BaseException:  # the interrupt being raised is what the caller must see
+        logger.warning("cpuckpt: stopping %s after %s failed", what, type(interrupt).__name__, exc_info=True)
 
 
 def _wait(fut: cf.Future[R], timeout_s: float, what: str) -> R:
