@@ -16,17 +16,34 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from cpuckpt import faultpoint
 from cpuckpt.backend.committed import METADATA_NAME, manifest_from_json_part, size_mismatches
-from cpuckpt.errors import IntegrityError
+from cpuckpt.errors import IntegrityError, as_storage_error
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest, part_name
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 
-__all__ = ["clear_commit", "commit_checkpoint"]
+__all__ = ["clear_commit", "commit_checkpoint", "make_checkpoint_dir"]
 
 logger = logging.getLogger(__name__)
 
 
+def make_checkpoint_dir(path: Path) -> None:
+    """Create the checkpoint directory ``path`` (and its parents) if missing.
+
+    Raises:
+        StorageIOError: it cannot be created (a file is in the way, a read-only parent, ...): errno and
+            the path kept, as for any other write of a save.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise as_storage_error(e, "cannot create checkpoint directory", path) from e
+
+
 def clear_commit(path: Path, *, fsync: bool = True) -> None:
-    """Make an existing checkpoint in ``path`` incomplete before it is overwritten."""
+    """Make an existing checkpoint in ``path`` incomplete before it is overwritten.
+
+    Raises:
+        StorageIOError: its ``.metadata`` or manifest exists and cannot be removed.
+    """
     removed = False
     for name in (METADATA_NAME, MANIFEST_NAME):
         try:
@@ -34,6 +51,9 @@ def clear_commit(path: Path, *, fsync: bool = True) -> None:
             removed = True
         except FileNotFoundError:
             pass
+        except OSError as e:
+            raise as_storage_error(e, "cannot remove the commit marker of the checkpoint being overwritten",
+                                   path / name) from e
     if removed and fsync:
         fsync_dir(path)
     faultpoint.hit("clear-commit:done")
@@ -56,8 +76,11 @@ def commit_checkpoint(path: Path, metadata: Metadata, prefixes: list[str], manif
             raise IntegrityError(str(problems[0]))
         for entry in entries:
             manifest.files[entry.name] = entry
-    write_atomic(path / MANIFEST_NAME, manifest.to_json().encode(), fsync=fsync)
-    write_atomic(path / METADATA_NAME, pickle.dumps(metadata), fsync=fsync)
+    for name, data in ((MANIFEST_NAME, manifest.to_json().encode()), (METADATA_NAME, pickle.dumps(metadata))):
+        try:
+            write_atomic(path / name, data, fsync=fsync)
+        except OSError as e:
+            raise as_storage_error(e, "cannot write", path / name) from e
     for prefix in prefixes:
         try:
             (path / part_name(prefix)).unlink()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from cpuckpt.errors import CheckpointCorrupt, IntegrityError
+from cpuckpt.errors import CheckpointCorrupt, IntegrityError, as_storage_error
 from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json
 from cpuckpt.format.unpickle import unpickle_metadata
 
@@ -217,6 +217,7 @@ def load_metadata(path: Path) -> Metadata:
 
     Raises:
         IntegrityError: missing: the save was never committed (or this is not a checkpoint).
+        StorageIOError: it cannot be read (errno and path of the failed read).
         CheckpointCorrupt: present but unreadable, not DCP metadata, or referring to globals
             outside DCP's metadata classes (a hostile or foreign pickle).
     """
@@ -227,6 +228,8 @@ def load_metadata(path: Path) -> Metadata:
         raise IntegrityError(
             f"{path}: no {METADATA_NAME}: not a checkpoint, or a save that did not complete"
         ) from None
+    except OSError as e:  # unreadable (permissions, a file where the directory should be, EIO): errno and path kept
+        raise as_storage_error(e, "cannot read", md_path) from e
     try:
         md = unpickle_metadata(data)
     except Exception as e:
