@@ -8,11 +8,12 @@ never on the trainer's NCCL group, and a group is never used by two threads at o
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,13 +23,15 @@ import torch.distributed.checkpoint.state_dict_saver as _saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from cpuckpt.errors import CpuckptError, FailureReport, rank_error
+from cpuckpt.errors import CpuckptError, FailureReport, is_interrupt, rank_error
 
 __all__ = [
+    "agree_or_raise",
     "checkpoint_group",
     "dcp_save",
     "gather_failures",
     "new_gloo_group",
+    "one_contract",
     "raise_if_failed",
     "resolve_stateful",
     "run_dcp",
@@ -93,18 +96,37 @@ def dcp_save(state_dict: dict[str, Any], writer: Any, *, planner: Any = None, pr
                  planner=planner)
 
 
-def run_dcp(fn: Callable[[], Any], what: str, path: str | os.PathLike) -> Any:
+def run_dcp(fn: Callable[[], Any], what: str, path: str | os.PathLike, *, rank: int | None = None) -> Any:
     """Run a DCP collective; a ``CheckpointException`` becomes the same cpuckpt error on every rank.
 
     DCP gathers every rank's exception before raising, so each rank holds the same failures and
     builds the same error from them; the ``CheckpointException`` (with the originals) is its cause.
+    DCP also catches ``KeyboardInterrupt``/``SystemExit``: when this rank's (``rank``, in DCP's group;
+    default: the one failure raised in this process) is one, it is re-raised as itself, so Ctrl-C is
+    never an ordinary exception. The peers raise the contract's error naming it.
     """
     try:
         return fn()
     except CheckpointException as e:
-        failures = dict(getattr(e, "failures", {}) or {})
-        reports = [FailureReport.of(f[0] if isinstance(f, tuple) else f, r) for r, f in sorted(failures.items())]
+        failures = {r: (f[0] if isinstance(f, tuple) else f) for r, f in (getattr(e, "failures", {}) or {}).items()}
+        interrupt = _local_interrupt(failures, rank)
+        if interrupt is not None:
+            raise interrupt from None
+        reports = [FailureReport.of(f, r) for r, f in sorted(failures.items())]
         raise (rank_error(reports, f"{what} of {path}") or CpuckptError(f"{what} of {path} failed: {e}")) from e
+
+
+def _local_interrupt(failures: dict[int, BaseException], rank: int | None) -> BaseException | None:
+    """This rank's ``KeyboardInterrupt``/``SystemExit`` among DCP's gathered failures, if it had one.
+
+    Without ``rank``: the failure that was raised in this process (it has a traceback; a peer's arrived
+    pickled, without one).
+    """
+    if rank is not None:
+        mine = [failures[rank]] if rank in failures else []
+    else:
+        mine = [f for f in failures.values() if isinstance(f, BaseException) and f.__traceback__ is not None]
+    return next((f for f in mine if is_interrupt(f)), None)
 
 
 def gather_failures(error: BaseException | None, rank: int, group: Any) -> list[FailureReport | None]:
@@ -115,6 +137,45 @@ def gather_failures(error: BaseException | None, rank: int, group: Any) -> list[
     reports: list[FailureReport | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, mine, group=group)
     return reports
+
+
+def agree_or_raise(error: BaseException | None, rank: int, group: Any, what: str) -> None:
+    """Raise the same error on every rank of ``group`` when any rank's ``error`` is set; collective.
+
+    One all-reduce of a flag when every rank is fine; the reports are gathered only after a failure.
+    A local ``KeyboardInterrupt``/``SystemExit`` is raised as itself, after the peers learned of it.
+    """
+    if group is not None:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if not flag.item():
+            return
+        reports = gather_failures(error, rank, group)
+    elif error is None:
+        return
+    else:
+        reports = [FailureReport.of(error, rank)]
+    if is_interrupt(error):
+        raise error  # type: ignore[misc]
+    raise_if_failed(reports, what, error)
+
+
+@contextlib.contextmanager
+def one_contract(what: str, rank: int | Callable[[], int] = 0) -> Iterator[None]:
+    """An entry point's outermost guard: an exception that is not yet a cpuckpt error becomes one.
+
+    ``OSError`` -> ``StorageIOError`` (errno, path), ``TimeoutError`` -> ``CheckpointTimeoutError``,
+    anything else -> ``CpuckptError``, chained to the original (:func:`~cpuckpt.errors.rank_error` of
+    this rank's report; ``rank`` may be a callable, asked only then). Cpuckpt errors and interrupts
+    pass unchanged. Raised on one rank only: failures that peers must share are agreed before.
+    """
+    try:
+        yield
+    except CpuckptError:
+        raise
+    except Exception as e:
+        r = rank() if callable(rank) else rank
+        raise rank_error([FailureReport.of(e, r)], what) from e  # type: ignore[misc]
 
 
 def raise_if_failed(reports: list[FailureReport | None], what: str, local: BaseException | None = None) -> None:

@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from cpuckpt.backend.collectives import gather_failures, raise_if_failed
 from cpuckpt.backend.reader import StorageReader
+from cpuckpt.errors import is_interrupt
 from cpuckpt.format.unpickle import load_value
 
 __all__ = ["FastPlan", "load", "plan_fast"]
@@ -165,11 +166,16 @@ def _load_fast(state_dict: dict[str, Any], plan: FastPlan, reader: StorageReader
         for fqn, path in plan.blobs.items():
             # what DefaultLoadPlanner.load_bytes does with a flattened state dict, but weights_only unless trusted
             set_element(state_dict, path, load_value(blobs[fqn], fqn, trusted=trusted, where=where))
-    except Exception as e:
+    except BaseException as e:
         error = e
+    if group is None and is_interrupt(error):
+        raise error  # type: ignore[misc]  # Ctrl-C: itself, never a cpuckpt error
     # One error for every rank, built as run_dcp builds it from DCP's gathered failures (also without a group:
     # DCP's path wraps a lone process's failure the same way).
-    raise_if_failed(gather_failures(error, rank, group), f"load of {reader.path}", error)
+    reports = gather_failures(error, rank, group)
+    if is_interrupt(error):
+        raise error  # type: ignore[misc]  # this rank's Ctrl-C as itself; the peers raise the error naming it
+    raise_if_failed(reports, f"load of {reader.path}", error)
 
 
 def _agree(mine: bool, group: Any) -> bool:

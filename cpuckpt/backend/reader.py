@@ -62,6 +62,7 @@ from cpuckpt.errors import CheckpointCorrupt, ConfigError, CpuckptError
 from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.format.unpickle import load_value, reencode
+from cpuckpt.paths import local_path
 from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
 from cpuckpt.transfer.hostcopy import copy_host_bytes
 from cpuckpt.transfer.images import ImageFile
@@ -167,7 +168,7 @@ class StorageReader(_DcpStorageReader):
         super().__init__()
         if h2d not in H2D_MODES:
             raise ConfigError(f"StorageReader h2d must be one of {', '.join(H2D_MODES)}, got {h2d!r}")
-        self.path = Path(path)
+        self.path = Path(local_path(path, "StorageReader: checkpoint path"))  # a URL is not a directory name
         self.images = dict(images or {})  # file name -> this process's live, mapped (pinned) image of it
         self.h2d = h2d
         self.config = resolve_config(config)
@@ -183,7 +184,7 @@ class StorageReader(_DcpStorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = Path(local_path(checkpoint_id, "StorageReader: checkpoint_id"))
         self.load_id = uuid.uuid4().hex
 
     def use_metadata(self, metadata: Metadata) -> None:

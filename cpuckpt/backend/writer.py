@@ -38,15 +38,16 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from cpuckpt.backend.commit import clear_commit, commit_checkpoint
+from cpuckpt.backend.commit import clear_commit, commit_checkpoint, make_checkpoint_dir
 from cpuckpt.backend.dcp_stager import PoolSnapshot, snapshot_state_dict
 from cpuckpt.backend.itemcache import CachedItems, ItemsHit, SaveLayout, WrittenItems
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import ConfigError, CpuckptError
+from cpuckpt.errors import ConfigError, CpuckptError, as_storage_error, is_interrupt
 from cpuckpt.format.layout import LayoutCache, LayoutItem
 from cpuckpt.format.manifest import FileEntry, Manifest, part_name
 from cpuckpt.format.plancache import CachedPlan, reused_metadata
 from cpuckpt.format.record import record_template
+from cpuckpt.paths import local_path
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.images import ImageJob, ImageSet
 from cpuckpt.transfer.save_job import SaveJob, choose_mode
@@ -104,7 +105,7 @@ class StorageWriter(_DcpStorageWriter):
         super().__init__()
         self._given_save_id = save_id
         self.images = images  # memory tier: write into these mapped image files instead of through the pool
-        self.path = Path(path)
+        self.path = Path(local_path(path, "StorageWriter: checkpoint path"))  # refuses URLs, before any mkdir
         self.config = resolve_config(config)
         self.step = step
         self.save_id = save_id or uuid.uuid4().hex
@@ -173,21 +174,28 @@ class StorageWriter(_DcpStorageWriter):
     # -- DCP contract ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = Path(local_path(checkpoint_id, "StorageWriter: checkpoint_id"))
         self.save_id = self._given_save_id or uuid.uuid4().hex
+
+    def cancel(self, reason: BaseException) -> None:
+        """Stop this writer's save job, if one runs (Ctrl-C): chunks not yet written are skipped, its
+        threads end, and ``.metadata`` is never written. ``reason`` is what its waits then report."""
+        job = self.job
+        if job is not None and not job.done.done():
+            job.cancel(reason)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         self.rank = int(rank) if rank is not None else 0
         if kwargs.get("use_collectives", True) is False:
-            raise ValueError("cpuckpt.StorageWriter needs use_collectives=True (one .metadata per checkpoint)")
+            raise ConfigError("cpuckpt.StorageWriter needs use_collectives=True (one .metadata per checkpoint)")
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self.path.mkdir(parents=True, exist_ok=True)
+        make_checkpoint_dir(self.path)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -249,6 +257,10 @@ class StorageWriter(_DcpStorageWriter):
             self.job.start()
             if not self._deferred:
                 self.write_part(self.job.wait_done())
+        except BaseException as e:
+            if not self._deferred or is_interrupt(e):
+                self.cancel(e)  # no thread writes on after this save failed or Ctrl-C ended it
+            raise
         finally:
             if not self._deferred:
                 self.close()  # a dcp.async_save snapshot is no longer needed once written
@@ -266,7 +278,11 @@ class StorageWriter(_DcpStorageWriter):
         for entry in entries:
             entry.records = self._records.get(entry.name, [])
         part = Manifest(files={e.name: e for e in entries})
-        write_atomic(self.path / part_name(self._prefix), part.to_json().encode(), fsync=self.config.io.fsync)
+        target = self.path / part_name(self._prefix)
+        try:
+            write_atomic(target, part.to_json().encode(), fsync=self.config.io.fsync)
+        except OSError as e:
+            raise as_storage_error(e, "cannot write the manifest part", target) from e
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = _DCP_VERSION
