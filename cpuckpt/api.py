@@ -25,7 +25,8 @@ from cpuckpt.backend.telemetry import record_load, record_save
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.background import gc_paused
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import ConfigError
+from cpuckpt.errors import ConfigError, is_interrupt
+from cpuckpt.paths import local_path
 from cpuckpt.roots import after_commit, loading
 from cpuckpt.transfer.copy_gate import GATE
 from cpuckpt.transfer.staging import get_pool
@@ -57,21 +58,35 @@ def save(
         planner: a DCP ``SavePlanner`` (default: DCP's default planner).
 
     Raises:
-        CpuckptError: any rank failed; the message names the rank and the cause.
+        CpuckptError: any rank failed; the message names the rank and the cause (``StorageIOError``, an
+            ``OSError`` with errno and path, when the cause was one: also a directory that cannot be created).
+        ConfigError: ``path`` is a URL (nothing is created).
+        KeyboardInterrupt: Ctrl-C, as itself (never a ``CpuckptError``); the save's threads stop and
+            ``path`` is left without ``.metadata``.
 
     Example:
         >>> cpuckpt.save({"model": model.state_dict()}, "/ckpt/step_100", step=100)
     """
+    path = local_path(path, "save: checkpoint path")  # a URL is refused before anything is created
     t0 = time.perf_counter()
-    writer = StorageWriter(path, config, step=step)
-    group = collectives.checkpoint_group(process_group, writer.config.timeout_s)
-    collectives.run_dcp(lambda: collectives.dcp_save(state_dict, writer, planner=planner, process_group=group),
-                        "save", path)
-    elapsed = time.perf_counter() - t0
-    record_save(writer.config, path=path, rank=writer.rank, step=step, stall_s=elapsed, persist_s=elapsed,
-                nbytes=writer.last_write_nbytes, mode="streaming", files=len(writer.job.names) if writer.job else 0)
-    if writer.is_coordinator:
-        after_commit(path, writer.config)  # `latest`, cleaning, retention: only when configured
+    writer: StorageWriter | None = None
+    with collectives.one_contract(f"save of {path}", lambda: writer.rank if writer is not None else 0):
+        writer = StorageWriter(path, config, step=step)
+        group = collectives.checkpoint_group(process_group, writer.config.timeout_s)
+        try:
+            collectives.run_dcp(
+                lambda: collectives.dcp_save(state_dict, writer, planner=planner, process_group=group),
+                "save", path, rank=dist.get_rank(group) if group is not None else 0)
+        except BaseException as e:
+            if is_interrupt(e):  # Ctrl-C: no writer thread goes on; `.metadata` is never written
+                writer.cancel(e)
+            raise
+        elapsed = time.perf_counter() - t0
+        record_save(writer.config, path=path, rank=writer.rank, step=step, stall_s=elapsed, persist_s=elapsed,
+                    nbytes=writer.last_write_nbytes, mode="streaming",
+                    files=len(writer.job.names) if writer.job else 0)
+        if writer.is_coordinator:
+            after_commit(path, writer.config)  # `latest`, cleaning, retention: only when configured
 
 
 def load(
@@ -98,25 +113,37 @@ def load(
     Raises:
         CheckpointCorrupt: a file is missing, truncated or fails its checksum.
         IntegrityError: the checkpoint is not committed (no ``.metadata``).
+        StorageIOError: a read failed (errno, path), ``.metadata`` included; the same error on every rank.
+        ConfigError: ``path`` is a URL.
+        KeyboardInterrupt: Ctrl-C, as itself; the reader threads stop.
     """
+    path = local_path(path, "load: checkpoint path")
     t0 = time.perf_counter()
-    reader = storage_reader if storage_reader is not None else StorageReader(path, config)
-    if reader.path != Path(path):
-        raise ConfigError(f"load of {path}: storage_reader reads {reader.path}, not this checkpoint")
-    # No cyclic GC inside a load: unpickling .metadata and planning allocate an object or more per item,
-    # and a full collection they trigger costs more than the rest of a load from RAM.
-    with gc_paused():
-        # DCP (torch 2.13) swallows read_metadata's exception and raises a bare AssertionError
-        # ("metadata is None; ..."), so an uncommitted checkpoint is reported here, on every rank.
-        metadata = load_metadata(Path(path))
-        reader.use_metadata(metadata)
-        metadata_s = time.perf_counter() - t0
-        group = collectives.checkpoint_group(process_group, reader.config.timeout_s)
-        with loading(path):  # retention never deletes a checkpoint while it is being loaded
-            # DCP's load, or its result without DCP's planner where that is provably the same (fastload)
-            collectives.run_dcp(lambda: fastload.load(state_dict, reader, metadata, planner=planner,
-                                                      process_group=group), "load", path)
-    rank = dist.get_rank(group) if group is not None else 0
+    rank = 0
+    with collectives.one_contract(f"load of {path}", lambda: rank):
+        reader = storage_reader if storage_reader is not None else StorageReader(path, config)
+        if reader.path != Path(path):
+            raise ConfigError(f"load of {path}: storage_reader reads {reader.path}, not this checkpoint")
+        # No cyclic GC inside a load: unpickling .metadata and planning allocate an object or more per item,
+        # and a full collection they trigger costs more than the rest of a load from RAM.
+        with gc_paused():
+            group = collectives.checkpoint_group(process_group, reader.config.timeout_s)
+            rank = dist.get_rank(group) if group is not None else 0
+            # DCP (torch 2.13) swallows read_metadata's exception and raises a bare AssertionError
+            # ("metadata is None; ..."), so an uncommitted checkpoint is reported here. Every rank agrees
+            # first (one all-reduce): a rank that cannot read it must not leave its peers in DCP's collectives.
+            metadata, error = None, None
+            try:
+                metadata = load_metadata(Path(path))
+            except Exception as e:
+                error = e
+            collectives.agree_or_raise(error, rank, group, f"load of {path}")
+            reader.use_metadata(metadata)
+            metadata_s = time.perf_counter() - t0
+            with loading(path):  # retention never deletes a checkpoint while it is being loaded
+                # DCP's load, or its result without DCP's planner where that is provably the same (fastload)
+                collectives.run_dcp(lambda: fastload.load(state_dict, reader, metadata, planner=planner,
+                                                          process_group=group), "load", path, rank=rank)
     record_load(reader.config, path=path, rank=rank, seconds=time.perf_counter() - t0,
                 nbytes=reader.last_read_nbytes, files=len({getattr(s, "relative_path", None)
                                                            for s in reader.storage_data.values()}),

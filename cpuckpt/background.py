@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -29,19 +30,30 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from cpuckpt.backend import inflight
-from cpuckpt.backend.collectives import checkpoint_group, dcp_save, new_gloo_group, resolve_stateful, run_dcp
-from cpuckpt.backend.commit import clear_commit
+from cpuckpt.backend.collectives import (
+    agree_or_raise,
+    checkpoint_group,
+    dcp_save,
+    gather_failures,
+    new_gloo_group,
+    one_contract,
+    raise_if_failed,
+    resolve_stateful,
+    run_dcp,
+)
+from cpuckpt.backend.commit import clear_commit, make_checkpoint_dir
 from cpuckpt.backend.itemcache import CachedItems
 from cpuckpt.backend.telemetry import record_save
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import ConfigError, FailureReport, rank_error
+from cpuckpt.errors import ConfigError, FailureReport, is_interrupt, rank_error
 from cpuckpt.format.plancache import CachedPlan, structure_signature
+from cpuckpt.paths import local_path
 from cpuckpt.roots import after_commit
 from cpuckpt.transfer.images import ImageSet
-from cpuckpt.transfer.threads import new_executor, wait_future
+from cpuckpt.transfer.threads import new_executor, stop_after_interrupt, wait_future
 
-__all__ = ["ORDERINGS", "AsyncSaveHandle", "async_save", "wait_all"]
+__all__ = ["ORDERINGS", "AsyncSaveHandle", "async_save", "cancel_all", "wait_all"]
 
 ORDERINGS = ("host", "stream")  # async_save(ordering=...): see its docstring
 
@@ -71,7 +83,12 @@ class _Staged:
         job = self._h._writer.job
         if job is None:
             return
-        job.wait_staged(timeout)
+        try:
+            job.wait_staged(timeout)
+        except BaseException as e:
+            if is_interrupt(e):  # Ctrl-C: the save stops (its threads end); the interrupt propagates as itself
+                stop_after_interrupt(self._h._writer.cancel, e, f"the save to {self._h.path}")
+            raise
         if not self._h.stats.staged_s:  # when staging finished, not when the caller came to wait
             self._h.stats.staged_s = job.started_at + job.stats.stage_s - self._h._t0
 
@@ -101,16 +118,22 @@ class AsyncSaveHandle:
                 built by :func:`cpuckpt.errors.rank_error` (``StorageIOError``, an ``OSError`` with
                 ``errno``/``path``, when the lowest failing rank's error was one; ``rank``, ``failures``).
             CheckpointTimeoutError: not committed within ``timeout`` (default: ``timeout_s``).
+            KeyboardInterrupt: Ctrl-C while waiting, as itself; the save is cancelled (never committed).
         """
         try:
             wait_future(self._committed, self._writer.config.timeout_s if timeout is None else timeout,
-                        f"committing checkpoint {self.path}")
+                        f"committing checkpoint {self.path}", on_interrupt=self.cancel)
         except BaseException:
             self._reported = self._committed.done()  # the caller has seen this failure
             raise
 
     def done(self) -> bool:
         return self._committed.done()
+
+    def cancel(self, reason: BaseException | None = None) -> None:
+        """Stop this save (Ctrl-C, exit): writes not yet done are skipped and it is never committed;
+        ``wait()`` then raises the failure (on every rank, once the committer agreed with the peers)."""
+        self._writer.cancel(reason if reason is not None else KeyboardInterrupt())
 
     def wait_stream(self, stream: Any = None) -> None:
         """Order GPU work after this rank's device-to-host copies, without blocking the host.
@@ -172,14 +195,26 @@ class _Checkpointer:
             coordinator = cached.is_coordinator
         else:
             coordinator = not self.dist or dist.get_rank(self.plan_group) == 0
-        writer.path.mkdir(parents=True, exist_ok=True)
-        if coordinator:
-            clear_commit(writer.path, fsync=writer.config.io.fsync)
+        error: BaseException | None = None
+        try:
+            make_checkpoint_dir(writer.path)
+            if coordinator:
+                clear_commit(writer.path, fsync=writer.config.io.fsync)
+        except BaseException as e:  # shared with the peers below, so that no rank waits for this one
+            error = e
+        what = f"async save of {writer.path}"
         if not self.dist:
+            agree_or_raise(error, 0, None, what)
             return cached is not None
-        flag = torch.tensor([1 if cached is not None else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.plan_group)
-        return bool(flag.item())
+        # One all-reduce answers both: does every rank have the plan, and is every rank's directory usable?
+        flags = torch.tensor([1 if cached is not None else 0, 1 if error is None else 0])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.plan_group)
+        if not flags[1].item():
+            reports = gather_failures(error, dist.get_rank(self.plan_group), self.plan_group)
+            if is_interrupt(error):
+                raise error  # type: ignore[misc]
+            raise_if_failed(reports, what, error)  # the same error on every rank
+        return bool(flags[0].item())
 
     def commit(self, handle: AsyncSaveHandle) -> None:
         """Committer thread: local durability -> agree -> coordinator commits -> share the outcome.
@@ -254,10 +289,36 @@ _LOCK = threading.Lock()
 
 
 def _checkpointer(process_group: Any, timeout_s: float) -> _Checkpointer:
+    global _EXIT_HOOKED
     with _LOCK:
         if process_group not in _CHECKPOINTERS:
             _CHECKPOINTERS[process_group] = _Checkpointer(process_group, timeout_s)
+        if not _EXIT_HOOKED:
+            # Registered after concurrent.futures' own hook (its executors exist now), so it runs first:
+            # threading runs these hooks in reverse order, before the interpreter joins the pools' threads.
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                with contextlib.suppress(RuntimeError):  # already shutting down
+                    register(_cancel_after_interrupt)
+            _EXIT_HOOKED = True
         return _CHECKPOINTERS[process_group]
+
+
+_EXIT_HOOKED = False
+
+
+def _cancel_after_interrupt() -> None:
+    """At interpreter exit after an uncaught ``KeyboardInterrupt``: cancel the saves still in flight.
+
+    Otherwise the exit joins their writer and committer threads, i.e. waits for whole saves that the
+    user interrupted. An ordinary exit (or ``sys.exit``) still lets them finish.
+    """
+    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if not isinstance(last, KeyboardInterrupt):
+        return
+    if any(ckpt.in_flight for ckpt in list(_CHECKPOINTERS.values())):
+        logger.warning("cpuckpt: interrupted: cancelling the background saves still in flight")
+        cancel_all(last)
 
 
 def async_save(
@@ -328,7 +389,11 @@ def async_save(
     (``handle.stats.resolved == "cached"``); with DCP's default planner only.
 
     Raises:
-        CpuckptError: planning failed, or an earlier save that had to be waited for failed.
+        CpuckptError: planning failed, or an earlier save that had to be waited for failed; a directory
+            that cannot be created is ``StorageIOError`` (errno, path), the same on every rank.
+        ConfigError: ``path`` is a URL (nothing is created).
+        KeyboardInterrupt: Ctrl-C, as itself; the save is cancelled (here, in ``staged.wait()``,
+            ``wait()`` or ``wait_all()``), never committed, and its threads end.
 
     Example:
         >>> h = cpuckpt.async_save({"model": model.state_dict()}, f"/ckpt/{step}", step=step)
@@ -336,9 +401,21 @@ def async_save(
         >>> ...
         >>> h.wait()                 # durable and committed on every rank
     """
+    path = local_path(path, "async_save: checkpoint path")  # a URL is refused before anything is created
     if ordering not in ORDERINGS:
         raise ConfigError(f"async_save: ordering must be one of {', '.join(ORDERINGS)}, got {ordering!r}")
-    cfg = resolve_config(config)
+    rank = dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
+    with one_contract(f"async save of {path}", rank):
+        return _async_save(state_dict, path, resolve_config(config), step=step, process_group=process_group,
+                           planner=planner, plan_key=plan_key, images=images, save_id=save_id,
+                           node_commit=node_commit, ordering=ordering)
+
+
+def _async_save(state_dict: dict[str, Any], path: str, cfg: Config, *, step: int | None, process_group: Any,
+                planner: Any, plan_key: Hashable | None, images: ImageSet | None, save_id: str | None,
+                node_commit: Callable[..., list[FailureReport | None] | None] | None, ordering: str
+                ) -> AsyncSaveHandle:
+    """:func:`async_save` inside the error contract (its arguments checked)."""
     ckpt = _checkpointer(process_group, cfg.timeout_s)
     while ckpt.in_flight and ckpt.in_flight[0]._reported:
         ckpt.in_flight.popleft()  # failed, and the caller already got the error from wait()
@@ -356,8 +433,7 @@ def async_save(
             state = resolve_stateful(state_dict)
             _plan(ckpt, writer, handle, state, planner, plan_key)
     except BaseException as e:
-        if writer.job is not None:
-            writer.job.cancel(e)
+        writer.cancel(e)  # no thread stages or writes on for a save that failed or was interrupted
         raise
     handle.stats.call_s = time.perf_counter() - t0
     if writer.job is not None:
@@ -401,7 +477,7 @@ def _plan(ckpt: _Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, s
         writer.write_cached(state, cached, own)  # type: ignore[arg-type]
     else:
         run_dcp(lambda: dcp_save(state, writer, planner=own, process_group=ckpt.plan_group), "async save",
-                writer.path)
+                writer.path, rank=dist.get_rank(ckpt.plan_group) if ckpt.dist else 0)
         if signature is None and hit is not None:  # this rank's items fit, another rank's did not
             signature = _plan_signature(state, who)
         if signature is None or writer.last_plan is None:
@@ -451,13 +527,26 @@ def gc_paused() -> Iterator[None]:
 
 
 def wait_all(timeout: float | None = None) -> None:
-    """Wait for every in-flight save of this process (e.g. before exit); raises the first failure."""
+    """Wait for every in-flight save of this process (e.g. before exit); raises the first failure.
+
+    Ctrl-C while waiting cancels every save still in flight and propagates as itself.
+    """
     first: BaseException | None = None
     for ckpt in list(_CHECKPOINTERS.values()):
         while ckpt.in_flight:
             try:
                 ckpt.in_flight.popleft().wait(timeout)
             except BaseException as e:
+                if is_interrupt(e):
+                    cancel_all(e)
+                    raise
                 first = first or e
     if first is not None:
         raise first
+
+
+def cancel_all(reason: BaseException | None = None) -> None:
+    """Cancel every in-flight save of this process (Ctrl-C): none is committed, their threads end."""
+    for ckpt in list(_CHECKPOINTERS.values()):
+        for handle in list(ckpt.in_flight):
+            stop_after_interrupt(handle.cancel, reason or KeyboardInterrupt(), f"the save to {handle.path}")
