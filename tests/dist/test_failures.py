@@ -221,3 +221,59 @@ def test_enospc_on_one_rank_is_the_same_oserror_on_every_rank(run_ranks, tmp_pat
     # The original is chained on the rank where it happened (the async error, raised from the handle).
     assert results[1]["async"]["cause"] is not None, results[1]["async"]
     assert results[0]["async"]["cause"] is None, results[0]["async"]
+
+
+# ------------------------------------- a rank whose checkpoint directory cannot be used (issue 27.2)
+
+
+def rank_blocked_directory(root: str) -> dict:
+    """Rank 1's checkpoint path is unusable (a file; a ``.metadata`` that is a directory), rank 0's is fine
+    (per-node paths): save, async_save and load raise the same error on both ranks."""
+    import torch.distributed as dist
+
+    import cpuckpt
+
+    rank = dist.get_rank()
+    root_p = Path(root)
+    good = root_p / "good"
+    cpuckpt.save({"w": torch.arange(10)}, good, GOOD)
+    if rank == 1:
+        (root_p / "a_file").write_bytes(b"not a directory")
+        (root_p / "broken" / ".metadata").mkdir(parents=True)
+    dist.barrier()
+    cfg = {**GOOD, "timeout_s": 30}
+    out: dict = {}
+    for kind in ("sync", "async", "load"):
+        target = root_p / "a_file" if rank == 1 else root_p / f"fine_{kind}"
+        t0 = time.monotonic()
+        try:
+            if kind == "sync":
+                cpuckpt.save({"w": torch.ones(3)}, target, cfg)
+            elif kind == "async":
+                cpuckpt.async_save({"w": torch.ones(3)}, target, cfg).wait()
+            else:
+                cpuckpt.load({"w": torch.zeros(10, dtype=torch.int64)}, root_p / "broken" if rank == 1 else good,
+                             cfg)
+        except BaseException as e:  # any class is recorded; the test checks it
+            out[kind] = {**_error_contract(e), "seconds": time.monotonic() - t0}
+        else:
+            raise AssertionError(f"rank {rank}: {kind} succeeded although rank 1's path is unusable")
+        dist.barrier()
+    return out
+
+
+def test_unusable_directory_on_one_rank_is_the_same_error_on_every_rank(run_ranks, tmp_path):
+    results = run_ranks(2, rank_blocked_directory, str(tmp_path / "ckpts"), timeout_s=90, grace_s=20)
+    for kind, want in (("sync", (errno.EEXIST,)), ("async", (errno.EEXIST,)), ("load", (errno.EISDIR,))):
+        infos = [out[kind] for out in results]
+        assert infos[0]["type"] == infos[1]["type"] == "cpuckpt.errors.StorageIOError", (kind, infos)
+        # The same cause on both (each rank's message starts with its own path: the ranks' paths differ here).
+        causes = [info["message"].split(" failed on rank 1: ", 1)[-1] for info in infos]
+        assert causes[0] == causes[1] and causes[0] != infos[0]["message"], (kind, infos)
+        for rank, info in enumerate(infos):
+            assert info["is_cpuckpt"] and info["is_oserror"], (kind, rank, info)
+            assert info["errno"] in want, (kind, rank, info)
+            assert info["rank"] == 1 and info["failures"] == [1], (kind, rank, info)
+            assert info["path"] and ("a_file" in info["path"] or "broken" in info["path"]), (kind, rank, info)
+            assert "rank 1" in info["message"], (kind, rank, info)
+            assert info["seconds"] < 20, (kind, rank, info)  # agreed at once, not after a peer's timeout

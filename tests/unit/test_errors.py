@@ -182,3 +182,159 @@ def test_every_rank_builds_the_same_error():
     # Each rank unpickles its own copy of the gathered reports.
     errors = [rank_error(pickle.loads(pickle.dumps(reports)), "load") for _ in range(3)]
     assert {(type(e), str(e), e.rank) for e in errors} == {(CpuckptError, str(errors[0]), 1)}
+
+
+# ------------------------------------------------------- every entry point keeps the contract (issue 27.2)
+
+
+def _blocked(tmp_path, how: str):
+    """A checkpoint path that cannot be created: it is a file, or its parent is one."""
+    f = tmp_path / "a_file"
+    f.write_bytes(b"x")
+    return f if how == "is_a_file" else f / "ckpt"
+
+
+@pytest.mark.parametrize("how", ["is_a_file", "parent_is_a_file"])
+@pytest.mark.parametrize("entry", ["save", "async_save", "dcp_save"])
+def test_uncreatable_directory_is_storage_io_error_on_every_entry_point(tmp_path, how, entry):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import cpuckpt
+
+    path = _blocked(tmp_path, how)
+    sd = {"w": torch.ones(3)}
+    if entry == "dcp_save":  # DCP wraps every rank's failure: the rank's own must be the contract's class
+        with pytest.raises(dcp.api.CheckpointException) as info:
+            dcp.save(sd, storage_writer=cpuckpt.StorageWriter(path))
+        (failure,) = info.value.failures.values()
+        err = failure[0] if isinstance(failure, tuple) else failure
+    else:
+        with pytest.raises(StorageIOError) as caught:
+            if entry == "save":
+                cpuckpt.save(sd, path)
+            else:
+                cpuckpt.async_save(sd, path).wait()
+        err = caught.value
+    assert type(err) is StorageIOError, repr(err)
+    assert isinstance(err, OSError) and isinstance(err, CpuckptError)
+    assert err.errno in (errno.EEXIST, errno.ENOTDIR), err.errno
+    assert err.path and str(tmp_path / "a_file") in err.path and err.filename == err.path
+    assert str(path) in str(err)
+    assert (tmp_path / "a_file").read_bytes() == b"x"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_parent_is_storage_io_error(tmp_path):
+    import torch
+
+    import cpuckpt
+
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o500)
+    try:
+        for save in (cpuckpt.save, lambda sd, p: cpuckpt.async_save(sd, p).wait()):
+            with pytest.raises(StorageIOError) as info:
+                save({"w": torch.ones(3)}, parent / "ckpt")
+            assert info.value.errno == errno.EACCES and str(parent / "ckpt") in str(info.value)
+    finally:
+        parent.chmod(0o700)
+
+
+@pytest.mark.parametrize("how", ["parent_is_a_file", "metadata_is_a_directory"])
+def test_unreadable_metadata_is_storage_io_error_on_load(tmp_path, how):
+    import torch
+
+    import cpuckpt
+
+    if how == "parent_is_a_file":
+        path = _blocked(tmp_path, how)
+        want = errno.ENOTDIR
+    else:
+        path = tmp_path / "ckpt"
+        (path / ".metadata").mkdir(parents=True)
+        want = errno.EISDIR
+    with pytest.raises(StorageIOError) as info:
+        cpuckpt.load({"w": torch.zeros(3)}, path)
+    assert info.value.errno == want and str(path / ".metadata") == info.value.path
+    assert str(path) in str(info.value)
+
+
+# -------------------------------------------------------------- a URL is not a directory name (issue 27.9)
+
+
+def _url_entry_points():
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import cpuckpt
+
+    sd = {"w": torch.ones(3)}
+    return {
+        "save": lambda: cpuckpt.save(sd, "s3://b/x"),
+        "load": lambda: cpuckpt.load({"w": torch.zeros(3)}, "s3://b/x"),
+        "async_save": lambda: cpuckpt.async_save(sd, "s3://b/x").wait(),
+        "StorageWriter": lambda: cpuckpt.StorageWriter("s3://b/x"),
+        "StorageWriter.reset": lambda: cpuckpt.StorageWriter("local").reset("s3://b/x"),
+        "StorageReader": lambda: cpuckpt.StorageReader("s3://b/x"),
+        "StorageReader.reset": lambda: cpuckpt.StorageReader("local").reset("s3://b/x"),
+        "dcp.save(checkpoint_id)": lambda: dcp.save(sd, checkpoint_id="s3://b/x",
+                                                    storage_writer=cpuckpt.StorageWriter("local")),
+        "dcp.load(checkpoint_id)": lambda: dcp.load({"w": torch.zeros(3)}, checkpoint_id="s3://b/x",
+                                                    storage_reader=cpuckpt.StorageReader("local")),
+    }
+
+
+@pytest.mark.parametrize("entry", ["save", "load", "async_save", "StorageWriter", "StorageWriter.reset",
+                                   "StorageReader", "StorageReader.reset", "dcp.save(checkpoint_id)",
+                                   "dcp.load(checkpoint_id)"])
+def test_url_is_refused_before_anything_is_created(tmp_path, monkeypatch, entry):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"s3://b/x.*URLs \(s3://\) are not supported"):
+        _url_entry_points()[entry]()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "something was created in the working directory"
+
+
+# ------------------------------------------------------------------- Ctrl-C stays itself (issue 27.1)
+
+
+def test_run_dcp_reraises_this_ranks_keyboard_interrupt():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from cpuckpt.backend.collectives import run_dcp
+
+    def interrupted():
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:  # what DCP's _DistWrapper does with any BaseException
+            raise CheckpointException("write", {0: (e, [])}) from None
+
+    with pytest.raises(KeyboardInterrupt):
+        run_dcp(interrupted, "save", "/ckpt/x", rank=0)
+    with pytest.raises(KeyboardInterrupt):
+        run_dcp(interrupted, "save", "/ckpt/x")  # no rank given: the failure raised in this process
+    # A peer's interrupt (arrived pickled) is an ordinary failure here: the contract's error, naming it.
+    peer = pickle.loads(pickle.dumps(KeyboardInterrupt()))
+    with pytest.raises(CpuckptError, match="failed on rank 1: KeyboardInterrupt") as info:
+        run_dcp(lambda: (_ for _ in ()).throw(CheckpointException("write", {1: (peer, [])})), "save", "/ckpt/x",
+                rank=0)
+    assert info.value.rank == 1
+
+
+def test_wait_future_keeps_keyboard_interrupt_and_cancels():
+    import _thread
+    import concurrent.futures as cf
+
+    from cpuckpt.transfer.threads import wait_future
+
+    fut: cf.Future[None] = cf.Future()
+    stopped: list[BaseException] = []
+    timer = threading.Timer(0.2, _thread.interrupt_main)  # a real KeyboardInterrupt in this (the waiting) thread
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            wait_future(fut, 30, "a save", on_interrupt=stopped.append)
+    finally:
+        timer.cancel()
+    assert len(stopped) == 1 and isinstance(stopped[0], KeyboardInterrupt)
