@@ -47,6 +47,7 @@ from cpuckpt.backend.reader import ReadStats, StorageReader
 from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
 from cpuckpt.config import CheckpointConfig, Config, resolve_config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, IntegrityError
+from cpuckpt.paths import local_path
 from cpuckpt.roots import install_sigterm_handler, list_checkpoints
 from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
@@ -80,19 +81,23 @@ class MemoryTier:
         >>> tier = cpuckpt.MemoryTier("/ckpt", {"memory": {"persist_every": 4}})
         >>> path = tier.find_latest()
         >>> if path is not None:
-        ...     cpuckpt.load(state, path)
+        ...     tier.load(state, path)       # restores a lost node's slot from a replica first, if planned
         >>> h = tier.save(state, step)   # returns once staged; h.wait(): committed in memory
         >>> tier.close()                 # newest checkpoint made durable, RAM root removed
     """
 
     def __init__(self, durable_root: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
                  *, process_group: Any = None, report_persist_failures: bool = True) -> None:
+        # A URL would silently become a local directory named "s3:" (cpuckpt.paths): refused before anything.
+        durable_root = local_path(durable_root, "memory tier durable root")
         self.config = resolve_config(config)
         self._config_dict = self.config.to_dict()  # what every request carries: built once, not per save
         # False: the caller awaits every persist itself and reports its outcome (the Megatron adapter's
         # finalize does), so a failed persist is not raised a second time at the next save.
         self.report_persist_failures = report_persist_failures
         m = self.config.memory
+        if m.root:
+            local_path(m.root, "memory.root (the memory tier's RAM root)")
         self.durable_root = Path(durable_root)
         self.process_group = process_group
         self.dist = dist.is_available() and dist.is_initialized()
@@ -129,12 +134,14 @@ class MemoryTier:
         self._respawn_failed: CpuckptError | None = None
         self._reported = set(self.queue.finished())  # outcomes already seen (an earlier trainer's too)
         self._cancel_uncommitted_requests()
+        stale_replicas = self._withdraw_replica_requests()
         self._drop_stale_images()
         self._ensure_writer()
         if m.replicas and not self.nodes.single:
             pid = self._writer.pid if self._writer is not None else self.root.writer_alive(self.rank)
             self._replication = Replication.start(self.nodes, self.root.path, pid, m.replicas, self.group,
                                                   self.config.timeout_s)
+            self._requeue_replicas(self._replication, stale_replicas)
 
     # -- paths ----------------------------------------------------------------------------------
     @property
@@ -225,7 +232,7 @@ class MemoryTier:
         finished = self.queue.finished()
         new = self.queue.outcomes([seq for seq in finished if seq not in self._reported])  # only new ones are read
         self._reported = set(finished)
-        self.queue.prune()
+        self.queue.prune(keep=max(8, 3 * len(self.slots)))  # replicated() reads a ring's worth of outcomes
         for o in new:
             if o.error.startswith("replica:"):  # a missing replica is no lost checkpoint: training goes on
                 logger.warning("cpuckpt memory tier: request %d: %s", o.seq, o.error)
@@ -263,14 +270,47 @@ class MemoryTier:
             if manifest is None or manifest.save_id != req.save_id:
                 self.queue.cancel(req.seq, "its save never committed in memory (the trainer ended first)")
 
+    def _withdraw_replica_requests(self) -> list[PersistRequest]:
+        """At start, before the writer runs: an earlier trainer's owed replicas name its partners' endpoints of
+        then, which a relaunch's writers no longer listen on (each send would retry a dead port for
+        ``CONNECT_RETRY_S``, holding the queue and the slot). Withdrawn here, re-requested for today's
+        partners once they are known (:meth:`_requeue_replicas`)."""
+        stale = [req for req in self.queue.owed() if req.kind == "replicate"]
+        for req in stale:
+            self.queue.cancel(req.seq, "an earlier trainer's replica (its partners' endpoints are gone); "
+                                       "re-requested for the current partners")
+        return stale
+
+    def _requeue_replicas(self, rep: Replication, stale: list[PersistRequest]) -> None:
+        """The withdrawn replicas whose slot still holds their save, sent to today's partners."""
+        if not self.nodes.is_leader or not rep.partners:
+            return
+        for req in stale:
+            slot = Path(req.slot)
+            manifest = read_manifest(slot) if check_complete(slot).complete else None
+            if manifest is None or manifest.save_id != req.save_id:
+                continue
+            self.queue.put(dataclasses.replace(
+                self._persist_request(slot, req.save_id, req.step, slot), kind="replicate",
+                partners=tuple((e.host, e.port) for e in rep.partners), source=self.nodes.keys[self.rank],
+                token=rep.token))
+
     def _held(self, slot: Path) -> bool:
         return any(r.slot == str(slot) for r in self.queue.owed())
 
     def _agree(self, flags: list[int]) -> list[int]:
+        """Every rank's maximum of ``flags`` (one all-reduce). Waited in slices of at most 10 ms, not in one blocking
+        call: a rank waiting for a late one still gets Ctrl-C (KeyboardInterrupt) at once; the group's own
+        timeout (``timeout_s``) bounds the wait."""
         if not self.dist:
             return flags
         t = torch.tensor(flags, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        pause = 0.0001  # doubles up to 10 ms: a save's agreement adds microseconds, a long wait polls slowly
+        while not work.is_completed():
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        work.wait()  # raises the collective's error, if any
         return [int(x) for x in t.tolist()]
 
     # -- saving ---------------------------------------------------------------------------------
@@ -333,6 +373,9 @@ class MemoryTier:
                                              f"{self.config.timeout_s} s (when_full: wait)")
             logger.info("cpuckpt memory tier: step %s waits for the persist of %s", step, slot.name)
             time.sleep(0.01)
+        # A restore planned into this slot (candidates) would now overwrite this save: dropped on every rank
+        # (every rank fills the same slot index).
+        self._pending.pop(slot, None)
         if before_fill is not None:  # an adapter's naming: its failure on any rank is every rank's (agreed)
             failure: BaseException | None = None
             try:
@@ -456,8 +499,42 @@ class MemoryTier:
         """Whether step ``step`` has a complete durable checkpoint."""
         return any(c.complete and c.step == step for c in list_checkpoints(self.durable_root))
 
+    def replicated(self, step: int) -> bool:
+        """Whether this node's memory checkpoint of ``step`` has a committed copy on every partner node
+        (``memory.replicas``): its node leader's writer reported every partner's commit. A failed replica
+        is only a warning in the log (training goes on); this says whether the copy exists.
+
+        False when no replica was requested (replicas off, one node), it is still owed (see
+        :meth:`wait_persisted`) or it failed. A partner keeps one copy per slot, replaced by the next save into
+        that slot, so only the newest ``memory.slots`` steps can be True. No collective: any rank of the node
+        reads its leader's queue (the RAM root is shared).
+        """
+        if not self.config.memory.replicas or self.nodes.single:
+            return False
+        queue = PersistQueue(self.root.path / f"queue-{self.nodes.leader}")
+        try:
+            asked = [r for r in queue.requests() if r.kind == "replicate" and r.step == step]
+        except OSError:
+            return False
+        if not asked:
+            return False
+        newest = max(asked, key=lambda r: r.seq)
+        outcome = queue.outcome(newest.seq)
+        if outcome is None or not outcome.ok:
+            return False
+        manifest = read_manifest(Path(newest.slot))  # the slot since reused: its partners' copies were replaced
+        return manifest is not None and manifest.save_id == newest.save_id
+
     def wait_persisted(self, timeout_s: float | None = None) -> None:
-        """Wait until this rank's writer owes nothing (raises if it dies owing)."""
+        """Wait until this rank's writer owes nothing: every persist and, on a node's leader, every replica it
+        was asked for has an outcome (raises if the writer dies owing). Not collective, and it reports no
+        outcome: :meth:`persisted` and :meth:`replicated` say what exists; a failed persist raises
+        :class:`PersistError` at the next save or at :meth:`close`. Polls in 10 ms slices (Ctrl-C is prompt).
+
+        Raises:
+            WriterDiedError: the writer exited owing.
+            CheckpointTimeoutError: still owed after ``timeout_s`` (default ``timeout_s``).
+        """
         deadline = time.monotonic() + (self.config.timeout_s if timeout_s is None else timeout_s)
         while self.queue.owed():
             if not self._writer_running():
@@ -469,11 +546,11 @@ class MemoryTier:
     def find_latest(self) -> Path | None:
         """The newest checkpoint complete in either tier (memory first on equal steps); torn images never.
 
-        Across nodes: collective (see :meth:`candidates`).
+        A query: it changes nothing in any RAM root. Across nodes it is collective (see :meth:`candidates`),
+        and a memory checkpoint a lost node gets back from a replica is restored by :meth:`load` of the
+        path returned here (load it with ``tier.load``, not ``cpuckpt.load``).
         """
         found = self.candidates()
-        if found and found[0] in self._pending:
-            self._restore(found[0])
         return found[0] if found else None
 
     def candidates(self, state_dict: dict[str, Any] | None = None, *, planner: Any = None) -> list[Path]:
@@ -481,7 +558,10 @@ class MemoryTier:
 
         Across nodes (ranks in several RAM roots) it is collective: a memory checkpoint is listed only
         when every rank's node holds the files that rank needs (its load plan of ``state_dict`` with
-        ``planner`` when given, else its own files); the path listed is this rank's node's slot.
+        ``planner`` when given, else its own files); the path listed is this rank's node's slot. With
+        ``memory.replicas`` a checkpoint a node lost is listed when another node holds a copy for it; the
+        copy is planned here and sent only by :meth:`load` of that path (nothing here writes), and only
+        where it overwrites nothing newer (:func:`cpuckpt.tier.recovery.agree_available`).
         """
         if self.nodes.single:
             found = [(c.step, 1, d) for d in self.slots if (c := check_complete(d)).complete and c.step is not None]
@@ -504,7 +584,10 @@ class MemoryTier:
         every rank) is skipped with a warning naming why, so a damaged newest checkpoint costs some
         steps instead of becoming NaNs or a crash loop. Returns the path loaded, or None (nothing to load).
         """
-        for path in self.candidates(state_dict, planner=planner):
+        found = self.candidates(state_dict, planner=planner)
+        plan = dict(self._pending)  # a fallback's restore was planned with the rest: kept for it
+        for path in found:
+            self._pending = {path: plan[path]} if path in plan else {}
             try:
                 self.load(state_dict, path, planner=planner)
             except IntegrityError as e:
@@ -517,10 +600,17 @@ class MemoryTier:
 
     def load(self, state_dict: dict[str, Any], path: str | os.PathLike, *, planner: Any = None) -> None:
         """``cpuckpt.load`` of ``path``; a memory checkpoint this process saved is copied straight from its
-        mapped (pinned) images, with no file read. Collective, like ``cpuckpt.load``."""
+        mapped (pinned) images, with no file read. Collective, like ``cpuckpt.load``.
+
+        A path :meth:`candidates` (or :meth:`find_latest`) listed as restorable from another node's replica
+        is restored first (collective; :class:`IntegrityError` on every rank when it fails). Every other
+        planned restore is dropped: a plan holds only until another checkpoint is loaded or its slot saved.
+        Read statistics of every load: :attr:`loads`.
+        """
         path = Path(path)
-        if path in self._pending:
-            self._restore(path)
+        restores, self._pending = self._pending.get(path), {}
+        if restores is not None:
+            self._restore(path, restores)
         images = {}
         for d, image_set in zip(self.slots, self.images):
             if d == path:
@@ -532,14 +622,15 @@ class MemoryTier:
         finally:
             self.loads.append((path, reader.last_stats))
 
-    def _restore(self, path: Path) -> None:
+    def _restore(self, path: Path, restores: list[Restore]) -> None:
         """Collective: copy the checkpoint a lost node's ``path`` should hold from another node's copy."""
-        restores = self._pending.pop(path)
         if self._replication is None:
             raise IntegrityError(f"rank {self.rank}: {path} needs a restore from a replica, but replication is off")
         self._replication.restore(restores, self.group)
 
     def step_of(self, path: str | os.PathLike) -> int | None:
+        """The step recorded in the manifest of checkpoint ``path`` (memory or durable), or None (none recorded).
+        For a path planned for a restore, read it after :meth:`load`: before, the slot holds what it held."""
         manifest = read_manifest(Path(path))
         return manifest.step if manifest is not None else None
 
@@ -571,23 +662,23 @@ class MemoryTier:
     def close(self, *, persist_newest: bool = True, remove_root: bool = True) -> None:
         """Normal exit: the newest memory checkpoint is made durable, the writer stops, the RAM root goes.
 
-        Collective: each node's leader removes its node's root after every rank is done.
+        Collective: each node's leader removes its node's root after every rank is done. Every wait is
+        agreed across ranks in short slices, so one rank's failure ends every rank's wait at once (the
+        coordinator's writer would otherwise wait ``timeout_s`` for a part that never comes), and every rank
+        raises the same class.
 
         Raises:
             PersistError: a persist failed on some rank (the RAM root is then kept).
-            WriterDiedError: this rank's writer died owing persists.
+            WriterDiedError: some rank's writer died owing persists.
+            CheckpointTimeoutError: persists still owed after ``timeout_s`` on some rank.
             CpuckptError: an in-flight save failed (the same error on every rank).
         """
-        errors: list[BaseException] = []  # this rank's; every decision below is agreed first
-
-        def attempt(fn: Any) -> None:
-            try:
-                fn()
-            except CpuckptError as e:
-                errors.append(e)
-
-        attempt(wait_all)
-        attempt(self.wait_persisted)
+        errors: list[CpuckptError] = []  # this rank's; every decision below is agreed first
+        try:
+            wait_all()
+        except CpuckptError as e:
+            errors.append(e)
+        self._wait_owed_agreed(errors)
         (bad,) = self._agree([int(bool(errors))])  # also: all owed persists done, every rank sees one durable root
         if persist_newest and not bad and self._last is not None:
             step, dest, slot = self._last
@@ -595,30 +686,68 @@ class MemoryTier:
             if step is not None and manifest is not None and check_complete(slot).complete \
                     and not self.persisted(step):
                 self.queue.put(self._persist_request(slot, manifest.save_id, step, dest))
-                attempt(self.wait_persisted)
-        if self.report_persist_failures:
-            errors += [PersistError(f"rank {self.rank}: {f}") for f in self._new_persist_failures()]
+            self._wait_owed_agreed(errors)  # collective: every rank waits, requested or not
         self._stop_writer()
         with self._prepare_lock:  # from here on no preparation starts
             self._closing.set()
             prepared = self._prepared
-        if prepared is not None:
-            prepared.join()  # it stops after the image in hand: nothing maps or pins past this point
+        if prepared is not None:  # it stops after the image in hand: nothing maps or pins past this point
+            deadline = time.monotonic() + self.config.timeout_s
+            while prepared.is_alive() and time.monotonic() < deadline:
+                prepared.join(0.1)
+            if prepared.is_alive():
+                logger.warning("cpuckpt memory tier: rank %d: the slots' preparation did not stop within %s s",
+                               self.rank, self.config.timeout_s)
         for images in self.images:
             images.close()
         self.root.close()
-        (any_failed,) = self._agree([int(bool(errors))])  # also: every rank has let go of the root
-        if any_failed:  # the RAM root stays: it may hold the only copy of the newest checkpoint
-            if errors:
-                raise errors[0]
-            raise PersistError(f"rank {self.rank}: another rank failed to make its checkpoints durable (see its "
-                               f"log); the memory checkpoints stay in {self.root.path}")
+        # One error class on every rank (also: every rank has let go of the root): the gravest any rank has.
+        mine = max((_gravity(e) for e in errors), default=0)
+        (agreed,) = self._agree([mine])
+        if agreed:  # the RAM root stays: it may hold the only copy of the newest checkpoint
+            own = next((e for e in errors if _gravity(e) == agreed), None)
+            if own is not None:
+                raise own
+            cls = _GRAVEST[agreed - 1]
+            raise cls(f"rank {self.rank}: another rank's {_WHAT[cls]} (see its log); the memory checkpoints stay "
+                      f"in {self.root.path}")
         if remove_root and self.nodes.is_leader:
             try:
                 self.root.remove()
             except CpuckptError as e:  # e.g. a forked child still holds a lock: leave it to `cpuckpt clean --ram`
                 logger.warning("cpuckpt memory tier: RAM root %s left in place (%s); `cpuckpt clean --ram` removes "
                                "it once nothing holds it", self.root.path, e)
+
+    def _wait_owed_agreed(self, errors: list[CpuckptError]) -> None:
+        """Collective: wait until no rank's writer owes anything, or until some rank has failed: its persist
+        failed, its writer died owing, or ``timeout_s`` passed. Agreed every 50 ms (one all-reduce), so that
+        every rank stops together; on a failure each rank withdraws what it still owes (a save with a failed
+        part is never committed) so its writer stops waiting too, and appends its own errors to ``errors``."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            failed = self._new_persist_failures() if self.report_persist_failures else []
+            owed = bool(self.queue.owed())
+            dead = owed and not self._writer_running()
+            expired = owed and time.monotonic() > deadline
+            any_owed, any_failed, any_dead, any_expired = self._agree(
+                [int(owed), int(bool(failed)), int(dead), int(expired)])
+            if failed:
+                errors.append(PersistError(f"rank {self.rank}: " + "; ".join(failed)))
+            if dead:
+                errors.append(WriterDiedError(f"rank {self.rank}: the writer process died owing persists (see "
+                                              f"{self.root.path}/writer-{self.rank}.log)"))
+            if expired:
+                errors.append(CheckpointTimeoutError(f"rank {self.rank}: persists still owed after "
+                                                     f"{self.config.timeout_s} s"))
+            if any_failed or any_dead or any_expired:
+                why = ("a persist failed" if any_failed else "a writer died owing" if any_dead else
+                       "persists owed past the timeout")
+                for req in self.queue.owed():
+                    self.queue.cancel(req.seq, f"close(): {why} on some rank")
+                return
+            if not any_owed:
+                return
+            time.sleep(0.05)
 
     def _stop_writer(self) -> None:
         """Ask this rank's writer (started here or adopted) to exit once it owes nothing, and wait for it."""
@@ -630,6 +759,16 @@ class MemoryTier:
                 logger.warning("cpuckpt memory tier: rank %d's writer did not exit; left running", self.rank)
         elif not self.root.wait_writer_gone(self.rank, self.config.timeout_s):
             logger.warning("cpuckpt memory tier: rank %d's adopted writer did not exit; left running", self.rank)
+
+
+_GRAVEST: tuple[type[CpuckptError], ...] = (CpuckptError, CheckpointTimeoutError, WriterDiedError, PersistError)
+_WHAT = {CpuckptError: "in-flight save failed", CheckpointTimeoutError: "persists were still owed after the timeout",
+         WriterDiedError: "writer process died owing persists", PersistError: "persist to the durable root failed"}
+
+
+def _gravity(error: CpuckptError) -> int:
+    """1-based index in :data:`_GRAVEST` of the most specific class ``error`` is: ranks agree on the maximum."""
+    return max(i + 1 for i, cls in enumerate(_GRAVEST) if isinstance(error, cls))
 
 
 def _sized_as(slot: Path, sizes: dict[str, int]) -> bool:

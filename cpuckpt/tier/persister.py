@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from cpuckpt import faultpoint
 from cpuckpt.backend.commit import clear_commit, commit_checkpoint
 from cpuckpt.backend.committed import METADATA_NAME, check_complete, load_metadata, read_manifest
 from cpuckpt.config import Config
@@ -143,7 +144,7 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
             if cfg.io.fsync:
                 fsync_dir(dest)
         if req.coordinator:
-            _commit_durable(req, cfg, manifest, dest, slot, deadline, t0)
+            _commit_durable(req, cfg, manifest, dest, slot, deadline, t0, queue)
     except Exception as e:  # the outcome file carries it to the trainer
         logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
         return Outcome(req.seq, False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
@@ -163,6 +164,7 @@ def replicate_one(req: PersistRequest, queue: PersistQueue | None = None) -> Out
     except Exception as e:  # never committed in memory: nothing to replicate
         errors.append(f"{type(e).__name__}: {e}")
     else:
+        faultpoint.hit(f"replicate:step{req.step}")  # tests: a replica held back (cpuckpt.testing.faults)
         for host, port in req.partners:
             try:
                 nbytes += send_slot(Endpoint(host, int(port)), req.token, source=req.source, slot=Path(req.slot),
@@ -179,12 +181,16 @@ def replicate_one(req: PersistRequest, queue: PersistQueue | None = None) -> Out
 
 
 def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Path, slot: Path,
-                    deadline: float, t0: float) -> None:
+                    deadline: float, t0: float, queue: PersistQueue | None = None) -> None:
     prefixes = [f"__{r}_" for r in range(req.world_size)]
     while True:  # every rank's part *of this save*: a part of an earlier attempt does not count
         missing = [p for p in prefixes if _part_save_id(dest / part_name(p)) != req.save_id]
         if not missing:
             break
+        # The trainers withdraw a persist whose part failed on another rank (close()): stop waiting for it.
+        if queue is not None and queue.outcome(req.seq) is not None:
+            raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step}) "
+                                 f"while the parts of {missing} were missing; not committed")
         if time.monotonic() > deadline:
             raise CheckpointTimeoutError(f"{dest}: the parts of {missing} for save {req.save_id[:8]} never "
                                          "arrived; not committed")

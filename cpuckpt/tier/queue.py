@@ -111,6 +111,17 @@ class PersistQueue:
                 continue  # a torn request cannot exist (atomic rename); a foreign file is ignored
         return out
 
+    def requests(self) -> list[PersistRequest]:
+        """Every request still in the queue (owed or finished, not yet pruned), oldest first."""
+        out = []
+        for name in sorted(os.listdir(self.path)):
+            if name.endswith(".json") and name[: -len(".json")].isdigit():
+                try:
+                    out.append(PersistRequest(**json.loads((self.path / name).read_text())))
+                except (OSError, ValueError, TypeError):
+                    continue  # pruned meanwhile, or a foreign file
+        return out
+
     def finished(self) -> list[int]:
         """Sequence numbers that have an outcome, oldest first (a directory listing; nothing is read)."""
         return self._finished_seqs(set(os.listdir(self.path)))
