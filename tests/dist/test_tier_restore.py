@@ -1,0 +1,322 @@
+"""Memory-tier restarts across nodes with lagging replicas, and close() when one rank's persist fails (issue 27).
+
+Two gloo ranks, each with a RAM root of its own (``memory.root``: two nodes on one machine, as two
+launches with their own RAM roots are), real writer processes sending real replicas over loopback TCP,
+real files; nothing mocked. Proven:
+
+1. Replicas lag (the writers hold the replicas of step 5 and later at their start: the fault point
+   ``replicate:step5``, armed only in the writers), memory saves of steps 1-6, the whole job SIGKILLed
+   (trainers, then writers by pid) with both RAM roots intact: the relaunch loads step 6 (the newest save
+   every rank holds) on both ranks bit-exact, and steps 5 and 6 are still in both RAM roots afterwards.
+   Before: the restore of step 4 from the lagging replica was planned into step 6's slot and run by the
+   load, which returned step 4 and destroyed step 6 on every node. The earlier trainer's owed replicas
+   then reach the relaunched writers (``replicated`` says so), not their dead ports.
+2. ``find_latest`` and ``candidates`` on every rank mid-run, with those lagging replicas, change no byte of
+   any slot or replica (a query), and name step 6.
+3. That job SIGKILLed again and node 1's RAM root deleted: the relaunch restores step 6 from node 0's
+   replica (``load_latest``); the restore planned for step 5 into slot-0 is dropped once step 7 is saved
+   there: a later ``load`` of slot-0 reads step 7 on both ranks (before: the stale restore fired there).
+4. One rank's persist fails (``io.backend: fault:ENOSPC@0`` in its writer): ``close()`` raises
+   ``PersistError`` on both ranks within seconds although ``timeout_s`` is 120 (before: the other rank's
+   coordinator writer waited the whole timeout for the missing part, and the ranks raised different errors).
+5. URL roots are refused (``ConfigError``) before anything is created.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cpuckpt.testing import faults
+
+faults.install()  # io.backend "fault:...": in this process and every rank (they load this module)
+
+pytestmark = pytest.mark.timeout(120)
+
+TIMEOUT_S = 20  # the tier's own bound (collectives, writers, replica connections)
+
+
+def _cfg(ram: str | Path, **memory) -> dict:
+    return {"io": {"threads": 1, "backend": "buffered", "chunk_bytes": 64 * 1024}, "timeout_s": TIMEOUT_S,
+            "memory": {"root": str(ram), "persist_every": 4, "slots": 2, "headroom_bytes": 0, "replicas": 1,
+                       "replica_host": "127.0.0.1", "prepare_slots": False, **memory}}
+
+
+def _state(step: int, rank: int) -> dict:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return {f"r{rank}": {"w": torch.randn(64, 33, generator=g), "i": torch.randint(0, 99, (17,), generator=g)},
+            "step": step}
+
+
+def _targets(rank: int) -> dict:
+    return {f"r{rank}": {"w": torch.full((64, 33), float("nan")), "i": torch.full((17,), -1, dtype=torch.int64)},
+            "step": -1}
+
+
+def _bad_keys(state: dict, step: int, rank: int) -> list[str]:
+    """Keys of ``state`` that are not bit-exact those of ``_state(step, rank)``."""
+    want = _state(step, rank)
+    bad = [k for k in ("w", "i") if not torch.equal(state[f"r{rank}"][k].view(torch.uint8),
+                                                    want[f"r{rank}"][k].view(torch.uint8))]
+    return bad + (["step"] if state["step"] != step else [])
+
+
+def _log() -> None:
+    """The tier's log, timed, in the rank's log file (read when a test fails)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int, str]]:
+    """(size, mtime_ns, sha256) of every file of the slots and replicas of a RAM root."""
+    out = {}
+    for d in sorted(list(root.glob("slot-*")) + list(root.glob("replica-*"))):
+        for f in sorted(p for p in d.rglob("*") if p.is_file()):
+            st = f.stat()
+            out[str(f.relative_to(root))] = (st.st_size, st.st_mtime_ns, hashlib.sha256(f.read_bytes()).hexdigest())
+    return out
+
+
+def _slot_steps(tier) -> list[int | None]:
+    from cpuckpt.backend.committed import check_complete
+
+    return [check_complete(s).step for s in tier.slots]
+
+
+def _die(report: dict, out: Path, name: str) -> None:
+    """Write ``report``, then SIGKILL this trainer (the job is killed; its writers are the test's to kill)."""
+    import torch.distributed as dist
+
+    (out / f"{name}-{dist.get_rank()}.json").write_text(json.dumps(report))
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_writers(reports: list[dict], *, kill: bool = True) -> None:
+    """SIGKILL the writers by pid (``kill``) and wait until their writer locks are free (they are gone)."""
+    from cpuckpt.tier.ramroot import lock_holder
+
+    for r in reports if kill else []:
+        try:
+            os.kill(r["writer_pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    for r in reports:
+        while lock_holder(r["writer_lock"]) is not None:
+            assert time.monotonic() < deadline, f"writer {r['writer_pid']} still holds {r['writer_lock']}"
+            time.sleep(0.02)
+
+
+def _killed(runner, fn, *args, tmp_path: Path) -> None:
+    """Run ``fn`` on two ranks that end by SIGKILL (after their report)."""
+    with pytest.raises(AssertionError, match="rank") as ei:
+        runner(2, fn, *args, tmp_path=tmp_path, timeout_s=60)
+    results = getattr(ei.value, "results", None)
+    assert results is not None and all(results[r]["message"] == f"no result (exit code {-signal.SIGKILL})"
+                                       for r in (0, 1)), ei.value
+
+
+def _reports(out: Path, name: str, *, missing_ok: bool = False) -> list[dict]:
+    files = [out / f"{name}-{r}.json" for r in (0, 1)]
+    return [json.loads(f.read_text()) for f in files if not missing_ok or f.exists()]
+
+
+# ------------------------------------------------------------------------- 1, 2: lagging replicas
+
+
+def _lagging(durable: str, base: str, site: str) -> None:
+    """Rank body: steps 1-4 replicated and step 4 persisted; the writers then hold every replica from step 5
+    on; steps 5 and 6 committed in memory; find_latest and candidates mid-run; then the job is SIGKILLed."""
+    import torch.distributed as dist
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    _log()
+
+    rank = dist.get_rank()
+    os.environ.update(faults.child_env(site, f"replicate:step5=wait:{site}/never"))  # the writers started now
+    tier = MemoryTier(durable, _cfg(f"{base}/ram{rank}"))
+    for step in range(1, 5):
+        tier.save(_state(step, rank), step).wait()
+    tier.wait_persisted()  # every replica of steps 1-4 and the persist of step 4 are done
+    dist.barrier()
+    replicated = {step: tier.replicated(step) for step in (3, 4)}
+    for step in (5, 6):
+        tier.save(_state(step, rank), step).wait()
+    before = _snapshot(tier.root.path)
+    latest = tier.find_latest()
+    found = tier.candidates()
+    dist.barrier()  # both ranks' queries are over: any restore one ran into the other's root is done
+    after = _snapshot(tier.root.path)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    report = {"latest": str(latest), "latest_step": tier.step_of(latest), "slots": [str(s) for s in tier.slots],
+              "found_steps": [tier.step_of(p) for p in found], "changed": changed, "slot_steps": _slot_steps(tier),
+              "replicated": replicated, "replicated_5": tier.replicated(5), "writer_pid": tier.writer_pid(),
+              "writer_lock": str(tier.root.writer_lock_path(rank))}
+    _die(report, Path(base) / "out", "lag")
+
+
+@pytest.fixture(scope="module")
+def lagging_run(rank_runner, tmp_path_factory) -> tuple[list[dict], Path, Path]:
+    """The run of :func:`_lagging`, SIGKILLed with its writers: (reports by rank, durable root, base)."""
+    base = tmp_path_factory.mktemp("lagging")
+    durable, out = base / "durable", base / "out"
+    out.mkdir()
+    try:
+        _killed(rank_runner, _lagging, str(durable), str(base), str(base / "site"), tmp_path=base)
+    finally:
+        reports = _reports(out, "lag", missing_ok=True)
+        _kill_writers(reports)
+    return reports, durable, base
+
+
+def test_find_latest_mid_run_with_lagging_replicas_writes_nothing(lagging_run) -> None:
+    reports, _, _ = lagging_run
+    for rank, r in enumerate(reports):
+        assert r["slot_steps"] == [5, 6], r
+        assert r["replicated"] == {"3": True, "4": True} and r["replicated_5"] is False, r
+        assert not r["changed"], f"rank {rank}: find_latest/candidates changed {r['changed'][:5]}"
+        assert r["latest"] == r["slots"][1] and r["latest_step"] == 6, r
+        assert r["found_steps"][:2] == [6, 5], r
+
+
+def _relaunch_newest(durable: str, base: str) -> None:
+    """Rank body: the relaunch of :func:`_lagging` (writers clean); then the replicas owed since step 5 are
+    sent to the new writers, and the job is SIGKILLed again."""
+    import torch.distributed as dist
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    _log()
+    os.environ.pop(faults.TEST_HOOK_ENV, None)  # the new writers run clean
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(f"{base}/ram{rank}"))
+    state = _targets(rank)
+    path = tier.load_latest(state)
+    report = {"path": str(path), "slots": [str(s) for s in tier.slots], "step": tier.step_of(path),
+              "bad": _bad_keys(state, 6, rank), "slot_steps": _slot_steps(tier),
+              "loads": [(str(p), st.nbytes) for p, st in tier.loads]}
+    tier.wait_persisted()  # the earlier trainer's owed replicas of steps 5 and 6, re-requested for today's writers
+    dist.barrier()
+    report |= {"replicated": [tier.replicated(5), tier.replicated(6)], "writer_pid": tier.writer_pid(),
+               "writer_lock": str(tier.root.writer_lock_path(rank))}
+    _die(report, Path(base) / "out", "relaunch")
+
+
+@pytest.fixture(scope="module")
+def relaunched(rank_runner, lagging_run) -> tuple[list[dict], Path, Path]:
+    """The relaunch of the lagging run, SIGKILLed again with its writers: (reports, durable root, base)."""
+    _, durable, base = lagging_run
+    try:
+        _killed(rank_runner, _relaunch_newest, str(durable), str(base), tmp_path=base)
+    finally:
+        reports = _reports(base / "out", "relaunch", missing_ok=True)
+        _kill_writers(reports)
+    return reports, durable, base
+
+
+def test_relaunch_with_lagging_replicas_loads_the_newest_step_and_keeps_it(relaunched) -> None:
+    reports, _, base = relaunched
+    for rank, r in enumerate(reports):
+        assert r["path"] == r["slots"][1] and r["step"] == 6, f"rank {rank} loaded {r['path']} (step {r['step']})"
+        assert not r["bad"], f"rank {rank}: {r['bad']} differ from step 6"
+        assert r["slot_steps"] == [5, 6], f"rank {rank}: the RAM root holds steps {r['slot_steps']} after the load"
+        assert r["loads"] and all(p.startswith(str(base / f"ram{rank}")) for p, _ in r["loads"]), r["loads"]
+        # the earlier trainer's owed replicas went to the relaunched writers (not to their old, dead ports)
+        assert r["replicated"] == [True, True], f"rank {rank}: {r}"
+
+
+# ---------------------------------------------------------------- 3: a stale restore after node loss
+
+
+def _after_node_loss(durable: str, base: str) -> dict:
+    """Rank body: node 1 lost its RAM root; step 6 comes back from node 0's replica (step 5 could too);
+    step 7 is saved into slot-0, where the restore of step 5 was planned; slot-0 is loaded."""
+    import torch.distributed as dist
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    _log()
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(f"{base}/ram{rank}"))
+    state = _targets(rank)
+    path = tier.load_latest(state)
+    out = {"path": str(path), "slots": [str(s) for s in tier.slots], "step": tier.step_of(path),
+           "bad_first": _bad_keys(state, 6, rank), "loads": [str(p) for p, _ in tier.loads]}
+    tier.save(_state(7, rank), 7).wait()
+    again = _targets(rank)
+    tier.load(again, tier.slots[0])
+    out |= {"bad_second": _bad_keys(again, 7, rank), "second_step": tier.step_of(tier.slots[0])}
+    tier.close(persist_newest=False)
+    return out
+
+
+def test_a_planned_restore_is_dropped_once_its_slot_is_saved_into(rank_runner, relaunched, tmp_path) -> None:
+    _, durable, base = relaunched
+    shutil.rmtree(base / "ram1")  # node 1 lost its RAM (its writer is gone)
+    res = rank_runner(2, _after_node_loss, str(durable), str(base), tmp_path=tmp_path, timeout_s=60)
+    for rank, r in enumerate(res):
+        assert r["path"] == r["slots"][1] and r["step"] == 6 and not r["bad_first"], r
+        assert all(p.startswith(str(base / f"ram{rank}")) for p in r["loads"]), r["loads"]  # no durable reads
+        assert r["second_step"] == 7 and not r["bad_second"], f"rank {rank}: loading slot-0 after step 7: {r}"
+
+
+# ----------------------------------------------------------------------- 4: one rank's persist fails
+
+
+def _persist_fails_on_rank1(durable: str, base: str, site: str) -> dict:
+    import torch.distributed as dist
+
+    from cpuckpt.errors import CpuckptError
+    from cpuckpt.tier.memory import MemoryTier
+
+    _log()
+
+    rank = dist.get_rank()
+    os.environ.update(faults.child_env(site, "unused=sleep:0"))  # the writers register the fault backends
+    cfg = _cfg(f"{base}/ram", persist_every=1, replicas=0) | {"timeout_s": 120}
+    if rank == 1:
+        cfg["io"] = {**cfg["io"], "backend": "fault:ENOSPC@0"}  # rank 1's writer: every durable write fails
+    tier = MemoryTier(durable, cfg)
+    tier.writer_pid()  # started (its interpreter's start is not close()'s to wait out)
+    tier.save(_state(1, rank), 1).wait()
+    t0 = time.monotonic()
+    error = None
+    try:
+        tier.close()
+    except CpuckptError as e:
+        error = (type(e).__name__, str(e))
+    return {"error": error, "seconds": time.monotonic() - t0}
+
+
+def test_close_raises_one_error_class_on_every_rank_promptly_when_one_persist_fails(run_ranks, tmp_path) -> None:
+    res = run_ranks(2, _persist_fails_on_rank1, str(tmp_path / "durable"), str(tmp_path), str(tmp_path / "site"),
+                    timeout_s=60)
+    for rank, r in enumerate(res):
+        assert r["error"] is not None and r["error"][0] == "PersistError", f"rank {rank}: {r}"
+        assert r["seconds"] < 10, f"rank {rank}: close() took {r['seconds']:.1f} s (timeout_s 120)"
+    assert "ENOSPC" in res[1]["error"][1] or "No space" in res[1]["error"][1], res[1]
+
+
+# ------------------------------------------------------------------------------------ 5: URL roots
+
+
+def test_url_roots_are_refused(tmp_path: Path) -> None:
+    from cpuckpt.errors import ConfigError
+    from cpuckpt.tier.memory import MemoryTier
+
+    with pytest.raises(ConfigError, match="memory tier durable root 's3://bucket/run'"):
+        MemoryTier("s3://bucket/run", _cfg(tmp_path / "ram", replicas=0))
+    with pytest.raises(ConfigError, match=r"memory\.root"):
+        MemoryTier(tmp_path / "durable", _cfg("gs://bucket/ram", replicas=0))
+    assert not (tmp_path / "ram").exists() and not (tmp_path / "durable").exists()
