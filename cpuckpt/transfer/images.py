@@ -490,11 +490,11 @@ class ImageJob:
 
     def wait_staged(self, timeout_s: float | None = None) -> None:
         wait_future(self.staged, self.cfg.timeout_s if timeout_s is None else timeout_s,
-                    f"staging of rank {self.rank}'s memory images")
+                    f"staging of rank {self.rank}'s memory images", on_interrupt=self.cancel)
 
     def wait_done(self, timeout_s: float | None = None) -> list[FileEntry]:
         return wait_future(self.done, self.cfg.timeout_s if timeout_s is None else timeout_s,
-                           f"saving rank {self.rank}'s memory images in {self.directory}")
+                           f"saving rank {self.rank}'s memory images in {self.directory}", on_interrupt=self.cancel)
 
     def cancel(self, reason: BaseException) -> None:
         """Abort: chunks not yet copied are skipped; ``staged``/``done`` report ``reason`` (``done``
