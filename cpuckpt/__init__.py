@@ -30,6 +30,7 @@ from cpuckpt.roots import (
     update_latest,
 )
 from cpuckpt.tier.memory import MemoryTier, PersistError, WriterDiedError
+from cpuckpt.transfer.staging import release_pool
 from cpuckpt.version import __version__
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "prepare_pool",
     "prepare_pool_in_background",
     "read_latest",
+    "release_pool",
     "save",
     "update_latest",
     "wait_all",

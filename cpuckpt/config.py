@@ -211,7 +211,12 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-    timeout_s: float = _opt(600.0, "Bound on every wait (threads, peers, pool leases), seconds.", min=0.001)
+    timeout_s: float = _opt(600.0, "Bound on every wait (threads, peers, pool leases), seconds; also the timeout of "
+                            "the gloo group cpuckpt creates for its collectives over a non-gloo (NCCL) trainer "
+                            "group. Not bounded by it: collectives on a trainer group that is already gloo (that "
+                            "group's own timeout), and on a gloo group first created by the DeepSpeed adapter's "
+                            "commit or the Megatron load fallback (torch's default, 30 min); see "
+                            "docs/ARCHITECTURE.md section 6.", min=0.001)
 
     def __post_init__(self) -> None:
         if self.io.chunk_bytes % self.layout.align_bytes:
