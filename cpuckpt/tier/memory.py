@@ -46,7 +46,13 @@ from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.backend.reader import ReadStats, StorageReader
 from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
 from cpuckpt.config import CheckpointConfig, Config, resolve_config
-from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, IntegrityError
+from cpuckpt.errors import (
+    CheckpointCorrupt,
+    CheckpointTimeoutError,
+    CpuckptError,
+    IntegrityError,
+    UnsafeCheckpointError,
+)
 from cpuckpt.paths import local_path
 from cpuckpt.roots import install_sigterm_handler, list_checkpoints
 from cpuckpt.tier.nodecopies import with_node_copies
@@ -583,19 +589,31 @@ class MemoryTier:
         A checkpoint whose checksums or sizes do not verify (:class:`IntegrityError`, raised by the load on
         every rank) is skipped with a warning naming why, so a damaged newest checkpoint costs some
         steps instead of becoming NaNs or a crash loop. Returns the path loaded, or None (nothing to load).
+
+        Raises:
+            CheckpointCorrupt: checkpoints exist but none loads (never an empty start over them).
+            UnsafeCheckpointError: a value names a global a safe load refuses (not damage: no fallback).
         """
         found = self.candidates(state_dict, planner=planner)
         plan = dict(self._pending)  # a fallback's restore was planned with the rest: kept for it
+        failures: list[str] = []
         for path in found:
             self._pending = {path: plan[path]} if path in plan else {}
             try:
                 self.load(state_dict, path, planner=planner)
+            except UnsafeCheckpointError:
+                raise  # an older checkpoint holds values of the same kinds
             except IntegrityError as e:
                 logger.warning("cpuckpt memory tier: %s does not verify (%s); falling back to the next newest",
                                path, e)
+                failures.append(f"{path}: {e}")
                 continue
             self._next = self._agree_next(self._slot_after(path) if path in self.slots else self._next)
             return path
+        if failures:
+            raise CheckpointCorrupt(f"no memory or durable checkpoint of {self.durable_root} loads cleanly ("
+                                    + "; ".join(failures) + "); the state dict may be partly overwritten: do not "
+                                    "train from it")
         return None
 
     def load(self, state_dict: dict[str, Any], path: str | os.PathLike, *, planner: Any = None) -> None:

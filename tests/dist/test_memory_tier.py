@@ -558,3 +558,23 @@ def test_ranks_in_separate_ram_roots_commit_per_node_and_restart_where_every_nod
         assert r["cross"] == str(durable / "step_1"), f"rank {rank}: {r['cross']}"
         assert r["steps"] == (2, 1), r
         assert r["removed"], f"rank {rank}: its node's RAM root was not removed at close"
+
+
+def test_restart_where_no_checkpoint_verifies_raises_instead_of_starting_from_scratch(tmp_path):
+    tier, _ = _one(tmp_path, persist_every=1)
+    for step in (1, 2):
+        tier.save(_state(step, 0), step).wait()
+    tier.close()  # RAM root removed: only the durable copies remain
+    for step in (1, 2):
+        data = tmp_path / "durable" / f"step_{step}" / "__0_0.distcp"
+        with open(data, "r+b") as f:  # one flipped byte inside each checkpoint's tensor data
+            f.seek(data.stat().st_size // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+    from cpuckpt.errors import CheckpointCorrupt
+
+    tier, _ = _one(tmp_path, persist_every=1)
+    with pytest.raises(CheckpointCorrupt, match="step_2.*step_1|loads cleanly"):
+        tier.load_latest(_targets(0))
+    _close_idle(tier)
