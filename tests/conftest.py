@@ -27,22 +27,35 @@ Either way ``cpuckpt`` is imported only inside the rank, from the installed pack
 ``sys.path`` holds neither the repository nor its cwd's parent).
 
 The fixture ``run_ranks`` binds ``tmp_path``: ``run_ranks(2, fn, arg1, arg2)``.
+
+Nothing left behind: at the end of the session, :func:`pytest_sessionfinish` fails the run when a
+test leaked a process (a descendant of pytest, or an orphan carrying this session's environment
+mark) or a ``cpuckpt*`` entry in /dev/shm (or in /dev/shm/cpuckpt-<uid>) that was not there at the
+start, after a grace period of :data:`LEAK_GRACE_S` for things still exiting; it prints what
+leaked, then kills and removes it. Another test session running on the same machine makes its own
+/dev/shm entries: those are told apart by the pids their names (or lock files) record, and entries
+that cannot be told apart are printed but not counted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import multiprocessing
 import os
 import pickle
+import re
 import runpy
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 __all__ = ["RankError", "run_ranks"]
@@ -324,3 +337,170 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# ------------------------------------------------------------------------------------ leak check
+
+LEAK_GRACE_S = 10.0  # processes and files still on their way out get this long
+SESSION_MARK = "PYTEST_CPUCKPT_SESSION"  # not CPUCKPT_*: ranks drop those, their children must keep it
+_SHM = Path("/dev/shm")
+_SAMPLE_S = 0.5
+
+
+class _LeakWatch:
+    """What existed at session start, and every descendant pid seen since (they name /dev/shm entries)."""
+
+    def __init__(self) -> None:
+        self.me = psutil.Process()
+        self.mark = f"{os.getpid()}-{time.time_ns()}"
+        os.environ[SESSION_MARK] = self.mark
+        self.t0 = time.time()
+        self.procs_at_start = {(p.pid, _created(p)) for p in psutil.process_iter()}
+        self.shm_at_start = set(_shm_entries())
+        self.foreign = _foreign_sessions(self.me)
+        self.seen: set[int] = {os.getpid()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="leak-watch", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(_SAMPLE_S):
+            with contextlib.suppress(psutil.Error):
+                self.seen.update(c.pid for c in self.me.children(recursive=True))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def leaked_processes(self) -> list[psutil.Process]:
+        """Processes of this session alive now, except pytest itself and its own fork server/resource tracker."""
+        out: list[psutil.Process] = []
+        descendants: set[int] = set()
+        with contextlib.suppress(psutil.Error):
+            descendants = {c.pid for c in self.me.children(recursive=True)}
+        for p in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
+            if p.pid == self.me.pid or (p.pid, _created(p)) in self.procs_at_start:
+                continue
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.info["cmdline"] or [])
+            if p.info["ppid"] == self.me.pid and ("multiprocessing.forkserver import main" in cmd
+                                                   or "multiprocessing.resource_tracker import main" in cmd):
+                continue  # the harness's own helpers: they end with pytest
+            ours = p.pid in descendants
+            if not ours:
+                try:
+                    ours = p.environ().get(SESSION_MARK) == self.mark
+                except psutil.Error:
+                    ours = False
+            if ours:
+                self.seen.add(p.pid)
+                out.append(p)
+        return out
+
+    def leaked_shm(self) -> tuple[list[Path], list[Path]]:
+        """New cpuckpt entries in /dev/shm: (this session's, ones another session may have made)."""
+        new = [e for e in _shm_entries() if e not in self.shm_at_start]
+        if not new:
+            return [], []
+        foreign = self.foreign or _foreign_sessions(self.me)
+        ours, unsure = [], []
+        for e in new:
+            (ours if not foreign or _pids_named(e) & self.seen else unsure).append(e)
+        return ours, unsure
+
+
+def _created(p: psutil.Process) -> float:
+    try:
+        return p.create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def _shm_entries() -> list[Path]:
+    """``/dev/shm/cpuckpt*`` and what is in ``/dev/shm/cpuckpt-<uid>`` (the RAM roots)."""
+    try:
+        top = [_SHM / n for n in os.listdir(_SHM) if n.startswith("cpuckpt")]
+    except OSError:
+        return []
+    base = _SHM / f"cpuckpt-{os.geteuid()}"
+    with contextlib.suppress(OSError):
+        top += [base / n for n in os.listdir(base)]
+    return top
+
+
+def _pids_named(entry: Path) -> set[int]:
+    """Pids an entry records: numbers in its name, and the pid in each lock file of a RAM root."""
+    pids = {int(n) for n in re.findall(r"(?<![0-9a-f])p?(\d{2,})", entry.name)}
+    if entry.is_dir() and not entry.is_symlink():
+        for lock in entry.glob(".*.lock"):
+            with contextlib.suppress(OSError, ValueError):
+                pids.add(int(lock.read_text().strip() or 0))
+    return pids
+
+
+def _foreign_sessions(me: psutil.Process) -> bool:
+    """Whether another test session (a pytest outside this process tree) runs on this machine now."""
+    mine = {me.pid, *(c.pid for c in me.children(recursive=True))}
+    with contextlib.suppress(psutil.Error):
+        mine.update(a.pid for a in me.parents())
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if p.pid not in mine and any("pytest" in a for a in (p.info["cmdline"] or [])[:3]):
+            return True
+    return False
+
+
+_leak_watch: _LeakWatch | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _leak_watch
+    _leak_watch = _LeakWatch()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when a test left a process or a /dev/shm entry behind; print, kill and remove it."""
+    watch = _leak_watch
+    if watch is None:
+        return
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while True:
+        procs = watch.leaked_processes()
+        ours, unsure = watch.leaked_shm()
+        if (not procs and not ours) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    watch.stop()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    if reporter is not None:
+        reporter.ensure_newline()
+
+    def say(line: str) -> None:
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+        else:
+            sys.stderr.write(line + "\n")
+
+    for e in unsure:
+        say(f"leak check: {e} appeared during the session; not counted (another test session runs here)")
+    if not procs and not ours:
+        return
+    say(f"leak check: tests left {len(procs)} process(es) and {len(ours)} /dev/shm entries behind (still there "
+        f"{LEAK_GRACE_S:.0f} s after the last test); killing and removing them:")
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            say(f"  process {p.pid} (parent {p.ppid()}, cwd {p.cwd()}): {' '.join(p.cmdline())[:300]}")
+    for e in ours:
+        say(f"  /dev/shm entry {e}")
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(procs, timeout=5)
+    for e in ours:
+        with contextlib.suppress(OSError):
+            if e.is_dir() and not e.is_symlink():
+                shutil.rmtree(e)
+            else:
+                e.unlink()
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
