@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The adapters on the GPU machine, in one script (phases: setup, tests, deepspeed, megatron-lm, example,
+# The adapters on the GPU machine, in one script (phases: setup, tests, mlm-tests, deepspeed, megatron-lm, example,
 # zero (benchmarks/bench_zero_stall.py); default all but zero). Extra arguments per phase: DS_ARGS, MLM_ARGS.
 # megatron-lm: benchmarks/bench_megatron_lm.py, its own phases through MLM_ARGS (default load,reuse,kill;
 # "save" is the torch_dist-vs-cpuckpt save comparison), bounded by MLM_TIMEOUT seconds (default 480; the
@@ -27,8 +27,13 @@ for phase in $phases; do
 print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'deepspeed', deepspeed.__version__)"
       ;;
     tests)
-      timeout 200 python3 -m pytest --import-mode=importlib -p no:cacheprovider -q -x -o addopts="" \
+      timeout 480 python3 -m pytest --import-mode=importlib -p no:cacheprovider -q -x -o addopts="" --timeout 120 \
         tests/integrations/test_megatron.py tests/integrations/test_megatron_hook.py tests/gpu 2>&1 | tee "$OUT/device_tests.log" | tail -25
+      ;;
+    mlm-tests)  # the tests that need Megatron-LM itself (megatron.training: its in-tree megatron-core first)
+      PYTHONPATH=$PWD/.megatron-lm:/tmp/site timeout 200 python3 -m pytest --import-mode=importlib -p no:cacheprovider \
+        -q -x -o addopts="" tests/integrations/test_megatron_hook.py tests/integrations/test_megatron_fallback.py \
+        -k "megatron_training or install" -rs 2>&1 | tee "$OUT/device_mlm_tests.log" | tail -15
       ;;
     zero)  # zero-stall: bench state blocked time (with a profile of the call), a real step overlapping its copy
       PYTHONPATH=$BENCH_PATH timeout 240 python3 -m benchmarks.bench_zero_stall --gib 4 --reps 4 --profile \

@@ -8,6 +8,7 @@ arguments; the device run drives Megatron-LM's real ``pretrain_gpt.py`` through 
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 from cpuckpt.integrations.megatron.hook import Selection, install, rewrite_argv
@@ -93,14 +94,17 @@ def test_install_patches_megatron_training(tmp_path):
     import megatron.training.checkpointing as mlm
     from cpuckpt.integrations.megatron.strategy import CpuckptLoadStrategy, CpuckptSaveStrategy
 
-    originals = (mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy)
+    originals = (mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy, mlm.load_checkpoint)
     argv = ["pretrain_gpt.py", "--ckpt-format", "cpuckpt"]
     try:
         assert install(argv=argv) is True
         assert issubclass(mlm.TorchDistSaveShardedStrategy, CpuckptSaveStrategy)
         assert issubclass(mlm.TorchDistLoadShardedStrategy, CpuckptLoadStrategy)
     finally:
-        mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy = originals
+        mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy, mlm.load_checkpoint = originals
+        training = sys.modules.get("megatron.training.training")  # imported load_checkpoint by name: wrapped too
+        if training is not None and hasattr(training, "load_checkpoint"):
+            training.load_checkpoint = originals[2]
 
 
 def _fake_async_utils(with_init: bool = True):
