@@ -9,7 +9,8 @@ from .errors import ConfigError
 
 __all__ = ["local_path"]
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# "scheme://", and "scheme:/" too: pathlib.Path("s3://b/x") collapses the slashes to "s3:/b/x".
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
 
 
 def local_path(path: str | os.PathLike, what: str = "checkpoint path") -> str:

@@ -743,13 +743,15 @@ class MemoryTier:
         part is never committed) so its writer stops waiting too, and appends its own errors to ``errors``."""
         deadline = time.monotonic() + self.config.timeout_s
         while True:
-            failed = self._new_persist_failures() if self.report_persist_failures else []
+            # Seen even where the adapter reports outcomes itself (report_persist_failures false: Megatron's
+            # finalize): a failed part must stop every rank's wait, or the coordinator's writer waits for it.
+            failed = self._new_persist_failures()
             owed = bool(self.queue.owed())
             dead = owed and not self._writer_running()
             expired = owed and time.monotonic() > deadline
             any_owed, any_failed, any_dead, any_expired = self._agree(
                 [int(owed), int(bool(failed)), int(dead), int(expired)])
-            if failed:
+            if failed and self.report_persist_failures:
                 errors.append(PersistError(f"rank {self.rank}: " + "; ".join(failed)))
             if dead:
                 errors.append(WriterDiedError(f"rank {self.rank}: the writer process died owing persists (see "

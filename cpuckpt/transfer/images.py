@@ -476,7 +476,13 @@ class ImageJob:
                     with self._lock:
                         self._pending += 1
                         self._copying += 1
-                    fillers.submit(self._fill_task, chunk)
+                    try:
+                        fillers.submit(self._fill_task, chunk)
+                    except BaseException:  # refused (interpreter shutdown): nothing will end this chunk's token
+                        with self._lock:
+                            self._pending -= 1
+                            self._copying -= 1
+                        raise
             self.stats.extra["image_remaps"] = float(remaps + sum(img.remaps for img in self._images))
         except BaseException as e:
             self._fail(e)
@@ -485,8 +491,10 @@ class ImageJob:
                 raise
             raise err from e
         finally:
-            self._copy_ended()  # the last copy to end queues the checksums, under a token still held
-            self._task_ended()
+            try:
+                self._copy_ended()  # the last copy to end queues the checksums, under a token still held
+            finally:
+                self._task_ended()
 
     def wait_staged(self, timeout_s: float | None = None) -> None:
         wait_future(self.staged, self.cfg.timeout_s if timeout_s is None else timeout_s,
@@ -581,8 +589,10 @@ class ImageJob:
         except BaseException as e:
             self._fail(e)
         finally:
-            self._copy_ended()
-            self._task_ended()
+            try:
+                self._copy_ended()
+            finally:
+                self._task_ended()
 
     def _fill_task(self, chunk: Chunk) -> None:
         try:
@@ -591,8 +601,10 @@ class ImageJob:
         except BaseException as e:
             self._fail(e)
         finally:
-            self._copy_ended()  # the last one queues the checksums before this task ends: no early finish
-            self._task_ended()
+            try:
+                self._copy_ended()  # the last one queues the checksums before this task ends: no early finish
+            finally:
+                self._task_ended()
 
     # -- checksums ----------------------------------------------------------------------------------
     def _submit_checksum(self, chunk: Chunk, event: object | None) -> None:
