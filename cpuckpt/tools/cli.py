@@ -101,7 +101,8 @@ def cli(verbose: int) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per checkpoint.")
 @click.option("--verify", is_flag=True,
               help="Read every byte of each complete checkpoint and check it (crc32c); damaged ones are marked "
-                   "and the latest is the newest that verifies (the one cpuckpt.load_latest loads).")
+                   "and the latest is the newest that verifies (the one cpuckpt.load_latest loads); exit code "
+                   "1 when one is damaged.")
 def ls_cmd(root: Path, as_json: bool, verify: bool) -> None:
     """List the checkpoints in ROOT: step, size, status, age; the latest is marked.
 
@@ -117,11 +118,14 @@ def ls_cmd(root: Path, as_json: bool, verify: bool) -> None:
         found = scan_root(root, verify=verify)
     except (OSError, CpuckptError) as e:
         _fail(str(e))
+    damaged = any(info.damaged for info in found)  # --verify found one: exit as `verify` does, so scripts can tell
     if as_json:
         for info in found:
             click.echo(json.dumps({"path": str(info.path), "kind": info.kind, "step": info.step,
                                    "nbytes": info.nbytes, "status": info.status, "reason": info.reason,
                                    "age_s": round(info.age_s, 1), "latest": info.latest}))
+        if damaged:
+            sys.exit(_EXIT_DAMAGED)
         return
     if not found:
         click.echo(f"no checkpoints in {root}")
@@ -136,6 +140,8 @@ def ls_cmd(root: Path, as_json: bool, verify: bool) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if damaged:
+        sys.exit(_EXIT_DAMAGED)
 
 
 @cli.command("inspect")

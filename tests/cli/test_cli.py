@@ -120,9 +120,9 @@ def _flip(file: Path) -> None:
     file.write_bytes(bytes(data))
 
 
-def _ls_rows(*args: object) -> dict[str, dict]:
+def _ls_rows(*args: object, code_wanted: int = 0) -> dict[str, dict]:
     code, out = _run("ls", *args, "--json")
-    assert code == 0, out
+    assert code == code_wanted, out
     return {Path(r["path"]).name: r for r in map(json.loads, out.splitlines())}
 
 
@@ -132,13 +132,13 @@ def test_ls_verify_marks_a_damaged_checkpoint_and_moves_latest(tmp_path):
     _flip(tmp_path / "step_3" / "__0_0.distcp")
     rows = _ls_rows(tmp_path)  # sizes are intact: without --verify it looks complete
     assert rows["step_3"]["status"] == "complete" and rows["step_3"]["latest"]
-    rows = _ls_rows(tmp_path, "--verify")
+    rows = _ls_rows(tmp_path, "--verify", code_wanted=1)  # a damaged checkpoint: exit 1, as `verify`
     assert rows["step_3"]["status"] == "damaged" and "checksum mismatch" in rows["step_3"]["reason"]
     assert [k for k, r in rows.items() if r["latest"]] == ["step_2"]
     assert rows["step_1"]["status"] == rows["step_2"]["status"] == "complete"
     code, out = _run("ls", tmp_path, "--verify")
     lines = {ln.split()[0]: ln for ln in out.splitlines()[1:]}
-    assert code == 0 and "damaged (" in lines["step_3"] and "<- latest" in lines["step_2"]
+    assert code == 1 and "damaged (" in lines["step_3"] and "<- latest" in lines["step_2"]
 
 
 def test_ls_age_is_the_commit_time_and_a_load_does_not_reset_it(tmp_path):
