@@ -19,6 +19,10 @@ sockets between them; nothing is mocked. Proven:
    node 0 still holds step 14 in memory (and a replica of node 1's), but without replicas not every node
    does, so the relaunch resumes from the newest *durable* checkpoint (step 12), an older step, bit-exact;
    it trains on and ``close`` makes step 16 durable.
+3. (issue 27 B) lagging replicas: memory saves of steps 1-6 (3 slots), the writers send no replica from
+   step 5 on (fault point ``replicate:step5``, armed in the writers only), the whole job SIGKILLed (trainers,
+   agents, writers by pid) with both RAM roots intact; the relaunch loads step 6 from memory on both ranks,
+   bit-exact, and both RAM roots still hold a complete slot of step 6 (before: step 4 loaded, step 6 lost).
 
 The worker is this file run as a script (``__main__``); it checks bit-exactness itself against a replay
 of the same deterministic training, and reports in JSON files the test reads.
@@ -111,6 +115,9 @@ def worker(argv: list[str]) -> int:
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--replicas", type=int, default=0)
     ap.add_argument("--host", default="127.0.0.1", help="this node's address (its replica receiver listens there)")
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--lag-from", type=int, default=0,
+                    help="the writers hold every replica from this step on (fault point replicate:step<N>)")
     args = ap.parse_args(argv)
     import torch
     import torch.distributed as dist
@@ -119,10 +126,15 @@ def worker(argv: list[str]) -> int:
     from cpuckpt.backend.committed import check_complete
 
     torch.set_num_threads(1)
+    if args.lag_from:  # armed in the writers only (started by the tier from now on), not in this trainer
+        from cpuckpt.testing import faults
+
+        site = Path(args.out) / f"site-{args.host}"
+        os.environ.update(faults.child_env(site, f"replicate:step{args.lag_from}=wait:{site}/never"))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cfg = {"io": {"threads": 1, "backend": "buffered", "chunk_bytes": 64 * 1024}, "timeout_s": TIMEOUT_S,
-           "memory": {"root": args.ram, "persist_every": 4, "slots": 2, "headroom_bytes": 0,
+           "memory": {"root": args.ram, "persist_every": 4, "slots": args.slots, "headroom_bytes": 0,
                                                                                    "replicas": args.replicas,
                                                                                    "replica_host": args.host}}
     tier = cpuckpt.MemoryTier(args.durable, cfg)
@@ -135,16 +147,24 @@ def worker(argv: list[str]) -> int:
               "loaded": str(path) if path else None, "in_memory": path in tier.slots, "step": step,
               "bitexact_bad": _same_as_replay(state, rank, step),
               "loads": [(str(p), st.nbytes) for p, st in tier.loads],
-              "slots": [str(s) for s in tier.slots]}
+              "slots": [str(s) for s in tier.slots], "slot_steps_loaded": [check_complete(s).step for s in tier.slots]}
     for k in range(step + 1, args.until + 1):
         _train_step(state, rank, k)
+        if k == args.lag_from:  # every replica before the held ones sent, and the persists owed so far done
+            tier.wait_persisted()
+            dist.barrier()
         h = tier.save(state, k)
         h.wait()  # committed in memory on every node (tensors may change after staged; wait() covers it)
     report["final_bad"] = _same_as_replay(state, rank, args.until)
     if args.hold:  # wait for the owed persists, then stand still until the test kills this node
-        tier.wait_persisted()
+        if not args.lag_from:  # (held replicas would be waited for in vain)
+            tier.wait_persisted()
         dist.barrier()
         report["writer_pid"] = tier.writer_pid()
+        report["writer_lock"] = str(tier.root.writer_lock_path(rank))
+        report["slot_steps_held"] = [check_complete(s).step for s in tier.slots]
+        if args.lag_from:
+            report["replicated"] = {k: tier.replicated(k) for k in range(args.lag_from - 1, args.until + 1)}
         report["durable"] = sorted(c.step for c in cpuckpt.list_checkpoints(args.durable) if c.complete)
         (out / f"{args.phase}-{rank}.json").write_text(json.dumps(report))
         time.sleep(300)
@@ -166,7 +186,7 @@ def _free_port() -> int:
 
 
 def _launch(tmp: Path, node: int, phase: str, port: int, until: int, hold: bool, replicas: int,
-            nproc: int = 1) -> subprocess.Popen:
+            nproc: int = 1, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     ram, out = tmp / f"ram{node}", tmp / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{phase}-{port}",
@@ -177,7 +197,7 @@ def _launch(tmp: Path, node: int, phase: str, port: int, until: int, hold: bool,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = open(tmp / f"{phase}-node{node}.log", "ab")  # handed to the child, closed here after Popen
     try:
-        return subprocess.Popen(cmd + (["--hold"] if hold else []), cwd=tmp, env=env, stdout=log,
+        return subprocess.Popen(cmd + (["--hold"] if hold else []) + list(extra), cwd=tmp, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     finally:
         log.close()
@@ -203,11 +223,11 @@ def _kill_pid(pid: int) -> None:
         pass
 
 
-def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool, replicas: int,
-               nproc: int = 1) -> tuple[list[dict], list[subprocess.Popen]]:
+def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool, replicas: int, nproc: int = 1,
+               extra: tuple[str, ...] = ()) -> tuple[list[dict], list[subprocess.Popen]]:
     """Launch both nodes; return each rank's report (by rank) once written, and the launches."""
     port = _free_port()
-    procs = [_launch(tmp, node, phase, port, until, hold, replicas, nproc) for node in (0, 1)]
+    procs = [_launch(tmp, node, phase, port, until, hold, replicas, nproc, extra) for node in (0, 1)]
     deadline = time.monotonic() + PHASE_S * nproc
     files = [tmp / "out" / f"{phase}-{r}.json" for r in range(2 * nproc)]
     try:
@@ -294,6 +314,59 @@ def _two_nodes(tmp_path: Path, *, nproc: int) -> None:
     for r in reports:
         assert r["loaded"] == str(tmp_path / "durable" / "step_12"), r
         assert r["durable"] == [4, 8, 12, 16], f"rank {r['rank']}: durable steps {r['durable']}"
+
+
+
+def _kill_job(procs: list[subprocess.Popen], reports: list[dict]) -> None:
+    """Both launches SIGKILLed (trainers, agents), then every writer by pid; wait until their locks are free."""
+    from cpuckpt.tier.ramroot import lock_holder
+
+    for node, launch in enumerate(procs):
+        _kill_node(Path(), launch, [r for r in reports if r["rank"] == node])
+    for r in reports:
+        _kill_pid(r["writer_pid"])
+    deadline = time.monotonic() + 15
+    for r in reports:
+        while lock_holder(r["writer_lock"]) is not None:
+            assert time.monotonic() < deadline, f"writer {r['writer_pid']} still holds {r['writer_lock']}"
+            time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_two_launches_with_lagging_replicas_relaunch_from_the_newest_step_and_keep_it(tmp_path: Path) -> None:
+    """Issue 27 B: replicas lag (the writers send none from step 5 on), the job is SIGKILLed with both RAM roots
+    intact holding steps 5 and 6; the relaunch loads step 6 on both ranks, bit-exact, and keeps it in RAM.
+    (Before: the restore of step 4 from the lagging replica went into step 6's slot: step 4 loaded, 6 lost.)"""
+    from cpuckpt.tier.nodes import committed_slot
+
+    (tmp_path / "out").mkdir()
+    lag = ("--slots", "3", "--lag-from", "5")
+    reports, procs = _run_phase(tmp_path, "lag", 6, hold=True, replicas=1, extra=lag)
+    try:
+        for r in reports:
+            assert r["loaded"] is None, r
+            assert sorted(filter(None, r["slot_steps_held"])) == [4, 5, 6], f"rank {r['rank']}: {r}"
+            assert r["replicated"] == {"4": True, "5": False, "6": False}, f"rank {r['rank']}: {r['replicated']}"
+            assert r["durable"] == [4], f"rank {r['rank']}: durable steps {r['durable']}"
+    finally:
+        _kill_job(procs, reports)
+    for node in (0, 1):
+        steps = sorted(c[0] for s in (tmp_path / f"ram{node}").glob("slot-*") if (c := committed_slot(s, 2)))
+        assert steps == [4, 5, 6], f"node {node}'s RAM root after the kill: steps {steps}"
+
+    # The relaunch (writers clean): step 6 from memory on both ranks, bit-exact; steps 5 and 6 still in RAM.
+    # Held, then killed like the first launch (close() would remove the RAM roots).
+    reports, procs = _run_phase(tmp_path, "relaunch", 6, hold=True, replicas=1, extra=("--slots", "3"))
+    _kill_job(procs, reports)
+    _check_resume(reports, "relaunch", 6, memory=True)
+    for r in reports:
+        assert r["loaded"].startswith(r["ram"]), r
+        assert r["loads"] and all(p.startswith(r["ram"]) for p, _ in r["loads"]), r["loads"]
+        assert {5, 6} <= set(r["slot_steps_loaded"]), f"rank {r['rank']}: slots after the load {r}"
+        assert {5, 6} <= set(r["slot_steps_held"]), f"rank {r['rank']}: slots after the relaunch {r}"
+    for node in (0, 1):
+        steps = sorted(c[0] for s in (tmp_path / f"ram{node}").glob("slot-*") if (c := committed_slot(s, 2)))
+        assert 6 in steps, f"node {node}'s RAM root after the relaunch: steps {steps} (step 6 lost)"
 
 
 if __name__ == "__main__":
