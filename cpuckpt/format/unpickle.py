@@ -187,8 +187,10 @@ def load_value(data: bytes, key: str, *, trusted: bool = False, where: str = "")
             raise CheckpointCorrupt(f"{place}non-tensor value {key!r} is not a loadable torch.save value: "
                                     f"{type(e).__name__}: {e}") from e
         refused, first = _unsafe_globals(data), e
-    if refused and set(refused) <= EXTRA_SAFE_GLOBALS:
-        extras = _resolve_extra(set(refused))
+    if set(refused) <= EXTRA_SAFE_GLOBALS:
+        # None refused by name: a class built at load time was refused (numpy's dtype classes, when another
+        # library allowed ``numpy.dtype`` itself, as megatron-core does on import): allow numpy's classes.
+        extras = _resolve_extra(set(refused) or {"numpy.ndarray", "numpy.dtype"})
         if extras is not None:
             try:
                 return with_safe_globals(safe, extras)

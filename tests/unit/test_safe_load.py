@@ -374,3 +374,18 @@ def test_extra_safe_globals_for_one_load_leave_the_users_allow_list_as_it_was():
         assert Point in allowed and collections.Counter not in allowed
     finally:
         torch.serialization.clear_safe_globals()
+
+
+def test_a_numpy_array_loads_when_another_library_allowed_numpy_dtype_itself():
+    """megatron-core's import allows ``numpy.dtype`` and a few dtype classes; the pickle then names nothing
+    torch refuses by name, yet the dtype class built at load time (Int64DType) is refused: the safe load must
+    still allow numpy's own classes (it raised UnsafeCheckpointError naming nothing, in a full suite run)."""
+    import io
+
+    from cpuckpt.format.unpickle import load_value
+
+    buf = io.BytesIO()
+    torch.save({"arr": np.arange(5), "f": np.float32(1.5)}, buf)
+    with torch.serialization.safe_globals([np.ndarray, np.dtype, np.dtypes.UInt32DType]):
+        out = load_value(buf.getvalue(), "arr")
+    assert out["arr"].tolist() == [0, 1, 2, 3, 4] and out["f"] == np.float32(1.5)
