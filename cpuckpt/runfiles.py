@@ -23,6 +23,8 @@ import tempfile
 import uuid
 from pathlib import Path
 
+from cpuckpt.procs import pid_alive
+
 __all__ = ["RunFile", "boot_tag", "clean_stale", "parse", "run_dir", "run_file_base"]
 
 logger = logging.getLogger(__name__)
@@ -82,14 +84,9 @@ def parse(name: str) -> RunFile | None:
 
 
 def _running(pid: int) -> bool:
-    if pid <= 0:
+    """:func:`~cpuckpt.procs.pid_alive`, and not a zombie (a killed owner whose parent has not reaped it)."""
+    if not pid_alive(pid):
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it runs
-        return True
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
