@@ -65,7 +65,9 @@ class ReadSlots:
         self._failed = threading.Event()  # a registration was refused: the rest copy unpinned too
         self._lock = threading.Lock()
         self._leased = 0
-        self._state = "open"  # -> "closing" (close asked while leased: the last release closes) -> "closed"
+        # -> "closing" (close asked while leased: the last release closes) -> "tearing down" -> "closed"
+        # (unpinned and unmapped: set last, so whoever sees "closed" sees the mapping gone)
+        self._state = "open"
         self._device: torch.device | None = None  # where the first slot was registered (unregistered there)
         self.pinned_nbytes = 0
 
@@ -134,9 +136,9 @@ class ReadSlots:
 
     def _teardown(self) -> None:
         with self._lock:
-            if self._state == "closed":
+            if self._state in ("tearing down", "closed"):
                 return
-            self._state = "closed"
+            self._state = "tearing down"
         if self._device is not None:
             with torch.cuda.device(self._device):
                 for i, pinned in enumerate(self._pinned):
@@ -145,6 +147,8 @@ class ReadSlots:
                         self._pinned[i] = False
         del self._tensor
         unmap(self._view, self._mmap, "read slots")
+        with self._lock:
+            self._state = "closed"
 
     def close_later(self) -> None:
         """:meth:`close` on a daemon thread: a load returns without waiting for the unpinning."""
