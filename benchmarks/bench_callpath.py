@@ -16,7 +16,7 @@ one plan and one item cache per process group, so the variants run in blocks, ro
 plans with DCP) that are not counted. Variants:
 
 * ``pool``: ``async_save`` to a new directory (``--dir``, default tmpfs), staged in the host pool;
-* ``images``: ``async_save(images=ImageSet(...))`` into one reused memory-image directory (the memory
+* ``images``: ``async_save(sink=ImageSet(...))`` into one reused memory-image directory (the memory
   tier's path, without its writer process);
 * each ``cached`` (the previous save's resolved items reused: ``backend.itemcache``) and ``plan reuse``
   (the before: a ``DefaultSavePlanner`` subclass whose own ``resolve_data`` keeps every save on the
@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import cpuckpt
 from benchmarks.common import ResultLog, device_sync, format_table, summarize
-from cpuckpt.transfer.images import ImageSet
+from cpuckpt.tier.images import ImageSet
 
 logger = logging.getLogger("benchmarks.bench_callpath")
 
@@ -94,8 +94,8 @@ def _variants(pool_dir: Path, ram_dir: Path, images: dict[str, ImageSet],
         def save(sd: dict, k: int) -> cpuckpt.AsyncSaveHandle:
             path = ram_dir / name
             if cached:
-                return cpuckpt.async_save(sd, path, cfg, step=k, images=images[name])
-            return cpuckpt.async_save(sd, path, cfg, step=k, images=images[name], planner=PlannerResolved(),
+                return cpuckpt.async_save(sd, path, cfg, step=k, sink=images[name])
+            return cpuckpt.async_save(sd, path, cfg, step=k, sink=images[name], planner=PlannerResolved(),
                                       plan_key="bench")
         return save
 

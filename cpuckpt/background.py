@@ -50,7 +50,7 @@ from cpuckpt.errors import ConfigError, FailureReport, is_interrupt, rank_error
 from cpuckpt.format.plancache import CachedPlan, structure_signature
 from cpuckpt.paths import local_path
 from cpuckpt.roots import after_commit
-from cpuckpt.transfer.images import ImageSet
+from cpuckpt.transfer.sinks import SinkFactory
 from cpuckpt.transfer.threads import new_executor, stop_after_interrupt, wait_future
 
 __all__ = ["ORDERINGS", "AsyncSaveHandle", "async_save", "cancel_all", "wait_all"]
@@ -330,7 +330,7 @@ def async_save(
     process_group: Any = None,
     planner: Any = None,
     plan_key: Hashable | None = None,
-    images: ImageSet | None = None,
+    sink: SinkFactory | None = None,
     save_id: str | None = None,
     node_commit: Callable[..., list[FailureReport | None] | None] | None = None,
     ordering: str = "host",
@@ -355,8 +355,9 @@ def async_save(
             and that equal keys (with the same planner class) mean the same planner settings; a
             reused plan only calls the planner's ``set_up_planner`` and ``resolve_data``. Without a
             ``planner`` the plan is always reusable; with one and no ``plan_key``, DCP plans every save.
-        images: the memory tier's image files for ``path`` (:class:`cpuckpt.tier.MemoryTier` passes
-            them): staging copies straight into them and nothing is written through the pool.
+        sink: where each rank's staged chunks go (``StorageWriter(sink=...)``; default: files through
+            the pinned pool). :class:`cpuckpt.tier.MemoryTier` passes its image files for ``path``:
+            staging copies straight into them and nothing is written.
         save_id: the id the committed checkpoint records (the same on every rank; default: a new one).
         node_commit: replaces the coordinator's commit and the outcome's broadcast once every rank's
             files are in (the memory tier across nodes: ``cpuckpt.tier.nodes.node_commit``): called on every rank
@@ -407,12 +408,12 @@ def async_save(
     rank = dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
     with one_contract(f"async save of {path}", rank):
         return _async_save(state_dict, path, resolve_config(config), step=step, process_group=process_group,
-                           planner=planner, plan_key=plan_key, images=images, save_id=save_id,
+                           planner=planner, plan_key=plan_key, sink=sink, save_id=save_id,
                            node_commit=node_commit, ordering=ordering)
 
 
 def _async_save(state_dict: dict[str, Any], path: str, cfg: Config, *, step: int | None, process_group: Any,
-                planner: Any, plan_key: Hashable | None, images: ImageSet | None, save_id: str | None,
+                planner: Any, plan_key: Hashable | None, sink: SinkFactory | None, save_id: str | None,
                 node_commit: Callable[..., list[FailureReport | None] | None] | None, ordering: str
                 ) -> AsyncSaveHandle:
     """:func:`async_save` inside the error contract (its arguments checked)."""
@@ -424,7 +425,7 @@ def _async_save(state_dict: dict[str, Any], path: str, cfg: Config, *, step: int
     while ckpt.in_flight and ckpt.in_flight[0].done() and ckpt.in_flight[0]._committed.exception() is None:
         ckpt.in_flight.popleft()
     t0 = time.perf_counter()
-    writer = StorageWriter(path, cfg, step=step, images=images, save_id=save_id)
+    writer = StorageWriter(path, cfg, step=step, sink=sink, save_id=save_id)
     writer.defer_commit(in_flight=cfg.async_.max_in_flight)
     handle = AsyncSaveHandle(writer, str(path), t0)
     handle.node_commit = node_commit
@@ -483,7 +484,7 @@ def _plan(ckpt: _Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, s
         if signature is None or writer.last_plan is None:
             ckpt.items = None
             return
-        md = writer._pending[0] if writer.is_coordinator and writer._pending else None
+        md = writer.pending_metadata if writer.is_coordinator else None
         ckpt.plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)
     ckpt.items = None
     if writer.last_written is not None and ckpt.plan_cache is not None and ckpt.unfit != ckpt.plan_cache.signature:

@@ -65,9 +65,9 @@ from cpuckpt.format.unpickle import load_value, reencode
 from cpuckpt.paths import local_path
 from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
 from cpuckpt.transfer.hostcopy import copy_host_bytes
-from cpuckpt.transfer.images import ImageFile
 from cpuckpt.transfer.pinned_ring import PinnedRing
 from cpuckpt.transfer.read_slots import ReadSlots
+from cpuckpt.transfer.sinks import MappedBytes
 from cpuckpt.transfer.staging import DeviceCopier, existing_pool, flat_bytes
 from cpuckpt.transfer.threads import run_parallel
 from cpuckpt.transfer.tracing import nvtx_range
@@ -150,9 +150,9 @@ class StorageReader(_DcpStorageReader):
     Args:
         path: checkpoint directory.
         config: a :class:`Config`, a YAML path, a dict, or None for defaults.
-        images: the memory tier's mapped images of this checkpoint's files (by file name), when this
-            process holds them: their bytes are copied to the targets straight from the (pinned)
-            mapping, with no read and no pool.
+        mapped: files of this checkpoint already mapped in this process (by file name; the memory
+            tier's images of the save it holds): their bytes are copied to the targets straight from
+            the (pinned) mapping, with no read and no pool.
         h2d: how files in a RAM filesystem reach GPU targets: ``"bounce"`` (pread into a pinned
             slot, then copy), ``"register"`` (pin each chunk of the file's mapping while it is copied),
             ``"ring"`` (copy each chunk of the mapping through a small pinned ring,
@@ -164,12 +164,12 @@ class StorageReader(_DcpStorageReader):
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
-                 *, images: Mapping[str, ImageFile] | None = None, h2d: str = "auto") -> None:
+                 *, mapped: Mapping[str, MappedBytes] | None = None, h2d: str = "auto") -> None:
         super().__init__()
         if h2d not in H2D_MODES:
             raise ConfigError(f"StorageReader h2d must be one of {', '.join(H2D_MODES)}, got {h2d!r}")
         self.path = Path(local_path(path, "StorageReader: checkpoint path"))  # a URL is not a directory name
-        self.images = dict(images or {})  # file name -> this process's live, mapped (pinned) image of it
+        self.mapped = dict(mapped or {})  # file name -> this process's live, mapped (pinned) bytes of it
         self.h2d = h2d
         self.config = resolve_config(config)
         self.load_id = uuid.uuid4().hex
@@ -281,7 +281,7 @@ class StorageReader(_DcpStorageReader):
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
             h2d = "bounce" if self.h2d == "auto" else self.h2d
-            jobs, sources, pool = _read_jobs(plans, cfg, opened, self.images, h2d)
+            jobs, sources, pool = _read_jobs(plans, cfg, opened, self.mapped, h2d)
             stats.jobs = len(jobs)
             stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
                                             name="cpuckpt-read"))
@@ -435,7 +435,7 @@ def _check_size(fp: _FilePlan) -> None:
 
 
 ReadJob = Callable[[threading.Event], int]
-_Source = ImageFile | MappedFile  # a file's bytes already in (mapped) memory: copied from, never read
+_Source = MappedBytes | MappedFile  # a file's bytes already in (mapped) memory: copied from, never read
 
 
 def _run_job(job: ReadJob, cancel: threading.Event) -> int:
@@ -443,7 +443,7 @@ def _run_job(job: ReadJob, cancel: threading.Event) -> int:
 
 
 def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.ExitStack,
-               images: Mapping[str, ImageFile], h2d: str) -> tuple[list[ReadJob], list[_Source], Any]:
+               given: Mapping[str, MappedBytes], h2d: str) -> tuple[list[ReadJob], list[_Source], Any]:
     """The read jobs of every file (opened into ``opened``; each job returns the bytes it read), the
     mapped sources they copy from instead of reading, and the slots they read into (None: no slots)."""
     chunked = {}
@@ -453,9 +453,9 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
         if fp.entry is None or not fp.needs:
             continue
         to_gpu = any(n.dst is not None and n.dst.is_cuda for n in fp.needs)
-        image = images.get(rel)
-        if image is not None and image.nbytes == fp.entry.nbytes:
-            mapped[fp.path] = image
+        mine = given.get(rel)
+        if mine is not None and mine.nbytes == fp.entry.nbytes:
+            mapped[fp.path] = mine
         elif in_ram(fp.path) and (not to_gpu or h2d in ("register", "ring")):
             # Checked its size just above: the mapping never reaches past the file's end.
             mapped[fp.path] = opened.enter_context(MappedFile(fp.path, fp.entry.nbytes))

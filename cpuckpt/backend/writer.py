@@ -49,8 +49,8 @@ from cpuckpt.format.plancache import CachedPlan, reused_metadata
 from cpuckpt.format.record import record_template
 from cpuckpt.paths import local_path
 from cpuckpt.transfer.files import write_atomic
-from cpuckpt.transfer.images import ImageJob, ImageSet
 from cpuckpt.transfer.save_job import SaveJob, choose_mode
+from cpuckpt.transfer.sinks import SinkFactory, pool_sink
 from cpuckpt.transfer.staging import flat_bytes
 from cpuckpt.transfer.threads import wait_future
 from cpuckpt.version import __version__
@@ -90,7 +90,8 @@ class StorageWriter(_DcpStorageWriter):
         path: checkpoint directory (created if missing).
         config: a :class:`Config`, a YAML path, a dict, or None for defaults.
         step: training step, recorded in the manifest.
-        images: the memory tier's image files of this checkpoint directory: the rank's files are
+        sink: where this rank's staged chunks go (:class:`cpuckpt.transfer.sinks.SinkFactory`; default
+            files through the pinned pool). The memory tier passes its image files of this directory,
             filled in place (device-to-host straight into the mapped pages), with no pool and no writes.
         save_id: the save's id (default: a new one per save); every rank must pass the same one. The
             coordinator's is what the manifest and ``.metadata`` record.
@@ -101,10 +102,10 @@ class StorageWriter(_DcpStorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
-                 *, step: int | None = None, images: ImageSet | None = None, save_id: str | None = None) -> None:
+                 *, step: int | None = None, sink: SinkFactory | None = None, save_id: str | None = None) -> None:
         super().__init__()
         self._given_save_id = save_id
-        self.images = images  # memory tier: write into these mapped image files instead of through the pool
+        self.sink: SinkFactory = sink or pool_sink
         self.path = Path(local_path(path, "StorageWriter: checkpoint path"))  # refuses URLs, before any mkdir
         self.config = resolve_config(config)
         self.step = step
@@ -113,7 +114,7 @@ class StorageWriter(_DcpStorageWriter):
         self.is_coordinator = True
         self.last_write_s = 0.0
         self.last_write_nbytes = 0
-        self.job: SaveJob | ImageJob | None = None
+        self.job: SaveJob | None = None
         self._deferred = False
         self._in_flight = 1
         self._prefix = "__0_"
@@ -248,11 +249,9 @@ class StorageWriter(_DcpStorageWriter):
         mode = choose_mode(cfg, image_nbytes, in_flight=self._in_flight) if self._deferred else "streaming"
         if self._deferred and self.rank == 0:
             logger.info("cpuckpt async save: %s mode (%d bytes on rank 0)", mode, image_nbytes)
-        if self.images is not None:
-            self.job = ImageJob(self.path, names, files, sources, cfg, rank=self.rank, images=self.images)
-        else:
-            self.job = SaveJob(self.path, names, files, sources, cfg, rank=self.rank, mode=mode,
-                               in_flight=self._in_flight)
+        sink = self.sink(self.path, names, files, cfg, rank=self.rank)
+        self.job = SaveJob(self.path, names, files, sources, cfg, rank=self.rank, mode=mode,
+                           in_flight=self._in_flight, sink=sink)
         try:
             self.job.start()
             if not self._deferred:
@@ -292,6 +291,11 @@ class StorageWriter(_DcpStorageWriter):
             self._pending = (metadata, results)
             return
         self._commit(metadata, results)
+
+    @property
+    def pending_metadata(self) -> Metadata | None:
+        """Background mode: the ``.metadata`` ``finish`` prepared and :meth:`commit_deferred` will write."""
+        return self._pending[0] if self._pending else None
 
     def commit_deferred(self, gathered: list[list[WriteResult]] | None = None) -> None:
         """Coordinator, background mode: commit once every rank's files are durable.

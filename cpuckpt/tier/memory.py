@@ -1,7 +1,7 @@
 """The memory tier: checkpoints committed in a node-local RAM root, persisted by a writer process per rank.
 
 A save copies each rank's shard straight into a *reused image* (a preallocated, mapped and, with
-CUDA, pinned file of the RAM root: :mod:`cpuckpt.transfer.images`) and commits it in memory the
+CUDA, pinned file of the RAM root: :mod:`cpuckpt.tier.images`) and commits it in memory the
 way every cpuckpt save commits (manifest, then ``.metadata``, after every rank's bytes are in), so a
 memory checkpoint is an ordinary checkpoint directory: ``cpuckpt.load``, ``verify``, ``ls`` and stock
 ``FileSystemReader`` read it. The RAM root holds ``memory.slots`` such directories (``slot-<k>``), used
@@ -55,12 +55,12 @@ from cpuckpt.errors import (
 )
 from cpuckpt.paths import local_path
 from cpuckpt.roots import install_sigterm_handler, list_checkpoints
+from cpuckpt.tier.images import ImageSet
 from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import RamRoot, job_id_for
 from cpuckpt.tier.recovery import Replication, Restore, agree_available, node_copies
-from cpuckpt.transfer.images import ImageSet
 
 __all__ = ["MemoryTier", "WriterDiedError"]
 
@@ -403,7 +403,7 @@ class MemoryTier:
                 # coordinator clears only its own); async_save's planning collective orders this before every fill.
                 clear_commit(slot, fsync=False)
         handle = async_save(state_dict, slot, self.memory_config, step=step, process_group=self.process_group,
-                            planner=slot_planner, plan_key=slot_key, images=self.images[k],
+                            planner=slot_planner, plan_key=slot_key, sink=self.images[k],
                             save_id=f"{self.root.job[:24]}-{token:016x}", node_commit=self._node_commit,
                             ordering=ordering)
         self._next = (k + 1) % len(self.slots)
@@ -633,7 +633,7 @@ class MemoryTier:
         for d, image_set in zip(self.slots, self.images):
             if d == path:
                 images = {n: img for n in image_set.names if (img := image_set.get(n)) is not None}
-        reader = StorageReader(path, self.config, images=images)
+        reader = StorageReader(path, self.config, mapped=images)
         try:
             load(state_dict, path, self.config, process_group=self.process_group, planner=planner,
                  storage_reader=reader)

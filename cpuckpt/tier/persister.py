@@ -45,11 +45,11 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, IntegrityError
 from cpuckpt.format.manifest import Manifest, manifest_from_json, part_name
 from cpuckpt.roots import after_commit
+from cpuckpt.tier.images import persist_image
 from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import acquire_lock, lock_holder
 from cpuckpt.tier.replica import Endpoint, Listener, send_slot
 from cpuckpt.transfer.files import fsync_dir, write_atomic
-from cpuckpt.transfer.images import persist_image
 from cpuckpt.transfer.threads import new_executor
 
 __all__ = ["main", "persist_one", "replicate_one"]

@@ -24,29 +24,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import crc32c
 import torch
 
 from cpuckpt.config import Config
-from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, is_interrupt
+from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError, is_interrupt
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.device_snapshot import DeviceSnapshot, snapshot_sources
 from cpuckpt.transfer.device_snapshot import release as release_snapshot
-from cpuckpt.transfer.files import FileBackend, fsync_dir, get_backend
-from cpuckpt.transfer.staging import (
-    CopyFence,
-    CopyWindow,
-    DeviceCopier,
-    HostPool,
-    LeaseOrder,
-    Slot,
-    fill_chunk,
-    get_pool,
-    own_host_sources,
-)
+from cpuckpt.transfer.sinks import PoolSink, Sink, SlotSource
+from cpuckpt.transfer.staging import CopyFence, CopyWindow, DeviceCopier, LeaseOrder, Slot, fill_chunk, own_host_sources
 from cpuckpt.transfer.threads import shared_executor, wait_future
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -87,38 +77,47 @@ def _cuda_device(sources: list[torch.Tensor | None]) -> torch.device | None:
 
 
 class SaveJob:
-    """Stages and writes one rank's files. Create, then ``start()`` from the thread that owns the tensors,
-    or from another thread with ``start_after``, a CUDA event the owner recorded on its stream when it
-    handed them over (its later kernels must not write them before the copies: see ``fence``)."""
+    """Stages one rank's files and hands each chunk to a sink. Create, then ``start()`` from the thread
+    that owns the tensors, or from another thread with ``start_after``, a CUDA event the owner recorded
+    on its stream when it handed them over (its later kernels must not write them before the copies:
+    see ``fence``).
+
+    ``sink`` is where the chunks go (default: :class:`~cpuckpt.transfer.sinks.PoolSink`, files through
+    the pinned pool); a sink whose slots are the destination (``holds_every_chunk``: the memory tier's
+    images) is staged as a snapshot and reported as ``mode`` ``"memory"``.
+    """
 
     def __init__(self, directory: Path, names: list[str], files: list[FileLayout],
                  sources: list[torch.Tensor | None], cfg: Config, *, rank: int, mode: str,
-                 in_flight: int = 1, start_after: Any = None) -> None:
+                 in_flight: int = 1, start_after: Any = None, sink: Sink | None = None) -> None:
+        if len(names) != len(files):
+            raise ValueError(f"{len(names)} file names for {len(files)} layouts")
         self.directory = directory
         self.names = names
         self.files = files
         self.sources = sources
         self.cfg = cfg
         self.rank = rank
-        self.mode = mode
+        self.sink: Sink = sink if sink is not None else PoolSink(directory, names, files, cfg, rank=rank)
+        self.mode = "memory" if self.sink.holds_every_chunk else mode
+        self._streaming = self.mode == "streaming"
         self.in_flight = in_flight
         self.start_after = start_after  # CUDA event: the device copies wait for it, not for the current stream
         self.staged: cf.Future[None] = cf.Future()
         self.done: cf.Future[list[FileEntry]] = cf.Future()
-        self.stats = _Stats(mode=mode)
+        self.stats = _Stats(mode=self.mode)
         self._chunks: list[Chunk] = [c for f in files for c in f.chunks]
         self._crcs = [[0] * len(f.chunks) for f in files]
         self._cancel = threading.Event()
         self._staged_event = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        # Tasks not ended (writes, and the copies' waiter or feeder, which hand writes over) and whether
+        # ``start()`` still submits: the job finalizes when both are done, never while tasks are queued.
         self._pending_writes = 0
-        self._submitting = True
+        self._submitting = False  # set by start(): a job cancelled before it started finalizes at once
         self._remaining_fills = len(self._chunks)
-        self._fds: list[int | None] = [None] * len(names)  # opened by the first write into each file
-        self._open_lock = threading.Lock()
-        self._backend: FileBackend | None = None
-        self._pool: HostPool | None = None
+        self._slots: SlotSource | None = None
         self._writers: cf.ThreadPoolExecutor | None = None
         self._fillers: cf.ThreadPoolExecutor | None = None
         self._t0 = 0.0
@@ -131,20 +130,26 @@ class SaveJob:
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Begin staging and writing; returns once GPU copies are enqueued (snapshot) or, in streaming
-        mode, once the last chunk has a slot. Files are opened by the writer threads, off the caller's path."""
+        mode, once the last chunk has a slot. Files are opened by the writer threads, off the caller's path.
+
+        Raises:
+            The error ``staged`` and ``done`` report, when the save failed before returning.
+        """
         cfg = self.cfg
         self._t0 = self.started_at = time.perf_counter()
         self.stats.nbytes = sum(f.nbytes for f in self.files)
         try:
-            self._backend = get_backend(cfg.io.backend, self.directory, cfg.layout.align_bytes)
-            self.stats.backend = self._backend.name
-            nslots = len(self._chunks) * self.in_flight if self.mode == "snapshot" else self._streaming_slots()
-            self._pool = get_pool(cfg.io.chunk_bytes, max(nslots, 1), pin=cfg.staging.pin,
-                                  pretouch=cfg.staging.pretouch)
+            with self._lock:
+                if self._error is not None:  # cancelled before it started
+                    raise self._error
+                self._submitting = True
+            nslots = self._streaming_slots() if self._streaming else len(self._chunks) * self.in_flight
+            self._slots = self.sink.open(nslots, self.done)
+            self.stats.backend = self.sink.name
         except BaseException as e:
             self._fail(e)
             self._finalize()
-            raise
+            self._reraise(e)
         if not self._chunks:
             self._mark_staged()
         self._writers = shared_executor(cfg.io.threads, f"cpuckpt-io-{self.rank}")
@@ -161,7 +166,7 @@ class SaveJob:
                     self._submit_write(chunk, fill)
         except BaseException as e:
             self._fail(e)
-            raise
+            self._reraise(e)
         finally:
             with self._lock:
                 self._submitting = False
@@ -172,17 +177,22 @@ class SaveJob:
     def wait_staged(self, timeout_s: float | None = None) -> None:
         """Block until every chunk is in host memory; Ctrl-C here cancels the job and propagates."""
         wait_future(self.staged, self.cfg.timeout_s if timeout_s is None else timeout_s,
-                    f"staging of rank {self.rank}'s checkpoint files", on_interrupt=self.cancel)
+                    f"staging of rank {self.rank}'s checkpoint files in {self.directory}", on_interrupt=self.cancel)
 
     def wait_done(self, timeout_s: float | None = None) -> list[FileEntry]:
-        """Block until every file is durable; Ctrl-C here cancels the job and propagates."""
+        """Block until every file is durable (memory: in place); Ctrl-C here cancels the job and propagates."""
         return wait_future(self.done, self.cfg.timeout_s if timeout_s is None else timeout_s,
-                           f"writing rank {self.rank}'s checkpoint files to {self.directory}",
+                           f"saving rank {self.rank}'s checkpoint files in {self.directory}",
                            on_interrupt=self.cancel)
 
     def cancel(self, reason: BaseException) -> None:
-        """Abort: pending chunks are skipped, the error is reported by ``staged``/``done``."""
-        self._fail(reason)
+        """Abort: pending chunks are skipped, ``staged``/``done`` report ``reason`` (``done`` once no task
+        still copies into a slot or writes)."""
+        self._fail(reason, wrap=False)
+        with self._lock:
+            idle = self._pending_writes == 0 and not self._submitting
+        if idle:
+            self._finalize()
 
     # -- staging --------------------------------------------------------------------------------
     def _streaming_slots(self) -> int:
@@ -193,15 +203,15 @@ class SaveJob:
         copier = DeviceCopier(device, after=self.start_after)
         copier.protect(self.sources)
         fence = self.fence = CopyFence(device, self.cfg.timeout_s)
-        if self.mode != "snapshot":
+        if self._streaming:
             with copier.enqueueing():
                 self._enqueue_streaming(copier, order)
             return
         # Snapshot: nothing on the caller's path but the copies (one lease of every slot, one event after
-        # the last copy); the writes are handed over once staged, by the waiter (a writer woken per chunk
-        # had taken the GIL from the caller).
-        pool = self._require(self._pool)
-        slots = pool.lease_each(len(self._chunks), self.cfg.timeout_s, cancel=self._cancel)
+        # the last copy); the writes are handed over by the waiter (a writer woken per chunk had taken the
+        # GIL from the caller): once staged, or each after its own copy (``sink.write_as_copied``).
+        source = self._require(self._slots)
+        slots = source.lease_each(len(self._chunks), self.cfg.timeout_s, cancel=self._cancel)
         if self.cfg.staging.device_snapshot and self._chunks:
             # The trainer's tensors are read by one device-to-device copy; ordering waits for it only, and
             # the copies to the host read the snapshot (transfer.device_snapshot).
@@ -211,7 +221,7 @@ class SaveJob:
                 fence.event = copier.record()
             except BaseException:
                 for slot in slots:
-                    pool.release(slot)
+                    source.release(slot)
                 raise
         if self.cfg.staging.d2h_window_bytes and self._chunks:
             self.sources = own_host_sources(self.sources)  # the feeder copies host bytes after the call
@@ -219,28 +229,42 @@ class SaveJob:
                 fence.enqueuing()
             self._submit_pending(f"cpuckpt-d2h-feed-{self.rank}", self._feed_then_write, copier, slots)
             return
+        events: list[tuple[int, Any]] = []  # write_as_copied: each chunk's event, handed over by the waiter
         try:
-            last = self._enqueue_snapshot(copier, slots, None)
+            last = self._enqueue_snapshot(copier, slots, None, events.append if self.sink.write_as_copied else None)
         except BaseException:
             release_snapshot(self._snapshot, None)  # enqueue waited for what it had enqueued
             for slot in slots:
-                pool.release(slot)
+                source.release(slot)
             raise
         if self._snapshot is None:
             fence.event = last
         else:
             release_snapshot(self._snapshot, last)
-        self._submit_waiter(last, slots)
+        self._submit_pending(f"cpuckpt-d2h-wait-{self.rank}", self._wait_then_write, (last, events), slots,
+                             copies_end=last)
 
-    def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot], window: CopyWindow | None) -> Any:
-        """Enqueue every chunk's copies into its slot (:meth:`DeviceCopier.enqueue`); the event after the last."""
+    def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot], window: CopyWindow | None,
+                          each: Callable[[tuple[int, Any]], object] | None) -> Any:
+        """Enqueue every chunk's copies into its slot (:meth:`DeviceCopier.enqueue`); with ``each``, every
+        chunk's (position, event) goes to it as enqueued. Returns the event after the last copy."""
+        position = {id(chunk): k for k, chunk in enumerate(self._chunks)}
         targets = ((chunk, slot, self.files[chunk.file]) for chunk, slot in zip(self._chunks, slots))
-        return copier.enqueue(targets, self.sources, window=window, cancel=self._cancel)
+        on_event = None if each is None else (lambda chunk, event: each((position[id(chunk)], event)))
+        return copier.enqueue(targets, self.sources, window=window, cancel=self._cancel, each=on_event)
 
     def _feed_then_write(self, copier: DeviceCopier, slots: list[Slot]) -> None:
         last = None
+        handed: set[int] = set()
+
+        def hand_over(item: tuple[int, Any]) -> None:  # write_as_copied: each chunk once enqueued
+            k, event = item
+            handed.add(k)
+            self._submit_write(self._chunks[k], _ready(slots[k], event))
+
         try:
-            last = self._enqueue_snapshot(copier, slots, CopyWindow(self.cfg.staging.d2h_window_bytes))
+            last = self._enqueue_snapshot(copier, slots, CopyWindow(self.cfg.staging.d2h_window_bytes),
+                                          hand_over if self.sink.write_as_copied else None)
         except BaseException as e:
             self._fail(e)
         finally:
@@ -248,30 +272,24 @@ class SaveJob:
                 self._require(self.fence).finish(last)
             else:  # the fence is the device-to-device copy's; a failed enqueue waited for its copies
                 release_snapshot(self._snapshot, last)
-        self._wait_then_write(last, slots)
+        self._wait_then_write((last, []), slots, handed)
 
     def _enqueue_streaming(self, copier: DeviceCopier, order: LeaseOrder) -> None:
         """Lease, copy and hand each chunk to the writers in turn (a write frees the slot a later chunk needs)."""
-        pool, fence = self._require(self._pool), self._require(self.fence)
+        source, fence = self._require(self._slots), self._require(self.fence)
         event = None
         for ticket, chunk in enumerate(self._chunks):
             if self._cancel.is_set():
                 return
-            slot = pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
+            slot = source.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
             try:
                 event = fence.event = copier.fill(slot, self.files[chunk.file], chunk, self.sources)
             except BaseException:
-                pool.release(slot)
+                source.release(slot)
                 raise
-            ready: cf.Future[tuple[Slot, object]] = cf.Future()
-            ready.set_result((slot, event))
-            self._submit_write(chunk, ready)
-        self._submit_waiter(event, [])
-
-    def _submit_waiter(self, last: object, slots: list[Slot]) -> None:
-        """One waiter marks the whole shard staged when the last copy (stream order) completed, then
-        hands ``slots`` (snapshot: one per chunk, in order) to the writers."""
-        self._submit_pending(f"cpuckpt-d2h-wait-{self.rank}", self._wait_then_write, last, slots, copies_end=last)
+            self._submit_write(chunk, _ready(slot, event))
+        self._submit_pending(f"cpuckpt-d2h-wait-{self.rank}", self._wait_then_write, (event, []), [],
+                             copies_end=event)
 
     def _submit_pending(self, executor: str, task: Callable[..., None], arg: object, slots: list[Slot], *,
                         copies_end: Any = None) -> None:
@@ -288,33 +306,43 @@ class SaveJob:
                 self._pending_writes -= 1
             if copies_end is not None:
                 copies_end.synchronize()
-            pool = self._require(self._pool)
+            source = self._require(self._slots)
             for slot in slots:
-                pool.release(slot)
+                source.release(slot)
             if isinstance(self.fence, CopyFence):
                 self.fence.finish(self.fence.event)  # nobody will enqueue more: order() must not wait
             raise
 
-    def _wait_then_write(self, last: object, slots: list[Slot]) -> None:
+    def _wait_then_write(self, copies: tuple[Any, list[tuple[int, Any]]], slots: list[Slot],
+                         handed: set[int] | None = None) -> None:
+        """Hand the writes over and mark the shard staged when the last copy (stream order) completed:
+        chunks with their own event (``write_as_copied``) first, the others (one slot per chunk, in order)
+        after. After a failure each write releases its slot unwritten."""
+        last, events = copies
+        handed = set() if handed is None else handed
+        for k, event in events:
+            handed.add(k)
+            self._submit_write(self._chunks[k], _ready(slots[k], event))
         try:
             if last is not None:
-                last.synchronize()  # type: ignore[attr-defined]
+                last.synchronize()
         except BaseException as e:
             self._fail(e)
         else:
             self._mark_staged()
-        for chunk, slot in zip(self._chunks, slots):
-            ready: cf.Future[tuple[Slot, object]] = cf.Future()
-            ready.set_result((slot, None))
-            self._submit_write(chunk, ready)  # after a failure each write releases its slot unwritten
+        for k, (chunk, slot) in enumerate(zip(self._chunks, slots)):
+            if k not in handed:
+                self._submit_write(chunk, _ready(slot, None))
 
     def _fill_on_host(self, chunk: Chunk, order: LeaseOrder, ticket: int) -> tuple[Slot, None]:
-        pool = self._require(self._pool)
-        slot = pool.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
+        source = self._require(self._slots)
+        slot = source.lease(self.cfg.timeout_s, order=order, ticket=ticket, cancel=self._cancel)
         try:
-            fill_chunk(slot, self.files[chunk.file], chunk, self.sources)
-        except BaseException:
-            pool.release(slot)
+            if not self._cancel.is_set():
+                fill_chunk(slot, self.files[chunk.file], chunk, self.sources)
+        except BaseException as e:
+            source.release(slot)
+            self._fail(e)  # now: the writes of other chunks may be waiting for staging, not for this one
             raise
         self._count_fill()
         return slot, None
@@ -327,17 +355,23 @@ class SaveJob:
             self._mark_staged()
 
     def _mark_staged(self) -> None:
+        if self._cancel.is_set():
+            return
         self.stats.stage_s = time.perf_counter() - self._t0
         self._staged_event.set()
-        if not self.staged.done():
-            self.staged.set_result(None)
+        _settle(self.staged, None)
 
     # -- writing --------------------------------------------------------------------------------
     def _submit_write(self, chunk: Chunk, ready: cf.Future) -> None:
         writers = self._require(self._writers)
         with self._lock:
             self._pending_writes += 1
-        writers.submit(self._write_task, chunk, ready)
+        try:
+            writers.submit(self._write_task, chunk, ready)
+        except BaseException:  # refused (interpreter shutdown): nothing will end this write's token
+            with self._lock:
+                self._pending_writes -= 1
+            raise
 
     def _write_task(self, chunk: Chunk, ready: cf.Future) -> None:
         self._run_pending(self._write_when_ready, chunk, ready)
@@ -359,97 +393,57 @@ class SaveJob:
         except BaseException as e:
             self._fail(e)
             return
-        pool, backend = self._require(self._pool), self._require(self._backend)
+        source = self._require(self._slots)
         try:
-            if self.mode == "snapshot" and not self._staged_event.wait(self.cfg.timeout_s):
-                # Snapshot writers start after staging: the stall is then copies only, with no
-                # writer thread competing for the GIL (writing earlier would save < copy time).
+            if not self._streaming and event is None and not self._staged_event.wait(self.cfg.timeout_s):
+                # Snapshot writes start after staging: the stall is then copies only, with no writer
+                # thread competing for the GIL (writing earlier would save < copy time).
                 raise CheckpointTimeoutError(f"rank {self.rank}: staging not finished after {self.cfg.timeout_s} s")
-            if event is not None:
+            if event is not None and not self._cancel.is_set():
                 event.synchronize()
             if self._cancel.is_set():
                 return
             with nvtx_range("cpuckpt.write"):
-                self._checksum_and_write(chunk, slot, backend)
+                if self.sink.checksum:
+                    with slot.view[: chunk.nbytes] as view:
+                        self._crcs[chunk.file][chunk.index] = crc32c.crc32c(view)
+                self.sink.write(chunk, slot)
         except BaseException as e:
             self._fail(e)
         finally:
-            pool.release(slot)
-
-    def _checksum_and_write(self, chunk: Chunk, slot: Slot, backend: FileBackend) -> None:
-        n = chunk.nbytes
-        if self.cfg.integrity.checksum == "crc32c":
-            self._crcs[chunk.file][chunk.index] = crc32c.crc32c(slot.view[:n])
-        align = self.cfg.layout.align_bytes
-        io_n = -(-n // align) * align if backend.aligned else n
-        if io_n > n:
-            slot.tensor[n:io_n].zero_()
-        backend.pwrite(self._fd(chunk.file, backend), slot.view[:io_n], chunk.offset,
-                       str(self.directory / self.names[chunk.file]))
-
-    def _fd(self, file: int, backend: FileBackend) -> int:
-        """File ``file``'s descriptor, opened at first use (by a writer thread, or by ``_finalize``)."""
-        fd = self._fds[file]
-        if fd is not None:
-            return fd
-        with self._open_lock:
-            fd = self._fds[file]
-            if fd is None:
-                if self._cancel.is_set():
-                    raise CpuckptError(f"rank {self.rank}: save to {self.directory} cancelled")
-                fd = self._fds[file] = backend.open_write(str(self.directory / self.names[file]))
-        return fd
+            source.release(slot)
 
     def _finalize(self) -> None:
-        """Every submitted write has ended: close the files (on failure) or make them durable."""
+        """Every submitted task has ended: report the error, or finish the sink (durable) and the result.
+        Reported only now that no task holds a slot or a file, so a retry starts clean."""
+        if not self._cancel.is_set():
+            try:
+                self.sink.finish()
+            except BaseException as e:
+                self._fail(e)
         if self._cancel.is_set():
-            if self._backend is not None:
-                fds, self._fds = self._fds, []
-                for fd in fds:
-                    if fd is not None:
-                        self._backend.close(fd)
+            try:
+                self.sink.abort()
+            except BaseException as e:
+                logger.warning("rank %d: closing the files of the failed save to %s failed: %r", self.rank,
+                               self.directory, e)
             self._shutdown()
-            # Reported only now that no task holds a slot or a file, so a retry starts clean.
-            if not self.done.done() and self._error is not None:
-                self.done.set_exception(self._error)
-            return
-        backend = self._require(self._backend)
-        try:
-            try:  # a file no write touched (no chunks: an empty file) is created here
-                opened = [self._fd(i, backend) for i in range(len(self.names))]
-            except BaseException:
-                for fd in self._fds:
-                    if fd is not None:
-                        backend.close(fd)
-                raise
-            finally:
-                self._fds = []
-            for i, (fd, layout) in enumerate(zip(opened, self.files)):
-                path = str(self.directory / self.names[i])
-                try:
-                    backend.finish_write(fd, layout.nbytes, path, self.cfg.io.fsync)
-                except BaseException:
-                    for other in opened[i + 1 :]:
-                        backend.close(other)
-                    raise
-            if self.cfg.io.fsync:
-                fsync_dir(self.directory)
-        except BaseException as e:
-            self._fail(e)
-            if not self.done.done() and self._error is not None:
-                self.done.set_exception(self._error)  # every task has ended: report now
+            _settle(self.staged, error=self._error)
+            _settle(self.done, error=self._error)
             return
         self.stats.write_s = time.perf_counter() - self._t0
-        entries = [
-            FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=self.cfg.io.chunk_bytes,
-                      checksum=self.cfg.integrity.checksum, chunk_checksums=c)
-            for n, f, c in zip(self.names, self.files, self._crcs)
-        ]
+        if not self.stats.stage_s:
+            self.stats.stage_s = self.stats.write_s
+        self.stats.extra.update(self.sink.stats())
+        checksum = "crc32c" if self.sink.checksum else "none"
+        entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=self.cfg.io.chunk_bytes, checksum=checksum,
+                             chunk_checksums=c if self.sink.checksum else [])
+                   for n, f, c in zip(self.names, self.files, self._crcs)]
         self._shutdown()
-        logger.debug("rank %d: %d bytes staged in %.3f s, durable in %.3f s (%s, %s)", self.rank,
+        logger.debug("rank %d: %d bytes staged in %.3f s, done in %.3f s (%s, %s)", self.rank,
                      self.stats.nbytes, self.stats.stage_s, self.stats.write_s, self.mode, self.stats.backend)
-        if not self.done.done():
-            self.done.set_result(entries)
+        _settle(self.staged, None)
+        _settle(self.done, entries)
 
     @staticmethod
     def _require(obj: _T | None) -> _T:
@@ -458,28 +452,74 @@ class SaveJob:
             raise RuntimeError("SaveJob used before start()")
         return obj
 
-    def _fail(self, e: BaseException) -> None:
+    def _reraise(self, e: BaseException) -> NoReturn:
+        """``start()`` fails with the job's error (Ctrl-C: the interrupt itself), chained to ``e``."""
+        err = self._error
+        if err is None or err is e or is_interrupt(e):
+            raise e
+        raise err from e
+
+    def _fail(self, e: BaseException, *, wrap: bool = True) -> None:
+        """The first failure cancels the job: the rest of its tasks skip their chunks. ``wrap``: name this
+        rank's save in the error (a ``cancel`` reason of the library's own classes is kept as it is)."""
+        keep = not wrap and isinstance(e, CpuckptError | OSError | TimeoutError)
+        err = e if keep else self._wrap(e)
         with self._lock:
-            first = not self._cancel.is_set()
+            if self._error is not None:
+                return
+            self._error = err
             self._cancel.set()
-        if not first:
-            return
-        if isinstance(e, CheckpointTimeoutError | CpuckptError | OSError):
-            err = e
-        elif is_interrupt(e):  # Ctrl-C on the waiting thread: the waiter re-raises the interrupt itself
-            err = CpuckptError(f"rank {self.rank}: save to {self.directory} interrupted ({type(e).__name__})")
-            err.__cause__ = e
-        else:
-            err = CpuckptError(f"rank {self.rank}: saving to {self.directory} failed: {e!r}")
-            err.__cause__ = e
         logger.error("rank %d: save to %s failed: %s", self.rank, self.directory, err)
-        self._error = err
         self._staged_event.set()  # release writers gated on staging; they see the cancel flag
-        if not self.staged.done():
-            self.staged.set_exception(err)
-        if self._pool is not None:
-            self._pool.wake()
+        _settle(self.staged, error=err)  # ``done`` follows once no task still runs (``_finalize``)
+        if self._slots is not None:
+            self._slots.wake()
+
+    def _wrap(self, e: BaseException) -> BaseException:
+        """The error of this rank's save: names rank and directory, keeps the class, chains ``e``."""
+        prefix = f"rank {self.rank}: "
+        if isinstance(e, CpuckptError) and str(e).startswith(prefix):
+            return e  # already this job's (a cancel with the error another part of the save raised)
+        if is_interrupt(e):  # Ctrl-C on the waiting thread: the waiter re-raises the interrupt itself
+            err: CpuckptError = CpuckptError(f"{prefix}save to {self.directory} interrupted ({type(e).__name__})")
+            err.__cause__ = e
+            return err
+        detail = str(e) if isinstance(e, CpuckptError | OSError) else repr(e)
+        msg = f"{prefix}saving to {self.directory} failed: {detail}"
+        if isinstance(e, StorageIOError):
+            err = StorageIOError(msg, path=e.path, offset=e.offset, nbytes=e.nbytes, errno_=e.errno)
+        elif isinstance(e, OSError):
+            err = StorageIOError(msg, path=None if e.filename is None else str(e.filename), errno_=e.errno)
+        elif isinstance(e, TimeoutError):
+            err = CheckpointTimeoutError(msg)
+        elif isinstance(e, CpuckptError):
+            try:
+                err = type(e)(msg)
+            except TypeError:
+                err = CpuckptError(msg)
+        else:
+            err = StagingError(msg)
+        err.__cause__ = e
+        return err
 
     def _shutdown(self) -> None:
         """Drop references to the shared thread pools (their threads live on for the next save)."""
         self._fillers = self._writers = None
+
+
+def _ready(slot: Slot, event: Any) -> cf.Future[tuple[Slot, Any]]:
+    """A chunk's (slot, event of its copy or None) as a completed future, for ``_submit_write``."""
+    fut: cf.Future[tuple[Slot, Any]] = cf.Future()
+    fut.set_result((slot, event))
+    return fut
+
+
+def _settle(fut: cf.Future, result: object = None, *, error: BaseException | None = None) -> None:
+    """Complete ``fut`` unless it already is (a failure and a success may race from two threads)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except cf.InvalidStateError:
+        pass

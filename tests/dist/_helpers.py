@@ -145,7 +145,7 @@ def assert_committed_layout(path: str | Path, world: int, files_per_rank: int = 
 
 def plan_layout(values: list[Any], cfg: Any, num_files: int = 2) -> tuple[list[str], list[Any], list[Any]]:
     """What the StorageWriter plans for ``values`` (tensors as records, ``bytes`` as raw items) on rank 0:
-    file names, file layouts and per-item sources, for driving a SaveJob or an ImageJob directly."""
+    file names, file layouts and per-item sources, for driving a SaveJob directly (``memory_job``)."""
     from cpuckpt.format.layout import LayoutItem, plan_files
     from cpuckpt.format.record import record_template
     from cpuckpt.transfer.staging import flat_bytes
@@ -162,3 +162,12 @@ def plan_layout(values: list[Any], cfg: Any, num_files: int = 2) -> tuple[list[s
     files, _ = plan_files(items, num_files=num_files, chunk_bytes=cfg.io.chunk_bytes,
                           align_bytes=cfg.layout.align_bytes, align_data_min_bytes=cfg.layout.align_data_min_bytes)
     return [f"__0_{k}.distcp" for k in range(len(files))], files, sources
+
+
+def memory_job(directory: Any, names: list[str], files: list[Any], sources: list[Any], cfg: Any, *, rank: int,
+               images: Any) -> Any:
+    """The save engine's job of a memory save: ``SaveJob`` with the sink of ``images`` (an ``ImageSet``)."""
+    from cpuckpt.transfer.save_job import SaveJob
+
+    return SaveJob(directory, names, files, sources, cfg, rank=rank, mode="snapshot",
+                   sink=images(directory, names, files, cfg, rank=rank))

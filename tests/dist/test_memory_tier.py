@@ -457,15 +457,15 @@ def test_a_restart_withdraws_requests_whose_save_never_committed(tmp_path):
 def test_one_job_at_a_time_fills_a_set_of_images(tmp_path, monkeypatch):
     """A save into a slot waits for the previous save into that slot, even one still copying."""
     from cpuckpt.config import Config
-    from cpuckpt.transfer import images as images_mod
+    from cpuckpt.transfer import save_job as engine
 
-    real = images_mod.fill_chunk
+    real = engine.fill_chunk
 
     def slow_fill(*args, **kwargs):
         time.sleep(0.05)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(images_mod, "fill_chunk", slow_fill)
+    monkeypatch.setattr(engine, "fill_chunk", slow_fill)
     tier, _ = _one(tmp_path, slots=1, persist_every=0)
     # two saves may be in flight, and there is one slot: only the images' own rule keeps them apart
     tier.memory_config = Config.from_dict({**tier.memory_config.to_dict(), "async": {"max_in_flight": 2}})

@@ -147,17 +147,17 @@ def test_checksums_off_record_nothing_and_loads_and_persists_still_work(tmp_path
     from cpuckpt.backend.committed import read_manifest
     from cpuckpt.backend.reader import StorageReader
     from cpuckpt.config import Config
-    from cpuckpt.transfer.images import ImageSet, persist_image
+    from cpuckpt.tier.images import ImageSet, persist_image
 
     cfg = Config.from_dict(_cfg(tmp_path / "ram", checksum=False), env=False)
     slot = tmp_path / "ram" / "slot-0"
     images = ImageSet(slot, pin=False)
     try:
-        cpuckpt.async_save(_state(1, 0), slot, cfg, step=1, images=images).wait()
+        cpuckpt.async_save(_state(1, 0), slot, cfg, step=1, sink=images).wait()
         entries = read_manifest(slot).files
         assert entries and all((e.checksum, e.chunk_checksums) == ("none", []) for e in entries.values()), entries
         mapped = {n: img for n in images.names if (img := images.get(n)) is not None}
-        for reader in (StorageReader(slot, cfg, images=mapped), None):  # from the images, from the files
+        for reader in (StorageReader(slot, cfg, mapped=mapped), None):  # from the images, from the files
             out = _targets(0)
             cpuckpt.load(out, slot, cfg, storage_reader=reader)
             _assert_state(out, 1, (0,), "memory checkpoint without checksums")

@@ -179,7 +179,7 @@ def rank_cached_items(root: str, images: bool) -> tuple[list[tuple[str, str]], b
     import torch.distributed.checkpoint as dcp
 
     import cpuckpt
-    from cpuckpt.transfer.images import ImageSet
+    from cpuckpt.tier.images import ImageSet
 
     rank = dist.get_rank()
     own = {f"w{i}@{rank}": H.make_full(f"w{i}", (3 + i % 3, 4), torch.float32, seed=rank) for i in range(12)}
@@ -200,7 +200,7 @@ def rank_cached_items(root: str, images: bool) -> tuple[list[tuple[str, str]], b
               "meta": {"step": step, "name": "n" * (1 + step // 2)}}
         want = {"own": {k: v.clone() for k, v in own.items()}, "rep": rep.clone()}
         path = f"{root}/slot" if images else f"{root}/s{step}"
-        h = cpuckpt.async_save(sd, path, CFG, step=step, images=image_set)
+        h = cpuckpt.async_save(sd, path, CFG, step=step, sink=image_set)
         h.staged.wait()
         for t in [*own.values(), rep]:
             t.add_(100)  # the trainer moves on once staged

@@ -101,7 +101,7 @@ def rank_mutate_right_after_return(root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import cpuckpt
-    from cpuckpt.transfer.images import ImageSet
+    from cpuckpt.tier.images import ImageSet
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     out: dict = {"planned": [], "copies_on_device": []}
@@ -120,7 +120,7 @@ def rank_mutate_right_after_return(root: str) -> dict:
             sd["step"], sd["meta"] = OBJECTS["step"], dict(OBJECTS["meta"])
         path = Path(root) / name
         h = cpuckpt.async_save(sd, path if imgs is None else Path(root) / "ram", _cfg(), step=seed,
-                               ordering="stream", images=imgs)
+                               ordering="stream", sink=imgs)
         _mutate(sd)  # no staged.wait(): the contract says CPU bytes are already in host memory
         h.wait_stream()  # no GPU sources: nothing to order
         h.wait()

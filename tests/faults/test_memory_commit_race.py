@@ -1,6 +1,7 @@
 """A memory save reports committed only with every chunk's checksum computed (issue 27 A).
 
-The bug: when every chunk's copy had ended before ``ImageJob.start()`` reached its ``finally``, that
+The bug (in the memory tier's own save job, since merged into the one save engine): when every chunk's
+copy had ended before ``ImageJob.start()`` reached its ``finally``, that
 block queued the checksum tasks one by one with the job no longer marked as submitting; the first
 checksum task to end dropped the pending count to 0 and finished the job. ``h.wait()`` reported the
 checkpoint committed in memory with crc32c 0 for the chunks not yet checksummed, and loading it raised
@@ -45,10 +46,10 @@ def test_a_memory_save_committed_while_its_checksums_were_queued_verifies(tmp_pa
     import cpuckpt
     from cpuckpt.tier.memory import MemoryTier
     from cpuckpt.tools.verification import verify_checkpoint
-    from cpuckpt.transfer import images
+    from cpuckpt.transfer import save_job
 
-    real = images.shared_executor
-    monkeypatch.setattr(images, "shared_executor", lambda *a, **kw: _SlowSubmitter(real(*a, **kw)))
+    real = save_job.shared_executor
+    monkeypatch.setattr(save_job, "shared_executor", lambda *a, **kw: _SlowSubmitter(real(*a, **kw)))
     cfg = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"},
            "memory": {"root": str(tmp_path / "ram"), "persist_every": 0, "slots": 1, "headroom_bytes": 0},
            "timeout_s": 30}

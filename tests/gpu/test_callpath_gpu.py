@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import cpuckpt
-from cpuckpt.transfer.images import ImageSet
+from cpuckpt.tier.images import ImageSet
 from cpuckpt.transfer.staging import release_pool
 
 pytestmark = [
@@ -89,7 +89,7 @@ def test_repeated_gpu_saves_gather_on_device_bit_exact(tmp_path: Path, where: st
             trainer.update()  # queued on the current stream, not synchronised: the copies must wait for it
             sd = trainer.state_dict()
             path = tmp_path / ("slot" if images is not None else f"s{k}")
-            h = cpuckpt.async_save(sd, path, CFG, step=k, images=images)
+            h = cpuckpt.async_save(sd, path, CFG, step=k, sink=images)
             h.staged.wait()
             want = {key: v.clone() for key, v in trainer.params.items()}  # after staged: the values saved
             trainer.update()  # the trainer moves on once staged: the checkpoint keeps the earlier values

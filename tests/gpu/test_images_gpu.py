@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from cpuckpt.config import Config
-from cpuckpt.transfer import images as images_mod
-from cpuckpt.transfer.images import ImageFile, ImageJob, ImageSet
+from cpuckpt.tier.images import ImageFile, ImageSet
+from cpuckpt.transfer import save_job as engine
 from cpuckpt.transfer.save_job import SaveJob
 from cpuckpt.transfer.staging import release_pool
 
@@ -71,9 +71,9 @@ def _disk(directory: Path, values: list[object]) -> list[str]:
     return names
 
 
-def _image(directory: Path, values: list[object], images: ImageSet) -> ImageJob:
+def _image(directory: Path, values: list[object], images: ImageSet) -> SaveJob:
     names, files, sources = H.plan_layout(values, CFG)
-    job = ImageJob(directory, names, files, sources, CFG, rank=0, images=images)
+    job = H.memory_job(directory, names, files, sources, CFG, rank=0, images=images)
     job.start()
     return job
 
@@ -130,7 +130,7 @@ def test_copies_wait_for_kernels_queued_on_the_current_stream(ram_dir: Path) -> 
     images = ImageSet(ram_dir)
     try:
         names, files, sources = H.plan_layout([big, a], CFG, num_files=1)
-        job = ImageJob(ram_dir, names, files, sources, CFG, rank=0, images=images)
+        job = H.memory_job(ram_dir, names, files, sources, CFG, rank=0, images=images)
         job.start()
         job.wait_done(60)
         data = torch.frombuffer(bytearray((ram_dir / names[0]).read_bytes()), dtype=torch.uint8)
@@ -195,7 +195,7 @@ def test_checksums_of_cuda_saves_are_the_disk_paths_and_follow_each_chunks_copy(
             assert gate.wait(60), "test gate never opened"
             return crc32c.crc32c(view)
 
-    monkeypatch.setattr(images_mod, "crc32c", GatedCrc)
+    monkeypatch.setattr(engine, "crc32c", GatedCrc)
     images = ImageSet(ram_dir, pin=True)
     try:
         job = _image(ram_dir, sd, images)

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import cpuckpt
-from cpuckpt.transfer.images import ImageSet
+from cpuckpt.tier.images import ImageSet
 
 pytestmark = [
     pytest.mark.gpu,
@@ -99,7 +99,7 @@ def _cfg(window: int = 0, device_snapshot: bool = False) -> dict:
 def _save_and_mutate(sd: dict, path: Path, *, order: bool, images: ImageSet | None = None,
                      window: int = 0, device_snapshot: bool = False) -> cpuckpt.AsyncSaveHandle:
     torch.cuda._sleep(SLEEP_CYCLES)  # everything below is queued before any of it runs
-    h = cpuckpt.async_save(sd, path, _cfg(window, device_snapshot), ordering="stream", images=images)
+    h = cpuckpt.async_save(sd, path, _cfg(window, device_snapshot), ordering="stream", sink=images)
     assert h.copies_on_device
     with torch.no_grad():
         _ = sd["big"].sum()  # a read-only kernel: may overlap the copies
@@ -193,7 +193,7 @@ def test_a_small_copy_waits_behind_the_window_not_the_save(tmp_path: Path, ram_d
     path = ram_dir / "slot" if images is not None else tmp_path / "ckpt"
     # A warm save, as in training: the first one reserves, maps and pins the images (0.3 s), or the pool.
     cpuckpt.async_save(sd, path if images is not None else tmp_path / "warm", _cfg(window), ordering="stream",
-                       images=images).wait()
+                       sink=images).wait()
     torch.cuda.synchronize()
     start = torch.cuda.Event(enable_timing=True)
     start.record()
@@ -201,7 +201,7 @@ def test_a_small_copy_waits_behind_the_window_not_the_save(tmp_path: Path, ram_d
     slept = torch.cuda.Event(enable_timing=True)
     slept.record()
     t0 = time.perf_counter()
-    h = cpuckpt.async_save(sd, path, _cfg(window), ordering="stream", images=images)
+    h = cpuckpt.async_save(sd, path, _cfg(window), ordering="stream", sink=images)
     small.copy_(sd["w"][0, :1], non_blocking=True)
     call_ms = 1000 * (time.perf_counter() - t0)
     done_small = torch.cuda.Event()

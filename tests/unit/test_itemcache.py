@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 import cpuckpt
 from cpuckpt.backend.itemcache import walk_state
 from cpuckpt.background import async_save
-from cpuckpt.transfer.images import ImageSet
+from cpuckpt.tier.images import ImageSet
 
 CFG = {"io": {"chunk_bytes": "8KiB", "threads": 2, "backend": "buffered", "fsync": False},
        "layout": {"align_bytes": 512, "align_data_min_bytes": "4KiB"}, "timeout_s": 60}
@@ -56,7 +56,7 @@ def _state(model: _Model, step: int) -> dict[str, Any]:
 
 
 def _save(state: dict[str, Any], path: Path, images: ImageSet | None = None, **kw: Any) -> cpuckpt.AsyncSaveHandle:
-    h = async_save(state, path, CFG, images=images, **kw)
+    h = async_save(state, path, CFG, sink=images, **kw)
     h.wait()
     return h
 

@@ -3,12 +3,14 @@
 An ``ImageFile`` is one data file in a RAM-backed directory. It is reserved with ``posix_fallocate``
 (a full tmpfs fails there with ENOSPC, never with SIGBUS in the middle of a copy), mapped
 ``MAP_SHARED`` once and, when CUDA is present, pinned with ``cudaHostRegister`` once, so a save is
-a copy from the device straight into the file's pages: no host pool, no ``pwrite``. ``ImageJob``
-fills the images of one save with the same bytes the normal pipeline writes (``fill_chunk``, and
-``DeviceCopier`` for GPU sources), so stock DCP readers load the directory once ``.metadata`` is
-there. With ``memory.checksum`` (and ``integrity.checksum: crc32c``) each chunk's crc32c is computed
-from the image on worker threads after the copies (GPU: each chunk after its own): ``staged`` waits
-for the copies only, ``done`` (and so the memory commit) for the checksums too. ``persist_image`` copies an image to
+a copy from the device straight into the file's pages: no host pool, no ``pwrite``. An ``ImageSet``
+is the save engine's sink factory (``StorageWriter(sink=images)``): its ``ImageSink`` hands the engine
+views of the images as slots, so a save fills them with the same bytes the pool path writes, with every
+staging feature of the engine (device snapshot, copy window, gate, fill programs), and stock DCP
+readers load the directory once ``.metadata`` is there. With ``memory.checksum`` (and
+``integrity.checksum: crc32c``) each chunk's crc32c is computed from the image (GPU: each chunk after
+its own copy): ``staged`` waits for the copies only, ``done`` (and so the memory commit) for the
+checksums too. ``persist_image`` copies an image to
 durable storage through the file backends, checksumming each chunk on the way (the writer process
 does that, off the trainer's path) and comparing with the memory checkpoint's checksums when it has
 them, so a RAM page damaged after the save is never made durable.
@@ -35,7 +37,6 @@ import mmap
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -44,17 +45,15 @@ import torch
 
 from cpuckpt import faultpoint
 from cpuckpt.config import Config
-from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError
+from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, StagingError, StorageIOError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.copy_gate import GATE
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
-from cpuckpt.transfer.save_job import _Stats
-from cpuckpt.transfer.staging import CopyFence, CopyWindow, DeviceCopier, Slot, fill_chunk, own_host_sources
-from cpuckpt.transfer.threads import run_parallel, shared_executor, wait_future
-from cpuckpt.transfer.tracing import nvtx_range
+from cpuckpt.transfer.staging import Slot
+from cpuckpt.transfer.threads import run_parallel
 
-__all__ = ["ImageFile", "ImageJob", "ImageSet", "persist_image"]
+__all__ = ["ImageFile", "ImageSet", "ImageSink", "persist_image"]
 
 logger = logging.getLogger(__name__)
 
@@ -356,6 +355,11 @@ class ImageSet:
         img.ensure(nbytes, chunk_bytes=chunk_bytes)
         return img
 
+    def __call__(self, directory: Path, names: list[str], files: list[FileLayout], cfg: Config, *,
+                 rank: int) -> ImageSink:
+        """The sink of a save into these images (``StorageWriter(sink=image_set)``)."""
+        return ImageSink(self, directory, names, files, cfg, rank=rank)
+
     def claim(self, done: cf.Future) -> cf.Future | None:
         """A job takes these images; returns the previous job's ``done`` (it must end before any byte moves)."""
         with self._lock:
@@ -385,353 +389,89 @@ class ImageSet:
             f.close()
 
 
-class ImageJob:
-    """A rank's save straight into its image files: the same surface as ``SaveJob``.
+class ImageSink:
+    """A save straight into this rank's image files (the save engine's sink; :class:`ImageSet` makes it).
 
-    ``staged`` completes when every byte is in the images (RAM: nothing to fsync), ``done`` once
-    every chunk's crc32c is computed too (``memory.checksum`` with ``integrity.checksum: crc32c``;
-    else together, and ``done``'s entries carry no checksums). Checksums are computed from the image
-    itself, on the ``cpuckpt-crc-<rank>`` threads. GPU sources: each chunk once its CUDA event
-    completed, overlapping the (DMA) copies of later chunks. CPU sources: once every fill ended, since
-    fills and checksums would compete for the same cores and ``staged`` is what the trainer waits for.
-    Bytes past each layout's end are never touched.
+    Its slots are views of the mapped images, one per chunk, so each device-to-host copy (or host fill)
+    lands in its final place and there is nothing to write. With ``memory.checksum`` (and
+    ``integrity.checksum: crc32c``) the engine computes each chunk's crc32c from the image: GPU chunks
+    each once its own copy completed, overlapping later copies (``write_as_copied``); host fills once all
+    ended (fills and checksums would compete for the same cores, and ``staged`` is what the trainer
+    waits for). Bytes past each layout's end are never touched.
     """
 
-    def __init__(self, directory: Path, names: list[str], files: list[FileLayout],
-                 sources: list[torch.Tensor | None], cfg: Config, *, rank: int, images: ImageSet) -> None:
+    name = "image"
+    holds_every_chunk = True
+    write_as_copied = True
+
+    def __init__(self, images: ImageSet, directory: Path, names: list[str], files: list[FileLayout], cfg: Config, *,
+                 rank: int) -> None:
+        self.images = images
         self.directory = Path(directory)
         self.names = names
         self.files = files
-        self.sources = sources
         self.cfg = cfg
         self.rank = rank
-        self.images = images
-        self.mode = "memory"
-        self.staged: cf.Future[None] = cf.Future()
-        self.done: cf.Future[list[FileEntry]] = cf.Future()
-        self.stats = _Stats(mode="memory", backend="image")
-        self.started_at = 0.0  # perf_counter() when start() began
+        self.checksum = cfg.memory.checksum and cfg.integrity.checksum == "crc32c"
         self._chunks: list[Chunk] = [c for f in files for c in f.chunks]
-        self._checksum = cfg.memory.checksum and cfg.integrity.checksum == "crc32c"
-        self._checksum_after_copies = False  # CPU fills: every chunk's checksum is queued once all ended
-        self._crcs = [[0] * len(f.chunks) for f in files]
-        self._images: list[ImageFile] = []
         self._targets: list[tuple[torch.Tensor, memoryview]] | None = None
-        self._lock = threading.Lock()
-        self._cancel = threading.Event()
-        self._error: BaseException | None = None
-        # Tasks not ended: copies (or the GPU copies' waiter), checksums, and ``start()`` itself while it
-        # submits. Whoever submits a task holds a token of its own until the submission is done, so the
-        # count cannot reach zero while tasks are still being queued (a checksum that ended first had
-        # finished the job with crc32c 0 for the chunks not yet queued).
-        self._pending = 0
-        self._copying = 0  # of those, the copies (and ``start()``): ``staged`` completes when none is left
-        self._copied = False  # every copy ended (``_copies_ended`` ran)
-        self._finished = False
-        self._t0 = 0.0
-        # GPU sources: the end of the copies enqueued so far (``AsyncSaveHandle.wait_stream``); None: host fills.
-        self.fence: CopyFence | None = None
+        self._remaps = 0
 
-    # -- public -------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Size the images and enqueue (GPU) or start (CPU) every chunk's copies.
+    # -- Sink -----------------------------------------------------------------------------------------
+    def open(self, nslots: int, done: cf.Future) -> ImageSink:
+        """Claim the images for this save (a save still copying into them, or one that failed with copies
+        in flight, ends first) and size them. Raises ``CheckpointTimeoutError`` if that one does not end."""
+        previous = self.images.claim(done)
+        if previous is not None:
+            with GATE.lifted():  # the previous save's copies must go on even inside a held copy gate
+                cf.wait([previous], timeout=self.cfg.timeout_s)
+            if not previous.done():
+                raise CheckpointTimeoutError(f"rank {self.rank}: the previous save into {self.directory} has "
+                                             f"not ended after {self.cfg.timeout_s} s")
+        remaps, opened = 0, []
+        for name, layout in zip(self.names, self.files):
+            old = self.images.get(name)
+            remaps -= old.remaps if old is not None else 0
+            opened.append(self.images.image(name, layout.nbytes, chunk_bytes=self.cfg.io.chunk_bytes))
+        self._remaps = remaps + sum(img.remaps for img in opened)
+        self._targets = [(img.tensor(), img.view()) for img in opened]
+        return self
 
-        Raises:
-            The error ``staged`` and ``done`` report, when the save failed before returning.
-        """
-        self._t0 = self.started_at = time.perf_counter()
-        self.stats.nbytes = sum(f.nbytes for f in self.files)
-        with self._lock:
-            if self._error is not None:  # cancelled before it started
-                raise self._error
-            self._pending += 1  # start()'s token (see __init__), given back in ``finally``
-            self._copying += 1
-        try:
-            if len(self.names) != len(self.files):
-                raise ValueError(f"{len(self.names)} file names for {len(self.files)} layouts")
-            # One job at a time per set of images: a save still copying into them (or one that failed
-            # with copies in flight) ends before this one resizes or overwrites a byte.
-            previous = self.images.claim(self.done)
-            if previous is not None:
-                with GATE.lifted():  # the previous save's copies must go on even inside a held copy gate
-                    cf.wait([previous], timeout=self.cfg.timeout_s)
-                if not previous.done():
-                    raise CheckpointTimeoutError(f"rank {self.rank}: the previous save into {self.directory} has "
-                                                 f"not ended after {self.cfg.timeout_s} s")
-            remaps = 0
-            for name, layout in zip(self.names, self.files):
-                old = self.images.get(name)
-                remaps -= old.remaps if old is not None else 0
-                img = self.images.image(name, layout.nbytes, chunk_bytes=self.cfg.io.chunk_bytes)
-                self._images.append(img)
-            self._targets = [(img.tensor(), img.view()) for img in self._images]
-            gpu = [s for s in self.sources if s is not None and s.device.type == "cuda"]
-            if gpu and self._chunks:
-                with nvtx_range("cpuckpt.stage.d2h"):
-                    self._stage_on_device(gpu[0].device)
-            elif self._chunks:
-                self._checksum_after_copies = self._checksum
-                fillers = shared_executor(self.cfg.io.threads, f"cpuckpt-stage-{self.rank}")
-                for chunk in self._chunks:
-                    with self._lock:
-                        self._pending += 1
-                        self._copying += 1
-                    try:
-                        fillers.submit(self._fill_task, chunk)
-                    except BaseException:  # refused (interpreter shutdown): nothing will end this chunk's token
-                        with self._lock:
-                            self._pending -= 1
-                            self._copying -= 1
-                        raise
-            self.stats.extra["image_remaps"] = float(remaps + sum(img.remaps for img in self._images))
-        except BaseException as e:
-            self._fail(e)
-            err = self._error
-            if err is None or err is e:
-                raise
-            raise err from e
-        finally:
-            try:
-                self._copy_ended()  # the last copy to end queues the checksums, under a token still held
-            finally:
-                self._task_ended()
+    def write(self, chunk: Chunk, slot: Slot) -> None:
+        """Nothing to do: the copy landed in the image."""
 
-    def wait_staged(self, timeout_s: float | None = None) -> None:
-        wait_future(self.staged, self.cfg.timeout_s if timeout_s is None else timeout_s,
-                    f"staging of rank {self.rank}'s memory images", on_interrupt=self.cancel)
+    def finish(self) -> None:
+        self._targets = None  # drop the views, so an image can be remapped or closed
 
-    def wait_done(self, timeout_s: float | None = None) -> list[FileEntry]:
-        return wait_future(self.done, self.cfg.timeout_s if timeout_s is None else timeout_s,
-                           f"saving rank {self.rank}'s memory images in {self.directory}", on_interrupt=self.cancel)
+    def abort(self) -> None:
+        self._targets = None
 
-    def cancel(self, reason: BaseException) -> None:
-        """Abort: chunks not yet copied are skipped; ``staged``/``done`` report ``reason`` (``done``
-        once no copy still writes into the images)."""
-        self._fail(reason, wrap=False)
-        with self._lock:
-            idle = self._pending == 0
-        if idle:
-            self._finish()
+    def stats(self) -> dict[str, float]:
+        return {"image_remaps": float(self._remaps)}
 
-    # -- staging ------------------------------------------------------------------------------------
+    # -- SlotSource: chunk ``ticket``'s place in its image --------------------------------------------
+    def lease(self, timeout_s: float, *, order: object = None, ticket: int | None = None,
+              cancel: threading.Event | None = None) -> Slot:
+        if ticket is None:
+            raise ValueError("image slots are leased by chunk (ticket)")
+        return self._slot(self._chunks[ticket])
+
+    def lease_each(self, n: int, timeout_s: float, *, cancel: threading.Event | None = None) -> list[Slot]:
+        return [self._slot(c) for c in self._chunks[:n]]
+
+    def release(self, slot: Slot) -> None:
+        """Nothing to give back: the slot is the image."""
+
+    def wake(self) -> None:
+        """Nothing waits for an image slot."""
+
     def _slot(self, chunk: Chunk) -> Slot:
         targets = self._targets
         if targets is None:
-            raise RuntimeError("ImageJob used before start()")
+            raise RuntimeError("ImageSink used before open()")
         tensor, view = targets[chunk.file]
         lo, hi = chunk.offset, chunk.offset + chunk.nbytes
         return Slot(index=-1, count=0, tensor=tensor[lo:hi], view=view[lo:hi])
-
-    def _stage_on_device(self, device: torch.device) -> None:
-        copier = DeviceCopier(device)  # copies wait for kernels already queued on the current stream
-        copier.protect(self.sources)
-        fence = self.fence = CopyFence(device, self.cfg.timeout_s)
-        if self.cfg.staging.d2h_window_bytes:  # a thread enqueues, a window ahead (SaveJob._enqueue_snapshot)
-            self.sources = own_host_sources(self.sources)  # it copies host bytes after the call
-            fence.enqueuing()
-            self._submit_copy_task(copier, f"cpuckpt-d2h-feed-{self.rank}", self._feed_copies, copier)
-            return
-        events: list[tuple[Chunk, object]] = []  # checksummed: each chunk's event, for its checksum task
-        fence.event = self._enqueue_copies(copier, None, lambda chunk, event: events.append((chunk, event)))
-        # One waiter queues the checksums (off the caller's path: a checksum thread woken per chunk had
-        # taken the GIL from the caller) and marks the images complete when the last copy completed.
-        self._submit_copy_task(copier, f"cpuckpt-d2h-wait-{self.rank}", self._wait_copies, fence.event, events)
-
-    def _enqueue_copies(self, copier: DeviceCopier, window: CopyWindow | None,
-                        each: Callable[[Chunk, object], object]) -> object:
-        """Enqueue every chunk's copies into the images (:meth:`DeviceCopier.enqueue`); with checksums each
-        chunk's event goes to ``each``. Returns the event after the last copy."""
-        targets = ((chunk, self._slot(chunk), self.files[chunk.file]) for chunk in self._chunks)
-        return copier.enqueue(targets, self.sources, window=window, cancel=self._cancel,
-                              each=each if self._checksum else None)
-
-    def _submit_copy_task(self, copier: DeviceCopier, executor: str, task: Callable[..., None], *args: object) -> None:
-        """Run ``task(*args)`` on a one-thread executor as the copies' task (``staged`` waits for it); if it
-        cannot be submitted (interpreter shutdown), the copies already enqueued end first and it is raised."""
-        with self._lock:
-            self._pending += 1
-            self._copying += 1
-        try:
-            shared_executor(1, executor).submit(task, *args)
-        except BaseException:
-            with self._lock:
-                self._pending -= 1
-                self._copying -= 1
-            copier.drain()
-            fence = self._require_fence()
-            fence.finish(fence.event)  # nobody will enqueue more: order() must not wait
-            raise
-
-    def _feed_copies(self, copier: DeviceCopier) -> None:
-        last = None
-        try:
-            last = self._enqueue_copies(copier, CopyWindow(self.cfg.staging.d2h_window_bytes), self._submit_checksum)
-            last.synchronize()  # type: ignore[attr-defined]
-        except BaseException as e:
-            self._fail(e)
-        finally:
-            self._require_fence().finish(last)
-            self._copy_ended()
-            self._task_ended()
-
-    def _require_fence(self) -> CopyFence:
-        if self.fence is None:
-            raise RuntimeError("ImageJob used before start()")
-        return self.fence
-
-    def _wait_copies(self, last: object, events: list[tuple[Chunk, object]]) -> None:
-        try:
-            try:
-                for chunk, event in events:
-                    self._submit_checksum(chunk, event)
-            finally:
-                last.synchronize()  # type: ignore[attr-defined]  # copies end before any failure is reported
-        except BaseException as e:
-            self._fail(e)
-        finally:
-            try:
-                self._copy_ended()
-            finally:
-                self._task_ended()
-
-    def _fill_task(self, chunk: Chunk) -> None:
-        try:
-            if not self._cancel.is_set():
-                fill_chunk(self._slot(chunk), self.files[chunk.file], chunk, self.sources)
-        except BaseException as e:
-            self._fail(e)
-        finally:
-            try:
-                self._copy_ended()  # the last one queues the checksums before this task ends: no early finish
-            finally:
-                self._task_ended()
-
-    # -- checksums ----------------------------------------------------------------------------------
-    def _submit_checksum(self, chunk: Chunk, event: object | None) -> None:
-        with self._lock:
-            self._pending += 1
-        try:
-            shared_executor(self.cfg.io.threads, f"cpuckpt-crc-{self.rank}").submit(self._checksum_task, chunk, event)
-        except BaseException:  # the executor refused (interpreter shutdown): nothing will run it
-            self._task_ended()
-            raise
-
-    def _checksum_task(self, chunk: Chunk, event: object | None) -> None:
-        """crc32c of ``chunk``'s bytes in the image, once its copy completed (``event``: a GPU chunk's)."""
-        try:
-            if event is not None and not self._cancel.is_set():
-                event.synchronize()  # type: ignore[attr-defined]
-            if self._cancel.is_set():
-                return
-            targets = self._targets
-            if targets is None:
-                raise RuntimeError("ImageJob used before start()")
-            with targets[chunk.file][1][chunk.offset : chunk.offset + chunk.nbytes] as view:
-                self._crcs[chunk.file][chunk.index] = crc32c.crc32c(view)
-        except BaseException as e:
-            self._fail(e)
-        finally:
-            self._task_ended()
-
-    def _copy_ended(self) -> None:
-        with self._lock:
-            self._copying -= 1
-            copied = self._copying == 0
-        if copied:
-            self._copies_ended()
-
-    def _copies_ended(self) -> None:
-        """Every copy into the images completed: ``staged``; CPU fills: queue the checksums now."""
-        with self._lock:
-            if self._error is not None or self._copied:  # reached from start() and from the last copy
-                return
-            self._copied = True
-            self.stats.stage_s = time.perf_counter() - self._t0
-        _settle(self.staged, None)
-        if self._checksum_after_copies:
-            for chunk in self._chunks:
-                self._submit_checksum(chunk, None)
-
-    def _task_ended(self) -> None:
-        with self._lock:
-            self._pending -= 1
-            idle = self._pending == 0
-        if idle:
-            self._finish()
-
-    def _finish(self) -> None:
-        """Nothing writes into the images any more: report the result (or the error)."""
-        with self._lock:
-            if self._finished:
-                return
-            self._finished = True
-            error = self._error
-        self._targets = None  # drop the views, so an image can be remapped or closed
-        if error is not None:
-            _settle(self.staged, error=error)
-            _settle(self.done, error=error)
-            return
-        self.stats.write_s = time.perf_counter() - self._t0
-        if not self.stats.stage_s:
-            self.stats.stage_s = self.stats.write_s
-        self.stats.extra["checksum_s"] = self.stats.write_s - self.stats.stage_s if self._checksum else 0.0
-        entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=self.cfg.io.chunk_bytes,
-                             checksum="crc32c" if self._checksum else "none",
-                             chunk_checksums=list(c) if self._checksum else [])
-                   for n, f, c in zip(self.names, self.files, self._crcs)]
-        logger.debug("rank %d: %d bytes saved into memory images in %s in %.3f s (checksums done at %.3f s)",
-                     self.rank, self.stats.nbytes, self.directory, self.stats.stage_s, self.stats.write_s)
-        _settle(self.staged, None)
-        _settle(self.done, entries)
-
-    def _fail(self, e: BaseException, *, wrap: bool = True) -> None:
-        err = self._wrap(e) if wrap else self._as_cpuckpt(e)
-        with self._lock:
-            if self._error is not None:
-                return
-            self._error = err
-            self._cancel.set()
-        logger.error("rank %d: save into memory images in %s failed: %s", self.rank, self.directory, err)
-        _settle(self.staged, error=err)  # ``done`` follows once no copy still runs (``_finish``)
-
-    def _as_cpuckpt(self, e: BaseException) -> BaseException:
-        if isinstance(e, CpuckptError | OSError | TimeoutError):
-            return e
-        err = CpuckptError(f"rank {self.rank}: saving into memory images in {self.directory} failed: {e!r}")
-        err.__cause__ = e
-        return err
-
-    def _wrap(self, e: BaseException) -> BaseException:
-        """The error of this rank's save: names rank and directory, keeps the class, chains ``e``."""
-        detail = str(e) if isinstance(e, CpuckptError | OSError) else repr(e)
-        msg = f"rank {self.rank}: saving into memory images in {self.directory} failed: {detail}"
-        err: CpuckptError
-        if isinstance(e, StorageIOError):
-            err = StorageIOError(msg, path=e.path, offset=e.offset, nbytes=e.nbytes, errno_=e.errno)
-        elif isinstance(e, OSError):
-            err = StorageIOError(msg, path=None if e.filename is None else str(e.filename), errno_=e.errno)
-        elif isinstance(e, TimeoutError):
-            err = CheckpointTimeoutError(msg)
-        elif isinstance(e, CpuckptError) and not isinstance(e, StagingError):
-            try:
-                err = type(e)(msg)
-            except TypeError:
-                err = CpuckptError(msg)
-        else:
-            err = StagingError(msg)
-        err.__cause__ = e
-        return err
-
-
-def _settle(fut: cf.Future, result: object = None, *, error: BaseException | None = None) -> None:
-    """Complete ``fut`` unless it already is (a failure and a success may race from two threads)."""
-    try:
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
-    except cf.InvalidStateError:
-        pass
 
 
 def _expected_crcs(src: str, expect: FileEntry | None, nbytes: int, chunk_bytes: int) -> list[int] | None:
