@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from cpuckpt import _moved
 from cpuckpt.api import load, pause_copies, prepare_pool, prepare_pool_in_background, save
 from cpuckpt.backend.reader import StorageReader
 from cpuckpt.backend.writer import StorageWriter
@@ -68,5 +67,3 @@ __all__ = [
     "update_latest",
     "wait_all",
 ]
-
-_moved.install()
