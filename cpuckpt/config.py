@@ -24,6 +24,7 @@ from cpuckpt.errors import ConfigError
 from cpuckpt.paths import local_path
 
 __all__ = [
+    "REMOVED_KEYS",
     "AsyncConfig",
     "CheckpointConfig",
     "Config",
@@ -70,6 +71,13 @@ def _opt(default: Any, doc: str, **checks: Any) -> Any:
     return field(default=default, metadata={"doc": doc, **checks})
 
 
+# Keys that were deleted (issue 28), dotted -> what to do instead. A file, dict or environment variable
+# that still sets one is told that it was removed, not that it is unknown: its author did nothing wrong.
+REMOVED_KEYS: dict[str, str] = {
+    "io.files_per_rank": "cpuckpt writes one data file per rank; checkpoints written with several still load",
+}
+
+
 @dataclass(frozen=True)
 class IOConfig:
     """How bytes reach storage."""
@@ -81,7 +89,6 @@ class IOConfig:
                              min=1, max=256)
     chunk_bytes: int = _opt(32 * _MiB, "Unit of staging, checksumming and pwrite; multiple of layout.align_bytes.",
                             size=True, min=4 * _KiB)
-    files_per_rank: int = _opt(1, "Data files per rank (threads share one file through pwrite).", min=1, max=1024)
     fsync: bool = _opt(True, "fsync every file and the directory before a save is reported durable.")
 
 
@@ -324,6 +331,9 @@ def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str,
             raise ConfigError(f"{source}: key {k!r} in {where} is not a name; known keys here: "
                               f"{', '.join(sorted(fields))}")
     unknown = sorted(set(data) - set(fields))
+    for k in unknown:
+        if f"{prefix}{k}" in REMOVED_KEYS:
+            raise ConfigError(f"{source}: {prefix}{k} was removed ({REMOVED_KEYS[prefix + k]}); delete the key")
     if unknown:
         where = f"{prefix}{unknown[0]}"
         raise ConfigError(f"{source}: unknown key '{where}'; known keys here: {', '.join(sorted(fields))}")
@@ -458,6 +468,12 @@ def warn_unknown_env(cls: type | None = None) -> list[str]:
                 or name.startswith(NOT_CONFIG_ENV_PREFIXES) or name in _warned_env):
             continue
         _warned_env.add(name)
+        removed = [k for k in REMOVED_KEYS if f"CPUCKPT_{k.replace('.', '_')}".upper() == name]
+        if removed:
+            warnings.warn(f"environment variable {name} sets {removed[0]}, which was removed "
+                          f"({REMOVED_KEYS[removed[0]]}), and is ignored", UserWarning, stacklevel=3)
+            warned.append(name)
+            continue
         close = difflib.get_close_matches(name, sorted(known), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         warnings.warn(f"environment variable {name} matches no cpuckpt config key and is ignored{hint}; "

@@ -220,7 +220,7 @@ class StorageWriter(_DcpStorageWriter):
         cfg = self.config
         files, placements = _LAYOUTS.plan(
             layout_items,
-            num_files=cfg.io.files_per_rank,
+            num_files=1,
             chunk_bytes=cfg.io.chunk_bytes,
             align_bytes=cfg.layout.align_bytes,
             align_data_min_bytes=cfg.layout.align_data_min_bytes,

@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from cpuckpt.config import Config
+from cpuckpt.config import REMOVED_KEYS, Config
 
 __all__ = ["config_markdown"]
 
@@ -103,6 +103,14 @@ def config_markdown() -> str:
         lines.append("| key | type | default | meaning | environment |")
         lines.append("|---|---|---|---|---|")
         lines.extend(top)
+        lines.append("")
+    if REMOVED_KEYS:
+        lines.append("## Removed keys\n")
+        lines.append("A file or dict that still sets one of these fails with a `ConfigError` saying that it was "
+                     "removed;\nits environment variable is ignored with a warning.\n")
+        lines.append("| key | instead |")
+        lines.append("|---|---|")
+        lines.extend(f"| `{k}` | {why} |" for k, why in REMOVED_KEYS.items())
         lines.append("")
     return "\n".join(lines)
 

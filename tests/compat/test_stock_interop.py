@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import _helpers as H  # tests/dist is on sys.path (tests/conftest.py)
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -130,8 +131,11 @@ def test_our_checkpoint_layout_on_disk(saved):
 
 
 def test_our_multi_file_checkpoint_loads_with_stock_reader(tmp_path):
+    """Checkpoints with several data files per rank (cpuckpt's before io.files_per_rank was removed)
+    still load, with the stock reader and with ours."""
     sd = _state_dict()
-    cpuckpt.save(sd, tmp_path / "c", {"io": {"chunk_bytes": "64KiB", "files_per_rank": 3}})
+    with H.files_per_rank(3):
+        cpuckpt.save(sd, tmp_path / "c", {"io": {"chunk_bytes": "64KiB"}})
     assert sorted(p.name for p in (tmp_path / "c").glob("*.distcp")) == [f"__0_{k}.distcp" for k in range(3)]
     out = _targets(sd)
     dcp.load(out, storage_reader=FileSystemReader(str(tmp_path / "c")))

@@ -8,8 +8,10 @@ byte views: a conversion, a lost NaN payload or a shifted byte anywhere fails th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +143,30 @@ def assert_committed_layout(path: str | Path, world: int, files_per_rank: int = 
 
 
 # ------------------------------------------------------------------------------------ layouts
+
+
+@contextlib.contextmanager
+def files_per_rank(n: int) -> Iterator[None]:
+    """cpuckpt saves made inside spread each rank's items over up to ``n`` data files, as the writer did
+    with ``io.files_per_rank: n`` before that key was removed (issue 28): the checkpoints older versions
+    wrote, which loads must still read. Wraps the writer's layout cache for this process; not for a save
+    that runs concurrently with another one."""
+    from cpuckpt.backend import writer
+
+    real = writer._LAYOUTS
+
+    class _Spread:
+        def plan(self, items: Any, **kw: Any) -> Any:
+            return real.plan(items, **{**kw, "num_files": n})
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    writer._LAYOUTS = _Spread()
+    try:
+        yield
+    finally:
+        writer._LAYOUTS = real
 
 
 def plan_layout(values: list[Any], cfg: Any, num_files: int = 2) -> tuple[list[str], list[Any], list[Any]]:

@@ -164,12 +164,13 @@ def rank_save_then_stock_load(root: str, backend: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     root_p = Path(root)
     cfg = {"io": {"chunk_bytes": CHUNK, "threads": 2, "backend": backend}}
-    cfg_two_files = {"io": {"chunk_bytes": CHUNK, "threads": 3, "backend": backend, "files_per_rank": 2}}
+    cfg_three_threads = {"io": {"chunk_bytes": CHUNK, "threads": 3, "backend": backend}}
 
     sd = build_state_dict(rank, world, mesh)
     via_api, via_dcp = root_p / "via_api", root_p / "via_dcp"
     cpuckpt.save(sd, via_api, cfg, step=11)
-    dcp.save(sd, storage_writer=cpuckpt.StorageWriter(via_dcp, cfg_two_files, step=12))
+    with H.files_per_rank(2):  # as written before io.files_per_rank was removed
+        dcp.save(sd, storage_writer=cpuckpt.StorageWriter(via_dcp, cfg_three_threads, step=12))
     dist.barrier()
     # Saving neither changed nor consumed the sources.
     check_state_dict(sd, rank, world, mesh, full_dest=False, what="source after save")

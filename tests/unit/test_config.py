@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from cpuckpt import Config, ConfigError
-from cpuckpt.config import parse_bytes
+from cpuckpt.config import REMOVED_KEYS, parse_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_YAML = REPO / "configs" / "default.yaml"
@@ -147,6 +147,17 @@ def test_unknown_key_names_dotted_key_and_file(tmp_path, text, dotted):
     assert "unknown key" in msg
 
 
+@pytest.mark.parametrize("dotted", sorted(REMOVED_KEYS))
+def test_removed_key_names_the_key_and_says_it_was_removed(tmp_path, dotted):
+    """A config written for an older cpuckpt that still sets a deleted key fails, saying so (not "unknown")."""
+    section, _, key = dotted.rpartition(".")
+    text = f"{section}:\n  {key}: 1\n" if section else f"{key}: 1\n"
+    msg = _yaml_error(tmp_path, text)
+    assert f"{dotted} was removed ({REMOVED_KEYS[dotted]})" in msg and "unknown" not in msg, msg
+    with pytest.raises(ConfigError, match=f"<dict>: {re.escape(dotted)} was removed"):
+        Config.from_dict({section: {key: 1}} if section else {key: 1}, env=False)
+
+
 @pytest.mark.parametrize(
     ("text", "dotted", "fragment"),
     [
@@ -174,7 +185,6 @@ def test_wrong_type_names_dotted_key_and_file(tmp_path, text, dotted, fragment):
         ("io:\n  threads: 0\n", "io.threads"),
         ("io:\n  threads: -3\n", "io.threads"),
         ("io:\n  threads: 100000\n", "io.threads"),
-        ("io:\n  files_per_rank: 0\n", "io.files_per_rank"),
         ("io:\n  chunk_bytes: 1000\n", "io.chunk_bytes"),
         ("layout:\n  align_bytes: 3000\n", "layout.align_bytes"),
         ("layout:\n  align_bytes: 6144\n", "layout.align_bytes"),
@@ -456,6 +466,15 @@ def test_misspelled_env_variable_warns_once(monkeypatch, _fresh_env_warnings):
     assert len(first) == 1 and "CPUCKPT_IO_THREAD " in first[0] and "CPUCKPT_IO_THREADS" in first[0], first
     assert _warnings_of(lambda: Config.from_dict(None)) == []  # once per process and variable
     assert Config.from_dict(None).io.threads == Config().io.threads
+
+
+@pytest.mark.parametrize("dotted", sorted(REMOVED_KEYS))
+def test_env_variable_of_a_removed_key_warns_that_it_was_removed(monkeypatch, _fresh_env_warnings, dotted):
+    name = "CPUCKPT_" + dotted.replace(".", "_").upper()
+    monkeypatch.setenv(name, "1")
+    (msg,) = _warnings_of(lambda: Config.from_dict(None))
+    assert f"{name} sets {dotted}, which was removed" in msg and "ignored" in msg, msg
+    assert Config.from_dict(None) == Config()
 
 
 def test_env_warning_is_shown_by_default(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import _helpers as H  # tests/dist is on sys.path (tests/conftest.py)
 import pytest
 import torch
 
@@ -68,9 +69,10 @@ def test_storage_reader_of_another_checkpoint_is_refused(tmp_path):
 def test_reads_of_every_file_share_one_set_of_threads_and_are_accounted(tmp_path, monkeypatch, verify):
     """Several data files: one run of the read threads for all of them (no drain per file), and the
     read statistics split reads from the caller-thread copies of bounce buffers (a dtype change)."""
-    cfg = {"io": {"files_per_rank": 3, "read_threads": 2, "chunk_bytes": 65536}, "integrity": {"verify": verify}}
+    cfg = {"io": {"read_threads": 2, "chunk_bytes": 65536}, "integrity": {"verify": verify}}
     sd = {f"t{i}": torch.randn(64, 128) for i in range(6)} | {"h": torch.randn(100, dtype=torch.float64)}
-    cpuckpt.save(sd, tmp_path / "c", cfg)
+    with H.files_per_rank(3):  # as written before io.files_per_rank was removed
+        cpuckpt.save(sd, tmp_path / "c", cfg)
     runs = []
     real = cpuckpt.backend.reader.run_parallel
 
