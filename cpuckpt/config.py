@@ -75,6 +75,8 @@ def _opt(default: Any, doc: str, **checks: Any) -> Any:
 # that still sets one is told that it was removed, not that it is unknown: its author did nothing wrong.
 REMOVED_KEYS: dict[str, str] = {
     "io.files_per_rank": "cpuckpt writes one data file per rank; checkpoints written with several still load",
+    "staging.pretouch": "a pool is touched at creation, on many threads, exactly when it is pinned (staging.pin); "
+                        "cpuckpt.prepare_pool touches one at start-up",
 }
 
 
@@ -125,9 +127,8 @@ class StagingConfig:
                      choices=("auto", "snapshot", "streaming"))
     pool_bytes: int = _opt(0, "Host pool size; 0 sizes it automatically (2 chunks per thread when streaming).",
                            size=True, min=0)
-    pin: bool = _opt(True, "Pin the pool with cudaHostRegister when CUDA is present.")
-    pretouch: bool = _opt(False, "Touch the whole pool when it is created, not at first use (a pinned pool is "
-                          "always touched first, on many threads: pinning faults untouched pages in on one).")
+    pin: bool = _opt(True, "Pin the pool with cudaHostRegister when CUDA is present (its pages are touched "
+                     "first, on many threads: pinning would fault them in on one).")
     d2h_window_bytes: int = _opt(0, "Device-to-host bytes enqueued ahead (GPU sources, snapshot saves); 0 "
                                  "enqueues a save's copies at once. With a window a thread keeps that much in "
                                  "flight and adds none while the trainer holds the copy gate (the adapters' "

@@ -88,7 +88,7 @@ def snapshot_state_dict(state_dict: dict[str, Any], cfg: Config, *, extra_slots:
         total += -(-loc.numel() * loc.element_size() // _ALIGN) * _ALIGN
     chunk = cfg.io.chunk_bytes
     run = max(1, -(-total // chunk))
-    pool = get_pool(chunk, run + extra_slots, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
+    pool = get_pool(chunk, run + extra_slots, pin=cfg.staging.pin)
     slot = pool.lease(cfg.timeout_s, count=run)
     devices = {_local(t).device for t in tensors if _local(t).device.type == "cuda"}
     copier = DeviceCopier(next(iter(devices))) if devices else None

@@ -126,7 +126,7 @@ class PoolSink:
         cfg = self.cfg
         self._backend = get_backend(cfg.io.backend, self.directory, cfg.layout.align_bytes)
         self.name = self._backend.name
-        self._pool = get_pool(cfg.io.chunk_bytes, max(nslots, 1), pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
+        self._pool = get_pool(cfg.io.chunk_bytes, max(nslots, 1), pin=cfg.staging.pin)
         return self._pool
 
     def write(self, chunk: Chunk, slot: Slot) -> None:

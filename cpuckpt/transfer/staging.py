@@ -4,9 +4,9 @@
 ``slot_bytes``. A slot is leased for one chunk and released when that chunk's write finished, so no
 slot is reused early and host memory never exceeds the pool. When CUDA is present the region is
 pinned once (cudaHostRegister), never per checkpoint, after its pages were faulted in on many
-threads (``pretouch``: also without pinning) so the first checkpoint does not pay for them. Leases
-of one save are granted in chunk order (``LeaseOrder``), so filling may run ahead of writing by at
-most the pool without deadlock.
+threads (``pretouch``, which ``cpuckpt.prepare_pool`` asks for: also without pinning) so the first
+checkpoint does not pay for them. Leases of one save are granted in chunk order (``LeaseOrder``),
+so filling may run ahead of writing by at most the pool without deadlock.
 
 ``fill_chunk`` copies one chunk of a file image into a slot: skeleton bytes, tensor bytes and
 zeroed gaps. ``DeviceCopier`` orders those copies after the trainer's current CUDA stream on a side
@@ -244,10 +244,11 @@ _POOL: HostPool | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def get_pool(slot_bytes: int, nslots: int, *, pin: bool, pretouch: bool) -> HostPool:
+def get_pool(slot_bytes: int, nslots: int, *, pin: bool, pretouch: bool = False) -> HostPool:
     """The process's pool, created at first use and reused while its slots are large and many enough.
 
-    A pool that is too small is replaced (once idle) by one large enough for both uses.
+    A pool that is too small is replaced (once idle) by one large enough for both uses. A new pool is
+    touched at creation when it is pinned, or with ``pretouch`` (``cpuckpt.prepare_pool``) also without.
 
     Raises:
         StagingError: the pool is too small and in use by another save.

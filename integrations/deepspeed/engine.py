@@ -556,7 +556,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         cfg = self.settings.core
         busy = sum(len(j.files[0].chunks) for j in self._jobs if not j.done.done())
         try:
-            get_pool(cfg.io.chunk_bytes, busy + nchunks, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
+            get_pool(cfg.io.chunk_bytes, busy + nchunks, pin=cfg.staging.pin)
             return
         except StagingError:
             logger.info("host pool too small for this checkpoint's files in flight; waiting for them once")
@@ -565,7 +565,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                 job.wait_done()
             except BaseException:  # reported again by commit(); here we only need the slots back
                 logger.debug("earlier file failed", exc_info=True)
-        get_pool(cfg.io.chunk_bytes, busy + nchunks, pin=cfg.staging.pin, pretouch=cfg.staging.pretouch)
+        get_pool(cfg.io.chunk_bytes, busy + nchunks, pin=cfg.staging.pin)
 
     def _wait_jobs(self, jobs: list[SaveJob] | None = None
                    ) -> tuple[BaseException | None, list[tuple[Path, FileEntry]]]:
