@@ -77,6 +77,10 @@ REMOVED_KEYS: dict[str, str] = {
     "io.files_per_rank": "cpuckpt writes one data file per rank; checkpoints written with several still load",
     "staging.pretouch": "a pool is touched at creation, on many threads, exactly when it is pinned (staging.pin); "
                         "cpuckpt.prepare_pool touches one at start-up",
+    "memory.writer_threads": "a writer process persists with io.threads threads (2 or 8 interfered with training "
+                             "alike on the H200)",
+    "memory.writer_nice": "writer processes run at the trainer's niceness (19 interfered with training as much "
+                          "as 0 on the H200)",
 }
 
 
@@ -187,10 +191,6 @@ class MemoryConfig:
                           "them per integrity.verify and the writer verifies them while persisting.")
     prepare_slots: bool = _opt(True, "After the first save, reserve, map and pin the other slots' images to the same "
                                "sizes on a background thread, so no later save pays for it.")
-    writer_threads: int = _opt(0, "Threads of each writer process's persist (read the image, crc32c, pwrite); 0: "
-                               "io.threads. Fewer leave more of the node's cores to training.", min=0)
-    writer_nice: int = _opt(0, "Niceness the writer processes add to themselves (0-19): a persist yields the "
-                            "CPU to training.", min=0, max=19)
     replicas: int = _opt(0, "Copy each memory checkpoint to this many partner nodes' RAM roots (the next nodes "
                          "in the sorted list of node identities), in the background, over TCP between the writer "
                          "processes; a node then holds (slots + replicas x slots) x shard. A restart restores a lost "

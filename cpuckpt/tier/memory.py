@@ -175,8 +175,8 @@ class MemoryTier:
         try:
             self._writer = subprocess.Popen(
                 [sys.executable, "-m", "cpuckpt.tier.persister", "--queue", str(self.queue.path),
-                 "--lock", str(self.root.writer_lock_path(self.rank)), "--trainer-lock", str(self.trainer_lock),
-                 "--nice", str(self.config.memory.writer_nice)] + self._listen_args(),
+                 "--lock", str(self.root.writer_lock_path(self.rank)), "--trainer-lock", str(self.trainer_lock)]
+                + self._listen_args(),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 close_fds=True)
         finally:

@@ -30,7 +30,6 @@ It exits when its trainer is gone and nothing is owed, or when asked to stop and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import signal
@@ -111,8 +110,6 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
         return replicate_one(req, queue)
     t0 = time.perf_counter()
     cfg = Config.from_dict(req.config, source="persist request", env=False)
-    if cfg.memory.writer_threads:  # fewer threads than the trainer's own writes: cores left to training
-        cfg = dataclasses.replace(cfg, io=dataclasses.replace(cfg.io, threads=cfg.memory.writer_threads))
     deadline = time.monotonic() + cfg.timeout_s
     dest, slot = Path(req.dest), Path(req.slot)
     prefix = f"__{req.rank}_"
@@ -235,14 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lock", required=True, help="the writer lock file of this rank")
     ap.add_argument("--trainer-lock", required=True, help="the trainer's rank lock: the writer exits once it is free "
                     "and nothing is owed")
-    ap.add_argument("--nice", type=int, default=0, help="niceness to add (memory.writer_nice)")
     ap.add_argument("--listen", default="", help="receive partners' replicas on this address (memory.replicas)")
     ap.add_argument("--root", default="", help="the RAM root replicas are received into")
     ap.add_argument("--headroom", type=int, default=0, help="memory.headroom_bytes (the RAM bound of replicas)")
     ap.add_argument("--timeout", type=float, default=600.0, help="timeout_s: bound on a replica connection")
     args = ap.parse_args(argv)
-    if args.nice:
-        os.nice(args.nice)  # a persist yields the CPU to the training processes of the node
     logging.basicConfig(level=logging.INFO, format="%(asctime)s cpuckpt-writer[%(process)d] %(message)s",
                         stream=sys.stderr)
     # A scheduler's SIGTERM (Slurm signals every process of the step) must not cut a persist short: the
