@@ -97,8 +97,6 @@ def timed_save(save: Any) -> tuple[float, float, float, Any]:
     device_sync()
     t0 = time.perf_counter()
     h = save()
-    if h is None:
-        raise RuntimeError("the memory tier skipped the save")
     h.staged.wait()
     device_sync()
     stall = time.perf_counter() - t0

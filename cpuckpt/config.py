@@ -73,6 +73,7 @@ def _opt(default: Any, doc: str, **checks: Any) -> Any:
 
 # Keys that were deleted (issue 28), dotted -> what to do instead. A file, dict or environment variable
 # that still sets one is told that it was removed, not that it is unknown: its author did nothing wrong.
+# (A deleted value of a kept key is in that field's ``removed`` metadata.)
 REMOVED_KEYS: dict[str, str] = {
     "io.files_per_rank": "cpuckpt writes one data file per rank; checkpoints written with several still load",
     "staging.pretouch": "a pool is touched at creation, on many threads, exactly when it is pinned (staging.pin); "
@@ -179,8 +180,10 @@ class MemoryConfig:
                       min=1, max=64)
     persist_every: int = _opt(1, "Persist every K-th memory checkpoint to the durable root (1: all; 0: none).",
                               min=0)
-    when_full: str = _opt("wait", "Every slot still held by a persist: wait for one, disk (save to the durable "
-                          "root instead), or skip the save.", choices=("wait", "disk", "skip"))
+    when_full: str = _opt("wait", "Every slot still held by a persist: wait for one, or disk (save to the durable "
+                          "root instead).", choices=("wait", "disk"),
+                          removed={"skip": "skipping a save breaks Megatron's contract, and its adapter refused it; "
+                                   "use wait or disk"})
     headroom_bytes: int = _opt(1 << 30, "Free space the RAM filesystem must keep after the images are reserved "
                                "(NCCL, DataLoader shared memory).", size=True, min=0)
     on_writer_failure: str = _opt("raise", "A writer process found dead at a save: raise on every rank, or "
@@ -266,8 +269,8 @@ def build_options(cls: type[T], data: Mapping[str, Any] | None, *, source: str =
     """Build the frozen dataclass tree ``cls`` from nested mappings, as :meth:`Config.from_dict` does.
 
     Fields declare their checks in their metadata (``doc``, ``min``, ``max``, ``size``, ``pow2``,
-    ``choices``, ``path`` for a local path that refuses URLs, ``key`` for a YAML name that is not the
-    field's); a field whose type is a dataclass
+    ``choices``, ``removed`` for deleted choices (value -> what to use instead), ``path`` for a local
+    path that refuses URLs, ``key`` for a YAML name that is not the field's); a field whose type is a dataclass
     is a section. Unknown keys and bad values raise :class:`ConfigError` naming ``source`` and the
     dotted key. With ``env_prefix``, ``<env_prefix><SECTION>_<KEY>`` (``<env_prefix><KEY>`` for
     top-level keys) environment variables override ``data``, read as YAML scalars.
@@ -394,6 +397,9 @@ def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: st
         raise bad(f"<= {hi}")
     if meta.get("pow2") and value & (value - 1):
         raise bad("a power of two")
+    removed = meta.get("removed", {})
+    if isinstance(value, str) and value in removed:
+        raise ConfigError(f"{source}: {dotted}: {value} was removed ({removed[value]})")
     choices = meta.get("choices")
     if choices and value not in choices:
         raise bad(f"one of {', '.join(choices)}")

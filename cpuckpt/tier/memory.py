@@ -322,7 +322,7 @@ class MemoryTier:
     # -- saving ---------------------------------------------------------------------------------
     def save(self, state_dict: dict[str, Any], step: int, *, name: str | None = None, planner: Any = None,
              plan_key: Hashable | None = None, persist: bool | None = None, dest: str | os.PathLike | None = None,
-             before_fill: Callable[[Path], None] | None = None, ordering: str = "host") -> AsyncSaveHandle | None:
+             before_fill: Callable[[Path], None] | None = None, ordering: str = "host") -> AsyncSaveHandle:
         """Save ``state_dict`` into the next memory slot; persist it if ``step`` is a multiple of
         ``memory.persist_every``. Collective: every rank calls it with the same step.
 
@@ -333,8 +333,7 @@ class MemoryTier:
         :func:`cpuckpt.async_save` (``stream``: returns once the GPU copies are enqueued; order writes to
         the saved tensors after ``handle.wait_stream()``).
 
-        Returns the handle of the memory save (or of a durable save, ``when_full: disk``), or None when
-        the save was skipped (``when_full: skip``).
+        Returns the handle of the memory save (or of a durable save, ``when_full: disk``).
 
         Raises:
             WriterDiedError: some rank's writer died owing persists (``on_writer_failure: raise``).
@@ -366,9 +365,6 @@ class MemoryTier:
             if not held:
                 break
             policy = self.config.memory.when_full
-            if policy == "skip":
-                logger.warning("cpuckpt memory tier: every slot is held by a persist; step %s skipped", step)
-                return None
             if policy == "disk":
                 logger.warning("cpuckpt memory tier: every slot is held by a persist; step %s goes to the durable "
                                "root directly", step)

@@ -76,6 +76,17 @@ def _row(dotted: str, env: str, tp: Any, f: dataclasses.Field, value: Any) -> st
     return f"| `{dotted}` | {_type_name(tp, meta)} | {_default(value, meta)} | {doc} | `{env}` |"
 
 
+def _removed_values() -> list[tuple[str, str]]:
+    """(``key: value``, why) of every deleted choice of a kept key (its field's ``removed`` metadata)."""
+    out = []
+    for f in dataclasses.fields(Config):
+        section = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        for sf in dataclasses.fields(section) if section is not None and dataclasses.is_dataclass(section) else [f]:
+            dotted = f"{_key(f)}.{_key(sf)}" if sf is not f else _key(f)
+            out += [(f"`{dotted}: {v}`", why) for v, why in sf.metadata.get("removed", {}).items()]
+    return out
+
+
 def config_markdown() -> str:
     """The Markdown text of docs/CONFIG.md for the current :class:`cpuckpt.Config`."""
     cfg = Config()
@@ -104,13 +115,14 @@ def config_markdown() -> str:
         lines.append("|---|---|---|---|---|")
         lines.extend(top)
         lines.append("")
-    if REMOVED_KEYS:
-        lines.append("## Removed keys\n")
+    removed = [(f"`{k}`", why) for k, why in REMOVED_KEYS.items()] + _removed_values()
+    if removed:
+        lines.append("## Removed keys and values\n")
         lines.append("A file or dict that still sets one of these fails with a `ConfigError` saying that it was "
-                     "removed;\nits environment variable is ignored with a warning.\n")
-        lines.append("| key | instead |")
+                     "removed;\nthe environment variable of a removed key is ignored with a warning.\n")
+        lines.append("| key or value | instead |")
         lines.append("|---|---|")
-        lines.extend(f"| `{k}` | {why} |" for k, why in REMOVED_KEYS.items())
+        lines.extend(f"| {what} | {why} |" for what, why in removed)
         lines.append("")
     return "\n".join(lines)
 

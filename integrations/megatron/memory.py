@@ -76,8 +76,6 @@ class MegatronMemory:
         self.np_dir = Path(os.path.abspath(non_persistent_dir))
         if self.np_dir == self.save_dir:
             raise ConfigError(f"the non-persistent checkpoint directory must differ from --save ({self.save_dir})")
-        if config.memory.when_full == "skip":  # Megatron-LM would still name the skipped iteration in its tracker
-            raise ConfigError("memory.when_full: skip is not supported with Megatron-LM (use wait or disk)")
         self.config = config
         self._tier: MemoryTier | None = None
 

@@ -227,15 +227,16 @@ def test_reusing_a_slot_moves_the_tracker_off_the_checkpoint_it_held(tmp_path):
 
 
 def test_skip_when_full_is_refused_for_megatron(tmp_path):
-    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    """``when_full: skip`` (which the adapter refused: Megatron-LM would still name the skipped iteration
+    in its tracker) was removed: a Megatron config that still sets it fails, saying so."""
+    from cpuckpt.integrations.megatron.settings import split_config
 
-    from cpuckpt.config import Config
     from cpuckpt.errors import ConfigError
 
     cfg = _config(tmp_path)
     cfg["memory"]["when_full"] = "skip"
-    with pytest.raises(ConfigError, match="skip"):
-        MegatronMemory(tmp_path / "save", tmp_path / "np", Config.from_dict(cfg))
+    with pytest.raises(ConfigError, match=r"memory\.when_full: skip was removed"):
+        split_config(cfg)
 
 
 def test_configs_megatron_memory_yaml_loads():

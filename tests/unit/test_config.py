@@ -468,6 +468,16 @@ def test_misspelled_env_variable_warns_once(monkeypatch, _fresh_env_warnings):
     assert Config.from_dict(None).io.threads == Config().io.threads
 
 
+def test_removed_value_of_a_kept_key_says_it_was_removed(tmp_path, monkeypatch):
+    msg = _yaml_error(tmp_path, "memory:\n  when_full: skip\n")
+    assert "memory.when_full: skip was removed (" in msg and "use wait or disk" in msg, msg
+    monkeypatch.setenv("CPUCKPT_MEMORY_WHEN_FULL", "skip")
+    with pytest.raises(ConfigError, match=r"environment variable CPUCKPT_MEMORY_WHEN_FULL: memory\.when_full: "
+                                          r"skip was removed"):
+        Config.from_dict(None)
+    assert Config.from_dict({"memory": {"when_full": "disk"}}, env=False).memory.when_full == "disk"
+
+
 @pytest.mark.parametrize("dotted", sorted(REMOVED_KEYS))
 def test_env_variable_of_a_removed_key_warns_that_it_was_removed(monkeypatch, _fresh_env_warnings, dotted):
     name = "CPUCKPT_" + dotted.replace(".", "_").upper()
