@@ -16,10 +16,10 @@ runs every part small (CPU tensors without CUDA) in under a minute. One process,
 4. interference: a bf16 matmul loop alone and while the writer process persists (until the queue owes
    nothing); the before: the same while ``cpuckpt.async_save`` persists to the same disk (trainer threads);
 5. loads into GPU tensors, bit-exact, in the saving process: from the mapped images (``MemoryTier.load``),
-   through the reader (``cpuckpt.load``: the fast path) with ``h2d`` bounce, register and ring, and through
+   through the reader (``cpuckpt.load``: the fast path; GPU targets read through pinned slots), and through
    DCP's planner (``dcp.load`` with the same reader: the fast path's before), reps interleaved; and in a
-   fresh process per ``h2d`` mode (``--child-load``: the restart case; it rebuilds the deterministic state
-   to compare and records each load's ``ReadStats``).
+   fresh process (``--child-load``: the restart case; it rebuilds the deterministic state to compare and
+   records each load's ``ReadStats``).
 
 One tier serves parts 2-5 (one writer, images reserved once): ``memory.persist_every`` is ``PERSIST_EVERY``;
 part 2 uses steps that are not multiples of it (nothing persists), parts 3-4 steps that are. Durable copies
@@ -173,10 +173,10 @@ def timed_loads(sd: dict[str, Any], path: Path, reps: int, loader: Any = None) -
     return times, same_state_dict(targets, sd) is None
 
 
-def reader_load(h2d: str = "bounce", stats: list[dict[str, Any]] | None = None) -> Any:
-    """A loader: ``cpuckpt.load`` through a ``StorageReader(h2d=h2d)``; appends each load's read statistics."""
+def reader_load(stats: list[dict[str, Any]] | None = None) -> Any:
+    """A loader: ``cpuckpt.load`` through a ``StorageReader``; appends each load's read statistics."""
     def load(targets: dict[str, Any], path: Path) -> None:
-        reader = cpuckpt.StorageReader(path, h2d=h2d)
+        reader = cpuckpt.StorageReader(path)
         cpuckpt.load(targets, path, storage_reader=reader)
         if stats is not None:
             stats.append(dataclasses.asdict(reader.last_stats))
@@ -188,18 +188,17 @@ def dcp_planner_load(targets: dict[str, Any], path: Path) -> None:
     dcp.load(targets, storage_reader=cpuckpt.StorageReader(path))
 
 
-def child_load(path: str, nbytes: int, device: str, h2d: str) -> None:
+def child_load(path: str, nbytes: int, device: str) -> None:
     """``--child-load``: a fresh process loads the RAM checkpoint (first and second load), prints one JSON line."""
     ref = build_state_dict(nbytes, device=device)
     stats: list[dict[str, Any]] = []
-    times, exact = timed_loads(ref, Path(path), 2, reader_load(h2d, stats))
-    print(json.dumps({"child_load": {"first_s": times[0], "second_s": times[1], "bitexact": exact, "h2d": h2d,
+    times, exact = timed_loads(ref, Path(path), 2, reader_load(stats))
+    print(json.dumps({"child_load": {"first_s": times[0], "second_s": times[1], "bitexact": exact,
                                      "nbytes": state_dict_nbytes(ref), "read_stats": stats}}), flush=True)
 
 
-def spawn_child_load(path: Path, gib: float, timeout_s: float, h2d: str = "bounce") -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.bench_memtier", "--child-load", str(path), "--gib", repr(gib),
-           "--h2d", h2d]
+def spawn_child_load(path: Path, gib: float, timeout_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.bench_memtier", "--child-load", str(path), "--gib", repr(gib)]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=timeout_s)
     wall = time.perf_counter() - t0
@@ -268,9 +267,7 @@ def run(args: argparse.Namespace, sd: dict[str, Any], nbytes: int, durable: Path
         # memory checkpoints carry no checksums (the writer computes them for the durable copy)
         # variants interleaved rep by rep (noisy machines); "DCP planner" is the load fast path's before
         variants = {"from its mapped images (MemoryTier.load)": tier.load,
-                    "read from the RAM root (cpuckpt.load, h2d bounce)": reader_load("bounce"),
-                    "read from the RAM root (cpuckpt.load, h2d register)": reader_load("register"),
-                    "read from the RAM root (cpuckpt.load, h2d ring)": reader_load("ring"),
+                    "read from the RAM root (cpuckpt.load)": reader_load(),
                     "read from the RAM root, DCP planner (dcp.load + StorageReader)": dcp_planner_load}
         times: dict[str, list[float]] = {k: [] for k in variants}
         exact = dict.fromkeys(variants, True)
@@ -281,9 +278,8 @@ def run(args: argparse.Namespace, sd: dict[str, Any], nbytes: int, durable: Path
                 exact[label] = exact[label] and ok
         for label in variants:
             record("memtier_load", variant=label, s=summarize(times[label]), bitexact=exact[label], path=str(latest))
-        for h2d in ("bounce", "register", "ring"):
-            child = spawn_child_load(latest, args.gib, max(30.0, deadline - time.monotonic()), h2d)
-            record("memtier_load_child", **child, path=str(latest))
+        child = spawn_child_load(latest, args.gib, max(30.0, deadline - time.monotonic()))
+        record("memtier_load_child", **child, path=str(latest))
 
     part("floor_copies", lambda: floor_copies(sd, reps), False)
     part("memtier_init", make_tier, False)
@@ -316,7 +312,6 @@ def main() -> None:
                     "made), e.g. floor_copies,memtier_saves,loads")
     ap.add_argument("--smoke", action="store_true", help="small sizes, CPU tensors without CUDA (< 1 min)")
     ap.add_argument("--child-load", help=argparse.SUPPRESS)
-    ap.add_argument("--h2d", default="bounce", choices=("bounce", "register", "ring"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("cpuckpt").setLevel(logging.WARNING)
@@ -327,7 +322,7 @@ def main() -> None:
         raise SystemExit("bench_memtier needs a CUDA device (or --smoke)")
     device = "cuda" if CUDA else "cpu"
     if args.child_load:
-        return child_load(args.child_load, int(args.gib * GiB), device, args.h2d)
+        return child_load(args.child_load, int(args.gib * GiB), device)
     record("machine", gpu=torch.cuda.get_device_name() if CUDA else None, torch=torch.__version__,
            cpus=os.cpu_count(), cpuckpt=cpuckpt.__version__, argv=sys.argv[1:])
     durable, ram = Path(args.durable_dir).absolute(), Path(args.ram_dir).absolute()
@@ -401,7 +396,7 @@ def summary_table(nbytes: int) -> str:
             lambda g, x, e=r["bitexact"]: x >= 0.5 and e)
     for r in get("memtier_load_child"):
         for k in ("first", "second"):
-            row(f"memtier load, fresh process, h2d {r.get('h2d')}, {k} (bitexact={r['bitexact']})", [r[f"{k}_s"]], h2d,
+            row(f"memtier load, fresh process, {k} (bitexact={r['bitexact']})", [r[f"{k}_s"]], h2d,
                 ">= 10 GB/s" if k == "first" else "-", (lambda g, x, e=r["bitexact"]: g >= 10 and e)
                 if k == "first" else None)
     foot = ["seconds: median (min-max) over the reps; ratio: GB/s over the floor's GB/s (interference: ms ratio).",

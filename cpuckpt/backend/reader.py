@@ -15,9 +15,9 @@ place, anything else goes through ``torch.load(weights_only=True)``. Non-tensor 
 decoded with weights_only semantics too (``format.unpickle.load_value``) unless ``integrity.trusted``.
 
 Files in a RAM filesystem (the memory tier's root) are mapped, not read (``backend.ramread``): chunks
-are checksummed and copied straight from the mapping. For GPU targets, ``h2d`` picks how: ``bounce``
-reads them like disk files (pread into a pinned slot, then H2D), ``register`` pins each chunk of
-the mapping while it is copied, ``ring`` copies it through a small pinned ring.
+are checksummed and copied straight from the mapping. For GPU targets they are read like disk files
+(pread into a pinned slot, then host-to-device): on the H200 that beat pinning the mapping's chunks
+while copying them and copying them through a small pinned ring (BENCHMARKS.md, memory tier, round four).
 
 The slots are the process's pool when it has one with a slot per read thread (a trainer that saved
 already, or ``cpuckpt.prepare_pool``), else a load's own :class:`~cpuckpt.transfer.read_slots.ReadSlots`,
@@ -56,16 +56,15 @@ from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageRea
 from torch.futures import Future
 
 from cpuckpt.backend.committed import load_metadata, read_manifest, same_save, size_mismatch
-from cpuckpt.backend.ramread import H2D_MODES, MappedFile, in_ram
+from cpuckpt.backend.ramread import MappedFile, in_ram
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import CheckpointCorrupt, ConfigError, CpuckptError
+from cpuckpt.errors import CheckpointCorrupt, CpuckptError
 from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.format.unpickle import load_value, reencode
 from cpuckpt.paths import local_path
 from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
 from cpuckpt.transfer.hostcopy import copy_host_bytes
-from cpuckpt.transfer.pinned_ring import PinnedRing
 from cpuckpt.transfer.read_slots import ReadSlots
 from cpuckpt.transfer.sinks import MappedBytes
 from cpuckpt.transfer.staging import DeviceCopier, existing_pool, flat_bytes
@@ -111,7 +110,6 @@ class ReadStats:
     items: int = 0
     fast_path: bool = False  # read by ``read_whole`` (no DCP planning)
     mapped_files: int = 0  # files copied from a mapping (RAM filesystem or this process's images), not read
-    registered_nbytes: int = 0  # bytes of RAM files pinned for host-to-device copies (``h2d="register"``)
     slots_pinned_nbytes: int = 0  # bytes of this load's own read slots pinned (a process without a pool)
 
 
@@ -153,24 +151,13 @@ class StorageReader(_DcpStorageReader):
         mapped: files of this checkpoint already mapped in this process (by file name; the memory
             tier's images of the save it holds): their bytes are copied to the targets straight from
             the (pinned) mapping, with no read and no pool.
-        h2d: how files in a RAM filesystem reach GPU targets: ``"bounce"`` (pread into a pinned
-            slot, then copy), ``"register"`` (pin each chunk of the file's mapping while it is copied),
-            ``"ring"`` (copy each chunk of the mapping through a small pinned ring,
-            :mod:`cpuckpt.transfer.pinned_ring`), or ``"auto"`` (the default, bounce). On the H200, 4 GiB
-            bench state, a fresh process's first load: bounce 12.9-13.2 GB/s pinning its 16 slots while
-            reading (``read_slots``; 3.3-9.75 when a whole pool was pinned first), register 5.9-11.2
-            (the driver pins the file's pages on one thread), ring 7.8-8.9; bounce 16.4-20 GB/s through a
-            pool that exists.
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
-                 *, mapped: Mapping[str, MappedBytes] | None = None, h2d: str = "auto") -> None:
+                 *, mapped: Mapping[str, MappedBytes] | None = None) -> None:
         super().__init__()
-        if h2d not in H2D_MODES:
-            raise ConfigError(f"StorageReader h2d must be one of {', '.join(H2D_MODES)}, got {h2d!r}")
         self.path = Path(local_path(path, "StorageReader: checkpoint path"))  # a URL is not a directory name
         self.mapped = dict(mapped or {})  # file name -> this process's live, mapped (pinned) bytes of it
-        self.h2d = h2d
         self.config = resolve_config(config)
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, Any] = {}
@@ -280,13 +267,11 @@ class StorageReader(_DcpStorageReader):
         with contextlib.ExitStack() as opened:
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
-            h2d = "bounce" if self.h2d == "auto" else self.h2d
-            jobs, sources, pool = _read_jobs(plans, cfg, opened, self.mapped, h2d)
+            jobs, sources, pool = _read_jobs(plans, cfg, opened, self.mapped)
             stats.jobs = len(jobs)
             stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
                                             name="cpuckpt-read"))
             stats.mapped_files = len(sources)
-            stats.registered_nbytes = sum(getattr(s, "registered_nbytes", 0) for s in sources)
             stats.slots_pinned_nbytes = getattr(pool, "pinned_nbytes", 0)
         stats.io_s = time.perf_counter() - t1
         return stats
@@ -443,7 +428,7 @@ def _run_job(job: ReadJob, cancel: threading.Event) -> int:
 
 
 def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.ExitStack,
-               given: Mapping[str, MappedBytes], h2d: str) -> tuple[list[ReadJob], list[_Source], Any]:
+               given: Mapping[str, MappedBytes]) -> tuple[list[ReadJob], list[_Source], Any]:
     """The read jobs of every file (opened into ``opened``; each job returns the bytes it read), the
     mapped sources they copy from instead of reading, and the slots they read into (None: no slots)."""
     chunked = {}
@@ -456,7 +441,7 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
         mine = given.get(rel)
         if mine is not None and mine.nbytes == fp.entry.nbytes:
             mapped[fp.path] = mine
-        elif in_ram(fp.path) and (not to_gpu or h2d in ("register", "ring")):
+        elif in_ram(fp.path) and not to_gpu:  # GPU targets: read through pinned slots (see the module docstring)
             # Checked its size just above: the mapping never reaches past the file's end.
             mapped[fp.path] = opened.enter_context(MappedFile(fp.path, fp.entry.nbytes))
         mode = cfg.integrity.verify if fp.entry.checksum == "crc32c" and fp.entry.chunk_checksums else "off"
@@ -482,19 +467,17 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
         elif fp.path in chunked:
             source = mapped.get(fp.path)
             jobs += _chunk_jobs(fp, fp.entry, cfg, opened, pool, copiers, verify_fraction=chunked[fp.path],
-                                source=source, h2d=h2d if isinstance(source, MappedFile) else "")
+                                source=source)
         else:
             jobs += _range_jobs(fp, cfg, opened)
     return jobs, list(mapped.values()), pool
 
 
 class _Copiers:
-    """One host-to-device copier per device, shared by every file of a load (and, made on first use,
-    one pinned ring per device for ``h2d="ring"``)."""
+    """One host-to-device copier per device, shared by every file of a load."""
 
     def __init__(self) -> None:
         self._by_device: dict[torch.device, DeviceCopier] = {}
-        self._rings: dict[torch.device, PinnedRing] = {}
         self._lock = threading.Lock()
 
     def get(self, device: torch.device) -> DeviceCopier:
@@ -502,12 +485,6 @@ class _Copiers:
             if device not in self._by_device:
                 self._by_device[device] = DeviceCopier(device)
             return self._by_device[device]
-
-    def ring(self, device: torch.device) -> PinnedRing:
-        with self._lock:
-            if device not in self._rings:
-                self._rings[device] = PinnedRing(device)
-            return self._rings[device]
 
 
 def _open(backend: FileBackend, path: str, opened: contextlib.ExitStack) -> int:
@@ -517,13 +494,11 @@ def _open(backend: FileBackend, path: str, opened: contextlib.ExitStack) -> int:
 
 
 def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _Copiers,
-             ring_timeout_s: float | None, used: list[DeviceCopier]) -> None:
+             used: list[DeviceCopier]) -> None:
     """Copy the bytes ``[lo, hi)`` of a file, held in ``src``, into every need overlapping them.
 
     Appends each copier to ``used`` as it gets host-to-device copies (the caller waits for them before
     ``src`` is reused, also when this raises).
-    With ``ring_timeout_s`` (``src`` is not pinned: ``h2d="ring"``) device bytes go through a pair of the
-    device's pinned ring instead, and have arrived when this returns.
     """
     to_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for need in needs:
@@ -540,25 +515,19 @@ def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _
         else:
             copy_host_bytes(dst, part)
     for device, (dsts, srcs) in to_device.items():  # one enqueue per device and chunk
-        if ring_timeout_s is not None:
-            with copiers.ring(device).lease(ring_timeout_s) as pair:
-                pair.copy(dsts, srcs)
-            continue
         h2d = copiers.get(device)
         used.append(h2d)  # before the enqueue: a failed enqueue may have queued some copies
         h2d.copy_many(dsts, srcs)
 
 
 def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib.ExitStack, pool: Any,
-                copiers: Any, *, verify_fraction: float, source: _Source | None = None,
-                h2d: str = "") -> list[ReadJob]:
+                copiers: Any, *, verify_fraction: float, source: _Source | None = None) -> list[ReadJob]:
     """Whole chunks read into pool slots (aligned: O_DIRECT works), verified, scattered to destinations.
 
     GPU destinations get their bytes by host-to-device copies from the (pinned) slot on a side
     stream; the slot is released once those copies completed. A file held in memory (``source``: this
     process's image, or a mapped file of a RAM filesystem) is not read at all: each chunk's "slot" is
-    its bytes of the mapping; a mapped file's chunk with GPU destinations is pinned while it is copied
-    (``h2d="register"``) or goes through the pinned ring (``h2d="ring"``).
+    its bytes of the mapping (an image is pinned; a mapped file of a RAM filesystem has no GPU destinations).
     """
     cb = entry.chunk_bytes
     by_chunk: dict[int, list[_Need]] = defaultdict(list)
@@ -581,7 +550,6 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
         lo, hi = c * cb, min((c + 1) * cb, entry.nbytes)
         needs = by_chunk[c]
         slot = None
-        pinned = False
         copying: list[DeviceCopier] = []
         if source is None:
             want = -(-(hi - lo) // align) * align if backend.aligned else hi - lo
@@ -607,19 +575,14 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
             gpu = next((n.dst.device for n in needs if n.dst is not None and n.dst.is_cuda), None)
             if gpu is not None and slot is not None:
                 pool.pin(slot, gpu)  # once per slot of a load's own ReadSlots; the process pool is pinned already
-            elif gpu is not None and h2d == "register":
-                pinned = source.register(lo, hi, gpu)  # type: ignore[union-attr]
-            ring_timeout = cfg.timeout_s if h2d == "ring" else None
-            _scatter(needs, lo, hi, src, copiers, ring_timeout, copying)
+            _scatter(needs, lo, hi, src, copiers, copying)
             for copier in copying:
-                copier.record().synchronize()  # the slot (or pinned range) may be reused only after the copies ran
+                copier.record().synchronize()  # the slot may be reused only after the copies ran
             return hi - lo
         except BaseException:
-            _drain(copying)  # no copy may still read the slot (or range) released or unpinned below
+            _drain(copying)  # no copy may still read the slot released below
             raise
         finally:
-            if pinned:
-                source.unregister(lo)  # type: ignore[union-attr]
             if slot is not None:
                 pool.release(slot)
 

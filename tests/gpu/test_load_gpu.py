@@ -1,4 +1,4 @@
-"""Loads into GPU tensors: the fast path, RAM-filesystem files by ``h2d`` bounce and register, stream order.
+"""Loads into GPU tensors: the fast path, RAM-filesystem files read through pinned slots, stream order.
 
 Run on the device machine (``pytest -m gpu tests/gpu/test_load_gpu.py``); skipped where CUDA is absent.
 The CPU paths of the same code run in tests/unit/test_load_fastpath.py.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import cpuckpt
-from cpuckpt.backend.ramread import MappedFile, in_ram
+from cpuckpt.backend.ramread import in_ram
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,29 +43,22 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("verify", ["always", "off"])
-@pytest.mark.parametrize("h2d", ["bounce", "register", "ring"])
-def test_ram_checkpoint_loads_bit_exact_into_gpu_tensors(ram_dir, h2d, verify):
+def test_ram_checkpoint_loads_bit_exact_into_gpu_tensors(ram_dir, verify):
+    """GPU targets of a RAM file: read through pinned slots, not copied from the file's mapping."""
     sd = _state()
     cfg = {**CFG, "integrity": {"verify": verify}}
     cpuckpt.save(sd, ram_dir / "c", cfg)
     out = {k: torch.full_like(v, 7, device="cuda") for k, v in sd.items()}
-    reader = cpuckpt.StorageReader(ram_dir / "c", cfg, h2d=h2d)
+    reader = cpuckpt.StorageReader(ram_dir / "c", cfg)
     cpuckpt.load(out, ram_dir / "c", cfg, storage_reader=reader)
     torch.cuda.synchronize()
     stats = reader.last_stats
-    assert stats.fast_path
-    if h2d == "register":
-        assert stats.mapped_files == 1 and stats.registered_nbytes >= sum(v.nbytes for v in sd.values())
-    elif h2d == "ring":  # mapped, copied through the pinned ring: nothing of the file registered
-        assert stats.mapped_files == 1 and stats.registered_nbytes == 0
-    else:
-        assert stats.mapped_files == 0 and stats.registered_nbytes == 0
+    assert stats.fast_path and stats.mapped_files == 0
     for k, v in sd.items():
         assert torch.equal(out[k].cpu(), v), k
 
 
-@pytest.mark.parametrize("h2d", ["register", "ring"])
-def test_load_is_ordered_after_kernels_queued_on_the_targets(ram_dir, h2d):
+def test_load_is_ordered_after_kernels_queued_on_the_targets(ram_dir):
     """Targets still being written by queued kernels (a long matmul, then a fill) get the saved bytes, not the fill."""
     sd = {"w": torch.randn(2048, 2048)}
     cpuckpt.save(sd, ram_dir / "c", CFG)
@@ -74,7 +67,7 @@ def test_load_is_ordered_after_kernels_queued_on_the_targets(ram_dir, h2d):
     for _ in range(20):
         a = a @ a / 4096
     out["w"].fill_(1.0)  # queued behind the matmuls when the load starts
-    cpuckpt.load(out, ram_dir / "c", CFG, storage_reader=cpuckpt.StorageReader(ram_dir / "c", CFG, h2d=h2d))
+    cpuckpt.load(out, ram_dir / "c", CFG, storage_reader=cpuckpt.StorageReader(ram_dir / "c", CFG))
     assert torch.equal(out["w"].cpu(), sd["w"])
 
 
@@ -89,20 +82,6 @@ def test_fast_path_equals_dcp_planner_on_gpu_with_dtype_change(tmp_path):
     assert reader.last_stats.fast_path
     assert torch.equal(mine["a"], ref["a"]) and torch.equal(mine["b"], ref["b"]) and mine["n"] == ref["n"] == 4
     assert torch.equal(mine["a"].cpu(), sd["a"].float())
-
-
-def test_mapped_file_registers_and_unregisters_read_only(ram_dir):
-    f = ram_dir / "f.bin"
-    payload = os.urandom(5 << 20)
-    f.write_bytes(payload)
-    with MappedFile(f, len(payload)) as m:
-        assert m.register(0, 4 << 20) and m.registered_nbytes == 4 << 20
-        dst = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
-        dst.copy_(m.tensor()[: 4 << 20], non_blocking=True)
-        torch.cuda.synchronize()
-        m.unregister(0)
-        assert bytes(dst.cpu().numpy()) == payload[: 4 << 20]
-        assert m.register(4 << 20, len(payload))  # the file's last partial page
 
 
 @pytest.mark.parametrize("pool_first", [False, True])
