@@ -35,6 +35,12 @@ start, after a grace period of :data:`LEAK_GRACE_S` for things still exiting; it
 leaked, then kills and removes it. Another test session running on the same machine makes its own
 /dev/shm entries: those are told apart by the pids their names (or lock files) record, and entries
 that cannot be told apart are printed but not counted.
+
+Under pytest-xdist (``-n N``) the check runs once, in the controller, after every worker has
+finished its tests: the workers are the controller's children, so whatever a test on any worker
+started is a descendant of the controller (or carries the environment mark, which the controller
+sets before it starts the workers). The workers themselves and their own fork servers / resource
+trackers are the harness, not leaks; each worker reports their pids (and its own) when it finishes.
 """
 
 from __future__ import annotations
@@ -329,8 +335,33 @@ def rank_runner() -> Callable[..., list[Any]]:
     return run_ranks
 
 
+# Test files whose tests take longest (wall): they are collected first, so that under pytest-xdist
+# they start at once on every worker instead of being the tail of the run. Only the order changes
+# (a stable sort by file: tests keep their order within a file, and every worker sorts the same way).
+START_FIRST = (
+    "tests/integrations/test_megatron_memory.py",
+    "tests/faults/test_kill_sweep.py",
+    "tests/integrations/test_megatron.py",
+    "tests/test_demo.py",
+    "tests/test_bench_",
+    "tests/dist/test_multinode.py",
+    "tests/integrations/test_deepspeed.py",
+    "tests/faults/test_interrupt.py",
+    "tests/integrations/",
+    "tests/dist/test_memory_tier",
+    "tests/cli/test_cli.py",
+)
+
+
+def _start_rank(item: pytest.Item) -> int:
+    nodeid = item.nodeid
+    return next((i for i, prefix in enumerate(START_FIRST) if nodeid.startswith(prefix)), len(START_FIRST))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``slow`` tests (pyproject: "off by default") run only with ``-m slow`` or ``CPUCKPT_SLOW=1``."""
+    """Longest files first (:data:`START_FIRST`); ``slow`` tests (pyproject: "off by default") run only
+    with ``-m slow`` or ``CPUCKPT_SLOW=1``."""
+    items.sort(key=_start_rank)
     if "slow" in (config.getoption("markexpr") or "") or os.environ.get("CPUCKPT_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: run with -m slow or CPUCKPT_SLOW=1")
@@ -352,6 +383,8 @@ class _LeakWatch:
 
     def __init__(self) -> None:
         self.me = psutil.Process()
+        self.workers: set[int] = set()  # pytest-xdist workers (pids), reported as they finish
+        self.worker_helpers: set[int] = set()  # their fork servers and resource trackers
         self.mark = f"{os.getpid()}-{time.time_ns()}"
         os.environ[SESSION_MARK] = self.mark
         self.t0 = time.time()
@@ -379,14 +412,12 @@ class _LeakWatch:
         with contextlib.suppress(psutil.Error):
             descendants = {c.pid for c in self.me.children(recursive=True)}
         for p in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
-            if p.pid == self.me.pid or (p.pid, _created(p)) in self.procs_at_start:
+            if p.pid == self.me.pid or p.pid in self.workers or (p.pid, _created(p)) in self.procs_at_start:
                 continue
             if p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
-            cmd = " ".join(p.info["cmdline"] or [])
-            if p.info["ppid"] == self.me.pid and ("multiprocessing.forkserver import main" in cmd
-                                                   or "multiprocessing.resource_tracker import main" in cmd):
-                continue  # the harness's own helpers: they end with pytest
+            if (p.info["ppid"] == self.me.pid or p.pid in self.worker_helpers) and _harness_helper(p):
+                continue  # the harness's own helpers (of pytest or of an xdist worker): they end with it
             ours = p.pid in descendants
             if not ours:
                 try:
@@ -408,6 +439,15 @@ class _LeakWatch:
         for e in new:
             (ours if not foreign or _pids_named(e) & self.seen else unsure).append(e)
         return ours, unsure
+
+
+def _harness_helper(p: psutil.Process) -> bool:
+    """A multiprocessing fork server or resource tracker (the harness starts them; they end with their parent)."""
+    try:
+        cmd = " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+    return "multiprocessing.forkserver import main" in cmd or "multiprocessing.resource_tracker import main" in cmd
 
 
 def _created(p: psutil.Process) -> float:
@@ -453,13 +493,39 @@ def _foreign_sessions(me: psutil.Process) -> bool:
 _leak_watch: _LeakWatch | None = None
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
+def _xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # In pytest_configure, not pytest_sessionstart: xdist starts its workers in its own
+    # pytest_sessionstart, and they (so every process a test starts) must inherit the session mark.
     global _leak_watch
-    _leak_watch = _LeakWatch()
+    if not _xdist_worker(config) and _leak_watch is None:
+        _leak_watch = _LeakWatch()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """xdist (controller): a worker finished; it and its own helpers are not leaks."""
+    out = getattr(node, "workeroutput", {})
+    if _leak_watch is not None and out.get("leak_watch_pid"):
+        _leak_watch.workers.add(int(out["leak_watch_pid"]))
+        _leak_watch.worker_helpers.update(out.get("leak_watch_helpers", []))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run when a test left a process or a /dev/shm entry behind; print, kill and remove it."""
+    """Fail the run when a test left a process or a /dev/shm entry behind; print, kill and remove it.
+
+    Runs in the controller (or the only pytest process), never in an xdist worker.
+    """
+    if _xdist_worker(session.config):
+        # sent to the controller when this returns (xdist's own hookwrapper): this worker and its helpers
+        me = psutil.Process()
+        session.config.workeroutput["leak_watch_pid"] = me.pid  # type: ignore[attr-defined]
+        session.config.workeroutput["leak_watch_helpers"] = [  # type: ignore[attr-defined]
+            c.pid for c in me.children() if _harness_helper(c)]
+        return
     watch = _leak_watch
     if watch is None:
         return
