@@ -3,7 +3,9 @@
 One real checkpoint (two data files, 64 KiB chunks) is damaged in place, one fault at a time, and
 loaded with ``cpuckpt.load``. Every fault must raise ``CheckpointCorrupt`` whose message names the
 damaged file and, for flips, a byte range ``[lo, hi)`` that contains the flipped offset. The
-offsets are seeded (``CPUCKPT_SWEEP_SEED``); ``CPUCKPT_LONG_SWEEP=1`` flips 5x more bytes.
+offsets are seeded (``CPUCKPT_SWEEP_SEED``); ``CPUCKPT_LONG_SWEEP=1`` flips 5x more bytes. By
+default (``representative``) 40 seeded flips plus the flips at each file's chunk edges run; the
+``full`` flip sweep (240) is ``slow`` (``-m slow`` or ``CPUCKPT_SLOW=1``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 SEED = int(os.environ.get("CPUCKPT_SWEEP_SEED", "20261129"))
 NFLIPS = 1200 if os.environ.get("CPUCKPT_LONG_SWEEP") == "1" else 240
+NFLIPS_REPRESENTATIVE = 40
 CHUNK = 64 * 1024
 CFG = {"io": {"chunk_bytes": CHUNK, "threads": 2, "backend": "buffered"}, "timeout_s": 30}
 FILES = ["__0_0.distcp", "__0_1.distcp"]
@@ -75,13 +78,15 @@ def _load_error(path: Path, sd: dict) -> CheckpointCorrupt | None:
     return None
 
 
-def test_flipped_bytes_are_all_detected(ckpt, capsys):
+@pytest.mark.parametrize("sweep", ["representative", pytest.param("full", marks=pytest.mark.slow)])
+def test_flipped_bytes_are_all_detected(ckpt, capsys, sweep):
     path, sd = ckpt
     rng = random.Random(SEED)
     sizes = {n: (path / n).stat().st_size for n in FILES}
     total = sum(sizes.values())
     flips = []
-    for _ in range(NFLIPS):  # offsets spread over both files in proportion to their size
+    # offsets spread over both files in proportion to their size
+    for _ in range(NFLIPS if sweep == "full" else NFLIPS_REPRESENTATIVE):
         x = rng.randrange(total)
         name = FILES[0] if x < sizes[FILES[0]] else FILES[1]
         flips.append((name, x if name == FILES[0] else x - sizes[FILES[0]], 1 << rng.randrange(8)))
@@ -107,9 +112,9 @@ def test_flipped_bytes_are_all_detected(ckpt, capsys):
         if str(f) not in str(err) or not m or not int(m.group(1)) <= off < int(m.group(2)):
             badmsg.append(f"{name}@{off}: {err}")
     with capsys.disabled():
-        print(f"\ncorruption sweep (seed {SEED}): {len(flips)} single-byte flips in {len(FILES)} data files, "
+        print(f"\ncorruption sweep ({sweep}, seed {SEED}): {len(flips)} single-byte flips in {len(FILES)} data files, "
               f"{len(flips) - len(missed)} detected, {len(missed)} missed, {len(badmsg)} unclear messages")
-    assert len(flips) >= 200
+    assert len(flips) >= (200 if sweep == "full" else NFLIPS_REPRESENTATIVE)
     assert not missed, f"undetected flips: {missed}"
     assert not badmsg, "\n".join(badmsg[:5])
     cpuckpt.load(_targets(sd), path, CFG)  # restored: loads again

@@ -22,6 +22,10 @@ bit-exact; ``latest`` names a complete checkpoint; ``clean_incomplete`` then rem
 directory and nothing else. Points are drawn from ``CPUCKPT_SWEEP_SEED`` (default fixed), so a run
 is reproducible; ``CPUCKPT_LONG_SWEEP=1`` draws ~5x more byte offsets and wall-clock kills.
 
+By default (``representative``) every kind of kill point runs, each at its fixed offsets and every
+stage, but with few seeded random byte offsets and wall-clock kills; the ``full`` sweeps are
+``slow`` (``-m slow`` or ``CPUCKPT_SLOW=1``).
+
 The ``fault:`` backends and the stage actions exist only because this module calls
 ``cpuckpt.testing.faults.install()`` when it is imported, in pytest and in every rank (the harness
 loads the module by path in each rank, with the point's ``CPUCKPT_TEST_HOOK`` in its environment).
@@ -138,11 +142,11 @@ COMMITTED_STAGES = {"after-rename:.metadata", "commit:parts-deleted", "before-re
                     "retention:metadata-removed"}
 
 
-def _points(nbytes_1: int, nbytes_2: int) -> list[tuple]:
-    """(id, world, backends, hook, mode), seeded and reproducible."""
+def _points(nbytes_1: int, nbytes_2: int, full: bool = True) -> list[tuple]:
+    """(id, world, backends, hook, mode), seeded and reproducible; ``full=False``: 2 (and 1) random offsets."""
     rng = random.Random(SEED)
     pts: list[tuple] = []
-    n_rand = 120 if LONG else 20
+    n_rand = 120 if LONG else 20 if full else 2
     offsets = sorted({0, 1, 4095, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK, nbytes_1 - 1,
                       *(rng.randrange(nbytes_1) for _ in range(n_rand))})
     for off in offsets:
@@ -152,7 +156,7 @@ def _points(nbytes_1: int, nbytes_2: int) -> list[tuple]:
     pts.append((f"w1-async-bytes{CHUNK + 7}", 1, [f"fault:KILL@{CHUNK + 7}"], "", "async"))
     pts += [(f"w1-async-{s}", 1, ["buffered"], f"{s}=kill", "async")
             for s in ("before-rename:__0_.cpuckpt-part.json", "before-rename:.metadata", "after-rename:.metadata")]
-    n2 = 12 if LONG else 3
+    n2 = 12 if LONG else 3 if full else 1
     for off in sorted({rng.randrange(nbytes_2) for _ in range(n2)}):
         pts.append((f"w2-rank0-bytes{off}", 2, [f"fault:KILL@{off}", "buffered"], "", "sync"))
         pts.append((f"w2-rank1-bytes{off}", 2, ["buffered", f"fault:KILL@{off}"], "", "sync"))
@@ -234,10 +238,17 @@ def _run_point(rank_runner, tmp_path: Path, templates, point: tuple) -> None:
     shutil.rmtree(root)
 
 
-def test_kill_sweep(rank_runner, tmp_path_factory, templates, capsys):
+SWEEP = ["representative", pytest.param("full", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("sweep", SWEEP)
+def test_kill_sweep(rank_runner, tmp_path_factory, templates, capsys, sweep, world):
     world_nbytes = {w: _data_nbytes(tmp_path_factory, w) for w in (1, 2)}
-    points = _points(world_nbytes[1], world_nbytes[2])
-    assert len(points) >= 45
+    points = _points(world_nbytes[1], world_nbytes[2], full=sweep == "full")
+    assert len(points) >= (45 if sweep == "full" else 36)
+    points = [p for p in points if p[1] == world]  # one test per world size, so that xdist spreads them
+    FIGURES.update(dict.fromkeys(FIGURES, 0))
     t0 = time.monotonic()
     failures = []
     for point in points:
@@ -249,15 +260,17 @@ def test_kill_sweep(rank_runner, tmp_path_factory, templates, capsys):
             FIGURES["lost"] += 1
         shutil.rmtree(tmp, ignore_errors=True)
     with capsys.disabled():
-        print(f"\nkill sweep (seed {SEED}): {len(points)} deterministic kill points, {FIGURES['killed']} killed, "
+        print(f"\nkill sweep ({sweep}, world {world}, seed {SEED}): {len(points)} deterministic kill points, "
+              f"{FIGURES['killed']} killed, "
               f"{FIGURES['torn']} torn saves never returned, {FIGURES['committed_before_kill']} committed before "
               f"the kill and loaded bit-exact, {FIGURES['lost']} lost, {time.monotonic() - t0:.1f} s")
     assert not failures, "\n".join(failures)
 
 
-def test_wall_clock_kills(rank_runner, tmp_path_factory, templates, capsys):
+@pytest.mark.parametrize("sweep", SWEEP)
+def test_wall_clock_kills(rank_runner, tmp_path_factory, templates, capsys, sweep):
     rng = random.Random(SEED + 1)
-    n = 30 if LONG else 6
+    n = 30 if LONG else 6 if sweep == "full" else 2  # alternately 1 and 2 ranks
     killed = torn = committed = 0
     for j in range(n):
         world = 1 if j % 2 == 0 else 2
