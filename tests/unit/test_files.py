@@ -1,4 +1,4 @@
-"""cpuckpt.transfer.files: backend selection by name and the registry, the test-suite's fault injector and its spec, error
+"""files: backend selection by name and the registry, the test-suite's fault injector and its spec, error
 types, fsync_dir; and that nothing a user can set injects a fault without ``cpuckpt.testing.faults.install()``."""
 
 from __future__ import annotations
