@@ -130,11 +130,14 @@ def test_mutations_after_wait_stream_are_not_saved(tmp_path: Path, ram_dir: Path
 
 
 @pytest.mark.parametrize("window", [0, 32 << 20], ids=["all-at-once", "windowed"])
-def test_device_snapshot_orders_after_the_device_copy_only(tmp_path: Path, monkeypatch, window: int) -> None:
-    """``staging.device_snapshot``: the copies to the host are held back ~1 s on the side stream (a sleep
-    queued before them, after the device-to-device copy); the mutation after ``wait_stream`` runs before
-    they do (the trainer's stream is done while the save is not staged), and the checkpoint still holds the
-    save's values bit-exact: the host copies read the snapshot. A second save reuses the device buffer."""
+@pytest.mark.parametrize("target", ["pool", "images"])
+def test_device_snapshot_orders_after_the_device_copy_only(tmp_path: Path, ram_dir: Path, monkeypatch, target: str,
+                                                           window: int) -> None:
+    """``staging.device_snapshot``, for pool saves and memory-tier images alike (one save engine): the copies
+    to the host are held back ~1 s on the side stream (a sleep queued before them, after the
+    device-to-device copy); the mutation after ``wait_stream`` runs before they do (the trainer's stream
+    is done while the save is not staged), and the checkpoint still holds the save's values bit-exact:
+    the host copies read the snapshot. A second save reuses the device buffer."""
     from cpuckpt.transfer import device_snapshot, staging
 
     original = staging.DeviceCopier.enqueue
@@ -145,24 +148,28 @@ def test_device_snapshot_orders_after_the_device_copy_only(tmp_path: Path, monke
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(staging.DeviceCopier, "enqueue", held_back)
+    images = ImageSet(ram_dir / "slot", pin=True) if target == "images" else None
+    path = ram_dir / "slot" if images is not None else tmp_path / "ckpt"
+    again = path if images is not None else tmp_path / "again"
     sd = _state()
     want = _expected(sd)
-    h = _save_and_mutate(sd, tmp_path / "ckpt", order=True, window=window, device_snapshot=True)
+    h = _save_and_mutate(sd, path, order=True, images=images, window=window, device_snapshot=True)
     t0 = time.perf_counter()
     torch.cuda.current_stream().synchronize()
     trainer_s = time.perf_counter() - t0
     staged_then = h._writer.job.staged.done()
     h.wait()
-    assert trainer_s < 0.5 and not staged_then, (trainer_s, staged_then)
+    assert trainer_s < 0.5 and not staged_then, (target, trainer_s, staged_then)
     torch.cuda.synchronize()
     assert _differing_tensors(_expected(sd), want) == [k for k, v in want.items() if isinstance(v, torch.Tensor)]
-    got = _checkpoint(tmp_path / "ckpt", want)
-    assert _differing_tensors(got, want) == [], "the checkpoint holds values written after the device copy"
+    got = _checkpoint(path, want)
+    assert _differing_tensors(got, want) == [], f"{target}: the checkpoint holds values written after the device copy"
     kept = len(device_snapshot._BUFFERS)
     want2 = _expected(sd)
-    cpuckpt.async_save(sd, tmp_path / "again", _cfg(window, True), ordering="stream").wait()
-    assert len(device_snapshot._BUFFERS) == kept and _differing_tensors(_checkpoint(tmp_path / "again", want2),
-                                                                        want2) == []
+    cpuckpt.async_save(sd, again, _cfg(window, True), ordering="stream", sink=images).wait()
+    assert len(device_snapshot._BUFFERS) == kept and _differing_tensors(_checkpoint(again, want2), want2) == []
+    if images is not None:
+        images.close()
 
 
 def test_without_wait_stream_the_checkpoint_is_torn(tmp_path: Path) -> None:
