@@ -74,7 +74,8 @@ def _walk(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 def snapshot_state_dict(state_dict: dict[str, Any], cfg: Config, *, extra_slots: int) -> PoolSnapshot:
     """Copy every tensor of ``state_dict`` into the pool; other objects are deep-copied.
 
-    ``extra_slots`` are kept free beside the snapshot for the writer's chunks.
+    ``extra_slots`` are kept free beside the snapshot for the writer's chunks; a configured
+    ``staging.pool_bytes`` is the pool's size (the writer's synchronous save streams through it).
 
     Raises:
         ConfigError: ``staging.pool_bytes`` is set and smaller than the state dict's tensors (streaming,
@@ -99,7 +100,9 @@ def snapshot_state_dict(state_dict: dict[str, Any], cfg: Config, *, extra_slots:
         )
     chunk = cfg.io.chunk_bytes
     run = max(1, -(-total // chunk))
-    pool = get_pool(chunk, run + extra_slots, pin=cfg.staging.pin)
+    # With pool_bytes the writer's streaming save asks for pool_bytes // chunk slots while the run is leased:
+    # a pool only as large as the run + extra_slots would have to grow then, and could not (in use).
+    pool = get_pool(chunk, max(run + extra_slots, pool_bytes // chunk), pin=cfg.staging.pin)
     slot = pool.lease(cfg.timeout_s, count=run)
     devices = {_local(t).device for t in tensors if _local(t).device.type == "cuda"}
     copier = DeviceCopier(next(iter(devices))) if devices else None
