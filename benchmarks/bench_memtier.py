@@ -218,7 +218,7 @@ def run(args: argparse.Namespace, sd: dict[str, Any], nbytes: int, durable: Path
     """Every part in order; a part that fails is recorded (``failure``) and the next one runs anyway."""
     reps, mm = args.reps, ((256, 10) if not CUDA else (8192, 40))
     deadline = time.monotonic() + args.budget_s
-    snap = {"io": {"threads": 8}, "staging": {"mode": "snapshot"}}
+    snap = {"io": {"threads": 8}, "staging": {"pool_bytes": 0}}  # snapshot
     tier: MemoryTier | None = None
 
     wanted = set(args.parts.split(",")) if args.parts else None

@@ -71,7 +71,8 @@ logger = logging.getLogger("bench_zero_stall")
 RESULTS = ResultLog(logger)
 record = RESULTS.record
 
-CFG: dict[str, Any] = {"io": {"threads": 8}, "staging": {"mode": "snapshot"}, "integrity": {"checksum": "crc32c"}}
+# staging.pool_bytes 0: snapshot saves
+CFG: dict[str, Any] = {"io": {"threads": 8}, "staging": {"pool_bytes": 0}, "integrity": {"checksum": "crc32c"}}
 
 
 def _stager() -> Any:

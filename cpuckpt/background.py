@@ -376,7 +376,7 @@ def async_save(
     also orders everything). Kernels that merely read saved tensors (a forward) overlap the copies.
     The caching allocator cannot reuse a source's memory before the copies ran (``record_stream``),
     and host-pool slots or image bytes are reused only once their copies completed (``staged`` and
-    ``wait`` keep their meaning). Saves that *stream* (``staging.mode: streaming``, a pool smaller
+    ``wait`` keep their meaning). Saves that *stream* (a ``staging.pool_bytes`` smaller
     than the shard) still block inside the call until the last chunk has a slot; the contract holds
     for them too. The ``dcp.async_save`` door cannot express a GPU-side wait: DCP completes its
     staging future only after a host wait, which is its (correct) contract.

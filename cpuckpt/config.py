@@ -76,6 +76,8 @@ def _opt(default: Any, doc: str, **checks: Any) -> Any:
 # (A deleted value of a kept key is in that field's ``removed`` metadata.)
 REMOVED_KEYS: dict[str, str] = {
     "io.files_per_rank": "cpuckpt writes one data file per rank; checkpoints written with several still load",
+    "staging.mode": "the mode follows staging.pool_bytes: set pool_bytes: 0 for snapshot (the whole shard in "
+                    "the pool), or a size smaller than the shard for streaming through a bounded pool",
     "staging.pretouch": "a pool is touched at creation, on many threads, exactly when it is pinned (staging.pin); "
                         "cpuckpt.prepare_pool touches one at start-up",
     "memory.writer_threads": "a writer process persists with io.threads threads (2 or 8 interfered with training "
@@ -128,10 +130,12 @@ class IntegrityConfig:
 class StagingConfig:
     """Host staging: the pool that tensors are copied into before they are written."""
 
-    mode: str = _opt("auto", "snapshot (pool holds the whole shard), streaming (pool recycled), or auto.",
-                     choices=("auto", "snapshot", "streaming"))
-    pool_bytes: int = _opt(0, "Host pool size; 0 sizes it automatically (2 chunks per thread when streaming).",
-                           size=True, min=0)
+    pool_bytes: int = _opt(0, "Host pool size; it also picks how async saves stage. 0: snapshot, the pool grows "
+                           "to hold the shard of every save in flight. Smaller than shard x async.max_in_flight: "
+                           "streaming through a pool of that size (at least 2 chunks per io thread), reused while "
+                           "the files are written: host memory bounded, and the call waits until the last chunk "
+                           "has a slot. At least that large: snapshot in a pool of that size. Synchronous saves "
+                           "always stream through it (0: 2 chunks per io thread).", size=True, min=0)
     pin: bool = _opt(True, "Pin the pool with cudaHostRegister when CUDA is present (its pages are touched "
                      "first, on many threads: pinning would fault them in on one).")
     d2h_window_bytes: int = _opt(0, "Device-to-host bytes enqueued ahead (GPU sources, snapshot saves); 0 "

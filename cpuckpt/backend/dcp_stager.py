@@ -4,7 +4,8 @@ DCP stages the complete state dict *before* it plans, so this door cannot know t
 while copying: every tensor is copied into one leased, contiguous run of the host pool (device to
 host on a side stream for GPU tensors) and the writer later packs the records from there. That is
 one host memcpy more than :func:`cpuckpt.async_save`, and it needs the pool to hold the whole shard
-(snapshot mode only). The trainer may change its tensors once the returned future completes.
+(snapshot mode only: a ``staging.pool_bytes`` smaller than the state dict, which asks for streaming,
+is refused). The trainer may change its tensors once the returned future completes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from cpuckpt.config import Config
-from cpuckpt.errors import StagingError
+from cpuckpt.errors import ConfigError, StagingError
 from cpuckpt.transfer.staging import DeviceCopier, HostPool, Slot, get_pool
 from cpuckpt.transfer.threads import shared_executor
 
@@ -73,9 +74,13 @@ def _walk(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 def snapshot_state_dict(state_dict: dict[str, Any], cfg: Config, *, extra_slots: int) -> PoolSnapshot:
     """Copy every tensor of ``state_dict`` into the pool; other objects are deep-copied.
 
-    ``extra_slots`` are kept free beside the snapshot for the writer's chunks.
+    ``extra_slots`` are kept free beside the snapshot for the writer's chunks; a configured
+    ``staging.pool_bytes`` is the pool's size (the writer's synchronous save streams through it).
 
     Raises:
+        ConfigError: ``staging.pool_bytes`` is set and smaller than the state dict's tensors (streaming,
+            which this door cannot do). Only the ranks whose shard does not fit raise; DCP's collectives
+            on the others then fail after their timeout.
         StagingError: a tensor type this door cannot stage, or the copy failed.
     """
     tensors = _tensors(state_dict)
@@ -86,9 +91,18 @@ def snapshot_state_dict(state_dict: dict[str, Any], cfg: Config, *, extra_slots:
                                "use cpuckpt.async_save, which stages after planning")
         loc = _local(t)
         total += -(-loc.numel() * loc.element_size() // _ALIGN) * _ALIGN
+    pool_bytes = cfg.staging.pool_bytes
+    if 0 < pool_bytes < total:
+        raise ConfigError(
+            f"staging.pool_bytes ({pool_bytes}) is smaller than this rank's state dict ({total} bytes of tensors), "
+            "which means streaming, and dcp.async_save cannot stream (DCP stages the whole state dict before "
+            f"planning); use cpuckpt.async_save, or set staging.pool_bytes to 0 or at least {total}"
+        )
     chunk = cfg.io.chunk_bytes
     run = max(1, -(-total // chunk))
-    pool = get_pool(chunk, run + extra_slots, pin=cfg.staging.pin)
+    # With pool_bytes the writer's streaming save asks for pool_bytes // chunk slots while the run is leased:
+    # a pool only as large as the run + extra_slots would have to grow then, and could not (in use).
+    pool = get_pool(chunk, max(run + extra_slots, pool_bytes // chunk), pin=cfg.staging.pin)
     slot = pool.lease(cfg.timeout_s, count=run)
     devices = {_local(t).device for t in tensors if _local(t).device.type == "cuda"}
     copier = DeviceCopier(next(iter(devices))) if devices else None

@@ -139,13 +139,8 @@ class StorageWriter(_DcpStorageWriter):
         than :func:`cpuckpt.async_save`.
 
         Raises:
-            ConfigError: ``staging.mode`` is ``streaming``.
+            ConfigError: ``staging.pool_bytes`` is smaller than the state dict (streaming).
         """
-        if self.config.staging.mode == "streaming":
-            raise ConfigError(
-                "staging.mode: streaming is not possible through dcp.async_save (DCP stages the whole state "
-                "dict before planning); use cpuckpt.async_save, or mode snapshot/auto"
-            )
         self.close()
         self._snapshot = snapshot_state_dict(state_dict, self.config, extra_slots=2 * self.config.io.threads)
         return self._snapshot.ready

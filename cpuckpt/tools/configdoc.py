@@ -4,7 +4,7 @@ Regenerate after changing a config field::
 
     .venv/bin/python -m cpuckpt.tools.configdoc docs/CONFIG.md
 
-``tests/cli/test_cli.py`` fails when the committed file differs from :func:`config_markdown`.
+``tests/unit/test_configdoc.py`` fails when the committed file differs from :func:`config_markdown`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ the writes are handed over once every copy completed.
 *streaming*: the pool is smaller; staging waits for writes to free slots, so host memory stays at
 the pool size whatever the shard size. GPU sources: one CUDA event per chunk, each chunk handed to
 the writers as soon as it is enqueued.
+The caller picks the mode: async saves by :func:`choose_mode` (from ``staging.pool_bytes``),
+synchronous saves always stream.
 """
 
 from __future__ import annotations
@@ -48,10 +50,9 @@ logger = logging.getLogger(__name__)
 
 
 def choose_mode(cfg: Config, image_nbytes: int, *, in_flight: int = 1) -> str:
-    """Resolve ``staging.mode: auto``: snapshot unless a configured pool cannot hold the images."""
-    mode = cfg.staging.mode
-    if mode != "auto":
-        return mode
+    """The staging mode of an async save of ``image_nbytes`` with ``in_flight`` saves in flight, from
+    ``staging.pool_bytes``: snapshot when it is 0 (the pool grows to the shard) or holds the images of
+    every save in flight, streaming when it is smaller (a bounded pool, recycled while writing)."""
     pool_bytes = cfg.staging.pool_bytes
     if pool_bytes == 0 or pool_bytes >= image_nbytes * in_flight:
         return "snapshot"
@@ -143,7 +144,7 @@ class SaveJob:
                 if self._error is not None:  # cancelled before it started
                     raise self._error
                 self._submitting = True
-            nslots = self._streaming_slots() if self._streaming else len(self._chunks) * self.in_flight
+            nslots = self._streaming_slots() if self._streaming else self._snapshot_slots()
             self._slots = self.sink.open(nslots, self.done)
             self.stats.backend = self.sink.name
         except BaseException as e:
@@ -198,6 +199,12 @@ class SaveJob:
     def _streaming_slots(self) -> int:
         configured = self.cfg.staging.pool_bytes // self.cfg.io.chunk_bytes
         return max(configured, 2 * self.cfg.io.threads, 2)
+
+    def _snapshot_slots(self) -> int:
+        """A slot for every chunk of every save in flight; a configured ``pool_bytes`` is the pool's size
+        (the same pool as the synchronous saves' and ``prepare_pool``'s: a shard that grows within it
+        does not replace it)."""
+        return max(len(self._chunks) * self.in_flight, self.cfg.staging.pool_bytes // self.cfg.io.chunk_bytes)
 
     def _stage_on_device(self, order: LeaseOrder, device: torch.device) -> None:
         copier = DeviceCopier(device, after=self.start_after)

@@ -247,8 +247,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             open_tag(target.parent, fsync=cfg.io.fsync)
             ckpt.opened.add(target.parent)
         files, sources = layout_torch_file(state, cfg, storage_alignment=st.storage_alignment)
-        # Sync saves stream through the small pool (bounded host memory) unless told otherwise.
-        mode = "snapshot" if st.async_save or cfg.staging.mode == "snapshot" else "streaming"
+        # Sync saves stream through the pool (staging.pool_bytes; 0: a small one, bounded host memory).
+        mode = "snapshot" if st.async_save else "streaming"
         if st.async_save:
             self._reserve_pool(chunk_count(files[0].nbytes, cfg))
         job = SaveJob(target.parent, [target.name], files, sources, cfg, rank=rank, mode=mode, start_after=start_after)

@@ -5,8 +5,8 @@ What is proven, with real files and no mocks (every comparison is on byte views)
 - snapshot mode: once ``handle.staged.wait()`` (door: ``staging_completion``) returned, every rank
   may overwrite every saved tensor (and a non-tensor value); the committed checkpoint still holds
   the values from before, through stock ``FileSystemReader`` and ``cpuckpt.load``;
-- streaming mode through a pool of 4 x 64 KiB chunks for a shard of several MiB is bit-exact, and
-  the door refuses streaming with a ``ConfigError``;
+- streaming mode (``staging.pool_bytes`` smaller than the shard: a pool of 4 x 64 KiB chunks for a
+  shard of several MiB) is bit-exact, and the door refuses such a pool with a ``ConfigError``;
 - a write failure on rank 1 only fails ``handle.wait()`` on *both* ranks promptly, naming rank 1
   and its file, commits nothing, and the next save succeeds;
 - the in-flight bound: with ``max_in_flight: 1`` a second call returns only once the first is
@@ -59,13 +59,10 @@ PLAIN = [
 OBJECTS = {"step": 5, "meta": {"name": "run-\u03b1", "lr": 0.25}}
 
 
-def _cfg(*, mode: str = "snapshot", pool: str | None = None, in_flight: int = 1, backend: str = "buffered",
-         timeout_s: float = 20) -> dict:
-    cfg: dict = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": backend}, "staging": {"mode": mode},
-                 "async": {"max_in_flight": in_flight}, "timeout_s": timeout_s}
-    if pool is not None:
-        cfg["staging"]["pool_bytes"] = pool
-    return cfg
+def _cfg(*, pool: str | int = 0, in_flight: int = 1, backend: str = "buffered", timeout_s: float = 20) -> dict:
+    """``pool`` is ``staging.pool_bytes``: 0 snapshots, a size smaller than the shard streams."""
+    return {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": backend}, "staging": {"pool_bytes": pool},
+            "async": {"max_in_flight": in_flight}, "timeout_s": timeout_s}
 
 
 def _placements(dim):
@@ -178,7 +175,7 @@ def rank_snapshot_mutation(root: str) -> dict:
 
     mesh = _mesh()
     root_p = Path(root)
-    cfg = _cfg(mode="snapshot")
+    cfg = _cfg()  # pool_bytes 0: snapshot
     out: dict = {}
 
     # cpuckpt.async_save
@@ -237,7 +234,7 @@ def rank_streaming(root: str) -> dict:
 
     mesh = _mesh()
     root_p = Path(root)
-    cfg = _cfg(mode="streaming", pool="256KiB")  # 4 chunks of 64 KiB
+    cfg = _cfg(pool="256KiB")  # 4 chunks of 64 KiB, smaller than the shard: streaming
     out: dict = {}
 
     path = root_p / "streamed"
@@ -267,7 +264,7 @@ def rank_streaming(root: str) -> dict:
         except cpuckpt.ConfigError as e:
             out["door_error"] = str(e)
         else:
-            raise AssertionError("dcp.async_save with staging.mode streaming succeeded")
+            raise AssertionError("dcp.async_save with a staging.pool_bytes smaller than the shard succeeded")
     dist.barrier()
     return out
 
@@ -634,7 +631,7 @@ def rank_process_mode_then_save(root: str) -> dict:
     cpuckpt.save(_state_dict(mesh, seed=10), path, _cfg())
     _load_both(path, mesh, 10, "cpuckpt.save after a refused PROCESS-mode attempt")
     path = root_p / "after_async"
-    h = cpuckpt.async_save(_state_dict(mesh, seed=11), path, _cfg(mode="streaming", pool="256KiB"))
+    h = cpuckpt.async_save(_state_dict(mesh, seed=11), path, _cfg(pool="256KiB"))
     h.wait()
     dist.barrier()
     _load_both(path, mesh, 11, "streaming async_save after a refused PROCESS-mode attempt")

@@ -40,7 +40,8 @@ OBJECTS = {"step": 5, "meta": {"name": "run", "lr": 0.25}}
 
 
 def _cfg() -> dict:
-    return {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "staging": {"mode": "snapshot"},
+    return {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"},
+            "staging": {"pool_bytes": 0},  # snapshot
             "async": {"max_in_flight": 1}, "timeout_s": 20}
 
 

@@ -34,7 +34,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the device machine)"),
 ]
 
-CFG = {"io": {"chunk_bytes": "16MiB", "threads": 4}, "staging": {"mode": "snapshot"}, "timeout_s": 120}
+CFG = {"io": {"chunk_bytes": "16MiB", "threads": 4}, "staging": {"pool_bytes": 0}, "timeout_s": 120}  # snapshot
 SLEEP_CYCLES = 100_000_000  # ~50 ms at ~2 GHz
 
 

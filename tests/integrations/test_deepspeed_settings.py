@@ -43,7 +43,13 @@ def test_configs_deepspeed_yaml_loads():
     assert (s.enabled, s.async_save, s.background_commit, s.storage_alignment) == (True, True, True, 4096)
     assert s.core.integrity.checksum == "crc32c" and s.core.io.threads == 4 and s.core.io.chunk_bytes == 32 << 20
     assert (s.memory_dir, s.persist_every, s.memory_keep) == ("", 4, 2)
-    assert s.core.staging.mode == "auto" and s.core.timeout_s == 600
+    assert s.core.staging.pool_bytes == 0 and s.core.timeout_s == 600  # pool_bytes 0: as the core's default
+
+
+def test_removed_staging_mode_is_refused_with_what_to_set():
+    """A DeepSpeed config written before staging.mode was removed is told to set staging.pool_bytes."""
+    with pytest.raises(ConfigError, match=r"staging\.mode was removed \(the mode follows staging\.pool_bytes"):
+        resolve_settings({"staging": {"mode": "snapshot"}})
 
 
 def test_block_wins_key_by_key_and_attach_lets_its_settings_win():

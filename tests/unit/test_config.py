@@ -158,6 +158,14 @@ def test_removed_key_names_the_key_and_says_it_was_removed(tmp_path, dotted):
         Config.from_dict({section: {key: 1}} if section else {key: 1}, env=False)
 
 
+@pytest.mark.parametrize("mode", ["snapshot", "streaming", "auto"])
+def test_removed_staging_mode_says_to_set_pool_bytes(tmp_path, mode):
+    """staging.mode is derived from staging.pool_bytes now; a config that still sets it is told which value."""
+    msg = _yaml_error(tmp_path, f"staging:\n  mode: {mode}\n  pool_bytes: 1GiB\n")
+    assert "staging.mode was removed" in msg and "delete the key" in msg, msg
+    assert "pool_bytes: 0 for snapshot" in msg and "smaller than the shard for streaming" in msg, msg
+
+
 @pytest.mark.parametrize(
     ("text", "dotted", "fragment"),
     [
@@ -194,7 +202,6 @@ def test_wrong_type_names_dotted_key_and_file(tmp_path, text, dotted, fragment):
         ("async:\n  max_in_flight: 0\n", "async.max_in_flight"),
         ("integrity:\n  verify: sometimes\n", "integrity.verify"),
         ("integrity:\n  checksum: md5\n", "integrity.checksum"),
-        ("staging:\n  mode: lazy\n", "staging.mode"),
     ],
 )
 def test_impossible_value_names_dotted_key_and_file(tmp_path, text, dotted):
@@ -493,12 +500,12 @@ def test_env_warning_is_shown_by_default(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("CPUCKPT_")}
-    env["CPUCKPT_STAGING_MOD"] = "snapshot"
+    env["CPUCKPT_STAGING_PINN"] = "false"
     out = subprocess.run([sys.executable, "-c", "import cpuckpt; cpuckpt.Config.from_dict(None)"], env=env,
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "CPUCKPT_STAGING_MOD matches no cpuckpt config key" in out.stderr
-    assert "CPUCKPT_STAGING_MODE" in out.stderr
+    assert "CPUCKPT_STAGING_PINN matches no cpuckpt config key" in out.stderr
+    assert "did you mean CPUCKPT_STAGING_PIN?" in out.stderr
 
 
 @pytest.mark.parametrize("name", ["CPUCKPT_TEST_HOOK", "CPUCKPT_SWEEP_SEED", "CPUCKPT_LONG_SWEEP", "CPUCKPT_SLOW",
