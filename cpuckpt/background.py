@@ -422,7 +422,7 @@ class Checkpointer:
 # its own; this must never be the only way to save (two models through it would share one stream).
 _DEFAULTS: dict[Any, Checkpointer] = {}
 _LOCK = threading.Lock()
-_EXIT_HOOKED = False
+_EXIT_HOOKED = False  # per process: the interpreter's exit hook is registered once
 
 
 def _default_checkpointer(process_group: Any) -> Checkpointer:
