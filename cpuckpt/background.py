@@ -222,17 +222,17 @@ class Checkpointer:
 
     def __init__(self, process_group: Any = None) -> None:
         self.process_group = process_group
-        self.in_flight: collections.deque[AsyncSaveHandle] = collections.deque()
-        self.plan_cache: CachedPlan | None = None
-        self.items: CachedItems | None = None  # the last save's resolved items (plan_cache's save)
-        self.unfit: tuple | None = None  # a plan signature whose saves do not qualify for ``items``
-        self.layouts = LayoutCache()  # file layouts of this stream's recent saves
+        self._in_flight: collections.deque[AsyncSaveHandle] = collections.deque()
+        self._plan_cache: CachedPlan | None = None
+        self._items: CachedItems | None = None  # the last save's resolved items (the cached plan's save)
+        self._unfit: tuple | None = None  # a plan signature whose saves do not qualify for ``items``
+        self._layouts = LayoutCache()  # file layouts of this stream's recent saves
         self.snapshots = DeviceSnapshots()  # staging.device_snapshot: this stream's device buffers
         self._groups: _Groups | None = None
         self._closed = False
 
     @property
-    def dist(self) -> bool:
+    def _dist(self) -> bool:
         return self._require_groups().dist
 
     def _require_groups(self) -> _Groups:
@@ -271,7 +271,7 @@ class Checkpointer:
 
     def pending(self) -> list[AsyncSaveHandle]:
         """This stream's saves that have not ended (committed or failed), oldest first."""
-        return [h for h in list(self.in_flight) if not h.done()]
+        return [h for h in list(self._in_flight) if not h.done()]
 
     def wait_all(self, timeout: float | None = None) -> None:
         """Wait for every save of this stream; raises the first failure not yet raised.
@@ -279,9 +279,9 @@ class Checkpointer:
         Ctrl-C while waiting cancels this stream's saves still in flight and propagates as itself.
         """
         first: BaseException | None = None
-        while self.in_flight:
+        while self._in_flight:
             try:
-                self.in_flight.popleft().wait(timeout)
+                self._in_flight.popleft().wait(timeout)
             except BaseException as e:
                 if is_interrupt(e):
                     self.cancel_all(e)
@@ -292,7 +292,7 @@ class Checkpointer:
 
     def cancel_all(self, reason: BaseException | None = None) -> None:
         """Cancel this stream's saves in flight (Ctrl-C): none is committed, their threads end."""
-        for handle in list(self.in_flight):
+        for handle in list(self._in_flight):
             stop_after_interrupt(handle.cancel, reason or KeyboardInterrupt(), f"the save to {handle.path}")
 
     def close(self, timeout: float | None = None) -> None:
@@ -304,10 +304,10 @@ class Checkpointer:
         finally:
             self._closed = True
             inflight.unregister(self)
-            if self._groups is not None:
-                self._groups.committer.shutdown(wait=True)
-            self.plan_cache = self.items = self.unfit = None
-            self.layouts = LayoutCache()
+            if self._groups is not None:  # no task is left (a cancelled one ends on its own)
+                self._groups.committer.shutdown(wait=False)
+            self._plan_cache = self._items = self._unfit = None
+            self._layouts = LayoutCache()
             self.snapshots.clear()
 
     def __enter__(self) -> Checkpointer:
@@ -316,7 +316,7 @@ class Checkpointer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def agree_to_reuse(self, cached: CachedPlan | None, writer: StorageWriter) -> bool:
+    def _agree_to_reuse(self, cached: CachedPlan | None, writer: StorageWriter) -> bool:
         """Caller's thread: reuse the cached plan only if every rank has one for this structure.
 
         The coordinator first makes any earlier checkpoint in the directory incomplete, so no rank
@@ -325,7 +325,7 @@ class Checkpointer:
         if cached is not None:
             coordinator = cached.is_coordinator
         else:
-            coordinator = not self.dist or dist.get_rank(self._require_groups().plan_group) == 0
+            coordinator = not self._dist or dist.get_rank(self._require_groups().plan_group) == 0
         error: BaseException | None = None
         try:
             make_checkpoint_dir(writer.path)
@@ -334,7 +334,7 @@ class Checkpointer:
         except BaseException as e:  # shared with the peers below, so that no rank waits for this one
             error = e
         what = f"async save of {writer.path}"
-        if not self.dist:
+        if not self._dist:
             agree_or_raise(error, 0, None, what)
             return cached is not None
         # One all-reduce answers both: does every rank have the plan, and is every rank's directory usable?
@@ -348,7 +348,7 @@ class Checkpointer:
             raise_if_failed(reports, what, error)  # the same error on every rank
         return bool(flags[0].item())
 
-    def commit(self, handle: AsyncSaveHandle) -> None:
+    def _commit(self, handle: AsyncSaveHandle) -> None:
         """Committer thread: local durability -> agree -> coordinator commits -> share the outcome.
 
         Every rank's :class:`~cpuckpt.errors.FailureReport` (``None`` = its files are durable) travels
@@ -372,14 +372,14 @@ class Checkpointer:
         groups = self._require_groups()
         try:
             gathered: list[Any] = [(mine, w.last_results)]  # results travel only when the plan was reused
-            if self.dist:
+            if self._dist:
                 gathered = [None] * dist.get_world_size(groups.commit_group)
                 dist.all_gather_object(gathered, (mine, w.last_results), group=groups.commit_group)
             reports = [g[0] for g in gathered]
             agreed = False  # the outcome is already every rank's (node_commit agrees on it itself)
             if any(r is not None for r in reports):
                 outcome = reports
-            elif handle.node_commit is not None and self.dist:
+            elif handle.node_commit is not None and self._dist:
                 outcome = handle.node_commit(w, [g[1] for g in gathered] if w.last_results is not None else None,
                                              groups.commit_group, groups.coordinator)
                 agreed = True
@@ -392,7 +392,7 @@ class Checkpointer:
                     outcome = [dataclasses.replace(failed, message=f"commit failed (coordinator): {failed.message}")]
                 else:
                     after_commit(w.path, w.config)  # `latest`, cleaning, retention: only when configured
-            if self.dist and not agreed:
+            if self._dist and not agreed:
                 box = [outcome]
                 dist.broadcast_object_list(box, src=groups.coordinator, group=groups.commit_group)
                 outcome = box[0]
@@ -555,14 +555,14 @@ def _async_save(ckpt: Checkpointer, state_dict: dict[str, Any], path: str, cfg: 
                 ) -> AsyncSaveHandle:
     """:meth:`Checkpointer.async_save` inside the error contract (its arguments checked)."""
     groups = ckpt._start_stream(cfg.timeout_s)
-    while ckpt.in_flight and ckpt.in_flight[0]._reported:
-        ckpt.in_flight.popleft()  # failed, and the caller already got the error from wait()
-    while len(ckpt.in_flight) >= cfg.async_.max_in_flight:
-        ckpt.in_flight.popleft().wait()  # raises a failure nobody has waited for yet
-    while ckpt.in_flight and ckpt.in_flight[0].done() and ckpt.in_flight[0]._committed.exception() is None:
-        ckpt.in_flight.popleft()
+    while ckpt._in_flight and ckpt._in_flight[0]._reported:
+        ckpt._in_flight.popleft()  # failed, and the caller already got the error from wait()
+    while len(ckpt._in_flight) >= cfg.async_.max_in_flight:
+        ckpt._in_flight.popleft().wait()  # raises a failure nobody has waited for yet
+    while ckpt._in_flight and ckpt._in_flight[0].done() and ckpt._in_flight[0]._committed.exception() is None:
+        ckpt._in_flight.popleft()
     t0 = time.perf_counter()
-    writer = StorageWriter(path, cfg, step=step, sink=sink, save_id=save_id, layouts=ckpt.layouts,
+    writer = StorageWriter(path, cfg, step=step, sink=sink, save_id=save_id, layouts=ckpt._layouts,
                            snapshots=ckpt.snapshots)
     writer.defer_commit(in_flight=cfg.async_.max_in_flight)
     handle = AsyncSaveHandle(writer, str(path), t0)
@@ -579,8 +579,8 @@ def _async_save(ckpt: Checkpointer, state_dict: dict[str, Any], path: str, cfg: 
         handle.stats.nbytes = writer.job.stats.nbytes
         handle.stats.mode = writer.job.mode
     handle.stats.layout = writer.last_layout or handle.stats.layout
-    ckpt.in_flight.append(handle)
-    groups.committer.submit(ckpt.commit, handle)
+    ckpt._in_flight.append(handle)
+    groups.committer.submit(ckpt._commit, handle)
     if ordering == "stream" and writer.job is not None and writer.job.fence is None:
         # No device copies: host threads copy the CPU tensors, and the contract lets them change once
         # the call returned. (With device copies every host byte was copied on this thread while the
@@ -598,38 +598,38 @@ def _plan(ckpt: Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, st
     ``resolve_data`` per item); a save through either of the slower paths refreshes the caches.
     """
     who = _planner_identity(planner, plan_key)
-    hit = ckpt.items.match(state, who) if who is not None and ckpt.items is not None else None
+    hit = ckpt._items.match(state, who) if who is not None and ckpt._items is not None else None
     signature = None
     if hit is not None:
-        cached: CachedPlan | None = ckpt.items.cached  # type: ignore[union-attr]
+        cached: CachedPlan | None = ckpt._items.cached  # type: ignore[union-attr]
     else:
         signature = _plan_signature(state, who)
-        cached = ckpt.plan_cache if signature is not None and ckpt.plan_cache is not None \
-            and ckpt.plan_cache.signature == signature else None
+        cached = ckpt._plan_cache if signature is not None and ckpt._plan_cache is not None \
+            and ckpt._plan_cache.signature == signature else None
     own = DefaultSavePlanner() if planner is None else planner
-    if ckpt.agree_to_reuse(cached, writer):
+    if ckpt._agree_to_reuse(cached, writer):
         handle.stats.planned = "reused"
         if hit is not None:
             handle.stats.resolved = "cached"
-            writer.write_items(ckpt.items, hit)  # type: ignore[arg-type]
+            writer.write_items(ckpt._items, hit)  # type: ignore[arg-type]
             return
         writer.write_cached(state, cached, own)  # type: ignore[arg-type]
     else:
         plan_group = ckpt._require_groups().plan_group
         run_dcp(lambda: dcp_save(state, writer, planner=own, process_group=plan_group), "async save",
-                writer.path, rank=dist.get_rank(plan_group) if ckpt.dist else 0)
+                writer.path, rank=dist.get_rank(plan_group) if ckpt._dist else 0)
         if signature is None and hit is not None:  # this rank's items fit, another rank's did not
             signature = _plan_signature(state, who)
         if signature is None or writer.last_plan is None:
-            ckpt.items = None
+            ckpt._items = None
             return
         md = writer.pending_metadata if writer.is_coordinator else None
-        ckpt.plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)
-    ckpt.items = None
-    if writer.last_written is not None and ckpt.plan_cache is not None and ckpt.unfit != ckpt.plan_cache.signature:
-        ckpt.items = CachedItems.build(who, ckpt.plan_cache, state, own, writer.last_written)
-        if ckpt.items is None:
-            ckpt.unfit = ckpt.plan_cache.signature  # the same structure will not fit either: do not try again
+        ckpt._plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)
+    ckpt._items = None
+    if writer.last_written is not None and ckpt._plan_cache is not None and ckpt._unfit != ckpt._plan_cache.signature:
+        ckpt._items = CachedItems.build(who, ckpt._plan_cache, state, own, writer.last_written)
+        if ckpt._items is None:
+            ckpt._unfit = ckpt._plan_cache.signature  # the same structure will not fit either: do not try again
 
 
 def _planner_identity(planner: Any, plan_key: Hashable | None) -> tuple | None:
