@@ -490,7 +490,7 @@ class Bench:
     def d2d_probe(self, engine: Any, reps: int = 3) -> None:
         """The device snapshot's device-to-device copy (``transfer.device_snapshot``, the code a
         ``device_snapshot`` save runs) over this engine's GPU state, timed alone on an idle device."""
-        from cpuckpt.transfer.device_snapshot import release, snapshot_sources
+        from cpuckpt.transfer.device_snapshot import DeviceSnapshots, release
         from cpuckpt.transfer.staging import flat_bytes
 
         state = {"module": engine.module.state_dict(), "optim": engine.optimizer.state_dict()}
@@ -498,14 +498,15 @@ class Bench:
         nbytes = sum(t.numel() for t in sources)
         device = sources[0].device
         stream = torch.cuda.Stream(device=device)
-        times = []
+        times, snapshots = [], DeviceSnapshots()
         for _ in range(reps):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            _, snap = snapshot_sources(sources, device, stream, torch.cuda.current_stream(device))
+            _, snap = snapshots.snapshot_sources(sources, device, stream, torch.cuda.current_stream(device))
             stream.synchronize()
             times.append(time.perf_counter() - t)
             release(snap, None)
+        snapshots.clear()
         self.record("d2d_probe", bytes=nbytes, tensors=len(sources), s=times, GBps=nbytes / median(times) / GB)
 
     def prepare(self, engine: Any, counter: list[int]) -> None:

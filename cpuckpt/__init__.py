@@ -5,7 +5,7 @@ from __future__ import annotations
 from cpuckpt.api import load, pause_copies, prepare_pool, prepare_pool_in_background, save
 from cpuckpt.backend.reader import StorageReader
 from cpuckpt.backend.writer import StorageWriter
-from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
+from cpuckpt.background import AsyncSaveHandle, Checkpointer, async_save, wait_all
 from cpuckpt.config import Config
 from cpuckpt.errors import (
     CheckpointCorrupt,
@@ -36,6 +36,7 @@ __all__ = [
     "AsyncSaveHandle",
     "CheckpointCorrupt",
     "CheckpointTimeoutError",
+    "Checkpointer",
     "Config",
     "ConfigError",
     "CpuckptError",

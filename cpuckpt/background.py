@@ -2,11 +2,17 @@
 
 ``async_save`` runs DCP's planning on the caller's thread (on a gloo group), so every file's layout
 is known; the writer then starts staging chunks into the host pool and writing them while the call
-returns. A save is committed by one background thread per process (the committer), which runs the
-saves' commit collectives in order on a second, dedicated gloo group: no two threads ever share a
-group. Each rank reports whether its files are durable; only when all are does the coordinator write
-the manifest and ``.metadata``, and the outcome is broadcast so that every rank's ``wait()`` raises
-the same error. Every wait is bounded by ``timeout_s`` (gloo groups get the same timeout).
+returns. A save is committed by its stream's background thread (the committer of a
+:class:`Checkpointer`), which runs the saves' commit collectives in order on a second, dedicated gloo
+group: no two threads ever share a group. Each rank reports whether its files are durable; only
+when all are does the coordinator write the manifest and ``.metadata``, and the outcome is broadcast
+so that every rank's ``wait()`` raises the same error. Every wait is bounded by ``timeout_s`` (gloo
+groups get the same timeout).
+
+A :class:`Checkpointer` is one stream of saves: it owns the in-flight bound, the plan, item and layout
+caches, the device snapshot buffers and the committer. Two models saving to two roots use two
+checkpointers and share none of it; :func:`async_save` is the stream of the function API, one per
+process group.
 """
 
 from __future__ import annotations
@@ -46,14 +52,16 @@ from cpuckpt.backend.itemcache import CachedItems
 from cpuckpt.backend.telemetry import record_save
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import ConfigError, FailureReport, is_interrupt, rank_error
+from cpuckpt.errors import ConfigError, CpuckptError, FailureReport, is_interrupt, rank_error
+from cpuckpt.format.layout import LayoutCache
 from cpuckpt.format.plancache import CachedPlan, structure_signature
 from cpuckpt.paths import local_path
 from cpuckpt.roots import after_commit
+from cpuckpt.transfer.device_snapshot import DeviceSnapshots
 from cpuckpt.transfer.sinks import SinkFactory
 from cpuckpt.transfer.threads import new_executor, stop_after_interrupt, wait_future
 
-__all__ = ["ORDERINGS", "AsyncSaveHandle", "async_save", "cancel_all", "wait_all"]
+__all__ = ["ORDERINGS", "AsyncSaveHandle", "Checkpointer", "async_save", "cancel_all", "wait_all"]
 
 ORDERINGS = ("host", "stream")  # async_save(ordering=...): see its docstring
 
@@ -72,6 +80,7 @@ class SaveStats:
     mode: str = ""
     planned: str = "dcp"  # "reused" when the previous save's plan was reused
     resolved: str = "planner"  # "cached" when the previous save's resolved items were reused (backend.itemcache)
+    layout: str = "planned"  # "cached" when the file layout came from the stream's earlier saves (no plan_files)
 
 
 class _Staged:
@@ -168,24 +177,146 @@ class AsyncSaveHandle:
         self._committed.add_done_callback(lambda f: fn(f.exception()))
 
 
-class _Checkpointer:
-    """Per-process state: gloo groups, the in-flight saves, the committer thread."""
+class _Groups:
+    """A checkpointer's collectives: its gloo groups and its committer thread (made at its first save)."""
 
     def __init__(self, process_group: Any, timeout_s: float) -> None:
         self.dist = dist.is_available() and dist.is_initialized()
         self.plan_group = None
         self.commit_group = None
+        self.coordinator = 0
         if self.dist:
             self.plan_group = checkpoint_group(process_group, timeout_s)  # the caller's thread only
             self.commit_group = new_gloo_group(process_group, timeout_s)  # the committer only
             self.coordinator = dist.get_global_rank(self.commit_group, 0)
-        self.in_flight: collections.deque[AsyncSaveHandle] = collections.deque()
-        self.plan_cache: CachedPlan | None = None
-        self.items: CachedItems | None = None  # the last save's resolved items (plan_cache's save)
-        self.unfit: tuple | None = None  # a plan signature whose saves do not qualify for ``items``
         self.committer = new_executor(1, "cpuckpt-commit")  # one thread: commit collectives stay ordered
 
-    def agree_to_reuse(self, cached: CachedPlan | None, writer: StorageWriter) -> bool:
+
+class Checkpointer:
+    """One stream of background saves, and everything that belongs to it.
+
+    It owns the in-flight saves and their bound (``async.max_in_flight``), the caches that let a save
+    of an unchanged structure skip planning (the plan, the resolved items, the file layouts), the
+    device buffers of ``staging.device_snapshot``, and the committer thread with its gloo group. Two
+    checkpointers (two models saving to two roots) share none of these: one's saves never wait for,
+    evict or reorder the other's, and :meth:`close` of one leaves the other running. What they do
+    share is per process: the pinned host pool, the stage/io threads, the copy gate, and the gloo
+    mirror of the trainer's group that planning uses on the caller's thread.
+
+    :func:`cpuckpt.async_save` saves through one checkpointer per process group (made on first use).
+
+    Every rank makes its checkpointers in the same order and calls their saves in the same order (the
+    first save of each makes its gloo group: collective). Saves of checkpointers over one process group
+    are called from one thread (the trainer's), like every planning collective.
+
+    Args:
+        process_group: the trainer's group; cpuckpt uses gloo groups over the same ranks.
+
+    Example:
+        >>> policy, value = cpuckpt.Checkpointer(), cpuckpt.Checkpointer()
+        >>> h1 = policy.async_save(policy_model.state_dict(), f"/ckpt/policy/{step}")
+        >>> h2 = value.async_save(value_model.state_dict(), f"/ckpt/value/{step}")
+        >>> ...
+        >>> policy.close(); value.close()  # waits for each one's saves
+    """
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.process_group = process_group
+        self._in_flight: collections.deque[AsyncSaveHandle] = collections.deque()
+        self._plan_cache: CachedPlan | None = None
+        self._items: CachedItems | None = None  # the last save's resolved items (the cached plan's save)
+        self._unfit: tuple | None = None  # a plan signature whose saves do not qualify for ``items``
+        self._layouts = LayoutCache()  # file layouts of this stream's recent saves
+        self.snapshots = DeviceSnapshots()  # staging.device_snapshot: this stream's device buffers
+        self._groups: _Groups | None = None
+        self._closed = False
+
+    @property
+    def _dist(self) -> bool:
+        return self._require_groups().dist
+
+    def _require_groups(self) -> _Groups:
+        if self._groups is None:
+            raise RuntimeError("Checkpointer: no save started yet")
+        return self._groups
+
+    def _start_stream(self, timeout_s: float) -> _Groups:
+        """Caller's thread, at a save: the groups and committer, made at the first one (collective)."""
+        if self._closed:
+            raise CpuckptError("Checkpointer: async_save after close()")
+        if self._groups is None:
+            self._groups = _Groups(self.process_group, timeout_s)
+            _hook_exit()
+        inflight.register(self)
+        return self._groups
+
+    def async_save(self, state_dict: dict[str, Any], path: str | os.PathLike,
+                   config: Config | str | os.PathLike | dict | None = None, *, step: int | None = None,
+                   planner: Any = None, plan_key: Hashable | None = None, sink: SinkFactory | None = None,
+                   save_id: str | None = None,
+                   node_commit: Callable[..., list[FailureReport | None] | None] | None = None,
+                   ordering: str = "host") -> AsyncSaveHandle:
+        """Save in the background through this stream: :func:`cpuckpt.async_save`'s arguments (less
+        ``process_group``: the checkpointer's), contract, errors and plan reuse (from this stream's
+        previous saves only)."""
+        path = local_path(path, "async_save: checkpoint path")  # a URL is refused before anything is created
+        if ordering not in ORDERINGS:
+            raise ConfigError(f"async_save: ordering must be one of {', '.join(ORDERINGS)}, got {ordering!r}")
+        group = self.process_group
+        rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+        with one_contract(f"async save of {path}", rank):
+            return _async_save(self, state_dict, path, resolve_config(config), step=step, planner=planner,
+                               plan_key=plan_key, sink=sink, save_id=save_id, node_commit=node_commit,
+                               ordering=ordering)
+
+    def pending(self) -> list[AsyncSaveHandle]:
+        """This stream's saves that have not ended (committed or failed), oldest first."""
+        return [h for h in list(self._in_flight) if not h.done()]
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        """Wait for every save of this stream; raises the first failure not yet raised.
+
+        Ctrl-C while waiting cancels this stream's saves still in flight and propagates as itself.
+        """
+        first: BaseException | None = None
+        while self._in_flight:
+            try:
+                self._in_flight.popleft().wait(timeout)
+            except BaseException as e:
+                if is_interrupt(e):
+                    self.cancel_all(e)
+                    raise
+                first = first or e
+        if first is not None:
+            raise first
+
+    def cancel_all(self, reason: BaseException | None = None) -> None:
+        """Cancel this stream's saves in flight (Ctrl-C): none is committed, their threads end."""
+        for handle in list(self._in_flight):
+            stop_after_interrupt(handle.cancel, reason or KeyboardInterrupt(), f"the save to {handle.path}")
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for this stream's saves (raising the first failure), then end its committer thread and
+        free its caches and device buffers. Other checkpointers are not affected; a closed one saves no
+        more. Idempotent."""
+        try:
+            self.wait_all(timeout)
+        finally:
+            self._closed = True
+            inflight.unregister(self)
+            if self._groups is not None:  # no task is left (a cancelled one ends on its own)
+                self._groups.committer.shutdown(wait=False)
+            self._plan_cache = self._items = self._unfit = None
+            self._layouts = LayoutCache()
+            self.snapshots.clear()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _agree_to_reuse(self, cached: CachedPlan | None, writer: StorageWriter) -> bool:
         """Caller's thread: reuse the cached plan only if every rank has one for this structure.
 
         The coordinator first makes any earlier checkpoint in the directory incomplete, so no rank
@@ -194,7 +325,7 @@ class _Checkpointer:
         if cached is not None:
             coordinator = cached.is_coordinator
         else:
-            coordinator = not self.dist or dist.get_rank(self.plan_group) == 0
+            coordinator = not self._dist or dist.get_rank(self._require_groups().plan_group) == 0
         error: BaseException | None = None
         try:
             make_checkpoint_dir(writer.path)
@@ -203,20 +334,21 @@ class _Checkpointer:
         except BaseException as e:  # shared with the peers below, so that no rank waits for this one
             error = e
         what = f"async save of {writer.path}"
-        if not self.dist:
+        if not self._dist:
             agree_or_raise(error, 0, None, what)
             return cached is not None
         # One all-reduce answers both: does every rank have the plan, and is every rank's directory usable?
         flags = torch.tensor([1 if cached is not None else 0, 1 if error is None else 0])
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.plan_group)
+        plan_group = self._require_groups().plan_group
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=plan_group)
         if not flags[1].item():
-            reports = gather_failures(error, dist.get_rank(self.plan_group), self.plan_group)
+            reports = gather_failures(error, dist.get_rank(plan_group), plan_group)
             if is_interrupt(error):
                 raise error  # type: ignore[misc]
             raise_if_failed(reports, what, error)  # the same error on every rank
         return bool(flags[0].item())
 
-    def commit(self, handle: AsyncSaveHandle) -> None:
+    def _commit(self, handle: AsyncSaveHandle) -> None:
         """Committer thread: local durability -> agree -> coordinator commits -> share the outcome.
 
         Every rank's :class:`~cpuckpt.errors.FailureReport` (``None`` = its files are durable) travels
@@ -237,18 +369,19 @@ class _Checkpointer:
             local = e
         mine = None if local is None else FailureReport.of(local, w.rank)
         outcome: list[FailureReport | None] | None = None  # the reports that fail the save; None: committed
+        groups = self._require_groups()
         try:
             gathered: list[Any] = [(mine, w.last_results)]  # results travel only when the plan was reused
-            if self.dist:
-                gathered = [None] * dist.get_world_size(self.commit_group)
-                dist.all_gather_object(gathered, (mine, w.last_results), group=self.commit_group)
+            if self._dist:
+                gathered = [None] * dist.get_world_size(groups.commit_group)
+                dist.all_gather_object(gathered, (mine, w.last_results), group=groups.commit_group)
             reports = [g[0] for g in gathered]
             agreed = False  # the outcome is already every rank's (node_commit agrees on it itself)
             if any(r is not None for r in reports):
                 outcome = reports
-            elif handle.node_commit is not None and self.dist:
+            elif handle.node_commit is not None and self._dist:
                 outcome = handle.node_commit(w, [g[1] for g in gathered] if w.last_results is not None else None,
-                                             self.commit_group, self.coordinator)
+                                             groups.commit_group, groups.coordinator)
                 agreed = True
             elif w.is_coordinator:
                 try:
@@ -259,9 +392,9 @@ class _Checkpointer:
                     outcome = [dataclasses.replace(failed, message=f"commit failed (coordinator): {failed.message}")]
                 else:
                     after_commit(w.path, w.config)  # `latest`, cleaning, retention: only when configured
-            if self.dist and not agreed:
+            if self._dist and not agreed:
                 box = [outcome]
-                dist.broadcast_object_list(box, src=self.coordinator, group=self.commit_group)
+                dist.broadcast_object_list(box, src=groups.coordinator, group=groups.commit_group)
                 outcome = box[0]
         except BaseException as e:
             if outcome is None:  # the peers' outcome is unknown: this rank's own failure, else the collective's
@@ -284,27 +417,36 @@ class _Checkpointer:
             handle._committed.set_result(None)
 
 
-_CHECKPOINTERS: dict[Any, _Checkpointer] = {}
+# The function API's streams: ``cpuckpt.async_save`` has no object to hold its caches and in-flight saves,
+# so each process group gets one checkpointer, made on first use. Any other stream is a Checkpointer of
+# its own; this must never be the only way to save (two models through it would share one stream).
+_DEFAULTS: dict[Any, Checkpointer] = {}
 _LOCK = threading.Lock()
+_EXIT_HOOKED = False  # per process: the interpreter's exit hook is registered once
 
 
-def _checkpointer(process_group: Any, timeout_s: float) -> _Checkpointer:
+def _default_checkpointer(process_group: Any) -> Checkpointer:
+    """``async_save``'s checkpointer of ``process_group`` (a new one after it was closed)."""
+    with _LOCK:
+        ckpt = _DEFAULTS.get(process_group)
+        if ckpt is None or ckpt._closed:
+            ckpt = _DEFAULTS[process_group] = Checkpointer(process_group)
+        return ckpt
+
+
+def _hook_exit() -> None:
+    """Once per process: cancel interrupted saves at exit (:func:`_cancel_after_interrupt`)."""
     global _EXIT_HOOKED
     with _LOCK:
-        if process_group not in _CHECKPOINTERS:
-            _CHECKPOINTERS[process_group] = _Checkpointer(process_group, timeout_s)
-        if not _EXIT_HOOKED:
-            # Registered after concurrent.futures' own hook (its executors exist now), so it runs first:
-            # threading runs these hooks in reverse order, before the interpreter joins the pools' threads.
-            register = getattr(threading, "_register_atexit", None)
-            if register is not None:
-                with contextlib.suppress(RuntimeError):  # already shutting down
-                    register(_cancel_after_interrupt)
-            _EXIT_HOOKED = True
-        return _CHECKPOINTERS[process_group]
-
-
-_EXIT_HOOKED = False
+        if _EXIT_HOOKED:
+            return
+        # Registered after concurrent.futures' own hook (its executors exist now), so it runs first:
+        # threading runs these hooks in reverse order, before the interpreter joins the pools' threads.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            with contextlib.suppress(RuntimeError):  # already shutting down
+                register(_cancel_after_interrupt)
+        _EXIT_HOOKED = True
 
 
 def _cancel_after_interrupt() -> None:
@@ -316,7 +458,7 @@ def _cancel_after_interrupt() -> None:
     last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
     if not isinstance(last, KeyboardInterrupt):
         return
-    if any(ckpt.in_flight for ckpt in list(_CHECKPOINTERS.values())):
+    if inflight.pending():
         logger.warning("cpuckpt: interrupted: cancelling the background saves still in flight")
         cancel_all(last)
 
@@ -402,30 +544,26 @@ def async_save(
         >>> ...
         >>> h.wait()                 # durable and committed on every rank
     """
-    path = local_path(path, "async_save: checkpoint path")  # a URL is refused before anything is created
-    if ordering not in ORDERINGS:
-        raise ConfigError(f"async_save: ordering must be one of {', '.join(ORDERINGS)}, got {ordering!r}")
-    rank = dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
-    with one_contract(f"async save of {path}", rank):
-        return _async_save(state_dict, path, resolve_config(config), step=step, process_group=process_group,
-                           planner=planner, plan_key=plan_key, sink=sink, save_id=save_id,
-                           node_commit=node_commit, ordering=ordering)
+    return _default_checkpointer(process_group).async_save(
+        state_dict, path, config, step=step, planner=planner, plan_key=plan_key, sink=sink, save_id=save_id,
+        node_commit=node_commit, ordering=ordering)
 
 
-def _async_save(state_dict: dict[str, Any], path: str, cfg: Config, *, step: int | None, process_group: Any,
+def _async_save(ckpt: Checkpointer, state_dict: dict[str, Any], path: str, cfg: Config, *, step: int | None,
                 planner: Any, plan_key: Hashable | None, sink: SinkFactory | None, save_id: str | None,
                 node_commit: Callable[..., list[FailureReport | None] | None] | None, ordering: str
                 ) -> AsyncSaveHandle:
-    """:func:`async_save` inside the error contract (its arguments checked)."""
-    ckpt = _checkpointer(process_group, cfg.timeout_s)
-    while ckpt.in_flight and ckpt.in_flight[0]._reported:
-        ckpt.in_flight.popleft()  # failed, and the caller already got the error from wait()
-    while len(ckpt.in_flight) >= cfg.async_.max_in_flight:
-        ckpt.in_flight.popleft().wait()  # raises a failure nobody has waited for yet
-    while ckpt.in_flight and ckpt.in_flight[0].done() and ckpt.in_flight[0]._committed.exception() is None:
-        ckpt.in_flight.popleft()
+    """:meth:`Checkpointer.async_save` inside the error contract (its arguments checked)."""
+    groups = ckpt._start_stream(cfg.timeout_s)
+    while ckpt._in_flight and ckpt._in_flight[0]._reported:
+        ckpt._in_flight.popleft()  # failed, and the caller already got the error from wait()
+    while len(ckpt._in_flight) >= cfg.async_.max_in_flight:
+        ckpt._in_flight.popleft().wait()  # raises a failure nobody has waited for yet
+    while ckpt._in_flight and ckpt._in_flight[0].done() and ckpt._in_flight[0]._committed.exception() is None:
+        ckpt._in_flight.popleft()
     t0 = time.perf_counter()
-    writer = StorageWriter(path, cfg, step=step, sink=sink, save_id=save_id)
+    writer = StorageWriter(path, cfg, step=step, sink=sink, save_id=save_id, layouts=ckpt._layouts,
+                           snapshots=ckpt.snapshots)
     writer.defer_commit(in_flight=cfg.async_.max_in_flight)
     handle = AsyncSaveHandle(writer, str(path), t0)
     handle.node_commit = node_commit
@@ -440,9 +578,9 @@ def _async_save(state_dict: dict[str, Any], path: str, cfg: Config, *, step: int
     if writer.job is not None:
         handle.stats.nbytes = writer.job.stats.nbytes
         handle.stats.mode = writer.job.mode
-    ckpt.in_flight.append(handle)
-    inflight.track(handle)
-    ckpt.committer.submit(ckpt.commit, handle)
+    handle.stats.layout = writer.last_layout or handle.stats.layout
+    ckpt._in_flight.append(handle)
+    groups.committer.submit(ckpt._commit, handle)
     if ordering == "stream" and writer.job is not None and writer.job.fence is None:
         # No device copies: host threads copy the CPU tensors, and the contract lets them change once
         # the call returned. (With device copies every host byte was copied on this thread while the
@@ -451,7 +589,7 @@ def _async_save(state_dict: dict[str, Any], path: str, cfg: Config, *, step: int
     return handle
 
 
-def _plan(ckpt: _Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, state: dict[str, Any],
+def _plan(ckpt: Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, state: dict[str, Any],
           planner: Any, plan_key: Hashable | None) -> None:
     """Caller's thread: start the save from the cached items, the cached plan, or DCP's planning.
 
@@ -460,37 +598,38 @@ def _plan(ckpt: _Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, s
     ``resolve_data`` per item); a save through either of the slower paths refreshes the caches.
     """
     who = _planner_identity(planner, plan_key)
-    hit = ckpt.items.match(state, who) if who is not None and ckpt.items is not None else None
+    hit = ckpt._items.match(state, who) if who is not None and ckpt._items is not None else None
     signature = None
     if hit is not None:
-        cached: CachedPlan | None = ckpt.items.cached  # type: ignore[union-attr]
+        cached: CachedPlan | None = ckpt._items.cached  # type: ignore[union-attr]
     else:
         signature = _plan_signature(state, who)
-        cached = ckpt.plan_cache if signature is not None and ckpt.plan_cache is not None \
-            and ckpt.plan_cache.signature == signature else None
+        cached = ckpt._plan_cache if signature is not None and ckpt._plan_cache is not None \
+            and ckpt._plan_cache.signature == signature else None
     own = DefaultSavePlanner() if planner is None else planner
-    if ckpt.agree_to_reuse(cached, writer):
+    if ckpt._agree_to_reuse(cached, writer):
         handle.stats.planned = "reused"
         if hit is not None:
             handle.stats.resolved = "cached"
-            writer.write_items(ckpt.items, hit)  # type: ignore[arg-type]
+            writer.write_items(ckpt._items, hit)  # type: ignore[arg-type]
             return
         writer.write_cached(state, cached, own)  # type: ignore[arg-type]
     else:
-        run_dcp(lambda: dcp_save(state, writer, planner=own, process_group=ckpt.plan_group), "async save",
-                writer.path, rank=dist.get_rank(ckpt.plan_group) if ckpt.dist else 0)
+        plan_group = ckpt._require_groups().plan_group
+        run_dcp(lambda: dcp_save(state, writer, planner=own, process_group=plan_group), "async save",
+                writer.path, rank=dist.get_rank(plan_group) if ckpt._dist else 0)
         if signature is None and hit is not None:  # this rank's items fit, another rank's did not
             signature = _plan_signature(state, who)
         if signature is None or writer.last_plan is None:
-            ckpt.items = None
+            ckpt._items = None
             return
         md = writer.pending_metadata if writer.is_coordinator else None
-        ckpt.plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)
-    ckpt.items = None
-    if writer.last_written is not None and ckpt.plan_cache is not None and ckpt.unfit != ckpt.plan_cache.signature:
-        ckpt.items = CachedItems.build(who, ckpt.plan_cache, state, own, writer.last_written)
-        if ckpt.items is None:
-            ckpt.unfit = ckpt.plan_cache.signature  # the same structure will not fit either: do not try again
+        ckpt._plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)
+    ckpt._items = None
+    if writer.last_written is not None and ckpt._plan_cache is not None and ckpt._unfit != ckpt._plan_cache.signature:
+        ckpt._items = CachedItems.build(who, ckpt._plan_cache, state, own, writer.last_written)
+        if ckpt._items is None:
+            ckpt._unfit = ckpt._plan_cache.signature  # the same structure will not fit either: do not try again
 
 
 def _planner_identity(planner: Any, plan_key: Hashable | None) -> tuple | None:
@@ -528,26 +667,25 @@ def gc_paused() -> Iterator[None]:
 
 
 def wait_all(timeout: float | None = None) -> None:
-    """Wait for every in-flight save of this process (e.g. before exit); raises the first failure.
+    """Wait for every in-flight save of this process, every checkpointer's (e.g. before exit); raises the
+    first failure.
 
     Ctrl-C while waiting cancels every save still in flight and propagates as itself.
     """
     first: BaseException | None = None
-    for ckpt in list(_CHECKPOINTERS.values()):
-        while ckpt.in_flight:
-            try:
-                ckpt.in_flight.popleft().wait(timeout)
-            except BaseException as e:
-                if is_interrupt(e):
-                    cancel_all(e)
-                    raise
-                first = first or e
+    for stream in inflight.streams():
+        try:
+            stream.wait_all(timeout)
+        except BaseException as e:
+            if is_interrupt(e):
+                cancel_all(e)
+                raise
+            first = first or e
     if first is not None:
         raise first
 
 
 def cancel_all(reason: BaseException | None = None) -> None:
     """Cancel every in-flight save of this process (Ctrl-C): none is committed, their threads end."""
-    for ckpt in list(_CHECKPOINTERS.values()):
-        for handle in list(ckpt.in_flight):
-            stop_after_interrupt(handle.cancel, reason or KeyboardInterrupt(), f"the save to {handle.path}")
+    for stream in inflight.streams():
+        stream.cancel_all(reason)

@@ -450,7 +450,7 @@ def _env_value(name: str) -> Any:
 # them), the test suite's and the benchmarks' switches. A misspelled key must not hide among them.
 NOT_CONFIG_ENV_PREFIXES = ("CPUCKPT_MEGATRON_", "CPUCKPT_DEEPSPEED_", "CPUCKPT_TEST_", "CPUCKPT_BENCH_")
 NOT_CONFIG_ENV = frozenset({"CPUCKPT_SWEEP_SEED", "CPUCKPT_LONG_SWEEP", "CPUCKPT_SLOW"})
-_warned_env: set[str] = set()
+_warned_env: set[str] = set()  # per process: an unknown CPUCKPT_* variable is warned about once
 
 
 def _env_names(cls: type, prefix: str = "CPUCKPT_") -> list[str]:

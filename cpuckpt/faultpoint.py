@@ -17,6 +17,8 @@ __all__ = ["get_handler", "hit", "set_handler"]
 
 Handler = Callable[[str], None]
 
+# Per process: tests install it once for every thread that hits a fault point (worker processes get it
+# pickled). Must not be set by product code.
 _HANDLER: Handler | None = None
 
 

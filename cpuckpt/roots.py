@@ -74,6 +74,8 @@ _CKPT_FILE = re.compile(
 )
 _LEFTOVER_FILE = re.compile(rf"^({_TMP}|__\d+_\.cpuckpt-part\.json|\.cpuckpt-probe-[0-9a-f]{{32}})$")
 
+# Per process, like the directories it protects: retention after any stream's commit must skip what a
+# load of this process reads. Must not stand for other processes' loads (their marker files do).
 _LOADING: dict[str, int] = {}  # resolved path -> loads in progress in this process
 _LOADING_LOCK = threading.Lock()
 

@@ -57,7 +57,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -333,6 +333,23 @@ def _run_ranks_fixture(tmp_path: Path) -> Callable[..., list[Any]]:
 def rank_runner() -> Callable[..., list[Any]]:
     """The bare ``run_ranks`` (pass ``tmp_path=``), for fixtures wider than one test."""
     return run_ranks
+
+
+@pytest.fixture
+def fresh_pool() -> Iterator[None]:
+    """No host pool in this process when the test starts, and none left when it ends (its saves waited for).
+
+    The pool is per process on purpose (pinned memory is registered once and reused by every save), so a
+    test that checks how a pool is made, sized, pinned or reused starts from none, and the next test does
+    not inherit its pool.
+    """
+    import cpuckpt
+    from cpuckpt.transfer.staging import release_pool
+
+    release_pool()
+    yield
+    cpuckpt.wait_all()
+    release_pool()
 
 
 # Test files whose tests take longest (wall): they are collected first, so that under pytest-xdist

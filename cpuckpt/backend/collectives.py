@@ -37,6 +37,8 @@ __all__ = [
     "run_dcp",
 ]
 
+# Per process, as process groups are (creating one is collective: once per group keeps the ranks in
+# step). Must not be used by two threads at once: planning collectives run on the trainer's thread only.
 _GROUPS: dict[Any, Any] = {}
 _GROUPS_LOCK = threading.Lock()
 

@@ -1,20 +1,23 @@
-"""The in-flight registry: this process's background saves that have not ended yet.
+"""The in-flight registry: this process's save streams, each with the background saves it has not ended.
 
-``async_save`` registers each handle; retention and the SIGTERM handler read the registry, so they
-never delete a checkpoint that is being written nor abandon one without waiting. Holds handles
-only: no threads, no I/O.
+Each stream (a :class:`cpuckpt.Checkpointer`) keeps its own in-flight saves, bound and order; this
+registry only lists the live streams, because its readers ask about the whole process: retention
+never deletes a checkpoint that any stream is writing, the SIGTERM handler waits for every stream's
+saves, and ``wait_all``/Ctrl-C reach every stream. Streams are held weakly (one nobody holds and
+nothing is saving is gone). Holds references only: no threads, no I/O.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Protocol
 
-__all__ = ["InFlightSave", "pending", "track"]
+__all__ = ["InFlightSave", "SaveStream", "pending", "register", "streams", "unregister"]
 
 
 class InFlightSave(Protocol):
-    """What the registry needs of a save handle."""
+    """What the registry's readers need of a save handle."""
 
     path: str
 
@@ -23,19 +26,40 @@ class InFlightSave(Protocol):
     def wait(self, timeout: float | None = None) -> None: ...
 
 
+class SaveStream(Protocol):
+    """What the registry needs of a stream of saves."""
+
+    def pending(self) -> list[InFlightSave]: ...
+
+    def wait_all(self, timeout: float | None = None) -> None: ...
+
+    def cancel_all(self, reason: BaseException | None = None) -> None: ...
+
+
 _LOCK = threading.Lock()
-_SAVES: list[InFlightSave] = []
+# Per process because its readers are: retention, the SIGTERM handler and wait_all must see every
+# stream's saves. It must not hold saves itself (each stream does) nor keep a stream alive.
+_STREAMS: weakref.WeakSet[SaveStream] = weakref.WeakSet()  # type: ignore[type-arg]
 
 
-def track(handle: InFlightSave) -> None:
-    """Register a save that has started; it leaves the registry once ``handle.done()``."""
+def register(stream: SaveStream) -> None:
+    """List ``stream`` (it has started a save); registering it again does nothing."""
     with _LOCK:
-        _SAVES[:] = [h for h in _SAVES if not h.done()]
-        _SAVES.append(handle)
+        _STREAMS.add(stream)
+
+
+def unregister(stream: SaveStream) -> None:
+    """Take a closed ``stream`` off the list."""
+    with _LOCK:
+        _STREAMS.discard(stream)
+
+
+def streams() -> list[SaveStream]:
+    """The live streams, in no particular order."""
+    with _LOCK:
+        return list(_STREAMS)
 
 
 def pending() -> list[InFlightSave]:
-    """The registered saves that have not ended (committed or failed), oldest first."""
-    with _LOCK:
-        _SAVES[:] = [h for h in _SAVES if not h.done()]
-        return list(_SAVES)
+    """Every stream's saves that have not ended (committed or failed), each stream's oldest first."""
+    return [h for s in streams() for h in s.pending()]

@@ -48,6 +48,7 @@ from cpuckpt.format.manifest import FileEntry, Manifest, part_name
 from cpuckpt.format.plancache import CachedPlan, reused_metadata
 from cpuckpt.format.record import record_template
 from cpuckpt.paths import local_path
+from cpuckpt.transfer.device_snapshot import OWNERLESS, DeviceSnapshots
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.save_job import SaveJob, choose_mode
 from cpuckpt.transfer.sinks import SinkFactory, pool_sink
@@ -63,10 +64,6 @@ try:  # the version string stock FileSystemWriter stamps into .metadata
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as _DCP_VERSION
 except ImportError:  # pragma: no cover - older torch
     _DCP_VERSION = "1.0.0"
-
-
-# Saves of an unchanged structure (plan reuse) get their file layout from here, not planned again.
-_LAYOUTS = LayoutCache()
 
 
 @dataclass(frozen=True)
@@ -95,6 +92,11 @@ class StorageWriter(_DcpStorageWriter):
             filled in place (device-to-host straight into the mapped pages), with no pool and no writes.
         save_id: the save's id (default: a new one per save); every rank must pass the same one. The
             coordinator's is what the manifest and ``.metadata`` record.
+        layouts: the file layouts of recent saves (a save of an unchanged structure takes its layout from
+            here instead of planning it again); default: this writer's own, so saves through one
+            writer reuse them. A :class:`cpuckpt.Checkpointer` passes its stream's.
+        snapshots: the device buffers of ``staging.device_snapshot`` (a checkpointer passes its stream's;
+            default: those of saves without an owner).
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -102,8 +104,11 @@ class StorageWriter(_DcpStorageWriter):
     """
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
-                 *, step: int | None = None, sink: SinkFactory | None = None, save_id: str | None = None) -> None:
+                 *, step: int | None = None, sink: SinkFactory | None = None, save_id: str | None = None,
+                 layouts: LayoutCache | None = None, snapshots: DeviceSnapshots = OWNERLESS) -> None:
         super().__init__()
+        self.layouts = layouts if layouts is not None else LayoutCache()
+        self.snapshots = snapshots
         self._given_save_id = save_id
         self.sink: SinkFactory = sink or pool_sink
         self.path = Path(local_path(path, "StorageWriter: checkpoint path"))  # refuses URLs, before any mkdir
@@ -124,6 +129,7 @@ class StorageWriter(_DcpStorageWriter):
         self.last_plan: SavePlan | None = None  # the final local plan of the last write_data
         self.last_results: list[WriteResult] | None = None  # set when a cached plan was used
         self.last_written: WrittenItems | None = None  # what the last write_data resolved and planned
+        self.last_layout = ""  # how the last write_data got its file layout: "planned", or "cached" (layouts)
 
     # -- DCP AsyncStager protocol: the dcp.async_save door ------------------------------------------
     _synchronize_after_execute: bool = False
@@ -213,13 +219,14 @@ class StorageWriter(_DcpStorageWriter):
     def _plan_layout(self, plan: SavePlan, layout_items: list[LayoutItem]) -> SaveLayout:
         """This rank's files for ``layout_items`` (one per plan item): layout, records, write results."""
         cfg = self.config
-        files, placements = _LAYOUTS.plan(
+        files, placements, cached = self.layouts.plan(
             layout_items,
             num_files=1,
             chunk_bytes=cfg.io.chunk_bytes,
             align_bytes=cfg.layout.align_bytes,
             align_data_min_bytes=cfg.layout.align_data_min_bytes,
         )
+        self.last_layout = "cached" if cached else "planned"
         names = [f"{self._prefix}{k}.distcp" for k in range(len(files))]
         records: dict[str, list[list[int]]] = {name: [] for name in names}
         for p in placements:
@@ -246,7 +253,7 @@ class StorageWriter(_DcpStorageWriter):
             logger.info("cpuckpt async save: %s mode (%d bytes on rank 0)", mode, image_nbytes)
         sink = self.sink(self.path, names, files, cfg, rank=self.rank)
         self.job = SaveJob(self.path, names, files, sources, cfg, rank=self.rank, mode=mode,
-                           in_flight=self._in_flight, sink=sink)
+                           in_flight=self._in_flight, sink=sink, snapshots=self.snapshots)
         try:
             self.job.start()
             if not self._deferred:
@@ -349,6 +356,7 @@ class StorageWriter(_DcpStorageWriter):
         storage = cached.plan.storage_data
         self._prefix = storage.prefix if isinstance(storage, _FilePrefix) else f"__{self.rank}_"
         layout = items.layout_for(hit)
+        self.last_layout = "cached"  # the items' own layout (or the stream's layout cache, below)
         if layout is None:  # a non-tensor value's pickle changed length: plan the files again
             layout = items.adopt_for(self._plan_layout(cached.plan, items.layout_items(hit)), hit)
         self._start(layout, hit.sources, len(cached.plan.items), t0)

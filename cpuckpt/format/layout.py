@@ -16,9 +16,9 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Chunk", "FileLayout", "LayoutCache", "LayoutItem", "Placement", "Segment", "plan_files"]
+__all__ = ["Chunk", "FileLayout", "LayoutCache", "LayoutItem", "Placement", "PlannedFiles", "Segment", "plan_files"]
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,16 @@ def _add_segments(out: list[Segment], i: int, it: LayoutItem, offset: int) -> No
         out.append(Segment(offset, len(it.tail), i, payload=it.tail))
 
 
+class PlannedFiles(NamedTuple):
+    """What :meth:`LayoutCache.plan` returns: ``plan_files``'s result, and whether it came from the cache."""
+
+    files: list[FileLayout]
+    placements: list[Placement]
+    cached: bool
+
+
 class LayoutCache:
-    """``plan_files``, remembered for the last few distinct item lists.
+    """``plan_files``, remembered for the last few distinct item lists (one cache per save stream).
 
     A save that reuses its plan has the same records in the same order as the save before, so its
     layout is the same; only the bytes of its non-tensor items (same lengths: they are part of the
@@ -174,13 +182,12 @@ class LayoutCache:
 
     def __init__(self, maxsize: int = 4) -> None:
         self.maxsize = maxsize
-        self.hits = 0
         self._entries: OrderedDict[tuple, tuple[list[FileLayout], list[Placement], list[tuple[int, int, int]]]] = \
             OrderedDict()
         self._lock = threading.Lock()  # saves may plan on two threads (the dcp.async_save door's executor)
 
     def plan(self, items: Sequence[LayoutItem], *, num_files: int, chunk_bytes: int, align_bytes: int,
-             align_data_min_bytes: int) -> tuple[list[FileLayout], list[Placement]]:
+             align_data_min_bytes: int) -> PlannedFiles:
         key = (num_files, chunk_bytes, align_bytes, align_data_min_bytes,
                tuple((it.data_nbytes, it.head, it.tail, None if it.payload is None else len(it.payload))
                      for it in items))
@@ -188,7 +195,6 @@ class LayoutCache:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
-                self.hits += 1
         if entry is None:
             files, placements = plan_files(items, num_files=num_files, chunk_bytes=chunk_bytes,
                                            align_bytes=align_bytes, align_data_min_bytes=align_data_min_bytes)
@@ -201,12 +207,12 @@ class LayoutCache:
                 self._entries[key] = (kept, placements, where)
                 if len(self._entries) > self.maxsize:
                     self._entries.popitem(last=False)
-            return files, placements
+            return PlannedFiles(files, placements, False)
         kept, placements, where = entry
         files = [_with_segments(f, list(f.segments)) for f in kept]
         for item, f, k in where:
             files[f].segments[k] = dataclasses.replace(files[f].segments[k], payload=items[item].payload)
-        return files, placements
+        return PlannedFiles(files, placements, True)
 
 
 def _with_segments(layout: FileLayout, segments: list[Segment]) -> FileLayout:

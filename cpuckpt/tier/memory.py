@@ -44,7 +44,7 @@ from cpuckpt.backend.collectives import checkpoint_group
 from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.backend.reader import ReadStats, StorageReader
-from cpuckpt.background import AsyncSaveHandle, async_save, wait_all
+from cpuckpt.background import AsyncSaveHandle, Checkpointer
 from cpuckpt.config import CheckpointConfig, Config, resolve_config
 from cpuckpt.errors import (
     CheckpointCorrupt,
@@ -106,6 +106,7 @@ class MemoryTier:
             local_path(m.root, "memory.root (the memory tier's RAM root)")
         self.durable_root = Path(durable_root)
         self.process_group = process_group
+        self.saves = Checkpointer(process_group)  # this tier's stream of saves: its caches, bound, committer
         self.dist = dist.is_available() and dist.is_initialized()
         self.group = checkpoint_group(process_group, self.config.timeout_s) if self.dist else None
         self.rank = dist.get_rank(self.group) if self.dist else 0
@@ -368,8 +369,8 @@ class MemoryTier:
             if policy == "disk":
                 logger.warning("cpuckpt memory tier: every slot is held by a persist; step %s goes to the durable "
                                "root directly", step)
-                return async_save(state_dict, dest, self.config, step=step, process_group=self.process_group,
-                                  planner=planner, plan_key=plan_key, ordering=ordering)
+                return self.saves.async_save(state_dict, dest, self.config, step=step, planner=planner,
+                                             plan_key=plan_key, ordering=ordering)
             if expired:  # agreed: every rank raises together
                 raise CheckpointTimeoutError(f"memory tier: {slot} still held by a persist after "
                                              f"{self.config.timeout_s} s (when_full: wait)")
@@ -398,7 +399,7 @@ class MemoryTier:
                 # Each node's slot is made incomplete by its own leader before any byte of it changes (the
                 # coordinator clears only its own); async_save's planning collective orders this before every fill.
                 clear_commit(slot, fsync=False)
-        handle = async_save(state_dict, slot, self.memory_config, step=step, process_group=self.process_group,
+        handle = self.saves.async_save(state_dict, slot, self.memory_config, step=step,
                             planner=slot_planner, plan_key=slot_key, sink=self.images[k],
                             save_id=f"{self.root.job[:24]}-{token:016x}", node_commit=self._node_commit,
                             ordering=ordering)
@@ -689,7 +690,7 @@ class MemoryTier:
         """
         errors: list[CpuckptError] = []  # this rank's; every decision below is agreed first
         try:
-            wait_all()
+            self.saves.wait_all()
         except CpuckptError as e:
             errors.append(e)
         self._wait_owed_agreed(errors)

@@ -31,6 +31,8 @@ __all__ = ["add_node_copies", "node_storage", "with_node_copies"]
 
 logger = logging.getLogger(__name__)
 
+# Per process, as classes are: one subclass per planner class keeps its identity (a plan cache key) stable
+# for every stream. Must not hold instances or any save's state.
 _CLASSES: dict[type, type] = {}  # planner class -> its node-copies subclass (one per class: a stable identity)
 
 

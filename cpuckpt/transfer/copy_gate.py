@@ -123,4 +123,6 @@ def _leave(depths: dict[int, int], me: int) -> bool:
     return not depth
 
 
+# Per process: it orders copies on the device link the trainer's host reads share, whichever stream
+# enqueued them. Must not be held while waiting on the host for a save, nor longer than HOLD_LIMIT_S.
 GATE = CopyGate()

@@ -140,8 +140,9 @@ class DirectFileBackend(BufferedFileBackend):
 
 BackendFactory = Callable[..., FileBackend]
 
+# Per process: io.backend names resolve alike for every stream; O_DIRECT support is the device's (st_dev).
 _BACKENDS: dict[str, BackendFactory] = {"buffered": BufferedFileBackend, "direct": DirectFileBackend}
-_PROBED: dict[int, bool] = {}
+_PROBED: dict[int, bool] = {}  # st_dev -> O_DIRECT works there (probed once)
 _PROBE_LOCK = threading.Lock()
 
 

@@ -35,7 +35,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError, is_interrupt
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
-from cpuckpt.transfer.device_snapshot import DeviceSnapshot, snapshot_sources
+from cpuckpt.transfer.device_snapshot import OWNERLESS, DeviceSnapshot, DeviceSnapshots
 from cpuckpt.transfer.device_snapshot import release as release_snapshot
 from cpuckpt.transfer.sinks import PoolSink, Sink, SlotSource
 from cpuckpt.transfer.staging import CopyFence, CopyWindow, DeviceCopier, LeaseOrder, Slot, fill_chunk, own_host_sources
@@ -85,12 +85,14 @@ class SaveJob:
 
     ``sink`` is where the chunks go (default: :class:`~cpuckpt.transfer.sinks.PoolSink`, files through
     the pinned pool); a sink whose slots are the destination (``holds_every_chunk``: the memory tier's
-    images) is staged as a snapshot and reported as ``mode`` ``"memory"``.
+    images) is staged as a snapshot and reported as ``mode`` ``"memory"``. ``snapshots`` are the device
+    buffers of the save stream it belongs to (``staging.device_snapshot``).
     """
 
     def __init__(self, directory: Path, names: list[str], files: list[FileLayout],
                  sources: list[torch.Tensor | None], cfg: Config, *, rank: int, mode: str,
-                 in_flight: int = 1, start_after: Any = None, sink: Sink | None = None) -> None:
+                 in_flight: int = 1, start_after: Any = None, sink: Sink | None = None,
+                 snapshots: DeviceSnapshots = OWNERLESS) -> None:
         if len(names) != len(files):
             raise ValueError(f"{len(names)} file names for {len(files)} layouts")
         self.directory = directory
@@ -126,6 +128,7 @@ class SaveJob:
         # GPU sources: the end of the device-to-host copies enqueued so far (``AsyncSaveHandle.wait_stream``).
         # None: no device copies, so every byte is copied by host threads (``staged``).
         self.fence: CopyFence | None = None
+        self.snapshots = snapshots  # staging.device_snapshot: the save stream's device buffers
         self._snapshot: DeviceSnapshot | None = None  # staging.device_snapshot: the device buffer it copied into
 
     # -- public ---------------------------------------------------------------------------------
@@ -223,8 +226,8 @@ class SaveJob:
             # The trainer's tensors are read by one device-to-device copy; ordering waits for it only, and
             # the copies to the host read the snapshot (transfer.device_snapshot).
             try:
-                self.sources, self._snapshot = snapshot_sources(self.sources, device, copier.stream,
-                                                                torch.cuda.current_stream(device))
+                self.sources, self._snapshot = self.snapshots.snapshot_sources(
+                    self.sources, device, copier.stream, torch.cuda.current_stream(device))
                 fence.event = copier.record()
             except BaseException:
                 for slot in slots:

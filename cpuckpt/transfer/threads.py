@@ -100,6 +100,8 @@ def new_executor(threads: int, name: str) -> cf.ThreadPoolExecutor:
     return cf.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=name)
 
 
+# Per process: starting threads costs the trainer's stall, and every stream's tasks run FIFO on them. Must
+# not run a task that waits for a later task, or that blocks unbounded (it would hold up other streams).
 _SHARED: dict[tuple[str, int], cf.ThreadPoolExecutor] = {}
 _SHARED_LOCK = threading.Lock()
 

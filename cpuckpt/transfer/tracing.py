@@ -29,7 +29,7 @@ def nvtx_range(name: str) -> Iterator[None]:
         torch.cuda.nvtx.range_pop()
 
 
-_CUDA: bool | None = None
+_CUDA: bool | None = None  # per process: whether CUDA (NVTX) is there does not change
 
 
 def _cuda_available() -> bool:

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 PERSISTENT, TEMPORAL, UNKNOWN = "persistent", "temporal", "unknown"
 # megatron-core 0.17+: the persistent worker and its queues live on the caller class
 _CLASS_WORKER_ATTRS = ("_persistent_process", "_persistent_queue", "_persistent_preload_q", "_persistent_comp_q")
-_warned: set[str] = set()
+_warned: set[str] = set()  # per process: each version difference is warned about once
 
 
 def megatron_core_version() -> str:

@@ -32,8 +32,12 @@ __all__ = ["defer", "enable", "enabled", "start_all"]
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
+# Per process: start points are (Megatron-LM's one async queue's finalize, any wrapped optimizer step,
+# both process-wide functions), and a save cannot tell which queue its request will be scheduled on.
+# Starting another model's recorded save early only loses overlap. Must not be started off the
+# trainer's thread, nor in a different order on different ranks (the starts are collective).
 _STARTS: list[Callable[[], None]] = []
-_ENABLED = False
+_ENABLED = False  # a watched queue exists in this process (guard.watch_async_queue)
 
 
 def enable() -> None:

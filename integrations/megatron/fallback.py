@@ -44,7 +44,9 @@ logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's get_checkpoint_tracker_filename
 _ITER = re.compile(r"^iter_(\d{7,})$")
-_LOADING: list[str | None] = [None]  # the directory the Megatron-LM hook's load strategy loads (hook.py)
+# The directory the Megatron-LM hook's load strategy loads (hook.py). Per process, as the load_checkpoint
+# it wraps is (one function of megatron.training, loads run one at a time on the trainer's thread).
+_LOADING: list[str | None] = [None]
 
 
 class Candidate(NamedTuple):

@@ -67,7 +67,8 @@ from cpuckpt.errors import ConfigError
 
 from .settings import MegatronOptions, split_config
 
-__all__ = ["FORMAT", "Selection", "install", "order_optimizer_steps", "rewrite_argv", "watch_megatron_lm_queue"]
+__all__ = ["FORMAT", "Selection", "Training", "install", "order_optimizer_steps", "rewrite_argv",
+           "watch_megatron_lm_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +144,42 @@ def install(config: Config | str | os.PathLike | dict | None = None, *, argv: li
     return True
 
 
-def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | None = None) -> None:
-    """Replace the strategy classes ``megatron.training.checkpointing`` constructs by cpuckpt's."""
+class Training:
+    """What one :func:`patch_training` owns (one training run): the save stream its strategies share,
+    and its memory tier. Megatron-LM builds a new strategy for every save, so these live here, not in
+    the strategy; a second run patched into the same process gets its own.
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        from cpuckpt.background import Checkpointer
+
+        self.cfg = cfg
+        self.checkpointer = Checkpointer()  # plan, item and layout caches of this run's async saves
+        self._memory: Any = None  # the run's MegatronMemory (memory_tier: true), made at its first save
+
+    def memory(self) -> Any:
+        """The run's :class:`.memory.MegatronMemory`, from Megatron-LM's ``--save`` and non-persistent dir."""
+        if self._memory is None:
+            from megatron.training import get_args
+
+            from .memory import MegatronMemory
+
+            args = get_args()
+            if not args.save:
+                raise ConfigError("megatron.memory_tier needs --save (the durable root)")
+            np_dir = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, "non_persistent")
+            self._memory = MegatronMemory(args.save, np_dir, self.cfg)
+        return self._memory
+
+    def close(self) -> None:
+        """The end of training: the memory tier closes (writers stop, RAM root goes)."""
+        if self._memory is not None:
+            self._memory.close()
+
+
+def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | None = None) -> Training:
+    """Replace the strategy classes ``megatron.training.checkpointing`` constructs by cpuckpt's; returns
+    the run they save through."""
     if module is None:
         try:
             import megatron.training.checkpointing as module
@@ -154,10 +189,11 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
                 f"PyPI: put its checkout first on PYTHONPATH): {e}"
             ) from e
     options = options or MegatronOptions()
-    classes = _training_classes(cfg, options)
+    run = Training(cfg)
+    classes = _training_classes(cfg, options, run)
     module.TorchDistSaveShardedStrategy, module.TorchDistLoadShardedStrategy = classes
     if options.memory_tier:
-        _route_to_memory_tier(cfg, module)
+        _route_to_memory_tier(run, module)
     _finalize_before_cleanup(module)
     if options.ordering == "optimizer":
         order_optimizer_steps()
@@ -169,6 +205,7 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
         from .fallback import fall_back_on_corrupt
 
         fall_back_on_corrupt(module)  # a missing function is a warning: the load then raises as before
+    return run
 
 
 def order_optimizer_steps(base: type | None = None) -> list[str]:
@@ -201,26 +238,7 @@ def order_optimizer_steps(base: type | None = None) -> list[str]:
     return names
 
 
-_MEMORY: Any = None  # the process's MegatronMemory (memory: true), made from Megatron-LM's arguments
-
-
-def _memory(cfg: Config) -> Any:
-    """The process's :class:`.memory.MegatronMemory`, from Megatron-LM's ``--save`` and non-persistent dir."""
-    global _MEMORY
-    if _MEMORY is None:
-        from megatron.training import get_args
-
-        from .memory import MegatronMemory
-
-        args = get_args()
-        if not args.save:
-            raise ConfigError("megatron.memory_tier needs --save (the durable root)")
-        np_dir = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, "non_persistent")
-        _MEMORY = MegatronMemory(args.save, np_dir, cfg)
-    return _MEMORY
-
-
-def _route_to_memory_tier(cfg: Config, module: Any) -> None:
+def _route_to_memory_tier(run: Training, module: Any) -> None:
     """Non-persistent pruning becomes the ring's (:meth:`.memory.MegatronMemory.cleanup`), and the end of
     training (``maybe_finalize_async_save(terminate=True)``) closes the tier (writers stop, RAM root goes)."""
     original_cleanup = module.cleanup_old_non_persistent_checkpoint
@@ -230,7 +248,7 @@ def _route_to_memory_tier(cfg: Config, module: Any) -> None:
 
         if dist.is_initialized() and dist.get_rank() != 0:
             return
-        if not _memory(cfg).cleanup(save_dir):
+        if not run.memory().cleanup(save_dir):
             original_cleanup(save_dir, leave_ckpt_num=leave_ckpt_num, do_async=do_async)
 
     module.cleanup_old_non_persistent_checkpoint = cleanup_old_non_persistent_checkpoint
@@ -239,16 +257,17 @@ def _route_to_memory_tier(cfg: Config, module: Any) -> None:
     import megatron.training.async_utils as async_utils
 
     original_finalize = async_utils.maybe_finalize_async_save
-    if getattr(original_finalize, "_cpuckpt_memory", False):
+    if getattr(original_finalize, "_cpuckpt_memory", None) is not None:
+        original_finalize._cpuckpt_memory = run  # type: ignore[attr-defined]  # a later run's tier closes
         return
 
     @functools.wraps(original_finalize)
     def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False) -> None:
         original_finalize(blocking=blocking, terminate=terminate)
-        if terminate and _MEMORY is not None:
-            _MEMORY.close()
+        if terminate:
+            maybe_finalize_async_save._cpuckpt_memory.close()  # type: ignore[attr-defined]
 
-    maybe_finalize_async_save._cpuckpt_memory = True  # type: ignore[attr-defined]
+    maybe_finalize_async_save._cpuckpt_memory = run  # type: ignore[attr-defined]
     for m in [async_utils] + [m for name, m in list(sys.modules.items()) if name.startswith("megatron.training") and m]:
         if getattr(m, "maybe_finalize_async_save", None) is original_finalize:
             m.maybe_finalize_async_save = maybe_finalize_async_save
@@ -340,7 +359,8 @@ def _watching(fn: Any, module: Any, timeout_s: float, options: MegatronOptions) 
     return wrapper
 
 
-def _training_classes(cfg: Config, options: MegatronOptions) -> tuple[type, type]:
+def _training_classes(cfg: Config, options: MegatronOptions, run: Training | None = None) -> tuple[type, type]:
+    run = run if run is not None else Training(cfg)
     from .strategy import CpuckptLoadStrategy, CpuckptSaveStrategy
 
     class MegatronLMSaveStrategy(CpuckptSaveStrategy):
@@ -348,8 +368,8 @@ def _training_classes(cfg: Config, options: MegatronOptions) -> tuple[type, type
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             # cpu_shm_mode (NVRx's worker-side staging) has no meaning here: staging is ours.
-            super().__init__(cfg, reuse_plan=options.reuse_plan,
-                             memory=_memory(cfg) if options.memory_tier else None, ordering=options.ordering)
+            super().__init__(cfg, reuse_plan=options.reuse_plan, memory=run.memory() if options.memory_tier else None,
+                             ordering=options.ordering, checkpointer=run.checkpointer)
 
     class MegatronLMLoadStrategy(CpuckptLoadStrategy):
         """Built by Megatron-LM as ``TorchDistLoadShardedStrategy(cache_metadata=..., ...)``."""

@@ -30,8 +30,8 @@ from cpuckpt.api import PoolPreparation, prepare_pool_in_background
 from cpuckpt.config import Config
 from cpuckpt.transfer.save_job import choose_mode
 
-__all__ = ["PoolPreparer", "pool_nbytes", "prepare_after_first_step", "state_nbytes", "wait_prepared",
-           "wrap_optimizer_steps"]
+__all__ = ["PoolPreparer", "pool_nbytes", "prepare_after_first_step", "state_nbytes", "stop_preparing",
+           "wait_prepared", "wrap_optimizer_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,10 @@ class PoolPreparer:
 
 
 _DEPTH = threading.local()  # wrapped steps in progress on this thread (ChainedOptimizer nests them)
-_PREPARER: PoolPreparer | None = None  # the one the wrapped steps call (the last install's)
+# Per process, as the pool it prepares is (cpuckpt.transfer.staging's one pinned pool) and as the wrapped
+# optimizer classes are: the last install's preparer is the one their steps call. Must not prepare a
+# pool a save then holds (saves call wait_prepared first).
+_PREPARER: PoolPreparer | None = None
 
 
 def wrap_optimizer_steps(marker: str, make: Callable[[Any], Any], base: type | None = None) -> list[str]:
@@ -183,6 +186,12 @@ def wait_prepared(timeout: float | None = None) -> None:
     preparation = _PREPARER.preparation if _PREPARER is not None else None
     if preparation is not None and not preparation.done:
         logger.info("cpuckpt: save waited %.3f s for the host pool's preparation", preparation.join(timeout))
+
+
+def stop_preparing() -> None:
+    """The wrapped steps call no preparer any more (a run ended; a later one installs its own)."""
+    global _PREPARER
+    _PREPARER = None
 
 
 def prepare_after_first_step(preparer: PoolPreparer, base: type | None = None) -> list[str]:

@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 # save time (small). MoE routers' ``expert_bias`` is updated in ``finalize_model_grads``.
 EAGER_SUFFIXES = ("expert_bias",)
 
+# Per process, like the optimizer classes whose wrapped steps read them: a step cannot tell which model a
+# save is of, so it orders itself after every pending save (a GPU-side wait; a superset is still correct).
+# Must not be drained anywhere but at an optimizer step or a save's own start.
 _PENDING: list[Any] = []  # handles of saves whose device copies no optimizer step was ordered after yet
 _STEPS_ORDERED = False  # set by hook.order_optimizer_steps: every optimizer step calls order_pending_saves
 
@@ -130,6 +133,10 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         keep_only_main_replica: as for megatron-core's ``TorchDistSaveShardedStrategy``.
         reuse_plan: reuse plans as above (default); False plans every save with DCP unless
             ``use_cached_ckpt_structure`` is set.
+        checkpointer: the :class:`cpuckpt.Checkpointer` (save stream) its async saves go through: its
+            plan, item and layout caches and in-flight bound. Default: :func:`cpuckpt.async_save`'s of the
+            default group. Two models of one process pass one each; strategies made per save (as
+            Megatron-LM makes them) pass the same one (the hook passes its run's).
         ordering: ``host`` (default): ``async_save`` returns once every byte is in host memory.
             ``optimizer``: it returns once the device-to-host copies are enqueued
             (:func:`cpuckpt.async_save` with ``ordering="stream"``: CPU tensors and objects are copied
@@ -147,7 +154,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *,
                  keep_only_main_replica: bool = True, reuse_plan: bool = True,
-                 memory: MegatronMemory | None = None, ordering: str = "host") -> None:
+                 memory: MegatronMemory | None = None, ordering: str = "host",
+                 checkpointer: cpuckpt.Checkpointer | None = None) -> None:
         super().__init__(backend="torch_dist", version=1, keep_only_main_replica=keep_only_main_replica)
         self.config = resolve_core(config)  # a megatron: block (the adapter's own keys) is allowed
         self.reuse_plan = reuse_plan
@@ -155,6 +163,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         if ordering not in ("host", "optimizer"):
             raise ConfigError(f"CpuckptSaveStrategy: ordering must be host or optimizer, got {ordering!r}")
         self.ordering = ordering
+        self.checkpointer = checkpointer
         self.last_save_stats: Any = None  # cpuckpt.background.SaveStats of the last async_save
 
     def _to_pyt(self, sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -203,8 +212,9 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             state = self._to_pyt(sharded_state_dict)
             if route is None:
                 prepare.wait_prepared(self.config.timeout_s)  # never take a pool the preparation replaces
-                h = cpuckpt.async_save(state, checkpoint_dir, self.config, planner=planner,
-                                       plan_key=self._plan_key(planner), ordering="stream" if overlap else "host")
+                save = self.checkpointer.async_save if self.checkpointer is not None else cpuckpt.async_save
+                h = save(state, checkpoint_dir, self.config, planner=planner, plan_key=self._plan_key(planner),
+                         ordering="stream" if overlap else "host")
             else:
                 h, request = self.memory.save(state, route, planner=planner, plan_key=self._plan_key(planner),
                                               ordering="stream" if overlap else "host")

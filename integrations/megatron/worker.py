@@ -61,8 +61,9 @@ OK = "ok"
 
 
 PARENT_POLL_S = 0.5
+# Per (worker) process: stale channel files are cleaned once, and the worker watches its one parent.
 _cleaned_stale = False
-_watching: int | None = None
+_watching: int | None = None  # the trainer pid this worker process's watchdog thread follows
 _watch_lock = threading.Lock()
 
 

@@ -149,24 +149,20 @@ def assert_committed_layout(path: str | Path, world: int, files_per_rank: int = 
 def files_per_rank(n: int) -> Iterator[None]:
     """cpuckpt saves made inside spread each rank's items over up to ``n`` data files, as the writer did
     with ``io.files_per_rank: n`` before that key was removed (issue 28): the checkpoints older versions
-    wrote, which loads must still read. Wraps the writer's layout cache for this process; not for a save
-    that runs concurrently with another one."""
-    from cpuckpt.backend import writer
+    wrote, which loads must still read. Wraps ``LayoutCache.plan`` (every writer's layouts) in this process;
+    not for a save that runs concurrently with another one."""
+    from cpuckpt.format.layout import LayoutCache
 
-    real = writer._LAYOUTS
+    real = LayoutCache.plan
 
-    class _Spread:
-        def plan(self, items: Any, **kw: Any) -> Any:
-            return real.plan(items, **{**kw, "num_files": n})
+    def spread(self: LayoutCache, items: Any, **kw: Any) -> Any:
+        return real(self, items, **{**kw, "num_files": n})
 
-        def __getattr__(self, name: str) -> Any:
-            return getattr(real, name)
-
-    writer._LAYOUTS = _Spread()
+    LayoutCache.plan = spread  # type: ignore[method-assign]
     try:
         yield
     finally:
-        writer._LAYOUTS = real
+        LayoutCache.plan = real  # type: ignore[method-assign]
 
 
 def plan_layout(values: list[Any], cfg: Any, num_files: int = 2) -> tuple[list[str], list[Any], list[Any]]:

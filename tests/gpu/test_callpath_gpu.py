@@ -14,7 +14,6 @@ may change once ``staged`` completed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +22,14 @@ import torch
 
 import cpuckpt
 from cpuckpt.tier.images import ImageSet
-from cpuckpt.transfer.staging import release_pool
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the device machine)"),
+    pytest.mark.usefixtures("fresh_pool"),  # tests/conftest.py
 ]
 
 CFG = {"io": {"chunk_bytes": "256KiB", "threads": 4, "fsync": False}}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_pool() -> Iterator[None]:
-    release_pool()
-    yield
-    cpuckpt.wait_all()
-    release_pool()
 
 
 class _Trainer:

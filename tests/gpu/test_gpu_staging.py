@@ -13,11 +13,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import cpuckpt
-from cpuckpt.transfer.staging import get_pool, release_pool
+from cpuckpt.transfer.staging import get_pool
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the device machine)"),
+    pytest.mark.usefixtures("fresh_pool"),  # tests/conftest.py
 ]
 
 SMALL = {"io": {"chunk_bytes": "256KiB", "threads": 4}}
@@ -55,13 +56,6 @@ def _assert_same(a: dict, b: dict) -> None:
             assert torch.equal(_bits(v.contiguous()), _bits(b[k].contiguous())), k
         else:
             assert b[k] == v, k
-
-
-@pytest.fixture(autouse=True)
-def _fresh_pool():
-    release_pool()
-    yield
-    release_pool()
 
 
 @pytest.mark.parametrize("mode,pool", [("snapshot", 0), ("streaming", "1MiB")])  # the shard is ~4.1 MiB

@@ -20,11 +20,11 @@ from cpuckpt.config import Config
 from cpuckpt.tier.images import ImageFile, ImageSet
 from cpuckpt.transfer import save_job as engine
 from cpuckpt.transfer.save_job import SaveJob
-from cpuckpt.transfer.staging import release_pool
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the device machine)"),
+    pytest.mark.usefixtures("fresh_pool"),  # tests/conftest.py
 ]
 
 MiB = 1 << 20
@@ -39,13 +39,6 @@ def ram_dir(tmp_path: Path) -> Iterator[Path]:
             yield Path(d)
     else:
         yield tmp_path / "ram"
-
-
-@pytest.fixture(autouse=True)
-def _fresh_pool() -> Iterator[None]:
-    release_pool()
-    yield
-    release_pool()
 
 
 def _state(seed: int = 0) -> list[object]:

@@ -97,9 +97,11 @@ def _cfg(window: int = 0, device_snapshot: bool = False) -> dict:
 
 
 def _save_and_mutate(sd: dict, path: Path, *, order: bool, images: ImageSet | None = None,
-                     window: int = 0, device_snapshot: bool = False) -> cpuckpt.AsyncSaveHandle:
+                     window: int = 0, device_snapshot: bool = False,
+                     checkpointer: cpuckpt.Checkpointer | None = None) -> cpuckpt.AsyncSaveHandle:
+    save = checkpointer.async_save if checkpointer is not None else cpuckpt.async_save
     torch.cuda._sleep(SLEEP_CYCLES)  # everything below is queued before any of it runs
-    h = cpuckpt.async_save(sd, path, _cfg(window, device_snapshot), ordering="stream", sink=images)
+    h = save(sd, path, _cfg(window, device_snapshot), ordering="stream", sink=images)
     assert h.copies_on_device
     with torch.no_grad():
         _ = sd["big"].sum()  # a read-only kernel: may overlap the copies
@@ -137,8 +139,9 @@ def test_device_snapshot_orders_after_the_device_copy_only(tmp_path: Path, ram_d
     to the host are held back ~1 s on the side stream (a sleep queued before them, after the
     device-to-device copy); the mutation after ``wait_stream`` runs before they do (the trainer's stream
     is done while the save is not staged), and the checkpoint still holds the save's values bit-exact:
-    the host copies read the snapshot. A second save reuses the device buffer."""
-    from cpuckpt.transfer import device_snapshot, staging
+    the host copies read the snapshot. A second save of the same checkpointer reuses its device buffer,
+    and closing the checkpointer frees it."""
+    from cpuckpt.transfer import staging
 
     original = staging.DeviceCopier.enqueue
 
@@ -153,7 +156,8 @@ def test_device_snapshot_orders_after_the_device_copy_only(tmp_path: Path, ram_d
     again = path if images is not None else tmp_path / "again"
     sd = _state()
     want = _expected(sd)
-    h = _save_and_mutate(sd, path, order=True, images=images, window=window, device_snapshot=True)
+    ckpt = cpuckpt.Checkpointer()
+    h = _save_and_mutate(sd, path, order=True, images=images, window=window, device_snapshot=True, checkpointer=ckpt)
     t0 = time.perf_counter()
     torch.cuda.current_stream().synchronize()
     trainer_s = time.perf_counter() - t0
@@ -164,12 +168,40 @@ def test_device_snapshot_orders_after_the_device_copy_only(tmp_path: Path, ram_d
     assert _differing_tensors(_expected(sd), want) == [k for k, v in want.items() if isinstance(v, torch.Tensor)]
     got = _checkpoint(path, want)
     assert _differing_tensors(got, want) == [], f"{target}: the checkpoint holds values written after the device copy"
-    kept = len(device_snapshot._BUFFERS)
     want2 = _expected(sd)
-    cpuckpt.async_save(sd, again, _cfg(window, True), ordering="stream", sink=images).wait()
-    assert len(device_snapshot._BUFFERS) == kept and _differing_tensors(_checkpoint(again, want2), want2) == []
+    ckpt.async_save(sd, again, _cfg(window, True), ordering="stream", sink=images).wait()
+    assert ckpt.snapshots.allocations == 1 and len(ckpt.snapshots) == 1, "the second save allocated a buffer"
+    assert _differing_tensors(_checkpoint(again, want2), want2) == []
+    ckpt.close()
+    assert len(ckpt.snapshots) == 0
     if images is not None:
         images.close()
+
+
+def test_two_checkpointers_keep_their_own_device_buffers(tmp_path: Path) -> None:
+    """Two streams (two models) with ``staging.device_snapshot``: each allocates one device buffer and
+    reuses it (alternating saves never take or wait for the other's), closing one frees its buffer
+    only, and the other's later save reuses its own; every checkpoint bit-exact."""
+    a_sd = _state()
+    b_sd = {"v": torch.randn(1 << 20, device="cuda"), "meta": {"step": 1}}
+    a, b = cpuckpt.Checkpointer(), cpuckpt.Checkpointer()
+    try:
+        for step in range(2):
+            for name, sd, ckpt in (("a", a_sd, a), ("b", b_sd, b)):
+                want = _expected(sd)
+                ckpt.async_save(sd, tmp_path / f"{name}{step}", _cfg(0, True), ordering="stream").wait()
+                assert _differing_tensors(_checkpoint(tmp_path / f"{name}{step}", want), want) == [], (name, step)
+        assert (a.snapshots.allocations, b.snapshots.allocations) == (1, 1)
+        assert (len(a.snapshots), len(b.snapshots)) == (1, 1)
+        a.close()
+        assert (len(a.snapshots), len(b.snapshots)) == (0, 1)
+        want = _expected(b_sd)
+        b.async_save(b_sd, tmp_path / "b-after", _cfg(0, True), ordering="stream").wait()
+        assert b.snapshots.allocations == 1
+        assert _differing_tensors(_checkpoint(tmp_path / "b-after", want), want) == []
+    finally:
+        a.close()
+        b.close()
 
 
 def test_without_wait_stream_the_checkpoint_is_torn(tmp_path: Path) -> None:

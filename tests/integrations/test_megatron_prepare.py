@@ -68,11 +68,10 @@ CFG = {"io": {"chunk_bytes": "1MiB", "threads": 2}, "staging": {"pin": False}, "
 
 
 @pytest.fixture
-def fresh_pool():
-    staging.release_pool()
+def preparing(fresh_pool):
+    """No pool before or after (tests/conftest.py), and no preparer left for later optimizer steps."""
     yield
-    prepare._PREPARER = None  # the wrapped steps of this process call no preparer after the test
-    staging.release_pool()
+    prepare.stop_preparing()  # the wrapped steps of this process call no preparer after the test
 
 
 def _model() -> torch.nn.Module:
@@ -84,7 +83,7 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def test_first_step_prepares_the_pool_the_first_save_uses(fresh_pool, tmp_path):
+def test_first_step_prepares_the_pool_the_first_save_uses(preparing, tmp_path):
     model = _model()
     opt = TinyOptimizer(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     cfg = Config.from_dict(CFG)
@@ -119,7 +118,7 @@ def test_first_step_prepares_the_pool_the_first_save_uses(fresh_pool, tmp_path):
         assert torch.equal(back["model"][k], v), k
 
 
-def test_nested_steps_size_from_the_outermost_optimizer(fresh_pool):
+def test_nested_steps_size_from_the_outermost_optimizer(preparing):
     a, b = _model(), _model()
     inner = TinyOptimizer(a, torch.optim.Adam(a.parameters()))
     outer = TinyOptimizer(b, torch.optim.SGD(b.parameters(), lr=0.1), children=[inner])

@@ -282,10 +282,10 @@ def test_layout_cache_returns_the_same_layout_with_this_saves_payload():
     from cpuckpt.format.layout import LayoutCache, plan_files
 
     cache = LayoutCache()
-    first, _ = cache.plan(_items(b"step=7"), **KW)
-    again, p2 = cache.plan(_items(b"step=8"), **KW)  # same lengths: the cached layout, new bytes bound
+    first, _, first_cached = cache.plan(_items(b"step=7"), **KW)
+    again, p2, cached = cache.plan(_items(b"step=8"), **KW)  # same lengths: the cached layout, new bytes bound
     fresh, p3 = plan_files(_items(b"step=8"), **KW)
-    assert cache.hits == 1 and p2 == p3
+    assert (first_cached, cached) == (False, True) and p2 == p3
     assert [(s.file_offset, s.nbytes, s.item, s.src_offset) for s in again[0].segments] == \
         [(s.file_offset, s.nbytes, s.item, s.src_offset) for s in fresh[0].segments]
     assert _payloads(again) == _payloads(fresh) and b"step=8" in _payloads(again)
@@ -298,10 +298,8 @@ def test_layout_cache_misses_when_anything_plan_files_reads_changes():
     from cpuckpt.format.layout import LayoutCache
 
     cache = LayoutCache()
-    cache.plan(_items(), **KW)
-    cache.plan(_items(b"step=10"), **KW)  # longer payload
-    cache.plan(_items(head=b"h" * 64), **KW)  # same length, other skeleton bytes (another dtype)
-    cache.plan(_items(), **{**KW, "align_data_min_bytes": 0})
-    assert cache.hits == 0
-    cache.plan(_items(), **KW)
-    assert cache.hits == 1
+    assert not cache.plan(_items(), **KW).cached
+    assert not cache.plan(_items(b"step=10"), **KW).cached  # longer payload
+    assert not cache.plan(_items(head=b"h" * 64), **KW).cached  # same length, other skeleton bytes (another dtype)
+    assert not cache.plan(_items(), **{**KW, "align_data_min_bytes": 0}).cached
+    assert cache.plan(_items(), **KW).cached

@@ -85,14 +85,7 @@ def test_slots_of_odd_sizes_start_on_their_own_pages():
             slots.release(s)
 
 
-@pytest.fixture
-def no_pool():
-    staging.release_pool()
-    yield
-    staging.release_pool()
-
-
-def test_a_load_without_a_process_pool_leaves_none_behind(tmp_path, no_pool):
+def test_a_load_without_a_process_pool_leaves_none_behind(tmp_path, fresh_pool):
     sd = {"w": torch.randn(300, 200), "b": torch.arange(1000)}
     cfg = {"io": {"chunk_bytes": "64KiB"}, "integrity": {"verify": "always"}}
     cpuckpt.save(sd, tmp_path / "c", cfg)
@@ -106,7 +99,7 @@ def test_a_load_without_a_process_pool_leaves_none_behind(tmp_path, no_pool):
 
 
 @pytest.mark.parametrize("nslots", [16, 2])
-def test_a_load_reads_through_the_process_pool_when_it_has_a_slot_per_thread(tmp_path, no_pool, nslots):
+def test_a_load_reads_through_the_process_pool_when_it_has_a_slot_per_thread(tmp_path, fresh_pool, nslots):
     sd = {"w": torch.randn(300, 200)}
     cfg = {"io": {"chunk_bytes": "64KiB", "read_threads": 4}}
     cpuckpt.save(sd, tmp_path / "c", cfg)
@@ -153,7 +146,7 @@ def test_copy_host_bytes_equals_copy_and_memmoves_only_plain_bytes(case, monkeyp
     assert calls == ([4096] if case == "contiguous" else [])
 
 
-def test_a_loads_own_slots_are_torn_down_after_it(tmp_path, no_pool, monkeypatch):
+def test_a_loads_own_slots_are_torn_down_after_it(tmp_path, fresh_pool, monkeypatch):
     import cpuckpt.backend.reader as reader_mod
 
     made: list[ReadSlots] = []
