@@ -7,7 +7,9 @@ memory checkpoint is an ordinary checkpoint directory: ``cpuckpt.load``, ``verif
 ``FileSystemReader`` read it. The RAM root holds ``memory.slots`` such directories (``slot-<k>``), used
 in a ring. Every save whose step is a multiple of ``memory.persist_every`` is then persisted to the
 durable root by this rank's writer process (:mod:`cpuckpt.tier.persister`), which commits the
-durable copy without any collective and outlives the trainer.
+durable copy without any collective and outlives the trainer. The writer starts when it is first needed: at
+the first persist or replica request (at construction only when an earlier trainer's persists are still owed,
+or when this node receives its partners' replicas), so a tier that never persists starts no process.
 
 "Returned", "committed in memory" and "durable" are three events: ``save`` returns per the staging
 contract of :func:`cpuckpt.async_save` (``handle.staged``), ``handle.wait()`` is the memory commit,
@@ -59,7 +61,7 @@ from cpuckpt.tier.images import ImageSet
 from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
-from cpuckpt.tier.ramroot import RamRoot, job_id_for
+from cpuckpt.tier.ramroot import RamRoot, acquire_lock, job_id_for
 from cpuckpt.tier.recovery import Replication, Restore, agree_available, node_copies
 
 __all__ = ["MemoryTier", "WriterDiedError"]
@@ -142,9 +144,13 @@ class MemoryTier:
         self._cancel_uncommitted_requests()
         stale_replicas = self._withdraw_replica_requests()
         self._drop_stale_images()
-        self._ensure_writer()
+        # The writer starts when it is first needed (its interpreter costs a core for seconds, and a tier that never
+        # persists needs none): at the first persist or replica request, now if an earlier trainer's persists are
+        # still owed (it finishes them), and now for a node that receives its partners' replicas.
+        if self.queue.owed():
+            self._ensure_writer()
         if m.replicas and not self.nodes.single:
-            pid = self._writer.pid if self._writer is not None else self.root.writer_alive(self.rank)
+            pid = self._ensure_writer()
             self._replication = Replication.start(self.nodes, self.root.path, pid, m.replicas, self.group,
                                                   self.config.timeout_s)
             self._requeue_replicas(self._replication, stale_replicas)
@@ -163,28 +169,49 @@ class MemoryTier:
         return k if self.nodes.single else self._agree([k])[0]
 
     # -- the writer process -----------------------------------------------------------------------
-    def _ensure_writer(self) -> None:
-        """Start this rank's writer, or adopt the one an earlier trainer of this rank left running."""
+    def _ensure_writer(self) -> int:
+        """This rank's writer pid: the one running (an earlier trainer's is adopted), else a new one started now.
+
+        The new writer's lock is taken here and handed to the child (``--lock-fd``), so from the moment this returns
+        the writer counts as alive (its interpreter and imports take seconds; requests wait in the queue meanwhile),
+        and a writer that dies while it starts releases the lock with its last descriptor.
+
+        Raises:
+            WriterDiedError: the writer process could not be started.
+        """
+        lock_path = self.root.writer_lock_path(self.rank)
         pid = self.root.writer_alive(self.rank)
-        if pid is not None:
-            logger.info("cpuckpt memory tier: rank %d adopts writer pid %d (still persisting for an earlier trainer)",
-                        self.rank, pid)
-            return
+        fd = acquire_lock(lock_path) if pid is None else None
+        if fd is None:
+            pid = self.root.writer_alive(self.rank)
+            if pid is not None:
+                if self._writer is None or pid != self._writer.pid:
+                    logger.info("cpuckpt memory tier: rank %d adopts writer pid %d (still persisting for an earlier "
+                                "trainer)", self.rank, pid)
+                return pid
+            raise WriterDiedError(f"rank {self.rank}: {lock_path} is held by a process that is gone; see "
+                                  "`cpuckpt clean --ram`")
         self.queue.clear_stop()
-        log = open(self.root.path / f"writer-{self.rank}.log", "ab")  # handed to the child, closed here after Popen
         try:
-            self._writer = subprocess.Popen(
-                [sys.executable, "-m", "cpuckpt.tier.persister", "--queue", str(self.queue.path),
-                 "--lock", str(self.root.writer_lock_path(self.rank)), "--trainer-lock", str(self.trainer_lock)]
-                + self._listen_args(),
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                close_fds=True)
+            log = open(self.root.path / f"writer-{self.rank}.log", "ab")  # the child's; closed here after Popen
+            try:
+                self._writer = subprocess.Popen(
+                    [sys.executable, "-m", "cpuckpt.tier.persister", "--queue", str(self.queue.path),
+                     "--lock", str(lock_path), "--lock-fd", str(fd), "--trainer-lock", str(self.trainer_lock)]
+                    + self._listen_args(),
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    close_fds=True, pass_fds=(fd,))
+            finally:
+                log.close()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{self._writer.pid}\n".encode(), 0)  # lock_holder names the writer, not this trainer
+        except OSError as e:
+            raise WriterDiedError(f"rank {self.rank}: the writer process could not be started: {e}") from e
         finally:
-            log.close()
-        # Not waited for: its interpreter and imports take seconds, and requests wait in the queue meanwhile.
-        # Until it holds its lock, the child process itself says whether it lives (_writer_running).
+            os.close(fd)  # the child holds the lock now (the same open file description)
         logger.info("cpuckpt memory tier: rank %d writer pid %d starting, RAM root %s", self.rank, self._writer.pid,
                     self.root.path)
+        return self._writer.pid
 
     def _listen_args(self) -> list[str]:
         """A node leader's writer receives the partners' replicas (``memory.replicas``; cpuckpt.tier.replica)."""
@@ -195,43 +222,32 @@ class MemoryTier:
                 "--headroom", str(m.headroom_bytes), "--timeout", str(self.config.timeout_s)]
 
     def _writer_running(self) -> bool:
-        """The rank's writer holds its lock, or the one started here is still starting."""
+        """The rank's writer holds its lock (taken for it before it started: see :meth:`_ensure_writer`)."""
         if self.root.writer_alive(self.rank) is not None:
             return True
-        return self._writer is not None and self._writer.poll() is None
+        if self._writer is not None:
+            self._writer.poll()  # reap it
+        return False
 
-    def writer_pid(self, timeout_s: float | None = None) -> int:
-        """The pid of this rank's writer once it runs (holds its lock); waits for a starting one.
+    def writer_pid(self) -> int | None:
+        """The pid of this rank's writer process, or None when none runs.
+
+        A writer starts at the first persist or replica request (see :meth:`_ensure_writer`), so a tier that
+        never persists (``memory.persist_every: 0``, no replicas) never has one. A query: it starts nothing.
 
         Raises:
-            WriterDiedError: it exited (see ``writer-<rank>.log`` in the RAM root).
-            CheckpointTimeoutError: it did not start within ``timeout_s`` (default ``timeout_s``).
+            WriterDiedError: the writer this tier started has exited (see ``writer-<rank>.log`` in the RAM root).
         """
-        deadline = time.monotonic() + (self.config.timeout_s if timeout_s is None else timeout_s)
-        while (pid := self.root.writer_alive(self.rank)) is None:
-            if not self._writer_running():
-                code = self._writer.returncode if self._writer is not None else None
-                raise WriterDiedError(f"rank {self.rank}: the writer process exited (code {code}); see "
-                                      f"{self.root.path}/writer-{self.rank}.log")
-            if time.monotonic() > deadline:
-                raise CheckpointTimeoutError(f"rank {self.rank}: the writer process did not start in time")
-            time.sleep(0.01)
+        pid = self.root.writer_alive(self.rank)
+        if pid is None and self._writer is not None:
+            code = self._writer.poll()
+            raise WriterDiedError(f"rank {self.rank}: the writer process exited (code {code}); see "
+                                  f"{self.root.path}/writer-{self.rank}.log")
         return pid
 
     def _writer_dead_with_debts(self) -> bool:
-        """A dead writer that owed nothing lost nothing: it is restarted quietly. One that owed is a failure."""
-        if self._writer_running():
-            return False
-        if self._writer is not None:
-            self._writer.poll()  # reap it
-        if not self.queue.owed():
-            try:
-                self._ensure_writer()
-            except CpuckptError as e:  # reported on every rank through the agreement, not here alone
-                logger.error("cpuckpt memory tier: %s", e)
-                return True
-            return False
-        return True
+        """A dead writer that owed nothing lost nothing (the next request starts one). One that owed is a failure."""
+        return bool(not self._writer_running() and self.queue.owed())
 
     def _new_persist_failures(self) -> list[str]:
         """Failed persists this rank has not reported yet (cancelled ones are the trainer's own doing)."""
@@ -296,7 +312,7 @@ class MemoryTier:
             manifest = read_manifest(slot) if check_complete(slot).complete else None
             if manifest is None or manifest.save_id != req.save_id:
                 continue
-            self.queue.put(dataclasses.replace(
+            self._put(dataclasses.replace(
                 self._persist_request(slot, req.save_id, req.step, slot), kind="replicate",
                 partners=tuple((e.host, e.port) for e in rep.partners), source=self.nodes.keys[self.rank],
                 token=rep.token))
@@ -459,7 +475,7 @@ class MemoryTier:
     def _request_persist(self, handle: AsyncSaveHandle, step: int | None, dest: Path, slot: Path) -> PersistRequest:
         """Queue the persist now (the writer waits for the memory commit); a failed save cancels it."""
         req = self._persist_request(slot, handle.save_id, step, dest)
-        self.queue.put(req)
+        self._put(req)
 
         def cancel_if_failed(error: BaseException | None) -> None:
             if error is not None:
@@ -474,9 +490,14 @@ class MemoryTier:
         req = dataclasses.replace(self._persist_request(slot, handle.save_id, step, slot), kind="replicate",
                                   partners=tuple((e.host, e.port) for e in rep.partners),
                                   source=self.nodes.keys[self.rank], token=rep.token)
-        self.queue.put(req)
+        self._put(req)
         handle.add_done_callback(lambda error: None if error is None else
                                  self.queue.cancel(req.seq, f"the memory save failed: {error}"))
+
+    def _put(self, req: PersistRequest) -> None:
+        """Queue ``req`` for this rank's writer, starting the writer first if none runs."""
+        self._ensure_writer()
+        self.queue.put(req)
 
     def _persist_request(self, slot: Path, save_id: str, step: int | None, dest: Path) -> PersistRequest:
         return PersistRequest(seq=self.queue.next_seq(), slot=str(slot), save_id=save_id, step=step,
@@ -490,11 +511,10 @@ class MemoryTier:
         if self.config.memory.on_writer_failure == "raise":
             raise WriterDiedError(f"rank {self.rank}: {msg}")
         logger.error("cpuckpt memory tier: %s; respawning it (it redoes what was owed)", msg)
-        if not self._writer_running():
-            try:
-                self._ensure_writer()
-            except CpuckptError as e:  # agreed on at the next round: every rank raises then
-                self._respawn_failed = e
+        try:
+            self._ensure_writer()
+        except CpuckptError as e:  # agreed on at the next round: every rank raises then
+            self._respawn_failed = e
 
     # -- state ----------------------------------------------------------------------------------
     def persisted(self, step: int) -> bool:
@@ -670,7 +690,7 @@ class MemoryTier:
             manifest = read_manifest(slot)
             if step is not None and not requested and manifest is not None and check_complete(slot).complete:
                 logger.warning("SIGTERM: persisting step %s from memory to %s", step, dest)
-                self.queue.put(self._persist_request(slot, manifest.save_id, step, dest))
+                self._put(self._persist_request(slot, manifest.save_id, step, dest))
         self.wait_persisted(max(0.001, deadline - time.monotonic()))
 
     def close(self, *, persist_newest: bool = True, remove_root: bool = True) -> None:
@@ -699,7 +719,7 @@ class MemoryTier:
             manifest = read_manifest(slot)
             if step is not None and manifest is not None and check_complete(slot).complete \
                     and not self.persisted(step):
-                self.queue.put(self._persist_request(slot, manifest.save_id, step, dest))
+                self._put(self._persist_request(slot, manifest.save_id, step, dest))
             self._wait_owed_agreed(errors)  # collective: every rank waits, requested or not
         self._stop_writer()
         with self._prepare_lock:  # from here on no preparation starts

@@ -1,9 +1,10 @@
 """The writer process: persists memory checkpoints of one rank to the durable root, outliving its trainer.
 
-Started once per rank by :class:`cpuckpt.tier.memory.MemoryTier` (``python -m cpuckpt.tier.persister``)
-in a session of its own (``setsid``), so a signal to the trainer's process group does not reach it.
-It holds ``<ram root>/.writer-<rank>.lock`` (flock) while it runs, which is how trainers tell a live
-writer from a dead one. For every owed request of its queue (:mod:`cpuckpt.tier.queue`), oldest first:
+Started per rank by :class:`cpuckpt.tier.memory.MemoryTier` (``python -m cpuckpt.tier.persister``) at the
+first persist or replica request, in a session of its own (``setsid``), so a signal to the trainer's process
+group does not reach it. It holds ``<ram root>/.writer-<rank>.lock`` (flock) while it runs, which is how trainers
+tell a live writer from a dead one; the trainer takes that lock for it before it starts (``--lock-fd``).
+For every owed request of its queue (:mod:`cpuckpt.tier.queue`), oldest first:
 
 1. wait until the slot is committed in memory for that save (``.metadata`` and a manifest with the
    request's ``save_id``); if the trainer died before that, the request fails: that checkpoint was
@@ -230,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cpuckpt.tier.persister", description=__doc__.splitlines()[0])
     ap.add_argument("--queue", required=True, help="this rank's queue directory")
     ap.add_argument("--lock", required=True, help="the writer lock file of this rank")
+    ap.add_argument("--lock-fd", type=int, default=-1, help="a descriptor of --lock, already locked for this process "
+                    "by the trainer that started it (so the writer counts as alive while its imports run)")
     ap.add_argument("--trainer-lock", required=True, help="the trainer's rank lock: the writer exits once it is free "
                     "and nothing is owed")
     ap.add_argument("--listen", default="", help="receive partners' replicas on this address (memory.replicas)")
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     # writer ends by itself once its trainer is gone and nothing is owed (SIGKILL still ends it).
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    lock_fd = acquire_lock(args.lock, wait_s=30.0)
+    lock_fd = args.lock_fd if args.lock_fd >= 0 else acquire_lock(args.lock, wait_s=30.0)
     if lock_fd is None:
         logger.error("%s is held by another writer of this rank (pid %s); exiting", args.lock, lock_holder(args.lock))
         return 2
