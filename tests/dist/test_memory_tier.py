@@ -208,6 +208,67 @@ def test_no_writer_process_starts_until_the_first_persist_request(tmp_path):
     assert _writer_children() == [], "close() left the writer process running"
 
 
+class _MarkedFiles:
+    """A file-set format (what the DeepSpeed adapter's tags are, in small): any files plus ``done.json``, a marker
+    with the save id and the step; the durable root holds one such directory per checkpoint."""
+
+    def committed(self, directory: Path):
+        from cpuckpt.tier.formats import Committed, read_marker_json
+
+        data = read_marker_json(directory / "done.json")
+        return Committed(data.get("global_step"), data["save_id"]) if data and "save_id" in data else None
+
+    def durable(self, root: Path) -> list:
+        return [(c.step, d) for d in (sorted(root.iterdir()) if root.is_dir() else [])
+                if d.is_dir() and (c := self.committed(d)) is not None and c.step is not None]
+
+
+def _file_set(tier, step: int, payload: bytes, *, latest: Path) -> tuple:
+    """One file-set checkpoint of ``step``: claimed, filled, committed in memory (marker last), then handed over."""
+    import json
+
+    from cpuckpt.format.manifest import FileEntry
+
+    slot, save_id = tier.claim_slot(step)
+    (slot / "done.json").unlink(missing_ok=True)
+    (slot / "w.bin").write_bytes(payload)
+    (slot / "done.json").write_text(json.dumps({"save_id": save_id, "global_step": step}))
+    entry = FileEntry(name="w.bin", nbytes=len(payload), chunk_bytes=64 << 10, checksum="none")
+    return tier.commit_files(slot, save_id, step, tier.durable_root / f"t{step}", files={"w.bin": entry},
+                             marker="done.json", saving=".saving", pointer=(latest, f"t{step}")), slot
+
+
+def test_a_file_set_is_persisted_marker_last_and_never_moves_the_pointer_back(tmp_path):
+    """``claim_slot``/``commit_files`` (an adapter's own files): due steps are persisted by the writer, files first,
+    then the marker, then the pointer; odd steps stay in memory; a pointer naming a newer step is left alone;
+    ``close()`` persists the newest; ``candidates`` orders both tiers by step through the format."""
+    import json
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    durable = tmp_path / "durable"
+    cfg = _cfg(tmp_path / "ram", persist_every=2)
+    tier = MemoryTier(durable, cfg, slot_format=_MarkedFiles())
+    latest = durable / "latest"
+    req, _ = _file_set(tier, 2, b"two" * 1000, latest=latest)
+    assert req is not None and tier.writer_pid() is not None
+    assert _file_set(tier, 3, b"three" * 1000, latest=latest)[0] is None  # not due: memory only
+    tier.wait_persisted()
+    assert sorted(p.name for p in (durable / "t2").iterdir()) == ["done.json", "w.bin"]  # no .saving, no parts
+    assert (durable / "t2" / "w.bin").read_bytes() == b"two" * 1000 and latest.read_text() == "t2"
+    assert tier.persisted(2) and not tier.persisted(3) and not (durable / "t3").exists()
+    assert [p.name for p in tier.candidates()] == ["slot-1", "slot-0", "t2"]  # by step; memory first on a tie
+    (durable / "t9").mkdir()
+    (durable / "t9" / "done.json").write_text(json.dumps({"save_id": "elsewhere", "global_step": 9}))
+    latest.write_text("t9")  # a newer checkpoint, committed durably by someone else
+    _file_set(tier, 4, b"four" * 1000, latest=latest)
+    _file_set(tier, 5, b"five" * 1000, latest=latest)
+    tier.close()  # persists the newest (5)
+    assert (durable / "t4" / "w.bin").read_bytes() == b"four" * 1000
+    assert (durable / "t5" / "w.bin").read_bytes() == b"five" * 1000 and (durable / "t5" / "done.json").exists()
+    assert latest.read_text() == "t9", "a persist moved the pointer back to an older step"
+
+
 def test_a_ram_root_too_small_is_a_clear_error_and_loses_nothing(tmp_path):
     import cpuckpt
     from cpuckpt.tier.ramroot import RamRootError
@@ -602,6 +663,6 @@ def test_restart_where_no_checkpoint_verifies_raises_instead_of_starting_from_sc
     from cpuckpt.errors import CheckpointCorrupt
 
     tier, _ = _one(tmp_path, persist_every=1)
-    with pytest.raises(CheckpointCorrupt, match="step_2.*step_1|loads cleanly"):
+    with pytest.raises(CheckpointCorrupt, match=r"step_2.*step_1|loads cleanly"):
         tier.load_latest(_targets(0))
     _close_idle(tier)
