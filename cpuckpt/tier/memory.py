@@ -52,6 +52,7 @@ from cpuckpt.config import CheckpointConfig, Config, resolve_config
 from cpuckpt.errors import (
     CheckpointCorrupt,
     CheckpointTimeoutError,
+    ConfigError,
     CpuckptError,
     IntegrityError,
     UnsafeCheckpointError,
@@ -87,6 +88,13 @@ class MemoryTier:
         durable_root: where persisted checkpoints go (``<durable_root>/<name>``, name ``step_<step>``).
         config: a :class:`Config`, YAML path, dict or None; its ``memory`` section configures the tier.
         process_group: the trainer's group (cpuckpt uses gloo groups over the same ranks).
+        report_persist_failures: raise a failed persist at the next save (False: the adapter reports outcomes).
+        slot_format: what a complete checkpoint is (:mod:`cpuckpt.tier.formats`): DCP directories by default
+            (:meth:`save`); an adapter that writes its own files passes its own and uses :meth:`claim_slot` and
+            :meth:`commit_files` instead of :meth:`save` (one node only: the restart agreement across nodes
+            reads DCP plans).
+
+    The writer process starts at the first persist or replica request, not here (see the module docstring).
 
     Example:
         >>> tier = cpuckpt.MemoryTier("/ckpt", {"memory": {"persist_every": 4}})
@@ -436,6 +444,11 @@ class MemoryTier:
                 raise WriterDiedError(f"rank {self.rank}: a writer process could not be respawned"
                                       + (f": {self._respawn_failed}" if self._respawn_failed else " (on another rank)"))
             if persist_failed:
+                # A save with a failed part is never committed: every rank withdraws what it still owes, so that
+                # the coordinator's writer stops waiting (timeout_s) for a part that never comes.
+                for req in self.queue.owed():
+                    if req.kind != "replicate":
+                        self.queue.cancel(req.seq, "a persist failed on some rank")
                 raise PersistError(f"rank {self.rank}: " + ("; ".join(failed) if failed else
                                    f"another rank's persist to {self.durable_root} failed (see its log)"))
             if dead:
@@ -466,6 +479,9 @@ class MemoryTier:
             (slot directory, save id), or None when every slot is held by a persist and ``memory.when_full`` is
             disk: that checkpoint goes to the durable root, as without the tier.
         """
+        if not self.nodes.single:  # the node map is gathered: every rank raises together
+            raise ConfigError(f"memory tier {self.root.path}: file-set checkpoints (claim_slot) work on one node "
+                              f"only; the ranks use {self.nodes.nodes} RAM roots")
         claimed = self._claim(step)
         if claimed is None:
             return None

@@ -181,9 +181,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             self.commit(self._info)
         self._wait_background()
         self._join_prepare()
-        self._info = info
+        # before this checkpoint is taken on: a refusal here (a failed persist, two nodes) leaves nothing to commit
         memory = self.memory_for(info.save_dir) if self.settings.memory_tier else None
-        self._ckpt = _Checkpoint(info, claim=memory.claim() if memory is not None else None)
+        claim = memory.claim() if memory is not None else None
+        self._info = info
+        self._ckpt = _Checkpoint(info, claim=claim)
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` to exactly ``path`` as a torch.save-compatible file.

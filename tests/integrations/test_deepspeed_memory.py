@@ -16,6 +16,9 @@ What is proven (real DeepSpeed ZeRO-2 engines, real writer processes, real files
 - ``memory.persist_every: 0``: no writer process ever starts; trainers SIGKILLed after a save's files are in
   RAM but before its commit leave a torn slot that is never chosen: the restart loads the previous tag from
   RAM, bit-exact;
+- rank 1's writer cannot write (ENOSPC): the tag is never committed durably (no marker, no ``latest``), the
+  next ``save_checkpoint`` raises ``PersistError`` on every rank, and so does ``engine.destroy()`` (its
+  persist of the newest fails again), promptly, not after ``timeout_s``;
 - ranks with separate RAM roots (two nodes) are refused with the same ``ConfigError`` on every rank.
 """
 
@@ -214,6 +217,39 @@ def rank_restart_past_a_torn_slot(root: str) -> dict:
     return out
 
 
+def rank_persist_fails_on_rank1(root: str) -> dict:
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    from cpuckpt.testing import faults
+
+    rank = dist.get_rank()
+    os.environ.update(faults.child_env(Path(root) / "site", "unused=sleep:0"))  # the writers know fault backends
+    settings = _settings(str(Path(root) / "ram"), persist_every=1)
+    if rank == 1:
+        settings["io"] = {**_IO, "backend": "fault:ENOSPC@0"}  # rank 1's writer: every durable write fails
+    ckpt_ds.install(settings)
+    engine = h._engine(2, seed=0)
+    h._step(engine, 1)
+    engine.save_checkpoint(str(Path(root) / "ckpt"))
+    ckpt_ds.commit_pending(engine)
+    if rank == 1:
+        engine.checkpoint_engine.memory_tier.wait_persisted()  # its part failed
+    dist.barrier()
+    h._step(engine, 2)
+    out = {}
+    for what, call in (("save", lambda: engine.save_checkpoint(str(Path(root) / "ckpt"))), ("destroy", engine.destroy)):
+        t0 = time.monotonic()
+        try:
+            call()
+            out[what] = None
+        except Exception as e:
+            out[what] = (type(e).__name__, str(e), time.monotonic() - t0)
+    return out
+
+
 def rank_two_nodes(root: str) -> tuple[str, str]:
     h = _ds()
     h._setup_env()
@@ -283,6 +319,19 @@ def test_no_writer_without_persists_and_a_torn_memory_tag_is_never_chosen(run_ra
         assert sorted(r["slots"]) == ["complete", "torn"], r["slots"]  # step 3's slot: files, no marker
         assert r["links"] == ["global_step2", "latest"], r["links"]  # step 1's slot was refilled by step 3
     assert not (tmp_path / "ram").exists() or not any((tmp_path / "ram").iterdir())
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_persist_is_raised_on_every_rank_and_never_committed(run_ranks, tmp_path):
+    from cpuckpt.integrations.deepspeed import check_tag
+
+    for rank, r in enumerate(run_ranks(2, rank_persist_fails_on_rank1, str(tmp_path), timeout_s=200)):
+        for what in ("save", "destroy"):
+            assert r[what] is not None and r[what][0] == "PersistError", (rank, what, r[what])
+            assert r[what][2] < 30, f"rank {rank}: {what} took {r[what][2]:.1f} s (timeout_s 60)"
+    save_dir = tmp_path / "ckpt"
+    assert check_tag(save_dir, "global_step1").state != "complete" and not (save_dir / "latest").exists()
+    _wait_writers_gone(tmp_path / "ram")
 
 
 @pytest.mark.timeout(200)
