@@ -8,7 +8,8 @@ What is proven (real DeepSpeed ZeRO-2 engines, real writer processes, real files
   saving file, no parts left) and ``save_dir/latest``; no other tag directory appears in ``save_dir``;
 - phase 2, the plain adapter (no tier) writes a durable ``global_step6``;
 - phase 3, a restart with the tier: ``load_latest`` loads the durable step 6, not the older step 3 the RAM
-  root still holds; it trains on (7, 8 persisted, 9) and ends without ``destroy()``;
+  root still holds; it trains on (7, 8 persisted, 9; ``ordering: optimizer``: each save's state frozen and
+  laid out into the slot's images after the call, while the next step runs) and ends without ``destroy()``;
 - phase 4, a restart: ``load_latest`` loads step 9 from RAM (newer than the durable step 8), bit-exact; the
   next save (10) does not overwrite it; ``engine.destroy()`` waits for the persist of step 10, stops the
   writers and removes the RAM root; stock DeepSpeed (``TorchCheckpointEngine``, no cpuckpt) loads
@@ -123,7 +124,7 @@ def rank_restart_durable_newer(root: str) -> dict:
 
     rank = dist.get_rank()
     save_dir, ram = Path(root) / "ckpt", Path(root) / "ram"
-    ckpt_ds.install(_settings(str(ram)))
+    ckpt_ds.install({**_settings(str(ram)), "ordering": "optimizer"})  # zero-stall saves into the slots' images
     engine = h._engine(2, seed=5)
     path, _ = ckpt_ds.load_latest(engine, save_dir)
     out = {"loaded": path, "step": engine.global_steps}
