@@ -7,7 +7,9 @@ memory checkpoint is an ordinary checkpoint directory: ``cpuckpt.load``, ``verif
 ``FileSystemReader`` read it. The RAM root holds ``memory.slots`` such directories (``slot-<k>``), used
 in a ring. Every save whose step is a multiple of ``memory.persist_every`` is then persisted to the
 durable root by this rank's writer process (:mod:`cpuckpt.tier.persister`), which commits the
-durable copy without any collective and outlives the trainer.
+durable copy without any collective and outlives the trainer. The writer starts when it is first needed: at
+the first persist or replica request (at construction only when an earlier trainer's persists are still owed,
+or when this node receives its partners' replicas), so a tier that never persists starts no process.
 
 "Returned", "committed in memory" and "durable" are three events: ``save`` returns per the staging
 contract of :func:`cpuckpt.async_save` (``handle.staged``), ``handle.wait()`` is the memory commit,
@@ -33,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +52,20 @@ from cpuckpt.config import CheckpointConfig, Config, resolve_config
 from cpuckpt.errors import (
     CheckpointCorrupt,
     CheckpointTimeoutError,
+    ConfigError,
     CpuckptError,
     IntegrityError,
     UnsafeCheckpointError,
 )
+from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import local_path
-from cpuckpt.roots import install_sigterm_handler, list_checkpoints
+from cpuckpt.roots import install_sigterm_handler
+from cpuckpt.tier.formats import DcpSlots, SlotFormat
 from cpuckpt.tier.images import ImageSet
 from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
-from cpuckpt.tier.ramroot import RamRoot, job_id_for
+from cpuckpt.tier.ramroot import RamRoot, acquire_lock, job_id_for
 from cpuckpt.tier.recovery import Replication, Restore, agree_available, node_copies
 
 __all__ = ["MemoryTier", "WriterDiedError"]
@@ -82,6 +88,13 @@ class MemoryTier:
         durable_root: where persisted checkpoints go (``<durable_root>/<name>``, name ``step_<step>``).
         config: a :class:`Config`, YAML path, dict or None; its ``memory`` section configures the tier.
         process_group: the trainer's group (cpuckpt uses gloo groups over the same ranks).
+        report_persist_failures: raise a failed persist at the next save (False: the adapter reports outcomes).
+        slot_format: what a complete checkpoint is (:mod:`cpuckpt.tier.formats`): DCP directories by default
+            (:meth:`save`); an adapter that writes its own files passes its own and uses :meth:`claim_slot` and
+            :meth:`commit_files` instead of :meth:`save` (one node only: the restart agreement across nodes
+            reads DCP plans).
+
+    The writer process starts at the first persist or replica request, not here (see the module docstring).
 
     Example:
         >>> tier = cpuckpt.MemoryTier("/ckpt", {"memory": {"persist_every": 4}})
@@ -93,7 +106,8 @@ class MemoryTier:
     """
 
     def __init__(self, durable_root: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
-                 *, process_group: Any = None, report_persist_failures: bool = True) -> None:
+                 *, process_group: Any = None, report_persist_failures: bool = True,
+                 slot_format: SlotFormat | None = None) -> None:
         # A URL would silently become a local directory named "s3:" (cpuckpt.paths): refused before anything.
         durable_root = local_path(durable_root, "memory tier durable root")
         self.config = resolve_config(config)
@@ -101,6 +115,9 @@ class MemoryTier:
         # False: the caller awaits every persist itself and reports its outcome (the Megatron adapter's
         # finalize does), so a failed persist is not raised a second time at the next save.
         self.report_persist_failures = report_persist_failures
+        # What a complete checkpoint is in a slot and in the durable root: DCP directories (save()), or an
+        # adapter's own file sets (claim_slot() / commit_files(), the DeepSpeed adapter's tags).
+        self.format: SlotFormat = slot_format if slot_format is not None else DcpSlots()
         m = self.config.memory
         if m.root:
             local_path(m.root, "memory.root (the memory tier's RAM root)")
@@ -132,7 +149,7 @@ class MemoryTier:
         self._pending: dict[Path, list[Restore]] = {}  # slots to restore from another node's copy before a load
         newest_in_memory = next((path for path in self.candidates() if path in self.slots), None)
         self._next = self._agree_next(self._slot_after(newest_in_memory))
-        self._last: tuple[int | None, Path, Path] | None = None  # (step, dest, slot) of the newest memory save
+        self._last: _LastSave | None = None  # the newest memory save (close() and SIGTERM persist it if needed)
         self.last_persist: PersistRequest | None = None
         self._prepared: threading.Thread | None = None  # the background preparation of the other slots' images
         self._prepare_lock = threading.Lock()
@@ -143,9 +160,13 @@ class MemoryTier:
         self._cancel_uncommitted_requests()
         stale_replicas = self._withdraw_replica_requests()
         self._drop_stale_images()
-        self._ensure_writer()
+        # The writer starts when it is first needed (its interpreter costs a core for seconds, and a tier that never
+        # persists needs none): at the first persist or replica request, now if an earlier trainer's persists are
+        # still owed (it finishes them), and now for a node that receives its partners' replicas.
+        if self.queue.owed():
+            self._ensure_writer()
         if m.replicas and not self.nodes.single:
-            pid = self._writer.pid if self._writer is not None else self.root.writer_alive(self.rank)
+            pid = self._ensure_writer()
             self._replication = Replication.start(self.nodes, self.root.path, pid, m.replicas, self.group,
                                                   self.config.timeout_s)
             self._requeue_replicas(self._replication, stale_replicas)
@@ -164,28 +185,49 @@ class MemoryTier:
         return k if self.nodes.single else self._agree([k])[0]
 
     # -- the writer process -----------------------------------------------------------------------
-    def _ensure_writer(self) -> None:
-        """Start this rank's writer, or adopt the one an earlier trainer of this rank left running."""
+    def _ensure_writer(self) -> int:
+        """This rank's writer pid: the one running (an earlier trainer's is adopted), else a new one started now.
+
+        The new writer's lock is taken here and handed to the child (``--lock-fd``), so from the moment this returns
+        the writer counts as alive (its interpreter and imports take seconds; requests wait in the queue meanwhile),
+        and a writer that dies while it starts releases the lock with its last descriptor.
+
+        Raises:
+            WriterDiedError: the writer process could not be started.
+        """
+        lock_path = self.root.writer_lock_path(self.rank)
         pid = self.root.writer_alive(self.rank)
-        if pid is not None:
-            logger.info("cpuckpt memory tier: rank %d adopts writer pid %d (still persisting for an earlier trainer)",
-                        self.rank, pid)
-            return
+        fd = acquire_lock(lock_path) if pid is None else None
+        if fd is None:
+            pid = self.root.writer_alive(self.rank)
+            if pid is not None:
+                if self._writer is None or pid != self._writer.pid:
+                    logger.info("cpuckpt memory tier: rank %d adopts writer pid %d (still persisting for an earlier "
+                                "trainer)", self.rank, pid)
+                return pid
+            raise WriterDiedError(f"rank {self.rank}: {lock_path} is held by a process that is gone; see "
+                                  "`cpuckpt clean --ram`")
         self.queue.clear_stop()
-        log = open(self.root.path / f"writer-{self.rank}.log", "ab")  # handed to the child, closed here after Popen
         try:
-            self._writer = subprocess.Popen(
-                [sys.executable, "-m", "cpuckpt.tier.persister", "--queue", str(self.queue.path),
-                 "--lock", str(self.root.writer_lock_path(self.rank)), "--trainer-lock", str(self.trainer_lock)]
-                + self._listen_args(),
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                close_fds=True)
+            log = open(self.root.path / f"writer-{self.rank}.log", "ab")  # the child's; closed here after Popen
+            try:
+                self._writer = subprocess.Popen(
+                    [sys.executable, "-m", "cpuckpt.tier.persister", "--queue", str(self.queue.path),
+                     "--lock", str(lock_path), "--lock-fd", str(fd), "--trainer-lock", str(self.trainer_lock)]
+                    + self._listen_args(),
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    close_fds=True, pass_fds=(fd,))
+            finally:
+                log.close()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{self._writer.pid}\n".encode(), 0)  # lock_holder names the writer, not this trainer
+        except OSError as e:
+            raise WriterDiedError(f"rank {self.rank}: the writer process could not be started: {e}") from e
         finally:
-            log.close()
-        # Not waited for: its interpreter and imports take seconds, and requests wait in the queue meanwhile.
-        # Until it holds its lock, the child process itself says whether it lives (_writer_running).
+            os.close(fd)  # the child holds the lock now (the same open file description)
         logger.info("cpuckpt memory tier: rank %d writer pid %d starting, RAM root %s", self.rank, self._writer.pid,
                     self.root.path)
+        return self._writer.pid
 
     def _listen_args(self) -> list[str]:
         """A node leader's writer receives the partners' replicas (``memory.replicas``; cpuckpt.tier.replica)."""
@@ -196,43 +238,32 @@ class MemoryTier:
                 "--headroom", str(m.headroom_bytes), "--timeout", str(self.config.timeout_s)]
 
     def _writer_running(self) -> bool:
-        """The rank's writer holds its lock, or the one started here is still starting."""
+        """The rank's writer holds its lock (taken for it before it started: see :meth:`_ensure_writer`)."""
         if self.root.writer_alive(self.rank) is not None:
             return True
-        return self._writer is not None and self._writer.poll() is None
+        if self._writer is not None:
+            self._writer.poll()  # reap it
+        return False
 
-    def writer_pid(self, timeout_s: float | None = None) -> int:
-        """The pid of this rank's writer once it runs (holds its lock); waits for a starting one.
+    def writer_pid(self) -> int | None:
+        """The pid of this rank's writer process, or None when none runs.
+
+        A writer starts at the first persist or replica request (see :meth:`_ensure_writer`), so a tier that
+        never persists (``memory.persist_every: 0``, no replicas) never has one. A query: it starts nothing.
 
         Raises:
-            WriterDiedError: it exited (see ``writer-<rank>.log`` in the RAM root).
-            CheckpointTimeoutError: it did not start within ``timeout_s`` (default ``timeout_s``).
+            WriterDiedError: the writer this tier started has exited (see ``writer-<rank>.log`` in the RAM root).
         """
-        deadline = time.monotonic() + (self.config.timeout_s if timeout_s is None else timeout_s)
-        while (pid := self.root.writer_alive(self.rank)) is None:
-            if not self._writer_running():
-                code = self._writer.returncode if self._writer is not None else None
-                raise WriterDiedError(f"rank {self.rank}: the writer process exited (code {code}); see "
-                                      f"{self.root.path}/writer-{self.rank}.log")
-            if time.monotonic() > deadline:
-                raise CheckpointTimeoutError(f"rank {self.rank}: the writer process did not start in time")
-            time.sleep(0.01)
+        pid = self.root.writer_alive(self.rank)
+        if pid is None and self._writer is not None:
+            code = self._writer.poll()
+            raise WriterDiedError(f"rank {self.rank}: the writer process exited (code {code}); see "
+                                  f"{self.root.path}/writer-{self.rank}.log")
         return pid
 
     def _writer_dead_with_debts(self) -> bool:
-        """A dead writer that owed nothing lost nothing: it is restarted quietly. One that owed is a failure."""
-        if self._writer_running():
-            return False
-        if self._writer is not None:
-            self._writer.poll()  # reap it
-        if not self.queue.owed():
-            try:
-                self._ensure_writer()
-            except CpuckptError as e:  # reported on every rank through the agreement, not here alone
-                logger.error("cpuckpt memory tier: %s", e)
-                return True
-            return False
-        return True
+        """A dead writer that owed nothing lost nothing (the next request starts one). One that owed is a failure."""
+        return bool(not self._writer_running() and self.queue.owed())
 
     def _new_persist_failures(self) -> list[str]:
         """Failed persists this rank has not reported yet (cancelled ones are the trainer's own doing)."""
@@ -273,8 +304,8 @@ class MemoryTier:
         """At start (this trainer holds the rank's lock, so its predecessor is gone): a request whose save
         never committed in memory can never be persisted; withdraw it so it holds no slot and no writer."""
         for req in self.queue.owed():
-            manifest = read_manifest(Path(req.slot)) if check_complete(req.slot).complete else None
-            if manifest is None or manifest.save_id != req.save_id:
+            committed = self.format.committed(Path(req.slot))
+            if committed is None or committed.save_id != req.save_id:
                 self.queue.cancel(req.seq, "its save never committed in memory (the trainer ended first)")
 
     def _withdraw_replica_requests(self) -> list[PersistRequest]:
@@ -294,10 +325,10 @@ class MemoryTier:
             return
         for req in stale:
             slot = Path(req.slot)
-            manifest = read_manifest(slot) if check_complete(slot).complete else None
-            if manifest is None or manifest.save_id != req.save_id:
+            committed = self.format.committed(slot)
+            if committed is None or committed.save_id != req.save_id:
                 continue
-            self.queue.put(dataclasses.replace(
+            self._put(dataclasses.replace(
                 self._persist_request(slot, req.save_id, req.step, slot), kind="replicate",
                 partners=tuple((e.host, e.port) for e in rep.partners), source=self.nodes.keys[self.rank],
                 token=rep.token))
@@ -342,40 +373,12 @@ class MemoryTier:
         name = name or f"step_{step}"
         dest = Path(dest) if dest is not None else self.durable_root / name
         self.last_persist = None
-        k = self._next
+        claimed = self._claim(step)
+        if claimed is None:
+            return self.saves.async_save(state_dict, dest, self.config, step=step, planner=planner,
+                                         plan_key=plan_key, ordering=ordering)
+        k, token = claimed
         slot = self.slots[k]
-        deadline = time.monotonic() + self.config.timeout_s
-        while True:
-            # One all-reduce: a dead writer anywhere, a failed persist anywhere, a held slot anywhere, and a
-            # save id common to all ranks (the maximum of random numbers).
-            failed = self._new_persist_failures() if self.report_persist_failures else []
-            expired = time.monotonic() > deadline
-            dead, persist_failed, held, expired, respawn_failed, token = self._agree(
-                [int(self._writer_dead_with_debts()), int(bool(failed)), int(self._held(slot)), int(expired),
-                 int(self._respawn_failed is not None),
-                 secrets.randbits(62)])  # not `random`: the trainer's own random stream stays untouched
-            if respawn_failed:
-                raise WriterDiedError(f"rank {self.rank}: a writer process could not be respawned"
-                                      + (f": {self._respawn_failed}" if self._respawn_failed else " (on another rank)"))
-            if persist_failed:
-                raise PersistError(f"rank {self.rank}: " + ("; ".join(failed) if failed else
-                                   f"another rank's persist to {self.durable_root} failed (see its log)"))
-            if dead:
-                self._writer_failed()
-                continue
-            if not held:
-                break
-            policy = self.config.memory.when_full
-            if policy == "disk":
-                logger.warning("cpuckpt memory tier: every slot is held by a persist; step %s goes to the durable "
-                               "root directly", step)
-                return self.saves.async_save(state_dict, dest, self.config, step=step, planner=planner,
-                                             plan_key=plan_key, ordering=ordering)
-            if expired:  # agreed: every rank raises together
-                raise CheckpointTimeoutError(f"memory tier: {slot} still held by a persist after "
-                                             f"{self.config.timeout_s} s (when_full: wait)")
-            logger.info("cpuckpt memory tier: step %s waits for the persist of %s", step, slot.name)
-            time.sleep(0.01)
         # A restore planned into this slot (candidates) would now overwrite this save: dropped on every rank
         # (every rank fills the same slot index).
         self._pending.pop(slot, None)
@@ -401,7 +404,7 @@ class MemoryTier:
                 clear_commit(slot, fsync=False)
         handle = self.saves.async_save(state_dict, slot, self.memory_config, step=step,
                             planner=slot_planner, plan_key=slot_key, sink=self.images[k],
-                            save_id=f"{self.root.job[:24]}-{token:016x}", node_commit=self._node_commit,
+                            save_id=token, node_commit=self._node_commit,
                             ordering=ordering)
         self._next = (k + 1) % len(self.slots)
         if self.config.memory.prepare_slots and not self._prepare_decided.is_set():
@@ -409,11 +412,135 @@ class MemoryTier:
                                      else self._prepare_decided.set())
         if self._replication is not None and self.nodes.is_leader and self._replication.partners:
             self._request_replica(self._replication, handle, step, slot)
-        every = self.config.memory.persist_every
-        if persist if persist is not None else bool(every) and step % every == 0:
+        requested = self._persist_due(step, persist)
+        if requested:
             self.last_persist = self._request_persist(handle, step, dest, slot)
-        self._last = (step, dest, slot)  # after the request: SIGTERM's handler reads both
+        # after the request: SIGTERM's handler reads both
+        self._last = _LastSave(step, slot, self._persist_request(slot, handle.save_id, step, dest, seq=0), requested)
         return handle
+
+    def _claim(self, step: int | None) -> tuple[int, str] | None:
+        """Collective: (the next slot's index, a save id common to every rank), once no persist holds that slot;
+        None when one does and ``memory.when_full`` is disk (the save goes to the durable root instead).
+
+        Raises:
+            PersistError: some rank's persist failed (reported once; ``report_persist_failures``).
+            WriterDiedError: some rank's writer died owing persists (``on_writer_failure: raise``), or could not
+                be respawned.
+            CheckpointTimeoutError: the slot is still held after ``timeout_s`` (``when_full: wait``).
+        """
+        k = self._next
+        slot = self.slots[k]
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            # One all-reduce: a dead writer anywhere, a failed persist anywhere, a held slot anywhere, and a
+            # save id common to all ranks (the maximum of random numbers).
+            failed = self._new_persist_failures() if self.report_persist_failures else []
+            expired = time.monotonic() > deadline
+            dead, persist_failed, held, expired, respawn_failed, token = self._agree(
+                [int(self._writer_dead_with_debts()), int(bool(failed)), int(self._held(slot)), int(expired),
+                 int(self._respawn_failed is not None),
+                 secrets.randbits(62)])  # not `random`: the trainer's own random stream stays untouched
+            if respawn_failed:
+                raise WriterDiedError(f"rank {self.rank}: a writer process could not be respawned"
+                                      + (f": {self._respawn_failed}" if self._respawn_failed else " (on another rank)"))
+            if persist_failed:
+                # A save with a failed part is never committed: every rank withdraws what it still owes, so that
+                # the coordinator's writer stops waiting (timeout_s) for a part that never comes.
+                for req in self.queue.owed():
+                    if req.kind != "replicate":
+                        self.queue.cancel(req.seq, "a persist failed on some rank")
+                raise PersistError(f"rank {self.rank}: " + ("; ".join(failed) if failed else
+                                   f"another rank's persist to {self.durable_root} failed (see its log)"))
+            if dead:
+                self._writer_failed()
+                continue
+            if not held:
+                return k, f"{self.root.job[:24]}-{token:016x}"
+            if self.config.memory.when_full == "disk":
+                logger.warning("cpuckpt memory tier: every slot is held by a persist; step %s goes to the durable "
+                               "root directly", step)
+                return None
+            if expired:  # agreed: every rank raises together
+                raise CheckpointTimeoutError(f"memory tier: {slot} still held by a persist after "
+                                             f"{self.config.timeout_s} s (when_full: wait)")
+            logger.info("cpuckpt memory tier: step %s waits for the persist of %s", step, slot.name)
+            time.sleep(0.01)
+
+    # -- file sets: an adapter that writes its own files into a slot (the DeepSpeed adapter) ----------
+    def claim_slot(self, step: int | None = None) -> tuple[Path, str] | None:
+        """Collective: the slot an adapter's next memory checkpoint goes into, and its save id (the same on every
+        rank), for adapters that write their own files (``slot_format`` names what a complete one is).
+
+        The adapter fills the slot (its files through the slot's images, ``images[k]``, a sink of the save
+        engine), commits it in memory with its marker, then calls :meth:`commit_files` on every rank. A slot
+        claimed but never committed stays as it was until its next use. Raises as :meth:`save` does.
+
+        Returns:
+            (slot directory, save id), or None when every slot is held by a persist and ``memory.when_full`` is
+            disk: that checkpoint goes to the durable root, as without the tier.
+        """
+        if not self.nodes.single:  # the node map is gathered: every rank raises together
+            raise ConfigError(f"memory tier {self.root.path}: file-set checkpoints (claim_slot) work on one node "
+                              f"only; the ranks use {self.nodes.nodes} RAM roots")
+        claimed = self._claim(step)
+        if claimed is None:
+            return None
+        k, save_id = claimed
+        self._pending.pop(self.slots[k], None)  # a restore planned into this slot would overwrite this save
+        return self.slots[k], save_id
+
+    def commit_files(self, slot: Path, save_id: str, step: int | None, dest: str | os.PathLike, *,
+                     files: dict[str, FileEntry], marker: str, saving: str = "",
+                     pointer: tuple[str | os.PathLike, str] | None = None,
+                     persist: bool | None = None) -> PersistRequest | None:
+        """After the adapter committed ``slot`` in memory (its marker, naming ``save_id``, is written): the ring
+        moves on, and this rank's persist of ``files`` to ``dest`` is queued when ``step`` is a multiple of
+        ``memory.persist_every`` (``persist`` overrides). Every rank calls it, with its own ``files`` (names
+        relative to ``slot`` and ``dest``; a rank without files still sends its empty part). Rank 0's writer
+        commits ``dest``: the slot's ``marker`` copied last, then ``pointer`` ([path, text]) written unless it
+        names a file set of a newer step (:func:`cpuckpt.tier.persister.persist_files`). No collective.
+
+        Returns:
+            The persist request queued (its outcome: :meth:`persisted`, :meth:`wait_persisted`), or None.
+        """
+        slot, dest = Path(slot), Path(dest)
+        if slot not in self.slots:
+            raise ValueError(f"{slot} is not a slot of the memory tier in {self.root.path}")
+        k = self.slots.index(slot)
+        request = dataclasses.replace(
+            self._persist_request(slot, save_id, step, dest), kind="files", marker=marker, saving=saving,
+            files=tuple((name, dataclasses.asdict(e)) for name, e in sorted(files.items())),
+            pointer=(str(pointer[0]), pointer[1]) if pointer is not None else ())
+        self._next = (k + 1) % len(self.slots)
+        requested = self._persist_due(step, persist)
+        self.last_persist = None
+        if requested:
+            self._put(request)
+            self.last_persist = request
+        self._last = _LastSave(step, slot, request, requested)
+        if self.config.memory.prepare_slots and not self._prepare_decided.is_set():
+            self._prepare_slots(k)
+        return self.last_persist
+
+    def resume_after(self, path: str | os.PathLike) -> None:
+        """The checkpoint at ``path`` was loaded (by the adapter): the ring's next save must not overwrite it.
+        Collective across nodes, like :meth:`load_latest`."""
+        path = Path(path)
+        self._next = self._agree_next(self._slot_after(path) if path in self.slots else self._next)
+
+    def _holds(self, last: _LastSave) -> bool:
+        """The save ``last`` is still the complete checkpoint of its slot."""
+        committed = self.format.committed(last.slot)
+        return committed is not None and committed.save_id == last.request.save_id
+
+    def _persist_due(self, step: int | None, persist: bool | None) -> bool:
+        """``persist`` when given, else whether ``step`` is a multiple of ``memory.persist_every`` (0: never; a
+        save without a step is persisted whenever persisting is on)."""
+        if persist is not None:
+            return persist
+        every = self.config.memory.persist_every
+        return bool(every) and (step is None or step % every == 0)
 
     def _prepare_slots(self, k: int) -> None:
         """Once slot ``k`` holds a committed save: reserve, map and pin the other slots' missing images to
@@ -429,7 +556,7 @@ class MemoryTier:
                 for j, images in enumerate(self.images):
                     if j == k or self._held(self.slots[j]):
                         continue
-                    if check_complete(self.slots[j]).complete and not _sized_as(self.slots[j], sizes):
+                    if self.format.committed(self.slots[j]) is not None and not _sized_as(self.slots[j], sizes):
                         continue
                     for name, nbytes in sizes.items():
                         if self._closing.is_set():
@@ -460,7 +587,7 @@ class MemoryTier:
     def _request_persist(self, handle: AsyncSaveHandle, step: int | None, dest: Path, slot: Path) -> PersistRequest:
         """Queue the persist now (the writer waits for the memory commit); a failed save cancels it."""
         req = self._persist_request(slot, handle.save_id, step, dest)
-        self.queue.put(req)
+        self._put(req)
 
         def cancel_if_failed(error: BaseException | None) -> None:
             if error is not None:
@@ -475,13 +602,19 @@ class MemoryTier:
         req = dataclasses.replace(self._persist_request(slot, handle.save_id, step, slot), kind="replicate",
                                   partners=tuple((e.host, e.port) for e in rep.partners),
                                   source=self.nodes.keys[self.rank], token=rep.token)
-        self.queue.put(req)
+        self._put(req)
         handle.add_done_callback(lambda error: None if error is None else
                                  self.queue.cancel(req.seq, f"the memory save failed: {error}"))
 
-    def _persist_request(self, slot: Path, save_id: str, step: int | None, dest: Path) -> PersistRequest:
-        return PersistRequest(seq=self.queue.next_seq(), slot=str(slot), save_id=save_id, step=step,
-                              dest=str(dest), rank=self.rank, world_size=self.world_size,
+    def _put(self, req: PersistRequest) -> None:
+        """Queue ``req`` for this rank's writer, starting the writer first if none runs."""
+        self._ensure_writer()
+        self.queue.put(req)
+
+    def _persist_request(self, slot: Path, save_id: str, step: int | None, dest: Path,
+                         seq: int | None = None) -> PersistRequest:
+        return PersistRequest(seq=self.queue.next_seq() if seq is None else seq, slot=str(slot), save_id=save_id,
+                              step=step, dest=str(dest), rank=self.rank, world_size=self.world_size,
                               coordinator=self.rank == 0, config=self._config_dict, trainer_pid=os.getpid(),
                               trainer_lock=str(self.trainer_lock))
 
@@ -491,16 +624,15 @@ class MemoryTier:
         if self.config.memory.on_writer_failure == "raise":
             raise WriterDiedError(f"rank {self.rank}: {msg}")
         logger.error("cpuckpt memory tier: %s; respawning it (it redoes what was owed)", msg)
-        if not self._writer_running():
-            try:
-                self._ensure_writer()
-            except CpuckptError as e:  # agreed on at the next round: every rank raises then
-                self._respawn_failed = e
+        try:
+            self._ensure_writer()
+        except CpuckptError as e:  # agreed on at the next round: every rank raises then
+            self._respawn_failed = e
 
     # -- state ----------------------------------------------------------------------------------
     def persisted(self, step: int) -> bool:
         """Whether step ``step`` has a complete durable checkpoint."""
-        return any(c.complete and c.step == step for c in list_checkpoints(self.durable_root))
+        return any(s == step for s, _ in self.format.durable(self.durable_root))
 
     def replicated(self, step: int) -> bool:
         """Whether this node's memory checkpoint of ``step`` has a committed copy on every partner node
@@ -567,7 +699,8 @@ class MemoryTier:
         where it overwrites nothing newer (:func:`cpuckpt.tier.recovery.agree_available`).
         """
         if self.nodes.single:
-            found = [(c.step, 1, d) for d in self.slots if (c := check_complete(d)).complete and c.step is not None]
+            found = [(c.step, 1, d) for d in self.slots if (c := self.format.committed(d)) is not None
+                     and c.step is not None]
         else:
             mine = held_saves(self.slots, self.rank, self.world_size, state_dict, planner)
             if self.config.memory.replicas:  # own slots, or a copy another node holds (restored before the load)
@@ -577,7 +710,7 @@ class MemoryTier:
             else:
                 held = agree_held(mine, self.world_size, self.group)
             found = [(step, 1, slot) for (step, _), slot in held.items()]
-        found += [(c.step, 0, c.path) for c in list_checkpoints(self.durable_root) if c.complete and c.step is not None]
+        found += [(step, 0, path) for step, path in self.format.durable(self.durable_root)]
         return [p for _, _, p in sorted(found, key=lambda f: (f[0], f[1], str(f[2])), reverse=True)]
 
     def load_latest(self, state_dict: dict[str, Any], *, planner: Any = None) -> Path | None:
@@ -605,7 +738,7 @@ class MemoryTier:
                                path, e)
                 failures.append(f"{path}: {e}")
                 continue
-            self._next = self._agree_next(self._slot_after(path) if path in self.slots else self._next)
+            self.resume_after(path)
             return path
         if failures:
             raise CheckpointCorrupt(f"no memory or durable checkpoint of {self.durable_root} loads cleanly ("
@@ -664,14 +797,10 @@ class MemoryTier:
         return install_sigterm_handler(grace_s, self.config, then=self._persist_newest_before)
 
     def _persist_newest_before(self, deadline: float) -> None:
-        if self._last is not None:
-            step, dest, slot = self._last
-            every = self.config.memory.persist_every
-            requested = step is not None and bool(every) and step % every == 0
-            manifest = read_manifest(slot)
-            if step is not None and not requested and manifest is not None and check_complete(slot).complete:
-                logger.warning("SIGTERM: persisting step %s from memory to %s", step, dest)
-                self.queue.put(self._persist_request(slot, manifest.save_id, step, dest))
+        last = self._last
+        if last is not None and not last.requested and self._holds(last):
+            logger.warning("SIGTERM: persisting step %s from memory to %s", last.step, last.request.dest)
+            self._put(dataclasses.replace(last.request, seq=self.queue.next_seq()))
         self.wait_persisted(max(0.001, deadline - time.monotonic()))
 
     def close(self, *, persist_newest: bool = True, remove_root: bool = True) -> None:
@@ -695,12 +824,10 @@ class MemoryTier:
             errors.append(e)
         self._wait_owed_agreed(errors)
         (bad,) = self._agree([int(bool(errors))])  # also: all owed persists done, every rank sees one durable root
-        if persist_newest and not bad and self._last is not None:
-            step, dest, slot = self._last
-            manifest = read_manifest(slot)
-            if step is not None and manifest is not None and check_complete(slot).complete \
-                    and not self.persisted(step):
-                self.queue.put(self._persist_request(slot, manifest.save_id, step, dest))
+        last = self._last
+        if persist_newest and not bad and last is not None:
+            if last.step is not None and self._holds(last) and not self.persisted(last.step):
+                self._put(dataclasses.replace(last.request, seq=self.queue.next_seq()))
             self._wait_owed_agreed(errors)  # collective: every rank waits, requested or not
         self._stop_writer()
         with self._prepare_lock:  # from here on no preparation starts
@@ -776,6 +903,17 @@ class MemoryTier:
                 logger.warning("cpuckpt memory tier: rank %d's writer did not exit; left running", self.rank)
         elif not self.root.wait_writer_gone(self.rank, self.config.timeout_s):
             logger.warning("cpuckpt memory tier: rank %d's adopted writer did not exit; left running", self.rank)
+
+
+@dataclass(frozen=True)
+class _LastSave:
+    """The newest memory save of this rank: its step, slot, the request that persists it (reused with a new
+    sequence number by ``close()`` and SIGTERM) and whether that request was already made."""
+
+    step: int | None
+    slot: Path
+    request: PersistRequest
+    requested: bool
 
 
 _GRAVEST: tuple[type[CpuckptError], ...] = (CpuckptError, CheckpointTimeoutError, WriterDiedError, PersistError)

@@ -1,9 +1,10 @@
 """The writer process: persists memory checkpoints of one rank to the durable root, outliving its trainer.
 
-Started once per rank by :class:`cpuckpt.tier.memory.MemoryTier` (``python -m cpuckpt.tier.persister``)
-in a session of its own (``setsid``), so a signal to the trainer's process group does not reach it.
-It holds ``<ram root>/.writer-<rank>.lock`` (flock) while it runs, which is how trainers tell a live
-writer from a dead one. For every owed request of its queue (:mod:`cpuckpt.tier.queue`), oldest first:
+Started per rank by :class:`cpuckpt.tier.memory.MemoryTier` (``python -m cpuckpt.tier.persister``) at the
+first persist or replica request, in a session of its own (``setsid``), so a signal to the trainer's process
+group does not reach it. It holds ``<ram root>/.writer-<rank>.lock`` (flock) while it runs, which is how trainers
+tell a live writer from a dead one; the trainer takes that lock for it before it starts (``--lock-fd``).
+For every owed request of its queue (:mod:`cpuckpt.tier.queue`), oldest first:
 
 1. wait until the slot is committed in memory for that save (``.metadata`` and a manifest with the
    request's ``save_id``); if the trainer died before that, the request fails: that checkpoint was
@@ -35,6 +36,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cpuckpt import faultpoint
@@ -42,8 +44,9 @@ from cpuckpt.backend.commit import clear_commit, commit_checkpoint
 from cpuckpt.backend.committed import METADATA_NAME, check_complete, load_metadata, read_manifest
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, IntegrityError
-from cpuckpt.format.manifest import Manifest, manifest_from_json, part_name
+from cpuckpt.format.manifest import FileEntry, Manifest, manifest_from_json, part_name
 from cpuckpt.roots import after_commit
+from cpuckpt.tier.formats import marker_save_id, marker_step, part_path
 from cpuckpt.tier.images import persist_image
 from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import acquire_lock, lock_holder
@@ -66,16 +69,20 @@ def _committed_save_id(slot: Path) -> str | None:
     return manifest.save_id if manifest is not None else None
 
 
-def _wait_memory_commit(req: PersistRequest, deadline: float, queue: PersistQueue | None) -> Manifest:
+def _wait_memory_commit(req: PersistRequest, deadline: float, queue: PersistQueue | None,
+                        committed: Callable[[Path], str | None] = _committed_save_id) -> Manifest | None:
+    """Wait until ``committed(slot)`` names the request's save; its DCP manifest (None for a file set)."""
     slot = Path(req.slot)
     while True:
         if queue is not None and queue.outcome(req.seq) is not None:
             raise IntegrityError(f"{slot}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step})")
-        if _committed_save_id(slot) == req.save_id:
+        if committed(slot) == req.save_id:
+            if committed is not _committed_save_id:
+                return None
             manifest = read_manifest(slot)
             if manifest is not None:
                 return manifest
-        if not lock_held(Path(req.trainer_lock)) and _committed_save_id(slot) != req.save_id:
+        if not lock_held(Path(req.trainer_lock)) and committed(slot) != req.save_id:
             raise IntegrityError(f"{slot}: save {req.save_id[:8]} (step {req.step}) was never committed in memory "
                                  f"(its trainer, pid {req.trainer_pid}, ended first); it is not persisted")
         if time.monotonic() > deadline:
@@ -108,6 +115,8 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
     """
     if req.kind == "replicate":
         return replicate_one(req, queue)
+    if req.kind == "files":
+        return persist_files(req, queue)
     t0 = time.perf_counter()
     cfg = Config.from_dict(req.config, source="persist request", env=False)
     deadline = time.monotonic() + cfg.timeout_s
@@ -146,6 +155,105 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
         logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
         return Outcome(req.seq, False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
     return Outcome(req.seq, True, seconds=time.perf_counter() - t0, nbytes=nbytes)
+
+
+def persist_files(req: PersistRequest, queue: PersistQueue | None = None) -> Outcome:
+    """Persist this rank's part of a file set (an adapter's own files, committed by a marker: ``kind: files``).
+
+    The steps of the module docstring, for files named by the request: (1) wait until ``slot/<marker>`` names the
+    request's save; (2) make ``dest`` incomplete (its marker removed, ``<saving>`` created, directory fsynced)
+    before a byte of it changes; copy this rank's files, each chunk checked against the memory checksums; then
+    this rank's part (``.cpuckpt-part-<rank>.json``: save id and files); (3) the coordinator waits for every
+    rank's part of this save, installs the slot's marker in ``dest`` atomically (the durable commit), removes
+    ``<saving>`` and the parts, and writes ``pointer`` unless it names a file set of a newer step. Idempotent
+    like :func:`persist_one`; never raises.
+    """
+    t0 = time.perf_counter()
+    cfg = Config.from_dict(req.config, source="persist request", env=False)
+    deadline = time.monotonic() + cfg.timeout_s
+    dest, slot = Path(req.dest), Path(req.slot)
+    part = part_path(dest, req.rank)
+    nbytes = 0
+    try:
+        if marker_save_id(dest / req.marker) == req.save_id:
+            return Outcome(req.seq, True, seconds=time.perf_counter() - t0)
+        _wait_memory_commit(req, deadline, queue, lambda d: marker_save_id(d / req.marker))
+        dest.mkdir(parents=True, exist_ok=True)
+        if _part_save_id(part) != req.save_id:
+            (dest / req.marker).unlink(missing_ok=True)  # whatever stands in dest is not this save from here on
+            if req.saving:
+                (dest / req.saving).touch()
+            part.unlink(missing_ok=True)
+            if cfg.io.fsync:
+                fsync_dir(dest)
+            entries = {}
+            for name, entry in req.files:
+                expect = FileEntry(**entry)
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                out = persist_image(slot / name, dest / name, cfg, expect=expect)
+                if out.nbytes != expect.nbytes:
+                    raise IntegrityError(f"{slot / name}: {out.nbytes} bytes persisted, the memory marker says "
+                                         f"{expect.nbytes}")
+                entries[name] = out
+                nbytes += out.nbytes
+            if marker_save_id(slot / req.marker) != req.save_id:  # the trainer reused the slot under us
+                raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
+            write_atomic(part, Manifest(save_id=req.save_id, files=entries).to_json().encode(), fsync=cfg.io.fsync)
+            if cfg.io.fsync:
+                fsync_dir(dest)
+        if req.coordinator:
+            _commit_files(req, cfg, dest, slot, deadline, queue)
+    except Exception as e:  # the outcome file carries it to the trainer
+        logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
+        return Outcome(req.seq, False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+    return Outcome(req.seq, True, seconds=time.perf_counter() - t0, nbytes=nbytes)
+
+
+def _commit_files(req: PersistRequest, cfg: Config, dest: Path, slot: Path, deadline: float,
+                  queue: PersistQueue | None) -> None:
+    """The coordinator's durable commit of a file set: every rank's part of this save, then the marker, then the
+    pointer. No collective (the parts are files); bounded by ``timeout_s``."""
+    parts = [part_path(dest, r) for r in range(req.world_size)]
+    while True:
+        missing = [p.name for p in parts if _part_save_id(p) != req.save_id]
+        if not missing:
+            break
+        if queue is not None and queue.outcome(req.seq) is not None:
+            raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step}) "
+                                 f"while {missing} were missing; not committed")
+        if time.monotonic() > deadline:
+            raise CheckpointTimeoutError(f"{dest}: {missing} for save {req.save_id[:8]} never arrived; not committed")
+        time.sleep(POLL_S)
+    try:
+        marker = (slot / req.marker).read_bytes()
+    except OSError as e:
+        raise IntegrityError(f"{slot}: its marker {req.marker} is gone before the durable commit of "
+                             f"{req.save_id[:8]}: {e}") from e
+    if marker_save_id(slot / req.marker) != req.save_id:
+        raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of {req.save_id[:8]}")
+    write_atomic(dest / req.marker, marker, fsync=cfg.io.fsync)
+    if req.saving:
+        (dest / req.saving).unlink(missing_ok=True)
+    for p in parts:
+        p.unlink(missing_ok=True)
+    if cfg.io.fsync:
+        fsync_dir(dest)
+    if req.pointer:
+        _move_pointer(Path(req.pointer[0]), str(req.pointer[1]), req, cfg)
+
+
+def _move_pointer(pointer: Path, text: str, req: PersistRequest, cfg: Config) -> None:
+    """Point ``pointer`` at ``text`` unless it names a file set of a newer step (a later save committed durably
+    first, e.g. one written straight to the durable root): a persist never moves it back."""
+    try:
+        current = pointer.read_text().strip()
+    except (FileNotFoundError, UnicodeDecodeError):
+        current = ""
+    newer = marker_step(pointer.parent / current / req.marker) if current and current != text else None
+    if newer is not None and req.step is not None and newer > req.step:
+        logger.info("%s names %s (step %d), newer than step %d: left as it is", pointer, current, newer, req.step)
+        return
+    write_atomic(pointer, text.encode(), fsync=cfg.io.fsync)
 
 
 def replicate_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outcome:
@@ -230,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cpuckpt.tier.persister", description=__doc__.splitlines()[0])
     ap.add_argument("--queue", required=True, help="this rank's queue directory")
     ap.add_argument("--lock", required=True, help="the writer lock file of this rank")
+    ap.add_argument("--lock-fd", type=int, default=-1, help="a descriptor of --lock, already locked for this process "
+                    "by the trainer that started it (so the writer counts as alive while its imports run)")
     ap.add_argument("--trainer-lock", required=True, help="the trainer's rank lock: the writer exits once it is free "
                     "and nothing is owed")
     ap.add_argument("--listen", default="", help="receive partners' replicas on this address (memory.replicas)")
@@ -243,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     # writer ends by itself once its trainer is gone and nothing is owed (SIGKILL still ends it).
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    lock_fd = acquire_lock(args.lock, wait_s=30.0)
+    lock_fd = args.lock_fd if args.lock_fd >= 0 else acquire_lock(args.lock, wait_s=30.0)
     if lock_fd is None:
         logger.error("%s is held by another writer of this rank (pid %s); exiting", args.lock, lock_holder(args.lock))
         return 2

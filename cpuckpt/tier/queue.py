@@ -41,6 +41,15 @@ class PersistRequest:
     partners: tuple = ()
     source: str = ""
     token: str = ""
+    # kind "files" (a file set: an adapter's own files committed by a marker, cpuckpt.tier.formats): ``files`` are
+    # this rank's ([name relative to slot and dest, FileEntry as a dict], ...); ``marker`` is the marker's name (its
+    # JSON "save_id" in the slot is the memory commit; the coordinator copies it into dest last); ``saving`` a file
+    # that marks dest as being written (created before any byte, removed by the commit); ``pointer`` an optional
+    # [path, text] written atomically after the durable commit, unless it names a file set of a newer step
+    files: tuple = ()
+    marker: str = ""
+    saving: str = ""
+    pointer: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,14 @@ written after every rank's files are durable and before ``latest`` moves; see :m
 one, and :func:`check_before_load` (collective) refuses a torn tag on every rank, verifying every
 chunk's crc32c with ``verify=True``. The engine's own ``load`` refuses files of a torn tag.
 
-With ``memory_dir`` set (a node-local tmpfs directory), checkpoints go there first and every
-``persist_every``-th to ``save_dir``; at restart, :func:`latest_dir` names the directory (and tag)
-holding the newer complete checkpoint::
+With ``memory_tier: true``, checkpoints go through cpuckpt's memory tier (:class:`cpuckpt.MemoryTier`, the
+core ``memory:`` keys; see :mod:`.memory`): each tag's files are committed in a slot of the node's RAM root
+(``save_checkpoint`` stalls for the copy into RAM only), and every ``memory.persist_every``-th one by global
+step is also persisted into ``save_dir/<tag>`` by a writer process per rank, which writes the marker and
+``latest`` once every rank's files are durable (``engine.destroy()`` makes the newest durable too). At
+restart, :func:`load_latest` loads the newest complete tag of either tier, never an older one over a newer::
 
-    found = ckpt_ds.latest_dir(save_dir, memory_dir)
-    if found is not None:
-        engine.load_checkpoint(str(found.directory), tag=found.tag)
+    ckpt_ds.load_latest(engine, save_dir)     # every rank; (None, None) when there is nothing to load
 
 **Zero-stall saves** (``ordering: optimizer``, async only; the default ``host`` keeps
 ``save_checkpoint`` blocked until every byte is in host memory). The contract, what is ordered where:
@@ -88,11 +89,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .marker import LatestTag, TagMarker, TagStatus, check_tag, find_latest, latest_dir, require_complete
+from .marker import LatestTag, TagMarker, TagStatus, check_tag, find_latest, require_complete
 from .settings import Settings, resolve_settings
 
 __all__ = ["LatestTag", "Settings", "TagMarker", "TagStatus", "attach", "check_before_load", "check_tag",
-           "commit_pending", "find_latest", "install", "installed", "latest_dir", "load_latest", "make_engine",
+           "commit_pending", "find_latest", "install", "installed", "load_latest", "make_engine",
            "require_complete", "select_tag", "uninstall"]
 
 _LOCK = threading.Lock()
@@ -234,7 +235,7 @@ def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, ve
     initialised) makes every rank raise the same error.
 
     Args:
-        save_dir: the directory to load from (``save_dir``, ``memory_dir`` or ``latest_dir(...).directory``).
+        save_dir: the directory to load from (``save_dir``, or a memory tag's ``<RAM root>/tags``).
         tag: the tag; None: the one ``save_dir/latest`` names.
         verify: compare the crc32c the marker records (files saved with ``integrity.checksum: none``
             are checked by size only).
@@ -288,57 +289,84 @@ def select_tag(save_dir: str | os.PathLike, *, fallback_on_corrupt: bool = True)
             newest does not.
         ConfigError: ``save_dir`` is a URL.
     """
-    import logging
-
-    import torch.distributed as dist
-
-    from cpuckpt.backend.collectives import checkpoint_group
-    from cpuckpt.errors import CheckpointCorrupt, IntegrityError
     from cpuckpt.paths import local_path
 
     from .marker import complete_tags
 
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
+    return _first_verified(_from_rank0(lambda: complete_tags(root)), str(root), fallback_on_corrupt=fallback_on_corrupt)
+
+
+def _from_rank0(listing: Any) -> list[LatestTag]:
+    """``listing()`` of rank 0, broadcast: every rank tries the same candidates in the same order."""
+    import torch.distributed as dist
+
+    from cpuckpt.backend.collectives import checkpoint_group
+
     group = checkpoint_group()
     box: list[Any] = [None]
     if group is None or dist.get_rank(group) == 0:
-        box = [[(t.tag, t.global_step) for t in complete_tags(root)]]
+        box = [list(listing())]
     if group is not None:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+def _first_verified(candidates: list[LatestTag], where: str, *, fallback_on_corrupt: bool,
+                    before_check: Any = None) -> LatestTag | None:
+    """The first of ``candidates`` whose files pass :func:`check_before_load` (verify) on every rank, falling back
+    past one that does not (a WARNING naming it) unless ``fallback_on_corrupt`` is false. Collective."""
+    import logging
+
+    from cpuckpt.errors import CheckpointCorrupt, IntegrityError
+
     failures: list[str] = []
-    for tag, step in box[0]:
+    for found in candidates:
+        if before_check is not None:
+            before_check(found)
         try:
-            marker = check_before_load(root, tag, verify=True)
+            marker = check_before_load(found.directory, found.tag, verify=True)
         except IntegrityError as e:
             if not fallback_on_corrupt:
                 raise
             failures.append(str(e))
             logging.getLogger(__name__).warning("cpuckpt: DeepSpeed tag %s does not verify (%s); falling back to "
-                                                "the next newest complete tag", root / tag, e)
+                                                "the next newest complete tag", found.directory / found.tag, e)
             continue
-        return LatestTag(root, tag, step, marker)  # type: ignore[arg-type]
+        return LatestTag(found.directory, found.tag, found.global_step, marker)  # type: ignore[arg-type]
     if failures:
-        raise CheckpointCorrupt(f"no complete DeepSpeed tag in {root} verifies: {'; '.join(failures)}")
+        raise CheckpointCorrupt(f"no complete DeepSpeed tag in {where} verifies: {'; '.join(failures)}")
     return None
 
 
 def load_latest(engine: Any, save_dir: str | os.PathLike, *, fallback_on_corrupt: bool | None = None,
                 **load_kwargs: Any) -> tuple[Any, Any]:
-    """``engine.load_checkpoint(save_dir)`` of the newest tag that verifies (:func:`select_tag`).
+    """``engine.load_checkpoint`` of the newest tag that verifies (:func:`select_tag`), on every rank.
 
     DeepSpeed's own ``load_checkpoint(save_dir)`` loads whatever ``latest`` names, damaged or not; this
     checks every file's crc32c first (before DeepSpeed writes anything into the engine) and falls back
-    to the next newest complete tag on every rank together. ``fallback_on_corrupt``: default the
-    engine's setting (``fallback_on_corrupt``, true), else true. ``load_kwargs`` go to ``load_checkpoint``.
+    to the next newest complete tag on every rank together. With ``memory_tier``, the candidates are the
+    complete tags of both tiers, newest global step first (memory first on a tie): a memory tag newer
+    than the durable ``latest`` wins, and an older one never wins over a newer durable one; the memory
+    tier's next save then goes past the slot loaded. ``fallback_on_corrupt``: default the engine's setting
+    (``fallback_on_corrupt``, true), else true. ``load_kwargs`` go to ``load_checkpoint``.
 
     Returns:
         What ``load_checkpoint`` returns (``load_path``, ``client_state``); ``(None, None)`` when there is
         no complete tag.
     """
+    ckpt = getattr(engine, "checkpoint_engine", None)
     if fallback_on_corrupt is None:
-        settings = getattr(getattr(engine, "checkpoint_engine", None), "settings", None)
-        fallback_on_corrupt = getattr(settings, "fallback_on_corrupt", True)
-    found = select_tag(save_dir, fallback_on_corrupt=bool(fallback_on_corrupt))
+        fallback_on_corrupt = getattr(getattr(ckpt, "settings", None), "fallback_on_corrupt", True)
+    memory = ckpt.memory_for(save_dir) if hasattr(ckpt, "memory_for") else None
+    if memory is None:
+        found = select_tag(save_dir, fallback_on_corrupt=bool(fallback_on_corrupt))
+    else:
+        found = _first_verified(_from_rank0(memory.candidates), f"{save_dir} and its memory tier",
+                                fallback_on_corrupt=bool(fallback_on_corrupt), before_check=memory.before_load)
     if found is None:
         return None, None
-    return engine.load_checkpoint(str(found.directory), tag=found.tag, **load_kwargs)
+    out = engine.load_checkpoint(str(found.directory), tag=found.tag, **load_kwargs)
+    if memory is not None:
+        memory.loaded(found)
+    return out

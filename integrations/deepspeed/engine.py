@@ -22,9 +22,11 @@ Completion marker (:mod:`.marker`): before a rank writes its first byte into ``<
 it removes the tag's ``.cpuckpt-complete.json`` and creates ``.cpuckpt-saving`` (directory
 fsynced). The commit's all-gather carries each rank's files (sizes, per-chunk crc32c) and the
 global step; rank 0 then writes the marker atomically, then ``latest``, and a second all-gather
-tells every rank the outcome. ``load`` refuses a file of a torn tag. With ``memory_dir``, the files
-of a checkpoint's tag go there instead (no fsync; its own marker and ``latest``), except every
-``persist_every``-th checkpoint, which goes to ``save_dir``.
+tells every rank the outcome. ``load`` refuses a file of a torn tag. With ``memory_tier`` (:mod:`.memory`), a
+checkpoint's tag files go into a slot of the core memory tier's RAM root instead (the same names, straight into
+its reused images), rank 0 commits the slot with the tag's marker, and each rank queues the persist of its files
+to ``save_dir/<tag>`` for its writer process when the global step is due (``memory.persist_every``); the
+durable marker and ``latest`` are then the writer's (rank 0's, once every rank's files are durable).
 
 With ``ordering: optimizer`` an async ``save()`` returns once the state is frozen (:mod:`.freeze`); a
 stager thread lays the file out and enqueues its device-to-host copies after the call. The copies are
@@ -47,8 +49,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
-import socket
 import time
 import weakref
 from collections.abc import Mapping
@@ -62,9 +62,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from cpuckpt.api import PoolPreparation, prepare_pool_in_background
 from cpuckpt.backend.collectives import checkpoint_group, gather_failures, new_gloo_group, raise_if_failed
-from cpuckpt.backend.ramread import in_ram
 from cpuckpt.config import Config
-from cpuckpt.errors import ConfigError, CpuckptError, FailureReport, StagingError
+from cpuckpt.errors import CpuckptError, FailureReport, StagingError
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.format.unpickle import with_safe_globals
 from cpuckpt.transfer.files import write_atomic
@@ -74,6 +73,7 @@ from cpuckpt.transfer.threads import new_executor, wait_future
 
 from .freeze import Frozen, NotFreezable, freeze
 from .marker import MARKER_NAME, SAVING_NAME, TagFile, _refusal, check_tag, new_marker, open_tag, write_marker
+from .memory import Claim, DeepSpeedMemory
 from .settings import Settings, resolve_settings
 from .torchfile import chunk_count, layout_torch_file
 from .zero_stall import (
@@ -118,7 +118,7 @@ class _Checkpoint:
     """One ``save_checkpoint`` (or ``save_16bit_model``) of this rank, from ``create`` to its commit."""
 
     info: CheckpointCommitInfo
-    memory: bool = False  # its tag is written to memory_dir (no fsync), not to save_dir
+    claim: Claim | None = None  # memory_tier: the slot its tag's files go into (None: save_dir/tag)
     jobs: list[SaveJob] = field(default_factory=list)  # async saves still being written
     written: list[tuple[Path, FileEntry]] = field(default_factory=list)  # sync saves, durable
     opened: set[Path] = field(default_factory=set)  # tag directories made incomplete by this rank
@@ -127,12 +127,17 @@ class _Checkpoint:
 
     @property
     def tag_dir(self) -> Path:
-        """Where the tag's files go (``save_dir/tag``, or ``memory_dir/tag`` for a memory save)."""
+        """The tag's directory as DeepSpeed names it, ``save_dir/tag``."""
         return Path(os.path.abspath(self.info.save_dir)) / self.info.tag
 
-    def root(self, settings: Settings) -> Path:
-        """The directory that holds this checkpoint's tag, marker and ``latest``."""
-        return Path(os.path.abspath(settings.memory_dir)) if self.memory else Path(os.path.abspath(self.info.save_dir))
+    @property
+    def memory(self) -> bool:
+        return self.claim is not None
+
+    @property
+    def files_dir(self) -> Path:
+        """Where the tag's files and marker go: ``save_dir/tag``, or the memory slot."""
+        return self.claim.slot if self.claim is not None else self.tag_dir
 
 
 class CpuckptCheckpointEngine(CheckpointEngine):
@@ -155,16 +160,16 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._background: cf.Future[None] | None = None
         self._committer: cf.ThreadPoolExecutor | None = None
         self._commit_group: Any = None
-        self._tags_committed = 0  # checkpoints with files in a tag directory, agreed by every rank
-        self._memory_cfg = _memory_config(self.settings.core) if self.settings.memory_dir else None
-        self._memory_checked = False
+        self._memory: DeepSpeedMemory | None = None  # memory_tier: made at the first checkpoint (or load_latest)
         self.last_save_s = 0.0
         self.last_commit_s = 0.0
         # ordering optimizer: jobs whose device copies no GPU work has been ordered after yet
         self._unordered: list[SaveJob] = []
         self._ds_engine: Any = None  # weakref to the DeepSpeed engine, set by its first step (or attach)
         self._preparer: PoolPreparation | None = None
-        self._prepare_decided = not (self.settings.async_save and self.settings.prepare_pool)
+        # memory_tier: a tag's files go into the tier's images, not through the pool
+        self._prepare_decided = (not (self.settings.async_save and self.settings.prepare_pool)
+                                 or self.settings.memory_tier)
         if self.settings.async_save:
             order_engine_steps()  # the step hooks: ordering optimizer, and prepare_pool after the first step
 
@@ -176,24 +181,18 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             self.commit(self._info)
         self._wait_background()
         self._join_prepare()
+        # before this checkpoint is taken on: a refusal here (a failed persist, two nodes) leaves nothing to commit
+        memory = self.memory_for(info.save_dir) if self.settings.memory_tier else None
+        claim = memory.claim() if memory is not None else None
         self._info = info
-        st = self.settings
-        memory = bool(st.memory_dir) and (self._tags_committed + 1) % st.persist_every != 0
-        if memory and not self._memory_checked:
-            root = Path(st.memory_dir)
-            root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not in_ram(root / "latest"):
-                logger.warning("memory_dir %s is not on a RAM filesystem (tmpfs): memory checkpoints are "
-                               "written there without fsync all the same", root)
-            self._memory_checked = True
-        self._ckpt = _Checkpoint(info, memory=memory)
+        self._ckpt = _Checkpoint(info, claim=claim)
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` to exactly ``path`` as a torch.save-compatible file.
 
-        A file of the checkpoint's tag directory goes to ``memory_dir`` instead when this save is a
-        memory save. Before this rank's first byte into a tag directory, its completion marker is
-        removed (see :mod:`.marker`).
+        A file of the checkpoint's tag directory goes into its memory slot instead (``memory_tier``). Before
+        this rank's first byte into a tag directory (or slot), its completion marker is removed (see
+        :mod:`.marker`).
 
         Async: returns once every tensor byte is copied into the host pool; the caller may then
         change its tensors. With ``ordering: optimizer``: once the state is frozen (:mod:`.freeze`:
@@ -208,8 +207,16 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         t0 = time.perf_counter()
         st = self.settings
         ckpt = self._ckpt
-        target, in_tag = self._route(path)
-        cfg = self._memory_cfg if ckpt is not None and ckpt.memory and in_tag and self._memory_cfg else st.core
+        try:
+            target, in_tag = self._route(path)
+        except StagingError as e:
+            if ckpt is None:
+                raise
+            ckpt.error = ckpt.error or e  # raised by the commit on every rank (this rank alone must not raise here)
+            logger.error("rank %s: %s", dist.get_rank() if dist.is_initialized() else 0, e)
+            return
+        memory = self._memory if ckpt is not None and ckpt.memory and in_tag else None
+        cfg = memory.tier.memory_config if memory is not None else st.core
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         overlap = st.async_save and st.ordering == "optimizer"
         self._join_prepare()
@@ -249,9 +256,13 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         files, sources = layout_torch_file(state, cfg, storage_alignment=st.storage_alignment)
         # Sync saves stream through the pool (staging.pool_bytes; 0: a small one, bounded host memory).
         mode = "snapshot" if st.async_save else "streaming"
-        if st.async_save:
+        sink = None
+        if ckpt is not None and ckpt.claim is not None and in_tag and self._memory is not None:
+            sink = self._memory.sink(ckpt.claim, target.name, files, cfg, rank)  # straight into the slot's image
+        elif st.async_save:
             self._reserve_pool(chunk_count(files[0].nbytes, cfg))
-        job = SaveJob(target.parent, [target.name], files, sources, cfg, rank=rank, mode=mode, start_after=start_after)
+        job = SaveJob(target.parent, [target.name], files, sources, cfg, rank=rank, mode=mode, start_after=start_after,
+                      sink=sink)
         job.start()
         return job
 
@@ -377,52 +388,61 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                 self._background = None
 
     def _finish(self, ckpt: _Checkpoint, group: Any) -> None:
-        """Durable files on every rank -> one all-gather -> rank 0: marker, ``latest`` -> one all-gather."""
+        """Durable (or, memory tier, in-RAM) files on every rank -> one all-gather -> rank 0: marker, ``latest``
+        (memory: the slot's marker and name; every rank queues its persist) -> one all-gather."""
         t0 = time.perf_counter()
         pending = ckpt.info
         error, written = self._wait_jobs(ckpt.jobs)
         error = ckpt.error or error
         rank = dist.get_rank() if group is not None else 0
-        root = ckpt.root(self.settings)
-        tag_dir = root / pending.tag
+        root = Path(os.path.abspath(pending.save_dir))
+        files_dir = ckpt.files_dir
         mine: dict[str, TagFile] = {}
+        entries: dict[str, FileEntry] = {}
         for path, entry in [*ckpt.written, *written]:
-            if path.parent == tag_dir or tag_dir in path.parents:
-                mine[path.relative_to(tag_dir).as_posix()] = TagFile.of(entry, rank)
-        report = (None if error is None else FailureReport.of(error, rank), mine, ckpt.global_step,
-                  socket.gethostname())
+            if path.parent == files_dir or files_dir in path.parents:
+                name = path.relative_to(files_dir).as_posix()
+                mine[name] = TagFile.of(entry, rank)
+                entries[name] = entry
+        report = (None if error is None else FailureReport.of(error, rank), mine, ckpt.global_step)
         gathered = _all_gather(report, group)
+        where = f"in memory ({files_dir})" if ckpt.memory else f"in {root}"
         # Every rank raises the same error (the lowest failing rank's class: StorageIOError with
         # errno/path for an OSError), chained to its own original where it has one.
-        raise_if_failed([g[0] for g in gathered],
-                        f"checkpoint {pending.tag} in {root} ('latest' not updated)", error)
+        raise_if_failed([g[0] for g in gathered], f"checkpoint {pending.tag} {where} ('latest' not updated)", error)
         files = {name: f for g in gathered for name, f in g[1].items()}
         steps = [g[2] for g in gathered if g[2] is not None]
-        if ckpt.memory and files and len({g[3] for g in gathered}) > 1:
-            raise ConfigError(f"memory_dir {root}: ranks on several hosts ({sorted({g[3] for g in gathered})}); "
-                              "a node-local memory directory needs every rank on one host (unset memory_dir)")
+        step = max(steps) if steps else None
         fsync = self.settings.core.io.fsync and not ckpt.memory
+        memory = self._memory if ckpt.claim is not None and files else None
         if files or pending.save_latest:
             # Rank 0 writes; a second collective tells every rank the outcome, so that the marker and
             # ``latest`` are in place (or the failure raised) on every rank when the commit ends.
             final_error: BaseException | None = None
-            if rank == 0:
-                try:
+            request = None
+            try:
+                if memory is not None and ckpt.claim is not None:
+                    # queued before the memory commit: the writer waits for it, and a failure here is agreed below
+                    request = memory.persist(ckpt.claim, pending.tag, step, entries, pending.save_latest)
+                    if rank == 0:
+                        memory.commit(ckpt.claim, pending.tag, len(gathered), files, step)
+                elif rank == 0:
                     if files:
-                        marker = new_marker(pending.tag, len(gathered), files, max(steps) if steps else None)
-                        write_marker(tag_dir, marker, fsync=fsync)
+                        write_marker(files_dir, new_marker(pending.tag, len(gathered), files, step), fsync=fsync)
                     if pending.save_latest:
                         write_atomic(root / "latest", pending.tag.encode(), fsync=fsync)
-                    if ckpt.memory and pending.save_latest:
-                        _drop_old_memory_tags(root, pending.tag, self.settings.memory_keep)
-                except BaseException as e:
-                    final_error = e
-            raise_if_failed(gather_failures(final_error, rank, group),
-                            f"checkpoint {pending.tag}: writing its marker and {root}/latest", final_error)
-        if files:
-            self._tags_committed += 1
+            except BaseException as e:
+                final_error = e
+            try:
+                raise_if_failed(gather_failures(final_error, rank, group),
+                                f"checkpoint {pending.tag}: writing its marker and {root}/latest" if memory is None
+                                else f"checkpoint {pending.tag}: committing it in memory ({files_dir})", final_error)
+            except BaseException:
+                if request is not None and memory is not None:
+                    memory.tier.queue.cancel(request.seq, "its memory commit failed")
+                raise
         self.last_commit_s = time.perf_counter() - t0
-        logger.debug("rank %d: checkpoint %s committed in %s (%d files)", rank, pending.tag, root, len(files))
+        logger.debug("rank %d: checkpoint %s committed %s (%d files)", rank, pending.tag, where, len(files))
 
     def _route(self, path: str) -> tuple[Path, bool]:
         """(where ``path`` is written, whether it lies in the checkpoint's tag directory)."""
@@ -433,8 +453,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         tag_dir = ckpt.tag_dir
         if p.parent != tag_dir and tag_dir not in p.parents:
             return p, False
-        if ckpt.memory:
-            return ckpt.root(self.settings) / ckpt.info.tag / p.relative_to(tag_dir), True
+        if ckpt.claim is not None:
+            if p.parent != tag_dir:
+                raise StagingError(f"memory_tier: {p} lies in a subdirectory of its tag {tag_dir}; a memory slot "
+                                   "holds a tag's own files only (run without memory_tier)")
+            return ckpt.claim.slot / p.name, True
         return p, True
 
     def _background_executor(self) -> cf.ThreadPoolExecutor:
@@ -451,8 +474,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
         p = Path(os.path.abspath(path))
         ckpt = self._ckpt
-        if ckpt is not None and ckpt.memory and (p == ckpt.tag_dir or ckpt.tag_dir in p.parents):
-            p = ckpt.root(self.settings) / ckpt.info.tag / p.relative_to(ckpt.tag_dir)  # a memory save's tag
+        if ckpt is not None and ckpt.claim is not None and p == ckpt.tag_dir:
+            return  # a memory checkpoint's tag directory is its slot, which exists
         p.mkdir(parents=True, exist_ok=exist_ok)
 
     def is_decoupled(self) -> bool:
@@ -475,6 +498,29 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             if executor is not None:
                 executor.shutdown(wait=False)
                 setattr(self, name, None)
+        memory, self._memory = self._memory, None
+        if memory is not None:  # the newest memory checkpoint made durable, the writers stopped, the RAM root removed
+            memory.close()
+
+    # -- the memory tier (memory_tier) ----------------------------------------------------------------
+    def memory_for(self, save_dir: str | os.PathLike) -> DeepSpeedMemory | None:
+        """The memory tier of ``save_dir`` (made now, collectively, at the first call), or None when
+        ``memory_tier`` is off or the tier serves another ``save_dir`` (checkpoints there go to disk)."""
+        if not self.settings.memory_tier:
+            return None
+        if self._memory is None:
+            self._memory = DeepSpeedMemory(save_dir, self.settings.core)
+        if self._memory.save_dir != Path(os.path.abspath(save_dir)):
+            logger.warning("cpuckpt memory tier serves %s; the checkpoint in %s goes to disk directly",
+                           self._memory.save_dir, save_dir)
+            return None
+        return self._memory
+
+    @property
+    def memory_tier(self) -> Any:
+        """The :class:`cpuckpt.MemoryTier` of this engine's checkpoints (``memory_tier``), or None (not made yet).
+        Its ``wait_persisted()`` waits for this rank's owed persists; ``persisted(step)`` says what is durable."""
+        return self._memory.tier if self._memory is not None else None
 
     def preserves_storage_sharing(self) -> bool:
         # Each tensor is written as its own compact storage (torchfile proxies), so DeepSpeed need
@@ -591,36 +637,9 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._info = self._ckpt = None
 
 
-def _memory_config(core: Config) -> Config:
-    """The core config for memory saves: buffered writes (tmpfs refuses O_DIRECT), no fsync."""
-    return dataclasses.replace(core, io=dataclasses.replace(core.io, backend="buffered", fsync=False))
-
-
 def _all_gather(obj: Any, group: Any) -> list[Any]:
     if group is None:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def _drop_old_memory_tags(root: Path, current: str, keep: int) -> None:
-    """Keep the ``keep`` newest cpuckpt tags of a memory directory (``current`` always); remove the rest.
-
-    Only directories with a marker or a saving file are ever removed (nothing else in ``root`` is
-    touched). A failure to remove one is logged: the new checkpoint is committed either way.
-    """
-    tags = []
-    for sub in root.iterdir():
-        if sub.name == current or not sub.is_dir():
-            continue
-        marked = sub / MARKER_NAME
-        if marked.exists() or (sub / SAVING_NAME).exists():
-            with contextlib.suppress(FileNotFoundError):
-                tags.append((((marked if marked.exists() else sub / SAVING_NAME).stat().st_mtime), sub))
-    tags.sort(reverse=True)
-    for _, sub in tags[max(keep - 1, 0):]:
-        try:
-            shutil.rmtree(sub)
-        except OSError as e:
-            logger.warning("memory_dir %s: could not remove old tag %s: %s", root, sub.name, e)

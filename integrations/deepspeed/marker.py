@@ -44,10 +44,10 @@ __all__ = [
     "TagFile",
     "TagMarker",
     "TagStatus",
+    "check_dir",
     "check_tag",
     "complete_tags",
     "find_latest",
-    "latest_dir",
     "read_marker",
     "require_complete",
 ]
@@ -87,6 +87,7 @@ class TagMarker:
     global_step: int | None = None
     created_unix: float = 0.0
     cpuckpt_version: str = ""
+    save_id: str = ""  # the memory tier's save (a memory slot's marker; kept when the writer persists it)
     format: str = FORMAT
     format_version: int = FORMAT_VERSION
 
@@ -163,9 +164,10 @@ def write_marker(tag_dir: Path, marker: TagMarker, *, fsync: bool) -> None:
         fsync_dir(tag_dir)
 
 
-def new_marker(tag: str, world_size: int, files: dict[str, TagFile], global_step: int | None) -> TagMarker:
+def new_marker(tag: str, world_size: int, files: dict[str, TagFile], global_step: int | None, *,
+               save_id: str = "") -> TagMarker:
     return TagMarker(tag=tag, world_size=world_size, files=dict(sorted(files.items())), global_step=global_step,
-                     created_unix=time.time(), cpuckpt_version=__version__)
+                     created_unix=time.time(), cpuckpt_version=__version__, save_id=save_id)
 
 
 # -- reading -----------------------------------------------------------------------------------------
@@ -218,7 +220,13 @@ def check_tag(save_dir: str | os.PathLike, tag: str, *, verify: bool = False) ->
         A :class:`TagStatus`: ``complete``, ``torn`` (with the problems found), ``unmarked`` (no
         cpuckpt files: stock DeepSpeed wrote it) or ``missing`` (no such directory).
     """
-    tag_dir = Path(save_dir) / tag
+    return check_dir(Path(save_dir) / tag, tag, verify=verify)
+
+
+def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: bool = False) -> TagStatus:
+    """:func:`check_tag` of the directory ``tag_dir``; ``tag`` None accepts whatever tag its marker names (a
+    memory tier's slot, which holds a tag's files under the slot's own name)."""
+    tag_dir = Path(tag_dir)
     if not tag_dir.is_dir():
         return TagStatus(tag_dir, "missing")
     try:
@@ -230,7 +238,7 @@ def check_tag(save_dir: str | os.PathLike, tag: str, *, verify: bool = False) ->
             return TagStatus(tag_dir, "torn", None, ("no completion marker: its save never committed",))
         return TagStatus(tag_dir, "unmarked")
     problems = []
-    if marker.tag != tag:
+    if tag is not None and marker.tag != tag:
         problems.append(f"the marker is of tag {marker.tag!r}")
     entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=f.chunk_bytes) for n, f in marker.files.items()]
     problems += [str(m) for m in size_mismatches(tag_dir, entries)]
@@ -315,24 +323,6 @@ def complete_tags(save_dir: str | os.PathLike) -> list[LatestTag]:
             key = (int(sub.name == named), m.global_step if m.global_step is not None else -1, m.created_unix)
             found.append((key, LatestTag(root, sub.name, m.global_step, m)))
     return [t for _, t in sorted(found, key=lambda kt: kt[0], reverse=True)]
-
-
-def latest_dir(save_dir: str | os.PathLike, memory_dir: str | os.PathLike | None, *,
-               verify: bool = False) -> LatestTag | None:
-    """Which directory holds the newer complete checkpoint: the durable ``save_dir`` or ``memory_dir``.
-
-    Compares the global steps of :func:`find_latest` in each; the memory copy wins a tie (it reads
-    faster). Pass the result to DeepSpeed: ``engine.load_checkpoint(found.directory, tag=found.tag)``.
-    Reads only (no collective); every rank of one host gets the same answer.
-
-    Returns:
-        The newest complete tag, or None when neither directory has one.
-    """
-    found = [x for x in (find_latest(memory_dir, verify=verify) if memory_dir else None,
-                         find_latest(save_dir, verify=verify)) if x is not None]
-    if not found:
-        return None
-    return max(found, key=lambda x: x.global_step if x.global_step is not None else -1)
 
 
 def owned_files(marker: TagMarker, rank: int, world_size: int) -> list[str]:

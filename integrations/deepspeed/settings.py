@@ -2,8 +2,8 @@
 
 One flat mapping holds both (see ``configs/deepspeed.yaml``): the adapter's own keys
 (:class:`AdapterOptions`: ``enabled``, ``async``, ``background_commit``, ``ordering``, ``prepare_pool``,
-``storage_alignment``, ``memory_dir``, ``persist_every``, ``memory_keep``, and ``config_file``) beside the core sections
-(``io``, ``staging``, ``integrity``, ``timeout_s``, ...). Both halves are built by cpuckpt's config
+``storage_alignment``, ``memory_tier``, ``fallback_on_corrupt``, and ``config_file``) beside the core sections
+(``io``, ``staging``, ``integrity``, ``memory``, ``timeout_s``, ...). Both halves are built by cpuckpt's config
 machinery (:func:`cpuckpt.config.build_options`): strict keys, checked values, a
 :class:`~cpuckpt.errors.ConfigError` naming the source and the dotted key.
 
@@ -26,7 +26,7 @@ from typing import Any
 from cpuckpt.config import Config, build_options, load_yaml_mapping, overlap_window
 from cpuckpt.errors import ConfigError
 
-__all__ = ["AdapterOptions", "Settings", "resolve_settings"]
+__all__ = ["REMOVED_KEYS", "AdapterOptions", "Settings", "resolve_settings"]
 
 ENV_PREFIX = "CPUCKPT_DEEPSPEED_"
 _CONFIG_FILE = "config_file"
@@ -65,16 +65,12 @@ class AdapterOptions:
             so that the first save is as fast as later ones. False: the first save allocates it.
         storage_alignment: alignment of each storage's data inside the torch.save archive (a power
             of two >= 64; 4096 lets readers use O_DIRECT / mmap on the data).
-        memory_dir: a node-local RAM directory (tmpfs, e.g. ``/dev/shm/<job>``; every rank on one
-            host) where checkpoints go first: tag directories with DeepSpeed's files, written without
-            fsync, committed with the same marker and a ``latest`` of their own. Empty: off (every
-            checkpoint goes to ``save_dir``). :func:`~cpuckpt.integrations.deepspeed.latest_dir`
-            tells which of the two holds the newer complete checkpoint.
-        persist_every: with ``memory_dir``, every ``persist_every``-th checkpoint of this engine
-            (counted from its start) goes to the durable ``save_dir`` instead; the others go to
-            ``memory_dir`` (1: every checkpoint durable).
-        memory_keep: tags kept in ``memory_dir`` (the newest; older ones are removed after each
-            memory commit).
+        memory_tier: checkpoints go through cpuckpt's memory tier (:class:`cpuckpt.MemoryTier`, configured
+            by the core ``memory`` section, durable root ``save_dir``): each tag's files go into a slot of
+            the node's RAM root and are committed there; every ``memory.persist_every``-th one (by global
+            step; 1: all, 0: none) is also persisted to ``save_dir/<tag>`` by a writer process per rank,
+            with its marker and ``latest``. :func:`~cpuckpt.integrations.deepspeed.load_latest` restarts
+            from the newest complete tag of either. One node only (ranks on several are refused).
         fallback_on_corrupt: :func:`~cpuckpt.integrations.deepspeed.load_latest` loads the next newest
             complete tag when the newest fails its crc32c check on any rank (all ranks together, with a
             WARNING naming the tag and the damage). False: it raises ``CheckpointCorrupt`` instead.
@@ -86,9 +82,7 @@ class AdapterOptions:
     ordering: str = field(default="host", metadata={"choices": ("host", "optimizer")})
     prepare_pool: bool = True
     storage_alignment: int = field(default=4096, metadata={"size": True, "min": 64, "pow2": True})
-    memory_dir: str = ""
-    persist_every: int = field(default=4, metadata={"min": 1})
-    memory_keep: int = field(default=2, metadata={"min": 1})
+    memory_tier: bool = False
     fallback_on_corrupt: bool = True
 
 
@@ -106,6 +100,24 @@ class Settings(AdapterOptions):
 
 _OWN_FIELDS = {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(AdapterOptions)}
 _OWN_KEYS = (*_OWN_FIELDS, _CONFIG_FILE)
+# The adapter's own memory copy gave way to the core memory tier (one memory tier, issue 28.4): what to use instead.
+REMOVED_KEYS: dict[str, str] = {
+    "memory_dir": "DeepSpeed's memory copies are the core memory tier's now: set memory_tier: true, and memory.root "
+                  "for a RAM root other than /dev/shm/cpuckpt-<uid>/<job>",
+    "persist_every": "use memory.persist_every with memory_tier: true; its meaning changed: every K-th memory "
+                     "checkpoint by global step is *also* persisted to save_dir by a writer process (1: all, 0: none), "
+                     "where persist_every: K sent every K-th checkpoint to save_dir instead of memory",
+    "memory_keep": "use memory.slots with memory_tier: true (the memory checkpoints kept in RAM, a ring)",
+}
+
+
+def _refuse_removed(data: Mapping[str, Any], source: str) -> None:
+    """A removed key, in the settings or as ``CPUCKPT_DEEPSPEED_<KEY>``: a ConfigError saying what to use instead."""
+    for key, instead in REMOVED_KEYS.items():
+        env = f"{ENV_PREFIX}{key.upper()}"
+        if key in data or env in os.environ:
+            where = f"environment variable {env}" if key not in data else source
+            raise ConfigError(f"{where}: {key} was removed ({instead}); delete the key")
 
 
 def _as_mapping(config: Mapping[str, Any] | str | os.PathLike | None) -> dict[str, Any]:
@@ -159,6 +171,7 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
         data = _merge({k: v for k, v in (block or {}).items() if k != "enabled"}, given)
     core_file = data.pop(_CONFIG_FILE, None)
     source = _source(installed, block, core_file, block_wins)
+    _refuse_removed(data, source)
     own = {key: data.pop(key) for key in _OWN_FIELDS if key in data}
     base_own = {key: getattr(base, name) for key, name in _OWN_FIELDS.items()}
     options = build_options(AdapterOptions, {**base_own, **own}, source=source, env_prefix=ENV_PREFIX)

@@ -53,7 +53,7 @@ def _train(durable: str, ram: str, steps: list[int], kill_after: int | None, kil
 
     rank = dist.get_rank()
     tier = MemoryTier(durable, _cfg(Path(ram)))
-    out = {"writer_pid": tier.writer_pid()}
+    out = {}
     for step in steps:
         h = tier.save(_state(step, rank), step)
         if kill_mid and step == kill_after:
@@ -104,13 +104,10 @@ def _wait_writers_gone(ram: Path, timeout_s: float = 30.0) -> None:
 
 
 def _close_idle(tier, **kw) -> None:
-    """``close(persist_newest=False)`` of a tier whose writer is never given a request: the writer is SIGKILLed
-    first, so the test does not wait out its interpreter's start-up (seconds) only to tell it to stop. A writer
-    stopping gracefully at ``close()`` is proven by the tests that persist (persist every 4th, restart, SIGTERM)."""
-    writer = tier._writer
-    if writer is not None and writer.poll() is None:
-        writer.kill()
-        writer.wait()
+    """``close(persist_newest=False)`` of a tier that was never asked to persist: it never started a writer
+    process (the writer starts at the first persist or replica request). A writer stopping gracefully at
+    ``close()`` is proven by the tests that persist (persist every 4th, restart, SIGTERM)."""
+    assert tier.writer_pid() is None, "a writer process started although no persist was requested"
     tier.close(persist_newest=False, **kw)
 
 
@@ -183,6 +180,95 @@ def _one(tmp_path: Path, **memory) -> tuple:
     return MemoryTier(tmp_path / "durable", cfg), cfg
 
 
+def _writer_children() -> list[int]:
+    """Pids of this test process's children that are memory-tier writer processes."""
+    psutil = pytest.importorskip("psutil")
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "cpuckpt.tier.persister" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child.pid)
+    return found
+
+
+def test_no_writer_process_starts_until_the_first_persist_request(tmp_path):
+    """``MemoryTier()`` starts no process: with ``persist_every: 0`` and no replicas, saves never start a writer;
+    the first persist request does (counted as alive from then on), and ``close()`` ends it."""
+    tier, _ = _one(tmp_path, persist_every=0)
+    assert _writer_children() == [] and tier.writer_pid() is None
+    for step in (1, 2, 3):
+        tier.save(_state(step, 0), step).wait()
+    assert _writer_children() == [] and tier.writer_pid() is None, "a save that persists nothing started a writer"
+    tier.save(_state(4, 0), 4, persist=True).wait()
+    children = _writer_children()
+    assert len(children) == 1 and tier.writer_pid() == children[0], (children, tier.writer_pid())
+    tier.wait_persisted()
+    assert _durable_steps(tmp_path / "durable") == [4]
+    tier.close(persist_newest=False)
+    assert _writer_children() == [], "close() left the writer process running"
+
+
+class _MarkedFiles:
+    """A file-set format (what the DeepSpeed adapter's tags are, in small): any files plus ``done.json``, a marker
+    with the save id and the step; the durable root holds one such directory per checkpoint."""
+
+    def committed(self, directory: Path):
+        from cpuckpt.tier.formats import Committed, read_marker_json
+
+        data = read_marker_json(directory / "done.json")
+        return Committed(data.get("global_step"), data["save_id"]) if data and "save_id" in data else None
+
+    def durable(self, root: Path) -> list:
+        return [(c.step, d) for d in (sorted(root.iterdir()) if root.is_dir() else [])
+                if d.is_dir() and (c := self.committed(d)) is not None and c.step is not None]
+
+
+def _file_set(tier, step: int, payload: bytes, *, latest: Path) -> tuple:
+    """One file-set checkpoint of ``step``: claimed, filled, committed in memory (marker last), then handed over."""
+    import json
+
+    from cpuckpt.format.manifest import FileEntry
+
+    slot, save_id = tier.claim_slot(step)
+    (slot / "done.json").unlink(missing_ok=True)
+    (slot / "w.bin").write_bytes(payload)
+    (slot / "done.json").write_text(json.dumps({"save_id": save_id, "global_step": step}))
+    entry = FileEntry(name="w.bin", nbytes=len(payload), chunk_bytes=64 << 10, checksum="none")
+    return tier.commit_files(slot, save_id, step, tier.durable_root / f"t{step}", files={"w.bin": entry},
+                             marker="done.json", saving=".saving", pointer=(latest, f"t{step}")), slot
+
+
+def test_a_file_set_is_persisted_marker_last_and_never_moves_the_pointer_back(tmp_path):
+    """``claim_slot``/``commit_files`` (an adapter's own files): due steps are persisted by the writer, files first,
+    then the marker, then the pointer; odd steps stay in memory; a pointer naming a newer step is left alone;
+    ``close()`` persists the newest; ``candidates`` orders both tiers by step through the format."""
+    import json
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    durable = tmp_path / "durable"
+    cfg = _cfg(tmp_path / "ram", persist_every=2)
+    tier = MemoryTier(durable, cfg, slot_format=_MarkedFiles())
+    latest = durable / "latest"
+    req, _ = _file_set(tier, 2, b"two" * 1000, latest=latest)
+    assert req is not None and tier.writer_pid() is not None
+    assert _file_set(tier, 3, b"three" * 1000, latest=latest)[0] is None  # not due: memory only
+    tier.wait_persisted()
+    assert sorted(p.name for p in (durable / "t2").iterdir()) == ["done.json", "w.bin"]  # no .saving, no parts
+    assert (durable / "t2" / "w.bin").read_bytes() == b"two" * 1000 and latest.read_text() == "t2"
+    assert tier.persisted(2) and not tier.persisted(3) and not (durable / "t3").exists()
+    assert [p.name for p in tier.candidates()] == ["slot-1", "slot-0", "t2"]  # by step; memory first on a tie
+    (durable / "t9").mkdir()
+    (durable / "t9" / "done.json").write_text(json.dumps({"save_id": "elsewhere", "global_step": 9}))
+    latest.write_text("t9")  # a newer checkpoint, committed durably by someone else
+    _file_set(tier, 4, b"four" * 1000, latest=latest)
+    _file_set(tier, 5, b"five" * 1000, latest=latest)
+    tier.close()  # persists the newest (5)
+    assert (durable / "t4" / "w.bin").read_bytes() == b"four" * 1000
+    assert (durable / "t5" / "w.bin").read_bytes() == b"five" * 1000 and (durable / "t5" / "done.json").exists()
+    assert latest.read_text() == "t9", "a persist moved the pointer back to an older step"
+
+
 def test_a_ram_root_too_small_is_a_clear_error_and_loses_nothing(tmp_path):
     import cpuckpt
     from cpuckpt.tier.ramroot import RamRootError
@@ -250,9 +336,10 @@ def test_memory_use_stays_flat_over_200_saves(tmp_path):
     The baseline is taken once the queue keeps its bounded history (the newest 8 finished requests)."""
     psutil = pytest.importorskip("psutil")
     tier, _ = _one(tmp_path, persist_every=4)
-    me, writer = psutil.Process(), psutil.Process(tier.writer_pid())
+    me = psutil.Process()
 
     def usage() -> tuple[int, int]:
+        writer = psutil.Process(tier.writer_pid())  # started by the first persist (step 4)
         import ctypes
         import gc
 
@@ -325,14 +412,16 @@ def test_a_memory_checkpoint_of_this_process_loads_from_its_images_without_readi
 
 
 def _train_then_die_owing(durable: str, ram: str, pids_file: str) -> None:
-    """Rank body: steps 1-4, the writer frozen before step 4's persist; the trainer dies owing it."""
+    """Rank body: steps 1-4 (1 persisted), the writer frozen before step 4's persist; the trainer dies owing it."""
     import torch.distributed as dist
 
     from cpuckpt.tier.memory import MemoryTier
 
     rank = dist.get_rank()
     tier = MemoryTier(durable, _cfg(Path(ram)))
-    for step in (1, 2, 3):
+    tier.save(_state(1, rank), 1, persist=True).wait()  # the first persist request starts the writer
+    tier.wait_persisted()
+    for step in (2, 3):
         tier.save(_state(step, rank), step).wait()
     writer = tier.writer_pid()
     os.kill(writer, signal.SIGSTOP)
@@ -348,11 +437,11 @@ def test_a_trainer_killed_while_its_persist_is_owed_the_writer_finishes_it(run_r
     durable, ram, pids = tmp_path / "durable", tmp_path / "ram", tmp_path / "writer.pid"
     with pytest.raises(AssertionError, match="rank"):
         run_ranks(2, _train_then_die_owing, str(durable), str(ram), str(pids))
-    assert _durable_steps(durable) == []  # nothing persisted yet: both writers are frozen
+    assert _durable_steps(durable) == [1]  # nothing more persisted yet: both writers are frozen
     for r in (0, 1):
         os.kill(int(Path(f"{pids}.{r}").read_text()), signal.SIGCONT)
     _wait_writers_gone(ram)  # trainers gone: each writer finishes what it owed, then exits
-    assert _durable_steps(durable) == [4]
+    assert _durable_steps(durable) == [1, 4]
     import cpuckpt
 
     out = {"r0": {"w": torch.empty(300, 257), "b": torch.empty(33, dtype=torch.int64)},
@@ -441,9 +530,8 @@ def test_a_restart_withdraws_requests_whose_save_never_committed(tmp_path):
     from cpuckpt.tier.queue import PersistQueue, PersistRequest
 
     tier, cfg = _one(tmp_path, persist_every=0)
-    tier._writer.kill()  # the writer is gone (SIGKILLed while it starts: it never took a request) ...
-    tier._writer.wait()
-    tier.root.close()  # ... and the trainer "died"; a request for a save that never committed stays owed
+    tier.root.close()  # the trainer "died" (it never started a writer); a request for a save that never committed
+    # stays owed
     q = PersistQueue(tmp_path / "ram" / "queue-0")
     q.put(PersistRequest(seq=1, slot=str(tmp_path / "ram" / "slot-0"), save_id="never-committed", step=1,
                          dest=str(tmp_path / "durable" / "step_1"), rank=0, world_size=1, coordinator=True,
@@ -575,6 +663,6 @@ def test_restart_where_no_checkpoint_verifies_raises_instead_of_starting_from_sc
     from cpuckpt.errors import CheckpointCorrupt
 
     tier, _ = _one(tmp_path, persist_every=1)
-    with pytest.raises(CheckpointCorrupt, match="step_2.*step_1|loads cleanly"):
+    with pytest.raises(CheckpointCorrupt, match=r"step_2.*step_1|loads cleanly"):
         tier.load_latest(_targets(0))
     _close_idle(tier)

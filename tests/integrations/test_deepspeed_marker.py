@@ -1,4 +1,4 @@
-"""DeepSpeed tags' completion markers and the memory directory, with real engines on 2 gloo ranks (CPU).
+"""DeepSpeed tags' completion markers, with real engines on 2 gloo ranks (CPU).
 
 What is proven (real DeepSpeed ZeRO-2 engines, real files, real SIGKILLs; no mocks):
 
@@ -12,14 +12,10 @@ What is proven (real DeepSpeed ZeRO-2 engines, real files, real SIGKILLs; no moc
   bit-exact; stock DeepSpeed (``TorchCheckpointEngine``) loads a marked tag unchanged;
 - a flipped byte: sizes still match (no verify: accepted), ``verify=True`` raises ``CheckpointCorrupt``
   on both ranks although only rank 1 reads the damaged file;
-- ``memory_dir`` with ``persist_every: 2``: checkpoints 1 and 3 go to the memory directory (their own
-  marker and ``latest``; nothing of them in ``save_dir``), checkpoint 2 to ``save_dir``;
-  ``memory_keep: 1`` removes the older memory tag; :func:`latest_dir` names the memory copy, which
-  loads bit-exact;
 - a failing re-save into a complete tag (rank 1's writes fail with ENOSPC) removes its marker before
   any byte changes: the tag is refused afterwards and :func:`find_latest` falls back to an older one.
 
-Single process: the marker functions on plain directories (states, fallback, ties, bad markers).
+Single process: the marker functions on plain directories (states, fallback, bad markers).
 """
 
 from __future__ import annotations
@@ -98,7 +94,7 @@ def rank_after_crash(root: str) -> dict:
 
     rank = dist.get_rank()
     out: dict = {}
-    save_dir, shm = Path(root) / "ckpt", Path(root) / "shm"
+    save_dir = Path(root) / "ckpt"
     # -- what the crash left: t1 complete, t2 torn (rank 0's files durable, rank 1's not fsynced)
     out["latest"] = (save_dir / "latest").read_text()
     out["t2_files"] = sorted(p.name for p in (save_dir / "t2").iterdir())
@@ -145,25 +141,12 @@ def rank_after_crash(root: str) -> dict:
             f.write(byte)
     dist.barrier()
 
-    # -- memory_dir: checkpoint 1 and 3 in memory, 2 durable; memory_keep 1
-    mem = {"memory_dir": str(shm), "persist_every": 2, "memory_keep": 1, "io": _IO}
-    ckpt_ds.attach(engine, mem)
-    states = {}
-    for k, tag in enumerate(["m1", "m2", "m3"]):
-        h._step(engine, 100 + k)
-        states[tag] = (h._state(engine), engine.global_steps)
-        engine.save_checkpoint(str(save_dir), tag=tag)
+    # -- a complete tag m2 (re-saved below)
+    h._step(engine, 100)
+    engine.save_checkpoint(str(save_dir), tag="m2")
     ckpt_ds.commit_pending(engine)
     out["durable_tags"] = sorted(p.name for p in save_dir.iterdir() if p.is_dir())
-    out["memory_tags"] = sorted(p.name for p in shm.iterdir() if p.is_dir())
-    out["latests"] = ((save_dir / "latest").read_text(), (shm / "latest").read_text())
-    m3 = ckpt_ds.check_tag(shm, "m3", verify=True)
-    out["m3"] = (m3.state, m3.marker.global_step, states["m3"][1])
-    found = ckpt_ds.latest_dir(save_dir, shm)
-    out["latest_dir"] = (str(found.directory), found.tag, found.global_step)
-    h._step(engine, 200)
-    engine.load_checkpoint(str(found.directory), tag=found.tag)
-    h._assert_same(h._state(engine), states["m3"][0], "m3 restored from memory_dir")
+    out["latest_m2"] = (save_dir / "latest").read_text()
 
     # -- a re-save into the complete tag m2 whose rank 1 cannot write: m2's marker goes first
     backend = "fault:ENOSPC@0" if rank == 1 else "buffered"
@@ -187,7 +170,7 @@ def rank_after_crash(root: str) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_torn_tag_refused_and_memory_dir(run_ranks, tmp_path):
+def test_torn_tag_refused_and_fallback(run_ranks, tmp_path):
     with pytest.raises(AssertionError) as ei:  # conftest's RankError
         run_ranks(2, rank_torn_save, str(tmp_path), timeout_s=120, grace_s=2)
     res = ei.value.results
@@ -222,10 +205,7 @@ def test_torn_tag_refused_and_memory_dir(run_ranks, tmp_path):
             and "checksum mismatch" in msg, r["flipped_verify"]
         assert r["flipped_check"] == "torn"
         assert r["durable_tags"] == ["m2", "t1", "t2"], r["durable_tags"]
-        assert r["memory_tags"] == ["m3"], r["memory_tags"]  # m1 removed (memory_keep 1)
-        assert r["latests"] == ("m2", "m3")
-        assert r["m3"][0] == "complete" and r["m3"][1] == r["m3"][2], r["m3"]
-        assert r["latest_dir"] == (str(tmp_path / "shm"), "m3", r["m3"][2]), r["latest_dir"]
+        assert r["latest_m2"] == "m2"
         assert r["resave"][0] == "StorageIOError" and "m2" in r["resave"][1], r["resave"]
         assert r["m2_after"] == ("torn", False, True), r["m2_after"]
         assert r["m2_fallback"] == "t1"
@@ -250,13 +230,13 @@ def _tag(root: Path, tag: str, files: dict[str, bytes], step: int | None, *, ran
     write_marker(d, new_marker(tag, 2, listed, step), fsync=False)
 
 
-def test_marker_states_fallback_and_ties(tmp_path):
+def test_marker_states_and_fallback(tmp_path):
     import cpuckpt.integrations.deepspeed as ckpt_ds
     from cpuckpt.integrations.deepspeed.marker import MARKER_NAME, SAVING_NAME, open_tag
 
     from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 
-    root, mem = tmp_path / "ckpt", tmp_path / "shm"
+    root = tmp_path / "ckpt"
     _tag(root, "a", {"x.pt": b"0123456789abcdef0"}, 10)
     _tag(root, "b", {"x.pt": b"fedcba9876543210"}, 20)
     (root / "latest").write_text("b")
@@ -289,14 +269,7 @@ def test_marker_states_fallback_and_ties(tmp_path):
     (root / "a" / MARKER_NAME).write_text('{"format": "cpuckpt-deepspeed-tag", "format_version": 99, "files": {}}')
     status = ckpt_ds.check_tag(root, "a")
     assert status.state == "torn" and "newer than this cpuckpt reads" in status.problems[0]
-    # latest_dir: the newer global step wins; the memory copy wins a tie; None when neither has one
-    assert ckpt_ds.latest_dir(root, None).tag == "c" and ckpt_ds.latest_dir(tmp_path / "none", None) is None
-    _tag(mem, "m", {"x.pt": b"m"}, 30)
-    (mem / "latest").write_text("m")
-    assert ckpt_ds.latest_dir(root, mem).directory == mem
     _tag(root, "d", {"x.pt": b"d"}, 31)
-    (root / "latest").write_text("d")
-    assert (ckpt_ds.latest_dir(root, mem).directory, ckpt_ds.latest_dir(root, mem).tag) == (root, "d")
     assert sorted(os.listdir(root / "d")) == sorted(["x.pt", MARKER_NAME])  # the saving file went with the marker
 
 

@@ -34,7 +34,7 @@ def test_public_names_and_defaults():
     assert s == Settings()
     assert (s.enabled, s.async_save, s.background_commit, s.storage_alignment) == (True, True, True, 4096)
     assert s.core.integrity.checksum == "crc32c"  # each tag's completion marker keeps the chunk checksums
-    assert (s.memory_dir, s.persist_every, s.memory_keep) == ("", 4, 2)  # no memory directory unless named
+    assert not s.memory_tier and s.core.memory == Config().memory  # no memory tier unless asked; core defaults
     assert isinstance(s, AdapterOptions) and isinstance(s.core, Config)
 
 
@@ -42,7 +42,7 @@ def test_configs_deepspeed_yaml_loads():
     s = resolve_settings(REPO / "configs" / "deepspeed.yaml")
     assert (s.enabled, s.async_save, s.background_commit, s.storage_alignment) == (True, True, True, 4096)
     assert s.core.integrity.checksum == "crc32c" and s.core.io.threads == 4 and s.core.io.chunk_bytes == 32 << 20
-    assert (s.memory_dir, s.persist_every, s.memory_keep) == ("", 4, 2)
+    assert not s.memory_tier and (s.core.memory.slots, s.core.memory.persist_every) == (2, 1)
     assert s.core.staging.pool_bytes == 0 and s.core.timeout_s == 600  # pool_bytes 0: as the core's default
 
 
@@ -82,9 +82,8 @@ def test_config_file_supplies_core_keys_under_the_given_ones(tmp_path):
     ({"enabled": 1}, r"enabled must be true or false"),
     ({"storage_alignment": 100}, r"storage_alignment must be a power of two"),
     ({"storage_alignment": 32}, r"storage_alignment must be >= 64"),
-    ({"memory_dir": 5}, r"memory_dir must be a string"),
-    ({"persist_every": 0}, r"persist_every must be >= 1"),
-    ({"memory_keep": 0}, r"memory_keep must be >= 1"),
+    ({"memory_tier": "yes"}, r"memory_tier must be true or false"),
+    ({"memory": {"slots": 0}}, r"memory\.slots must be >= 1"),
     ({"io": {"threads": 0}}, r"io\.threads must be >= 1"),
     ({"nope": 1}, r"unknown key 'nope'.*the adapter's own keys: enabled, async, background_commit"),
     ({"io": {"nope": 1}}, r"unknown key 'io\.nope'"),
@@ -96,6 +95,23 @@ def test_bad_keys_and_values_name_the_key_and_the_source(data, pattern):
     with pytest.raises(ConfigError, match=pattern) as ei:
         resolve_settings(None, data)
     assert 'ds_config "cpuckpt" block' in str(ei.value)
+
+
+@pytest.mark.parametrize(("key", "value", "instead"), [
+    ("memory_dir", "/dev/shm/job7", r"memory_tier: true, and memory\.root"),
+    ("persist_every", 4, r"memory\.persist_every .*also\* persisted"),
+    ("memory_keep", 2, r"memory\.slots"),
+])
+def test_removed_keys_say_what_to_use_instead(monkeypatch, key, value, instead):
+    """The adapter's own memory copy (memory_dir, persist_every, memory_keep) gave way to the core memory tier: each
+    removed key is refused, from the settings, the ds_config block and the environment, naming what replaces it."""
+    for settings, block in (({key: value}, None), (None, {key: value})):
+        with pytest.raises(ConfigError, match=rf"{key} was removed \(.*{instead}") as ei:
+            resolve_settings(settings, block)
+        assert "cpuckpt deepspeed settings" in str(ei.value)
+    monkeypatch.setenv(f"CPUCKPT_DEEPSPEED_{key.upper()}", str(value))
+    with pytest.raises(ConfigError, match=rf"CPUCKPT_DEEPSPEED_{key.upper()}: {key} was removed"):
+        resolve_settings(None)
 
 
 def test_yaml_errors_name_the_file(tmp_path):
@@ -122,10 +138,11 @@ def test_environment_overrides(monkeypatch):
     monkeypatch.setenv("CPUCKPT_DEEPSPEED_ASYNC", "false")
     monkeypatch.setenv("CPUCKPT_DEEPSPEED_STORAGE_ALIGNMENT", "64")
     monkeypatch.setenv("CPUCKPT_IO_THREADS", "3")
-    monkeypatch.setenv("CPUCKPT_DEEPSPEED_MEMORY_DIR", "/dev/shm/job7")
+    monkeypatch.setenv("CPUCKPT_DEEPSPEED_MEMORY_TIER", "true")
+    monkeypatch.setenv("CPUCKPT_MEMORY_PERSIST_EVERY", "3")
     s = resolve_settings(REPO / "configs" / "deepspeed.yaml", {"async": True, "io": {"threads": 5}})
     assert not s.async_save and s.storage_alignment == 64 and s.core.io.threads == 3
-    assert s.memory_dir == "/dev/shm/job7"
+    assert s.memory_tier and s.core.memory.persist_every == 3
     monkeypatch.setenv("CPUCKPT_DEEPSPEED_BACKGROUND_COMMIT", "maybe")
     with pytest.raises(ConfigError, match="CPUCKPT_DEEPSPEED_BACKGROUND_COMMIT"):
         resolve_settings(None)

@@ -1,0 +1,90 @@
+"""What a complete checkpoint is, in a memory slot and in the durable root, per kind of files. Reads only.
+
+The memory tier's ring, restart order, persist-newest-at-exit and stale-request checks need two answers
+about the checkpoints they see, and nothing else: which save (and step) a slot holds complete, and which
+complete durable checkpoints exist with their steps. A :class:`SlotFormat` gives them:
+
+- :class:`DcpSlots` (the default): DCP checkpoint directories (``.metadata`` + cpuckpt manifest), what
+  :meth:`cpuckpt.tier.memory.MemoryTier.save` writes;
+- an adapter's own format for a *file set*: a directory of the adapter's files committed by a JSON
+  *marker* written last, with at least ``save_id`` (which save the directory holds) and, for ordering,
+  ``global_step`` (the DeepSpeed adapter's tag directories). The writer process persists such a set with a
+  ``kind: files`` request (:mod:`cpuckpt.tier.persister`); :func:`marker_save_id`, :func:`marker_step` and
+  :func:`part_path` are the names both sides share.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from cpuckpt.backend.committed import check_complete, read_manifest
+from cpuckpt.roots import list_checkpoints
+
+__all__ = ["Committed", "DcpSlots", "SlotFormat", "marker_save_id", "marker_step", "part_path", "read_marker_json"]
+
+PART_PREFIX = ".cpuckpt-part-"  # a file set's per-rank done marker in the durable directory (removed at commit)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A complete checkpoint found in a directory: its step (None: none recorded) and its save's id."""
+
+    step: int | None
+    save_id: str
+
+
+class SlotFormat(Protocol):
+    """How the memory tier recognises complete checkpoints (see the module docstring). Reads only, no collectives."""
+
+    def committed(self, directory: Path) -> Committed | None:
+        """The complete checkpoint ``directory`` holds, or None (incomplete, torn, empty)."""
+        ...
+
+    def durable(self, root: Path) -> list[tuple[int, Path]]:
+        """(step, path) of every complete checkpoint of the durable ``root`` that records its step."""
+        ...
+
+
+class DcpSlots:
+    """DCP checkpoint directories: complete by :func:`cpuckpt.backend.committed.check_complete`."""
+
+    def committed(self, directory: Path) -> Committed | None:
+        status = check_complete(directory)
+        if not status.complete:
+            return None
+        manifest = read_manifest(directory)
+        return Committed(status.step, manifest.save_id) if manifest is not None else None
+
+    def durable(self, root: Path) -> list[tuple[int, Path]]:
+        return [(c.step, c.path) for c in list_checkpoints(root) if c.complete and c.step is not None]
+
+
+def read_marker_json(path: Path) -> dict[str, Any] | None:
+    """A file set's marker as a JSON object, or None (missing, unreadable, not an object)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def marker_save_id(path: Path) -> str | None:
+    """The save a file set's marker at ``path`` commits (None: no marker, or one without a save id)."""
+    data = read_marker_json(path)
+    save_id = data.get("save_id") if data is not None else None
+    return save_id if isinstance(save_id, str) and save_id else None
+
+
+def marker_step(path: Path) -> int | None:
+    """The ``global_step`` a file set's marker at ``path`` records (None: none, or no marker)."""
+    data = read_marker_json(path)
+    step = data.get("global_step") if data is not None else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def part_path(dest: Path, rank: int) -> Path:
+    """Rank ``rank``'s done marker of a file set being persisted into ``dest``."""
+    return dest / f"{PART_PREFIX}{rank}.json"

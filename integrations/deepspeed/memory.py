@@ -1,0 +1,219 @@
+"""DeepSpeed checkpoints through cpuckpt's memory tier (``memory_tier: true``). Routing and naming only.
+
+Each ``save_checkpoint(save_dir, tag)`` becomes a memory checkpoint of a :class:`cpuckpt.MemoryTier` of the
+job whose durable root is ``save_dir`` (the RAM root and ``memory.*`` keys as for every memory tier):
+
+- the tag's files, under DeepSpeed's names, go into a ring slot of the RAM root (``slot-<k>``), straight into
+  the slot's reused, mapped (with CUDA, pinned) images; once every rank's files are in, rank 0 commits the slot
+  in memory with the tag's completion marker (:mod:`.marker`; it carries the tier's save id) and links
+  ``<RAM root>/tags/<tag>`` to it (and writes ``tags/latest``), so stock DeepSpeed loads a memory tag too:
+  ``engine.load_checkpoint("<RAM root>/tags", tag=tag)``;
+- every ``memory.persist_every``-th checkpoint by global step (1: all, 0: none) is also persisted by each
+  rank's writer process (:func:`cpuckpt.tier.persister.persist_files`) into ``save_dir/<tag>``: this rank's
+  files, then (rank 0's writer, once every rank's files are durable) the marker, then ``save_dir/latest``,
+  never moved back to an older step. That tag directory is exactly what the engine writes without the tier,
+  so stock DeepSpeed, ``zero_to_fp32`` and ``ds_to_universal`` read it without cpuckpt.
+
+Restart: :meth:`DeepSpeedMemory.candidates` lists the complete tags of both tiers newest first (by global
+step, memory first on a tie: :meth:`cpuckpt.MemoryTier.candidates` over :class:`TagSlots`); the adapter's
+``load_latest`` loads the newest that verifies.
+
+One node only: every rank loads the model-states files that the first data-parallel ranks write, and a
+node's slot holds its own ranks' files only, so a tier whose ranks span several RAM roots is refused
+(``ConfigError`` on every rank) until nodes keep copies of those files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from cpuckpt.config import Config
+from cpuckpt.errors import ConfigError
+from cpuckpt.format.layout import FileLayout
+from cpuckpt.format.manifest import FileEntry
+from cpuckpt.tier.formats import Committed
+from cpuckpt.tier.memory import MemoryTier
+from cpuckpt.tier.queue import PersistRequest
+from cpuckpt.transfer.files import write_atomic
+from cpuckpt.transfer.sinks import Sink
+
+from .marker import (
+    MARKER_NAME,
+    SAVING_NAME,
+    LatestTag,
+    TagFile,
+    check_dir,
+    check_tag,
+    complete_tags,
+    new_marker,
+    read_marker,
+    write_marker,
+)
+
+__all__ = ["LINKS_NAME", "Claim", "DeepSpeedMemory", "TagSlots"]
+
+logger = logging.getLogger(__name__)
+
+LINKS_NAME = "tags"  # <RAM root>/tags/<tag> -> slot-<k>: a load_dir stock DeepSpeed reads memory tags from
+
+
+class TagSlots:
+    """The memory tier's :class:`~cpuckpt.tier.formats.SlotFormat` for DeepSpeed tags: a slot holds one tag's
+    files and its marker; the durable root is DeepSpeed's ``save_dir``."""
+
+    def committed(self, directory: Path) -> Committed | None:
+        status = check_dir(directory)
+        marker = status.marker
+        if not status.complete or marker is None or not marker.save_id:
+            return None
+        return Committed(marker.global_step, marker.save_id)
+
+    def durable(self, root: Path) -> list[tuple[int, Path]]:
+        return [(t.global_step, t.directory / t.tag) for t in complete_tags(root) if t.global_step is not None]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The slot one DeepSpeed checkpoint is written into, and its save id (the same on every rank)."""
+
+    slot: Path
+    save_id: str
+
+
+class DeepSpeedMemory:
+    """The memory tier of one DeepSpeed engine's checkpoints in ``save_dir``. Collective: every rank makes one.
+
+    Args:
+        save_dir: DeepSpeed's ``save_dir`` (the durable root).
+        config: the core config (its ``memory`` section configures the tier).
+
+    Raises:
+        ConfigError: the ranks use several RAM roots (nodes); the same on every rank.
+    """
+
+    def __init__(self, save_dir: str | os.PathLike, config: Config) -> None:
+        self.save_dir = Path(os.path.abspath(save_dir))
+        tier = MemoryTier(self.save_dir, config, slot_format=TagSlots())
+        if not tier.nodes.single:  # the node map is gathered: the same answer on every rank
+            tier.close(persist_newest=False)
+            raise ConfigError(
+                f"memory_tier: the job's ranks use {tier.nodes.nodes} RAM roots (nodes); DeepSpeed's memory "
+                "checkpoints need every rank's files in one node's RAM (each rank loads the model-states files "
+                "the first data-parallel ranks write): run without memory_tier across nodes")
+        self.tier = tier
+        self.links = tier.root.path / LINKS_NAME
+        if tier.rank == 0:
+            self._relink()
+        self._barrier()
+
+    # -- saving ---------------------------------------------------------------------------------
+    def claim(self) -> Claim | None:
+        """Collective: the slot of the next checkpoint (None: ``memory.when_full: disk`` and every slot held,
+        so it goes to ``save_dir`` as without the tier). Raises a failed persist, a dead writer, a timeout."""
+        got = self.tier.claim_slot()
+        return None if got is None else Claim(*got)
+
+    def sink(self, claim: Claim, name: str, files: list[FileLayout], cfg: Config, rank: int) -> Sink:
+        """The save engine's sink for file ``name`` of a checkpoint: straight into the slot's reused image."""
+        images = self.tier.images[self.tier.slots.index(claim.slot)]
+        return images(claim.slot, [name], files, cfg, rank=rank)
+
+    def commit(self, claim: Claim, tag: str, world_size: int, files: dict[str, TagFile], step: int | None) -> None:
+        """Rank 0, once every rank's files are in the slot: the marker (the memory commit), then the names."""
+        write_marker(claim.slot, new_marker(tag, world_size, files, step, save_id=claim.save_id), fsync=False)
+        self._link(tag, claim.slot)
+        write_atomic(self.links / "latest", tag.encode(), fsync=False)
+
+    def persist(self, claim: Claim, tag: str, step: int | None, entries: dict[str, FileEntry],
+                save_latest: bool) -> PersistRequest | None:
+        """Every rank, after the memory commit: the ring moves on and this rank's files are queued for its writer
+        when the step is due (``memory.persist_every``); rank 0's writer commits ``save_dir/<tag>`` and moves
+        ``save_dir/latest`` (``save_latest``). Returns the request, or None (not persisted)."""
+        return self.tier.commit_files(claim.slot, claim.save_id, step, self.save_dir / tag, files=entries,
+                                      marker=MARKER_NAME, saving=SAVING_NAME,
+                                      pointer=(self.save_dir / "latest", tag) if save_latest else None)
+
+    # -- restart --------------------------------------------------------------------------------
+    def candidates(self) -> list[LatestTag]:
+        """Complete tags of both tiers, newest global step first, memory first on a tie. Reads only."""
+        out = []
+        for path in self.tier.candidates():
+            if path in self.tier.slots:
+                marker = read_marker(path)
+                if marker is not None:
+                    out.append(LatestTag(self.links, marker.tag, marker.global_step, marker))
+                continue
+            status = check_tag(path.parent, path.name)
+            if status.complete and status.marker is not None:
+                out.append(LatestTag(path.parent, path.name, status.marker.global_step, status.marker))
+        return out
+
+    def slot_of(self, found: LatestTag) -> Path | None:
+        """The slot a memory candidate names (None: a durable tag)."""
+        if found.directory != self.links or found.marker is None:
+            return None
+        for slot in self.tier.slots:
+            marker = read_marker(slot) if (slot / MARKER_NAME).exists() else None
+            if marker is not None and marker.save_id == found.marker.save_id:
+                return slot
+        return None
+
+    def before_load(self, found: LatestTag) -> None:
+        """Collective, before ``load_checkpoint`` of ``found``: a memory tag's name exists (rank 0 makes it)."""
+        slot = self.slot_of(found)
+        if slot is not None and self.tier.rank == 0:
+            self._link(found.tag, slot)
+        self._barrier()
+
+    def loaded(self, found: LatestTag) -> None:
+        """``found`` was loaded: the ring's next save must not overwrite it (every rank)."""
+        slot = self.slot_of(found)
+        self.tier.resume_after(slot if slot is not None else found.directory / found.tag)
+
+    def close(self) -> None:
+        """Collective: the newest memory checkpoint made durable (unless it is), writers stopped, RAM root removed
+        (with the tags' names)."""
+        self.tier.close()
+
+    # -- the names of memory tags (rank 0) --------------------------------------------------------
+    def _link(self, tag: str, slot: Path) -> None:
+        """``tags/<tag>`` -> ``slot``, replacing any other name of ``slot`` (it holds one tag)."""
+        self.links.mkdir(mode=0o700, exist_ok=True)
+        real = Path(os.path.realpath(slot))
+        for link in self.links.iterdir():
+            if link.is_symlink() and link.name != tag and Path(os.path.realpath(link)) == real:
+                link.unlink(missing_ok=True)
+        tmp = self.links / f".{tag}.tmp-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(slot, tmp, target_is_directory=True)
+        os.replace(tmp, self.links / tag)
+
+    def _relink(self) -> None:
+        """At start: a name for every complete slot, none for anything else (a slot refilled since, a crash
+        between a marker and its name); ``tags/latest`` names the newest."""
+        self.links.mkdir(mode=0o700, exist_ok=True)
+        held = {}
+        for slot in self.tier.slots:
+            status = check_dir(slot)
+            if status.complete and status.marker is not None:
+                held[status.marker.tag] = (status.marker.global_step if status.marker.global_step is not None else -1,
+                                           slot)
+        for link in self.links.iterdir():
+            if link.is_symlink() and (link.name not in held or
+                                      Path(os.path.realpath(link)) != Path(os.path.realpath(held[link.name][1]))):
+                link.unlink(missing_ok=True)
+        for tag, (_, slot) in held.items():
+            self._link(tag, slot)
+        if held:
+            write_atomic(self.links / "latest", max(held, key=lambda t: held[t][0]).encode(), fsync=False)
+        else:
+            (self.links / "latest").unlink(missing_ok=True)
+
+    def _barrier(self) -> None:
+        if self.tier.dist:
+            dist.barrier(group=self.tier.group)

@@ -1,0 +1,344 @@
+"""DeepSpeed through the core memory tier (``memory_tier: true``), with real engines on 2 gloo ranks (CPU).
+
+What is proven (real DeepSpeed ZeRO-2 engines, real writer processes, real files; no mocks):
+
+- phase 1, ``memory.persist_every: 2``, ``memory.slots: 2``: checkpoints of global steps 1-3 are committed in
+  the RAM root (``tags/<tag>`` names them, ``tags/latest`` the newest); only step 2 is persisted, by the
+  writer processes, into ``save_dir/global_step2`` with DeepSpeed's file names, the completion marker (no
+  saving file, no parts left) and ``save_dir/latest``; no other tag directory appears in ``save_dir``;
+- phase 2, the plain adapter (no tier) writes a durable ``global_step6``;
+- phase 3, a restart with the tier: ``load_latest`` loads the durable step 6, not the older step 3 the RAM
+  root still holds; it trains on (7, 8 persisted, 9; ``ordering: optimizer``: each save's state frozen and
+  laid out into the slot's images after the call, while the next step runs) and ends without ``destroy()``;
+- phase 4, a restart: ``load_latest`` loads step 9 from RAM (newer than the durable step 8), bit-exact; the
+  next save (10) does not overwrite it; ``engine.destroy()`` waits for the persist of step 10, stops the
+  writers and removes the RAM root; stock DeepSpeed (``TorchCheckpointEngine``, no cpuckpt) loads
+  ``save_dir`` (``latest``: step 10) bit-exact;
+- ``memory.persist_every: 0``: no writer process ever starts; trainers SIGKILLed after a save's files are in
+  RAM but before its commit leave a torn slot that is never chosen: the restart loads the previous tag from
+  RAM, bit-exact;
+- rank 1's writer cannot write (ENOSPC): the tag is never committed durably (no marker, no ``latest``), the
+  next ``save_checkpoint`` raises ``PersistError`` on every rank, and so does ``engine.destroy()`` (its
+  persist of the newest fails again), promptly, not after ``timeout_s``;
+- ranks with separate RAM roots (two nodes) are refused with the same ``ConfigError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+_HERE = Path(__file__).resolve().parent
+_IO = {"backend": "buffered", "chunk_bytes": 64 * 1024}
+
+
+def _ds():
+    """The helpers of test_deepspeed.py (engines, steps, state comparison), loaded by path."""
+    import importlib.util
+    import sys
+
+    name = "_cpuckpt_test_deepspeed_helpers"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _HERE / "test_deepspeed.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def _settings(ram: str, **memory) -> dict:
+    return {"memory_tier": True, "io": _IO, "timeout_s": 60,
+            "memory": {"root": ram, "slots": 2, "persist_every": 2, "headroom_bytes": 0, **memory}}
+
+
+def _save_state(h, engine, root: str, rank: int) -> None:
+    import torch
+
+    torch.save(h._state(engine), Path(root) / f"state_{engine.global_steps}_rank{rank}.pt")
+
+
+def _saved(root: str, step: int, rank: int) -> dict:
+    import torch
+
+    return torch.load(Path(root) / f"state_{step}_rank{rank}.pt", weights_only=False)
+
+
+def _listing(save_dir: Path) -> dict:
+    return {p.name: sorted(q.name for q in p.iterdir()) for p in save_dir.iterdir() if p.is_dir()}
+
+
+# ----------------------------------------------------------------------------------- rank side
+def rank_memory_train(root: str) -> dict:
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    save_dir, ram = Path(root) / "ckpt", Path(root) / "ram"
+    ckpt_ds.install(_settings(str(ram)))
+    engine = h._engine(2, seed=0)
+    for k in range(1, 4):
+        h._step(engine, k)
+        _save_state(h, engine, root, rank)
+        engine.save_checkpoint(str(save_dir))
+    ckpt_ds.commit_pending(engine)
+    tier = engine.checkpoint_engine.memory_tier
+    tier.wait_persisted()
+    dist.barrier()  # every rank's writer done: rank 0's has committed the durable tag
+    links = tier.root.path / "tags"
+    out = {"durable": _listing(save_dir), "latest": (save_dir / "latest").read_text(),
+           "persisted": [s for s in (1, 2, 3) if tier.persisted(s)],
+           "links": sorted(p.name for p in links.iterdir()), "links_latest": (links / "latest").read_text(),
+           "durable_state": ckpt_ds.check_tag(save_dir, "global_step2", verify=True).state,
+           "memory_state": ckpt_ds.check_tag(links, "global_step3", verify=True).state}
+    return out  # no destroy(): the RAM root stays for the restarts; the writers owe nothing and exit with us
+
+
+def rank_plain_durable(root: str) -> None:
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    ckpt_ds.install({"io": _IO})  # no memory tier: straight to save_dir
+    engine = h._engine(2, seed=1)
+    for k in range(1, 7):
+        h._step(engine, 10 + k)
+    _save_state(h, engine, root, dist.get_rank())
+    engine.save_checkpoint(str(Path(root) / "ckpt"))
+    engine.destroy()
+
+
+def rank_restart_durable_newer(root: str) -> dict:
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    save_dir, ram = Path(root) / "ckpt", Path(root) / "ram"
+    ckpt_ds.install({**_settings(str(ram)), "ordering": "optimizer"})  # zero-stall saves into the slots' images
+    engine = h._engine(2, seed=5)
+    path, _ = ckpt_ds.load_latest(engine, save_dir)
+    out = {"loaded": path, "step": engine.global_steps}
+    h._assert_same(h._state(engine), _saved(root, 6, rank), "the durable step 6, newer than RAM's step 3")
+    for k in range(3):
+        h._step(engine, 20 + k)
+        _save_state(h, engine, root, rank)
+        engine.save_checkpoint(str(save_dir))
+    ckpt_ds.commit_pending(engine)
+    engine.checkpoint_engine.memory_tier.wait_persisted()
+    dist.barrier()
+    out["durable"] = _listing(save_dir)
+    out["latest"] = (save_dir / "latest").read_text()
+    return out  # again no destroy(): step 9 lives in RAM only
+
+
+def rank_restart_from_memory(root: str) -> dict:
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    save_dir, ram = Path(root) / "ckpt", Path(root) / "ram"
+    ckpt_ds.install(_settings(str(ram)))
+    engine = h._engine(2, seed=7)
+    path, _ = ckpt_ds.load_latest(engine, save_dir)
+    out = {"loaded": path, "step": engine.global_steps}
+    h._assert_same(h._state(engine), _saved(root, 9, rank), "step 9 restored from RAM")
+    h._step(engine, 30)
+    _save_state(h, engine, root, rank)
+    engine.save_checkpoint(str(save_dir))  # step 10: into the slot after step 9's
+    ckpt_ds.commit_pending(engine)
+    links = engine.checkpoint_engine.memory_tier.root.path / "tags"
+    out["step9_kept"] = ckpt_ds.check_tag(links, "global_step9").state
+    engine.destroy()  # the persist of step 10 waited for, the writers stopped, the RAM root removed
+    dist.barrier()
+    out["ram_left"] = ram.exists() and any(ram.iterdir())
+    out["latest"] = (save_dir / "latest").read_text()
+    out["durable"] = _listing(save_dir)
+    ckpt_ds.uninstall()
+    stock = h._engine(2, seed=11, cpuckpt={"enabled": False})
+    out["stock_engine"] = type(stock.checkpoint_engine).__name__
+    stock_path, _ = stock.load_checkpoint(str(save_dir))
+    out["stock_loaded"] = stock_path
+    h._assert_same(h._state(stock), _saved(root, 10, rank), "step 10 loaded by stock DeepSpeed")
+    stock.destroy()
+    return out
+
+
+def rank_memory_only_then_killed(root: str) -> None:
+    """Steps 1-2 committed in RAM (persist_every 0), step 3's files staged into RAM, then SIGKILL before its commit."""
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    save_dir = Path(root) / "ckpt"
+    ckpt_ds.install(_settings(str(Path(root) / "ram"), persist_every=0))
+    engine = h._engine(2, seed=0)
+    for k in range(1, 3):
+        h._step(engine, k)
+        _save_state(h, engine, root, rank)
+        engine.save_checkpoint(str(save_dir))
+    ckpt_ds.commit_pending(engine)
+    h._step(engine, 3)
+    engine.save_checkpoint(str(save_dir))  # returns once staged into the slot; committed at the next step
+    engine.checkpoint_engine.wait()  # every byte in RAM (no commit yet)
+    (Path(root) / f"writer_{rank}").write_text(str(engine.checkpoint_engine.memory_tier.writer_pid()))
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank_restart_past_a_torn_slot(root: str) -> dict:
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+    from cpuckpt.integrations.deepspeed.marker import check_dir
+
+    rank = dist.get_rank()
+    ckpt_ds.install(_settings(str(Path(root) / "ram"), persist_every=0))
+    engine = h._engine(2, seed=3)
+    path, _ = ckpt_ds.load_latest(engine, Path(root) / "ckpt")
+    h._assert_same(h._state(engine), _saved(root, 2, rank), "step 2 restored from RAM past the torn step 3")
+    tier = engine.checkpoint_engine.memory_tier
+    out = {"loaded": path, "slots": [check_dir(s).state for s in tier.slots],
+           "links": sorted(p.name for p in (tier.root.path / "tags").iterdir())}
+    engine.destroy()  # nothing to persist: this run saved nothing; the RAM root goes
+    return out
+
+
+def rank_persist_fails_on_rank1(root: str) -> dict:
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    from cpuckpt.testing import faults
+
+    rank = dist.get_rank()
+    os.environ.update(faults.child_env(Path(root) / "site", "unused=sleep:0"))  # the writers know fault backends
+    settings = _settings(str(Path(root) / "ram"), persist_every=1)
+    if rank == 1:
+        settings["io"] = {**_IO, "backend": "fault:ENOSPC@0"}  # rank 1's writer: every durable write fails
+    ckpt_ds.install(settings)
+    engine = h._engine(2, seed=0)
+    h._step(engine, 1)
+    engine.save_checkpoint(str(Path(root) / "ckpt"))
+    ckpt_ds.commit_pending(engine)
+    if rank == 1:
+        engine.checkpoint_engine.memory_tier.wait_persisted()  # its part failed
+    dist.barrier()
+    h._step(engine, 2)
+    out = {}
+    for what, call in (("save", lambda: engine.save_checkpoint(str(Path(root) / "ckpt"))), ("destroy", engine.destroy)):
+        t0 = time.monotonic()
+        try:
+            call()
+            out[what] = None
+        except Exception as e:
+            out[what] = (type(e).__name__, str(e), time.monotonic() - t0)
+    return out
+
+
+def rank_two_nodes(root: str) -> tuple[str, str]:
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    ckpt_ds.install(_settings(f"{root}/ram{dist.get_rank()}"))  # a RAM root per rank: two nodes
+    engine = h._engine(2, seed=0)
+    h._step(engine, 1)
+    try:
+        engine.save_checkpoint(str(Path(root) / "ckpt"))
+    except Exception as e:
+        return type(e).__name__, str(e).split(": ", 1)[-1]
+    return "", ""
+
+
+# ----------------------------------------------------------------------------------- test side
+def _wait_writers_gone(ram: Path, timeout_s: float = 60.0) -> None:
+    from cpuckpt.tier.persister import lock_held
+
+    deadline = time.monotonic() + timeout_s
+    while any(lock_held(p) for p in ram.rglob(".writer-*.lock")):
+        assert time.monotonic() < deadline, "writer processes still running after their trainers ended"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(400)
+def test_memory_tier_persists_every_second_restarts_from_the_newest_and_stock_loads_the_durable(run_ranks,
+                                                                                             tmp_path):
+    ram = tmp_path / "ram"
+    tag_files = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                 "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    marked = sorted([".cpuckpt-complete.json", *tag_files])
+    for r in run_ranks(2, rank_memory_train, str(tmp_path), timeout_s=200):
+        assert r["durable"] == {"global_step2": marked}, r["durable"]  # only the persisted tag, nothing else
+        assert r["latest"] == "global_step2" and r["persisted"] == [2], r
+        assert r["links"] == ["global_step2", "global_step3", "latest"] and r["links_latest"] == "global_step3", r
+        assert (r["durable_state"], r["memory_state"]) == ("complete", "complete"), r
+    _wait_writers_gone(ram)
+
+    run_ranks(2, rank_plain_durable, str(tmp_path), timeout_s=200)
+    for r in run_ranks(2, rank_restart_durable_newer, str(tmp_path), timeout_s=200):
+        assert Path(r["loaded"]).parent == tmp_path / "ckpt" / "global_step6" and r["step"] == 6, r
+        assert sorted(r["durable"]) == ["global_step2", "global_step6", "global_step8"], r["durable"]
+        assert r["durable"]["global_step8"] == marked and r["latest"] == "global_step8", r
+    _wait_writers_gone(ram)
+
+    for r in run_ranks(2, rank_restart_from_memory, str(tmp_path), timeout_s=200):
+        assert Path(r["loaded"]).parent == ram / "tags" / "global_step9", r["loaded"]  # RAM root = memory.root
+        assert r["step"] == 9 and r["step9_kept"] == "complete", r
+        assert not r["ram_left"], "destroy() left the RAM root's contents"
+        assert r["latest"] == "global_step10" and r["durable"]["global_step10"] == marked, r
+        assert r["stock_engine"] == "TorchCheckpointEngine", r
+        assert Path(r["stock_loaded"]).parent.name == "global_step10", r
+    assert not list((tmp_path / "ckpt").glob("*/.cpuckpt-part-*")), "persist parts left in a durable tag"
+
+
+@pytest.mark.timeout(300)
+def test_no_writer_without_persists_and_a_torn_memory_tag_is_never_chosen(run_ranks, tmp_path):
+    with pytest.raises(AssertionError) as ei:  # conftest's RankError: both ranks SIGKILLed themselves
+        run_ranks(2, rank_memory_only_then_killed, str(tmp_path), timeout_s=150, grace_s=2)
+    assert all(r["type"] == "RankDied" for r in ei.value.results.values()), ei.value
+    assert [(tmp_path / f"writer_{r}").read_text() for r in (0, 1)] == ["None", "None"], "a writer was started"
+    assert not [p for p in (tmp_path / "ckpt").glob("*") if p.is_dir()], "a tag directory reached save_dir"
+    for r in run_ranks(2, rank_restart_past_a_torn_slot, str(tmp_path), timeout_s=150):
+        assert Path(r["loaded"]).parent == tmp_path / "ram" / "tags" / "global_step2", r
+        assert sorted(r["slots"]) == ["complete", "torn"], r["slots"]  # step 3's slot: files, no marker
+        assert r["links"] == ["global_step2", "latest"], r["links"]  # step 1's slot was refilled by step 3
+    assert not (tmp_path / "ram").exists() or not any((tmp_path / "ram").iterdir())
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_persist_is_raised_on_every_rank_and_never_committed(run_ranks, tmp_path):
+    from cpuckpt.integrations.deepspeed import check_tag
+
+    for rank, r in enumerate(run_ranks(2, rank_persist_fails_on_rank1, str(tmp_path), timeout_s=200)):
+        for what in ("save", "destroy"):
+            assert r[what] is not None and r[what][0] == "PersistError", (rank, what, r[what])
+            assert r[what][2] < 30, f"rank {rank}: {what} took {r[what][2]:.1f} s (timeout_s 60)"
+    save_dir = tmp_path / "ckpt"
+    assert check_tag(save_dir, "global_step1").state != "complete" and not (save_dir / "latest").exists()
+    _wait_writers_gone(tmp_path / "ram")
+
+
+@pytest.mark.timeout(200)
+def test_ranks_in_separate_ram_roots_are_refused_on_every_rank(run_ranks, tmp_path):
+    results = run_ranks(2, rank_two_nodes, str(tmp_path), timeout_s=150)
+    assert results[0] == results[1], results
+    cls, msg = results[0]
+    assert cls == "ConfigError" and "RAM roots" in msg and "memory_tier" in msg, results[0]
+    _wait_writers_gone(tmp_path)
