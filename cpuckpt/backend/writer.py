@@ -48,7 +48,7 @@ from cpuckpt.format.manifest import FileEntry, Manifest, part_name
 from cpuckpt.format.plancache import CachedPlan, reused_metadata
 from cpuckpt.format.record import record_template
 from cpuckpt.paths import local_path
-from cpuckpt.transfer.device_snapshot import OWNERLESS, DeviceSnapshots
+from cpuckpt.transfer.device_snapshot import DeviceSnapshots
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.save_job import SaveJob, choose_mode
 from cpuckpt.transfer.sinks import SinkFactory, pool_sink
@@ -96,7 +96,7 @@ class StorageWriter(_DcpStorageWriter):
             here instead of planning it again); default: this writer's own, so saves through one
             writer reuse them. A :class:`cpuckpt.Checkpointer` passes its stream's.
         snapshots: the device buffers of ``staging.device_snapshot`` (a checkpointer passes its stream's;
-            default: those of saves without an owner).
+            default: this writer's own, reused by its saves).
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -105,10 +105,10 @@ class StorageWriter(_DcpStorageWriter):
 
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
                  *, step: int | None = None, sink: SinkFactory | None = None, save_id: str | None = None,
-                 layouts: LayoutCache | None = None, snapshots: DeviceSnapshots = OWNERLESS) -> None:
+                 layouts: LayoutCache | None = None, snapshots: DeviceSnapshots | None = None) -> None:
         super().__init__()
         self.layouts = layouts if layouts is not None else LayoutCache()
-        self.snapshots = snapshots
+        self.snapshots = snapshots if snapshots is not None else DeviceSnapshots()  # none given: this writer's own
         self._given_save_id = save_id
         self.sink: SinkFactory = sink or pool_sink
         self.path = Path(local_path(path, "StorageWriter: checkpoint path"))  # refuses URLs, before any mkdir

@@ -840,6 +840,10 @@ class MemoryTier:
             if prepared.is_alive():
                 logger.warning("cpuckpt memory tier: rank %d: the slots' preparation did not stop within %s s",
                                self.rank, self.config.timeout_s)
+        try:  # its saves were waited for above: this ends its committer and frees its caches and buffers
+            self.saves.close()
+        except CpuckptError as e:
+            errors.append(e)
         for images in self.images:
             images.close()
         self.root.close()

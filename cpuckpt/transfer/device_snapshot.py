@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OWNERLESS", "DeviceSnapshot", "DeviceSnapshots", "release"]
+__all__ = ["DeviceSnapshot", "DeviceSnapshots", "release"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,10 +134,6 @@ def _free(buffers: list[DeviceSnapshot]) -> None:
         if b.busy is not None:
             b.busy.synchronize()  # its memory goes back to the allocator: no copy may still read it
 
-
-# Saves built without an owner of buffers (a SaveJob made directly, as the DeepSpeed engine does) share
-# these; a Checkpointer passes its own.
-OWNERLESS = DeviceSnapshots()
 
 
 def release(snap: DeviceSnapshot | None, last_reader: Any) -> None:

@@ -35,7 +35,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError, is_interrupt
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
-from cpuckpt.transfer.device_snapshot import OWNERLESS, DeviceSnapshot, DeviceSnapshots
+from cpuckpt.transfer.device_snapshot import DeviceSnapshot, DeviceSnapshots
 from cpuckpt.transfer.device_snapshot import release as release_snapshot
 from cpuckpt.transfer.sinks import PoolSink, Sink, SlotSource
 from cpuckpt.transfer.staging import CopyFence, CopyWindow, DeviceCopier, LeaseOrder, Slot, fill_chunk, own_host_sources
@@ -92,7 +92,7 @@ class SaveJob:
     def __init__(self, directory: Path, names: list[str], files: list[FileLayout],
                  sources: list[torch.Tensor | None], cfg: Config, *, rank: int, mode: str,
                  in_flight: int = 1, start_after: Any = None, sink: Sink | None = None,
-                 snapshots: DeviceSnapshots = OWNERLESS) -> None:
+                 snapshots: DeviceSnapshots | None = None) -> None:
         if len(names) != len(files):
             raise ValueError(f"{len(names)} file names for {len(files)} layouts")
         self.directory = directory
@@ -128,7 +128,8 @@ class SaveJob:
         # GPU sources: the end of the device-to-host copies enqueued so far (``AsyncSaveHandle.wait_stream``).
         # None: no device copies, so every byte is copied by host threads (``staged``).
         self.fence: CopyFence | None = None
-        self.snapshots = snapshots  # staging.device_snapshot: the save stream's device buffers
+        # staging.device_snapshot: the save stream's device buffers (none given: this job's own)
+        self.snapshots = snapshots if snapshots is not None else DeviceSnapshots()
         self._snapshot: DeviceSnapshot | None = None  # staging.device_snapshot: the device buffer it copied into
 
     # -- public ---------------------------------------------------------------------------------

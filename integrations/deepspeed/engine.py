@@ -66,6 +66,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CpuckptError, FailureReport, StagingError
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.format.unpickle import with_safe_globals
+from cpuckpt.transfer.device_snapshot import DeviceSnapshots
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.save_job import SaveJob
 from cpuckpt.transfer.staging import get_pool, pool_state
@@ -161,6 +162,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._committer: cf.ThreadPoolExecutor | None = None
         self._commit_group: Any = None
         self._memory: DeepSpeedMemory | None = None  # memory_tier: made at the first checkpoint (or load_latest)
+        self._snapshots = DeviceSnapshots()  # staging.device_snapshot: this engine's device buffers
         self.last_save_s = 0.0
         self.last_commit_s = 0.0
         # ordering optimizer: jobs whose device copies no GPU work has been ordered after yet
@@ -262,7 +264,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         elif st.async_save:
             self._reserve_pool(chunk_count(files[0].nbytes, cfg))
         job = SaveJob(target.parent, [target.name], files, sources, cfg, rank=rank, mode=mode, start_after=start_after,
-                      sink=sink)
+                      sink=sink, snapshots=self._snapshots)
         job.start()
         return job
 
@@ -498,6 +500,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             if executor is not None:
                 executor.shutdown(wait=False)
                 setattr(self, name, None)
+        self._snapshots.clear()  # the jobs are done: their device buffers go back to the allocator
         memory, self._memory = self._memory, None
         if memory is not None:  # the newest memory checkpoint made durable, the writers stopped, the RAM root removed
             memory.close()

@@ -37,7 +37,6 @@ PER_PROCESS = {
     ("cpuckpt/backend/inflight.py", "_STREAMS"): "its readers (retention, SIGTERM, wait_all) ask about the process",
     ("cpuckpt/background.py", "_DEFAULTS"): "the function API (cpuckpt.async_save) has no object: one per group",
     ("cpuckpt/background.py", "_EXIT_HOOKED"): "the exit hook is registered once per interpreter",
-    ("cpuckpt/transfer/device_snapshot.py", "OWNERLESS"): "buffers of SaveJobs built without a stream",
     ("cpuckpt/transfer/files.py", "_BACKENDS"): "the io.backend registry: names resolve alike everywhere",
     ("cpuckpt/transfer/files.py", "_PROBED"): "O_DIRECT support is a property of the device (st_dev)",
     ("cpuckpt/transfer/tracing.py", "_CUDA"): "whether CUDA (NVTX) is there does not change in a process",
