@@ -154,3 +154,13 @@ def test_what_a_user_could_run_twice_is_per_checkpointer():
     found = {name for _, name in process_state()}
     for name in ("_CHECKPOINTERS", "_LAYOUTS", "_BUFFERS", "_SAVES", "_MEMORY"):
         assert name not in found, name
+
+
+def test_architecture_lists_what_is_per_process():
+    """docs/ARCHITECTURE.md's table (section 1.3) names every value kept per process, and nothing else."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("### 1.3 ", 1)[1].split("\n## ", 1)[0]
+    rows = {(m.replace(".", "/") + ".py", n) for m, n in
+            (tuple(c.strip().strip("`") for c in line.split("|")[1:3]) for line in section.splitlines()
+             if line.startswith("| `"))}
+    assert rows == set(PER_PROCESS), (sorted(rows - set(PER_PROCESS)), sorted(set(PER_PROCESS) - rows))

@@ -1,6 +1,6 @@
 """The memory tier prepares the other slots' images after the first save (memory.prepare_slots).
 
-Single process, real RAM-root files and a real writer process; the images are checked directly.
+Single process, real RAM-root files (persist_every 0: no writer process is started); the images are checked directly.
 """
 
 from __future__ import annotations
