@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -61,11 +61,22 @@ from cpuckpt.transfer.device_snapshot import DeviceSnapshots
 from cpuckpt.transfer.sinks import SinkFactory
 from cpuckpt.transfer.threads import new_executor, stop_after_interrupt, wait_future
 
-__all__ = ["ORDERINGS", "AsyncSaveHandle", "Checkpointer", "async_save", "cancel_all", "wait_all"]
+__all__ = ["ORDERINGS", "AsyncSaveHandle", "Checkpointer", "CommitHook", "async_save", "cancel_all", "wait_all"]
 
 ORDERINGS = ("host", "stream")  # async_save(ordering=...): see its docstring
 
 logger = logging.getLogger(__name__)
+
+
+class CommitHook(Protocol):
+    """The seam a save's commit goes through when the coordinator alone cannot commit it (the memory tier
+    across nodes: each node's leader commits its own slot). Called on every rank's committer thread once
+    every rank's files are in and no rank failed; runs its own collectives on ``commit_group`` and returns
+    the outcome every rank agrees on: None when committed, else the reports that fail the save. Raises
+    only when a collective fails."""
+
+    def __call__(self, writer: StorageWriter, gathered_results: list[Any] | None, commit_group: Any,
+                 coordinator: int) -> list[FailureReport | None] | None: ...
 
 
 @dataclass
@@ -117,7 +128,7 @@ class AsyncSaveHandle:
         self._committed: cf.Future[None] = cf.Future()
         self._reported = False
         self.stats = SaveStats()
-        self.node_commit: Callable[..., list[FailureReport | None] | None] | None = None  # see async_save
+        self.commit_hook: CommitHook | None = None  # see async_save
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the checkpoint is durable and committed on every rank.
@@ -254,7 +265,7 @@ class Checkpointer:
                    config: Config | str | os.PathLike | dict | None = None, *, step: int | None = None,
                    planner: Any = None, plan_key: Hashable | None = None, sink: SinkFactory | None = None,
                    save_id: str | None = None,
-                   node_commit: Callable[..., list[FailureReport | None] | None] | None = None,
+                   commit_hook: CommitHook | None = None,
                    ordering: str = "host") -> AsyncSaveHandle:
         """Save in the background through this stream: :func:`cpuckpt.async_save`'s arguments (less
         ``process_group``: the checkpointer's), contract, errors and plan reuse (from this stream's
@@ -266,7 +277,7 @@ class Checkpointer:
         rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
         with one_contract(f"async save of {path}", rank):
             return _async_save(self, state_dict, path, resolve_config(config), step=step, planner=planner,
-                               plan_key=plan_key, sink=sink, save_id=save_id, node_commit=node_commit,
+                               plan_key=plan_key, sink=sink, save_id=save_id, commit_hook=commit_hook,
                                ordering=ordering)
 
     def pending(self) -> list[AsyncSaveHandle]:
@@ -376,11 +387,11 @@ class Checkpointer:
                 gathered = [None] * dist.get_world_size(groups.commit_group)
                 dist.all_gather_object(gathered, (mine, w.last_results), group=groups.commit_group)
             reports = [g[0] for g in gathered]
-            agreed = False  # the outcome is already every rank's (node_commit agrees on it itself)
+            agreed = False  # the outcome is already every rank's (the commit hook agrees on it itself)
             if any(r is not None for r in reports):
                 outcome = reports
-            elif handle.node_commit is not None and self._dist:
-                outcome = handle.node_commit(w, [g[1] for g in gathered] if w.last_results is not None else None,
+            elif handle.commit_hook is not None and self._dist:
+                outcome = handle.commit_hook(w, [g[1] for g in gathered] if w.last_results is not None else None,
                                              groups.commit_group, groups.coordinator)
                 agreed = True
             elif w.is_coordinator:
@@ -474,7 +485,7 @@ def async_save(
     plan_key: Hashable | None = None,
     sink: SinkFactory | None = None,
     save_id: str | None = None,
-    node_commit: Callable[..., list[FailureReport | None] | None] | None = None,
+    commit_hook: CommitHook | None = None,
     ordering: str = "host",
 ) -> AsyncSaveHandle:
     """Save in the background: returns once the layout is planned and staging has begun.
@@ -501,10 +512,9 @@ def async_save(
             the pinned pool). :class:`cpuckpt.tier.MemoryTier` passes its image files for ``path``:
             staging copies straight into them and nothing is written.
         save_id: the id the committed checkpoint records (the same on every rank; default: a new one).
-        node_commit: replaces the coordinator's commit and the outcome's broadcast once every rank's
-            files are in (the memory tier across nodes: ``cpuckpt.tier.nodes.node_commit``): called on every rank
-            as ``node_commit(writer, gathered_results, commit_group, coordinator)`` on the committer thread,
-            it returns the outcome agreed by every rank (None: committed), running its own collectives.
+        commit_hook: a :class:`CommitHook` that replaces the coordinator's commit and the outcome's
+            broadcast once every rank's files are in (the memory tier across nodes:
+            ``cpuckpt.tier.nodes.node_commit``).
         ordering: what the caller must do before changing a saved tensor (the contract below).
 
     **Ordering contract.** ``"host"`` (the default): the call returns once planning is done and
@@ -546,12 +556,12 @@ def async_save(
     """
     return _default_checkpointer(process_group).async_save(
         state_dict, path, config, step=step, planner=planner, plan_key=plan_key, sink=sink, save_id=save_id,
-        node_commit=node_commit, ordering=ordering)
+        commit_hook=commit_hook, ordering=ordering)
 
 
 def _async_save(ckpt: Checkpointer, state_dict: dict[str, Any], path: str, cfg: Config, *, step: int | None,
                 planner: Any, plan_key: Hashable | None, sink: SinkFactory | None, save_id: str | None,
-                node_commit: Callable[..., list[FailureReport | None] | None] | None, ordering: str
+                commit_hook: CommitHook | None, ordering: str
                 ) -> AsyncSaveHandle:
     """:meth:`Checkpointer.async_save` inside the error contract (its arguments checked)."""
     groups = ckpt._start_stream(cfg.timeout_s)
@@ -566,7 +576,7 @@ def _async_save(ckpt: Checkpointer, state_dict: dict[str, Any], path: str, cfg: 
                            snapshots=ckpt.snapshots)
     writer.defer_commit(in_flight=cfg.async_.max_in_flight)
     handle = AsyncSaveHandle(writer, str(path), t0)
-    handle.node_commit = node_commit
+    handle.commit_hook = commit_hook
     try:
         with gc_paused():
             state = resolve_stateful(state_dict)

@@ -404,7 +404,7 @@ class MemoryTier:
                 clear_commit(slot, fsync=False)
         handle = self.saves.async_save(state_dict, slot, self.memory_config, step=step,
                             planner=slot_planner, plan_key=slot_key, sink=self.images[k],
-                            save_id=token, node_commit=self._node_commit,
+                            save_id=token, commit_hook=self._node_commit,
                             ordering=ordering)
         self._next = (k + 1) % len(self.slots)
         if self.config.memory.prepare_slots and not self._prepare_decided.is_set():

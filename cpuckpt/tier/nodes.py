@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from cpuckpt.backend.collectives import resolve_stateful
 from cpuckpt.backend.commit import commit_checkpoint
 from cpuckpt.backend.committed import check_complete, load_metadata, read_manifest
+from cpuckpt.backend.writer import StorageWriter
+from cpuckpt.background import CommitHook
 from cpuckpt.errors import FailureReport, IntegrityError
 from cpuckpt.format.manifest import Manifest
 from cpuckpt.tier.nodecopies import node_storage
@@ -96,14 +98,15 @@ class NodeMap:
         return len(set(self.keys))
 
 
-def node_commit(nodes: NodeMap, *, fsync: bool = False) -> Any:
-    """The ``async_save(node_commit=)`` hook of a memory save across nodes (see the module docstring).
+def node_commit(nodes: NodeMap, *, fsync: bool = False) -> CommitHook:
+    """The :class:`~cpuckpt.background.CommitHook` of a memory save across nodes (see the module docstring).
 
     Never raises for a commit that fails (an unreadable part, a file of the wrong size, the
     coordinator's metadata): it becomes the outcome every rank returns. Only a failing collective raises.
     """
 
-    def commit(writer: Any, gathered: list | None, group: Any, coordinator: int) -> list[FailureReport | None] | None:
+    def commit(writer: StorageWriter, gathered: list | None, group: Any,
+               coordinator: int) -> list[FailureReport | None] | None:
         sent: Any = None
         if writer.is_coordinator:
             try:

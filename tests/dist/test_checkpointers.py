@@ -5,7 +5,7 @@ What is proven, with real files and no mocks:
 - each stream reuses its own plan, resolved items and file layout while the two alternate saves of
   two different structures (one stream shared by both would plan every save with DCP: the cached
   structure would always be the other model's);
-- one stream's save held in its commit (its ``node_commit`` hook waits) neither holds back the other
+- one stream's save held in its commit (its commit hook waits) neither holds back the other
   stream's next call (each has its own ``max_in_flight: 1`` bound) nor its commit (each has its own
   committer), and ``cpuckpt.wait_all`` still waits for the held one;
 - closing one stream leaves the other's caches and saves untouched, and the closed one refuses to save;
@@ -55,7 +55,7 @@ def _check(path: str, want: dict[str, Any]) -> None:
 
 
 def _held_commit(released: threading.Event) -> Any:
-    """An ``async_save(node_commit=)`` hook: the coordinator's ordinary commit, once ``released`` is set."""
+    """A ``CommitHook`` (``async_save(commit_hook=)``): the coordinator's ordinary commit, once ``released`` is set."""
     import torch.distributed as dist
 
     def commit(writer: Any, gathered: Any, group: Any, coordinator: int) -> Any:
@@ -92,7 +92,7 @@ def rank_two_streams(root: str) -> dict[str, Any]:
     # a's next save is held in its commit; b saves and commits meanwhile (max_in_flight 1 each).
     released = threading.Event()
     want_a = policy.expected()
-    held = a.async_save(policy.state(), f"{root}/a/held", BASE, node_commit=_held_commit(released))
+    held = a.async_save(policy.state(), f"{root}/a/held", BASE, commit_hook=_held_commit(released))
     held.staged.wait()
     want_b = value.expected()
     hb = b.async_save(value.state(), f"{root}/b/meanwhile", BASE)
