@@ -20,6 +20,7 @@ synchronous saves always stream.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 import time
@@ -119,6 +120,7 @@ class SaveJob:
         # ``start()`` still submits: the job finalizes when both are done, never while tasks are queued.
         self._pending_writes = 0
         self._submitting = False  # set by start(): a job cancelled before it started finalizes at once
+        self._finalized = False  # _finalize runs once (a cancel before start() reaches it twice)
         self._remaining_fills = len(self._chunks)
         self._slots: SlotSource | None = None
         self._writers: cf.ThreadPoolExecutor | None = None
@@ -270,8 +272,8 @@ class SaveJob:
 
         def hand_over(item: tuple[int, Any]) -> None:  # write_as_copied: each chunk once enqueued
             k, event = item
-            handed.add(k)
             self._submit_write(self._chunks[k], _ready(slots[k], event))
+            handed.add(k)
 
         try:
             last = self._enqueue_snapshot(copier, slots, CopyWindow(self.cfg.staging.d2h_window_bytes),
@@ -279,10 +281,13 @@ class SaveJob:
         except BaseException as e:
             self._fail(e)
         finally:
-            if self._snapshot is None:
-                self._require(self.fence).finish(last)
-            else:  # the fence is the device-to-device copy's; a failed enqueue waited for its copies
-                release_snapshot(self._snapshot, last)
+            try:
+                if self._snapshot is None:
+                    self._require(self.fence).finish(last)
+                else:  # the fence is the device-to-device copy's; a failed enqueue waited for its copies
+                    release_snapshot(self._snapshot, last)
+            except BaseException as e:
+                self._fail(e)
         self._wait_then_write((last, []), slots, handed)
 
     def _enqueue_streaming(self, copier: DeviceCopier, order: LeaseOrder) -> None:
@@ -328,22 +333,34 @@ class SaveJob:
                          handed: set[int] | None = None) -> None:
         """Hand the writes over and mark the shard staged when the last copy (stream order) completed:
         chunks with their own event (``write_as_copied``) first, the others (one slot per chunk, in order)
-        after. After a failure each write releases its slot unwritten."""
+        after. After a failure each write releases its slot unwritten; a write that cannot be handed over
+        (its executor refused it) fails the job, and the slots not handed over go back once the copies ended."""
         last, events = copies
         handed = set() if handed is None else handed
-        for k, event in events:
-            handed.add(k)
-            self._submit_write(self._chunks[k], _ready(slots[k], event))
         try:
-            if last is not None:
-                last.synchronize()
+            for k, event in events:
+                self._submit_write(self._chunks[k], _ready(slots[k], event))
+                handed.add(k)
+            try:
+                if last is not None:
+                    last.synchronize()
+            except BaseException as e:
+                self._fail(e)
+            else:
+                self._mark_staged()
+            for k, (chunk, slot) in enumerate(zip(self._chunks, slots)):
+                if k not in handed:
+                    self._submit_write(chunk, _ready(slot, None))
+                    handed.add(k)
         except BaseException as e:
             self._fail(e)
-        else:
-            self._mark_staged()
-        for k, (chunk, slot) in enumerate(zip(self._chunks, slots)):
-            if k not in handed:
-                self._submit_write(chunk, _ready(slot, None))
+            with contextlib.suppress(BaseException):
+                if last is not None:
+                    last.synchronize()  # no copy still lands in a slot that goes back
+            source = self._require(self._slots)
+            for k, slot in enumerate(slots):
+                if k not in handed:
+                    source.release(slot)
 
     def _fill_on_host(self, chunk: Chunk, order: LeaseOrder, ticket: int) -> tuple[Slot, None]:
         source = self._require(self._slots)
@@ -388,9 +405,12 @@ class SaveJob:
         self._run_pending(self._write_when_ready, chunk, ready)
 
     def _run_pending(self, task: Callable[..., None], *args: object) -> None:
-        """Run a pending write (or the copies' waiter, which hands writes over); the last to end finalizes."""
+        """Run a pending write (or the copies' waiter, which hands writes over); the last to end finalizes.
+        A task that raises fails the job before its token goes: the job never finishes as if it had written."""
         try:
             task(*args)
+        except BaseException as e:
+            self._fail(e)
         finally:
             with self._lock:
                 self._pending_writes -= 1
@@ -427,6 +447,10 @@ class SaveJob:
     def _finalize(self) -> None:
         """Every submitted task has ended: report the error, or finish the sink (durable) and the result.
         Reported only now that no task holds a slot or a file, so a retry starts clean."""
+        with self._lock:
+            if self._finalized:
+                return
+            self._finalized = True
         if not self._cancel.is_set():
             try:
                 self.sink.finish()

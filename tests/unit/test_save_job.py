@@ -105,3 +105,31 @@ def test_two_in_flight_need_room_for_both_to_snapshot(tmp_path):
     h.wait()
     assert h.stats.mode == "streaming"
     _assert_loads(tmp_path / "a", 6, cfg)
+
+
+def test_a_write_task_that_raises_fails_the_save_never_commits_zeros(tmp_path, monkeypatch):
+    """A pending task that raises instead of reporting (a refused hand-over, a bug) fails the job: the save
+    is never committed with the chunks it did not write and their checksums of 0."""
+    from cpuckpt.transfer.save_job import SaveJob
+
+    real = SaveJob._write_when_ready
+    calls = []
+
+    def flaky(self, chunk, ready):
+        calls.append(chunk.index)
+        real(self, chunk, ready)  # its slot goes back; then the task raises instead of reporting
+        if len(calls) == 3:
+            raise RuntimeError("planted: a write task that raises")
+
+    monkeypatch.setattr(SaveJob, "_write_when_ready", flaky)
+    with pytest.raises(cpuckpt.CpuckptError, match="planted"):
+        cpuckpt.save(_state(1), tmp_path / "ck", _cfg())
+    assert not (tmp_path / "ck" / ".metadata").exists()
+    calls.clear()
+    h = cpuckpt.async_save(_state(2), tmp_path / "ck2", _cfg())
+    with pytest.raises(cpuckpt.CpuckptError, match="planted"):
+        h.wait()
+    assert not (tmp_path / "ck2" / ".metadata").exists()
+    monkeypatch.setattr(SaveJob, "_write_when_ready", real)
+    cpuckpt.save(_state(3), tmp_path / "ck3", _cfg())  # every slot went back: the next save has the pool
+    _assert_loads(tmp_path / "ck3", 3, _cfg())
