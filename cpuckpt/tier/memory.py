@@ -373,7 +373,8 @@ class MemoryTier:
         name = name or f"step_{step}"
         dest = Path(dest) if dest is not None else self.durable_root / name
         self.last_persist = None
-        claimed = self._claim(step)
+        replicas = self._replication is not None and self.nodes.is_leader and bool(self._replication.partners)
+        claimed = self._claim(step, needs_writer=replicas or self._persist_due(step, persist))
         if claimed is None:
             return self.saves.async_save(state_dict, dest, self.config, step=step, planner=planner,
                                          plan_key=plan_key, ordering=ordering)
@@ -419,7 +420,7 @@ class MemoryTier:
         self._last = _LastSave(step, slot, self._persist_request(slot, handle.save_id, step, dest, seq=0), requested)
         return handle
 
-    def _claim(self, step: int | None) -> tuple[int, str] | None:
+    def _claim(self, step: int | None, *, needs_writer: bool = False) -> tuple[int, str] | None:
         """Collective: (the next slot's index, a save id common to every rank), once no persist holds that slot;
         None when one does and ``memory.when_full`` is disk (the save goes to the durable root instead).
 
@@ -428,7 +429,17 @@ class MemoryTier:
             WriterDiedError: some rank's writer died owing persists (``on_writer_failure: raise``), or could not
                 be respawned.
             CheckpointTimeoutError: the slot is still held after ``timeout_s`` (``when_full: wait``).
+
+        ``needs_writer``: this save will send this rank's writer a request, so the writer is started now if none
+        runs, and a start that fails on any rank fails the save on every rank (``WriterDiedError``) before a byte
+        moves, instead of on that rank alone after its save began.
         """
+        start_failed: CpuckptError | None = None
+        if needs_writer:
+            try:
+                self._ensure_writer()
+            except CpuckptError as e:
+                start_failed = e
         k = self._next
         slot = self.slots[k]
         deadline = time.monotonic() + self.config.timeout_s
@@ -439,10 +450,12 @@ class MemoryTier:
             expired = time.monotonic() > deadline
             dead, persist_failed, held, expired, respawn_failed, token = self._agree(
                 [int(self._writer_dead_with_debts()), int(bool(failed)), int(self._held(slot)), int(expired),
-                 int(self._respawn_failed is not None),
+                 int(self._respawn_failed is not None or start_failed is not None),
                  secrets.randbits(62)])  # not `random`: the trainer's own random stream stays untouched
+            if respawn_failed and start_failed is not None:
+                raise start_failed
             if respawn_failed:
-                raise WriterDiedError(f"rank {self.rank}: a writer process could not be respawned"
+                raise WriterDiedError(f"rank {self.rank}: a writer process could not be started or respawned"
                                       + (f": {self._respawn_failed}" if self._respawn_failed else " (on another rank)"))
             if persist_failed:
                 # A save with a failed part is never committed: every rank withdraws what it still owes, so that
@@ -826,7 +839,19 @@ class MemoryTier:
         (bad,) = self._agree([int(bool(errors))])  # also: all owed persists done, every rank sees one durable root
         last = self._last
         if persist_newest and not bad and last is not None:
-            if last.step is not None and self._holds(last) and not self.persisted(last.step):
+            due = last.step is not None and self._holds(last) and not self.persisted(last.step)
+            started: CpuckptError | None = None
+            if due:  # the writer may start only now (persist_every 0): its start is agreed before any request
+                try:
+                    self._ensure_writer()
+                except CpuckptError as e:
+                    started = e
+            (start_failed,) = self._agree([int(started is not None)])
+            if start_failed:  # no rank asks: the coordinator's writer would wait timeout_s for the missing part
+                errors.append(started or WriterDiedError(
+                    f"rank {self.rank}: another rank's writer could not start to persist the newest memory "
+                    f"checkpoint (see its log); it stays in {self.root.path}"))
+            elif due:
                 self._put(dataclasses.replace(last.request, seq=self.queue.next_seq()))
             self._wait_owed_agreed(errors)  # collective: every rank waits, requested or not
         self._stop_writer()

@@ -666,3 +666,46 @@ def test_restart_where_no_checkpoint_verifies_raises_instead_of_starting_from_sc
     with pytest.raises(CheckpointCorrupt, match=r"step_2.*step_1|loads cleanly"):
         tier.load_latest(_targets(0))
     _close_idle(tier)
+
+
+def _writer_cannot_start_on_rank_1(durable: str, ram: str) -> dict:
+    """Rank body: memory saves at steps 1-3, persist every 2nd; rank 1 cannot start a process (Popen fails)."""
+    import subprocess
+
+    import torch.distributed as dist
+
+    from cpuckpt.tier.memory import MemoryTier, WriterDiedError
+
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(Path(ram), persist_every=2))
+    tier.save(_state(1, rank), 1).wait()  # memory only: no writer is needed yet
+    if rank == 1:
+        def refuse(*a, **k):
+            raise OSError(11, "planted: cannot fork")
+        subprocess.Popen = refuse  # this rank's process only
+    t0 = time.monotonic()
+    try:
+        tier.save(_state(2, rank), 2).wait()
+        outcome = "saved"
+    except WriterDiedError as e:
+        outcome = f"WriterDiedError: {e}"
+    took = time.monotonic() - t0
+    try:
+        tier.close(persist_newest=False)
+        closed = "clean"
+    except Exception as e:  # reported to the test
+        closed = f"{type(e).__name__}: {e}"
+    return {"outcome": outcome, "took": took, "closed": closed}
+
+
+def test_a_writer_that_cannot_start_fails_that_save_on_every_rank_promptly(run_ranks, tmp_path):
+    """The writer starts at the first persist request (step 2 here); if it cannot start on one rank, that save
+    fails on every rank with WriterDiedError before a byte moves, and no rank is left in a collective."""
+    res = run_ranks(2, _writer_cannot_start_on_rank_1, str(tmp_path / "durable"), str(tmp_path / "ram"),
+                    timeout_s=90)
+    for rank, r in enumerate(res):
+        assert r["outcome"].startswith("WriterDiedError"), (rank, r)
+        assert r["took"] < 10, (rank, r)  # agreed at once, not after a collective's timeout (timeout_s 30)
+        assert r["closed"] == "clean", (rank, r)
+    assert "planted: cannot fork" in res[1]["outcome"], res
+    assert "on another rank" in res[0]["outcome"], res

@@ -288,8 +288,15 @@ def _persist_fails_on_rank1(durable: str, base: str, site: str) -> dict:
     if rank == 1:
         cfg["io"] = {**cfg["io"], "backend": "fault:ENOSPC@0"}  # rank 1's writer: every durable write fails
     tier = MemoryTier(durable, cfg)
-    tier.writer_pid()  # started (its interpreter's start is not close()'s to wait out)
-    tier.save(_state(1, rank), 1).wait()
+    tier.save(_state(1, rank), 1).wait()  # its persist request starts this rank's writer
+    # The writers' interpreter start is not close()'s to wait out: each rank waits until its writer has handled
+    # the persist (rank 1's failed, rank 0's part written; the coordinator's writer then waits for rank 1's).
+    deadline = time.monotonic() + 60
+    done = (lambda: tier.queue.finished()) if rank == 1 else (
+        lambda: (Path(durable) / "step_1" / "__0_.cpuckpt-part.json").exists())
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done(), f"rank {rank}: its writer did not handle the persist within 60 s"
     t0 = time.monotonic()
     error = None
     try:
