@@ -116,7 +116,10 @@ class DeepSpeedMemory:
         """Collective: the slot of the next checkpoint (None: ``memory.when_full: disk`` and every slot held,
         so it goes to ``save_dir`` as without the tier). Raises a failed persist, a dead writer, a timeout."""
         got = self.tier.claim_slot()
-        return None if got is None else Claim(*got)
+        if got is None:
+            return None
+        self._unname(got[0])  # before this rank's first byte into it: no name leads a stock load to torn files
+        return Claim(*got)
 
     def sink(self, claim: Claim, name: str, files: list[FileLayout], cfg: Config, rank: int) -> Sink:
         """The save engine's sink for file ``name`` of a checkpoint: straight into the slot's reused image."""
@@ -192,6 +195,17 @@ class DeepSpeedMemory:
         tmp.unlink(missing_ok=True)
         os.symlink(slot, tmp, target_is_directory=True)
         os.replace(tmp, self.links / tag)
+
+    def _unname(self, slot: Path) -> None:
+        """Every rank, once ``slot`` is claimed: remove the names of the tag it held (``tags/<tag>``). Each rank
+        does it before its own first byte, so no byte lands while a name still leads to the slot; the removals
+        of the same names by several ranks of the node are idempotent."""
+        if not self.links.is_dir():
+            return
+        real = Path(os.path.realpath(slot))
+        for link in self.links.iterdir():
+            if link.is_symlink() and Path(os.path.realpath(link)) == real:
+                link.unlink(missing_ok=True)
 
     def _relink(self) -> None:
         """At start: a name for every complete slot, none for anything else (a slot refilled since, a crash

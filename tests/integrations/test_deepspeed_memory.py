@@ -194,8 +194,10 @@ def rank_memory_only_then_killed(root: str) -> None:
     h._step(engine, 3)
     engine.save_checkpoint(str(save_dir))  # returns once staged into the slot; committed at the next step
     engine.checkpoint_engine.wait()  # every byte in RAM (no commit yet)
-    (Path(root) / f"writer_{rank}").write_text(str(engine.checkpoint_engine.memory_tier.writer_pid()))
+    tier = engine.checkpoint_engine.memory_tier
+    (Path(root) / f"writer_{rank}").write_text(str(tier.writer_pid()))
     dist.barrier()
+    (Path(root) / f"links_{rank}").write_text(",".join(sorted(p.name for p in (tier.root.path / "tags").iterdir())))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -315,6 +317,9 @@ def test_no_writer_without_persists_and_a_torn_memory_tag_is_never_chosen(run_ra
     assert all(r["type"] == "RankDied" for r in ei.value.results.values()), ei.value
     assert [(tmp_path / f"writer_{r}").read_text() for r in (0, 1)] == ["None", "None"], "a writer was started"
     assert not [p for p in (tmp_path / "ckpt").glob("*") if p.is_dir()], "a tag directory reached save_dir"
+    # Step 3 refilled step 1's slot: that tag's name went before the first byte (a stock load by it is not torn)
+    for r in (0, 1):
+        assert (tmp_path / f"links_{r}").read_text() == "global_step2,latest", r
     for r in run_ranks(2, rank_restart_past_a_torn_slot, str(tmp_path), timeout_s=150):
         assert Path(r["loaded"]).parent == tmp_path / "ram" / "tags" / "global_step2", r
         assert sorted(r["slots"]) == ["complete", "torn"], r["slots"]  # step 3's slot: files, no marker
