@@ -435,7 +435,7 @@ class MemoryTier:
         moves, instead of on that rank alone after its save began.
         """
         start_failed: CpuckptError | None = None
-        if needs_writer:
+        if needs_writer and not self._writer_dead_with_debts():  # one that died owing is on_writer_failure's
             try:
                 self._ensure_writer()
             except CpuckptError as e:
@@ -496,7 +496,7 @@ class MemoryTier:
         if not self.nodes.single:  # the node map is gathered: every rank raises together
             raise ConfigError(f"memory tier {self.root.path}: file-set checkpoints (claim_slot) work on one node "
                               f"only; the ranks use {self.nodes.nodes} RAM roots")
-        claimed = self._claim(step)
+        claimed = self._claim(step, needs_writer=self._persist_due(step, None))
         if claimed is None:
             return None
         k, save_id = claimed

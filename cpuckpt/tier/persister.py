@@ -231,6 +231,9 @@ def _commit_files(req: PersistRequest, cfg: Config, dest: Path, slot: Path, dead
                              f"{req.save_id[:8]}: {e}") from e
     if marker_save_id(slot / req.marker) != req.save_id:
         raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of {req.save_id[:8]}")
+    if queue is not None and queue.outcome(req.seq) is not None:  # withdrawn after every part came in
+        raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step}); "
+                             "not committed")
     write_atomic(dest / req.marker, marker, fsync=cfg.io.fsync)
     if req.saving:
         (dest / req.saving).unlink(missing_ok=True)

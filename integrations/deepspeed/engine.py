@@ -440,8 +440,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                                 f"checkpoint {pending.tag}: writing its marker and {root}/latest" if memory is None
                                 else f"checkpoint {pending.tag}: committing it in memory ({files_dir})", final_error)
             except BaseException:
-                if request is not None and memory is not None:
-                    memory.tier.queue.cancel(request.seq, "its memory commit failed")
+                if memory is not None and ckpt.claim is not None:
+                    if request is not None:
+                        memory.tier.queue.cancel(request.seq, "its memory commit failed")
+                    if rank == 0:  # a checkpoint failed on every rank is never listed: no marker, no name
+                        memory.withdraw(ckpt.claim, pending.tag)
                 raise
         self.last_commit_s = time.perf_counter() - t0
         logger.debug("rank %d: checkpoint %s committed %s (%d files)", rank, pending.tag, where, len(files))

@@ -132,6 +132,19 @@ class DeepSpeedMemory:
         self._link(tag, claim.slot)
         write_atomic(self.links / "latest", tag.encode(), fsync=False)
 
+    def withdraw(self, claim: Claim, tag: str) -> None:
+        """Rank 0, when the commit failed on some rank after this rank committed the slot: the marker and the
+        names go again, so the failed checkpoint is never a restart's candidate. Best effort (logged)."""
+        try:
+            (claim.slot / MARKER_NAME).unlink(missing_ok=True)
+            self._unname(claim.slot)
+            latest = self.links / "latest"
+            if latest.exists() and latest.read_text().strip() == tag:
+                latest.unlink(missing_ok=True)
+        except OSError as e:
+            logger.warning("cpuckpt memory tier: the failed checkpoint %s in %s could not be withdrawn: %s", tag,
+                           claim.slot, e)
+
     def persist(self, claim: Claim, tag: str, step: int | None, entries: dict[str, FileEntry],
                 save_latest: bool) -> PersistRequest | None:
         """Every rank, after the memory commit: the ring moves on and this rank's files are queued for its writer
