@@ -317,7 +317,8 @@ class ImageSet:
         self.pin = pin
         self.before_grow = before_grow  # called with the bytes an image is about to grow by (a space check)
         self._files: dict[str, ImageFile] = {}
-        self._last_done: cf.Future | None = None  # the ``done`` of the last job that filled these images
+        # per image: the ``done`` of the last job that filled it (a DeepSpeed tag's files are one job each)
+        self._last_done: dict[str, cf.Future] = {}
         self._lock = threading.Lock()
 
     def image(self, name: str, nbytes: int, *, chunk_bytes: int | None = None) -> ImageFile:
@@ -360,11 +361,15 @@ class ImageSet:
         """The sink of a save into these images (``StorageWriter(sink=image_set)``)."""
         return ImageSink(self, directory, names, files, cfg, rank=rank)
 
-    def claim(self, done: cf.Future) -> cf.Future | None:
-        """A job takes these images; returns the previous job's ``done`` (it must end before any byte moves)."""
+    def claim(self, done: cf.Future, names: list[str]) -> list[cf.Future]:
+        """A job takes the images ``names``; returns the ``done`` of the previous jobs that filled them (they must
+        end before any byte moves: an image is resized or remapped only while no job copies into it). Jobs of
+        other images of the set go on (a tag's optimizer file does not wait for its model file)."""
         with self._lock:
-            previous, self._last_done = self._last_done, done
-            return previous
+            previous = {id(f): f for n in names if (f := self._last_done.get(n)) is not None}
+            for n in names:
+                self._last_done[n] = done
+            return list(previous.values())
 
     def get(self, name: str) -> ImageFile | None:
         """The image ``name`` if it was made, as it is (no resizing)."""
@@ -421,11 +426,11 @@ class ImageSink:
     def open(self, nslots: int, done: cf.Future) -> ImageSink:
         """Claim the images for this save (a save still copying into them, or one that failed with copies
         in flight, ends first) and size them. Raises ``CheckpointTimeoutError`` if that one does not end."""
-        previous = self.images.claim(done)
-        if previous is not None:
+        previous = self.images.claim(done, self.names)
+        if previous:
             with GATE.lifted():  # the previous save's copies must go on even inside a held copy gate
-                cf.wait([previous], timeout=self.cfg.timeout_s)
-            if not previous.done():
+                cf.wait(previous, timeout=self.cfg.timeout_s)
+            if not all(f.done() for f in previous):
                 raise CheckpointTimeoutError(f"rank {self.rank}: the previous save into {self.directory} has "
                                              f"not ended after {self.cfg.timeout_s} s")
         remaps, opened = 0, []
