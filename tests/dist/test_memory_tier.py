@@ -200,7 +200,9 @@ def test_no_writer_process_starts_until_the_first_persist_request(tmp_path):
         tier.save(_state(step, 0), step).wait()
     assert _writer_children() == [] and tier.writer_pid() is None, "a save that persists nothing started a writer"
     tier.save(_state(4, 0), 4, persist=True).wait()
-    children = _writer_children()
+    deadline = time.monotonic() + 10  # its /proc entry is read while it starts: look again for a moment
+    while len(children := _writer_children()) != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert len(children) == 1 and tier.writer_pid() == children[0], (children, tier.writer_pid())
     tier.wait_persisted()
     assert _durable_steps(tmp_path / "durable") == [4]
