@@ -214,16 +214,7 @@ def _commit_files(req: PersistRequest, cfg: Config, dest: Path, slot: Path, dead
     """The coordinator's durable commit of a file set: every rank's part of this save, then the marker, then the
     pointer. No collective (the parts are files); bounded by ``timeout_s``."""
     parts = [part_path(dest, r) for r in range(req.world_size)]
-    while True:
-        missing = [p.name for p in parts if _part_save_id(p) != req.save_id]
-        if not missing:
-            break
-        if queue is not None and queue.outcome(req.seq) is not None:
-            raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step}) "
-                                 f"while {missing} were missing; not committed")
-        if time.monotonic() > deadline:
-            raise CheckpointTimeoutError(f"{dest}: {missing} for save {req.save_id[:8]} never arrived; not committed")
-        time.sleep(POLL_S)
+    _await_parts(req, dest, {p.name: p for p in parts}, deadline, queue)
     try:
         marker = (slot / req.marker).read_bytes()
     except OSError as e:
@@ -288,21 +279,24 @@ def replicate_one(req: PersistRequest, queue: PersistQueue | None = None) -> Out
     return Outcome(req.seq, True, seconds=seconds, nbytes=nbytes)
 
 
+def _await_parts(req: PersistRequest, dest: Path, parts: dict[str, Path], deadline: float,
+                 queue: PersistQueue | None) -> None:
+    """Poll until every rank's part *of this save* (``parts``: name -> path) is in ``dest``; a part of an earlier
+    attempt does not count. Raises when the trainers withdrew the persist (a part failed on another rank:
+    stop waiting for it) or after ``deadline``."""
+    while missing := [name for name, path in parts.items() if _part_save_id(path) != req.save_id]:
+        if queue is not None and queue.outcome(req.seq) is not None:
+            raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step}) "
+                                 f"while {missing} were missing; not committed")
+        if time.monotonic() > deadline:
+            raise CheckpointTimeoutError(f"{dest}: {missing} for save {req.save_id[:8]} never arrived; not committed")
+        time.sleep(POLL_S)
+
+
 def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Path, slot: Path,
                     deadline: float, t0: float, queue: PersistQueue | None = None) -> None:
     prefixes = [f"__{r}_" for r in range(req.world_size)]
-    while True:  # every rank's part *of this save*: a part of an earlier attempt does not count
-        missing = [p for p in prefixes if _part_save_id(dest / part_name(p)) != req.save_id]
-        if not missing:
-            break
-        # The trainers withdraw a persist whose part failed on another rank (close()): stop waiting for it.
-        if queue is not None and queue.outcome(req.seq) is not None:
-            raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step}) "
-                                 f"while the parts of {missing} were missing; not committed")
-        if time.monotonic() > deadline:
-            raise CheckpointTimeoutError(f"{dest}: the parts of {missing} for save {req.save_id[:8]} never "
-                                         "arrived; not committed")
-        time.sleep(POLL_S)
+    _await_parts(req, dest, {f"the part of {p}": dest / part_name(p) for p in prefixes}, deadline, queue)
     metadata = load_metadata(slot)
     if _committed_save_id(slot) != req.save_id:
         raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of {req.save_id[:8]}")
