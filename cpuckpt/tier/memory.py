@@ -434,12 +434,8 @@ class MemoryTier:
         runs, and a start that fails on any rank fails the save on every rank (``WriterDiedError``) before a byte
         moves, instead of on that rank alone after its save began.
         """
-        start_failed: CpuckptError | None = None
-        if needs_writer and not self._writer_dead_with_debts():  # one that died owing is on_writer_failure's
-            try:
-                self._ensure_writer()
-            except CpuckptError as e:
-                start_failed = e
+        # one that died owing is on_writer_failure's to handle below
+        start_failed = self._try_start_writer() if needs_writer and not self._writer_dead_with_debts() else None
         k = self._next
         slot = self.slots[k]
         deadline = time.monotonic() + self.config.timeout_s
@@ -618,6 +614,14 @@ class MemoryTier:
         self._put(req)
         handle.add_done_callback(lambda error: None if error is None else
                                  self.queue.cancel(req.seq, f"the memory save failed: {error}"))
+
+    def _try_start_writer(self) -> CpuckptError | None:
+        """:meth:`_ensure_writer`, its failure returned for the caller to agree on with the other ranks."""
+        try:
+            self._ensure_writer()
+        except CpuckptError as e:
+            return e
+        return None
 
     def _put(self, req: PersistRequest) -> None:
         """Queue ``req`` for this rank's writer, starting the writer first if none runs."""
@@ -840,12 +844,8 @@ class MemoryTier:
         last = self._last
         if persist_newest and not bad and last is not None:
             due = last.step is not None and self._holds(last) and not self.persisted(last.step)
-            started: CpuckptError | None = None
-            if due:  # the writer may start only now (persist_every 0): its start is agreed before any request
-                try:
-                    self._ensure_writer()
-                except CpuckptError as e:
-                    started = e
+            # the writer may start only now (persist_every 0): its start is agreed before any request
+            started = self._try_start_writer() if due else None
             (start_failed,) = self._agree([int(started is not None)])
             if start_failed:  # no rank asks: the coordinator's writer would wait timeout_s for the missing part
                 errors.append(started or WriterDiedError(
