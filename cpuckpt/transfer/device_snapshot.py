@@ -135,7 +135,6 @@ def _free(buffers: list[DeviceSnapshot]) -> None:
             b.busy.synchronize()  # its memory goes back to the allocator: no copy may still read it
 
 
-
 def release(snap: DeviceSnapshot | None, last_reader: Any) -> None:
     """Give ``snap`` back; ``last_reader`` is the CUDA event after the last copy reading it (None: none
     was enqueued, or the copies were waited for)."""
