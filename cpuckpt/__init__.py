@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cpuckpt.api import load, pause_copies, prepare_pool, prepare_pool_in_background, save
+from cpuckpt.api import load, prepare_pool, prepare_pool_in_background, save, tick
 from cpuckpt.backend.reader import StorageReader
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.background import AsyncSaveHandle, Checkpointer, async_save, wait_all
@@ -59,12 +59,12 @@ __all__ = [
     "list_checkpoints",
     "load",
     "load_latest",
-    "pause_copies",
     "prepare_pool",
     "prepare_pool_in_background",
     "read_latest",
     "release_pool",
     "save",
+    "tick",
     "update_latest",
     "wait_all",
 ]

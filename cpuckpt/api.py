@@ -7,7 +7,6 @@ Checkpoint collectives run on a dedicated gloo group (``backend.collectives``). 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -28,10 +27,10 @@ from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import ConfigError, is_interrupt
 from cpuckpt.paths import local_path
 from cpuckpt.roots import after_commit, loading
-from cpuckpt.transfer.copy_gate import GATE
+from cpuckpt.transfer.pacing import PACER
 from cpuckpt.transfer.staging import get_pool
 
-__all__ = ["PoolPreparation", "load", "pause_copies", "prepare_pool", "prepare_pool_in_background", "save"]
+__all__ = ["PoolPreparation", "load", "prepare_pool", "prepare_pool_in_background", "save", "tick"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,21 +216,23 @@ def prepare_pool_in_background(nbytes: int, config: Config | str | os.PathLike |
     return PoolPreparation(nbytes, config)
 
 
-def pause_copies() -> contextlib.AbstractContextManager[None]:
-    """A context for the trainer's optimizer step (or any code that reads device values on the host,
-    ``loss.item()``) while saves' device-to-host copies overlap training: windowed copies
-    (``staging.d2h_window_bytes``) enqueue no more until it ends, so those reads wait for the copies in
-    flight only, not for the rest of the save (:mod:`cpuckpt.transfer.copy_gate`). The DeepSpeed and
-    Megatron adapters hold it around the optimizer step themselves. ::
+def tick() -> None:
+    """Enqueue the next piece of the pending saves' device-to-host copies, if the piece before it is done.
 
-        handle = cpuckpt.async_save(state, path, {"staging": {"d2h_window_bytes": 64 << 20,
-                                                              "device_snapshot": True}}, ordering="stream")
-        loss = model(batch); loss.backward()
-        handle.wait_stream()  # GPU-side: the next kernels wait for the device snapshot
-        with cpuckpt.pause_copies():
-            optimizer.step()  # its .item() calls wait for 64 MiB of copies at most
+    Saves with ``staging.d2h_window_bytes`` (both adapters' ``ordering: optimizer``) enqueue their copies in
+    pieces from the trainer's own thread (:mod:`cpuckpt.transfer.pacing`): at every module's forward and at
+    the gradients of the modules' outputs, so a trainer's ``.item()`` never waits behind more than one piece.
+    A loop that runs no ``torch.nn.Module`` calls this at its own natural points (between layers); whatever
+    is left goes at ``handle.wait_stream()``. Cheap when nothing is pending. ::
+
+        handle = cpuckpt.async_save(state, path, {"staging": {"d2h_window_bytes": 64 << 20}}, ordering="stream")
+        for layer in layers:
+            x = layer(x)
+            cpuckpt.tick()
+        handle.wait_stream()  # GPU-side: the step's kernels wait for the copies
+        optimizer.step()
     """
-    return GATE.held()
+    PACER.tick()
 
 
 _MOVED_TO_COLLECTIVES = ("checkpoint_group", "dcp_save", "new_gloo_group", "resolve_stateful")

@@ -213,8 +213,8 @@ class Checkpointer:
     evict or reorder the other's, and :meth:`close` of one leaves the other running. What they do
     share is per process: the pinned host pool (sized by the save that asks for it: two streams saving at
     once share its slots, so one's pool save may wait for the other's writes; a ``staging.pool_bytes``
-    that holds both avoids it), the stage/io threads, the copy gate, and the gloo mirror of the trainer's
-    group that planning uses on the caller's thread.
+    that holds both avoids it), the stage/io threads, the pacer of device-to-host copies, and the gloo
+    mirror of the trainer's group that planning uses on the caller's thread.
 
     :func:`cpuckpt.async_save` saves through one checkpointer per process group (made on first use).
 

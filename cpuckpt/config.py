@@ -138,12 +138,12 @@ class StagingConfig:
                            "always stream through it (0: 2 chunks per io thread).", size=True, min=0)
     pin: bool = _opt(True, "Pin the pool with cudaHostRegister when CUDA is present (its pages are touched "
                      "first, on many threads: pinning would fault them in on one).")
-    d2h_window_bytes: int = _opt(0, "Device-to-host bytes enqueued ahead (GPU sources, snapshot saves); 0 "
-                                 "enqueues a save's copies at once. With a window a thread keeps that much in "
-                                 "flight and adds none while the trainer holds the copy gate (the adapters' "
-                                 "optimizer step, cpuckpt.pause_copies), so the trainer's own small copies "
-                                 "(.item()) wait behind the window only: for copies overlapping training.",
-                                 size=True, min=0)
+    d2h_window_bytes: int = _opt(0, "Paced device-to-host copies (GPU sources, snapshot saves): pieces of this "
+                                 "many bytes enqueued from the trainer's own thread (module forward hooks, the "
+                                 "gradients of module outputs, cpuckpt.tick), one piece in flight at a time, the "
+                                 "rest at the next wait_stream or optimizer step, so the trainer's own small "
+                                 "copies (.item()) wait behind one piece at most; 0 enqueues a save's copies at "
+                                 "once.", size=True, min=0)
     device_snapshot: bool = _opt(False, "Copy a snapshot save's GPU bytes into spare device memory first "
                                  "(device-to-device, at memory speed), then to the host from there: the GPU-side "
                                  "ordering of the trainer's next writes (ordering stream/optimizer) then waits for "
@@ -507,9 +507,9 @@ OVERLAP_WINDOW_BYTES = 64 * _MiB
 
 def overlap_window(core: Config) -> Config:
     """``core`` for saves whose copies overlap the next training step (the adapters' ``ordering: optimizer``):
-    ``staging.d2h_window_bytes`` left 0 becomes 64 MiB, so the optimizer step's own small device-to-host
-    copies (``.item()``), made while the adapter holds the copy gate, wait behind at most that much
-    (0.9 ms on the H200; 4.6 ms for 256 MiB), not behind the whole save."""
+    ``staging.d2h_window_bytes`` left 0 becomes 64 MiB: the copies are paced from the trainer's thread in
+    pieces of that size (:mod:`cpuckpt.transfer.pacing`), so the trainer's own small device-to-host copies
+    (``.item()``) wait behind one piece at most (~1.2 ms on the H200), not behind the whole save."""
     if core.staging.d2h_window_bytes:
         return core
     return dataclasses.replace(core, staging=dataclasses.replace(core.staging, d2h_window_bytes=OVERLAP_WINDOW_BYTES))

@@ -48,8 +48,8 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, StagingError, StorageIOError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
-from cpuckpt.transfer.copy_gate import GATE
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
+from cpuckpt.transfer.pacing import PACER
 from cpuckpt.transfer.staging import Slot
 from cpuckpt.transfer.threads import run_parallel
 
@@ -428,8 +428,8 @@ class ImageSink:
         in flight, ends first) and size them. Raises ``CheckpointTimeoutError`` if that one does not end."""
         previous = self.images.claim(done, self.names)
         if previous:
-            with GATE.lifted():  # the previous save's copies must go on even inside a held copy gate
-                cf.wait(previous, timeout=self.cfg.timeout_s)
+            PACER.drain_for_wait()  # the previous save's copies, if this thread's ticks were to enqueue them
+            cf.wait(previous, timeout=self.cfg.timeout_s)
             if not all(f.done() for f in previous):
                 raise CheckpointTimeoutError(f"rank {self.rank}: the previous save into {self.directory} has "
                                              f"not ended after {self.cfg.timeout_s} s")

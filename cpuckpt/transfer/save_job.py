@@ -38,8 +38,9 @@ from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.device_snapshot import DeviceSnapshot, DeviceSnapshots
 from cpuckpt.transfer.device_snapshot import release as release_snapshot
+from cpuckpt.transfer.pacing import PACER
 from cpuckpt.transfer.sinks import PoolSink, Sink, SlotSource
-from cpuckpt.transfer.staging import CopyFence, CopyWindow, DeviceCopier, LeaseOrder, Slot, fill_chunk, own_host_sources
+from cpuckpt.transfer.staging import CopyFence, DeviceCopier, LeaseOrder, Slot, fill_chunk, own_host_sources
 from cpuckpt.transfer.threads import shared_executor, wait_future
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -116,7 +117,7 @@ class SaveJob:
         self._staged_event = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        # Tasks not ended (writes, and the copies' waiter or feeder, which hand writes over) and whether
+        # Tasks not ended (writes, the copies' waiter and the paced pieces, which hand writes over) and whether
         # ``start()`` still submits: the job finalizes when both are done, never while tasks are queued.
         self._pending_writes = 0
         self._submitting = False  # set by start(): a job cancelled before it started finalizes at once
@@ -182,7 +183,10 @@ class SaveJob:
                 self._finalize()
 
     def wait_staged(self, timeout_s: float | None = None) -> None:
-        """Block until every chunk is in host memory; Ctrl-C here cancels the job and propagates."""
+        """Block until every chunk is in host memory; Ctrl-C here cancels the job and propagates. Paced
+        copies still pending are enqueued first, on this thread (the caller is about to change its tensors)."""
+        if not self.staged.done():
+            PACER.drain()
         wait_future(self.staged, self.cfg.timeout_s if timeout_s is None else timeout_s,
                     f"staging of rank {self.rank}'s checkpoint files in {self.directory}", on_interrupt=self.cancel)
 
@@ -237,14 +241,19 @@ class SaveJob:
                     source.release(slot)
                 raise
         if self.cfg.staging.d2h_window_bytes and self._chunks:
-            self.sources = own_host_sources(self.sources)  # the feeder copies host bytes after the call
+            # Paced from the trainer's thread (transfer.pacing): the copies overlap its next steps, a piece
+            # at a time; CPU sources are copied by then, after the call returned.
+            self.sources = own_host_sources(self.sources)
+            with self._lock:
+                self._pending_writes += 1  # ended by the pieces' end (_PacedCopies.finish)
+            paced = _PacedCopies(self, copier, slots)
             if self._snapshot is None:
-                fence.enqueuing()
-            self._submit_pending(f"cpuckpt-d2h-feed-{self.rank}", self._feed_then_write, copier, slots)
+                fence.enqueuing(drain=PACER.drain)
+            PACER.submit(paced)
             return
         events: list[tuple[int, Any]] = []  # write_as_copied: each chunk's event, handed over by the waiter
         try:
-            last = self._enqueue_snapshot(copier, slots, None, events.append if self.sink.write_as_copied else None)
+            last = self._enqueue_snapshot(copier, slots, events.append if self.sink.write_as_copied else None)
         except BaseException:
             release_snapshot(self._snapshot, None)  # enqueue waited for what it had enqueued
             for slot in slots:
@@ -257,38 +266,14 @@ class SaveJob:
         self._submit_pending(f"cpuckpt-d2h-wait-{self.rank}", self._wait_then_write, (last, events), slots,
                              copies_end=last)
 
-    def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot], window: CopyWindow | None,
+    def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot],
                           each: Callable[[tuple[int, Any]], object] | None) -> Any:
         """Enqueue every chunk's copies into its slot (:meth:`DeviceCopier.enqueue`); with ``each``, every
         chunk's (position, event) goes to it as enqueued. Returns the event after the last copy."""
         position = {id(chunk): k for k, chunk in enumerate(self._chunks)}
         targets = ((chunk, slot, self.files[chunk.file]) for chunk, slot in zip(self._chunks, slots))
         on_event = None if each is None else (lambda chunk, event: each((position[id(chunk)], event)))
-        return copier.enqueue(targets, self.sources, window=window, cancel=self._cancel, each=on_event)
-
-    def _feed_then_write(self, copier: DeviceCopier, slots: list[Slot]) -> None:
-        last = None
-        handed: set[int] = set()
-
-        def hand_over(item: tuple[int, Any]) -> None:  # write_as_copied: each chunk once enqueued
-            k, event = item
-            self._submit_write(self._chunks[k], _ready(slots[k], event))
-            handed.add(k)
-
-        try:
-            last = self._enqueue_snapshot(copier, slots, CopyWindow(self.cfg.staging.d2h_window_bytes),
-                                          hand_over if self.sink.write_as_copied else None)
-        except BaseException as e:
-            self._fail(e)
-        finally:
-            try:
-                if self._snapshot is None:
-                    self._require(self.fence).finish(last)
-                else:  # the fence is the device-to-device copy's; a failed enqueue waited for its copies
-                    release_snapshot(self._snapshot, last)
-            except BaseException as e:
-                self._fail(e)
-        self._wait_then_write((last, []), slots, handed)
+        return copier.enqueue(targets, self.sources, cancel=self._cancel, each=on_event)
 
     def _enqueue_streaming(self, copier: DeviceCopier, order: LeaseOrder) -> None:
         """Lease, copy and hand each chunk to the writers in turn (a write frees the slot a later chunk needs)."""
@@ -308,23 +293,26 @@ class SaveJob:
                              copies_end=event)
 
     def _submit_pending(self, executor: str, task: Callable[..., None], arg: object, slots: list[Slot], *,
-                        copies_end: Any = None) -> None:
-        """Run ``task(arg, slots)`` on a one-thread executor as a pending write: no finalize before it
-        handed every write over. If it cannot be submitted (interpreter shutdown), the slots go back once
-        the copies into them ended (``copies_end``, a CUDA event) and the error is raised."""
+                        copies_end: Any = None, handed: set[int] | None = None) -> None:
+        """Run ``task(arg, slots[, handed])`` on a one-thread executor as a pending write: no finalize
+        before it handed every write over (``handed``: the positions whose writes went already). If it
+        cannot be submitted (interpreter shutdown), the other slots go back once the copies into them
+        ended (``copies_end``, a CUDA event) and the error is raised."""
         with self._lock:
             self._pending_writes += 1
         try:
             self._fillers = shared_executor(1, executor)
-            self._fillers.submit(self._run_pending, task, arg, slots)
+            args = (arg, slots) if handed is None else (arg, slots, handed)
+            self._fillers.submit(self._run_pending, task, *args)
         except BaseException:
             with self._lock:
                 self._pending_writes -= 1
             if copies_end is not None:
                 copies_end.synchronize()
             source = self._require(self._slots)
-            for slot in slots:
-                source.release(slot)
+            for k, slot in enumerate(slots):
+                if handed is None or k not in handed:
+                    source.release(slot)
             if isinstance(self.fence, CopyFence):
                 self.fence.finish(self.fence.event)  # nobody will enqueue more: order() must not wait
             raise
@@ -412,11 +400,15 @@ class SaveJob:
         except BaseException as e:
             self._fail(e)
         finally:
-            with self._lock:
-                self._pending_writes -= 1
-                idle = self._pending_writes == 0 and not self._submitting
-            if idle:
-                self._finalize()
+            self._end_pending()
+
+    def _end_pending(self) -> None:
+        """A pending task ended; the last one (once ``start()`` submits no more) finalizes the job."""
+        with self._lock:
+            self._pending_writes -= 1
+            idle = self._pending_writes == 0 and not self._submitting
+        if idle:
+            self._finalize()
 
     def _write_when_ready(self, chunk: Chunk, ready: cf.Future) -> None:
         try:
@@ -540,6 +532,66 @@ class SaveJob:
     def _shutdown(self) -> None:
         """Drop references to the shared thread pools (their threads live on for the next save)."""
         self._fillers = self._writers = None
+
+
+class _PacedCopies:
+    """A snapshot save's device-to-host copies as pieces of ``staging.d2h_window_bytes`` for the
+    :data:`~cpuckpt.transfer.pacing.PACER`; the last piece hands the save on to its waiter and writes."""
+
+    def __init__(self, job: SaveJob, copier: DeviceCopier, slots: list[Slot]) -> None:
+        self._job = job
+        self._copier = copier
+        self._slots = slots
+        self._next = 0  # the first chunk not enqueued
+        self._last: Any = None  # the event after the newest piece
+        self._handed: set[int] = set()  # chunks whose writes went with their piece (write_as_copied)
+        self.owner = 0  # the thread that submitted it (Pacer.submit)
+
+    def advance(self) -> Any:
+        job = self._job
+        chunks = job._chunks
+        if self._next >= len(chunks) or job._cancel.is_set():
+            self.finish()
+            return None
+        piece, first, n = job.cfg.staging.d2h_window_bytes, self._next, 0
+        batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with nvtx_range("cpuckpt.stage.piece"), self._copier.enqueueing():
+            while self._next < len(chunks) and (n == 0 or n + chunks[self._next].nbytes <= piece):
+                chunk = chunks[self._next]
+                self._copier.fill(self._slots[self._next], job.files[chunk.file], chunk, job.sources,
+                                  record=False, batch=batch)
+                n += chunk.nbytes
+                self._next += 1
+            self._copier.copy_batch(batch)
+            event = self._last = self._copier.record()
+        if job.sink.write_as_copied:
+            for k in range(first, self._next):
+                job._submit_write(chunks[k], _ready(self._slots[k], event))
+                self._handed.add(k)
+        return event
+
+    def abort(self, error: BaseException) -> None:
+        self._job._fail(error)
+        self._copier.drain()  # no copy still lands in a slot the waiter hands back
+        self.finish()
+
+    def finish(self) -> None:
+        """Every piece is enqueued (or the save failed): the fence ends, the waiter takes over."""
+        job = self._job
+        try:
+            try:
+                if job._snapshot is None:
+                    job._require(job.fence).finish(self._last)
+                else:
+                    release_snapshot(job._snapshot, self._last)
+            except BaseException as e:
+                job._fail(e)
+            job._submit_pending(f"cpuckpt-d2h-wait-{job.rank}", job._wait_then_write, (self._last, []),
+                                self._slots, copies_end=self._last, handed=self._handed)
+        except BaseException as e:
+            job._fail(e)
+        finally:
+            job._end_pending()
 
 
 def _ready(slot: Slot, event: Any) -> cf.Future[tuple[Slot, Any]]:

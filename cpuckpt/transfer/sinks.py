@@ -2,7 +2,7 @@
 
 The engine plans nothing and knows no destination: it copies each chunk into a *slot* handed out by
 the sink's :class:`SlotSource`, computes the chunk's crc32c when the sink asks for it, and hands the
-chunk to :meth:`Sink.write`. Every staging feature (device snapshot, copy window, copy gate, fill
+chunk to :meth:`Sink.write`. Every staging feature (device snapshot, paced copies, fill
 programs) therefore applies to every sink:
 
 - :class:`PoolSink` (here): slots leased from the process's pinned host pool; ``write`` is a

@@ -17,7 +17,6 @@ touches CUDA streams.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import contextlib
 import logging
@@ -33,11 +32,11 @@ import torch
 
 from cpuckpt.errors import CheckpointTimeoutError, StagingError
 from cpuckpt.format.layout import Chunk, FileLayout
-from cpuckpt.transfer.copy_gate import GATE
 from cpuckpt.transfer.fillplan import FillProgram
+from cpuckpt.transfer.pacing import PACER
 
 __all__ = [
-    "CopyFence", "CopyWindow", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "existing_pool", "fill_chunk",
+    "CopyFence", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "existing_pool", "fill_chunk",
     "flat_bytes", "get_pool", "own_host_sources", "pool_state", "release_pool", "unmap",
 ]
 
@@ -170,11 +169,11 @@ class HostPool:
 
     def _wait_for(self, ready: Callable[[], bool], n: int, timeout_s: float, cancel: threading.Event | None) -> None:
         """Wait on ``_cond`` (held) until ``ready()``, releases waking it up (back-pressure); a trainer
-        holding the copy gate lifts it meanwhile (the slots come free as earlier saves' copies go on)."""
+        whose ticks pace earlier saves' copies enqueues them first (the slots come free as they go on)."""
         if ready():
             return
-        with GATE.lifted():
-            self._wait_slots(ready, n, timeout_s, cancel)
+        PACER.drain_for_wait()
+        self._wait_slots(ready, n, timeout_s, cancel)
 
     def _wait_slots(self, ready: Callable[[], bool], n: int, timeout_s: float, cancel: threading.Event | None) -> None:
         deadline = time.monotonic() + timeout_s
@@ -308,9 +307,9 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def own_host_sources(sources: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-    """``sources`` with every CPU tensor cloned, for copies a feeder thread makes after the call returned
+    """``sources`` with every CPU tensor cloned, for copies paced after the call returned
     (``staging.d2h_window_bytes``): the caller may change its CPU tensors at once (the ordering contract),
-    and nothing else makes it wait for the feeder before that."""
+    and nothing else makes it wait for the pieces before that."""
     return [s.clone() if s is not None and not s.is_cuda else s for s in sources]
 
 
@@ -370,11 +369,14 @@ class CopyFence:
         self.event: Any = None
         self.devices: set[torch.device] = {device}
         self.timeout_s = timeout_s
-        self._final = threading.Event()  # ``event`` is the last copy's (cleared while a thread still enqueues)
+        self._final = threading.Event()  # ``event`` is the last copy's (cleared while pieces are pending)
         self._final.set()
+        self._drain: Callable[[], None] | None = None
 
-    def enqueuing(self) -> None:
-        """A thread still enqueues copies (``staging.d2h_window_bytes``): ``order`` waits for :meth:`finish`."""
+    def enqueuing(self, drain: Callable[[], None]) -> None:
+        """Copies are still being enqueued (paced: ``staging.d2h_window_bytes``); ``order`` first calls
+        ``drain``, which enqueues the rest, then waits for :meth:`finish`."""
+        self._drain = drain
         self._final.clear()
 
     def finish(self, event: Any) -> None:
@@ -385,17 +387,17 @@ class CopyFence:
     def order(self, stream: Any = None) -> None:
         """Make ``stream`` (default: the current stream of every device in ``devices``) wait for the copies.
 
-        A GPU-side wait (``cudaStreamWaitEvent``): the host does not block, unless copies are still
-        being enqueued by a thread (a ``d2h_window_bytes`` save), which it waits for first. Kernels
-        enqueued on that stream afterwards run only once every copy of the save has completed.
+        A GPU-side wait (``cudaStreamWaitEvent``): the host does not block. Copies of a paced save not yet
+        enqueued are enqueued first, on this thread (:meth:`~cpuckpt.transfer.pacing.Pacer.drain`).
+        Kernels enqueued on that stream afterwards run only once every copy of the save has completed.
 
         Raises:
             CheckpointTimeoutError: the copies were not all enqueued within ``timeout_s``.
         """
         if not self._final.is_set():
-            with GATE.lifted():  # ordered inside a held copy gate: the feeder must go on to finish
-                final = self._final.wait(self.timeout_s)
-            if not final:
+            if self._drain is not None:
+                self._drain()
+            if not self._final.wait(self.timeout_s):
                 raise CheckpointTimeoutError(f"device-to-host copies not all enqueued within {self.timeout_s:.0f} s")
         event = self.event
         if event is None:
@@ -405,31 +407,6 @@ class CopyFence:
             return
         for device in sorted(self.devices, key=str):
             torch.cuda.current_stream(device).wait_event(event)
-
-
-class CopyWindow:
-    """At most ``nbytes`` of enqueued device-to-host copies not yet complete (``staging.d2h_window_bytes``).
-
-    :meth:`admit` blocks (on CUDA events, the GIL released) until a chunk of ``n`` more bytes fits and
-    the trainer does not hold the copy gate (:mod:`.copy_gate`: its own device-to-host reads then wait
-    for this window only); :meth:`add` counts a chunk's copies by the event that follows them.
-    """
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._in_flight: collections.deque[tuple[int, Any]] = collections.deque()
-        self._ahead = 0
-
-    def admit(self, n: int) -> None:
-        while self._in_flight and self._ahead + n > self.nbytes:
-            done, event = self._in_flight.popleft()
-            event.synchronize()
-            self._ahead -= done
-        GATE.wait_open()
-
-    def add(self, n: int, event: Any) -> None:
-        self._in_flight.append((n, event))
-        self._ahead += n
 
 
 class DeviceCopier:
@@ -546,31 +523,22 @@ class DeviceCopier:
         return self.record() if record else None
 
     def enqueue(self, targets: Iterable[tuple[Chunk, Slot, FileLayout]], sources: Sequence[torch.Tensor | None], *,
-                window: CopyWindow | None, cancel: threading.Event,
-                each: Callable[[Chunk, Any], object] | None = None) -> Any:
-        """Enqueue the copies of every (chunk, slot, layout) of a save; returns the event after the last copy.
+                cancel: threading.Event, each: Callable[[Chunk, Any], object] | None = None) -> Any:
+        """Enqueue the copies of every (chunk, slot, layout) of a save at once; returns the event after the
+        last copy (paced saves go piece by piece instead: :mod:`.pacing`).
 
-        With a ``window`` (``staging.d2h_window_bytes``, on a feeder thread) at most that many bytes are in
-        flight, and none are added while the trainer holds the copy gate (:mod:`.copy_gate`), so a copy the
-        trainer enqueues there (``loss.item()``) waits behind the window only. A window alone is not enough:
-        the copy engine serves the side stream while it has work, and a trainer's ``.item()`` waited for all
-        the copies left, fed 64 MiB at a time or queued at once (H200). ``each`` gets every chunk's own event (the
-        memory images' checksums); without either, every chunk's copies go in one :meth:`copy_batch`. Stops
-        early once ``cancel`` is set. On a failure the copies already enqueued are waited for before it is
-        raised (no copy may land in memory handed back).
+        ``each`` gets every chunk's own event (the memory images' checksums); without it, every chunk's
+        copies go in one :meth:`copy_batch`. Stops early once ``cancel`` is set. On a failure the copies
+        already enqueued are waited for before it is raised (no copy may land in memory handed back).
         """
-        record = window is not None or each is not None
+        record = each is not None
         batch: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
             with self.enqueueing():
                 for chunk, slot, layout in targets:
-                    if window is not None:
-                        window.admit(chunk.nbytes)
                     if cancel.is_set():
                         break
                     event = self.fill(slot, layout, chunk, sources, record=record, batch=batch)
-                    if window is not None:
-                        window.add(chunk.nbytes, event)
                     if each is not None:
                         each(chunk, event)
                 self.copy_batch(batch)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, is_interrupt
-from cpuckpt.transfer.copy_gate import GATE
+from cpuckpt.transfer.pacing import PACER
 
 __all__ = ["Cancelled", "new_executor", "run_parallel", "shared_executor", "stop_after_interrupt", "wait_future"]
 
@@ -134,8 +134,8 @@ def wait_future(fut: cf.Future[R], timeout_s: float, what: str, *,
     if fut.done():
         return fut.result()
     try:
-        with GATE.lifted():  # a trainer holding the copy gate waits for copies here: let them go on
-            return _wait(fut, timeout_s, what)
+        PACER.drain_for_wait()  # a trainer waiting here would wait for copies its own ticks enqueue
+        return _wait(fut, timeout_s, what)
     except BaseException as e:
         if is_interrupt(e) and on_interrupt is not None:
             stop_after_interrupt(on_interrupt, e, what)

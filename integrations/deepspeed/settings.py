@@ -57,9 +57,9 @@ class AdapterOptions:
             cloned; a stager thread then lays the file out and enqueues the device-to-host copies);
             the module's saved buffers are cloned on the GPU at save time, and the next optimizer
             step of the DeepSpeed engine first makes its current CUDA stream wait for the copies (a
-            GPU-side wait: forward and backward overlap them). A thread keeps 256 MiB of copies in
-            flight (``staging.d2h_window_bytes`` left 0), so the step's ``.item()`` waits behind no
-            more. See :mod:`cpuckpt.integrations.deepspeed` for the contract.
+            GPU-side wait: forward and backward overlap them). The copies are paced from the trainer's
+            module calls in 64 MiB pieces, one in flight (``staging.d2h_window_bytes`` left 0), so the
+            step's ``.item()`` waits behind no more. See :mod:`cpuckpt.integrations.deepspeed` for the contract.
         prepare_pool: with ``async_save``, size this rank's checkpoint after the engine's first
             optimizer step and create (pre-touch, pin) the host pool for it in a background thread,
             so that the first save is as fast as later ones. False: the first save allocates it.

@@ -26,11 +26,9 @@ covered:
 - ``_take_model_step`` (the pipeline engine's optimizer step calls it directly, without ``step()``):
   ordered again (a no-op when ``step()`` already did).
 
-Both then run DeepSpeed's code holding the copy gate (:mod:`cpuckpt.transfer.copy_gate`): the ZeRO
-step's overflow check and gradient norm (``.item()``) would otherwise wait on the host for every copy
-left (DeepSpeed's step after a 14.56 GB save: 0.36 s against 0.136 s alone, H200); with the gate they
-wait for the copies in flight (``staging.d2h_window_bytes``) only. The optimizer's kernels still wait
-for the copies, or for the device snapshot (``staging.device_snapshot``), on the GPU.
+The copies are paced from the trainer's module calls (:mod:`cpuckpt.transfer.pacing`): by the step most
+are done, and ordering enqueues the rest. The optimizer's kernels wait for the copies, or for the device
+snapshot (``staging.device_snapshot``), on the GPU.
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-
-from cpuckpt.transfer.copy_gate import GATE
 
 __all__ = ["buffer_pointers", "estimate_checkpoint_bytes", "order_engine_steps", "snapshot_buffers"]
 
@@ -81,8 +77,7 @@ def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
         if not _boundary(self):
             return original(self, *args, **kwargs)
         ck.before_optimizer_writes(self)  # a GPU-side wait: the host does not block
-        with GATE.held():  # the step's .item() calls wait for the copies in flight only
-            return original(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
 
     step._cpuckpt_ordered = True  # type: ignore[attr-defined]
     return step
@@ -96,8 +91,7 @@ def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         ck.bind(self)
         ck.before_optimizer_writes(self)
-        with GATE.held():
-            result = original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
         ck.after_optimizer_step(self)  # the optimizer's state exists now: size the checkpoint
         return result
 

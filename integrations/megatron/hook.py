@@ -31,9 +31,8 @@ format with other storage. :func:`install`:
 5. with ``megatron: {ordering: optimizer}``, wraps the ``step`` of every ``megatron.core.optimizer``
    class (:func:`order_optimizer_steps`): async saves return once their device-to-host copies are
    enqueued, the next forward and backward overlap them, and the next optimizer step first makes its
-   stream wait for them (a GPU-side wait), then runs holding the copy gate
-   (:mod:`cpuckpt.transfer.copy_gate`: its gradient norm's ``.item()`` waits for the copies in flight
-   only). What Megatron-LM writes into saved tensors before that
+   stream wait for them (a GPU-side wait; pieces of the copies not yet enqueued by the forward and
+   backward's ticks go first: :mod:`cpuckpt.transfer.pacing`). What Megatron-LM writes into saved tensors before that
    step: MoE ``expert_bias`` (``finalize_model_grads``), cloned at save time by the strategy; with
    ``--overlap-param-gather`` the next forward re-gathers parameters that ``force_param_sync`` already
    made whole before the save (the same bytes: no step ran in between). Megatron-LM's ``--async-save``
@@ -218,8 +217,6 @@ def order_optimizer_steps(base: type | None = None) -> list[str]:
     """
     import functools
 
-    from cpuckpt.transfer.copy_gate import GATE
-
     from . import strategy
     from .prepare import wrap_optimizer_steps
 
@@ -227,8 +224,7 @@ def order_optimizer_steps(base: type | None = None) -> list[str]:
         @functools.wraps(original)
         def step(self: Any, *args: Any, **kwargs: Any) -> Any:
             strategy.order_pending_saves()  # a GPU-side wait: the host does not block
-            with GATE.held():  # the step's .item() (gradient norm) waits for the copies in flight only
-                return original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
 
         return step
 

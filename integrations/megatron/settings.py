@@ -59,8 +59,9 @@ class MegatronOptions:
             copied on the GPU at save time instead. Memory-tier saves order the same way. Saves to
             the durable root start after Megatron-LM's ``save-checkpoint`` timer (its synchronize
             would wait for the copies), at the watched async queue's next finalize (:mod:`.deferred`).
-            A thread enqueues the copies 256 MiB ahead (``staging.d2h_window_bytes``, when left 0), so
-            the iteration's ``.item()`` calls do not wait behind the whole save on the copy engine.
+            The copies are paced from the trainer's module calls in 64 MiB pieces, one in flight
+            (``staging.d2h_window_bytes``, when left 0: :mod:`cpuckpt.transfer.pacing`), so the
+            iteration's ``.item()`` calls do not wait behind the whole save on the copy engine.
         prepare_pool: after the first optimizer step, reserve (allocate, touch, pin) the host pool
             on a background thread, sized from the model and optimizer state (:mod:`.prepare`), so
             the first async save costs what later ones cost. Not used with ``memory_tier`` (saves go

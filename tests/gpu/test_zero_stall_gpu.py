@@ -260,3 +260,40 @@ def test_a_small_copy_waits_behind_the_window_not_the_save(tmp_path: Path, ram_d
     assert float(small[0]) == float(_expected(sd)["w"][0, 0])
     if images is not None:
         images.close()
+
+
+@pytest.mark.parametrize("target", ["pool", "images"])
+def test_paced_copies_go_at_the_trainers_module_calls(tmp_path: Path, ram_dir: Path, target: str) -> None:
+    """``staging.d2h_window_bytes``: the call enqueues one piece; the model's forward and backward enqueue
+    the others, one per module call or output gradient once the piece before is done (``transfer.pacing``);
+    ``wait_stream()`` enqueues what is left; the checkpoint is the save's step, bit-exact."""
+    from cpuckpt.transfer.pacing import PACER
+
+    sd = _state()
+    want = _expected(sd)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(24)]).cuda()
+    x = torch.randn(64, 1024, device="cuda", requires_grad=True)
+    images = ImageSet(ram_dir / "slot", pin=True) if target == "images" else None
+    path = ram_dir / "slot" if images is not None else tmp_path / "ckpt"
+    cpuckpt.async_save(sd, path if images is not None else tmp_path / "warm", _cfg(32 << 20), ordering="stream",
+                       sink=images).wait()  # warm: the images or the pool exist
+    torch.cuda.synchronize()
+    before = PACER.pieces
+    h = cpuckpt.async_save(sd, path, _cfg(32 << 20), ordering="stream", sink=images)
+    at_call = PACER.pieces - before
+    for _ in range(3):
+        model(x).sum().backward()
+        torch.cuda.synchronize()  # as a trainer's .item(): the piece in flight completes, the next tick goes
+    by_ticks = PACER.pieces - before
+    h.wait_stream()
+    _mutate_on_stream(sd)
+    h.wait()
+    pieces = PACER.pieces - before
+    assert at_call == 1, f"the call enqueued {at_call} pieces, not one"
+    assert by_ticks > 3, f"forward/backward ticks enqueued only {by_ticks - at_call} pieces"
+    assert pieces >= 512 // 32, f"{pieces} pieces of 32 MiB for >= 512 MiB of copies"
+    assert not PACER.pending and not torch.nn.modules.module._global_forward_hooks
+    got = _checkpoint(path, want)
+    assert _differing_tensors(got, want) == [], f"{target}: the checkpoint holds values written after the save"
+    if images is not None:
+        images.close()

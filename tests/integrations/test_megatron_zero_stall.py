@@ -306,25 +306,3 @@ def test_cleanup_finalizes_the_saves_it_removes(run_ranks, tmp_path, wrapped):
             assert out["pending"] == ["iter_0000008", "iter_0000016", "iter_0000024"], (rank, out)
 
 
-def test_ordered_optimizer_steps_hold_the_copy_gate(monkeypatch):
-    """The wrapped step runs holding the copy gate: its gradient norm's ``.item()`` waits for the copies in
-    flight only, not for the rest of a save (``cpuckpt.transfer.copy_gate``)."""
-    from cpuckpt.integrations.megatron import hook, strategy
-
-    from cpuckpt.transfer.copy_gate import GATE
-
-    monkeypatch.setattr(strategy, "_STEPS_ORDERED", strategy._STEPS_ORDERED)  # order_optimizer_steps sets it
-    held: list[bool] = []
-
-    class Optimizer:
-        def step(self) -> str:
-            held.append(GATE.is_held)
-            return "stepped"
-
-    class Chained(Optimizer):
-        def step(self) -> str:
-            return super().step()  # a wrapped step calling another: one hold inside the other
-
-    assert sorted(n.rsplit(".", 1)[-1] for n in hook.order_optimizer_steps(Optimizer)) == ["Chained", "Optimizer"]
-    assert Optimizer().step() == "stepped" and Chained().step() == "stepped"
-    assert held == [True, True] and not GATE.is_held

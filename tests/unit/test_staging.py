@@ -82,29 +82,8 @@ def test_prepare_pool_in_background_makes_the_pool_and_reports_failures():
         staging.release_pool()
 
 
-def test_copy_window_waits_for_the_oldest_copies_until_a_chunk_fits():
-    """``CopyWindow`` (``staging.d2h_window_bytes``): before a chunk is enqueued, the oldest chunks' events
-    are waited for until the bytes in flight plus the new chunk fit; a chunk larger than the window goes
-    alone. Events are stand-ins recording their waits (the GPU test covers real ones)."""
-    waited: list[int] = []
-
-    class Event:
-        def __init__(self, k: int) -> None:
-            self.k = k
-
-        def synchronize(self) -> None:
-            waited.append(self.k)
-
-    window = staging.CopyWindow(100)
-    expect = {0: [], 1: [], 2: [0], 3: [0, 1], 4: [0, 1, 2, 3], 5: [0, 1, 2, 3, 4]}
-    for k, n in enumerate([40, 40, 40, 30, 250, 10]):
-        window.admit(n)
-        assert waited == expect[k], (k, waited)  # 80 + 40 > 100: one ends; 250 waits for all; 10 for the 250
-        window.add(n, Event(k))
-
-
-def test_own_host_sources_clones_cpu_sources_for_a_feeder():
-    """A window's feeder copies host bytes after the call returned: the CPU sources it reads are clones, so a
+def test_own_host_sources_clones_cpu_sources_for_paced_copies():
+    """A paced save copies host bytes after the call returned: the CPU sources it reads are clones, so a
     change the caller makes at once does not reach them; missing sources stay missing."""
     from cpuckpt.transfer.staging import own_host_sources
 
