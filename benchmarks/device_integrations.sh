@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The adapters on the GPU machine, in one script (phases: setup, tests, mlm-tests, deepspeed, megatron-lm, example,
-# zero (benchmarks/bench_zero_stall.py); default all but zero). Extra arguments per phase: DS_ARGS, MLM_ARGS.
+# zero (benchmarks/bench_zero_stall.py), goodput (benchmarks/bench_goodput.py: whole Megatron-LM runs, GOODPUT_ARGS,
+# bounded by GOODPUT_TIMEOUT, default 420 s; the floor tool runs too when .out/overlap_floor.py is there);
+# default all but zero and goodput). Extra arguments per phase: DS_ARGS, MLM_ARGS.
 # megatron-lm: benchmarks/bench_megatron_lm.py, its own phases through MLM_ARGS (default load,reuse,kill;
 # "save" is the torch_dist-vs-cpuckpt save comparison), bounded by MLM_TIMEOUT seconds (default 480; the
 # script gets --budget MLM_TIMEOUT-20 and skips a phase that cannot fit), e.g.
@@ -50,6 +52,15 @@ print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'd
       PYTHONPATH=$BENCH_PATH timeout -k 15 "$MLM_TIMEOUT" python3 -m benchmarks.bench_megatron_lm \
         --megatron-lm .megatron-lm --out "$OUT" --timeout 200 --budget $((MLM_TIMEOUT - 20)) ${MLM_ARGS:-} 2>&1 \
         | tee "$OUT/bench_megatron_lm.log" | grep -v "^\s*$" | tail -70
+      ;;
+    goodput)
+      (cd .megatron-lm && make -s -C megatron/core/datasets >/dev/null 2>&1 || echo "datasets helpers build failed")
+      GOODPUT_TIMEOUT=${GOODPUT_TIMEOUT:-420}
+      FLOOR=(); [ -f .out/overlap_floor.py ] && FLOOR=(--floor .out/overlap_floor.py)
+      PYTHONPATH=$BENCH_PATH timeout -k 15 "$GOODPUT_TIMEOUT" python3 -m benchmarks.bench_goodput \
+        --megatron-lm .megatron-lm --out "$OUT" --budget $((GOODPUT_TIMEOUT - 20)) "${FLOOR[@]}" ${GOODPUT_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_goodput.log" | grep -v "^\s*$" | tail -45
+      rm -rf /root/cpuckpt-goodput /dev/shm/cpuckpt*
       ;;
     example)  # examples/megatron on the GPU: train, SIGKILL during the save of step 15, resume
       A="examples/megatron/train.py --device cuda --save /tmp/mg --steps 20 --save-interval 5 --events /tmp/mg.events --snapshot-dir /tmp/mg.snap"

@@ -1,0 +1,226 @@
+"""Goodput: whole Megatron-LM training runs with and without checkpoints, timed by the job's own log lines.
+
+Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16 heads, seq 1024, micro-batch 4:
+~4.7 GB of checkpoint per save on one GPU), one after the other in this process's call, on the same machine:
+
+``none``          no checkpoints (the reference of every ratio)
+``torch_dist8``   Megatron-LM's own engine: ``--ckpt-format torch_dist --async-save --use-persistent-ckpt-worker``,
+                  a save every 8 iterations
+``cpuckpt8``      ``--ckpt-format cpuckpt`` (configs/megatron.yaml with ``ordering: optimizer``), to disk every 8
+``mem8``          cpuckpt's memory tier: memory checkpoints every 8 iterations (``--non-persistent-save-interval``),
+                  durable every 64 (``--save-interval``), ``ordering: optimizer``
+``mem1``          the same with a memory checkpoint **every iteration**
+
+The result is the wall time from iteration ``--warm`` (default 10) to the last iteration, taken from the
+arrival times of Megatron-LM's own ``iteration N/...`` log lines, as a ratio to ``none``'s; Megatron-LM's
+timers exclude the saves (``save_checkpoint_and_time`` stops its interval timer around them) and are only
+listed beside it. Also per variant: the cost per save ((wall - none's wall) / saves in the window), the
+largest single-iteration gap between consecutive log lines against their median (and which iteration), the
+whole run from launch to exit (start-up, slot preparation and the final wait included) against ``none``'s,
+and Megatron-LM's ``save-checkpoint`` timers. ``--floor`` runs ``overlap_floor.py`` (copied from the shared
+tools into an ignored folder) in the same call for the floor of a full snapshot every iteration.
+
+    python -m benchmarks.bench_goodput --megatron-lm .megatron-lm --out $OUT
+    python -m benchmarks.bench_goodput --dry-run        # the commands only
+    python -m benchmarks.bench_goodput --self-test      # the log arithmetic on a made-up log (CPU)
+
+Results: ``$OUT/bench_goodput.json``, one log per run (``mlm_<variant>.log``), the table last on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_megatron_lm import ASYNC, Bench, megatron_config, memory_tier_config, parse_log
+from benchmarks.common import format_table
+
+logger = logging.getLogger("bench_goodput")
+
+VARIANTS = ("none", "torch_dist8", "cpuckpt8", "mem8", "mem1")
+
+
+def goodput(iters: list[dict[str, Any]], warm: int) -> dict[str, Any]:
+    """Wall time of iterations ``warm``..last from the log lines' arrival times, and the largest gap."""
+    pts = sorted({x["it"]: x["t"] for x in iters}.items())
+    pts = [(it, t) for it, t in pts if it >= warm]
+    if len(pts) < 3:
+        return {"wall_s": None, "iters": len(pts)}
+    gaps = [(b[0], b[1] - a[1]) for a, b in itertools.pairwise(pts)]
+    med = statistics.median(g for _, g in gaps)
+    worst_it, worst = max(gaps, key=lambda g: g[1])
+    return {"first": pts[0][0], "last": pts[-1][0], "iters": pts[-1][0] - pts[0][0],
+            "wall_s": round(pts[-1][1] - pts[0][1], 3), "gap_median_ms": round(1000 * med, 1),
+            "gap_max_ms": round(1000 * worst, 1), "gap_max_it": worst_it,
+            "gap_max_over_median": round(worst / med, 2) if med else None}
+
+
+def summarize(name: str, r: dict[str, Any], ref: dict[str, Any] | None, saves_in_window: int,
+              warm: int) -> dict[str, Any]:
+    g = goodput(r["iters"], warm)
+    out: dict[str, Any] = {"variant": name, "rc": r["rc"], "timed_out": r["timed_out"], **g,
+                           "run_s": r["wall_s"], "saves": saves_in_window,
+                           "save_timer_ms": [round(x["ms"]) for x in r["saves"]][:6],
+                           "np_timer_median_ms": round(statistics.median(x["ms"] for x in r["np_saves"]), 1)
+                           if r["np_saves"] else None,
+                           "errors": r["errors"][:3]}
+    if ref is not None and ref.get("wall_s") and g.get("wall_s") and ref.get("iters") == g.get("iters"):
+        out["ratio"] = round(g["wall_s"] / ref["wall_s"], 3)
+        extra_s = g["wall_s"] - ref["wall_s"]
+        out["per_save_ms"] = round(1000 * extra_s / saves_in_window, 1) if saves_in_window else None
+    if ref is not None and ref.get("run_s") and r["wall_s"]:
+        out["run_over_none_s"] = round(r["wall_s"] - ref["run_s"], 1)
+    return out
+
+
+def _saves_between(first: int, last: int, every: int) -> int:
+    """Saves after iterations first..last-1: each one's cost lands in the window."""
+    return sum(1 for it in range(first, last) if every and it % every == 0)
+
+
+def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: int) -> tuple[list[str], int]:
+    """The command line of a variant and its save interval (0: none)."""
+    a = b.args
+    base = ["--train-iters", str(iters), "--eval-interval", str(10 * iters)]
+    if name == "none":
+        return b.argv("torch_dist", "goodput", base), 0
+    save = ["--save", str(root / name)]
+    if name == "torch_dist8":
+        return b.argv("torch_dist", "goodput", [*base, *save, "--save-interval", "8", *ASYNC]), 8
+    if name == "cpuckpt8":
+        cfg = megatron_config(a.config, tmp / "cpuckpt8.yaml", ordering="optimizer")
+        return b.argv("cpuckpt", "goodput", [*base, *save, "--save-interval", "8", *ASYNC], config=str(cfg)), 8
+    every = {"mem8": 8, "mem1": 1}[name]
+    cfg = memory_tier_config(a.config, tmp / f"{name}.yaml", ram, a.slots)
+    cfg = megatron_config(str(cfg), cfg, ordering="optimizer")
+    extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
+             "--non-persistent-ckpt-type", "global", *ASYNC]
+    return b.argv("cpuckpt", "goodput", extra, config=str(cfg)), every
+
+
+def run_floor(b: Bench, path: Path, budget_s: float) -> dict[str, Any]:
+    """overlap_floor.py in this call: none, d2h_paced, ipc_d2h (one hardware queue, Megatron's timers)."""
+    argv = [sys.executable, str(path), "--modes", "1:L1", "--variants", "none,d2h_thread,d2h_paced,ipc_d2h,none_end",
+            "--budget-s", str(int(budget_s)), "--iters", "16"]
+    if b.args.dry_run:
+        print("# floor\n" + " ".join(argv))
+        return {}
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, capture_output=True, text=True, env=b.env, timeout=budget_s + 30)
+    (b.out / "overlap_floor.log").write_text(p.stdout + p.stderr)
+    js = b.out / "overlap_floor.json"
+    data = json.loads(js.read_text()) if js.exists() else {}
+    return {"rc": p.returncode, "s": round(time.perf_counter() - t0, 1), "tail": p.stdout[-3000:], "json": data}
+
+
+def self_test() -> int:
+    """The arithmetic on a made-up log: 150 ms iterations, one 600 ms gap after iteration 16."""
+    lines, t = [], 5.0
+    for it in range(1, 31):
+        t += 0.6 if it == 17 else 0.15
+        lines.append((t, f" [2026-12-03 10:00:00] iteration {it:8d}/      30 | consumed samples: {4 * it} | "
+                         f"elapsed time per iteration (ms): 150.0 | learning rate: 1.0E-04 |"))
+    g = goodput(parse_log(lines)["iters"], 10)
+    assert g["first"] == 10 and g["last"] == 30 and g["iters"] == 20, g
+    assert abs(g["wall_s"] - (20 * 0.15 + 0.45)) < 1e-6, g
+    assert g["gap_max_it"] == 17 and g["gap_max_ms"] == 600.0 and g["gap_median_ms"] == 150.0, g
+    assert _saves_between(10, 30, 8) == 2 and _saves_between(10, 30, 1) == 20
+    print("self-test ok:", g)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--megatron-lm", default=".megatron-lm")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--root", default="/root/cpuckpt-goodput", help="durable checkpoints go here (deleted after)")
+    ap.add_argument("--ram", default="/dev/shm/cpuckpt-goodput-ram", help="the memory tier's RAM root")
+    ap.add_argument("--config", default="configs/megatron.yaml")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--warm", type=int, default=10, help="the window starts at this iteration")
+    ap.add_argument("--durable", type=int, default=64, help="--save-interval of the memory variants")
+    ap.add_argument("--slots", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=200.0, help="per run, seconds")
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds for all runs (0: no limit)")
+    ap.add_argument("--floor", default=None, help="path of overlap_floor.py: run it after the variants")
+    ap.add_argument("--floor-budget", type=float, default=150.0)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--self-test", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.self_test:
+        return self_test()
+    # What Bench (benchmarks.bench_megatron_lm) reads; the model is its 24 x 1024 phase model.
+    args.concurrent, args.keep, args.nproc = False, False, 1
+    args.layers = args.hidden = args.heads = None
+    args.seq, args.mbs = 1024, 4
+    b = Bench(args)
+    root, ram = Path(args.root), Path(args.ram)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_goodput_"))
+    if not args.dry_run:
+        b.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"args": vars(args), "runs": {}, "summary": []}
+    ref: dict[str, Any] | None = None
+    rows = []
+    try:
+        for name in [v for v in args.variants.split(",") if v]:
+            if name not in VARIANTS:
+                ap.error(f"unknown variant {name}; known: {VARIANTS}")
+            if args.budget and b.left() < 60:
+                logger.warning("variant %s skipped: %.0f s of the budget left", name, b.left())
+                continue
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(ram, ignore_errors=True)
+            cmd, every = variant_argv(b, name, root, tmp, ram, args.iters)
+            r = b.run(name, cmd)
+            g = goodput(r["iters"], args.warm)
+            saves = _saves_between(g.get("first", args.warm), g.get("last", args.iters), every)
+            s = summarize(name, r, ref, saves, args.warm)
+            if name == "none":
+                ref = {**g, "run_s": r["wall_s"]}
+            results["runs"][name] = {k: v for k, v in r.items() if k not in ("telemetry_file",)}
+            results["summary"].append(s)
+            rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
+                         f'{s.get("gap_max_ms")} @{s.get("gap_max_it")} ({s.get("gap_max_over_median")}x)',
+                         s.get("gap_median_ms"), s.get("run_s"), s.get("run_over_none_s"), s.get("np_timer_median_ms"),
+                         s.get("save_timer_ms")])
+            if not args.dry_run:
+                (b.out / "bench_goodput.json").write_text(json.dumps(results, indent=1, default=str))
+        if args.floor:
+            results["floor"] = run_floor(b, Path(args.floor), args.floor_budget)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(ram, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.dry_run:
+            (b.out / "bench_goodput.json").write_text(json.dumps(results, indent=1, default=str))
+    table = format_table(
+        ["variant", "rc", "wall x none", f"wall s it {args.warm}-last", "ms per save", "saves",
+         "largest gap ms @it (x median)", "median gap ms", "run s", "run - none s", "np timer ms", "save timer ms"],
+        rows, title=f"goodput: Megatron-LM 24x1024, {args.iters} iterations, memory durable every {args.durable}, "
+                    f"slots {args.slots}",
+        footnotes=["wall: from the arrival of iteration lines (the job's clock), not Megatron's timers; "
+                   "run s: launch to exit"])
+    print()
+    print(table)
+    floor = results.get("floor") or {}
+    if floor.get("tail"):
+        print()
+        print("floor (overlap_floor.py, same call):")
+        print(floor["tail"][-2500:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
