@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                          s.get("save_timer_ms")])
             if not args.dry_run:
                 (b.out / "bench_goodput.json").write_text(json.dumps(results, indent=1, default=str))
-        if args.floor:
+        if args.floor and args.budget and b.left() < args.floor_budget + 10:
+            logger.warning("floor skipped: %.0f s of the budget left", b.left())
+        elif args.floor:
             results["floor"] = run_floor(b, Path(args.floor), args.floor_budget)
     finally:
         shutil.rmtree(root, ignore_errors=True)
