@@ -14,7 +14,9 @@ one piece is ever queued ahead of the trainer's own reads and no thread of ours 
 trainer's. The hooks are installed while copies are pending and removed when none are. Whatever is left is
 enqueued at once by :meth:`Pacer.drain`: before the trainer writes the saved tensors (``CopyFence.order``, the
 adapters' optimizer step) or waits for the save (``SaveJob.wait_staged``). A loop without modules calls
-:func:`cpuckpt.tick` at its own natural points.
+:func:`cpuckpt.tick` at its own natural points. A trainer that makes no tick for ``IDLE_S`` while copies are
+pending is not training (it waits in a framework's own finalize, or evaluates without modules): a watch
+thread then drains for it, so a save never waits for ticks that will not come.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +32,8 @@ import torch
 __all__ = ["PACER", "PacedCopies", "Pacer"]
 
 logger = logging.getLogger(__name__)
+
+IDLE_S = 0.1  # no tick this long while copies are pending: the watch thread drains
 
 
 class PacedCopies(Protocol):
@@ -47,8 +52,12 @@ class PacedCopies(Protocol):
 class Pacer:
     """Enqueues the pieces of pending saves at ticks, first come first served, one piece in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_s: float = IDLE_S) -> None:
+        self.idle_s = idle_s
         self._lock = threading.Lock()
+        self._wake = threading.Condition()
+        self._last_tick = 0.0  # monotonic time of the newest tick
+        self._watch: threading.Thread | None = None
         self._jobs: collections.deque[PacedCopies] = collections.deque()
         self._owners: collections.Counter[int] = collections.Counter()  # threads that submitted pending jobs
         self._in_flight: Any = None  # the CUDA event after the newest piece
@@ -67,12 +76,17 @@ class Pacer:
             job.owner = threading.get_ident()
             if self._hooks is None:
                 self._hooks = torch.nn.modules.module.register_module_forward_hook(self._on_forward)
+        self._last_tick = time.monotonic()
+        self._start_watch()
         self.tick()
 
     def tick(self) -> None:
         """Enqueue the next piece if the one before it has completed; never blocks (a tick that finds
         another thread enqueuing returns at once)."""
-        if not self._jobs or not self._lock.acquire(blocking=False):
+        if not self._jobs:
+            return
+        self._last_tick = time.monotonic()
+        if not self._lock.acquire(blocking=False):
             return
         try:
             if self._in_flight is not None and not self._in_flight.query():
@@ -116,6 +130,24 @@ class Pacer:
             return
         self._in_flight = event
         self.pieces += 1
+
+    def _start_watch(self) -> None:
+        with self._wake:
+            if self._watch is None:
+                self._watch = threading.Thread(target=self._watch_idle, name="cpuckpt-pace-watch", daemon=True)
+                self._watch.start()
+            self._wake.notify()
+
+    def _watch_idle(self) -> None:
+        """Drain when the trainer made no tick for ``idle_s`` while copies are pending (see the module doc)."""
+        while True:
+            with self._wake:
+                while not self._jobs:
+                    self._wake.wait()
+            time.sleep(self.idle_s / 2)
+            if self._jobs and time.monotonic() - self._last_tick > self.idle_s:
+                logger.debug("no tick for %.0f ms with copies pending: enqueuing the rest", 1000 * self.idle_s)
+                self.drain()
 
     def _on_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         self.tick()

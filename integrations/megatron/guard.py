@@ -48,6 +48,7 @@ import torch.distributed as dist
 from cpuckpt.backend.collectives import checkpoint_group
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
+from cpuckpt.transfer.pacing import PACER
 
 from . import deferred
 from .compat import AsyncQueueShape
@@ -105,6 +106,8 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
 
     def maybe_finalize_async_calls(blocking: bool = False, no_dist: bool = False) -> list[int]:
         deferred.start_all()  # after Megatron-LM's save-checkpoint timer, before the next train_step
+        if blocking:
+            PACER.drain()  # the trainer waits now, making no ticks: the copies of pending saves go at once
         return dog.finalize(blocking, no_dist)
 
     setattr(maybe_finalize_async_calls, _WATCHED, True)
@@ -142,6 +145,7 @@ def finalize_saves_under(queue: Any, parent: str | os.PathLike, keep: int) -> li
     if not doomed:
         return []
     deferred.start_all()  # a recorded save's call cannot complete before it starts
+    PACER.drain()  # nor before its copies are enqueued (the trainer makes no ticks while it waits)
     until = len(calls) - (doomed[-1] + 1)
     dog = getattr(queue, "_cpuckpt_dog", None)
     if dog is None:
