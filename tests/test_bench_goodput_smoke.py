@@ -1,18 +1,37 @@
-"""benchmarks/bench_goodput.py without a GPU: its log arithmetic and its command lines (asserting no speed)."""
+"""benchmarks/bench_goodput.py without a GPU: its log arithmetic and its command lines (asserting no speed).
+
+Run as ``python -m benchmarks.bench_goodput`` with the repository root on PYTHONPATH, as on the device
+machine (from the repository root, which it reads configs/ from): the test process itself does not have the
+root on ``sys.path`` (``--import-mode=importlib``).
+"""
 
 from __future__ import annotations
 
-from benchmarks import bench_goodput
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
-def test_self_test_arithmetic():
-    assert bench_goodput.self_test() == 0
+def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    return subprocess.run([sys.executable, "-m", "benchmarks.bench_goodput", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
-def test_dry_run_prints_every_variant(capsys, tmp_path):
-    assert bench_goodput.main(["--dry-run", "--out", str(tmp_path), "--floor", "overlap_floor.py"]) == 0
-    out = capsys.readouterr().out
-    for name in bench_goodput.VARIANTS:
+def test_self_test_arithmetic(tmp_path: Path) -> None:
+    proc = _bench("--self-test", cwd=tmp_path)
+    assert proc.returncode == 0 and "self-test ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_dry_run_prints_every_variant(tmp_path: Path) -> None:
+    proc = _bench("--dry-run", "--out", str(tmp_path), "--floor", "overlap_floor.py", cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for name in ("none", "torch_dist8", "cpuckpt8", "mem8", "mem1"):
         assert f"# {name}\n" in out
     assert "--non-persistent-save-interval 1 " in out and "--non-persistent-save-interval 8 " in out
     assert "# floor" in out
