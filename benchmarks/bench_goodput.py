@@ -18,7 +18,10 @@ listed beside it. Also per variant: the cost per save ((wall - none's wall) / sa
 largest single-iteration gap between consecutive log lines against their median (and which iteration), the
 whole run from launch to exit (start-up, slot preparation and the final wait included) against ``none``'s,
 and Megatron-LM's ``save-checkpoint`` timers. ``--floor`` runs ``overlap_floor.py`` (copied from the shared
-tools into an ignored folder) in the same call for the floor of a full snapshot every iteration.
+tools into an ignored folder) in the same call for the floor of a full snapshot every iteration. ``--sample``
+names variants whose trainer's main thread is sampled (``benchmarks/stack_sampler``: every 2 ms, inside the
+training loop): the functions it was in, as ms per iteration, against ``none``'s, to say where a variant's time goes
+(the sampler's own cost is in the sampled runs' wall too, so their wall ratio is not the result).
 
     python -m benchmarks.bench_goodput --megatron-lm .megatron-lm --out $OUT
     python -m benchmarks.bench_goodput --dry-run        # the commands only
@@ -33,6 +36,7 @@ import argparse
 import itertools
 import json
 import logging
+import os
 import shutil
 import statistics
 import subprocess
@@ -108,6 +112,49 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     return b.argv("cpuckpt", "goodput", extra, config=str(cfg)), every
 
 
+SAMPLER = Path(__file__).resolve().parent / "stack_sampler"
+
+
+def sample_env(b: Bench, name: str) -> dict[str, str]:
+    """The environment that loads the stack sampler into the trainer of ``name``."""
+    return {"PYTHONPATH": os.pathsep.join([str(SAMPLER), b.env["PYTHONPATH"]]),
+            "CPUCKPT_SAMPLE_OUT": str(b.out / f"samples_{name}")}
+
+
+def read_samples(b: Bench, name: str, iterations: int) -> dict[str, Any] | None:
+    """The sampler's counts of ``name``'s trainer as ms per iteration (its largest file: the trainer)."""
+    files = sorted((b.out / f"samples_{name}").glob("sample_*.json"), key=lambda f: f.stat().st_size)
+    if not files or iterations <= 0:
+        return None
+    data = json.loads(files[-1].read_text())
+    shutil.rmtree(b.out / f"samples_{name}", ignore_errors=True)  # the files back from the machine are few
+    per = data["interval_ms"] / iterations
+    return {"in_loop": data["in_loop"], "samples": data["samples"], "iterations": iterations,
+            "inclusive_ms": {k: round(v * per, 2) for k, v in data["inclusive"].items()},
+            "leaf_ms": {k: round(v * per, 2) for k, v in data["leaf"].items()}}
+
+
+def sample_table(samples: dict[str, dict[str, Any]], top: int = 40) -> str:
+    """Functions by ms per iteration in every sampled variant, largest difference to ``none`` first."""
+    names = list(samples)
+    base = samples.get("none", {}).get("inclusive_ms", {})
+    keys = {k for s in samples.values() for k in list(s["inclusive_ms"])[:top]}
+    def spread(k: str) -> float:
+        return max(abs(s["inclusive_ms"].get(k, 0.0) - base.get(k, 0.0)) for s in samples.values())
+    rows = [[k, *[samples[n]["inclusive_ms"].get(k, 0.0) for n in names]]
+            for k in sorted(keys, key=spread, reverse=True)[:top]]
+    leaf_rows = []
+    for n in names:
+        if n == "none":
+            continue
+        for k, v in list(samples[n]["leaf_ms"].items())[:12]:
+            leaf_rows.append([n, v, k[:150]])
+    return (format_table(["function (inclusive)", *[f"{n} ms/it" for n in names]], rows,
+                         title="trainer main thread, sampled every 2 ms inside the training loop")
+            + "\n\n" + format_table(["variant", "ms/it", "innermost frames"], leaf_rows,
+                                     title="where the sampled variants' main thread was"))
+
+
 def run_floor(b: Bench, path: Path, budget_s: float) -> dict[str, Any]:
     """overlap_floor.py in this call: none, d2h_paced, ipc_d2h (one hardware queue, Megatron's timers)."""
     argv = [sys.executable, str(path), "--modes", "1:L1", "--variants", "none,d2h_thread,d2h_paced,ipc_d2h,none_end",
@@ -135,6 +182,11 @@ def self_test() -> int:
     assert abs(g["wall_s"] - (20 * 0.15 + 0.45)) < 1e-6, g
     assert g["gap_max_it"] == 17 and g["gap_max_ms"] == 600.0 and g["gap_median_ms"] == 150.0, g
     assert _saves_between(10, 30, 8) == 2 and _saves_between(10, 30, 1) == 20
+    fake = {"none": {"inclusive_ms": {"training.py:train": 150.0}, "leaf_ms": {}},
+            "mem1": {"inclusive_ms": {"training.py:train": 300.0, "checkpointing.py:save_checkpoint": 120.0},
+                     "leaf_ms": {"a < b": 80.0}}}
+    table = sample_table(fake)
+    assert table.index("training.py:train") < table.index("save_checkpoint") and "a < b" in table, table
     print("self-test ok:", g)
     return 0
 
@@ -155,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.0, help="seconds for all runs (0: no limit)")
     ap.add_argument("--floor", default=None, help="path of overlap_floor.py: run it after the variants")
     ap.add_argument("--floor-budget", type=float, default=150.0)
+    ap.add_argument("--sample", default="", help="variants whose trainer's main thread is sampled (a profile)")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--self-test", action="store_true")
     args = ap.parse_args(argv)
@@ -183,12 +236,17 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(ram, ignore_errors=True)
             cmd, every = variant_argv(b, name, root, tmp, ram, args.iters)
-            r = b.run(name, cmd)
+            sampled = name in args.sample.split(",")
+            r = b.run(name, cmd, env=sample_env(b, name) if sampled else None)
             g = goodput(r["iters"], args.warm)
             saves = _saves_between(g.get("first", args.warm), g.get("last", args.iters), every)
             s = summarize(name, r, ref, saves, args.warm)
             if name == "none":
                 ref = {**g, "run_s": r["wall_s"]}
+            if sampled and not args.dry_run:
+                sample = read_samples(b, name, max((x["it"] for x in r["iters"]), default=0))
+                if sample is not None:
+                    results.setdefault("samples", {})[name] = sample
             results["runs"][name] = {k: v for k, v in r.items() if k not in ("telemetry_file",)}
             results["summary"].append(s)
             rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
@@ -216,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                    "run s: launch to exit"])
     print()
     print(table)
+    if results.get("samples"):
+        print()
+        print(sample_table(results["samples"]))
     floor = results.get("floor") or {}
     if floor.get("tail"):
         print()
