@@ -136,8 +136,12 @@ class MemoryTier:
         self._node_commit = None if self.nodes.single else node_commit(self.nodes)
         self.loads: list[tuple[Path, ReadStats]] = []  # (path, read statistics) of every load, oldest first
         # Memory saves: no fsync (RAM), and no `latest`/retention in the RAM root (those follow the durable commit).
-        self.memory_config = dataclasses.replace(self.config, io=dataclasses.replace(self.config.io, fsync=False),
-                                                 checkpoint=CheckpointConfig())
+        # Up to one save in flight per slot: each fills its own images, so a save every step overlaps the commit
+        # of the ones before it instead of waiting for them (the slot being reused waits for its own last save).
+        in_flight = max(self.config.async_.max_in_flight, m.slots)
+        self.memory_config = dataclasses.replace(
+            self.config, io=dataclasses.replace(self.config.io, fsync=False), checkpoint=CheckpointConfig(),
+            async_=dataclasses.replace(self.config.async_, max_in_flight=in_flight))
         self.slots = [self.root.path / f"slot-{k}" for k in range(m.slots)]
         for d in self.slots:
             d.mkdir(mode=0o700, exist_ok=True)

@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -126,21 +126,25 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
 DIR_MARK = "cpuckpt_dir"  # on cpuckpt's finalize function: the checkpoint directory of its save
 
 
-def finalize_saves_under(queue: Any, parent: str | os.PathLike, keep: int) -> list[int]:
-    """Finalize ``queue``'s calls in order until no pending cpuckpt save into ``parent/<dir>`` is left but
-    the newest ``keep`` (collective, like a blocking finalize); returns the finalized call ids.
+def finalize_saves_under(queue: Any, parents: str | os.PathLike | Sequence[str | os.PathLike],
+                         keep: int) -> list[int]:
+    """Finalize ``queue``'s calls in order until no pending cpuckpt save into ``<parent>/<dir>`` (of any of
+    ``parents``) is left but the newest ``keep`` (collective, like a blocking finalize); returns the finalized
+    call ids.
 
     Called before Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` removes all but the newest
-    ``keep`` directories of ``parent`` (or the memory tier's ring reuses one): megatron-core writes a
-    save's ``metadata.json`` into its directory only when it finalizes the call, which the persistent
-    worker (started by the first save, ~5 s) or a slow persist can delay past the removal. Every rank
-    holds the same calls in the same order, so every rank waits for the same ones.
+    ``keep`` directories of ``parent`` (or, with the memory tier, before the ring reuses the slot of the
+    save ``slots`` saves back): megatron-core writes a save's ``metadata.json`` into its directory only when
+    it finalizes the call, which the persistent worker (started by the first save, ~5 s) or a slow persist
+    can delay past the removal. Every rank holds the same calls in the same order, so every rank waits for
+    the same ones.
     """
     calls = list(getattr(queue, "async_calls", ()) or ())
     if not calls:
         return []
-    parent = os.path.abspath(parent)
-    under = [i for i, call in enumerate(calls) if _save_dir_parent(call) == parent]
+    wanted = {os.path.abspath(parents)} if isinstance(parents, str | os.PathLike) else \
+        {os.path.abspath(p) for p in parents}
+    under = [i for i, call in enumerate(calls) if _save_dir_parent(call) in wanted]
     doomed = under[: max(0, len(under) - keep)]
     if not doomed:
         return []

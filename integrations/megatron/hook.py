@@ -25,8 +25,9 @@ format with other storage. :func:`install`:
    save finalized after its directory went fails: :func:`.guard.finalize_saves_under`); with
    ``megatron: {memory_tier: true}``, routes async saves through the memory tier
    (:mod:`.memory`): Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` leaves the
-   non-persistent directory to the ring, and ``maybe_finalize_async_save(terminate=True)`` (the end
-   of training) closes the tier.
+   non-persistent directory to the ring (which finalizes only the saves older than the newest
+   ``slots - 1`` first, so saves every iteration overlap, one per slot), and
+   ``maybe_finalize_async_save(terminate=True)`` (the end of training) closes the tier.
 
 5. with ``megatron: {ordering: optimizer}``, wraps the ``step`` of every ``megatron.core.optimizer``
    class (:func:`order_optimizer_steps`): async saves return once their device-to-host copies are
@@ -58,13 +59,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError
 
 from .settings import MegatronOptions, split_config
+
+if TYPE_CHECKING:
+    from .memory import MegatronMemory
 
 __all__ = ["FORMAT", "Selection", "Training", "install", "order_optimizer_steps", "rewrite_argv",
            "watch_megatron_lm_queue"]
@@ -193,7 +198,7 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
     module.TorchDistSaveShardedStrategy, module.TorchDistLoadShardedStrategy = classes
     if options.memory_tier:
         _route_to_memory_tier(run, module)
-    _finalize_before_cleanup(module)
+    _finalize_before_cleanup(module, memory_of=run.memory if options.memory_tier else None)
     if options.ordering == "optimizer":
         order_optimizer_steps()
     if options.prepare_pool and not options.memory_tier:
@@ -278,11 +283,15 @@ def _megatron_lm_queue() -> Any:
     return getattr(async_utils, "_async_calls_queue", None)
 
 
-def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue) -> None:
-    """Before ``cleanup_old_non_persistent_checkpoint`` removes older non-persistent directories (or the
-    memory tier's ring reuses one), every rank finalizes the pending saves into them
-    (:func:`.guard.finalize_saves_under`): Megatron-LM removes them without asking (its own TODO there),
-    and a save finalized after its directory went fails with ``metadata.json`` not found."""
+def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue,
+                             memory_of: Callable[[], MegatronMemory] | None = None) -> None:
+    """Before ``cleanup_old_non_persistent_checkpoint`` removes older non-persistent directories, every rank
+    finalizes the pending saves into them (:func:`.guard.finalize_saves_under`): Megatron-LM removes them
+    without asking (its own TODO there), and a save finalized after its directory went fails with
+    ``metadata.json`` not found. With the memory tier (``memory_of``) the ring prunes instead and reuses a
+    slot, not a directory: only the saves older than the newest ``slots - 1`` are finalized
+    (:attr:`.memory.MegatronMemory.pending_allowed`), so saves every iteration overlap each other, one per
+    slot, instead of each waiting for the one before."""
     import functools
 
     original = getattr(module, "cleanup_old_non_persistent_checkpoint", None)
@@ -293,7 +302,11 @@ def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue) ->
     def cleanup_old_non_persistent_checkpoint(save_dir: Any, leave_ckpt_num: int = 1, do_async: bool = False) -> None:
         from .guard import finalize_saves_under
 
-        finalize_saves_under(queue_of(), save_dir, leave_ckpt_num)
+        memory = memory_of() if memory_of is not None else None
+        if memory is not None and memory.prunes(save_dir):
+            finalize_saves_under(queue_of(), memory.ring_dirs, memory.pending_allowed)
+        else:
+            finalize_saves_under(queue_of(), save_dir, leave_ckpt_num)
         original(save_dir, leave_ckpt_num=leave_ckpt_num, do_async=do_async)
 
     cleanup_old_non_persistent_checkpoint._cpuckpt_finalizing = True  # type: ignore[attr-defined]

@@ -80,6 +80,23 @@ class MegatronMemory:
         self._tier: MemoryTier | None = None
 
     # -- routing --------------------------------------------------------------------------------
+    @property
+    def ring_dirs(self) -> tuple[Path, Path]:
+        """The directories whose ``iter_<N>`` saves take a slot of the ring: the non-persistent one and ``--save``."""
+        return self.np_dir, self.save_dir
+
+    @property
+    def pending_allowed(self) -> int:
+        """How many of the newest saves into :attr:`ring_dirs` may still be pending (not finalized by Megatron)
+        when the next one starts: the next save reuses the slot of the save ``slots`` saves back, so that one
+        (and every older one) must be finalized first (its ``metadata.json`` and tracker written while its
+        slot still holds it); the ``slots - 1`` newer ones go on, each in its own slot."""
+        return self.config.memory.slots - 1
+
+    def prunes(self, save_dir: str | os.PathLike) -> bool:
+        """Whether Megatron-LM's pruning of ``save_dir`` is the ring's (:meth:`cleanup`)."""
+        return Path(os.path.abspath(save_dir)) == self.np_dir
+
     def route(self, checkpoint_dir: str | os.PathLike) -> Route | None:
         """The route of a save to ``checkpoint_dir``; None: not Megatron's ``iter_<N>`` under either root."""
         path = Path(os.path.abspath(checkpoint_dir))
@@ -198,7 +215,7 @@ class MegatronMemory:
     def cleanup(self, save_dir: str | os.PathLike) -> bool:
         """Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` for ``D``: the ring is the retention.
         Only links whose slot no longer holds a complete checkpoint go. Returns False for another dir."""
-        if Path(os.path.abspath(save_dir)) != self.np_dir:
+        if not self.prunes(save_dir):
             return False
         for link, _, target in self._links():
             if not target.is_dir():

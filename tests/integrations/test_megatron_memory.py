@@ -202,6 +202,78 @@ def test_memory_and_persistent_saves_then_sigkill_resume_from_memory(run_ranks, 
     _wait_no_process_in(tmp_path)
 
 
+def rank_pending_saves_overlap(root: str) -> dict:
+    """Memory saves every iteration into a ring of 3 slots, finalized only by the hook's wrapper of Megatron-LM's
+    cleanup (as in ``save_checkpoint``): before each save, the saves older than the newest two are finalized."""
+    import types
+
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron import hook
+    from cpuckpt.integrations.megatron.guard import watch_async_queue
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from cpuckpt.config import Config
+
+    _, _, device = _setup()
+    root_p = Path(root)
+    cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "slots": 3}}
+    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg))
+    strategy = CpuckptSaveStrategy(cfg, memory=router)
+    queue = watch_async_queue(AsyncCallsQueue(persistent=True), 60.0)
+    module = types.SimpleNamespace(cleanup_old_non_persistent_checkpoint=lambda save_dir, leave_ckpt_num=1,
+                                   do_async=False: router.cleanup(save_dir) if dist.get_rank() == 0 else None)
+    hook._finalize_before_cleanup(module, queue_of=lambda: queue, memory_of=lambda: router)
+
+    def pending() -> list[str]:
+        return sorted(Path(fn.cpuckpt_dir).name for call in queue.async_calls
+                      for fn in call.async_request.finalize_fns if hasattr(fn, "cpuckpt_dir"))
+
+    seen = []
+    for it in range(1, 6):
+        module.cleanup_old_non_persistent_checkpoint(str(router.np_dir), leave_ckpt_num=1)
+        seen.append(pending())  # what the save of ``it`` starts beside
+        path = router.np_dir / f"iter_{it:07d}"
+        if dist.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        request = dist_checkpointing.save(_sharded(it, device), str(path), sharded_strategy=strategy,
+                                          async_sharded_save=True, **_async_kwargs())
+
+        def iter_finalize_fn(it: int = it) -> None:
+            if dist.get_rank() == 0:
+                (router.np_dir / TRACKER).write_text(str(it))
+
+        request.add_finalize_fn(iter_finalize_fn)
+        queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    dist.barrier()
+    out = {"seen": seen, "tracker": _read_tracker(router.np_dir),
+           "links": sorted(p.name for p in router.np_dir.iterdir() if p.is_symlink())}
+    for it in (3, 4, 5):  # the ring's three checkpoints, each loads with its own values
+        _check(dist_checkpointing.load(_template(device), str(router.np_dir / f"iter_{it:07d}")), it, device)
+    queue.close()
+    router.close()
+    return out
+
+
+def _async_kwargs() -> dict:
+    from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
+
+    return mcore_async_kwargs()
+
+
+def test_saves_every_iteration_overlap_one_per_slot(run_ranks, tmp_path):
+    res = run_ranks(2, rank_pending_saves_overlap, str(tmp_path), timeout_s=180, env=ENV)
+    for rank, out in enumerate(res):
+        # each save starts beside the two before it, still pending (nothing else finalizes them here); the one
+        # three back, whose slot it reuses, was finalized first
+        want = [[f"iter_{k:07d}" for k in range(max(1, it - 2), it)] for it in range(1, 6)]
+        assert out["seen"] == want, (rank, out["seen"])
+        assert out["tracker"] == 5 and out["links"] == ["iter_0000003", "iter_0000004", "iter_0000005"], (rank, out)
+
+
 def test_reusing_a_slot_moves_the_tracker_off_the_checkpoint_it_held(tmp_path):
     """slots=1: the next memory save overwrites the only slot, so the tracker must not name the old one."""
     from cpuckpt.integrations.megatron.memory import MegatronMemory, Route
