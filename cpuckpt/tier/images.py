@@ -319,6 +319,7 @@ class ImageSet:
         self._files: dict[str, ImageFile] = {}
         # per image: the ``done`` of the last job that filled it (a DeepSpeed tag's files are one job each)
         self._last_done: dict[str, cf.Future] = {}
+        self._reserved: set[str] = set()  # made by reserve() and not claimed by a job yet
         self._lock = threading.Lock()
 
     def image(self, name: str, nbytes: int, *, chunk_bytes: int | None = None) -> ImageFile:
@@ -339,6 +340,29 @@ class ImageSet:
                 return False
             self._image(name, nbytes, chunk_bytes)
             return True
+
+    def reserve(self, name: str, nbytes: int, *, chunk_bytes: int | None = None) -> bool:
+        """Make image ``name`` about ``nbytes`` long ahead of its first job, unless a file of that name is here
+        already (it may hold a checkpoint). The first job's own size is then a truncation (or, larger, a
+        remap); if the first job claims other names, the reserved image is removed (no RAM held for nothing).
+        Returns whether it made one."""
+        with self._lock:
+            if name in self._files or os.path.lexists(self.directory / name):
+                return False
+            self._image(name, nbytes, chunk_bytes)
+            self._reserved.add(name)
+            return True
+
+    def _drop_unclaimed(self, names: list[str]) -> None:
+        """Lock held: reserved images the first job does not claim are closed and removed."""
+        for name in self._reserved - set(names):
+            img = self._files.pop(name, None)
+            if img is not None:
+                img.close()
+                img.path.unlink(missing_ok=True)
+                logger.info("memory image %s was reserved but the first save into %s names other files; removed",
+                            name, self.directory)
+        self._reserved.clear()
 
     def _image(self, name: str, nbytes: int, chunk_bytes: int | None) -> ImageFile:
         img = self._files.get(name)
@@ -366,6 +390,8 @@ class ImageSet:
         end before any byte moves: an image is resized or remapped only while no job copies into it). Jobs of
         other images of the set go on (a tag's optimizer file does not wait for its model file)."""
         with self._lock:
+            if self._reserved:
+                self._drop_unclaimed(names)
             previous = {id(f): f for n in names if (f := self._last_done.get(n)) is not None}
             for n in names:
                 self._last_done[n] = done

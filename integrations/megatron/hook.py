@@ -26,8 +26,10 @@ format with other storage. :func:`install`:
    ``megatron: {memory_tier: true}``, routes async saves through the memory tier
    (:mod:`.memory`): Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` leaves the
    non-persistent directory to the ring (which finalizes only the saves older than the newest
-   ``slots - 1`` first, so saves every iteration overlap, one per slot), and
-   ``maybe_finalize_async_save(terminate=True)`` (the end of training) closes the tier.
+   ``slots - 1`` first, so saves every iteration overlap, one per slot),
+   ``maybe_finalize_async_save(terminate=True)`` (the end of training) closes the tier, and the tier is
+   made when ``setup_model_and_optimizer`` returns, every free slot's image reserved, mapped and pinned
+   then for the shard the optimizer will save (no first save pays it while the job trains).
 
 5. with ``megatron: {ordering: optimizer}``, wraps the ``step`` of every ``megatron.core.optimizer``
    class (:func:`order_optimizer_steps`): async saves return once their device-to-host copies are
@@ -198,6 +200,7 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
     module.TorchDistSaveShardedStrategy, module.TorchDistLoadShardedStrategy = classes
     if options.memory_tier:
         _route_to_memory_tier(run, module)
+        _reserve_slots_after_setup(run)
     _finalize_before_cleanup(module, memory_of=run.memory if options.memory_tier else None)
     if options.ordering == "optimizer":
         order_optimizer_steps()
@@ -272,6 +275,60 @@ def _route_to_memory_tier(run: Training, module: Any) -> None:
     for m in [async_utils] + [m for name, m in list(sys.modules.items()) if name.startswith("megatron.training") and m]:
         if getattr(m, "maybe_finalize_async_save", None) is original_finalize:
             m.maybe_finalize_async_save = maybe_finalize_async_save
+
+
+def _megatron_lm_args() -> Any:
+    from megatron.training import get_args
+
+    return get_args()
+
+
+def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Callable[[], Any] = _megatron_lm_args
+                               ) -> None:
+    """When Megatron-LM's ``setup_model_and_optimizer`` returns (every rank, before the first iteration), make the
+    tier and reserve, map and pin each free slot's image for the shard the optimizer's state makes
+    (:meth:`cpuckpt.MemoryTier.reserve`, sized by :func:`.prepare.shard_nbytes_estimate`): otherwise the first
+    saves pay it while the job trains (~1-1.8 s per 5 GB slot on the H200, on the trainer's thread). Only for a
+    run that saves asynchronously (sync saves do not use the tier); ``module``: ``megatron.training.training``."""
+    import functools
+
+    if module is None:
+        try:
+            import megatron.training.training as module
+        except ImportError as e:
+            logger.warning("cpuckpt: megatron.training.training not importable (%s): the memory tier's slots are "
+                           "made by the first saves", e)
+            return
+    original = getattr(module, "setup_model_and_optimizer", None)
+    if original is None:
+        logger.warning("cpuckpt: Megatron-LM has no setup_model_and_optimizer: the memory tier's slots are made by "
+                       "the first saves")
+        return
+    if getattr(original, "_cpuckpt_run", None) is not None:
+        original._cpuckpt_run = run  # a later install's run reserves
+        return
+
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        margs = args_of()
+        if not (getattr(margs, "async_save", False) and getattr(margs, "save", None)
+                and (getattr(margs, "save_interval", None) or getattr(margs, "non_persistent_save_interval", None))):
+            return result
+        from .prepare import shard_nbytes_estimate
+
+        try:
+            nbytes = shard_nbytes_estimate(result[1])
+        except Exception:  # an optimizer this does not understand: the first saves make the images
+            logger.warning("cpuckpt: could not size the memory tier's slots from the optimizer", exc_info=True)
+            nbytes = 0
+        tier = setup_model_and_optimizer._cpuckpt_run.memory().tier  # type: ignore[attr-defined]  # collective
+        made = tier.reserve(nbytes)
+        logger.info("cpuckpt memory tier: %d slot image(s) of %d bytes reserved before training", made, nbytes)
+        return result
+
+    setup_model_and_optimizer._cpuckpt_run = run  # type: ignore[attr-defined]
+    module.setup_model_and_optimizer = setup_model_and_optimizer
 
 
 def _megatron_lm_queue() -> Any:

@@ -1,4 +1,5 @@
-"""First save = warm save: the host pool is reserved in the background once the optimizer state exists.
+"""First save = warm save: the host pool is reserved in the background once the optimizer state exists
+(the memory tier's slots, before the first iteration: :func:`shard_nbytes_estimate`).
 
 A fresh process's first async save would otherwise allocate, touch and pin a pool as large as the
 rank's shard inside the save (4.8 s for 13 GB on the H200). Megatron builds its sharded state dict
@@ -30,8 +31,8 @@ from cpuckpt.api import PoolPreparation, prepare_pool_in_background
 from cpuckpt.config import Config
 from cpuckpt.transfer.save_job import choose_mode
 
-__all__ = ["PoolPreparer", "pool_nbytes", "prepare_after_first_step", "state_nbytes", "stop_preparing",
-           "wait_prepared", "wrap_optimizer_steps"]
+__all__ = ["PoolPreparer", "pool_nbytes", "prepare_after_first_step", "shard_nbytes_estimate", "state_nbytes",
+           "stop_preparing", "wait_prepared", "wrap_optimizer_steps"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,24 @@ def state_nbytes(optimizer: Any) -> int:
                 for t in _tensors(st):
                     add(t)
     return total
+
+
+def shard_nbytes_estimate(optimizer: Any) -> int:
+    """What a checkpoint of this rank will hold, already before the first optimizer step: :func:`state_nbytes`
+    plus, for each parameter of an Adam-type inner optimizer (its class name says Adam) that has no state yet,
+    the two moments its first step makes in the parameter's dtype; times :data:`SLACK`. Other optimizers'
+    missing state is not guessed (an under-estimate only costs the first save a second mapping)."""
+    total = state_nbytes(optimizer)
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or "adam" not in type(inner).__name__.lower():
+            continue
+        state = getattr(inner, "state", {})
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if isinstance(p, torch.Tensor) and not state.get(p):
+                    total += 2 * p.numel() * p.element_size()
+    return int(total * SLACK)
 
 
 def pool_nbytes(cfg: Config, shard_nbytes: int) -> int:

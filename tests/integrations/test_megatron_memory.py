@@ -274,6 +274,43 @@ def test_saves_every_iteration_overlap_one_per_slot(run_ranks, tmp_path):
         assert out["tracker"] == 5 and out["links"] == ["iter_0000003", "iter_0000004", "iter_0000005"], (rank, out)
 
 
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_slots_are_reserved_when_megatron_lm_setup_returns(tmp_path, async_save):
+    """The hook's wrapper of ``setup_model_and_optimizer`` (``megatron.training.training``, not on PyPI: a module
+    with that function here) makes the tier and reserves every slot's image before the first iteration, sized
+    from the optimizer (a megatron-core optimizer class around a torch Adam, no step yet); sync runs do not."""
+    import types
+
+    import torch
+    from cpuckpt.integrations.megatron import hook, prepare
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    from test_megatron_prepare import TinyOptimizer
+
+    from cpuckpt.config import Config
+
+    model = torch.nn.Linear(256, 128)
+    optimizer = TinyOptimizer(model, torch.optim.Adam(model.parameters()))
+    module = types.SimpleNamespace(setup_model_and_optimizer=lambda *a, **k: ([model], optimizer, None))
+    args = types.SimpleNamespace(async_save=async_save, save=str(tmp_path / "save"), save_interval=64,
+                                 non_persistent_save_interval=1)
+    cfg = {**_config(tmp_path), "memory": {**_config(tmp_path)["memory"], "slots": 3}}
+    router = MegatronMemory(tmp_path / "save", tmp_path / "save" / "non_persistent", Config.from_dict(cfg))
+    run = types.SimpleNamespace(memory=lambda: router)
+    hook._reserve_slots_after_setup(run, module, args_of=lambda: args)
+    try:
+        assert module.setup_model_and_optimizer("gpt", None)[1] is optimizer
+        if not async_save:
+            assert router._tier is None  # no tier, no RAM held
+            return
+        want = prepare.shard_nbytes_estimate(optimizer)
+        assert want > 3 * 256 * 128 * 4  # the parameters and both moments
+        tier = router.tier
+        for images in tier.images:
+            assert [images.get(n).nbytes for n in images.names] == [want], images.directory
+    finally:
+        router.close()
+
+
 def test_reusing_a_slot_moves_the_tracker_off_the_checkpoint_it_held(tmp_path):
     """slots=1: the next memory save overwrites the only slot, so the tracker must not name the old one."""
     from cpuckpt.integrations.megatron.memory import MegatronMemory, Route

@@ -141,3 +141,18 @@ def test_pool_size_follows_the_staging_mode():
     assert prepare.pool_nbytes(Config.from_dict({"async": {"max_in_flight": 2}}), shard) == 2 * shard
     bounded = Config.from_dict({"staging": {"pool_bytes": "64MiB"}, "io": {"chunk_bytes": "4MiB", "threads": 4}})
     assert prepare.pool_nbytes(bounded, shard) == 64 * 2**20  # streaming: the configured pool only
+
+
+def test_the_estimate_before_the_first_step_covers_the_state_after_it():
+    model = _model()
+    opt = TinyOptimizer(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    before = prepare.shard_nbytes_estimate(opt)  # no moments yet: two per parameter are expected
+    model(torch.randn(16, 512)).sum().backward()
+    opt.step()
+    after = prepare.state_nbytes(opt)
+    steps = [t for st in opt.optimizer.state.values() for k, t in st.items() if k == "step"]
+    # the same bytes but Adam's step counters (a few bytes each), within SLACK's margin
+    assert int((after - _bytes(steps)) * prepare.SLACK) == before
+    assert prepare.shard_nbytes_estimate(opt) == int(after * prepare.SLACK)  # with state: nothing guessed
+    sgd = TinyOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert prepare.shard_nbytes_estimate(sgd) == int(prepare.state_nbytes(sgd) * prepare.SLACK)  # not guessed

@@ -1,4 +1,5 @@
-"""The memory tier prepares the other slots' images after the first save (memory.prepare_slots).
+"""The memory tier prepares the other slots' images after the first save (memory.prepare_slots), or every
+slot's before it (``MemoryTier.reserve``).
 
 Single process, real RAM-root files (persist_every 0: no writer process is started); the images are checked directly.
 """
@@ -108,5 +109,60 @@ def test_after_a_restart_the_first_save_prepares_the_slots_holding_older_checkpo
             cpuckpt.load(out, tier.slots[j])
             want = _state(out["step"])
             assert out["step"] in (2, 3) and torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"])
+    finally:
+        tier.close(persist_newest=False)
+
+
+def test_slots_reserved_before_the_first_save_are_used_without_mapping_again(tmp_path):
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    try:
+        assert tier.reserve(1 << 20) == 3  # an over-estimate of the shard: every slot's image, before any save
+        reserved = [images.get(f"__{tier.rank}_0.distcp") for images in tier.images]
+        assert all(img is not None and img.nbytes == 1 << 20 and img.remaps == 1 for img in reserved)
+        for step in (1, 2, 3, 4):
+            tier.save(_state(step), step).wait()
+        for images, img in zip(tier.images, reserved):
+            assert images.names == [img.path.name] and images.get(img.path.name) is img
+            assert img.remaps == 1, f"{img.path}: the first save mapped its reserved image again"
+            assert img.nbytes < 1 << 20 and os.stat(img.path).st_size == img.nbytes  # truncated to the save's size
+        out = {"w": torch.empty(256, 129), "b": torch.empty(77), "step": -1}
+        cpuckpt.load(out, tier.find_latest())
+        want = _state(4)
+        assert out["step"] == 4 and torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"])
+    finally:
+        tier.close(persist_newest=False)
+
+
+def test_an_under_estimate_is_mapped_again_and_a_reserved_name_no_save_uses_is_removed(tmp_path):
+    def big(step: int) -> dict:  # 4 MiB: past the 2 MiB a small reservation maps
+        return {"w": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(step)), "step": step}
+
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    try:
+        assert tier.reserve(4096) == 3
+        assert tier.images[1].reserve("__7_0.distcp", 8192)  # a name the saves of this rank never use
+        stray = tier.images[1].get("__7_0.distcp").path
+        for step in (1, 2):
+            tier.save(big(step), step).wait()
+        own = tier.images[0].get(f"__{tier.rank}_0.distcp")
+        assert own.remaps == 2 and own.nbytes > 4 << 20  # too small: the first save grew it
+        assert tier.images[1].names == [f"__{tier.rank}_0.distcp"] and not stray.exists()
+        out = {"w": torch.empty(1024, 1024), "step": -1}
+        cpuckpt.load(out, tier.find_latest())
+        assert out["step"] == 2 and torch.equal(out["w"], big(2)["w"])
+    finally:
+        tier.close(persist_newest=False)
+
+
+def test_a_slot_holding_a_checkpoint_is_not_reserved_over(tmp_path):
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    try:
+        tier.save(_state(1), 1).wait()
+        size = os.stat(tier.slots[0] / f"__{tier.rank}_0.distcp").st_size
+        assert tier.reserve(1 << 20) == 2  # slots 1 and 2 only
+        assert os.stat(tier.slots[0] / f"__{tier.rank}_0.distcp").st_size == size
+        out = {"w": torch.empty(256, 129), "b": torch.empty(77), "step": -1}
+        cpuckpt.load(out, tier.slots[0])
+        assert out["step"] == 1 and torch.equal(out["w"], _state(1)["w"])
     finally:
         tier.close(persist_newest=False)
