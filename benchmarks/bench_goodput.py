@@ -10,6 +10,9 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
 ``mem8``          cpuckpt's memory tier: memory checkpoints every 8 iterations (``--non-persistent-save-interval``),
                   durable every 64 (``--save-interval``), ``ordering: optimizer``
 ``mem1``          the same with a memory checkpoint **every iteration**
+``mem1snap``      ``mem1`` with ``staging.device_snapshot``: the GPU bytes are copied device-to-device first (ms), so
+                  the optimizer step waits for that copy only and the copies to the host may take the whole
+                  iteration (where a forward and backward are shorter than the state's device-to-host copy)
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -53,7 +56,7 @@ from benchmarks.common import format_table
 
 logger = logging.getLogger("bench_goodput")
 
-VARIANTS = ("none", "torch_dist8", "cpuckpt8", "mem8", "mem1")
+VARIANTS = ("none", "torch_dist8", "cpuckpt8", "mem8", "mem1", "mem1snap")
 
 
 def goodput(iters: list[dict[str, Any]], warm: int) -> dict[str, Any]:
@@ -108,9 +111,10 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     if name == "cpuckpt8":
         cfg = megatron_config(a.config, tmp / "cpuckpt8.yaml", ordering="optimizer")
         return b.argv("cpuckpt", "goodput", [*base, *save, "--save-interval", "8", *ASYNC], config=str(cfg)), 8
-    every = {"mem8": 8, "mem1": 1}[name]
+    every = {"mem8": 8, "mem1": 1, "mem1snap": 1}[name]
     cfg = memory_tier_config(a.config, tmp / f"{name}.yaml", ram, a.slots)
-    cfg = megatron_config(str(cfg), cfg, ordering="optimizer")
+    snapshot = {"staging": {"device_snapshot": True}} if name == "mem1snap" else {}
+    cfg = megatron_config(str(cfg), cfg, ordering="optimizer", **snapshot)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
     return b.argv("cpuckpt", "goodput", extra, config=str(cfg)), every

@@ -31,7 +31,7 @@ def test_dry_run_prints_every_variant(tmp_path: Path) -> None:
     proc = _bench("--dry-run", "--out", str(tmp_path), "--floor", "overlap_floor.py", cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
-    for name in ("none", "torch_dist8", "cpuckpt8", "mem8", "mem1"):
+    for name in ("none", "torch_dist8", "cpuckpt8", "mem8", "mem1", "mem1snap"):
         assert f"# {name}\n" in out
     assert "--non-persistent-save-interval 1 " in out and "--non-persistent-save-interval 8 " in out
     assert "# floor" in out
