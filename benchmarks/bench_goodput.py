@@ -14,6 +14,10 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
                   the optimizer step waits for that copy only and the copies to the host may take the whole
                   iteration (where a forward and backward are shorter than the state's device-to-host copy)
 
+A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
+``+nocrc`` (``memory.checksum: false``: no crc32c of the images in the trainer's process), ``+window<MiB>`` (the
+paced pieces' size, ``staging.d2h_window_bytes``), e.g. ``mem1+nocrc``, ``mem1snap+window16``.
+
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
 The result is the wall time from iteration ``--warm`` (default 10) to the last iteration, taken from the
@@ -111,10 +115,21 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     if name == "cpuckpt8":
         cfg = megatron_config(a.config, tmp / "cpuckpt8.yaml", ordering="optimizer")
         return b.argv("cpuckpt", "goodput", [*base, *save, "--save-interval", "8", *ASYNC], config=str(cfg)), 8
-    every = {"mem8": 8, "mem1": 1, "mem1snap": 1}[name]
+    base, *changes = name.split("+")
+    every = {"mem8": 8, "mem1": 1, "mem1snap": 1}[base]
     cfg = memory_tier_config(a.config, tmp / f"{name}.yaml", ram, a.slots)
-    snapshot = {"staging": {"device_snapshot": True}} if name == "mem1snap" else {}
-    cfg = megatron_config(str(cfg), cfg, ordering="optimizer", **snapshot)
+    staging: dict[str, Any] = {"device_snapshot": True} if base == "mem1snap" else {}
+    memory: dict[str, Any] = {}
+    for change in changes:
+        if change == "nocrc":
+            memory["checksum"] = False
+        elif change.startswith("window") and change[len("window"):].isdigit():
+            staging["d2h_window_bytes"] = int(change[len("window"):]) << 20
+        else:
+            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, window<MiB>)")
+    cfg = megatron_config(str(cfg), cfg, ordering="optimizer", **({"staging": staging} if staging else {}))
+    if memory:
+        _merge_yaml(cfg, "memory", memory)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
     return b.argv("cpuckpt", "goodput", extra, config=str(cfg)), every
@@ -161,6 +176,14 @@ def sample_table(samples: dict[str, dict[str, Any]], top: int = 40) -> str:
                          title="trainer main thread, sampled every 2 ms inside the training loop")
             + "\n\n" + format_table(["variant", "ms/it", "innermost frames"], leaf_rows,
                                      title="where the sampled variants' main thread was"))
+
+
+def _merge_yaml(path: Path, section: str, keys: dict[str, Any]) -> None:
+    import yaml
+
+    data = yaml.safe_load(path.read_text()) or {}
+    data.setdefault(section, {}).update(keys)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def run_floor(b: Bench, path: Path, budget_s: float) -> dict[str, Any]:
@@ -236,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for name in [v for v in args.variants.split(",") if v]:
-            if name not in VARIANTS:
-                ap.error(f"unknown variant {name}; known: {VARIANTS}")
+            if name.split("+")[0] not in VARIANTS or ("+" in name and not name.startswith("mem")):
+                ap.error(f"unknown variant {name}; known: {VARIANTS} (memory ones with +nocrc, +window<MiB>)")
             if args.budget and b.left() < 60:
                 logger.warning("variant %s skipped: %.0f s of the budget left", name, b.left())
                 continue

@@ -35,3 +35,11 @@ def test_dry_run_prints_every_variant(tmp_path: Path) -> None:
         assert f"# {name}\n" in out
     assert "--non-persistent-save-interval 1 " in out and "--non-persistent-save-interval 8 " in out
     assert "# floor" in out
+
+
+def test_dry_run_takes_memory_variants_with_changes(tmp_path: Path) -> None:
+    proc = _bench("--dry-run", "--out", str(tmp_path), "--variants", "mem1+nocrc,mem1snap+window16", cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "# mem1+nocrc\n" in proc.stdout and "# mem1snap+window16\n" in proc.stdout
+    bad = _bench("--dry-run", "--out", str(tmp_path), "--variants", "mem1+fast", cwd=REPO)
+    assert bad.returncode != 0 and "unknown change" in bad.stderr, bad.stderr
