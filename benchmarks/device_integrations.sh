@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The adapters on the GPU machine, in one script (phases: setup, tests, mlm-tests, deepspeed, megatron-lm, example,
-# zero (benchmarks/bench_zero_stall.py), goodput (benchmarks/bench_goodput.py: whole Megatron-LM runs, GOODPUT_ARGS,
+# zero (benchmarks/bench_zero_stall.py), loop (benchmarks/bench_loop.py, LOOP_ARGS), goodput (benchmarks/bench_goodput.py: whole Megatron-LM runs, GOODPUT_ARGS,
 # bounded by GOODPUT_TIMEOUT, default 420 s; the floor tool runs too when .out/overlap_floor.py is there);
 # default all but zero and goodput). Extra arguments per phase: DS_ARGS, MLM_ARGS.
 # megatron-lm: benchmarks/bench_megatron_lm.py, its own phases through MLM_ARGS (default load,reuse,kill;
@@ -61,6 +61,11 @@ print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'd
         --megatron-lm .megatron-lm --out "$OUT" --budget $((GOODPUT_TIMEOUT - 20)) "${FLOOR[@]}" ${GOODPUT_ARGS:-} 2>&1 \
         | tee "$OUT/bench_goodput.log" | grep -v "^\s*$" | tail -45
       rm -rf /root/cpuckpt-goodput /dev/shm/cpuckpt*
+      ;;
+    loop)  # benchmarks/bench_loop.py: a plain loop checkpointing every iteration through MemoryTier (LOOP_ARGS)
+      PYTHONPATH=$BENCH_PATH CUDA_DEVICE_MAX_CONNECTIONS=1 timeout 300 python3 -m benchmarks.bench_loop --out "$OUT" \
+        ${LOOP_ARGS:-} 2>&1 | tee "$OUT/bench_loop.log" | grep -v "^cpuckpt\|^removed" | tail -12
+      rm -rf /dev/shm/cpuckpt-bench-loop-*
       ;;
     example)  # examples/megatron on the GPU: train, SIGKILL during the save of step 15, resume
       A="examples/megatron/train.py --device cuda --save /tmp/mg --steps 20 --save-interval 5 --events /tmp/mg.events --snapshot-dir /tmp/mg.snap"
