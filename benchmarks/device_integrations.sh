@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The adapters on the GPU machine, in one script (phases: setup, tests, mlm-tests, deepspeed, megatron-lm, example,
-# zero (benchmarks/bench_zero_stall.py), loop (benchmarks/bench_loop.py, LOOP_ARGS), goodput (benchmarks/bench_goodput.py: whole Megatron-LM runs, GOODPUT_ARGS,
+# zero (benchmarks/bench_zero_stall.py), loop (benchmarks/bench_loop.py, LOOP_ARGS), goodput-ds
+# (benchmarks/bench_goodput_ds.py, GOODPUT_DS_ARGS), goodput (benchmarks/bench_goodput.py: whole Megatron-LM runs, GOODPUT_ARGS,
 # bounded by GOODPUT_TIMEOUT, default 420 s; the floor tool runs too when .out/overlap_floor.py is there);
-# default all but zero and goodput). Extra arguments per phase: DS_ARGS, MLM_ARGS.
+# default all but zero, loop, goodput-ds and goodput). Extra arguments per phase: DS_ARGS, MLM_ARGS.
 # megatron-lm: benchmarks/bench_megatron_lm.py, its own phases through MLM_ARGS (default load,reuse,kill;
 # "save" is the torch_dist-vs-cpuckpt save comparison), bounded by MLM_TIMEOUT seconds (default 480; the
 # script gets --budget MLM_TIMEOUT-20 and skips a phase that cannot fit), e.g.
@@ -61,6 +62,11 @@ print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'd
         --megatron-lm .megatron-lm --out "$OUT" --budget $((GOODPUT_TIMEOUT - 20)) "${FLOOR[@]}" ${GOODPUT_ARGS:-} 2>&1 \
         | tee "$OUT/bench_goodput.log" | grep -v "^\s*$" | tail -45
       rm -rf /root/cpuckpt-goodput /dev/shm/cpuckpt*
+      ;;
+    goodput-ds)  # benchmarks/bench_goodput_ds.py: whole DeepSpeed runs per variant (GOODPUT_DS_ARGS)
+      PYTHONPATH=$BENCH_PATH timeout -k 15 "${GOODPUT_DS_TIMEOUT:-480}" python3 -m benchmarks.bench_goodput_ds \
+        --out "$OUT" ${GOODPUT_DS_ARGS:-} 2>&1 | tee "$OUT/bench_goodput_ds.log" | grep -v "^\s*$" | tail -14
+      rm -rf /root/cpuckpt-goodput-ds /dev/shm/cpuckpt*
       ;;
     loop)  # benchmarks/bench_loop.py: a plain loop checkpointing every iteration through MemoryTier (LOOP_ARGS)
       PYTHONPATH=$BENCH_PATH CUDA_DEVICE_MAX_CONNECTIONS=1 timeout 300 python3 -m benchmarks.bench_loop --out "$OUT" \

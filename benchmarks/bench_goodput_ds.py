@@ -1,0 +1,182 @@
+"""Goodput with DeepSpeed: whole training runs with and without checkpoints, timed by the job's own log lines.
+
+The DeepSpeed side of ``bench_goodput`` (issue 29). Every variant is a whole run of this module's trainer in a
+fresh process (``--train``: one rank, ZeRO-1, bf16, ``torch_adam``, the GPT of ``bench_deepspeed``: 18 x 2048,
+~0.97 B parameters, ~13.6 GB per checkpoint), one after the other in one call:
+
+``none``      no checkpoints (the reference of every ratio)
+``ds8``       DeepSpeed's own engine (``TorchCheckpointEngine``: ``torch.save`` per file), a save every 8
+``cpuckpt8``  cpuckpt to disk every 8 (``ordering: optimizer``: the copies overlap the next forward and backward)
+``mem8``      cpuckpt's memory tier every 8, durable every 64 (``memory.persist_every``), 3 slots
+``mem1``      the memory tier every iteration, durable every 64
+
+The trainer prints one line per iteration (``iteration N/M | elapsed time per iteration (ms): ...``, the host time
+since the previous line, its own clock); the result is the wall time from iteration ``--warm`` to the last,
+from the lines' arrival, over ``none``'s, as in ``bench_goodput`` (per save, largest gap against the median,
+launch to exit). ``engine.destroy()`` ends every run (the memory variants persist their newest tag there, as a
+job ending does).
+
+    python -m benchmarks.bench_goodput_ds --out $OUT                       # one H200
+    python -m benchmarks.bench_goodput_ds --smoke --out /tmp/g             # CPU, gloo, a tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_goodput import _saves_between, goodput, summarize
+from benchmarks.bench_megatron_lm import run
+from benchmarks.common import format_table
+
+logger = logging.getLogger("bench_goodput_ds")
+
+VARIANTS = ("none", "ds8", "cpuckpt8", "mem8", "mem1")
+EVERY = {"none": 0, "ds8": 8, "cpuckpt8": 8, "mem8": 8, "mem1": 1}
+
+
+def settings(variant: str, ram: str, durable_every: int) -> dict[str, Any] | None:
+    """The adapter's settings of ``variant`` (None: DeepSpeed's own engine)."""
+    if variant in ("none", "ds8"):
+        return None
+    out: dict[str, Any] = {"ordering": "optimizer", "io": {"threads": 8}}
+    if variant.startswith("mem"):
+        out.update(memory_tier=True, memory={"root": ram, "slots": 3, "persist_every": durable_every})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ trainer
+def train(args: argparse.Namespace) -> int:
+    """One whole run (``--train``): set up, ``--iters`` iterations with a save every ``EVERY[variant]``, destroy."""
+    import torch
+
+    from benchmarks.bench_deepspeed import GPT, free_port, import_adapter
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "CROSS_SIZE": "1", "CROSS_RANK": "0"}.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # an op DeepSpeed would JIT-build (g++)
+    if cuda:
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    ckpt = settings(args.variant, args.ram, args.durable)
+    if ckpt is not None:
+        import_adapter().install(ckpt)
+    torch.manual_seed(0)
+    with device:
+        model = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
+    config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+              "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    every = EVERY[args.variant]
+    last = time.perf_counter()
+    for it in range(1, args.iters + 1):
+        g = torch.Generator(device=device).manual_seed(it)
+        ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq), device=device, generator=g)
+        loss = engine(ids)
+        engine.backward(loss)
+        engine.step()
+        value = loss.item()  # the loss report of the iteration (as Megatron-LM's training_log reads it)
+        now = time.perf_counter()
+        print(f" iteration {it:8d}/{args.iters:8d} | elapsed time per iteration (ms): {1e3 * (now - last):.1f} | "
+              f"loss {value:.6f} |", flush=True)
+        if every and it % every == 0:
+            engine.save_checkpoint(args.save, tag=f"global_step{it}")
+        last = time.perf_counter()
+    engine.destroy()
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- driver
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--warm", type=int, default=10)
+    ap.add_argument("--durable", type=int, default=64, help="memory.persist_every of the memory variants")
+    ap.add_argument("--layers", type=int, default=18)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--root", default="/root/cpuckpt-goodput-ds", help="durable checkpoints (deleted after)")
+    ap.add_argument("--ram", default="/dev/shm/cpuckpt-goodput-ds-ram", help="the memory tier's RAM root")
+    ap.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model, few iterations")
+    ap.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # the trainer of one run
+    ap.add_argument("--variant", default="none", help=argparse.SUPPRESS)
+    ap.add_argument("--save", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.layers, args.hidden, args.heads, args.vocab, args.seq, args.micro_batch = 2, 64, 4, 256, 32, 2
+        args.iters, args.warm, args.durable = 10, 2, 4
+    if args.train:
+        return train(args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench_goodput_ds_"))
+    root = Path(args.root) if not args.smoke else tmp / "root"
+    ram = args.ram if not args.smoke else str(tmp / "ram")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                         *filter(None, os.environ.get("PYTHONPATH", "").split(":"))])}
+    results: dict[str, Any] = {"args": vars(args), "summary": [], "runs": {}}
+    ref: dict[str, Any] | None = None
+    rows = []
+    try:
+        for name in [v for v in args.variants.split(",") if v]:
+            if name not in VARIANTS:
+                ap.error(f"unknown variant {name}; known: {VARIANTS}")
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(ram, ignore_errors=True)
+            argv_run = [sys.executable, "-m", "benchmarks.bench_goodput_ds", "--train", "--variant", name,
+                        "--save", str(root / name), "--ram", ram, "--iters", str(args.iters), "--durable",
+                        str(args.durable), "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads",
+                        str(args.heads), "--vocab", str(args.vocab), "--seq", str(args.seq), "--micro-batch",
+                        str(args.micro_batch), *(["--smoke"] if args.smoke else [])]
+            logger.info("== %s", name)
+            r = run(name, argv_run, env, out / f"ds_{name}.log", args.timeout)
+            g = goodput(r["iters"], args.warm)
+            every = EVERY[name]
+            s = summarize(name, r, ref, _saves_between(g.get("first", args.warm), g.get("last", args.iters), every),
+                          args.warm)
+            if name == "none":
+                ref = {**g, "run_s": r["wall_s"]}
+            results["summary"].append(s)
+            results["runs"][name] = {k: v for k, v in r.items() if k in ("rc", "timed_out", "wall_s", "errors")}
+            rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
+                         f'{s.get("gap_max_ms")} @{s.get("gap_max_it")} ({s.get("gap_max_over_median")}x)',
+                         s.get("gap_median_ms"), s.get("run_s"), s.get("run_over_none_s")])
+            (out / "bench_goodput_ds.json").write_text(json.dumps(results, indent=1, default=str))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(ram, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(format_table(
+        ["variant", "rc", "wall x none", f"wall s it {args.warm}-last", "ms per save", "saves",
+         "largest gap ms @it (x median)", "median gap ms", "run s", "run - none s"], rows,
+        title=f"goodput: DeepSpeed ZeRO-1 GPT {args.layers}x{args.hidden}, {args.iters} iterations, memory durable "
+              f"every {args.durable}, slots 3",
+        footnotes=["wall: from the arrival of the trainer's iteration lines (the job's clock); run s: launch to exit"]))
+    return 0 if all(s["rc"] == 0 for s in results["summary"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
