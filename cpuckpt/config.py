@@ -156,7 +156,7 @@ class AsyncConfig:
     """Background saves."""
 
     max_in_flight: int = _opt(1, "Saves allowed in flight; a further save waits for the oldest. Memory-tier saves "
-                              "allow at least one per slot (memory.slots): each fills its own.", min=1, max=16)
+                              "have their own bound: one per slot (memory.slots).", min=1, max=16)
 
 
 @dataclass(frozen=True)

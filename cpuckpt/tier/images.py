@@ -334,9 +334,10 @@ class ImageSet:
 
     def prepare(self, name: str, nbytes: int, *, chunk_bytes: int | None = None) -> bool:
         """Make image ``name`` ``nbytes`` long (reserved, mapped, pinned) unless it already exists here:
-        an existing image may be in use by a job, so it is never resized. Returns whether it made one."""
+        an existing image may be in use by a job, so it is never resized, but one :meth:`reserve` made and no
+        job claimed yet is (an estimate, now the first save's size). Returns whether it made or resized one."""
         with self._lock:
-            if name in self._files:
+            if name in self._files and name not in self._reserved:
                 return False
             self._image(name, nbytes, chunk_bytes)
             return True

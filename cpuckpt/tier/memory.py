@@ -136,12 +136,13 @@ class MemoryTier:
         self._node_commit = None if self.nodes.single else node_commit(self.nodes)
         self.loads: list[tuple[Path, ReadStats]] = []  # (path, read statistics) of every load, oldest first
         # Memory saves: no fsync (RAM), and no `latest`/retention in the RAM root (those follow the durable commit).
-        # Up to one save in flight per slot: each fills its own images, so a save every step overlaps the commit
-        # of the ones before it instead of waiting for them (the slot being reused waits for its own last save).
-        in_flight = max(self.config.async_.max_in_flight, m.slots)
+        # One save in flight per slot: each fills its own images, so a save every step overlaps the commit of the
+        # ones before it instead of waiting for them; a save into a slot first waits for that slot's last save
+        # (committed or failed) before anything of the slot changes.
         self.memory_config = dataclasses.replace(
             self.config, io=dataclasses.replace(self.config.io, fsync=False), checkpoint=CheckpointConfig(),
-            async_=dataclasses.replace(self.config.async_, max_in_flight=in_flight))
+            async_=dataclasses.replace(self.config.async_, max_in_flight=m.slots))
+        self._slot_saves: dict[int, AsyncSaveHandle] = {}  # the last memory save into each slot
         self.slots = [self.root.path / f"slot-{k}" for k in range(m.slots)]
         for d in self.slots:
             d.mkdir(mode=0o700, exist_ok=True)
@@ -387,6 +388,9 @@ class MemoryTier:
         # A restore planned into this slot (candidates) would now overwrite this save: dropped on every rank
         # (every rank fills the same slot index).
         self._pending.pop(slot, None)
+        previous = self._slot_saves.pop(k, None)
+        if previous is not None and not previous.done():
+            previous.wait()  # its commit must not land after this save cleared the slot (raises its failure)
         if before_fill is not None:  # an adapter's naming: its failure on any rank is every rank's (agreed)
             failure: BaseException | None = None
             try:
@@ -411,6 +415,7 @@ class MemoryTier:
                             planner=slot_planner, plan_key=slot_key, sink=self.images[k],
                             save_id=token, commit_hook=self._node_commit,
                             ordering=ordering)
+        self._slot_saves[k] = handle
         self._next = (k + 1) % len(self.slots)
         if self.config.memory.prepare_slots and not self._prepare_decided.is_set():
             handle.add_done_callback(lambda error, k=k: self._prepare_slots(k) if error is None

@@ -25,8 +25,8 @@ format with other storage. :func:`install`:
    save finalized after its directory went fails: :func:`.guard.finalize_saves_under`); with
    ``megatron: {memory_tier: true}``, routes async saves through the memory tier
    (:mod:`.memory`): Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` leaves the
-   non-persistent directory to the ring (which finalizes only the saves older than the newest
-   ``slots - 1`` first, so saves every iteration overlap, one per slot),
+   non-persistent directory to the ring (before every save into it, of either kind, only the saves
+   older than the newest ``slots - 1`` are finalized, so saves every iteration overlap, one per slot),
    ``maybe_finalize_async_save(terminate=True)`` (the end of training) closes the tier, and the tier is
    made when ``setup_model_and_optimizer`` returns, every free slot's image reserved, mapped and pinned
    then for the shard the optimizer will save (no first save pays it while the job trains).
@@ -174,7 +174,7 @@ class Training:
             if not args.save:
                 raise ConfigError("megatron.memory_tier needs --save (the durable root)")
             np_dir = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, "non_persistent")
-            self._memory = MegatronMemory(args.save, np_dir, self.cfg)
+            self._memory = MegatronMemory(args.save, np_dir, self.cfg, queue_of=_megatron_lm_queue)
         return self._memory
 
     def close(self) -> None:
@@ -311,24 +311,41 @@ def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Calla
     @functools.wraps(original)
     def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        margs = args_of()
-        if not (getattr(margs, "async_save", False) and getattr(margs, "save", None)
-                and (getattr(margs, "save_interval", None) or getattr(margs, "non_persistent_save_interval", None))):
+        margs = args_of()  # the same on every rank: every rank makes the tier below, or none does
+        np_global = bool(getattr(margs, "non_persistent_save_interval", None)) and \
+            getattr(margs, "non_persistent_ckpt_type", "global") == "global"
+        routed = getattr(margs, "async_save", False) and getattr(margs, "save", None) and \
+            (getattr(margs, "save_interval", None) or np_global)
+        if not routed or result[1] is None:  # no save reaches the tier (sync saves, local ones, --skip-train)
             return result
         from .prepare import shard_nbytes_estimate
 
         try:
-            nbytes = shard_nbytes_estimate(result[1])
+            share = 1.0 / _data_parallel_size() if getattr(margs, "ckpt_fully_parallel_save", False) else 1.0
+            nbytes = shard_nbytes_estimate(result[1], share)
         except Exception:  # an optimizer this does not understand: the first saves make the images
             logger.warning("cpuckpt: could not size the memory tier's slots from the optimizer", exc_info=True)
             nbytes = 0
         tier = setup_model_and_optimizer._cpuckpt_run.memory().tier  # type: ignore[attr-defined]  # collective
-        made = tier.reserve(nbytes)
+        try:  # this rank's own files only: a failure here is a warning (the saves make the images then)
+            made = tier.reserve(nbytes)
+        except Exception:
+            logger.warning("cpuckpt memory tier: reserving the slots before training failed", exc_info=True)
+            made = 0
         logger.info("cpuckpt memory tier: %d slot image(s) of %d bytes reserved before training", made, nbytes)
         return result
 
     setup_model_and_optimizer._cpuckpt_run = run  # type: ignore[attr-defined]
     module.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+def _data_parallel_size() -> int:
+    """Megatron's data-parallel world size (with context parallelism), 1 where it is not set up."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return max(1, parallel_state.get_data_parallel_world_size(with_context_parallel=True))
 
 
 def _megatron_lm_queue() -> Any:
@@ -345,10 +362,10 @@ def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue,
     """Before ``cleanup_old_non_persistent_checkpoint`` removes older non-persistent directories, every rank
     finalizes the pending saves into them (:func:`.guard.finalize_saves_under`): Megatron-LM removes them
     without asking (its own TODO there), and a save finalized after its directory went fails with
-    ``metadata.json`` not found. With the memory tier (``memory_of``) the ring prunes instead and reuses a
-    slot, not a directory: only the saves older than the newest ``slots - 1`` are finalized
-    (:attr:`.memory.MegatronMemory.pending_allowed`), so saves every iteration overlap each other, one per
-    slot, instead of each waiting for the one before."""
+    ``metadata.json`` not found. A directory the memory tier's ring prunes (``memory_of``) is left alone
+    here: the ring reuses slots, not directories, and the strategy finalizes before every save into it only
+    what that save refills (:meth:`.memory.MegatronMemory.finalize_before_reuse`), so saves every iteration
+    overlap each other, one per slot, instead of each waiting for the one before."""
     import functools
 
     original = getattr(module, "cleanup_old_non_persistent_checkpoint", None)
@@ -360,9 +377,7 @@ def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue,
         from .guard import finalize_saves_under
 
         memory = memory_of() if memory_of is not None else None
-        if memory is not None and memory.prunes(save_dir):
-            finalize_saves_under(queue_of(), memory.ring_dirs, memory.pending_allowed)
-        else:
+        if memory is None or not memory.prunes(save_dir):
             finalize_saves_under(queue_of(), save_dir, leave_ckpt_num)
         original(save_dir, leave_ckpt_num=leave_ckpt_num, do_async=do_async)
 

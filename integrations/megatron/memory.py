@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,14 @@ from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.tier.queue import PersistRequest
 from cpuckpt.transfer.files import write_atomic
 
+from .guard import finalize_saves_under
+
 __all__ = ["TRACKER", "MegatronMemory", "Route"]
 
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MEGATRON_METADATA = "metadata.json"  # megatron-core writes it into a checkpoint directory when it finalizes the save
 _ITER = re.compile(r"iter_(\d+)$")
 
 
@@ -71,7 +75,9 @@ class MegatronMemory:
         config: the core cpuckpt config (its ``memory:`` section configures the tier).
     """
 
-    def __init__(self, save_dir: str | os.PathLike, non_persistent_dir: str | os.PathLike, config: Config) -> None:
+    def __init__(self, save_dir: str | os.PathLike, non_persistent_dir: str | os.PathLike, config: Config, *,
+                 queue_of: Callable[[], Any] | None = None) -> None:
+        self.queue_of = queue_of  # Megatron's async save queue (its pending saves), for finalize_before_reuse
         self.save_dir = Path(os.path.abspath(save_dir))
         self.np_dir = Path(os.path.abspath(non_persistent_dir))
         if self.np_dir == self.save_dir:
@@ -87,11 +93,19 @@ class MegatronMemory:
 
     @property
     def pending_allowed(self) -> int:
-        """How many of the newest saves into :attr:`ring_dirs` may still be pending (not finalized by Megatron)
-        when the next one starts: the next save reuses the slot of the save ``slots`` saves back, so that one
-        (and every older one) must be finalized first (its ``metadata.json`` and tracker written while its
-        slot still holds it); the ``slots - 1`` newer ones go on, each in its own slot."""
+        """How many of the newest saves into :attr:`ring_dirs` (either kind) may still be pending (not finalized
+        by Megatron) when the next one starts: the next save reuses the slot of the save ``slots`` saves back, so
+        that one (and every older one) must be finalized first (its ``metadata.json`` and tracker written while
+        its slot still holds it); the ``slots - 1`` newer ones go on, each in its own slot."""
         return self.config.memory.slots - 1
+
+    def finalize_before_reuse(self) -> None:
+        """Before every save into the ring (either kind; every rank): Megatron finalizes the pending saves but
+        the newest :attr:`pending_allowed` (:func:`.guard.finalize_saves_under`), so the save whose slot is
+        about to be refilled has its ``metadata.json`` and tracker written while the slot still holds it."""
+        queue = self.queue_of() if self.queue_of is not None else None
+        if queue is not None:
+            finalize_saves_under(queue, self.ring_dirs, self.pending_allowed)
 
     def prunes(self, save_dir: str | os.PathLike) -> bool:
         """Whether Megatron-LM's pruning of ``save_dir`` is the ring's (:meth:`cleanup`)."""
@@ -184,7 +198,10 @@ class MegatronMemory:
             return
         if named not in removed:
             return
-        remaining = [step for _, step, target in self._links() if check_complete(target).complete]
+        # a checkpoint Megatron has finalized (its metadata.json written), never one still pending: a restart
+        # reading the tracker would find a directory megatron-core cannot load
+        remaining = [step for _, step, target in self._links()
+                     if (target / MEGATRON_METADATA).is_file() and check_complete(target).complete]
         if remaining:
             write_atomic(tracker, str(max(remaining)).encode(), fsync=False)
             logger.info("cpuckpt memory tier: %s reuses the slot of iteration %d; %s now names %d",

@@ -53,6 +53,47 @@ def _tensors(obj: Any) -> Iterable[torch.Tensor]:
                 yield v
 
 
+def _state_parts(optimizer: Any) -> tuple[int, int, int]:
+    """(model bytes, optimizer bytes, missing Adam moments' bytes) of a megatron-core optimizer, each storage
+    range once (model first): see :func:`state_nbytes` and :func:`shard_nbytes_estimate`."""
+    seen: set[tuple[int, int]] = set()
+    parts = [0, 0, 0]
+
+    def add(t: Any, part: int) -> None:
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if key not in seen:
+            seen.add(key)
+            parts[part] += key[1]
+
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        chunks = getattr(opt, "model_chunks", None) or []
+        for chunk in chunks:
+            for p in chunk.parameters():
+                add(p, 0)
+            for b in chunk.buffers():
+                add(b, 0)
+        if not chunks:
+            for groups in (getattr(opt, "float16_groups", None), getattr(opt, "fp32_from_fp32_groups", None)):
+                for group in groups or []:
+                    for p in group:
+                        add(p, 0)
+        inner = getattr(opt, "optimizer", None)
+        if inner is not None and hasattr(inner, "param_groups"):
+            state = getattr(inner, "state", {})
+            adam = "adam" in type(inner).__name__.lower()
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    add(p, 1)
+                    if adam and isinstance(p, torch.Tensor) and not state.get(p):
+                        parts[2] += 2 * p.numel() * p.element_size()
+            for st in state.values():
+                for t in _tensors(st):
+                    add(t, 1)
+    return parts[0], parts[1], parts[2]
+
+
 def state_nbytes(optimizer: Any) -> int:
     """Bytes of what a Megatron checkpoint of this rank holds, from a megatron-core optimizer.
 
@@ -60,57 +101,23 @@ def state_nbytes(optimizer: Any) -> int:
     the float16/fp32 parameter groups of optimizers without them), and per inner torch optimizer
     its parameter groups (the main parameters) and its state tensors.
     """
-    seen: set[tuple[int, int]] = set()
-    total = 0
-
-    def add(t: Any) -> None:
-        nonlocal total
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
-            return
-        key = (t.data_ptr(), t.numel() * t.element_size())
-        if key not in seen:
-            seen.add(key)
-            total += key[1]
-
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        chunks = getattr(opt, "model_chunks", None) or []
-        for chunk in chunks:
-            for p in chunk.parameters():
-                add(p)
-            for b in chunk.buffers():
-                add(b)
-        if not chunks:
-            for groups in (getattr(opt, "float16_groups", None), getattr(opt, "fp32_from_fp32_groups", None)):
-                for group in groups or []:
-                    for p in group:
-                        add(p)
-        inner = getattr(opt, "optimizer", None)
-        if inner is not None and hasattr(inner, "param_groups"):
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    add(p)
-            for st in getattr(inner, "state", {}).values():
-                for t in _tensors(st):
-                    add(t)
-    return total
+    model, optim, _ = _state_parts(optimizer)
+    return model + optim
 
 
-def shard_nbytes_estimate(optimizer: Any) -> int:
+def shard_nbytes_estimate(optimizer: Any, replicated_share: float = 1.0) -> int:
     """What a checkpoint of this rank will hold, already before the first optimizer step: :func:`state_nbytes`
     plus, for each parameter of an Adam-type inner optimizer (its class name says Adam) that has no state yet,
     the two moments its first step makes in the parameter's dtype; times :data:`SLACK`. Other optimizers'
-    missing state is not guessed (an under-estimate only costs the first save a second mapping)."""
-    total = state_nbytes(optimizer)
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or "adam" not in type(inner).__name__.lower():
-            continue
-        state = getattr(inner, "state", {})
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if isinstance(p, torch.Tensor) and not state.get(p):
-                    total += 2 * p.numel() * p.element_size()
-    return int(total * SLACK)
+    missing state is not guessed (an under-estimate costs the first save into the first slot a second mapping,
+    and the preparation after it sizes the others). ``replicated_share``: the part of what is replicated across
+    data-parallel ranks that this rank writes (``1 / DP`` with a fully parallel save): the model's tensors, and
+    the optimizer's too unless a distributed optimizer shards them."""
+    model, optim, moments = _state_parts(optimizer)
+    sharded = any("Distributed" in type(opt).__name__
+                  for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    optim_share = 1.0 if sharded else replicated_share
+    return int((model * replicated_share + (optim + moments) * optim_share) * SLACK)
 
 
 def pool_nbytes(cfg: Config, shard_nbytes: int) -> int:

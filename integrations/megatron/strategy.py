@@ -203,6 +203,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                                   "call cpuckpt.integrations.megatron.hook.order_optimizer_steps() first "
                                   "(hook.install() does), or use ordering host")
             _snapshot_eager(sharded_state_dict)
+        if route is not None:  # the save about to be refilled is finalized first (either kind of save)
+            self.memory.finalize_before_reuse()
         rank = dist.get_rank() if dist.is_initialized() else 0
         channel = new_channel(rank)
         persist = None

@@ -203,8 +203,9 @@ def test_memory_and_persistent_saves_then_sigkill_resume_from_memory(run_ranks, 
 
 
 def rank_pending_saves_overlap(root: str) -> dict:
-    """Memory saves every iteration into a ring of 3 slots, finalized only by the hook's wrapper of Megatron-LM's
-    cleanup (as in ``save_checkpoint``): before each save, the saves older than the newest two are finalized."""
+    """Saves every iteration into a ring of 3 slots (iteration 4 persistent, into --save; the others non-persistent),
+    finalized only where the adapter does it (as in Megatron-LM's ``save_checkpoint``, with the hook's wrapper of
+    its cleanup): each save first finalizes the saves older than the newest two, of either kind."""
     import types
 
     import torch.distributed as dist
@@ -216,13 +217,18 @@ def rank_pending_saves_overlap(root: str) -> dict:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     from cpuckpt.config import Config
+    from cpuckpt.testing import faults
 
+    # Each save's worker reports 1 s late (the persistent worker takes them one by one): the saves are still
+    # pending when the next ones start, so what the adapter finalizes is what it chose to, not what had ended.
+    faults.install("megatron-worker:rank0=sleep:1.0;megatron-worker:rank1=sleep:1.0")
     _, _, device = _setup()
     root_p = Path(root)
     cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "slots": 3}}
-    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg))
-    strategy = CpuckptSaveStrategy(cfg, memory=router)
     queue = watch_async_queue(AsyncCallsQueue(persistent=True), 60.0)
+    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg),
+                            queue_of=lambda: queue)
+    strategy = CpuckptSaveStrategy(cfg, memory=router)
     module = types.SimpleNamespace(cleanup_old_non_persistent_checkpoint=lambda save_dir, leave_ckpt_num=1,
                                    do_async=False: router.cleanup(save_dir) if dist.get_rank() == 0 else None)
     hook._finalize_before_cleanup(module, queue_of=lambda: queue, memory_of=lambda: router)
@@ -231,30 +237,37 @@ def rank_pending_saves_overlap(root: str) -> dict:
         return sorted(Path(fn.cpuckpt_dir).name for call in queue.async_calls
                       for fn in call.async_request.finalize_fns if hasattr(fn, "cpuckpt_dir"))
 
-    seen = []
-    for it in range(1, 6):
-        module.cleanup_old_non_persistent_checkpoint(str(router.np_dir), leave_ckpt_num=1)
-        seen.append(pending())  # what the save of ``it`` starts beside
-        path = router.np_dir / f"iter_{it:07d}"
+    seen, trackers = [], []
+    for it in range(1, 7):
+        d = router.save_dir if it == 4 else router.np_dir
+        if d == router.np_dir:
+            module.cleanup_old_non_persistent_checkpoint(str(d), leave_ckpt_num=1)
+        path = d / f"iter_{it:07d}"
         if dist.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
         request = dist_checkpointing.save(_sharded(it, device), str(path), sharded_strategy=strategy,
                                           async_sharded_save=True, **_async_kwargs())
+        seen.append(pending())  # what the save of ``it`` went beside
+        dist.barrier()  # rank 0 moved D's tracker off a reused slot by now
+        named = _read_tracker(router.np_dir)  # never a checkpoint megatron-core has not finalized (no metadata.json)
+        trackers.append((named, named is None or (router.np_dir / f"iter_{named:07d}" / "metadata.json").is_file()))
 
-        def iter_finalize_fn(it: int = it) -> None:
+        def iter_finalize_fn(it: int = it, d: Path = d) -> None:
             if dist.get_rank() == 0:
-                (router.np_dir / TRACKER).write_text(str(it))
+                (d / TRACKER).write_text(str(it))
 
         request.add_finalize_fn(iter_finalize_fn)
         queue.schedule_async_request(request)
     queue.maybe_finalize_async_calls(blocking=True)
     dist.barrier()
-    out = {"seen": seen, "tracker": _read_tracker(router.np_dir),
+    out = {"seen": seen, "trackers": trackers, "np_tracker": _read_tracker(router.np_dir),
+           "save_tracker": _read_tracker(router.save_dir),
            "links": sorted(p.name for p in router.np_dir.iterdir() if p.is_symlink())}
-    for it in (3, 4, 5):  # the ring's three checkpoints, each loads with its own values
-        _check(dist_checkpointing.load(_template(device), str(router.np_dir / f"iter_{it:07d}")), it, device)
+    for it, d in ((4, router.save_dir), (5, router.np_dir), (6, router.np_dir)):  # each loads with its own values
+        _check(dist_checkpointing.load(_template(device), str(d / f"iter_{it:07d}")), it, device)
     queue.close()
     router.close()
+    faults.uninstall()
     return out
 
 
@@ -267,15 +280,19 @@ def _async_kwargs() -> dict:
 def test_saves_every_iteration_overlap_one_per_slot(run_ranks, tmp_path):
     res = run_ranks(2, rank_pending_saves_overlap, str(tmp_path), timeout_s=180, env=ENV)
     for rank, out in enumerate(res):
-        # each save starts beside the two before it, still pending (nothing else finalizes them here); the one
-        # three back, whose slot it reuses, was finalized first
-        want = [[f"iter_{k:07d}" for k in range(max(1, it - 2), it)] for it in range(1, 6)]
+        # each save went beside the two before it, still pending (nothing else finalizes them here); the one
+        # three back, whose slot it reuses, was finalized first, also before the persistent save of 4
+        want = [[f"iter_{k:07d}" for k in range(max(1, it - 2), it)] for it in range(1, 7)]
         assert out["seen"] == want, (rank, out["seen"])
-        assert out["tracker"] == 5 and out["links"] == ["iter_0000003", "iter_0000004", "iter_0000005"], (rank, out)
+        assert all(ok for _, ok in out["trackers"]), (rank, out["trackers"])
+        assert out["np_tracker"] == 6 and out["save_tracker"] == 4, (rank, out)
+        # the slot of 4 (a durable save) holds no link; 5 and 6 are memory checkpoints; 3's slot went to 6
+        assert out["links"] == ["iter_0000005", "iter_0000006"], (rank, out)
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_slots_are_reserved_when_megatron_lm_setup_returns(tmp_path, async_save):
+@pytest.mark.parametrize("async_save,np_type", [(True, "global"), (False, "global"), (True, "local")],
+                         ids=["async", "sync", "local-non-persistent"])
+def test_slots_are_reserved_when_megatron_lm_setup_returns(tmp_path, async_save, np_type):
     """The hook's wrapper of ``setup_model_and_optimizer`` (``megatron.training.training``, not on PyPI: a module
     with that function here) makes the tier and reserves every slot's image before the first iteration, sized
     from the optimizer (a megatron-core optimizer class around a torch Adam, no step yet); sync runs do not."""
@@ -291,15 +308,15 @@ def test_slots_are_reserved_when_megatron_lm_setup_returns(tmp_path, async_save)
     model = torch.nn.Linear(256, 128)
     optimizer = TinyOptimizer(model, torch.optim.Adam(model.parameters()))
     module = types.SimpleNamespace(setup_model_and_optimizer=lambda *a, **k: ([model], optimizer, None))
-    args = types.SimpleNamespace(async_save=async_save, save=str(tmp_path / "save"), save_interval=64,
-                                 non_persistent_save_interval=1)
+    args = types.SimpleNamespace(async_save=async_save, save=str(tmp_path / "save"), save_interval=None,
+                                 non_persistent_save_interval=1, non_persistent_ckpt_type=np_type)
     cfg = {**_config(tmp_path), "memory": {**_config(tmp_path)["memory"], "slots": 3}}
     router = MegatronMemory(tmp_path / "save", tmp_path / "save" / "non_persistent", Config.from_dict(cfg))
     run = types.SimpleNamespace(memory=lambda: router)
     hook._reserve_slots_after_setup(run, module, args_of=lambda: args)
     try:
         assert module.setup_model_and_optimizer("gpt", None)[1] is optimizer
-        if not async_save:
+        if not async_save or np_type == "local":  # no save of this run reaches the tier
             assert router._tier is None  # no tier, no RAM held
             return
         want = prepare.shard_nbytes_estimate(optimizer)

@@ -154,5 +154,7 @@ def test_the_estimate_before_the_first_step_covers_the_state_after_it():
     # the same bytes but Adam's step counters (a few bytes each), within SLACK's margin
     assert int((after - _bytes(steps)) * prepare.SLACK) == before
     assert prepare.shard_nbytes_estimate(opt) == int(after * prepare.SLACK)  # with state: nothing guessed
+    # a fully parallel save over 4 data-parallel ranks: a quarter of what every rank holds (no distributed optimizer)
+    assert abs(prepare.shard_nbytes_estimate(opt, 0.25) - after * 0.25 * prepare.SLACK) <= 1
     sgd = TinyOptimizer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     assert prepare.shard_nbytes_estimate(sgd) == int(prepare.state_nbytes(sgd) * prepare.SLACK)  # not guessed

@@ -10,15 +10,18 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 import cpuckpt
 from cpuckpt import faultpoint
 from cpuckpt.tier.memory import MemoryTier
+from cpuckpt.tools.verification import verify_checkpoint
 
 
-def _cfg(tmp_path: Path) -> dict:
+def _cfg(tmp_path: Path, max_in_flight: int) -> dict:
     return {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 30,
+            "async": {"max_in_flight": max_in_flight},
             "memory": {"root": str(tmp_path / "ram"), "persist_every": 0, "slots": 3, "headroom_bytes": 0}}
 
 
@@ -41,7 +44,8 @@ def _in_thread(fn) -> tuple[threading.Thread, dict]:
     return t, out
 
 
-def test_saves_into_other_slots_start_while_an_older_commit_is_held_and_a_reused_slot_waits(tmp_path):
+@pytest.mark.parametrize("max_in_flight", [1, 8])  # the slots bound memory saves, whatever async.max_in_flight says
+def test_saves_into_other_slots_start_while_an_older_commit_is_held_and_a_reused_slot_waits(tmp_path, max_in_flight):
     held, release = threading.Event(), threading.Event()
     commits = []
 
@@ -52,7 +56,7 @@ def test_saves_into_other_slots_start_while_an_older_commit_is_held_and_a_reused
                 held.set()
                 assert release.wait(30), "never released"
 
-    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path))
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, max_in_flight))
     previous = faultpoint.set_handler(hold_first_commit)
     try:
         first = tier.save(_state(1), 1)
@@ -77,6 +81,9 @@ def test_saves_into_other_slots_start_while_an_older_commit_is_held_and_a_reused
             h.wait(30)
         latest = tier.find_latest()
         assert latest == tier.slots[0], latest
+        # slot 0 holds step 4 whole: its own .metadata and manifest, not step 1's commit over step 4's bytes
+        report = verify_checkpoint(latest)
+        assert report.ok and report.kind == "cpuckpt" and report.chunks, report
         loaded = {"w": torch.empty(256, 129), "b": torch.empty(77), "step": -1}
         cpuckpt.load(loaded, latest)
         want = _state(4)

@@ -166,3 +166,23 @@ def test_a_slot_holding_a_checkpoint_is_not_reserved_over(tmp_path):
         assert out["step"] == 1 and torch.equal(out["w"], _state(1)["w"])
     finally:
         tier.close(persist_newest=False)
+
+
+def test_the_preparation_after_the_first_save_resizes_reserved_images_to_its_size(tmp_path):
+    def big(step: int) -> dict:  # 4 MiB: past the 2 MiB a small reservation maps
+        return {"w": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(step)), "step": step}
+
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=True))
+    try:
+        assert tier.reserve(4096) == 3  # an under-estimate
+        tier.save(big(1), 1).wait()
+        assert tier.wait_prepared(30)
+        name = f"__{tier.rank}_0.distcp"
+        size = tier.images[0].get(name).nbytes
+        assert [images.get(name).nbytes for images in tier.images] == [size] * 3  # not left at the estimate
+        remaps = [images.get(name).remaps for images in tier.images]
+        for step in (2, 3):
+            tier.save(big(step), step).wait()
+        assert [images.get(name).remaps for images in tier.images] == remaps, "a later save mapped its image again"
+    finally:
+        tier.close(persist_newest=False)
