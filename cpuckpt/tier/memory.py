@@ -250,11 +250,22 @@ class MemoryTier:
             self._writer.poll()  # reap it
         return False
 
+    def start_writer(self) -> int:
+        """Start this rank's writer process now, before the first persist needs it (a job that will persist calls
+        it before it trains): its interpreter and imports take seconds, which the first persist would otherwise
+        spend with its slot held. Returns its pid (an earlier trainer's writer still running is adopted).
+
+        Raises:
+            WriterDiedError: the writer process could not be started.
+        """
+        return self._ensure_writer()
+
     def writer_pid(self) -> int | None:
         """The pid of this rank's writer process, or None when none runs.
 
-        A writer starts at the first persist or replica request (see :meth:`_ensure_writer`), so a tier that
-        never persists (``memory.persist_every: 0``, no replicas) never has one. A query: it starts nothing.
+        A writer starts at the first persist or replica request (see :meth:`_ensure_writer`), or at
+        :meth:`start_writer`, so a tier that never persists (``memory.persist_every: 0``, no replicas) and is not
+        asked to start one never has one. A query: it starts nothing.
 
         Raises:
             WriterDiedError: the writer this tier started has exited (see ``writer-<rank>.log`` in the RAM root).

@@ -288,8 +288,9 @@ def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Calla
     """When Megatron-LM's ``setup_model_and_optimizer`` returns (every rank, before the first iteration), make the
     tier and reserve, map and pin each free slot's image for the shard the optimizer's state makes
     (:meth:`cpuckpt.MemoryTier.reserve`, sized by :func:`.prepare.shard_nbytes_estimate`): otherwise the first
-    saves pay it while the job trains (~1-1.8 s per 5 GB slot on the H200, on the trainer's thread). Only for a
-    run that saves asynchronously (sync saves do not use the tier); ``module``: ``megatron.training.training``."""
+    saves pay it while the job trains (~1-1.8 s per 5 GB slot on the H200, on the trainer's thread). With
+    persistent saves coming (``--save-interval``) the rank's writer process starts then too. Only for a run that
+    saves asynchronously (sync saves do not use the tier); ``module``: ``megatron.training.training``."""
     import functools
 
     if module is None:
@@ -332,6 +333,11 @@ def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Calla
         except Exception:
             logger.warning("cpuckpt memory tier: reserving the slots before training failed", exc_info=True)
             made = 0
+        if getattr(margs, "save_interval", None):  # persistent saves come: the writer starts now, not in the first
+            try:
+                tier.start_writer()
+            except Exception:  # the first persist starts it (and every rank agrees on a failure there)
+                logger.warning("cpuckpt memory tier: starting the writer before training failed", exc_info=True)
         logger.info("cpuckpt memory tier: %d slot image(s) of %d bytes reserved before training", made, nbytes)
         return result
 

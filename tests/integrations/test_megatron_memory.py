@@ -324,8 +324,25 @@ def test_slots_are_reserved_when_megatron_lm_setup_returns(tmp_path, async_save,
         tier = router.tier
         for images in tier.images:
             assert [images.get(n).nbytes for n in images.names] == [want], images.directory
+        assert tier.writer_pid() is None  # no --save-interval: nothing will persist, no writer process
+        args.save_interval = 64
+        module.setup_model_and_optimizer("gpt", None)  # a later setup (the tier exists): the writer starts now
+        writer = tier.writer_pid()
+        assert writer is not None
     finally:
         router.close()
+    if async_save and np_type == "global":  # close() ended the writer it started
+        import psutil
+
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                if psutil.Process(writer).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            assert time.monotonic() < deadline, f"writer {writer} outlived close()"
+            time.sleep(0.05)
 
 
 def test_reusing_a_slot_moves_the_tracker_off_the_checkpoint_it_held(tmp_path):
