@@ -150,6 +150,24 @@ class AsyncSaveHandle:
     def done(self) -> bool:
         return self._committed.done()
 
+    def wait_ended(self, timeout: float | None = None) -> None:
+        """Block until the save has ended, committed or failed, without raising its failure (:meth:`wait` and the
+        in-flight bound of a later save report that, alike on every rank).
+
+        Raises:
+            CheckpointTimeoutError: still running after ``timeout`` (default: ``timeout_s``).
+            KeyboardInterrupt: Ctrl-C while waiting, as itself; the save is cancelled.
+        """
+        fut = self._committed
+        if fut.done():
+            return
+        try:
+            wait_future(fut, self._writer.config.timeout_s if timeout is None else timeout,
+                        f"ending the save to {self.path}", on_interrupt=self.cancel)
+        except Exception:
+            if not fut.done():
+                raise
+
     def cancel(self, reason: BaseException | None = None) -> None:
         """Stop this save (Ctrl-C, exit): writes not yet done are skipped and it is never committed;
         ``wait()`` then raises the failure (on every rank, once the committer agreed with the peers)."""

@@ -399,9 +399,10 @@ class MemoryTier:
         # A restore planned into this slot (candidates) would now overwrite this save: dropped on every rank
         # (every rank fills the same slot index).
         self._pending.pop(slot, None)
-        previous = self._slot_saves.pop(k, None)
-        if previous is not None and not previous.done():
-            previous.wait()  # its commit must not land after this save cleared the slot (raises its failure)
+        previous = self._slot_saves.get(k)
+        if previous is not None:  # its commit must not land after this save cleared the slot; its failure, if it
+            previous.wait_ended()  # failed, is its wait()'s and the in-flight bound's to report (every rank alike)
+            del self._slot_saves[k]
         if before_fill is not None:  # an adapter's naming: its failure on any rank is every rank's (agreed)
             failure: BaseException | None = None
             try:

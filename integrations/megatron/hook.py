@@ -322,8 +322,7 @@ def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Calla
         from .prepare import shard_nbytes_estimate
 
         try:
-            share = 1.0 / _data_parallel_size() if getattr(margs, "ckpt_fully_parallel_save", False) else 1.0
-            nbytes = shard_nbytes_estimate(result[1], share)
+            nbytes = shard_nbytes_estimate(result[1], _replicated_share(margs))
         except Exception:  # an optimizer this does not understand: the first saves make the images
             logger.warning("cpuckpt: could not size the memory tier's slots from the optimizer", exc_info=True)
             nbytes = 0
@@ -345,13 +344,17 @@ def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Calla
     module.setup_model_and_optimizer = setup_model_and_optimizer
 
 
-def _data_parallel_size() -> int:
-    """Megatron's data-parallel world size (with context parallelism), 1 where it is not set up."""
+def _replicated_share(margs: Any) -> float:
+    """The part of the state replicated across data-parallel ranks that this rank saves: ``1 / DP`` with a fully
+    parallel save (``--ckpt-fully-parallel-save``), else all of it on the first data-parallel rank (the main
+    replica, ``keep_only_main_replica``) and none on the others; 1 where Megatron's groups are not set up."""
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
-        return 1
-    return max(1, parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+        return 1.0
+    if getattr(margs, "ckpt_fully_parallel_save", False):
+        return 1.0 / max(1, parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+    return 1.0 if parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0 else 0.0
 
 
 def _megatron_lm_queue() -> Any:

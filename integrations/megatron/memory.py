@@ -78,6 +78,7 @@ class MegatronMemory:
     def __init__(self, save_dir: str | os.PathLike, non_persistent_dir: str | os.PathLike, config: Config, *,
                  queue_of: Callable[[], Any] | None = None) -> None:
         self.queue_of = queue_of  # Megatron's async save queue (its pending saves), for finalize_before_reuse
+        self._unfinalized: list[list[bool]] = []  # per routed save not finalized yet: [finalized] (see track)
         self.save_dir = Path(os.path.abspath(save_dir))
         self.np_dir = Path(os.path.abspath(non_persistent_dir))
         if self.np_dir == self.save_dir:
@@ -102,10 +103,29 @@ class MegatronMemory:
     def finalize_before_reuse(self) -> None:
         """Before every save into the ring (either kind; every rank): Megatron finalizes the pending saves but
         the newest :attr:`pending_allowed` (:func:`.guard.finalize_saves_under`), so the save whose slot is
-        about to be refilled has its ``metadata.json`` and tracker written while the slot still holds it."""
+        about to be refilled has its ``metadata.json`` and tracker written while the slot still holds it.
+
+        Raises:
+            ConfigError: more saves are still not finalized than that, and no queue (``queue_of``) is known to
+                finalize them (a caller of the strategy that finalizes its own queue too late); on every rank
+                alike (Megatron finalizes collectively).
+        """
         queue = self.queue_of() if self.queue_of is not None else None
         if queue is not None:
             finalize_saves_under(queue, self.ring_dirs, self.pending_allowed)
+        self._unfinalized = [s for s in self._unfinalized if not s[0]]
+        if len(self._unfinalized) > self.pending_allowed:
+            raise ConfigError(
+                f"megatron memory tier: {len(self._unfinalized)} earlier saves into the ring are not finalized, and "
+                f"the next save would refill the slot of one of them (memory.slots {self.config.memory.slots}); "
+                "finalize the async queue before each save (maybe_finalize_async_calls) or give MegatronMemory "
+                "its queue (queue_of)")
+
+    def track(self) -> list[bool]:
+        """A routed save's finalized flag: its finalize sets ``flag[0] = True`` (see :meth:`finalize_before_reuse`)."""
+        flag = [False]
+        self._unfinalized.append(flag)
+        return flag
 
     def prunes(self, save_dir: str | os.PathLike) -> bool:
         """Whether Megatron-LM's pruning of ``save_dir`` is the ring's (:meth:`cleanup`)."""
@@ -171,6 +191,9 @@ class MegatronMemory:
             incoming.mkdir()
             given = route.path
             for entry in _megatron_files(given):
+                if entry.name == MEGATRON_METADATA:  # megatron-core writes it only when it finalizes this save: one
+                    _remove(entry)  # here is an earlier save's (a real directory replayed), never this one's
+                    continue
                 os.replace(entry, incoming / entry.name)
             _remove(given)
         self._unlink_slot(slot)

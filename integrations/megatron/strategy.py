@@ -203,8 +203,10 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                                   "call cpuckpt.integrations.megatron.hook.order_optimizer_steps() first "
                                   "(hook.install() does), or use ordering host")
             _snapshot_eager(sharded_state_dict)
+        finalized = None
         if route is not None:  # the save about to be refilled is finalized first (either kind of save)
             self.memory.finalize_before_reuse()
+            finalized = self.memory.track()
         rank = dist.get_rank() if dist.is_initialized() else 0
         channel = new_channel(rank)
         persist = None
@@ -239,6 +241,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                     started.handle().staged.wait()  # after this the trainer may change any saved tensor
             except BaseException:
                 channel.remove()  # the save fails on (handle.wait raises it at the next async_save/wait_all)
+                if finalized is not None:
+                    finalized[0] = True  # no call of it reaches Megatron's queue
                 raise
             if requests and requests[0] is not None:
                 tier = self.memory.tier
@@ -262,6 +266,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                 raise_if_failed(reports, f"async save of {checkpoint_dir}", worker_error)
             finally:
                 channel.remove()
+                if finalized is not None:
+                    finalized[0] = True
 
         setattr(finalize_fn, FINALIZE_MARK, True)  # the watchdog runs it for a dropped call too
         setattr(finalize_fn, DIR_MARK, str(checkpoint_dir))  # guard.finalize_saves_under
@@ -274,6 +280,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             # threads (its outcome reaches cpuckpt.wait_all / the next async_save), but no caller will
             # ever read the channel.
             channel.remove()
+            if finalized is not None:
+                finalized[0] = True
             raise
 
 

@@ -281,3 +281,60 @@ def test_writers_and_trainers_killed_inside_a_persist_copy(run_ranks, tmp_path):
     out = _targets(0, 1)
     cpuckpt.load(out, durable / "step_2")
     _assert_state(out, 2, (0, 1), f"seed {SEED}: durable step 2 redone after the crash")
+
+
+def _failed_commit_then_reuse(durable: str, ram: str) -> dict:
+    """Rank body: the coordinator's first memory commit fails (a fault point at its ``.metadata`` rename, after
+    1.5 s), rank 1 learns of it later than rank 0 (its outcome broadcast slowed), and the save that reuses that
+    slot, with a ``before_fill``, must go the same way on both ranks."""
+    import torch.distributed as dist
+
+    import cpuckpt.background as background
+    from cpuckpt import faultpoint
+    from cpuckpt.errors import CpuckptError
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(Path(ram), persist_every=0))  # 2 slots, no writers
+    commits = []
+
+    def fail_first_commit(stage: str) -> None:
+        if rank == 0 and stage == "before-rename:.metadata":
+            commits.append(stage)
+            if len(commits) == 1:
+                time.sleep(1.5)
+                raise OSError(5, "injected commit failure")
+
+    previous = faultpoint.set_handler(fail_first_commit)
+    if rank == 1:  # the same outcome, known on rank 1 half a second after rank 0
+        broadcast = background.dist.broadcast_object_list
+
+        def late(*args, **kwargs):
+            out = broadcast(*args, **kwargs)
+            time.sleep(0.5)
+            return out
+
+        background.dist.broadcast_object_list = late
+    try:
+        first = tier.save(_state(1, rank), 1)
+        tier.save(_state(2, rank), 2).staged.wait()
+        if rank == 0:
+            first.wait_ended()  # rank 0 knows the failure; rank 1 does not yet
+        filled: list[str] = []
+        try:
+            tier.save(_state(3, rank), 3, before_fill=lambda slot: filled.append(slot.name))
+            outcome = "saved"
+        except CpuckptError as e:
+            outcome = type(e).__name__
+        dist.barrier()  # no rank is left inside a collective of that save
+        return {"outcome": outcome, "filled": filled}
+    finally:
+        faultpoint.set_handler(previous)
+        tier.close(persist_newest=False)
+
+
+def test_a_failed_commit_is_reported_alike_on_every_rank_when_its_slot_is_reused(run_ranks, tmp_path):
+    res = run_ranks(2, _failed_commit_then_reuse, str(tmp_path / "durable"), str(tmp_path / "ram"), timeout_s=120)
+    # before: rank 1 raised before its before_fill while rank 0 ran it and went on into the tier's agreement
+    assert res[0] == res[1], res
+    assert res[0]["outcome"] == "StorageIOError" and res[0]["filled"] == ["slot-0"], res

@@ -271,6 +271,44 @@ def rank_pending_saves_overlap(root: str) -> dict:
     return out
 
 
+def rank_unfinalized_without_a_queue(root: str) -> str:
+    """The strategy used without Megatron-LM's queue (``queue_of`` unset) by a caller that never finalizes: the
+    save that would refill the slot of an unfinalized one is refused, before it touches the slot."""
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from cpuckpt.config import Config
+    from cpuckpt.errors import ConfigError
+
+    _, _, device = _setup()
+    root_p = Path(root)
+    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(_config(root_p)))
+    strategy = CpuckptSaveStrategy(_config(root_p), memory=router)  # 2 slots
+    queue = AsyncCallsQueue(persistent=True)
+    for it in (1, 2):
+        _megatron_save(strategy, queue, router, router.np_dir, it, device)  # scheduled, never finalized here
+    outcome = "saved"
+    try:
+        _megatron_save(strategy, queue, router, router.np_dir, 3, device)
+    except ConfigError as e:
+        outcome = str(e)
+    dist.barrier()
+    link = os.path.realpath(router.np_dir / "iter_0000001")
+    queue.maybe_finalize_async_calls(blocking=True)
+    _check(dist_checkpointing.load(_template(device), str(router.np_dir / "iter_0000001")), 1, device)
+    queue.close()
+    router.close()
+    return outcome if "/slot-" in link else f"iter_1 lost its slot: {link}"
+
+
+def test_a_caller_that_never_finalizes_is_refused_before_a_slot_is_refilled(run_ranks, tmp_path):
+    res = run_ranks(2, rank_unfinalized_without_a_queue, str(tmp_path), timeout_s=120, env=ENV)
+    assert res[0] == res[1] and "2 earlier saves into the ring are not finalized" in res[0], res
+
+
 def _async_kwargs() -> dict:
     from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
 
