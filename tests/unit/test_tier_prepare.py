@@ -113,6 +113,11 @@ def test_after_a_restart_the_first_save_prepares_the_slots_holding_older_checkpo
         tier.close(persist_newest=False)
 
 
+def _big(step: int) -> dict:
+    """4 MiB of state: past the 2 MiB a small reservation maps."""
+    return {"w": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(step)), "step": step}
+
+
 def test_slots_reserved_before_the_first_save_are_used_without_mapping_again(tmp_path):
     tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
     try:
@@ -134,22 +139,19 @@ def test_slots_reserved_before_the_first_save_are_used_without_mapping_again(tmp
 
 
 def test_an_under_estimate_is_mapped_again_and_a_reserved_name_no_save_uses_is_removed(tmp_path):
-    def big(step: int) -> dict:  # 4 MiB: past the 2 MiB a small reservation maps
-        return {"w": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(step)), "step": step}
-
     tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
     try:
         assert tier.reserve(4096) == 3
         assert tier.images[1].reserve("__7_0.distcp", 8192)  # a name the saves of this rank never use
         stray = tier.images[1].get("__7_0.distcp").path
         for step in (1, 2):
-            tier.save(big(step), step).wait()
+            tier.save(_big(step), step).wait()
         own = tier.images[0].get(f"__{tier.rank}_0.distcp")
         assert own.remaps == 2 and own.nbytes > 4 << 20  # too small: the first save grew it
         assert tier.images[1].names == [f"__{tier.rank}_0.distcp"] and not stray.exists()
         out = {"w": torch.empty(1024, 1024), "step": -1}
         cpuckpt.load(out, tier.find_latest())
-        assert out["step"] == 2 and torch.equal(out["w"], big(2)["w"])
+        assert out["step"] == 2 and torch.equal(out["w"], _big(2)["w"])
     finally:
         tier.close(persist_newest=False)
 
@@ -169,20 +171,17 @@ def test_a_slot_holding_a_checkpoint_is_not_reserved_over(tmp_path):
 
 
 def test_the_preparation_after_the_first_save_resizes_reserved_images_to_its_size(tmp_path):
-    def big(step: int) -> dict:  # 4 MiB: past the 2 MiB a small reservation maps
-        return {"w": torch.randn(1024, 1024, generator=torch.Generator().manual_seed(step)), "step": step}
-
     tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=True))
     try:
         assert tier.reserve(4096) == 3  # an under-estimate
-        tier.save(big(1), 1).wait()
+        tier.save(_big(1), 1).wait()
         assert tier.wait_prepared(30)
         name = f"__{tier.rank}_0.distcp"
         size = tier.images[0].get(name).nbytes
         assert [images.get(name).nbytes for images in tier.images] == [size] * 3  # not left at the estimate
         remaps = [images.get(name).remaps for images in tier.images]
         for step in (2, 3):
-            tier.save(big(step), step).wait()
+            tier.save(_big(step), step).wait()
         assert [images.get(name).remaps for images in tier.images] == remaps, "a later save mapped its image again"
     finally:
         tier.close(persist_newest=False)
