@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ram", default="/dev/shm/cpuckpt-goodput-ram", help="the memory tier's RAM root")
     ap.add_argument("--config", default="configs/megatron.yaml")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--iters", type=int, default=100, help="iterations per run (the issue's window: 10-100)")
     ap.add_argument("--warm", type=int, default=10, help="the window starts at this iteration")
     ap.add_argument("--durable", type=int, default=64, help="--save-interval of the memory variants")
     ap.add_argument("--slots", type=int, default=3)

@@ -106,7 +106,7 @@ def train(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--iters", type=int, default=60)
+    ap.add_argument("--iters", type=int, default=100, help="iterations per run (the issue's window: 10-100)")
     ap.add_argument("--warm", type=int, default=10)
     ap.add_argument("--durable", type=int, default=64, help="memory.persist_every of the memory variants")
     ap.add_argument("--layers", type=int, default=18)
