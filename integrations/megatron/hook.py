@@ -151,19 +151,16 @@ def install(config: Config | str | os.PathLike | dict | None = None, *, argv: li
 
 
 class Training:
-    """What one :func:`patch_training` owns (one training run): the save stream its strategies share (and
-    their kept translations), and its memory tier. Megatron-LM builds a new strategy for every save, so these
-    live here, not in the strategy; a second run patched into the same process gets its own.
+    """What one :func:`patch_training` owns (one training run): the save stream its strategies share,
+    and its memory tier. Megatron-LM builds a new strategy for every save, so these live here, not in
+    the strategy; a second run patched into the same process gets its own.
     """
 
     def __init__(self, cfg: Config) -> None:
         from cpuckpt.background import Checkpointer
 
-        from .translate import Translations
-
         self.cfg = cfg
         self.checkpointer = Checkpointer()  # plan, item and layout caches of this run's async saves
-        self.translations = Translations()  # the sharded state dict's PyTorch objects, kept while they repeat
         self._memory: Any = None  # the run's MegatronMemory (memory_tier: true), made at its first save
 
     def memory(self) -> Any:
@@ -462,7 +459,7 @@ def _training_classes(cfg: Config, options: MegatronOptions, run: Training | Non
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             # cpu_shm_mode (NVRx's worker-side staging) has no meaning here: staging is ours.
             super().__init__(cfg, reuse_plan=options.reuse_plan, memory=run.memory() if options.memory_tier else None,
-                             ordering=options.ordering, checkpointer=run.checkpointer, translations=run.translations)
+                             ordering=options.ordering, checkpointer=run.checkpointer)
 
     class MegatronLMLoadStrategy(CpuckptLoadStrategy):
         """Built by Megatron-LM as ``TorchDistLoadShardedStrategy(cache_metadata=..., ...)``."""

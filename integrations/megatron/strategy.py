@@ -42,7 +42,6 @@ from . import compat, deferred, prepare
 from .guard import DIR_MARK, FINALIZE_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
-from .translate import Translations
 from .worker import OK, PersistWait, new_channel, wait_for_commit
 
 __all__ = ["EAGER_SUFFIXES", "CpuckptLoadStrategy", "CpuckptSaveStrategy", "order_pending_saves"]
@@ -134,8 +133,6 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         keep_only_main_replica: as for megatron-core's ``TorchDistSaveShardedStrategy``.
         reuse_plan: reuse plans as above (default); False plans every save with DCP unless
             ``use_cached_ckpt_structure`` is set.
-        translations: the :class:`.translate.Translations` its async saves reuse (shared, like
-            ``checkpointer``, by the strategies of one stream; default: its own).
         checkpointer: the :class:`cpuckpt.Checkpointer` (save stream) its async saves go through: its
             plan, item and layout caches and in-flight bound. Default: :func:`cpuckpt.async_save`'s of the
             default group. Two models of one process pass one each; strategies made per save (as
@@ -158,7 +155,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *,
                  keep_only_main_replica: bool = True, reuse_plan: bool = True,
                  memory: MegatronMemory | None = None, ordering: str = "host",
-                 checkpointer: cpuckpt.Checkpointer | None = None, translations: Translations | None = None) -> None:
+                 checkpointer: cpuckpt.Checkpointer | None = None) -> None:
         super().__init__(backend="torch_dist", version=1, keep_only_main_replica=keep_only_main_replica)
         self.config = resolve_core(config)  # a megatron: block (the adapter's own keys) is allowed
         self.reuse_plan = reuse_plan
@@ -167,14 +164,11 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             raise ConfigError(f"CpuckptSaveStrategy: ordering must be host or optimizer, got {ordering!r}")
         self.ordering = ordering
         self.checkpointer = checkpointer
-        # async saves' translations kept while they repeat (translate.py); shared by the strategies of one stream
-        self.translations = translations if translations is not None else Translations()
         self.last_save_stats: Any = None  # cpuckpt.background.SaveStats of the last async_save
 
-    def _to_pyt(self, sharded_state_dict: dict[str, Any], *, keep: bool = False) -> dict[str, Any]:
-        """PyTorch's state dict of a Megatron one; ``keep``: through :attr:`translations` (what repeats reused)."""
+    def _to_pyt(self, sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
         sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
-        return self.translations.translate(sharded) if keep else mcore_to_pyt_state_dict(sharded, False)
+        return mcore_to_pyt_state_dict(sharded, False)
 
     def _planner(self) -> MCoreSavePlanner:
         return MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False,
@@ -219,7 +213,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         requests: list[Any] = []
 
         def start() -> Any:
-            state = self._to_pyt(sharded_state_dict, keep=True)
+            state = self._to_pyt(sharded_state_dict)
             if route is None:
                 prepare.wait_prepared(self.config.timeout_s)  # never take a pool the preparation replaces
                 save = self.checkpointer.async_save if self.checkpointer is not None else cpuckpt.async_save
