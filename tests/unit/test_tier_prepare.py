@@ -27,6 +27,15 @@ def _state(step: int) -> dict:
     return {"w": torch.randn(256, 129, generator=g), "b": torch.randn(77, generator=g), "step": step}
 
 
+def _loaded_step(path: Path) -> int:
+    """The step of the checkpoint at ``path``, after checking its tensors are that step's, bit-exact."""
+    out = {"w": torch.empty(256, 129), "b": torch.empty(77), "step": -1}
+    cpuckpt.load(out, path)
+    want = _state(out["step"])
+    assert torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"]), f"{path}: step {out['step']}"
+    return out["step"]
+
+
 def test_after_the_first_save_the_other_slots_images_exist_and_later_saves_do_not_grow_them(tmp_path):
     tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=True))
     try:
@@ -44,10 +53,7 @@ def test_after_the_first_save_the_other_slots_images_exist_and_later_saves_do_no
         for step in (2, 3):
             tier.save(_state(step), step).wait()
         assert mappings() == made, "a later save grew (mapped again) a prepared image"
-        out = {"w": torch.empty(256, 129), "b": torch.empty(77), "step": -1}
-        cpuckpt.load(out, tier.find_latest())
-        want = _state(3)
-        assert out["step"] == 3 and torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"])
+        assert _loaded_step(tier.find_latest()) == 3
     finally:
         tier.close(persist_newest=False)
 
@@ -105,10 +111,7 @@ def test_after_a_restart_the_first_save_prepares_the_slots_holding_older_checkpo
                 continue
             assert set(images.names) == names, f"slot {j} was not prepared after the relaunch's first save"
             assert check_complete(tier.slots[j]).complete, f"preparing slot {j} changed its checkpoint"
-            out = {"w": torch.empty(256, 129), "b": torch.empty(77), "step": -1}
-            cpuckpt.load(out, tier.slots[j])
-            want = _state(out["step"])
-            assert out["step"] in (2, 3) and torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"])
+            assert _loaded_step(tier.slots[j]) in (2, 3)
     finally:
         tier.close(persist_newest=False)
 
@@ -130,10 +133,7 @@ def test_slots_reserved_before_the_first_save_are_used_without_mapping_again(tmp
             assert images.names == [img.path.name] and images.get(img.path.name) is img
             assert img.remaps == 1, f"{img.path}: the first save mapped its reserved image again"
             assert img.nbytes < 1 << 20 and os.stat(img.path).st_size == img.nbytes  # truncated to the save's size
-        out = {"w": torch.empty(256, 129), "b": torch.empty(77), "step": -1}
-        cpuckpt.load(out, tier.find_latest())
-        want = _state(4)
-        assert out["step"] == 4 and torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"])
+        assert _loaded_step(tier.find_latest()) == 4
     finally:
         tier.close(persist_newest=False)
 
@@ -163,9 +163,7 @@ def test_a_slot_holding_a_checkpoint_is_not_reserved_over(tmp_path):
         size = os.stat(tier.slots[0] / f"__{tier.rank}_0.distcp").st_size
         assert tier.reserve(1 << 20) == 2  # slots 1 and 2 only
         assert os.stat(tier.slots[0] / f"__{tier.rank}_0.distcp").st_size == size
-        out = {"w": torch.empty(256, 129), "b": torch.empty(77), "step": -1}
-        cpuckpt.load(out, tier.slots[0])
-        assert out["step"] == 1 and torch.equal(out["w"], _state(1)["w"])
+        assert _loaded_step(tier.slots[0]) == 1
     finally:
         tier.close(persist_newest=False)
 
