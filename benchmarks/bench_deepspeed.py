@@ -611,16 +611,26 @@ class Bench:
         return "\n".join(lines)
 
 
+MODEL = {"layers": 18, "hidden": 2048, "heads": 16, "vocab": 32000, "seq": 1024, "micro_batch": 4}  # ~0.97 B
+SMOKE_MODEL = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 256, "seq": 32, "micro_batch": 2}
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The GPT's sizes as options (``--layers``, ``--hidden``, ...; defaults :data:`MODEL`)."""
+    for key, default in MODEL.items():
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=default)
+
+
+def model_argv(args: argparse.Namespace) -> list[str]:
+    """The options that give another process the GPT of ``args``."""
+    return [x for key in MODEL for x in ("--" + key.replace("_", "-"), str(getattr(args, key)))]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, tiny model, 2 reps (< 1 min)")
     ap.add_argument("--stage", type=int, default=1, choices=(1, 2, 3))
-    ap.add_argument("--layers", type=int, default=18)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--micro-batch", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--reps", type=int, default=3, help="repetitions per engine (cpuckpt: one more, listed apart)")
     ap.add_argument("--next-steps", type=int, default=4, help="training steps timed after each save")
     ap.add_argument("--warmup", type=int, default=3)
@@ -643,7 +653,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown engines {sorted(unknown)}; choose from {', '.join(ENGINES)}")
     if args.smoke:
-        args.layers, args.hidden, args.heads, args.vocab, args.seq, args.micro_batch = 2, 64, 4, 256, 32, 2
+        vars(args).update(SMOKE_MODEL)
         args.reps, args.next_steps, args.warmup, args.alone_steps = 2, 2, 1, 2
         args.verify = True
     elif not args.dir and torch.cuda.is_available():

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_deepspeed import GPT, SMOKE_MODEL, add_model_args, free_port, import_adapter, model_argv
 from benchmarks.bench_goodput import _saves_between, goodput, summarize
 from benchmarks.bench_megatron_lm import run
 from benchmarks.common import format_table
@@ -58,7 +59,6 @@ def train(args: argparse.Namespace) -> int:
     """One whole run (``--train``): set up, ``--iters`` iterations with a save every ``EVERY[variant]``, destroy."""
     import torch
 
-    from benchmarks.bench_deepspeed import GPT, free_port, import_adapter
 
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -109,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=100, help="iterations per run (the issue's window: 10-100)")
     ap.add_argument("--warm", type=int, default=10)
     ap.add_argument("--durable", type=int, default=64, help="memory.persist_every of the memory variants")
-    ap.add_argument("--layers", type=int, default=18)
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--micro-batch", type=int, default=4)
+    add_model_args(ap)
     ap.add_argument("--root", default="/root/cpuckpt-goodput-ds", help="durable checkpoints (deleted after)")
     ap.add_argument("--ram", default="/dev/shm/cpuckpt-goodput-ds-ram", help="the memory tier's RAM root")
     ap.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
@@ -125,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
-        args.layers, args.hidden, args.heads, args.vocab, args.seq, args.micro_batch = 2, 64, 4, 256, 32, 2
+        vars(args).update(SMOKE_MODEL)
         args.iters, args.warm, args.durable = 10, 2, 4
     if args.train:
         return train(args)
@@ -148,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(ram, ignore_errors=True)
             argv_run = [sys.executable, "-m", "benchmarks.bench_goodput_ds", "--train", "--variant", name,
                         "--save", str(root / name), "--ram", ram, "--iters", str(args.iters), "--durable",
-                        str(args.durable), "--layers", str(args.layers), "--hidden", str(args.hidden), "--heads",
-                        str(args.heads), "--vocab", str(args.vocab), "--seq", str(args.seq), "--micro-batch",
-                        str(args.micro_batch), *(["--smoke"] if args.smoke else [])]
+                        str(args.durable), *model_argv(args), *(["--smoke"] if args.smoke else [])]
             logger.info("== %s", name)
             r = run(name, argv_run, env, out / f"ds_{name}.log", args.timeout)
             g = goodput(r["iters"], args.warm)
