@@ -127,9 +127,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             staging["d2h_window_bytes"] = int(change[len("window"):]) << 20
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, window<MiB>)")
-    cfg = megatron_config(str(cfg), cfg, ordering="optimizer", **({"staging": staging} if staging else {}))
-    if memory:
-        _merge_yaml(cfg, "memory", memory)
+    cfg = megatron_config(str(cfg), cfg, ordering="optimizer", staging=staging, memory=memory)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
     return b.argv("cpuckpt", "goodput", extra, config=str(cfg)), every
@@ -176,14 +174,6 @@ def sample_table(samples: dict[str, dict[str, Any]], top: int = 40) -> str:
                          title="trainer main thread, sampled every 2 ms inside the training loop")
             + "\n\n" + format_table(["variant", "ms/it", "innermost frames"], leaf_rows,
                                      title="where the sampled variants' main thread was"))
-
-
-def _merge_yaml(path: Path, section: str, keys: dict[str, Any]) -> None:
-    import yaml
-
-    data = yaml.safe_load(path.read_text()) or {}
-    data.setdefault(section, {}).update(keys)
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def run_floor(b: Bench, path: Path, budget_s: float) -> dict[str, Any]:

@@ -806,13 +806,14 @@ class KillWatcher:
 
 
 def megatron_config(base: str, dest: Path, **keys: Any) -> Path:
-    """``base`` YAML with ``keys`` merged into its ``megatron:`` block (a ``staging`` mapping into the core
-    block of that name), written to ``dest``."""
+    """``base`` YAML with ``keys`` merged into its ``megatron:`` block (a ``staging`` or ``memory`` mapping into
+    the core block of that name), written to ``dest``."""
     import yaml
 
     data = yaml.safe_load(Path(base).read_text()) or {}
-    if "staging" in keys:
-        data.setdefault("staging", {}).update(keys.pop("staging"))
+    for section in ("staging", "memory"):
+        if section in keys:
+            data.setdefault(section, {}).update(keys.pop(section))
     data.setdefault("megatron", {}).update(keys)
     dest.write_text(yaml.safe_dump(data, sort_keys=False))
     return dest
