@@ -197,6 +197,9 @@ class MemoryConfig:
     checksum: bool = _opt(True, "Record crc32c per chunk of memory checkpoints (with integrity.checksum: crc32c), "
                           "computed on worker threads after the copies, before the memory commit; loads verify "
                           "them per integrity.verify and the writer verifies them while persisting.")
+    copy_process: bool = _opt(False, "Compute memory saves' checksums, and with staging.device_snapshot copy their GPU "
+                              "bytes from the snapshot over CUDA IPC, in a process of ours per rank (started with the "
+                              "tier), so none of that work runs in the trainer's process.")
     prepare_slots: bool = _opt(True, "After the first save, reserve, map and pin the other slots' images to the same "
                                "sizes on a background thread, so no later save pays for it.")
     replicas: int = _opt(0, "Copy each memory checkpoint to this many partner nodes' RAM roots (the next nodes "

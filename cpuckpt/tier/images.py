@@ -37,6 +37,7 @@ import mmap
 import os
 import queue
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -48,9 +49,11 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, StagingError, StorageIOError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
+from cpuckpt.tier.copier import CopyProcess
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
 from cpuckpt.transfer.pacing import PACER
-from cpuckpt.transfer.staging import Slot
+from cpuckpt.transfer.sinks import DeviceCopies, Offloaded
+from cpuckpt.transfer.staging import Slot, consume_cuda_error
 from cpuckpt.transfer.threads import run_parallel
 
 __all__ = ["ImageFile", "ImageSet", "ImageSink", "persist_image"]
@@ -71,19 +74,6 @@ def _os_error(what: str, e: OSError, path: Path, nbytes: int | None = None) -> S
     size = f" ({nbytes} bytes)" if nbytes is not None else ""
     return StorageIOError(f"{what} failed on memory image {path}{size}: [errno {e.errno}] {e.strerror or e}",
                           path=str(path), nbytes=nbytes, errno_=e.errno)
-
-
-def _consume_cuda_error() -> None:
-    """Clear the CUDA runtime's last error that a failed ``cudaHostRegister`` leaves behind.
-
-    (E.g. a file on a disk filesystem, not tmpfs.) The runtime keeps it until someone asks, and
-    PyTorch asks after its next kernel launch, which would then fail for no fault of its own (on the
-    H200: a device gather of the next save raised "invalid argument"). A tiny launch here takes it.
-    """
-    try:
-        torch.zeros(1, device="cuda")
-    except RuntimeError:  # torch.AcceleratorError is a RuntimeError: the stale error, now cleared
-        pass
 
 
 class ImageFile:
@@ -119,6 +109,10 @@ class ImageFile:
         self._segment = PIN_SEGMENT_MIN_BYTES
         self._pin_failed = False
         self._allocated = 0  # [0, _allocated) was reserved by this object and not truncated since
+        # Changes whenever the file's size or this mapping changes: another process that maps and pins the file
+        # (the copy process) maps it anew then, so no registration of it outlives the pages it pinned.
+        self._uid = uuid.uuid4().hex
+        self._generation = 0
 
     # -- sizing -----------------------------------------------------------------------------------
     def ensure(self, nbytes: int, *, chunk_bytes: int | None = None) -> None:
@@ -145,6 +139,7 @@ class ImageFile:
             if segment != self._segment:
                 self._unregister(list(self._regs))  # re-registered below in the new unit
                 self._segment = segment
+        old_size, old_remaps = self.nbytes, self.remaps
         self._reserve(nbytes)  # also extends the file; a failure leaves the image as it was
         try:
             if nbytes > self.capacity:
@@ -159,8 +154,11 @@ class ImageFile:
                 self.nbytes = min(os.fstat(self._fd).st_size, self.capacity)
             except OSError:
                 self.nbytes = 0
+            self._generation += 1
             raise
         self.nbytes = nbytes
+        if nbytes != old_size or self.remaps != old_remaps:
+            self._generation += 1
         self._register_missing()
 
     def _reserve(self, nbytes: int) -> None:
@@ -232,7 +230,7 @@ class ImageFile:
                 continue
             err = cudart.cudaHostRegister(self._base + off, n, 0)
             if int(err) != 0:
-                _consume_cuda_error()
+                consume_cuda_error()
                 logger.warning("cudaHostRegister of %d bytes of memory image %s failed (error %s); saving into it "
                                "unpinned", n, self.path, err)
                 self._unregister(list(self._regs))
@@ -253,6 +251,11 @@ class ImageFile:
         self.pinned = False
 
     # -- access -----------------------------------------------------------------------------------
+    @property
+    def identity(self) -> str:
+        """This object's mapping of the file at its current size (changes with either)."""
+        return f"{self._uid}.{self._generation}"
+
     @property
     def allocated(self) -> int:
         """Bytes of the file reserved (``posix_fallocate``) by this object and not truncated away since."""
@@ -312,9 +315,10 @@ class ImageSet:
     """This rank's image files in one checkpoint directory of the RAM root, reused across saves."""
 
     def __init__(self, directory: str | os.PathLike, *, pin: bool = True,
-                 before_grow: Callable[[int], None] | None = None) -> None:
+                 before_grow: Callable[[int], None] | None = None, copier: CopyProcess | None = None) -> None:
         self.directory = Path(directory)
         self.pin = pin
+        self.copier = copier  # memory.copy_process: the rank's copy process, which the sinks offload to
         self.before_grow = before_grow  # called with the bytes an image is about to grow by (a space check)
         self._files: dict[str, ImageFile] = {}
         # per image: the ``done`` of the last job that filled it (a DeepSpeed tag's files are one job each)
@@ -445,8 +449,10 @@ class ImageSink:
         self.cfg = cfg
         self.rank = rank
         self.checksum = cfg.memory.checksum and cfg.integrity.checksum == "crc32c"
+        self.offloads = images.copier is not None
         self._chunks: list[Chunk] = [c for f in files for c in f.chunks]
         self._targets: list[tuple[torch.Tensor, memoryview]] | None = None
+        self._opened: list[ImageFile] = []
         self._remaps = 0
 
     # -- Sink -----------------------------------------------------------------------------------------
@@ -467,16 +473,31 @@ class ImageSink:
             opened.append(self.images.image(name, layout.nbytes, chunk_bytes=self.cfg.io.chunk_bytes))
         self._remaps = remaps + sum(img.remaps for img in opened)
         self._targets = [(img.tensor(), img.view()) for img in opened]
+        self._opened = opened
         return self
+
+    def submit_offload(self, copies: DeviceCopies | None) -> Offloaded:
+        """The copy process takes the checksums (and with ``copies`` the device bytes) of this save."""
+        copier = self.images.copier
+        if copier is None or not self._opened:
+            raise RuntimeError("ImageSink.submit_offload without a copy process or before open()")
+        files = [(str(img.path), img.identity, img.nbytes) for img in self._opened]
+        chunks = [(c.file, c.offset, c.nbytes) for c in self._chunks]
+        if copies is None:
+            return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=self.checksum)
+        return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=self.checksum,
+                             buffer=copies.buffer, ready=copies.ready, ops=copies.ops)
 
     def write(self, chunk: Chunk, slot: Slot) -> None:
         """Nothing to do: the copy landed in the image."""
 
     def finish(self) -> None:
         self._targets = None  # drop the views, so an image can be remapped or closed
+        self._opened = []
 
     def abort(self) -> None:
         self._targets = None
+        self._opened = []
 
     def stats(self) -> dict[str, float]:
         return {"image_remaps": float(self._remaps)}

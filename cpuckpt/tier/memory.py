@@ -60,6 +60,7 @@ from cpuckpt.errors import (
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import local_path
 from cpuckpt.roots import install_sigterm_handler
+from cpuckpt.tier.copier import CopyProcess
 from cpuckpt.tier.formats import DcpSlots, SlotFormat
 from cpuckpt.tier.images import ImageSet
 from cpuckpt.tier.nodecopies import with_node_copies
@@ -147,7 +148,16 @@ class MemoryTier:
         for d in self.slots:
             d.mkdir(mode=0o700, exist_ok=True)
         # a full RAM filesystem is refused before an image grows (headroom kept), never a SIGBUS mid-copy
-        self.images = [ImageSet(d, pin=self.config.staging.pin, before_grow=self.root.check_space) for d in self.slots]
+        # memory.copy_process: this rank's copy process checksums the images (and copies a device snapshot into
+        # them, which it pins itself: the trainer's process then pins nothing).
+        self.copier = (CopyProcess(self.rank, self.root.path / f"copier-{self.rank}.log",
+                                   threads=self.config.io.threads, timeout_s=self.config.timeout_s)
+                       if m.copy_process else None)
+        pin = self.config.staging.pin and not (self.copier is not None and self.config.staging.device_snapshot)
+        self.images = [ImageSet(d, pin=pin, before_grow=self.root.check_space, copier=self.copier)
+                       for d in self.slots]
+        if self.copier is not None:
+            self.copier.start()  # its interpreter and imports take seconds: now, not at the first save
         self.queue = PersistQueue(self.root.path / f"queue-{self.rank}").create()
         self._writer: subprocess.Popen | None = None
         self._replication: Replication | None = None  # memory.replicas across nodes; set once the writers listen
@@ -592,6 +602,7 @@ class MemoryTier:
                         if self._closing.is_set():
                             return
                         images.prepare(name, nbytes, chunk_bytes=self.config.io.chunk_bytes)
+                        self._prepare_copier(images, name)
             except CpuckptError as e:  # e.g. the RAM root's headroom: the save that needs the image says so
                 logger.warning("cpuckpt memory tier: preparing the slots' images ahead failed: %s", e)
 
@@ -600,6 +611,17 @@ class MemoryTier:
                 self._prepared = threading.Thread(target=run, name=f"cpuckpt-prepare-{self.rank}", daemon=True)
                 self._prepared.start()
         self._prepare_decided.set()
+
+    def _prepare_copier(self, images: ImageSet, name: str) -> None:
+        """The copy process maps and pins an image ahead of its first save (when it copies into it)."""
+        img = images.get(name)
+        if self.copier is None or not self.config.staging.device_snapshot or img is None:
+            return
+        try:
+            self.copier.prepare([(str(img.path), img.identity, img.nbytes)], self.config.io.chunk_bytes)
+        except CpuckptError as e:  # the save that needs it starts a new process and says so
+            logger.warning("cpuckpt memory tier: rank %d: preparing %s in the copy process failed: %s", self.rank,
+                           img.path, e)
 
     def reserve(self, shard_nbytes: int) -> int:
         """Before the first save (a job calls it before it trains): reserve, map and pin every free slot's image
@@ -915,6 +937,8 @@ class MemoryTier:
             self.saves.close()
         except CpuckptError as e:
             errors.append(e)
+        if self.copier is not None:
+            self.copier.close()  # its saves were waited for above
         for images in self.images:
             images.close()
         self.root.close()

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.device_snapshot import DeviceSnapshot, DeviceSnapshots
 from cpuckpt.transfer.device_snapshot import release as release_snapshot
 from cpuckpt.transfer.pacing import PACER
-from cpuckpt.transfer.sinks import PoolSink, Sink, SlotSource
+from cpuckpt.transfer.sinks import DeviceCopies, PoolSink, Sink, SlotSource
 from cpuckpt.transfer.staging import CopyFence, DeviceCopier, LeaseOrder, Slot, fill_chunk, own_host_sources
 from cpuckpt.transfer.threads import shared_executor, wait_future
 from cpuckpt.transfer.tracing import nvtx_range
@@ -134,6 +135,7 @@ class SaveJob:
         # staging.device_snapshot: the save stream's device buffers (none given: this job's own)
         self.snapshots = snapshots if snapshots is not None else DeviceSnapshots()
         self._snapshot: DeviceSnapshot | None = None  # staging.device_snapshot: the device buffer it copied into
+        self._offloaded = False  # the sink's process copies and checksums this save (Sink.submit_offload)
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -236,6 +238,10 @@ class SaveJob:
                 self.sources, self._snapshot = self.snapshots.snapshot_sources(
                     self.sources, device, copier.stream, torch.cuda.current_stream(device))
                 fence.event = copier.record()
+                if self.sink.offloads and self._snapshot is not None and not any(
+                        s is not None and s.is_cuda and s.device != device for s in self.sources):
+                    self._offload_device(copier, slots)
+                    return
             except BaseException:
                 for slot in slots:
                     source.release(slot)
@@ -265,6 +271,61 @@ class SaveJob:
             release_snapshot(self._snapshot, last)
         self._submit_pending(f"cpuckpt-d2h-wait-{self.rank}", self._wait_then_write, (last, events), slots,
                              copies_end=last)
+
+    def _offload_device(self, copier: DeviceCopier, slots: list[Slot]) -> None:
+        """The sink's process copies the snapshot into the slots and checksums them (``memory.copy_process``):
+        here only the host bytes (record skeletons, CPU tensors) are written and the copies described."""
+        snap = self._require(self._snapshot)
+        ops = array("q")
+        base = snap.buffer.data_ptr()
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for k, (chunk, slot) in enumerate(zip(self._chunks, slots)):
+            fill_chunk(slot, self.files[chunk.file], chunk, self.sources, deferred=pairs)
+            at = slot.tensor.data_ptr() - chunk.offset  # the file's byte 0 in this process's mapping
+            for dst, src in pairs:
+                if src.is_cuda:
+                    ops.extend((k, src.data_ptr() - base, chunk.file, dst.data_ptr() - at, dst.numel()))
+                else:
+                    dst.copy_(src)
+            pairs.clear()
+        ready = torch.cuda.Event(interprocess=True)
+        ready.record(copier.stream)
+        with self._lock:
+            self._pending_writes += 1  # ended by the process's reply (_offload_done)
+        try:
+            remote = self.sink.submit_offload(DeviceCopies(snap.buffer, ready, ops))
+        except BaseException:
+            with self._lock:
+                self._pending_writes -= 1
+            self._snapshot = None
+            release_snapshot(snap, copier.record())  # the next save's snapshot waits for this one's copy
+            raise
+        self._offloaded = True
+        remote.copied.add_done_callback(lambda fut: self._offload_copied(snap, fut))
+        remote.done.add_done_callback(self._offload_done)
+
+    def _offload_copied(self, snap: DeviceSnapshot, fut: cf.Future) -> None:
+        """The process's copies out of the snapshot ended (or it failed with none still running)."""
+        release_snapshot(snap, None)
+        if fut.exception() is None:
+            self._mark_staged()
+
+    def _offload_done(self, fut: cf.Future) -> None:
+        """The process's checksums (or its failure): the job's last pending task ends."""
+        try:
+            self._take_checksums(fut.result())
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            self._end_pending()
+
+    def _take_checksums(self, crcs: list[list[int]]) -> None:
+        if not self.sink.checksum:
+            return
+        if [len(c) for c in crcs] != [len(f.chunks) for f in self.files]:
+            raise StagingError(f"the copy process returned {[len(c) for c in crcs]} checksums for files of "
+                               f"{[len(f.chunks) for f in self.files]} chunks")
+        self._crcs = [list(c) for c in crcs]
 
     def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot],
                           each: Callable[[tuple[int, Any]], object] | None) -> Any:
@@ -427,7 +488,7 @@ class SaveJob:
             if self._cancel.is_set():
                 return
             with nvtx_range("cpuckpt.write"):
-                if self.sink.checksum:
+                if self.sink.checksum and not self.sink.offloads:
                     with slot.view[: chunk.nbytes] as view:
                         self._crcs[chunk.file][chunk.index] = crc32c.crc32c(view)
                 self.sink.write(chunk, slot)
@@ -438,11 +499,30 @@ class SaveJob:
 
     def _finalize(self) -> None:
         """Every submitted task has ended: report the error, or finish the sink (durable) and the result.
-        Reported only now that no task holds a slot or a file, so a retry starts clean."""
+        Reported only now that no task holds a slot or a file, so a retry starts clean. A sink that offloads
+        its checksums gets the staged chunks first; the job completes with its reply."""
         with self._lock:
             if self._finalized:
                 return
             self._finalized = True
+        if self.sink.offloads and self.sink.checksum and not self._offloaded and not self._cancel.is_set():
+            try:
+                remote = self.sink.submit_offload(None)
+            except BaseException as e:
+                self._fail(e)
+            else:
+                remote.done.add_done_callback(self._checksums_done)
+                return
+        self._complete()
+
+    def _checksums_done(self, fut: cf.Future) -> None:
+        try:
+            self._take_checksums(fut.result())
+        except BaseException as e:
+            self._fail(e)
+        self._complete()
+
+    def _complete(self) -> None:
         if not self._cancel.is_set():
             try:
                 self.sink.finish()

@@ -9,15 +9,19 @@ programs) therefore applies to every sink:
   ``pwrite`` through the file backend, the slot goes back to the pool; ``finish`` fsyncs the files
   and the directory.
 - the memory tier's image sink (``cpuckpt.tier.images``): slots are views of the mapped RAM images,
-  so a copy lands in its final place and ``write`` has nothing to do.
+  so a copy lands in its final place and ``write`` has nothing to do. With ``memory.copy_process`` it
+  *offloads*: a process of its own copies the device snapshot's bytes into the images and computes the
+  checksums (:meth:`Sink.submit_offload`), so neither runs in the trainer's process.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -26,7 +30,29 @@ from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.transfer.files import FileBackend, fsync_dir, get_backend
 from cpuckpt.transfer.staging import HostPool, LeaseOrder, Slot, get_pool
 
-__all__ = ["MappedBytes", "PoolSink", "Sink", "SinkFactory", "SlotSource", "pool_sink"]
+__all__ = ["DeviceCopies", "MappedBytes", "Offloaded", "PoolSink", "Sink", "SinkFactory", "SlotSource", "pool_sink"]
+
+OP_FIELDS = 5  # a copy of DeviceCopies.ops: chunk position, offset in the buffer, file index, file offset, bytes
+
+
+@dataclass
+class DeviceCopies:
+    """A save's device bytes for a sink that copies them itself: ``buffer`` (the device snapshot, uint8 on one
+    GPU), ``ready`` (an interprocess CUDA event after the snapshot) and ``ops`` (:data:`OP_FIELDS` int64 per
+    copy, in chunk order)."""
+
+    buffer: torch.Tensor
+    ready: Any
+    ops: array
+
+
+class Offloaded(Protocol):
+    """A save a sink's own process took over: ``copied`` once its copies completed (the snapshot buffer may be
+    reused; also set when it failed, once no copy of it still runs), ``done`` with each file's chunk checksums
+    (empty lists without checksums)."""
+
+    copied: cf.Future[None]
+    done: cf.Future[list[list[int]]]
 
 
 class SlotSource(Protocol):
@@ -54,12 +80,20 @@ class Sink(Protocol):
         write_as_copied: GPU chunks are handed over as soon as their own copy completed, overlapping
             later copies (a checksum-only sink); otherwise after every copy (no thread competes with
             the trainer's interpreter while it stages).
+        offloads: its own process computes the checksums (:meth:`submit_offload` once the chunks are
+            staged) and, given a device snapshot, copies its bytes too; the engine computes none.
     """
 
     name: str
     checksum: bool
     holds_every_chunk: bool
     write_as_copied: bool
+    offloads: bool
+
+    def submit_offload(self, copies: DeviceCopies | None) -> Offloaded:
+        """(``offloads`` only.) Hand the save's checksums, and with ``copies`` its device bytes, to the sink's
+        process; the host bytes are in the slots already."""
+        ...
 
     def open(self, nslots: int, done: cf.Future) -> SlotSource:
         """Before any byte moves: the slots (``nslots`` wanted for pooled staging). ``done`` is the save's
@@ -106,6 +140,7 @@ class PoolSink:
 
     holds_every_chunk = False
     write_as_copied = False
+    offloads = False
 
     def __init__(self, directory: Path, names: list[str], files: list[FileLayout], cfg: Config, *,
                  rank: int) -> None:
@@ -179,6 +214,9 @@ class PoolSink:
             for fd in fds:
                 if fd is not None:
                     self._backend.close(fd)
+
+    def submit_offload(self, copies: DeviceCopies | None) -> Offloaded:
+        raise NotImplementedError("the pool sink computes nothing in another process")
 
     def stats(self) -> dict[str, float]:
         return {}

@@ -294,6 +294,19 @@ def release_pool() -> None:
             _POOL = None
 
 
+def consume_cuda_error() -> None:
+    """Clear the CUDA runtime's last error that a failed ``cudaHostRegister`` leaves behind.
+
+    (E.g. a file on a disk filesystem, not tmpfs.) The runtime keeps it until someone asks, and
+    PyTorch asks after its next kernel launch, which would then fail for no fault of its own (on the
+    H200: a device gather of the next save raised "invalid argument"). A tiny launch here takes it.
+    """
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError:  # torch.AcceleratorError is a RuntimeError: the stale error, now cleared
+        pass
+
+
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a tensor's bytes (made contiguous first if it is not)."""
     t = t.detach()

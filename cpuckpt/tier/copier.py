@@ -1,0 +1,542 @@
+"""The memory tier's copy process (``memory.copy_process``): a save's device-to-host copies and checksums
+done by a process of ours, so nothing of them runs in the trainer's process.
+
+A memory save every iteration copies the whole state to the host each step. Done from the trainer's process,
+its enqueues, waits and crc32c threads take the trainer's interpreter (the GIL) while it trains. Here the
+trainer only enqueues the device-to-device snapshot (``staging.device_snapshot``, milliseconds) and writes the
+few host bytes of the files (record skeletons); this rank's copy process, started once per tier, then
+
+1. waits on the GPU for the trainer's snapshot (an interprocess CUDA event),
+2. copies the snapshot buffer (opened once over CUDA IPC) into the slot's image files, which it maps
+   ``MAP_SHARED`` and pins itself, all of a save's copies enqueued at once on its own stream (a second
+   process's copies do not queue ahead of the trainer's own device-to-host reads: the floor tool's
+   ``ipc_d2h``),
+3. computes each chunk's crc32c from the image once that chunk's copy completed, on its own threads,
+
+and replies ``copied`` (the snapshot buffer may be reused) then ``done`` with the checksums, which the
+trainer's :class:`~cpuckpt.transfer.save_job.SaveJob` records in the memory commit. Without a device
+snapshot (CPU state, or GPU copies paced from the trainer) the process computes the checksums only.
+
+The messages are pickles of plain values only (no classes: the process refuses any global), over a socket
+pair private to the two processes. A process that dies fails the saves it had with an error naming its pid,
+exit status and log; the next save starts a new one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import io
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import weakref
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from cpuckpt.errors import StagingError
+from cpuckpt.transfer.sinks import OP_FIELDS
+from cpuckpt.transfer.staging import consume_cuda_error
+
+__all__ = ["CopyProcess", "RemoteSave", "main"]
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclass
+class RemoteSave:
+    """One save handed to the copy process: ``copied`` once its copies completed (the snapshot buffer is free),
+    ``done`` with the crc32c of every chunk per file (empty lists without checksums)."""
+
+    copied: cf.Future[None]
+    done: cf.Future[list[list[int]]]
+    keep: Any = None  # what must live until ``copied`` (the trainer's event the copies wait for)
+
+
+def _dumps(msg: tuple) -> bytes:
+    return pickle.dumps(msg, protocol=5)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Plain values only: no message between the two processes names a class or function."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"copy process message names {module}.{name}: refused")
+
+
+def _loads(data: bytes) -> tuple:
+    return _PlainUnpickler(io.BytesIO(data)).load()
+
+
+# -- the trainer's side ------------------------------------------------------------------------------------
+class CopyProcess:
+    """This rank's copy process, as its trainer sees it: started at the first save (or :meth:`start`),
+    restarted by the save after one died, ended by :meth:`close`. Thread-safe."""
+
+    def __init__(self, rank: int, log_path: Path, *, threads: int, timeout_s: float) -> None:
+        self.rank = rank
+        self.log_path = Path(log_path)
+        self.threads = threads
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._reader: threading.Thread | None = None
+        self._pending: dict[int, RemoteSave] = {}
+        self._next_id = 0
+        self._buffers: dict[int, int] = {}  # id(snapshot buffer) -> its key in the process, while it lives
+        self._closed = False
+        # replies are settled here, in order, not on the reading thread: a save's callbacks (its job's end, the
+        # commit it starts) must not hold up the replies of the saves after it
+        self._settler = cf.ThreadPoolExecutor(1, thread_name_prefix=f"cpuckpt-copy-settle-{rank}")
+
+    @property
+    def pid(self) -> int | None:
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def start(self) -> None:
+        """Start the process now (its interpreter and imports take seconds: before training, not at a save)."""
+        with self._lock:
+            self._ensure()
+
+    def _ensure(self) -> Connection:
+        """Lock held: the connection to a running process, starting one if there is none."""
+        if self._closed:
+            raise StagingError(f"rank {self.rank}: the copy process was closed")
+        if self._conn is not None and self._proc is not None and self._proc.poll() is None:
+            return self._conn
+        ours, theirs = socket.socketpair()
+        try:
+            with open(self.log_path, "ab") as log:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "cpuckpt.tier.copier", "--fd", str(theirs.fileno()),
+                     "--threads", str(self.threads)],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True,
+                    pass_fds=(theirs.fileno(),), start_new_session=True)
+        except OSError as e:
+            ours.close()
+            raise StagingError(f"rank {self.rank}: the copy process could not be started: {e}") from e
+        finally:
+            theirs.close()
+        self._conn = Connection(ours.detach())
+        self._buffers = {}  # a new process knows none of the buffers
+        self._reader = threading.Thread(target=self._read, args=(self._conn, self._proc),
+                                        name=f"cpuckpt-copy-replies-{self.rank}", daemon=True)
+        self._reader.start()
+        logger.info("cpuckpt memory tier: rank %d copy process pid %d started (log %s)", self.rank, self._proc.pid,
+                    self.log_path)
+        return self._conn
+
+    def prepare(self, files: Sequence[tuple[str, str, int]], chunk_bytes: int) -> None:
+        """Map and pin these image files (path, identity, bytes) in the process ahead of their first save."""
+        with self._lock:
+            conn = self._ensure()
+            self._send(conn, ("prepare", list(files), chunk_bytes))
+
+    def submit(self, files: Sequence[tuple[str, str, int]], chunks: Sequence[tuple[int, int, int]], *,
+               chunk_bytes: int, checksum: bool, buffer: Any = None, ready: Any = None,
+               ops: array | None = None) -> RemoteSave:
+        """Hand one save over: ``files`` (path, identity, bytes) of its images, ``chunks`` (file index, offset,
+        bytes) in order; with ``buffer`` (the device snapshot, a uint8 CUDA tensor), ``ready`` (an interprocess
+        CUDA event after the snapshot) and ``ops`` (:data:`OP_FIELDS` int64 per copy), the copies too.
+
+        Raises:
+            StagingError: the process could not be started or the request not sent.
+        """
+        remote = RemoteSave(cf.Future(), cf.Future(), keep=ready)
+        with self._lock:
+            conn = self._ensure()
+            save_id = self._next_id
+            self._next_id += 1
+            copy = None
+            if buffer is not None:
+                key = self._buffers.get(id(buffer))
+                desc = None
+                if key is None:
+                    key = self._buffers[id(buffer)] = save_id
+                    desc = _share(buffer)
+                    weakref.finalize(buffer, self._drop, id(buffer), key)
+                copy = (key, desc, ready.ipc_handle(), buffer.device.index or 0, ops.tobytes() if ops else b"")
+            self._pending[save_id] = remote
+            try:
+                self._send(conn, ("save", save_id, list(files), list(chunks), chunk_bytes, checksum, copy))
+            except BaseException:
+                self._pending.pop(save_id, None)
+                raise
+        return remote
+
+    def _send(self, conn: Connection, msg: tuple) -> None:
+        try:
+            with self._send_lock:
+                conn.send_bytes(_dumps(msg))
+        except OSError as e:
+            raise StagingError(f"rank {self.rank}: sending to the copy process (pid {self.pid}) failed: {e}; "
+                               f"see {self.log_path}") from e
+
+    def _drop(self, ident: int, key: int) -> None:
+        """A snapshot buffer was freed: the process lets go of its mapping of it."""
+        with self._lock:
+            if self._buffers.get(ident) == key:
+                del self._buffers[ident]
+            conn = self._conn
+        if conn is None or self._closed:
+            return
+        try:
+            self._send(conn, ("drop", key))
+        except StagingError:
+            pass
+
+    def _read(self, conn: Connection, proc: subprocess.Popen) -> None:
+        """The replies of one process, until it ends; then every save it still had fails."""
+        try:
+            while True:
+                msg = _loads(conn.recv_bytes())
+                kind, save_id = msg[0], msg[1]
+                with self._lock:
+                    remote = self._pending.get(save_id)
+                    if kind in ("done", "error"):
+                        self._pending.pop(save_id, None)
+                if remote is not None:
+                    self._settler.submit(self._settle_reply, remote, msg, proc.pid)
+        except (EOFError, OSError):
+            pass
+        except BaseException as e:  # a malformed reply: the process is not trusted further
+            logger.error("rank %d: bad reply from the copy process (pid %d): %r", self.rank, proc.pid, e)
+            proc.kill()
+        with self._lock:
+            failed = list(self._pending.values())
+            self._pending.clear()
+            if self._conn is conn:
+                self._conn = None
+            closed = self._closed
+        try:
+            code = proc.wait(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        conn.close()
+        if failed or not closed:
+            logger.error("rank %d: the copy process (pid %d) exited with status %s; %d save(s) failed; see %s",
+                         self.rank, proc.pid, code, len(failed), self.log_path)
+        for remote in failed:
+            # it is gone: no copy of it still lands anywhere, so the snapshot buffer is free either way
+            err = f"exited with status {code} before the save's copies and checksums were done; see {self.log_path}"
+            self._settler.submit(self._settle_reply, remote, ("error", -1, err), proc.pid)
+
+    def _settle_reply(self, remote: RemoteSave, msg: tuple, pid: int) -> None:
+        kind = msg[0]
+        if kind == "copied":
+            _settle(remote.copied, None)
+        elif kind == "done":
+            _settle(remote.copied, None)
+            _settle(remote.done, msg[2])
+        elif kind == "error":
+            err = StagingError(f"rank {self.rank}: the copy process (pid {pid}) {msg[2]}")
+            _settle(remote.copied, error=err)
+            _settle(remote.done, error=err)
+
+    def close(self) -> None:
+        """End the process (after the saves it has: it finishes them first) and wait for it, bounded."""
+        with self._lock:
+            self._closed = True
+            conn, proc, reader = self._conn, self._proc, self._reader
+        if conn is None or proc is None:
+            return
+        try:
+            with self._send_lock:
+                conn.send_bytes(_dumps(("close",)))
+        except OSError:
+            pass
+        if reader is not None:
+            reader.join(self.timeout_s)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self._settler.shutdown(wait=True)
+
+
+def _settle(fut: cf.Future, result: object = None, *, error: BaseException | None = None) -> None:
+    """Complete ``fut`` unless it already is (a failed save's ``copied`` too: the process drained its copies
+    before it replied, or it is gone)."""
+    if fut.done():
+        return
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except cf.InvalidStateError:
+        pass
+
+
+def _share(buffer: Any) -> tuple:
+    """The CUDA IPC description of ``buffer``'s storage, as plain values (torch's own sharing, without
+    pickling classes): the process opens it with :func:`_open_shared`."""
+    storage = buffer.untyped_storage()
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
+    return (int(device), bytes(handle), int(size), int(offset), bytes(ref_handle), int(ref_offset),
+            bytes(event_handle) if event_handle else b"", bool(event_sync), int(buffer.storage_offset()),
+            int(buffer.numel()))
+
+
+# -- the process ------------------------------------------------------------------------------------------
+def _open_shared(desc: tuple) -> Any:
+    import torch
+
+    device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync, t_offset, numel = desc
+    torch.cuda._lazy_init()
+    storage = torch.UntypedStorage._new_shared_cuda(device, handle, size, offset, ref_handle, ref_offset,
+                                                    event_handle or None, event_sync)
+    t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
+    return t.set_(storage, t_offset, (numel,), (1,))
+
+
+_PIN_SEGMENT = 64 << 20
+
+
+class _Mapped:
+    """An image file as the copy process maps it: exactly its size (never resized here: the trainer owns the
+    file's size), ``MAP_SHARED``, pinned in chunk-aligned segments for copies."""
+
+    def __init__(self, path: str, identity: str, nbytes: int, chunk_bytes: int, pin: bool) -> None:
+        import mmap
+
+        import torch
+
+        self.path, self.identity, self.nbytes, self.pinned = path, identity, nbytes, False
+        self._regs: list[int] = []
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                raise StagingError(f"memory image {path} is {size} bytes, the save expects {nbytes}")
+            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED) if nbytes else None
+        finally:
+            os.close(fd)
+        self._tensor = (torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None
+                        else torch.empty(0, dtype=torch.uint8))
+        if pin and nbytes and torch.cuda.is_available():
+            self._pin(chunk_bytes)
+
+    def _pin(self, chunk_bytes: int) -> None:
+        import torch
+
+        cudart = torch.cuda.cudart()
+        base = self._tensor.data_ptr()
+        segment = chunk_bytes * max(1, -(-_PIN_SEGMENT // chunk_bytes)) if chunk_bytes else _PIN_SEGMENT
+        for off in range(0, self.nbytes, segment):
+            n = min(segment, self.nbytes - off)
+            if int(cudart.cudaHostRegister(base + off, n, 0)) != 0:
+                consume_cuda_error()
+                logger.warning("cudaHostRegister of %d bytes of %s failed; copying into it unpinned", n, self.path)
+                self._unpin()
+                return
+            self._regs.append(base + off)
+        self.pinned = True
+
+    def _unpin(self) -> None:
+        if self._regs:
+            import torch
+
+            cudart = torch.cuda.cudart()
+            for ptr in self._regs:
+                cudart.cudaHostUnregister(ptr)
+        self._regs = []
+        self.pinned = False
+
+    def tensor(self) -> Any:
+        return self._tensor
+
+    def view(self) -> memoryview:
+        return memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
+
+    def close(self) -> None:
+        self._unpin()
+        self._tensor = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                logger.debug("%s: views still referenced; unmapped when collected", self.path)
+            self._mmap = None
+
+
+class _Worker:
+    """The copy process's state: opened snapshot buffers, mapped images, its stream and checksum threads."""
+
+    def __init__(self, conn: Connection, threads: int) -> None:
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.pool = cf.ThreadPoolExecutor(max(1, threads), thread_name_prefix="cpuckpt-copy-crc")
+        self.waiters = cf.ThreadPoolExecutor(1, thread_name_prefix="cpuckpt-copy-wait")
+        self.buffers: dict[int, Any] = {}
+        self.images: dict[str, _Mapped] = {}
+        self.stream: Any = None
+
+    def reply(self, msg: tuple) -> None:
+        with self.send_lock:
+            self.conn.send_bytes(_dumps(msg))
+
+    def image(self, path: str, identity: str, nbytes: int, chunk_bytes: int, pin: bool) -> _Mapped:
+        """``path`` mapped (and pinned, for copies) as the trainer last shaped it: an image the trainer
+        resized or remapped since (a new ``identity``) is mapped anew, so no stale pinned page is used."""
+        held = self.images.get(path)
+        if held is not None and held.identity == identity and held.nbytes == nbytes and (held.pinned or not pin):
+            return held
+        if held is not None:
+            held.close()
+            del self.images[path]
+        img = self.images[path] = _Mapped(path, identity, nbytes, chunk_bytes, pin)
+        return img
+
+    def prepare(self, files: list, chunk_bytes: int) -> None:
+        for path, identity, nbytes in files:
+            try:
+                self.image(path, identity, nbytes, chunk_bytes, pin=True)
+            except Exception as e:  # the save that uses it reports it
+                logger.warning("preparing %s failed: %r", path, e)
+
+    def save(self, save_id: int, files: list, chunks: list, chunk_bytes: int, checksum: bool,
+             copy: tuple | None) -> None:
+        try:
+            images = [self.image(p, i, n, chunk_bytes, pin=copy is not None) for p, i, n in files]
+            if copy is None:
+                events: list[Any] = [None] * len(chunks)
+            else:
+                events = self.enqueue(images, chunks, copy)
+        except BaseException as e:
+            self.drain()  # no copy of it still lands: the trainer may reuse the snapshot buffer
+            self.reply(("error", save_id, f"failed: {type(e).__name__}: {e}"))
+            return
+        self.waiters.submit(self.finish, save_id, images, chunks, checksum, events, copy is not None)
+
+    def enqueue(self, images: list, chunks: list, copy: tuple) -> list[Any]:
+        """All of a save's copies on this process's stream, an event after each chunk's."""
+        import torch
+
+        key, desc, ready_handle, device, ops_bytes = copy
+        if desc is not None:
+            self.buffers[key] = _open_shared(desc)
+        buffer = self.buffers.get(key)
+        if buffer is None:
+            raise StagingError(f"snapshot buffer {key} was never shared with the copy process")
+        dev = torch.device("cuda", device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(device=dev)
+        ops = array("q")
+        ops.frombytes(ops_bytes)
+        n = len(ops) // OP_FIELDS
+        tensors = [img.tensor() for img in images]
+        by_chunk: list[tuple[list[Any], list[Any]]] = [([], []) for _ in chunks]
+        size = buffer.numel()
+        for i in range(n):
+            k, src, f, dst, nb = ops[i * OP_FIELDS : (i + 1) * OP_FIELDS]
+            if not (0 <= src and src + nb <= size and 0 <= f < len(tensors) and 0 <= dst
+                    and dst + nb <= tensors[f].numel() and 0 <= k < len(chunks)):
+                raise StagingError(f"copy {i} out of bounds: buffer [{src}, {src + nb}) of {size}, file {f} "
+                                   f"[{dst}, {dst + nb})")
+            dsts, srcs = by_chunk[k]
+            dsts.append(tensors[f][dst : dst + nb])
+            srcs.append(buffer[src : src + nb])
+        ready = torch.cuda.Event.from_ipc_handle(dev, ready_handle)
+        events = []
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for dsts, srcs in by_chunk:
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                events.append(ev)
+        return events
+
+    def finish(self, save_id: int, images: list, chunks: list, checksum: bool, events: list[Any],
+               copies: bool) -> None:
+        """Checksums as each chunk's copy completes; ``copied`` after the last copy, then ``done``."""
+        import crc32c
+
+        def crc(k: int) -> int:
+            if events[k] is not None:
+                events[k].synchronize()
+            if not checksum:
+                return 0
+            f, off, nb = chunks[k]
+            with images[f].view()[off : off + nb] as view:
+                return crc32c.crc32c(view)
+
+        try:
+            futures = [self.pool.submit(crc, k) for k in range(len(chunks))]
+            if copies:
+                if events:
+                    events[-1].synchronize()
+                self.reply(("copied", save_id))
+            values = [fut.result() for fut in futures]
+            out: list[list[int]] = [[] for _ in images]
+            if checksum:
+                for (f, _, _), v in zip(chunks, values):
+                    out[f].append(v)
+            self.reply(("done", save_id, out))
+        except BaseException as e:
+            self.drain()
+            self.reply(("error", save_id, f"failed: {type(e).__name__}: {e}"))
+
+    def drain(self) -> None:
+        """Wait for every copy enqueued (after a failure); an error here is the one already reported."""
+        if self.stream is not None:
+            try:
+                self.stream.synchronize()
+            except Exception as e:
+                logger.error("waiting for the copies failed: %r", e)
+
+    def close(self) -> None:
+        self.waiters.shutdown(wait=True)
+        self.pool.shutdown(wait=True)
+        for img in self.images.values():
+            img.close()
+        self.images.clear()
+        self.buffers.clear()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m cpuckpt.tier.copier --fd N``: serve one trainer until it closes the connection."""
+    ap = argparse.ArgumentParser(prog="python -m cpuckpt.tier.copier")
+    ap.add_argument("--fd", type=int, required=True)
+    ap.add_argument("--threads", type=int, default=4)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s copier %(process)d %(levelname)s %(message)s")
+    conn = Connection(a.fd)
+    worker = _Worker(conn, a.threads)
+    try:
+        while True:
+            try:
+                msg = _loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "save":
+                worker.save(*msg[1:])
+            elif kind == "prepare":
+                worker.prepare(*msg[1:])
+            elif kind == "drop":
+                worker.buffers.pop(msg[1], None)
+            elif kind == "close":
+                break
+    finally:
+        worker.close()
+        conn.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The copy process on a GPU: with a device snapshot, a memory save's D2H copies and checksums run in a
+process of ours (``memory.copy_process``), and every save loads bit-exact with its recorded crc32c.
+
+Run on the device machine (``pytest -m gpu tests/gpu``); skipped where CUDA is absent. The CPU path (the
+process computes the checksums only) runs in tests/unit/test_copy_process.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+
+import cpuckpt
+from cpuckpt.backend.committed import read_manifest
+from cpuckpt.tier.memory import MemoryTier
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (runs on the device machine)"),
+]
+
+
+def _cfg(root: Path) -> dict:
+    return {"io": {"chunk_bytes": "1MiB", "threads": 4, "backend": "buffered"}, "timeout_s": 120,
+            "staging": {"device_snapshot": True},
+            "memory": {"root": str(root), "persist_every": 0, "slots": 2, "headroom_bytes": 0,
+                       "copy_process": True}}
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(step)
+    return {
+        "big": torch.randn(1024, 1536, device="cuda", generator=g),  # 6 MiB: several chunks
+        "bf16": torch.randn(3000, device="cuda", generator=g).to(torch.bfloat16),
+        "strided": torch.randn(64, 128, device="cuda", generator=g)[:, ::2],  # not contiguous
+        "cpu": torch.arange(1000, dtype=torch.int64) + step,  # a CPU tensor in a GPU save
+        "scalar": torch.tensor(2.5 + step, device="cuda"),
+        "step": step,
+    }
+
+
+def _check(path: Path, step: int) -> None:
+    want = _state(step)
+    out = {k: (torch.empty_like(v).contiguous() if isinstance(v, torch.Tensor) else -1) for k, v in want.items()}
+    cpuckpt.load(out, path)
+    assert out["step"] == step
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(out[k].cpu(), v.cpu()), k
+    for entry in read_manifest(path).files.values():
+        data = (path / entry.name).read_bytes()
+        assert entry.checksum == "crc32c" and entry.chunk_checksums
+        for k, crc in enumerate(entry.chunk_checksums):
+            assert crc == crc32c.crc32c(data[k * entry.chunk_bytes : (k + 1) * entry.chunk_bytes]), (entry.name, k)
+
+
+def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_path):
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path / "ram"))
+    try:
+        for step in (1, 2, 3, 4):
+            state = _state(step)
+            pending = tier.save(state, step)
+            for v in state.values():  # the trainer goes on: the save holds its snapshot, not these tensors
+                if isinstance(v, torch.Tensor) and v.is_cuda:
+                    v.add_(1000.0)
+            pending.wait()
+            _check(tier.find_latest(), step)
+        assert tier.copier is not None and tier.copier.pid is not None
+    finally:
+        tier.close(persist_newest=False)
