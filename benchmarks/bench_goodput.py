@@ -15,8 +15,10 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
                   iteration (where a forward and backward are shorter than the state's device-to-host copy)
 
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
-``+nocrc`` (``memory.checksum: false``: no crc32c of the images in the trainer's process), ``+window<MiB>`` (the
-paced pieces' size, ``staging.d2h_window_bytes``), e.g. ``mem1+nocrc``, ``mem1snap+window16``.
+``+nocrc`` (``memory.checksum: false``: no crc32c of the images in the trainer's process), ``+copyproc``
+(``memory.copy_process: true``: the checksums, and with a device snapshot the D2H copies, in a process of ours),
+``+window<MiB>`` (the paced pieces' size, ``staging.d2h_window_bytes``), e.g. ``mem1+nocrc``,
+``mem1snap+copyproc``, ``mem1snap+window16``.
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -115,18 +117,20 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     if name == "cpuckpt8":
         cfg = megatron_config(a.config, tmp / "cpuckpt8.yaml", ordering="optimizer")
         return b.argv("cpuckpt", "goodput", [*base, *save, "--save-interval", "8", *ASYNC], config=str(cfg)), 8
-    base, *changes = name.split("+")
-    every = {"mem8": 8, "mem1": 1, "mem1snap": 1}[base]
+    kind, *changes = name.split("+")
+    every = {"mem8": 8, "mem1": 1, "mem1snap": 1}[kind]
     cfg = memory_tier_config(a.config, tmp / f"{name}.yaml", ram, a.slots)
-    staging: dict[str, Any] = {"device_snapshot": True} if base == "mem1snap" else {}
+    staging: dict[str, Any] = {"device_snapshot": True} if kind == "mem1snap" else {}
     memory: dict[str, Any] = {}
     for change in changes:
         if change == "nocrc":
             memory["checksum"] = False
+        elif change == "copyproc":
+            memory["copy_process"] = True
         elif change.startswith("window") and change[len("window"):].isdigit():
             staging["d2h_window_bytes"] = int(change[len("window"):]) << 20
         else:
-            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, window<MiB>)")
+            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, window<MiB>)")
     cfg = megatron_config(str(cfg), cfg, ordering="optimizer", staging=staging, memory=memory)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
@@ -250,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in [v for v in args.variants.split(",") if v]:
             if name.split("+")[0] not in VARIANTS or ("+" in name and not name.startswith("mem")):
-                ap.error(f"unknown variant {name}; known: {VARIANTS} (memory ones with +nocrc, +window<MiB>)")
+                ap.error(f"unknown variant {name}; known: {VARIANTS} "
+                         "(memory ones with +nocrc, +copyproc, +window<MiB>)")
             if args.budget and b.left() < 60:
                 logger.warning("variant %s skipped: %.0f s of the budget left", name, b.left())
                 continue
