@@ -12,6 +12,8 @@ process one after the other, after ``--warm`` iterations, for ``--iters`` iterat
                calls (``staging.d2h_window_bytes`` 64 MiB); 3 slots reserved before the loop, no persists
 ``mem+nocrc``  the same without crc32c of the images (``memory.checksum: false``)
 ``memsnap``    ``mem`` with ``staging.device_snapshot``: the step waits for a device-to-device copy only
+``memcopy``    ``memsnap`` with ``memory.copy_process``: the snapshot's device-to-host copies and the checksums
+               run in a process of ours (CUDA IPC), none of them in the loop's process
 
 The result is the wall time per iteration (from one iteration's end, after its ``.item()``, to the next's) as a
 median and a mean, and the mean's ratio to ``none``'s; the largest single iteration against the median. With
@@ -40,7 +42,7 @@ from benchmarks.common import format_table
 
 logger = logging.getLogger("bench_loop")
 
-VARIANTS = ("none", "mem", "mem+nocrc", "memsnap")
+VARIANTS = ("none", "mem", "mem+nocrc", "memsnap", "memcopy")
 
 
 class Layer(torch.nn.Module):
@@ -71,9 +73,10 @@ class Model(torch.nn.Module):
 
 def _config(name: str, ram: Path, device: str) -> dict[str, Any]:
     return {"io": {"threads": 8, "chunk_bytes": "32MiB"}, "timeout_s": 300,
-            "staging": {"d2h_window_bytes": "64MiB", "device_snapshot": name == "memsnap", "pin": device == "cuda"},
+            "staging": {"d2h_window_bytes": "64MiB", "device_snapshot": name in ("memsnap", "memcopy"),
+                        "pin": device == "cuda"},
             "memory": {"root": str(ram), "slots": 3, "persist_every": 0, "headroom_bytes": 0,
-                       "checksum": name != "mem+nocrc"}}
+                       "checksum": name != "mem+nocrc", "copy_process": name == "memcopy"}}
 
 
 def _state(model: Model, opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -59,7 +59,9 @@ __all__ = ["DIR_MARK", "FINALIZE_MARK", "WorkerDiedError", "finalize_saves_under
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.05
+# A blocking finalize looks again this often: the memory tier waits here for the save whose slot it reuses,
+# so a coarse poll adds up to its period to every such save (each look: one check and Megatron's finalize).
+POLL_S = 0.01
 _WATCHED = "_cpuckpt_watchdog"
 FINALIZE_MARK = "cpuckpt_finalize"  # on cpuckpt's finalize function: called (abandoned=True) for a dropped call too
 

@@ -39,6 +39,7 @@ failures travel in the ``.worker`` file.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -235,6 +236,7 @@ def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int,
     """
     channel = Channel(base)
     try:
+        _freeze_imports()
         _watch_parent(trainer_pid)
         faultpoint.set_handler(fault_handler)  # the trainer's, as of this request (a persistent worker keeps it)
         channel.announce()  # from here on the trainer's watchdog sees this process's death
@@ -256,6 +258,19 @@ def wait_for_commit(base: str, rank: int, timeout_s: float, trainer_pid: int,
             pass
         if isinstance(e, SystemExit):
             raise
+
+
+def _freeze_imports() -> None:
+    """Exempt what the worker process holds before its first request (its imports) from garbage collection.
+
+    megatron-core's persistent worker (and nvidia-resiliency-ext's) runs a full ``gc.collect()`` after every
+    request, before it takes the next one: with torch and megatron-core imported that is 0.1-0.2 s per save,
+    so with a save every iteration the worker fell behind the trainer and every save into the memory tier's
+    ring waited for it (BENCHMARKS.md, goodput). Frozen objects are never scanned; what a request allocates
+    is not frozen and is still collected. Once per process (``gc.get_freeze_count`` says whether it ran).
+    """
+    if gc.get_freeze_count() == 0:
+        gc.freeze()
 
 
 def wait_for_persist(channel: Channel, persist: PersistWait, timeout_s: float) -> None:

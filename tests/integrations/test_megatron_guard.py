@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -290,6 +291,30 @@ def test_channel_heartbeat_and_report():
     finally:
         channel.remove()
     assert not channel.alive_path.exists()
+
+
+def test_a_worker_process_freezes_its_imports_at_its_first_request(tmp_path):
+    """megatron-core's persistent worker runs a full gc.collect() after every request: with its imports
+    unfrozen that took 0.1-0.2 s per save, and with a save every iteration the worker fell behind the trainer
+    (every memory-tier save then waited for it to finalize the save whose slot it reuses)."""
+    code = (
+        "import gc, sys\n"
+        "from cpuckpt.integrations.megatron.worker import new_channel, wait_for_commit\n"
+        "assert gc.get_freeze_count() == 0\n"
+        "ch = new_channel(0)\n"
+        "ch.post_status(None)\n"  # the trainer's "committed"
+        "wait_for_commit(ch.base, 0, 30, 0, None)\n"
+        "assert ch.take_report() == 'ok'\n"
+        "frozen = gc.get_freeze_count()\n"
+        "ch.remove()\n"
+        "garbage = [[] for _ in range(10)]; garbage.append(garbage); del garbage\n"  # a request's own garbage
+        "print(frozen, gc.collect())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    frozen, collected = map(int, out.stdout.split())
+    assert frozen > 10_000  # the imports (torch and cpuckpt: far more objects than that)
+    assert collected >= 11  # what is allocated after the freeze is still collected
 
 
 # ------------------------------------------------------------------------------ never silent
