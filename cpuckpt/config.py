@@ -183,6 +183,12 @@ class MemoryConfig:
                     "from the durable root's absolute path.")
     slots: int = _opt(2, "Memory checkpoints kept in RAM (a ring of reused images, one shard per rank each).",
                       min=1, max=64)
+    max_uncommitted: int = _opt(0, "Memory saves that may still be uncommitted when save() returns, that save "
+                                "counted; a save first waits for older ones. 0: memory.slots - 1 (saves overlap, each "
+                                "in its own slot, and one slot always holds a committed save). 1: save(step) returns "
+                                "only once every older save is committed, so a job killed after it returned restarts "
+                                "from step - 1 or newer (at most one step lost). Below memory.slots.",
+                                min=0, max=63)
     persist_every: int = _opt(1, "Persist every K-th memory checkpoint to the durable root (1: all; 0: none).",
                               min=0)
     when_full: str = _opt("wait", "Every slot still held by a persist: wait for one, or disk (save to the durable "

@@ -120,6 +120,7 @@ class MemoryTier:
         # adapter's own file sets (claim_slot() / commit_files(), the DeepSpeed adapter's tags).
         self.format: SlotFormat = slot_format if slot_format is not None else DcpSlots()
         m = self.config.memory
+        in_flight = self._max_uncommitted(m)  # checked before anything is made
         if m.root:
             local_path(m.root, "memory.root (the memory tier's RAM root)")
         self.durable_root = Path(durable_root)
@@ -137,12 +138,13 @@ class MemoryTier:
         self._node_commit = None if self.nodes.single else node_commit(self.nodes)
         self.loads: list[tuple[Path, ReadStats]] = []  # (path, read statistics) of every load, oldest first
         # Memory saves: no fsync (RAM), and no `latest`/retention in the RAM root (those follow the durable commit).
-        # One save in flight per slot: each fills its own images, so a save every step overlaps the commit of the
-        # ones before it instead of waiting for them; a save into a slot first waits for that slot's last save
-        # (committed or failed) before anything of the slot changes.
+        # Up to slots - 1 saves in flight (memory.max_uncommitted), each in its own slot: a save every step overlaps
+        # the commit of the ones before it instead of waiting for them, and one slot always holds the newest
+        # committed save; a save into a slot first waits for that slot's last save (committed or failed) before
+        # anything of the slot changes.
         self.memory_config = dataclasses.replace(
             self.config, io=dataclasses.replace(self.config.io, fsync=False), checkpoint=CheckpointConfig(),
-            async_=dataclasses.replace(self.config.async_, max_in_flight=m.slots))
+            async_=dataclasses.replace(self.config.async_, max_in_flight=in_flight))
         self._slot_saves: dict[int, AsyncSaveHandle] = {}  # the last memory save into each slot
         self.slots = [self.root.path / f"slot-{k}" for k in range(m.slots)]
         for d in self.slots:
@@ -185,6 +187,24 @@ class MemoryTier:
             self._replication = Replication.start(self.nodes, self.root.path, pid, m.replicas, self.group,
                                                   self.config.timeout_s)
             self._requeue_replicas(self._replication, stale_replicas)
+
+    @staticmethod
+    def _max_uncommitted(m: Any) -> int:
+        """Memory saves in flight when one returns (``memory.max_uncommitted``; 0: ``slots - 1``, at least 1).
+
+        One slot fewer than the ring: with every slot in flight, every slot's commit is cleared at once, and a job
+        killed then restarts with no memory checkpoint at all (tests/dist/test_lost_work.py reproduced a restart
+        from scratch that way). With ``slots - 1``, the slot of the newest committed save is never refilled before
+        a newer save is committed.
+
+        Raises:
+            ConfigError: as many as ``memory.slots`` with more than one slot (the case above), or more.
+        """
+        if m.max_uncommitted >= m.slots and m.slots > 1:
+            raise ConfigError(f"memory.max_uncommitted is {m.max_uncommitted}; with memory.slots {m.slots} it must "
+                              f"be below {m.slots}: with every slot in flight a kill can leave no complete memory "
+                              "checkpoint")
+        return m.max_uncommitted or max(1, m.slots - 1)
 
     # -- paths ----------------------------------------------------------------------------------
     @property
