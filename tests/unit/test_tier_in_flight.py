@@ -1,8 +1,9 @@
-"""Memory saves overlap: one in flight per slot (a save every step does not wait for the commit before it).
+"""Memory saves overlap, each in its own slot, up to ``slots - 1`` in flight (a save every step does not wait for
+the commit before it, and one slot always holds a committed checkpoint).
 
 Single process, real RAM-root files, no writer process (persist_every 0). The first save's commit is held at its
-``.metadata`` rename (a fault point); saves into the other slots start meanwhile, and the save that reuses the first
-slot waits for it.
+``.metadata`` rename (a fault point); the save into the next slot starts meanwhile, and the one after it (which would
+leave no slot with a committed checkpoint, were the job killed then) waits for it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _in_thread(fn) -> tuple[threading.Thread, dict]:
 
 
 @pytest.mark.parametrize("max_in_flight", [1, 8])  # the slots bound memory saves, whatever async.max_in_flight says
-def test_saves_into_other_slots_start_while_an_older_commit_is_held_and_a_reused_slot_waits(tmp_path, max_in_flight):
+def test_a_save_into_another_slot_starts_while_an_older_commit_is_held_and_one_more_waits(tmp_path, max_in_flight):
     held, release = threading.Event(), threading.Event()
     commits = []
 
@@ -61,22 +62,20 @@ def test_saves_into_other_slots_start_while_an_older_commit_is_held_and_a_reused
     try:
         first = tier.save(_state(1), 1)
         assert held.wait(30), "the first save never reached its commit"
-        handles = [first]
-        for step in (2, 3):  # slots 1 and 2: neither waits for the held commit of slot 0
-            t, out = _in_thread(lambda step=step: tier.save(_state(step), step))
-            t.join(20)
-            assert not t.is_alive(), f"the save of step {step} waited for the held commit of step 1"
-            assert "error" not in out, out
-            handles.append(out["result"])
-            out["result"].staged.wait()
-        assert not first.done() and release.is_set() is False
-        fourth, out = _in_thread(lambda: tier.save(_state(4), 4))  # slot 0 again: waits for step 1's save
-        fourth.join(0.5)
-        assert fourth.is_alive(), "the save reusing slot 0 did not wait for the save still in it"
+        second, out2 = _in_thread(lambda: tier.save(_state(2), 2))  # slot 1: does not wait for step 1's commit
+        second.join(20)
+        assert not second.is_alive(), "the save of step 2 waited for the held commit of step 1"
+        assert "error" not in out2, out2
+        out2["result"].staged.wait()
+        third, out3 = _in_thread(lambda: tier.save(_state(3), 3))  # slot 2: three uncommitted would be every slot
+        third.join(0.5)
+        assert third.is_alive(), "a third save started with both others uncommitted: no slot would hold a commit"
+        assert not first.done()
         release.set()
-        fourth.join(30)
-        assert not fourth.is_alive() and "error" not in out, out
-        handles.append(out["result"])
+        third.join(30)
+        assert not third.is_alive() and "error" not in out3, out3
+        fourth = tier.save(_state(4), 4)  # slot 0 again, step 1's
+        handles = [first, out2["result"], out3["result"], fourth]
         for h in handles:
             h.wait(30)
         latest = tier.find_latest()
