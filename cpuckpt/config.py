@@ -156,7 +156,7 @@ class AsyncConfig:
     """Background saves."""
 
     max_in_flight: int = _opt(1, "Saves allowed in flight; a further save waits for the oldest. Memory-tier saves "
-                              "have their own bound: one per slot (memory.slots).", min=1, max=16)
+                              "have their own bound: memory.max_uncommitted.", min=1, max=16)
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,9 @@ class MemoryConfig:
                                 "counted; a save first waits for older ones. 0: memory.slots - 1 (saves overlap, each "
                                 "in its own slot, and one slot always holds a committed save). 1: save(step) returns "
                                 "only once every older save is committed, so a job killed after it returned restarts "
-                                "from step - 1 or newer (at most one step lost). Below memory.slots.",
+                                "from step - 1 or newer (at most one step lost; needs slots >= 2). At most "
+                                "max(1, slots - 1). The DeepSpeed adapter always waits for the previous commit; "
+                                "Megatron-LM restarts from what its finalize recorded (docs/ARCHITECTURE.md 6b).",
                                 min=0, max=63)
     persist_every: int = _opt(1, "Persist every K-th memory checkpoint to the durable root (1: all; 0: none).",
                               min=0)

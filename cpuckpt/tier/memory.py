@@ -48,7 +48,7 @@ from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.backend.reader import ReadStats, StorageReader
 from cpuckpt.background import AsyncSaveHandle, Checkpointer
-from cpuckpt.config import CheckpointConfig, Config, resolve_config
+from cpuckpt.config import CheckpointConfig, Config, MemoryConfig, resolve_config
 from cpuckpt.errors import (
     CheckpointCorrupt,
     CheckpointTimeoutError,
@@ -120,7 +120,7 @@ class MemoryTier:
         # adapter's own file sets (claim_slot() / commit_files(), the DeepSpeed adapter's tags).
         self.format: SlotFormat = slot_format if slot_format is not None else DcpSlots()
         m = self.config.memory
-        in_flight = self._max_uncommitted(m)  # checked before anything is made
+        self.max_uncommitted = self._max_uncommitted(m)  # checked before anything is made
         if m.root:
             local_path(m.root, "memory.root (the memory tier's RAM root)")
         self.durable_root = Path(durable_root)
@@ -138,13 +138,13 @@ class MemoryTier:
         self._node_commit = None if self.nodes.single else node_commit(self.nodes)
         self.loads: list[tuple[Path, ReadStats]] = []  # (path, read statistics) of every load, oldest first
         # Memory saves: no fsync (RAM), and no `latest`/retention in the RAM root (those follow the durable commit).
-        # Up to slots - 1 saves in flight (memory.max_uncommitted), each in its own slot: a save every step overlaps
-        # the commit of the ones before it instead of waiting for them, and one slot always holds the newest
-        # committed save; a save into a slot first waits for that slot's last save (committed or failed) before
-        # anything of the slot changes.
+        # Saves overlap, each in its own slot: a save every step overlaps the commit of the ones before it instead
+        # of waiting for them. save() first waits (without raising) until fewer than memory.max_uncommitted older
+        # saves are running, before the slot changes, so one slot always holds the newest committed save; the
+        # engine's own bound (one per slot) is where a failed save nobody waited for is raised, as for any stream.
         self.memory_config = dataclasses.replace(
             self.config, io=dataclasses.replace(self.config.io, fsync=False), checkpoint=CheckpointConfig(),
-            async_=dataclasses.replace(self.config.async_, max_in_flight=in_flight))
+            async_=dataclasses.replace(self.config.async_, max_in_flight=m.slots))
         self._slot_saves: dict[int, AsyncSaveHandle] = {}  # the last memory save into each slot
         self.slots = [self.root.path / f"slot-{k}" for k in range(m.slots)]
         for d in self.slots:
@@ -189,22 +189,32 @@ class MemoryTier:
             self._requeue_replicas(self._replication, stale_replicas)
 
     @staticmethod
-    def _max_uncommitted(m: Any) -> int:
+    def _max_uncommitted(m: MemoryConfig) -> int:
         """Memory saves in flight when one returns (``memory.max_uncommitted``; 0: ``slots - 1``, at least 1).
 
         One slot fewer than the ring: with every slot in flight, every slot's commit is cleared at once, and a job
         killed then restarts with no memory checkpoint at all (tests/dist/test_lost_work.py reproduced a restart
         from scratch that way). With ``slots - 1``, the slot of the newest committed save is never refilled before
-        a newer save is committed.
+        a newer save is committed. (With one slot, each save clears the only one: no bound helps.)
 
         Raises:
-            ConfigError: as many as ``memory.slots`` with more than one slot (the case above), or more.
+            ConfigError: more than ``max(1, slots - 1)`` (the case above).
         """
-        if m.max_uncommitted >= m.slots and m.slots > 1:
+        most = max(1, m.slots - 1)
+        if m.max_uncommitted > most:
             raise ConfigError(f"memory.max_uncommitted is {m.max_uncommitted}; with memory.slots {m.slots} it must "
-                              f"be below {m.slots}: with every slot in flight a kill can leave no complete memory "
+                              f"be at most {most}: with every slot in flight a kill can leave no complete memory "
                               "checkpoint")
-        return m.max_uncommitted or max(1, m.slots - 1)
+        return m.max_uncommitted or most
+
+    def _wait_uncommitted_below(self, n: int) -> None:
+        """Wait until fewer than ``n`` of this tier's saves are running (the oldest first), without raising their
+        failures: the engine's bound, :meth:`AsyncSaveHandle.wait` and an adapter's finalize report those, alike on
+        every rank (a raise here would reach the Megatron adapter before its finalize, bypassing its
+        ``on_failure``). Every rank waits for the same saves, whose outcome is agreed: no collective needed."""
+        running = self.saves.pending()
+        for handle in running[: max(0, len(running) - n + 1)]:
+            handle.wait_ended()
 
     # -- paths ----------------------------------------------------------------------------------
     @property
@@ -419,6 +429,9 @@ class MemoryTier:
         name = name or f"step_{step}"
         dest = Path(dest) if dest is not None else self.durable_root / name
         self.last_persist = None
+        # Before anything changes a slot (the adapter's before_fill, a leader's clear_commit): with fewer than
+        # memory.max_uncommitted older saves running, the newest committed save's slot is never the one refilled.
+        self._wait_uncommitted_below(self.max_uncommitted)
         replicas = self._replication is not None and self.nodes.is_leader and bool(self._replication.partners)
         claimed = self._claim(step, needs_writer=replicas or self._persist_due(step, persist))
         if claimed is None:

@@ -26,7 +26,7 @@ format with other storage. :func:`install`:
    ``megatron: {memory_tier: true}``, routes async saves through the memory tier
    (:mod:`.memory`): Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` leaves the
    non-persistent directory to the ring (before every save into it, of either kind, only the saves
-   older than the newest ``slots - 1`` are finalized, so saves every iteration overlap, one per slot),
+   older than the newest ``slots - 1`` are finalized, so saves every iteration overlap, each in its own slot),
    ``maybe_finalize_async_save(terminate=True)`` (the end of training) closes the tier, and the tier is
    made when ``setup_model_and_optimizer`` returns, every free slot's image reserved, mapped and pinned
    then for the shard the optimizer will save (no first save pays it while the job trains).
@@ -374,7 +374,7 @@ def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue,
     ``metadata.json`` not found. A directory the memory tier's ring prunes (``memory_of``) is left alone
     here: the ring reuses slots, not directories, and the strategy finalizes before every save into it only
     what that save refills (:meth:`.memory.MegatronMemory.finalize_before_reuse`), so saves every iteration
-    overlap each other, one per slot, instead of each waiting for the one before."""
+    overlap each other, each in its own slot, instead of each waiting for the one before."""
     import functools
 
     original = getattr(module, "cleanup_old_non_persistent_checkpoint", None)

@@ -37,7 +37,6 @@ from cpuckpt import faultpoint
 from cpuckpt.backend.collectives import checkpoint_group, gather_failures, raise_if_failed
 from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError
-from cpuckpt.transfer.pacing import PACER
 
 from . import compat, deferred, prepare
 from .guard import DIR_MARK, FINALIZE_MARK
@@ -56,9 +55,7 @@ EAGER_SUFFIXES = ("expert_bias",)
 # Per process, like the optimizer classes whose wrapped steps read them: a step cannot tell which model a
 # save is of, so it orders itself after every pending save (a GPU-side wait; a superset is still correct).
 # Must not be drained anywhere but at an optimizer step or a save's own start.
-# (handle, commit first) of saves whose device copies no optimizer step was ordered after yet; "commit first":
-# the step also waits for the save's commit (memory.max_uncommitted 1: a kill after the next log loses one step).
-_PENDING: list[tuple[Any, bool]] = []
+_PENDING: list[Any] = []  # handles of saves whose device copies no optimizer step was ordered after yet
 _STEPS_ORDERED = False  # set by hook.order_optimizer_steps: every optimizer step calls order_pending_saves
 
 
@@ -70,16 +67,8 @@ def order_pending_saves() -> int:
     """
     deferred.start_all()  # saves no start point started yet (deferred.py): enqueued now, without overlap
     pending, _PENDING[:] = list(_PENDING), []
-    for handle, _ in pending:
+    for handle in pending:
         handle.wait_stream()
-    committing = [handle for handle, commit_first in pending if commit_first]
-    if committing:
-        # memory.max_uncommitted 1: Megatron-LM logs an iteration before it saves it, so the save of the iteration
-        # before must be committed before this step's iteration is logged, or a kill right after that log would
-        # restart two iterations back. Its failure is finalize's to raise, on every rank alike.
-        PACER.drain()  # no tick comes while the trainer waits: paced copies go at once
-        for handle in committing:
-            handle.wait_ended()
     return len(pending)
 
 
@@ -236,8 +225,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                 requests.append(request)
             self.last_save_stats = h.stats
             h.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
-            if overlap:  # the next optimizer step orders itself after the copies (and waits for the commit: above)
-                _PENDING.append((h, route is not None and self.memory.config.memory.max_uncommitted == 1))
+            if overlap:
+                _PENDING.append(h)  # the next optimizer step orders itself after the copies
             return h
 
         started = _Started(start)

@@ -285,9 +285,8 @@ def test_writers_and_trainers_killed_inside_a_persist_copy(run_ranks, tmp_path):
 
 def _failed_commit_then_reuse(durable: str, ram: str) -> dict:
     """Rank body: the coordinator's first memory commit fails (a fault point at its ``.metadata`` rename, after
-    1.5 s), rank 1 learns of it later than rank 0 (its outcome broadcast slowed), and the next save, with a
-    ``before_fill``, must go the same way on both ranks (two slots: one save in flight, so the next one waits for
-    the failed one; before ``memory.max_uncommitted`` it was the save that reused its slot)."""
+    1.5 s), rank 1 learns of it later than rank 0 (its outcome broadcast slowed), and the save that reuses that
+    slot, with a ``before_fill``, must go the same way on both ranks."""
     import torch.distributed as dist
 
     import cpuckpt.background as background
@@ -318,11 +317,12 @@ def _failed_commit_then_reuse(durable: str, ram: str) -> dict:
         background.dist.broadcast_object_list = late
     try:
         first = tier.save(_state(1, rank), 1)
+        tier.save(_state(2, rank), 2).staged.wait()
         if rank == 0:
             first.wait_ended()  # rank 0 knows the failure; rank 1 does not yet
         filled: list[str] = []
         try:
-            tier.save(_state(2, rank), 2, before_fill=lambda slot: filled.append(slot.name))
+            tier.save(_state(3, rank), 3, before_fill=lambda slot: filled.append(slot.name))
             outcome = "saved"
         except CpuckptError as e:
             outcome = type(e).__name__
@@ -337,4 +337,4 @@ def test_a_failed_commit_is_reported_alike_on_every_rank_when_its_slot_is_reused
     res = run_ranks(2, _failed_commit_then_reuse, str(tmp_path / "durable"), str(tmp_path / "ram"), timeout_s=120)
     # before: rank 1 raised before its before_fill while rank 0 ran it and went on into the tier's agreement
     assert res[0] == res[1], res
-    assert res[0]["outcome"] == "StorageIOError" and res[0]["filled"] == ["slot-1"], res
+    assert res[0]["outcome"] == "StorageIOError" and res[0]["filled"] == ["slot-0"], res

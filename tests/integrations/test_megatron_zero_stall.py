@@ -211,35 +211,8 @@ def rank_deferred_start(root: str) -> dict:
     queue.maybe_finalize_async_calls(blocking=True)
     out["memory_link_after"] = link.is_symlink()
     check(link, want)
-    memory.close()
-
-    # 4. memory.max_uncommitted 1: the step after a memory save also waits for its commit (Megatron-LM logs the
-    # iteration after that step), so a kill after the log loses one iteration at most. Commits slowed (a fault
-    # point) so that the control, the default, shows the step not waiting.
-    from cpuckpt.testing import faults
-
-    faults.install("before-rename:.metadata=sleep:0.5")
-    for name, max_uncommitted in (("default", 0), ("one", 1)):
-        cfg = Config.from_dict({"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 60,
-                                "memory": {"root": str(Path(root) / f"ram-{name}"), "slots": 2, "headroom_bytes": 0,
-                                           "max_uncommitted": max_uncommitted}})
-        memory = MegatronMemory(Path(root) / f"save-{name}", Path(root) / f"np-{name}", cfg)
-        ours = strategy.CpuckptSaveStrategy(cfg, ordering="optimizer", memory=memory)
-        link = Path(root) / f"np-{name}" / "iter_0000006"
-        link.mkdir(parents=True, exist_ok=True)
-        request = dist_checkpointing.save(_sharded(_values(6, device)), str(link), sharded_strategy=ours,
-                                          async_sharded_save=True, **mcore_async_kwargs())
-        queue.schedule_async_request(request)
-        queue.maybe_finalize_async_calls(blocking=False)  # the next iteration's top: the save starts
-        try:
-            bare.step()
-        except AttributeError:
-            pass
-        out[f"committed_after_step_{name}"] = (link / ".metadata").exists()
-        queue.maybe_finalize_async_calls(blocking=True)
-        memory.close()
-    faults.uninstall()
     queue.close()
+    memory.close()
     return out
 
 
@@ -255,7 +228,6 @@ def test_a_watched_queue_starts_the_save_after_the_timer(run_ranks, tmp_path):
         assert out["recorded_last"] == 1 and out["recorded_end"] == 0, (rank, out)
         assert out["memory_recorded"] == 1 and not out["memory_link_at_save"], (rank, out)
         assert out["memory_link_after"], (rank, out)
-        assert out["committed_after_step_one"] and not out["committed_after_step_default"], (rank, out)
 
 
 def _megatron_lm_cleanup(save_dir, leave_ckpt_num=1, do_async=False) -> None:

@@ -91,3 +91,43 @@ def test_a_save_into_another_slot_starts_while_an_older_commit_is_held_and_one_m
         release.set()
         faultpoint.set_handler(previous)
         tier.close(persist_newest=False)
+
+
+def test_the_slot_of_the_only_committed_save_changes_only_after_a_newer_save_committed(tmp_path):
+    """Two slots: step 1 committed, step 2's commit held. The save of step 3 reuses step 1's slot, the only one
+    holding a committed checkpoint: its ``before_fill`` (an adapter clearing the slot) must not run before step 2
+    is committed, or a kill then would leave no memory checkpoint (the bound once waited only after it)."""
+    held, release = threading.Event(), threading.Event()
+    commits = []
+
+    def hold_second_commit(stage: str) -> None:
+        if stage == "before-rename:.metadata":
+            commits.append(stage)
+            if len(commits) == 2:
+                held.set()
+                assert release.wait(30), "never released"
+
+    cfg = _cfg(tmp_path, 1)
+    cfg["memory"]["slots"] = 2
+    tier = MemoryTier(tmp_path / "durable", cfg)
+    previous = faultpoint.set_handler(hold_second_commit)
+    filled: list[str] = []
+    try:
+        tier.save(_state(1), 1).wait(30)
+        second = tier.save(_state(2), 2)
+        assert held.wait(30), "the second save never reached its commit"
+        third, out = _in_thread(lambda: tier.save(_state(3), 3, before_fill=lambda slot: filled.append(slot.name)))
+        third.join(0.5)
+        assert third.is_alive() and filled == [], "the slot of the only committed save changed while step 2 was not"
+        assert tier.find_latest() == tier.slots[0], "step 1 is no longer a complete checkpoint"
+        release.set()
+        third.join(30)
+        assert not third.is_alive() and "error" not in out, out
+        assert filled == ["slot-0"]
+        second.wait(30)
+        out["result"].wait(30)
+        assert tier.find_latest() == tier.slots[0]
+    finally:
+        release.set()
+        faultpoint.set_handler(previous)
+        tier.close(persist_newest=False)
