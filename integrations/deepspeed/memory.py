@@ -58,6 +58,7 @@ from .marker import (
     check_tag,
     complete_tags,
     new_marker,
+    node_listing,
     read_marker,
     write_marker,
 )
@@ -195,13 +196,26 @@ class DeepSpeedMemory:
         for path in self.tier.candidates():
             if path in self.tier.slots:
                 marker = read_marker(path)
-                if marker is not None:
+                if marker is not None and not self._partial(path, marker, log=True):
                     out.append(LatestTag(self.links, marker.tag, marker.global_step, marker))
                 continue
             status = check_tag(path.parent, path.name)
             if status.complete and status.marker is not None:
                 out.append(LatestTag(path.parent, path.name, status.marker.global_step, status.marker))
         return out
+
+    def _partial(self, slot: Path, marker: TagMarker, *, log: bool = False) -> bool:
+        """Whether ``slot`` was saved across nodes by another topology: its node listing lacks files this node's
+        ranks read now (a relaunch on fewer nodes, other ranks per node, another world size). Such a slot is
+        ignored (never an error mid-load): the restart reshards from ``save_dir`` or takes another memory tag."""
+        listing = node_listing(slot, marker)
+        here = set(self.tier.nodes.node_ranks)
+        partial = listing is not None and (listing.world_size != self.tier.world_size or not here <= set(listing.ranks))
+        if partial and log:
+            logger.warning("cpuckpt memory tier: %s (tag %s) was saved across nodes and holds the files of ranks %s of "
+                           "%d; this node's ranks are %s of %d: ignored (the topology changed)", slot, marker.tag,
+                           list(listing.ranks), listing.world_size, sorted(here), self.tier.world_size)
+        return partial
 
     def agreed_candidates(self) -> list[LatestTag]:
         """Collective: :meth:`candidates` as every rank loads them, the same tags in the same order on every rank.
@@ -312,7 +326,7 @@ class DeepSpeedMemory:
         held = {}
         for slot in self.tier.slots:
             status = check_dir(slot)
-            if status.complete and status.marker is not None:
+            if status.complete and status.marker is not None and not self._partial(slot, status.marker):
                 held[status.marker.tag] = (status.marker.global_step if status.marker.global_step is not None else -1,
                                            slot)
         for link in self.links.iterdir():

@@ -13,8 +13,11 @@ sockets between them, real files; nothing is mocked. Proven:
    ranks, bit-exact (model parameters, this rank's ZeRO-2 partition of the fp32 master and Adam moments); it
    trains on to step 12 (persisted) bit-identically to the first, uninterrupted run (which trained 11 and 12
    without saving them);
-2. both RAM roots deleted, one launch of 2 ranks (1 node x 2 ranks): ``load_latest`` loads the durable step 12,
-   bit-exact, trains on, and ``engine.destroy()`` persists the newest and removes the RAM root.
+2. node 1's RAM root deleted, one launch of 2 ranks (1 node x 2 ranks) on node 0's RAM root, which still holds
+   its part of steps 11 and 12: the topology changed, so those are ignored (a log line, never an error mid-load)
+   and ``load_latest`` loads the durable step 12, bit-exact;
+3. both RAM roots deleted, one launch of 2 ranks: ``load_latest`` loads the durable step 12, bit-exact, trains on,
+   and ``engine.destroy()`` persists the newest and removes the RAM root.
 
 The reference states are the trainers' own live states, saved (``torch.save``) beside the test as they trained;
 the worker is this file run as a script (``__main__``) and reports in JSON files the test reads.
@@ -251,9 +254,19 @@ def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path
         _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
     assert sorted(p.name for p in away.iterdir() if p.is_dir()) == ["global_step4", "global_step8"]
 
-    # 2. Both RAM roots lost; one node of 2 ranks: the durable step 12, bit-exact, then on to 14.
-    for node in (0, 1):
-        shutil.rmtree(tmp_path / f"ram{node}")
+    # 2. Another topology, one node of 2 ranks on node 0's RAM root (node 1's lost): node 0's slots hold steps 11 and
+    # 12 for rank 0 only, so they are ignored (never an error mid-load): the durable step 12, bit-exact.
+    shutil.rmtree(tmp_path / "ram1")
+    _wait_writers_gone(reports)
+    reports, procs = _run_phase(tmp_path, "topology", 12, hold=True, nodes=1)
+    _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
+    for r in reports:
+        assert r["step"] == 12 and r["loaded"].startswith(str(save / "global_step12")), f"rank {r['rank']}: {r}"
+        assert r["bitexact"] is True, r["bitexact"]
+        assert r["slot_steps"] == [11, 12], f"node 0's RAM root should still hold its part of 11 and 12: {r}"
+
+    # 3. Both RAM roots lost; one node of 2 ranks: the durable step 12, bit-exact, then on to 14.
+    shutil.rmtree(tmp_path / "ram0")
     _wait_writers_gone(reports)
     reports, _ = _run_phase(tmp_path, "disk", 14, hold=False, nodes=1)
     for r in reports:
