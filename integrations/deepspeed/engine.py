@@ -24,7 +24,7 @@ fsynced). The commit's all-gather carries each rank's files (sizes, per-chunk cr
 global step; rank 0 then writes the marker atomically, then ``latest``, and a second all-gather
 tells every rank the outcome. ``load`` refuses a file of a torn tag. With ``memory_tier`` (:mod:`.memory`), a
 checkpoint's tag files go into a slot of the core memory tier's RAM root instead (the same names, straight into
-its reused images), rank 0 commits the slot with the tag's marker, and each rank queues the persist of its files
+its reused images), rank 0 (each node's leader) commits the slot, and each rank queues the persist of its files
 to ``save_dir/<tag>`` for its writer process when the global step is due (``memory.persist_every``); the
 durable marker and ``latest`` are then the writer's (rank 0's, once every rank's files are durable).
 

@@ -4,10 +4,10 @@ Each ``save_checkpoint(save_dir, tag)`` becomes a memory checkpoint of a :class:
 job whose durable root is ``save_dir`` (the RAM root and ``memory.*`` keys as for every memory tier):
 
 - the tag's files, under DeepSpeed's names, go into a ring slot of the RAM root (``slot-<k>``), straight into
-  the slot's reused, mapped (with CUDA, pinned) images; once every rank's files are in, rank 0 commits the slot
-  in memory with the tag's completion marker (:mod:`.marker`; it carries the tier's save id) and links
-  ``<RAM root>/tags/<tag>`` to it (and writes ``tags/latest``), so stock DeepSpeed loads a memory tag too:
-  ``engine.load_checkpoint("<RAM root>/tags", tag=tag)``;
+  the slot's reused, mapped (with CUDA, pinned) images; once every rank's files are in, rank 0 (across nodes:
+  each node's leader) commits the slot in memory with the tag's completion marker (:mod:`.marker`; it carries the
+  tier's save id) and links ``<RAM root>/tags/<tag>`` to it (and writes ``tags/latest``), so stock DeepSpeed
+  loads a memory tag too: ``engine.load_checkpoint("<RAM root>/tags", tag=tag)``;
 - every ``memory.persist_every``-th checkpoint by global step (1: all, 0: none) is also persisted by each
   rank's writer process (:func:`cpuckpt.tier.persister.persist_files`) into ``save_dir/<tag>``: this rank's
   files, then (rank 0's writer, once every rank's files are durable) the marker, then ``save_dir/latest``,
@@ -295,7 +295,7 @@ class DeepSpeedMemory:
         (with the tags' names)."""
         self.tier.close()
 
-    # -- the names of memory tags (rank 0) --------------------------------------------------------
+    # -- the names of memory tags (each node's leader) --------------------------------------------------------
     def _link(self, tag: str, slot: Path) -> None:  # this node's leader
         """``tags/<tag>`` -> ``slot``, replacing any other name of ``slot`` (it holds one tag)."""
         self.links.mkdir(mode=0o700, exist_ok=True)
