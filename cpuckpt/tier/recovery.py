@@ -84,6 +84,11 @@ class Copy:
             return {f for r, f in self.owned if r in ranks}
         return {f for f in self.all_files for r in ranks if f.startswith(f"__{r}_")}
 
+    def covers(self, ranks: list[int]) -> bool:
+        """Whether this copy holds files of every one of ``ranks`` (a file set's listing says whose they are; a DCP
+        copy is judged by :meth:`needs` alone)."""
+        return not self.owned or set(ranks) <= {r for r, _ in self.owned}
+
 
 @dataclasses.dataclass(frozen=True)
 class Restore:
@@ -128,7 +133,8 @@ def plan_restores(nodes: NodeMap, held: list[list[Held]], copies: list[Copy]) ->
             if any(not c.replica and nodes.keys[c.holder] == key for c in found):
                 break  # the node has its own copy, yet some rank needs more than it holds: not restorable
             need = set().union(*(c.needs(ranks) for c in found))
-            source = next((c for c in found if nodes.keys[c.holder] != key and need <= set(c.files)), None)
+            source = next((c for c in found if nodes.keys[c.holder] != key and need <= set(c.files)
+                           and c.covers(ranks)), None)
             if source is None:
                 break
             restores.append(Restore(ranks[0], source))

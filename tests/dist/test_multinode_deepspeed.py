@@ -75,6 +75,7 @@ def worker(argv: list[str]) -> int:
     ap.add_argument("--save-until", type=int, default=10**9, help="the last step saved (later ones only trained)")
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--host", default="127.0.0.1", help="this node's address (its replica receiver listens there)")
+    ap.add_argument("--stage", type=int, default=2, help="ZeRO stage")
     args = ap.parse_args(argv)
     import deepspeed.ops
     import torch
@@ -95,7 +96,7 @@ def worker(argv: list[str]) -> int:
                      "io": {"backend": "buffered", "chunk_bytes": 64 * 1024, "threads": 1},
                      "memory": {"root": args.ram, "slots": 2, "persist_every": 4, "headroom_bytes": 0,
                                 "replicas": 1, "replica_host": args.host}})
-    engine = h._engine(2, seed=100 + rank)  # not the saved values: what is loaded must come from the checkpoint
+    engine = h._engine(args.stage, seed=100 + rank)  # not the saved values: what is loaded must come from the checkpoint
     save_dir = Path(args.save)
     durable_there = save_dir.exists()
     path, _ = ckpt_ds.load_latest(engine, save_dir)
@@ -151,13 +152,14 @@ def _free_port() -> int:
 
 
 def _launch(tmp: Path, node: int, phase: str, port: int, until: int, *, hold: bool, nnodes: int = 2,
-            nproc: int = 1, save_until: int = 10**9) -> subprocess.Popen:
+            nproc: int = 1, save_until: int = 10**9, stage: int = 2) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{phase}-{port}",
            "--rdzv-conf", "join_timeout=90,read_timeout=90", "--local-addr", f"127.0.0.{node + 1}",
            "--max-restarts", "0", "--monitor-interval", "0.5", str(THIS), "--ram", str(tmp / f"ram{node}"),
            "--save", str(tmp / "save"), "--out", str(tmp / "out"), "--phase", phase, "--until", str(until),
-           "--save-until", str(save_until), "--host", f"127.0.0.{node + 1}"] + (["--hold"] if hold else [])
+           "--save-until", str(save_until), "--host", f"127.0.0.{node + 1}", "--stage", str(stage)] \
+        + (["--hold"] if hold else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log = open(tmp / f"{phase}-node{node}.log", "ab")  # handed to the child, closed here after Popen
     try:
@@ -189,12 +191,12 @@ def _kill_launch(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
-def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool, nodes: int = 2,
-               save_until: int = 10**9) -> tuple[list[dict], list]:
+def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool, nodes: int = 2, save_until: int = 10**9,
+               stage: int = 2) -> tuple[list[dict], list]:
     """Launch (two nodes of 1 rank, or one node of 2 ranks); each rank's report once written, and the launches."""
     port = _free_port()
-    procs = ([_launch(tmp, n, phase, port, until, hold=hold, save_until=save_until) for n in range(2)]
-             if nodes == 2 else [_launch(tmp, 0, phase, port, until, hold=hold, nnodes=1, nproc=2)])
+    procs = ([_launch(tmp, n, phase, port, until, hold=hold, save_until=save_until, stage=stage) for n in range(2)]
+             if nodes == 2 else [_launch(tmp, 0, phase, port, until, hold=hold, nnodes=1, nproc=2, stage=stage)])
     deadline = time.monotonic() + PHASE_S
     files = [tmp / "out" / f"{phase}-{r}.json" for r in range(2)]
     try:
@@ -222,12 +224,23 @@ def _kill_all(procs: list, reports: list[dict], *, writers: list[int]) -> None:
 
 
 def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path: Path) -> None:
+    _two_nodes(tmp_path, stage=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_nodes_zero3(tmp_path: Path) -> None:
+    """The same with ZeRO-3 (every rank writes and reads its own model-states file): ``-m slow``."""
+    _two_nodes(tmp_path, stage=3)
+
+
+def _two_nodes(tmp_path: Path, *, stage: int) -> None:
     (tmp_path / "out").mkdir()
     save = tmp_path / "save"
 
     # Steps 1-12, saved through 10 (durable 4 and 8; memory 9 and 10, replicated): 11 and 12 only record the
     # uninterrupted run's states, which the resumed runs must reproduce.
-    reports, procs = _run_phase(tmp_path, "train", 12, hold=True, save_until=10)
+    reports, procs = _run_phase(tmp_path, "train", 12, hold=True, save_until=10, stage=stage)
     try:
         for r in reports:
             assert r["loaded"] is None and r["step"] == 0, r
@@ -240,7 +253,7 @@ def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path
     save.rename(away)  # the relaunch cannot read a byte of the durable root
 
     # 1. Node 1 restored from node 0's replica; both ranks resume from memory (step 10), bit-exact; train to 12.
-    reports, procs = _run_phase(tmp_path, "replica", 12, hold=True)
+    reports, procs = _run_phase(tmp_path, "replica", 12, hold=True, stage=stage)
     try:
         for r in reports:
             assert not r["durable_there"], r
@@ -258,7 +271,7 @@ def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path
     # 12 for rank 0 only, so they are ignored (never an error mid-load): the durable step 12, bit-exact.
     shutil.rmtree(tmp_path / "ram1")
     _wait_writers_gone(reports)
-    reports, procs = _run_phase(tmp_path, "topology", 12, hold=True, nodes=1)
+    reports, procs = _run_phase(tmp_path, "topology", 12, hold=True, nodes=1, stage=stage)
     _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
     for r in reports:
         assert r["step"] == 12 and r["loaded"].startswith(str(save / "global_step12")), f"rank {r['rank']}: {r}"
@@ -268,7 +281,7 @@ def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path
     # 3. Both RAM roots lost; one node of 2 ranks: the durable step 12, bit-exact, then on to 14.
     shutil.rmtree(tmp_path / "ram0")
     _wait_writers_gone(reports)
-    reports, _ = _run_phase(tmp_path, "disk", 14, hold=False, nodes=1)
+    reports, _ = _run_phase(tmp_path, "disk", 14, hold=False, nodes=1, stage=stage)
     for r in reports:
         assert r["step"] == 12 and r["loaded"].startswith(str(save / "global_step12")), f"rank {r['rank']}: {r}"
         assert r["bitexact"] is True, r["bitexact"]
