@@ -59,9 +59,9 @@ import torch
 import torch.distributed as dist
 
 from cpuckpt.backend.commit import clear_commit
-from cpuckpt.backend.committed import check_complete
+from cpuckpt.backend.committed import check_complete, load_metadata, read_manifest
 from cpuckpt.config import Config
-from cpuckpt.errors import ConfigError
+from cpuckpt.errors import ConfigError, IntegrityError
 from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.tier.queue import PersistRequest
 from cpuckpt.transfer.files import write_atomic
@@ -231,11 +231,18 @@ class MegatronMemory:
         back from a partner's replica, restored now: :meth:`cpuckpt.MemoryTier.restore_planned`) gets Megatron's
         files on every node and every ``D`` names it (link and tracker), so Megatron-LM loads it from RAM on every
         rank; otherwise every ``D``'s tracker goes, and Megatron-LM loads ``--save``'s (resharding if the topology
-        changed). Returns the memory checkpoint's iteration, or None. On one node: nothing to do (None)."""
+        changed). Returns the memory checkpoint's iteration, or None. On one node only the names of slots saved
+        across nodes go (a changed topology: :meth:`_drop_partial_links`), and None is returned."""
         tier = self.tier
-        if tier.nodes.single or self._restarted:
+        if self._restarted:
             return None
         self._restarted = True
+        if tier.nodes.single:
+            if self.names:
+                self._drop_partial_links()
+            if tier.dist:
+                dist.barrier(group=tier.group)
+            return None
         found = next(iter(tier.candidates()), None)  # collective: the same order on every rank
         slot = found if found is not None and found in tier.slots else None
         if slot is not None:
@@ -257,6 +264,18 @@ class MegatronMemory:
                     f"iteration {step} from memory ({slot})" if slot is not None else
                     f"no memory checkpoint every node holds; Megatron-LM loads {self.save_dir}")
         return step
+
+    def _drop_partial_links(self) -> None:
+        """One node after a run across nodes: a slot linked in ``D`` that lacks files its ``.metadata`` names (it
+        holds one node's ranks' files) would fail Megatron-LM's load midway; its names go (the tracker moves back,
+        or goes: ``--save``'s tracker then wins, resharding as needed), with a warning."""
+        for link, step, target in self._links():
+            missing = _missing_files(target)
+            if missing:
+                logger.warning("cpuckpt memory tier: %s (iteration %d) was saved across nodes and lacks %d file(s) of "
+                               "this job's ranks (%s, ...): ignored (the topology changed)", link, step, len(missing),
+                               missing[0])
+                self._unlink_slot(target)
 
     def _share_megatron_files(self, slot: Path) -> None:
         """Collective: every node's leader's ``slot`` gets Megatron's files (``common.pt``, ``metadata.json``) from
@@ -417,6 +436,20 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path)
+
+
+def _missing_files(slot: Path) -> list[str]:
+    """The data files ``slot``'s ``.metadata`` names that its manifest does not list (a node's slot of a checkpoint
+    saved across nodes); [] when it holds them all or is no complete checkpoint (the load reports that)."""
+    if not check_complete(slot).complete:
+        return []
+    manifest = read_manifest(slot)
+    try:
+        metadata = load_metadata(slot)
+    except (IntegrityError, OSError):
+        return []
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    return sorted(named - set(manifest.files if manifest is not None else ()))
 
 
 def _write_megatron_config(checkpoint_dir: Path) -> None:

@@ -16,9 +16,11 @@ writer processes, real sockets, real files; nothing is mocked. Proven:
    before ``load_checkpoint``): node 1's slot comes back from node 0's replica, Megatron's files (``common.pt``,
    ``metadata.json``) are copied to it, both ``D`` name iteration 10; Megatron-LM's way of choosing (the newer of the
    two trackers) then loads iteration 10 from each node's own RAM root, bit-exact on both ranks; it saves on (11,
-   and 12 persisted);
-2. both RAM roots and both ``D`` deleted, one launch of 2 ranks (1 node x 2 ranks): ``--save``'s tracker names 12,
-   loaded resharded (the tensor split along the other dimension), bit-exact.
+   12 persisted, 13);
+2. node 1's RAM root and ``D`` deleted, one launch of 2 ranks (1 node x 2 ranks) on node 0's: its ``D`` names
+   iteration 13, whose slot holds node 0's files only, so its names go (a warning, never an error mid-load) and
+   ``--save``'s 12 is loaded, resharded (the tensor split along the other dimension), bit-exact;
+3. both RAM roots and both ``D`` deleted, one launch of 2 ranks: ``--save``'s 12 again, resharded, bit-exact.
 """
 
 from __future__ import annotations
@@ -258,7 +260,7 @@ def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path
     save.rename(away)  # the relaunch cannot read a byte of the durable root
 
     # 1. Node 1's slot restored from node 0's replica; both ranks load iteration 10 from their own RAM root.
-    reports, procs = _run_phase(tmp_path, "replica", 12, hold=True)
+    reports, procs = _run_phase(tmp_path, "replica", 13, hold=True)
     try:
         for r in reports:
             assert not r["save_existed"], r
@@ -267,11 +269,24 @@ def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path
             assert r["ram_existed"] is (r["rank"] == 0), r
             assert r["bitexact"] is True, r["bitexact"]
             assert r["durable"] == [12], f"rank {r['rank']}: durable iterations {r['durable']}"
+            assert r["np_tracker"] == 13, f"rank {r['rank']}: its node's D names {r['np_tracker']}"
     finally:
         _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
     assert sorted(p.name for p in away.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000008"]
 
-    # 2. Both RAM roots and D lost; one node of 2 ranks: --save's iteration 12, resharded, bit-exact.
+    # 2. Another topology, one node of 2 ranks on node 0's RAM root and D (node 1's lost): D names iteration 13,
+    # whose slot holds node 0's files only; its names go (never an error mid-load): --save's 12, resharded.
+    _wait_gone([r["writer_pid"] for r in reports])
+    shutil.rmtree(tmp_path / "ram1")
+    shutil.rmtree(tmp_path / "np1")
+    reports, procs = _run_phase(tmp_path, "topology", 12, hold=True, nodes=1, split=1)
+    _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
+    for r in reports:
+        assert r["iteration"] == 12 and r["loaded"] == str(save / "iter_0000012"), f"rank {r['rank']}: {r}"
+        assert r["bitexact"] is True, r["bitexact"]
+        assert r["np_tracker"] is None, f"D still names a slot this topology cannot load: {r}"
+
+    # 3. Both RAM roots and D lost; one node of 2 ranks: --save's iteration 12, resharded, bit-exact.
     _wait_gone([r["writer_pid"] for r in reports])
     for d in ("ram0", "ram1", "np0", "np1"):
         shutil.rmtree(tmp_path / d, ignore_errors=True)
