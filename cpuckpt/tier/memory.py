@@ -869,12 +869,16 @@ class MemoryTier:
             return Committed(restores[0].source.step, restores[0].source.save_id)
         return self.format.committed(Path(path))
 
-    def restore_planned(self, path: str | os.PathLike) -> None:
+    def restore_planned(self, path: str | os.PathLike, *, keep_plans: bool = False) -> None:
         """Collective, before ``path`` is loaded: run the restore :meth:`candidates` planned for it (a lost node's
         slot sent back from another node's copy; :class:`IntegrityError` on every rank when it fails) and drop every
-        other plan. :meth:`load` calls it; an adapter that loads with its own reader (DeepSpeed) calls it first."""
+        other plan (``keep_plans``: keep them, for a fallback to an older candidate when this one fails; call it
+        again without, for the path loaded, to drop them). :meth:`load` calls it; an adapter that loads with its
+        own reader (DeepSpeed, Megatron) calls it first."""
         path = Path(path)
-        restores, self._pending = self._pending.get(path), {}
+        restores = self._pending.pop(path, None)
+        if not keep_plans:
+            self._pending = {}
         if restores is not None:
             self._restore(path, restores)
 

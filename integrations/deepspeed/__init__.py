@@ -322,9 +322,9 @@ def _first_verified(candidates: list[LatestTag], where: str, *, fallback_on_corr
 
     failures: list[str] = []
     for found in candidates:
-        if before_check is not None:
-            before_check(found)
-        try:
+        try:  # a memory tag's restore from a partner's replica (before_check) fails alike on every rank
+            if before_check is not None:
+                before_check(found)
             marker = check_before_load(found.directory, found.tag, verify=True)
         except IntegrityError as e:
             if not fallback_on_corrupt:

@@ -280,7 +280,8 @@ class DeepSpeedMemory:
         partner's copy first (:meth:`cpuckpt.MemoryTier.restore_planned`); a memory tag's name exists (each node's
         leader makes it in its RAM root)."""
         slot = self.slot_of(found)
-        self.tier.restore_planned(slot if slot is not None else found.directory / found.tag)
+        # plans kept: when this restore fails (IntegrityError, every rank) an older candidate may need its own
+        self.tier.restore_planned(slot if slot is not None else found.directory / found.tag, keep_plans=True)
         if slot is not None and self.names:
             self._link(found.tag, slot)
         self._barrier()
@@ -288,7 +289,9 @@ class DeepSpeedMemory:
     def loaded(self, found: LatestTag) -> None:
         """``found`` was loaded: the ring's next save must not overwrite it (every rank)."""
         slot = self.slot_of(found)
-        self.tier.resume_after(slot if slot is not None else found.directory / found.tag)
+        path = slot if slot is not None else found.directory / found.tag
+        self.tier.restore_planned(path)  # done: the plans of the other candidates go
+        self.tier.resume_after(path)
 
     def close(self) -> None:
         """Collective: the newest memory checkpoint made durable (unless it is), writers stopped, RAM root removed

@@ -243,10 +243,20 @@ class MegatronMemory:
             if tier.dist:
                 dist.barrier(group=tier.group)
             return None
-        found = next(iter(tier.candidates()), None)  # collective: the same order on every rank
-        slot = found if found is not None and found in tier.slots else None
+        slot = None
+        for found in tier.candidates():  # collective: the same order on every rank, newest first
+            if found not in tier.slots:
+                break  # a durable checkpoint is the newest every node can load
+            try:  # collective; IntegrityError on every rank alike when the restore from a replica fails
+                tier.restore_planned(found, keep_plans=True)
+            except IntegrityError as e:
+                logger.warning("cpuckpt memory tier: %s cannot be restored from a replica (%s); trying the next "
+                               "newest checkpoint", found, e)
+                continue
+            slot = found
+            break
+        tier.restore_planned(slot if slot is not None else self.save_dir)  # the other plans go
         if slot is not None:
-            tier.restore_planned(slot)  # collective; IntegrityError on every rank when a restore fails
             tier.resume_after(slot)
             self._share_megatron_files(slot)
         step = tier.step_of(slot) if slot is not None else None
