@@ -17,7 +17,9 @@ sockets between them, real files; nothing is mocked. Proven:
    its part of steps 11 and 12: the topology changed, so those are ignored (a log line, never an error mid-load)
    and ``load_latest`` loads the durable step 12, bit-exact;
 3. both RAM roots deleted, one launch of 2 ranks: ``load_latest`` loads the durable step 12, bit-exact, trains on,
-   and ``engine.destroy()`` persists the newest and removes the RAM root.
+   and ``engine.destroy()`` persists the newest and removes the RAM root;
+4. (a second test) node 1 lost and node 0's replica of its step 10 damaged: the restore fails alike on every rank
+   and both load step 9 from memory, bit-exact.
 
 The reference states are the trainers' own live states, saved (``torch.save``) beside the test as they trained;
 the worker is this file run as a script (``__main__``) and reports in JSON files the test reads.
@@ -287,6 +289,37 @@ def _two_nodes(tmp_path: Path, *, stage: int) -> None:
         assert r["bitexact"] is True, r["bitexact"]
         assert r["durable"] == [12, 14], f"rank {r['rank']}: durable steps {r['durable']}"
         assert not r["ram_left"], r
+
+
+def test_a_damaged_replica_falls_back_to_the_next_newest_on_every_rank(tmp_path: Path) -> None:
+    """Node 1 lost, and node 0's replica of node 1's step 10 damaged (one flipped byte): the restore of step 10 fails
+    alike on every rank (the receiver's crc32c check), and both ranks load step 9 from memory instead (its replica is
+    intact), bit-exact: never a mix of steps, never the durable step 8 while a newer checkpoint is loadable."""
+    from cpuckpt.tier.nodefiles import read_node_files
+
+    (tmp_path / "out").mkdir()
+    reports, procs = _run_phase(tmp_path, "train", 10, hold=True)
+    try:
+        for r in reports:
+            assert r["durable"] == [4, 8] and r["replicated"] == {"9": True, "10": True}, r
+    finally:
+        _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
+    shutil.rmtree(tmp_path / "ram1")
+    damaged = [s for s in (tmp_path / "ram0").glob("replica-*/slot-*")
+               if (listing := read_node_files(s)) is not None and listing.step == 10]
+    assert len(damaged) == 1, damaged
+    victim = damaged[0] / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+    reports, procs = _run_phase(tmp_path, "fallback", 9, hold=True)
+    _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
+    for r in reports:
+        assert r["step"] == 9, f"rank {r['rank']}: resumed at {r['step']} from {r['loaded']} ({r})"
+        assert r["loaded"].startswith(r["tier_root"]), f"rank {r['rank']}: not from its own RAM root: {r}"
+        assert r["bitexact"] is True, r["bitexact"]
+    assert "does not verify" in _logs(tmp_path, "fallback") or "cannot be restored" in _logs(tmp_path, "fallback")
 
 
 def _wait_writers_gone(reports: list[dict]) -> None:
