@@ -52,7 +52,6 @@ from cpuckpt.config import CheckpointConfig, Config, MemoryConfig, resolve_confi
 from cpuckpt.errors import (
     CheckpointCorrupt,
     CheckpointTimeoutError,
-    ConfigError,
     CpuckptError,
     IntegrityError,
     UnsafeCheckpointError,
@@ -61,7 +60,7 @@ from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import local_path
 from cpuckpt.roots import install_sigterm_handler
 from cpuckpt.tier.copier import CopyProcess
-from cpuckpt.tier.formats import DcpSlots, SlotFormat
+from cpuckpt.tier.formats import Committed, DcpSlots, SlotFormat
 from cpuckpt.tier.images import ImageSet
 from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
@@ -92,8 +91,8 @@ class MemoryTier:
         report_persist_failures: raise a failed persist at the next save (False: the adapter reports outcomes).
         slot_format: what a complete checkpoint is (:mod:`cpuckpt.tier.formats`): DCP directories by default
             (:meth:`save`); an adapter that writes its own files passes its own and uses :meth:`claim_slot` and
-            :meth:`commit_files` instead of :meth:`save` (one node only: the restart agreement across nodes
-            reads DCP plans).
+            :meth:`commit_files` instead of :meth:`save` (across nodes it writes a node listing per slot:
+            :mod:`cpuckpt.tier.nodefiles`).
 
     The writer process starts at the first persist or replica request, not here (see the module docstring).
 
@@ -168,6 +167,7 @@ class MemoryTier:
         self._next = self._agree_next(self._slot_after(newest_in_memory))
         self._last: _LastSave | None = None  # the newest memory save (close() and SIGTERM persist it if needed)
         self.last_persist: PersistRequest | None = None
+        self.last_replica: PersistRequest | None = None  # a file set's replica request (commit_files)
         self._prepared: threading.Thread | None = None  # the background preparation of the other slots' images
         self._prepare_lock = threading.Lock()
         self._prepare_decided = threading.Event()  # the first save ended: preparation started or not needed
@@ -387,7 +387,7 @@ class MemoryTier:
             self._put(dataclasses.replace(
                 self._persist_request(slot, req.save_id, req.step, slot), kind="replicate",
                 partners=tuple((e.host, e.port) for e in rep.partners), source=self.nodes.keys[self.rank],
-                token=rep.token))
+                token=rep.token, marker=req.marker))
 
     def _held(self, slot: Path) -> bool:
         return any(r.slot == str(slot) for r in self.queue.owed())
@@ -553,10 +553,8 @@ class MemoryTier:
             (slot directory, save id), or None when every slot is held by a persist and ``memory.when_full`` is
             disk: that checkpoint goes to the durable root, as without the tier.
         """
-        if not self.nodes.single:  # the node map is gathered: every rank raises together
-            raise ConfigError(f"memory tier {self.root.path}: file-set checkpoints (claim_slot) work on one node "
-                              f"only; the ranks use {self.nodes.nodes} RAM roots")
-        claimed = self._claim(step, needs_writer=self._persist_due(step, None))
+        replicas = self._replication is not None and self.nodes.is_leader and bool(self._replication.partners)
+        claimed = self._claim(step, needs_writer=replicas or self._persist_due(step, None))
         if claimed is None:
             return None
         k, save_id = claimed
@@ -572,7 +570,10 @@ class MemoryTier:
         ``memory.persist_every`` (``persist`` overrides). Every rank calls it, with its own ``files`` (names
         relative to ``slot`` and ``dest``; a rank without files still sends its empty part). Rank 0's writer
         commits ``dest``: the slot's ``marker`` copied last, then ``pointer`` ([path, text]) written unless it
-        names a file set of a newer step (:func:`cpuckpt.tier.persister.persist_files`). No collective.
+        names a file set of a newer step (:func:`cpuckpt.tier.persister.persist_files`). No collective. Across
+        nodes each node's leader commits its own slot (its node listing, :mod:`cpuckpt.tier.nodefiles`, then the
+        marker), and with ``memory.replicas`` its writer also sends the slot to the partners once committed
+        (:attr:`last_replica`: the request, for the adapter to withdraw when the commit fails).
 
         Returns:
             The persist request queued (its outcome: :meth:`persisted`, :meth:`wait_persisted`), or None.
@@ -587,10 +588,17 @@ class MemoryTier:
             pointer=(str(pointer[0]), pointer[1]) if pointer is not None else ())
         self._next = (k + 1) % len(self.slots)
         requested = self._persist_due(step, persist)
-        self.last_persist = None
+        self.last_persist = self.last_replica = None
         if requested:
             self._put(request)
             self.last_persist = request
+        rep = self._replication
+        if rep is not None and self.nodes.is_leader and rep.partners:  # across nodes: this node's slot to partners
+            self.last_replica = dataclasses.replace(
+                self._persist_request(slot, save_id, step, slot), kind="replicate", marker=marker,
+                partners=tuple((e.host, e.port) for e in rep.partners), source=self.nodes.keys[self.rank],
+                token=rep.token)
+            self._put(self.last_replica)
         self._last = _LastSave(step, slot, request, requested)
         if self.config.memory.prepare_slots and not self._prepare_decided.is_set():
             self._prepare_slots(k)
@@ -775,8 +783,8 @@ class MemoryTier:
         outcome = queue.outcome(newest.seq)
         if outcome is None or not outcome.ok:
             return False
-        manifest = read_manifest(Path(newest.slot))  # the slot since reused: its partners' copies were replaced
-        return manifest is not None and manifest.save_id == newest.save_id
+        held = self.format.committed(Path(newest.slot))  # the slot since reused: its partners' copies were replaced
+        return held is not None and held.save_id == newest.save_id
 
     def wait_persisted(self, timeout_s: float | None = None) -> None:
         """Wait until this rank's writer owes nothing: every persist and, on a node's leader, every replica it
@@ -874,9 +882,7 @@ class MemoryTier:
         Read statistics of every load: :attr:`loads`.
         """
         path = Path(path)
-        restores, self._pending = self._pending.get(path), {}
-        if restores is not None:
-            self._restore(path, restores)
+        self.restore_planned(path)
         images = {}
         for d, image_set in zip(self.slots, self.images):
             if d == path:
@@ -887,6 +893,27 @@ class MemoryTier:
                  storage_reader=reader)
         finally:
             self.loads.append((path, reader.last_stats))
+
+    def listed(self, path: str | os.PathLike) -> Committed | None:
+        """The checkpoint :meth:`candidates` listed at ``path``: the one its slot holds or, when a restore from
+        another node's copy is planned into it, the one that restore brings (None: neither)."""
+        restores = self._pending.get(Path(path))
+        if restores:
+            return Committed(restores[0].source.step, restores[0].source.save_id)
+        return self.format.committed(Path(path))
+
+    def restore_planned(self, path: str | os.PathLike, *, keep_plans: bool = False) -> None:
+        """Collective, before ``path`` is loaded: run the restore :meth:`candidates` planned for it (a lost node's
+        slot sent back from another node's copy; :class:`IntegrityError` on every rank when it fails) and drop every
+        other plan (``keep_plans``: keep them, for a fallback to an older candidate when this one fails; call it
+        again without, for the path loaded, to drop them). :meth:`load` calls it; an adapter that loads with its
+        own reader (DeepSpeed, Megatron) calls it first."""
+        path = Path(path)
+        restores = self._pending.pop(path, None)
+        if not keep_plans:
+            self._pending = {}
+        if restores is not None:
+            self._restore(path, restores)
 
     def _restore(self, path: Path, restores: list[Restore]) -> None:
         """Collective: copy the checkpoint a lost node's ``path`` should hold from another node's copy."""

@@ -41,6 +41,7 @@ from cpuckpt.background import CommitHook
 from cpuckpt.errors import FailureReport, IntegrityError
 from cpuckpt.format.manifest import Manifest
 from cpuckpt.tier.nodecopies import node_storage
+from cpuckpt.tier.nodefiles import committed_node_files
 from cpuckpt.tier.ramroot import BOOT_ID_PATH
 
 __all__ = ["NodeMap", "agree_held", "committed_slot", "held_saves", "needed_files", "node_commit", "node_key"]
@@ -166,12 +167,18 @@ def held_saves(slots: list[Path], rank: int, world_size: int, state_dict: dict[s
     """The memory checkpoints this rank's node holds complete *for this rank*, by (step, save id).
 
     A checkpoint of another world size is never held: the ranks' files sit on the nodes of the old
-    world, so a restart with a different world size reshards from the durable tier.
+    world, so a restart with a different world size reshards from the durable tier. An adapter's file set
+    (:mod:`cpuckpt.tier.nodefiles`) is held when its node listing is complete and names this rank among the
+    ranks of the node that wrote it (that node's slot holds every file those ranks read).
     """
     out: dict[Held, Path] = {}
     for slot in slots:
         committed = committed_slot(slot, world_size)
         if committed is None:
+            listing = committed_node_files(slot)  # an adapter's file set: complete for the ranks its node had
+            if (listing is not None and listing.world_size == world_size and rank in listing.ranks
+                    and listing.step is not None):
+                out[(listing.step, listing.save_id)] = slot
             continue
         step, manifest, metadata = committed
         missing = needed_files(metadata, rank, state_dict, planner) - set(manifest.files)

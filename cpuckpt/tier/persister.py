@@ -259,7 +259,9 @@ def replicate_one(req: PersistRequest, queue: PersistQueue | None = None) -> Out
     cfg = Config.from_dict(req.config, source="replicate request", env=False)
     errors, nbytes = [], 0
     try:
-        _wait_memory_commit(req, time.monotonic() + cfg.timeout_s, queue)
+        # a file set's memory commit is its marker (naming the save); a DCP slot's, its .metadata and manifest
+        committed = (lambda d: marker_save_id(d / req.marker)) if req.marker else _committed_save_id
+        _wait_memory_commit(req, time.monotonic() + cfg.timeout_s, queue, committed)
     except Exception as e:  # never committed in memory: nothing to replicate
         errors.append(f"{type(e).__name__}: {e}")
     else:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from cpuckpt.errors import CheckpointTimeoutError, IntegrityError
+from cpuckpt.tier.nodefiles import committed_node_files
 from cpuckpt.tier.nodes import Held, NodeMap, committed_slot
 from cpuckpt.tier.replica import (
     Endpoint,
@@ -70,10 +71,23 @@ class Copy:
     save_id: str
     files: tuple[str, ...]  # data files it holds
     all_files: tuple[str, ...]  # every data file of the checkpoint (its .metadata)
+    # (rank, file) a rank reads from this copy (a file set's node listing); empty: DCP's ``__<rank>_*`` of all_files
+    owned: tuple[tuple[int, str], ...] = ()
 
     @property
     def held(self) -> Held:
         return (self.step, self.save_id)
+
+    def needs(self, ranks: list[int]) -> set[str]:
+        """The files of this checkpoint that ``ranks`` read, as far as this copy tells."""
+        if self.owned:
+            return {f for r, f in self.owned if r in ranks}
+        return {f for f in self.all_files for r in ranks if f.startswith(f"__{r}_")}
+
+    def covers(self, ranks: list[int]) -> bool:
+        """Whether this copy holds files of every one of ``ranks`` (a file set's listing says whose they are; a DCP
+        copy is judged by :meth:`needs` alone)."""
+        return not self.owned or set(ranks) <= {r for r, _ in self.owned}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,16 +99,21 @@ class Restore:
 
 
 def node_copies(root: Path, slots: list[Path], rank: int, world_size: int) -> list[Copy]:
-    """Every complete copy in this node's RAM root (own slots, then replicas) of this world size."""
+    """Every complete copy in this node's RAM root (own slots, then replicas) of this world size: DCP checkpoints
+    and file sets with a node listing (:mod:`cpuckpt.tier.nodefiles`)."""
     out = []
     for replica, slot in [(False, s) for s in slots] + [(True, s) for _, s in replica_slots(root)]:
         committed = committed_slot(slot, world_size)
-        if committed is None:
+        if committed is not None:
+            step, manifest, metadata = committed
+            every = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+            out.append(Copy(rank, str(slot), slot.name, replica, step, manifest.save_id,
+                            tuple(sorted(manifest.files)), tuple(every)))
             continue
-        step, manifest, metadata = committed
-        every = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-        out.append(Copy(rank, str(slot), slot.name, replica, step, manifest.save_id, tuple(sorted(manifest.files)),
-                        tuple(every)))
+        listing = committed_node_files(slot)
+        if listing is not None and listing.world_size == world_size and listing.step is not None:
+            out.append(Copy(rank, str(slot), slot.name, replica, listing.step, listing.save_id,
+                            tuple(sorted(listing.files)), tuple(sorted(listing.files)), listing.owned()))
     return out
 
 
@@ -113,8 +132,9 @@ def plan_restores(nodes: NodeMap, held: list[list[Held]], copies: list[Copy]) ->
                 continue
             if any(not c.replica and nodes.keys[c.holder] == key for c in found):
                 break  # the node has its own copy, yet some rank needs more than it holds: not restorable
-            need = {f for f in found[0].all_files for r in ranks if f.startswith(f"__{r}_")}
-            source = next((c for c in found if nodes.keys[c.holder] != key and need <= set(c.files)), None)
+            need = set().union(*(c.needs(ranks) for c in found))
+            source = next((c for c in found if nodes.keys[c.holder] != key and need <= set(c.files)
+                           and c.covers(ranks)), None)
             if source is None:
                 break
             restores.append(Restore(ranks[0], source))

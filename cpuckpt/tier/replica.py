@@ -9,8 +9,10 @@ partner node over a plain TCP connection. The receiver writes it into
 source manifest's as it arrives, and commits the replica the way every checkpoint commits (manifest,
 then ``.metadata`` last) only when every byte arrived and verified and the sender confirms that its
 slot was not reused meanwhile. A replica directory is thus an ordinary checkpoint directory, complete
-for the source node's ranks. The same protocol restores a lost node at restart (``into="slot"``: the
-holder's trainer sends the replica into the new node's own ``slot-<k>``).
+for the source node's ranks. An adapter's file set across nodes (:mod:`cpuckpt.tier.nodefiles`) travels the
+same way: its listed files, then its node listing and its marker, written last in that order. The same
+protocol restores a lost node at restart (``into="slot"``: the holder's trainer sends the replica into the new
+node's own ``slot-<k>``).
 
 On a GPU cluster this copy should use the RDMA NIC (a verbs/UCX or NCCL send from the registered,
 pinned image memory, GPUDirect-free since the bytes are in host RAM already): a TCP socket costs a
@@ -43,16 +45,17 @@ import crc32c
 from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import METADATA_NAME, check_complete, read_manifest
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError
-from cpuckpt.format.manifest import MANIFEST_NAME, Manifest, manifest_from_json
+from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry
+from cpuckpt.tier.nodefiles import NODE_FILES_NAME, committed_node_files
 from cpuckpt.tier.ramroot import require_free
 from cpuckpt.transfer.files import write_atomic
 
-__all__ = ["Endpoint", "Listener", "ReplicaError", "partners", "read_endpoint", "read_token", "replica_dir",
-           "replica_slots", "send_slot", "write_token"]
+__all__ = ["Endpoint", "Listener", "ReplicaError", "SlotContent", "partners", "read_endpoint", "read_token",
+           "replica_dir", "replica_slots", "send_slot", "slot_content", "write_token"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"CPKREP1\n"
+MAGIC = b"CPKREP2\n"  # 2: file sets (a listing and a marker) besides DCP slots
 TOKEN_NAME = ".replica-token"  # noqa: S105 (a file name, not a secret)
 ENDPOINT_NAME = "replica-endpoint.json"
 SOURCE_NAME = "source.json"
@@ -154,6 +157,47 @@ def _recv_msg(sock: socket.socket, limit: int = 1 << 30) -> Any:
 # ------------------------------------------------------------------------------------------- sender
 
 
+@dataclasses.dataclass(frozen=True)
+class SlotContent:
+    """What a committed slot holds, as the protocol sends it: its data files, then its commit files in the order
+    they are written (a DCP checkpoint: manifest, ``.metadata``; a file set across nodes: its node listing, its
+    marker: :mod:`cpuckpt.tier.nodefiles`)."""
+
+    save_id: str
+    step: int | None
+    files: tuple[FileEntry, ...]
+    commit: tuple[tuple[str, bytes], ...]
+
+
+def slot_content(slot: Path) -> SlotContent | None:
+    """The checkpoint committed in ``slot`` (a DCP directory, or a file set with a node listing); None: none."""
+    if check_complete(slot).complete:
+        manifest = read_manifest(slot)
+        if manifest is None:
+            return None
+        try:
+            commit = ((MANIFEST_NAME, (slot / MANIFEST_NAME).read_bytes()), (METADATA_NAME, (slot / METADATA_NAME)
+                                                                              .read_bytes()))
+        except OSError:
+            return None
+        return SlotContent(manifest.save_id, manifest.step, tuple(manifest.files[n] for n in sorted(manifest.files)),
+                           commit)
+    listing = committed_node_files(slot)
+    if listing is None:
+        return None
+    try:
+        commit = ((NODE_FILES_NAME, (slot / NODE_FILES_NAME).read_bytes()),
+                  (listing.marker, (slot / listing.marker).read_bytes()))
+    except OSError:
+        return None
+    return SlotContent(listing.save_id, listing.step, tuple(listing.files[n] for n in sorted(listing.files)), commit)
+
+
+def _content_id(slot: Path) -> str | None:
+    content = slot_content(slot)
+    return content.save_id if content is not None else None
+
+
 def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_id: str, into: str,
               timeout_s: float) -> int:
     """Send the memory checkpoint ``save_id`` in ``slot`` to ``endpoint``; returns the data bytes sent.
@@ -165,33 +209,32 @@ def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_i
         ReplicaError: the slot is not (or no longer) that save, the peer refused or failed (its reason),
             or the connection failed or timed out.
     """
-    manifest = read_manifest(slot)
-    if manifest is None or manifest.save_id != save_id or not check_complete(slot).complete:
+    content = slot_content(slot)
+    if content is None or content.save_id != save_id:
         raise ReplicaError(f"{slot}: not the committed memory checkpoint {save_id[:8]}; nothing sent")
-    metadata = (slot / METADATA_NAME).read_bytes()
-    names = sorted(manifest.files)
     what = f"replica of {slot} ({save_id[:8]}) to {endpoint.host}:{endpoint.port}"
     nbytes = 0
     try:
         with _connect(endpoint, min(timeout_s, CONNECT_RETRY_S)) as sock:
             sock.sendall(MAGIC)
             _send_msg(sock, {"token": token, "into": into, "source": source, "slot": slot.name, "save_id": save_id,
-                             "manifest": manifest.to_json(), "metadata_nbytes": len(metadata)})
+                             "step": content.step, "files": [dataclasses.asdict(e) for e in content.files],
+                             "commit": [[name, len(data)] for name, data in content.commit]})
             accept = _recv_msg(sock)  # token, slot name and RAM bound are checked before any data moves
             if not accept.get("ok"):
                 raise ReplicaError(f"{what} refused by the receiver: {accept.get('error')}")
-            for name in names:
-                with open(slot / name, "rb") as f:
+            for entry in content.files:
+                with open(slot / entry.name, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
-                    want = manifest.files[name].nbytes
-                    if size < want:
-                        raise ReplicaError(f"{what}: {slot / name} has {size} bytes, its manifest says {want}")
-                    nbytes += sock.sendfile(f, 0, want)  # no copy through Python (tmpfs page cache → socket)
-            sock.sendall(metadata)
+                    if size < entry.nbytes:
+                        raise ReplicaError(f"{what}: {slot / entry.name} has {size} bytes, its listing says "
+                                           f"{entry.nbytes}")
+                    nbytes += sock.sendfile(f, 0, entry.nbytes)  # no copy through Python (tmpfs page cache → socket)
+            for _, data in content.commit:
+                sock.sendall(data)
             # The slot must still hold that save after the last byte left (its trainer reuses slots in a ring):
             # else abort, and the receiver never commits what it got.
-            again = read_manifest(slot)
-            intact = again is not None and again.save_id == save_id
+            intact = _content_id(slot) == save_id
             sock.sendall(b"C" if intact else b"A")
             reply = _recv_msg(sock)
     except (OSError, ValueError) as e:
@@ -288,10 +331,15 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
     name = str(head["slot"])
     if not name.startswith("slot-") or not name[5:].isdigit():
         raise ReplicaError(f"replica refused: bad slot name {name!r}")
-    manifest: Manifest = manifest_from_json(head["manifest"])
+    save_id, step = str(head["save_id"]), head.get("step")
+    entries = [FileEntry(**e) for e in head["files"]]
+    commit = [(str(n), int(k)) for n, k in head["commit"]]
+    for n in [e.name for e in entries] + [n for n, _ in commit]:
+        if "/" in n or n in ("", ".", ".."):
+            raise ReplicaError(f"replica refused: file name {n!r} outside the slot")
     if head["into"] == "slot":
         target = root / name
-        _refuse_overwriting_newer(target, manifest)
+        _refuse_overwriting_newer(target, save_id, step)
     elif head["into"] == "replica":
         target = replica_dir(root, str(head["source"]), name)
         target.parent.mkdir(mode=0o700, exist_ok=True)
@@ -299,47 +347,50 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
     else:
         raise ReplicaError(f"replica refused: unknown destination {head['into']!r}")
     target.mkdir(mode=0o700, exist_ok=True)
-    entries = [manifest.files[n] for n in sorted(manifest.files)]
     existing = sum(_size(target / e.name) for e in entries)
     # The RAM bound: (own slots + replica slots) x shard must leave memory.headroom_bytes free. Checked
     # before anything changes: a refused copy leaves the target's complete checkpoint as it was.
     require_free(target, sum(e.nbytes for e in entries), already_reserved=existing, headroom_bytes=headroom_bytes,
                  what=f"a replica of {head['source']} ({name})")
-    clear_commit(target, fsync=False)  # incomplete from its first changed byte until the commit below
+    # incomplete from its first changed byte until the commit below (the last-written commit file goes first)
+    clear_commit(target, fsync=False)
+    for n, _ in reversed(commit):
+        (target / n).unlink(missing_ok=True)
     _send_msg(conn, {"ok": True})
     t0 = time.perf_counter()
     damaged: list[str] = []  # the stream is read to its end either way, so the sender gets the reason
     for e in entries:
         _receive_file(conn, target / e.name, e, damaged)
-    metadata = bytearray(int(head["metadata_nbytes"]))
-    _recv_exact(conn, memoryview(metadata))
+    commit_bytes = []
+    for n, k in commit:
+        data = bytearray(k)
+        _recv_exact(conn, memoryview(data))
+        commit_bytes.append((n, bytes(data)))
     verdict = bytearray(1)
     _recv_exact(conn, memoryview(verdict))
     if damaged:
         raise CheckpointCorrupt(f"{damaged[0]}; the replica is not committed")
     if bytes(verdict) != b"C":
         raise ReplicaError(f"{target}: the sender aborted (its slot was reused while sending); not committed")
-    write_atomic(target / MANIFEST_NAME, manifest.to_json().encode(), fsync=False)
-    write_atomic(target / METADATA_NAME, bytes(metadata), fsync=False)
+    for n, data in commit_bytes:  # in the sender's order: its last file commits
+        write_atomic(target / n, data, fsync=False)
     _send_msg(conn, {"ok": True})
     logger.info("received %s of %s (save %s, step %s) into %s in %.3f s", _human(sum(e.nbytes for e in entries)),
-                head["source"], manifest.save_id[:8], manifest.step, target, time.perf_counter() - t0)
+                head["source"], save_id[:8], step, target, time.perf_counter() - t0)
     return target
 
 
-def _refuse_overwriting_newer(target: Path, incoming: Manifest) -> None:
+def _refuse_overwriting_newer(target: Path, save_id: str, step: int | None) -> None:
     """A restore into a node's own slot must never destroy a complete checkpoint that is not older than the
-    one restored (a newer step, or another save of the same step): the slot may hold the newest checkpoint
-    of the job. Checked before a byte of the slot changes."""
-    if not check_complete(target).complete:
+    one restored (a newer step, or another save of the same step: which one is newer is not known): the slot
+    may hold the newest checkpoint of the job. Checked before a byte of the slot changes."""
+    present = slot_content(target)
+    if present is None or present.save_id == save_id:
         return
-    present = read_manifest(target)
-    if present is None or present.save_id == incoming.save_id:
-        return
-    if present.step is None or incoming.step is None or present.step >= incoming.step:
-        raise ReplicaError(f"{target}: restore of step {incoming.step} ({incoming.save_id[:8]}) refused: the slot "
-                           f"holds the complete checkpoint of step {present.step} ({present.save_id[:8]}), which is "
-                           "not older; it is left as it is")
+    if present.step is None or step is None or present.step >= step:
+        raise ReplicaError(f"{target}: restore of step {step} ({save_id[:8]}) refused: the slot holds the complete "
+                           f"checkpoint of step {present.step} ({present.save_id[:8]}), which is not older; it is "
+                           "left as it is")
 
 
 def _size(path: Path) -> int:

@@ -262,7 +262,7 @@ def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, ve
         marker = require_complete(save_dir, tag, allow_unmarked=allow_unmarked)
         if verify and marker is not None:
             tag_dir = Path(save_dir) / marker.tag
-            problems = verify_files(tag_dir, marker, owned_files(marker, rank, world))
+            problems = verify_files(tag_dir, marker, owned_files(marker, rank, world, tag_dir))
             if problems:
                 raise _refusal(TagStatus(tag_dir, "torn", marker, tuple(problems)))
     except Exception as e:
@@ -322,9 +322,9 @@ def _first_verified(candidates: list[LatestTag], where: str, *, fallback_on_corr
 
     failures: list[str] = []
     for found in candidates:
-        if before_check is not None:
-            before_check(found)
-        try:
+        try:  # a memory tag's restore from a partner's replica (before_check) fails alike on every rank
+            if before_check is not None:
+                before_check(found)
             marker = check_before_load(found.directory, found.tag, verify=True)
         except IntegrityError as e:
             if not fallback_on_corrupt:
@@ -362,7 +362,7 @@ def load_latest(engine: Any, save_dir: str | os.PathLike, *, fallback_on_corrupt
     if memory is None:
         found = select_tag(save_dir, fallback_on_corrupt=bool(fallback_on_corrupt))
     else:
-        found = _first_verified(_from_rank0(memory.candidates), f"{save_dir} and its memory tier",
+        found = _first_verified(memory.agreed_candidates(), f"{save_dir} and its memory tier",
                                 fallback_on_corrupt=bool(fallback_on_corrupt), before_check=memory.before_load)
     if found is None:
         return None, None

@@ -24,7 +24,7 @@ fsynced). The commit's all-gather carries each rank's files (sizes, per-chunk cr
 global step; rank 0 then writes the marker atomically, then ``latest``, and a second all-gather
 tells every rank the outcome. ``load`` refuses a file of a torn tag. With ``memory_tier`` (:mod:`.memory`), a
 checkpoint's tag files go into a slot of the core memory tier's RAM root instead (the same names, straight into
-its reused images), rank 0 commits the slot with the tag's marker, and each rank queues the persist of its files
+its reused images), rank 0 (each node's leader) commits the slot, and each rank queues the persist of its files
 to ``save_dir/<tag>`` for its writer process when the global step is due (``memory.persist_every``); the
 durable marker and ``latest`` are then the writer's (rank 0's, once every rank's files are durable).
 
@@ -63,7 +63,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from cpuckpt.api import PoolPreparation, prepare_pool_in_background
 from cpuckpt.backend.collectives import checkpoint_group, gather_failures, new_gloo_group, raise_if_failed
 from cpuckpt.config import Config
-from cpuckpt.errors import CpuckptError, FailureReport, StagingError
+from cpuckpt.errors import ConfigError, CpuckptError, FailureReport, StagingError
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.format.unpickle import with_safe_globals
 from cpuckpt.transfer.device_snapshot import DeviceSnapshots
@@ -78,6 +78,7 @@ from .memory import Claim, DeepSpeedMemory
 from .settings import Settings, resolve_settings
 from .torchfile import chunk_count, layout_torch_file
 from .zero_stall import (
+    bind_at_save,
     buffer_pointers,
     estimate_checkpoint_bytes,
     order_engine_steps,
@@ -167,13 +168,16 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self.last_commit_s = 0.0
         # ordering optimizer: jobs whose device copies no GPU work has been ordered after yet
         self._unordered: list[SaveJob] = []
-        self._ds_engine: Any = None  # weakref to the DeepSpeed engine, set by its first step (or attach)
+        self._ds_engine: Any = None  # weakref to the DeepSpeed engine, set by its save_checkpoint or step (or attach)
+        self._model_states_writer: bool | None = None  # DeepSpeed's own choice (save_non_zero_checkpoint)
         self._preparer: PoolPreparation | None = None
         # memory_tier: a tag's files go into the tier's images, not through the pool
         self._prepare_decided = (not (self.settings.async_save and self.settings.prepare_pool)
                                  or self.settings.memory_tier)
         if self.settings.async_save:
             order_engine_steps()  # the step hooks: ordering optimizer, and prepare_pool after the first step
+        if self.settings.memory_tier:
+            bind_at_save()  # across nodes, create() chooses who writes the model states
 
     # -- DeepSpeed's interface -------------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -185,9 +189,38 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._join_prepare()
         # before this checkpoint is taken on: a refusal here (a failed persist, two nodes) leaves nothing to commit
         memory = self.memory_for(info.save_dir) if self.settings.memory_tier else None
+        if memory is not None and memory.across_nodes:
+            self._require_node_copies(memory)
         claim = memory.claim() if memory is not None else None
+        self._write_model_states_per_node(claim is not None and memory is not None and memory.across_nodes
+                                          and memory.names)
         self._info = info
         self._ckpt = _Checkpoint(info, claim=claim)
+
+    def _require_node_copies(self, memory: DeepSpeedMemory) -> None:
+        """Across nodes every node's slot must hold every file its ranks load: refused (the same ``ConfigError`` on
+        every rank, before the slot is claimed) where DeepSpeed's loads read other ranks' files that a node's
+        leader cannot write itself."""
+        ds = self._ds_engine() if self._ds_engine is not None else None
+        why = ("the DeepSpeed engine is not known (save through engine.save_checkpoint)" if ds is None else
+               "MoE layers (their expert files are written by one data-parallel rank)" if ds.has_moe_layers else
+               "zero_optimization.elastic_checkpoint (every rank reads every rank's optimizer file)"
+               if ds.zero_elastic_checkpoint() else "")
+        if why:
+            raise ConfigError(f"memory_tier across nodes ({memory.tier.nodes.nodes} RAM roots) for {memory.save_dir}: "
+                              f"{why}; run without memory_tier or on one node")
+
+    def _write_model_states_per_node(self, leader: bool) -> None:
+        """ZeRO-1/2 across nodes: this node's leader also writes the model-states file of a memory checkpoint into its
+        node's slot (every rank loads it; its values are the same on every data-parallel rank). Set per checkpoint:
+        a checkpoint that goes to disk keeps DeepSpeed's one writer per file."""
+        ds = self._ds_engine() if self._ds_engine is not None else None
+        if ds is None:
+            return
+        if self._model_states_writer is None:
+            self._model_states_writer = bool(ds.save_non_zero_checkpoint)
+        extra = leader and not ds.zero_optimization_partition_weights()  # ZeRO-3: every rank writes its own
+        ds.save_non_zero_checkpoint = self._model_states_writer or extra
 
     def save(self, state_dict: Any, path: str) -> None:
         """Write ``state_dict`` to exactly ``path`` as a torch.save-compatible file.
@@ -412,7 +445,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         # Every rank raises the same error (the lowest failing rank's class: StorageIOError with
         # errno/path for an OSError), chained to its own original where it has one.
         raise_if_failed([g[0] for g in gathered], f"checkpoint {pending.tag} {where} ('latest' not updated)", error)
-        files = {name: f for g in gathered for name, f in g[1].items()}
+        files: dict[str, TagFile] = {}
+        for g in gathered:  # a file several nodes hold (their own model states) is the lowest rank's: it persists it
+            for name, f in g[1].items():
+                files.setdefault(name, f)
+        entries = {name: e for name, e in entries.items() if files[name].rank == rank}
         steps = [g[2] for g in gathered if g[2] is not None]
         step = max(steps) if steps else None
         fsync = self.settings.core.io.fsync and not ckpt.memory
@@ -421,13 +458,15 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             # Rank 0 writes; a second collective tells every rank the outcome, so that the marker and
             # ``latest`` are in place (or the failure raised) on every rank when the commit ends.
             final_error: BaseException | None = None
-            request = None
+            request = replica = None
             try:
                 if memory is not None and ckpt.claim is not None:
                     # queued before the memory commit: the writer waits for it, and a failure here is agreed below
                     request = memory.persist(ckpt.claim, pending.tag, step, entries, pending.save_latest)
-                    if rank == 0:
-                        memory.commit(ckpt.claim, pending.tag, len(gathered), files, step)
+                    replica = memory.tier.last_replica
+                    if memory.names:  # each node's leader commits its node's slot (rank 0 on one node)
+                        listing = memory.node_listing(ckpt.claim, len(gathered), [g[1] for g in gathered], step)
+                        memory.commit(ckpt.claim, pending.tag, len(gathered), files, step, listing)
                 elif rank == 0:
                     if files:
                         write_marker(files_dir, new_marker(pending.tag, len(gathered), files, step), fsync=fsync)
@@ -441,9 +480,10 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                                 else f"checkpoint {pending.tag}: committing it in memory ({files_dir})", final_error)
             except BaseException:
                 if memory is not None and ckpt.claim is not None:
-                    if request is not None:
-                        memory.tier.queue.cancel(request.seq, "its memory commit failed")
-                    if rank == 0:  # a checkpoint failed on every rank is never listed: no marker, no name
+                    for req in (request, replica):
+                        if req is not None:
+                            memory.tier.queue.cancel(req.seq, "its memory commit failed")
+                    if memory.names:  # a checkpoint failed on every rank is never listed: no marker, no name
                         memory.withdraw(ckpt.claim, pending.tag)
                 raise
         self.last_commit_s = time.perf_counter() - t0

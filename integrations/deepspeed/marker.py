@@ -12,7 +12,8 @@ adds two hidden files to each tag directory it writes (stock DeepSpeed, ``zero_t
   relative to the tag directory, the rank that wrote it, its size, per-chunk crc32c when
   ``integrity.checksum`` is crc32c), the world size, the tag and the global step.
 
-A tag is *complete* when its marker parses and every listed file has its listed size; *torn* when it
+A tag is *complete* when its marker parses and every listed file has its listed size (in a memory slot across
+nodes: every file of its node listing, :mod:`cpuckpt.tier.nodefiles`, of the marker's save); *torn* when it
 has the saving file or a marker that does not match the files; *unmarked* when it has neither (stock
 DeepSpeed wrote it: nothing to check). ``verify`` also compares every chunk's crc32c.
 """
@@ -34,6 +35,7 @@ from cpuckpt.backend.committed import size_mismatches
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import local_path
+from cpuckpt.tier.nodefiles import NodeFiles, read_node_files
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 from cpuckpt.version import __version__
 
@@ -185,7 +187,7 @@ def read_marker(tag_dir: str | os.PathLike) -> TagMarker | None:
     return TagMarker.from_json(text, str(path))
 
 
-def _crc_problems(tag_dir: Path, name: str, f: TagFile) -> list[str]:
+def _crc_problems(tag_dir: Path, name: str, f: TagFile | FileEntry) -> list[str]:
     if not f.chunk_checksums:
         return []
     out = []
@@ -199,11 +201,27 @@ def _crc_problems(tag_dir: Path, name: str, f: TagFile) -> list[str]:
     return out
 
 
+def node_listing(tag_dir: Path, marker: TagMarker) -> NodeFiles | None:
+    """The node listing of a memory slot across nodes (:mod:`cpuckpt.tier.nodefiles`) that belongs to ``marker``'s
+    save, or None (a one-node slot, a durable tag, a stale listing of an earlier save)."""
+    listing = read_node_files(tag_dir)
+    if listing is None or not marker.save_id or listing.save_id != marker.save_id:
+        return None
+    return listing
+
+
+def _held_files(tag_dir: Path, marker: TagMarker) -> dict[str, TagFile | FileEntry]:
+    """The files ``tag_dir`` holds of the tag: every file the marker lists, or, in a node's slot, its listing's."""
+    listing = node_listing(tag_dir, marker)
+    return dict(marker.files) if listing is None else dict(listing.files)
+
+
 def verify_files(tag_dir: Path, marker: TagMarker, names: list[str] | None = None) -> list[str]:
-    """Compare the crc32c of ``names`` (default: every file the marker lists); the mismatches found."""
+    """Compare the crc32c of ``names`` (default: every file the directory holds); the mismatches found."""
+    held = _held_files(tag_dir, marker)
     out: list[str] = []
-    for name in sorted(marker.files) if names is None else names:
-        out += _crc_problems(tag_dir, name, marker.files[name])
+    for name in sorted(held) if names is None else names:
+        out += _crc_problems(tag_dir, name, held[name])
     return out
 
 
@@ -240,7 +258,9 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
     problems = []
     if tag is not None and marker.tag != tag:
         problems.append(f"the marker is of tag {marker.tag!r}")
-    entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=f.chunk_bytes) for n, f in marker.files.items()]
+    # a node's slot across nodes holds its listing's files only (its ranks' and its own copy of the model states)
+    entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=f.chunk_bytes)
+               for n, f in _held_files(tag_dir, marker).items()]
     problems += [str(m) for m in size_mismatches(tag_dir, entries)]
     if verify and not problems:
         problems += verify_files(tag_dir, marker)
@@ -325,8 +345,12 @@ def complete_tags(save_dir: str | os.PathLike) -> list[LatestTag]:
     return [t for _, t in sorted(found, key=lambda kt: kt[0], reverse=True)]
 
 
-def owned_files(marker: TagMarker, rank: int, world_size: int) -> list[str]:
-    """The files ``rank`` checks when ``world_size`` ranks share a verification (its own when it wrote any)."""
+def owned_files(marker: TagMarker, rank: int, world_size: int, tag_dir: Path | None = None) -> list[str]:
+    """The files ``rank`` checks when ``world_size`` ranks share a verification (its own when it wrote any; in a
+    node's memory slot, ``tag_dir``, the files its node listing says it wrote there)."""
+    listing = node_listing(tag_dir, marker) if tag_dir is not None else None
+    if listing is not None:
+        return sorted(n for n, r in listing.writers.items() if r == rank)
     if world_size == marker.world_size:
         return sorted(n for n, f in marker.files.items() if f.rank == rank)
     return [n for i, n in enumerate(sorted(marker.files)) if i % world_size == rank]

@@ -4,10 +4,10 @@ Each ``save_checkpoint(save_dir, tag)`` becomes a memory checkpoint of a :class:
 job whose durable root is ``save_dir`` (the RAM root and ``memory.*`` keys as for every memory tier):
 
 - the tag's files, under DeepSpeed's names, go into a ring slot of the RAM root (``slot-<k>``), straight into
-  the slot's reused, mapped (with CUDA, pinned) images; once every rank's files are in, rank 0 commits the slot
-  in memory with the tag's completion marker (:mod:`.marker`; it carries the tier's save id) and links
-  ``<RAM root>/tags/<tag>`` to it (and writes ``tags/latest``), so stock DeepSpeed loads a memory tag too:
-  ``engine.load_checkpoint("<RAM root>/tags", tag=tag)``;
+  the slot's reused, mapped (with CUDA, pinned) images; once every rank's files are in, rank 0 (across nodes:
+  each node's leader) commits the slot in memory with the tag's completion marker (:mod:`.marker`; it carries the
+  tier's save id) and links ``<RAM root>/tags/<tag>`` to it (and writes ``tags/latest``), so stock DeepSpeed
+  loads a memory tag too: ``engine.load_checkpoint("<RAM root>/tags", tag=tag)``;
 - every ``memory.persist_every``-th checkpoint by global step (1: all, 0: none) is also persisted by each
   rank's writer process (:func:`cpuckpt.tier.persister.persist_files`) into ``save_dir/<tag>``: this rank's
   files, then (rank 0's writer, once every rank's files are durable) the marker, then ``save_dir/latest``,
@@ -18,9 +18,14 @@ Restart: :meth:`DeepSpeedMemory.candidates` lists the complete tags of both tier
 step, memory first on a tie: :meth:`cpuckpt.MemoryTier.candidates` over :class:`TagSlots`); the adapter's
 ``load_latest`` loads the newest that verifies.
 
-One node only: every rank loads the model-states files that the first data-parallel ranks write, and a
-node's slot holds its own ranks' files only, so a tier whose ranks span several RAM roots is refused
-(``ConfigError`` on every rank) until nodes keep copies of those files.
+Across nodes (ranks on several RAM roots: :mod:`cpuckpt.tier.nodes`) each node's slot holds its own ranks' files
+and, with ZeRO-1/2, the node's own copy of the model-states files every rank reads (the engine makes each node's
+leader write them too: the values are the same on every data-parallel rank). Each node's leader commits its slot:
+its node listing (:mod:`cpuckpt.tier.nodefiles`: the files the slot holds, by the rank that wrote them), then the
+marker, which lists every rank's files (the lowest rank's entry of a file several nodes hold: the one persisted),
+then the names in its own RAM root. Each rank persists only the files it owns. With ``memory.replicas`` the
+leader's writer sends the slot to the partner nodes, and a restart that lost a node's RAM root restores its slot
+from a partner's copy before the load (:meth:`DeepSpeedMemory.before_load`), reading nothing from ``save_dir``.
 """
 
 from __future__ import annotations
@@ -29,15 +34,16 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 from cpuckpt.config import Config
-from cpuckpt.errors import ConfigError
 from cpuckpt.format.layout import FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.tier.formats import Committed
 from cpuckpt.tier.memory import MemoryTier
+from cpuckpt.tier.nodefiles import NODE_FILES_NAME, NodeFiles, write_node_files
 from cpuckpt.tier.queue import PersistRequest
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.sinks import Sink
@@ -47,10 +53,12 @@ from .marker import (
     SAVING_NAME,
     LatestTag,
     TagFile,
+    TagMarker,
     check_dir,
     check_tag,
     complete_tags,
     new_marker,
+    node_listing,
     read_marker,
     write_marker,
 )
@@ -92,24 +100,26 @@ class DeepSpeedMemory:
         save_dir: DeepSpeed's ``save_dir`` (the durable root).
         config: the core config (its ``memory`` section configures the tier).
 
-    Raises:
-        ConfigError: the ranks use several RAM roots (nodes); the same on every rank.
+    Every node's leader (its lowest rank) names its node's slots (``<RAM root>/tags``).
     """
 
     def __init__(self, save_dir: str | os.PathLike, config: Config) -> None:
         self.save_dir = Path(os.path.abspath(save_dir))
-        tier = MemoryTier(self.save_dir, config, slot_format=TagSlots())
-        if not tier.nodes.single:  # the node map is gathered: the same answer on every rank
-            tier.close(persist_newest=False)
-            raise ConfigError(
-                f"memory_tier: the job's ranks use {tier.nodes.nodes} RAM roots (nodes); DeepSpeed's memory "
-                "checkpoints need every rank's files in one node's RAM (each rank loads the model-states files "
-                "the first data-parallel ranks write): run without memory_tier across nodes")
-        self.tier = tier
-        self.links = tier.root.path / LINKS_NAME
-        if tier.rank == 0:
+        self.tier = MemoryTier(self.save_dir, config, slot_format=TagSlots())
+        self.links = self.tier.root.path / LINKS_NAME
+        self._memory_slots: dict[str, Path] = {}  # save id -> this rank's slot, of the agreed memory candidates
+        if self.names:
             self._relink()
         self._barrier()
+
+    @property
+    def names(self) -> bool:
+        """Whether this rank commits and names its node's slots (the node's leader; rank 0 on one node)."""
+        return self.tier.nodes.is_leader
+
+    @property
+    def across_nodes(self) -> bool:
+        return not self.tier.nodes.single
 
     # -- saving ---------------------------------------------------------------------------------
     def claim(self) -> Claim | None:
@@ -119,24 +129,47 @@ class DeepSpeedMemory:
         if got is None:
             return None
         self._unname(got[0])  # before this rank's first byte into it: no name leads a stock load to torn files
+        (got[0] / NODE_FILES_NAME).unlink(missing_ok=True)  # nor a listing a node's slot counted complete by
         return Claim(*got)
+
+    def node_listing(self, claim: Claim, world_size: int, gathered: list[dict[str, TagFile]],
+                     step: int | None) -> NodeFiles | None:
+        """Across nodes, the listing of what this node's slot holds: the files its ranks wrote (``gathered``: every
+        rank's files, by rank), each by the lowest rank of the node that wrote it. None on one node."""
+        if not self.across_nodes:
+            return None
+        files: dict[str, FileEntry] = {}
+        writers: dict[str, int] = {}
+        for rank in self.tier.nodes.node_ranks:
+            for name, f in sorted(gathered[rank].items()):
+                if name not in files:
+                    files[name] = FileEntry(name=name, nbytes=f.nbytes, chunk_bytes=f.chunk_bytes,
+                                            checksum=f.checksum, chunk_checksums=list(f.chunk_checksums))
+                    writers[name] = rank
+        return NodeFiles(save_id=claim.save_id, step=step, marker=MARKER_NAME, world_size=world_size,
+                         ranks=tuple(self.tier.nodes.node_ranks), files=files, writers=writers)
 
     def sink(self, claim: Claim, name: str, files: list[FileLayout], cfg: Config, rank: int) -> Sink:
         """The save engine's sink for file ``name`` of a checkpoint: straight into the slot's reused image."""
         images = self.tier.images[self.tier.slots.index(claim.slot)]
         return images(claim.slot, [name], files, cfg, rank=rank)
 
-    def commit(self, claim: Claim, tag: str, world_size: int, files: dict[str, TagFile], step: int | None) -> None:
-        """Rank 0, once every rank's files are in the slot: the marker (the memory commit), then the names."""
+    def commit(self, claim: Claim, tag: str, world_size: int, files: dict[str, TagFile], step: int | None,
+               listing: NodeFiles | None = None) -> None:
+        """Each node's leader (:attr:`names`), once every rank's files are in the slot: across nodes the node's
+        listing, then the marker (the memory commit), then the names."""
+        if listing is not None:
+            write_node_files(claim.slot, listing)
         write_marker(claim.slot, new_marker(tag, world_size, files, step, save_id=claim.save_id), fsync=False)
         self._link(tag, claim.slot)
         write_atomic(self.links / "latest", tag.encode(), fsync=False)
 
     def withdraw(self, claim: Claim, tag: str) -> None:
-        """Rank 0, when the commit failed on some rank after this rank committed the slot: the marker and the
-        names go again, so the failed checkpoint is never a restart's candidate. Best effort (logged)."""
+        """Each node's leader, when the commit failed on some rank after this rank committed the slot: the marker
+        and the names go again, so the failed checkpoint is never a restart's candidate. Best effort (logged)."""
         try:
             (claim.slot / MARKER_NAME).unlink(missing_ok=True)
+            (claim.slot / NODE_FILES_NAME).unlink(missing_ok=True)
             self._unname(claim.slot)
             latest = self.links / "latest"
             if latest.exists() and latest.read_text().strip() == tag:
@@ -147,9 +180,11 @@ class DeepSpeedMemory:
 
     def persist(self, claim: Claim, tag: str, step: int | None, entries: dict[str, FileEntry],
                 save_latest: bool) -> PersistRequest | None:
-        """Every rank, after the memory commit: the ring moves on and this rank's files are queued for its writer
-        when the step is due (``memory.persist_every``); rank 0's writer commits ``save_dir/<tag>`` and moves
-        ``save_dir/latest`` (``save_latest``). Returns the request, or None (not persisted)."""
+        """Every rank, after the memory commit: the ring moves on and this rank's files (``entries``: those it owns,
+        not a node's copy of another rank's) are queued for its writer when the step is due
+        (``memory.persist_every``); rank 0's writer commits ``save_dir/<tag>`` and moves ``save_dir/latest``
+        (``save_latest``). Returns the request, or None (not persisted); across nodes a leader's replica request
+        is ``tier.last_replica``."""
         return self.tier.commit_files(claim.slot, claim.save_id, step, self.save_dir / tag, files=entries,
                                       marker=MARKER_NAME, saving=SAVING_NAME,
                                       pointer=(self.save_dir / "latest", tag) if save_latest else None)
@@ -161,7 +196,7 @@ class DeepSpeedMemory:
         for path in self.tier.candidates():
             if path in self.tier.slots:
                 marker = read_marker(path)
-                if marker is not None:
+                if marker is not None and not self._partial(path, marker, log=True):
                     out.append(LatestTag(self.links, marker.tag, marker.global_step, marker))
                 continue
             status = check_tag(path.parent, path.name)
@@ -169,10 +204,71 @@ class DeepSpeedMemory:
                 out.append(LatestTag(path.parent, path.name, status.marker.global_step, status.marker))
         return out
 
+    def _partial(self, slot: Path, marker: TagMarker, *, log: bool = False) -> bool:
+        """Whether ``slot`` was saved across nodes by another topology: its node listing lacks files this node's
+        ranks read now (a relaunch on fewer nodes, other ranks per node, another world size). Such a slot is
+        ignored (never an error mid-load): the restart reshards from ``save_dir`` or takes another memory tag."""
+        listing = node_listing(slot, marker)
+        here = set(self.tier.nodes.node_ranks)
+        partial = listing is not None and (listing.world_size != self.tier.world_size or not here <= set(listing.ranks))
+        if partial and log:
+            logger.warning("cpuckpt memory tier: %s (tag %s) was saved across nodes and holds the files of ranks %s of "
+                           "%d; this node's ranks are %s of %d: ignored (the topology changed)", slot, marker.tag,
+                           list(listing.ranks), listing.world_size, sorted(here), self.tier.world_size)
+        return partial
+
+    def agreed_candidates(self) -> list[LatestTag]:
+        """Collective: :meth:`candidates` as every rank loads them, the same tags in the same order on every rank.
+
+        Rank 0's list decides (a writer of the previous trainer may be committing a durable tag meanwhile, so the
+        ranks' own listings of ``save_dir`` may differ); across nodes every rank lists (the tier's restart agreement
+        is collective) and a memory tag is loaded from the rank's own node's names (``<RAM root>/tags``), its slot
+        restored first when a partner's copy brings it back (:meth:`before_load`).
+        """
+        group = self.tier.group
+        if not self.across_nodes:
+            box: list[Any] = [self.candidates() if self.tier.rank == 0 else None]
+            if group is not None:
+                dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+            return box[0]
+        paths = self.tier.candidates()  # collective: memory checkpoints every node holds or gets back from a copy
+        mine: list[tuple[str, Any]] = []
+        tags: dict[str, tuple[str, int | None]] = {}  # save id -> (tag, step) of the slots this rank can read
+        self._memory_slots = {}
+        for path in paths:
+            if path in self.tier.slots:
+                held = self.tier.listed(path)
+                if held is None:
+                    continue
+                mine.append(("memory", held.save_id))
+                self._memory_slots[held.save_id] = path
+                marker = read_marker(path) if (path / MARKER_NAME).exists() else None
+                if marker is not None and marker.save_id == held.save_id:
+                    tags[held.save_id] = (marker.tag, marker.global_step)
+                continue
+            status = check_tag(path.parent, path.name)
+            if status.complete and status.marker is not None:
+                mine.append(("durable", LatestTag(path.parent, path.name, status.marker.global_step, status.marker)))
+        every: list[Any] = [None] * self.tier.world_size
+        dist.all_gather_object(every, (mine if self.tier.rank == 0 else None, tags), group=group)
+        known = {sid: t for _, theirs in every for sid, t in theirs.items()}
+        out: list[LatestTag] = []
+        for kind, what in every[0][0]:
+            if kind == "durable":
+                out.append(what)
+            elif what in known and what in self._memory_slots:  # agreed: the same on every rank
+                tag, step = known[what]
+                out.append(LatestTag(self.links, tag, step, TagMarker(tag, self.tier.world_size, {}, step,
+                                                                        save_id=what)))
+        return out
+
     def slot_of(self, found: LatestTag) -> Path | None:
         """The slot a memory candidate names (None: a durable tag)."""
         if found.directory != self.links or found.marker is None:
             return None
+        planned = self._memory_slots.get(found.marker.save_id)
+        if planned is not None:
+            return planned
         for slot in self.tier.slots:
             marker = read_marker(slot) if (slot / MARKER_NAME).exists() else None
             if marker is not None and marker.save_id == found.marker.save_id:
@@ -180,24 +276,30 @@ class DeepSpeedMemory:
         return None
 
     def before_load(self, found: LatestTag) -> None:
-        """Collective, before ``load_checkpoint`` of ``found``: a memory tag's name exists (rank 0 makes it)."""
+        """Collective, before ``load_checkpoint`` of ``found``: across nodes a lost node's slot is restored from a
+        partner's copy first (:meth:`cpuckpt.MemoryTier.restore_planned`); a memory tag's name exists (each node's
+        leader makes it in its RAM root)."""
         slot = self.slot_of(found)
-        if slot is not None and self.tier.rank == 0:
+        # plans kept: when this restore fails (IntegrityError, every rank) an older candidate may need its own
+        self.tier.restore_planned(slot if slot is not None else found.directory / found.tag, keep_plans=True)
+        if slot is not None and self.names:
             self._link(found.tag, slot)
         self._barrier()
 
     def loaded(self, found: LatestTag) -> None:
         """``found`` was loaded: the ring's next save must not overwrite it (every rank)."""
         slot = self.slot_of(found)
-        self.tier.resume_after(slot if slot is not None else found.directory / found.tag)
+        path = slot if slot is not None else found.directory / found.tag
+        self.tier.restore_planned(path)  # done: the plans of the other candidates go
+        self.tier.resume_after(path)
 
     def close(self) -> None:
         """Collective: the newest memory checkpoint made durable (unless it is), writers stopped, RAM root removed
         (with the tags' names)."""
         self.tier.close()
 
-    # -- the names of memory tags (rank 0) --------------------------------------------------------
-    def _link(self, tag: str, slot: Path) -> None:
+    # -- the names of memory tags (each node's leader) --------------------------------------------------------
+    def _link(self, tag: str, slot: Path) -> None:  # this node's leader
         """``tags/<tag>`` -> ``slot``, replacing any other name of ``slot`` (it holds one tag)."""
         self.links.mkdir(mode=0o700, exist_ok=True)
         real = Path(os.path.realpath(slot))
@@ -227,7 +329,7 @@ class DeepSpeedMemory:
         held = {}
         for slot in self.tier.slots:
             status = check_dir(slot)
-            if status.complete and status.marker is not None:
+            if status.complete and status.marker is not None and not self._partial(slot, status.marker):
                 held[status.marker.tag] = (status.marker.global_step if status.marker.global_step is not None else -1,
                                            slot)
         for link in self.links.iterdir():

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["buffer_pointers", "estimate_checkpoint_bytes", "order_engine_steps", "snapshot_buffers"]
+__all__ = ["bind_at_save", "buffer_pointers", "estimate_checkpoint_bytes", "order_engine_steps", "snapshot_buffers"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,18 @@ def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
     return _take_model_step
 
 
+def _wrap_save_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ck = _checkpoint_engine(self)
+        if ck is not None:
+            ck.bind(self)  # the memory tier across nodes chooses who writes the model states (engine.create)
+        return original(self, *args, **kwargs)
+
+    save_checkpoint._cpuckpt_ordered = True  # type: ignore[attr-defined]
+    return save_checkpoint
+
+
 _LOCK = threading.Lock()
 
 
@@ -122,6 +134,18 @@ def order_engine_steps(base: type | None = None) -> list[str]:
                 setattr(base, name, wrap(fn))
             names.append(name)
     return names
+
+
+def bind_at_save(base: type | None = None) -> None:
+    """Wrap ``save_checkpoint`` of ``base`` (default: DeepSpeed's ``DeepSpeedEngine``) so that it first binds the
+    engine to cpuckpt's checkpoint engine (``bind``): the memory tier across nodes chooses, per checkpoint, which
+    ranks write the model states (``engine.create``). Idempotent."""
+    if base is None:
+        from deepspeed.runtime.engine import DeepSpeedEngine as base
+    with _LOCK:
+        fn = base.__dict__.get("save_checkpoint")
+        if fn is not None and not getattr(fn, "_cpuckpt_ordered", False):
+            base.save_checkpoint = _wrap_save_checkpoint(fn)
 
 
 def buffer_pointers(module: Any) -> set[tuple[int, tuple[int, ...]]]:

@@ -256,6 +256,9 @@ def _route_to_memory_tier(run: Training, module: Any) -> None:
             original_cleanup(save_dir, leave_ckpt_num=leave_ckpt_num, do_async=do_async)
 
     module.cleanup_old_non_persistent_checkpoint = cleanup_old_non_persistent_checkpoint
+    from .memory import restart_before_load
+
+    restart_before_load(module, run.memory)  # across nodes, the trackers every rank reads agree first
     import functools
 
     import megatron.training.async_utils as async_utils

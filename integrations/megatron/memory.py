@@ -25,32 +25,50 @@ save rank 0 moves what is there into the slot before replacing the directory by 
 A restart needs nothing from cpuckpt: Megatron-LM reads the trackers and loads ``D/iter_<N>``
 through the link (a fresh process reads the slot's files from RAM).
 
-Everything here runs on rank 0 unless it says otherwise; the tier itself is collective. One node only:
-a tier whose ranks use several RAM roots is refused with a ``ConfigError`` on every rank at the first
-save (the links in ``D`` and Megatron's own files live in one node's slot).
+Everything here runs on each node's leader (rank 0 on one node) unless it says otherwise; the tier itself is
+collective.
+
+Across nodes (ranks on several RAM roots, :mod:`cpuckpt.tier.nodes`) everything Megatron-LM reads from ``D`` is
+there on every node: ``D`` must be node-local (each node its own, e.g. under ``/dev/shm``; a ``D`` that several
+nodes share is refused with a ``ConfigError`` on every rank at the first save), each node's leader names its own
+slot ``D/iter_<N>``, each node's slot holds its ranks' data files, its own ``.metadata`` and node copies of
+replicated items (the core tier), and a copy of Megatron's own files: ``common.pt`` (rank 0's bytes, broadcast
+at the save) and, once Megatron finalizes the save, ``metadata.json``; each leader then writes its ``D``'s
+tracker (:meth:`MegatronMemory.finalized`). At a restart Megatron-LM reads every rank's tracker and all-reduces
+the iteration, so the trackers must agree before it reads them: :meth:`MegatronMemory.prepare_restart`
+(collective; the Megatron-LM hook runs it before ``load_checkpoint``) agrees on the newest memory checkpoint that
+every node holds or gets back from a partner's replica (``memory.replicas``; restored first, reading nothing from
+``--save``), gives every node's slot Megatron's files, and makes every ``D`` name it (or name nothing: the
+persistent tracker of ``--save`` then wins, and a changed topology reshards from there).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from cpuckpt.backend.commit import clear_commit
-from cpuckpt.backend.committed import check_complete
+from cpuckpt.backend.committed import check_complete, load_metadata, read_manifest
 from cpuckpt.config import Config
-from cpuckpt.errors import ConfigError
+from cpuckpt.errors import ConfigError, IntegrityError
 from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.tier.queue import PersistRequest
 from cpuckpt.transfer.files import write_atomic
 
 from .guard import finalize_saves_under
 
-__all__ = ["TRACKER", "MegatronMemory", "Route"]
+__all__ = ["TRACKER", "MegatronMemory", "Route", "restart_before_load"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +103,7 @@ class MegatronMemory:
             raise ConfigError(f"the non-persistent checkpoint directory must differ from --save ({self.save_dir})")
         self.config = config
         self._tier: MemoryTier | None = None
+        self._restarted = False
 
     # -- routing --------------------------------------------------------------------------------
     @property
@@ -150,13 +169,15 @@ class MegatronMemory:
             # Megatron's finalize reports each persist's outcome (the worker waits for it), so the tier
             # does not raise it again at the next save.
             tier = MemoryTier(self.save_dir, self.config, report_persist_failures=False)
-            if not tier.nodes.single:  # the same on every rank (the node map is gathered): all raise together
-                tier.close(persist_newest=False)
-                raise ConfigError(
-                    f"megatron.memory_tier: the job's ranks use {tier.nodes.nodes} RAM roots (nodes); Megatron-LM's "
-                    f"memory checkpoints are links in {self.np_dir} to one node's slot (with common.pt and "
-                    "metadata.json there only), so they work on one node only: run without memory_tier across "
-                    "nodes, or use cpuckpt.MemoryTier directly")
+            if not tier.nodes.single:
+                shared = _shared_by_nodes(self.np_dir, tier)
+                if shared:  # agreed (one all-reduce): every rank raises together
+                    tier.close(persist_newest=False)
+                    raise ConfigError(
+                        f"megatron.memory_tier across {tier.nodes.nodes} nodes: the non-persistent checkpoint "
+                        f"directory {self.np_dir} is shared by several nodes; each node names its own RAM root's "
+                        "slots there, so it must be node-local: set --non-persistent-global-ckpt-dir to a path on "
+                        "each node's own storage (e.g. under /dev/shm)")
             self._tier = tier
         return self._tier
 
@@ -166,10 +187,122 @@ class MegatronMemory:
         ``ordering`` as for :func:`cpuckpt.async_save` (``stream``: the caller orders its writes on the GPU)."""
         tier = self.tier
         durable = route.kind == "durable"
+        # across nodes every node's slot gets rank 0's common.pt (megatron-core wrote it into D/iter_N on node 0)
+        given = self._megatron_bytes(route) if route.kind == "memory" and not tier.nodes.single else {}
         handle = tier.save(state_dict, route.step, name=route.path.name, planner=planner, plan_key=plan_key,
                            persist=durable, dest=route.path, ordering=ordering,
-                           before_fill=lambda slot: self._link(route, slot) if tier.rank == 0 else None)
+                           before_fill=lambda slot: self._link(route, slot, given) if self.names else None)
         return handle, tier.last_persist
+
+    @property
+    def keeps_replicas(self) -> bool:
+        """Across nodes a save keeps every replica (not only the main one), so that the core tier writes each node's
+        own copy of replicated tensors into its slot (:mod:`cpuckpt.tier.nodecopies`). Makes the tier (collective)."""
+        return not self.tier.nodes.single
+
+    @property
+    def names(self) -> bool:
+        """Whether this rank names its node's slots in ``D`` (the node's leader; rank 0 on one node)."""
+        return self.tier.nodes.is_leader
+
+    def _megatron_bytes(self, route: Route) -> dict[str, bytes]:
+        """Collective: rank 0's Megatron files of ``route`` (``common.pt``; not ``metadata.json``, an earlier
+        save's), broadcast to every rank. Small: megatron-core's common state."""
+        tier = self.tier
+        box: list[Any] = [None]
+        if tier.rank == 0:
+            box[0] = {e.name: e.read_bytes() for e in _megatron_files(route.path)
+                      if e.is_file() and e.name != MEGATRON_METADATA}
+        dist.broadcast_object_list(box, src=dist.get_global_rank(tier.group, 0), group=tier.group)
+        return box[0]
+
+    def finalized(self, route: Route) -> None:
+        """Megatron finalized the memory save of ``route`` on every rank (cpuckpt's finalize step, every rank): across
+        nodes each node's leader writes what megatron-core and Megatron-LM write on rank 0 only, into its own slot
+        and ``D``: ``metadata.json`` (megatron-core's ``save_config``), then ``D``'s tracker. No collective."""
+        if route.kind != "memory" or self._tier is None or self._tier.nodes.single or not self.names:
+            return
+        _write_megatron_config(route.path)
+        write_atomic(self.np_dir / TRACKER, str(route.step).encode(), fsync=False)
+
+    def prepare_restart(self) -> int | None:
+        """Collective, across nodes, before Megatron-LM reads its trackers (every rank; once per process): the
+        newest checkpoint of both tiers that every node can load. A memory one (every node holds it, or gets it
+        back from a partner's replica, restored now: :meth:`cpuckpt.MemoryTier.restore_planned`) gets Megatron's
+        files on every node and every ``D`` names it (link and tracker), so Megatron-LM loads it from RAM on every
+        rank; otherwise every ``D``'s tracker goes, and Megatron-LM loads ``--save``'s (resharding if the topology
+        changed). Returns the memory checkpoint's iteration, or None. On one node only the names of slots saved
+        across nodes go (a changed topology: :meth:`_drop_partial_links`), and None is returned."""
+        tier = self.tier
+        if self._restarted:
+            return None
+        self._restarted = True
+        if tier.nodes.single:
+            if self.names:
+                self._drop_partial_links()
+            if tier.dist:
+                dist.barrier(group=tier.group)
+            return None
+        slot = None
+        for found in tier.candidates():  # collective: the same order on every rank, newest first
+            if found not in tier.slots:
+                break  # a durable checkpoint is the newest every node can load
+            try:  # collective; IntegrityError on every rank alike when the restore from a replica fails
+                tier.restore_planned(found, keep_plans=True)
+            except IntegrityError as e:
+                logger.warning("cpuckpt memory tier: %s cannot be restored from a replica (%s); trying the next "
+                               "newest checkpoint", found, e)
+                continue
+            slot = found
+            break
+        tier.restore_planned(slot if slot is not None else self.save_dir)  # the other plans go
+        if slot is not None:
+            tier.resume_after(slot)
+            self._share_megatron_files(slot)
+        step = tier.step_of(slot) if slot is not None else None
+        if self.names:
+            self.np_dir.mkdir(parents=True, exist_ok=True)
+            for link, _, _ in self._links():
+                link.unlink(missing_ok=True)
+            if slot is not None and step is not None:
+                os.symlink(slot, self.np_dir / f"iter_{step:07d}", target_is_directory=True)
+                write_atomic(self.np_dir / TRACKER, str(step).encode(), fsync=False)
+            else:
+                (self.np_dir / TRACKER).unlink(missing_ok=True)
+        dist.barrier(group=tier.group)
+        logger.info("cpuckpt memory tier: restart across %d nodes: %s", tier.nodes.nodes,
+                    f"iteration {step} from memory ({slot})" if slot is not None else
+                    f"no memory checkpoint every node holds; Megatron-LM loads {self.save_dir}")
+        return step
+
+    def _drop_partial_links(self) -> None:
+        """One node after a run across nodes: a slot linked in ``D`` that lacks files its ``.metadata`` names (it
+        holds one node's ranks' files) would fail Megatron-LM's load midway; its names go (the tracker moves back,
+        or goes: ``--save``'s tracker then wins, resharding as needed), with a warning."""
+        for link, step, target in self._links():
+            missing = _missing_files(target)
+            if missing:
+                logger.warning("cpuckpt memory tier: %s (iteration %d) was saved across nodes and lacks %d file(s) of "
+                               "this job's ranks (%s, ...): ignored (the topology changed)", link, step, len(missing),
+                               missing[0])
+                self._unlink_slot(target)
+
+    def _share_megatron_files(self, slot: Path) -> None:
+        """Collective: every node's leader's ``slot`` gets Megatron's files (``common.pt``, ``metadata.json``) from
+        the lowest rank whose node's slot has them (a slot restored from a replica has only cpuckpt's files)."""
+        tier = self.tier
+        mine = ({e.name for e in _megatron_files(slot) if e.is_file()} if self.names else set())
+        every: list[Any] = [None] * tier.world_size
+        dist.all_gather_object(every, sorted(mine), group=tier.group)
+        names = set().union(*(set(m) for m in every))
+        holder = next((r for r, m in enumerate(every) if set(m) == names), 0)
+        box: list[Any] = [{e.name: e.read_bytes() for e in _megatron_files(slot) if e.is_file()}
+                          if tier.rank == holder else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(tier.group, holder), group=tier.group)
+        if self.names:
+            for name, data in box[0].items():
+                if name not in mine:
+                    write_atomic(slot / name, data, fsync=False)
 
     def close(self) -> None:
         """End of training: stop the writers and remove the RAM root (Megatron's own final save is the
@@ -177,12 +310,14 @@ class MegatronMemory:
         if self._tier is not None:
             tier, self._tier = self._tier, None
             tier.close(persist_newest=False)
-            if tier.rank == 0:
+            if tier.nodes.is_leader:
                 self._remove_links()
 
     # -- the non-persistent directory (rank 0) ------------------------------------------------------
-    def _link(self, route: Route, slot: Path) -> None:
-        """Before ``slot`` is refilled: unlink its old names; a memory route then names it ``D/iter_<N>``."""
+    def _link(self, route: Route, slot: Path, files: dict[str, bytes] | None = None) -> None:
+        """Before ``slot`` is refilled: unlink its old names; a memory route then names it ``D/iter_<N>``, with
+        Megatron's files moved in from the directory megatron-core wrote them to (rank 0), or, across nodes, from
+        ``files`` (rank 0's bytes)."""
         self.np_dir.mkdir(parents=True, exist_ok=True)
         incoming = self.np_dir / f".incoming-{route.path.name}"
         if route.kind == "memory":  # megatron-core already wrote common.pt into the directory it was given
@@ -196,6 +331,9 @@ class MegatronMemory:
                     continue
                 os.replace(entry, incoming / entry.name)
             _remove(given)
+            for name, data in (files or {}).items():  # across nodes: rank 0's common.pt in every node's slot
+                if not (incoming / name).exists():
+                    write_atomic(incoming / name, data, fsync=False)
         self._unlink_slot(slot)
         clear_commit(slot, fsync=False)  # no name and no tracker may see the slot's old checkpoint from here on
         for entry in _megatron_files(slot):  # the previous checkpoint's common.pt, metadata.json, ...
@@ -271,6 +409,30 @@ class MegatronMemory:
         return True
 
 
+def restart_before_load(module: Any, memory_of: Callable[[], MegatronMemory]) -> bool:
+    """Wrap Megatron-LM's ``module.load_checkpoint`` (``megatron.training.checkpointing``, and every ``megatron.*``
+    module that imported it by name) so that every rank first runs :meth:`MegatronMemory.prepare_restart`: across
+    nodes the trackers Megatron-LM reads must agree before it reads them. Returns whether it wrapped (or had)."""
+    original = getattr(module, "load_checkpoint", None)
+    if original is None:
+        logger.warning("cpuckpt: %s has no load_checkpoint(): a restart across nodes does not resume from memory",
+                       getattr(module, "__name__", module))
+        return False
+    if getattr(original, "_cpuckpt_restart", False):
+        return True
+
+    @functools.wraps(original)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        memory_of().prepare_restart()  # once per process; nothing to do on one node
+        return original(*args, **kwargs)
+
+    load_checkpoint._cpuckpt_restart = True  # type: ignore[attr-defined]
+    for m in [module] + [m for name, m in list(sys.modules.items()) if name.startswith("megatron.") and m]:
+        if getattr(m, "load_checkpoint", None) is original:
+            m.load_checkpoint = load_checkpoint
+    return True
+
+
 def _megatron_files(directory: Path) -> list[Path]:
     """What Megatron wrote into a checkpoint directory (``common.pt``, ``metadata.json``, ...): everything
     but cpuckpt's data files (``__<rank>_<i>.distcp``) and hidden files (``.metadata``, manifests)."""
@@ -284,3 +446,50 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path)
+
+
+def _missing_files(slot: Path) -> list[str]:
+    """The data files ``slot``'s ``.metadata`` names that its manifest does not list (a node's slot of a checkpoint
+    saved across nodes); [] when it holds them all or is no complete checkpoint (the load reports that)."""
+    if not check_complete(slot).complete:
+        return []
+    manifest = read_manifest(slot)
+    try:
+        metadata = load_metadata(slot)
+    except (IntegrityError, OSError):
+        return []
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    return sorted(named - set(manifest.files if manifest is not None else ()))
+
+
+def _write_megatron_config(checkpoint_dir: Path) -> None:
+    """``metadata.json`` as megatron-core's finalize writes it for cpuckpt's strategies (torch_dist, version 1)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    save_config(CheckpointingConfig("torch_dist", 1), str(checkpoint_dir))
+
+
+def _shared_by_nodes(np_dir: Path, tier: MemoryTier) -> bool:
+    """Collective: whether several nodes' leaders see one ``np_dir`` (a shared filesystem). Each leader removes the
+    names an earlier start left, then (after a barrier) leaves its node's name, and after another counts the names
+    of this start's token; one all-reduce agrees."""
+    box: list[Any] = [os.urandom(8).hex() if tier.rank == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(tier.group, 0), group=tier.group)
+    token = box[0]
+    prefix = ".cpuckpt-node-"
+    if tier.nodes.is_leader:
+        np_dir.mkdir(parents=True, exist_ok=True)
+        for stale in np_dir.glob(f"{prefix}*"):
+            if not stale.name.startswith(f"{prefix}{token}"):
+                stale.unlink(missing_ok=True)
+    dist.barrier(group=tier.group)
+    key = hashlib.sha256(tier.nodes.keys[tier.rank].encode()).hexdigest()[:16]
+    if tier.nodes.is_leader:
+        (np_dir / f"{prefix}{token}-{key}").touch()
+    dist.barrier(group=tier.group)
+    seen = len(list(np_dir.glob(f"{prefix}{token}-*"))) if tier.nodes.is_leader else 0
+    if tier.nodes.is_leader:
+        (np_dir / f"{prefix}{token}-{key}").unlink(missing_ok=True)
+    flag = torch.tensor([int(seen > 1)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=tier.group)
+    return bool(flag.item())

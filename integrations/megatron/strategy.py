@@ -166,11 +166,15 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         self.checkpointer = checkpointer
         self.last_save_stats: Any = None  # cpuckpt.background.SaveStats of the last async_save
 
-    def _to_pyt(self, sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
-        sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+    def _to_pyt(self, sharded_state_dict: dict[str, Any], keep_replicas: bool = False) -> dict[str, Any]:
+        keep_main = self.keep_only_main_replica and not keep_replicas
+        sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_main)
         return mcore_to_pyt_state_dict(sharded, False)
 
-    def _planner(self) -> MCoreSavePlanner:
+    def _planner(self, keep_replicas: bool = False) -> MCoreSavePlanner:
+        if keep_replicas:  # DCP's central global plan deduplicates the replicas (and the tier adds node copies)
+            return MCoreSavePlanner(can_run_decentralized_global_plan=False, flatten_state_dict=False,
+                                    flatten_sharded_tensors=False)
         return MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False,
                                 flatten_sharded_tensors=False)
 
@@ -213,14 +217,17 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         requests: list[Any] = []
 
         def start() -> Any:
-            state = self._to_pyt(sharded_state_dict)
+            # across nodes every replica takes part, so that each node's slot gets its own copy (tier.nodecopies)
+            keep = route is not None and self.memory.keeps_replicas
+            state = self._to_pyt(sharded_state_dict, keep_replicas=keep)
             if route is None:
                 prepare.wait_prepared(self.config.timeout_s)  # never take a pool the preparation replaces
                 save = self.checkpointer.async_save if self.checkpointer is not None else cpuckpt.async_save
                 h = save(state, checkpoint_dir, self.config, planner=planner, plan_key=self._plan_key(planner),
                          ordering="stream" if overlap else "host")
             else:
-                h, request = self.memory.save(state, route, planner=planner, plan_key=self._plan_key(planner),
+                mem_planner = self._planner(keep_replicas=True) if keep else planner
+                h, request = self.memory.save(state, route, planner=mem_planner, plan_key=self._plan_key(mem_planner),
                                               ordering="stream" if overlap else "host")
                 requests.append(request)
             self.last_save_stats = h.stats
@@ -264,6 +271,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                 # errno/path/rank for an OSError), chained to this rank's original.
                 started.handle().wait(timeout_s)
                 raise_if_failed(reports, f"async save of {checkpoint_dir}", worker_error)
+                if route is not None and not abandoned:
+                    self.memory.finalized(route)  # across nodes: metadata.json and D's tracker on every node
             finally:
                 channel.remove()
                 if finalized is not None:

@@ -450,7 +450,8 @@ def test_links_are_found_through_a_symlinked_ram_root(tmp_path):
 
 
 def rank_two_nodes(root: str) -> str:
-    """Each rank its own RAM root (two nodes): the first memory save is refused on every rank."""
+    """Each rank its own RAM root (two nodes) but one shared non-persistent directory: refused on every rank at the
+    first memory save (across nodes each node names its own slots in its own, node-local, directory)."""
     import torch.distributed as dist
     from cpuckpt.integrations.megatron.memory import MegatronMemory, Route
 
@@ -470,6 +471,6 @@ def rank_two_nodes(root: str) -> str:
     return "saved"
 
 
-def test_memory_tier_across_nodes_is_refused_on_every_rank(run_ranks, tmp_path):
+def test_a_non_persistent_dir_shared_by_nodes_is_refused_on_every_rank(run_ranks, tmp_path):
     res = run_ranks(2, rank_two_nodes, str(tmp_path), timeout_s=120)
-    assert all("2 RAM roots" in r and "one node only" in r for r in res), res
+    assert all("across 2 nodes" in r and "shared by several nodes" in r and "node-local" in r for r in res), res
