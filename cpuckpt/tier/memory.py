@@ -52,6 +52,7 @@ from cpuckpt.config import CheckpointConfig, Config, MemoryConfig, resolve_confi
 from cpuckpt.errors import (
     CheckpointCorrupt,
     CheckpointTimeoutError,
+    ConfigError,
     CpuckptError,
     IntegrityError,
     UnsafeCheckpointError,
