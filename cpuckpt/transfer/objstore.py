@@ -53,6 +53,7 @@ class Upload:
 
     url: S3Url
     upload_id: str
+    initiated: float = 0.0  # unix time the upload was started (from a listing; 0 when unknown)
 
 
 class ObjectStore(Protocol):
@@ -343,8 +344,9 @@ class S3Store:
         pages = self._client.get_paginator("list_multipart_uploads").paginate(Bucket=prefix.bucket,
                                                                               Prefix=prefix.key)
         try:
-            return [Upload(S3Url(prefix.bucket, u["Key"]), u["UploadId"]) for page in pages
-                    for u in page.get("Uploads", [])]
+            return [Upload(S3Url(prefix.bucket, u["Key"]), u["UploadId"],
+                           u["Initiated"].timestamp() if u.get("Initiated") else 0.0)
+                    for page in pages for u in page.get("Uploads", [])]
         except (self._exc.BotoCoreError, self._exc.ClientError) as e:
             raise self._error(e, "cannot list the uploads under", prefix) from e
 

@@ -16,6 +16,7 @@ import logging
 import threading
 from pathlib import Path
 
+from cpuckpt import faultpoint
 from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError
 from cpuckpt.format.layout import Chunk, FileLayout
@@ -81,6 +82,7 @@ class S3Sink:
 
     def write(self, chunk: Chunk, slot: Slot) -> None:
         upload = self._upload(chunk.file)
+        faultpoint.hit(f"s3-part:{self.names[chunk.file]}:{chunk.index}")
         with slot.view[: chunk.nbytes] as view:
             etag = self.store.upload_part(upload, chunk.index + 1, view)
         self._etags[chunk.file][chunk.index] = etag
