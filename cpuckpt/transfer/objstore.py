@@ -145,6 +145,28 @@ class _PartReader:
         return True
 
 
+# botocore parses its service models (~3 MB of JSON, ~0.25 s on the 2-core box) once per session; sessions
+# are per store (credentials are resolved per session, so a changed environment is seen by the next store),
+# and they share this one loader: the models are parsed once per process.
+_LOADER: Any = None
+_LOADER_LOCK = threading.Lock()
+
+
+def _session(credentials: tuple[str, str] | None) -> Any:
+    global _LOADER
+    import boto3
+    import botocore.loaders
+    import botocore.session
+
+    with _LOADER_LOCK:
+        if _LOADER is None:
+            _LOADER = botocore.loaders.create_loader()
+        core = botocore.session.Session()
+        core.register_component("data_loader", _LOADER)
+    key, secret = credentials or (None, None)
+    return boto3.session.Session(key, secret, botocore_session=core)
+
+
 _NOT_FOUND = {"NoSuchKey", "NotFound", "404"}
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "InvalidToken", "ExpiredToken"}
 
@@ -161,13 +183,12 @@ class S3Store:
 
     def __init__(self, cfg: S3Config, *, threads: int = 16, credentials: tuple[str, str] | None = None) -> None:
         try:
-            import boto3
             import botocore.config
             import botocore.exceptions
+            session = _session(credentials)
         except ImportError as e:
             raise ConfigError(f"s3:// checkpoints need boto3: pip install 'cpuckpt[s3]' ({e})") from e
         self._exc = botocore.exceptions
-        session = boto3.session.Session(*(credentials or (None, None)))
         self.region = cfg.region or session.region_name or "us-east-1"
         self.endpoint = cfg.endpoint_url or None  # None: boto3 reads AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
         client_cfg = botocore.config.Config(
