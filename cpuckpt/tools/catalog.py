@@ -27,11 +27,13 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from cpuckpt.backend.committed import METADATA_NAME, is_complete, load_metadata, read_manifest, same_save
+from cpuckpt.config import resolve_config
 from cpuckpt.errors import CpuckptError
 from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
-from cpuckpt.paths import local_path
-from cpuckpt.roots import find_latest, inspect_checkpoint, ordered
+from cpuckpt.paths import S3Url, checkpoint_path
+from cpuckpt.roots import find_latest, inspect_checkpoint, list_checkpoints, ordered
+from cpuckpt.transfer.objstore import open_store
 
 __all__ = ["Description", "ListedCheckpoint", "TensorInfo", "describe", "identify", "scan_root", "tensors_of"]
 
@@ -42,7 +44,7 @@ _STEP_RE = re.compile(r"(\d+)(?!.*\d)")  # the last number in a name: step_100, 
 class ListedCheckpoint:
     """One checkpoint directory as ``ls`` shows it."""
 
-    path: Path
+    path: Path | S3Url
     kind: str  # cpuckpt, dcp, megatron, deepspeed
     complete: bool
     step: int | None  # shown: the manifest's, else the last number in the directory name
@@ -166,11 +168,16 @@ def scan_root(root: str | os.PathLike, *, verify: bool = False) -> list[ListedCh
     (:func:`cpuckpt.tools.verification.verify_checkpoint`); a damaged one is marked ``damaged`` and the
     latest is then the newest one that verifies (the one :func:`cpuckpt.load_latest` would load).
 
+    An ``s3://`` root lists its checkpoint prefixes (cpuckpt and stock DCP checkpoints: :func:`_scan_s3`).
+
     Raises:
         FileNotFoundError: ``root`` is not a directory.
-        ConfigError: ``root`` is a URL.
+        ConfigError: ``root`` is a URL other than ``s3://``.
     """
-    r = Path(local_path(root, "checkpoint root"))
+    where = checkpoint_path(root, "checkpoint root")
+    if isinstance(where, S3Url):
+        return _scan_s3(where, verify=verify)
+    r = Path(where)
     if not r.is_dir():
         raise FileNotFoundError(f"{r}: not a directory")
     own = identify(r)
@@ -192,11 +199,32 @@ def scan_root(root: str | os.PathLike, *, verify: bool = False) -> list[ListedCh
     return found
 
 
+def _scan_s3(root: S3Url, *, verify: bool) -> list[ListedCheckpoint]:
+    """The checkpoint prefixes under an ``s3://`` root, as ``roots.list_checkpoints`` finds and orders them
+    (sizes from one listing each); the latest is ``find_latest``'s, or with ``verify`` the newest that
+    verifies."""
+    store = open_store(resolve_config(None).s3, threads=4)
+    found = []
+    for c in list_checkpoints(root):
+        url: S3Url = c.path  # type: ignore[assignment]
+        objects = list(store.list(S3Url(url.bucket, f"{url.key}/")))
+        kind = "cpuckpt" if any(o.key.endswith(f"/{MANIFEST_NAME}") for o in objects) else "dcp"
+        found.append(ListedCheckpoint(url, kind, c.complete, c.step, sum(o.nbytes for o in objects), c.mtime,
+                                      reason=c.reason, rank_step=c.step, rank_time=c.mtime))
+    if verify:
+        _verify_all(found)
+    complete = [i for i in found if i.complete and not i.damaged]
+    if complete:
+        complete[-1].latest = True
+    return found
+
+
 def _verify_all(found: list[ListedCheckpoint]) -> None:
     from cpuckpt.tools.verification import verify_checkpoint
 
     for info in found:
-        if not info.complete or info.kind == "deepspeed" or not (info.path / METADATA_NAME).is_file():
+        if not info.complete or info.kind == "deepspeed" or (
+                isinstance(info.path, Path) and not (info.path / METADATA_NAME).is_file()):
             continue
         try:
             report = verify_checkpoint(info.path)
