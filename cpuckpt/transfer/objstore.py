@@ -168,6 +168,12 @@ def _session(credentials: tuple[str, str] | None) -> Any:
 
 
 _NOT_FOUND = {"NoSuchKey", "NotFound", "404"}
+
+
+def _code(e: Any) -> str:
+    """A botocore ``ClientError``'s error code (the HTTP status as a string when the response had no body)."""
+    err = e.response.get("Error", {})
+    return str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "InvalidToken", "ExpiredToken"}
 
 
@@ -265,10 +271,9 @@ class S3Store:
         try:
             return self._client.get_object(Bucket=url.bucket, Key=url.key)["Body"].read()
         except self._exc.ClientError as e:
-            err = self._error(e, "cannot read", url)
-            if err.errno == errno.ENOENT and "bucket" not in str(err):
+            if _code(e) in _NOT_FOUND:  # the object (not the bucket: NoSuchBucket is an error)
                 return None
-            raise err from e
+            raise self._error(e, "cannot read", url) from e
         except self._exc.BotoCoreError as e:
             raise self._error(e, "cannot read", url) from e
 
@@ -300,10 +305,9 @@ class S3Store:
         try:
             r = self._client.head_object(Bucket=url.bucket, Key=url.key)
         except self._exc.ClientError as e:
-            err = self._error(e, "cannot stat", url)
-            if err.errno == errno.ENOENT:
+            if _code(e) in _NOT_FOUND:  # HEAD has no body: a missing bucket is a 404 too, found by check_bucket
                 return None
-            raise err from e
+            raise self._error(e, "cannot stat", url) from e
         except self._exc.BotoCoreError as e:
             raise self._error(e, "cannot stat", url) from e
         return ObjectInfo(url.key, int(r["ContentLength"]), r["LastModified"].timestamp())
@@ -354,10 +358,8 @@ class S3Store:
             self._client.abort_multipart_upload(Bucket=upload.url.bucket, Key=upload.url.key,
                                                 UploadId=upload.upload_id)
         except self._exc.ClientError as e:
-            if self._error(e, "", upload.url).errno != errno.ENOENT:  # NoSuchUpload: already gone
-                code = e.response.get("Error", {}).get("Code")
-                if code != "NoSuchUpload":
-                    raise self._error(e, "cannot abort the upload of", upload.url) from e
+            if _code(e) not in ("NoSuchUpload", *_NOT_FOUND):  # already gone: nothing to abort
+                raise self._error(e, "cannot abort the upload of", upload.url) from e
         except self._exc.BotoCoreError as e:
             raise self._error(e, "cannot abort the upload of", upload.url) from e
 
