@@ -12,6 +12,10 @@ process, on the same state dict (``--gib`` GiB of mixed sizes from ``common.buil
 - ``dcp+s3fs``: DCP with ``FsspecWriter``/``FsspecReader`` over s3fs (``thread_count`` = ``io.threads``; needs
   ``pip install "s3fs>=2023" "boto3<1.44"``: s3fs's aiobotocore pins an older botocore than boto3 1.44's).
 
+and, with ``--memtier``, the memory tier persisting to ``s3://``: a ``MemoryTier`` save's time to its memory commit
+(the trainer's wait), the writer process's persist to the bucket (GB/s, from the call to the durable commit), and a
+CPU "training step" (``common.matmul_loop``: 4 bf16 matmuls on the CPU) timed alone and while the persist runs.
+
 Every load is checked bit-exact. Each save goes to a new prefix, deleted after its load. Medians with
 min-max; GB = 1e9 bytes of tensor data. Prints a table last; ``--out`` gets the raw JSON. Speed is the
 box's (2 shared cores: client and server compete for them); ratios are ours.
@@ -27,6 +31,7 @@ import concurrent.futures as cf
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -40,6 +45,8 @@ from benchmarks.common import (
     clone_empty,
     count_leaves,
     format_table,
+    matmul_loop,
+    median,
     same_state_dict,
     small_state_dict,
     state_dict_nbytes,
@@ -117,6 +124,34 @@ def _variants(region: str, cfg: Config, cfg_dict: dict) -> dict[str, tuple[Calla
     return out
 
 
+def _memtier(sd: dict, root: str, ram: Path, repeat: int, step_n: int) -> dict[str, list[float]]:
+    """The memory tier persisting to ``root``: memory-commit wait, persist GB/s, step time alone / during."""
+    from cpuckpt.tier.memory import MemoryTier
+
+    nbytes = state_dict_nbytes(sd)
+    tier = MemoryTier(root, {"memory": {"root": str(ram), "persist_every": 1, "slots": 2, "headroom_bytes": 0}})
+    out: dict[str, list[float]] = {}
+    try:
+        matmul_loop(3, step_n)  # warm
+        tier.save(sd, 0).wait()  # warm: the first persist starts the writer process (imports torch)
+        tier.wait_persisted()
+        for rep in range(repeat):
+            alone = matmul_loop(10, step_n)
+            t = time.perf_counter()
+            tier.save(sd, rep + 1).wait()
+            out.setdefault("memory_commit_s", []).append(time.perf_counter() - t)
+            during: list[float] = []
+            while not tier.persisted(rep + 1):
+                during += matmul_loop(1, step_n)
+                if time.perf_counter() - t > 600:
+                    raise RuntimeError("the persist to s3:// did not finish within 600 s")
+            out.setdefault("persist_gbps", []).append(nbytes / (time.perf_counter() - t) / 1e9)
+            out.setdefault("step_during_over_alone", []).append(median(during) / median(alone) if during else 1.0)
+    finally:
+        tier.close(persist_newest=False)
+    return out
+
+
 def _delete_prefix(store: S3Store, bucket: str, key: str) -> None:
     for o in list(store.list(S3Url(bucket, key))):
         store.delete(S3Url(bucket, o.key))
@@ -129,10 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="parent of the server's data directory (default: the temp dir)")
     ap.add_argument("--out", default=None, help="directory for bench_s3.json")
+    ap.add_argument("--memtier", action="store_true", help="also the memory tier persisting to s3:// (see above)")
+    ap.add_argument("--step-n", type=int, default=1024, help="matmul size of the CPU training step (--memtier)")
     ap.add_argument("--smoke", action="store_true", help="16 MiB + 50 small tensors, once: keeps the script working")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.gib, args.tiny, args.repeat = 1 / 64, 50, 1
+        args.gib, args.tiny, args.repeat, args.memtier, args.step_n = 1 / 64, 50, 1, True, 128
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     cfg_dict: dict = {}
@@ -172,6 +209,13 @@ def main(argv: list[str] | None = None) -> None:
                 r.setdefault("load", []).append(nbytes / load_s / 1e9)
                 _delete_prefix(store, server.bucket, key + "/")
                 logger.info("%s rep %d: save %.2f s, load %.2f s", name, rep, save_s, load_s)
+        memtier: dict[str, list[float]] = {}
+        if args.memtier:  # the RAM root in /dev/shm where there is one, as a job would have it
+            ram = Path(tempfile.mkdtemp(prefix="cpuckpt-bench-s3-", dir="/dev/shm" if Path("/dev/shm").is_dir() else d))
+            try:
+                memtier = _memtier(sd, f"s3://{server.bucket}/memtier", ram / "ram", args.repeat, args.step_n)
+            finally:
+                shutil.rmtree(ram, ignore_errors=True)
     rows = []
     for name in ["raw", *[v for v in results if v != "raw"]]:
         s, lo = summarize(results[name]["save"]), summarize(results[name]["load"])
@@ -186,10 +230,17 @@ def main(argv: list[str] | None = None) -> None:
             ratio = ours / summarize(results[best][what])["median"]
             raw = ours / summarize(results["raw"][what])["median"]
             notes.append(f"cpuckpt {what} / best peer ({best}): {ratio:.2f}x; / raw: {raw:.2f}x")
+    if memtier:
+        m = {k: summarize(v) for k, v in memtier.items()}
+        notes.append(f"memory tier to s3://: memory commit {m['memory_commit_s']['median']:.3f} s, persist "
+                     f"{m['persist_gbps']['median']:.3f} GB/s ({m['persist_gbps']['min']:.3f}-"
+                     f"{m['persist_gbps']['max']:.3f}), CPU step during persist / alone "
+                     f"{m['step_during_over_alone']['median']:.2f}x")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_s3.json").write_text(json.dumps(
-            {"args": vars(args), "nbytes": nbytes, "tensors": ntensors, "results": results}, indent=1))
+            {"args": vars(args), "nbytes": nbytes, "tensors": ntensors, "results": results, "memtier": memtier},
+            indent=1))
     print(format_table(["variant", "save GB/s", "load GB/s"], rows, right=[False, True, True],
                        title=f"local SeaweedFS, {nbytes / 1e9:.2f} GB in {ntensors} leaves, median (min-max) of "
                              f"{args.repeat}", footnotes=notes))
