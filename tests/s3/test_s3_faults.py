@@ -7,7 +7,8 @@ rank.
 - wrong credentials and a missing bucket: ``StorageIOError`` saying so (``EACCES``/``ENOENT``), nothing written;
 - a data object overwritten (same size) or truncated after the commit: ``CheckpointCorrupt`` naming the object
   and the byte range; the truncated one is not listed as complete;
-- two writers: the conditional PUT of ``.metadata`` lets only the first commit.
+- two writers: the conditional PUT of ``.metadata`` lets only the first commit;
+- a load with the server gone: ``StorageIOError`` (``ECONNREFUSED``) within the client's bounds, never a hang.
 """
 
 from __future__ import annotations
@@ -161,3 +162,25 @@ def test_only_one_of_two_writers_commits(s3_server, s3_env, s3_url):
     out = {"w": torch.zeros(4)}
     cpuckpt.load(out, s3_url, CFG)
     assert torch.equal(out["w"], torch.ones(4))
+
+
+def test_load_with_the_server_gone_fails_fast(own_s3_server, monkeypatch):
+    """A load whose server died raises a StorageIOError naming the object (bounded by the client's connect
+    timeout and attempts), never hangs; the checkpoint loads again once the server is back."""
+    import cpuckpt
+
+    for k, v in own_s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{own_s3_server.bucket}/gone"
+    state = {"w": torch.randn(3 * MiB, generator=torch.Generator().manual_seed(9))}
+    cpuckpt.save(state, url, CFG)
+    own_s3_server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(cpuckpt.StorageIOError, match=r"cannot connect to http://127\.0\.0\.1:\d+") as err:
+        cpuckpt.load({"w": torch.zeros(3 * MiB)}, url, CFG)
+    assert err.value.errno == errno.ECONNREFUSED and url in str(err.value)
+    assert time.monotonic() - t0 < 60
+    own_s3_server.start()
+    out = {"w": torch.zeros(3 * MiB)}
+    cpuckpt.load(out, url, CFG)
+    assert torch.equal(out["w"], state["w"])
