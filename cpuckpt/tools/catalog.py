@@ -26,6 +26,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from cpuckpt.backend import s3commit
 from cpuckpt.backend.committed import METADATA_NAME, is_complete, load_metadata, read_manifest, same_save
 from cpuckpt.config import resolve_config
 from cpuckpt.errors import CpuckptError
@@ -285,10 +286,15 @@ def _tree_size(p: Path) -> tuple[int, float]:
 def describe(path: str | os.PathLike) -> Description:
     """Everything ``inspect`` shows: files, ranks, tensors, versions, config and timings.
 
+    ``path`` may be an ``s3://`` checkpoint prefix (:func:`_describe_s3`).
+
     Raises:
         FileNotFoundError: ``path`` is not a recognised checkpoint directory.
     """
-    p = Path(path)
+    where = checkpoint_path(path)
+    if isinstance(where, S3Url):
+        return _describe_s3(where)
+    p = Path(where)
     info = identify(p)
     if info is None:
         raise FileNotFoundError(f"{p}: not a checkpoint directory (no .metadata, .cpuckpt.json, "
@@ -330,6 +336,44 @@ def describe(path: str | os.PathLike) -> Description:
     if desc.ranks is None:
         prefixes = {m.group(1) for rel in rels if (m := re.match(r"__(\d+)_", rel))}
         desc.ranks = len(prefixes) or None
+    return desc
+
+
+def _describe_s3(url: S3Url) -> Description:
+    """:func:`describe` of a checkpoint prefix in object storage (one listing, ``.metadata`` and the manifest)."""
+    store = open_store(resolve_config(None).s3, threads=4)
+    objects = {o.key[len(url.key) + 1:]: o.nbytes for o in store.list(S3Url(url.bucket, f"{url.key}/"))}
+    if not objects:
+        raise FileNotFoundError(f"{url}: not a checkpoint (no object under this prefix)")
+    c = inspect_checkpoint(url)
+    kind = "cpuckpt" if MANIFEST_NAME in objects else "dcp"
+    desc = Description(info=ListedCheckpoint(url, kind, c.complete, c.step, sum(objects.values()), c.mtime,
+                                             reason=c.reason, rank_step=c.step, rank_time=c.mtime))
+    try:
+        desc.manifest = s3commit.read_manifest(store, url)
+    except CpuckptError as e:
+        desc.notes.append(str(e))
+    if desc.manifest is not None:
+        desc.ranks, desc.save_id = desc.manifest.world_size, desc.manifest.save_id
+    try:
+        md = s3commit.load_metadata(store, url)
+    except CpuckptError as e:
+        desc.notes.append(str(e) if METADATA_NAME in objects else
+                          "no .metadata: the save did not complete; tensors are unknown")
+        desc.files = {n: b for n, b in sorted(objects.items()) if n.endswith(".distcp")}
+        return desc
+    if not c.complete:
+        desc.notes.append(f"committed, but incomplete now: {c.reason}")
+    desc.dcp_version = str(getattr(md, "version", "") or "")
+    desc.save_id = desc.save_id or str(getattr(getattr(md, "storage_meta", None), "save_id", "") or "")
+    desc.tensors = tensors_of(md)
+    rels = sorted({s.relative_path for s in (md.storage_data or {}).values()})
+    for rel in rels:
+        desc.files[rel] = objects.get(rel, -1)
+        if rel not in objects:
+            desc.notes.append(f"{rel}: listed in .metadata but missing")
+    if desc.ranks is None:
+        desc.ranks = len({m.group(1) for rel in rels if (m := re.match(r"__(\d+)_", rel))}) or None
     return desc
 
 

@@ -162,16 +162,17 @@ def ls_cmd(root: Any, as_json: bool, verify: bool) -> None:
 
 
 @cli.command("inspect")
-@click.argument("path", type=_LocalPath("checkpoint path", exists=True, file_okay=False))
+@click.argument("path", type=_CheckpointPath("checkpoint path", exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--tensors/--no-tensors", default=True, help="List every tensor (default) or only totals.")
-def inspect_cmd(path: Path, as_json: bool, tensors: bool) -> None:
-    """Show ranks, files, tensors, bytes, config, versions and timings of the checkpoint at PATH."""
+def inspect_cmd(path: Any, as_json: bool, tensors: bool) -> None:
+    """Show ranks, files, tensors, bytes, config, versions and timings of the checkpoint at PATH (a directory,
+    or an s3:// prefix)."""
     from cpuckpt.tools.catalog import describe
 
     try:
         d = describe(path)
-    except (FileNotFoundError, CpuckptError) as e:
+    except (OSError, CpuckptError) as e:
         _fail(str(e))
     m = d.manifest
     if as_json:

@@ -1,5 +1,5 @@
-"""``cpuckpt ls``, ``verify`` and ``clean`` on an ``s3://`` root, against the real server (in-process through
-click's ``CliRunner``, with the AWS variables of the test server in the environment)."""
+"""``cpuckpt ls``, ``inspect``, ``verify`` and ``clean`` on an ``s3://`` root, against the real server
+(in-process through click's ``CliRunner``, with the AWS variables of the test server in the environment)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,14 @@ def test_ls_verify_clean_on_s3(s3_server, s3_env, s3_url):
         (f"{root}/step_2", "cpuckpt", 2, "complete", True),
         (f"{root}/step_3", "dcp", None, "incomplete", False)]
     assert rows[0]["nbytes"] > 8 * 1024 * 1024
+
+    code, out = _run("inspect", "--json", f"{root}/step_2")
+    assert code == 0, out
+    desc = json.loads(out)
+    assert (desc["kind"], desc["status"], desc["step"], desc["ranks"]) == ("cpuckpt", "complete", 2, 1), desc
+    assert [t["name"] for t in desc["tensors"]] == ["w"] and list(desc["files"]) == ["__0_0.distcp"], desc
+    code, out = _run("inspect", f"{root}/step_3")
+    assert code == 0 and "no .metadata: the save did not complete" in out, out
 
     code, out = _run("verify", f"{root}/step_2")
     assert code == 0 and out.startswith(f"OK {root}/step_2: 1 file(s), 2 chunk(s)"), out
