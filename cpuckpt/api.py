@@ -18,14 +18,13 @@ import torch
 import torch.distributed as dist
 
 from cpuckpt.backend import collectives, fastload
-from cpuckpt.backend.committed import load_metadata
 from cpuckpt.backend.reader import StorageReader
 from cpuckpt.backend.telemetry import record_load, record_save
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.background import gc_paused
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import ConfigError, is_interrupt
-from cpuckpt.paths import local_path
+from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.roots import after_commit, loading
 from cpuckpt.transfer.pacing import PACER
 from cpuckpt.transfer.staging import get_pool
@@ -50,7 +49,8 @@ def save(
 
     Args:
         state_dict: what to save, as for ``dcp.save``.
-        path: checkpoint directory.
+        path: checkpoint directory, or ``s3://bucket/prefix`` (object storage: the ``s3`` config section and
+            the AWS conventions; a prefix holding a committed checkpoint is refused, see ``backend.s3commit``).
         config: a :class:`Config`, a YAML path, a dict, or None.
         step: training step, recorded in the manifest.
         process_group: the trainer's group; checkpoint collectives use a gloo group over its ranks.
@@ -59,14 +59,14 @@ def save(
     Raises:
         CpuckptError: any rank failed; the message names the rank and the cause (``StorageIOError``, an
             ``OSError`` with errno and path, when the cause was one: also a directory that cannot be created).
-        ConfigError: ``path`` is a URL (nothing is created).
+        ConfigError: ``path`` is a URL other than ``s3://`` (nothing is created).
         KeyboardInterrupt: Ctrl-C, as itself (never a ``CpuckptError``); the save's threads stop and
             ``path`` is left without ``.metadata``.
 
     Example:
         >>> cpuckpt.save({"model": model.state_dict()}, "/ckpt/step_100", step=100)
     """
-    path = local_path(path, "save: checkpoint path")  # a URL is refused before anything is created
+    path = checkpoint_path(path, "save: checkpoint path")  # another URL is refused before anything is created
     t0 = time.perf_counter()
     writer: StorageWriter | None = None
     with collectives.one_contract(f"save of {path}", lambda: writer.rank if writer is not None else 0):
@@ -113,15 +113,15 @@ def load(
         CheckpointCorrupt: a file is missing, truncated or fails its checksum.
         IntegrityError: the checkpoint is not committed (no ``.metadata``).
         StorageIOError: a read failed (errno, path), ``.metadata`` included; the same error on every rank.
-        ConfigError: ``path`` is a URL.
+        ConfigError: ``path`` is a URL other than ``s3://``.
         KeyboardInterrupt: Ctrl-C, as itself; the reader threads stop.
     """
-    path = local_path(path, "load: checkpoint path")
+    path = checkpoint_path(path, "load: checkpoint path")
     t0 = time.perf_counter()
     rank = 0
     with collectives.one_contract(f"load of {path}", lambda: rank):
         reader = storage_reader if storage_reader is not None else StorageReader(path, config)
-        if reader.path != Path(path):
+        if reader.path != (path if isinstance(path, S3Url) else Path(path)):
             raise ConfigError(f"load of {path}: storage_reader reads {reader.path}, not this checkpoint")
         # No cyclic GC inside a load: unpickling .metadata and planning allocate an object or more per item,
         # and a full collection they trigger costs more than the rest of a load from RAM.
@@ -133,7 +133,7 @@ def load(
             # first (one all-reduce): a rank that cannot read it must not leave its peers in DCP's collectives.
             metadata, error = None, None
             try:
-                metadata = load_metadata(Path(path))
+                metadata = reader.load_metadata()
             except Exception as e:
                 error = e
             collectives.agree_or_raise(error, rank, group, f"load of {path}")

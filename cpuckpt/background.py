@@ -47,7 +47,6 @@ from cpuckpt.backend.collectives import (
     resolve_stateful,
     run_dcp,
 )
-from cpuckpt.backend.commit import clear_commit, make_checkpoint_dir
 from cpuckpt.backend.itemcache import CachedItems
 from cpuckpt.backend.telemetry import record_save
 from cpuckpt.backend.writer import StorageWriter
@@ -55,7 +54,7 @@ from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import ConfigError, CpuckptError, FailureReport, is_interrupt, rank_error
 from cpuckpt.format.layout import LayoutCache
 from cpuckpt.format.plancache import CachedPlan, structure_signature
-from cpuckpt.paths import local_path
+from cpuckpt.paths import checkpoint_path
 from cpuckpt.roots import after_commit
 from cpuckpt.transfer.device_snapshot import DeviceSnapshots
 from cpuckpt.transfer.sinks import SinkFactory
@@ -290,7 +289,7 @@ class Checkpointer:
         """Save in the background through this stream: :func:`cpuckpt.async_save`'s arguments (less
         ``process_group``: the checkpointer's), contract, errors and plan reuse (from this stream's
         previous saves only)."""
-        path = local_path(path, "async_save: checkpoint path")  # a URL is refused before anything is created
+        path = checkpoint_path(path, "async_save: checkpoint path")  # another URL: refused before anything
         if ordering not in ORDERINGS:
             raise ConfigError(f"async_save: ordering must be one of {', '.join(ORDERINGS)}, got {ordering!r}")
         group = self.process_group
@@ -359,9 +358,9 @@ class Checkpointer:
             coordinator = not self._dist or dist.get_rank(self._require_groups().plan_group) == 0
         error: BaseException | None = None
         try:
-            make_checkpoint_dir(writer.path)
+            writer.target.prepare()
             if coordinator:
-                clear_commit(writer.path, fsync=writer.config.io.fsync)
+                writer.target.clear()
         except BaseException as e:  # shared with the peers below, so that no rank waits for this one
             error = e
         what = f"async save of {writer.path}"

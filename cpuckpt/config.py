@@ -31,6 +31,7 @@ __all__ = [
     "IOConfig",
     "IntegrityConfig",
     "LayoutConfig",
+    "S3Config",
     "StagingConfig",
     "TelemetryConfig",
     "build_options",
@@ -227,6 +228,24 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True)
+class S3Config:
+    """Object storage for ``s3://bucket/prefix`` checkpoint paths (see cpuckpt.transfer.objstore)."""
+
+    endpoint_url: str = _opt("", "S3 endpoint, e.g. http://127.0.0.1:8333 for a local server; empty: the AWS "
+                             "conventions (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, else AWS itself).")
+    region: str = _opt("", "Region; empty: the AWS conventions (AWS_REGION, AWS_DEFAULT_REGION, the profile), "
+                       "else us-east-1.")
+    path_style: bool = _opt(True, "Path-style addressing (http://host/bucket/key), which S3-compatible servers "
+                            "need; false: virtual-hosted style (http://bucket.host/key).")
+    max_attempts: int = _opt(3, "Attempts per request (the client's retries with backoff, throttling such as "
+                             "503 SlowDown included); every wait stays bounded by timeout_s.", min=1, max=20)
+    connect_timeout_s: float = _opt(10.0, "Bound on opening one connection to the endpoint, seconds.",
+                                    min=0.1)
+    read_timeout_s: float = _opt(60.0, "Bound on waiting for one response (or its next bytes), seconds.",
+                                 min=0.1)
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything cpuckpt can be told. Defaults live here and are mirrored in configs/default.yaml."""
 
@@ -238,6 +257,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    s3: S3Config = field(default_factory=S3Config)
     timeout_s: float = _opt(600.0, "Bound on every wait (threads, peers, pool leases), seconds; also the timeout of "
                             "the gloo group cpuckpt creates for its collectives over a non-gloo (NCCL) trainer "
                             "group. Not bounded by it: collectives on a trainer group that is already gloo (that "

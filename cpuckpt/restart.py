@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 from cpuckpt.api import load
 from cpuckpt.backend import collectives
-from cpuckpt.backend.committed import is_complete
+from cpuckpt.backend.committed import METADATA_NAME, is_complete
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError, UnsafeCheckpointError
-from cpuckpt.paths import local_path
+from cpuckpt.paths import S3Url, checkpoint_path
+from cpuckpt.rootinfo import CheckpointInfo
 from cpuckpt.roots import list_checkpoints
 
 __all__ = ["load_latest"]
@@ -70,7 +71,7 @@ def load_latest(
             message), or one that was committed is damaged and none loads: never an empty start over
             checkpoints that exist.
         IntegrityError: with ``fallback_on_corrupt=False``, the newest checkpoint does not verify.
-        ConfigError: ``root`` is a URL.
+        ConfigError: ``root`` is a URL other than ``s3://``.
         CpuckptError: any other failure of a load (the same on every rank).
 
     Example:
@@ -78,7 +79,8 @@ def load_latest(
         >>> if path is None:
         ...     pass  # first run: nothing saved yet
     """
-    root_path = Path(local_path(root, "checkpoint root"))
+    where = checkpoint_path(root, "checkpoint root")  # a directory, or an s3:// root
+    root_path = where if isinstance(where, S3Url) else Path(where)
     cfg = resolve_config(config)
     group = collectives.checkpoint_group(process_group, cfg.timeout_s)
     names, damaged = _agreed_candidates(root_path, group)
@@ -109,7 +111,7 @@ def load_latest(
     return None
 
 
-def _agreed_candidates(root: Path, group: Any) -> tuple[list[str], list[tuple[str, str]]]:
+def _agreed_candidates(root: Path | S3Url, group: Any) -> tuple[list[str], list[tuple[str, str]]]:
     """Rank 0's complete checkpoints (newest first) and committed-but-incomplete ones, given to every rank.
 
     One broadcast: ranks that scanned the root a moment apart (a save committing meanwhile) would
@@ -120,8 +122,15 @@ def _agreed_candidates(root: Path, group: Any) -> tuple[list[str], list[tuple[st
         infos = list_checkpoints(root)
         names = [c.path.name for c in reversed(infos) if c.complete]
         # committed once (a .metadata is there) but incomplete now: damage after the commit, not a torn save
-        damaged = [(c.path.name, c.reason) for c in infos if not c.complete and is_complete(c.path)]
+        damaged = [(c.path.name, c.reason) for c in infos if not c.complete and _committed(c)]
         listing = [(names, damaged)]
     if group is not None:
         dist.broadcast_object_list(listing, src=dist.get_global_rank(group, 0), group=group)
     return listing[0]
+
+
+def _committed(c: CheckpointInfo) -> bool:
+    """``c`` has its commit marker (``.metadata``): incomplete now means damaged after the commit."""
+    if isinstance(c.path, S3Url):
+        return not c.reason.startswith(f"no {METADATA_NAME}")  # s3commit.check_complete's reason without one
+    return is_complete(c.path)

@@ -24,10 +24,8 @@ on this host is ignored; a marker from another host is honoured until it is dele
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -36,16 +34,20 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from cpuckpt import faultpoint
-from cpuckpt.backend import inflight
+from cpuckpt import faultpoint, s3roots
+from cpuckpt.backend import inflight, s3commit
 from cpuckpt.backend.committed import METADATA_NAME, check_complete
-from cpuckpt.config import Config
+from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CpuckptError, IntegrityError
-from cpuckpt.paths import local_path
+from cpuckpt.paths import S3Url, checkpoint_path, is_s3, local_path
 from cpuckpt.procs import pid_alive
+from cpuckpt.rootinfo import CHECKPOINT_FILE as _CKPT_FILE
+from cpuckpt.rootinfo import LATEST_NAME, LOADING_PREFIX, CheckpointInfo, ordered
+from cpuckpt.rootinfo import LEFTOVER_FILE as _LEFTOVER_FILE
 from cpuckpt.transfer.files import fsync_dir, write_atomic
+from cpuckpt.transfer.objstore import open_store
 
 __all__ = [
     "LATEST_NAME",
@@ -64,40 +66,23 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-LATEST_NAME = "latest"
-LOADING_PREFIX = ".cpuckpt-loading-"
-# Names a save of cpuckpt or stock DCP leaves in a checkpoint directory (FORMAT.md section 1).
-_TMP = r"(\.metadata|\.cpuckpt\.json|__\d+_\.cpuckpt-part\.json)\.tmp"
-_CKPT_FILE = re.compile(
-    r"^(\.metadata|\.cpuckpt\.json|__\d+_\d+\.distcp|__\d+_\.cpuckpt-part\.json|\.cpuckpt-probe-[0-9a-f]{32}"
-    rf"|{_TMP}|\.cpuckpt-loading-.+)$"
-)
-_LEFTOVER_FILE = re.compile(rf"^({_TMP}|__\d+_\.cpuckpt-part\.json|\.cpuckpt-probe-[0-9a-f]{{32}})$")
-
 # Per process, like the directories it protects: retention after any stream's commit must skip what a
 # load of this process reads. Must not stand for other processes' loads (their marker files do).
 _LOADING: dict[str, int] = {}  # resolved path -> loads in progress in this process
 _LOADING_LOCK = threading.Lock()
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    """One checkpoint directory under a root, as :func:`list_checkpoints` sees it."""
-
-    path: Path
-    complete: bool
-    step: int | None  # from the manifest; None for stock DCP checkpoints and incomplete ones
-    mtime: float  # of .metadata when complete, else of the directory
-    reason: str  # why it is incomplete ("" when complete)
-
-
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     """Say whether the checkpoint in ``path`` is complete (see the module docstring) and its step.
 
     Raises:
-        ConfigError: ``path`` is a URL.
+        ConfigError: ``path`` is a URL other than ``s3://``.
     """
-    path = Path(local_path(path))
+    where = checkpoint_path(path)
+    if isinstance(where, S3Url):
+        c = s3commit.check_complete(open_store(resolve_config(None).s3, threads=4), where)
+        return CheckpointInfo(where, c.complete, c.step, c.committed_at or 0.0, c.reason)
+    path = Path(where)
     c = check_complete(path)
     mtime = c.committed_at if c.committed_at is not None else _mtime(path)
     return CheckpointInfo(path, c.complete, c.step, mtime, c.reason)
@@ -121,36 +106,6 @@ def _looks_like_checkpoint(path: Path) -> bool:
         for n in names)
 
 
-T = TypeVar("T")
-
-
-def ordered(items: Iterable[T], step: Callable[[T], int | None], committed: Callable[[T], float],
-            name: Callable[[T], str]) -> list[T]:
-    """``items`` (checkpoints of one root) oldest first, by the one rule that ``find_latest``,
-    retention and ``cpuckpt ls`` share.
-
-    The rule: a checkpoint with a step ranks by ``(step, commit time, name)``. A checkpoint without
-    one (a stock ``dcp.save``, a ``StorageWriter`` given no step) counts as having the highest step
-    among the checkpoints committed before it (none: below every step), then its commit time decides.
-    So a step-less checkpoint ranks above everything committed before it, and a checkpoint committed
-    after it ranks above it unless that one has a lower step than those (a late persist of an older
-    step). Steps alone would rank a step-less checkpoint below any stepped one, however old; commit
-    times alone would let a late persist of an older step win. The result is a total order (one key
-    per checkpoint), so every caller agrees.
-    """
-    items = list(items)
-    by_time = sorted(range(len(items)), key=lambda i: (committed(items[i]), name(items[i])))
-    effective: dict[int, int] = {}
-    highest = -1  # below every real step (steps are >= 0)
-    for i in by_time:
-        s = step(items[i])
-        effective[i] = s if s is not None else highest
-        if s is not None:
-            highest = max(highest, s)
-    keys = {i: (effective[i], committed(items[i]), name(items[i])) for i in range(len(items))}
-    return [items[i] for i in sorted(range(len(items)), key=keys.__getitem__)]
-
-
 def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
     """Every checkpoint directory directly under ``root``, oldest first.
 
@@ -158,10 +113,16 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
     unrelated directories in ``root`` are never reported, cleaned or deleted. Ordering: :func:`ordered`,
     by manifest step and commit time (when ``.metadata`` was written: it is written last).
 
+    An ``s3://bucket/run`` root lists its checkpoint prefixes (``s3roots``), with the ``s3`` settings of the
+    default config (``CPUCKPT_S3_*`` and the AWS variables apply).
+
     Raises:
-        ConfigError: ``root`` is a URL (``s3://...``): only local directories are supported.
+        ConfigError: ``root`` is a URL other than ``s3://``.
     """
-    root = Path(local_path(root, "checkpoint root"))
+    where = checkpoint_path(root, "checkpoint root")
+    if isinstance(where, S3Url):
+        return s3roots.list_checkpoints(where)
+    root = Path(where)
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except FileNotFoundError:
@@ -171,7 +132,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
     return ordered(out, lambda c: c.step, lambda c: c.mtime, lambda c: c.path.name)
 
 
-def find_latest(root: str | os.PathLike) -> Path | None:
+def find_latest(root: str | os.PathLike) -> Path | S3Url | None:
     """The newest *complete* checkpoint under ``root``, or None.
 
     The directory scan is the source of truth; the ``latest`` pointer is not trusted alone, so a
@@ -179,7 +140,7 @@ def find_latest(root: str | os.PathLike) -> Path | None:
     rule. Checksums are not read: :func:`cpuckpt.load_latest` falls back past a damaged one.
 
     Raises:
-        ConfigError: ``root`` is a URL.
+        ConfigError: ``root`` is a URL other than ``s3://``.
 
     Example:
         >>> path = cpuckpt.find_latest("/ckpt")
@@ -190,13 +151,16 @@ def find_latest(root: str | os.PathLike) -> Path | None:
     return complete[-1].path if complete else None
 
 
-def read_latest(root: str | os.PathLike) -> Path | None:
+def read_latest(root: str | os.PathLike) -> Path | S3Url | None:
     """The checkpoint that ``<root>/latest`` names, if the file exists and that checkpoint is complete.
 
     Raises:
-        ConfigError: ``root`` is a URL.
+        ConfigError: ``root`` is a URL other than ``s3://``.
     """
-    root = local_path(root, "checkpoint root")
+    where = checkpoint_path(root, "checkpoint root")
+    if isinstance(where, S3Url):
+        return s3roots.read_latest(where)
+    root = where
     try:
         name = (Path(root) / LATEST_NAME).read_text().strip()
     except (OSError, UnicodeDecodeError):
@@ -215,8 +179,14 @@ def update_latest(root: str | os.PathLike, path: str | os.PathLike, *, fsync: bo
     Raises:
         IntegrityError: ``path`` is not a complete checkpoint directly under ``root``.
         CpuckptError: ``<root>/latest`` exists and is not a regular file.
-        ConfigError: ``root`` or ``path`` is a URL.
+        ConfigError: ``root`` or ``path`` is a URL other than ``s3://``.
     """
+    if is_s3(root) or is_s3(path):
+        s3_root, s3_path = checkpoint_path(root, "checkpoint root"), checkpoint_path(path)
+        if not (isinstance(s3_root, S3Url) and isinstance(s3_path, S3Url)):
+            raise IntegrityError(f"{path}: not directly under the checkpoint root {root}")
+        s3roots.update_latest(s3_root, s3_path)
+        return
     root, path = Path(local_path(root, "checkpoint root")), Path(local_path(path))
     if path.resolve().parent != root.resolve():
         raise IntegrityError(f"{path}: not directly under the checkpoint root {root}")
@@ -246,6 +216,9 @@ def _marker_alive(name: str) -> bool:
 
 def is_being_loaded(path: str | os.PathLike) -> bool:
     """True while this process, or a live process with a loading marker, loads ``path``."""
+    if is_s3(path):  # no marker objects: this process's loads only
+        with _LOADING_LOCK:
+            return bool(_LOADING.get(str(path), 0))
     path = Path(path)
     with _LOADING_LOCK:
         if _LOADING.get(str(path.resolve()), 0):
@@ -264,15 +237,17 @@ def loading(path: str | os.PathLike) -> Iterator[None]:
     Registers the path in this process and creates a marker file in it; if the marker cannot be
     created (read-only filesystem), only this process's registry protects it.
     """
-    key = str(Path(path).resolve())
+    key = str(path) if is_s3(path) else str(Path(path).resolve())
     with _LOADING_LOCK:
         _LOADING[key] = _LOADING.get(key, 0) + 1
-    marker = Path(path) / f"{LOADING_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        marker.touch()
-    except OSError as e:
-        logger.debug("cannot create loading marker %s: %s", marker, e)
-        marker = None  # type: ignore[assignment]
+    marker: Path | None = None
+    if not is_s3(path):  # object storage: this process's registry only (s3roots' limits)
+        marker = Path(path) / f"{LOADING_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            marker.touch()
+        except OSError as e:
+            logger.debug("cannot create loading marker %s: %s", marker, e)
+            marker = None
     try:
         yield
     finally:
@@ -312,10 +287,16 @@ def clean_incomplete(root: str | os.PathLike, *, keep: Iterable[str | os.PathLik
     bounded by it), so only dead saves are that old. With ``min_age_s = 0`` (the default for direct
     calls) another process's in-flight save in the same root *is* removed.
 
+    An ``s3://`` root: ``s3roots.clean_incomplete`` (incomplete prefixes and their multipart uploads).
+
     Raises:
-        ConfigError: ``root`` is a URL.
+        ConfigError: ``root`` is a URL other than ``s3://``.
     """
-    root = Path(local_path(root, "checkpoint root"))
+    where = checkpoint_path(root, "checkpoint root")
+    if isinstance(where, S3Url):
+        return s3roots.clean_incomplete(where, keep=[k for k in map(checkpoint_path, keep) if isinstance(k, S3Url)],
+                                        min_age_s=min_age_s, dry_run=dry_run)  # type: ignore[return-value]
+    root = Path(where)
     protected = {str(Path(p).resolve()) for p in [*keep, *(h.path for h in inflight.pending())]}
     removed: list[Path] = []
     for info in list_checkpoints(root):
@@ -364,8 +345,14 @@ def apply_retention(root: str | os.PathLike, keep_last: int, keep_every: int = 0
     directories are left to :func:`clean_incomplete`.
 
     Raises:
-        ConfigError: ``root`` is a URL.
+        ConfigError: ``root`` is a URL other than ``s3://``.
     """
+    where = checkpoint_path(root, "checkpoint root")
+    if isinstance(where, S3Url):
+        with _LOADING_LOCK:
+            loads = [k for k in _LOADING if k.startswith("s3://")]
+        return s3roots.apply_retention(where, keep_last, keep_every, loading=loads,  # type: ignore[return-value]
+                                       protect=[p for p in map(checkpoint_path, protect) if isinstance(p, S3Url)])
     root = local_path(root, "checkpoint root")
     if keep_last <= 0:
         return []
@@ -401,6 +388,11 @@ def after_commit(path: str | os.PathLike, config: Config) -> None:
     """
     cc = config.checkpoint
     if not (cc.update_latest or cc.clean_incomplete or cc.keep_last):
+        return
+    if is_s3(path):
+        with _LOADING_LOCK:
+            loads = [k for k in _LOADING if k.startswith("s3://")]
+        s3roots.after_commit(checkpoint_path(path), config, loading=loads)  # type: ignore[arg-type]
         return
     path = Path(path)
     root = path.parent

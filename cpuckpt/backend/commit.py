@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import pickle
 from pathlib import Path
+from typing import Protocol
 
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -19,8 +20,9 @@ from cpuckpt.backend.committed import METADATA_NAME, manifest_from_json_part, si
 from cpuckpt.errors import IntegrityError, as_storage_error
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest, part_name
 from cpuckpt.transfer.files import fsync_dir, write_atomic
+from cpuckpt.transfer.sinks import SinkFactory, pool_sink
 
-__all__ = ["clear_commit", "commit_checkpoint", "make_checkpoint_dir"]
+__all__ = ["CommitTarget", "LocalTarget", "clear_commit", "commit_checkpoint", "make_checkpoint_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,3 +91,48 @@ def commit_checkpoint(path: Path, metadata: Metadata, prefixes: list[str], manif
     faultpoint.hit("commit:parts-deleted")
 
 
+
+
+class CommitTarget(Protocol):
+    """Where a save's checkpoint lives, as the writer sees it: one per ``StorageWriter`` path.
+
+    Call order (the writer's, driven by DCP): every rank ``prepare`` (before planning ends), the coordinator
+    ``clear`` (before any rank writes a byte), every rank ``write_part`` (its manifest part, once its files are
+    durable), the coordinator ``commit`` (once every rank's part is there). ``sink`` makes each save's sink.
+    """
+
+    sink: SinkFactory
+
+    def prepare(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def write_part(self, prefix: str, data: bytes) -> None: ...
+
+    def commit(self, metadata: Metadata, prefixes: list[str], manifest: Manifest) -> None: ...
+
+
+class LocalTarget:
+    """A checkpoint directory of a file system: the functions above, through the pinned pool's file sink."""
+
+    sink: SinkFactory = staticmethod(pool_sink)  # type: ignore[assignment]
+
+    def __init__(self, path: Path, *, fsync: bool) -> None:
+        self.path = path
+        self.fsync = fsync
+
+    def prepare(self) -> None:
+        make_checkpoint_dir(self.path)
+
+    def clear(self) -> None:
+        clear_commit(self.path, fsync=self.fsync)
+
+    def write_part(self, prefix: str, data: bytes) -> None:
+        target = self.path / part_name(prefix)
+        try:
+            write_atomic(target, data, fsync=self.fsync)
+        except OSError as e:
+            raise as_storage_error(e, "cannot write the manifest part", target) from e
+
+    def commit(self, metadata: Metadata, prefixes: list[str], manifest: Manifest) -> None:
+        commit_checkpoint(self.path, metadata, prefixes, manifest, fsync=self.fsync)

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageReader
 from torch.futures import Future
 
+from cpuckpt.backend import s3commit
 from cpuckpt.backend.committed import load_metadata, read_manifest, same_save, size_mismatch
 from cpuckpt.backend.ramread import MappedFile, in_ram
 from cpuckpt.config import Config, resolve_config
@@ -62,9 +63,10 @@ from cpuckpt.errors import CheckpointCorrupt, CpuckptError
 from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.format.unpickle import load_value, reencode
-from cpuckpt.paths import local_path
+from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.transfer.files import BufferedFileBackend, FileBackend, get_backend
 from cpuckpt.transfer.hostcopy import copy_host_bytes
+from cpuckpt.transfer.objstore import ObjectReads, open_store
 from cpuckpt.transfer.read_slots import ReadSlots
 from cpuckpt.transfer.sinks import MappedBytes
 from cpuckpt.transfer.staging import DeviceCopier, existing_pool, flat_bytes
@@ -123,7 +125,7 @@ class _FilePlan:
 class _Files:
     """The files of one read: each relative path checked once, each manifest's records indexed once."""
 
-    def __init__(self, root: Path, manifest: Manifest | None) -> None:
+    def __init__(self, root: Path | S3Url, manifest: Manifest | None) -> None:
         self.root = root
         self.manifest = manifest
         self.plans: dict[str, _FilePlan] = {}
@@ -146,7 +148,7 @@ class StorageReader(_DcpStorageReader):
     """Reads cpuckpt and stock DCP checkpoints with parallel preads and checksum verification.
 
     Args:
-        path: checkpoint directory.
+        path: checkpoint directory, or ``s3://bucket/prefix`` (ranged GETs through the ``s3`` config section).
         config: a :class:`Config`, a YAML path, a dict, or None for defaults.
         mapped: files of this checkpoint already mapped in this process (by file name; the memory
             tier's images of the save it holds): their bytes are copied to the targets straight from
@@ -156,9 +158,9 @@ class StorageReader(_DcpStorageReader):
     def __init__(self, path: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
                  *, mapped: Mapping[str, MappedBytes] | None = None) -> None:
         super().__init__()
-        self.path = Path(local_path(path, "StorageReader: checkpoint path"))  # a URL is not a directory name
         self.mapped = dict(mapped or {})  # file name -> this process's live, mapped (pinned) bytes of it
         self.config = resolve_config(config)
+        self._set_path(path, "StorageReader: checkpoint path")
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.metadata: Metadata | None = None
@@ -171,8 +173,29 @@ class StorageReader(_DcpStorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
         if checkpoint_id:
-            self.path = Path(local_path(checkpoint_id, "StorageReader: checkpoint_id"))
+            self._set_path(checkpoint_id, "StorageReader: checkpoint_id")
         self.load_id = uuid.uuid4().hex
+
+    def _set_path(self, path: str | os.PathLike, what: str) -> None:
+        """A directory, or a prefix in object storage (then ``store`` reads it; None for a directory)."""
+        where = checkpoint_path(path, what)  # another URL scheme is refused: it is not a directory name
+        self.path: Path | S3Url
+        self.store: Any = None
+        if isinstance(where, S3Url):
+            self.path = where
+            self.store = open_store(self.config.s3, threads=self.config.io.read_threads)
+        else:
+            self.path = Path(where)
+
+    def load_metadata(self) -> Metadata:
+        """This checkpoint's ``.metadata``, unpickled safely (``committed.load_metadata``, or its object twin).
+
+        Raises:
+            IntegrityError: not committed. StorageIOError: unreadable. CheckpointCorrupt: refused.
+        """
+        if isinstance(self.path, S3Url):
+            return s3commit.load_metadata(self.store, self.path)
+        return load_metadata(self.path)
 
     def use_metadata(self, metadata: Metadata) -> None:
         """Serve ``metadata`` (already read from this checkpoint) to the next ``read_metadata``.
@@ -185,7 +208,7 @@ class StorageReader(_DcpStorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md, self._preloaded = self._preloaded, None
         if md is None:
-            md = load_metadata(self.path)
+            md = self.load_metadata()
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -196,7 +219,10 @@ class StorageReader(_DcpStorageReader):
             raise CheckpointCorrupt(f"{self.path}/.metadata has no storage_data")
         self.metadata = metadata
         self.storage_data = metadata.storage_data
-        self.manifest = read_manifest(self.path)
+        if isinstance(self.path, S3Url):
+            self.manifest = s3commit.read_manifest(self.store, self.path)
+        else:
+            self.manifest = read_manifest(self.path)
         if self.manifest is not None and not same_save(self.manifest, metadata):
             # Another writer (e.g. stock DCP) committed here after us: the manifest describes old files.
             logger.warning("%s: manifest belongs to an earlier save (%s, .metadata says %s); reading as stock DCP",
@@ -211,7 +237,8 @@ class StorageReader(_DcpStorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in str(checkpoint_id)
+        text = str(checkpoint_id)
+        return isinstance(checkpoint_id, (str, os.PathLike)) and ("://" not in text or text.startswith("s3://"))
 
     # -- reading --------------------------------------------------------------------------------
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -267,7 +294,7 @@ class StorageReader(_DcpStorageReader):
         with contextlib.ExitStack() as opened:
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
-            jobs, sources, pool = _read_jobs(plans, cfg, opened, self.mapped)
+            jobs, sources, pool = _read_jobs(plans, cfg, opened, self.mapped, self.store)
             stats.jobs = len(jobs)
             stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
                                             name="cpuckpt-read"))
@@ -413,8 +440,16 @@ def _tensor_need(ri: ReadItem | None, data_lo: int, dtype: torch.dtype, shape: t
                  bounce=torch.empty(hi - data_lo, dtype=torch.uint8), name=name)
 
 
-def _check_size(fp: _FilePlan) -> None:
-    problem = size_mismatch(fp.path, fp.entry.nbytes if fp.entry is not None else None)
+def _check_size(fp: _FilePlan, store: Any = None) -> None:
+    expected = fp.entry.nbytes if fp.entry is not None else None
+    if store is not None:  # an object: its size from a HEAD
+        info = store.head(S3Url.parse(fp.path, "data object"))
+        if info is None or (expected is not None and info.nbytes != expected):
+            what = "data object is missing" if info is None else \
+                f"{info.nbytes} bytes in the store, the manifest says {expected} (truncated or overwritten)"
+            raise CheckpointCorrupt(f"{fp.path}: {what}")
+        return
+    problem = size_mismatch(fp.path, expected)
     if problem is not None:
         raise CheckpointCorrupt(str(problem))
 
@@ -428,20 +463,26 @@ def _run_job(job: ReadJob, cancel: threading.Event) -> int:
 
 
 def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.ExitStack,
-               given: Mapping[str, MappedBytes]) -> tuple[list[ReadJob], list[_Source], Any]:
+               given: Mapping[str, MappedBytes], store: Any = None) -> tuple[list[ReadJob], list[_Source], Any]:
     """The read jobs of every file (opened into ``opened``; each job returns the bytes it read), the
-    mapped sources they copy from instead of reading, and the slots they read into (None: no slots)."""
+    mapped sources they copy from instead of reading, and the slots they read into (None: no slots).
+    ``store``: the files are objects of that :class:`~cpuckpt.transfer.objstore.ObjectStore`, read by
+    ranged GETs (:class:`~cpuckpt.transfer.objstore.ObjectReads`) wherever a file would be ``pread``."""
     chunked = {}
     mapped: dict[str, _Source] = {}
+    reads: FileBackend | None = None
+    if store is not None:
+        reads = ObjectReads(store)  # type: ignore[assignment]
     for rel, fp in plans.items():
-        _check_size(fp)
+        _check_size(fp, store)
         if fp.entry is None or not fp.needs:
             continue
         to_gpu = any(n.dst is not None and n.dst.is_cuda for n in fp.needs)
         mine = given.get(rel)
         if mine is not None and mine.nbytes == fp.entry.nbytes:
             mapped[fp.path] = mine
-        elif in_ram(fp.path) and not to_gpu:  # GPU targets: read through pinned slots (see the module docstring)
+        # GPU targets: read through pinned slots (see the module docstring)
+        elif reads is None and in_ram(fp.path) and not to_gpu:
             # Checked its size just above: the mapping never reaches past the file's end.
             mapped[fp.path] = opened.enter_context(MappedFile(fp.path, fp.entry.nbytes))
         mode = cfg.integrity.verify if fp.entry.checksum == "crc32c" and fp.entry.chunk_checksums else "off"
@@ -463,13 +504,13 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
     jobs: list[ReadJob] = []
     for fp in plans.values():
         if fp.entry is None:
-            jobs += _stock_jobs(fp, opened)
+            jobs += _stock_jobs(fp, opened, reads)
         elif fp.path in chunked:
             source = mapped.get(fp.path)
             jobs += _chunk_jobs(fp, fp.entry, cfg, opened, pool, copiers, verify_fraction=chunked[fp.path],
-                                source=source)
+                                source=source, reads=reads)
         else:
-            jobs += _range_jobs(fp, cfg, opened)
+            jobs += _range_jobs(fp, cfg, opened, reads)
     return jobs, list(mapped.values()), pool
 
 
@@ -521,7 +562,8 @@ def _scatter(needs: list[_Need], lo: int, hi: int, src: torch.Tensor, copiers: _
 
 
 def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib.ExitStack, pool: Any,
-                copiers: Any, *, verify_fraction: float, source: _Source | None = None) -> list[ReadJob]:
+                copiers: Any, *, verify_fraction: float, source: _Source | None = None,
+                reads: FileBackend | None = None) -> list[ReadJob]:
     """Whole chunks read into pool slots (aligned: O_DIRECT works), verified, scattered to destinations.
 
     GPU destinations get their bytes by host-to-device copies from the (pinned) slot on a side
@@ -539,8 +581,11 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
         return []
     # "auto" reads through the page cache: cold buffered preads (kernel readahead) beat O_DIRECT on
     # both machines we measured (BENCHMARKS.md); "direct" still forces O_DIRECT.
-    backend = BufferedFileBackend() if cfg.io.backend == "auto" else \
-        get_backend(cfg.io.backend, Path(fp.path).parent, cfg.layout.align_bytes)
+    if reads is not None:
+        backend = reads
+    else:
+        backend = BufferedFileBackend() if cfg.io.backend == "auto" else \
+            get_backend(cfg.io.backend, Path(fp.path).parent, cfg.layout.align_bytes)
     align = cfg.layout.align_bytes
     if backend.aligned and cb % align:
         backend = BufferedFileBackend()
@@ -598,13 +643,14 @@ def _drain(copying: list[DeviceCopier]) -> None:
             logger.debug("waiting for a failed chunk's copies", exc_info=True)
 
 
-def _range_jobs(fp: _FilePlan, cfg: Config, opened: contextlib.ExitStack) -> list[ReadJob]:
-    """Without verification: pread each needed range straight into its destination.
+def _range_jobs(fp: _FilePlan, cfg: Config, opened: contextlib.ExitStack,
+                reads: FileBackend | None = None) -> list[ReadJob]:
+    """Without verification: pread (or GET) each needed range straight into its destination.
 
     Ranges are batched into jobs of about ``io.chunk_bytes``: one thread-pool task per small item
     would cost more than its read.
     """
-    backend: FileBackend = BufferedFileBackend()
+    backend: FileBackend = reads or BufferedFileBackend()
     step = cfg.io.chunk_bytes
     batches: list[list[tuple[_Need, int, int]]] = []
     batch: list[tuple[_Need, int, int]] = []
@@ -636,11 +682,11 @@ def _range_jobs(fp: _FilePlan, cfg: Config, opened: contextlib.ExitStack) -> lis
     return [functools.partial(read_pieces, batch) for batch in batches]
 
 
-def _stock_jobs(fp: _FilePlan, opened: contextlib.ExitStack) -> list[ReadJob]:
+def _stock_jobs(fp: _FilePlan, opened: contextlib.ExitStack, reads: FileBackend | None = None) -> list[ReadJob]:
     """A stock DCP file: one record per item, viewed in place when it is a plain tensor record."""
     if not fp.needs:
         return []
-    backend = BufferedFileBackend()
+    backend = reads or BufferedFileBackend()
     fd = _open(backend, fp.path, opened)
 
     def read_record(need: _Need, cancel: threading.Event) -> int:

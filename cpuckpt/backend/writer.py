@@ -38,20 +38,21 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from cpuckpt.backend.commit import clear_commit, commit_checkpoint, make_checkpoint_dir
+from cpuckpt.backend.commit import CommitTarget, LocalTarget
 from cpuckpt.backend.dcp_stager import PoolSnapshot, snapshot_state_dict
 from cpuckpt.backend.itemcache import CachedItems, ItemsHit, SaveLayout, WrittenItems
+from cpuckpt.backend.s3commit import S3Target
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import ConfigError, CpuckptError, as_storage_error, is_interrupt
+from cpuckpt.errors import ConfigError, CpuckptError, is_interrupt
 from cpuckpt.format.layout import LayoutCache, LayoutItem
-from cpuckpt.format.manifest import FileEntry, Manifest, part_name
+from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.plancache import CachedPlan, reused_metadata
 from cpuckpt.format.record import record_template
-from cpuckpt.paths import local_path
+from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.transfer.device_snapshot import DeviceSnapshots
-from cpuckpt.transfer.files import write_atomic
+from cpuckpt.transfer.objstore import open_store
 from cpuckpt.transfer.save_job import SaveJob, choose_mode
-from cpuckpt.transfer.sinks import SinkFactory, pool_sink
+from cpuckpt.transfer.sinks import SinkFactory
 from cpuckpt.transfer.staging import flat_bytes
 from cpuckpt.transfer.threads import wait_future
 from cpuckpt.version import __version__
@@ -84,7 +85,8 @@ class StorageWriter(_DcpStorageWriter):
     """Writes DCP checkpoints as stock-compatible files through a parallel single-copy pipeline.
 
     Args:
-        path: checkpoint directory (created if missing).
+        path: checkpoint directory (created if missing), or ``s3://bucket/prefix`` (objects under that
+            prefix, through the ``s3`` config section; see ``backend.s3commit``).
         config: a :class:`Config`, a YAML path, a dict, or None for defaults.
         step: training step, recorded in the manifest.
         sink: where this rank's staged chunks go (:class:`cpuckpt.transfer.sinks.SinkFactory`; default
@@ -110,9 +112,9 @@ class StorageWriter(_DcpStorageWriter):
         self.layouts = layouts if layouts is not None else LayoutCache()
         self.snapshots = snapshots if snapshots is not None else DeviceSnapshots()  # none given: this writer's own
         self._given_save_id = save_id
-        self.sink: SinkFactory = sink or pool_sink
-        self.path = Path(local_path(path, "StorageWriter: checkpoint path"))  # refuses URLs, before any mkdir
+        self._given_sink = sink
         self.config = resolve_config(config)
+        self._set_path(path, "StorageWriter: checkpoint path")  # refuses other URLs, before any mkdir
         self.step = step
         self.save_id = save_id or uuid.uuid4().hex
         self.rank = 0
@@ -176,8 +178,21 @@ class StorageWriter(_DcpStorageWriter):
     # -- DCP contract ---------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(local_path(checkpoint_id, "StorageWriter: checkpoint_id"))
+            self._set_path(checkpoint_id, "StorageWriter: checkpoint_id")
         self.save_id = self._given_save_id or uuid.uuid4().hex
+
+    def _set_path(self, path: str | os.PathLike, what: str) -> None:
+        """The checkpoint's location and its commit target (a directory, or a prefix in object storage)."""
+        where = checkpoint_path(path, what)
+        self.path: Path | S3Url
+        self.target: CommitTarget
+        if isinstance(where, S3Url):
+            self.path = where
+            self.target = S3Target(open_store(self.config.s3, threads=self.config.io.threads), where)
+        else:
+            self.path = Path(where)
+            self.target = LocalTarget(self.path, fsync=self.config.io.fsync)
+        self.sink: SinkFactory = self._given_sink or self.target.sink
 
     def cancel(self, reason: BaseException) -> None:
         """Stop this writer's save job, if one runs (Ctrl-C): chunks not yet written are skipped, its
@@ -197,11 +212,11 @@ class StorageWriter(_DcpStorageWriter):
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        make_checkpoint_dir(self.path)
+        self.target.prepare()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        clear_commit(self.path, fsync=self.config.io.fsync)
+        self.target.clear()
         return [dataclasses.replace(p, storage_data=_FilePrefix(f"__{i}_")) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -279,11 +294,7 @@ class StorageWriter(_DcpStorageWriter):
         for entry in entries:
             entry.records = self._records.get(entry.name, [])
         part = Manifest(files={e.name: e for e in entries})
-        target = self.path / part_name(self._prefix)
-        try:
-            write_atomic(target, part.to_json().encode(), fsync=self.config.io.fsync)
-        except OSError as e:
-            raise as_storage_error(e, "cannot write the manifest part", target) from e
+        self.target.write_part(self._prefix, part.to_json().encode())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.version = _DCP_VERSION
@@ -369,8 +380,7 @@ class StorageWriter(_DcpStorageWriter):
             self._pending = (reused_metadata(cached), None)
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        commit_checkpoint(self.path, metadata, [f"__{i}_" for i in range(len(results))],
-                          self.manifest_header(len(results)), fsync=self.config.io.fsync)
+        self.target.commit(metadata, [f"__{i}_" for i in range(len(results))], self.manifest_header(len(results)))
 
     def manifest_header(self, world_size: int) -> Manifest:
         """The committed manifest of this save, without its files (the commit adds every rank's part)."""
@@ -387,7 +397,8 @@ class StorageWriter(_DcpStorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in str(checkpoint_id)
+        text = str(checkpoint_id)
+        return isinstance(checkpoint_id, (str, os.PathLike)) and ("://" not in text or text.startswith("s3://"))
 
 
 def _resolve_items(plan: SavePlan, planner: SavePlanner) -> _ResolvedItems:

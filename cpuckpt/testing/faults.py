@@ -22,7 +22,8 @@ reaches it otherwise. :func:`install` plugs into two public seams:
   ``$CPUCKPT_TEST_HOOK`` as it is when :func:`install` runs. Stages are those
   :func:`cpuckpt.faultpoint.hit` names (``before-rename:<file>``, ``after-rename:<file>``,
   ``clear-commit:done``, ``commit:parts-deleted``, ``retention:metadata-removed``,
-  ``megatron-worker:rank<r>``, ``persist-chunk:<file>:<chunk>``).
+  ``megatron-worker:rank<r>``, ``persist-chunk:<file>:<chunk>``, ``s3-part:<file>:<chunk>``: before a chunk's
+  part is uploaded to object storage).
 
 The handler is picklable, so code that starts a worker process (the Megatron adapter) hands
 :func:`cpuckpt.faultpoint.get_handler` to it; processes forked after :func:`install` inherit both

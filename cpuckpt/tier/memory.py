@@ -58,8 +58,8 @@ from cpuckpt.errors import (
     UnsafeCheckpointError,
 )
 from cpuckpt.format.manifest import FileEntry
-from cpuckpt.paths import local_path
-from cpuckpt.roots import install_sigterm_handler
+from cpuckpt.paths import S3Url, checkpoint_path, local_path
+from cpuckpt.roots import inspect_checkpoint, install_sigterm_handler
 from cpuckpt.tier.copier import CopyProcess
 from cpuckpt.tier.formats import Committed, DcpSlots, SlotFormat
 from cpuckpt.tier.images import ImageSet
@@ -109,8 +109,9 @@ class MemoryTier:
     def __init__(self, durable_root: str | os.PathLike, config: Config | str | os.PathLike | dict | None = None,
                  *, process_group: Any = None, report_persist_failures: bool = True,
                  slot_format: SlotFormat | None = None) -> None:
-        # A URL would silently become a local directory named "s3:" (cpuckpt.paths): refused before anything.
-        durable_root = local_path(durable_root, "memory tier durable root")
+        # A URL would silently become a local directory named "gs:" (cpuckpt.paths): refused before anything;
+        # s3:// is a prefix in object storage (the writers persist with tier.s3persist).
+        where = checkpoint_path(durable_root, "memory tier durable root")
         self.config = resolve_config(config)
         self._config_dict = self.config.to_dict()  # what every request carries: built once, not per save
         # False: the caller awaits every persist itself and reports its outcome (the Megatron adapter's
@@ -123,7 +124,10 @@ class MemoryTier:
         self.max_uncommitted = self._max_uncommitted(m)  # checked before anything is made
         if m.root:
             local_path(m.root, "memory.root (the memory tier's RAM root)")
-        self.durable_root = Path(durable_root)
+        if isinstance(where, S3Url) and not isinstance(self.format, DcpSlots):
+            raise ConfigError(f"memory tier durable root {where}: only DCP checkpoints persist to object storage "
+                              f"({type(self.format).__name__} needs a directory)")
+        self.durable_root: Path | S3Url = where if isinstance(where, S3Url) else Path(where)
         self.process_group = process_group
         self.saves = Checkpointer(process_group)  # this tier's stream of saves: its caches, bound, committer
         self.dist = dist.is_available() and dist.is_initialized()
@@ -428,7 +432,11 @@ class MemoryTier:
             WriterDiedError: some rank's writer died owing persists (``on_writer_failure: raise``).
         """
         name = name or f"step_{step}"
-        dest = Path(dest) if dest is not None else self.durable_root / name
+        if dest is None:
+            dest = self.durable_root / name
+        else:
+            where = checkpoint_path(dest, "memory tier save destination")
+            dest = where if isinstance(where, S3Url) else Path(where)
         self.last_persist = None
         # Before anything changes a slot (the adapter's before_fill, a leader's clear_commit): with fewer than
         # memory.max_uncommitted older saves running, the newest committed save's slot is never the one refilled.
@@ -805,7 +813,7 @@ class MemoryTier:
                 raise CheckpointTimeoutError(f"rank {self.rank}: persists still owed after the timeout")
             time.sleep(0.01)
 
-    def find_latest(self) -> Path | None:
+    def find_latest(self) -> Path | S3Url | None:
         """The newest checkpoint complete in either tier (memory first on equal steps); torn images never.
 
         A query: it changes nothing in any RAM root. Across nodes it is collective (see :meth:`candidates`),
@@ -815,7 +823,7 @@ class MemoryTier:
         found = self.candidates()
         return found[0] if found else None
 
-    def candidates(self, state_dict: dict[str, Any] | None = None, *, planner: Any = None) -> list[Path]:
+    def candidates(self, state_dict: dict[str, Any] | None = None, *, planner: Any = None) -> list[Path | S3Url]:
         """Every complete checkpoint of both tiers, newest first (memory before durable on equal steps).
 
         Across nodes (ranks in several RAM roots) it is collective: a memory checkpoint is listed only
@@ -882,8 +890,12 @@ class MemoryTier:
         planned restore is dropped: a plan holds only until another checkpoint is loaded or its slot saved.
         Read statistics of every load: :attr:`loads`.
         """
-        path = Path(path)
-        self.restore_planned(path)
+        where = checkpoint_path(path)
+        path = where if isinstance(where, S3Url) else Path(where)  # s3://: a durable checkpoint in object storage
+        if isinstance(path, S3Url):
+            self._pending = {}  # no restore targets object storage; every plan is dropped, as below
+        else:
+            self.restore_planned(path)
         images = {}
         for d, image_set in zip(self.slots, self.images):
             if d == path:
@@ -925,7 +937,10 @@ class MemoryTier:
     def step_of(self, path: str | os.PathLike) -> int | None:
         """The step recorded in the manifest of checkpoint ``path`` (memory or durable), or None (none recorded).
         For a path planned for a restore, read it after :meth:`load`: before, the slot holds what it held."""
-        manifest = read_manifest(Path(path))
+        where = checkpoint_path(path)
+        if isinstance(where, S3Url):
+            return inspect_checkpoint(where).step
+        manifest = read_manifest(Path(where))
         return manifest.step if manifest is not None else None
 
     # -- shutdown -------------------------------------------------------------------------------

@@ -42,16 +42,20 @@ from pathlib import Path
 from cpuckpt import faultpoint
 from cpuckpt.backend.commit import clear_commit, commit_checkpoint
 from cpuckpt.backend.committed import METADATA_NAME, check_complete, load_metadata, read_manifest
+from cpuckpt.backend.s3commit import S3Target
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, IntegrityError
 from cpuckpt.format.manifest import FileEntry, Manifest, manifest_from_json, part_name
+from cpuckpt.paths import S3Url, is_s3
 from cpuckpt.roots import after_commit
+from cpuckpt.tier import s3persist
 from cpuckpt.tier.formats import marker_save_id, marker_step, part_path
 from cpuckpt.tier.images import persist_image
 from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import acquire_lock, lock_holder
 from cpuckpt.tier.replica import Endpoint, Listener, send_slot
 from cpuckpt.transfer.files import fsync_dir, write_atomic
+from cpuckpt.transfer.objstore import open_store
 from cpuckpt.transfer.threads import new_executor
 
 __all__ = ["main", "persist_one", "replicate_one"]
@@ -117,6 +121,8 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
         return replicate_one(req, queue)
     if req.kind == "files":
         return persist_files(req, queue)
+    if is_s3(req.dest):
+        return _persist_one_s3(req, queue)
     t0 = time.perf_counter()
     cfg = Config.from_dict(req.config, source="persist request", env=False)
     deadline = time.monotonic() + cfg.timeout_s
@@ -151,6 +157,49 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
                 fsync_dir(dest)
         if req.coordinator:
             _commit_durable(req, cfg, manifest, dest, slot, deadline, t0, queue)
+    except Exception as e:  # the outcome file carries it to the trainer
+        logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
+        return Outcome(req.seq, False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+    return Outcome(req.seq, True, seconds=time.perf_counter() - t0, nbytes=nbytes)
+
+
+def _persist_one_s3(req: PersistRequest, queue: PersistQueue | None) -> Outcome:
+    """:func:`persist_one` to an ``s3://`` prefix (``tier.s3persist``): the same steps, objects for files, and
+    no clearing (a committed prefix of another save is refused by the commit's conditional PUT)."""
+    t0 = time.perf_counter()
+    cfg = Config.from_dict(req.config, source="persist request", env=False)
+    deadline = time.monotonic() + cfg.timeout_s
+    dest, slot = S3Url.parse(req.dest, "memory tier durable checkpoint"), Path(req.slot)
+    prefix = f"__{req.rank}_"
+    nbytes = 0
+    try:
+        store = open_store(cfg.s3, threads=cfg.io.threads)
+        if s3persist.committed_save_id(store, dest) == req.save_id:
+            return Outcome(req.seq, True, seconds=time.perf_counter() - t0)
+        manifest = _wait_memory_commit(req, deadline, queue)
+        if manifest is None:
+            raise IntegrityError(f"{slot}: no memory manifest for save {req.save_id[:8]}")
+        part = dest / part_name(prefix)
+        if s3persist.part_save_id(store, part) != req.save_id:
+            entries = []
+            for e in (e for name, e in sorted(manifest.files.items()) if name.startswith(prefix)):
+                out = s3persist.persist_image_s3(slot / e.name, dest / e.name, store, cfg, expect=e)
+                out.records = e.records
+                entries.append(out)
+                nbytes += out.nbytes
+            if _committed_save_id(slot) != req.save_id:  # the trainer reused the slot under us: never commit that
+                raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
+            store.put(part, Manifest(save_id=req.save_id, files={e.name: e for e in entries}).to_json().encode())
+        if req.coordinator:
+            prefixes = s3persist.await_parts(store, dest, req.save_id, req.world_size, deadline,
+                                             lambda: queue is not None and queue.outcome(req.seq) is not None)
+            metadata = load_metadata(slot)
+            if _committed_save_id(slot) != req.save_id:
+                raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of "
+                                     f"{req.save_id[:8]}")
+            metadata.storage_meta.checkpoint_id = str(dest)
+            S3Target(store, dest).commit(metadata, prefixes, _durable_manifest(req, manifest, t0))
+            after_commit(dest, cfg)
     except Exception as e:  # the outcome file carries it to the trainer
         logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
         return Outcome(req.seq, False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
@@ -303,12 +352,16 @@ def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Pa
     if _committed_save_id(slot) != req.save_id:
         raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of {req.save_id[:8]}")
     metadata.storage_meta.checkpoint_id = str(dest)
-    durable = Manifest(cpuckpt_version=memory.cpuckpt_version, torch_version=memory.torch_version,
-                       save_id=memory.save_id, step=memory.step, created_unix=memory.created_unix,
-                       world_size=memory.world_size, config=req.config,
-                       timings={**memory.timings, "coordinator_persist_s": time.perf_counter() - t0})
-    commit_checkpoint(dest, metadata, prefixes, durable, fsync=cfg.io.fsync)
+    commit_checkpoint(dest, metadata, prefixes, _durable_manifest(req, memory, t0), fsync=cfg.io.fsync)
     after_commit(dest, cfg)
+
+
+def _durable_manifest(req: PersistRequest, memory: Manifest, t0: float) -> Manifest:
+    """The durable checkpoint's manifest header: the memory save's, with this persist's time."""
+    return Manifest(cpuckpt_version=memory.cpuckpt_version, torch_version=memory.torch_version,
+                    save_id=memory.save_id, step=memory.step, created_unix=memory.created_unix,
+                    world_size=memory.world_size, config=req.config,
+                    timings={**memory.timings, "coordinator_persist_s": time.perf_counter() - t0})
 
 
 def lock_held(path: Path) -> bool:

@@ -26,12 +26,15 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from cpuckpt.backend import s3commit
 from cpuckpt.backend.committed import METADATA_NAME, is_complete, load_metadata, read_manifest, same_save
+from cpuckpt.config import resolve_config
 from cpuckpt.errors import CpuckptError
 from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
-from cpuckpt.paths import local_path
-from cpuckpt.roots import find_latest, inspect_checkpoint, ordered
+from cpuckpt.paths import S3Url, checkpoint_path
+from cpuckpt.roots import find_latest, inspect_checkpoint, list_checkpoints, ordered
+from cpuckpt.transfer.objstore import open_store
 
 __all__ = ["Description", "ListedCheckpoint", "TensorInfo", "describe", "identify", "scan_root", "tensors_of"]
 
@@ -42,7 +45,7 @@ _STEP_RE = re.compile(r"(\d+)(?!.*\d)")  # the last number in a name: step_100, 
 class ListedCheckpoint:
     """One checkpoint directory as ``ls`` shows it."""
 
-    path: Path
+    path: Path | S3Url
     kind: str  # cpuckpt, dcp, megatron, deepspeed
     complete: bool
     step: int | None  # shown: the manifest's, else the last number in the directory name
@@ -166,11 +169,16 @@ def scan_root(root: str | os.PathLike, *, verify: bool = False) -> list[ListedCh
     (:func:`cpuckpt.tools.verification.verify_checkpoint`); a damaged one is marked ``damaged`` and the
     latest is then the newest one that verifies (the one :func:`cpuckpt.load_latest` would load).
 
+    An ``s3://`` root lists its checkpoint prefixes (cpuckpt and stock DCP checkpoints: :func:`_scan_s3`).
+
     Raises:
         FileNotFoundError: ``root`` is not a directory.
-        ConfigError: ``root`` is a URL.
+        ConfigError: ``root`` is a URL other than ``s3://``.
     """
-    r = Path(local_path(root, "checkpoint root"))
+    where = checkpoint_path(root, "checkpoint root")
+    if isinstance(where, S3Url):
+        return _scan_s3(where, verify=verify)
+    r = Path(where)
     if not r.is_dir():
         raise FileNotFoundError(f"{r}: not a directory")
     own = identify(r)
@@ -192,11 +200,32 @@ def scan_root(root: str | os.PathLike, *, verify: bool = False) -> list[ListedCh
     return found
 
 
+def _scan_s3(root: S3Url, *, verify: bool) -> list[ListedCheckpoint]:
+    """The checkpoint prefixes under an ``s3://`` root, as ``roots.list_checkpoints`` finds and orders them
+    (sizes from one listing each); the latest is ``find_latest``'s, or with ``verify`` the newest that
+    verifies."""
+    store = open_store(resolve_config(None).s3, threads=4)
+    found = []
+    for c in list_checkpoints(root):
+        url: S3Url = c.path  # type: ignore[assignment]
+        objects = list(store.list(S3Url(url.bucket, f"{url.key}/")))
+        kind = "cpuckpt" if any(o.key.endswith(f"/{MANIFEST_NAME}") for o in objects) else "dcp"
+        found.append(ListedCheckpoint(url, kind, c.complete, c.step, sum(o.nbytes for o in objects), c.mtime,
+                                      reason=c.reason, rank_step=c.step, rank_time=c.mtime))
+    if verify:
+        _verify_all(found)
+    complete = [i for i in found if i.complete and not i.damaged]
+    if complete:
+        complete[-1].latest = True
+    return found
+
+
 def _verify_all(found: list[ListedCheckpoint]) -> None:
     from cpuckpt.tools.verification import verify_checkpoint
 
     for info in found:
-        if not info.complete or info.kind == "deepspeed" or not (info.path / METADATA_NAME).is_file():
+        if not info.complete or info.kind == "deepspeed" or (
+                isinstance(info.path, Path) and not (info.path / METADATA_NAME).is_file()):
             continue
         try:
             report = verify_checkpoint(info.path)
@@ -257,10 +286,15 @@ def _tree_size(p: Path) -> tuple[int, float]:
 def describe(path: str | os.PathLike) -> Description:
     """Everything ``inspect`` shows: files, ranks, tensors, versions, config and timings.
 
+    ``path`` may be an ``s3://`` checkpoint prefix (:func:`_describe_s3`).
+
     Raises:
         FileNotFoundError: ``path`` is not a recognised checkpoint directory.
     """
-    p = Path(path)
+    where = checkpoint_path(path)
+    if isinstance(where, S3Url):
+        return _describe_s3(where)
+    p = Path(where)
     info = identify(p)
     if info is None:
         raise FileNotFoundError(f"{p}: not a checkpoint directory (no .metadata, .cpuckpt.json, "
@@ -302,6 +336,44 @@ def describe(path: str | os.PathLike) -> Description:
     if desc.ranks is None:
         prefixes = {m.group(1) for rel in rels if (m := re.match(r"__(\d+)_", rel))}
         desc.ranks = len(prefixes) or None
+    return desc
+
+
+def _describe_s3(url: S3Url) -> Description:
+    """:func:`describe` of a checkpoint prefix in object storage (one listing, ``.metadata`` and the manifest)."""
+    store = open_store(resolve_config(None).s3, threads=4)
+    objects = {o.key[len(url.key) + 1:]: o.nbytes for o in store.list(S3Url(url.bucket, f"{url.key}/"))}
+    if not objects:
+        raise FileNotFoundError(f"{url}: not a checkpoint (no object under this prefix)")
+    c = inspect_checkpoint(url)
+    kind = "cpuckpt" if MANIFEST_NAME in objects else "dcp"
+    desc = Description(info=ListedCheckpoint(url, kind, c.complete, c.step, sum(objects.values()), c.mtime,
+                                             reason=c.reason, rank_step=c.step, rank_time=c.mtime))
+    try:
+        desc.manifest = s3commit.read_manifest(store, url)
+    except CpuckptError as e:
+        desc.notes.append(str(e))
+    if desc.manifest is not None:
+        desc.ranks, desc.save_id = desc.manifest.world_size, desc.manifest.save_id
+    try:
+        md = s3commit.load_metadata(store, url)
+    except CpuckptError as e:
+        desc.notes.append(str(e) if METADATA_NAME in objects else
+                          "no .metadata: the save did not complete; tensors are unknown")
+        desc.files = {n: b for n, b in sorted(objects.items()) if n.endswith(".distcp")}
+        return desc
+    if not c.complete:
+        desc.notes.append(f"committed, but incomplete now: {c.reason}")
+    desc.dcp_version = str(getattr(md, "version", "") or "")
+    desc.save_id = desc.save_id or str(getattr(getattr(md, "storage_meta", None), "save_id", "") or "")
+    desc.tensors = tensors_of(md)
+    rels = sorted({s.relative_path for s in (md.storage_data or {}).values()})
+    for rel in rels:
+        desc.files[rel] = objects.get(rel, -1)
+        if rel not in objects:
+            desc.notes.append(f"{rel}: listed in .metadata but missing")
+    if desc.ranks is None:
+        desc.ranks = len({m.group(1) for rel in rels if (m := re.match(r"__(\d+)_", rel))}) or None
     return desc
 
 

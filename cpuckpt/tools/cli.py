@@ -75,6 +75,22 @@ class _LocalPath(click.Path):
         return super().convert(value, param, ctx)
 
 
+class _CheckpointPath(_LocalPath):
+    """A local directory (``click.Path`` checks) or an ``s3://bucket/prefix`` (an ``S3Url``, checked by the command
+    that uses it); any other URL is refused in one line."""
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        from cpuckpt.errors import ConfigError
+        from cpuckpt.paths import checkpoint_path, is_s3
+
+        if isinstance(value, str) and is_s3(value):
+            try:
+                return checkpoint_path(value, self.what)
+            except ConfigError as e:
+                _fail(str(e))
+        return super().convert(value, param, ctx)
+
+
 class _Bytes(click.ParamType):
     name = "bytes"
 
@@ -97,17 +113,18 @@ def cli(verbose: int) -> None:
 
 
 @cli.command("ls")
-@click.argument("root", type=_LocalPath("checkpoint root", file_okay=False))
+@click.argument("root", type=_CheckpointPath("checkpoint root", file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per checkpoint.")
 @click.option("--verify", is_flag=True,
               help="Read every byte of each complete checkpoint and check it (crc32c); damaged ones are marked "
                    "and the latest is the newest that verifies (the one cpuckpt.load_latest loads); exit code "
                    "1 when one is damaged.")
-def ls_cmd(root: Path, as_json: bool, verify: bool) -> None:
+def ls_cmd(root: Any, as_json: bool, verify: bool) -> None:
     """List the checkpoints in ROOT: step, size, status, age; the latest is marked.
 
     Recognises cpuckpt, stock DCP, Megatron (metadata.json) and DeepSpeed (*_model_states.pt) checkpoint
-    directories. ROOT may also be a checkpoint directory itself. Order and latest are find_latest's
+    directories, and cpuckpt and DCP checkpoints under an s3:// root. ROOT may also be a checkpoint directory
+    itself. Order and latest are find_latest's
     (step, then commit time); AGE is the time since the checkpoint was written (its manifest, else its
     commit), which loading it does not change. Without --verify, "complete" means committed with every
     file at its size; checksums are not read.
@@ -145,16 +162,17 @@ def ls_cmd(root: Path, as_json: bool, verify: bool) -> None:
 
 
 @cli.command("inspect")
-@click.argument("path", type=_LocalPath("checkpoint path", exists=True, file_okay=False))
+@click.argument("path", type=_CheckpointPath("checkpoint path", exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--tensors/--no-tensors", default=True, help="List every tensor (default) or only totals.")
-def inspect_cmd(path: Path, as_json: bool, tensors: bool) -> None:
-    """Show ranks, files, tensors, bytes, config, versions and timings of the checkpoint at PATH."""
+def inspect_cmd(path: Any, as_json: bool, tensors: bool) -> None:
+    """Show ranks, files, tensors, bytes, config, versions and timings of the checkpoint at PATH (a directory,
+    or an s3:// prefix)."""
     from cpuckpt.tools.catalog import describe
 
     try:
         d = describe(path)
-    except (FileNotFoundError, CpuckptError) as e:
+    except (OSError, CpuckptError) as e:
         _fail(str(e))
     m = d.manifest
     if as_json:
@@ -214,9 +232,9 @@ def inspect_cmd(path: Path, as_json: bool, tensors: bool) -> None:
 
 
 @cli.command("verify")
-@click.argument("path", type=_LocalPath("checkpoint path", exists=True, file_okay=False))
-def verify_cmd(path: Path) -> None:
-    """Read every byte of the checkpoint at PATH and check it.
+@click.argument("path", type=_CheckpointPath("checkpoint path", exists=True, file_okay=False))
+def verify_cmd(path: Any) -> None:
+    """Read every byte of the checkpoint at PATH (a directory, or an s3:// prefix) and check it.
 
     cpuckpt checkpoints: every chunk's crc32c against the manifest, file sizes, record bounds.
     Stock DCP checkpoints: every record's zip CRCs, and every tensor record must load. Exit code 1
@@ -224,17 +242,24 @@ def verify_cmd(path: Path) -> None:
     """
     from tqdm import tqdm
 
+    from cpuckpt.backend import s3commit
     from cpuckpt.backend.committed import read_manifest
+    from cpuckpt.config import resolve_config
+    from cpuckpt.paths import S3Url
     from cpuckpt.tools.verification import verify_checkpoint
+    from cpuckpt.transfer.objstore import open_store
 
     try:
-        manifest = read_manifest(path)
+        if isinstance(path, S3Url):
+            manifest = s3commit.read_manifest(open_store(resolve_config(None).s3, threads=1), path)
+        else:
+            manifest = read_manifest(path)
         total = sum(e.nbytes for e in manifest.files.values()) if manifest is not None else None
         # disable=None: a bar on a terminal, nothing when stderr is a pipe or a file
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=None,
                   file=sys.stderr, leave=False) as bar:
             report = verify_checkpoint(path, progress=bar.update)
-    except CpuckptError as e:
+    except (CpuckptError, OSError) as e:
         _fail(f"cannot verify: {e}")
     for note in report.notes:
         click.echo(f"note: {note}")
@@ -294,7 +319,7 @@ def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, mem
 
 
 @cli.command("clean")
-@click.argument("root", required=False, type=click.Path(path_type=Path))
+@click.argument("root", required=False, type=_CheckpointPath("checkpoint root"))
 @click.option("--ram", is_flag=True,
               help="Remove stale memory-tier RAM roots (no live trainer or writer) under ROOT, a RAM root or the "
                    "directory holding them; default /dev/shm/cpuckpt-<uid>. Without ROOT (or with ROOT /dev/shm) "
@@ -305,16 +330,22 @@ def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, mem
                    "that other processes are writing right now.  [default: the default timeout_s, 600]")
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per removed path.")
-def clean_cmd(root: Path | None, ram: bool, min_age: float | None, dry_run: bool, as_json: bool) -> None:
+def clean_cmd(root: Any, ram: bool, min_age: float | None, dry_run: bool, as_json: bool) -> None:
     """Delete leftovers of crashed saves in the checkpoint root ROOT, or (--ram) stale RAM roots.
 
     ROOT: torn checkpoint directories (no valid commit) untouched for --min-age, *.tmp files, manifest
     parts and O_DIRECT probes inside complete checkpoints, and a stray latest.tmp; complete checkpoints and
-    checkpoints being loaded stay. --ram: RAM roots whose trainer and writer locks are all free; live ones stay;
-    and process files (``cpuckpt-<tag>-p<pid>-b<boot>-*``, e.g. the Megatron adapter's) of processes gone.
+    checkpoints being loaded stay. An s3:// ROOT: incomplete checkpoint prefixes, manifest parts and the
+    multipart uploads of dead saves, untouched for --min-age. --ram: RAM roots whose trainer and writer locks
+    are all free; live ones stay; and process files (``cpuckpt-<tag>-p<pid>-b<boot>-*``, e.g. the Megatron
+    adapter's) of processes gone.
     """
     verb = "would remove" if dry_run else "removed"
     files: list[Path] = []
+    from cpuckpt.paths import S3Url
+
+    if ram and isinstance(root, S3Url):
+        _fail(f"--ram cleans RAM roots; {root} is an object-storage root")
     if ram:
         from cpuckpt import runfiles
         from cpuckpt.tier.ramroot import RamRootError, clean_ram_roots, default_root, is_shared_dir
@@ -340,7 +371,7 @@ def clean_cmd(root: Path | None, ram: bool, min_age: float | None, dry_run: bool
 
         if root is None:
             _fail("clean needs a checkpoint ROOT (or --ram for RAM roots)")
-        if not root.is_dir():
+        if not isinstance(root, S3Url) and not root.is_dir():
             _fail(f"{root}: no such checkpoint root directory")
         min_age_s = Config().timeout_s if min_age is None else min_age
         try:

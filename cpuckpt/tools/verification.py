@@ -23,7 +23,11 @@ from pathlib import Path
 import crc32c
 import torch
 
-from cpuckpt.backend.committed import load_metadata, read_manifest, size_mismatch
+from cpuckpt.backend import s3commit
+from cpuckpt.backend.committed import load_metadata, read_manifest
+from cpuckpt.config import resolve_config
+from cpuckpt.paths import S3Url, checkpoint_path
+from cpuckpt.transfer.objstore import ObjectStore, open_store
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
 
@@ -47,7 +51,7 @@ class Damage:
 class VerifyReport:
     """The outcome of :func:`verify_checkpoint`."""
 
-    path: Path
+    path: Path | S3Url
     kind: str  # "cpuckpt" or "dcp"
     files: int = 0
     chunks: int = 0  # chunks (cpuckpt) or records (stock) checked
@@ -60,12 +64,46 @@ class VerifyReport:
         return not self.damage
 
 
-def verify_checkpoint(path: str | os.PathLike, *,
+class _Files:
+    """A checkpoint directory's data files: sizes and byte ranges."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def size(self, name: str) -> int | None:
+        try:
+            return (self.root / name).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def read(self, name: str, lo: int, n: int) -> bytes:
+        """Up to ``n`` bytes at ``lo`` (fewer at the end). Raises FileNotFoundError when it is missing."""
+        with open(self.root / name, "rb", buffering=0) as f:
+            return os.pread(f.fileno(), n, lo)
+
+
+class _Objects:
+    """A checkpoint prefix's data objects in object storage: sizes by HEAD, ranges by ranged GET."""
+
+    def __init__(self, store: ObjectStore, root: S3Url) -> None:
+        self.store, self.root = store, root
+
+    def size(self, name: str) -> int | None:
+        info = self.store.head(self.root / name)
+        return None if info is None else info.nbytes
+
+    def read(self, name: str, lo: int, n: int) -> bytes:
+        buf = bytearray(n)
+        got = self.store.get_into(self.root / name, lo, memoryview(buf))
+        return bytes(buf[:got])
+
+
+def verify_checkpoint(path: str | os.PathLike | S3Url, *,
                       progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Read and check every byte of the checkpoint at ``path``.
 
     Args:
-        path: a committed checkpoint directory.
+        path: a committed checkpoint directory, or an ``s3://`` checkpoint prefix.
         progress: called with the number of bytes just read (for a progress bar).
 
     Returns:
@@ -75,42 +113,52 @@ def verify_checkpoint(path: str | os.PathLike, *,
         IntegrityError: no ``.metadata`` (not committed), or an unreadable or refused ``.metadata``
             or manifest: nothing else can be checked.
     """
-    p = Path(path)
-    md = load_metadata(p)
-    manifest = read_manifest(p)
+    where = checkpoint_path(path)
+    files: _Files | _Objects
+    if isinstance(where, S3Url):
+        p: Path | S3Url = where
+        store = open_store(resolve_config(None).s3)
+        md = s3commit.load_metadata(store, where)
+        manifest = s3commit.read_manifest(store, where)
+        files = _Objects(store, where)
+    else:
+        p = Path(where)
+        md = load_metadata(p)
+        manifest = read_manifest(p)
+        files = _Files(p)
     tick = progress or (lambda n: None)
     if manifest is None:
-        return _verify_stock(p, md, tick)
+        return _verify_stock(p, files, md, tick)
     report = VerifyReport(p, "cpuckpt")
     for name, entry in sorted(manifest.files.items()):
         report.files += 1
-        fpath = p / name
-        bad_size = size_mismatch(fpath, entry.nbytes, name)
-        if bad_size is not None:
-            if bad_size.actual is None:  # missing: nothing more to read
-                report.damage.append(Damage(name, 0, entry.nbytes, bad_size.what))
-                continue
-            lo, hi = sorted((bad_size.actual, entry.nbytes))
-            report.damage.append(Damage(name, lo, hi, bad_size.what))
+        actual = files.size(name)
+        if actual is None:  # missing: nothing more to read
+            report.damage.append(Damage(name, 0, entry.nbytes, "data file is missing"))
+            continue
+        if actual != entry.nbytes:
+            lo, hi = sorted((actual, entry.nbytes))
+            where = "on disk" if isinstance(files, _Files) else "in the store"
+            report.damage.append(Damage(name, lo, hi, f"{actual} bytes {where}, the manifest says {entry.nbytes} "
+                                        "(truncated or overwritten)"))
         if entry.checksum != "crc32c" or not entry.chunk_checksums:
             report.notes.append(f"{name}: written with checksum {entry.checksum!r}; contents not verifiable")
             continue
         cb = entry.chunk_bytes
-        with open(fpath, "rb", buffering=0) as f:
-            for c, stored in enumerate(entry.chunk_checksums):
-                lo, hi = c * cb, min((c + 1) * cb, entry.nbytes)
-                data = os.pread(f.fileno(), hi - lo, lo)
-                report.chunks += 1
-                report.nbytes += len(data)
-                tick(len(data))
-                if len(data) < hi - lo:
-                    report.damage.append(Damage(name, lo + len(data), hi, "missing (file ends early)"))
-                    if not data:
-                        continue
-                crc = crc32c.crc32c(data)
-                if len(data) == hi - lo and crc != stored:
-                    report.damage.append(Damage(name, lo, hi, f"checksum mismatch in chunk {c}: stored {stored}, "
-                                                f"read {crc}"))
+        for c, stored in enumerate(entry.chunk_checksums):
+            lo, hi = c * cb, min((c + 1) * cb, entry.nbytes)
+            data = files.read(name, lo, hi - lo)
+            report.chunks += 1
+            report.nbytes += len(data)
+            tick(len(data))
+            if len(data) < hi - lo:
+                report.damage.append(Damage(name, lo + len(data), hi, "missing (file ends early)"))
+                if not data:
+                    continue
+            crc = crc32c.crc32c(data)
+            if len(data) == hi - lo and crc != stored:
+                report.damage.append(Damage(name, lo, hi, f"checksum mismatch in chunk {c}: stored {stored}, "
+                                            f"read {crc}"))
     for idx, sinfo in (md.storage_data or {}).items():
         entry = manifest.files.get(sinfo.relative_path)
         end = int(sinfo.offset) + int(sinfo.length)
@@ -123,25 +171,24 @@ def verify_checkpoint(path: str | os.PathLike, *,
     return report
 
 
-def _verify_stock(p: Path, md: object, tick: Callable[[int], None]) -> VerifyReport:
+def _verify_stock(p: Path | S3Url, files: _Files | _Objects, md: object,
+                  tick: Callable[[int], None]) -> VerifyReport:
     report = VerifyReport(p, "dcp")
     storage = getattr(md, "storage_data", None) or {}
     report.files = len({s.relative_path for s in storage.values()})
     for idx, sinfo in sorted(storage.items(), key=lambda kv: (kv[1].relative_path, int(kv[1].offset))):
         rel, lo = sinfo.relative_path, int(sinfo.offset)
         hi = lo + int(sinfo.length)
-        try:
-            with open(p / rel, "rb", buffering=0) as f:
-                buf = bytearray()
-                while len(buf) < hi - lo:
-                    piece = os.pread(f.fileno(), min(_READ_BYTES, hi - lo - len(buf)), lo + len(buf))
-                    if not piece:
-                        break
-                    buf += piece
-                    tick(len(piece))
-        except FileNotFoundError:
+        if files.size(rel) is None:
             report.damage.append(Damage(rel, lo, hi, f"data file is missing (record of {idx.fqn})"))
             continue
+        buf = bytearray()
+        while len(buf) < hi - lo:
+            piece = files.read(rel, lo + len(buf), min(_READ_BYTES, hi - lo - len(buf)))
+            if not piece:
+                break
+            buf += piece
+            tick(len(piece))
         report.chunks += 1
         report.nbytes += len(buf)
         if len(buf) < hi - lo:

@@ -29,7 +29,7 @@ def test_metadata_is_read_and_unpickled_once_per_load(tmp_path, monkeypatch):
         calls.append(p)
         return committed.load_metadata(p)
 
-    monkeypatch.setattr(cpuckpt.api, "load_metadata", counting)
+    # cpuckpt.load reads it through the reader (StorageReader.load_metadata: a directory or an s3:// prefix)
     monkeypatch.setattr(cpuckpt.backend.reader, "load_metadata", counting)
     out = {"w": torch.empty(512, 256), "b": torch.empty(7, dtype=torch.int64), "step": 0}
     reader = cpuckpt.StorageReader(path)

@@ -30,6 +30,7 @@ PER_PROCESS = {
     ("cpuckpt/transfer/staging.py", "_POOL"): "pinning costs 0.4-0.6 s/GiB: one bounded pool, registered once",
     ("cpuckpt/transfer/threads.py", "_SHARED"): "thread start-up is stall time; tasks of every stream run FIFO",
     ("cpuckpt/transfer/pacing.py", "PACER"): "one piece in flight on the device link all streams share",
+    ("cpuckpt/transfer/objstore.py", "_LOADER"): "botocore's service models parsed once (0.25 s per session)",
     ("cpuckpt/backend/collectives.py", "_GROUPS"): "process groups are per process; creating one is collective",
     ("cpuckpt/roots.py", "_LOADING"): "retention after any stream's commit skips what this process loads",
     ("cpuckpt/tier/nodecopies.py", "_CLASSES"): "one subclass per planner class: a stable identity (plan key)",

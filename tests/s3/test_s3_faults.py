@@ -1,0 +1,186 @@
+"""Faults on object storage, against the real server: nothing lost, every failure clear and the same on every
+rank.
+
+- the server killed while a 2-rank save uploads (and restarted): the save fails on both ranks with the same
+  ``StorageIOError``, the torn checkpoint is never listed as complete, the previous one loads, and cleaning
+  aborts the upload the failed save could not;
+- wrong credentials and a missing bucket: ``StorageIOError`` saying so (``EACCES``/``ENOENT``), nothing written;
+- a data object overwritten (same size) or truncated after the commit: ``CheckpointCorrupt`` naming the object
+  and the byte range; the truncated one is not listed as complete;
+- two writers: the conditional PUT of ``.metadata`` lets only the first commit;
+- a load with the server gone: ``StorageIOError`` (``ECONNREFUSED``) within the client's bounds, never a hang.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+
+import pytest
+import torch
+
+from cpuckpt.testing import faults
+
+faults.install()  # $CPUCKPT_TEST_HOOK, in the rank processes (they import this module by path)
+
+CFG = {"io": {"chunk_bytes": "5MiB", "threads": 2}, "s3": {"max_attempts": 2, "connect_timeout_s": 1}}
+MiB = 1 << 20
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(3 * MiB, generator=g), "b": torch.arange(100) + seed}  # 12 MiB: 3 parts
+
+
+def rank_save(url: str, seed: int) -> tuple[str, str, int | None] | None:
+    import torch.distributed as dist
+
+    import cpuckpt
+
+    state = _state(seed)
+    state = {f"{k}{dist.get_rank()}": v for k, v in state.items()}  # every rank writes its own 12 MiB
+    try:
+        cpuckpt.save(state, url, CFG, step=seed)
+    except cpuckpt.CpuckptError as e:
+        return type(e).__name__, str(e), getattr(e, "errno", None)
+    return None
+
+
+def _load(url: str, seed: int) -> None:
+    import cpuckpt
+
+    want = {f"{k}{r}": v for r in range(2) for k, v in _state(seed).items()}
+    out = {k: torch.zeros_like(v) for k, v in want.items()}
+    cpuckpt.load(out, url, CFG)
+    for k, v in want.items():
+        assert torch.equal(out[k], v), k
+
+
+def test_server_killed_mid_upload(run_ranks, own_s3_server, monkeypatch):
+    import cpuckpt
+    from cpuckpt.paths import S3Url
+
+    server = own_s3_server
+    env = server.env()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    root = f"s3://{server.bucket}/run"
+    assert run_ranks(2, rank_save, f"{root}/step_1", 1, env=env) == [None, None]
+
+    store = server.store()
+    killed = threading.Event()
+
+    def kill_once_uploading() -> None:  # rank 0 sleeps before its second part: its upload is open then
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed.is_set():
+            try:
+                if store.list_uploads(S3Url(server.bucket, "run/step_2/")):
+                    server.stop()
+                    killed.set()
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_once_uploading, daemon=True)
+    killer.start()
+    hook = {"CPUCKPT_TEST_HOOK": "s3-part:__0_0.distcp:1=sleep:2"}
+    results = run_ranks(2, rank_save, f"{root}/step_2", 2, env={**env, **hook}, timeout_s=120)
+    killer.join(10)
+    assert killed.is_set(), "the server was never seen uploading"
+    assert results[0] is not None and results[0] == results[1], results  # one error, the same on both ranks
+    name, message, err = results[0]
+    assert name == "StorageIOError" and "s3://ckpt/run/step_2" in message, message
+    assert err in (errno.ECONNREFUSED, errno.EIO), results
+
+    server.start()  # same ports, same data
+    infos = {str(c.path): c for c in cpuckpt.list_checkpoints(root)}
+    assert infos[f"{root}/step_1"].complete
+    assert f"{root}/step_2" not in infos or not infos[f"{root}/step_2"].complete
+    assert str(cpuckpt.find_latest(root)) == f"{root}/step_1"
+    _load(f"{root}/step_1", 1)
+    with pytest.raises(cpuckpt.IntegrityError, match=r"no \.metadata"):
+        cpuckpt.load({"w0": torch.zeros(3 * MiB)}, f"{root}/step_2", CFG)
+    cpuckpt.clean_incomplete(root)  # the torn prefix and the upload the dead server kept
+    assert store.list_uploads(S3Url(server.bucket, "run/")) == []
+    assert [str(c.path) for c in cpuckpt.list_checkpoints(root)] == [f"{root}/step_1"]
+
+
+def test_wrong_credentials_and_missing_bucket(s3_server, s3_env, s3_url, monkeypatch):
+    import cpuckpt
+
+    cpuckpt.save({"w": torch.ones(4)}, s3_url, CFG)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(cpuckpt.StorageIOError, match="refused the credentials") as err:
+        cpuckpt.save({"w": torch.ones(4)}, s3_url + "-2", CFG)
+    assert err.value.errno == errno.EACCES
+    with pytest.raises(cpuckpt.StorageIOError, match="refused the credentials"):
+        cpuckpt.load({"w": torch.zeros(4)}, s3_url, CFG)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env["AWS_SECRET_ACCESS_KEY"])
+    with pytest.raises(cpuckpt.StorageIOError, match="bucket 'no-such-bucket-31' does not exist") as err:
+        cpuckpt.save({"w": torch.ones(4)}, "s3://no-such-bucket-31/x", CFG)
+    assert err.value.errno == errno.ENOENT
+    assert [c.path for c in cpuckpt.list_checkpoints(s3_url.rsplit("/", 1)[0]) if str(c.path) == s3_url + "-2"] == []
+
+
+def test_overwritten_or_truncated_object_is_corrupt(s3_server, s3_env, s3_url):
+    import cpuckpt
+    from cpuckpt.paths import S3Url
+
+    state = {"w": torch.randn(3 * MiB, generator=torch.Generator().manual_seed(5))}
+    cpuckpt.save(state, s3_url, CFG)
+    store = s3_server.store()
+    data_url = S3Url.parse(s3_url) / "__0_0.distcp"
+    good = store.get(data_url)
+    damaged = bytearray(good)
+    damaged[6 * MiB + 123] ^= 0xFF  # inside the second chunk: bytes [5 MiB, 10 MiB)
+    store.put(data_url, bytes(damaged))
+    bad_range = r"__0_0\.distcp: checksum mismatch in bytes \[5242880, 10485760\)"
+    with pytest.raises(cpuckpt.CheckpointCorrupt, match=bad_range):
+        cpuckpt.load({"w": torch.zeros(3 * MiB)}, s3_url, CFG)
+    store.put(data_url, good[: 7 * MiB])
+    with pytest.raises(cpuckpt.CheckpointCorrupt, match=r"__0_0\.distcp: 7340032 bytes in the store, the manifest"):
+        cpuckpt.load({"w": torch.zeros(3 * MiB)}, s3_url, CFG)
+    info = cpuckpt.list_checkpoints(s3_url.rsplit("/", 1)[0])
+    assert [c.complete for c in info if str(c.path) == s3_url] == [False]
+
+
+def test_only_one_of_two_writers_commits(s3_server, s3_env, s3_url):
+    import cpuckpt
+
+    cpuckpt.save({"w": torch.ones(4)}, s3_url, CFG)
+    late = cpuckpt.StorageWriter(s3_url, CFG)  # a writer that planned before the first one committed
+    metadata = late.target.store  # the same server
+    from cpuckpt.backend.committed import METADATA_NAME
+    from cpuckpt.backend.s3commit import load_metadata
+
+    md = load_metadata(metadata, late.path)
+    with pytest.raises(cpuckpt.StorageIOError, match="another save committed this checkpoint first") as err:
+        late.target.commit(md, [], late.manifest_header(1))
+    assert err.value.errno == errno.EEXIST and err.value.path.endswith(METADATA_NAME)
+    out = {"w": torch.zeros(4)}
+    cpuckpt.load(out, s3_url, CFG)
+    assert torch.equal(out["w"], torch.ones(4))
+
+
+def test_load_with_the_server_gone_fails_fast(own_s3_server, monkeypatch):
+    """A load whose server died raises a StorageIOError naming the object (bounded by the client's connect
+    timeout and attempts), never hangs; the checkpoint loads again once the server is back."""
+    import cpuckpt
+
+    for k, v in own_s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    url = f"s3://{own_s3_server.bucket}/gone"
+    state = {"w": torch.randn(3 * MiB, generator=torch.Generator().manual_seed(9))}
+    cpuckpt.save(state, url, CFG)
+    own_s3_server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(cpuckpt.StorageIOError, match=r"cannot connect to http://127\.0\.0\.1:\d+") as err:
+        cpuckpt.load({"w": torch.zeros(3 * MiB)}, url, CFG)
+    assert err.value.errno == errno.ECONNREFUSED and url in str(err.value)
+    assert time.monotonic() - t0 < 60
+    own_s3_server.start()
+    out = {"w": torch.zeros(3 * MiB)}
+    cpuckpt.load(out, url, CFG)
+    assert torch.equal(out["w"], state["w"])
