@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from cpuckpt.backend.committed import check_complete, read_manifest
+from cpuckpt.backend.committed import check_complete, load_metadata, read_manifest
+from cpuckpt.errors import IntegrityError
 from cpuckpt.roots import list_checkpoints
 
 __all__ = ["Committed", "DcpSlots", "SlotFormat", "marker_save_id", "marker_step", "part_path", "read_marker_json"]
@@ -60,6 +61,22 @@ class DcpSlots:
 
     def durable(self, root: Path) -> list[tuple[int, Path]]:
         return [(c.step, c.path) for c in list_checkpoints(root) if c.complete and c.step is not None]
+
+
+def missing_files(directory: Path) -> list[str]:
+    """The data files a complete DCP slot's ``.metadata`` names that its manifest does not list: a node's slot of a
+    checkpoint saved across nodes holds only its node's ranks' files. [] when it holds them all, or when it is no
+    complete checkpoint (its load reports that). A restart on fewer nodes must not pick such a slot: the load
+    would fail midway."""
+    if not check_complete(directory).complete:
+        return []
+    manifest = read_manifest(directory)
+    try:
+        metadata = load_metadata(directory)
+    except (IntegrityError, OSError):
+        return []
+    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    return sorted(named - set(manifest.files if manifest is not None else ()))
 
 
 def read_marker_json(path: Path) -> dict[str, Any] | None:

@@ -61,7 +61,7 @@ from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import S3Url, checkpoint_path, local_path
 from cpuckpt.roots import inspect_checkpoint, install_sigterm_handler
 from cpuckpt.tier.copier import CopyProcess
-from cpuckpt.tier.formats import Committed, DcpSlots, SlotFormat
+from cpuckpt.tier.formats import Committed, DcpSlots, SlotFormat, missing_files
 from cpuckpt.tier.images import ImageSet
 from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
@@ -835,7 +835,7 @@ class MemoryTier:
         """
         if self.nodes.single:
             found = [(c.step, 1, d) for d in self.slots if (c := self.format.committed(d)) is not None
-                     and c.step is not None]
+                     and c.step is not None and not self._partial(d)]
         else:
             mine = held_saves(self.slots, self.rank, self.world_size, state_dict, planner)
             if self.config.memory.replicas:  # own slots, or a copy another node holds (restored before the load)
@@ -847,6 +847,15 @@ class MemoryTier:
             found = [(step, 1, slot) for (step, _), slot in held.items()]
         found += [(step, 0, path) for step, path in self.format.durable(self.durable_root)]
         return [p for _, _, p in sorted(found, key=lambda f: (f[0], f[1], str(f[2])), reverse=True)]
+
+    def _partial(self, slot: Path) -> bool:
+        """One node after a run across nodes: a slot holding only that node's ranks' files (the same answer on
+        every rank: it reads the slot's files only) is no checkpoint this job can load; warned about, not listed."""
+        missing = missing_files(slot) if isinstance(self.format, DcpSlots) else []
+        if missing:
+            logger.warning("cpuckpt memory tier: %s was saved across nodes and lacks %d file(s) of this job's ranks "
+                           "(%s, ...): ignored (the topology changed)", slot, len(missing), missing[0])
+        return bool(missing)
 
     def load_latest(self, state_dict: dict[str, Any], *, planner: Any = None) -> Path | None:
         """Restart: load the newest checkpoint that loads cleanly, falling back to the next on damage.

@@ -59,9 +59,10 @@ import torch
 import torch.distributed as dist
 
 from cpuckpt.backend.commit import clear_commit
-from cpuckpt.backend.committed import check_complete, load_metadata, read_manifest
+from cpuckpt.backend.committed import check_complete
 from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, IntegrityError
+from cpuckpt.tier.formats import missing_files
 from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.tier.queue import PersistRequest
 from cpuckpt.transfer.files import write_atomic
@@ -280,7 +281,7 @@ class MegatronMemory:
         holds one node's ranks' files) would fail Megatron-LM's load midway; its names go (the tracker moves back,
         or goes: ``--save``'s tracker then wins, resharding as needed), with a warning."""
         for link, step, target in self._links():
-            missing = _missing_files(target)
+            missing = missing_files(target)
             if missing:
                 logger.warning("cpuckpt memory tier: %s (iteration %d) was saved across nodes and lacks %d file(s) of "
                                "this job's ranks (%s, ...): ignored (the topology changed)", link, step, len(missing),
@@ -446,20 +447,6 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path)
-
-
-def _missing_files(slot: Path) -> list[str]:
-    """The data files ``slot``'s ``.metadata`` names that its manifest does not list (a node's slot of a checkpoint
-    saved across nodes); [] when it holds them all or is no complete checkpoint (the load reports that)."""
-    if not check_complete(slot).complete:
-        return []
-    manifest = read_manifest(slot)
-    try:
-        metadata = load_metadata(slot)
-    except (IntegrityError, OSError):
-        return []
-    named = {info.relative_path for info in (metadata.storage_data or {}).values()}
-    return sorted(named - set(manifest.files if manifest is not None else ()))
 
 
 def _write_megatron_config(checkpoint_dir: Path) -> None:

@@ -20,6 +20,9 @@ real files; nothing mocked. Proven:
    ``PersistError`` on both ranks within seconds although ``timeout_s`` is 120 (before: the other rank's
    coordinator writer waited the whole timeout for the missing part, and the ranks raised different errors).
 5. URL roots are refused (``ConfigError``) before anything is created.
+6. A relaunch of the same two ranks on one node (node 0's RAM root) after a run across two nodes: node 0's slots
+   hold rank 0's files only, so they are not listed (before: they were, and a load of one failed midway); the
+   durable checkpoint loads.
 """
 
 from __future__ import annotations
@@ -327,3 +330,52 @@ def test_url_roots_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"memory\.root"):
         MemoryTier(tmp_path / "durable", _cfg("gs://bucket/ram", replicas=0))
     assert not (tmp_path / "ram").exists() and not (tmp_path / "durable").exists()
+
+
+def _save_across_nodes(durable: str, tmp: str) -> None:
+    """Rank body: each rank its own RAM root (two nodes), memory saves of steps 1-3, step 2 also saved durable;
+    the RAM roots are kept at close, as a job that ends abruptly leaves them."""
+    import torch.distributed as dist
+
+    import cpuckpt
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(Path(tmp) / f"ram-{rank}", persist_every=0, replicas=0, slots=3))
+    try:
+        for step in (1, 2, 3):
+            tier.save(_state(step, rank), step).wait()
+            if step == 2:
+                cpuckpt.save(_state(step, rank), Path(durable) / "step_2", step=2)
+    finally:
+        tier.close(persist_newest=False, remove_root=False)
+
+
+def _relaunch_on_one_node(durable: str, tmp: str) -> dict:
+    """Rank body: both ranks on node 0's RAM root now (the same world size, one node)."""
+    import torch.distributed as dist
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(Path(tmp) / "ram-0", persist_every=0, replicas=0, slots=3))
+    try:
+        listed = [str(p) for p in tier.candidates()]
+        state = _targets(rank)
+        loaded = tier.load_latest(state)
+        return {"listed": listed, "loaded": str(loaded), "bad": _bad_keys(state, 2, rank)}
+    finally:
+        tier.close(persist_newest=False)
+
+
+def test_a_relaunch_on_one_node_ignores_slots_saved_across_nodes(rank_runner, tmp_path: Path) -> None:
+    """Node 0's slots of a run across two nodes hold rank 0's files only (``.metadata`` names rank 1's too): a
+    relaunch of the same ranks on node 0 alone must not list them (its load would fail midway: a file missing),
+    and loads the durable checkpoint instead."""
+    durable = tmp_path / "durable"
+    rank_runner(2, _save_across_nodes, str(durable), str(tmp_path), tmp_path=tmp_path, timeout_s=90)
+    assert sorted(p.name for p in (tmp_path / "ram-0").rglob("__*_0.distcp")), "node 0 kept no slot"
+    res = rank_runner(2, _relaunch_on_one_node, str(durable), str(tmp_path), tmp_path=tmp_path, timeout_s=90)
+    for r in res:
+        assert r["listed"] == [str(durable / "step_2")], r
+        assert r["loaded"] == str(durable / "step_2") and not r["bad"], r
