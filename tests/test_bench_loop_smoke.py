@@ -19,7 +19,7 @@ def test_bench_loop_smoke(tmp_path: Path) -> None:
                            "--dir", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     runs = json.loads((tmp_path / "bench_loop.json").read_text())["runs"]
-    assert [r["variant"] for r in runs] == ["none", "mem", "mem+nocrc", "memsnap"]
+    assert [r["variant"] for r in runs] == ["none", "mem", "mem+nocrc", "memsnap", "memcopy"]
     assert all(r["iterations"] == 3 for r in runs), runs
     assert "mean x none" in proc.stdout
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("cpuckpt-bench-loop-")], "the RAM root stayed"
