@@ -205,7 +205,10 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         why = ("the DeepSpeed engine is not known (save through engine.save_checkpoint)" if ds is None else
                "MoE layers (their expert files are written by one data-parallel rank)" if ds.has_moe_layers else
                "zero_optimization.elastic_checkpoint (every rank reads every rank's optimizer file)"
-               if ds.zero_elastic_checkpoint() else "")
+               if ds.zero_elastic_checkpoint() else
+               "pipeline or model parallelism (a node's leader writes only its own model-parallel rank's model "
+               "states; the other ranks' files stay on the node of data-parallel rank 0)"
+               if getattr(ds, "pipeline_parallelism", False) or getattr(ds, "mp_world_size", 1) > 1 else "")
         if why:
             raise ConfigError(f"memory_tier across nodes ({memory.tier.nodes.nodes} RAM roots) for {memory.save_dir}: "
                               f"{why}; run without memory_tier or on one node")

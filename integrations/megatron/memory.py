@@ -74,6 +74,7 @@ __all__ = ["TRACKER", "MegatronMemory", "Route", "restart_before_load"]
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MEGATRON_COMMON = "common.pt"  # megatron-core's common (non-sharded) state, written into a save's directory by rank 0
 MEGATRON_METADATA = "metadata.json"  # megatron-core writes it into a checkpoint directory when it finalizes the save
 _ITER = re.compile(r"iter_(\d+)$")
 
@@ -245,9 +246,8 @@ class MegatronMemory:
                 dist.barrier(group=tier.group)
             return None
         slot = None
-        for found in tier.candidates():  # collective: the same order on every rank, newest first
-            if found not in tier.slots:
-                break  # a durable checkpoint is the newest every node can load
+        for k in self._restart_order():  # agreed: the same slots in the same order on every rank, newest first
+            found = tier.slots[k]
             try:  # collective; IntegrityError on every rank alike when the restore from a replica fails
                 tier.restore_planned(found, keep_plans=True)
             except IntegrityError as e:
@@ -275,6 +275,38 @@ class MegatronMemory:
                     f"iteration {step} from memory ({slot})" if slot is not None else
                     f"no memory checkpoint every node holds; Megatron-LM loads {self.save_dir}")
         return step
+
+    def _restart_order(self) -> list[int]:
+        """Collective, across nodes: the indices of the slots a restart may load, newest first, none older than the
+        iteration ``--save``'s tracker names (Megatron-LM loads the newer of its two trackers; rank 0's list, broadcast:
+        a durable step a writer commits meanwhile cannot send the ranks different ways). Megatron-LM loads only what
+        its finalize recorded: a slot counts only where some node's copy holds ``common.pt`` (megatron-core's common
+        state: a persistent save's slot has none; its durable copy, once finalized, is ``--save``'s) and
+        ``metadata.json`` (written by Megatron's finalize: a save committed in memory but not finalized yet is not a
+        checkpoint Megatron-LM knows)."""
+        tier = self.tier
+        slots = [found for found in tier.candidates() if found in tier.slots]  # collective; newest first
+        order: list[int] = []
+        if tier.rank == 0:
+            durable = _tracked_iteration(self.save_dir)
+            order = [tier.slots.index(found) for found in slots
+                     if durable is None or (tier.step_of(found) or -1) >= durable]
+        box: list[Any] = [order]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(tier.group, 0), group=tier.group)
+        mine = [sorted(e.name for e in _megatron_files(d) if e.is_file()) if self.names else [] for d in tier.slots]
+        every: list[Any] = [None] * tier.world_size
+        dist.all_gather_object(every, mine, group=tier.group)
+        usable = []
+        for k in box[0]:
+            held = set().union(*(set(names[k]) for names in every))
+            if {MEGATRON_COMMON, MEGATRON_METADATA} <= held:
+                usable.append(k)
+            else:
+                logger.info("cpuckpt memory tier: %s holds no %s on any node (%s): not a checkpoint Megatron-LM "
+                            "can load from memory", tier.slots[k],
+                            " and ".join(n for n in (MEGATRON_COMMON, MEGATRON_METADATA) if n not in held),
+                            "a persistent save" if MEGATRON_COMMON not in held else "not finalized")
+        return usable
 
     def _drop_partial_links(self) -> None:
         """One node after a run across nodes: a slot linked in ``D`` that lacks files its ``.metadata`` names (it
@@ -440,6 +472,14 @@ def _megatron_files(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     return [e for e in directory.iterdir() if not e.name.startswith((".", "__"))]
+
+
+def _tracked_iteration(directory: Path) -> int | None:
+    """The iteration Megatron-LM's tracker in ``directory`` names (None: none, or not a number)."""
+    try:
+        return int((directory / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _remove(path: Path) -> None:

@@ -77,6 +77,7 @@ def worker(argv: list[str]) -> int:
     ap.add_argument("--phase", required=True)
     ap.add_argument("--until", type=int, required=True)
     ap.add_argument("--split", type=int, default=0, help="the split dimension the load expects (1: resharded)")
+    ap.add_argument("--skip-last-finalize", action="store_true")
     ap.add_argument("--hold", action="store_true")
     ap.add_argument("--host", default="127.0.0.1")
     args = ap.parse_args(argv)
@@ -125,7 +126,8 @@ def worker(argv: list[str]) -> int:
     queue = AsyncCallsQueue(persistent=True)
     for k in range(max(it, 0) + 1, args.until + 1):
         _megatron_save(strategy, queue, router, save if k % 4 == 0 else np_dir, k, device)
-        queue.maybe_finalize_async_calls(blocking=True)  # memory commit (durable too, every 4th), then finalize
+        if not (args.skip_last_finalize and k == args.until):  # a kill before Megatron finalized the last save
+            queue.maybe_finalize_async_calls(blocking=True)  # memory commit (durable too, every 4th), then finalize
     if args.hold:
         tier.wait_persisted()
         dist.barrier()
@@ -156,7 +158,7 @@ def _free_port() -> int:
 
 
 def _launch(tmp: Path, node: int, phase: str, port: int, until: int, *, hold: bool, nnodes: int = 2, nproc: int = 1,
-            split: int = 0) -> subprocess.Popen:
+            split: int = 0, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{phase}-{port}",
            "--rdzv-conf", "join_timeout=90,read_timeout=90", "--local-addr", f"127.0.0.{node + 1}",
@@ -167,7 +169,7 @@ def _launch(tmp: Path, node: int, phase: str, port: int, until: int, *, hold: bo
            "CPU_CI_CUDA_STUBS": "1", "PYTHONPATH": os.pathsep.join([str(STUBS), os.environ.get("PYTHONPATH", "")])}
     log = open(tmp / f"{phase}-node{node}.log", "ab")  # handed to the child, closed here after Popen
     try:
-        return subprocess.Popen(cmd + (["--hold"] if hold else []), cwd=tmp, env=env, stdout=log,
+        return subprocess.Popen(cmd + list(extra) + (["--hold"] if hold else []), cwd=tmp, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     finally:
         log.close()
@@ -196,9 +198,9 @@ def _kill_launch(proc: subprocess.Popen) -> None:
 
 
 def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool, nodes: int = 2,
-               split: int = 0) -> tuple[list[dict], list]:
+               split: int = 0, extra: tuple[str, ...] = ()) -> tuple[list[dict], list]:
     port = _free_port()
-    procs = ([_launch(tmp, n, phase, port, until, hold=hold) for n in range(2)] if nodes == 2 else
+    procs = ([_launch(tmp, n, phase, port, until, hold=hold, extra=extra) for n in range(2)] if nodes == 2 else
              [_launch(tmp, 0, phase, port, until, hold=hold, nnodes=1, nproc=2, split=split)])
     deadline = time.monotonic() + PHASE_S
     files = [tmp / "out" / f"{phase}-{r}.json" for r in range(2)]
@@ -300,3 +302,41 @@ def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path
 
 if __name__ == "__main__":
     raise SystemExit(worker(sys.argv[1:]))
+
+
+def _lose_node1_and_relaunch(tmp_path: Path, until: int, extra: tuple[str, ...]) -> list[dict]:
+    """Train to ``until`` across two nodes, lose node 1 (trainer, writer, RAM root, ``D``), relaunch both; the
+    relaunch's reports."""
+    (tmp_path / "out").mkdir()
+    reports, procs = _run_phase(tmp_path, "train", until, hold=True, extra=extra)
+    kept = [r["writer_pid"] for r in reports if r["rank"] == 0]  # adopted by the relaunch
+    _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
+    shutil.rmtree(tmp_path / "ram1")
+    shutil.rmtree(tmp_path / "np1")
+    try:
+        reports, procs = _run_phase(tmp_path, "relaunch", until + 1, hold=True)
+    except BaseException:
+        for pid in kept:
+            _kill_pid(pid)
+        raise
+    _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports] + kept)
+    return reports
+
+
+def test_a_save_megatron_never_finalized_is_skipped_and_the_one_before_loads_from_memory(tmp_path: Path) -> None:
+    """Iteration 10's memory save is committed in both RAM roots but the job is killed before Megatron finalized it
+    (no ``metadata.json`` on any node, D's tracker names 9): the relaunch after a lost node must not name 10 (Megatron-LM
+    fails on it: "not a distributed checkpoint") and loads 9 from memory on both ranks, bit-exact."""
+    for r in _lose_node1_and_relaunch(tmp_path, 10, ("--skip-last-finalize",)):
+        assert r["memory_iteration"] == 9 and r["iteration"] == 9, f"rank {r['rank']}: {r}"
+        assert r["loaded"].startswith(r["tier_root"]) and r["bitexact"] is True, r
+
+
+@pytest.mark.slow
+def test_a_persistent_newest_save_loads_from_the_durable_root(tmp_path: Path) -> None:
+    """Iteration 12 is a persistent save (durable every 4): its slot holds no ``common.pt`` on any node, so the relaunch
+    names no memory checkpoint and Megatron-LM loads ``--save``'s iteration 12, bit-exact (before: D named the slot on
+    every node, and the load failed: "not a distributed checkpoint")."""
+    for r in _lose_node1_and_relaunch(tmp_path, 12, ()):
+        assert r["memory_iteration"] is None and r["iteration"] == 12, f"rank {r['rank']}: {r}"
+        assert r["loaded"].startswith(str(tmp_path / "save")) and r["bitexact"] is True, r
