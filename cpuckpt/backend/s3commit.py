@@ -52,12 +52,16 @@ class S3Target:
     def prepare(self) -> None:
         self.store.check_bucket(self.url)
 
-    def clear(self) -> None:
+    def refuse_committed(self) -> None:
+        """Raise EEXIST if ``.metadata`` is there: objects are written once, so nothing may overwrite them."""
         if self.store.head(self.url / METADATA_NAME) is not None:
             raise StorageIOError(
                 f"{self.url} holds a committed checkpoint: checkpoints in object storage are written once "
                 "(nothing can be renamed, so an overwrite could not be made safe); save to a new path, or delete "
                 "this one first", path=str(self.url / METADATA_NAME), errno_=errno.EEXIST)
+
+    def clear(self) -> None:
+        self.refuse_committed()
         for upload in self.store.list_uploads(S3Url(self.url.bucket, f"{self.url.key}/")):
             logger.info("%s: aborting the multipart upload of %s a killed save left", self.url, upload.url)
             self.store.abort_upload(upload)
@@ -81,6 +85,13 @@ class S3Target:
                 raise IntegrityError(problems[0])
             for entry in entries:
                 manifest.files[entry.name] = entry
+        # A writer that lost the race must not replace the winner's manifest (its step and checksums): look
+        # again right before writing it. (A window remains between this HEAD and the PUT below.)
+        if self.store.head(self.url / METADATA_NAME) is not None:
+            raise StorageIOError(f"{self.url}: another save committed this checkpoint first ({METADATA_NAME} "
+                                 "appeared while this save uploaded); this save's objects may have replaced some "
+                                 "of its data, which its checksums will report at load",
+                                 path=str(self.url / METADATA_NAME), errno_=errno.EEXIST)
         self.store.put(self.url / MANIFEST_NAME, manifest.to_json().encode())
         faultpoint.hit(f"before-rename:{METADATA_NAME}")
         if not self.store.put(self.url / METADATA_NAME, pickle.dumps(metadata), if_absent=True):

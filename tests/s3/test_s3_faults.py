@@ -147,21 +147,34 @@ def test_overwritten_or_truncated_object_is_corrupt(s3_server, s3_env, s3_url):
 
 
 def test_only_one_of_two_writers_commits(s3_server, s3_env, s3_url):
+    """The writer that loses the race gets EEXIST and leaves the winner whole: its manifest (step, crc32c) is
+    not replaced, so it still loads bit-exact and a damaged data object is still caught."""
     import cpuckpt
-
-    cpuckpt.save({"w": torch.ones(4)}, s3_url, CFG)
-    late = cpuckpt.StorageWriter(s3_url, CFG)  # a writer that planned before the first one committed
-    metadata = late.target.store  # the same server
     from cpuckpt.backend.committed import METADATA_NAME
-    from cpuckpt.backend.s3commit import load_metadata
+    from cpuckpt.backend.s3commit import load_metadata, read_manifest
+    from cpuckpt.paths import S3Url
 
-    md = load_metadata(metadata, late.path)
+    state = {"w": torch.randn(3 * MiB, generator=torch.Generator().manual_seed(3))}
+    cpuckpt.save(state, s3_url, CFG, step=7)
+    store = s3_server.store()
+    url = S3Url.parse(s3_url)
+    first = read_manifest(store, url)
+    late = cpuckpt.StorageWriter(s3_url, CFG, step=8)  # a writer that planned before the first one committed
+    md = load_metadata(late.target.store, late.path)
     with pytest.raises(cpuckpt.StorageIOError, match="another save committed this checkpoint first") as err:
         late.target.commit(md, [], late.manifest_header(1))
     assert err.value.errno == errno.EEXIST and err.value.path.endswith(METADATA_NAME)
-    out = {"w": torch.zeros(4)}
+    assert read_manifest(store, url) == first
+    assert [(c.step, c.complete) for c in cpuckpt.list_checkpoints(s3_url.rsplit("/", 1)[0])
+            if str(c.path) == s3_url] == [(7, True)]
+    out = {"w": torch.zeros(3 * MiB)}
     cpuckpt.load(out, s3_url, CFG)
-    assert torch.equal(out["w"], torch.ones(4))
+    assert torch.equal(out["w"], state["w"])
+    damaged = bytearray(store.get(url / "__0_0.distcp"))
+    damaged[123] ^= 0xFF
+    store.put(url / "__0_0.distcp", bytes(damaged))
+    with pytest.raises(cpuckpt.CheckpointCorrupt, match="checksum mismatch"):
+        cpuckpt.load({"w": torch.zeros(3 * MiB)}, s3_url, CFG)
 
 
 def test_load_with_the_server_gone_fails_fast(own_s3_server, monkeypatch):
@@ -184,3 +197,4 @@ def test_load_with_the_server_gone_fails_fast(own_s3_server, monkeypatch):
     out = {"w": torch.zeros(3 * MiB)}
     cpuckpt.load(out, url, CFG)
     assert torch.equal(out["w"], state["w"])
+
