@@ -3,7 +3,8 @@
 :class:`SeaweedServer` starts ``weed mini`` on 127.0.0.1 with a data directory of the caller's, free ports
 chosen for *every* listener it opens (master, volume, filer, S3, admin, each with its gRPC port; the
 WebDAV, Iceberg and Lance servers off), so parallel test workers never collide, and credentials given
-in its environment. :meth:`SeaweedServer.start` waits until S3 answers and the bucket exists;
+in its environment. :meth:`SeaweedServer.start` waits until S3 answers, the bucket exists and an object
+can be written and read back;
 :meth:`SeaweedServer.stop` kills its whole process group; :meth:`SeaweedServer.restart` starts it again
 on the same ports and data (the server-kill tests). A missing binary is a ``FileNotFoundError`` naming
 the package to install: a test that needs the server fails, it is never skipped.
@@ -106,7 +107,7 @@ class SeaweedServer:
                 *[f"-{flag}={port}" for flag, port in self.ports.items()]]
 
     def start(self) -> SeaweedServer:
-        """Start the server and wait until its S3 port answers and the bucket exists.
+        """Start the server and wait until its S3 port answers, the bucket exists and a probe object reads back.
 
         Raises:
             FileNotFoundError: ``weed`` is not installed.
@@ -139,8 +140,15 @@ class SeaweedServer:
         return S3Store(cfg, threads=4, credentials=(self.access_key, self.secret_key))
 
     def _bucket_answers(self) -> bool:
+        """The bucket answers *and* an object can be written and read back: after a restart SeaweedFS answers
+        a HEAD of the bucket before object reads work (the first GET may be an HTTP 500)."""
+        store, probe = self.store(), S3Url(self.bucket, ".seaweed-ready-probe")
         try:
-            self.store().check_bucket(S3Url(self.bucket, ""))
+            store.check_bucket(S3Url(self.bucket, ""))
+            store.put(probe, b"ready")
+            if store.get(probe) != b"ready":
+                return False
+            store.delete(probe)
         except OSError:
             return False
         return True
