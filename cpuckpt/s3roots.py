@@ -145,6 +145,7 @@ def clean_incomplete(root: S3Url, *, keep: Iterable[S3Url] = (), min_age_s: floa
         if str(url) in keep_keys or now - newest < min_age_s:
             continue
         if not info.complete:
+            faultpoint.hit(f"clean:incomplete:{url.name}")
             if not dry_run:
                 logger.info("removing incomplete checkpoint %s (%s)", url, info.reason)
                 _delete_checkpoint(store, url)

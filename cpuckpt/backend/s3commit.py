@@ -165,14 +165,20 @@ def read_manifest(store: ObjectStore, url: S3Url) -> Manifest | None:
 
 def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
     """``committed.check_complete`` for a URL: ``.metadata`` there and accepted, the manifest of the same save
-    parses, every data object it lists has its size. Never raises for a damaged checkpoint."""
+    parses, every data object it lists has its size. Never raises for a damaged checkpoint.
+
+    Raises:
+        StorageIOError: an object could not be read (server gone, timeout, 5xx after retries). Never reported
+            as "incomplete": cleaning deletes incomplete prefixes, and a read error says nothing about one.
+    """
     info = store.head(url / METADATA_NAME)
     if info is None or info.nbytes == 0:
         return Completeness(False, f"no {METADATA_NAME}" if info is None else f"{METADATA_NAME} is empty")
+    faultpoint.hit(f"s3-complete:{url.name}")
     try:
         metadata = load_metadata(store, url)
         manifest = read_manifest(store, url)
-    except (IntegrityError, OSError) as e:
+    except IntegrityError as e:  # gone since the HEAD, refused or unparsable: damage, not a read error
         return Completeness(False, str(e), None, info.mtime)
     if manifest is None or not same_save(manifest, metadata):
         return Completeness(True, "", None, info.mtime)

@@ -198,3 +198,38 @@ def test_load_with_the_server_gone_fails_fast(own_s3_server, monkeypatch):
     cpuckpt.load(out, url, CFG)
     assert torch.equal(out["w"], state["w"])
 
+
+def test_a_read_error_never_deletes_a_complete_checkpoint(own_s3_server, monkeypatch):
+    """Cleaning that cannot read a checkpoint's ``.metadata`` (the server gone between its HEAD and its GET)
+    raises a StorageIOError; it never takes the checkpoint for incomplete and deletes it (the server is back
+    by the time a deletion would run)."""
+    import cpuckpt
+    from cpuckpt import faultpoint, s3roots
+    from cpuckpt.config import S3Config
+    from cpuckpt.paths import S3Url
+
+    server = own_s3_server
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    root = f"s3://{server.bucket}/run"
+    state = {"w": torch.arange(1000.0)}
+    cpuckpt.save(state, f"{root}/step_1", CFG, step=1)
+
+    def handler(stage: str) -> None:
+        if stage == "s3-complete:step_1":
+            server.stop()  # the GET of .metadata that follows cannot connect
+        elif stage == "clean:incomplete:step_1":
+            server.start()  # a deletion decided now would succeed
+
+    previous = faultpoint.set_handler(handler)
+    try:
+        with pytest.raises(cpuckpt.StorageIOError, match=r"step_1/\.metadata") as err:
+            s3roots.clean_incomplete(S3Url.parse(root), cfg=S3Config(max_attempts=1, connect_timeout_s=1))
+    finally:
+        faultpoint.set_handler(previous)
+    assert err.value.errno == errno.ECONNREFUSED
+    server.start()
+    assert [(c.path.name, c.complete, c.step) for c in cpuckpt.list_checkpoints(root)] == [("step_1", True, 1)]
+    out = {"w": torch.zeros(1000)}
+    cpuckpt.load(out, f"{root}/step_1", CFG)
+    assert torch.equal(out["w"], state["w"])
