@@ -62,7 +62,7 @@ class S3Target:
 
     def clear(self) -> None:
         self.refuse_committed()
-        for upload in self.store.list_uploads(S3Url(self.url.bucket, f"{self.url.key}/")):
+        for upload in self.store.list_uploads(self.url.contents):
             logger.info("%s: aborting the multipart upload of %s a killed save left", self.url, upload.url)
             self.store.abort_upload(upload)
         faultpoint.hit("clear-commit:done")
