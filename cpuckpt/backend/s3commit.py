@@ -94,7 +94,8 @@ class S3Target:
                                  path=str(self.url / METADATA_NAME), errno_=errno.EEXIST)
         self.store.put(self.url / MANIFEST_NAME, manifest.to_json().encode())
         faultpoint.hit(f"before-rename:{METADATA_NAME}")
-        if not self.store.put(self.url / METADATA_NAME, pickle.dumps(metadata), if_absent=True):
+        if not self.store.put(self.url / METADATA_NAME, pickle.dumps(metadata), if_absent=True) \
+                and not self._committed_by(metadata):
             raise StorageIOError(f"{self.url}: another save committed this checkpoint first (conditional PUT of "
                                  f"{METADATA_NAME} refused); this save's objects may have replaced some of its "
                                  "data, which its checksums will report at load",
@@ -103,6 +104,20 @@ class S3Target:
         for prefix in prefixes:
             self.store.delete(self.url / part_name(prefix))
         faultpoint.hit("commit:parts-deleted")
+
+    def _committed_by(self, metadata: Metadata) -> bool:
+        """Whether the ``.metadata`` that refused our conditional PUT is our own: the client retries a PUT
+        whose response was lost, and the retry is refused by the write that succeeded."""
+        ours = getattr(metadata.storage_meta, "save_id", None)
+        try:
+            theirs = getattr(load_metadata(self.store, self.url).storage_meta, "save_id", None)
+        except IntegrityError:  # gone again, or not ours to read: not committed by this save
+            return False
+        if ours and theirs == ours:
+            logger.info("%s: the conditional PUT of %s was refused by this save's own earlier attempt (its "
+                        "response was lost); committed", self.url, METADATA_NAME)
+            return True
+        return False
 
 
 def size_mismatches(store: ObjectStore, url: S3Url, files: Mapping[str, FileEntry] | Iterable[FileEntry], *,

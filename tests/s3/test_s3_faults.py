@@ -7,7 +7,9 @@ rank.
 - wrong credentials and a missing bucket: ``StorageIOError`` saying so (``EACCES``/``ENOENT``), nothing written;
 - a data object overwritten (same size) or truncated after the commit: ``CheckpointCorrupt`` naming the object
   and the byte range; the truncated one is not listed as complete;
-- two writers: the conditional PUT of ``.metadata`` lets only the first commit;
+- two writers: the conditional PUT of ``.metadata`` lets only the first commit, whose manifest stays; a PUT
+  refused by this save's own earlier attempt (response lost) commits;
+- cleaning that cannot read a checkpoint's ``.metadata`` raises, never deletes it;
 - a load with the server gone: ``StorageIOError`` (``ECONNREFUSED``) within the client's bounds, never a hang.
 """
 
@@ -233,3 +235,45 @@ def test_a_read_error_never_deletes_a_complete_checkpoint(own_s3_server, monkeyp
     out = {"w": torch.zeros(1000)}
     cpuckpt.load(out, f"{root}/step_1", CFG)
     assert torch.equal(out["w"], state["w"])
+
+
+def test_commit_whose_first_metadata_put_landed_succeeds(s3_server, s3_env, s3_url):
+    """A conditional PUT of ``.metadata`` retried after its response was lost is refused by its own first
+    attempt: the commit reads ``.metadata`` back, finds its own save_id and succeeds. A ``.metadata`` of
+    another save landing at the same moment still fails the commit with EEXIST."""
+    import copy
+    import pickle
+
+    import cpuckpt
+    from cpuckpt import faultpoint
+    from cpuckpt.backend.committed import METADATA_NAME
+    from cpuckpt.backend.s3commit import load_metadata, read_manifest
+    from cpuckpt.paths import S3Url
+
+    cpuckpt.save({"w": torch.ones(4)}, s3_url + "-src", CFG, step=1)
+    store = s3_server.store()
+    template = load_metadata(store, S3Url.parse(s3_url + "-src"))
+    for name, lands in (("ours", "ours"), ("theirs", "another-save")):
+        url = S3Url.parse(f"{s3_url}-{name}")
+        writer = cpuckpt.StorageWriter(str(url), CFG, step=2)
+        md = copy.deepcopy(template)
+        md.storage_meta.save_id = writer.manifest_header(1).save_id
+        landed = copy.deepcopy(md)
+        if lands != "ours":
+            landed.storage_meta.save_id = "f" * 32
+
+        def put_between_head_and_put(stage: str, url: S3Url = url, landed: object = landed) -> None:
+            if stage == f"before-rename:{METADATA_NAME}":  # the first attempt's write, its response lost
+                store.put(url / METADATA_NAME, pickle.dumps(landed))
+
+        previous = faultpoint.set_handler(put_between_head_and_put)
+        try:
+            if lands == "ours":
+                writer.target.commit(md, [], writer.manifest_header(1))
+                assert read_manifest(store, url).save_id == md.storage_meta.save_id
+            else:
+                with pytest.raises(cpuckpt.StorageIOError, match="conditional PUT of .metadata refused") as err:
+                    writer.target.commit(md, [], writer.manifest_header(1))
+                assert err.value.errno == errno.EEXIST
+        finally:
+            faultpoint.set_handler(previous)
