@@ -272,7 +272,7 @@ def test_commit_whose_first_metadata_put_landed_succeeds(s3_server, s3_env, s3_u
                 writer.target.commit(md, [], writer.manifest_header(1))
                 assert read_manifest(store, url).save_id == md.storage_meta.save_id
             else:
-                with pytest.raises(cpuckpt.StorageIOError, match="conditional PUT of .metadata refused") as err:
+                with pytest.raises(cpuckpt.StorageIOError, match=r"conditional PUT of \.metadata refused") as err:
                     writer.target.commit(md, [], writer.manifest_header(1))
                 assert err.value.errno == errno.EEXIST
         finally:
