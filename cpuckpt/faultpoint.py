@@ -5,7 +5,9 @@ Production code calls :func:`hit` at each stage (``before-rename:<name>``, ``aft
 ``megatron-worker:rank<r>``, ``persist-chunk:<file>:<chunk>`` between reading a chunk of a memory
 image and writing it to the durable file, ``replicate:step<N>`` before a writer sends step N's replica,
 ``s3-part:<file>:<chunk>`` before a chunk is uploaded as a part to object storage; on object storage
-``before-rename:.metadata``/``after-rename:.metadata`` surround the conditional PUT that commits).
+``before-rename:.metadata``/``after-rename:.metadata`` surround the conditional PUT that commits;
+``s3-complete:<name>`` between the HEAD and the GET of a prefix's ``.metadata`` in ``check_complete``;
+``clean:incomplete:<name>`` before cleaning deletes an incomplete ``s3://`` prefix).
 Nothing a user can configure (YAML, environment) installs a handler:
 only code does, through :func:`set_handler` (``cpuckpt.testing.faults.install`` in the test-suite).
 Unset, :func:`hit` costs one global read.

@@ -52,6 +52,11 @@ class S3Url:
         return S3Url(self.bucket, f"{self.key}/{rel}" if self.key else rel)
 
     @property
+    def contents(self) -> S3Url:
+        """The listing prefix of the objects under it: ``key/``, or ``""`` for a bucket (never ``"/"``)."""
+        return S3Url(self.bucket, f"{self.key}/" if self.key else "")
+
+    @property
     def name(self) -> str:
         return self.key.rsplit("/", 1)[-1]
 

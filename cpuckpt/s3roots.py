@@ -41,8 +41,8 @@ def _store(cfg: S3Config | None) -> ObjectStore:
 
 def _objects(store: ObjectStore, url: S3Url) -> list[tuple[str, float]]:
     """(name relative to ``url``, mtime) of every object under the prefix ``url``."""
-    base = f"{url.key}/"
-    return [(o.key[len(base):], o.mtime) for o in store.list(S3Url(url.bucket, base))]
+    base = url.contents
+    return [(o.key[len(base.key):], o.mtime) for o in store.list(base)]
 
 
 def _inspect(store: ObjectStore, url: S3Url, objects: list[tuple[str, float]]) -> CheckpointInfo:
@@ -109,7 +109,7 @@ def _delete_checkpoint(store: ObjectStore, url: S3Url) -> None:
     faultpoint.hit("retention:metadata-removed")
     for name, _ in _objects(store, url):
         store.delete(url / name)
-    for upload in store.list_uploads(S3Url(url.bucket, f"{url.key}/")):
+    for upload in store.list_uploads(url.contents):
         store.abort_upload(upload)
 
 
@@ -125,7 +125,7 @@ def clean_incomplete(root: S3Url, *, keep: Iterable[S3Url] = (), min_age_s: floa
     keep_keys = {str(k) for k in keep}
     now = time.time()
     removed: list[S3Url] = []
-    uploads = store.list_uploads(S3Url(root.bucket, f"{root.key}/"))
+    uploads = store.list_uploads(root.contents)
 
     def owner(upload: Upload) -> S3Url | None:  # the checkpoint prefix directly under root it belongs to
         rest = upload.url.key[len(root.key) + 1:] if root.key else upload.url.key
@@ -145,6 +145,7 @@ def clean_incomplete(root: S3Url, *, keep: Iterable[S3Url] = (), min_age_s: floa
         if str(url) in keep_keys or now - newest < min_age_s:
             continue
         if not info.complete:
+            faultpoint.hit(f"clean:incomplete:{url.name}")
             if not dry_run:
                 logger.info("removing incomplete checkpoint %s (%s)", url, info.reason)
                 _delete_checkpoint(store, url)

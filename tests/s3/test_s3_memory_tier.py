@@ -73,3 +73,49 @@ def test_memory_tier_persists_to_s3(run_ranks, s3_env, s3_url, tmp_path):
     for r in range(2):
         assert torch.equal(whole[f"r{r}"]["w"], _state(2, r)[f"r{r}"]["w"]), r
     assert not Path(ram).exists(), "close() left the RAM root"
+
+
+def _persist_step_2(durable: str, ram: str, value: float) -> tuple[bool, str]:
+    """One run that saves (and persists) step 2 holding ``value``; (step 2 durable, the error raised, if any)."""
+    import torch.distributed as dist
+
+    import cpuckpt
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(ram))
+    error = ""
+    try:
+        tier.save({f"r{rank}": torch.full((1000,), value)}, 2).wait()
+        tier.wait_persisted()
+        tier.close()
+    except cpuckpt.CpuckptError as e:
+        error = f"{type(e).__name__}: {e}"
+        tier.close()
+    return tier.persisted(2), error
+
+
+def test_persist_never_overwrites_a_committed_durable_checkpoint(run_ranks, s3_env, s3_url, tmp_path):
+    """A second run persisting the same step into the same root fails with EEXIST before uploading a byte: the
+    first run's step_2 keeps its step, its checksums and its values (the probe: run 2's data under run 1's
+    metadata, step None, loaded with no error)."""
+    import cpuckpt
+    from cpuckpt.backend.s3commit import read_manifest
+    from cpuckpt.paths import S3Url
+    from cpuckpt.transfer.objstore import open_store
+
+    assert run_ranks(2, _persist_step_2, s3_url, str(tmp_path / "ram1"), 1.0, env=s3_env) == [(True, "")] * 2
+    url = S3Url.parse(s3_url) / "step_2"
+    store = open_store(cpuckpt.Config().s3)
+    first = read_manifest(store, url)
+    assert first is not None and first.step == 2
+    data_etags = {n: store.head(url / n) for n in first.files}
+    second = run_ranks(2, _persist_step_2, s3_url, str(tmp_path / "ram2"), 2.0, env=s3_env)
+    assert len(second) == 2 and all("holds a committed checkpoint" in err for _, err in second), second
+    assert read_manifest(store, url) == first
+    assert {n: store.head(url / n) for n in first.files} == data_etags  # not one data object rewritten
+    listed = [(c.path.name, c.complete, c.step) for c in cpuckpt.list_checkpoints(s3_url)]
+    assert listed == [("step_2", True, 2)], listed
+    out = {f"r{r}": torch.zeros(1000) for r in range(2)}
+    cpuckpt.load(out, str(url), {"io": {"chunk_bytes": "5MiB"}})
+    assert all(torch.equal(v, torch.full((1000,), 1.0)) for v in out.values()), out

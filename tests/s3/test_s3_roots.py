@@ -4,6 +4,7 @@ must not (a torn save is never listed as complete; the newest complete checkpoin
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 CFG = {"io": {"chunk_bytes": "5MiB"}}
@@ -46,3 +47,28 @@ def test_latest_retention_and_load_latest(s3_server, s3_env, s3_url):
     assert S3Url.parse(f"{root}/step_4") in removed
     assert [c.path.name for c in cpuckpt.list_checkpoints(root)] == ["step_3"]
     assert store.list_uploads(S3Url(torn.bucket, torn.key + "/")) == [], "the torn save's upload was not aborted"
+
+
+def test_bucket_level_root_cleans_uploads(own_s3_server):
+    """A root (or checkpoint) that is a whole bucket (``s3://bucket``, empty key): cleaning and ``clear`` find
+    the multipart uploads under it (their listing prefix is ``""``, never ``"/"``, which matches nothing)."""
+    from cpuckpt import s3roots
+    from cpuckpt.backend.s3commit import S3Target
+    from cpuckpt.config import S3Config
+    from cpuckpt.paths import S3Url
+
+    server = own_s3_server  # a bucket of its own: cleaning a whole bucket must not touch other tests' objects
+    store = server.store()
+    bucket = S3Url(server.bucket, "")
+    store.create_upload(bucket / "step_1" / "__0_0.distcp")  # a save killed before any upload completed
+    cfg = S3Config(endpoint_url=server.endpoint, max_attempts=1)
+    creds = {"AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in creds.items():
+            mp.setenv(k, v)
+        removed = s3roots.clean_incomplete(bucket, cfg=cfg)
+    assert [str(u) for u in removed] == [f"s3://{server.bucket}/step_1/__0_0.distcp"], removed
+    assert store.list_uploads(bucket) == []
+    store.create_upload(bucket / "__0_0.distcp")  # a checkpoint at the bucket's top, killed mid-upload
+    S3Target(store, bucket).clear()
+    assert store.list_uploads(bucket) == []
