@@ -31,8 +31,9 @@ from typing import Any, Protocol
 from cpuckpt.config import S3Config
 from cpuckpt.errors import ConfigError, StorageIOError
 from cpuckpt.paths import S3Url
+from cpuckpt.transfer.threads import run_parallel
 
-__all__ = ["ObjectInfo", "ObjectReads", "ObjectStore", "S3Store", "Upload", "open_store"]
+__all__ = ["ObjectInfo", "ObjectReads", "ObjectStore", "S3Store", "Upload", "open_store", "upload_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -388,6 +389,54 @@ class S3Store:
 def open_store(cfg: S3Config, *, threads: int = 16) -> ObjectStore:
     """The object store for ``s3://`` paths under ``cfg`` (a new client: cheap next to a save)."""
     return S3Store(cfg, threads=threads)
+
+
+def upload_file(store: ObjectStore, path: str | os.PathLike, url: S3Url, *, part_bytes: int, threads: int,
+                timeout_s: float) -> None:
+    """Upload the local file ``path`` to the object ``url`` as one multipart upload, parts read with ``pread`` on
+    ``threads`` threads (the object appears only when complete; on any failure the upload is aborted).
+
+    ``part_bytes`` is raised to S3's 5 MiB minimum, and further so the file fits in 10,000 parts.
+
+    Raises:
+        StorageIOError: the file cannot be read, or a request failed (naming the object).
+        CheckpointTimeoutError: not done within ``timeout_s``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise StorageIOError(f"cannot open {path} to upload it to {url}: {e}", path=os.fspath(path),
+                             errno_=e.errno) from e
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            store.put(url, b"")
+            return
+        part = max(part_bytes, PART_MIN_BYTES, -(-size // PARTS_MAX))
+        offsets = list(range(0, size, part))
+        upload = store.create_upload(url)
+
+        def one(k: int, cancel: threading.Event) -> str:
+            n = min(part, size - offsets[k])
+            try:
+                data = os.pread(fd, n, offsets[k])
+            except OSError as e:
+                raise StorageIOError(f"cannot read {path} to upload it to {url}: {e}", path=os.fspath(path),
+                                     offset=offsets[k], nbytes=n, errno_=e.errno) from e
+            if len(data) != n:
+                raise StorageIOError(f"{path} shrank while it was uploaded to {url}", path=os.fspath(path),
+                                     offset=offsets[k], nbytes=n, errno_=errno.EIO)
+            return store.upload_part(upload, k + 1, memoryview(data))
+
+        try:
+            etags = run_parallel(one, range(len(offsets)), threads=threads, timeout_s=timeout_s,
+                                 name="cpuckpt-upload")
+            store.complete_upload(upload, etags)
+        except BaseException:
+            store.abort_upload(upload)
+            raise
+    finally:
+        os.close(fd)
 
 
 class ObjectReads:
