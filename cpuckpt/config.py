@@ -237,8 +237,10 @@ class S3Config:
                        "else us-east-1.")
     path_style: bool = _opt(True, "Path-style addressing (http://host/bucket/key), which S3-compatible servers "
                             "need; false: virtual-hosted style (http://bucket.host/key).")
-    max_attempts: int = _opt(3, "Attempts per request (the client's retries with backoff, throttling such as "
-                             "503 SlowDown included); every wait stays bounded by timeout_s.", min=1, max=20)
+    max_attempts: int = _opt(3, "Attempts per request, the first included (the client's retries with backoff, "
+                             "throttling such as 503 SlowDown included: each throttled answer is logged, and "
+                             "throttling that outlasts them is a StorageIOError saying so); retry n waits up to "
+                             "min(2^(n-1), 20) s, and every save stays bounded by timeout_s.", min=1, max=20)
     connect_timeout_s: float = _opt(10.0, "Bound on opening one connection to the endpoint, seconds.",
                                     min=0.1)
     read_timeout_s: float = _opt(60.0, "Bound on waiting for one response (or its next bytes), seconds.",

@@ -274,8 +274,8 @@ def verify_cmd(path: Any) -> None:
 
 
 @cli.command("convert")
-@click.argument("path", type=_LocalPath("checkpoint path", exists=True, file_okay=False))
-@click.argument("out", type=_LocalPath("output path"))
+@click.argument("path", type=_CheckpointPath("checkpoint path", exists=True, file_okay=False))
+@click.argument("out", type=_CheckpointPath("output path"))
 @click.option("--to", "fmt", type=click.Choice(["safetensors", "torch"]), required=True, help="Output format.")
 @click.option("--max-shard-size", type=_Bytes(), default=None,
               help="Write HF-style shards of at most this size (e.g. 5GB) and an index into the directory OUT.")
@@ -284,13 +284,19 @@ def verify_cmd(path: Any) -> None:
 @click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
               help="A cpuckpt YAML config for reading (threads, verification).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT (sharded: write into a non-empty OUT).")
-def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, memory_budget: int,
-                config_path: str | None, overwrite: bool) -> None:
+@click.option("--tmp-dir", "staging_dir", type=_LocalPath("temporary directory", exists=True, file_okay=False),
+              default=None, help="Where an s3:// OUT's files are written before their upload (one at a time; "
+                                 "default $TMPDIR).")
+def convert_cmd(path: Any, out: Any, fmt: str, max_shard_size: int | None, memory_budget: int,
+                config_path: str | None, overwrite: bool, staging_dir: Path | None) -> None:
     """Write the checkpoint at PATH as full (resharded) tensors to OUT, in safetensors or torch.save format.
 
     Streams: at most --memory-budget of tensor data is in memory at a time. Non-tensor items go to
     the safetensors metadata as JSON (or into the torch file); items that cannot are listed as skipped.
     OUT's parent directory must exist; an existing OUT is refused unless --overwrite.
+
+    PATH may be an s3:// checkpoint prefix, OUT an s3:// object (with --max-shard-size, a prefix): each
+    output file is written to --tmp-dir, uploaded as one multipart upload, then removed there.
     """
     from tqdm import tqdm
 
@@ -303,11 +309,11 @@ def convert_cmd(path: Path, out: Path, fmt: str, max_shard_size: int | None, mem
                   file=sys.stderr, leave=False) as bar:
             report = export_checkpoint(path, out, fmt=fmt, max_shard_bytes=max_shard_size,
                                        memory_budget_bytes=memory_budget, config=config_path, progress=bar.update,
-                                       overwrite=overwrite)
+                                       overwrite=overwrite, staging_dir=staging_dir)
     except (CpuckptError, OSError, ValueError) as e:
         _fail(f"cannot convert {path}: {e}")
-    for f in report.files:
-        click.echo(f"wrote {f} ({_human_bytes(f.stat().st_size)})")
+    for f, nbytes in zip(report.files, report.sizes):
+        click.echo(f"wrote {f} ({_human_bytes(nbytes)})")
     if report.index is not None:
         click.echo(f"wrote {report.index}")
     click.echo(f"{report.tensors} tensor(s), {report.nbytes} bytes of tensor data")

@@ -12,6 +12,13 @@ Non-tensor items are read from their records with ``torch.load(weights_only=True
 pickles). With safetensors they go into the header's ``__metadata__`` as JSON; values that are not
 JSON-able, or that ``weights_only`` refuses, are skipped and listed in the report.
 
+Object storage: ``src`` may be an ``s3://`` checkpoint (read by ranged GETs, as :func:`cpuckpt.load` reads it),
+and ``out`` an ``s3://`` object (or, sharded, a prefix). An object cannot be written at offsets, and a ``torch.save``
+archive's storages do not lie in tensor order, so each output file is first written as above to a local
+temporary file (in ``staging_dir``, default ``$TMPDIR``), then uploaded as one multipart upload and removed:
+local disk holds one output file (one shard) at a time. The object appears only when its upload completes; a
+failed upload is aborted, so a failed convert leaves no partial object (shards already uploaded stay).
+
 Note that the zip CRC-32 fields of the tensor entries of a ``--to torch`` file are not those of the
 data (as in cpuckpt's own records, docs/FORMAT.md 3.2): ``torch.load`` reads it, Python's ``zipfile``
 CRC check does not.
@@ -19,10 +26,14 @@ CRC check does not.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import logging
 import os
+import shutil
 import struct
+import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,13 +44,18 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from cpuckpt.api import load
+from cpuckpt.backend import s3commit
 from cpuckpt.backend.committed import load_metadata
-from cpuckpt.config import Config
+from cpuckpt.config import Config, resolve_config
+from cpuckpt.errors import StorageIOError
 from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.zipheader import entry_data_offset
-from cpuckpt.paths import local_path
+from cpuckpt.paths import S3Url, checkpoint_path
+from cpuckpt.transfer.objstore import ObjectStore, open_store, upload_file
 
 __all__ = ["ExportReport", "export_checkpoint"]
+
+logger = logging.getLogger(__name__)
 
 FORMATS = ("safetensors", "torch")
 
@@ -56,8 +72,9 @@ class _Tensor:
 class ExportReport:
     """What :func:`export_checkpoint` wrote and left out."""
 
-    files: list[Path] = field(default_factory=list)
-    index: Path | None = None
+    files: list[Path | S3Url] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # bytes of each of ``files``
+    index: Path | S3Url | None = None
     tensors: int = 0
     nbytes: int = 0
     metadata: dict[str, str] = field(default_factory=dict)  # non-tensor items kept (name -> JSON or repr)
@@ -67,12 +84,14 @@ class ExportReport:
 def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: str = "safetensors",
                       max_shard_bytes: int | None = None, memory_budget_bytes: int = 1 << 30,
                       config: Config | str | os.PathLike | dict | None = None,
-                      progress: Callable[[int], None] | None = None, overwrite: bool = False) -> ExportReport:
+                      progress: Callable[[int], None] | None = None, overwrite: bool = False,
+                      staging_dir: str | os.PathLike | None = None) -> ExportReport:
     """Write the checkpoint at ``src`` as full (unsharded) tensors in ``fmt`` files.
 
     Args:
-        src: a committed cpuckpt or stock DCP checkpoint directory.
-        out: the output file; with ``max_shard_bytes``, a directory that receives HF-style shards
+        src: a committed cpuckpt or stock DCP checkpoint directory, or an ``s3://`` checkpoint prefix.
+        out: the output file (or ``s3://`` object); with ``max_shard_bytes``, a directory (or ``s3://`` prefix)
+            that receives HF-style shards
             (``model-00001-of-0000N.safetensors`` or ``pytorch_model-...bin``) and an index JSON
             (just ``model.safetensors`` / ``pytorch_model.bin`` when everything fits in one shard).
         fmt: ``"safetensors"`` or ``"torch"``.
@@ -81,6 +100,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
         config: reader configuration for :func:`cpuckpt.load`.
         progress: called with each batch's tensor bytes once written.
         overwrite: replace an existing output file (sharded: write into a non-empty directory).
+        staging_dir: where an ``s3://`` output's files are written before their upload (default ``$TMPDIR``).
 
     Returns:
         An :class:`ExportReport`.
@@ -91,14 +111,41 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
         FileExistsError: the output exists (a file, or a non-empty directory when sharded) and not ``overwrite``.
         IsADirectoryError / NotADirectoryError: the output is a directory where a file goes, or the reverse.
         FileNotFoundError: the output's parent directory does not exist (it is never created silently).
-        ConfigError: ``src`` or ``out`` is a URL.
+        ConfigError: ``src`` or ``out`` is a URL other than ``s3://``.
+        StorageIOError: object storage refused a read or an upload (naming the object).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown output format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    src_path = Path(local_path(src))
-    out_path = Path(local_path(out, "output path"))
-    _check_output(out_path, sharded=max_shard_bytes is not None, overwrite=overwrite)
-    md = load_metadata(src_path)
+    src_where = checkpoint_path(src)
+    out_where = checkpoint_path(out, "output path")
+    store = open_store(resolve_config(config).s3, threads=4) \
+        if isinstance(src_where, S3Url) or isinstance(out_where, S3Url) else None
+    sharded = max_shard_bytes is not None
+    if isinstance(out_where, S3Url):
+        assert store is not None
+        _check_output_s3(store, out_where, sharded=sharded, overwrite=overwrite)
+        staging = Path(tempfile.mkdtemp(prefix="cpuckpt-convert-", dir=staging_dir))
+        try:
+            return _export(src_where, staging / (out_where.name if not sharded else "out"), fmt, max_shard_bytes,
+                           memory_budget_bytes, config, progress, store, upload_to=out_where)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    out_path = Path(out_where)
+    _check_output(out_path, sharded=sharded, overwrite=overwrite)
+    return _export(src_where, out_path, fmt, max_shard_bytes, memory_budget_bytes, config, progress, store)
+
+
+def _export(src: str | S3Url, out_path: Path, fmt: str, max_shard_bytes: int | None, memory_budget_bytes: int,
+            config: Any, progress: Callable[[int], None] | None, store: ObjectStore | None, *,
+            upload_to: S3Url | None = None) -> ExportReport:
+    """The export proper, into ``out_path``; with ``upload_to``, each finished file is uploaded there (the
+    file's name under the prefix when sharded) and removed before the next one is written."""
+    src_path: Path | S3Url = src if isinstance(src, S3Url) else Path(src)
+    if isinstance(src_path, S3Url):
+        assert store is not None
+        md = s3commit.load_metadata(store, src_path)
+    else:
+        md = load_metadata(src_path)
     tensors: list[_Tensor] = []
     extras: dict[str, Any] = {}
     report = ExportReport()
@@ -107,7 +154,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
             shape = tuple(int(s) for s in item.size)
             tensors.append(_Tensor(name, item.properties.dtype, shape, tensor_nbytes(item.properties.dtype, shape)))
         elif isinstance(item, BytesStorageMetadata):
-            _read_extra(src_path, md, name, fmt, extras, report)
+            _read_extra(src_path, md, name, fmt, extras, report, store)
     shards = _shard(tensors, max_shard_bytes)
     if max_shard_bytes is None:
         targets = [out_path]
@@ -125,7 +172,16 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
         else:
             offsets = _write_torch_skeleton(target, shard, shard_extras)
         _fill(src_path, target, shard, offsets, memory_budget_bytes, config, progress)
-        report.files.append(target)
+        size = target.stat().st_size
+        if upload_to is not None:
+            assert store is not None
+            dest = upload_to / target.name if max_shard_bytes is not None else upload_to
+            _upload(store, target, dest, config)
+            target.unlink()
+            report.files.append(dest)
+        else:
+            report.files.append(target)
+        report.sizes.append(size)
         for t in shard:
             weight_map[t.name] = target.name
     report.tensors = len(tensors)
@@ -135,9 +191,44 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
         meta: dict[str, Any] = {"total_size": report.nbytes}
         if fmt == "safetensors" and report.metadata:
             meta["cpuckpt_extras"] = report.metadata
-        index.write_text(json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
-        report.index = index
+        text = json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
+        if upload_to is not None:
+            assert store is not None
+            report.index = upload_to / index.name
+            store.put(report.index, text.encode())
+        else:
+            index.write_text(text)
+            report.index = index
     return report
+
+
+def _upload(store: ObjectStore, path: Path, url: S3Url, config: Any) -> None:
+    """One multipart upload of the finished local file ``path`` to ``url`` (aborted on failure)."""
+    cfg = resolve_config(config)
+    logger.info("uploading %s (%d bytes) to %s", path, path.stat().st_size, url)
+    upload_file(store, path, url, part_bytes=cfg.io.chunk_bytes, threads=cfg.io.threads, timeout_s=cfg.timeout_s)
+
+
+def _check_output_s3(store: ObjectStore, out: S3Url, *, sharded: bool, overwrite: bool) -> None:
+    """``_check_output`` for an ``s3://`` output: the bucket usable, no object replaced without ``overwrite``."""
+    store.check_bucket(out)
+    if not out.key:
+        raise StorageIOError(f"{out}: give an object key (or, sharded, a prefix) under the bucket", path=str(out))
+    under = next(iter(store.list(S3Url(out.bucket, out.key + "/"))), None)
+    if sharded:
+        if store.head(out) is not None:
+            raise StorageIOError(f"{out}: is an object (with a maximum shard size, the output is a prefix of "
+                                 "shards)", path=str(out), errno_=errno.ENOTDIR)
+        if under is not None and not overwrite:
+            raise StorageIOError(f"{out}: objects exist under this prefix ({under.key}); pass --overwrite "
+                                 "(overwrite=True) to write the shards into it", path=str(out), errno_=errno.EEXIST)
+        return
+    if under is not None:
+        raise StorageIOError(f"{out}: objects exist under it as a prefix ({under.key}); give an object name (or a "
+                             "maximum shard size to write shards under a prefix)", path=str(out), errno_=errno.EISDIR)
+    if store.head(out) is not None and not overwrite:
+        raise StorageIOError(f"{out}: exists; pass --overwrite (overwrite=True) to replace it", path=str(out),
+                             errno_=errno.EEXIST)
 
 
 def _check_output(out: Path, *, sharded: bool, overwrite: bool) -> None:
@@ -159,7 +250,8 @@ def _check_output(out: Path, *, sharded: bool, overwrite: bool) -> None:
         raise FileExistsError(f"{out}: exists; pass --overwrite (overwrite=True) to replace it")
 
 
-def _read_extra(src: Path, md: Any, name: str, fmt: str, extras: dict[str, Any], report: ExportReport) -> None:
+def _read_extra(src: Path | S3Url, md: Any, name: str, fmt: str, extras: dict[str, Any], report: ExportReport,
+                store: ObjectStore | None) -> None:
     """Read one non-tensor item's record (weights_only) and keep it where the format can hold it."""
     sinfo = next((s for idx, s in (md.storage_data or {}).items() if idx.fqn == name), None)
     if sinfo is None:
@@ -169,9 +261,15 @@ def _read_extra(src: Path, md: Any, name: str, fmt: str, extras: dict[str, Any],
     if rel.is_absolute() or ".." in rel.parts:
         report.skipped[name] = f"record path {sinfo.relative_path!r} leaves the checkpoint directory"
         return
-    with open(src / rel, "rb") as f:
-        f.seek(int(sinfo.offset))
-        data = f.read(int(sinfo.length))
+    if isinstance(src, S3Url):
+        assert store is not None
+        buf = bytearray(int(sinfo.length))
+        got = store.get_into(src / str(rel), int(sinfo.offset), memoryview(buf))
+        data = bytes(buf[:got])
+    else:
+        with open(src / rel, "rb") as f:
+            f.seek(int(sinfo.offset))
+            data = f.read(int(sinfo.length))
     try:
         value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
@@ -303,7 +401,7 @@ def _batches(shard: list[_Tensor], budget: int) -> list[list[tuple[_Tensor, int]
 _ALIGN = 64  # arena offsets: a multiple of every element size
 
 
-def _fill(src: Path, target: Path, shard: list[_Tensor], offsets: dict[str, int], budget: int,
+def _fill(src: Path | S3Url, target: Path, shard: list[_Tensor], offsets: dict[str, int], budget: int,
           config: Any, progress: Callable[[int], None] | None) -> None:
     """Load the shard's tensors batch by batch into one reused arena; pwrite each tensor's bytes to its offset.
 

@@ -14,8 +14,15 @@ Endpoint, region and credentials follow the AWS conventions (boto3's own: ``AWS_
 ``AWS_ENDPOINT_URL``, ``AWS_REGION``, the credential chain); ``s3.endpoint_url`` and ``s3.region`` override the
 first two. Every failure becomes a :class:`StorageIOError` naming the ``s3://`` URL, with an errno that says
 what kind (``ENOENT`` missing object or bucket, ``EACCES`` refused credentials, ``EEXIST`` a conditional PUT
-that lost, ``ECONNREFUSED`` no server, ``EIO`` anything else); the client's own retries (``s3.max_attempts``,
-with backoff, throttling included) run first.
+that lost, ``ECONNREFUSED`` no server, ``EAGAIN`` throttled on every attempt, ``EIO`` anything else); the
+client's own retries (``s3.max_attempts``, with backoff) run first.
+
+Throttling (S3's ``503 SlowDown`` and its kin): botocore's standard retries retry it, waiting
+``rand(0, 1) * min(2 ** (attempt - 1), 20)`` s before each retry, so one request waits at most about
+``20 * (s3.max_attempts - 1)`` s in all, and a save stays bounded by ``timeout_s`` besides. Each throttled answer
+is logged (WARNING, naming the object, the attempt and whether the client retries) and counted
+(:attr:`S3Store.throttled`); when the throttling outlasts the attempts (or the client's retry quota), the error
+says *throttled* and names the object and the attempts made.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import errno
 import logging
 import os
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,8 +39,9 @@ from typing import Any, Protocol
 from cpuckpt.config import S3Config
 from cpuckpt.errors import ConfigError, StorageIOError
 from cpuckpt.paths import S3Url
+from cpuckpt.transfer.threads import run_parallel
 
-__all__ = ["ObjectInfo", "ObjectReads", "ObjectStore", "S3Store", "Upload", "open_store"]
+__all__ = ["ObjectInfo", "ObjectReads", "ObjectStore", "S3Store", "Upload", "open_store", "upload_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +183,16 @@ def _code(e: Any) -> str:
     """A botocore ``ClientError``'s error code (the HTTP status as a string when the response had no body)."""
     err = e.response.get("Error", {})
     return str(err.get("Code") or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+# The error codes with which S3 and S3-compatible servers ask a client to slow down (S3's is SlowDown, HTTP 503).
+_THROTTLED = {"SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+              "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded",
+              "BandwidthLimitExceeded"}
+
+
+def _throttled(code: str, status: int | None) -> bool:
+    return code in _THROTTLED or status in (429, 503)
+
+
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "InvalidToken", "ExpiredToken"}
 
 
@@ -200,7 +219,8 @@ class S3Store:
         self.endpoint = cfg.endpoint_url or None  # None: boto3 reads AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL
         client_cfg = botocore.config.Config(
             s3={"addressing_style": "path" if cfg.path_style else "virtual"},
-            retries={"max_attempts": cfg.max_attempts, "mode": "standard"},
+            # total_max_attempts counts the first request too (botocore's max_attempts counts only retries).
+            retries={"total_max_attempts": cfg.max_attempts, "mode": "standard"},
             connect_timeout=cfg.connect_timeout_s,
             read_timeout=cfg.read_timeout_s,
             max_pool_connections=max(threads, 10),
@@ -211,6 +231,46 @@ class S3Store:
         )
         self._client = session.client("s3", region_name=self.region, endpoint_url=self.endpoint, config=client_cfg)
         self._lock = threading.Lock()
+        self.max_attempts = cfg.max_attempts
+        self.path_style = cfg.path_style
+        self.throttled = 0  # throttled answers seen (retried or not)
+        # After botocore's own retry handler (which decides whether to retry): watches, never decides.
+        self._client.meta.events.register_last("needs-retry.s3", self._on_needs_retry)
+
+    def _on_needs_retry(self, response: Any = None, attempts: int = 0, request_dict: Any = None,
+                        operation: Any = None, **_: Any) -> None:
+        """Log and count a throttled answer, so throttling that the client's retries absorb is still seen."""
+        if response is None:
+            return None
+        http, parsed = response
+        err = (parsed or {}).get("Error", {})
+        code, status = str(err.get("Code", "")), getattr(http, "status_code", None)
+        if not _throttled(code, status):
+            return None
+        with self._lock:
+            self.throttled += 1
+        meta = (parsed or {}).get("ResponseMetadata", {})
+        if meta.get("RetryQuotaReached"):
+            then = "not retried: the client's retry quota is spent"
+        elif attempts < self.max_attempts:
+            then = "retrying with backoff"
+        else:
+            then = "not retried: s3.max_attempts reached"
+        logger.warning("%s %s throttled by %s (%s, HTTP %s) on attempt %d of %d: %s",
+                       getattr(operation, "name", "request"), self._object_of(request_dict), self._endpoint_name(),
+                       code or "no code", status, attempts, self.max_attempts, then)
+        return None
+
+    def _object_of(self, request_dict: Any) -> str:
+        """The ``s3://bucket/key`` a botocore request is about (from its URL)."""
+        try:
+            parts = urllib.parse.urlsplit(request_dict["url"])
+        except (KeyError, TypeError, ValueError):
+            return "?"
+        path = urllib.parse.unquote(parts.path).lstrip("/")
+        if not self.path_style and parts.hostname:  # virtual-hosted: the bucket is the host's first label
+            path = f"{parts.hostname.split('.', 1)[0]}/{path}"
+        return f"s3://{path}"
 
     # -- errors ------------------------------------------------------------------------------------
     def _error(self, e: Exception, what: str, url: S3Url | str, *, offset: int | None = None,
@@ -232,6 +292,15 @@ class S3Store:
             return StorageIOError(f"{where}: {self._endpoint_name()} refused the credentials ({code or status}): "
                                   "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the profile",
                                   path=str(url), offset=offset, nbytes=nbytes, errno_=errno.EACCES)
+        if _throttled(code, status):
+            meta = e.response.get("ResponseMetadata", {})
+            attempts = int(meta.get("RetryAttempts", 0)) + 1
+            why = "the client's retry quota was spent" if meta.get("RetryQuotaReached") else \
+                f"s3.max_attempts is {self.max_attempts}"
+            return StorageIOError(f"{where}: throttled by {self._endpoint_name()} ({code or 'no code'}, HTTP {status}) "
+                                  f"on {attempts} attempt(s) with backoff ({why}): the store asks for fewer "
+                                  "requests; raise s3.max_attempts, lower io.threads, or raise the store's request "
+                                  "rate limit", path=str(url), offset=offset, nbytes=nbytes, errno_=errno.EAGAIN)
         if isinstance(e, self._exc.NoCredentialsError):
             return StorageIOError(f"{where}: no AWS credentials found (set AWS_ACCESS_KEY_ID and "
                                   "AWS_SECRET_ACCESS_KEY, or a profile)", path=str(url), errno_=errno.EACCES)
@@ -389,6 +458,54 @@ class S3Store:
 def open_store(cfg: S3Config, *, threads: int = 16) -> ObjectStore:
     """The object store for ``s3://`` paths under ``cfg`` (a new client: cheap next to a save)."""
     return S3Store(cfg, threads=threads)
+
+
+def upload_file(store: ObjectStore, path: str | os.PathLike, url: S3Url, *, part_bytes: int, threads: int,
+                timeout_s: float) -> None:
+    """Upload the local file ``path`` to the object ``url`` as one multipart upload, parts read with ``pread`` on
+    ``threads`` threads (the object appears only when complete; on any failure the upload is aborted).
+
+    ``part_bytes`` is raised to S3's 5 MiB minimum, and further so the file fits in 10,000 parts.
+
+    Raises:
+        StorageIOError: the file cannot be read, or a request failed (naming the object).
+        CheckpointTimeoutError: not done within ``timeout_s``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        raise StorageIOError(f"cannot open {path} to upload it to {url}: {e}", path=os.fspath(path),
+                             errno_=e.errno) from e
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            store.put(url, b"")
+            return
+        part = max(part_bytes, PART_MIN_BYTES, -(-size // PARTS_MAX))
+        offsets = list(range(0, size, part))
+        upload = store.create_upload(url)
+
+        def one(k: int, cancel: threading.Event) -> str:
+            n = min(part, size - offsets[k])
+            try:
+                data = os.pread(fd, n, offsets[k])
+            except OSError as e:
+                raise StorageIOError(f"cannot read {path} to upload it to {url}: {e}", path=os.fspath(path),
+                                     offset=offsets[k], nbytes=n, errno_=e.errno) from e
+            if len(data) != n:
+                raise StorageIOError(f"{path} shrank while it was uploaded to {url}", path=os.fspath(path),
+                                     offset=offsets[k], nbytes=n, errno_=errno.EIO)
+            return store.upload_part(upload, k + 1, memoryview(data))
+
+        try:
+            etags = run_parallel(one, range(len(offsets)), threads=threads, timeout_s=timeout_s,
+                                 name="cpuckpt-upload")
+            store.complete_upload(upload, etags)
+        except BaseException:
+            store.abort_upload(upload)
+            raise
+    finally:
+        os.close(fd)
 
 
 class ObjectReads:

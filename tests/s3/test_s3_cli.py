@@ -63,3 +63,71 @@ def test_ls_verify_clean_on_s3(s3_server, s3_env, s3_url):
     assert "step_3" not in out, out
     code, out = _run("verify", "gs://bucket/x")
     assert code == 2 and "not supported" in out, out
+
+
+def _safetensors(data: bytes) -> tuple[dict, dict]:
+    """(tensors, __metadata__) of a safetensors file's bytes."""
+    from safetensors.torch import load
+
+    n = int.from_bytes(data[:8], "little")
+    return load(data), json.loads(data[8:8 + n])["__metadata__"]
+
+
+def test_convert_from_and_to_s3(s3_server, s3_env, s3_url, tmp_path):
+    """``convert`` reads an ``s3://`` checkpoint and writes an ``s3://`` object (a multipart upload of several parts)
+    or prefix of shards, refuses to replace one without --overwrite, leaves no upload and no staged file behind."""
+    import io
+
+    import cpuckpt
+    from cpuckpt.paths import S3Url
+
+    g = torch.Generator().manual_seed(7)
+    state = {"w1": torch.randn(2 * 1024 * 1024, generator=g), "w2": torch.randn(1024 * 1024, generator=g),
+             "h": torch.arange(10, dtype=torch.bfloat16), "meta": {"step": 3}}  # 12 MiB of tensors
+    src = f"{s3_url}/step_3"
+    cpuckpt.save(state, src, CFG, step=3)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("io:\n  chunk_bytes: 5MiB\n")
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    store = s3_server.store()
+    tensors = {k: v for k, v in state.items() if k != "meta"}
+
+    out = f"{s3_url}/export/model.safetensors"
+    args = ["convert", src, out, "--to", "safetensors", "--config", str(cfg), "--tmp-dir", str(stage)]
+    code, text = _run(*args)
+    assert code == 0 and f"wrote {out} (12.0 MiB)" in text and "kept meta.step: 3" in text, text
+    got, meta = _safetensors(store.get(S3Url.parse(out)))
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], v) for k, v in tensors.items())
+    assert json.loads(meta["meta.step"]) == 3  # DCP flattens the dict
+    assert list(stage.iterdir()) == [], "the staged file was not removed"
+    code, text = _run(*args)
+    assert code == 2 and f"{out}: exists; pass --overwrite" in text, text
+    code, text = _run(*args, "--overwrite")
+    assert code == 0, text
+
+    shards = f"{s3_url}/export/torch"
+    code, text = _run("convert", src, shards, "--to", "torch", "--max-shard-size", "6MiB", "--config", str(cfg))
+    assert code == 0, text
+    prefix = S3Url.parse(shards)
+    names = sorted(o.key[len(prefix.key) + 1:] for o in store.list(S3Url(prefix.bucket, prefix.key + "/")))
+    assert names == ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
+                     "pytorch_model.bin.index.json"], names
+    index = json.loads(store.get(prefix / "pytorch_model.bin.index.json"))
+    merged: dict = {}
+    for name in names[:2]:
+        merged.update(torch.load(io.BytesIO(store.get(prefix / name)), weights_only=True))
+    assert all(torch.equal(merged[k], v) for k, v in tensors.items()) and merged["meta.step"] == 3
+    assert set(index["weight_map"]) == set(tensors), index
+    assert store.list_uploads(S3Url(prefix.bucket, S3Url.parse(s3_url).key + "/")) == []
+
+    local = tmp_path / "model.safetensors"  # s3:// to a local file
+    code, text = _run("convert", src, str(local), "--to", "safetensors")
+    assert code == 0, text
+    got, _ = _safetensors(local.read_bytes())
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+    code, text = _run("convert", src, "s3://no-such-bucket-31/m.safetensors", "--to", "safetensors")
+    assert code == 2 and "bucket 'no-such-bucket-31' does not exist" in text, text
+    code, text = _run("convert", f"{s3_url}/step_9", str(tmp_path / "x.pt"), "--to", "torch")
+    assert code == 2 and f"{s3_url}/step_9: not a checkpoint" in text, text

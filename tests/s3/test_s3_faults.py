@@ -97,6 +97,7 @@ def test_server_killed_mid_upload(run_ranks, own_s3_server, monkeypatch):
     assert err in (errno.ECONNREFUSED, errno.EIO), results
 
     server.start()  # same ports, same data
+    _await_objects(server, f"{root}/step_1")
     infos = {str(c.path): c for c in cpuckpt.list_checkpoints(root)}
     assert infos[f"{root}/step_1"].complete
     assert f"{root}/step_2" not in infos or not infos[f"{root}/step_2"].complete
@@ -196,9 +197,27 @@ def test_load_with_the_server_gone_fails_fast(own_s3_server, monkeypatch):
     assert err.value.errno == errno.ECONNREFUSED and url in str(err.value)
     assert time.monotonic() - t0 < 60
     own_s3_server.start()
+    _await_objects(own_s3_server, url)
     out = {"w": torch.zeros(3 * MiB)}
     cpuckpt.load(out, url, CFG)
     assert torch.equal(out["w"], state["w"])
+
+
+def _await_objects(server, url: str, timeout_s: float = 30.0) -> None:
+    """Wait (bounded) until a restarted server serves the objects it held: its S3 port and bucket answer before
+    its volumes are back, and a GET meanwhile is an HTTP 500 (CFG's 2 attempts do not cover that moment)."""
+    from cpuckpt.backend.committed import METADATA_NAME
+    from cpuckpt.paths import S3Url
+
+    store, deadline = server.store(), time.monotonic() + timeout_s
+    while True:
+        try:
+            store.get(S3Url.parse(url) / METADATA_NAME)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def test_a_read_error_never_deletes_a_complete_checkpoint(own_s3_server, monkeypatch):
