@@ -32,13 +32,12 @@ import json
 import logging
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _launches as L
 import pytest
 
 pytest.importorskip("deepspeed")
@@ -147,82 +146,21 @@ def worker(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------------------ the test
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp: Path, node: int, phase: str, port: int, until: int, *, hold: bool, nnodes: int = 2,
             nproc: int = 1, save_until: int = 10**9, stage: int = 2) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{phase}-{port}",
-           "--rdzv-conf", "join_timeout=90,read_timeout=90", "--local-addr", f"127.0.0.{node + 1}",
-           "--max-restarts", "0", "--monitor-interval", "0.5", str(THIS), "--ram", str(tmp / f"ram{node}"),
-           "--save", str(tmp / "save"), "--out", str(tmp / "out"), "--phase", phase, "--until", str(until),
-           "--save-until", str(save_until), "--host", f"127.0.0.{node + 1}", "--stage", str(stage)] \
-        + (["--hold"] if hold else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    log = open(tmp / f"{phase}-node{node}.log", "ab")  # handed to the child, closed here after Popen
-    try:
-        return subprocess.Popen(cmd, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    finally:
-        log.close()
-
-
-def _logs(tmp: Path, phase: str) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
-                     for p in sorted(tmp.glob(f"{phase}-node*.log")))
-
-
-def _kill_pid(pid: int | None) -> None:
-    if pid is None:
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _kill_launch(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
+    args = ["--ram", str(tmp / f"ram{node}"), "--save", str(tmp / "save"), "--out", str(tmp / "out"), "--phase", phase,
+            "--until", str(until), "--save-until", str(save_until), "--host", f"127.0.0.{node + 1}",
+            "--stage", str(stage), *(["--hold"] if hold else [])]
+    return L.launch(tmp, node, phase, port, THIS, args, nnodes=nnodes, nproc=nproc)
 
 
 def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool, nodes: int = 2, save_until: int = 10**9,
                stage: int = 2) -> tuple[list[dict], list]:
     """Launch (two nodes of 1 rank, or one node of 2 ranks); each rank's report once written, and the launches."""
-    port = _free_port()
+    port = L.free_port()
     procs = ([_launch(tmp, n, phase, port, until, hold=hold, save_until=save_until, stage=stage) for n in range(2)]
              if nodes == 2 else [_launch(tmp, 0, phase, port, until, hold=hold, nnodes=1, nproc=2, stage=stage)])
-    deadline = time.monotonic() + PHASE_S
-    files = [tmp / "out" / f"{phase}-{r}.json" for r in range(2)]
-    try:
-        while not all(f.exists() for f in files) or (not hold and any(p.poll() is None for p in procs)):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                why = "a launch failed" if failed else f"not done within {PHASE_S} s"
-                raise AssertionError(f"phase {phase}: {why}\n{_logs(tmp, phase)}")
-            time.sleep(0.2)
-    except BaseException:
-        for p in procs:
-            _kill_launch(p)
-        raise
-    return [json.loads(f.read_text()) for f in files], procs
-
-
-def _kill_all(procs: list, reports: list[dict], *, writers: list[int]) -> None:
-    """SIGKILL every trainer (torchrun starts them in sessions of their own), the launches, and the given writers."""
-    for r in reports:
-        _kill_pid(r["pid"])
-    for p in procs:
-        _kill_launch(p)
-    for pid in writers:
-        _kill_pid(pid)
+    return L.await_reports(tmp, phase, procs, 2, hold=hold, phase_s=PHASE_S), procs
 
 
 def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path: Path) -> None:
@@ -249,7 +187,7 @@ def _two_nodes(tmp_path: Path, *, stage: int) -> None:
             assert r["durable"] == [4, 8], f"rank {r['rank']}: durable steps {r['durable']}"
             assert r["replicated"] == {"9": True, "10": True}, f"rank {r['rank']}: {r['replicated']}"
     finally:  # node 0's writer lives on (the relaunch adopts it); node 1 is lost: trainer, writer, RAM root
-        _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
+        L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
     shutil.rmtree(tmp_path / "ram1")
     away = tmp_path / "save.away"
     save.rename(away)  # the relaunch cannot read a byte of the durable root
@@ -266,15 +204,15 @@ def _two_nodes(tmp_path: Path, *, stage: int) -> None:
             assert r["ram_existed"] is (r["rank"] == 0) and 10 in r["slot_steps"], \
                 f"rank {r['rank']}: its node's slot of step 10 (node 1's restored from node 0's replica): {r}"
     finally:
-        _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
+        L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
     assert sorted(p.name for p in away.iterdir() if p.is_dir()) == ["global_step4", "global_step8"]
 
     # 2. Another topology, one node of 2 ranks on node 0's RAM root (node 1's lost): node 0's slots hold steps 11 and
     # 12 for rank 0 only, so they are ignored (never an error mid-load): the durable step 12, bit-exact.
     shutil.rmtree(tmp_path / "ram1")
-    _wait_writers_gone(reports)
+    L.wait_gone([r["writer_pid"] for r in reports])
     reports, procs = _run_phase(tmp_path, "topology", 12, hold=True, nodes=1, stage=stage)
-    _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
+    L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
     for r in reports:
         assert r["step"] == 12 and r["loaded"].startswith(str(save / "global_step12")), f"rank {r['rank']}: {r}"
         assert r["bitexact"] is True, r["bitexact"]
@@ -282,7 +220,7 @@ def _two_nodes(tmp_path: Path, *, stage: int) -> None:
 
     # 3. Both RAM roots lost; one node of 2 ranks: the durable step 12, bit-exact, then on to 14.
     shutil.rmtree(tmp_path / "ram0")
-    _wait_writers_gone(reports)
+    L.wait_gone([r["writer_pid"] for r in reports])
     reports, _ = _run_phase(tmp_path, "disk", 14, hold=False, nodes=1, stage=stage)
     for r in reports:
         assert r["step"] == 12 and r["loaded"].startswith(str(save / "global_step12")), f"rank {r['rank']}: {r}"
@@ -303,7 +241,7 @@ def test_a_damaged_replica_falls_back_to_the_next_newest_on_every_rank(tmp_path:
         for r in reports:
             assert r["durable"] == [4, 8] and r["replicated"] == {"9": True, "10": True}, r
     finally:
-        _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
+        L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
     shutil.rmtree(tmp_path / "ram1")
     damaged = [s for s in (tmp_path / "ram0").glob("replica-*/slot-*")
                if (listing := read_node_files(s)) is not None and listing.step == 10]
@@ -314,28 +252,12 @@ def test_a_damaged_replica_falls_back_to_the_next_newest_on_every_rank(tmp_path:
     victim.write_bytes(bytes(data))
 
     reports, procs = _run_phase(tmp_path, "fallback", 9, hold=True)
-    _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
+    L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
     for r in reports:
         assert r["step"] == 9, f"rank {r['rank']}: resumed at {r['step']} from {r['loaded']} ({r})"
         assert r["loaded"].startswith(r["tier_root"]), f"rank {r['rank']}: not from its own RAM root: {r}"
         assert r["bitexact"] is True, r["bitexact"]
-    assert "does not verify" in _logs(tmp_path, "fallback") or "cannot be restored" in _logs(tmp_path, "fallback")
-
-
-def _wait_writers_gone(reports: list[dict]) -> None:
-    deadline = time.monotonic() + 15
-    for r in reports:
-        while r["writer_pid"] is not None and _alive(r["writer_pid"]):
-            assert time.monotonic() < deadline, f"writer {r['writer_pid']} still runs"
-            time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return not Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    assert "does not verify" in L.logs(tmp_path, "fallback") or "cannot be restored" in L.logs(tmp_path, "fallback")
 
 
 if __name__ == "__main__":

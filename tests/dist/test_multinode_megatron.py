@@ -30,13 +30,12 @@ import json
 import logging
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _launches as L
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -151,96 +150,22 @@ def worker(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------------------ the test
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp: Path, node: int, phase: str, port: int, until: int, *, hold: bool, nnodes: int = 2, nproc: int = 1,
             split: int = 0, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{phase}-{port}",
-           "--rdzv-conf", "join_timeout=90,read_timeout=90", "--local-addr", f"127.0.0.{node + 1}",
-           "--max-restarts", "0", "--monitor-interval", "0.5", str(THIS), "--ram", str(tmp / f"ram{node}"),
-           "--npdir", str(tmp / f"np{node}"), "--save", str(tmp / "save"), "--out", str(tmp / "out"),
-           "--phase", phase, "--until", str(until), "--split", str(split), "--host", f"127.0.0.{node + 1}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONHASHSEED": "0",
-           "CPU_CI_CUDA_STUBS": "1", "PYTHONPATH": os.pathsep.join([str(STUBS), os.environ.get("PYTHONPATH", "")])}
-    log = open(tmp / f"{phase}-node{node}.log", "ab")  # handed to the child, closed here after Popen
-    try:
-        return subprocess.Popen(cmd + list(extra) + (["--hold"] if hold else []), cwd=tmp, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    finally:
-        log.close()
-
-
-def _logs(tmp: Path, phase: str) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}"
-                     for p in sorted(tmp.glob(f"{phase}-node*.log")))
-
-
-def _kill_pid(pid: int | None) -> None:
-    if pid is None:
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _kill_launch(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
+    args = ["--ram", str(tmp / f"ram{node}"), "--npdir", str(tmp / f"np{node}"), "--save", str(tmp / "save"),
+            "--out", str(tmp / "out"), "--phase", phase, "--until", str(until), "--split", str(split),
+            "--host", f"127.0.0.{node + 1}", *extra, *(["--hold"] if hold else [])]
+    env = {"PYTHONHASHSEED": "0", "CPU_CI_CUDA_STUBS": "1",
+           "PYTHONPATH": os.pathsep.join([str(STUBS), os.environ.get("PYTHONPATH", "")])}
+    return L.launch(tmp, node, phase, port, THIS, args, nnodes=nnodes, nproc=nproc, env=env)
 
 
 def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool, nodes: int = 2,
                split: int = 0, extra: tuple[str, ...] = ()) -> tuple[list[dict], list]:
-    port = _free_port()
+    port = L.free_port()
     procs = ([_launch(tmp, n, phase, port, until, hold=hold, extra=extra) for n in range(2)] if nodes == 2 else
              [_launch(tmp, 0, phase, port, until, hold=hold, nnodes=1, nproc=2, split=split)])
-    deadline = time.monotonic() + PHASE_S
-    files = [tmp / "out" / f"{phase}-{r}.json" for r in range(2)]
-    try:
-        while not all(f.exists() for f in files) or (not hold and any(p.poll() is None for p in procs)):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                why = "a launch failed" if failed else f"not done within {PHASE_S} s"
-                raise AssertionError(f"phase {phase}: {why}\n{_logs(tmp, phase)}")
-            time.sleep(0.2)
-    except BaseException:
-        for p in procs:
-            _kill_launch(p)
-        raise
-    return [json.loads(f.read_text()) for f in files], procs
-
-
-def _kill_all(procs: list, reports: list[dict], *, writers: list[int | None]) -> None:
-    for r in reports:
-        _kill_pid(r["pid"])
-    for p in procs:
-        _kill_launch(p)
-    for pid in writers:
-        _kill_pid(pid)
-
-
-def _wait_gone(pids: list[int | None]) -> None:
-    deadline = time.monotonic() + 15
-    for pid in pids:
-        while pid is not None and _alive(pid):
-            assert time.monotonic() < deadline, f"process {pid} still runs"
-            time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.split(")")[1].split()[0] != "Z"
+    return L.await_reports(tmp, phase, procs, 2, hold=hold, phase_s=PHASE_S), procs
 
 
 def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path: Path) -> None:
@@ -255,7 +180,7 @@ def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path
             assert r["replicated"] == {"9": True, "10": True}, f"rank {r['rank']}: {r['replicated']}"
             assert r["np_tracker"] == 10, f"rank {r['rank']}: its node's D names {r['np_tracker']}"
     finally:  # node 0's writer lives on (the relaunch adopts it); node 1 is lost: trainer, writer, RAM root, D
-        _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
+        L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
     shutil.rmtree(tmp_path / "ram1")
     shutil.rmtree(tmp_path / "np1")
     away = tmp_path / "save.away"
@@ -273,23 +198,23 @@ def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path
             assert r["durable"] == [12], f"rank {r['rank']}: durable iterations {r['durable']}"
             assert r["np_tracker"] == 13, f"rank {r['rank']}: its node's D names {r['np_tracker']}"
     finally:
-        _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
+        L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
     assert sorted(p.name for p in away.iterdir() if p.name.startswith("iter_")) == ["iter_0000004", "iter_0000008"]
 
     # 2. Another topology, one node of 2 ranks on node 0's RAM root and D (node 1's lost): D names iteration 13,
     # whose slot holds node 0's files only; its names go (never an error mid-load): --save's 12, resharded.
-    _wait_gone([r["writer_pid"] for r in reports])
+    L.wait_gone([r["writer_pid"] for r in reports])
     shutil.rmtree(tmp_path / "ram1")
     shutil.rmtree(tmp_path / "np1")
     reports, procs = _run_phase(tmp_path, "topology", 12, hold=True, nodes=1, split=1)
-    _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
+    L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
     for r in reports:
         assert r["iteration"] == 12 and r["loaded"] == str(save / "iter_0000012"), f"rank {r['rank']}: {r}"
         assert r["bitexact"] is True, r["bitexact"]
         assert r["np_tracker"] is None, f"D still names a slot this topology cannot load: {r}"
 
     # 3. Both RAM roots and D lost; one node of 2 ranks: --save's iteration 12, resharded, bit-exact.
-    _wait_gone([r["writer_pid"] for r in reports])
+    L.wait_gone([r["writer_pid"] for r in reports])
     for d in ("ram0", "ram1", "np0", "np1"):
         shutil.rmtree(tmp_path / d, ignore_errors=True)
     reports, _ = _run_phase(tmp_path, "disk", 12, hold=False, nodes=1, split=1)
@@ -310,23 +235,23 @@ def _lose_node1_and_relaunch(tmp_path: Path, until: int, extra: tuple[str, ...])
     (tmp_path / "out").mkdir()
     reports, procs = _run_phase(tmp_path, "train", until, hold=True, extra=extra)
     kept = [r["writer_pid"] for r in reports if r["rank"] == 0]  # adopted by the relaunch
-    _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
+    L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
     shutil.rmtree(tmp_path / "ram1")
     shutil.rmtree(tmp_path / "np1")
     try:
         reports, procs = _run_phase(tmp_path, "relaunch", until + 1, hold=True)
     except BaseException:
         for pid in kept:
-            _kill_pid(pid)
+            L.kill_pid(pid)
         raise
-    _kill_all(procs, reports, writers=[r["writer_pid"] for r in reports] + kept)
+    L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports] + kept)
     return reports
 
 
 def test_a_save_megatron_never_finalized_is_skipped_and_the_one_before_loads_from_memory(tmp_path: Path) -> None:
     """Iteration 10's memory save is committed in both RAM roots but the job is killed before Megatron finalized it
-    (no ``metadata.json`` on any node, D's tracker names 9): the relaunch after a lost node must not name 10 (Megatron-LM
-    fails on it: "not a distributed checkpoint") and loads 9 from memory on both ranks, bit-exact."""
+    (no ``metadata.json`` on any node, D's tracker names 9): the relaunch after a lost node must not name 10
+    (Megatron-LM fails on it: "not a distributed checkpoint") and loads 9 from memory on both ranks, bit-exact."""
     for r in _lose_node1_and_relaunch(tmp_path, 10, ("--skip-last-finalize",)):
         assert r["memory_iteration"] == 9 and r["iteration"] == 9, f"rank {r['rank']}: {r}"
         assert r["loaded"].startswith(r["tier_root"]) and r["bitexact"] is True, r
