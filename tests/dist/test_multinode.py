@@ -34,13 +34,12 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _launches as L
 import pytest
 
 pytestmark = pytest.mark.timeout(150)
@@ -179,76 +178,27 @@ def worker(argv: list[str]) -> int:
 # ------------------------------------------------------------------------------------------ the test
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp: Path, node: int, phase: str, port: int, until: int, hold: bool, replicas: int,
             nproc: int = 1, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    ram, out = tmp / f"ram{node}", tmp / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"{phase}-{port}",
-           "--rdzv-conf", "join_timeout=40,read_timeout=40", "--local-addr", f"127.0.0.{node + 1}",
-           "--max-restarts", "0", "--monitor-interval", "0.5", str(THIS), "--ram", str(ram),
-           "--durable", str(tmp / "durable"), "--out", str(out), "--phase", phase, "--until", str(until),
-           "--replicas", str(replicas), "--host", f"127.0.0.{node + 1}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    log = open(tmp / f"{phase}-node{node}.log", "ab")  # handed to the child, closed here after Popen
-    try:
-        return subprocess.Popen(cmd + (["--hold"] if hold else []) + list(extra), cwd=tmp, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    finally:
-        log.close()
-
-
-def _logs(tmp: Path, phase: str) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                     for p in sorted(tmp.glob(f"{phase}-node*.log")))
-
-
-def _kill_launch(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=10)
-
-
-def _kill_pid(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    args = ["--ram", str(tmp / f"ram{node}"), "--durable", str(tmp / "durable"), "--out", str(tmp / "out"),
+            "--phase", phase, "--until", str(until), "--replicas", str(replicas), "--host", f"127.0.0.{node + 1}",
+            *(["--hold"] if hold else []), *extra]
+    return L.launch(tmp, node, phase, port, THIS, args, nproc=nproc, join_timeout_s=40)
 
 
 def _run_phase(tmp: Path, phase: str, until: int, *, hold: bool, replicas: int, nproc: int = 1,
                extra: tuple[str, ...] = ()) -> tuple[list[dict], list[subprocess.Popen]]:
     """Launch both nodes; return each rank's report (by rank) once written, and the launches."""
-    port = _free_port()
+    port = L.free_port()
     procs = [_launch(tmp, node, phase, port, until, hold, replicas, nproc, extra) for node in (0, 1)]
-    deadline = time.monotonic() + PHASE_S * nproc
-    files = [tmp / "out" / f"{phase}-{r}.json" for r in range(2 * nproc)]
-    try:
-        while not all(f.exists() for f in files) or (not hold and any(p.poll() is None for p in procs)):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                why = "a launch failed" if failed else f"not done within {PHASE_S} s"
-                raise AssertionError(f"phase {phase}: {why}\n{_logs(tmp, phase)}")
-            time.sleep(0.2)
-    except BaseException:
-        for p in procs:
-            _kill_launch(p)
-        raise
-    return [json.loads(f.read_text()) for f in files], procs
+    return L.await_reports(tmp, phase, procs, 2 * nproc, hold=hold, phase_s=PHASE_S * nproc), procs
 
 
 def _kill_node(tmp: Path, launch: subprocess.Popen, reports: list[dict]) -> None:
     """SIGKILL a node's trainers (torchrun starts them in sessions of their own) and its agent's process group."""
     for report in reports:
-        _kill_pid(report["pid"])
-    _kill_launch(launch)
+        L.kill_pid(report["pid"])
+    L.kill_launch(launch)
 
 
 def _check_resume(reports: list[dict], phase: str, step: int, *, memory: bool) -> None:
@@ -265,7 +215,7 @@ def _lose_node1(tmp: Path, procs: list[subprocess.Popen], reports: list[dict]) -
     for launch, node_reports in zip(procs, by_node):
         _kill_node(tmp, launch, node_reports)
     for r in by_node[1]:
-        _kill_pid(r["writer_pid"])
+        L.kill_pid(r["writer_pid"])
     shutil.rmtree(by_node[1][0]["ram"])
 
 
@@ -324,7 +274,7 @@ def _kill_job(procs: list[subprocess.Popen], reports: list[dict]) -> None:
     for node, launch in enumerate(procs):
         _kill_node(Path(), launch, [r for r in reports if r["rank"] == node])
     for r in reports:
-        _kill_pid(r["writer_pid"])
+        L.kill_pid(r["writer_pid"])
     deadline = time.monotonic() + 15
     for r in reports:
         while lock_holder(r["writer_lock"]) is not None:
