@@ -19,24 +19,23 @@ import pytest
 from cpuckpt.testing.seaweed import SeaweedServer
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
+def _running(directory: Path) -> Iterator[SeaweedServer]:
+    server = SeaweedServer(directory)
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    yield from _running(tmp_path_factory.mktemp("seaweed"))
 
 
 @pytest.fixture
 def own_s3_server(tmp_path: Path) -> Iterator[SeaweedServer]:
-    server = SeaweedServer(tmp_path / "seaweed")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _running(tmp_path / "seaweed")
 
 
 @pytest.fixture
