@@ -492,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             schedule_save(model, optimizer, step, args, strategy, queue, events, on_finalized)
             if step == args.kill_at_step:
                 events("kill", step=step, in_flight=queue.get_num_unfinalized_calls())
+                dist.barrier()  # rank 0 recorded it: torchrun stops every rank at the first one's death
                 crash(step)
     queue.maybe_finalize_async_calls(blocking=True)
     if hasattr(queue, "close"):

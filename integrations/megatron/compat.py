@@ -62,9 +62,9 @@ def mcore_async_kwargs() -> dict[str, Any]:
         else {}
 
 
-def make_async_request(async_strategy: str, fn: Callable[..., None], args: tuple,
+def make_async_request(async_strategy: str, fn: Callable[..., None] | None, args: tuple,
                        finalize_fns: list[Callable[[], None]]) -> Any:
-    """An ``AsyncRequest`` of the class the caller's ``AsyncCallsQueue`` expects."""
+    """An ``AsyncRequest`` of the class the caller's ``AsyncCallsQueue`` expects (``fn`` None: no worker takes part)."""
     try:
         from megatron.core.dist_checkpointing.strategies.torch import get_async_strategy
     except ImportError:  # megatron-core <= 0.16: one AsyncRequest class
@@ -129,14 +129,16 @@ class AsyncQueueShape:
                 out.append(p)
         return out
 
-    def dead_persistent_worker(self, *, idle: bool = False) -> str | None:
+    def dead_persistent_worker(self, calls: Iterable[Any] | None = None, *, idle: bool = False) -> str | None:
         """This rank: a persistent worker that ended while calls are pending (e.g. killed before it
         took its request), as ``"pid N, exit code C"``; None if none did (or none can be seen).
 
-        ``idle``: look at the queue's own persistent callers instead (pending calls or not), e.g.
-        before ``close()``, which would wait forever for a dead worker to acknowledge its stop.
+        ``calls``: the pending calls to look at (default: all). ``idle``: look at the queue's own persistent
+        callers instead (pending calls or not), e.g. before ``close()``, which would wait forever for a dead
+        worker to acknowledge its stop.
         """
-        callers = self._queue_callers() if idle else [getattr(call, "async_caller", None) for call in self.pending()]
+        pending = self.pending() if calls is None else calls
+        callers = self._queue_callers() if idle else [getattr(call, "async_caller", None) for call in pending]
         for caller in callers:
             if caller is None or self.caller_kind(caller) != PERSISTENT:
                 continue  # a temporal caller ends after each save; finalize and the channel judge it

@@ -31,6 +31,15 @@ cpuckpt error there, which is logged instead.
 
 The queue's ``close()`` is wrapped too: a persistent worker that died while idle (no save pending)
 is forgotten first, since megatron-core's ``close`` would wait forever for it to acknowledge its stop.
+
+**Calls the trainer completes.** A memory-tier save (:mod:`.memory`) needs no worker: the strategy schedules
+it with no ``async_fn`` and a done probe on its finalize function (:data:`DONE_MARK`: whether this rank's save
+has ended, committed or failed). Megatron's callers never hear of such a call (no ``async_fn``: nothing is
+sent to a worker, none is spawned for it), so megatron-core's own finalize cannot tell when it is done; the
+watchdog does, in queue order: a cpuckpt call at the head is finalized (its finalize functions, Megatron's
+too, run in order) once its probe says ended on every rank (one all-reduce on cpuckpt's gloo group, no device
+synchronization); runs of Megatron's own calls go to megatron-core's finalize, shown only that run. So a
+save every iteration costs no process round trip, no pickled request and no device-synchronizing poll.
 """
 
 from __future__ import annotations
@@ -55,7 +64,8 @@ from .compat import AsyncQueueShape
 from .settings import MegatronOptions, resolve_options
 from .worker import Channel, wait_for_commit
 
-__all__ = ["DIR_MARK", "FINALIZE_MARK", "WorkerDiedError", "finalize_saves_under", "watch_async_queue"]
+__all__ = ["DIR_MARK", "DONE_MARK", "FINALIZE_MARK", "WorkerDiedError", "finalize_saves_under", "is_watched",
+           "watch_async_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +74,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.01
 _WATCHED = "_cpuckpt_watchdog"
 FINALIZE_MARK = "cpuckpt_finalize"  # on cpuckpt's finalize function: called (abandoned=True) for a dropped call too
+DONE_MARK = "cpuckpt_done"  # on the finalize function of a call the trainer completes: its done probe (see above)
 
 
 class WorkerDiedError(CpuckptError):
@@ -128,6 +139,24 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
 DIR_MARK = "cpuckpt_dir"  # on cpuckpt's finalize function: the checkpoint directory of its save
 
 
+def is_watched(queue: Any) -> bool:
+    """Whether ``queue`` is watched (:func:`watch_async_queue`): only then may a call carry no ``async_fn``
+    (:data:`DONE_MARK`): an unwatched persistent caller would wait forever for its worker to report it."""
+    return getattr(getattr(queue, "maybe_finalize_async_calls", None), _WATCHED, False)
+
+
+def _done_probe(call: Any) -> Callable[[], bool] | None:
+    """The done probe of a call the trainer completes (no ``async_fn``, a :data:`DONE_MARK` finalize function)."""
+    request = getattr(call, "async_request", None)
+    if request is None or getattr(request, "async_fn", None) is not None:
+        return None
+    for fn in getattr(request, "finalize_fns", None) or ():
+        probe = getattr(fn, DONE_MARK, None)
+        if probe is not None:
+            return probe
+    return None
+
+
 def finalize_saves_under(queue: Any, parents: str | os.PathLike | Sequence[str | os.PathLike],
                          keep: int) -> list[int]:
     """Finalize ``queue``'s calls in order until no pending cpuckpt save into ``<parent>/<dir>`` (of any of
@@ -181,11 +210,13 @@ class _Watchdog:
         done: list[int] = []
         t0 = time.monotonic()
         while True:
-            if self.queue.async_calls:  # the same on every rank: scheduling and finalizing are collective
+            # the same on every rank (scheduling and finalizing are collective); calls the trainer completes need
+            # no worker, and a non-blocking look at only those needs no bound
+            if self.queue.async_calls and (blocking or any(_done_probe(c) is None for c in self.queue.async_calls)):
                 verdict = self._check(no_dist, time.monotonic() - t0 if blocking else 0.0)
                 if verdict is not None:
                     return done + self._fail(verdict, no_dist)
-            done += self._finalize_done(no_dist)
+            done += self._finalize_done(no_dist, until=until if blocking else 0)
             if not blocking or len(self.queue.async_calls) <= until:
                 return done
             time.sleep(POLL_S)
@@ -204,8 +235,9 @@ class _Watchdog:
 
     # -- one check, agreed by every rank ------------------------------------------------------------
     def _dead_worker(self) -> str | None:
-        """This rank: why a worker holding one of the pending calls is gone (None: none is)."""
-        pending = self.shape.pending()
+        """This rank: why a worker holding one of the pending calls is gone (None: none is). Calls the trainer
+        completes need no worker: a dead one only counts while one of Megatron's own calls is pending."""
+        pending = [call for call in self.shape.pending() if _done_probe(call) is None]
         for call in pending:
             request = getattr(call, "async_request", None)
             if request is None or getattr(request, "async_fn", None) is not wait_for_commit:
@@ -213,7 +245,7 @@ class _Watchdog:
             reason = Channel(request.async_fn_args[0]).worker_gone(self.options.heartbeat_timeout_s)
             if reason:
                 return f"checkpoint worker ({reason}) ended without reporting"
-        reason = self.shape.dead_persistent_worker()
+        reason = self.shape.dead_persistent_worker(pending) if pending else None
         return f"persistent checkpoint worker ended ({reason})" if reason else None
 
     def _check(self, no_dist: bool, waited_s: float) -> tuple[str, str | None] | None:
@@ -270,16 +302,56 @@ class _Watchdog:
         self.queue.async_calls.clear()
         self.shape.abandon(calls)
 
-    def _finalize_done(self, no_dist: bool, quiet: bool = False) -> list[int]:
-        """megatron-core's own non-blocking finalize; with ``continue``, an error every rank agrees on is logged."""
+    def _finalize_done(self, no_dist: bool, quiet: bool = False, until: int = 0) -> list[int]:
+        """Finalize the calls that are done, oldest first, until one is not or ``until`` are left: the trainer's
+        own (:func:`_done_probe`) here, runs of Megatron's by megatron-core's own non-blocking finalize; with
+        ``continue``, an error every rank agrees on is logged."""
         try:
-            return self.original(blocking=False, no_dist=no_dist)
+            return self._finalize_in_order(no_dist, until)
         except CpuckptError as e:
             # rank_error's errors (``failures`` set) are raised alike on every rank: safe to go on from.
             if quiet or self.options.on_failure != "continue" or no_dist or not e.failures:
                 raise
             _log_continue(dist.get_rank() if dist.is_initialized() else 0, e, None, replaced=False)
             return []
+
+    def _finalize_in_order(self, no_dist: bool, until: int) -> list[int]:
+        calls = self.queue.async_calls
+        done: list[int] = []
+        while len(calls) > until:
+            probe = _done_probe(calls[0])
+            if probe is None:  # Megatron's own calls, up to the next of the trainer's
+                run = next((i for i, call in enumerate(calls) if _done_probe(call) is not None), len(calls))
+                finalized = self._original_on(run, no_dist)
+                done += finalized
+                if len(finalized) < run:
+                    return done
+                continue
+            if not self._agreed(probe(), no_dist):
+                return done
+            call = calls.popleft()
+            for fn in call.async_request.finalize_fns:
+                fn()
+            done.append(call[0])  # the call's index (megatron-core's and nvidia-resiliency-ext's _ActiveAsyncRequest)
+        return done
+
+    def _original_on(self, run: int, no_dist: bool) -> list[int]:
+        """megatron-core's non-blocking finalize shown only the first ``run`` calls (the deque is shortened in place
+        and restored: the queue keeps its one deque)."""
+        calls = self.queue.async_calls
+        rest = [calls.pop() for _ in range(len(calls) - run)][::-1]
+        try:
+            return self.original(blocking=False, no_dist=no_dist)
+        finally:
+            calls.extend(rest)
+
+    def _agreed(self, mine: bool, no_dist: bool) -> bool:
+        """Whether every rank's probe said ended (one all-reduce on cpuckpt's gloo group; ``no_dist``: this rank's)."""
+        if no_dist:
+            return mine
+        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=checkpoint_group(None, self.timeout_s))
+        return bool(int(flag[0]))
 
 
 def _error(kind: str, reasons: list[str | None], n: int, timeout_s: float, local_rank: int | None) -> CpuckptError:

@@ -19,6 +19,10 @@ Megatron-LM already has two kinds of saves, and this maps both onto :class:`cpuc
   checkpoint is durable. (A restart before the next memory save therefore reads that checkpoint from
   the durable root: its slot is not linked into ``D``.)
 
+A memory save needs no worker: when the queue its request goes to is watched by cpuckpt (Megatron-LM's, through
+the hook), the request carries no ``async_fn`` and the watchdog finalizes it once its commit ended on every rank
+(:data:`.guard.DONE_MARK`); on an unwatched queue the worker waits for the commit as for any cpuckpt save.
+
 Memory-only saves never advance ``<save>/latest_checkpointed_iteration.txt``. Megatron-core writes
 ``common.pt`` (and, at finalize, ``metadata.json``) into the directory it was given; for a memory
 save rank 0 moves what is there into the slot before replacing the directory by the link.
@@ -67,7 +71,7 @@ from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.tier.queue import PersistRequest
 from cpuckpt.transfer.files import write_atomic
 
-from .guard import finalize_saves_under
+from .guard import finalize_saves_under, is_watched
 
 __all__ = ["TRACKER", "MegatronMemory", "Route", "restart_before_load"]
 
@@ -141,6 +145,11 @@ class MegatronMemory:
                 f"the next save would refill the slot of one of them (memory.slots {self.config.memory.slots}); "
                 "finalize the async queue before each save (maybe_finalize_async_calls) or give MegatronMemory "
                 "its queue (queue_of)")
+
+    def queue_watched(self) -> bool:
+        """Whether the queue this job's saves go to (``queue_of``) is watched by cpuckpt (:func:`.guard.is_watched`):
+        then its memory saves are finalized by the watchdog, in the trainer, with no worker process."""
+        return self.queue_of is not None and is_watched(self.queue_of())
 
     def track(self) -> list[bool]:
         """A routed save's finalized flag: its finalize sets ``flag[0] = True`` (see :meth:`finalize_before_reuse`)."""

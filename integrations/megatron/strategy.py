@@ -39,7 +39,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError
 
 from . import compat, deferred, prepare
-from .guard import DIR_MARK, FINALIZE_MARK
+from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
 from .worker import OK, PersistWait, new_channel, wait_for_commit
@@ -90,6 +90,10 @@ class _Started:
             except BaseException as e:
                 self._error = e
                 raise
+
+    def ended(self) -> bool:
+        """Whether the save has ended on this rank (committed or failed; a failed start too); never starts it."""
+        return self._error is not None or (self._handle is not None and self._handle.done())
 
     def handle(self) -> Any:
         """The handle, starting the save first if no start point did (every rank comes here alike)."""
@@ -212,7 +216,9 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             self.memory.finalize_before_reuse()
             finalized = self.memory.track()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        channel = new_channel(rank)
+        # A memory save needs no worker: the watchdog of the queue it goes to finalizes it (guard.py, DONE_MARK)
+        in_trainer = route is not None and route.kind == "memory" and self.memory.queue_watched()
+        channel = None if in_trainer else new_channel(rank)
         persist = None
         requests: list[Any] = []
 
@@ -231,7 +237,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                                               ordering="stream" if overlap else "host")
                 requests.append(request)
             self.last_save_stats = h.stats
-            h.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
+            if channel is not None:
+                h.add_done_callback(lambda error: channel.post_status(None if error is None else str(error)))
             if overlap:
                 _PENDING.append(h)  # the next optimizer step orders itself after the copies
             return h
@@ -247,7 +254,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                 if not overlap:
                     started.handle().staged.wait()  # after this the trainer may change any saved tensor
             except BaseException:
-                channel.remove()  # the save fails on (handle.wait raises it at the next async_save/wait_all)
+                if channel is not None:
+                    channel.remove()  # the save fails on (handle.wait raises it at the next async_save/wait_all)
                 if finalized is not None:
                     finalized[0] = True  # no call of it reaches Megatron's queue
                 raise
@@ -256,6 +264,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                 persist = PersistWait(str(tier.queue.path), requests[0].seq,
                                       str(tier.root.writer_lock_path(tier.rank)))
         timeout_s = self.config.timeout_s
+        if channel is None:
+            return self._in_trainer_request(async_strategy, started, route, finalized, checkpoint_dir)
         group = checkpoint_group(None, timeout_s)
 
         def finalize_fn(abandoned: bool = False) -> None:
@@ -294,13 +304,39 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             raise
 
 
+    def _in_trainer_request(self, async_strategy: str, started: _Started, route: Any, finalized: list[bool],
+                            checkpoint_dir: str | Path) -> Any:
+        """The ``AsyncRequest`` of a memory save: no ``async_fn`` (no worker takes part); its finalize function
+        carries the done probe the queue's watchdog finalizes it by (:data:`.guard.DONE_MARK`), and raises the
+        save's error, the same on every rank (the committer agreed it), before Megatron's finalize functions
+        after it run (``metadata.json``, the tracker)."""
+        timeout_s = self.config.timeout_s
+
+        def finalize_fn(abandoned: bool = False) -> None:
+            try:
+                if not abandoned:  # dropped by the watchdog: its save goes on in cpuckpt's threads, never finalized
+                    started.handle().wait(timeout_s)
+                    self.memory.finalized(route)  # across nodes: metadata.json and D's tracker on every node
+            finally:
+                finalized[0] = True
+
+        setattr(finalize_fn, FINALIZE_MARK, True)
+        setattr(finalize_fn, DIR_MARK, str(checkpoint_dir))
+        setattr(finalize_fn, DONE_MARK, started.ended)
+        try:
+            return compat.make_async_request(async_strategy, None, (), [finalize_fn])
+        except BaseException:
+            finalized[0] = True
+            raise
+
     @staticmethod
     def _deferred_start(started: _Started, channel: Any) -> Any:
         def start() -> None:
             try:
                 started.start()
             except BaseException as e:  # the worker waiting on the channel learns it too
-                channel.post_status(f"the save failed to start: {e}")
+                if channel is not None:
+                    channel.post_status(f"the save failed to start: {e}")
                 raise
         return start
 

@@ -271,6 +271,81 @@ def rank_pending_saves_overlap(root: str) -> dict:
     return out
 
 
+def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int) -> dict:
+    """Saves every iteration through a queue the adapter watches (as Megatron-LM's, with the hook): memory saves
+    (all but iteration 3, a persistent one) go to no worker; each iteration starts with Megatron-LM's non-blocking
+    finalize. ``fail_at``: that save's commit raises (a fault point), on the coordinator."""
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.guard import watch_async_queue
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from cpuckpt.config import Config
+    from cpuckpt.errors import CpuckptError
+    from cpuckpt.testing import faults
+
+    _, _, device = _setup()
+    root_p = Path(root)
+    cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "slots": 3}}
+    queue = watch_async_queue(AsyncCallsQueue(persistent=True), 60.0)
+    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg),
+                            queue_of=lambda: queue)
+    strategy = CpuckptSaveStrategy(cfg, memory=router)
+
+    def worker_spawned() -> bool:
+        caller = getattr(queue, "persistent_caller", None)
+        return caller is not None and caller.process is not None
+
+    finalized, workers, errors = [], [], []
+    for it in range(1, 8):
+        try:  # Megatron-LM: the previous saves that ended on every rank, at the top of each iteration
+            finalized += queue.maybe_finalize_async_calls(blocking=False)
+        except CpuckptError as e:
+            errors.append((it, type(e).__name__, str(e)))
+        if it == fail_at:
+            faults.install("before-rename:.metadata=raise")
+        _megatron_save(strategy, queue, router, router.save_dir if it == 3 else router.np_dir, it, device)
+        workers.append(worker_spawned())
+        if it == fail_at:
+            time.sleep(1.0)  # its commit has run (and failed) before the fault goes
+            faults.uninstall()
+        time.sleep(0.3)  # a training iteration
+    try:
+        finalized += queue.maybe_finalize_async_calls(blocking=True)
+    except CpuckptError as e:
+        errors.append((8, type(e).__name__, str(e)))
+    dist.barrier()
+    out = {"finalized": finalized, "workers": workers, "errors": errors, "np_tracker": _read_tracker(router.np_dir),
+           "save_tracker": _read_tracker(router.save_dir),
+           "finalized_dirs": sorted(p.parent.name for p in router.np_dir.glob("iter_*/metadata.json"))}
+    for it in (3, 6, 7):  # what Megatron-LM's restart would load: each with its own values
+        if it != fail_at:
+            d = router.save_dir if it == 3 else router.np_dir
+            _check(dist_checkpointing.load(_template(device), str(d / f"iter_{it:07d}")), it, device)
+    queue.close()
+    router.close()
+    return out
+
+
+@pytest.mark.parametrize("fail_at", [0, 5], ids=["ok", "commit-fails"])
+def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, tmp_path, fail_at):
+    res = run_ranks(2, rank_memory_saves_finalized_in_the_trainer, str(tmp_path), fail_at, timeout_s=180, env=ENV)
+    assert res[0] == res[1], res  # every rank finalized the same calls and raised the same error
+    out = res[0]
+    # megatron-core's persistent worker is spawned by the persistent save of iteration 3, not before
+    assert out["workers"][:2] == [False, False] and out["workers"][2], out["workers"]
+    assert out["save_tracker"] == 3 and out["np_tracker"] == 7, out
+    if fail_at:  # raised once, alike on every rank, at a finalize after the commit failed; its Megatron finalize
+        assert len(out["errors"]) == 1 and out["errors"][0][0] in (6, 7, 8), out["errors"]  # never ran
+        assert "commit failed (coordinator): fault point" in out["errors"][0][2], out["errors"]
+        assert out["finalized_dirs"] == ["iter_0000006", "iter_0000007"], out
+    else:  # in queue order; the persistent save of 3 (call 2) was finalized by the save whose slot it held (6)
+        assert out["errors"] == [] and out["finalized"] == [0, 1, 3, 4, 5, 6], out
+        assert out["finalized_dirs"] == ["iter_0000005", "iter_0000006", "iter_0000007"], out
+
+
 def rank_unfinalized_without_a_queue(root: str) -> str:
     """The strategy used without Megatron-LM's queue (``queue_of`` unset) by a caller that never finalizes: the
     save that would refill the slot of an unfinalized one is refused, before it touches the slot."""
