@@ -356,6 +356,8 @@ def fresh_pool() -> Iterator[None]:
 # they start at once on every worker instead of being the tail of the run. Only the order changes
 # (a stable sort by file: tests keep their order within a file, and every worker sorts the same way).
 START_FIRST = (
+    "tests/dist/test_multinode_megatron.py",  # two launches of two nodes each: ~2 min per test on 2 cores
+    "tests/dist/test_multinode_deepspeed.py",
     "tests/integrations/test_megatron_memory.py",
     "tests/faults/test_kill_sweep.py",
     "tests/integrations/test_megatron.py",

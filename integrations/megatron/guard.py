@@ -40,6 +40,9 @@ watchdog does, in queue order: a cpuckpt call at the head is finalized (its fina
 too, run in order) once its probe says ended on every rank (one all-reduce on cpuckpt's gloo group, no device
 synchronization); runs of Megatron's own calls go to megatron-core's finalize, shown only that run. So a
 save every iteration costs no process round trip, no pickled request and no device-synchronizing poll.
+A probe marked :data:`URGENT_MARK` (the memory tier's ``max_uncommitted: 1``) is finalized at the queue's next
+look (Megatron-LM: the top of the next iteration), which then waits for its commit like a blocking finalize (with
+the agreed timeout), so Megatron-LM's tracker names it before the next iteration is logged.
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ from .compat import AsyncQueueShape
 from .settings import MegatronOptions, resolve_options
 from .worker import Channel, wait_for_commit
 
-__all__ = ["DIR_MARK", "DONE_MARK", "FINALIZE_MARK", "WorkerDiedError", "finalize_saves_under", "is_watched",
-           "watch_async_queue"]
+__all__ = ["DIR_MARK", "DONE_MARK", "FINALIZE_MARK", "URGENT_MARK", "WorkerDiedError", "finalize_saves_under",
+           "is_watched", "watch_async_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,7 @@ POLL_S = 0.01
 _WATCHED = "_cpuckpt_watchdog"
 FINALIZE_MARK = "cpuckpt_finalize"  # on cpuckpt's finalize function: called (abandoned=True) for a dropped call too
 DONE_MARK = "cpuckpt_done"  # on the finalize function of a call the trainer completes: its done probe (see above)
+URGENT_MARK = "cpuckpt_urgent"  # on such a function: finalize it at the queue's next look, waiting for its commit
 
 
 class WorkerDiedError(CpuckptError):
@@ -119,9 +123,12 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
 
     def maybe_finalize_async_calls(blocking: bool = False, no_dist: bool = False) -> list[int]:
         deferred.start_all()  # after Megatron-LM's save-checkpoint timer, before the next train_step
+        until = 0
+        if not blocking and (urgent := dog.urgent_until()) is not None:
+            blocking, until = True, urgent  # urgent saves (URGENT_MARK) are finalized now, waiting for their commit
         if blocking:
             PACER.drain()  # the trainer waits now, making no ticks: the copies of pending saves go at once
-        return dog.finalize(blocking, no_dist)
+        return dog.finalize(blocking, no_dist, until)
 
     setattr(maybe_finalize_async_calls, _WATCHED, True)
     queue.maybe_finalize_async_calls = maybe_finalize_async_calls
@@ -220,6 +227,20 @@ class _Watchdog:
             if not blocking or len(self.queue.async_calls) <= until:
                 return done
             time.sleep(POLL_S)
+
+    def urgent_until(self) -> int | None:
+        """How many calls may stay pending once the urgent ones (:data:`URGENT_MARK`) at the head of the queue are
+        finalized; None: none there. Only the leading run of calls the trainer completes counts: waiting past one
+        of Megatron's own (a persist, seconds) is not what an urgent save asks for. The same on every rank."""
+        calls = self.queue.async_calls
+        last = None
+        for i, call in enumerate(calls):
+            probe = _done_probe(call)
+            if probe is None:
+                break
+            if getattr(probe, URGENT_MARK, False):
+                last = i
+        return None if last is None else len(calls) - (last + 1)
 
     def close(self, original_close: Callable[..., Any], abort: bool, *args: Any, **kwargs: Any) -> Any:
         """``queue.close()``: finalize as it would, then forget a persistent worker that died while idle

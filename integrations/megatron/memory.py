@@ -151,6 +151,14 @@ class MegatronMemory:
         then its memory saves are finalized by the watchdog, in the trainer, with no worker process."""
         return self.queue_of is not None and is_watched(self.queue_of())
 
+    @property
+    def finalize_at_next_look(self) -> bool:
+        """Whether each memory save is finalized at the queue's next look, waiting for its commit
+        (``memory.max_uncommitted: 1``, on a watched queue): Megatron-LM's non-blocking finalize at the top of
+        iteration N + 1 then writes D's tracker for N before N + 1 is logged, so a kill after the log of N + 1
+        restarts from N (one iteration lost)."""
+        return self.tier.max_uncommitted == 1
+
     def track(self) -> list[bool]:
         """A routed save's finalized flag: its finalize sets ``flag[0] = True`` (see :meth:`finalize_before_reuse`)."""
         flag = [False]

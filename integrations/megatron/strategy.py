@@ -10,6 +10,7 @@ stock megatron-core loads them without cpuckpt.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -39,7 +40,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError
 
 from . import compat, deferred, prepare
-from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK
+from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, URGENT_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
 from .worker import OK, PersistWait, new_channel, wait_for_commit
@@ -307,9 +308,9 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
     def _in_trainer_request(self, async_strategy: str, started: _Started, route: Any, finalized: list[bool],
                             checkpoint_dir: str | Path) -> Any:
         """The ``AsyncRequest`` of a memory save: no ``async_fn`` (no worker takes part); its finalize function
-        carries the done probe the queue's watchdog finalizes it by (:data:`.guard.DONE_MARK`), and raises the
-        save's error, the same on every rank (the committer agreed it), before Megatron's finalize functions
-        after it run (``metadata.json``, the tracker)."""
+        carries the done probe the queue's watchdog finalizes it by (:data:`.guard.DONE_MARK`; urgent with
+        :attr:`.MegatronMemory.finalize_at_next_look`), and raises the save's error, the same on every rank (the
+        committer agreed it), before Megatron's finalize functions after it run (``metadata.json``, the tracker)."""
         timeout_s = self.config.timeout_s
 
         def finalize_fn(abandoned: bool = False) -> None:
@@ -322,7 +323,10 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
 
         setattr(finalize_fn, FINALIZE_MARK, True)
         setattr(finalize_fn, DIR_MARK, str(checkpoint_dir))
-        setattr(finalize_fn, DONE_MARK, started.ended)
+        probe = functools.partial(started.ended)  # its own object: it may carry URGENT_MARK
+        if self.memory.finalize_at_next_look:
+            setattr(probe, URGENT_MARK, True)
+        setattr(finalize_fn, DONE_MARK, probe)
         try:
             return compat.make_async_request(async_strategy, None, (), [finalize_fn])
         except BaseException:

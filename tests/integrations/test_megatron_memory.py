@@ -346,6 +346,53 @@ def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, t
         assert out["finalized_dirs"] == ["iter_0000005", "iter_0000006", "iter_0000007"], out
 
 
+def rank_trackers_at_each_log(root: str, max_uncommitted: int) -> dict:
+    """Megatron-LM's loop with a memory save every iteration, its commits slowed (0.3 s): the non-blocking finalize
+    at the top of each iteration, the log, then the save. What D's tracker names at each log is what a whole-job
+    kill right after that log leaves for the restart (Megatron-LM loads the newer of the two trackers)."""
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.guard import watch_async_queue
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from cpuckpt.config import Config
+    from cpuckpt.testing import faults
+
+    _, _, device = _setup()
+    root_p = Path(root)
+    cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "slots": 3, "max_uncommitted": max_uncommitted}}
+    queue = watch_async_queue(AsyncCallsQueue(persistent=True), 60.0)
+    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg),
+                            queue_of=lambda: queue)
+    strategy = CpuckptSaveStrategy(cfg, memory=router)
+    faults.install("before-rename:.metadata=sleep:0.3")
+    at_log = {}
+    for it in range(1, 7):
+        queue.maybe_finalize_async_calls(blocking=False)  # the top of the iteration
+        dist.barrier()  # the iteration's collectives: rank 0's tracker write is visible to every rank after it
+        at_log[it] = named = _read_tracker(router.np_dir)  # Megatron-LM logs the iteration, then saves it
+        if it == 6 and named is not None:  # what a kill right here restarts from loads, with its own values
+            _check(dist_checkpointing.load(_template(device), str(router.np_dir / f"iter_{named:07d}")), named, device)
+        _megatron_save(strategy, queue, router, router.np_dir, it, device)
+    queue.maybe_finalize_async_calls(blocking=True)
+    faults.uninstall()
+    queue.close()
+    router.close()
+    return at_log
+
+
+def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_1(run_ranks, tmp_path):
+    res = run_ranks(2, rank_trackers_at_each_log, str(tmp_path / "one"), 1, timeout_s=180, env=ENV)
+    assert res[0] == res[1] and res[0] == {it: it - 1 if it > 1 else None for it in range(1, 7)}, res
+    # the control (default: 2 of 3 slots' saves in flight): the top of an iteration finalizes what has committed
+    # by then, and a slowed commit has not: the tracker lags two or more
+    res = run_ranks(2, rank_trackers_at_each_log, str(tmp_path / "default"), 0, timeout_s=180, env=ENV)
+    assert res[0] == res[1] and all(n is None or n <= it - 2 for it, n in res[0].items()), res
+    assert res[0][6] is not None, res  # memory checkpoints were finalized all the same, later
+
+
 def rank_unfinalized_without_a_queue(root: str) -> str:
     """The strategy used without Megatron-LM's queue (``queue_of`` unset) by a caller that never finalizes: the
     save that would refill the slot of an unfinalized one is refused, before it touches the slot."""
