@@ -17,8 +17,10 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
 ``+nocrc`` (``memory.checksum: false``: no crc32c of the images in the trainer's process), ``+copyproc``
 (``memory.copy_process: true``: the checksums, and with a device snapshot the D2H copies, in a process of ours),
-``+window<MiB>`` (the paced pieces' size, ``staging.d2h_window_bytes``), e.g. ``mem1+nocrc``,
-``mem1snap+copyproc``, ``mem1snap+window16``.
+``+window<MiB>`` (the paced pieces' size, ``staging.d2h_window_bytes``), ``+host`` (``megatron.ordering: host``:
+the save returns once its copies are done), ``+u<N>`` (``memory.max_uncommitted: N``; ``u1``: each memory save
+finalized at the next iteration's top, at most one iteration lost), e.g. ``mem1+nocrc``, ``mem1snap+copyproc``,
+``mem1snap+window16``, ``mem1+u1+host``.
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -122,16 +124,21 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     cfg = memory_tier_config(a.config, tmp / f"{name}.yaml", ram, a.slots)
     staging: dict[str, Any] = {"device_snapshot": True} if kind == "mem1snap" else {}
     memory: dict[str, Any] = {}
+    ordering = "optimizer"
     for change in changes:
         if change == "nocrc":
             memory["checksum"] = False
         elif change == "copyproc":
             memory["copy_process"] = True
+        elif change == "host":
+            ordering = "host"
         elif change.startswith("window") and change[len("window"):].isdigit():
             staging["d2h_window_bytes"] = int(change[len("window"):]) << 20
+        elif change.startswith("u") and change[1:].isdigit():
+            memory["max_uncommitted"] = int(change[1:])
         else:
-            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, window<MiB>)")
-    cfg = megatron_config(str(cfg), cfg, ordering="optimizer", staging=staging, memory=memory)
+            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, u<N>)")
+    cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
     return b.argv("cpuckpt", "goodput", extra, config=str(cfg)), every
