@@ -123,12 +123,15 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
 
     def maybe_finalize_async_calls(blocking: bool = False, no_dist: bool = False) -> list[int]:
         deferred.start_all()  # after Megatron-LM's save-checkpoint timer, before the next train_step
-        until = 0
-        if not blocking and (urgent := dog.urgent_until()) is not None:
-            blocking, until = True, urgent  # urgent saves (URGENT_MARK) are finalized now, waiting for their commit
         if blocking:
             PACER.drain()  # the trainer waits now, making no ticks: the copies of pending saves go at once
-        return dog.finalize(blocking, no_dist, until)
+            return dog.finalize(True, no_dist)
+        done = dog.finalize(False, no_dist)  # what has ended; then urgent saves (URGENT_MARK) now at the head
+        urgent = dog.urgent_until()
+        if urgent is None:
+            return done
+        PACER.drain()
+        return done + dog.finalize(True, no_dist, urgent)  # waiting for their commit
 
     setattr(maybe_finalize_async_calls, _WATCHED, True)
     queue.maybe_finalize_async_calls = maybe_finalize_async_calls
@@ -153,7 +156,10 @@ def is_watched(queue: Any) -> bool:
 
 
 def _done_probe(call: Any) -> Callable[[], bool] | None:
-    """The done probe of a call the trainer completes (no ``async_fn``, a :data:`DONE_MARK` finalize function)."""
+    """The done probe of a call the trainer completes: any call without an ``async_fn`` (no worker ever took it, so
+    megatron-core's finalize, which reads its worker's next completion, must never see it): its :data:`DONE_MARK`
+    finalize function's probe, else done at once (e.g. Megatron-LM's logits saver moved cpuckpt's finalize functions
+    onto its own request, which has a worker). None: a call with a worker."""
     request = getattr(call, "async_request", None)
     if request is None or getattr(request, "async_fn", None) is not None:
         return None
@@ -161,7 +167,11 @@ def _done_probe(call: Any) -> Callable[[], bool] | None:
         probe = getattr(fn, DONE_MARK, None)
         if probe is not None:
             return probe
-    return None
+    return _nothing_to_wait_for
+
+
+def _nothing_to_wait_for() -> bool:
+    return True
 
 
 def finalize_saves_under(queue: Any, parents: str | os.PathLike | Sequence[str | os.PathLike],
@@ -246,6 +256,8 @@ class _Watchdog:
         """``queue.close()``: finalize as it would, then forget a persistent worker that died while idle
         (megatron-core's ``close`` would wait forever for it to acknowledge its stop)."""
         if not abort:
+            deferred.start_all()  # a recorded save's call cannot complete before it starts
+            PACER.drain()
             self.finalize(blocking=True, no_dist=False)
             reason = self.shape.dead_persistent_worker(idle=True)
             if reason:
@@ -310,7 +322,7 @@ class _Watchdog:
             for fn in getattr(getattr(call, "async_request", None), "finalize_fns", ()):
                 if getattr(fn, FINALIZE_MARK, False):
                     try:
-                        fn(abandoned=True)  # collective: ends cpuckpt's own save, removes the channel
+                        fn(abandoned=True)  # ends cpuckpt's own save (a worker's call: collective, removes the channel)
                     except CpuckptError as e:
                         first_error = first_error or e
         if self.options.on_failure == "raise":
@@ -368,10 +380,11 @@ class _Watchdog:
 
     def _agreed(self, mine: bool, no_dist: bool) -> bool:
         """Whether every rank's probe said ended (one all-reduce on cpuckpt's gloo group; ``no_dist``: this rank's)."""
-        if no_dist:
+        group = None if no_dist else checkpoint_group(None, self.timeout_s)
+        if group is None:  # no_dist, or no process group at all
             return mine
         flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=checkpoint_group(None, self.timeout_s))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         return bool(int(flag[0]))
 
 

@@ -157,7 +157,7 @@ class MegatronMemory:
         (``memory.max_uncommitted: 1``, on a watched queue): Megatron-LM's non-blocking finalize at the top of
         iteration N + 1 then writes D's tracker for N before N + 1 is logged, so a kill after the log of N + 1
         restarts from N (one iteration lost)."""
-        return self.tier.max_uncommitted == 1
+        return self.config.memory.max_uncommitted == 1  # as configured: 0 (slots - 1) is 1 too with 2 slots
 
     def track(self) -> list[bool]:
         """A routed save's finalized flag: its finalize sets ``flag[0] = True`` (see :meth:`finalize_before_reuse`)."""

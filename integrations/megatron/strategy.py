@@ -122,7 +122,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
     ``async_save`` returns once this rank's tensors are in cpuckpt's host pool (the stall is the
     planning plus the device-to-host copy); cpuckpt's threads write and commit in the background,
     and the returned ``AsyncRequest``'s worker function only waits for that commit (see
-    :mod:`.worker`). Its finalize function raises the save's error, if any, on every rank.
+    :mod:`.worker`); a memory-tier save on a queue cpuckpt watches has none (the watchdog finalizes it:
+    :data:`.guard.DONE_MARK`). Its finalize function raises the save's error, if any, on every rank.
 
     Plan reuse: ``async_save`` reuses the previous save's DCP plan when every rank's translated state
     dict has the same structure (:func:`cpuckpt.async_save` with ``plan_key``; the signature covers
@@ -150,8 +151,9 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             ``hook.order_optimizer_steps()``, checked here). Saved tensors that change before that
             step (:data:`EAGER_SUFFIXES`: MoE ``expert_bias``) are cloned on the GPU at save time.
             Memory-tier saves too. megatron-core's temporal caller runs
-            ``torch.cuda.synchronize()`` before it forks, which waits for the copies anyway (correct,
-            no overlap); the persistent caller (``--use-persistent-ckpt-worker``) does not. With a
+            ``torch.cuda.synchronize()`` before it forks for a worker's call, which waits for the copies
+            anyway (correct, no overlap); the persistent caller (``--use-persistent-ckpt-worker``) does not,
+            and a memory save on a watched queue forks nothing. With a
             queue watched by cpuckpt (Megatron-LM: the hook), a save to the durable root is only
             recorded here and started at the queue's next finalize, after Megatron-LM's timer has
             synchronized the device (:mod:`.deferred`).

@@ -38,8 +38,11 @@ def _read_tracker(d: Path) -> int | None:
         return None
 
 
-def _megatron_save(strategy, queue, router, d: Path, it: int, device: str) -> dict:
-    """One save as Megatron-LM's save_checkpoint makes it (async, persistent worker)."""
+def _megatron_save(strategy, queue, router, d: Path, it: int, device: str, order: list | None = None,
+                   logits: bool = False) -> dict:
+    """One save as Megatron-LM's save_checkpoint makes it (async, persistent worker). ``order``: its tracker write
+    appends ``it``. ``logits``: as with Megatron-LM's logits saver, the request's finalize functions move onto a
+    second request, whose worker function runs in megatron-core's worker, scheduled after it."""
     import torch.distributed as dist
     from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
     from megatron.core import dist_checkpointing
@@ -56,9 +59,19 @@ def _megatron_save(strategy, queue, router, d: Path, it: int, device: str) -> di
     def iter_finalize_fn() -> None:  # Megatron-LM's: the tracker of the directory saved to
         if dist.get_rank() == 0:
             (d / TRACKER).write_text(str(it))
+        if order is not None:
+            order.append(it)
 
     request.add_finalize_fn(iter_finalize_fn)
+    second = None
+    if logits:
+        from cpuckpt.integrations.megatron.compat import make_async_request
+
+        second = make_async_request("mcore", time.sleep, (0.2,), request.finalize_fns.copy())
+        request.finalize_fns.clear()
     queue.schedule_async_request(request)
+    if second is not None:
+        queue.schedule_async_request(second)
     return sd
 
 
@@ -298,7 +311,7 @@ def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int) -> dict:
         caller = getattr(queue, "persistent_caller", None)
         return caller is not None and caller.process is not None
 
-    finalized, workers, errors = [], [], []
+    finalized, workers, errors, order = [], [], [], []
     for it in range(1, 8):
         try:  # Megatron-LM: the previous saves that ended on every rank, at the top of each iteration
             finalized += queue.maybe_finalize_async_calls(blocking=False)
@@ -306,7 +319,7 @@ def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int) -> dict:
             errors.append((it, type(e).__name__, str(e)))
         if it == fail_at:
             faults.install("before-rename:.metadata=raise")
-        _megatron_save(strategy, queue, router, router.save_dir if it == 3 else router.np_dir, it, device)
+        _megatron_save(strategy, queue, router, router.save_dir if it == 3 else router.np_dir, it, device, order)
         workers.append(worker_spawned())
         if it == fail_at:
             time.sleep(1.0)  # its commit has run (and failed) before the fault goes
@@ -317,7 +330,8 @@ def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int) -> dict:
     except CpuckptError as e:
         errors.append((8, type(e).__name__, str(e)))
     dist.barrier()
-    out = {"finalized": finalized, "workers": workers, "errors": errors, "np_tracker": _read_tracker(router.np_dir),
+    out = {"finalized": finalized, "order": order, "workers": workers, "errors": errors,
+           "np_tracker": _read_tracker(router.np_dir),
            "save_tracker": _read_tracker(router.save_dir),
            "finalized_dirs": sorted(p.parent.name for p in router.np_dir.glob("iter_*/metadata.json"))}
     for it in (3, 6, 7):  # what Megatron-LM's restart would load: each with its own values
@@ -343,10 +357,11 @@ def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, t
         assert out["finalized_dirs"] == ["iter_0000006", "iter_0000007"], out
     else:  # in queue order; the persistent save of 3 (call 2) was finalized by the save whose slot it held (6)
         assert out["errors"] == [] and out["finalized"] == [0, 1, 3, 4, 5, 6], out
+        assert out["order"] == [1, 2, 3, 4, 5, 6, 7], out  # Megatron's finalize functions ran in queue order
         assert out["finalized_dirs"] == ["iter_0000005", "iter_0000006", "iter_0000007"], out
 
 
-def rank_trackers_at_each_log(root: str, max_uncommitted: int) -> dict:
+def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int) -> dict:
     """Megatron-LM's loop with a memory save every iteration, its commits slowed (0.3 s): the non-blocking finalize
     at the top of each iteration, the log, then the save. What D's tracker names at each log is what a whole-job
     kill right after that log leaves for the restart (Megatron-LM loads the newer of the two trackers)."""
@@ -362,7 +377,8 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int) -> dict:
 
     _, _, device = _setup()
     root_p = Path(root)
-    cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "slots": 3, "max_uncommitted": max_uncommitted}}
+    memory = {**_config(root_p)["memory"], "slots": slots, "max_uncommitted": max_uncommitted}
+    cfg = {**_config(root_p), "memory": memory}
     queue = watch_async_queue(AsyncCallsQueue(persistent=True), 60.0)
     router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg),
                             queue_of=lambda: queue)
@@ -384,13 +400,48 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int) -> dict:
 
 
 def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_1(run_ranks, tmp_path):
-    res = run_ranks(2, rank_trackers_at_each_log, str(tmp_path / "one"), 1, timeout_s=180, env=ENV)
+    res = run_ranks(2, rank_trackers_at_each_log, str(tmp_path / "one"), 1, 3, timeout_s=180, env=ENV)
     assert res[0] == res[1] and res[0] == {it: it - 1 if it > 1 else None for it in range(1, 7)}, res
-    # the control (default: 2 of 3 slots' saves in flight): the top of an iteration finalizes what has committed
-    # by then, and a slowed commit has not: the tracker lags two or more
-    res = run_ranks(2, rank_trackers_at_each_log, str(tmp_path / "default"), 0, timeout_s=180, env=ENV)
+    # the control, the default (2 slots: one save in flight, as with 1, but not asked for): the top of an iteration
+    # finalizes what has committed by then, and a slowed commit has not: the tracker lags two or more
+    res = run_ranks(2, rank_trackers_at_each_log, str(tmp_path / "default"), 0, 2, timeout_s=180, env=ENV)
     assert res[0] == res[1] and all(n is None or n <= it - 2 for it, n in res[0].items()), res
     assert res[0][6] is not None, res  # memory checkpoints were finalized all the same, later
+
+
+def rank_logits_requests_carry_the_finalize(root: str) -> dict:
+    """Memory saves every iteration whose finalize functions Megatron-LM's logits saver moved onto its own request (a
+    worker's call, scheduled right after): the memory call is left with no ``async_fn`` and nothing to finalize."""
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.guard import watch_async_queue
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from cpuckpt.config import Config
+
+    _, _, device = _setup()
+    root_p = Path(root)
+    cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "slots": 3}, "timeout_s": 30}
+    queue = watch_async_queue(AsyncCallsQueue(persistent=True), 30.0)
+    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg),
+                            queue_of=lambda: queue)
+    strategy = CpuckptSaveStrategy(cfg, memory=router)
+    order: list[int] = []
+    for it in range(1, 6):
+        queue.maybe_finalize_async_calls(blocking=False)
+        _megatron_save(strategy, queue, router, router.np_dir, it, device, order, logits=True)
+    queue.maybe_finalize_async_calls(blocking=True)
+    dist.barrier()
+    out = {"order": order, "np_tracker": _read_tracker(router.np_dir), "pending": len(queue.async_calls)}
+    queue.close()
+    router.close()
+    return out
+
+
+def test_finalize_functions_moved_to_a_logits_request_still_run_in_order(run_ranks, tmp_path):
+    res = run_ranks(2, rank_logits_requests_carry_the_finalize, str(tmp_path), timeout_s=180, env=ENV)
+    assert res[0] == res[1] == {"order": [1, 2, 3, 4, 5], "np_tracker": 5, "pending": 0}, res
 
 
 def rank_unfinalized_without_a_queue(root: str) -> str:
