@@ -5,10 +5,11 @@ every step, and log each step's loss after the save returned. Every rank SIGKILL
 K: the whole job dies there. The relaunch loads the newest complete checkpoint and trains on; it must resume from
 step K - 1 or newer and log exactly the losses of an uninterrupted run (bit-identical continuation).
 
-Every memory commit is slowed (0.5 s before ``.metadata`` lands, 1.5 s in the control, a fault point of the test-suite), so the bound
-cannot hold by luck: the negative control, the default (two saves overlap in a ring of three slots), resumes
-two steps back under the same slow commits, and still from memory: with every slot in flight (the default before
-``memory.max_uncommitted``) every slot's commit could be cleared at once, and that relaunch started from scratch.
+Every memory commit is slowed (0.5 s before ``.metadata`` lands, 1.5 s in the control, a fault point of the test-
+suite), so the bound cannot hold by luck: the negative control, the default (two saves overlap in a ring of three
+slots), resumes two steps back under the same slow commits, and still from memory: with every slot in flight (the
+default before ``memory.max_uncommitted``) every slot's commit could be cleared at once, and that relaunch started
+from scratch.
 """
 
 from __future__ import annotations
@@ -129,6 +130,6 @@ def test_max_uncommitted_beyond_the_slots_is_refused(tmp_path):
     from cpuckpt.errors import ConfigError
     from cpuckpt.tier.memory import MemoryTier
 
-    with pytest.raises(ConfigError, match="memory.max_uncommitted is 3; with memory.slots 3 it must be at most 2"):
+    with pytest.raises(ConfigError, match=r"memory\.max_uncommitted is 3; with memory\.slots 3 it must be at most 2"):
         MemoryTier(tmp_path / "durable", _cfg(str(tmp_path / "ram"), 3))
     assert not (tmp_path / "ram").exists()  # refused before anything was made

@@ -97,7 +97,7 @@ def worker(argv: list[str]) -> int:
                      "io": {"backend": "buffered", "chunk_bytes": 64 * 1024, "threads": 1},
                      "memory": {"root": args.ram, "slots": 2, "persist_every": 4, "headroom_bytes": 0,
                                 "replicas": 1, "replica_host": args.host}})
-    engine = h._engine(args.stage, seed=100 + rank)  # not the saved values: what is loaded must come from the checkpoint
+    engine = h._engine(args.stage, seed=100 + rank)  # not the saved values: what is loaded must come from the ckpt
     save_dir = Path(args.save)
     durable_there = save_dir.exists()
     path, _ = ckpt_ds.load_latest(engine, save_dir)
@@ -172,6 +172,13 @@ def test_two_nodes_resume_from_a_partner_replica_then_reshard_from_disk(tmp_path
 def test_two_nodes_zero3(tmp_path: Path) -> None:
     """The same with ZeRO-3 (every rank writes and reads its own model-states file): ``-m slow``."""
     _two_nodes(tmp_path, stage=3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_nodes_zero1(tmp_path: Path) -> None:
+    """The same with ZeRO-1 (optimizer states partitioned, gradients not): ``-m slow``."""
+    _two_nodes(tmp_path, stage=1)
 
 
 def _two_nodes(tmp_path: Path, *, stage: int) -> None:

@@ -33,6 +33,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import _launches as L
@@ -229,15 +230,18 @@ if __name__ == "__main__":
     raise SystemExit(worker(sys.argv[1:]))
 
 
-def _lose_node1_and_relaunch(tmp_path: Path, until: int, extra: tuple[str, ...]) -> list[dict]:
-    """Train to ``until`` across two nodes, lose node 1 (trainer, writer, RAM root, ``D``), relaunch both; the
-    relaunch's reports."""
+def _lose_node1_and_relaunch(tmp_path: Path, until: int, extra: tuple[str, ...],
+                             damage: Callable[[Path], None] | None = None) -> list[dict]:
+    """Train to ``until`` across two nodes, lose node 1 (trainer, writer, RAM root, ``D``), ``damage(tmp_path)``,
+    relaunch both; the relaunch's reports."""
     (tmp_path / "out").mkdir()
     reports, procs = _run_phase(tmp_path, "train", until, hold=True, extra=extra)
     kept = [r["writer_pid"] for r in reports if r["rank"] == 0]  # adopted by the relaunch
     L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
     shutil.rmtree(tmp_path / "ram1")
     shutil.rmtree(tmp_path / "np1")
+    if damage is not None:
+        damage(tmp_path)
     try:
         reports, procs = _run_phase(tmp_path, "relaunch", until + 1, hold=True)
     except BaseException:
@@ -265,3 +269,27 @@ def test_a_persistent_newest_save_loads_from_the_durable_root(tmp_path: Path) ->
     for r in _lose_node1_and_relaunch(tmp_path, 12, ()):
         assert r["memory_iteration"] is None and r["iteration"] == 12, f"rank {r['rank']}: {r}"
         assert r["loaded"].startswith(str(tmp_path / "save")) and r["bitexact"] is True, r
+
+
+def _flip_a_byte_of_node1s_replica(tmp_path: Path, step: int) -> None:
+    """One flipped byte in rank 1's data file of node 0's replica of node 1's slot of ``step``."""
+    from cpuckpt.backend.committed import read_manifest
+
+    found = [s for s in (tmp_path / "ram0").glob("replica-*/slot-*")
+             if (m := read_manifest(s)) is not None and m.step == step]
+    assert len(found) == 1, found
+    victim = found[0] / "__1_0.distcp"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_a_damaged_replica_falls_back_to_the_next_newest_on_every_rank(tmp_path: Path) -> None:
+    """Node 1 lost and node 0's replica of its iteration 10 damaged: the restore of 10 fails alike on every rank (the
+    receiver's crc32c check), and both ranks load 9 from memory instead (its replica is intact), bit-exact: never a
+    mix of iterations, never the durable 8 while a newer checkpoint is loadable."""
+    for r in _lose_node1_and_relaunch(tmp_path, 10, (), lambda tmp: _flip_a_byte_of_node1s_replica(tmp, 10)):
+        assert r["memory_iteration"] == 9 and r["iteration"] == 9, f"rank {r['rank']}: {r}"
+        assert r["loaded"].startswith(r["tier_root"]) and r["bitexact"] is True, r
+    assert "cannot be restored from a replica" in L.logs(tmp_path, "relaunch")

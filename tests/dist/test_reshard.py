@@ -13,11 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import _helpers as H
 import pytest
 import torch
-
-
-import _helpers as H  # noqa: E402 - tests/dist is on sys.path (conftest and the rank bootstrap)
 
 SEED = 20240917
 CFG_SAVE = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}}

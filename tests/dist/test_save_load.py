@@ -14,11 +14,9 @@ import json
 import math
 from pathlib import Path
 
+import _helpers as H
 import pytest
 import torch
-
-
-import _helpers as H  # noqa: E402 - tests/dist is on sys.path (conftest and the rank bootstrap)
 
 CHUNK = "64KiB"
 CHUNK_BYTES = 64 * 1024

@@ -9,12 +9,8 @@ then be bit-exact, and one more identical training step on both must give bit-id
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import _helpers as H
 import torch
-
-
-import _helpers as H  # noqa: E402 - tests/dist is on sys.path (conftest and the rank bootstrap)
 
 
 def _build(mesh, seed: int):
