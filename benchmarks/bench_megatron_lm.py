@@ -88,6 +88,7 @@ SAVE_RE = re.compile(r"save-checkpoint \.*: \(?([\d.]+)(?:, ([\d.]+)\))?")
 NP_SAVE_RE = re.compile(r"save-checkpoint-non-persistent \.*: \(?([\d.]+)(?:, ([\d.]+)\))?")
 LOAD_RE = re.compile(r"load-checkpoint \.*: \(?([\d.]+)(?:, ([\d.]+)\))?")
 LOADED_RE = re.compile(r"successfully loaded checkpoint from (\S+).*iteration\D+(\d+)")
+VALUES_RE = re.compile(r"(lm loss|grad norm): [-+\d.Ee]+")  # on an iteration's line: what a continuation must equal
 SAVED_RE = re.compile(r"successfully saved checkpoint from iteration\s+(\d+) to (\S+)")
 # cpuckpt.integrations.megatron.strategy (INFO): cpuckpt's share of Megatron's load-checkpoint.
 MLOAD_RE = re.compile(r"cpuckpt megatron load (\S+): translate ([\d.]+) s, cpuckpt\.load ([\d.]+) s, "
@@ -145,7 +146,8 @@ def parse_log(lines: Sequence[tuple[float, str]]) -> dict[str, Any]:
                            "mload": [], "telemetry": [], "worker_errors": [], "errors": []}
     for t, line in lines:
         if m := ITER_RE.search(line):
-            out["iters"].append({"t": round(t, 2), "it": int(m.group(1)), "ms": float(m.group(2))})
+            out["iters"].append({"t": round(t, 2), "it": int(m.group(1)), "ms": float(m.group(2)),
+                                 "values": " | ".join(v.group(0) for v in VALUES_RE.finditer(line))})
         elif m := SAVE_RE.search(line):
             # The timer line comes right after save_checkpoint returned: the save started ms earlier.
             ms = _max_ms(m)
@@ -933,14 +935,15 @@ def phase_kill(b: Bench) -> tuple[dict, str]:
 
 
 class JobKiller:
-    """SIGKILL the whole job (torchrun and its trainers) once iteration ``at``'s save is finalized."""
+    """SIGKILL the whole job (torchrun and its trainers) once iteration ``at``'s save is finalized, or (``logged``)
+    as soon as iteration ``at``'s log line arrives."""
 
-    def __init__(self, at: int) -> None:
-        self.at = at
-        self.info: dict[str, Any] = {"killed": False}
+    def __init__(self, at: int, logged: bool = False) -> None:
+        self.at, self.pattern = at, ITER_RE if logged else SAVED_RE
+        self.info: dict[str, Any] = {"killed": False, "after": "logged" if logged else "finalized"}
 
     def __call__(self, t: float, line: str, proc: subprocess.Popen, ctl: dict[str, Any]) -> None:
-        m = SAVED_RE.search(line)
+        m = self.pattern.search(line)
         if m and int(m.group(1)) == self.at and not self.info["killed"]:
             # torchrun starts its trainers in sessions of their own: kill every process below it, but the
             # memory tier's writers (they must survive their trainers), then torchrun's group
@@ -953,17 +956,36 @@ class JobKiller:
                     pass
             _kill_group(proc)
             self.info.update(killed=True, kill_t=round(t, 2), pids=[c["pid"] for c in victims])
-            logger.info("memory: SIGKILL at %.1f s (iteration %d finalized) to %d processes", t, self.at,
-                        len(victims))
+            logger.info("memory: SIGKILL at %.1f s (iteration %d %s) to %d processes", t, self.at,
+                        self.info["after"], len(victims))
 
 
-def memory_tier_config(base: str, dest: Path, ram: Path, slots: int) -> Path:
+def lost_work(killed: dict[str, Any], relaunch: dict[str, Any], kill: dict[str, Any]) -> dict[str, Any]:
+    """What the kill cost: the last iteration the killed job logged, the iteration the relaunch loaded, the
+    iterations lost between them, and whether the relaunch logged the same values (loss, grad norm) as the killed
+    job for every iteration both logged (a bit-identical continuation prints the same)."""
+    last = max((i["it"] for i in killed.get("iters") or []), default=None)
+    loaded = None
+    for line in relaunch.get("loaded") or []:
+        if m := LOADED_RE.search(line):
+            loaded = int(m.group(2))
+    before = {i["it"]: i["values"] for i in killed.get("iters") or []}
+    both = [(i["it"], before[i["it"]], i["values"]) for i in relaunch.get("iters") or [] if i["it"] in before]
+    differ = [it for it, a, b in both if a != b]
+    return {"killed_after": kill.get("after"), "last_logged": last, "resumed_from": loaded,
+            "iterations_lost": None if last is None or loaded is None else last - loaded,
+            "compared": len(both), "values_differ_at": differ[:10], "values_equal": not differ and bool(both)}
+
+
+def memory_tier_config(base: str, dest: Path, ram: Path, slots: int, max_uncommitted: int = 0) -> Path:
     """``base`` YAML with ``megatron: {memory_tier: true}`` and a ``memory:`` section, written to ``dest``."""
     import yaml
 
     data = yaml.safe_load(Path(base).read_text()) or {}
     data.setdefault("megatron", {})["memory_tier"] = True
     data.setdefault("memory", {}).update(root=str(ram), slots=slots)
+    if max_uncommitted:
+        data["memory"]["max_uncommitted"] = max_uncommitted
     dest.write_text(yaml.safe_dump(data, sort_keys=False))
     return dest
 
@@ -1010,7 +1032,7 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
     b.clean(root)
     shutil.rmtree(ram, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix="bench_mlm_"))
-    cfg_on = memory_tier_config(a.config, tmp / "memory_on.yaml", ram, a.memory_slots)
+    cfg_on = memory_tier_config(a.config, tmp / "memory_on.yaml", ram, a.memory_slots, a.memory_max_uncommitted)
     extra = ["--save-interval", str(a.memory_durable), "--non-persistent-save-interval", str(a.memory_interval),
              "--non-persistent-ckpt-type", "global", "--eval-interval", str(10 * a.memory_iters), *ASYNC]
     train = ["--train-iters", str(a.memory_iters), *extra]
@@ -1018,7 +1040,7 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
     fmt = a.memory_format
     off = b.run("memory-off", b.argv(fmt, "memory", [*train, "--save", str(root / "off")]))
     b.clean(root / "off")
-    killer = JobKiller(a.memory_kill_at)
+    killer = JobKiller(a.memory_kill_after_log or a.memory_kill_at, logged=bool(a.memory_kill_after_log))
     on = b.run("memory-on", b.argv(fmt, "memory", [*train, "--save", str(root / "on")], config=str(cfg_on)),
                on_line=None if a.dry_run else killer)
     np_dir = root / "on" / "non_persistent"
@@ -1036,6 +1058,7 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
         "--exit-on-missing-checkpoint"], config=str(cfg_on)))
     out["after_relaunch"] = {"ram_root_left": sorted(str(p) for p in ram.rglob("*"))[:10] if ram.exists() else [],
                              "save_tracker": _tracker(root / "on")}
+    out["lost"] = lost_work(on, relaunch, killer.info)
     b.clean(root)
     shutil.rmtree(ram, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1062,6 +1085,7 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
                    "(it carries that save's own copy, zero-stall); the column after the ratio keeps them in",
                    f"after the kill: {out['after_kill']}", f"verify of the newest memory checkpoint: "
                    f"{out.get('verify')}",
+                   f"lost work: {out['lost']}",
                    f"relaunch: rc {relaunch['rc']}, load-checkpoint {rl['load_checkpoint_s']} s, cpuckpt's share "
                    f"{rl['cpuckpt_load_s']} s for {rl['nbytes']} bytes; {rl['loaded']}",
                    f"after the relaunch's normal exit: {out['after_relaunch']}"])
@@ -1105,7 +1129,8 @@ def self_test(config: str) -> int:
     prefix = "2026-12-01 10:00:00,123 megatron.core.timers INFO "
     lines = [
         " [2026-12-01 10:00:00.000000] iteration        4/       5 | consumed samples:           16 | "
-        "elapsed time per iteration (ms): 71.3 | throughput per GPU (TFLOP/s/GPU): 123.4 |",
+        "elapsed time per iteration (ms): 71.3 | throughput per GPU (TFLOP/s/GPU): 123.4 | lm loss: 1.041234E+01 | "
+        "loss scale: 1.0 | grad norm: 12.345 |",
         prefix + timer("save-checkpoint", 400.5, 410.25)[0], timer("save-checkpoint", 400.5, 410.25)[1],
         *timer("save-checkpoint", 0, 399.0, max_only=True),
         prefix + timer("load-checkpoint", 1234.5, 1240.25)[0], timer("load-checkpoint", 1234.5, 1240.25)[1],
@@ -1156,7 +1181,13 @@ def self_test(config: str) -> int:
         real_telemetry = False
     p = parse_log([(float(i), line) for i, line in enumerate(lines)])
     checks = [
-        (p["iters"] == [{"t": 0.0, "it": 4, "ms": 71.3}], "iteration line"),
+        (p["iters"] == [{"t": 0.0, "it": 4, "ms": 71.3, "values": "lm loss: 1.041234E+01 | grad norm: 12.345"}],
+         "iteration line"),
+        (lost_work({"iters": [{"it": k, "values": f"v{k}"} for k in (4, 5, 6)]},
+                   {"iters": [{"it": k, "values": f"v{k}"} for k in (6, 7)], "loaded": p["loaded"]},
+                   {"after": "logged"}) == {"killed_after": "logged", "last_logged": 6, "resumed_from": 4,
+                                            "iterations_lost": 2, "compared": 1, "values_differ_at": [],
+                                            "values_equal": True}, "lost work from two runs' logs"),
         ([s["ms"] for s in p["saves"]] == [410.25, 399.0], "save-checkpoint timer (minmax, max), not -non-persistent"),
         (p["saves"][0]["start_t"] == round(2.0 - 0.41025, 2), "save start time"),
         (p["load_ms"] == 1240.25, "load-checkpoint timer"),
@@ -1339,6 +1370,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--memory-interval", type=int, default=8, help="--non-persistent-save-interval")
     g.add_argument("--memory-durable", type=int, default=64, help="--save-interval")
     g.add_argument("--memory-kill-at", type=int, default=88, help="SIGKILL the job once this save is finalized")
+    g.add_argument("--memory-kill-after-log", type=int, default=0,
+                   help="instead: SIGKILL the job as soon as this iteration's log line arrives (lost work)")
+    g.add_argument("--memory-max-uncommitted", type=int, default=0,
+                   help="memory.max_uncommitted of the tier's run (1: at most one iteration lost)")
     g.add_argument("--memory-slots", type=int, default=3)
     g.add_argument("--memory-format", default="cpuckpt", choices=["cpuckpt", *VARIANTS],
                    help="cpuckpt or a variant (e.g. cpuckpt-zero: ordering optimizer) for all three runs")
