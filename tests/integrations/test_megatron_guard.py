@@ -123,7 +123,11 @@ class Call(NamedTuple):
     async_request: Any
 
 
-def _request(finalized: list[Any], async_fn: Any = None, args: tuple = ()) -> SimpleNamespace:
+def _a_worker_fn(*args: Any) -> None:
+    """A call's worker function (a call without one is the watchdog's own to finalize: guard.DONE_MARK)."""
+
+
+def _request(finalized: list[Any], async_fn: Any = _a_worker_fn, args: tuple = ()) -> SimpleNamespace:
     def ours(abandoned: bool = False) -> None:
         finalized.append(("cpuckpt", abandoned))
 
@@ -187,6 +191,47 @@ def test_live_persistent_worker_is_left_alone(shape, class_shape):
     watch_async_queue(queue, timeout_s=60)
     assert queue.maybe_finalize_async_calls(blocking=False) == []
     assert queue.finalize_calls == 1 and len(queue.async_calls) == 1 and caller.closed == []
+
+
+def _own_request(finalized: list[Any], name: str, ended: list[bool] | None) -> SimpleNamespace:
+    """A call the trainer completes: no worker function; ``ended`` (None: no probe at all, as when Megatron-LM's
+    logits saver moved its finalize functions away) says whether its save ended."""
+    def ours(abandoned: bool = False) -> None:
+        finalized.append((name, abandoned))
+
+    ours.cpuckpt_finalize = True
+    fns = []
+    if ended is not None:
+        ours.cpuckpt_done = lambda: ended[0]
+        fns = [ours, lambda: finalized.append(f"{name} metadata.json")]
+    return SimpleNamespace(async_fn=None, async_fn_args=(), finalize_fns=fns)
+
+
+def test_calls_without_a_worker_are_finalized_in_order_by_their_probe_and_never_shown_to_megatron():
+    """Own calls (no async_fn) around one of Megatron's: finalized in queue order as their probes say ended; megatron-
+    core's finalize sees only its own call (a persistent caller would credit an own call with a worker's completion);
+    a dead persistent worker does not fail own calls while none of Megatron's is pending."""
+    finalized: list = []
+    process = FakeProcess()
+    queue, caller = _instance_shape(process, finalized)  # call 0: Megatron's (a worker's), never done here
+    queue.async_calls.clear()
+    first, second = [False], [True]
+    queue.async_calls.extend([Call(0, caller, _own_request(finalized, "m0", first)),
+                              Call(1, caller, _own_request(finalized, "moved", None)),
+                              Call(2, caller, _request(finalized)),
+                              Call(3, caller, _own_request(finalized, "m3", second))])
+    seen: list[int] = []
+    queue.maybe_finalize_async_calls = lambda blocking=False, no_dist=False: seen.append(len(queue.async_calls)) or []
+    watch_async_queue(queue, timeout_s=60)
+    assert queue.maybe_finalize_async_calls() == [] and seen == []  # m0 has not ended: nothing, nobody asked
+    first[0] = True
+    assert queue.maybe_finalize_async_calls() == [0, 1]  # m0, then the probe-less one; Megatron's call 2 is not done
+    assert seen == [1], "megatron-core's finalize must see only its own call, not m3 behind it"
+    assert [c[0] for c in queue.async_calls] == [2, 3] and finalized == [("m0", False), "m0 metadata.json"]
+    queue.async_calls.popleft()  # Megatron's call ends (its worker reported)
+    process.exitcode = -9  # and then its worker dies: own calls need none
+    assert queue.maybe_finalize_async_calls() == [3] and not queue.async_calls
+    assert finalized[-2:] == [("m3", False), "m3 metadata.json"] and caller.closed == []
 
 
 def test_warm_worker_on_the_class_counts_before_the_caller_scheduled(class_shape):
