@@ -53,6 +53,7 @@ import pickle
 import re
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -318,6 +319,20 @@ def run_ranks(
             text = f"ranks {hung} of {world_size} hung in {fn_name} (killed: {kill_reason})\n" + text
         raise RankError(text, r, res["type"], res["message"], results)
     return [results[r]["value"] for r in range(world_size)]
+
+
+@pytest.fixture(autouse=True)
+def _sigint_left_alone() -> Iterator[None]:
+    """A test that leaves this process's SIGINT handler or mask changed fails (and it is put back): every later test
+    of the worker, and every process it starts, would inherit it (Ctrl-C tests then see no KeyboardInterrupt)."""
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if after is not before or blocked:
+        signal.signal(signal.SIGINT, before)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        pytest.fail(f"the test left SIGINT changed: handler {before!r} -> {after!r}, blocked {blocked}")
 
 
 @pytest.fixture(name="run_ranks")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import pickle
+import signal
 import threading
 
 import pytest
@@ -335,10 +336,12 @@ def test_wait_future_keeps_keyboard_interrupt_and_cancels():
     fut: cf.Future[None] = cf.Future()
     stopped: list[BaseException] = []
     timer = threading.Timer(0.2, _thread.interrupt_main)  # a real KeyboardInterrupt in this (the waiting) thread
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # interrupt_main does nothing unless handled
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             wait_future(fut, 30, "a save", on_interrupt=stopped.append)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, before)
     assert len(stopped) == 1 and isinstance(stopped[0], KeyboardInterrupt)
