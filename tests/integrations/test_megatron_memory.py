@@ -344,24 +344,30 @@ def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("fail_at", [0, 5], ids=["ok", "commit-fails"])
-def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, tmp_path, fail_at):
-    res = run_ranks(2, rank_memory_saves_finalized_in_the_trainer, str(tmp_path), fail_at, timeout_s=180, env=ENV)
+def rank_in_trainer_cases(root: str) -> list[dict]:
+    """Both cases in one launch of the ranks (each its own tier, queue and RAM root): all saves committed, then a
+    commit that fails (iteration 5)."""
+    return [rank_memory_saves_finalized_in_the_trainer(str(Path(root) / name), fail_at)
+            for name, fail_at in (("ok", 0), ("fails", 5))]
+
+
+def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, tmp_path):
+    res = run_ranks(2, rank_in_trainer_cases, str(tmp_path), timeout_s=240, env=ENV)
     assert res[0] == res[1], res  # every rank finalized the same calls and raised the same error
-    out = res[0]
-    assert out["np_tracker"] == 7, out
-    if fail_at:  # memory saves only: no worker ever; the failure is raised once, alike on every rank, at a finalize
-        assert not any(out["workers"]), out  # after the commit failed; its Megatron finalize never ran
-        assert len(out["errors"]) == 1 and out["errors"][0][0] in (6, 7, 8), out["errors"]
-        assert "commit failed (coordinator): fault point" in out["errors"][0][2], out["errors"]
-        assert out["finalized_dirs"] == ["iter_0000006", "iter_0000007"], out
-    else:  # megatron-core's persistent worker is spawned by the persistent save of iteration 3, not before
-        assert out["workers"][:2] == [False, False] and out["workers"][2], out["workers"]
-        assert out["save_tracker"] == 3, out
-        # in queue order; the persistent save of 3 (call 2) was finalized by the save whose slot it held (6)
-        assert out["errors"] == [] and out["finalized"] == [0, 1, 3, 4, 5, 6], out
-        assert out["order"] == [1, 2, 3, 4, 5, 6, 7], out  # Megatron's finalize functions ran in queue order
-        assert out["finalized_dirs"] == ["iter_0000005", "iter_0000006", "iter_0000007"], out
+    out, failed = res[0]
+    # megatron-core's persistent worker is spawned by the persistent save of iteration 3, not before
+    assert out["workers"][:2] == [False, False] and out["workers"][2], out["workers"]
+    assert out["save_tracker"] == 3 and out["np_tracker"] == 7, out
+    # in queue order; the persistent save of 3 (call 2) was finalized by the save whose slot it held (6)
+    assert out["errors"] == [] and out["finalized"] == [0, 1, 3, 4, 5, 6], out
+    assert out["order"] == [1, 2, 3, 4, 5, 6, 7], out  # Megatron's finalize functions ran in queue order
+    assert out["finalized_dirs"] == ["iter_0000005", "iter_0000006", "iter_0000007"], out
+    # memory saves only: no worker ever; the failure is raised once, alike on every rank, at a finalize after the
+    # commit failed; its Megatron finalize never ran
+    assert not any(failed["workers"]) and failed["np_tracker"] == 7, failed
+    assert len(failed["errors"]) == 1 and failed["errors"][0][0] in (6, 7, 8), failed["errors"]
+    assert "commit failed (coordinator): fault point" in failed["errors"][0][2], failed["errors"]
+    assert failed["finalized_dirs"] == ["iter_0000006", "iter_0000007"], failed
 
 
 def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int) -> dict:
@@ -402,14 +408,21 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int) -> di
     return at_log
 
 
+def rank_trackers_both_ways(root: str) -> list[dict]:
+    """``max_uncommitted: 1`` (3 slots), then the default (2 slots), in one launch of the ranks."""
+    return [rank_trackers_at_each_log(str(Path(root) / name), k, slots) for name, k, slots in (("one", 1, 3),
+                                                                                                ("default", 0, 2))]
+
+
 def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_1(run_ranks, tmp_path):
-    res = run_ranks(2, rank_trackers_at_each_log, str(tmp_path / "one"), 1, 3, timeout_s=180, env=ENV)
-    assert res[0] == res[1] and res[0] == {it: it - 1 if it > 1 else None for it in range(1, 7)}, res
+    res = run_ranks(2, rank_trackers_both_ways, str(tmp_path), timeout_s=240, env=ENV)
+    assert res[0] == res[1], res
+    one, default = res[0]
+    assert one == {it: it - 1 if it > 1 else None for it in range(1, 7)}, one
     # the control, the default (2 slots: one save in flight, as with 1, but not asked for): the top of an iteration
     # finalizes what has committed by then, and a slowed commit has not: the tracker lags two or more
-    res = run_ranks(2, rank_trackers_at_each_log, str(tmp_path / "default"), 0, 2, timeout_s=180, env=ENV)
-    assert res[0] == res[1] and all(n is None or n <= it - 2 for it, n in res[0].items()), res
-    assert res[0][6] is not None, res  # memory checkpoints were finalized all the same, later
+    assert all(n is None or n <= it - 2 for it, n in default.items()), default
+    assert default[6] is not None, default  # memory checkpoints were finalized all the same, later
 
 
 def rank_logits_requests_carry_the_finalize(root: str) -> dict:
