@@ -253,11 +253,12 @@ def _lose_node1_and_relaunch(tmp_path: Path, until: int, extra: tuple[str, ...],
 
 
 def test_a_save_megatron_never_finalized_is_skipped_and_the_one_before_loads_from_memory(tmp_path: Path) -> None:
-    """Iteration 10's memory save is committed in both RAM roots but the job is killed before Megatron finalized it
-    (no ``metadata.json`` on any node, D's tracker names 9): the relaunch after a lost node must not name 10
-    (Megatron-LM fails on it: "not a distributed checkpoint") and loads 9 from memory on both ranks, bit-exact."""
-    for r in _lose_node1_and_relaunch(tmp_path, 10, ("--skip-last-finalize",)):
-        assert r["memory_iteration"] == 9 and r["iteration"] == 9, f"rank {r['rank']}: {r}"
+    """Iteration 6's memory save is committed in both RAM roots but the job is killed before Megatron finalized it
+    (no ``metadata.json`` on any node, D's tracker names 5): the relaunch after a lost node must not name 6
+    (Megatron-LM fails on it: "not a distributed checkpoint") and loads 5 from memory on both ranks, bit-exact
+    (newer than the durable 4)."""
+    for r in _lose_node1_and_relaunch(tmp_path, 6, ("--skip-last-finalize",)):
+        assert r["memory_iteration"] == 5 and r["iteration"] == 5, f"rank {r['rank']}: {r}"
         assert r["loaded"].startswith(r["tier_root"]) and r["bitexact"] is True, r
 
 
