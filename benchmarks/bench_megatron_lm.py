@@ -964,6 +964,8 @@ def lost_work(killed: dict[str, Any], relaunch: dict[str, Any], kill: dict[str, 
     """What the kill cost: the last iteration the killed job logged, the iteration the relaunch loaded, the
     iterations lost between them, and whether the relaunch logged the same values (loss, grad norm) as the killed
     job for every iteration both logged (a bit-identical continuation prints the same)."""
+    if not kill.get("killed"):  # the kill never fired: nothing was lost, nothing measured
+        return {"killed_after": kill.get("after"), "killed": False}
     last = max((i["it"] for i in killed.get("iters") or []), default=None)
     loaded = None
     for line in relaunch.get("loaded") or []:
@@ -974,7 +976,8 @@ def lost_work(killed: dict[str, Any], relaunch: dict[str, Any], kill: dict[str, 
     differ = [it for it, a, b in both if a != b]
     return {"killed_after": kill.get("after"), "last_logged": last, "resumed_from": loaded,
             "iterations_lost": None if last is None or loaded is None else last - loaded,
-            "compared": len(both), "values_differ_at": differ[:10], "values_equal": not differ and bool(both)}
+            "compared": len(both), "values_differ_at": differ[:10],
+            "values_equal": None if not both else not differ}  # None: resumed exactly at the last logged one
 
 
 def memory_tier_config(base: str, dest: Path, ram: Path, slots: int, max_uncommitted: int = 0) -> Path:
@@ -1025,7 +1028,8 @@ def summarize_memory(r: dict[str, Any], interval: int) -> dict[str, Any]:
 
 def phase_memory(b: Bench) -> tuple[dict, str]:
     """Memory saves every --memory-interval iterations, durable every --memory-durable, with and without the
-    memory tier; the tier's run is SIGKILLed (whole job) after --memory-kill-at and relaunched from memory."""
+    memory tier; the tier's run is SIGKILLed (whole job) once --memory-kill-at's save is finalized (or, with
+    --memory-kill-after-log N, at iteration N's log line: the lost work) and relaunched from memory."""
     a = b.args
     root = b.root / "memory"
     ram = Path(a.memory_ram)
@@ -1080,7 +1084,9 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
         ["run", "rc", "save-checkpoint-non-persistent ms", "warm median", "save-checkpoint ms", "iter ms alone",
          "iter ms during persist", "ratio", "with post-save iterations: ms / ratio", "persist windows s"], rows,
         title=f"memory ({fmt}): saves every {a.memory_interval} iterations, durable every {a.memory_durable}, "
-              f"model {b.model('memory')}, memory-on SIGKILLed after iteration {a.memory_kill_at}",
+              f"model {b.model('memory')}, memory-on SIGKILLed "
+              + (f"at iteration {a.memory_kill_after_log}'s log line" if a.memory_kill_after_log else
+                 f"once iteration {a.memory_kill_at}'s save was finalized"),
         footnotes=["iter ms: medians; alone and during persist both leave out the iteration right after each save "
                    "(it carries that save's own copy, zero-stall); the column after the ratio keeps them in",
                    f"after the kill: {out['after_kill']}", f"verify of the newest memory checkpoint: "
@@ -1185,7 +1191,8 @@ def self_test(config: str) -> int:
          "iteration line"),
         (lost_work({"iters": [{"it": k, "values": f"v{k}"} for k in (4, 5, 6)]},
                    {"iters": [{"it": k, "values": f"v{k}"} for k in (6, 7)], "loaded": p["loaded"]},
-                   {"after": "logged"}) == {"killed_after": "logged", "last_logged": 6, "resumed_from": 4,
+                   {"after": "logged", "killed": True}) == {"killed_after": "logged", "last_logged": 6,
+                                                             "resumed_from": 4,
                                             "iterations_lost": 2, "compared": 1, "values_differ_at": [],
                                             "values_equal": True}, "lost work from two runs' logs"),
         ([s["ms"] for s in p["saves"]] == [410.25, 399.0], "save-checkpoint timer (minmax, max), not -non-persistent"),

@@ -326,13 +326,16 @@ def _sigint_left_alone() -> Iterator[None]:
     """A test that leaves this process's SIGINT handler or mask changed fails (and it is put back): every later test
     of the worker, and every process it starts, would inherit it (Ctrl-C tests then see no KeyboardInterrupt)."""
     before = signal.getsignal(signal.SIGINT)
+    was_blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
     after = signal.getsignal(signal.SIGINT)
     blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    if after is not before or blocked:
-        signal.signal(signal.SIGINT, before)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        pytest.fail(f"the test left SIGINT changed: handler {before!r} -> {after!r}, blocked {blocked}")
+    if after != before or blocked != was_blocked:
+        if before is not None:  # None: a handler not installed from Python, nothing to put back
+            signal.signal(signal.SIGINT, before)
+        signal.pthread_sigmask(signal.SIG_BLOCK if was_blocked else signal.SIG_UNBLOCK, {signal.SIGINT})
+        pytest.fail(f"the test left SIGINT changed: handler {before!r} -> {after!r}, blocked {was_blocked} -> "
+                    f"{blocked}")
 
 
 @pytest.fixture(name="run_ranks")

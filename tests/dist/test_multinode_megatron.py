@@ -240,9 +240,9 @@ def _lose_node1_and_relaunch(tmp_path: Path, until: int, extra: tuple[str, ...],
     L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
     shutil.rmtree(tmp_path / "ram1")
     shutil.rmtree(tmp_path / "np1")
-    if damage is not None:
-        damage(tmp_path)
     try:
+        if damage is not None:
+            damage(tmp_path)
         reports, procs = _run_phase(tmp_path, "relaunch", until + 1, hold=True)
     except BaseException:
         for pid in kept:

@@ -34,7 +34,11 @@ CFG = {"io": {"threads": 1, "read_threads": 2, "chunk_bytes": "8MiB"}, "timeout_
 # committed step ("committed <dir>") and, on the way out, when it caught what and when its exit got
 # past the thread joins (atexit runs after them), on CLOCK_MONOTONIC (the same clock as the parent's).
 CHILD = r'''
-import atexit, sys, time
+import atexit, signal, sys, time
+# First, before any thread starts: SIGINT delivered, as Python's KeyboardInterrupt, whatever this process inherited
+# (a child inherits an ignored or blocked SIGINT, and Python then installs no handler of its own).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 import torch
 import cpuckpt
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -88,13 +92,6 @@ def _expected(name: str) -> dict:
     return {"w": w, "step": k}
 
 
-def _default_sigint() -> None:
-    """In the child before it runs: SIGINT delivered and at its default, whatever the test process inherited (a
-    child inherits an ignored or blocked SIGINT; Python then installs no KeyboardInterrupt handler)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
 def _interrupt(tmp_path: Path, mode: str) -> tuple[float, list[str], int, float]:
     """Run the child until it works, SIGINT it; (signal time, its output lines, exit code, exit time)."""
     script = tmp_path / "child.py"
@@ -102,7 +99,7 @@ def _interrupt(tmp_path: Path, mode: str) -> tuple[float, list[str], int, float]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CPUCKPT_")}
     proc = subprocess.Popen([sys.executable, str(script), mode, str(tmp_path / "root"), repr(CFG), str(BIG),
                              str(SMALL)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=tmp_path, env=env, preexec_fn=_default_sigint)
+                            cwd=tmp_path, env=env)
     lines: list[str] = []
     try:
         assert proc.stdout is not None

@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -232,6 +233,51 @@ def test_calls_without_a_worker_are_finalized_in_order_by_their_probe_and_never_
     process.exitcode = -9  # and then its worker dies: own calls need none
     assert queue.maybe_finalize_async_calls() == [3] and not queue.async_calls
     assert finalized[-2:] == [("m3", False), "m3 metadata.json"] and caller.closed == []
+
+
+def test_an_urgent_call_behind_one_of_megatrons_that_ends_is_waited_for_in_the_same_look():
+    """Urgency is decided after the look's non-blocking finalize: Megatron's call at the head ends in this look, so the
+    urgent call behind it (memory.max_uncommitted: 1) is waited for (0.3 s) and finalized in the same look."""
+    from cpuckpt.integrations.megatron.guard import URGENT_MARK
+
+    finalized: list = []
+    queue, caller = _instance_shape(FakeProcess(), finalized)
+    queue.async_calls.clear()
+    ended = [False]
+    urgent = _own_request(finalized, "m1", ended)
+    setattr(urgent.finalize_fns[0].cpuckpt_done, URGENT_MARK, True)
+    queue.async_calls.extend([Call(0, caller, _request(finalized)), Call(1, caller, urgent)])
+
+    def megatron_finalize(blocking: bool = False, no_dist: bool = False) -> list[int]:  # its worker has reported
+        call = queue.async_calls.popleft()
+        for fn in call.async_request.finalize_fns:
+            fn()
+        return [call[0]]
+
+    queue.maybe_finalize_async_calls = megatron_finalize
+    watch_async_queue(queue, timeout_s=60)
+    timer = threading.Timer(0.3, lambda: ended.__setitem__(0, True))
+    timer.start()
+    try:
+        assert queue.maybe_finalize_async_calls() == [0, 1]
+    finally:
+        timer.cancel()
+    assert finalized == [("cpuckpt", False), "metadata.json", ("m1", False), "m1 metadata.json"]
+    assert not queue.async_calls
+
+
+@pytest.mark.parametrize("shape", ["instance", "class"])
+def test_a_dead_worker_fails_no_blocking_wait_for_calls_without_one(shape, class_shape):
+    """Only calls the trainer completes are pending and the persistent worker is dead: a blocking finalize (as the
+    ring's wait before a slot is refilled, or close) finalizes them; the dead worker is no one's to raise."""
+    finalized: list = []
+    process = FakeProcess(exitcode=-9)
+    queue, caller = _instance_shape(process, finalized) if shape == "instance" else class_shape(process, finalized)
+    queue.async_calls.clear()
+    queue.async_calls.append(Call(0, caller, _own_request(finalized, "m0", [True])))
+    watch_async_queue(queue, timeout_s=60)
+    assert queue.maybe_finalize_async_calls(blocking=True) == [0]
+    assert finalized == [("m0", False), "m0 metadata.json"] and caller.closed == []
 
 
 def test_warm_worker_on_the_class_counts_before_the_caller_scheduled(class_shape):
