@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,23 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def _config(root: Path) -> dict:
     return {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"},
             "memory": {"root": str(root / "ram"), "slots": 2, "headroom_bytes": 0}, "timeout_s": 60}
+
+
+def _watched(root: Path, timeout_s: float = 60.0, **memory: Any) -> tuple[Any, Any, Any]:
+    """The hook's arrangement in a rank: megatron-core's persistent queue watched by cpuckpt, a ``MegatronMemory`` of
+    it (``memory`` overrides ``_config``'s ``memory:`` keys) and the strategy; returns (queue, router, strategy)."""
+    from cpuckpt.integrations.megatron.guard import watch_async_queue
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from cpuckpt.config import Config
+
+    cfg = {**_config(root), "memory": {**_config(root)["memory"], **memory}, "timeout_s": timeout_s}
+    queue = watch_async_queue(AsyncCallsQueue(persistent=True), timeout_s)
+    router = MegatronMemory(root / "save", root / "save" / "non_persistent", Config.from_dict(cfg),
+                            queue_of=lambda: queue)
+    return queue, router, CpuckptSaveStrategy(cfg, memory=router)
 
 
 def _read_tracker(d: Path) -> int | None:
@@ -223,13 +241,8 @@ def rank_pending_saves_overlap(root: str) -> dict:
 
     import torch.distributed as dist
     from cpuckpt.integrations.megatron import hook
-    from cpuckpt.integrations.megatron.guard import watch_async_queue
-    from cpuckpt.integrations.megatron.memory import MegatronMemory
-    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from cpuckpt.config import Config
     from cpuckpt.testing import faults
 
     # Each save's worker reports 1 s late (the persistent worker takes them one by one): the saves are still
@@ -237,11 +250,7 @@ def rank_pending_saves_overlap(root: str) -> dict:
     faults.install("megatron-worker:rank0=sleep:1.0;megatron-worker:rank1=sleep:1.0")
     _, _, device = _setup()
     root_p = Path(root)
-    cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "slots": 3}}
-    queue = watch_async_queue(AsyncCallsQueue(persistent=True), 60.0)
-    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg),
-                            queue_of=lambda: queue)
-    strategy = CpuckptSaveStrategy(cfg, memory=router)
+    queue, router, strategy = _watched(root_p, slots=3)
     module = types.SimpleNamespace(cleanup_old_non_persistent_checkpoint=lambda save_dir, leave_ckpt_num=1,
                                    do_async=False: router.cleanup(save_dir) if dist.get_rank() == 0 else None)
     hook._finalize_before_cleanup(module, queue_of=lambda: queue, memory_of=lambda: router)
@@ -289,23 +298,14 @@ def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int) -> dict:
     (all but iteration 3, a persistent one, unless ``fail_at``) go to no worker; each iteration starts with
     Megatron-LM's non-blocking finalize. ``fail_at``: that save's commit raises (a fault point), on the coordinator."""
     import torch.distributed as dist
-    from cpuckpt.integrations.megatron.guard import watch_async_queue
-    from cpuckpt.integrations.megatron.memory import MegatronMemory
-    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from cpuckpt.config import Config
     from cpuckpt.errors import CpuckptError
     from cpuckpt.testing import faults
 
     _, _, device = _setup()
     root_p = Path(root)
-    cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "slots": 3}}
-    queue = watch_async_queue(AsyncCallsQueue(persistent=True), 60.0)
-    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg),
-                            queue_of=lambda: queue)
-    strategy = CpuckptSaveStrategy(cfg, memory=router)
+    queue, router, strategy = _watched(root_p, slots=3)
 
     def worker_spawned() -> bool:
         caller = getattr(queue, "persistent_caller", None)
@@ -380,23 +380,13 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int) -> di
     at the top of each iteration, the log, then the save. What D's tracker names at each log is what a whole-job
     kill right after that log leaves for the restart (Megatron-LM loads the newer of the two trackers)."""
     import torch.distributed as dist
-    from cpuckpt.integrations.megatron.guard import watch_async_queue
-    from cpuckpt.integrations.megatron.memory import MegatronMemory
-    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from cpuckpt.config import Config
     from cpuckpt.testing import faults
 
     _, _, device = _setup()
     root_p = Path(root)
-    memory = {**_config(root_p)["memory"], "slots": slots, "max_uncommitted": max_uncommitted}
-    cfg = {**_config(root_p), "memory": memory}
-    queue = watch_async_queue(AsyncCallsQueue(persistent=True), 60.0)
-    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg),
-                            queue_of=lambda: queue)
-    strategy = CpuckptSaveStrategy(cfg, memory=router)
+    queue, router, strategy = _watched(root_p, slots=slots, max_uncommitted=max_uncommitted)
     faults.install("before-rename:.metadata=sleep:0.3")
     at_log = {}
     for it in range(1, 7):
@@ -434,20 +424,11 @@ def rank_logits_requests_carry_the_finalize(root: str) -> dict:
     """Memory saves every iteration whose finalize functions Megatron-LM's logits saver moved onto its own request (a
     worker's call, scheduled right after): the memory call is left with no ``async_fn`` and nothing to finalize."""
     import torch.distributed as dist
-    from cpuckpt.integrations.megatron.guard import watch_async_queue
-    from cpuckpt.integrations.megatron.memory import MegatronMemory
-    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from cpuckpt.config import Config
 
     _, _, device = _setup()
     root_p = Path(root)
-    cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "slots": 3}, "timeout_s": 30}
-    queue = watch_async_queue(AsyncCallsQueue(persistent=True), 30.0)
-    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg),
-                            queue_of=lambda: queue)
-    strategy = CpuckptSaveStrategy(cfg, memory=router)
+    queue, router, strategy = _watched(root_p, 30.0, slots=3)
     order: list[int] = []
     for it in range(1, 6):
         queue.maybe_finalize_async_calls(blocking=False)
