@@ -41,6 +41,7 @@ __all__ = [
     "is_complete",
     "load_metadata",
     "manifest_from_json_part",
+    "parse_metadata",
     "read_manifest",
     "same_save",
     "size_mismatch",
@@ -230,10 +231,19 @@ def load_metadata(path: Path) -> Metadata:
         ) from None
     except OSError as e:  # unreadable (permissions, a file where the directory should be, EIO): errno and path kept
         raise as_storage_error(e, "cannot read", md_path) from e
+    return parse_metadata(data, md_path)
+
+
+def parse_metadata(data: bytes, where: object) -> Metadata:
+    """``.metadata``'s bytes as DCP ``Metadata``, through the restricted unpickler (``where`` names it in errors).
+
+    Raises:
+        CheckpointCorrupt: refused by the unpickler, unreadable, or not DCP metadata.
+    """
     try:
         md = unpickle_metadata(data)
     except Exception as e:
-        raise CheckpointCorrupt(f"{md_path}: refused or unreadable metadata: {e}") from e
+        raise CheckpointCorrupt(f"{where}: refused or unreadable metadata: {e}") from e
     if not isinstance(md, Metadata):
-        raise CheckpointCorrupt(f"{md_path}: holds a {type(md).__name__}, not DCP Metadata")
+        raise CheckpointCorrupt(f"{where}: holds a {type(md).__name__}, not DCP Metadata")
     return md

@@ -28,10 +28,15 @@ from collections.abc import Iterable, Mapping
 from torch.distributed.checkpoint.metadata import Metadata
 
 from cpuckpt import faultpoint
-from cpuckpt.backend.committed import METADATA_NAME, Completeness, manifest_from_json_part, same_save
-from cpuckpt.errors import CheckpointCorrupt, IntegrityError, StorageIOError
+from cpuckpt.backend.committed import (
+    METADATA_NAME,
+    Completeness,
+    manifest_from_json_part,
+    parse_metadata,
+    same_save,
+)
+from cpuckpt.errors import IntegrityError, StorageIOError
 from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json, part_name
-from cpuckpt.format.unpickle import unpickle_metadata
 from cpuckpt.paths import S3Url
 from cpuckpt.transfer.objstore import ObjectStore
 from cpuckpt.transfer.s3sink import S3SinkFactory
@@ -149,13 +154,7 @@ def load_metadata(store: ObjectStore, url: S3Url) -> Metadata:
     data = store.get(md_url)
     if data is None:
         raise IntegrityError(f"{url}: no {METADATA_NAME}: not a checkpoint, or a save that did not complete")
-    try:
-        md = unpickle_metadata(data)
-    except Exception as e:
-        raise CheckpointCorrupt(f"{md_url}: refused or unreadable metadata: {e}") from e
-    if not isinstance(md, Metadata):
-        raise CheckpointCorrupt(f"{md_url}: holds a {type(md).__name__}, not DCP Metadata")
-    return md
+    return parse_metadata(data, md_url)
 
 
 def read_manifest(store: ObjectStore, url: S3Url) -> Manifest | None:
