@@ -187,11 +187,12 @@ def _check_root(root: Path, world: int, *, big: bool = False) -> dict[str, int]:
     """The invariants after a kill; returns {"torn": n, "committed": n} for the figures.
 
     The previous checkpoint is step_0001 unless later saves committed (wall-clock runs, where
-    retention may then delete step_0001): then it is the newest complete one below the torn save.
+    retention may then delete step_0001, and a kill inside that deletion leaves its directory without
+    ``.metadata``, never listed as complete): then it is the newest complete one below the torn save.
     """
     infos = cpuckpt.list_checkpoints(root)
     complete_names = sorted(i.path.name for i in infos if i.complete)
-    prev = root / "step_0001" if (root / "step_0001").is_dir() else root / complete_names[-2]
+    prev = root / ("step_0001" if "step_0001" in complete_names else complete_names[-2])
     torn = [i.path for i in infos if not i.complete]
     latest = cpuckpt.find_latest(root)
     assert latest is not None and latest not in torn, f"find_latest returned {latest}; torn: {torn}"
