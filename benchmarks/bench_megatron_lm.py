@@ -980,6 +980,15 @@ def lost_work(killed: dict[str, Any], relaunch: dict[str, Any], kill: dict[str, 
             "values_equal": None if not both else not differ}  # None: resumed exactly at the last logged one
 
 
+def same_values(reference: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """Whether ``run`` logged the same values (loss, grad norm) as ``reference`` at every iteration both logged."""
+    ref = {i["it"]: i["values"] for i in reference.get("iters") or []}
+    got = {i["it"]: i["values"] for i in run.get("iters") or []}
+    both = sorted(ref.keys() & got.keys())
+    differ = [it for it in both if ref[it] != got[it]]
+    return {"compared": len(both), "values_differ_at": differ[:10], "values_equal": None if not both else not differ}
+
+
 def memory_tier_config(base: str, dest: Path, ram: Path, slots: int, max_uncommitted: int = 0) -> Path:
     """``base`` YAML with ``megatron: {memory_tier: true}`` and a ``memory:`` section, written to ``dest``."""
     import yaml
@@ -1042,7 +1051,10 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
     train = ["--train-iters", str(a.memory_iters), *extra]
     out: dict[str, Any] = {}
     fmt = a.memory_format
-    off = b.run("memory-off", b.argv(fmt, "memory", [*train, "--save", str(root / "off")]))
+    # the reference run: the same saves without the tier, or (--memory-off-plain) no checkpoints at all
+    off_train = ["--train-iters", str(a.memory_iters), "--eval-interval", str(10 * a.memory_iters)] \
+        if a.memory_off_plain else train
+    off = b.run("memory-off", b.argv(fmt, "memory", [*off_train, "--save", str(root / "off")]))
     b.clean(root / "off")
     killer = JobKiller(a.memory_kill_after_log or a.memory_kill_at, logged=bool(a.memory_kill_after_log))
     on = b.run("memory-on", b.argv(fmt, "memory", [*train, "--save", str(root / "on")], config=str(cfg_on)),
@@ -1063,6 +1075,7 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
     out["after_relaunch"] = {"ram_root_left": sorted(str(p) for p in ram.rglob("*"))[:10] if ram.exists() else [],
                              "save_tracker": _tracker(root / "on")}
     out["lost"] = lost_work(on, relaunch, killer.info)
+    out["lost"]["against_uninterrupted"] = same_values(off, relaunch)
     b.clean(root)
     shutil.rmtree(ram, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1382,6 +1395,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--memory-max-uncommitted", type=int, default=0,
                    help="memory.max_uncommitted of the tier's run (1: at most one iteration lost)")
     g.add_argument("--memory-slots", type=int, default=3)
+    g.add_argument("--memory-off-plain", action="store_true",
+                   help="the reference run saves nothing (its values are the uninterrupted run's)")
     g.add_argument("--memory-format", default="cpuckpt", choices=["cpuckpt", *VARIANTS],
                    help="cpuckpt or a variant (e.g. cpuckpt-zero: ordering optimizer) for all three runs")
     g.add_argument("--memory-ram", default="/dev/shm/cpuckpt-bench-mlm-ram", help="the memory tier's RAM root")
