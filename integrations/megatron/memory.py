@@ -48,6 +48,7 @@ persistent tracker of ``--save`` then wins, and a changed topology reshards from
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import logging
@@ -390,7 +391,7 @@ class MegatronMemory:
             _remove(entry)
         if route.kind == "memory":
             for entry in list(incoming.iterdir()):
-                os.replace(entry, slot / entry.name)
+                _move(entry, slot / entry.name)
             incoming.rmdir()
             os.symlink(slot, route.path, target_is_directory=True)
 
@@ -481,6 +482,21 @@ def restart_before_load(module: Any, memory_of: Callable[[], MegatronMemory]) ->
         if getattr(m, "load_checkpoint", None) is original:
             m.load_checkpoint = load_checkpoint
     return True
+
+
+def _move(src: Path, dest: Path) -> None:
+    """``os.replace``, or, when ``dest`` is on another filesystem (the RAM root in /dev/shm, --save on disk), a copy
+    that appears whole under its name (written to a temporary name, then renamed), then ``src`` removed."""
+    try:
+        os.replace(src, dest)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        if src.is_dir():
+            shutil.move(src, dest)
+        else:
+            write_atomic(dest, src.read_bytes(), fsync=False)
+            src.unlink()
 
 
 def _megatron_files(directory: Path) -> list[Path]:

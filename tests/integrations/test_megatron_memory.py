@@ -11,6 +11,7 @@ PyPI; the hook that installs this into ``pretrain_gpt.py`` runs on the GPU machi
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -231,6 +232,51 @@ def test_memory_and_persistent_saves_then_sigkill_resume_from_memory(run_ranks, 
     assert res[0]["after_close"] == {"ram_exists": False, "np_tracker": None, "links": []}, res[0]["after_close"]
     assert [p.name for p in stale if p.exists()] == []
     _wait_no_process_in(tmp_path)
+
+
+def rank_ram_root_on_another_filesystem(root: str, ram: str) -> dict:
+    """Memory saves with the save directory on one filesystem and the RAM root on another (the usual case: --save on
+    disk, the RAM root in /dev/shm); megatron-core up to 0.16 writes common.pt into the directory it is given."""
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from cpuckpt.config import Config
+
+    _, _, device = _setup()
+    root_p = Path(root)
+    cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "root": ram}}
+    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg))
+    strategy = CpuckptSaveStrategy(cfg, memory=router)
+    queue = AsyncCallsQueue(persistent=True)
+    try:
+        for it in (1, 2, 3):  # two slots: the third save refills the first
+            _megatron_save(strategy, queue, router, router.np_dir, it, device)
+            queue.maybe_finalize_async_calls(blocking=True)
+        newest = router.np_dir / "iter_0000003"
+        _check(dist_checkpointing.load(_template(device), str(newest)), 3, device)
+        return {"np_tracker": _read_tracker(router.np_dir), "target": os.path.realpath(newest),
+                "files": sorted(p.name for p in newest.iterdir() if not p.name.startswith("__")),
+                "incoming": sorted(p.name for p in router.np_dir.iterdir() if p.name.startswith("."))}
+    finally:
+        queue.close()
+        router.close()
+        dist.barrier()
+
+
+def test_a_ram_root_on_another_filesystem_than_the_save_dir(run_ranks, tmp_path):
+    ram = Path("/dev/shm") / f"cpuckpt-test-xdev-{os.getpid()}"
+    if os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("/dev/shm and the test's directory are one filesystem here")
+    try:
+        res = run_ranks(2, rank_ram_root_on_another_filesystem, str(tmp_path), str(ram), timeout_s=180, env=ENV)
+        assert res[0]["np_tracker"] == 3 and res[0]["target"].startswith(str(ram)), res[0]
+        assert res[0]["incoming"] == [], res[0]  # no .incoming-* directory left behind
+        assert not ram.exists()  # end of training removed the RAM root
+    finally:
+        shutil.rmtree(ram, ignore_errors=True)
 
 
 def rank_pending_saves_overlap(root: str) -> dict:
