@@ -47,7 +47,7 @@ from cpuckpt.backend.collectives import (
     resolve_stateful,
     run_dcp,
 )
-from cpuckpt.backend.itemcache import CachedItems
+from cpuckpt.backend.itemcache import CachedItems, FlatState
 from cpuckpt.backend.telemetry import record_save
 from cpuckpt.backend.writer import StorageWriter
 from cpuckpt.config import Config, resolve_config
@@ -598,7 +598,7 @@ def _async_save(ckpt: Checkpointer, state_dict: dict[str, Any], path: str, cfg: 
     handle.commit_hook = commit_hook
     try:
         with gc_paused():
-            state = resolve_stateful(state_dict)
+            state = state_dict if isinstance(state_dict, FlatState) else resolve_stateful(state_dict)
             _plan(ckpt, writer, handle, state, planner, plan_key)
     except BaseException as e:
         writer.cancel(e)  # no thread stages or writes on for a save that failed or was interrupted
@@ -618,16 +618,20 @@ def _async_save(ckpt: Checkpointer, state_dict: dict[str, Any], path: str, cfg: 
     return handle
 
 
-def _plan(ckpt: Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, state: dict[str, Any],
+def _plan(ckpt: Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, state: dict[str, Any] | FlatState,
           planner: Any, plan_key: Hashable | None) -> None:
     """Caller's thread: start the save from the cached items, the cached plan, or DCP's planning.
 
     Every rank must agree before DCP planning is skipped (one all-reduce). The cheapest cache that
     still fits is used: the resolved items (one check per leaf), else the plan (set-up and
-    ``resolve_data`` per item); a save through either of the slower paths refreshes the caches.
+    ``resolve_data`` per item); a save through either of the slower paths refreshes the caches. A
+    :class:`FlatState` is built into its state dict only when the resolved items do not fit.
     """
     who = _planner_identity(planner, plan_key)
     hit = ckpt._items.match(state, who) if who is not None and ckpt._items is not None else None
+    flat = state if isinstance(state, FlatState) else None
+    if flat is not None and hit is None:
+        state = flat.build()
     signature = None
     if hit is not None:
         cached: CachedPlan | None = ckpt._items.cached  # type: ignore[union-attr]
@@ -644,6 +648,8 @@ def _plan(ckpt: Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, st
             return
         writer.write_cached(state, cached, own)  # type: ignore[arg-type]
     else:
+        if state is flat:  # the items fit here but not on every rank: DCP plans from the state dict
+            state = flat.build()
         plan_group = ckpt._require_groups().plan_group
         run_dcp(lambda: dcp_save(state, writer, planner=own, process_group=plan_group), "async save",
                 writer.path, rank=dist.get_rank(plan_group) if ckpt._dist else 0)
@@ -656,7 +662,7 @@ def _plan(ckpt: Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, st
         ckpt._plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)
     ckpt._items = None
     if writer.last_written is not None and ckpt._plan_cache is not None and ckpt._unfit != ckpt._plan_cache.signature:
-        ckpt._items = CachedItems.build(who, ckpt._plan_cache, state, own, writer.last_written)
+        ckpt._items = CachedItems.build(who, ckpt._plan_cache, flat or state, own, writer.last_written)
         if ckpt._items is None:
             ckpt._unfit = ckpt._plan_cache.signature  # the same structure will not fit either: do not try again
 

@@ -24,15 +24,19 @@ them after one walk of the state dict and one comparison per leaf:
 Non-tensor leaves are pickled afresh every save (``torch.save``, as DCP's planner does); when their
 lengths change the layout is planned again. Only plain tensors and DCP's ``DefaultSavePlanner``
 (methods not overridden) qualify; anything else (DTensors, sharded tensors, a planner with its own
-``resolve_data``) keeps the plan-reuse path. The cache holds views of the last save's tensors, as
-that save's handle does, until a save of another structure replaces it. Pure: no I/O, no collectives.
+``resolve_data``) keeps the plan-reuse path. A caller that translates its own sharded state into DCP's
+objects every save (Megatron's ``ShardedTensor``s) offers a :class:`FlatState` instead: its leaves already
+flattened, named by their write items' DCP index, with a key of the rest of its structure, so that a
+repeated save needs neither the translation nor DCP (the state dict is built only on a miss). The cache
+holds views of the last save's tensors, as that save's handle does, until a save of another structure
+replaces it. Pure: no I/O, no collectives.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +50,29 @@ from cpuckpt.format.plancache import CachedPlan
 from cpuckpt.transfer.fillplan import bind_programs, build_programs
 from cpuckpt.transfer.staging import flat_bytes
 
-__all__ = ["CachedItems", "ItemsHit", "SaveLayout", "WrittenItems", "walk_state"]
+__all__ = ["CachedItems", "FlatState", "ItemsHit", "SaveLayout", "WrittenItems", "walk_state"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _LEAF_TYPES = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, bytes, type(None), tuple})
 _KEY_TYPES = frozenset({str, int, bool})  # equal keys of equal types have equal DCP names (str(key))
 _PLANNER_METHODS = ("set_up_planner", "resolve_data", "lookup_object", "transform_object")
+
+
+@dataclass(frozen=True)
+class FlatState:
+    """A state dict its caller has flattened, offered for a save that may repeat the previous one.
+
+    ``leaves[i]`` is the value the planner resolves for the write item with DCP index ``names[i]`` (fully
+    qualified name, chunk offsets; offsets None for a value written as bytes), before the planner's
+    ``transform_object``: one leaf per write item. ``key`` is everything else of the structure that the
+    leaves do not show (global shapes, offsets, the planner's view of it): the caller vouches that equal keys
+    mean equal plans. ``build()`` returns the state dict itself, for DCP to plan when the cache does not fit.
+    """
+
+    key: Hashable
+    names: Sequence[tuple[str, tuple[int, ...] | None]]
+    leaves: Sequence[Any]
+    build: Callable[[], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -140,6 +161,11 @@ def _pickled(obj: Any) -> memoryview:
     return buf.getbuffer()
 
 
+def _payload(obj: Any) -> memoryview:
+    """The bytes of a planner's ``transform_object`` result (a ``BytesIO``, or bytes)."""
+    return obj.getbuffer() if isinstance(obj, io.BytesIO) else memoryview(obj)
+
+
 def default_planner_like(planner: Any) -> bool:
     """The planner resolves items exactly as DCP's ``DefaultSavePlanner`` does."""
     cls = type(planner)
@@ -152,7 +178,8 @@ class CachedItems:
 
     def __init__(self, who: Hashable, cached: CachedPlan, skeleton: list[Any], written: WrittenItems,
                  static: list[tuple[int, int]], dynamic: list[tuple[int, int]], byte_items: list[tuple[int, int]],
-                 other_tensors: list[int], complex_items: list[int]) -> None:
+                 other_tensors: list[int], complex_items: list[int],
+                 transform: Callable[[Any, Any], Any] | None = None) -> None:
         self.who = who
         self.cached = cached
         self.skeleton = skeleton
@@ -162,6 +189,7 @@ class CachedItems:
         self._byte_items = byte_items  # (item, position): pickled every save
         self._light_pos = [p for _, p in dynamic] + other_tensors
         self._complex_pos = complex_items
+        self._transform = transform  # a flat state's planner.transform_object (None: DCP's default, _pickled)
         self._sources: list[torch.Tensor | None] = [None] * len(written.plan.items)
         for item, _ in static:
             self._sources[item] = written.sources[item]
@@ -187,6 +215,8 @@ class CachedItems:
             planner: the planner DCP (or the plan-reuse path) set up on ``state``.
             written: what the writer resolved and planned for it.
         """
+        if isinstance(state, FlatState):
+            return cls._build_flat(who, cached, state, planner, written)
         if not default_planner_like(planner):
             return None
         leaves: list[Any] = []
@@ -235,6 +265,50 @@ class CachedItems:
         items.adopt(written.layout, written.sources)
         return items
 
+    @classmethod
+    def _build_flat(cls, who: Hashable, cached: CachedPlan, flat: FlatState, planner: Any,
+                    written: WrittenItems) -> CachedItems | None:
+        """As :meth:`build` for a :class:`FlatState`: each write item found by its DCP index among ``flat.names``;
+        a tensor item's source must be exactly its leaf's bytes (same storage, address and size) to be kept."""
+        leaves = list(flat.leaves)
+        where = {name: i for i, name in enumerate(flat.names)}
+        if len(where) != len(leaves) or len(flat.names) != len(leaves):
+            return None
+        static: list[tuple[int, int]] = []
+        dynamic: list[tuple[int, int]] = []
+        byte_items: list[tuple[int, int]] = []
+        written_pos: set[int] = set()
+        for i, wi in enumerate(written.plan.items):
+            offsets = None if wi.index.offset is None else tuple(wi.index.offset)
+            pos = where.get((wi.index.fqn, offsets))
+            if pos is None or pos in written_pos:
+                return None
+            written_pos.add(pos)
+            leaf = leaves[pos]
+            if wi.type == WriteItemType.BYTE_IO:
+                if isinstance(leaf, torch.Tensor):
+                    return None
+                byte_items.append((i, pos))
+                continue
+            src = written.sources[i]
+            if type(leaf) not in _PLAIN or src is None or leaf.is_complex():
+                return None
+            aliased = (leaf.is_contiguous() and src.numel() == leaf.nbytes
+                       and (src.numel() == 0 or (src.untyped_storage()._cdata == leaf.untyped_storage()._cdata
+                                                 and src.data_ptr() == leaf.data_ptr())))
+            (static if aliased else dynamic).append((i, pos))
+        other_tensors = []
+        for pos, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and pos not in written_pos:
+                if type(leaf) not in _PLAIN:
+                    return None
+                other_tensors.append(pos)
+        items = cls(who, cached, [("flat", flat.key, len(leaves))], written, static, dynamic, byte_items,
+                    other_tensors, [], transform=planner.transform_object)
+        items._static_keys, items._light_keys, items._complex_keys = items._keys(leaves)
+        items.adopt(written.layout, written.sources)
+        return items
+
     def _keys(self, leaves: list[Any]) -> tuple[list[tuple], list[tuple], list[tuple]]:
         """What is checked of the tensors: written from a cached view; otherwise; complex ones' lazy bits.
 
@@ -254,19 +328,28 @@ class CachedItems:
             return None
         leaves: list[Any] = []
         skeleton: list[Any] = []
-        walk_state(state, leaves, skeleton)
-        if skeleton != self.skeleton:
-            return None
+        if isinstance(state, FlatState):
+            if self._transform is None or [("flat", state.key, len(state.leaves))] != self.skeleton:
+                return None
+            leaves = list(state.leaves)
+        else:
+            walk_state(state, leaves, skeleton)
+            if skeleton != self.skeleton:
+                return None
         try:
             if self._keys(leaves) != (self._static_keys, self._light_keys, self._complex_keys):
                 return None
-        except RuntimeError:  # e.g. a tensor without storage: let DCP deal with it
+        except (RuntimeError, AttributeError):  # a tensor without storage, a flat leaf not a tensor: DCP's path
             return None
         sources = list(self._sources)
         try:
             for item, pos in self._dynamic:
                 sources[item] = flat_bytes(leaves[pos])
-            payloads = {item: _pickled(leaves[pos]) for item, pos in self._byte_items}
+            if self._transform is None:
+                payloads = {item: _pickled(leaves[pos]) for item, pos in self._byte_items}
+            else:
+                items = self.plan.items
+                payloads = {item: _payload(self._transform(items[item], leaves[pos])) for item, pos in self._byte_items}
         except Exception:  # e.g. a value that no longer pickles: the planner's path reports it (raising here,
             return None  # before the ranks agree, would leave the other ranks waiting in the collective)
         self.hits += 1

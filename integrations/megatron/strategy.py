@@ -36,10 +36,12 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 import cpuckpt
 from cpuckpt import faultpoint
 from cpuckpt.backend.collectives import checkpoint_group, gather_failures, raise_if_failed
+from cpuckpt.backend.itemcache import FlatState
 from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError
 
 from . import compat, deferred, prepare
+from .flatstate import flat_state, to_pyt
 from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, URGENT_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
@@ -174,9 +176,15 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         self.last_save_stats: Any = None  # cpuckpt.background.SaveStats of the last async_save
 
     def _to_pyt(self, sharded_state_dict: dict[str, Any], keep_replicas: bool = False) -> dict[str, Any]:
-        keep_main = self.keep_only_main_replica and not keep_replicas
-        sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_main)
-        return mcore_to_pyt_state_dict(sharded, False)
+        return to_pyt(sharded_state_dict, self.keep_only_main_replica and not keep_replicas)
+
+    def _state(self, sharded_state_dict: dict[str, Any], plan_key: tuple | None,
+               keep_replicas: bool = False) -> FlatState | dict[str, Any]:
+        """What an async save hands cpuckpt: with plan reuse, the values flat (:mod:`.flatstate`: a save that
+        repeats the last one skips the translation and DCP); without, the translated state dict."""
+        if plan_key is None:
+            return self._to_pyt(sharded_state_dict, keep_replicas)
+        return flat_state(sharded_state_dict, self.keep_only_main_replica and not keep_replicas)
 
     def _planner(self, keep_replicas: bool = False) -> MCoreSavePlanner:
         if keep_replicas:  # DCP's central global plan deduplicates the replicas (and the tier adds node copies)
@@ -228,15 +236,16 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         def start() -> Any:
             # across nodes every replica takes part, so that each node's slot gets its own copy (tier.nodecopies)
             keep = route is not None and self.memory.keeps_replicas
-            state = self._to_pyt(sharded_state_dict, keep_replicas=keep)
+            own_planner = self._planner(keep_replicas=True) if keep else planner
+            plan_key = self._plan_key(own_planner)
+            state = self._state(sharded_state_dict, plan_key, keep_replicas=keep)
             if route is None:
                 prepare.wait_prepared(self.config.timeout_s)  # never take a pool the preparation replaces
                 save = self.checkpointer.async_save if self.checkpointer is not None else cpuckpt.async_save
-                h = save(state, checkpoint_dir, self.config, planner=planner, plan_key=self._plan_key(planner),
+                h = save(state, checkpoint_dir, self.config, planner=own_planner, plan_key=plan_key,
                          ordering="stream" if overlap else "host")
             else:
-                mem_planner = self._planner(keep_replicas=True) if keep else planner
-                h, request = self.memory.save(state, route, planner=mem_planner, plan_key=self._plan_key(mem_planner),
+                h, request = self.memory.save(state, route, planner=own_planner, plan_key=plan_key,
                                               ordering="stream" if overlap else "host")
                 requests.append(request)
             self.last_save_stats = h.stats

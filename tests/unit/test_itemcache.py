@@ -19,7 +19,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import cpuckpt
-from cpuckpt.backend.itemcache import walk_state
+from cpuckpt.backend.itemcache import FlatState, walk_state
 from cpuckpt.background import async_save
 from cpuckpt.tier.images import ImageSet
 
@@ -300,3 +300,86 @@ def test_a_value_that_stops_pickling_fails_the_save_and_the_next_save_recovers(t
     h = _save({"t": dict(t), "v": (3,)}, tmp_path / "d")
     assert h.stats.resolved in ("planner", "cached")
     _assert_loads(tmp_path / "d", _snapshot({"t": dict(t), "v": (3,)}))
+
+
+# ------------------------------------------------------------------ FlatState: a state dict its caller flattened
+def _flat(state: dict[str, Any], key: Any = "v1", built: list | None = None,
+          rename: dict[str, str] | None = None) -> FlatState:
+    """``state`` as a FlatState for DCP's default planner (flattened names; a tensor's chunk offsets are zeros)."""
+    flat, _ = flatten_state_dict(state)
+    names = [((rename or {}).get(fqn, fqn), (0,) * v.dim() if isinstance(v, torch.Tensor) else None)
+             for fqn, v in flat.items()]
+
+    def build() -> dict[str, Any]:
+        if built is not None:
+            built.append(1)
+        return state
+
+    return FlatState(key=key, names=names, leaves=list(flat.values()), build=build)
+
+
+def test_a_flat_state_that_repeats_the_last_save_is_never_built(target):
+    model = _Model()
+    built: list[int] = []
+    resolved = []
+    for k in range(4):
+        model.step()
+        state = _state(model, k)
+        want = _snapshot(state)
+        path, images = target(k)
+        h = _save(_flat(state, built=built), path, images)  # type: ignore[arg-type]
+        resolved.append(h.stats.resolved)
+        _assert_loads(path, want)
+    assert resolved == ["planner", "cached", "cached", "cached"] and len(built) == 1
+
+
+@pytest.mark.parametrize("change", ["key", "replaced", "shape", "name_unknown", "leaf_count"])
+def test_a_flat_state_that_changed_is_built_and_planned(target, change):
+    model = _Model()
+    states = []
+    for k in range(2):
+        model.step()
+        state = _state(model, k)
+        flat = _flat(state)
+        if k == 1:
+            if change == "key":  # the caller's structure changed where the leaves do not show it
+                flat = _flat(state, key="v2")
+            elif change == "replaced":  # another tensor of the same shape: the cached view would read stale bytes
+                state["model"]["layer3.w"] = state["model"]["layer3.w"].clone() + 100
+                flat = _flat(state)
+            elif change == "shape":
+                state["model"]["layer3.w"] = torch.ones(2, 2)
+                flat = _flat(state)
+            elif change == "leaf_count":
+                state["model"]["new"] = torch.ones(3)
+                flat = _flat(state)
+        if k == 0 and change == "name_unknown":  # a leaf named unlike its write item: no cache is built from it
+            flat = _flat(state, rename={"model.big": "model.other"})
+        want = _snapshot(state)
+        path, images = target(k)
+        h = _save(flat, path, images)  # type: ignore[arg-type]
+        states.append(h.stats.resolved)
+        _assert_loads(path, want)
+    assert states == ["planner", "planner"], states
+
+
+def test_a_flat_state_with_a_planner_that_passes_bytes_through(tmp_path):
+    """Megatron's planner writes its objects as the BytesIO they already are (``transform_object`` returns them)."""
+    import io
+
+    class PassBytes(DefaultSavePlanner):
+        def transform_object(self, write_item, object):
+            return object
+
+    t = torch.arange(6.0)
+    for k in range(3):
+        buf = io.BytesIO()
+        torch.save({"step": k}, buf)
+        state = {"t": t, "obj": buf}
+        flat = FlatState(key="x", names=[("t", (0,)), ("obj", None)], leaves=[t, buf], build=lambda s=state: s)
+        h = _save(flat, tmp_path / f"s{k}", planner=PassBytes(flatten_state_dict=False), plan_key="pass")  # type: ignore[arg-type]
+        assert h.stats.resolved == ("planner" if k == 0 else "cached")
+        out = {"t": torch.zeros(6), "obj": {}}
+        cpuckpt.load(out, tmp_path / f"s{k}", CFG)
+        assert torch.equal(out["t"], t) and out["obj"] == {"step": k}
+        t.add_(1)

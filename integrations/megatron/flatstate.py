@@ -1,0 +1,69 @@
+"""Megatron's sharded state dict offered to cpuckpt flat, so that a save repeating the last one skips the translation.
+
+Every save, megatron-core's ``mcore_to_pyt_state_dict`` turns each ``ShardedTensor`` into one of PyTorch's
+sharded tensors (a ``ShardedTensor`` with its shard metadata, or a ``CheckpointableShardedTensor``) and each
+group of ``ShardedObject``s into pickled bytes; then DCP resolves every write item of them again. With ~1,200
+tensors that is tens of milliseconds on the trainer's thread per save, for a structure that does not change
+between saves. :func:`flat_state` instead lists the write items' values directly, named by their DCP index
+(key, global offset), with a key of the structure (global shapes, offsets, dtypes, axis layout), as a
+:class:`cpuckpt.backend.itemcache.FlatState`. cpuckpt's item cache checks the leaves against the previous save
+(one comparison per tensor) and reuses its layout; only when that does not fit is the translation built
+(``FlatState.build``), so the files are always those megatron-core's translation plans: a stock torch_dist
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+from megatron.core.dist_checkpointing.strategies.torch import (
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
+
+from cpuckpt.backend.itemcache import FlatState
+
+__all__ = ["flat_state", "to_pyt"]
+
+
+def to_pyt(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool) -> dict[str, Any]:
+    """megatron-core's own translation of a sharded state dict into PyTorch's (what DCP plans)."""
+    sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica)
+    return mcore_to_pyt_state_dict(sharded, False)
+
+
+def flat_state(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool) -> FlatState | dict[str, Any]:
+    """The save's values as a :class:`FlatState`, or the translated state dict where that cannot be (a tensor
+    without data, or megatron-core's older flattened-range tensors: their layout is the translation's own)."""
+    sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica)
+    names: list[tuple[str, tuple[int, ...] | None]] = []
+    leaves: list[Any] = []
+    key: list[tuple] = []
+    objects: dict[str, io.BytesIO] = {}
+    for fqn, group in sharded.items():
+        if isinstance(group[0], ShardedTensor):
+            for sh in group:
+                if sh.data is None or sh.flattened_range is not None or not isinstance(sh, ShardedTensor):
+                    return mcore_to_pyt_state_dict(sharded, False)
+                names.append((fqn, tuple(sh.global_offset)))
+                leaves.append(sh.data)
+                key.append((fqn, sh.global_shape, sh.global_offset, sh.local_shape, sh.dtype, sh.prepend_axis_num,
+                            sh.axis_fragmentations, sh.allow_shape_mismatch))
+        else:
+            if not all(isinstance(sh, ShardedObject) for sh in group):
+                return mcore_to_pyt_state_dict(sharded, False)
+            buf = io.BytesIO()  # as megatron-core's translation packs a key's objects
+            torch.save([sh.data for sh in group], buf)
+            objects[fqn] = buf
+            names.append((fqn, None))
+            leaves.append(buf)
+            key.append((fqn, len(group)))
+
+    def build() -> dict[str, Any]:
+        tensors = {fqn: group for fqn, group in sharded.items() if fqn not in objects}
+        return {**mcore_to_pyt_state_dict(tensors, False), **objects}
+
+    return FlatState(key=("megatron", tuple(key)), names=names, leaves=leaves, build=build)
