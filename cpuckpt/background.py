@@ -631,7 +631,7 @@ def _plan(ckpt: Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, st
     hit = ckpt._items.match(state, who) if who is not None and ckpt._items is not None else None
     flat = state if isinstance(state, FlatState) else None
     if flat is not None and hit is None:
-        state = flat.build()
+        state = resolve_stateful(flat.build())
     signature = None
     if hit is not None:
         cached: CachedPlan | None = ckpt._items.cached  # type: ignore[union-attr]
@@ -649,14 +649,14 @@ def _plan(ckpt: Checkpointer, writer: StorageWriter, handle: AsyncSaveHandle, st
         writer.write_cached(state, cached, own)  # type: ignore[arg-type]
     else:
         if state is flat:  # the items fit here but not on every rank: DCP plans from the state dict
-            state = flat.build()
+            state = resolve_stateful(flat.build())
         plan_group = ckpt._require_groups().plan_group
         run_dcp(lambda: dcp_save(state, writer, planner=own, process_group=plan_group), "async save",
                 writer.path, rank=dist.get_rank(plan_group) if ckpt._dist else 0)
         if signature is None and hit is not None:  # this rank's items fit, another rank's did not
             signature = _plan_signature(state, who)
-        if signature is None or writer.last_plan is None:
-            ckpt._items = None
+        if signature is None or writer.last_plan is None:  # nothing cached fits the global plan just made
+            ckpt._items = ckpt._plan_cache = None
             return
         md = writer.pending_metadata if writer.is_coordinator else None
         ckpt._plan_cache = CachedPlan(signature, writer.last_plan, md, writer.is_coordinator, writer.rank)

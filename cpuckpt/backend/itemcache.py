@@ -34,6 +34,7 @@ replaces it. Pure: no I/O, no collectives.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -303,8 +304,11 @@ class CachedItems:
                 if type(leaf) not in _PLAIN:
                     return None
                 other_tensors.append(pos)
-        items = cls(who, cached, [("flat", flat.key, len(leaves))], written, static, dynamic, byte_items,
-                    other_tensors, [], transform=planner.transform_object)
+        detached = copy.copy(planner)  # its transform_object, without the state dict it was set up on (kept alive
+        if hasattr(detached, "state_dict"):  # otherwise, with any copies the translation made of it)
+            detached.state_dict = None
+        items = cls(who, cached, [("flat", flat.key, len(leaves), tuple(map(type, leaves)))], written, static,
+                    dynamic, byte_items, other_tensors, [], transform=detached.transform_object)
         items._static_keys, items._light_keys, items._complex_keys = items._keys(leaves)
         items.adopt(written.layout, written.sources)
         return items
@@ -316,7 +320,7 @@ class CachedItems:
         """
         get = leaves.__getitem__
         static = [(t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t.requires_grad,
-                   t.is_pinned()) for t in map(get, self._static_pos)]
+                   t.is_pinned(), t.is_neg()) for t in map(get, self._static_pos)]
         light = [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_pinned())
                  for t in map(get, self._light_pos)]
         lazy = [(t.is_conj(), t.is_neg()) for t in map(get, self._complex_pos)]
@@ -329,9 +333,9 @@ class CachedItems:
         leaves: list[Any] = []
         skeleton: list[Any] = []
         if isinstance(state, FlatState):
-            if self._transform is None or [("flat", state.key, len(state.leaves))] != self.skeleton:
-                return None
             leaves = list(state.leaves)
+            if self._transform is None or [("flat", state.key, len(leaves), tuple(map(type, leaves)))] != self.skeleton:
+                return None
         else:
             walk_state(state, leaves, skeleton)
             if skeleton != self.skeleton:

@@ -62,8 +62,8 @@ def flat_state(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool)
             leaves.append(buf)
             key.append((fqn, len(group)))
 
-    def build() -> dict[str, Any]:
-        tensors = {fqn: group for fqn, group in sharded.items() if fqn not in objects}
-        return {**mcore_to_pyt_state_dict(tensors, False), **objects}
+    def build() -> dict[str, Any]:  # megatron-core's translation, in its order, with the objects packed above
+        tensors = mcore_to_pyt_state_dict({fqn: group for fqn, group in sharded.items() if fqn not in objects}, False)
+        return {fqn: objects[fqn] if fqn in objects else tensors[fqn] for fqn in sharded}
 
     return FlatState(key=("megatron", tuple(key)), names=names, leaves=leaves, build=build)

@@ -380,7 +380,7 @@ class MegatronMemory:
                 if entry.name == MEGATRON_METADATA:  # megatron-core writes it only when it finalizes this save: one
                     _remove(entry)  # here is an earlier save's (a real directory replayed), never this one's
                     continue
-                os.replace(entry, incoming / entry.name)
+                _move(entry, incoming / entry.name)  # through a link left into a slot, it sits in the RAM root
             _remove(given)
             for name, data in (files or {}).items():  # across nodes: rank 0's common.pt in every node's slot
                 if not (incoming / name).exists():

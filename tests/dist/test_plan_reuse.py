@@ -230,3 +230,39 @@ def test_cached_items_on_two_ranks(run_ranks, tmp_path, images):
         want = [w if w != "rep" else ("plan" if writes_rep else "cached") for w in (s[1 + rank] for s in _ITEM_STEPS)]
         expected = [_STATS[w] for w in want]
         assert seen == expected, (rank, list(zip([s[0] for s in _ITEM_STEPS], seen, expected)))
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass: no structure signature can be taken of a state holding one (DCP plans every such save)."""
+
+
+def rank_unsigned_save_in_between(root: str) -> list[str]:
+    """Rank 1 saves {a, b}, then {a, b2} with b2 a tensor subclass (its structure cannot be signed), then {a, b}
+    again. The plan rank 1 cached at save 1 is not the global plan of save 2: save 3 must not reuse it while rank
+    0 reuses save 2's (the .metadata would name b2 over b's files)."""
+    import torch.distributed as dist
+
+    import cpuckpt
+
+    rank = dist.get_rank()
+    planned = []
+    t = torch.arange(12.0) + rank
+    for step, name in enumerate(["b", "b2", "b"]):
+        value = t.as_subclass(_Tagged) if name == "b2" and rank == 1 else t
+        sd = {"a": torch.full((5,), float(step)), name: value} if rank == 1 else {"a": torch.full((5,), float(step))}
+        h = cpuckpt.async_save(sd, f"{root}/s{step}", CFG, step=step)
+        h.wait()
+        planned.append(h.stats.planned)
+        out = {"a": torch.zeros(5)}
+        if rank == 1:
+            out[name] = torch.zeros(12)
+        cpuckpt.load(out, f"{root}/s{step}", CFG)
+        assert torch.equal(out["a"], torch.full((5,), float(step))), (step, out)
+        if rank == 1:
+            assert torch.equal(out[name], t), (step, name)
+    return planned
+
+
+def test_a_save_that_cannot_be_signed_drops_the_cached_plan(run_ranks, tmp_path):
+    results = run_ranks(2, rank_unsigned_save_in_between, str(tmp_path / "ck"), timeout_s=120)
+    assert results[1] == ["dcp", "dcp", "dcp"], results

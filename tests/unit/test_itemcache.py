@@ -383,3 +383,36 @@ def test_a_flat_state_with_a_planner_that_passes_bytes_through(tmp_path):
         cpuckpt.load(out, tmp_path / f"s{k}", CFG)
         assert torch.equal(out["t"], t) and out["obj"] == {"step": k}
         t.add_(1)
+
+
+def test_a_negative_view_of_the_cached_tensor_is_not_reused(target):
+    base = torch.arange(1.0, 7.0)
+    states = [lambda: {"negated": base.detach()}, lambda: {"negated": torch._neg_view(base)}]
+    assert _run(target, states)[1] == "planner"  # _run loads each bit-exact: -1..-6 the second time
+
+
+def test_the_cache_keeps_no_copy_the_translation_made(tmp_path):
+    """A flat leaf that is not contiguous is written from the copy ``build()`` made; once a later save no longer
+    needs it, the cache must not keep that copy (nor the state dict holding it) alive: on a GPU it is device memory."""
+    import gc
+    import weakref
+
+    base = torch.arange(64.0).reshape(8, 8)
+    refs = []
+
+    def build() -> dict[str, Any]:
+        copy = base.t().contiguous()
+        refs.append(weakref.ref(copy))
+        return {"w": copy}
+
+    resolved = []
+    for k in range(2):  # the second save repeats the first: cached, nothing built
+        h = _save(FlatState(key="k", names=[("w", (0, 0))], leaves=[base.t()], build=build), tmp_path / f"s{k}")
+        resolved.append(h.stats.resolved)
+        out = {"w": torch.zeros(8, 8)}
+        cpuckpt.load(out, tmp_path / f"s{k}", CFG)
+        assert torch.equal(out["w"], base.t())
+        base.add_(1)
+    del h
+    gc.collect()
+    assert resolved == ["planner", "cached"] and len(refs) == 1 and refs[0]() is None
