@@ -1053,8 +1053,8 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
     fmt = a.memory_format
     # the reference run: the same saves without the tier, or (--memory-off-plain) no checkpoints at all
     off_train = ["--train-iters", str(a.memory_iters), "--eval-interval", str(10 * a.memory_iters)] \
-        if a.memory_off_plain else train
-    off = b.run("memory-off", b.argv(fmt, "memory", [*off_train, "--save", str(root / "off")]))
+        if a.memory_off_plain else [*train, "--save", str(root / "off")]  # (--save needs --save-interval)
+    off = b.run("memory-off", b.argv(fmt, "memory", off_train))
     b.clean(root / "off")
     killer = JobKiller(a.memory_kill_after_log or a.memory_kill_at, logged=bool(a.memory_kill_after_log))
     on = b.run("memory-on", b.argv(fmt, "memory", [*train, "--save", str(root / "on")], config=str(cfg_on)),
