@@ -34,7 +34,8 @@ is forgotten first, since megatron-core's ``close`` would wait forever for it to
 
 **Calls the trainer completes.** A memory-tier save (:mod:`.memory`) needs no worker: the strategy schedules
 it with no ``async_fn`` and a done probe on its finalize function (:data:`DONE_MARK`: whether this rank's save
-has ended, committed or failed). Megatron's callers never hear of such a call (no ``async_fn``: nothing is
+has ended, committed or failed; :data:`PROBE_FAILED` when it failed on this rank alone and the others need not be
+waited for, e.g. a persist). Megatron's callers never hear of such a call (no ``async_fn``: nothing is
 sent to a worker, none is spawned for it), so megatron-core's own finalize cannot tell when it is done; the
 watchdog does, in queue order: a cpuckpt call at the head is finalized (its finalize functions, Megatron's
 too, run in order) once its probe says ended on every rank (one all-reduce on cpuckpt's gloo group, no device
@@ -67,8 +68,8 @@ from .compat import AsyncQueueShape
 from .settings import MegatronOptions, resolve_options
 from .worker import Channel, wait_for_commit
 
-__all__ = ["DIR_MARK", "DONE_MARK", "FINALIZE_MARK", "URGENT_MARK", "WorkerDiedError", "finalize_saves_under",
-           "is_watched", "watch_async_queue"]
+__all__ = ["DIR_MARK", "DONE_MARK", "FINALIZE_MARK", "PROBE_FAILED", "URGENT_MARK", "WorkerDiedError",
+           "finalize_saves_under", "is_watched", "watch_async_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ _WATCHED = "_cpuckpt_watchdog"
 FINALIZE_MARK = "cpuckpt_finalize"  # on cpuckpt's finalize function: called (abandoned=True) for a dropped call too
 DONE_MARK = "cpuckpt_done"  # on the finalize function of a call the trainer completes: its done probe (see above)
 URGENT_MARK = "cpuckpt_urgent"  # on such a function: finalize it at the queue's next look, waiting for its commit
+PROBE_FAILED = 2  # a probe's answer (truthy): ended here in failure; the call is finalized (and raises) everywhere
 
 
 class WorkerDiedError(CpuckptError):
@@ -240,16 +242,16 @@ class _Watchdog:
 
     def urgent_until(self) -> int | None:
         """How many calls may stay pending once the urgent ones (:data:`URGENT_MARK`) at the head of the queue are
-        finalized; None: none there. Only the leading run of calls the trainer completes counts: waiting past one
-        of Megatron's own (a persist, seconds) is not what an urgent save asks for. The same on every rank."""
+        finalized; None: none there. Only the leading run of urgent calls counts: waiting past one of Megatron's
+        own or a persistent save's (a persist, seconds) is not what an urgent save asks for. The same on every
+        rank."""
         calls = self.queue.async_calls
         last = None
         for i, call in enumerate(calls):
             probe = _done_probe(call)
-            if probe is None:
+            if probe is None or not getattr(probe, URGENT_MARK, False):
                 break
-            if getattr(probe, URGENT_MARK, False):
-                last = i
+            last = i
         return None if last is None else len(calls) - (last + 1)
 
     def close(self, original_close: Callable[..., Any], abort: bool, *args: Any, **kwargs: Any) -> Any:
@@ -378,14 +380,16 @@ class _Watchdog:
         finally:
             calls.extend(rest)
 
-    def _agreed(self, mine: bool, no_dist: bool) -> bool:
-        """Whether every rank's probe said ended (one all-reduce on cpuckpt's gloo group; ``no_dist``: this rank's)."""
+    def _agreed(self, mine: bool | int, no_dist: bool) -> bool:
+        """Whether the call may be finalized: its probe said ended on every rank, or :data:`PROBE_FAILED` on one (one
+        all-reduce on cpuckpt's gloo group; ``no_dist``: this rank's)."""
         group = None if no_dist else checkpoint_group(None, self.timeout_s)
         if group is None:  # no_dist, or no process group at all
-            return mine
-        flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        return bool(int(flag[0]))
+            return bool(mine)
+        failed = mine == PROBE_FAILED
+        flags = torch.tensor([1 if mine else 0, -1 if failed else 0], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)  # [ended everywhere, -(failed anywhere)]
+        return bool(int(flags[0])) or bool(int(flags[1]))
 
 
 def _error(kind: str, reasons: list[str | None], n: int, timeout_s: float, local_rank: int | None) -> CpuckptError:

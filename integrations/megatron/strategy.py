@@ -42,10 +42,10 @@ from cpuckpt.errors import ConfigError, CpuckptError
 
 from . import compat, deferred, prepare
 from .flatstate import flat_state, to_pyt
-from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, URGENT_MARK
+from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, PROBE_FAILED, URGENT_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
-from .worker import OK, PersistWait, new_channel, wait_for_commit
+from .worker import OK, PersistWait, PersistWatch, new_channel, wait_for_commit
 
 __all__ = ["EAGER_SUFFIXES", "CpuckptLoadStrategy", "CpuckptSaveStrategy", "order_pending_saves"]
 
@@ -227,8 +227,9 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             self.memory.finalize_before_reuse()
             finalized = self.memory.track()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        # A memory save needs no worker: the watchdog of the queue it goes to finalizes it (guard.py, DONE_MARK)
-        in_trainer = route is not None and route.kind == "memory" and self.memory.queue_watched()
+        # A memory-tier save needs no worker: the watchdog of the queue it goes to finalizes it (guard.py, DONE_MARK),
+        # a persistent one once the writer process reported its persist (PersistWatch)
+        in_trainer = route is not None and self.memory.queue_watched()
         channel = None if in_trainer else new_channel(rank)
         persist = None
         requests: list[Any] = []
@@ -277,7 +278,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                                       str(tier.root.writer_lock_path(tier.rank)))
         timeout_s = self.config.timeout_s
         if channel is None:
-            return self._in_trainer_request(async_strategy, started, route, finalized, checkpoint_dir)
+            watch = PersistWatch(persist) if persist is not None else None
+            return self._in_trainer_request(async_strategy, started, route, finalized, checkpoint_dir, watch)
         group = checkpoint_group(None, timeout_s)
 
         def finalize_fn(abandoned: bool = False) -> None:
@@ -317,25 +319,41 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
 
 
     def _in_trainer_request(self, async_strategy: str, started: _Started, route: Any, finalized: list[bool],
-                            checkpoint_dir: str | Path) -> Any:
-        """The ``AsyncRequest`` of a memory save: no ``async_fn`` (no worker takes part); its finalize function
-        carries the done probe the queue's watchdog finalizes it by (:data:`.guard.DONE_MARK`; urgent with
+                            checkpoint_dir: str | Path, watch: PersistWatch | None) -> Any:
+        """The ``AsyncRequest`` of a memory-tier save: no ``async_fn`` (no worker takes part); its finalize function
+        carries the done probe the queue's watchdog finalizes it by (:data:`.guard.DONE_MARK`: the memory commit
+        ended, and with ``watch``, a persistent save's, the writer's persist too; a memory save's is urgent with
         :attr:`.MegatronMemory.finalize_at_next_look`), and raises the save's error, the same on every rank (the
-        committer agreed it), before Megatron's finalize functions after it run (``metadata.json``, the tracker)."""
+        committer agreed it; every rank's persist outcome is gathered), before Megatron's finalize functions after
+        it run (``metadata.json``, the tracker: a persistent save's only once every rank's files are durable)."""
         timeout_s = self.config.timeout_s
 
         def finalize_fn(abandoned: bool = False) -> None:
             try:
                 if not abandoned:  # dropped by the watchdog: its save goes on in cpuckpt's threads, never finalized
                     started.handle().wait(timeout_s)
+                    if watch is not None:
+                        error = watch.poll()[1]
+                        rank = dist.get_rank() if dist.is_initialized() else 0
+                        mine = None if error is None else CpuckptError(f"rank {rank}: {error}")
+                        reports = gather_failures(mine, rank, checkpoint_group(None, timeout_s))
+                        raise_if_failed(reports, f"persist of {checkpoint_dir}", mine)
                     self.memory.finalized(route)  # across nodes: metadata.json and D's tracker on every node
             finally:
                 finalized[0] = True
 
+        def ended() -> bool | int:
+            if not started.ended():
+                return False
+            if watch is None:
+                return True
+            done, error = watch.poll()  # a failed persist here: finalized (and raised) without waiting for the others
+            return PROBE_FAILED if error is not None else done
+
         setattr(finalize_fn, FINALIZE_MARK, True)
         setattr(finalize_fn, DIR_MARK, str(checkpoint_dir))
-        probe = functools.partial(started.ended)  # its own object: it may carry URGENT_MARK
-        if self.memory.finalize_at_next_look:
+        probe = functools.partial(ended)  # its own object: it may carry URGENT_MARK
+        if self.memory.finalize_at_next_look and watch is None:
             setattr(probe, URGENT_MARK, True)
         setattr(finalize_fn, DONE_MARK, probe)
         try:

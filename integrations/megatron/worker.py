@@ -52,7 +52,8 @@ from cpuckpt import faultpoint, runfiles
 from cpuckpt.roots import pid_alive
 from cpuckpt.transfer.files import write_atomic
 
-__all__ = ["Channel", "PersistWait", "new_channel", "process_alive", "wait_for_commit", "wait_for_persist"]
+__all__ = ["Channel", "PersistWait", "PersistWatch", "new_channel", "process_alive", "wait_for_commit",
+           "wait_for_persist"]
 
 logger = logging.getLogger(__name__)
 
@@ -273,6 +274,36 @@ def _freeze_imports() -> None:
         gc.freeze()
 
 
+class PersistWatch:
+    """What is known now of a persist's outcome, without waiting: the trainer's probe of a persistent save on a queue
+    the adapter watches, and the worker's wait (:func:`wait_for_persist`)."""
+
+    def __init__(self, persist: PersistWait) -> None:
+        from cpuckpt.tier.queue import PersistQueue
+
+        self.persist = persist
+        self._queue = PersistQueue(persist.queue)
+        self._gone_since: float | None = None
+
+    def poll(self) -> tuple[bool, str | None]:
+        """(ended, error): ended once the writer reported an outcome, or has been gone for
+        :data:`WRITER_GONE_GRACE_S` without one (a writer being respawned may take the request over meanwhile)."""
+        from cpuckpt.tier.ramroot import lock_holder
+
+        outcome = self._queue.outcome(self.persist.seq)
+        if outcome is not None:
+            return True, None if outcome.ok else f"persist to the durable root failed: {outcome.error}"
+        now = time.monotonic()
+        if lock_holder(self.persist.writer_lock) is None:
+            self._gone_since = self._gone_since or now
+            if now - self._gone_since > WRITER_GONE_GRACE_S:
+                return True, (f"the memory tier's writer process is gone, owing persist {self.persist.seq} "
+                              f"({self.persist.queue})")
+        else:
+            self._gone_since = None
+        return False, None
+
+
 def wait_for_persist(channel: Channel, persist: PersistWait, timeout_s: float) -> None:
     """Caller: block until the rank's writer process finished the persist (beats meanwhile).
 
@@ -280,30 +311,19 @@ def wait_for_persist(channel: Channel, persist: PersistWait, timeout_s: float) -
         RuntimeError: the persist failed, or the writer process is gone without an outcome.
         TimeoutError: no outcome within ``timeout_s``.
     """
-    from cpuckpt.tier.queue import PersistQueue
-    from cpuckpt.tier.ramroot import lock_holder
-
-    queue = PersistQueue(persist.queue)
+    watch = PersistWatch(persist)
     deadline = time.monotonic() + timeout_s
     last_beat = time.monotonic()
-    gone_since: float | None = None
-    while (outcome := queue.outcome(persist.seq)) is None:
+    while not (polled := watch.poll())[0]:
         now = time.monotonic()
-        if lock_holder(persist.writer_lock) is None:  # a writer being respawned may take it over: a grace period
-            gone_since = gone_since or now
-            if now - gone_since > WRITER_GONE_GRACE_S:
-                raise RuntimeError(f"the memory tier's writer process is gone, owing persist {persist.seq} "
-                                   f"({persist.queue})")
-        else:
-            gone_since = None
         if now > deadline:
             raise TimeoutError(f"persist {persist.seq} of {persist.queue} not done after {timeout_s:.0f} s")
         if now - last_beat >= HEARTBEAT_S:
             channel.beat()
             last_beat = now
         time.sleep(POLL_S)
-    if not outcome.ok:
-        raise RuntimeError(f"persist to the durable root failed: {outcome.error}")
+    if polled[1] is not None:
+        raise RuntimeError(polled[1])
 
 
 def process_alive(pid: int) -> bool:
