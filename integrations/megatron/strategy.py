@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -38,7 +39,7 @@ from cpuckpt import faultpoint
 from cpuckpt.backend.collectives import checkpoint_group, gather_failures, raise_if_failed
 from cpuckpt.backend.itemcache import FlatState
 from cpuckpt.config import Config
-from cpuckpt.errors import ConfigError, CpuckptError
+from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 
 from . import compat, deferred, prepare
 from .flatstate import flat_state, to_pyt
@@ -50,6 +51,8 @@ from .worker import OK, PersistWait, PersistWatch, new_channel, wait_for_commit
 __all__ = ["EAGER_SUFFIXES", "CpuckptLoadStrategy", "CpuckptSaveStrategy", "order_pending_saves"]
 
 logger = logging.getLogger(__name__)
+
+_PERSIST_POLL_S = 0.01  # a persistent save's finalize that must wait for its persist looks again this often
 
 # ordering="optimizer": saved tensors Megatron writes *before* the optimizer step, copied on the GPU at
 # save time (small). MoE routers' ``expert_bias`` is updated in ``finalize_model_grads``.
@@ -333,11 +336,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                 if not abandoned:  # dropped by the watchdog: its save goes on in cpuckpt's threads, never finalized
                     started.handle().wait(timeout_s)
                     if watch is not None:
-                        error = watch.poll()[1]
-                        rank = dist.get_rank() if dist.is_initialized() else 0
-                        mine = None if error is None else CpuckptError(f"rank {rank}: {error}")
-                        reports = gather_failures(mine, rank, checkpoint_group(None, timeout_s))
-                        raise_if_failed(reports, f"persist of {checkpoint_dir}", mine)
+                        _agree_persisted(watch, self.memory.tier.queue, f"persist of {checkpoint_dir}", timeout_s)
                     self.memory.finalized(route)  # across nodes: metadata.json and D's tracker on every node
             finally:
                 finalized[0] = True
@@ -353,7 +352,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         setattr(finalize_fn, FINALIZE_MARK, True)
         setattr(finalize_fn, DIR_MARK, str(checkpoint_dir))
         probe = functools.partial(ended)  # its own object: it may carry URGENT_MARK
-        if self.memory.finalize_at_next_look and watch is None:
+        if self.memory.finalize_at_next_look and route.kind == "memory":
             setattr(probe, URGENT_MARK, True)
         setattr(finalize_fn, DONE_MARK, probe)
         try:
@@ -372,6 +371,35 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
                     channel.post_status(f"the save failed to start: {e}")
                 raise
         return start
+
+
+def _agree_persisted(watch: PersistWatch, queue: Any, what: str, timeout_s: float) -> None:
+    """Every rank, in a persistent save's finalize: return once its persist ended well on every rank, else raise the
+    same error on every rank, the persist withdrawn everywhere (a coordinator's writer stops waiting for a part that
+    never comes). Its done probe has usually agreed on that already; where Megatron-LM's logits saver moved the
+    finalize functions onto a request of its own, the probe is never asked, and this waits (bounded by ``timeout_s``).
+    Every decision is taken from one all-reduce, so the ranks loop and raise alike."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    group = checkpoint_group(None, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, error = watch.poll()
+        late = not done and time.monotonic() > deadline
+        flags = torch.tensor([1 if done else 0, -1 if error else 0, -1 if late else 0], dtype=torch.int32)
+        if group is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)  # [done everywhere, -failed, -late anywhere]
+        if int(flags[1]) or int(flags[2]):
+            queue.cancel(watch.persist.seq, "the persist failed or timed out on some rank")
+            mine: CpuckptError | None = None
+            if error is not None:
+                mine = CpuckptError(f"rank {rank}: {error}")
+            elif late:
+                mine = CheckpointTimeoutError(f"rank {rank}: persist not done after {timeout_s:.0f} s")
+            raise_if_failed(gather_failures(mine, rank, group), what, mine)
+            raise CpuckptError(f"{what} failed on another rank")  # not reached: some rank reported it
+        if int(flags[0]):
+            return
+        time.sleep(_PERSIST_POLL_S)
 
 
 class CpuckptLoadStrategy(TorchDistLoadShardedStrategy):

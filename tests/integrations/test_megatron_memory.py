@@ -60,8 +60,9 @@ def _read_tracker(d: Path) -> int | None:
 def _megatron_save(strategy, queue, router, d: Path, it: int, device: str, order: list | None = None,
                    logits: bool = False) -> dict:
     """One save as Megatron-LM's save_checkpoint makes it (async, persistent worker). ``order``: its tracker write
-    appends ``it``. ``logits``: as with Megatron-LM's logits saver, the request's finalize functions move onto a
-    second request, whose worker function runs in megatron-core's worker, scheduled after it."""
+    appends ``it`` (a persistent save's: with whether its directory held a complete checkpoint then). ``logits``: as
+    with Megatron-LM's logits saver, the request's finalize functions move onto a second request, whose worker
+    function runs in megatron-core's worker, scheduled after it."""
     import torch.distributed as dist
     from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
     from megatron.core import dist_checkpointing
@@ -79,7 +80,9 @@ def _megatron_save(strategy, queue, router, d: Path, it: int, device: str, order
         if dist.get_rank() == 0:
             (d / TRACKER).write_text(str(it))
         if order is not None:
-            order.append(it)
+            from cpuckpt.backend.committed import check_complete
+
+            order.append(it if d == router.np_dir else (it, check_complete(path).complete))
 
     request.add_finalize_fn(iter_finalize_fn)
     second = None
@@ -405,6 +408,7 @@ def rank_persist_fails_on_rank1(root: str) -> dict:
 
     _, _, device = _setup()
     root_p = Path(root)
+    clean = dict(os.environ)
     os.environ.update(faults.child_env(root_p / "site", "unused=sleep:0"))  # the writers register the fault backends
     cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "slots": 3}}
     if dist.get_rank() == 1:
@@ -428,7 +432,34 @@ def rank_persist_fails_on_rank1(root: str) -> dict:
         router.close()
     except CpuckptError:  # the failed persist is raised again at the end of training; seen above already
         pass
-    os.environ.pop(faults.TEST_HOOK_ENV, None)
+    os.environ.clear()
+    os.environ.update(clean)  # the next cases' processes start clean (megatron-core's worker: the CPU stubs)
+    return out
+
+
+def rank_persistent_logits_request(root: str) -> dict:
+    """A persistent save whose finalize functions Megatron-LM's logits saver moved onto its own request, the writers
+    slowed (1.5 s before their first chunk): the tracker names the checkpoint only once it is durable."""
+    import torch.distributed as dist
+
+    from cpuckpt.testing import faults
+
+    _, _, device = _setup()
+    root_p = Path(root)
+    queue, router, strategy = _watched(root_p, 60.0, slots=3)
+    clean = dict(os.environ)
+    os.environ.update(faults.child_env(root_p / "site", ";".join(
+        f"persist-chunk:__{r}_0.distcp:0=sleep:1.5" for r in (0, 1))))
+    router.tier.start_writer()  # armed: the writers; not megatron-core's worker (its CPU stubs' sitecustomize)
+    os.environ.clear()
+    os.environ.update(clean)
+    order: list = []
+    _megatron_save(strategy, queue, router, router.save_dir, 4, device, order, logits=True)
+    queue.maybe_finalize_async_calls(blocking=True)
+    dist.barrier()
+    out = {"order": order, "save_tracker": _read_tracker(router.save_dir), "pending": len(queue.async_calls)}
+    queue.close()
+    router.close()
     return out
 
 
@@ -438,13 +469,16 @@ def rank_in_trainer_cases(root: str) -> list[dict]:
     return [rank_memory_saves_finalized_in_the_trainer(str(Path(root) / "ok"), 0),
             rank_memory_saves_finalized_in_the_trainer(str(Path(root) / "fails"), 5),
             rank_logits_requests_carry_the_finalize(str(Path(root) / "logits")),
-            rank_persist_fails_on_rank1(str(Path(root) / "persist"))]
+            rank_persist_fails_on_rank1(str(Path(root) / "persist")),
+            rank_persistent_logits_request(str(Path(root) / "persist-logits"))]
 
 
 def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, tmp_path):
     res = run_ranks(2, rank_in_trainer_cases, str(tmp_path), timeout_s=240, env=ENV)
     assert res[0] == res[1], res  # every rank finalized the same calls and raised the same error
-    out, failed, logits, persist = res[0]
+    out, failed, logits, persist, persist_logits = res[0]
+    # its finalize functions on the logits saver's request: Megatron's tracker only once the persist is durable
+    assert persist_logits == {"order": [(4, True)], "save_tracker": 4, "pending": 0}, persist_logits
     # a persistent save: no worker either; rank 1's failed persist raised alike on every rank, nothing named it
     assert persist["no_worker"] and persist["order"] == [] and persist["save_tracker"] is None, persist
     assert persist["error"] is not None and "rank 1" in persist["error"][1], persist
@@ -453,7 +487,7 @@ def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, t
     assert out["save_tracker"] == 3 and out["np_tracker"] == 7, out
     # in queue order (the persistent save, call 2, maybe by the save whose slot it held, 6, inside its save call)
     assert out["errors"] == [] and out["finalized"] in ([0, 1, 2, 3, 4, 5, 6], [0, 1, 3, 4, 5, 6]), out
-    assert out["order"] == [1, 2, 3, 4, 5, 6, 7], out  # Megatron's finalize functions ran in queue order
+    assert out["order"] == [1, 2, (3, True), 4, 5, 6, 7], out  # Megatron's finalize functions, in queue order
     assert out["finalized_dirs"] == ["iter_0000005", "iter_0000006", "iter_0000007"], out
     # memory saves only: no worker ever; the failure is raised once, alike on every rank, at a finalize after the
     # commit failed; its Megatron finalize never ran
