@@ -33,7 +33,7 @@ def _config(root: Path) -> dict:
             "memory": {"root": str(root / "ram"), "slots": 2, "headroom_bytes": 0}, "timeout_s": 60}
 
 
-def _watched(root: Path, timeout_s: float = 60.0, **memory: Any) -> tuple[Any, Any, Any]:
+def _watched(base: Path, timeout_s: float = 60.0, **memory: Any) -> tuple[Any, Any, Any]:
     """The hook's arrangement in a rank: megatron-core's persistent queue watched by cpuckpt, a ``MegatronMemory`` of
     it (``memory`` overrides ``_config``'s ``memory:`` keys) and the strategy; returns (queue, router, strategy)."""
     from cpuckpt.integrations.megatron.guard import watch_async_queue
@@ -43,9 +43,9 @@ def _watched(root: Path, timeout_s: float = 60.0, **memory: Any) -> tuple[Any, A
 
     from cpuckpt.config import Config
 
-    cfg = {**_config(root), "memory": {**_config(root)["memory"], **memory}, "timeout_s": timeout_s}
+    cfg = {**_config(base), "memory": {**_config(base)["memory"], **memory}, "timeout_s": timeout_s}
     queue = watch_async_queue(AsyncCallsQueue(persistent=True), timeout_s)
-    router = MegatronMemory(root / "save", root / "save" / "non_persistent", Config.from_dict(cfg),
+    router = MegatronMemory(base / "save", base / "save" / "non_persistent", Config.from_dict(cfg),
                             queue_of=lambda: queue)
     return queue, router, CpuckptSaveStrategy(cfg, memory=router)
 
@@ -237,51 +237,6 @@ def test_memory_and_persistent_saves_then_sigkill_resume_from_memory(run_ranks, 
     _wait_no_process_in(tmp_path)
 
 
-def rank_ram_root_on_another_filesystem(root: str, ram: str) -> dict:
-    """Memory saves with the save directory on one filesystem and the RAM root on another (the usual case: --save on
-    disk, the RAM root in /dev/shm); megatron-core up to 0.16 writes common.pt into the directory it is given."""
-    import torch.distributed as dist
-    from cpuckpt.integrations.megatron.memory import MegatronMemory
-    from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-    from cpuckpt.config import Config
-
-    _, _, device = _setup()
-    root_p = Path(root)
-    cfg = {**_config(root_p), "memory": {**_config(root_p)["memory"], "root": ram}}
-    router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(cfg))
-    strategy = CpuckptSaveStrategy(cfg, memory=router)
-    queue = AsyncCallsQueue(persistent=True)
-    try:
-        for it in (1, 2, 3):  # two slots: the third save refills the first
-            _megatron_save(strategy, queue, router, router.np_dir, it, device)
-            queue.maybe_finalize_async_calls(blocking=True)
-        newest = router.np_dir / "iter_0000003"
-        _check(dist_checkpointing.load(_template(device), str(newest)), 3, device)
-        return {"np_tracker": _read_tracker(router.np_dir), "target": os.path.realpath(newest),
-                "files": sorted(p.name for p in newest.iterdir() if not p.name.startswith("__")),
-                "incoming": sorted(p.name for p in router.np_dir.iterdir() if p.name.startswith("."))}
-    finally:
-        queue.close()
-        router.close()
-        dist.barrier()
-
-
-def test_a_ram_root_on_another_filesystem_than_the_save_dir(run_ranks, tmp_path):
-    ram = Path("/dev/shm") / f"cpuckpt-test-xdev-{os.getpid()}"
-    if os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
-        pytest.skip("/dev/shm and the test's directory are one filesystem here")
-    try:
-        res = run_ranks(2, rank_ram_root_on_another_filesystem, str(tmp_path), str(ram), timeout_s=180, env=ENV)
-        assert res[0]["np_tracker"] == 3 and res[0]["target"].startswith(str(ram)), res[0]
-        assert res[0]["incoming"] == [], res[0]  # no .incoming-* directory left behind
-        assert not ram.exists()  # end of training removed the RAM root
-    finally:
-        shutil.rmtree(ram, ignore_errors=True)
-
-
 def rank_pending_saves_overlap(root: str) -> dict:
     """Saves every iteration into a ring of 3 slots (iteration 4 persistent, into --save; the others non-persistent),
     finalized only where the adapter does it (as in Megatron-LM's ``save_checkpoint``, with the hook's wrapper of
@@ -342,10 +297,12 @@ def rank_pending_saves_overlap(root: str) -> dict:
     return out
 
 
-def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int) -> dict:
+def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int, ram: str | None = None) -> dict:
     """Saves every iteration through a queue the adapter watches (as Megatron-LM's, with the hook): memory saves
     (all but iteration 3, a persistent one, unless ``fail_at``) go to no worker; each iteration starts with
-    Megatron-LM's non-blocking finalize. ``fail_at``: that save's commit raises (a fault point), on the coordinator."""
+    Megatron-LM's non-blocking finalize. ``fail_at``: that save's commit raises (a fault point), on the coordinator.
+    ``ram``: the RAM root (default ``root/ram``; on another filesystem than ``root``, as /dev/shm usually is from
+    --save, megatron-core 0.16's common.pt crosses filesystems into each slot)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -354,7 +311,7 @@ def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int) -> dict:
 
     _, _, device = _setup()
     root_p = Path(root)
-    queue, router, strategy = _watched(root_p, slots=3)
+    queue, router, strategy = _watched(root_p, slots=3, **({"root": ram} if ram else {}))
 
     def worker_spawned() -> bool:
         caller = getattr(queue, "persistent_caller", None)
@@ -381,6 +338,7 @@ def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int) -> dict:
         errors.append((8, type(e).__name__, str(e)))
     dist.barrier()
     out = {"finalized": finalized, "order": order, "workers": workers, "errors": errors,
+           "ram": os.path.realpath(router.np_dir / "iter_0000007").startswith(str(router.tier.root.path)),
            "np_tracker": _read_tracker(router.np_dir),
            "save_tracker": _read_tracker(router.save_dir),
            "finalized_dirs": sorted(p.parent.name for p in router.np_dir.glob("iter_*/metadata.json"))}
@@ -463,10 +421,11 @@ def rank_persistent_logits_request(root: str) -> dict:
     return out
 
 
-def rank_in_trainer_cases(root: str) -> list[dict]:
-    """The cases in one launch of the ranks (each its own tier, queue and RAM root): all saves committed; a commit
-    that fails (iteration 5); the finalize functions moved onto a logits request; a persist that fails on rank 1."""
-    return [rank_memory_saves_finalized_in_the_trainer(str(Path(root) / "ok"), 0),
+def rank_in_trainer_cases(root: str, shm: str) -> list[dict]:
+    """The cases in one launch of the ranks (each its own tier, queue and RAM root): all saves committed (RAM root
+    ``shm``); a commit that fails (iteration 5); the finalize functions moved onto a logits request; a persist that
+    fails on rank 1; a persistent save's finalize functions on a logits request."""
+    return [rank_memory_saves_finalized_in_the_trainer(str(Path(root) / "ok"), 0, shm),
             rank_memory_saves_finalized_in_the_trainer(str(Path(root) / "fails"), 5),
             rank_logits_requests_carry_the_finalize(str(Path(root) / "logits")),
             rank_persist_fails_on_rank1(str(Path(root) / "persist")),
@@ -474,7 +433,12 @@ def rank_in_trainer_cases(root: str) -> list[dict]:
 
 
 def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, tmp_path):
-    res = run_ranks(2, rank_in_trainer_cases, str(tmp_path), timeout_s=240, env=ENV)
+    shm = Path("/dev/shm") / f"cpuckpt-test-in-trainer-{os.getpid()}"  # the usual case: another filesystem
+    try:
+        res = run_ranks(2, rank_in_trainer_cases, str(tmp_path), str(shm), timeout_s=240, env=ENV)
+        assert not shm.exists()  # end of training removed the RAM root
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
     assert res[0] == res[1], res  # every rank finalized the same calls and raised the same error
     out, failed, logits, persist, persist_logits = res[0]
     # its finalize functions on the logits saver's request: Megatron's tracker only once the persist is durable
@@ -484,7 +448,7 @@ def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, t
     assert persist["error"] is not None and "rank 1" in persist["error"][1], persist
     # no worker ever, not for the persistent save of iteration 3 either (finalized once its persist is reported)
     assert not any(out["workers"]), out["workers"]
-    assert out["save_tracker"] == 3 and out["np_tracker"] == 7, out
+    assert out["save_tracker"] == 3 and out["np_tracker"] == 7 and out["ram"], out
     # in queue order (the persistent save, call 2, maybe by the save whose slot it held, 6, inside its save call)
     assert out["errors"] == [] and out["finalized"] in ([0, 1, 2, 3, 4, 5, 6], [0, 1, 3, 4, 5, 6]), out
     assert out["order"] == [1, 2, (3, True), 4, 5, 6, 7], out  # Megatron's finalize functions, in queue order
