@@ -395,41 +395,14 @@ def rank_persist_fails_on_rank1(root: str) -> dict:
     return out
 
 
-def rank_persistent_logits_request(root: str) -> dict:
-    """A persistent save whose finalize functions Megatron-LM's logits saver moved onto its own request, the writers
-    slowed (1.5 s before their first chunk): the tracker names the checkpoint only once it is durable."""
-    import torch.distributed as dist
-
-    from cpuckpt.testing import faults
-
-    _, _, device = _setup()
-    root_p = Path(root)
-    queue, router, strategy = _watched(root_p, 60.0, slots=3)
-    clean = dict(os.environ)
-    os.environ.update(faults.child_env(root_p / "site", ";".join(
-        f"persist-chunk:__{r}_0.distcp:0=sleep:1.5" for r in (0, 1))))
-    router.tier.start_writer()  # armed: the writers; not megatron-core's worker (its CPU stubs' sitecustomize)
-    os.environ.clear()
-    os.environ.update(clean)
-    order: list = []
-    _megatron_save(strategy, queue, router, router.save_dir, 4, device, order, logits=True)
-    queue.maybe_finalize_async_calls(blocking=True)
-    dist.barrier()
-    out = {"order": order, "save_tracker": _read_tracker(router.save_dir), "pending": len(queue.async_calls)}
-    queue.close()
-    router.close()
-    return out
-
-
 def rank_in_trainer_cases(root: str, shm: str) -> list[dict]:
     """The cases in one launch of the ranks (each its own tier, queue and RAM root): all saves committed (RAM root
     ``shm``); a commit that fails (iteration 5); the finalize functions moved onto a logits request; a persist that
-    fails on rank 1; a persistent save's finalize functions on a logits request."""
+    fails on rank 1."""
     return [rank_memory_saves_finalized_in_the_trainer(str(Path(root) / "ok"), 0, shm),
             rank_memory_saves_finalized_in_the_trainer(str(Path(root) / "fails"), 5),
             rank_logits_requests_carry_the_finalize(str(Path(root) / "logits")),
-            rank_persist_fails_on_rank1(str(Path(root) / "persist")),
-            rank_persistent_logits_request(str(Path(root) / "persist-logits"))]
+            rank_persist_fails_on_rank1(str(Path(root) / "persist"))]
 
 
 def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, tmp_path):
@@ -440,9 +413,7 @@ def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, t
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     assert res[0] == res[1], res  # every rank finalized the same calls and raised the same error
-    out, failed, logits, persist, persist_logits = res[0]
-    # its finalize functions on the logits saver's request: Megatron's tracker only once the persist is durable
-    assert persist_logits == {"order": [(4, True)], "save_tracker": 4, "pending": 0}, persist_logits
+    out, failed, logits, persist = res[0]
     # a persistent save: no worker either; rank 1's failed persist raised alike on every rank, nothing named it
     assert persist["no_worker"] and persist["order"] == [] and persist["save_tracker"] is None, persist
     assert persist["error"] is not None and "rank 1" in persist["error"][1], persist
@@ -461,8 +432,9 @@ def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, t
     assert failed["finalized_dirs"] == ["iter_0000006", "iter_0000007"], failed
     # Megatron-LM's logits saver left the memory calls with no async_fn and nothing to finalize, their finalize
     # functions on its own requests (a worker's): every one ran, in order (megatron-core's finalize never saw a
-    # call without a worker: it would have credited it with the next worker call's completion, and timed out)
-    assert logits == {"order": [1, 2, 3, 4, 5], "np_tracker": 5, "pending": 0}, logits
+    # call without a worker: it would have credited it with the next worker call's completion, and timed out); the
+    # persistent save's tracker only once its persist is durable
+    assert logits == {"order": [1, 2, (3, True), 4, 5], "np_tracker": 5, "save_tracker": 3, "pending": 0}, logits
 
 
 def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int) -> dict:
@@ -511,21 +483,32 @@ def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_
 
 
 def rank_logits_requests_carry_the_finalize(root: str) -> dict:
-    """Memory saves every iteration whose finalize functions Megatron-LM's logits saver moved onto its own request (a
-    worker's call, scheduled right after): the memory call is left with no ``async_fn`` and nothing to finalize."""
+    """Saves every iteration whose finalize functions Megatron-LM's logits saver moved onto its own request (a
+    worker's call, scheduled right after): the memory-tier call is left with no ``async_fn`` and nothing to
+    finalize. Iteration 3 is a persistent save, its writers slowed (1.5 s before their first chunk): the tracker
+    names it only once it is durable (its finalize waits for the persist, the probe never asked)."""
     import torch.distributed as dist
 
+    from cpuckpt.testing import faults
 
     _, _, device = _setup()
     root_p = Path(root)
     queue, router, strategy = _watched(root_p, 30.0, slots=3)
-    order: list[int] = []
+    clean = dict(os.environ)
+    os.environ.update(faults.child_env(root_p / "site", ";".join(
+        f"persist-chunk:__{r}_0.distcp:0=sleep:1.5" for r in (0, 1))))
+    router.tier.start_writer()  # armed: the writers; not megatron-core's worker (its CPU stubs' sitecustomize)
+    os.environ.clear()
+    os.environ.update(clean)
+    order: list = []
     for it in range(1, 6):
         queue.maybe_finalize_async_calls(blocking=False)
-        _megatron_save(strategy, queue, router, router.np_dir, it, device, order, logits=True)
+        d = router.save_dir if it == 3 else router.np_dir
+        _megatron_save(strategy, queue, router, d, it, device, order, logits=True)
     queue.maybe_finalize_async_calls(blocking=True)
     dist.barrier()
-    out = {"order": order, "np_tracker": _read_tracker(router.np_dir), "pending": len(queue.async_calls)}
+    out = {"order": order, "np_tracker": _read_tracker(router.np_dir), "save_tracker": _read_tracker(router.save_dir),
+           "pending": len(queue.async_calls)}
     queue.close()
     router.close()
     return out
