@@ -34,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -678,34 +678,24 @@ class MemoryTier:
         for this rank's shard of about ``shard_nbytes`` bytes, so that no save pays for it while the job trains
         (~1-1.8 s per 5 GB slot on the H200, on the trainer's thread: the spikes at the first saves). The first
         save into a slot truncates its image to the real size (a larger one maps it again). A slot holding a
-        checkpoint, or an image, is left alone; a tier of other files (DeepSpeed's: :meth:`reserve_images`), or
-        across nodes, reserves nothing here. Returns how many images it made; a RAM filesystem too small is a
+        checkpoint, or an image, is left alone; a tier of DeepSpeed files, or across nodes, reserves nothing
+        (their files are named otherwise). Returns how many images it made; a RAM filesystem too small is a
         warning here (the save that needs the space raises it)."""
-        if shard_nbytes <= 0 or not isinstance(self.format, DcpSlots):
+        if shard_nbytes <= 0 or not self.nodes.single or not isinstance(self.format, DcpSlots):
             return 0
-        return self.reserve_images({f"__{self.rank}_0.distcp": shard_nbytes})  # one data file per rank (its plan)
-
-    def reserve_images(self, sizes: Mapping[str, int]) -> int:
-        """As :meth:`reserve`, for a caller that knows the names of this rank's files and about their sizes (a tier
-        of DeepSpeed's files: their names are DeepSpeed's). Nothing across nodes (a node's slot holds files of
-        every rank of the node, written by their writers). Returns how many images it made."""
-        if not self.nodes.single:
-            return 0
+        name = f"__{self.rank}_0.distcp"  # one data file per rank, named by the rank's index in the plan
         made = 0
         for slot, images in zip(self.slots, self.images):
             if self._closing.is_set():
                 break
             if self.format.committed(slot) is not None or self._held(slot):
                 continue
-            for name, nbytes in sizes.items():
-                if nbytes <= 0:
-                    continue
-                try:
-                    made += images.reserve(name, nbytes, chunk_bytes=self.config.io.chunk_bytes)
-                except CpuckptError as e:
-                    logger.warning("cpuckpt memory tier: reserving %d bytes for %s in %s ahead of the first save "
-                                   "failed: %s", nbytes, name, slot, e)
-                    return made
+            try:
+                made += images.reserve(name, shard_nbytes, chunk_bytes=self.config.io.chunk_bytes)
+            except CpuckptError as e:
+                logger.warning("cpuckpt memory tier: reserving %d bytes in %s ahead of the first save failed: %s",
+                               shard_nbytes, slot, e)
+                break
         return made
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:

@@ -49,7 +49,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -82,7 +81,6 @@ from .zero_stall import (
     bind_at_save,
     buffer_pointers,
     estimate_checkpoint_bytes,
-    estimate_file_bytes,
     order_engine_steps,
     snapshot_buffers,
 )
@@ -176,9 +174,6 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         # memory_tier: a tag's files go into the tier's images, not through the pool
         self._prepare_decided = (not (self.settings.async_save and self.settings.prepare_pool)
                                  or self.settings.memory_tier)
-        # memory_save_dir: the tier made, its slots' images reserved, after the first optimizer step
-        self._slots_decided = not (self.settings.memory_tier and self.settings.memory_save_dir)
-        self._reserver: threading.Thread | None = None
         if self.settings.async_save:
             order_engine_steps()  # the step hooks: ordering optimizer, and prepare_pool after the first step
         if self.settings.memory_tier:
@@ -603,11 +598,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         return len(jobs)
 
     def after_optimizer_step(self, ds_engine: Any) -> None:
-        """After the first optimizer step (``prepare_pool``): size this rank's checkpoint, prepare the pool; with
-        ``memory_save_dir``, make the memory tier and reserve its slots' images instead."""
-        if not self._slots_decided:
-            self._slots_decided = True
-            self._reserve_slots(ds_engine)
+        """After the first optimizer step (``prepare_pool``): size this rank's checkpoint, prepare the pool."""
         if self._prepare_decided:
             return
         self._prepare_decided = True
@@ -622,42 +613,6 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         if pool_state()[0] >= nbytes:
             return
         self._preparer = prepare_pool_in_background(nbytes, cfg)
-
-    def _reserve_slots(self, ds_engine: Any) -> None:
-        """Make the memory tier of ``memory_save_dir`` (collective: every rank steps) and reserve, map and pin every
-        free slot's images of this rank's files on a background thread (the first save into each slot otherwise
-        pays it on the trainer's thread: 4.7-5.9 s for 13.6 GB on the H200). A save that comes earlier waits for
-        the image it needs only (the image set's lock); an estimate that misses a file leaves it to that save."""
-        st = self.settings
-        memory = self.memory_for(st.memory_save_dir)
-        if memory is None:
-            return
-        try:
-            sizes = estimate_file_bytes(ds_engine, st.memory_save_dir, chunk_bytes=st.core.io.chunk_bytes,
-                                        storage_alignment=st.storage_alignment)
-        except Exception as e:  # an unfamiliar engine: the first saves make the images
-            logger.warning("cpuckpt memory tier: could not name and size this rank's files ahead: %s", e)
-            return
-        tier = memory.tier
-
-        def reserve() -> None:
-            try:
-                made = tier.reserve_images(sizes)
-                logger.info("cpuckpt memory tier: %d image(s) reserved ahead of the first save (%s)", made,
-                            ", ".join(f"{name} {nbytes} bytes" for name, nbytes in sorted(sizes.items())))
-            except Exception:  # the saves make the images then
-                logger.warning("cpuckpt memory tier: reserving the slots' images failed", exc_info=True)
-
-        self._reserver = threading.Thread(target=reserve, name="cpuckpt-reserve-slots", daemon=True)
-        self._reserver.start()
-
-    def wait_slots_reserved(self, timeout: float | None = None) -> bool:
-        """Wait for ``memory_save_dir``'s background reservation of the slots' images; True when it ended (or none
-        runs). A save never needs this: it waits for the image it writes only."""
-        if self._reserver is not None:
-            self._reserver.join(timeout)
-            return not self._reserver.is_alive()
-        return True
 
     @property
     def prepared_bytes(self) -> int | None:
