@@ -103,7 +103,7 @@ class ItemsHit:
     """A save that repeats the cached one: this save's sources and non-tensor payloads."""
 
     sources: list[torch.Tensor | None]
-    payloads: dict[int, memoryview]  # item -> torch.save bytes of its value
+    payloads: dict[int, memoryview]  # item -> its value's bytes (the planner's transform_object: torch.save)
     payload_nbytes: tuple[int, ...]
 
 
@@ -155,16 +155,23 @@ def _terminal_list(values: list) -> bool:
     return True
 
 
-def _pickled(obj: Any) -> memoryview:
-    """The bytes DCP's ``DefaultSavePlanner.transform_object`` produces for a non-tensor value."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getbuffer()
-
-
 def _payload(obj: Any) -> memoryview:
     """The bytes of a planner's ``transform_object`` result (a ``BytesIO``, or bytes)."""
     return obj.getbuffer() if isinstance(obj, io.BytesIO) else memoryview(obj)
+
+
+def _transform_of(planner: Any) -> Callable[[Any, Any], Any]:
+    """``planner.transform_object``, without the state dict the planner was set up on (the cache must not keep it,
+    nor any copy a translation made for it, alive)."""
+    detached = copy.copy(planner)
+    if hasattr(detached, "state_dict"):
+        detached.state_dict = None
+    return detached.transform_object
+
+
+def _flat_skeleton(flat: FlatState, leaves: list[Any]) -> list[Any]:
+    """What a cached flat save must repeat besides its tensors: the caller's key, the leaves' count and classes."""
+    return [("flat", flat.key, len(leaves), tuple(map(type, leaves)))]
 
 
 def default_planner_like(planner: Any) -> bool:
@@ -179,8 +186,7 @@ class CachedItems:
 
     def __init__(self, who: Hashable, cached: CachedPlan, skeleton: list[Any], written: WrittenItems,
                  static: list[tuple[int, int]], dynamic: list[tuple[int, int]], byte_items: list[tuple[int, int]],
-                 other_tensors: list[int], complex_items: list[int],
-                 transform: Callable[[Any, Any], Any] | None = None) -> None:
+                 other_tensors: list[int], complex_items: list[int], transform: Callable[[Any, Any], Any]) -> None:
         self.who = who
         self.cached = cached
         self.skeleton = skeleton
@@ -190,7 +196,7 @@ class CachedItems:
         self._byte_items = byte_items  # (item, position): pickled every save
         self._light_pos = [p for _, p in dynamic] + other_tensors
         self._complex_pos = complex_items
-        self._transform = transform  # a flat state's planner.transform_object (None: DCP's default, _pickled)
+        self._transform = transform  # the planner's transform_object: a non-tensor value's bytes (_transform_of)
         self._sources: list[torch.Tensor | None] = [None] * len(written.plan.items)
         for item, _ in static:
             self._sources[item] = written.sources[item]
@@ -261,7 +267,8 @@ class CachedItems:
                 if pos not in written_pos:
                     other_tensors.append(pos)
         complex_items = [p for _, p in static if leaves[p].is_complex()]
-        items = cls(who, cached, skeleton, written, static, dynamic, byte_items, other_tensors, complex_items)
+        items = cls(who, cached, skeleton, written, static, dynamic, byte_items, other_tensors, complex_items,
+                    _transform_of(planner))
         items._static_keys, items._light_keys, items._complex_keys = items._keys(leaves)
         items.adopt(written.layout, written.sources)
         return items
@@ -304,11 +311,8 @@ class CachedItems:
                 if type(leaf) not in _PLAIN:
                     return None
                 other_tensors.append(pos)
-        detached = copy.copy(planner)  # its transform_object, without the state dict it was set up on (kept alive
-        if hasattr(detached, "state_dict"):  # otherwise, with any copies the translation made of it)
-            detached.state_dict = None
-        items = cls(who, cached, [("flat", flat.key, len(leaves), tuple(map(type, leaves)))], written, static,
-                    dynamic, byte_items, other_tensors, [], transform=detached.transform_object)
+        items = cls(who, cached, _flat_skeleton(flat, leaves), written, static, dynamic, byte_items, other_tensors,
+                    [], _transform_of(planner))
         items._static_keys, items._light_keys, items._complex_keys = items._keys(leaves)
         items.adopt(written.layout, written.sources)
         return items
@@ -334,7 +338,7 @@ class CachedItems:
         skeleton: list[Any] = []
         if isinstance(state, FlatState):
             leaves = list(state.leaves)
-            if self._transform is None or [("flat", state.key, len(leaves), tuple(map(type, leaves)))] != self.skeleton:
+            if _flat_skeleton(state, leaves) != self.skeleton:
                 return None
         else:
             walk_state(state, leaves, skeleton)
@@ -349,11 +353,8 @@ class CachedItems:
         try:
             for item, pos in self._dynamic:
                 sources[item] = flat_bytes(leaves[pos])
-            if self._transform is None:
-                payloads = {item: _pickled(leaves[pos]) for item, pos in self._byte_items}
-            else:
-                items = self.plan.items
-                payloads = {item: _payload(self._transform(items[item], leaves[pos])) for item, pos in self._byte_items}
+            items = self.plan.items
+            payloads = {item: _payload(self._transform(items[item], leaves[pos])) for item, pos in self._byte_items}
         except Exception:  # e.g. a value that no longer pickles: the planner's path reports it (raising here,
             return None  # before the ranks agree, would leave the other ranks waiting in the collective)
         self.hits += 1
