@@ -971,13 +971,9 @@ def lost_work(killed: dict[str, Any], relaunch: dict[str, Any], kill: dict[str, 
     for line in relaunch.get("loaded") or []:
         if m := LOADED_RE.search(line):
             loaded = int(m.group(2))
-    before = {i["it"]: i["values"] for i in killed.get("iters") or []}
-    both = [(i["it"], before[i["it"]], i["values"]) for i in relaunch.get("iters") or [] if i["it"] in before]
-    differ = [it for it, a, b in both if a != b]
     return {"killed_after": kill.get("after"), "last_logged": last, "resumed_from": loaded,
             "iterations_lost": None if last is None or loaded is None else last - loaded,
-            "compared": len(both), "values_differ_at": differ[:10],
-            "values_equal": None if not both else not differ}  # None: resumed exactly at the last logged one
+            **same_values(killed, relaunch)}  # values_equal None: resumed exactly at the last logged one
 
 
 def same_values(reference: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
