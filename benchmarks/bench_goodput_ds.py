@@ -9,6 +9,8 @@ fresh process (``--train``: one rank, ZeRO-1, bf16, ``torch_adam``, the GPT of `
 ``cpuckpt8``  cpuckpt to disk every 8 (``ordering: optimizer``: the copies overlap the next forward and backward)
 ``mem8``      cpuckpt's memory tier every 8, durable every 64 (``memory.persist_every``), 3 slots
 ``mem1``      the memory tier every iteration, durable every 64
+``+ahead``    after a memory variant (``mem8+ahead``): ``memory_save_dir`` set, the slots' images reserved after the
+              first optimizer step instead of by the first save into each slot
 
 The trainer prints one line per iteration (``iteration N/M | elapsed time per iteration (ms): ...``, the host time
 since the previous line, its own clock); the result is the wall time from iteration ``--warm`` to the last,
@@ -44,13 +46,17 @@ VARIANTS = ("none", "ds8", "cpuckpt8", "mem8", "mem1")
 EVERY = {"none": 0, "ds8": 8, "cpuckpt8": 8, "mem8": 8, "mem1": 1}
 
 
-def settings(variant: str, ram: str, durable_every: int) -> dict[str, Any] | None:
-    """The adapter's settings of ``variant`` (None: DeepSpeed's own engine)."""
-    if variant in ("none", "ds8"):
+def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict[str, Any] | None:
+    """The adapter's settings of ``variant`` (None: DeepSpeed's own engine); ``+ahead`` (memory variants): the
+    slots' images reserved after the first optimizer step (``memory_save_dir``: ``save``)."""
+    base = variant.split("+")[0]
+    if base in ("none", "ds8"):
         return None
     out: dict[str, Any] = {"ordering": "optimizer", "io": {"threads": 8}}
-    if variant.startswith("mem"):
+    if base.startswith("mem"):
         out.update(memory_tier=True, memory={"root": ram, "slots": 3, "persist_every": durable_every})
+        if "+ahead" in variant:
+            out["memory_save_dir"] = save
     return out
 
 
@@ -73,7 +79,7 @@ def train(args: argparse.Namespace) -> int:
     if cuda:
         torch.cuda.set_device(device)
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
-    ckpt = settings(args.variant, args.ram, args.durable)
+    ckpt = settings(args.variant, args.ram, args.durable, args.save)
     if ckpt is not None:
         import_adapter().install(ckpt)
     torch.manual_seed(0)
@@ -83,7 +89,7 @@ def train(args: argparse.Namespace) -> int:
               "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
               "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    every = EVERY[args.variant]
+    every = EVERY[args.variant.split("+")[0]]
     last = time.perf_counter()
     for it in range(1, args.iters + 1):
         g = torch.Generator(device=device).manual_seed(it)
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for name in [v for v in args.variants.split(",") if v]:
-            if name not in VARIANTS:
+            if name.split("+")[0] not in VARIANTS or name.split("+")[1:] not in ([], ["ahead"]):
                 ap.error(f"unknown variant {name}; known: {VARIANTS}")
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(ram, ignore_errors=True)
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("== %s", name)
             r = run(name, argv_run, env, out / f"ds_{name}.log", args.timeout)
             g = goodput(r["iters"], args.warm)
-            every = EVERY[name]
+            every = EVERY[name.split("+")[0]]
             s = summarize(name, r, ref, _saves_between(g.get("first", args.warm), g.get("last", args.iters), every),
                           args.warm)
             if name == "none":

@@ -20,11 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bench_goodput_ds_smoke(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_goodput_ds", "--smoke", "--variants", "none,mem8",
-                           "--out", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=190)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_goodput_ds", "--smoke", "--variants",
+                           "none,mem8+ahead", "--out", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=190)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     summary = json.loads((tmp_path / "bench_goodput_ds.json").read_text())["summary"]
-    assert [s["variant"] for s in summary] == ["none", "mem8"]
+    assert [s["variant"] for s in summary] == ["none", "mem8+ahead"]
     assert all(s["rc"] == 0 and s["iters"] == 8 for s in summary), summary  # iterations 2..10 of the window
     assert summary[1]["saves"] == 1 and summary[1].get("ratio") is not None, summary[1]
     assert "wall x none" in proc.stdout

@@ -324,6 +324,7 @@ class ImageSet:
         # per image: the ``done`` of the last job that filled it (a DeepSpeed tag's files are one job each)
         self._last_done: dict[str, cf.Future] = {}
         self._reserved: set[str] = set()  # made by reserve() and not claimed by a job yet
+        self._closed = False  # close() began: nothing is reserved or prepared any more
         self._lock = threading.Lock()
 
     def image(self, name: str, nbytes: int, *, chunk_bytes: int | None = None) -> ImageFile:
@@ -341,33 +342,41 @@ class ImageSet:
         an existing image may be in use by a job, so it is never resized, but one :meth:`reserve` made and no
         job claimed yet is (an estimate, now the first save's size). Returns whether it made or resized one."""
         with self._lock:
-            if name in self._files and name not in self._reserved:
+            if self._closed or (name in self._files and name not in self._reserved):
                 return False
             self._image(name, nbytes, chunk_bytes)
             return True
 
     def reserve(self, name: str, nbytes: int, *, chunk_bytes: int | None = None) -> bool:
-        """Make image ``name`` about ``nbytes`` long ahead of its first job, unless a file of that name is here
-        already (it may hold a checkpoint). The first job's own size is then a truncation (or, larger, a
-        remap); if the first job claims other names, the reserved image is removed (no RAM held for nothing).
+        """Make image ``name`` about ``nbytes`` long ahead of the first job of this set, unless a file of that name
+        is here already (it may hold a checkpoint), a job has claimed any image here (from then on the jobs make
+        their own), or the set is closed. The first job's own size is then a truncation (or, larger, a remap); a
+        reserved image no job of the slot's first commit claimed is removed then (:meth:`drop_unclaimed`).
         Returns whether it made one."""
         with self._lock:
-            if name in self._files or os.path.lexists(self.directory / name):
+            if (self._closed or self._last_done or name in self._files
+                    or os.path.lexists(self.directory / name)):
                 return False
             self._image(name, nbytes, chunk_bytes)
             self._reserved.add(name)
             return True
 
-    def _drop_unclaimed(self, names: list[str]) -> None:
-        """Lock held: reserved images the first job does not claim are closed and removed."""
-        for name in self._reserved - set(names):
-            img = self._files.pop(name, None)
-            if img is not None:
-                img.close()
-                img.path.unlink(missing_ok=True)
-                logger.info("memory image %s was reserved but the first save into %s names other files; removed",
-                            name, self.directory)
-        self._reserved.clear()
+    def drop_unclaimed(self) -> None:
+        """The slot's first save committed: reserved images none of its jobs claimed are closed and removed (no
+        RAM held for nothing, no stray file beside the checkpoint). Called at the commit, not at a claim: a
+        DeepSpeed tag's files are claimed by one job each. Nothing is reserved once a job claimed, so an empty set
+        is final and needs no lock (a commit callback must not wait behind an image being made)."""
+        if not self._reserved:
+            return
+        with self._lock:
+            for name in self._reserved:
+                img = self._files.pop(name, None)
+                if img is not None:
+                    img.close()
+                    img.path.unlink(missing_ok=True)
+                    logger.info("memory image %s was reserved but the first save into %s names other files; "
+                                "removed", name, self.directory)
+            self._reserved.clear()
 
     def _image(self, name: str, nbytes: int, chunk_bytes: int | None) -> ImageFile:
         img = self._files.get(name)
@@ -395,8 +404,7 @@ class ImageSet:
         end before any byte moves: an image is resized or remapped only while no job copies into it). Jobs of
         other images of the set go on (a tag's optimizer file does not wait for its model file)."""
         with self._lock:
-            if self._reserved:
-                self._drop_unclaimed(names)
+            self._reserved -= set(names)  # theirs now: never resized by prepare() nor dropped
             previous = {id(f): f for n in names if (f := self._last_done.get(n)) is not None}
             for n in names:
                 self._last_done[n] = done
@@ -420,6 +428,7 @@ class ImageSet:
     def close(self) -> None:
         """Close every image (unpin, unmap); the files stay."""
         with self._lock:
+            self._closed = True
             files, self._files = list(self._files.values()), {}
         for f in files:
             f.close()

@@ -81,6 +81,7 @@ from .zero_stall import (
     bind_at_save,
     buffer_pointers,
     estimate_checkpoint_bytes,
+    estimate_file_bytes,
     order_engine_steps,
     snapshot_buffers,
 )
@@ -174,6 +175,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         # memory_tier: a tag's files go into the tier's images, not through the pool
         self._prepare_decided = (not (self.settings.async_save and self.settings.prepare_pool)
                                  or self.settings.memory_tier)
+        # memory_save_dir: the tier made, its slots' images reserved, after the first optimizer step
+        self._slots_decided = not (self.settings.memory_tier and self.settings.memory_save_dir)
         if self.settings.async_save:
             order_engine_steps()  # the step hooks: ordering optimizer, and prepare_pool after the first step
         if self.settings.memory_tier:
@@ -554,9 +557,17 @@ class CpuckptCheckpointEngine(CheckpointEngine):
     # -- the memory tier (memory_tier) ----------------------------------------------------------------
     def memory_for(self, save_dir: str | os.PathLike) -> DeepSpeedMemory | None:
         """The memory tier of ``save_dir`` (made now, collectively, at the first call), or None when
-        ``memory_tier`` is off or the tier serves another ``save_dir`` (checkpoints there go to disk)."""
+        ``memory_tier`` is off or the tier serves another ``save_dir`` (checkpoints there go to disk).
+
+        Raises:
+            ConfigError: ``memory_save_dir`` names another directory (its slots were reserved for this one's files).
+        """
         if not self.settings.memory_tier:
             return None
+        planned = self.settings.memory_save_dir
+        if planned and Path(os.path.abspath(planned)) != Path(os.path.abspath(save_dir)):
+            raise ConfigError(f"cpuckpt memory tier: memory_save_dir is {planned}, but a checkpoint goes to "
+                              f"{save_dir}: memory_save_dir must be the save_dir given to save_checkpoint")
         if self._memory is None:
             self._memory = DeepSpeedMemory(save_dir, self.settings.core)
         if self._memory.save_dir != Path(os.path.abspath(save_dir)):
@@ -598,7 +609,11 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         return len(jobs)
 
     def after_optimizer_step(self, ds_engine: Any) -> None:
-        """After the first optimizer step (``prepare_pool``): size this rank's checkpoint, prepare the pool."""
+        """After the first optimizer step (``prepare_pool``): size this rank's checkpoint, prepare the pool; with
+        ``memory_save_dir``, make the memory tier and reserve its slots' images instead."""
+        if not self._slots_decided:
+            self._slots_decided = True
+            self._reserve_slots(ds_engine)
         if self._prepare_decided:
             return
         self._prepare_decided = True
@@ -613,6 +628,28 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         if pool_state()[0] >= nbytes:
             return
         self._preparer = prepare_pool_in_background(nbytes, cfg)
+
+    def _reserve_slots(self, ds_engine: Any) -> None:
+        """Make the memory tier of ``memory_save_dir`` (collective: every rank steps) and have it reserve, map and pin
+        every free slot's images of this rank's files on its own thread (the first save into each slot otherwise
+        pays it on the trainer's thread: 4.7-5.9 s for 13.6 GB on the H200). A save that comes earlier waits for
+        the image being made only; an estimate that misses a file leaves it to that save."""
+        st = self.settings
+        memory = self.memory_for(st.memory_save_dir)
+        if memory is None:
+            return
+        try:
+            sizes = estimate_file_bytes(ds_engine, st.memory_save_dir, chunk_bytes=st.core.io.chunk_bytes,
+                                        storage_alignment=st.storage_alignment)
+        except Exception as e:  # an unfamiliar engine: the first saves make the images
+            logger.warning("cpuckpt memory tier: could not name and size this rank's files ahead: %s", e)
+            return
+        memory.tier.reserve_ahead(sizes)
+
+    def wait_slots_reserved(self, timeout: float | None = None) -> bool:
+        """Wait for ``memory_save_dir``'s background reservation of the slots' images; True when it ended (or none
+        runs). A save never needs this: it waits for the image being made only."""
+        return self._memory is None or self._memory.tier.wait_prepared(timeout)
 
     @property
     def prepared_bytes(self) -> int | None:

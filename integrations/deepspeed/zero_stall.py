@@ -35,13 +35,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["bind_at_save", "buffer_pointers", "estimate_checkpoint_bytes", "order_engine_steps", "snapshot_buffers"]
+__all__ = ["bind_at_save", "buffer_pointers", "estimate_checkpoint_bytes", "estimate_file_bytes", "order_engine_steps",
+           "snapshot_buffers"]
 
 logger = logging.getLogger(__name__)
 
@@ -198,38 +200,62 @@ def estimate_checkpoint_bytes(ds_engine: Any, *, chunk_bytes: int, storage_align
     tensors (Adam's moments; before the first step, Adam's two fp32 moments and step are assumed).
     Adds each tensor's alignment and pickle record, and a partial chunk per file.
     """
-    seen: set[int] = set()
-    total = [0, 0]  # bytes, tensors
+    model, optim = _file_parts(ds_engine)
+    module = ds_engine.module
+    nfiles = 2 + len(getattr(module, "forward_funcs", ()) or ())  # model + optimizer states (+ pipeline layers)
+    nbytes = model[0] + optim[0] + (model[1] + optim[1]) * (storage_alignment + 512) + nfiles * chunk_bytes
+    return int(nbytes * 1.02)
 
-    def add(t: Any) -> None:
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
-            return
-        key = t.data_ptr()
-        if key in seen:
-            return
-        seen.add(key)
-        total[0] += t.numel() * t.element_size()
-        total[1] += 1
+
+def estimate_file_bytes(ds_engine: Any, save_dir: str, *, chunk_bytes: int, storage_alignment: int) -> dict[str, int]:
+    """The files this rank writes into a tag of ``save_dir`` and each one's image bytes (slightly over, as
+    :func:`estimate_checkpoint_bytes`): the model states file (where this rank writes it; without ZeRO with the
+    optimizer's state in it) and the optimizer states file (where this rank writes one), named by DeepSpeed
+    itself. Empty where the engine's layout is not these two files (pipeline layers, MoE experts): those files
+    are made by the first save."""
+    if getattr(ds_engine.module, "forward_funcs", None) or getattr(ds_engine, "has_moe_layers", False):
+        return {}
+    model, optim = _file_parts(ds_engine)
+    out = {}
+    if getattr(ds_engine, "save_non_zero_checkpoint", True):
+        # without ZeRO the model states file holds the optimizer's state dict too (DeepSpeed's
+        # _common_checkpoint_state: optimizer=... if not zero_optimization())
+        own = model if ds_engine.zero_optimization() else (model[0] + optim[0], model[1] + optim[1])
+        out[os.path.basename(ds_engine._get_ckpt_name(save_dir, "tag"))] = own
+    if getattr(ds_engine, "save_zero_checkpoint", False):  # set where this rank writes a ZeRO/bf16 optimizer file
+        out[os.path.basename(ds_engine._get_zero_ckpt_name(save_dir, "tag"))] = optim
+    return {name: int((b + n * (storage_alignment + 512) + chunk_bytes) * 1.02) for name, (b, n) in out.items()}
+
+
+def _file_parts(ds_engine: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(bytes, tensors) of the model states' tensors (the module's parameters where this rank writes them, its
+    buffers) and of the optimizer states' (master parameters and their state; Adam's assumed before a step),
+    each storage counted once."""
+    seen: set[int] = set()
+
+    def count(tensors: Iterable[Any]) -> tuple[int, int]:
+        nbytes = n = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            nbytes += t.numel() * t.element_size()
+            n += 1
+        return nbytes, n
 
     module = ds_engine.module
-    if getattr(ds_engine, "save_non_zero_checkpoint", True):
-        for p in module.parameters():
-            add(p)
-    for b in module.buffers():
-        add(b)
+    params = list(module.parameters()) if getattr(ds_engine, "save_non_zero_checkpoint", True) else []
+    model = count([*params, *module.buffers()])
     opt = getattr(ds_engine, "optimizer", None)
     base = getattr(opt, "optimizer", opt) if opt is not None else None
     groups = getattr(base, "param_groups", None) or []
     masters = [p for g in groups for p in g.get("params", [])]
-    for p in masters:
-        add(p)
-    states = [v for s in getattr(base, "state", {}).values() if isinstance(s, Mapping) for v in s.values()]
+    b, n = count(masters)
+    states = [v for st in getattr(base, "state", {}).values() if isinstance(st, Mapping) for v in st.values()]
     if any(isinstance(v, torch.Tensor) for v in states):
-        for v in states:
-            add(v)
+        sb, sn = count(states)
+        b, n = b + sb, n + sn
     else:  # no step yet: Adam-like, two fp32 moments and a step per master (an overestimate for SGD)
-        total[0] += sum(2 * 4 * p.numel() + 8 for p in masters if isinstance(p, torch.Tensor))
-        total[1] += 3 * len(masters)
-    nfiles = 2 + len(getattr(module, "forward_funcs", ()) or ())  # model + optimizer states (+ pipeline layers)
-    nbytes = total[0] + total[1] * (storage_alignment + 512) + nfiles * chunk_bytes
-    return int(nbytes * 1.02)
+        b += sum(2 * 4 * p.numel() + 8 for p in masters if isinstance(p, torch.Tensor))
+        n += 3 * len(masters)
+    return model, (b, n)

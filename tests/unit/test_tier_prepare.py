@@ -7,6 +7,7 @@ Single process, real RAM-root files (persist_every 0: no writer process is start
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,9 @@ def test_an_under_estimate_is_mapped_again_and_a_reserved_name_no_save_uses_is_r
             tier.save(_big(step), step).wait()
         own = tier.images[0].get(f"__{tier.rank}_0.distcp")
         assert own.remaps == 2 and own.nbytes > 4 << 20  # too small: the first save grew it
+        deadline = time.monotonic() + 10  # removed by the commit's callback (it may run just after wait() returns)
+        while stray.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert tier.images[1].names == [f"__{tier.rank}_0.distcp"] and not stray.exists()
         out = {"w": torch.empty(1024, 1024), "step": -1}
         cpuckpt.load(out, tier.find_latest())
@@ -183,3 +187,41 @@ def test_the_preparation_after_the_first_save_resizes_reserved_images_to_its_siz
         assert [images.get(name).remaps for images in tier.images] == remaps, "a later save mapped its image again"
     finally:
         tier.close(persist_newest=False)
+
+
+def test_images_reserved_ahead_are_kept_for_every_job_of_a_save_and_only_before_the_first_claim(tmp_path):
+    """A DeepSpeed tag's files are one job each: the first file's claim keeps the other file's reservation (its
+    image is the one the second job fills); leftovers go at the slot's commit; nothing is reserved once a job
+    claimed, nor after close."""
+    import concurrent.futures as cf
+
+    from cpuckpt.tier.images import ImageSet
+
+    images = ImageSet(tmp_path / "slot", pin=False)
+    try:
+        assert images.reserve("model.pt", 8192) and images.reserve("optim.pt", 8192) and images.reserve("x.pt", 64)
+        optim = images.get("optim.pt")
+        done = cf.Future()
+        assert images.claim(done, ["model.pt"]) == []
+        assert images.get("optim.pt") is optim and optim.path.exists()  # not dropped by the model file's claim
+        assert not images.reserve("later.pt", 4096)  # a job claimed: from now on the jobs make their own images
+        assert images.claim(cf.Future(), ["optim.pt"]) == []
+        images.drop_unclaimed()  # the slot's commit: every job of the save claimed by now
+        assert sorted(images.names) == ["model.pt", "optim.pt"] and not (tmp_path / "slot" / "x.pt").exists()
+        assert images.get("optim.pt") is optim and optim.path.exists()
+    finally:
+        images.close()
+    assert not images.reserve("after.pt", 4096) and not images.prepare("after.pt", 4096)  # closed: nothing made
+    assert not (tmp_path / "slot" / "after.pt").exists()
+
+
+def test_reserve_ahead_runs_on_the_tiers_thread_and_close_stops_it(tmp_path):
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    try:
+        assert tier.reserve_ahead({"a.pt": 1 << 20, "b.pt": 4096})
+        assert not tier.reserve_ahead({"c.pt": 4096})  # one preparation per tier
+        assert tier.wait_prepared(30)
+        assert [sorted(images.names) for images in tier.images] == [["a.pt", "b.pt"]] * 3
+    finally:
+        tier.close(persist_newest=False)
+    assert not tier.reserve_ahead({"d.pt": 4096})  # closed: none starts
