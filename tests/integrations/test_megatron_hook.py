@@ -207,3 +207,42 @@ def test_install_watches_megatron_lm_queue(tmp_path):
     finally:
         (mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy, au._get_async_calls_queue,
          au.init_persistent_async_worker, init.init_persistent_async_worker) = originals
+
+
+def test_the_tier_stays_open_for_megatron_lms_final_save_and_closes_at_the_next_terminate(monkeypatch):
+    """train()'s terminate is followed by pretrain()'s final save when the last iteration is not a multiple of
+    --save-interval: the tier stays open for it (a new one costs a fresh slot and a writer) and closes at the next
+    terminate; otherwise it closes at once."""
+    from types import SimpleNamespace
+
+    import cpuckpt.integrations.megatron.hook as hook
+    from cpuckpt.integrations.megatron.hook import Training, final_save_follows
+
+    from cpuckpt.config import Config
+
+    def args(iters, interval, save="ckpt"):
+        return SimpleNamespace(train_iters=iters, save_interval=interval, save=save)
+
+    assert final_save_follows(args(100, 64)) and not final_save_follows(args(128, 64))
+    assert not final_save_follows(args(100, 64, save=None)) and not final_save_follows(args(100, None))
+
+    class Tier:  # stands for the run's MegatronMemory: what the hook asks of it is close()
+        closes = 0
+
+        def close(self):
+            self.closes += 1
+
+    at_exit: list = []  # the process's exit handlers, as the hook registers them
+    monkeypatch.setattr(hook.atexit, "register", at_exit.append)
+    monkeypatch.setattr(hook.atexit, "unregister", lambda fn: at_exit.remove(fn) if fn in at_exit else None)
+    run = Training(Config())
+    run._memory = tier = Tier()
+    run.end_of_training(args(100, 64))  # train()'s terminate: the final save follows
+    assert tier.closes == 0 and at_exit == [run.close]  # closed at exit if train() ends the process itself
+    run.end_of_training(args(100, 64))  # pretrain()'s terminate, after the final save
+    assert tier.closes == 1 and at_exit == []
+
+    run = Training(Config())
+    run._memory = tier = Tier()
+    run.end_of_training(args(128, 64))  # the last iteration was saved: no final save, closed now
+    assert tier.closes == 1
