@@ -49,13 +49,19 @@ from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry
 from cpuckpt.tier.nodefiles import NODE_FILES_NAME, committed_node_files
 from cpuckpt.tier.ramroot import require_free
 from cpuckpt.transfer.files import write_atomic
+from cpuckpt.version import __version__
 
 __all__ = ["Endpoint", "Listener", "ReplicaError", "SlotContent", "partners", "read_endpoint", "read_token",
            "replica_dir", "replica_slots", "send_slot", "slot_content", "write_token"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"CPKREP2\n"  # 2: file sets (a listing and a marker) besides DCP slots
+# The connection opens with "CPKREP<version>\n", then a length-prefixed JSON head: that framing is the part
+# every version keeps, so a receiver of another version reads the head and refuses with both versions named (a
+# mixed-version job is told to run one cpuckpt on every node, not "not a replica connection").
+PROTOCOL = 2  # 2: file sets (a listing and a marker) besides DCP slots
+_PREFIX = b"CPKREP"
+MAGIC = _PREFIX + str(PROTOCOL).encode() + b"\n"
 TOKEN_NAME = ".replica-token"  # noqa: S105 (a file name, not a secret)
 ENDPOINT_NAME = "replica-endpoint.json"
 SOURCE_NAME = "source.json"
@@ -320,11 +326,18 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
         RamRootError: the RAM bound (the headroom would not stay free).
         CheckpointCorrupt: a chunk whose crc32c is not the source manifest's.
     """
-    magic = bytearray(len(MAGIC))
-    _recv_exact(conn, memoryview(magic))
-    if bytes(magic) != MAGIC:
+    magic = bytearray()
+    while not magic.endswith(b"\n") and len(magic) < 16:  # "CPKREP<version>\n", any version's length
+        one = bytearray(1)
+        _recv_exact(conn, memoryview(one))
+        magic += one
+    if not magic.startswith(_PREFIX) or not magic.endswith(b"\n"):
         raise ReplicaError("not a cpuckpt replica connection")
     head = _recv_msg(conn, limit=256 << 20)
+    if bytes(magic) != MAGIC:  # the head is read first, so that the refusal reaches the sender
+        theirs = magic[len(_PREFIX):-1].decode("ascii", "replace")
+        raise ReplicaError(f"replica refused: the sender speaks replica protocol {theirs}, this receiver "
+                           f"{PROTOCOL} (cpuckpt {__version__}): run one cpuckpt version on every node")
     token = read_token(root)
     if token is None or not hmac.compare_digest(str(head.get("token", "")), token):
         raise ReplicaError(f"{root}: replica refused: wrong job token")

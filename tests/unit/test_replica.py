@@ -158,3 +158,28 @@ def test_the_writer_replicates_to_every_partner_and_reports_a_failed_one_as_a_re
     # the live partner still got its copy; the outcome is a failed *replica* (the trainer warns, never raises)
     assert not out.ok and out.error.startswith("replica:") and f"127.0.0.1:{dead_port}" in out.error, out
     assert out.nbytes == ok.nbytes
+
+
+@pytest.mark.parametrize("theirs", ["1", "10"])
+def test_a_sender_of_another_protocol_version_is_refused_with_both_versions_named(
+        partner: Listener, theirs: str) -> None:
+    """A mixed-version job (one node upgraded): the receiver reads the head (the framing every version keeps), then
+    refuses in words the sender can report, instead of a bare "not a replica connection" or a reset connection."""
+    from cpuckpt.tier.replica import PROTOCOL, _recv_msg, _send_msg
+
+    with socket.create_connection((partner.endpoint.host, partner.endpoint.port), timeout=10) as sock:
+        sock.sendall(f"CPKREP{theirs}\n".encode())
+        _send_msg(sock, {"token": TOKEN, "into": "replica", "source": "x", "slot": "slot-0", "save_id": "s",
+                         "step": 1, "files": [], "commit": [], "a later version's key": True})
+        reply = _recv_msg(sock)
+    assert not reply["ok"] and (f"speaks replica protocol {theirs}, this receiver {PROTOCOL}" in reply["error"]
+                                and "one cpuckpt version on every node" in reply["error"]), reply
+    assert replica_slots(partner.root) == []
+
+
+def test_a_connection_that_is_not_a_replica_is_refused(partner: Listener) -> None:
+    with socket.create_connection((partner.endpoint.host, partner.endpoint.port), timeout=10) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        sock.shutdown(socket.SHUT_WR)
+        assert b"not a cpuckpt replica connection" in sock.recv(4096)
+    assert replica_slots(partner.root) == []
