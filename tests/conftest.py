@@ -395,10 +395,29 @@ def _start_rank(item: pytest.Item) -> int:
     return next((i for i, prefix in enumerate(START_FIRST) if nodeid.startswith(prefix)), len(START_FIRST))
 
 
+def _group_nodeids(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``xdist_group`` for pytest >= 9: pytest-xdist (3.8) puts a test on its group's worker by appending
+    ``@<group>`` to ``item._nodeid`` in the worker, but pytest 9 keeps the id in ``item._id``, so the
+    suffix was silently lost and every grouped test ran wherever it landed (a module fixture such as a
+    reference run, a built wheel or a training run was then made once per worker, not once). On an xdist
+    worker with ``--dist loadgroup`` (``config.option.loadgroup``), give each marked item the id
+    pytest-xdist means to give it; elsewhere, or where the suffix is already there, nothing changes."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId  # pytest >= 9 (the check above)
+
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Longest files first (:data:`START_FIRST`); ``slow`` tests (pyproject: "off by default") run only
     with ``-m slow`` or ``CPUCKPT_SLOW=1``."""
     items.sort(key=_start_rank)
+    _group_nodeids(config, items)
     if "slow" in (config.getoption("markexpr") or "") or os.environ.get("CPUCKPT_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: run with -m slow or CPUCKPT_SLOW=1")
