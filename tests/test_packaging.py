@@ -22,6 +22,10 @@ from pathlib import Path
 
 import pytest
 
+# One worker for the module: its fixture (a wheel built and installed, ~12 s) is then made once, not once per
+# pytest-xdist worker that runs one of these tests.
+pytestmark = pytest.mark.xdist_group("packaging")
+
 REPO = Path(__file__).resolve().parents[1]
 _SKIP_TOP = {".git", ".venv", "venv", "build", "dist", ".ruff_cache", ".pytest_cache", ".whl", ".out"}
 

@@ -183,6 +183,7 @@ def lagging_run(rank_runner, tmp_path_factory) -> tuple[list[dict], Path, Path]:
     return reports, durable, base
 
 
+@pytest.mark.xdist_group("tier_restore_lagging")  # one lagging run (module fixture) for the three, not one per worker
 def test_find_latest_mid_run_with_lagging_replicas_writes_nothing(lagging_run) -> None:
     reports, _, _ = lagging_run
     for rank, r in enumerate(reports):
@@ -228,6 +229,7 @@ def relaunched(rank_runner, lagging_run) -> tuple[list[dict], Path, Path]:
     return reports, durable, base
 
 
+@pytest.mark.xdist_group("tier_restore_lagging")  # one lagging run (module fixture) for the three, not one per worker
 def test_relaunch_with_lagging_replicas_loads_the_newest_step_and_keeps_it(relaunched) -> None:
     reports, _, base = relaunched
     for rank, r in enumerate(reports):
@@ -264,6 +266,7 @@ def _after_node_loss(durable: str, base: str) -> dict:
     return out
 
 
+@pytest.mark.xdist_group("tier_restore_lagging")  # one lagging run (module fixture) for the three, not one per worker
 def test_a_planned_restore_is_dropped_once_its_slot_is_saved_into(rank_runner, relaunched, tmp_path) -> None:
     _, durable, base = relaunched
     shutil.rmtree(base / "ram1")  # node 1 lost its RAM (its writer is gone)

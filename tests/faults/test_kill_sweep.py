@@ -242,13 +242,14 @@ def _run_point(rank_runner, tmp_path: Path, templates, point: tuple) -> None:
 SWEEP = ["representative", pytest.param("full", marks=pytest.mark.slow)]
 
 
+@pytest.mark.xdist_group("kill_sweep")  # on one worker: the templates (module fixture, ~9 s) made once
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("sweep", SWEEP)
 def test_kill_sweep(rank_runner, tmp_path_factory, templates, capsys, sweep, world):
     world_nbytes = {w: _data_nbytes(tmp_path_factory, w) for w in (1, 2)}
     points = _points(world_nbytes[1], world_nbytes[2], full=sweep == "full")
     assert len(points) >= (45 if sweep == "full" else 36)
-    points = [p for p in points if p[1] == world]  # one test per world size, so that xdist spreads them
+    points = [p for p in points if p[1] == world]  # one test per world size
     FIGURES.update(dict.fromkeys(FIGURES, 0))
     t0 = time.monotonic()
     failures = []
@@ -268,6 +269,7 @@ def test_kill_sweep(rank_runner, tmp_path_factory, templates, capsys, sweep, wor
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.xdist_group("kill_sweep")  # on one worker: the templates (module fixture, ~9 s) made once
 @pytest.mark.parametrize("sweep", SWEEP)
 def test_wall_clock_kills(rank_runner, tmp_path_factory, templates, capsys, sweep):
     rng = random.Random(SEED + 1)

@@ -233,6 +233,7 @@ def zero_stall_run(rank_runner, tmp_path_factory):
     return rank_runner(2, rank_zero_stall, str(tmp), tmp_path=tmp, timeout_s=240, env={"DS_ACCELERATOR": "cpu"})
 
 
+@pytest.mark.xdist_group("ds_zero_stall_run")  # one training run (module fixture) for the three, not one per worker
 def test_optimizer_ordering_real_path_keeps_the_save_step(zero_stall_run):
     for r in zero_stall_run:
         assert {"/module/bn.running_mean", "/module/bn.num_batches_tracked", "/module/fc1.weight"} <= set(r["keys"])
@@ -240,6 +241,7 @@ def test_optimizer_ordering_real_path_keeps_the_save_step(zero_stall_run):
         assert r["a_mismatch"] == [], f"checkpoint differs from the save-step values: {r['a_mismatch']}"
 
 
+@pytest.mark.xdist_group("ds_zero_stall_run")  # one training run (module fixture) for the three, not one per worker
 def test_optimizer_ordering_with_pending_copies_keeps_the_save_step(zero_stall_run):
     for rank, r in enumerate(zero_stall_run):
         assert r["b_staged_at_return"] is False and r["b_pending"] >= 1, "save() waited for its copies"
@@ -253,6 +255,7 @@ def test_optimizer_ordering_with_pending_copies_keeps_the_save_step(zero_stall_r
         assert r["c_pending_before_load"] >= 1 and r["c_staged_after_load"], r
 
 
+@pytest.mark.xdist_group("ds_zero_stall_run")  # one training run (module fixture) for the three, not one per worker
 def test_prepare_pool_before_the_first_save(zero_stall_run):
     for r in zero_stall_run:
         assert r["pool_before_step"] == 0, "a pool existed before the engine stepped (test isolation)"
