@@ -120,14 +120,6 @@ def rank_sync_roundtrip(root: str, bf16: bool) -> dict:
             "files": sorted(p.name for p in path.iterdir())}
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_sync_save_stock_and_resharded_load(run_ranks, tmp_path, bf16):
-    results = run_ranks(2, rank_sync_roundtrip, str(tmp_path), bf16, timeout_s=180, env=ENV)
-    assert results[0]["backend"] == "torch_dist"
-    assert results[0]["manifest"], "cpuckpt's manifest missing: the save did not go through cpuckpt"
-    assert ".metadata" in results[0]["files"]  # (common state: common.pt up to 0.16, a ShardedObject from 0.17)
-
-
 def rank_stock_save_our_load(root: str) -> None:
     import cpuckpt.integrations.megatron as ckpt_mg
     from megatron.core import dist_checkpointing
@@ -142,8 +134,28 @@ def rank_stock_save_our_load(root: str) -> None:
     _check(loaded, 3, device, split_dim=1)
 
 
-def test_stock_torch_dist_checkpoint_loads_through_ours(run_ranks, tmp_path):
-    run_ranks(2, rank_stock_save_our_load, str(tmp_path), timeout_s=180, env=ENV)
+def rank_sync_cases(root: str) -> dict:
+    """The synchronous round trips (fp32, then bf16) and the stock save loaded through ours, in one launch of the
+    ranks (each case its own directory): megatron-core is imported and the ranks set up once, not three times."""
+    out = {}
+    for bf16 in (False, True):
+        case = Path(root) / ("bf16" if bf16 else "fp32")
+        case.mkdir(parents=True, exist_ok=True)
+        out[bf16] = rank_sync_roundtrip(str(case), bf16)
+    rank_stock_save_our_load(root)  # raises (the rank's error) unless the stock checkpoint loads bit-exact
+    return out
+
+
+def test_sync_save_stock_and_resharded_load(run_ranks, tmp_path):
+    """fp32 and bf16: cpuckpt's save loads through stock megatron-core and, resharded, through ours; and a stock
+    torch_dist checkpoint loads through ours, resharded (the cases of one launch)."""
+    results = run_ranks(2, rank_sync_cases, str(tmp_path), timeout_s=240, env=ENV)
+    for bf16, r in results[0].items():
+        assert r["backend"] == "torch_dist", (bf16, r)
+        assert r["manifest"], f"bf16={bf16}: cpuckpt's manifest missing: the save did not go through cpuckpt"
+        # (common state: common.pt up to 0.16, a ShardedObject from 0.17)
+        assert ".metadata" in r["files"], (bf16, r)
+    assert sorted(results[0]) == [False, True], results[0]
 
 
 def rank_async(root: str, persistent: bool, fully_parallel: bool) -> dict:
@@ -183,13 +195,27 @@ def rank_async(root: str, persistent: bool, fully_parallel: bool) -> dict:
         f"cpuckpt-megatron-p{os.getpid()}-*"))}
 
 
-@pytest.mark.parametrize(("persistent", "fully_parallel"), [(False, False), (True, False), (True, True)],
-                         ids=["temporal", "persistent", "persistent-fully-parallel"])
-def test_async_save_through_megatron_callers(run_ranks, tmp_path, persistent, fully_parallel):
-    results = run_ranks(2, rank_async, str(tmp_path), persistent, fully_parallel, timeout_s=240, env=ENV)
+ASYNC_CASES = (("temporal", False, False), ("persistent", True, False), ("persistent-fully-parallel", True, True))
+
+
+def rank_async_cases(root: str) -> dict:
+    """:func:`rank_async` for each of :data:`ASYNC_CASES` (queue, strategy), in one launch of the ranks (each case
+    its own directory, queue and strategy): megatron-core is imported and the ranks set up once, not three times."""
+    out = {}
+    for name, persistent, fully_parallel in ASYNC_CASES:
+        case = Path(root) / name
+        case.mkdir(parents=True, exist_ok=True)
+        out[name] = rank_async(str(case), persistent, fully_parallel)
+    return out
+
+
+def test_async_save_through_megatron_callers(run_ranks, tmp_path):
+    results = run_ranks(2, rank_async_cases, str(tmp_path), timeout_s=240, env=ENV)
     for r in results:
-        assert r["finalized"] == [1, 2]
-        assert r["leftovers"] == [], "channel files left behind"
+        assert list(r) == [name for name, _, _ in ASYNC_CASES], r
+        for name, case in r.items():
+            assert case["finalized"] == [1, 2], (name, case)
+            assert case["leftovers"] == [], f"{name}: channel files left behind: {case['leftovers']}"
 
 
 def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: bool = False) -> dict:
