@@ -351,13 +351,24 @@ class ImageSet:
         """Make image ``name`` about ``nbytes`` long ahead of the first job of this set, unless a file of that name
         is here already (it may hold a checkpoint), a job has claimed any image here (from then on the jobs make
         their own), or the set is closed. The first job's own size is then a truncation (or, larger, a remap); a
-        reserved image no job of the slot's first commit claimed is removed then (:meth:`drop_unclaimed`).
-        Returns whether it made one."""
+        reserved image no job of the slot's first commit claimed is removed then (:meth:`drop_unclaimed`); one that
+        fails to be made is removed at once. Returns whether it made one."""
         with self._lock:
             if (self._closed or self._last_done or name in self._files
                     or os.path.lexists(self.directory / name)):
                 return False
-            self._image(name, nbytes, chunk_bytes)
+            try:
+                self._image(name, nbytes, chunk_bytes)
+            except BaseException:
+                # made here (the name was free): a half-made image in no set would never be dropped, a stray file
+                img = self._files.pop(name, None)
+                if img is not None:
+                    img.close()
+                    try:
+                        img.path.unlink(missing_ok=True)
+                    except OSError:
+                        logger.warning("memory image %s: removing it after a failed reservation failed", img.path)
+                raise
             self._reserved.add(name)
             return True
 

@@ -173,7 +173,9 @@ class MemoryTier:
         self._last: _LastSave | None = None  # the newest memory save (close() and SIGTERM persist it if needed)
         self.last_persist: PersistRequest | None = None
         self.last_replica: PersistRequest | None = None  # a file set's replica request (commit_files)
-        self._prepared: threading.Thread | None = None  # the background preparation of the other slots' images
+        # The newest background preparation of the slots' images (the post-commit one joins reserve_ahead's first)
+        self._prepared: threading.Thread | None = None
+        self._slots_prepare_started = False  # _prepare_slots made its thread (several saves' callbacks may call it)
         self._prepare_lock = threading.Lock()
         self._prepare_decided = threading.Event()  # the first save ended: preparation started or not needed
         self._closing = threading.Event()
@@ -644,7 +646,9 @@ class MemoryTier:
         and the relaunch's first save into each such slot had paid it (1.1-2.3 s for 5 GB on the H200)."""
         sizes = {n: img.nbytes for n in self.images[k].names if (img := self.images[k].get(n)) is not None}
 
-        def run() -> None:
+        def run(previous: threading.Thread | None) -> None:
+            if previous is not None:  # reserve_ahead's: never two threads on one image set (it stops at close)
+                previous.join()
             try:
                 for j, images in enumerate(self.images):
                     if j == k or self._held(self.slots[j]):
@@ -659,9 +663,11 @@ class MemoryTier:
             except CpuckptError as e:  # e.g. the RAM root's headroom: the save that needs the image says so
                 logger.warning("cpuckpt memory tier: preparing the slots' images ahead failed: %s", e)
 
-        with self._prepare_lock:  # one preparation per tier; none once close() began
-            if self._prepared is None and not self._closing.is_set():
-                self._prepared = threading.Thread(target=run, name=f"cpuckpt-prepare-{self.rank}", daemon=True)
+        with self._prepare_lock:  # once per tier, after a reservation ahead too; none once close() began
+            if not self._slots_prepare_started and not self._closing.is_set():
+                self._slots_prepare_started = True
+                self._prepared = threading.Thread(target=run, args=(self._prepared,),
+                                                  name=f"cpuckpt-prepare-{self.rank}", daemon=True)
                 self._prepared.start()
         self._prepare_decided.set()
 
@@ -692,8 +698,9 @@ class MemoryTier:
         """As :meth:`reserve`, on a thread of the tier's own, for a caller that knows the names of this rank's files
         and about their sizes (a tier of DeepSpeed's files: their names are DeepSpeed's; 13.6 GB take 4.7-5.9 s per
         slot on the H200). A save that comes earlier waits for the image being made only; a slot a save claimed
-        first is left to its saves; :meth:`close` stops it after the image in hand. :meth:`wait_prepared` waits for
-        it. Nothing across nodes. Returns whether it started (not when closing or already preparing)."""
+        first is left to its saves; :meth:`close` stops it after the image in hand. The preparation after the first
+        committed save still runs once it ended (it skips committed slots, keeps estimates); :meth:`wait_prepared`
+        waits for both. Nothing across nodes. Returns whether it started (not when closing or already preparing)."""
         if not self.nodes.single or not sizes:
             return False
 
@@ -740,15 +747,12 @@ class MemoryTier:
         after the first committed save); True when it ended, or none will run (``prepare_slots`` off, or the first
         save failed)."""
         deadline = time.monotonic() + (self.config.timeout_s if timeout_s is None else timeout_s)
-        with self._prepare_lock:  # made and started under it
-            prepared = self._prepared
-        if prepared is None:
-            if not self.config.memory.prepare_slots or self._last is None:
-                return True
+        # after a save, the post-commit preparation (chained after any reservation ahead) is the one to wait for
+        if self.config.memory.prepare_slots and self._last is not None:
             if not self._prepare_decided.wait(max(0.0, deadline - time.monotonic())):
                 return False
-            with self._prepare_lock:
-                prepared = self._prepared
+        with self._prepare_lock:  # made and started under it
+            prepared = self._prepared
         if prepared is not None:
             prepared.join(max(0.0, deadline - time.monotonic()))
             return not prepared.is_alive()
@@ -1054,7 +1058,7 @@ class MemoryTier:
         with self._prepare_lock:  # from here on no preparation starts
             self._closing.set()
             prepared = self._prepared
-        if prepared is not None:  # it stops after the image in hand: nothing maps or pins past this point
+        if prepared is not None:  # the newest (it joins any older one); it stops after the image in hand
             deadline = time.monotonic() + self.config.timeout_s
             while prepared.is_alive() and time.monotonic() < deadline:
                 prepared.join(0.1)

@@ -225,3 +225,68 @@ def test_reserve_ahead_runs_on_the_tiers_thread_and_close_stops_it(tmp_path):
     finally:
         tier.close(persist_newest=False)
     assert not tier.reserve_ahead({"d.pt": 4096})  # closed: none starts
+
+
+def test_the_preparation_after_the_first_save_still_runs_after_a_reservation_ahead(tmp_path):
+    """A reservation ahead must not take the post-commit preparation's place: an under-estimate is resized."""
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=True))
+    try:
+        name = f"__{tier.rank}_0.distcp"
+        assert tier.reserve_ahead({name: 4096})  # an under-estimate; the save may come before it ends
+        tier.save(_big(1), 1).wait()
+        assert tier.wait_prepared(30)
+        size = tier.images[0].get(name).nbytes
+        assert size > 4 << 20
+        assert [images.get(name).nbytes for images in tier.images] == [size] * 3  # not left at the estimate
+        remaps = [images.get(name).remaps for images in tier.images]
+        for step in (2, 3):
+            tier.save(_big(step), step).wait()
+        assert [images.get(name).remaps for images in tier.images] == remaps, "a later save mapped its image again"
+    finally:
+        tier.close(persist_newest=False)
+
+
+def test_a_relaunch_that_reserves_ahead_still_prepares_the_slots_holding_checkpoints(tmp_path):
+    """The reservation skips committed slots: only the post-commit preparation maps a full ring's files."""
+    cfg = _cfg(tmp_path, prepare=True)
+    tier = MemoryTier(tmp_path / "durable", cfg)
+    for step in (1, 2, 3):
+        tier.save(_state(step), step).wait()
+    tier.close(persist_newest=False, remove_root=False)
+
+    tier = MemoryTier(tmp_path / "durable", cfg)  # the relaunch: every slot holds a committed checkpoint
+    try:
+        name = f"__{tier.rank}_0.distcp"
+        assert tier.reserve_ahead({name: 1 << 20})
+        tier.save(_state(4), 4).wait()
+        assert tier.wait_prepared(30)
+        saved = tier.slots.index(tier.find_latest())
+        for j, images in enumerate(tier.images):
+            assert images.names == [name], f"slot {j} was not prepared after the relaunch's first save"
+            if j != saved:
+                assert _loaded_step(tier.slots[j]) in (2, 3)
+    finally:
+        tier.close(persist_newest=False)
+
+
+def test_a_failed_reservation_leaves_no_file(tmp_path, monkeypatch):
+    """A reservation that fails after creating its file (here: ENOSPC) removes it: no stray file in the slot."""
+    import errno
+
+    from cpuckpt.tier import images as images_mod
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(images_mod.os, "posix_fallocate", no_space)
+            assert tier.reserve_ahead({"model.pt": 1 << 20})
+            assert tier.wait_prepared(30)
+        assert [images.names for images in tier.images] == [[]] * 3
+        assert not any(p.is_file() for slot in tier.slots if slot.exists() for p in slot.iterdir())
+        tier.save(_state(1), 1).wait()
+        assert "model.pt" not in os.listdir(tier.slots[0]) and _loaded_step(tier.find_latest()) == 1
+    finally:
+        tier.close(persist_newest=False)
