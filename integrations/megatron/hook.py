@@ -183,6 +183,7 @@ class Training:
     def close(self) -> None:
         """The end of training: the memory tier closes (writers stop, RAM root goes)."""
         atexit.unregister(self.close)
+        self._deferred_close = False
         if self._memory is not None:
             self._memory.close()
 
@@ -190,8 +191,8 @@ class Training:
         """Megatron-LM's ``maybe_finalize_async_save(terminate=True)``, called at the end of ``train()`` and again at
         the end of ``pretrain()``. When Megatron-LM's final save follows the first (:func:`final_save_follows`), the
         tier stays open for it: a tier made anew for that save maps a fresh slot and starts a writer (11.7-13.9 s of
-        a 4.7 GB run on the H200). It closes at the next terminate, or at exit where ``train()`` ends the process
-        itself (its exit conditions) — a wrong guess costs time only, never the close."""
+        a 4.7 GB run on the H200). It closes at the next terminate (``pretrain()``'s); at exit only where neither
+        came (an exception between them: every rank's close then agrees with the others' within ``timeout_s``)."""
         if self._memory is None:
             return
         if not self._deferred_close and final_save_follows(args):
@@ -203,10 +204,16 @@ class Training:
 
 
 def final_save_follows(args: Any) -> bool:
-    """Whether Megatron-LM's ``pretrain()`` saves once more after ``train()`` returns: with ``--save``, when the last
-    iteration (``--train-iters``) is not a multiple of ``--save-interval`` (Megatron-LM's own condition)."""
+    """Whether Megatron-LM's ``pretrain()`` saves once more after ``train()`` returns (its own condition): it trains
+    (``do_train``, no ``--skip-train``) with ``--save``, and the last iteration (``--train-iters``) is not a multiple
+    of ``--save-interval``. False where ``train()`` may end the process itself (``--exit-interval``,
+    ``--exit-duration-in-mins``, ``--exit-signal-handler``): the tier then closes at ``train()``'s terminate, as it
+    would without a final save, not at exit."""
     iters, interval = getattr(args, "train_iters", None), getattr(args, "save_interval", None)
-    return bool(getattr(args, "save", None)) and bool(iters) and bool(interval) and iters % interval != 0
+    trains = getattr(args, "do_train", True) and not getattr(args, "skip_train", False)
+    exits = any(getattr(args, name, None) for name in ("exit_interval", "exit_duration_in_mins", "exit_signal_handler"))
+    return (bool(trains) and not exits and bool(getattr(args, "save", None)) and bool(iters) and bool(interval)
+            and iters % interval != 0)
 
 
 def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | None = None) -> Training:

@@ -225,6 +225,9 @@ def test_the_tier_stays_open_for_megatron_lms_final_save_and_closes_at_the_next_
 
     assert final_save_follows(args(100, 64)) and not final_save_follows(args(128, 64))
     assert not final_save_follows(args(100, 64, save=None)) and not final_save_follows(args(100, None))
+    for off in ({"skip_train": True}, {"do_train": False}, {"exit_interval": 50}, {"exit_duration_in_mins": 30},
+                {"exit_signal_handler": True}):  # no train(), or a train() that may end the process itself
+        assert not final_save_follows(SimpleNamespace(**vars(args(100, 64)), **off)), off
 
     class Tier:  # stands for the run's MegatronMemory: what the hook asks of it is close()
         closes = 0
