@@ -173,9 +173,7 @@ class MemoryTier:
         self._last: _LastSave | None = None  # the newest memory save (close() and SIGTERM persist it if needed)
         self.last_persist: PersistRequest | None = None
         self.last_replica: PersistRequest | None = None  # a file set's replica request (commit_files)
-        # The newest background preparation of the slots' images (the post-commit one joins reserve_ahead's first)
-        self._prepared: threading.Thread | None = None
-        self._slots_prepare_started = False  # _prepare_slots made its thread (several saves' callbacks may call it)
+        self._prepared: threading.Thread | None = None  # the background preparation of the other slots' images
         self._prepare_lock = threading.Lock()
         self._prepare_decided = threading.Event()  # the first save ended: preparation started or not needed
         self._closing = threading.Event()
@@ -646,9 +644,7 @@ class MemoryTier:
         and the relaunch's first save into each such slot had paid it (1.1-2.3 s for 5 GB on the H200)."""
         sizes = {n: img.nbytes for n in self.images[k].names if (img := self.images[k].get(n)) is not None}
 
-        def run(previous: threading.Thread | None) -> None:
-            if previous is not None:  # reserve_ahead's: never two threads on one image set (it stops at close)
-                previous.join()
+        def run() -> None:
             try:
                 for j, images in enumerate(self.images):
                     if j == k or self._held(self.slots[j]):
@@ -663,11 +659,9 @@ class MemoryTier:
             except CpuckptError as e:  # e.g. the RAM root's headroom: the save that needs the image says so
                 logger.warning("cpuckpt memory tier: preparing the slots' images ahead failed: %s", e)
 
-        with self._prepare_lock:  # once per tier, after a reservation ahead too; none once close() began
-            if not self._slots_prepare_started and not self._closing.is_set():
-                self._slots_prepare_started = True
-                self._prepared = threading.Thread(target=run, args=(self._prepared,),
-                                                  name=f"cpuckpt-prepare-{self.rank}", daemon=True)
+        with self._prepare_lock:  # one preparation per tier; none once close() began
+            if self._prepared is None and not self._closing.is_set():
+                self._prepared = threading.Thread(target=run, name=f"cpuckpt-prepare-{self.rank}", daemon=True)
                 self._prepared.start()
         self._prepare_decided.set()
 
@@ -687,38 +681,19 @@ class MemoryTier:
         for this rank's shard of about ``shard_nbytes`` bytes, so that no save pays for it while the job trains
         (~1-1.8 s per 5 GB slot on the H200, on the trainer's thread: the spikes at the first saves). The first
         save into a slot truncates its image to the real size (a larger one maps it again). A slot holding a
-        checkpoint, or an image, is left alone; a tier of other files (DeepSpeed's: :meth:`reserve_ahead`), or
+        checkpoint, or an image, is left alone; a tier of other files (DeepSpeed's: :meth:`reserve_files`), or
         across nodes, reserves nothing here. Returns how many images it made; a RAM filesystem too small is a
         warning here (the save that needs the space raises it)."""
         if shard_nbytes <= 0 or not isinstance(self.format, DcpSlots):
             return 0
         return self._reserve_images({f"__{self.rank}_0.distcp": shard_nbytes})  # one data file per rank (its plan)
 
-    def reserve_ahead(self, sizes: Mapping[str, int]) -> bool:
-        """As :meth:`reserve`, on a thread of the tier's own, for a caller that knows the names of this rank's files
-        and about their sizes (a tier of DeepSpeed's files: their names are DeepSpeed's; 13.6 GB take 4.7-5.9 s per
-        slot on the H200). A save that comes earlier waits for the image being made only; a slot a save claimed
-        first is left to its saves; :meth:`close` stops it after the image in hand. The preparation after the first
-        committed save still runs once it ended (it skips committed slots, keeps estimates); :meth:`wait_prepared`
-        waits for both. Nothing across nodes. Returns whether it started (not when closing or already preparing)."""
-        if not self.nodes.single or not sizes:
-            return False
-
-        def run() -> None:
-            try:
-                made = self._reserve_images(sizes)
-                logger.info("cpuckpt memory tier: rank %d: %d image(s) reserved ahead of the first save (%s)",
-                            self.rank, made, ", ".join(f"{n} {b} bytes" for n, b in sorted(sizes.items())))
-            except Exception:  # the saves make the images then
-                logger.warning("cpuckpt memory tier: rank %d: reserving the slots' images failed", self.rank,
-                               exc_info=True)
-
-        with self._prepare_lock:  # one preparation per tier; none once close() began
-            if self._prepared is not None or self._closing.is_set():
-                return False
-            self._prepared = threading.Thread(target=run, name=f"cpuckpt-reserve-{self.rank}", daemon=True)
-            self._prepared.start()
-            return True
+    def reserve_files(self, sizes: Mapping[str, int]) -> int:
+        """As :meth:`reserve`, for a caller that knows the names of this rank's files and about their sizes (a tier of
+        DeepSpeed's files: their names are DeepSpeed's). On the caller's thread, before training: a reservation on a
+        thread beside a training job did not end before its first saves (13.6 GB take 4.7-5.9 s per slot on the H200)
+        and held the driver while it pinned. Nothing across nodes. Returns how many images it made."""
+        return self._reserve_images(sizes)
 
     def _reserve_images(self, sizes: Mapping[str, int]) -> int:
         """Reserve ``sizes`` (image name: bytes) in every free slot of a single-node tier; stops at close or at the
@@ -727,6 +702,8 @@ class MemoryTier:
             return 0
         made = 0
         for slot, images in zip(self.slots, self.images):
+            if self._closing.is_set():  # closed: its root and queue may be gone
+                return made
             if self.format.committed(slot) is not None or self._held(slot):
                 continue
             for name, nbytes in sizes.items():
@@ -743,14 +720,13 @@ class MemoryTier:
         return made
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
-        """Wait for the background preparation of the slots' images (:meth:`reserve_ahead`'s, or the one started
-        after the first committed save); True when it ended, or none will run (``prepare_slots`` off, or the first
-        save failed)."""
+        """Wait for the background preparation of the slots' images (started after the first committed save);
+        True when it ended, or none will run (``prepare_slots`` off, or the first save failed)."""
+        if not self.config.memory.prepare_slots or self._last is None:
+            return True
         deadline = time.monotonic() + (self.config.timeout_s if timeout_s is None else timeout_s)
-        # after a save, the post-commit preparation (chained after any reservation ahead) is the one to wait for
-        if self.config.memory.prepare_slots and self._last is not None:
-            if not self._prepare_decided.wait(max(0.0, deadline - time.monotonic())):
-                return False
+        if not self._prepare_decided.wait(max(0.0, deadline - time.monotonic())):
+            return False
         with self._prepare_lock:  # made and started under it
             prepared = self._prepared
         if prepared is not None:
@@ -1058,7 +1034,7 @@ class MemoryTier:
         with self._prepare_lock:  # from here on no preparation starts
             self._closing.set()
             prepared = self._prepared
-        if prepared is not None:  # the newest (it joins any older one); it stops after the image in hand
+        if prepared is not None:  # it stops after the image in hand: nothing maps or pins past this point
             deadline = time.monotonic() + self.config.timeout_s
             while prepared.is_alive() and time.monotonic() < deadline:
                 prepared.join(0.1)

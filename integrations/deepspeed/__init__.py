@@ -151,6 +151,9 @@ def install(config: Settings | Mapping[str, Any] | str | os.PathLike | None = No
     """
     ds_engine = _require_deepspeed()
     resolve_settings(config)  # validate early
+    from .zero_stall import reserve_when_built
+
+    reserve_when_built()  # initialize then hands the built engine to ours (memory_save_dir)
     with _LOCK:
         original = _STATE.get("original", ds_engine.create_checkpoint_engine)
 
@@ -207,7 +210,7 @@ def attach(engine: Any, config: Settings | Mapping[str, Any] | str | os.PathLike
     rank = engine.local_rank if engine.use_node_local_storage() else dp_rank
     engine.save_non_zero_checkpoint = new.is_data_parallel_writer(rank) or (
         engine.zero_optimization_partition_weights() and engine.is_first_weights_partition_group())
-    new.bind(engine)
+    new.engine_built(engine)  # binds it (memory_save_dir: the slots reserved now)
     if getattr(engine, "global_steps", 0) > 0:
         new.after_optimizer_step(engine)
     return new

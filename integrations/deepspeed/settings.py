@@ -70,12 +70,13 @@ class AdapterOptions:
             the node's RAM root and are committed there; every ``memory.persist_every``-th one (by global
             step; 1: all, 0: none) is also persisted to ``save_dir/<tag>`` by a writer process per rank,
             with its marker and ``latest``. :func:`~cpuckpt.integrations.deepspeed.load_latest` restarts
-            from the newest complete tag of either. One node only (ranks on several are refused).
+            from the newest complete tag of either. Across nodes each node's RAM root holds its ranks' files.
         memory_save_dir: with ``memory_tier``, the ``save_dir`` this job passes to ``save_checkpoint``: the tier is
-            then made after the engine's first optimizer step, and every slot's images of this rank's files (named
-            by DeepSpeed, sized from the live tensors) are reserved, mapped and pinned on a background thread, so
-            that no save pays for it (13.6 GB: 4.7-5.9 s per slot on the H200). Empty: the first saves make them.
-            A checkpoint into another ``save_dir`` is then a ``ConfigError``.
+            then made inside ``deepspeed.initialize`` and every slot's images of this rank's files (named by
+            DeepSpeed, sized from the engine's tensors, Adam's state assumed) are reserved, mapped and pinned there,
+            before training, so that no save pays for it while the job trains (13.6 GB: 4.7-5.9 s per slot on the
+            H200). Empty: the first save into each slot makes them. Checkpoints into another directory (an export)
+            go to disk as without it.
         fallback_on_corrupt: :func:`~cpuckpt.integrations.deepspeed.load_latest` loads the next newest
             complete tag when the newest fails its crc32c check on any rank (all ranks together, with a
             WARNING naming the tag and the damage). False: it raises ``CheckpointCorrupt`` instead.
@@ -192,6 +193,9 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
             core = Config.from_dict(core_data, source=source)
         except ConfigError as e:
             raise ConfigError(f"{e} (the adapter's own keys: {', '.join(_OWN_KEYS)})") from e
+    if options.memory_save_dir and not options.memory_tier:
+        raise ConfigError(f"{source}: memory_save_dir is set but memory_tier is false (the slots it reserves are the "
+                          "memory tier's): set memory_tier: true or drop memory_save_dir")
     if options.ordering == "optimizer" and options.async_save:
         core = overlap_window(core)  # the step's .item() would wait behind the whole save's copies
     return Settings(**{name: getattr(options, name) for name in _OWN_FIELDS.values()}, core=core)

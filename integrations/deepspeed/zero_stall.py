@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 __all__ = ["bind_at_save", "buffer_pointers", "estimate_checkpoint_bytes", "estimate_file_bytes", "order_engine_steps",
-           "snapshot_buffers"]
+           "reserve_when_built", "snapshot_buffers"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +136,35 @@ def order_engine_steps(base: type | None = None) -> list[str]:
                 setattr(base, name, wrap(fn))
             names.append(name)
     return names
+
+
+def _wrap_configure_checkpointing(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _configure_checkpointing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        ck = _checkpoint_engine(self)
+        if ck is not None:
+            ck.engine_built(self)  # its optimizer and checkpoint roles are set: memory_save_dir reserves the slots
+        return result
+
+    _configure_checkpointing._cpuckpt_ordered = True  # type: ignore[attr-defined]
+    return _configure_checkpointing
+
+
+def reserve_when_built(base: type | None = None) -> None:
+    """Wrap ``_configure_checkpointing`` of ``base`` (default: DeepSpeed's ``DeepSpeedEngine``), the step of
+    ``deepspeed.initialize`` that makes the checkpoint engine, so that cpuckpt's engine then sees the built engine
+    (``engine_built``: ``memory_save_dir`` reserves the memory tier's slots before training). Idempotent; a
+    DeepSpeed without that method is a warning (the first saves make the slots' images then)."""
+    if base is None:
+        from deepspeed.runtime.engine import DeepSpeedEngine as base
+    with _LOCK:
+        fn = base.__dict__.get("_configure_checkpointing")
+        if fn is None:
+            logger.warning("cpuckpt: %s has no _configure_checkpointing(): memory_save_dir cannot reserve the slots "
+                           "before training; the first saves make them", base.__qualname__)
+        elif not getattr(fn, "_cpuckpt_ordered", False):
+            base._configure_checkpointing = _wrap_configure_checkpointing(fn)
 
 
 def bind_at_save(base: type | None = None) -> None:

@@ -159,3 +159,9 @@ def test_ordering_optimizer_keeps_a_copy_window():
     assert resolve_settings(given).core.staging.d2h_window_bytes == 16 << 20
     assert resolve_settings({}).core.staging.d2h_window_bytes == 0
     assert resolve_settings({"ordering": "optimizer", "async": False}).core.staging.d2h_window_bytes == 0
+
+
+def test_memory_save_dir_without_the_memory_tier_is_refused():
+    with pytest.raises(ConfigError, match="memory_save_dir is set but memory_tier is false"):
+        resolve_settings({"memory_save_dir": "/ckpt"})
+    assert resolve_settings({"memory_tier": True, "memory_save_dir": "/ckpt"}).memory_save_dir == "/ckpt"

@@ -215,38 +215,18 @@ def test_images_reserved_ahead_are_kept_for_every_job_of_a_save_and_only_before_
     assert not (tmp_path / "slot" / "after.pt").exists()
 
 
-def test_reserve_ahead_runs_on_the_tiers_thread_and_close_stops_it(tmp_path):
+def test_reserve_files_makes_every_free_slots_named_images_and_a_closed_tier_none(tmp_path):
     tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
     try:
-        assert tier.reserve_ahead({"a.pt": 1 << 20, "b.pt": 4096})
-        assert not tier.reserve_ahead({"c.pt": 4096})  # one preparation per tier
-        assert tier.wait_prepared(30)
+        assert tier.reserve_files({"a.pt": 1 << 20, "b.pt": 4096}) == 6
         assert [sorted(images.names) for images in tier.images] == [["a.pt", "b.pt"]] * 3
+        assert tier.reserve_files({"a.pt": 1 << 20}) == 0  # there already
     finally:
         tier.close(persist_newest=False)
-    assert not tier.reserve_ahead({"d.pt": 4096})  # closed: none starts
+    assert tier.reserve_files({"d.pt": 4096}) == 0  # closed: nothing made
 
 
-def test_the_preparation_after_the_first_save_still_runs_after_a_reservation_ahead(tmp_path):
-    """A reservation ahead must not take the post-commit preparation's place: an under-estimate is resized."""
-    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=True))
-    try:
-        name = f"__{tier.rank}_0.distcp"
-        assert tier.reserve_ahead({name: 4096})  # an under-estimate; the save may come before it ends
-        tier.save(_big(1), 1).wait()
-        assert tier.wait_prepared(30)
-        size = tier.images[0].get(name).nbytes
-        assert size > 4 << 20
-        assert [images.get(name).nbytes for images in tier.images] == [size] * 3  # not left at the estimate
-        remaps = [images.get(name).remaps for images in tier.images]
-        for step in (2, 3):
-            tier.save(_big(step), step).wait()
-        assert [images.get(name).remaps for images in tier.images] == remaps, "a later save mapped its image again"
-    finally:
-        tier.close(persist_newest=False)
-
-
-def test_a_relaunch_that_reserves_ahead_still_prepares_the_slots_holding_checkpoints(tmp_path):
+def test_a_relaunch_that_reserves_files_still_prepares_the_slots_holding_checkpoints(tmp_path):
     """The reservation skips committed slots: only the post-commit preparation maps a full ring's files."""
     cfg = _cfg(tmp_path, prepare=True)
     tier = MemoryTier(tmp_path / "durable", cfg)
@@ -257,7 +237,7 @@ def test_a_relaunch_that_reserves_ahead_still_prepares_the_slots_holding_checkpo
     tier = MemoryTier(tmp_path / "durable", cfg)  # the relaunch: every slot holds a committed checkpoint
     try:
         name = f"__{tier.rank}_0.distcp"
-        assert tier.reserve_ahead({name: 1 << 20})
+        assert tier.reserve_files({name: 1 << 20}) == 0  # every slot holds a checkpoint
         tier.save(_state(4), 4).wait()
         assert tier.wait_prepared(30)
         saved = tier.slots.index(tier.find_latest())
@@ -282,8 +262,7 @@ def test_a_failed_reservation_leaves_no_file(tmp_path, monkeypatch):
     try:
         with monkeypatch.context() as m:
             m.setattr(images_mod.os, "posix_fallocate", no_space)
-            assert tier.reserve_ahead({"model.pt": 1 << 20})
-            assert tier.wait_prepared(30)
+            assert tier.reserve_files({"model.pt": 1 << 20}) == 0  # a warning: the saves make the images
         assert [images.names for images in tier.images] == [[]] * 3
         assert not any(p.is_file() for slot in tier.slots if slot.exists() for p in slot.iterdir())
         tier.save(_state(1), 1).wait()
