@@ -113,3 +113,17 @@ def test_a_stale_manifest_is_not_this_saves(ckpt):
     assert not same_save(manifest, md)
     c = check_complete(ckpt)
     assert c.complete and c.step is None
+
+
+def test_the_manifest_json_is_the_dataclass_fields_as_json_and_reads_back():
+    """to_json walks the fields itself (no deep copy of every record): the same text dataclasses.asdict gives."""
+    import dataclasses
+    import json
+
+    from cpuckpt.format.manifest import FileEntry, Manifest, manifest_from_json
+
+    m = Manifest(cpuckpt_version="1", save_id="s", step=3, config={"io": {"threads": 8}, "root": None},
+                 timings={"t": 0.5}, files={"__0_0.distcp": FileEntry("__0_0.distcp", 10, 4, chunk_checksums=[1, 2],
+                                                                      records=[[i, 64] for i in range(100)])})
+    assert m.to_json() == json.dumps(dataclasses.asdict(m), separators=(",", ":"), sort_keys=True)
+    assert manifest_from_json(m.to_json()) == m
