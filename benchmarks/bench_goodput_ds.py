@@ -9,8 +9,8 @@ fresh process (``--train``: one rank, ZeRO-1, bf16, ``torch_adam``, the GPT of `
 ``cpuckpt8``  cpuckpt to disk every 8 (``ordering: optimizer``: the copies overlap the next forward and backward)
 ``mem8``      cpuckpt's memory tier every 8, durable every 64 (``memory.persist_every``), 3 slots
 ``mem1``      the memory tier every iteration, durable every 64
-``+ahead``    after a memory variant (``mem8+ahead``): ``memory_save_dir`` set, the slots' images reserved after the
-              first optimizer step instead of by the first save into each slot
+``+ahead``    after a memory variant (``mem8+ahead``): ``memory_save_dir`` set, the slots' images reserved inside
+              ``deepspeed.initialize`` instead of by the first save into each slot
 
 The trainer prints one line per iteration (``iteration N/M | elapsed time per iteration (ms): ...``, the host time
 since the previous line, its own clock); the result is the wall time from iteration ``--warm`` to the last,
@@ -48,7 +48,7 @@ EVERY = {"none": 0, "ds8": 8, "cpuckpt8": 8, "mem8": 8, "mem1": 1}
 
 def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict[str, Any] | None:
     """The adapter's settings of ``variant`` (None: DeepSpeed's own engine); ``+ahead`` (memory variants): the
-    slots' images reserved after the first optimizer step (``memory_save_dir``: ``save``)."""
+    slots' images reserved inside ``deepspeed.initialize`` (``memory_save_dir``: ``save``)."""
     base = variant.split("+")[0]
     if base in ("none", "ds8"):
         return None

@@ -385,8 +385,8 @@ class ImageSet:
                 if img is not None:
                     img.close()
                     img.path.unlink(missing_ok=True)
-                    logger.info("memory image %s was reserved but the first save into %s names other files; "
-                                "removed", name, self.directory)
+                    logger.info("memory image %s in %s was reserved and no save claimed it; removed", name,
+                                self.directory)
             self._reserved.clear()
 
     def _image(self, name: str, nbytes: int, chunk_bytes: int | None) -> ImageFile:

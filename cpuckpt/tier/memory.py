@@ -25,6 +25,7 @@ memory checkpoint only when every rank's node holds the files that rank reads, e
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -692,8 +693,22 @@ class MemoryTier:
         """As :meth:`reserve`, for a caller that knows the names of this rank's files and about their sizes (a tier of
         DeepSpeed's files: their names are DeepSpeed's). On the caller's thread, before training: a reservation on a
         thread beside a training job did not end before its first saves (13.6 GB take 4.7-5.9 s per slot on the H200)
-        and held the driver while it pinned. Nothing across nodes. Returns how many images it made."""
-        return self._reserve_images(sizes)
+        and held the driver while it pinned. Nothing across nodes. Images still unclaimed when the process exits without
+        :meth:`close` (a job that fails before its first save) are removed then: they hold no checkpoint. Returns how
+        many images it made."""
+        if not self.nodes.single:
+            logger.info("cpuckpt memory tier: across nodes no image is reserved ahead (each node's slot holds files of "
+                        "every rank of the node); the first saves make them")
+            return 0
+        made = self._reserve_images(sizes)
+        if made:
+            atexit.register(self._drop_unclaimed_images)
+        return made
+
+    def _drop_unclaimed_images(self) -> None:
+        """Local, at exit: reserved images no save claimed are removed (never a collective: other ranks may be gone)."""
+        for images in self.images:
+            images.drop_unclaimed()
 
     def _reserve_images(self, sizes: Mapping[str, int]) -> int:
         """Reserve ``sizes`` (image name: bytes) in every free slot of a single-node tier; stops at close or at the
@@ -1047,6 +1062,7 @@ class MemoryTier:
             errors.append(e)
         if self.copier is not None:
             self.copier.close()  # its saves were waited for above
+        atexit.unregister(self._drop_unclaimed_images)
         for images in self.images:
             images.close()
         self.root.close()

@@ -176,6 +176,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._prepare_decided = (not (self.settings.async_save and self.settings.prepare_pool)
                                  or self.settings.memory_tier)
         self._slots_reserved = False  # memory_save_dir: done once, when DeepSpeed's engine is built (engine_built)
+        if self.settings.memory_save_dir and not self.settings.memory_tier:  # e.g. the tier turned off in ds_config
+            logger.warning("cpuckpt: memory_save_dir %s is ignored: memory_tier is off", self.settings.memory_save_dir)
         if self.settings.async_save:
             order_engine_steps()  # the step hooks: ordering optimizer, and prepare_pool after the first step
         if self.settings.memory_tier:
@@ -618,16 +620,27 @@ class CpuckptCheckpointEngine(CheckpointEngine):
 
     def engine_built(self, ds_engine: Any) -> None:
         """DeepSpeed's engine has its optimizer and its checkpoint roles (the end of its ``_configure_checkpointing``,
-        inside ``deepspeed.initialize``, on every rank). With ``memory_save_dir``: make the memory tier (collective)
-        and reserve, map and pin every free slot's images of this rank's files now, before training. Measured on the
-        H200 (13.6 GB per slot): a first save into a slot pays 4.7-5.9 s on the trainer's thread, and a background
-        reservation after the first step did not end before the saves at iterations 8, 16 and 24 (the same 4.2x)."""
+        inside ``deepspeed.initialize``, on every rank). With ``memory_save_dir``, for an engine with an optimizer (one
+        that trains) and the first such engine of the process for that directory (a reference model, or a second
+        engine, would open the same RAM root): make the memory tier (collective) and reserve, map and pin every free
+        slot's images of this rank's files now, before training. Measured on the H200 (13.6 GB per slot): a first save
+        into a slot pays 4.7-5.9 s on the trainer's thread, and a reservation on a thread after the first step had
+        not ended by the saves at iterations 8, 16 and 24 (the same 4.2x). A tier that cannot be made here is a
+        warning: the first save makes it, and raises, as without ``memory_save_dir``."""
         self.bind(ds_engine)
         st = self.settings
         if self._slots_reserved or not (st.memory_tier and st.memory_save_dir):
             return
         self._slots_reserved = True
-        memory = self.memory_for(st.memory_save_dir)
+        where = os.path.realpath(st.memory_save_dir)
+        if getattr(ds_engine, "optimizer", None) is None or where in _RESERVED_DIRS:
+            return
+        _RESERVED_DIRS.add(where)
+        try:
+            memory = self.memory_for(st.memory_save_dir)
+        except CpuckptError as e:
+            logger.warning("cpuckpt memory tier: not made at initialize (the first save makes it, or says why): %s", e)
+            return
         if memory is None:
             return
         try:
@@ -711,6 +724,10 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             job.cancel(CpuckptError("checkpoint abandoned: another file of it failed"))
         self._wait_jobs()
         self._info = self._ckpt = None
+
+
+# memory_save_dir: the directories (real paths) whose slots an engine of this process reserved at initialize
+_RESERVED_DIRS: set[str] = set()
 
 
 def _all_gather(obj: Any, group: Any) -> list[Any]:

@@ -76,7 +76,8 @@ class AdapterOptions:
             DeepSpeed, sized from the engine's tensors, Adam's state assumed) are reserved, mapped and pinned there,
             before training, so that no save pays for it while the job trains (13.6 GB: 4.7-5.9 s per slot on the
             H200). Empty: the first save into each slot makes them. Checkpoints into another directory (an export)
-            go to disk as without it.
+            go to disk as without it. One node only (across nodes the first saves make the images), for the first
+            engine with an optimizer per directory in a process; ignored with a warning when ``memory_tier`` is off.
         fallback_on_corrupt: :func:`~cpuckpt.integrations.deepspeed.load_latest` loads the next newest
             complete tag when the newest fails its crc32c check on any rank (all ranks together, with a
             WARNING naming the tag and the damage). False: it raises ``CheckpointCorrupt`` instead.
@@ -193,9 +194,6 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
             core = Config.from_dict(core_data, source=source)
         except ConfigError as e:
             raise ConfigError(f"{e} (the adapter's own keys: {', '.join(_OWN_KEYS)})") from e
-    if options.memory_save_dir and not options.memory_tier:
-        raise ConfigError(f"{source}: memory_save_dir is set but memory_tier is false (the slots it reserves are the "
-                          "memory tier's): set memory_tier: true or drop memory_save_dir")
     if options.ordering == "optimizer" and options.async_save:
         core = overlap_window(core)  # the step's .item() would wait behind the whole save's copies
     return Settings(**{name: getattr(options, name) for name in _OWN_FIELDS.values()}, core=core)

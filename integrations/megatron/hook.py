@@ -182,7 +182,7 @@ class Training:
 
     def close(self) -> None:
         """The end of training: the memory tier closes (writers stop, RAM root goes)."""
-        atexit.unregister(self.close)
+        atexit.unregister(self._close_at_exit)
         self._deferred_close = False
         if self._memory is not None:
             self._memory.close()
@@ -191,14 +191,30 @@ class Training:
         """Megatron-LM's ``maybe_finalize_async_save(terminate=True)``, called at the end of ``train()`` and again at
         the end of ``pretrain()``. When Megatron-LM's final save follows the first (:func:`final_save_follows`), the
         tier stays open for it: a tier made anew for that save maps a fresh slot and starts a writer (11.7-13.9 s of
-        a 4.7 GB run on the H200). It closes at the next terminate (``pretrain()``'s); at exit only where neither
-        came (an exception between them: every rank's close then agrees with the others' within ``timeout_s``)."""
+        a 4.7 GB run on the H200). It closes at the next terminate (``pretrain()``'s), else at exit
+        (:meth:`_close_at_exit`)."""
         if self._memory is None:
             return
         if not self._deferred_close and final_save_follows(args):
             self._deferred_close = True
-            atexit.register(self.close)
+            atexit.register(self._close_at_exit)
             logger.info("cpuckpt: the memory tier stays open for Megatron-LM's final save")
+            return
+        self.close()
+
+
+    def _close_at_exit(self) -> None:
+        """At exit, where ``pretrain()``'s terminate never came: the close is collective, so only where the process
+        ends without an uncaught exception and its process group is alive (then every rank is here). Otherwise the
+        RAM root stays for a relaunch to use, or ``cpuckpt clean --ram``: a rank that died of an exception must not
+        wait ``timeout_s`` for ranks that are not coming."""
+        import torch.distributed as dist
+
+        failed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+        if failed is not None or not (dist.is_available() and dist.is_initialized()):
+            logger.warning("cpuckpt: the memory tier is left open at exit (%s); its RAM root stays for a relaunch or "
+                           "`cpuckpt clean --ram`", "an uncaught exception" if failed is not None else
+                           "no process group")
             return
         self.close()
 

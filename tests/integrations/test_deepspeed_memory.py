@@ -81,12 +81,17 @@ def rank_memory_train(root: str) -> dict:
     h = _ds()
     h._setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
+    import deepspeed
+    import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
     save_dir, ram = Path(root) / "ckpt", Path(root) / "ram"
-    ckpt_ds.install({**_settings(str(ram)), "memory_save_dir": str(save_dir)})  # slots reserved after step 1
+    ckpt_ds.install({**_settings(str(ram)), "memory_save_dir": str(save_dir)})  # slots reserved by initialize
     engine = h._engine(2, seed=0)
+    # after it, a second engine without an optimizer (a reference model) in the same process: no second tier, no error
+    reference, *_ = deepspeed.initialize(model=torch.nn.Linear(8, 4), config={"train_micro_batch_size_per_gpu": 2})
+    reference_untiered = reference.checkpoint_engine.memory_tier is None
 
     def images() -> dict:
         tier = engine.checkpoint_engine.memory_tier
@@ -112,7 +117,8 @@ def rank_memory_train(root: str) -> dict:
            "reserved_over": all(reserved[s][n][0] >= written[s][n][0] for s in written for n in written[s]),
            # the file each save filled is the image reserved for it (no claim dropped another file's reservation)
            "same_images": all(reserved[s][n][1] is written[s][n][1] for s in written for n in written[s]),
-           "other_dir": other_dir is None, "durable": _listing(save_dir), "latest": (save_dir / "latest").read_text(),
+           "other_dir": other_dir is None, "reference_untiered": reference_untiered,
+           "durable": _listing(save_dir), "latest": (save_dir / "latest").read_text(),
            "persisted": [s for s in (1, 2, 3) if tier.persisted(s)],
            "links": sorted(p.name for p in links.iterdir()), "links_latest": (links / "latest").read_text(),
            "durable_state": ckpt_ds.check_tag(save_dir, "global_step2", verify=True).state,
@@ -310,7 +316,7 @@ def test_memory_tier_persists_every_second_restarts_from_the_newest_and_stock_lo
         # the saves wrote into them (none removed, none added; each reserved at least the file's size: truncated)
         assert r["reserved"] == {"slot-0": tag_files, "slot-1": tag_files}, r["reserved"]
         assert r["written"] == r["reserved"] and r["reserved_over"] and r["same_images"], r
-        assert r["other_dir"], r
+        assert r["other_dir"] and r["reference_untiered"], r
         assert r["durable"] == {"global_step2": marked}, r["durable"]  # only the persisted tag, nothing else
         assert r["latest"] == "global_step2" and r["persisted"] == [2], r
         assert r["links"] == ["global_step2", "global_step3", "latest"] and r["links_latest"] == "global_step3", r

@@ -161,7 +161,12 @@ def test_ordering_optimizer_keeps_a_copy_window():
     assert resolve_settings({"ordering": "optimizer", "async": False}).core.staging.d2h_window_bytes == 0
 
 
-def test_memory_save_dir_without_the_memory_tier_is_refused():
-    with pytest.raises(ConfigError, match="memory_save_dir is set but memory_tier is false"):
-        resolve_settings({"memory_save_dir": "/ckpt"})
-    assert resolve_settings({"memory_tier": True, "memory_save_dir": "/ckpt"}).memory_save_dir == "/ckpt"
+def test_memory_save_dir_without_the_memory_tier_is_ignored_with_a_warning(caplog):
+    """A higher layer (the ds_config block) may turn the tier off over install()'s memory_save_dir: not an error."""
+    from cpuckpt.integrations.deepspeed.engine import CpuckptCheckpointEngine
+
+    settings = resolve_settings({"memory_tier": True, "memory_save_dir": "/ckpt"}, {"memory_tier": False})
+    assert settings.memory_save_dir == "/ckpt" and not settings.memory_tier
+    with caplog.at_level("WARNING"):
+        CpuckptCheckpointEngine(settings)
+    assert "memory_save_dir /ckpt is ignored: memory_tier is off" in caplog.text

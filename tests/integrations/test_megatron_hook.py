@@ -241,7 +241,9 @@ def test_the_tier_stays_open_for_megatron_lms_final_save_and_closes_at_the_next_
     run = Training(Config())
     run._memory = tier = Tier()
     run.end_of_training(args(100, 64))  # train()'s terminate: the final save follows
-    assert tier.closes == 0 and at_exit == [run.close]  # closed at exit if train() ends the process itself
+    assert tier.closes == 0 and at_exit == [run._close_at_exit]  # closed at exit if pretrain()'s terminate never comes
+    run._close_at_exit()  # an exit without a process group (or after an uncaught exception): no collective close
+    assert tier.closes == 0
     run.end_of_training(args(100, 64))  # pretrain()'s terminate, after the final save
     assert tier.closes == 1 and at_exit == []
 

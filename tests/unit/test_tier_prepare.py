@@ -269,3 +269,21 @@ def test_a_failed_reservation_leaves_no_file(tmp_path, monkeypatch):
         assert "model.pt" not in os.listdir(tier.slots[0]) and _loaded_step(tier.find_latest()) == 1
     finally:
         tier.close(persist_newest=False)
+
+
+def test_images_reserved_and_never_claimed_are_removed_at_exit(tmp_path, monkeypatch):
+    """A job that fails before its first save leaves no reserved image behind (they hold no checkpoint)."""
+    import atexit
+
+    at_exit: list = []
+    monkeypatch.setattr(atexit, "register", at_exit.append)
+    monkeypatch.setattr(atexit, "unregister", lambda fn: at_exit.remove(fn) if fn in at_exit else None)
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    try:
+        assert tier.reserve_files({"model.pt": 1 << 20}) == 3 and len(at_exit) == 1
+        at_exit[0]()  # the exit handler, as the interpreter would run it
+        assert [images.names for images in tier.images] == [[]] * 3
+        assert not any((slot / "model.pt").exists() for slot in tier.slots)
+    finally:
+        tier.close(persist_newest=False)
+    assert at_exit == []  # a closed tier leaves nothing to the exit
