@@ -9,7 +9,6 @@ directory without ``.metadata`` is therefore recognisably incomplete, to stock D
 from __future__ import annotations
 
 import logging
-import pickle
 from pathlib import Path
 from typing import Protocol
 
@@ -19,6 +18,7 @@ from cpuckpt import faultpoint
 from cpuckpt.backend.committed import METADATA_NAME, manifest_from_json_part, size_mismatches
 from cpuckpt.errors import IntegrityError, as_storage_error
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest, part_name
+from cpuckpt.format.metapickle import dumps_metadata
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 from cpuckpt.transfer.sinks import SinkFactory, pool_sink
 
@@ -78,7 +78,7 @@ def commit_checkpoint(path: Path, metadata: Metadata, prefixes: list[str], manif
             raise IntegrityError(str(problems[0]))
         for entry in entries:
             manifest.files[entry.name] = entry
-    for name, data in ((MANIFEST_NAME, manifest.to_json().encode()), (METADATA_NAME, pickle.dumps(metadata))):
+    for name, data in ((MANIFEST_NAME, manifest.to_json().encode()), (METADATA_NAME, dumps_metadata(metadata))):
         try:
             write_atomic(path / name, data, fsync=fsync)
         except OSError as e:
