@@ -3,12 +3,13 @@
 A memory tier commits a checkpoint every iteration. Its ``.metadata`` (DCP's :class:`Metadata`, pickled as DCP
 writes it) describes every tensor, so pickling it costs ~10 µs per tensor (12 ms for 1,168 tensors on the CPU
 box), on a committer thread that shares the trainer's interpreter. A save that reuses a cached plan commits the
-same structure (the very ``state_dict_metadata`` and ``planner_data`` objects, equal ``storage_data``) into the
-same directory, under a new save id of the same length: the previous bytes with that one string replaced are
-a pickle of the new metadata (a same-length ``str`` changes no opcode, length or memo index; the id is pickled as
-an object of its own, so no other field refers to it). Anything else — another structure, other storage data,
-another directory, an id of another length or one whose text occurs more than once in the bytes — is pickled in
-full.
+same structure (the very same objects in every field but ``storage_data`` and ``storage_meta``, equal
+``storage_data``) into the same directory, under a new save id of the same length: the previous bytes with that
+one string record rewritten are a pickle of the new metadata. The id is pickled as an object of its own (so no
+other field refers back to it), and where its record lies is read from the pickle's opcodes once, at the full
+pickle: the rewrite never touches another byte, and a same-length ASCII id changes no opcode, length or memo
+index. Anything else — another structure or type, other storage data, another directory, an id of another length,
+shorter than 2 or not ASCII — is pickled in full.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import collections
 import copy
 import dataclasses
 import pickle
+import pickletools
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -25,14 +27,18 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = ["MetadataPickles", "dumps_metadata"]
 
+_PER_SAVE = ("storage_data", "storage_meta")  # the fields a save from a cached plan fills anew
+_STRINGS = {"SHORT_BINUNICODE": 1, "BINUNICODE": 4, "BINUNICODE8": 8}  # opcode: bytes of its length field
+
 
 @dataclass
 class _Pickled:
-    state_dict_metadata: Any  # kept, so that its id is not reused while the entry lives
-    planner_data: Any
+    kind: type
+    same: dict[str, Any]  # every other field, compared by identity (kept: no id is reused while the entry lives)
     storage_data: Any
     storage_meta: Any
     data: bytes
+    id_at: int  # where the save id's text starts in ``data``
 
 
 class MetadataPickles:
@@ -48,46 +54,52 @@ class MetadataPickles:
         """``pickle.dumps(md)``, from the previous save's bytes where only the save id changed."""
         meta = md.storage_meta
         save_id = getattr(meta, "save_id", None)
+        if not (isinstance(save_id, str) and len(save_id) >= 2 and save_id.isascii()):
+            return pickle.dumps(md)
         key = (id(md.state_dict_metadata), getattr(meta, "checkpoint_id", None))
+        same = {k: v for k, v in vars(md).items() if k not in _PER_SAVE}
         with self._lock:
             last = self._last.get(key)
-        if last is not None and isinstance(save_id, str):
-            data = self._patched(last, md, save_id)
-            if data is not None:
+        if last is not None and self._repeats(last, md, same):
+            old = last.storage_meta.save_id
+            if len(old) == len(save_id):
+                end = last.id_at + len(save_id)
+                data = last.data[: last.id_at] + save_id.encode() + last.data[end:]
                 with self._lock:
                     self.reused += 1
                     self._remember(key, dataclasses.replace(last, storage_data=md.storage_data,
                                                             storage_meta=dataclasses.replace(meta), data=data))
                 return data
-        if not isinstance(save_id, str):
-            return pickle.dumps(md)
-        # The save id as a str object of its own: pickle writes an object once and refers back to it, so an id
-        # that were the same object as another string of the metadata would be replaced there too.
+        # the id as a str object of its own: pickle writes an object once and refers back to it
         own = copy.copy(md)
         own.storage_meta = dataclasses.replace(meta, save_id=save_id.encode().decode())
         data = pickle.dumps(own)
-        with self._lock:
-            self._remember(key, _Pickled(md.state_dict_metadata, md.planner_data, md.storage_data,
-                                         dataclasses.replace(meta), data))
+        at = _id_record(data, save_id)
+        if at is not None:
+            with self._lock:
+                self._remember(key, _Pickled(type(md), same, md.storage_data, dataclasses.replace(meta), data, at))
         return data
 
     @staticmethod
-    def _patched(last: _Pickled, md: Metadata, save_id: str) -> bytes | None:
-        old = getattr(last.storage_meta, "save_id", None)
-        if not (isinstance(old, str) and len(old.encode()) == len(save_id.encode())
-                and last.state_dict_metadata is md.state_dict_metadata and last.planner_data is md.planner_data
-                and dataclasses.replace(md.storage_meta, save_id=old) == last.storage_meta
-                and last.storage_data == md.storage_data):
-            return None
-        if last.data.count(old.encode()) != 1:  # an equal string elsewhere (pickled as its own object)
-            return None
-        return last.data.replace(old.encode(), save_id.encode())
+    def _repeats(last: _Pickled, md: Metadata, same: dict[str, Any]) -> bool:
+        """``md`` differs from ``last``'s metadata in its save id only (identical objects elsewhere)."""
+        return (type(md) is last.kind and same.keys() == last.same.keys()
+                and all(v is last.same[k] for k, v in same.items())
+                and dataclasses.replace(md.storage_meta, save_id=last.storage_meta.save_id) == last.storage_meta
+                and last.storage_data == md.storage_data)
 
     def _remember(self, key: tuple[int, Any], entry: _Pickled) -> None:
         self._last[key] = entry
         self._last.move_to_end(key)
         while len(self._last) > self.size:
             self._last.popitem(last=False)
+
+
+def _id_record(data: bytes, save_id: str) -> int | None:
+    """Where the text of the one string record ``save_id`` starts in the pickle ``data`` (None: not exactly one)."""
+    found = [pos + 1 + _STRINGS[op.name] for op, arg, pos in pickletools.genops(data)
+             if op.name in _STRINGS and arg == save_id]
+    return found[0] if len(found) == 1 else None
 
 
 _PICKLES = MetadataPickles()

@@ -61,3 +61,24 @@ def test_anything_else_that_changed_is_pickled_in_full():
     assert pickle.loads(pickles.dumps(first)) == first
     md = _md("job-000000000000000a", sdm=named)
     assert pickle.loads(pickles.dumps(md)) == md and pickles.reused == 0
+
+
+def test_the_id_is_rewritten_in_its_own_record_only_whatever_its_text():
+    """Ids whose text could match at a record's length byte, one-character ids (CPython shares those objects),
+    non-ASCII ids and a changed field besides the per-save ones: each result is that save's metadata."""
+    pickles = MetadataPickles()
+    for first, then in (("0" * 48, "0" * 47 + "1"), (" " * 32, "x" * 32), ("Q", "R"), ("ab\udc80cd", "ab\udc81cd"),
+                        ("é" * 10, "è" * 10)):
+        for save_id in (first, then):
+            md = _md(save_id)
+            assert pickle.loads(pickles.dumps(md)) == md, (first, then)
+    sdm = {"Q": SDM["layer.0.w"]}  # a one-character id that is also a tensor's name: never renamed
+    pickles.dumps(Metadata(state_dict_metadata=sdm, planner_data={"Q": ("Q",)}, storage_data={},
+                           storage_meta=StorageMeta(checkpoint_id="/ram/slot-9", save_id="Q")))
+    md = Metadata(state_dict_metadata=sdm, planner_data={"Q": ("Q",)}, storage_data={},
+                  storage_meta=StorageMeta(checkpoint_id="/ram/slot-9", save_id="R"))
+    assert pickle.loads(pickles.dumps(md)) == md
+    reused = pickles.reused
+    md = _md("job-00000000000000ff")
+    md.version = "9.9.9"  # any other field that changed: pickled in full
+    assert pickle.loads(pickles.dumps(md)).version == "9.9.9" and pickles.reused == reused
