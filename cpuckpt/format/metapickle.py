@@ -102,7 +102,7 @@ def _id_record(data: bytes, save_id: str) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
-_PICKLES = MetadataPickles()
+_PICKLES = MetadataPickles()  # keyed by any stream's structure objects: a few entries per process
 
 
 def dumps_metadata(md: Metadata) -> bytes:

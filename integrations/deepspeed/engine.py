@@ -727,7 +727,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
 
 
 # memory_save_dir: the directories (real paths) whose slots an engine of this process reserved at initialize
-_RESERVED_DIRS: set[str] = set()
+_RESERVED_DIRS: set[str] = set()  # a RAM root opens once per process: one engine reserves
 
 
 def _all_gather(obj: Any, group: Any) -> list[Any]:
