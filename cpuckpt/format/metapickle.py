@@ -6,10 +6,10 @@ box), on a committer thread that shares the trainer's interpreter. A save that r
 same structure (the very same objects in every field but ``storage_data`` and ``storage_meta``, equal
 ``storage_data``) into the same directory, under a new save id of the same length: the previous bytes with that
 one string record rewritten are a pickle of the new metadata. The id is pickled as an object of its own (so no
-other field refers back to it), and where its record lies is read from the pickle's opcodes once, at the full
-pickle: the rewrite never touches another byte, and a same-length ASCII id changes no opcode, length or memo
-index. Anything else — another structure or type, other storage data, another directory, an id of another length,
-shorter than 2 or not ASCII — is pickled in full.
+other field refers back to it), and where its record lies is read from the pickle's opcodes once, at the first
+repeat (a save into a new directory never pays for it): the rewrite never touches another byte, and a same-length
+ASCII id changes no opcode, length or memo index. Anything else — another structure or type, other storage data,
+another directory, an id of another length, shorter than 2 or not ASCII — is pickled in full.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class _Pickled:
     storage_data: Any
     storage_meta: Any
     data: bytes
-    id_at: int  # where the save id's text starts in ``data``
+    id_at: int | None  # where the save id's text starts in ``data`` (None: not looked up yet)
 
 
 class MetadataPickles:
@@ -62,22 +62,21 @@ class MetadataPickles:
             last = self._last.get(key)
         if last is not None and self._repeats(last, md, same):
             old = last.storage_meta.save_id
-            if len(old) == len(save_id):
-                end = last.id_at + len(save_id)
-                data = last.data[: last.id_at] + save_id.encode() + last.data[end:]
+            # where the id's record lies: read once, at the first repeat (a save into a new directory never pays it)
+            at = last.id_at if last.id_at is not None else _id_record(last.data, old)
+            if at is not None and len(old) == len(save_id):
+                data = last.data[:at] + save_id.encode() + last.data[at + len(save_id):]
                 with self._lock:
                     self.reused += 1
-                    self._remember(key, dataclasses.replace(last, storage_data=md.storage_data,
-                                                            storage_meta=dataclasses.replace(meta), data=data))
+                    self._remember(key, dataclasses.replace(last, storage_data=md.storage_data, data=data, id_at=at,
+                                                            storage_meta=dataclasses.replace(meta)))
                 return data
         # the id as a str object of its own: pickle writes an object once and refers back to it
         own = copy.copy(md)
         own.storage_meta = dataclasses.replace(meta, save_id=save_id.encode().decode())
         data = pickle.dumps(own)
-        at = _id_record(data, save_id)
-        if at is not None:
-            with self._lock:
-                self._remember(key, _Pickled(type(md), same, md.storage_data, dataclasses.replace(meta), data, at))
+        with self._lock:
+            self._remember(key, _Pickled(type(md), same, md.storage_data, dataclasses.replace(meta), data, None))
         return data
 
     @staticmethod
