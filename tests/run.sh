@@ -8,7 +8,7 @@
 # configs/ (and the torch pin). A fresh clone has no stamp, so it installs everything;
 # CPUCKPT_REINSTALL=1 forces the install.
 #
-# The tests run on CPUCKPT_TEST_WORKERS pytest-xdist workers (default 5: most of the time goes to
+# The tests run on CPUCKPT_TEST_WORKERS pytest-xdist workers (default 4: most of the time goes to
 # waiting on spawned ranks and trainers, not to computing, so more workers than cores pay off);
 # `--dist loadgroup` keeps the tests marked `xdist_group` together on one worker.
 set -euo pipefail
@@ -42,4 +42,4 @@ fi
 .venv/bin/ruff check .
 export PYTHONUNBUFFERED=1
 exec .venv/bin/pytest --import-mode=importlib -p no:cacheprovider --durations=15 \
-  -n "${CPUCKPT_TEST_WORKERS:-5}" --dist loadgroup "$@"
+  -n "${CPUCKPT_TEST_WORKERS:-4}" --dist loadgroup "$@"
