@@ -196,7 +196,8 @@ class MegatronMemory:
                     tier.close(persist_newest=False)
                     raise ConfigError(
                         f"megatron.memory_tier across {tier.nodes.nodes} nodes: the non-persistent checkpoint "
-                        f"directory {self.np_dir} is shared by several nodes; each node names its own RAM root's "
+                        f"directory {self.np_dir} is shared by several nodes (or on a network filesystem on some "
+                        "node, whose cached listings could hide that); each node names its own RAM root's "
                         "slots there, so it must be node-local: set --non-persistent-global-ckpt-dir to a path on "
                         "each node's own storage (e.g. under /dev/shm)")
             self._tier = tier
@@ -530,10 +531,38 @@ def _write_megatron_config(checkpoint_dir: Path) -> None:
     save_config(CheckpointingConfig("torch_dist", 1), str(checkpoint_dir))
 
 
+# Filesystems whose directories other nodes may see: refused for D outright, since their clients cache directory
+# listings (NFS: acdirmin, 30 s by default), so another node's name left there may not be seen in time.
+_NETWORK_FILESYSTEMS = ("nfs", "nfs4", "lustre", "cifs", "smb3", "smbfs", "gpfs", "beegfs", "ceph", "glusterfs",
+                        "fuse.glusterfs", "fuse.sshfs", "9p", "afs", "ocfs2", "gfs2", "panfs", "wekafs")
+
+
+def network_filesystem(path: Path, mounts: str | None = None) -> str | None:
+    """The type of the network filesystem ``path`` is on (from ``/proc/self/mounts``: the longest mount point
+    above it), or None (a local one, or no mount table to read)."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return None
+    where = os.path.realpath(path)
+    best, kind = "", None
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = where == point or where.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind if kind in _NETWORK_FILESYSTEMS else None
+
+
 def _shared_by_nodes(np_dir: Path, tier: MemoryTier) -> bool:
-    """Collective: whether several nodes' leaders see one ``np_dir`` (a shared filesystem). Each leader removes the
-    names an earlier start left, then (after a barrier) leaves its node's name, and after another counts the names
-    of this start's token; one all-reduce agrees."""
+    """Collective: whether several nodes' leaders see one ``np_dir`` (a shared filesystem), or one is on a network
+    filesystem (:func:`network_filesystem`: its listings are cached, so the test below could miss another node).
+    Each leader removes the names an earlier start left, then (after a barrier) leaves its node's name, and after
+    another counts the names of this start's token; one all-reduce agrees."""
     box: list[Any] = [os.urandom(8).hex() if tier.rank == 0 else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(tier.group, 0), group=tier.group)
     token = box[0]
@@ -551,6 +580,7 @@ def _shared_by_nodes(np_dir: Path, tier: MemoryTier) -> bool:
     seen = len(list(np_dir.glob(f"{prefix}{token}-*"))) if tier.nodes.is_leader else 0
     if tier.nodes.is_leader:
         (np_dir / f"{prefix}{token}-{key}").unlink(missing_ok=True)
-    flag = torch.tensor([int(seen > 1)], dtype=torch.int64)
+    network = tier.nodes.is_leader and network_filesystem(np_dir) is not None
+    flag = torch.tensor([int(seen > 1 or network)], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=tier.group)
     return bool(flag.item())

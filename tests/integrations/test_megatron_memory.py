@@ -717,3 +717,20 @@ def rank_two_nodes(root: str) -> str:
 def test_a_non_persistent_dir_shared_by_nodes_is_refused_on_every_rank(run_ranks, tmp_path):
     res = run_ranks(2, rank_two_nodes, str(tmp_path), timeout_s=120)
     assert all("across 2 nodes" in r and "shared by several nodes" in r and "node-local" in r for r in res), res
+
+
+def test_a_non_persistent_directory_on_a_network_filesystem_is_recognised(tmp_path):
+    """Across nodes D must be node-local: one on NFS & co. is refused (their clients cache directory listings, so the
+    names other nodes leave there can be missed), found from the mount table (the longest mount point above D)."""
+    from cpuckpt.integrations.megatron.memory import network_filesystem
+
+    mounts = ("/dev/vda / ext4 rw 0 0\n"
+              "tmpfs /dev/shm tmpfs rw 0 0\n"
+              "server:/export /mnt/shared nfs4 rw 0 0\n"
+              "server:/other /mnt/shared/local\\040dir ext4 rw 0 0\n")
+    assert network_filesystem(Path("/mnt/shared/job/np"), mounts) == "nfs4"
+    assert network_filesystem(Path("/mnt/shared"), mounts) == "nfs4"
+    assert network_filesystem(Path("/mnt/shared/local dir/np"), mounts) is None  # a local mount inside it
+    assert network_filesystem(Path("/mnt/sharedx/np"), mounts) is None  # a name sharing the prefix only
+    assert network_filesystem(Path("/dev/shm/job/np"), mounts) is None
+    assert network_filesystem(tmp_path) is None  # this machine's own table: the test directory is local
