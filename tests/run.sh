@@ -10,7 +10,8 @@
 #
 # The tests run on CPUCKPT_TEST_WORKERS pytest-xdist workers (default 4: most of the time goes to
 # waiting on spawned ranks and trainers, not to computing, so more workers than cores pay off);
-# `--dist loadgroup` keeps the tests marked `xdist_group` together on one worker.
+# `--dist loadgroup` keeps the tests marked `xdist_group` together on one worker; `--no-loadscope-reorder`
+# keeps the collection order (tests/conftest.py: the longest files first) instead of starting groups first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -42,4 +43,4 @@ fi
 .venv/bin/ruff check .
 export PYTHONUNBUFFERED=1
 exec .venv/bin/pytest --import-mode=importlib -p no:cacheprovider --durations=15 \
-  -n "${CPUCKPT_TEST_WORKERS:-4}" --dist loadgroup "$@"
+  -n "${CPUCKPT_TEST_WORKERS:-4}" --dist loadgroup --no-loadscope-reorder "$@"
