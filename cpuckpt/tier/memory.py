@@ -693,17 +693,11 @@ class MemoryTier:
         """As :meth:`reserve`, for a caller that knows the names of this rank's files and about their sizes (a tier of
         DeepSpeed's files: their names are DeepSpeed's). On the caller's thread, before training: a reservation on a
         thread beside a training job did not end before its first saves (13.6 GB take 4.7-5.9 s per slot on the H200)
-        and held the driver while it pinned. Nothing across nodes. Images still unclaimed when the process exits without
-        :meth:`close` (a job that fails before its first save) are removed then: they hold no checkpoint. Returns how
-        many images it made."""
+        and held the driver while it pinned. Nothing across nodes. Returns how many images it made."""
         if not self.nodes.single:
             logger.info("cpuckpt memory tier: across nodes no image is reserved ahead (each node's slot holds files of "
                         "every rank of the node); the first saves make them")
-            return 0
-        made = self._reserve_images(sizes)
-        if made:
-            atexit.register(self._drop_unclaimed_images)
-        return made
+        return self._reserve_images(sizes)
 
     def _drop_unclaimed_images(self) -> None:
         """Local, at exit: reserved images no save claimed are removed (never a collective: other ranks may be gone)."""
@@ -712,9 +706,12 @@ class MemoryTier:
 
     def _reserve_images(self, sizes: Mapping[str, int]) -> int:
         """Reserve ``sizes`` (image name: bytes) in every free slot of a single-node tier; stops at close or at the
-        RAM filesystem's limit (a warning: the save that needs the space raises it). Returns how many it made."""
+        RAM filesystem's limit (a warning: the save that needs the space raises it). Images still unclaimed when the
+        process exits without :meth:`close` (a job that fails before its first save) are removed then: they hold no
+        checkpoint. Returns how many it made."""
         if not self.nodes.single:
             return 0
+        atexit.register(self._drop_unclaimed_images)  # again is harmless: close() unregisters every registration
         made = 0
         for slot, images in zip(self.slots, self.images):
             if self._closing.is_set():  # closed: its root and queue may be gone
