@@ -108,3 +108,10 @@ def wait_gone(pids: Sequence[int | None], timeout_s: float = 15.0) -> None:
         while pid is not None and alive(pid):
             assert time.monotonic() < deadline, f"process {pid} still runs"
             time.sleep(0.05)
+
+
+def flip_middle_byte(path: Path) -> None:
+    """Damage the file at ``path``: one flipped byte in its middle."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))

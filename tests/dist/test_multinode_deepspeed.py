@@ -192,10 +192,7 @@ def _damage_node1s_replica(tmp_path: Path, step: int) -> None:
     damaged = [s for s in (tmp_path / "ram0").glob("replica-*/slot-*")
                if (listing := read_node_files(s)) is not None and listing.step == step]
     assert len(damaged) == 1, damaged
-    victim = damaged[0] / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    L.flip_middle_byte(damaged[0] / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
 
 
 def _two_nodes(tmp_path: Path, *, stage: int, damaged: bool = False) -> None:

@@ -273,10 +273,7 @@ def _flip_a_byte_of_node1s_replica(tmp_path: Path, step: int) -> None:
     found = [s for s in (tmp_path / "ram0").glob("replica-*/slot-*")
              if (m := read_manifest(s)) is not None and m.step == step]
     assert len(found) == 1, found
-    victim = found[0] / "__1_0.distcp"
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    L.flip_middle_byte(found[0] / "__1_0.distcp")
 
 
 @pytest.mark.slow
