@@ -9,6 +9,7 @@ in a pool of that size, which a later synchronous save reuses.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -114,11 +115,14 @@ def test_a_write_task_that_raises_fails_the_save_never_commits_zeros(tmp_path, m
 
     real = SaveJob._write_when_ready
     calls = []
+    lock = threading.Lock()
 
     def flaky(self, chunk, ready):
-        calls.append(chunk.index)
+        with lock:  # the third task to start raises (decided now: the writers run in parallel)
+            calls.append(chunk.index)
+            third = len(calls) == 3
         real(self, chunk, ready)  # its slot goes back; then the task raises instead of reporting
-        if len(calls) == 3:
+        if third:
             raise RuntimeError("planted: a write task that raises")
 
     monkeypatch.setattr(SaveJob, "_write_when_ready", flaky)
