@@ -633,7 +633,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             return
         self._slots_reserved = True
         where = os.path.realpath(st.memory_save_dir)
-        if getattr(ds_engine, "optimizer", None) is None or where in _RESERVED_DIRS:
+        if not _trains(ds_engine) or where in _RESERVED_DIRS:
             return
         _RESERVED_DIRS.add(where)
         try:
@@ -724,6 +724,13 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             job.cancel(CpuckptError("checkpoint abandoned: another file of it failed"))
         self._wait_jobs()
         self._info = self._ckpt = None
+
+
+def _trains(ds_engine: Any) -> bool:
+    """Whether DeepSpeed's engine has an optimizer of its user's (its config's or the caller's: ``basic_optimizer``).
+    A model without one has ``optimizer`` set too, with bf16 or ZeRO: a stand-in (``DummyOptim``) in DeepSpeed's
+    wrapper, as a reference model built with the trained one has."""
+    return getattr(ds_engine, "basic_optimizer", None) is not None
 
 
 # memory_save_dir: the directories (real paths) whose slots an engine of this process reserved at initialize

@@ -88,10 +88,13 @@ def rank_memory_train(root: str) -> dict:
     rank = dist.get_rank()
     save_dir, ram = Path(root) / "ckpt", Path(root) / "ram"
     ckpt_ds.install({**_settings(str(ram)), "memory_save_dir": str(save_dir)})  # slots reserved by initialize
+    # engines without an optimizer (reference models) in the same process, one before the trained engine (bf16:
+    # DeepSpeed gives it a stand-in optimizer) and one after: neither opens the tier nor reserves, the trained one does
+    before, *_ = deepspeed.initialize(model=torch.nn.Linear(8, 4),
+                                      config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True}})
     engine = h._engine(2, seed=0)
-    # after it, a second engine without an optimizer (a reference model) in the same process: no second tier, no error
-    reference, *_ = deepspeed.initialize(model=torch.nn.Linear(8, 4), config={"train_micro_batch_size_per_gpu": 2})
-    reference_untiered = reference.checkpoint_engine.memory_tier is None
+    after, *_ = deepspeed.initialize(model=torch.nn.Linear(8, 4), config={"train_micro_batch_size_per_gpu": 2})
+    reference_untiered = before.checkpoint_engine.memory_tier is None and after.checkpoint_engine.memory_tier is None
 
     def images() -> dict:
         tier = engine.checkpoint_engine.memory_tier
