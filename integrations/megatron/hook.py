@@ -164,7 +164,7 @@ class Training:
         self.cfg = cfg
         self.checkpointer = Checkpointer()  # plan, item and layout caches of this run's async saves
         self._memory: Any = None  # the run's MegatronMemory (memory_tier: true), made at its first save
-        self._deferred_close = False  # train()'s terminate left the tier open for the final save
+        self._terminated = False  # train()'s terminate came: the next is pretrain()'s, after its final save
 
     def memory(self) -> Any:
         """The run's :class:`.memory.MegatronMemory`, from Megatron-LM's ``--save`` and non-persistent dir."""
@@ -183,7 +183,7 @@ class Training:
     def close(self) -> None:
         """The end of training: the memory tier closes (writers stop, RAM root goes)."""
         atexit.unregister(self._close_at_exit)
-        self._deferred_close = False
+        self._terminated = False
         if self._memory is not None:
             self._memory.close()
 
@@ -192,11 +192,12 @@ class Training:
         the end of ``pretrain()``. When Megatron-LM's final save follows the first (:func:`final_save_follows`), the
         tier stays open for it: a tier made anew for that save maps a fresh slot and starts a writer (11.7-13.9 s of
         a 4.7 GB run on the H200). It closes at the next terminate (``pretrain()``'s), else at exit
-        (:meth:`_close_at_exit`)."""
+        (:meth:`_close_at_exit`). Only the first terminate defers: at the second the final save is done, also where
+        that save made the tier."""
+        first, self._terminated = not self._terminated, True
         if self._memory is None:
             return
-        if not self._deferred_close and final_save_follows(args):
-            self._deferred_close = True
+        if first and final_save_follows(args):
             atexit.register(self._close_at_exit)
             logger.info("cpuckpt: the memory tier stays open for Megatron-LM's final save")
             return
@@ -223,11 +224,12 @@ def final_save_follows(args: Any) -> bool:
     """Whether Megatron-LM's ``pretrain()`` saves once more after ``train()`` returns (its own condition): it trains
     (``do_train``, no ``--skip-train``) with ``--save``, and the last iteration (``--train-iters``) is not a multiple
     of ``--save-interval``. False where ``train()`` may end the process itself (``--exit-interval``,
-    ``--exit-duration-in-mins``, ``--exit-signal-handler``): the tier then closes at ``train()``'s terminate, as it
-    would without a final save, not at exit."""
+    ``--exit-duration-in-mins``, ``--exit-signal-handler``, ``--phase-transition-iterations``): the tier then closes
+    at ``train()``'s terminate, as it would without a final save, not at exit."""
     iters, interval = getattr(args, "train_iters", None), getattr(args, "save_interval", None)
     trains = getattr(args, "do_train", True) and not getattr(args, "skip_train", False)
-    exits = any(getattr(args, name, None) for name in ("exit_interval", "exit_duration_in_mins", "exit_signal_handler"))
+    exits = any(getattr(args, name, None) for name in ("exit_interval", "exit_duration_in_mins", "exit_signal_handler",
+                                                "phase_transition_iterations"))
     return (bool(trains) and not exits and bool(getattr(args, "save", None)) and bool(iters) and bool(interval)
             and iters % interval != 0)
 

@@ -225,8 +225,9 @@ def test_the_tier_stays_open_for_megatron_lms_final_save_and_closes_at_the_next_
 
     assert final_save_follows(args(100, 64)) and not final_save_follows(args(128, 64))
     assert not final_save_follows(args(100, 64, save=None)) and not final_save_follows(args(100, None))
+    # no train(), or a train() that may end the process itself
     for off in ({"skip_train": True}, {"do_train": False}, {"exit_interval": 50}, {"exit_duration_in_mins": 30},
-                {"exit_signal_handler": True}):  # no train(), or a train() that may end the process itself
+                {"exit_signal_handler": True}, {"phase_transition_iterations": [50]}):
         assert not final_save_follows(SimpleNamespace(**vars(args(100, 64)), **off)), off
 
     class Tier:  # stands for the run's MegatronMemory: what the hook asks of it is close()
@@ -251,3 +252,9 @@ def test_the_tier_stays_open_for_megatron_lms_final_save_and_closes_at_the_next_
     run._memory = tier = Tier()
     run.end_of_training(args(128, 64))  # the last iteration was saved: no final save, closed now
     assert tier.closes == 1
+
+    run = Training(Config())  # no tier at train()'s terminate: the final save makes it, pretrain()'s closes it
+    run.end_of_training(args(100, 64))
+    run._memory = tier = Tier()
+    run.end_of_training(args(100, 64))
+    assert tier.closes == 1 and at_exit == []
