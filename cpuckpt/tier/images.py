@@ -437,7 +437,9 @@ class ImageSet:
             return sum(f.capacity for f in self._files.values())
 
     def close(self) -> None:
-        """Close every image (unpin, unmap); the files stay."""
+        """Close every image (unpin, unmap); the files stay, but those reserved and never claimed are removed (they
+        hold no checkpoint; a RAM root kept after the close would hold them until ``cpuckpt clean --ram``)."""
+        self.drop_unclaimed()
         with self._lock:
             self._closed = True
             files, self._files = list(self._files.values()), {}

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from cpuckpt.api import load
-from cpuckpt.backend.collectives import checkpoint_group
+from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group
 from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.backend.reader import ReadStats, StorageReader
@@ -135,8 +135,7 @@ class MemoryTier:
         self.group = checkpoint_group(process_group, self.config.timeout_s) if self.dist else None
         self.rank = dist.get_rank(self.group) if self.dist else 0
         self.world_size = dist.get_world_size(self.group) if self.dist else 1
-        self.root = RamRoot.open(m.root or None, m.job or job_id_for(self.durable_root), self.rank,
-                                 headroom_bytes=m.headroom_bytes)
+        self.root = self._open_root(m)
         # One RAM root per node (cpuckpt.tier.nodes): each node's slots hold its own ranks' images, and each
         # node commits its own copy of a save when the ranks span several.
         self.nodes = NodeMap.gather(node_key(self.root.path), self.rank, self.world_size, self.group)
@@ -230,6 +229,27 @@ class MemoryTier:
     def _slot_after(self, path: Path | None) -> int:
         """The ring's next slot after ``path`` (slot 0 when ``path`` is not a slot): it must not be overwritten."""
         return (self.slots.index(path) + 1) % len(self.slots) if path in self.slots else 0
+
+    def _open_root(self, m: MemoryConfig) -> RamRoot:
+        """This rank's RAM root, opened on every rank or failed on every rank with the same error (collective): a rank
+        refused alone (a stale trainer of that rank still holds it) must not leave the others waiting in the next
+        collective while it goes on (an adapter that warns and trains on would pair its collectives with theirs)."""
+        root, error = None, None
+        try:
+            root = RamRoot.open(m.root or None, m.job or job_id_for(self.durable_root), self.rank,
+                                headroom_bytes=m.headroom_bytes)
+        except Exception as e:
+            if self.group is None:
+                raise
+            error = e
+        try:
+            agree_or_raise(error, self.rank, self.group, "opening the memory tier's RAM root")
+        except BaseException:
+            if root is not None:
+                root.close()
+            raise
+        assert root is not None
+        return root
 
     def _agree_next(self, k: int) -> int:
         """Across nodes every rank must fill the same slot index (a node's leader commits its own slot-k)."""
@@ -709,27 +729,30 @@ class MemoryTier:
         RAM filesystem's limit (a warning: the save that needs the space raises it). Images still unclaimed when the
         process exits without :meth:`close` (a job that fails before its first save) are removed then: they hold no
         checkpoint. Returns how many it made."""
-        if not self.nodes.single:
+        if not self.nodes.single or self._closing.is_set():
             return 0
-        atexit.register(self._drop_unclaimed_images)  # again is harmless: close() unregisters every registration
         made = 0
-        for slot, images in zip(self.slots, self.images):
-            if self._closing.is_set():  # closed: its root and queue may be gone
-                return made
-            if self.format.committed(slot) is not None or self._held(slot):
-                continue
-            for name, nbytes in sizes.items():
-                if self._closing.is_set():
+        try:
+            for slot, images in zip(self.slots, self.images):
+                if self._closing.is_set():  # closed: its root and queue may be gone
                     return made
-                if nbytes <= 0:
+                if self.format.committed(slot) is not None or self._held(slot):
                     continue
-                try:
-                    made += images.reserve(name, nbytes, chunk_bytes=self.config.io.chunk_bytes)
-                except CpuckptError as e:
-                    logger.warning("cpuckpt memory tier: reserving %d bytes for %s in %s ahead of the first save "
-                                   "failed: %s", nbytes, name, slot, e)
-                    return made
-        return made
+                for name, nbytes in sizes.items():
+                    if self._closing.is_set():
+                        return made
+                    if nbytes <= 0:
+                        continue
+                    try:
+                        made += images.reserve(name, nbytes, chunk_bytes=self.config.io.chunk_bytes)
+                    except CpuckptError as e:
+                        logger.warning("cpuckpt memory tier: reserving %d bytes for %s in %s ahead of the first save "
+                                       "failed: %s", nbytes, name, slot, e)
+                        return made
+            return made
+        finally:
+            if made and not self._closing.is_set():  # again is harmless: close() unregisters every registration
+                atexit.register(self._drop_unclaimed_images)
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         """Wait for the background preparation of the slots' images (started after the first committed save);

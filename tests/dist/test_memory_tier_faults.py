@@ -293,9 +293,22 @@ def _failed_commit_then_reuse(durable: str, ram: str) -> dict:
     from cpuckpt import faultpoint
     from cpuckpt.errors import CpuckptError
     from cpuckpt.tier.memory import MemoryTier
+    from cpuckpt.tier.ramroot import RamRoot
 
     rank = dist.get_rank()
-    tier = MemoryTier(durable, _cfg(Path(ram), persist_every=0))  # 2 slots, no writers
+    cfg = _cfg(Path(ram), persist_every=0, job="faults")  # 2 slots, no writers
+    # rank 1's RAM root held by a stale trainer of that rank: both ranks fail alike, rank 0 is not left waiting
+    stale = RamRoot.open(ram, "faults", 1, headroom_bytes=0) if rank == 1 else None
+    t0 = time.monotonic()
+    try:
+        MemoryTier(durable, cfg).close(persist_newest=False)
+        refused = "made"
+    except CpuckptError as e:
+        refused = f"{type(e).__name__}: {e}"
+    refused_s = time.monotonic() - t0
+    if stale is not None:
+        stale.close()
+    tier = MemoryTier(durable, cfg)
     commits = []
 
     def fail_first_commit(stage: str) -> None:
@@ -327,7 +340,7 @@ def _failed_commit_then_reuse(durable: str, ram: str) -> dict:
         except CpuckptError as e:
             outcome = type(e).__name__
         dist.barrier()  # no rank is left inside a collective of that save
-        return {"outcome": outcome, "filled": filled}
+        return {"outcome": outcome, "filled": filled, "refused": refused, "refused_fast": refused_s < 15}
     finally:
         faultpoint.set_handler(previous)
         tier.close(persist_newest=False)
@@ -335,6 +348,10 @@ def _failed_commit_then_reuse(durable: str, ram: str) -> dict:
 
 def test_a_failed_commit_is_reported_alike_on_every_rank_when_its_slot_is_reused(run_ranks, tmp_path):
     res = run_ranks(2, _failed_commit_then_reuse, str(tmp_path / "durable"), str(tmp_path / "ram"), timeout_s=120)
+    # a stale holder of rank 1's RAM root: the same error on both ranks at once (before: rank 0 waited in the
+    # tier's next collective for timeout_s while rank 1 had raised)
+    assert res[0]["refused"] == res[1]["refused"] and res[0]["refused_fast"] and res[1]["refused_fast"], res
+    assert res[0]["refused"].startswith("RamRootError: opening the memory tier's RAM root failed on rank 1"), res
     # before: rank 1 raised before its before_fill while rank 0 ran it and went on into the tier's agreement
     assert res[0] == res[1], res
     assert res[0]["outcome"] == "StorageIOError" and res[0]["filled"] == ["slot-0"], res

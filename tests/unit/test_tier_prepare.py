@@ -287,3 +287,20 @@ def test_images_reserved_and_never_claimed_are_removed_at_exit(tmp_path, monkeyp
     finally:
         tier.close(persist_newest=False)
     assert at_exit == []  # a closed tier leaves nothing to the exit
+    assert tier.reserve_files({"model.pt": 1 << 20}) == 0 and at_exit == []  # nor does a reservation after it
+
+
+def test_a_close_that_keeps_the_ram_root_removes_the_images_no_save_claimed(tmp_path):
+    """The RAM root stays (``remove_root=False``, or an agreed failure) for the checkpoints in it; images reserved and
+    never claimed hold none and go, the checkpoint's own image stays."""
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    name = f"__{tier.rank}_0.distcp"
+    try:
+        assert tier.reserve_files({name: 1 << 20, "spare.pt": 4096}) == 6
+        tier.save(_state(1), 1).wait()
+    finally:
+        tier.close(persist_newest=False, remove_root=False)
+    left = sorted(str(p.relative_to(tier.root.path)) for p in tier.root.path.rglob("*") if p.is_file()
+                  and p.parent in tier.slots and not p.name.startswith("."))
+    assert left == [f"slot-0/{name}"], left  # the checkpoint's data; slots 1 and 2 and the spare image are gone
+    assert _loaded_step(tier.slots[0]) == 1
