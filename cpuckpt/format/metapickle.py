@@ -6,10 +6,14 @@ box), on a committer thread that shares the trainer's interpreter. A save that r
 same structure (the very same objects in every field but ``storage_data`` and ``storage_meta``, equal
 ``storage_data``) into the same directory, under a new save id of the same length: the previous bytes with that
 one string record rewritten are a pickle of the new metadata. The id is pickled as an object of its own (so no
-other field refers back to it), and where its record lies is read from the pickle's opcodes once, at the first
-repeat (a save into a new directory never pays for it): the rewrite never touches another byte, and a same-length
-ASCII id changes no opcode, length or memo index. Anything else — another structure or type, other storage data,
-another directory, an id of another length, shorter than 2 or not ASCII — is pickled in full.
+other field refers back to it), and its record is found by its bytes (opcode, length, text), used only where they
+occur exactly once: the rewrite never touches another byte, and a same-length ASCII id changes no opcode, length
+or memo index. Anything else — another structure or type, other storage data, an id of another length, shorter
+than 2 or not ASCII — is pickled in full.
+
+Only a cached plan's structure is kept (:func:`reusable`; weakly: its entries go with the plan), and per structure
+the bytes of a directory seen before (a memory slot comes round again; a disk save's ``step_N`` never does, and
+keeps its name only), so a save that is never repeated holds nothing.
 """
 
 from __future__ import annotations
@@ -18,17 +22,16 @@ import collections
 import copy
 import dataclasses
 import pickle
-import pickletools
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["MetadataPickles", "dumps_metadata"]
+__all__ = ["MetadataPickles", "dumps_metadata", "reusable"]
 
 _PER_SAVE = ("storage_data", "storage_meta")  # the fields a save from a cached plan fills anew
-_STRINGS = {"SHORT_BINUNICODE": 1, "BINUNICODE": 4, "BINUNICODE8": 8}  # opcode: bytes of its length field
 
 
 @dataclass
@@ -38,17 +41,39 @@ class _Pickled:
     storage_data: Any
     storage_meta: Any
     data: bytes
-    id_at: int | None  # where the save id's text starts in ``data`` (None: not looked up yet)
+    id_at: int  # where the save id's text starts in ``data``
+
+
+@dataclass
+class _Structure:
+    owner: weakref.ref  # the cached plan's metadata (its entries go with it)
+    entries: collections.OrderedDict[Any, _Pickled | None]  # per directory (None: seen once, nothing kept)
 
 
 class MetadataPickles:
-    """The last pickled ``.metadata`` per (structure, directory), a few at most (one per memory slot)."""
+    """Per reusable structure (a cached plan's metadata, held weakly), the last pickled ``.metadata`` of each
+    directory it was saved into more than once (a memory slot), ``directories`` at most."""
 
-    def __init__(self, size: int = 8) -> None:
-        self.size = size
+    def __init__(self, directories: int = 256) -> None:
+        self.directories = directories
         self._lock = threading.Lock()
-        self._last: collections.OrderedDict[tuple[int, Any], _Pickled] = collections.OrderedDict()
+        self._structures: dict[int, _Structure] = {}  # by id of the owner's state_dict_metadata
         self.reused = 0  # saves whose bytes came from the previous one's
+
+    def reusable(self, owner: Metadata) -> None:
+        """Later saves commit copies of ``owner`` (the same structure objects): a cached plan's metadata."""
+        key = id(owner.state_dict_metadata)
+        with self._lock:
+            held = self._structures.get(key)
+            if held is None or held.owner() is not owner:
+                self._structures[key] = _Structure(weakref.ref(owner, lambda ref: self._forget(key, ref)),
+                                                   collections.OrderedDict())
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        """The owner is gone (a weakref callback: no lock, it may run inside any of this object's calls)."""
+        held = self._structures.get(key)
+        if held is not None and held.owner is ref:
+            self._structures.pop(key, None)
 
     def dumps(self, md: Metadata) -> bytes:
         """``pickle.dumps(md)``, from the previous save's bytes where only the save id changed."""
@@ -56,27 +81,33 @@ class MetadataPickles:
         save_id = getattr(meta, "save_id", None)
         if not (isinstance(save_id, str) and len(save_id) >= 2 and save_id.isascii()):
             return pickle.dumps(md)
-        key = (id(md.state_dict_metadata), getattr(meta, "checkpoint_id", None))
-        same = {k: v for k, v in vars(md).items() if k not in _PER_SAVE}
+        directory = getattr(meta, "checkpoint_id", None)
         with self._lock:
-            last = self._last.get(key)
-        if last is not None and self._repeats(last, md, same):
-            old = last.storage_meta.save_id
-            # where the id's record lies: read once, at the first repeat (a save into a new directory never pays it)
-            at = last.id_at if last.id_at is not None else _id_record(last.data, old)
-            if at is not None and len(old) == len(save_id):
-                data = last.data[:at] + save_id.encode() + last.data[at + len(save_id):]
-                with self._lock:
-                    self.reused += 1
-                    self._remember(key, dataclasses.replace(last, storage_data=md.storage_data, data=data, id_at=at,
-                                                            storage_meta=dataclasses.replace(meta)))
-                return data
+            held = self._structures.get(id(md.state_dict_metadata))
+            owner = held.owner() if held is not None else None
+            if owner is None or owner.state_dict_metadata is not md.state_dict_metadata:
+                held = None  # not a structure saved again
+            last = held.entries.get(directory) if held is not None else None
+        if held is None:
+            return pickle.dumps(md)
+        same = {k: v for k, v in vars(md).items() if k not in _PER_SAVE}
+        if last is not None and self._repeats(last, md, same) and len(last.storage_meta.save_id) == len(save_id):
+            at = last.id_at
+            data = last.data[:at] + save_id.encode() + last.data[at + len(save_id):]
+            with self._lock:
+                self.reused += 1
+                self._remember(held, directory, dataclasses.replace(
+                    last, storage_data=md.storage_data, data=data, storage_meta=dataclasses.replace(meta)))
+            return data
         # the id as a str object of its own: pickle writes an object once and refers back to it
         own = copy.copy(md)
         own.storage_meta = dataclasses.replace(meta, save_id=save_id.encode().decode())
         data = pickle.dumps(own)
-        with self._lock:
-            self._remember(key, _Pickled(type(md), same, md.storage_data, dataclasses.replace(meta), data, None))
+        at = _id_record(data, save_id)
+        keep = (_Pickled(type(md), same, md.storage_data, dataclasses.replace(meta), data, at)
+                if at is not None else None)
+        with self._lock:  # a first visit keeps the name only: most directories are never saved into again
+            self._remember(held, directory, keep if directory in held.entries else None)
         return data
 
     @staticmethod
@@ -87,21 +118,33 @@ class MetadataPickles:
                 and dataclasses.replace(md.storage_meta, save_id=last.storage_meta.save_id) == last.storage_meta
                 and last.storage_data == md.storage_data)
 
-    def _remember(self, key: tuple[int, Any], entry: _Pickled) -> None:
-        self._last[key] = entry
-        self._last.move_to_end(key)
-        while len(self._last) > self.size:
-            self._last.popitem(last=False)
+    def _remember(self, held: _Structure, directory: Any, entry: _Pickled | None) -> None:
+        held.entries[directory] = entry
+        held.entries.move_to_end(directory)
+        while len(held.entries) > self.directories:
+            held.entries.popitem(last=False)
 
 
 def _id_record(data: bytes, save_id: str) -> int | None:
-    """Where the text of the one string record ``save_id`` starts in the pickle ``data`` (None: not exactly one)."""
-    found = [pos + 1 + _STRINGS[op.name] for op, arg, pos in pickletools.genops(data)
-             if op.name in _STRINGS and arg == save_id]
-    return found[0] if len(found) == 1 else None
+    """Where the text of ``save_id``'s string record starts in the pickle ``data``, None unless its bytes (opcode,
+    length, text) occur exactly once. The record is there (the id is pickled as an object of its own, protocol 4+),
+    so one occurrence is that record: no other record, and no bytes across two, read the same."""
+    text = save_id.encode()
+    n = len(text)
+    head = pickle.SHORT_BINUNICODE + bytes([n]) if n < 256 else pickle.BINUNICODE + n.to_bytes(4, "little")
+    record = head + text
+    at = data.find(record)
+    if at < 0 or data.find(record, at + 1) >= 0:
+        return None
+    return at + len(head)
 
 
-_PICKLES = MetadataPickles()  # keyed by any stream's structure objects: a few entries per process
+_PICKLES = MetadataPickles()  # cached plans' structures (weakly), a pickle per slot
+
+
+def reusable(owner: Metadata) -> None:
+    """The process's :class:`MetadataPickles`: later saves commit copies of ``owner`` (a cached plan's metadata)."""
+    _PICKLES.reusable(owner)
 
 
 def dumps_metadata(md: Metadata) -> bytes:

@@ -30,6 +30,8 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
+from cpuckpt.format import metapickle
+
 try:
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor as _TorchShardedTensor
 except ImportError:  # pragma: no cover - torch without distributed
@@ -137,9 +139,11 @@ def _checkpointable(t: Any, path: tuple, out: list[tuple]) -> bool:
 
 
 def reused_metadata(cached: CachedPlan) -> Metadata:
-    """A fresh copy of the coordinator's metadata; ``storage_data`` is filled in at commit."""
+    """A fresh copy of the coordinator's metadata; ``storage_data`` is filled in at commit. Its structure is saved
+    again and again: its ``.metadata`` pickle is kept per directory (:mod:`cpuckpt.format.metapickle`)."""
     if cached.metadata is None:
         raise RuntimeError("only the coordinator keeps the global metadata of a cached plan")
+    metapickle.reusable(cached.metadata)
     md = copy.copy(cached.metadata)
     md.storage_data = None
     md.storage_meta = None

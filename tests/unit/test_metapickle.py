@@ -1,10 +1,12 @@
 """``.metadata`` bytes of repeated saves (``cpuckpt.format.metapickle``): every result unpickles to that save's
 metadata (and is byte-for-byte ``pickle.dumps`` of it where no string is shared), whether it came from the previous
-save's bytes or a full pickle."""
+save's bytes or a full pickle; only a cached plan's structure is kept, weakly, and a directory's bytes only once it
+is saved into again."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 
 import torch
@@ -34,18 +36,57 @@ def _md(save_id: str, *, slot: str = "/ram/slot-0", shift: int = 0, sdm: dict = 
                     storage_meta=StorageMeta(checkpoint_id=slot, save_id=save_id))
 
 
+def _reusable(pickles: MetadataPickles, sdm: dict = SDM) -> Metadata:
+    """The cached plan's metadata the saves copy (the caller keeps it alive, as the plan cache does)."""
+    owner = _md("plan", sdm=sdm)
+    pickles.reusable(owner)
+    return owner
+
+
 def test_a_repeated_save_gets_the_previous_bytes_with_its_own_save_id_and_they_are_its_pickle():
     pickles = MetadataPickles()
-    ids = [f"job-{k:016x}" for k in (1, 2, 3)]
+    owner = _reusable(pickles)
+    ids = [f"job-{k:016x}" for k in (1, 2, 3, 4)]
     for k, save_id in enumerate(ids):
         md = _md(save_id)
         assert pickles.dumps(md) == pickle.dumps(md)
-        assert pickles.reused == k  # the first pickled in full, the others from the previous bytes
+        assert pickles.reused == max(0, k - 1)  # the first two pickled in full (the first visit keeps nothing)
     assert pickle.loads(pickles.dumps(_md(ids[0]))).storage_meta.save_id == ids[0]
+    del owner
+
+
+def test_nothing_is_kept_for_a_structure_not_saved_again_nor_after_its_plan_is_gone():
+    pickles = MetadataPickles()
+    for k in range(3):  # no cached plan: every save its own structure (cpuckpt.save, a persister's load)
+        md = _md(f"job-{k:016x}")
+        assert pickles.dumps(md) == pickle.dumps(md)
+    assert pickles.reused == 0 and not pickles._structures
+    owner = _reusable(pickles)
+    for k in range(5):  # a new directory every save (the disk path's step_N): names only, no bytes
+        pickles.dumps(_md(f"job-{k:016x}", slot=f"/ckpt/step_{k}"))
+    assert pickles.reused == 0 and all(e is None for s in pickles._structures.values() for e in s.entries.values())
+    for k in range(3):
+        pickles.dumps(_md(f"job-{k:016x}"))
+    assert pickles.reused == 1
+    del owner
+    gc.collect()
+    assert not pickles._structures  # the plan is gone: its bytes go with it
+
+
+def test_more_slots_than_a_few_still_reuse():
+    pickles = MetadataPickles()
+    owner = _reusable(pickles)
+    slots = [f"/ram/slot-{j}" for j in range(20)]
+    for k in range(60):
+        pickles.dumps(_md(f"job-{k:016x}", slot=slots[k % len(slots)]))
+    assert pickles.reused == 20  # the third round of every slot
+    del owner
 
 
 def test_anything_else_that_changed_is_pickled_in_full():
     pickles = MetadataPickles()
+    owner = _reusable(pickles)
+    pickles.dumps(_md("job-0000000000000000"))
     pickles.dumps(_md("job-0000000000000001"))
     for md in (_md("job-0000000000000002", shift=4096),        # other storage data (a layout that moved)
                _md("job-00000000000000003"),                   # an id of another length
@@ -57,28 +98,36 @@ def test_anything_else_that_changed_is_pickled_in_full():
     # is never replaced with the next save's id
     name = "job-0000000000000009"
     named = {**SDM, name: SDM["layer.0.w"]}
-    first = _md(name, sdm=named)
-    assert pickle.loads(pickles.dumps(first)) == first
+    owner_named = _reusable(pickles, named)
+    for save_id in ("job-0000000000000008", name):
+        first = _md(save_id, sdm=named)
+        assert pickle.loads(pickles.dumps(first)) == first
     md = _md("job-000000000000000a", sdm=named)
     assert pickle.loads(pickles.dumps(md)) == md and pickles.reused == 0
+    del owner, owner_named
 
 
 def test_the_id_is_rewritten_in_its_own_record_only_whatever_its_text():
     """Ids whose text could match at a record's length byte, one-character ids (CPython shares those objects),
     non-ASCII ids and a changed field besides the per-save ones: each result is that save's metadata."""
     pickles = MetadataPickles()
+    owner = _reusable(pickles)
     for first, then in (("0" * 48, "0" * 47 + "1"), (" " * 32, "x" * 32), ("Q", "R"), ("ab\udc80cd", "ab\udc81cd"),
-                        ("é" * 10, "è" * 10)):
-        for save_id in (first, then):
+                        ("é" * 10, "è" * 10), ("a" * 300, "b" * 300)):  # BINUNICODE past 255 bytes
+        for save_id in (first, then, first):
             md = _md(save_id)
             assert pickle.loads(pickles.dumps(md)) == md, (first, then)
+    # reused: ASCII ids of 2+ characters of the length the slot's kept bytes have (48: 1, 32: 2, 300: 2)
+    assert pickles.reused == 5
     sdm = {"Q": SDM["layer.0.w"]}  # a one-character id that is also a tensor's name: never renamed
-    pickles.dumps(Metadata(state_dict_metadata=sdm, planner_data={"Q": ("Q",)}, storage_data={},
-                           storage_meta=StorageMeta(checkpoint_id="/ram/slot-9", save_id="Q")))
-    md = Metadata(state_dict_metadata=sdm, planner_data={"Q": ("Q",)}, storage_data={},
-                  storage_meta=StorageMeta(checkpoint_id="/ram/slot-9", save_id="R"))
-    assert pickle.loads(pickles.dumps(md)) == md
+    owner_q = Metadata(state_dict_metadata=sdm, planner_data={"Q": ("Q",)})
+    pickles.reusable(owner_q)
+    for save_id in ("Q", "Q", "R"):
+        md = Metadata(state_dict_metadata=sdm, planner_data={"Q": ("Q",)}, storage_data={},
+                      storage_meta=StorageMeta(checkpoint_id="/ram/slot-9", save_id=save_id))
+        assert pickle.loads(pickles.dumps(md)) == md
     reused = pickles.reused
     md = _md("job-00000000000000ff")
     md.version = "9.9.9"  # any other field that changed: pickled in full
     assert pickle.loads(pickles.dumps(md)).version == "9.9.9" and pickles.reused == reused
+    del owner, owner_q

@@ -28,7 +28,7 @@ IMMUTABLE_CLASSES = {"Lock", "RLock", "Struct", "Path", "TypeVar", "ParamSpec", 
 # (module, name) -> why it is per process. Everything else a user could run twice is per stream.
 PER_PROCESS = {
     ("integrations/deepspeed/engine.py", "_RESERVED_DIRS"): "a RAM root opens once per process: one engine reserves",
-    ("cpuckpt/format/metapickle.py", "_PICKLES"): "keyed by any stream's structure objects: a few entries per process",
+    ("cpuckpt/format/metapickle.py", "_PICKLES"): "cached plans' structures (weakly), a pickle per slot",
     ("cpuckpt/transfer/staging.py", "_POOL"): "pinning costs 0.4-0.6 s/GiB: one bounded pool, registered once",
     ("cpuckpt/transfer/threads.py", "_SHARED"): "thread start-up is stall time; tasks of every stream run FIFO",
     ("cpuckpt/transfer/pacing.py", "PACER"): "one piece in flight on the device link all streams share",
