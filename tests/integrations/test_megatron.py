@@ -513,9 +513,10 @@ def test_persistent_worker_killed_before_first_save_raises_on_every_rank(run_ran
         assert r["leftovers"] == [], "channel files left behind"
 
 
-def rank_continue_after_failure(root: str, stage_hook: str, kind: str) -> dict:
-    """``on_failure: continue``: save 1 fails (``stage_hook`` acts in rank 0's worker), save 2 must
-    succeed on new workers and load; save 1 gets no metadata.json; every rank logs the failure."""
+def rank_continue_after_failure(root: str, stage_hooks: list[str], kind: str) -> dict:
+    """``on_failure: continue``: save k fails (``stage_hooks[k]`` acts in rank 0's worker: a kill, a raise), the save
+    after the last failure must succeed on the workers then running and load; a failed save gets no metadata.json;
+    every rank logs each failure."""
     import logging
     import time
 
@@ -537,8 +538,9 @@ def rank_continue_after_failure(root: str, stage_hook: str, kind: str) -> dict:
     ckpt_mg.watch_async_queue(queue, timeout_s=60, config={"megatron": {"on_failure": "continue"}})
     strategy = ckpt_mg.save_strategy()
     pids, elapsed = [], []
-    for step in (1, 2):
-        faults.install(stage_hook if step == 1 else "")  # the handler travels with the request it was set for
+    steps = range(1, len(stage_hooks) + 2)
+    for step in steps:
+        faults.install(stage_hooks[step - 1] if step <= len(stage_hooks) else "")  # travels with its request
         path = Path(root) / f"iter_{step}"
         path.mkdir(exist_ok=True)
         request = dist_checkpointing.save(_sharded(step, device), str(path), sharded_strategy=strategy,
@@ -549,32 +551,31 @@ def rank_continue_after_failure(root: str, stage_hook: str, kind: str) -> dict:
         queue.maybe_finalize_async_calls(blocking=True)  # must neither raise nor hang
         elapsed.append(time.monotonic() - t0)
     queue.close()
-    _check(dist_checkpointing.load(_template(device), str(Path(root) / "iter_2")), 2, device)
-    _check(dist_checkpointing.load(_template(device, split_dim=1), str(Path(root) / "iter_2"),
-                                   sharded_strategy=ckpt_mg.load_strategy()), 2, device, split_dim=1)
+    last = Path(root) / f"iter_{steps[-1]}"
+    _check(dist_checkpointing.load(_template(device), str(last)), steps[-1], device)
+    _check(dist_checkpointing.load(_template(device, split_dim=1), str(last),
+                                   sharded_strategy=ckpt_mg.load_strategy()), steps[-1], device, split_dim=1)
     return {"errors": errors, "pids": pids, "elapsed": elapsed,
-            "metadata_json": [(Path(root) / f"iter_{s}" / "metadata.json").exists() for s in (1, 2)],
+            "metadata_json": [(Path(root) / f"iter_{s}" / "metadata.json").exists() for s in steps],
             "leftovers": _leftovers()}
 
 
-@pytest.mark.parametrize(("stage_hook", "kind"),
-                         [("megatron-worker:rank0=kill", "mcore"), ("megatron-worker:rank0=raise", "mcore"),
-                          *(pytest.param("megatron-worker:rank0=kill", *p.values, marks=p.marks) for p in KINDS[1:])],
-                         ids=["worker-killed", "worker-raised", "worker-killed-nvrx"])
-def test_on_failure_continue_respawns_worker_and_next_save_loads(run_ranks, tmp_path, stage_hook, kind):
-    results = run_ranks(2, rank_continue_after_failure, str(tmp_path), stage_hook, kind, timeout_s=180, env=ENV)
-    killed = stage_hook.endswith("=kill")
+@pytest.mark.parametrize("kind", KINDS)
+def test_on_failure_continue_respawns_a_killed_worker_keeps_one_that_raised_and_the_next_save_loads(run_ranks,
+                                                                                                   tmp_path, kind):
+    hooks = ["megatron-worker:rank0=kill", "megatron-worker:rank0=raise"]
+    results = run_ranks(2, rank_continue_after_failure, str(tmp_path), hooks, kind, timeout_s=180, env=ENV)
     for r in results:
-        assert len(r["errors"]) == 1 and "training continues" in r["errors"][0], r
-        what = "WorkerDiedError" if killed else "checkpoint worker of rank 0"
-        assert (what in r["errors"][0]) or ("ended without reporting" in r["errors"][0]), r
-        assert r["metadata_json"] == [False, True], r
+        assert len(r["errors"]) == 2 and all("training continues" in e for e in r["errors"]), r
+        killed, raised = r["errors"]
+        assert "WorkerDiedError" in killed or "ended without reporting" in killed, r
+        assert "checkpoint worker of rank 0" in raised or "ended without reporting" in raised, r
+        assert r["metadata_json"] == [False, False, True], r
         assert r["leftovers"] == [], "channel files left behind"
-        assert r["elapsed"][0] < 30, r
-        if killed:  # a dead worker is replaced on every rank; one that raised lives on
-            assert r["pids"][0] and r["pids"][1] and set(r["pids"][0]).isdisjoint(r["pids"][1]), r
-        else:
-            assert r["pids"][0] == r["pids"][1], r
+        assert r["elapsed"][0] < 30 and r["elapsed"][1] < 30, r
+        # a dead worker is replaced on every rank; one that raised lives on
+        assert r["pids"][0] and r["pids"][1] and set(r["pids"][0]).isdisjoint(r["pids"][1]), r
+        assert r["pids"][1] == r["pids"][2], r
 
 
 def test_silent_worker_is_dead_after_heartbeat_timeout(run_ranks, tmp_path):
