@@ -220,25 +220,31 @@ def rank_roundtrip(stage: int, bf16: bool, root: str) -> dict:
             "unsafe_globals": sorted(unsafe)}
 
 
-@pytest.mark.parametrize(("stage", "bf16"), [(1, False), (2, False), (3, False), (1, True), (2, True), (3, True)],
-                         ids=["zero1-fp32", "zero2-fp32", "zero3-fp32", "zero1-bf16", "zero2-bf16", "zero3-bf16"])
-def test_zero_roundtrip(run_ranks, tmp_path, stage, bf16):
-    results = run_ranks(2, rank_roundtrip, stage, bf16, str(tmp_path), timeout_s=240)
-    r0 = results[0]
-    optim = "bf16_zero" if bf16 else "zero"  # DeepSpeed names bf16 optimizer files bf16_zero_pp_rank_*
-    if stage == 3:
-        expected = {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)} | {
-            f"{optim}_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}
-    else:
-        expected = {"mp_rank_00_model_states.pt"} | {f"{optim}_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}
-    assert set(r0["names"]) == expected | {".cpuckpt-complete.json"}  # the marker; no .cpuckpt-saving left
-    for r in results:
-        assert r["latest_after_save"] is False, "latest written before the checkpoint was committed"
-        assert r["pending_jobs"] >= 1, "save_checkpoint waited for durability in async mode"
-        assert r["latest_after_step"] == "t1"
-        assert r["latest_final"] == "t2", "the save before destroy() got no latest"
-        assert r["changed"], "training after the save did not change the parameters"
-        assert r["leftovers"] == []
+def rank_roundtrips(bf16: bool, root: str) -> list[dict]:
+    """ZeRO-1, 2 and 3 in one launch (an engine and a directory each)."""
+    return [rank_roundtrip(stage, bf16, str(Path(root) / f"stage{stage}")) for stage in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_zero_roundtrip(run_ranks, tmp_path, bf16):
+    cases = run_ranks(2, rank_roundtrips, bf16, str(tmp_path), timeout_s=240)
+    for stage, results in zip((1, 2, 3), zip(*cases)):
+        r0 = results[0]
+        optim = "bf16_zero" if bf16 else "zero"  # DeepSpeed names bf16 optimizer files bf16_zero_pp_rank_*
+        if stage == 3:
+            expected = {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)} | {
+                f"{optim}_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)}
+        else:
+            expected = {"mp_rank_00_model_states.pt"} | {f"{optim}_pp_rank_{r}_mp_rank_00_optim_states.pt"
+                                                         for r in (0, 1)}
+        assert set(r0["names"]) == expected | {".cpuckpt-complete.json"}, stage  # the marker; no .cpuckpt-saving
+        for r in results:
+            assert r["latest_after_save"] is False, ("latest written before the checkpoint was committed", stage)
+            assert r["pending_jobs"] >= 1, ("save_checkpoint waited for durability in async mode", stage)
+            assert r["latest_after_step"] == "t1", stage
+            assert r["latest_final"] == "t2", ("the save before destroy() got no latest", stage)
+            assert r["changed"], ("training after the save did not change the parameters", stage)
+            assert r["leftovers"] == [], stage
 
 
 def rank_write_failure(root: str, async_save: bool, background: bool, surface: str) -> dict:
@@ -275,25 +281,33 @@ def rank_write_failure(root: str, async_save: bool, background: bool, surface: s
             "latest": (save_dir / "latest").exists(), "where": where, "next_started": (save_dir / "next").exists()}
 
 
-@pytest.mark.parametrize(("async_save", "background", "surface"),
-                         [(False, False, "save_checkpoint"), (True, False, "step"), (True, True, "commit_pending"),
-                          (True, True, "next_save")])
-def test_write_failure_raises(run_ranks, tmp_path, async_save, background, surface):
-    results = run_ranks(2, rank_write_failure, str(tmp_path), async_save, background, surface, timeout_s=240)
-    for r in results:
-        assert r["raised"] is not None, "a failing write did not raise"
-        assert r["errno"] == errno.ENOSPC or "ENOSPC" in r["msg"] or "No space" in r["msg"], r
-        assert "bad" in r["msg"], r  # the failure of the first checkpoint, not of a later one
-        assert r["latest"] is False
-        assert r["where"] == surface, r
-        assert not r["next_started"], "a new save started while an earlier one had failed unreported"
-        # The error contract: an OSError (StorageIOError) carrying errno and the failing file.
-        assert r["raised"] == "StorageIOError" and r["is_oserror"], r
-        assert r["raised_errno"] == errno.ENOSPC and r["path"] and "bad" in r["path"], r
-        if async_save:  # the commit gathered every rank's failure: the lowest failing rank (both fail)
-            assert r["rank"] == 0 and "failed on rank 0" in r["msg"], r
-    if async_save:
-        assert results[0]["msg"] == results[1]["msg"], results
+WRITE_FAILURES = [(False, False, "save_checkpoint"), (True, False, "step"), (True, True, "commit_pending"),
+                  (True, True, "next_save")]  # (async, background commit, where the failure must surface)
+
+
+def rank_write_failures(root: str) -> list[dict]:
+    """Every case of :data:`WRITE_FAILURES` in one launch, each with an engine and a directory of its own."""
+    return [rank_write_failure(str(Path(root) / f"case{k}"), *case) for k, case in enumerate(WRITE_FAILURES)]
+
+
+def test_write_failure_raises(run_ranks, tmp_path):
+    cases = run_ranks(2, rank_write_failures, str(tmp_path), timeout_s=240)
+    for k, (async_save, _background, surface) in enumerate(WRITE_FAILURES):
+        results = [rank_cases[k] for rank_cases in cases]
+        for r in results:
+            assert r["raised"] is not None, ("a failing write did not raise", surface)
+            assert r["errno"] == errno.ENOSPC or "ENOSPC" in r["msg"] or "No space" in r["msg"], r
+            assert "bad" in r["msg"], r  # the failure of the first checkpoint, not of a later one
+            assert r["latest"] is False
+            assert r["where"] == surface, r
+            assert not r["next_started"], "a new save started while an earlier one had failed unreported"
+            # The error contract: an OSError (StorageIOError) carrying errno and the failing file.
+            assert r["raised"] == "StorageIOError" and r["is_oserror"], r
+            assert r["raised_errno"] == errno.ENOSPC and r["path"] and "bad" in r["path"], r
+            if async_save:  # the commit gathered every rank's failure: the lowest failing rank (both fail)
+                assert r["rank"] == 0 and "failed on rank 0" in r["msg"], r
+        if async_save:
+            assert results[0]["msg"] == results[1]["msg"], results
 
 
 def rank_save_16bit_model(root: str) -> dict:
@@ -454,16 +468,21 @@ def rank_universal(stage: int, root: str) -> dict:
             "moments": moments, "optim_diff": optim_diff}
 
 
-@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
-def test_ds_to_universal_and_universal_load(run_ranks, tmp_path, stage):
-    results = run_ranks(2, rank_universal, stage, str(tmp_path), timeout_s=240)
-    conv = results[0]["conv"]
-    assert conv["rc"] == 0, conv["tail"]
-    for r in results:
-        assert r["latest_universal"] == "t1_universal"
-        assert r["path"] is not None
-        assert {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"} <= set(r["moments"]), r["moments"]
-        assert r["optim_diff"] is None, r["optim_diff"]
+def rank_universals(root: str) -> list[dict]:
+    """ZeRO-2 and ZeRO-3 in one launch (an engine and a directory each)."""
+    return [rank_universal(stage, str(Path(root) / f"stage{stage}")) for stage in (2, 3)]
+
+
+def test_ds_to_universal_and_universal_load(run_ranks, tmp_path):
+    cases = run_ranks(2, rank_universals, str(tmp_path), timeout_s=240)
+    for stage, results in zip((2, 3), zip(*cases)):
+        conv = results[0]["conv"]
+        assert conv["rc"] == 0, (stage, conv["tail"])
+        for r in results:
+            assert r["latest_universal"] == "t1_universal", stage
+            assert r["path"] is not None, stage
+            assert {"fp32.pt", "exp_avg.pt", "exp_avg_sq.pt"} <= set(r["moments"]), (stage, r["moments"])
+            assert r["optim_diff"] is None, (stage, r["optim_diff"])
 
 
 _FP16 = {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2,
@@ -529,17 +548,22 @@ def rank_fp16(stage: int, root: str) -> dict:
             "unsafe_globals": sorted(unsafe), "names": sorted(p.name for p in (save_dir / "t1").iterdir())}
 
 
-@pytest.mark.parametrize("stage", [2, 3], ids=["zero2", "zero3"])
-def test_fp16_dynamic_loss_scaler_roundtrip(run_ranks, tmp_path, stage):
-    results = run_ranks(2, rank_fp16, stage, str(tmp_path), timeout_s=240)
-    for r in results:
-        init, saved, after = r["scalers"]
-        assert saved["type"] == "DynamicLossScaler"
-        assert saved["cur_scale"] > init["cur_scale"], "the scale never grew: nothing to restore"
-        assert r["overflowed"] and saved["cur_hysteresis"] < init["cur_hysteresis"], "no overflow was recorded"
-        assert r["restored"] == saved
-        assert r["continued"] == after
-        assert "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler" in r["unsafe_globals"]
+def rank_fp16s(root: str) -> list[dict]:
+    """ZeRO-2 and ZeRO-3 in one launch (an engine and a directory each)."""
+    return [rank_fp16(stage, str(Path(root) / f"stage{stage}")) for stage in (2, 3)]
+
+
+def test_fp16_dynamic_loss_scaler_roundtrip(run_ranks, tmp_path):
+    cases = run_ranks(2, rank_fp16s, str(tmp_path), timeout_s=240)
+    for stage, results in zip((2, 3), zip(*cases)):
+        for r in results:
+            init, saved, after = r["scalers"]
+            assert saved["type"] == "DynamicLossScaler", stage
+            assert saved["cur_scale"] > init["cur_scale"], ("the scale never grew: nothing to restore", stage)
+            assert r["overflowed"] and saved["cur_hysteresis"] < init["cur_hysteresis"], ("no overflow", stage)
+            assert r["restored"] == saved, stage
+            assert r["continued"] == after, stage
+            assert "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler" in r["unsafe_globals"], stage
 
 
 # ------------------------------------------------------------------------- single process, no ranks
