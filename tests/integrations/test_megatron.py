@@ -218,7 +218,8 @@ def test_async_save_through_megatron_callers(run_ranks, tmp_path):
             assert case["leftovers"] == [], f"{name}: channel files left behind: {case['leftovers']}"
 
 
-def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: bool = False) -> dict:
+def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: bool = False,
+                       hook: str | None = None) -> dict:
     """A failing save must raise at finalize on every rank, within the timeout, never hang.
 
     Faults come from ``cpuckpt.testing.faults``: the ``fault:`` backend in ``config``, or the stage
@@ -234,7 +235,7 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: 
 
     from cpuckpt.testing import faults
 
-    faults.install()
+    faults.install(hook)  # None: $CPUCKPT_TEST_HOOK
 
     _, _, device = _setup()
     queue = AsyncCallsQueue(persistent=persistent)
@@ -243,7 +244,7 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: 
 
         watch_async_queue(queue, timeout_s=60)
     path = Path(root) / "iter_1"
-    path.mkdir(exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
     request = dist_checkpointing.save(_sharded(1, device), str(path), sharded_strategy=ckpt_mg.save_strategy(config),
                                       async_sharded_save=True, **mcore_async_kwargs())
     queue.schedule_async_request(request)
@@ -267,41 +268,44 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: 
             "leftovers": sorted(p.name for p in _channel_dir().glob(f"cpuckpt-megatron-p{os.getpid()}-*"))}
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["temporal", "persistent"])
-def test_worker_exception_raises_on_every_rank(run_ranks, tmp_path, persistent):
-    env = dict(ENV, CPUCKPT_TEST_HOOK="megatron-worker:rank1=raise")
-    results = run_ranks(2, rank_async_failure, str(tmp_path), persistent, None, timeout_s=240, env=env)
-    for r in results:
-        assert r["error"] is not None and "checkpoint worker of rank 1" in r["error"], r
-        assert not r["metadata_json"], "metadata.json written for a failed save"
-        assert r["contract"]["type"] == "cpuckpt.errors.CpuckptError" and r["contract"]["rank"] == 1, r
-    assert results[0]["contract"]["message"] == results[1]["contract"]["message"], results
+FAILURES = {  # name: (the stage action in the worker, persistent worker, config, watched queue); ENOSPC first: it
+    # asserts that no channel file is left, and a killed worker's may stay behind
+    "enospc": ("", True, {"io": {"backend": f"fault:{errno.ENOSPC}@4096"}, "timeout_s": 60}, False),
+    "raised-temporal": ("megatron-worker:rank1=raise", False, None, False),
+    "raised-persistent": ("megatron-worker:rank1=raise", True, None, False),
+    "killed-temporal": ("megatron-worker:rank0=kill", False, None, False),
+    # megatron-core's own persistent caller would wait forever for the killed worker
+    "killed-persistent-watched": ("megatron-worker:rank0=kill", True, None, True),
+}
 
 
-def test_dead_temporal_worker_raises_on_every_rank(run_ranks, tmp_path):
-    env = dict(ENV, CPUCKPT_TEST_HOOK="megatron-worker:rank0=kill")
-    results = run_ranks(2, rank_async_failure, str(tmp_path), False, None, timeout_s=240, env=env)
+def rank_async_failures(root: str) -> dict:
+    """Every case of :data:`FAILURES` in one launch, a queue and a directory each."""
+    return {name: rank_async_failure(str(Path(root) / name), persistent, config, watch, hook=hook)
+            for name, (hook, persistent, config, watch) in FAILURES.items()}
+
+
+def test_a_failed_or_dead_worker_raises_on_every_rank(run_ranks, tmp_path):
+    cases = run_ranks(2, rank_async_failures, str(tmp_path), timeout_s=240, env=ENV)
+    for name in ("raised-temporal", "raised-persistent"):  # a worker that raised: its rank's error on every rank
+        results = [c[name] for c in cases]
+        for r in results:
+            assert r["error"] is not None and "checkpoint worker of rank 1" in r["error"], (name, r)
+            assert not r["metadata_json"], ("metadata.json written for a failed save", name)
+            assert r["contract"]["type"] == "cpuckpt.errors.CpuckptError" and r["contract"]["rank"] == 1, (name, r)
+        assert results[0]["contract"]["message"] == results[1]["contract"]["message"], (name, results)
+    results = [c["killed-temporal"] for c in cases]
     for r in results:
         assert r["error"] is not None and "ended without reporting" in r["error"], r
         assert not r["metadata_json"]
         assert r["contract"]["type"] == "cpuckpt.errors.CpuckptError" and r["contract"]["rank"] == 0, r
     assert results[0]["contract"]["message"] == results[1]["contract"]["message"], results
-
-
-def test_dead_persistent_worker_raises_on_every_rank_when_watched(run_ranks, tmp_path):
-    # megatron-core's own persistent caller would wait forever for the killed worker
-    env = dict(ENV, CPUCKPT_TEST_HOOK="megatron-worker:rank0=kill")
-    results = run_ranks(2, rank_async_failure, str(tmp_path), True, None, True, timeout_s=240, env=env)
-    for r in results:
+    for r in (c["killed-persistent-watched"] for c in cases):
         assert r["error"] is not None and "WorkerDiedError" in r["error"], r
         assert ("rank 0's" in r["error"]) or ("another rank's" in r["error"]), r
         assert not r["metadata_json"]
         assert r["elapsed"] < 30, r
-
-
-def test_write_failure_raises_on_every_rank(run_ranks, tmp_path):
-    config = {"io": {"backend": f"fault:{errno.ENOSPC}@4096"}, "timeout_s": 60}
-    results = run_ranks(2, rank_async_failure, str(tmp_path), True, config, timeout_s=240, env=ENV)
+    results = [c["enospc"] for c in cases]
     for r in results:
         assert r["error"] is not None and "No space left" in r["error"], r
         assert not r["metadata_json"] and not r["dcp_metadata"], "a failed save looks complete"
