@@ -11,6 +11,10 @@ fresh process (``--train``: one rank, ZeRO-1, bf16, ``torch_adam``, the GPT of `
 ``mem1``      the memory tier every iteration, durable every 64
 ``+ahead``    after a memory variant (``mem8+ahead``): ``memory_save_dir`` set, the slots' images reserved inside
               ``deepspeed.initialize`` instead of by the first save into each slot
+``+snap``     ``staging.device_snapshot``: a save copies the state on the device (the next step waits for that
+              only), the host copies follow from the snapshot
+``+copyproc`` ``memory.copy_process``: the snapshot's device-to-host copies and the checksums run in a process of
+              ours (CUDA IPC), none in the trainer's (with ``+snap``: the engine Megatron-LM's goodput measured best)
 
 The trainer prints one line per iteration (``iteration N/M | elapsed time per iteration (ms): ...``, the host time
 since the previous line, its own clock); the result is the wall time from iteration ``--warm`` to the last,
@@ -44,20 +48,37 @@ logger = logging.getLogger("bench_goodput_ds")
 
 VARIANTS = ("none", "ds8", "cpuckpt8", "mem8", "mem1")
 EVERY = {"none": 0, "ds8": 8, "cpuckpt8": 8, "mem8": 8, "mem1": 1}
+MODIFIERS = ("ahead", "snap", "copyproc")
 
 
 def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict[str, Any] | None:
-    """The adapter's settings of ``variant`` (None: DeepSpeed's own engine); ``+ahead`` (memory variants): the
-    slots' images reserved inside ``deepspeed.initialize`` (``memory_save_dir``: ``save``)."""
-    base = variant.split("+")[0]
+    """The adapter's settings of ``variant`` (None: DeepSpeed's own engine) and its modifiers (:data:`MODIFIERS`)."""
+    base, *mods = variant.split("+")
     if base in ("none", "ds8"):
         return None
     out: dict[str, Any] = {"ordering": "optimizer", "io": {"threads": 8}}
     if base.startswith("mem"):
-        out.update(memory_tier=True, memory={"root": ram, "slots": 3, "persist_every": durable_every})
-        if "+ahead" in variant:
+        out.update(memory_tier=True, memory={"root": ram, "slots": 3, "persist_every": durable_every,
+                                             "copy_process": "copyproc" in mods})
+        if "ahead" in mods:
             out["memory_save_dir"] = save
+    if "snap" in mods:
+        out["staging"] = {"device_snapshot": True}
     return out
+
+
+def check_variant(name: str) -> str | None:
+    """Why ``name`` is not a variant (None: it is)."""
+    base, *mods = name.split("+")
+    if base not in VARIANTS:
+        return f"unknown variant {base}; known: {VARIANTS}"
+    if not set(mods) <= set(MODIFIERS) or len(set(mods)) != len(mods):
+        return f"{name}: modifiers are {MODIFIERS}, each once"
+    if mods and base in ("none", "ds8"):
+        return f"{name}: modifiers are cpuckpt's"
+    if not base.startswith("mem") and set(mods) - {"snap"}:
+        return f"{name}: +ahead and +copyproc need a memory variant"
+    return None
 
 
 # ------------------------------------------------------------------------------------------ trainer
@@ -138,13 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     ram = args.ram if not args.smoke else str(tmp / "ram")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                          *filter(None, os.environ.get("PYTHONPATH", "").split(":"))])}
+    names = [v for v in args.variants.split(",") if v]
+    for name in names:
+        if (why := check_variant(name)) is not None:
+            ap.error(why)
     results: dict[str, Any] = {"args": vars(args), "summary": [], "runs": {}}
     ref: dict[str, Any] | None = None
     rows = []
     try:
-        for name in [v for v in args.variants.split(",") if v]:
-            if name.split("+")[0] not in VARIANTS or name.split("+")[1:] not in ([], ["ahead"]):
-                ap.error(f"unknown variant {name}; known: {VARIANTS}")
+        for name in names:
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(ram, ignore_errors=True)
             argv_run = [sys.executable, "-m", "benchmarks.bench_goodput_ds", "--train", "--variant", name,
