@@ -304,3 +304,26 @@ def test_a_close_that_keeps_the_ram_root_removes_the_images_no_save_claimed(tmp_
                   and p.parent in tier.slots and not p.name.startswith("."))
     assert left == [f"slot-0/{name}"], left  # the checkpoint's data; slots 1 and 2 and the spare image are gone
     assert _loaded_step(tier.slots[0]) == 1
+
+
+def test_slots_that_do_not_all_fit_are_reserved_one_after_the_other_as_many_as_fit(tmp_path, monkeypatch, caplog):
+    """All slots fit: reserved side by side; else one after the other until the RAM filesystem's limit (a warning,
+    no half-made image): here room for two of three."""
+    from cpuckpt.tier import ramroot
+
+    size = 4 << 20
+    ram = tmp_path / "ram"
+
+    def space(path):  # a filesystem with room for 2.5 images besides what the RAM root holds
+        used = sum(p.stat().st_blocks * 512 for p in ram.rglob("*") if p.is_file())
+        return 1 << 40, int(2.5 * size) - used
+
+    monkeypatch.setattr(ramroot, "_space", space)
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    name = f"__{tier.rank}_0.distcp"
+    try:
+        assert tier.reserve(size) == 2
+        assert [images.names for images in tier.images] == [[name], [name], []]
+        assert not (tier.slots[2] / name).exists() and "ahead of the first save failed" in caplog.text
+    finally:
+        tier.close(persist_newest=False)
