@@ -23,6 +23,7 @@ with no group or other permission bits. Files inside are opened with ``O_NOFOLLO
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -720,16 +721,45 @@ class RamRoot:
         logger.info("removed RAM root %s", self.path)
 
 
+_LARGE_FILE_BYTES = 64 << 20
+
+
 def _rmtree(path: Path) -> None:
-    """Delete ``path``; first the owner record, so that an interrupted removal never looks like a live root."""
+    """Delete ``path``; first the owner record, so that an interrupted removal never looks like a live root; then
+    its large files side by side (:func:`_unlink_large_files`), then the rest."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path / OWNER_NAME)
     try:
+        _unlink_large_files(path)
         shutil.rmtree(path)
     except FileNotFoundError:
         pass
     except OSError as e:
         raise RamRootError(f"cannot remove the RAM root {path}: {e}; remove it by hand", path=path) from e
+
+
+def _unlink_large_files(path: Path) -> None:
+    """Unlink the regular files of ``path`` of 64 MiB or more, a thread per file (8 at most): tmpfs frees a file's
+    pages under its inode lock, separate files in parallel (3 x 2 GiB: 0.85 s one after the other, 0.44 s side by
+    side on the 2-core CPU box), and the images of a job's slots are removed at its exit."""
+    large = []
+    for parent, _dirs, names in os.walk(path):
+        for name in names:
+            file = os.path.join(parent, name)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(file)
+                if stat.S_ISREG(st.st_mode) and st.st_size >= _LARGE_FILE_BYTES:
+                    large.append(file)
+    if len(large) < 2:
+        return
+    with concurrent.futures.ThreadPoolExecutor(min(8, len(large)), thread_name_prefix="cpuckpt-rmtree") as pool:
+        for _ in pool.map(_unlink_if_there, large):
+            pass
+
+
+def _unlink_if_there(file: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(file)
 
 
 # ------------------------------------------------------------------------------------------- clean

@@ -472,6 +472,24 @@ def test_remove(tmp_path):
     r0.remove()  # already gone: nothing to do
 
 
+def test_remove_unlinks_large_files_side_by_side_and_never_follows_a_link(tmp_path):
+    """Large images go on threads (sparse here: their size is what counts), then the rest; a symbolic link inside
+    is removed as a link, its target stays."""
+    root = tmp_path / "root"
+    outside = tmp_path / "outside.bin"
+    with open(outside, "wb") as f:
+        f.truncate(128 << 20)
+    r = RamRoot.open(root, "job", 0)
+    for k in range(3):
+        (root / f"slot-{k}").mkdir()
+        with open(root / f"slot-{k}" / "__0_0.distcp", "wb") as f:
+            f.truncate(96 << 20)
+        (root / f"slot-{k}" / ".manifest.json").write_text("{}")
+    (root / "slot-0" / "link.bin").symlink_to(outside)
+    r.remove()
+    assert not root.exists() and outside.stat().st_size == 128 << 20
+
+
 def test_clean_ram_roots(shm, hold_lock):
     base = shm / f"cpuckpt-{UID}"
     RamRoot.open(None, "stale", 0).close()
