@@ -384,7 +384,12 @@ class ImageSet:
                 img = self._files.pop(name, None)
                 if img is not None:
                     img.close()
-                    img.path.unlink(missing_ok=True)
+                    try:  # never raised: a commit callback or a close must go on (the file holds no checkpoint)
+                        img.path.unlink(missing_ok=True)
+                    except OSError as e:
+                        logger.warning("memory image %s in %s was reserved and no save claimed it; removing it "
+                                       "failed: %s", name, self.directory, e)
+                        continue
                     logger.info("memory image %s in %s was reserved and no save claimed it; removed", name,
                                 self.directory)
             self._reserved.clear()

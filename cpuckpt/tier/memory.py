@@ -239,7 +239,7 @@ class MemoryTier:
         try:
             root = RamRoot.open(m.root or None, m.job or job_id_for(self.durable_root), self.rank,
                                 headroom_bytes=m.headroom_bytes)
-        except Exception as e:
+        except BaseException as e:  # an interrupt too: raised as itself once the peers learned of it
             if self.group is None:
                 raise
             error = e

@@ -308,6 +308,24 @@ def _failed_commit_then_reuse(durable: str, ram: str) -> dict:
     refused_s = time.monotonic() - t0
     if stale is not None:
         stale.close()
+    # rank 1 interrupted while it opens its root: the interrupt there, the same failure named on rank 0 at once
+    real_open = RamRoot.open.__func__
+
+    def interrupted(cls, *args, **kwargs):
+        if rank == 1:
+            raise KeyboardInterrupt
+        return real_open(cls, *args, **kwargs)
+
+    RamRoot.open = classmethod(interrupted)
+    t0 = time.monotonic()
+    try:
+        MemoryTier(durable, cfg).close(persist_newest=False)
+        interrupt = "made"
+    except BaseException as e:  # the interrupt is what is checked
+        interrupt = f"{type(e).__name__}: {e}"
+    finally:
+        RamRoot.open = classmethod(real_open)
+    interrupt_fast = time.monotonic() - t0 < 15
     tier = MemoryTier(durable, cfg)
     commits = []
 
@@ -340,7 +358,8 @@ def _failed_commit_then_reuse(durable: str, ram: str) -> dict:
         except CpuckptError as e:
             outcome = type(e).__name__
         dist.barrier()  # no rank is left inside a collective of that save
-        return {"outcome": outcome, "filled": filled, "refused": refused, "refused_fast": refused_s < 15}
+        return {"outcome": outcome, "filled": filled, "refused": refused, "refused_fast": refused_s < 15,
+                "interrupt": interrupt, "interrupt_fast": interrupt_fast}
     finally:
         faultpoint.set_handler(previous)
         tier.close(persist_newest=False)
@@ -352,6 +371,8 @@ def test_a_failed_commit_is_reported_alike_on_every_rank_when_its_slot_is_reused
     # tier's next collective for timeout_s while rank 1 had raised)
     assert res[0]["refused"] == res[1]["refused"] and res[0]["refused_fast"] and res[1]["refused_fast"], res
     assert res[0]["refused"].startswith("RamRootError: opening the memory tier's RAM root failed on rank 1"), res
+    assert res[1]["interrupt"].startswith("KeyboardInterrupt") and res[0]["interrupt_fast"], res
+    assert res[0]["interrupt"].startswith("CpuckptError: opening the memory tier's RAM root failed on rank 1"), res
     # before: rank 1 raised before its before_fill while rank 0 ran it and went on into the tier's agreement
-    assert res[0] == res[1], res
+    assert [(r["outcome"], r["filled"]) for r in res] == [(res[0]["outcome"], res[0]["filled"])] * 2, res
     assert res[0]["outcome"] == "StorageIOError" and res[0]["filled"] == ["slot-0"], res

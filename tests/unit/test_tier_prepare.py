@@ -327,3 +327,22 @@ def test_slots_that_do_not_all_fit_are_reserved_one_after_the_other_as_many_as_f
         assert not (tier.slots[2] / name).exists() and "ahead of the first save failed" in caplog.text
     finally:
         tier.close(persist_newest=False)
+
+
+def test_a_reserved_image_that_cannot_be_removed_is_a_warning_and_the_close_goes_on(tmp_path, monkeypatch, caplog):
+    """Removing an unclaimed image is housekeeping: a failure is logged, the close (collective) goes on."""
+    import errno
+    from pathlib import Path
+
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.name == "spare.pt":
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    assert tier.reserve_files({"spare.pt": 4096}) == 3
+    monkeypatch.setattr(Path, "unlink", unlink)
+    tier.close(persist_newest=False)  # does not raise
+    assert "removing it failed" in caplog.text and not tier.root.path.exists()  # the rest removed all the same
