@@ -26,7 +26,6 @@ memory checkpoint only when every rank's node holds the files that rank reads, e
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as cf
 import dataclasses
 import logging
 import os
@@ -82,6 +81,12 @@ class WriterDiedError(CpuckptError):
 
 class PersistError(CpuckptError):
     """A persist to the durable root failed (raised on every rank at the next save)."""
+
+
+def _current_device() -> int | None:
+    """The calling thread's CUDA device, where CUDA is in use (a thread of ours starts on device 0: every rank of a
+    node would make a context there and pin for it alone, a registration not being portable)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 class MemoryTier:
@@ -506,7 +511,8 @@ class MemoryTier:
         images = self.images[k]
         handle.add_done_callback(lambda error: images.drop_unclaimed() if error is None else None)
         if self.config.memory.prepare_slots and not self._prepare_decided.is_set():
-            handle.add_done_callback(lambda error, k=k: self._prepare_slots(k) if error is None
+            device = _current_device()  # the saving thread's: the callback runs on the committer's
+            handle.add_done_callback(lambda error, k=k: self._prepare_slots(k, device) if error is None
                                      else self._prepare_decided.set())
         if self._replication is not None and self.nodes.is_leader and self._replication.partners:
             self._request_replica(self._replication, handle, step, slot)
@@ -635,7 +641,7 @@ class MemoryTier:
             self._put(self.last_replica)
         self._last = _LastSave(step, slot, request, requested)
         if self.config.memory.prepare_slots and not self._prepare_decided.is_set():
-            self._prepare_slots(k)
+            self._prepare_slots(k, _current_device())
         return self.last_persist
 
     def resume_after(self, path: str | os.PathLike) -> None:
@@ -657,7 +663,7 @@ class MemoryTier:
         every = self.config.memory.persist_every
         return bool(every) and (step is None or step % every == 0)
 
-    def _prepare_slots(self, k: int) -> None:
+    def _prepare_slots(self, k: int, device: int | None) -> None:
         """Once slot ``k`` holds a committed save: reserve, map and pin the other slots' missing images to
         the same sizes on a background thread (a first save into a slot otherwise pays it: ~2.8 s for 5 GB
         on the H200). A slot owed to a persist is left alone, and so is every image that exists here (a job
@@ -668,6 +674,8 @@ class MemoryTier:
 
         def run() -> None:
             try:
+                if device is not None:  # pinned under the saving thread's device (its context), as a save would
+                    torch.cuda.set_device(device)
                 for j, images in enumerate(self.images):
                     if j == k or self._held(self.slots[j]):
                         continue
@@ -726,52 +734,34 @@ class MemoryTier:
             images.drop_unclaimed()
 
     def _reserve_images(self, sizes: Mapping[str, int]) -> int:
-        """Reserve ``sizes`` (image name: bytes) in every free slot of a single-node tier, the slots side by side
-        (tmpfs allocates one file's pages under its inode lock, ~4 GB/s, but separate files in parallel: 3 x 5.2 GB
-        took 4.1 s of a Megatron-LM run's start on the H200) when all of them fit, else one after the other; stops
-        at close or at the RAM filesystem's limit (a warning: the save that needs the space raises it). Images still
-        unclaimed when the process exits without :meth:`close` (a job that fails
-        before its first save) are removed then: they hold no checkpoint. Returns how many it made."""
-        wanted = {name: nbytes for name, nbytes in sizes.items() if nbytes > 0}
-        if not self.nodes.single or self._closing.is_set() or not wanted:
+        """Reserve ``sizes`` (image name: bytes) in every free slot of a single-node tier; stops at close or at the
+        RAM filesystem's limit (a warning: the save that needs the space raises it). Images still unclaimed when the
+        process exits without :meth:`close` (a job that fails before its first save) are removed then: they hold no
+        checkpoint. Returns how many it made."""
+        if not self.nodes.single or self._closing.is_set():
             return 0
-        free = [(slot, images) for slot, images in zip(self.slots, self.images)
-                if self.format.committed(slot) is None and not self._held(slot)]
         made = 0
         try:
-            try:
-                self.root.check_space(len(free) * sum(wanted.values()))
-                together = len(free) > 1
-            except CpuckptError:  # not all fit: as many as fit, one after the other
-                together = False
-            if together:
-                with cf.ThreadPoolExecutor(len(free), thread_name_prefix="cpuckpt-reserve") as pool:
-                    for n, _ in pool.map(lambda free_slot: self._reserve_slot(*free_slot, wanted), free):
-                        made += n
-            else:
-                for slot, images in free:
-                    n, complete = self._reserve_slot(slot, images, wanted)
-                    made += n
-                    if not complete:
-                        break
+            for slot, images in zip(self.slots, self.images):
+                if self._closing.is_set():  # closed: its root and queue may be gone
+                    return made
+                if self.format.committed(slot) is not None or self._held(slot):
+                    continue
+                for name, nbytes in sizes.items():
+                    if self._closing.is_set():
+                        return made
+                    if nbytes <= 0:
+                        continue
+                    try:
+                        made += images.reserve(name, nbytes, chunk_bytes=self.config.io.chunk_bytes)
+                    except CpuckptError as e:
+                        logger.warning("cpuckpt memory tier: reserving %d bytes for %s in %s ahead of the first save "
+                                       "failed: %s", nbytes, name, slot, e)
+                        return made
             return made
         finally:
             if made and not self._closing.is_set():  # again is harmless: close() unregisters every registration
                 atexit.register(self._drop_unclaimed_images)
-
-    def _reserve_slot(self, slot: Path, images: ImageSet, wanted: Mapping[str, int]) -> tuple[int, bool]:
-        """:meth:`_reserve_images` for one slot: how many images it made, and whether it reached its end."""
-        made = 0
-        for name, nbytes in wanted.items():
-            if self._closing.is_set():  # closed: its root and queue may be gone
-                return made, False
-            try:
-                made += images.reserve(name, nbytes, chunk_bytes=self.config.io.chunk_bytes)
-            except CpuckptError as e:
-                logger.warning("cpuckpt memory tier: reserving %d bytes for %s in %s ahead of the first save failed: "
-                               "%s", nbytes, name, slot, e)
-                return made, False
-        return made, True
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         """Wait for the background preparation of the slots' images (started after the first committed save);

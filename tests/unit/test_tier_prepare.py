@@ -306,9 +306,9 @@ def test_a_close_that_keeps_the_ram_root_removes_the_images_no_save_claimed(tmp_
     assert _loaded_step(tier.slots[0]) == 1
 
 
-def test_slots_that_do_not_all_fit_are_reserved_one_after_the_other_as_many_as_fit(tmp_path, monkeypatch, caplog):
-    """All slots fit: reserved side by side; else one after the other until the RAM filesystem's limit (a warning,
-    no half-made image): here room for two of three."""
+def test_slots_that_do_not_all_fit_are_reserved_as_many_as_fit(tmp_path, monkeypatch, caplog):
+    """One after the other until the RAM filesystem's limit (a warning, no half-made image): here room for two of
+    three."""
     from cpuckpt.tier import ramroot
 
     size = 4 << 20
