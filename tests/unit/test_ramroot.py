@@ -490,6 +490,28 @@ def test_remove_unlinks_large_files_side_by_side_and_never_follows_a_link(tmp_pa
     assert not root.exists() and outside.stat().st_size == 128 << 20
 
 
+def test_remove_at_interpreter_exit_removes_everything(tmp_path):
+    """An atexit handler's removal (no new thread can start then): the large files go one after the other."""
+    root = tmp_path / "root"
+    script = f"""
+import atexit
+from pathlib import Path
+from cpuckpt.tier.ramroot import RamRoot
+root = Path({str(root)!r})
+r = RamRoot.open(root, "job", 0, headroom_bytes=0)
+for k in range(2):
+    (root / f"slot-{{k}}").mkdir()
+    with open(root / f"slot-{{k}}" / "img", "wb") as f:
+        f.truncate(96 << 20)
+atexit.register(r.remove)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CPUCKPT_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert not root.exists()
+
+
 def test_clean_ram_roots(shm, hold_lock):
     base = shm / f"cpuckpt-{UID}"
     RamRoot.open(None, "stale", 0).close()
