@@ -26,6 +26,8 @@ memory checkpoint only when every rank's node holds the files that rank reads, e
 from __future__ import annotations
 
 import atexit
+import concurrent.futures as cf
+import contextlib
 import dataclasses
 import logging
 import os
@@ -735,33 +737,81 @@ class MemoryTier:
 
     def _reserve_images(self, sizes: Mapping[str, int]) -> int:
         """Reserve ``sizes`` (image name: bytes) in every free slot of a single-node tier; stops at close or at the
-        RAM filesystem's limit (a warning: the save that needs the space raises it). Images still unclaimed when the
-        process exits without :meth:`close` (a job that fails before its first save) are removed then: they hold no
-        checkpoint. Returns how many it made."""
-        if not self.nodes.single or self._closing.is_set():
+        RAM filesystem's limit (a warning: the save that needs the space raises it). The files' pages are allocated
+        first, side by side (:meth:`_allocate_ahead`); mapping and pinning follow here, on the caller's thread (its
+        device). Images still unclaimed when the process exits without :meth:`close` (a job that fails before its
+        first save) are removed then: they hold no checkpoint. Returns how many it made."""
+        wanted = {name: nbytes for name, nbytes in sizes.items() if nbytes > 0}
+        if not self.nodes.single or self._closing.is_set() or not wanted:
             return 0
+        free = [(slot, images) for slot, images in zip(self.slots, self.images)
+                if self.format.committed(slot) is None and not self._held(slot)]
         made = 0
+        ahead: dict[Path, tuple[ImageSet, int]] = {}  # files made ahead -> (their set, bytes allocated): each taken
+        # below, or removed
         try:
-            for slot, images in zip(self.slots, self.images):
-                if self._closing.is_set():  # closed: its root and queue may be gone
-                    return made
-                if self.format.committed(slot) is not None or self._held(slot):
-                    continue
-                for name, nbytes in sizes.items():
-                    if self._closing.is_set():
+            self._allocate_ahead(free, wanted, ahead)
+            for slot, images in free:
+                for name, nbytes in wanted.items():
+                    if self._closing.is_set():  # closed: its root and queue may be gone
                         return made
-                    if nbytes <= 0:
-                        continue
                     try:
-                        made += images.reserve(name, nbytes, chunk_bytes=self.config.io.chunk_bytes)
+                        made += images.reserve(name, nbytes, chunk_bytes=self.config.io.chunk_bytes,
+                                               allocated=ahead[slot / name][1] if slot / name in ahead else None)
                     except CpuckptError as e:
                         logger.warning("cpuckpt memory tier: reserving %d bytes for %s in %s ahead of the first save "
                                        "failed: %s", nbytes, name, slot, e)
                         return made
             return made
         finally:
+            for path, (images, _) in ahead.items():
+                if images.get(path.name) is None:  # not taken (a failure, a close, an interrupt): no stray file
+                    with contextlib.suppress(OSError):
+                        path.unlink()
             if made and not self._closing.is_set():  # again is harmless: close() unregisters every registration
                 atexit.register(self._drop_unclaimed_images)
+
+    def _allocate_ahead(self, free: list[tuple[Path, ImageSet]], wanted: Mapping[str, int],
+                        ahead: dict[Path, tuple[ImageSet, int]]) -> None:
+        """Create the new images' files and allocate their pages on threads, a file each (8 at a time): tmpfs
+        allocates one file's pages under its inode lock, ~4 GB/s, separate files in parallel (3 x 2 GiB: 1.43 ->
+        0.77 s on the 2-core CPU box; 3 x 5.2 GB took 4.1 s of a Megatron-LM run's start on the H200). No CUDA on
+        those threads (pinning stays on the caller's). Only where every file of this node's ranks fits at once
+        (this rank's total times its node's ranks, against the headroom); best effort otherwise: what is not
+        allocated here is allocated by the reservation itself. Each file made is in ``ahead`` before its pages are,
+        with the bytes allocated once they are (the caller removes any file it does not take)."""
+        files = [(slot / name, images, nbytes) for slot, images in free for name, nbytes in wanted.items()
+                 if images.get(name) is None and not os.path.lexists(slot / name)]
+        if len(files) < 2:
+            return
+        try:
+            self.root.check_space(sum(n for *_, n in files) * len(self.nodes.node_ranks))
+        except CpuckptError:
+            return  # one after the other, as many as fit
+        lock = threading.Lock()
+
+        def allocate(path: Path, images: ImageSet, nbytes: int) -> None:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError:
+                return  # there meanwhile, or the slot cannot take it: the reservation says why
+            try:
+                with lock:
+                    ahead[path] = (images, 0)
+                os.posix_fallocate(fd, 0, nbytes)
+                with lock:
+                    ahead[path] = (images, nbytes)
+            except OSError as e:
+                logger.debug("allocating %s ahead failed: %s", path, e)
+            finally:
+                os.close(fd)
+
+        try:
+            with cf.ThreadPoolExecutor(min(8, len(files)), thread_name_prefix="cpuckpt-allocate") as pool:
+                for done in [pool.submit(allocate, *file) for file in files]:
+                    done.result()
+        except RuntimeError:  # no thread at interpreter exit: the reservation allocates
+            pass
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
         """Wait for the background preparation of the slots' images (started after the first committed save);

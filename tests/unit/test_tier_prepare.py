@@ -346,3 +346,38 @@ def test_a_reserved_image_that_cannot_be_removed_is_a_warning_and_the_close_goes
     monkeypatch.setattr(Path, "unlink", unlink)
     tier.close(persist_newest=False)  # does not raise
     assert "removing it failed" in caplog.text and not tier.root.path.exists()  # the rest removed all the same
+
+
+def test_the_images_pages_are_allocated_side_by_side_and_a_failure_leaves_no_stray_file(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """Every file's pages allocated on threads of their own first (no CUDA there), mapped and pinned after on the
+    caller's thread; where slot 1's file cannot be allocated, slot 0 keeps its image, and neither slot 1 nor slot 2
+    is left with a file no image took."""
+    import errno
+    import threading
+
+    real = os.posix_fallocate
+    threads, full = set(), []
+
+    def fallocate(fd, offset, length):
+        threads.add(threading.current_thread().name.split("_")[0])
+        if full and "/slot-1/" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    name = f"__{tier.rank}_0.distcp"
+    try:
+        assert tier.reserve_files({name: 1 << 20}) == 3 and "cpuckpt-allocate" in threads  # all fine
+        for images in tier.images:
+            images.drop_unclaimed()
+        assert not any((slot / name).exists() for slot in tier.slots)
+        full.append(True)
+        assert tier.reserve_files({name: 1 << 20}) == 1  # slot 0; slot 1 fails (a warning) and stops it
+        assert "ahead of the first save failed" in caplog.text
+        assert [images.names for images in tier.images] == [[name], [], []]
+        assert (tier.slots[0] / name).exists() and not (tier.slots[1] / name).exists()
+        assert not (tier.slots[2] / name).exists()  # allocated ahead, not taken: removed
+    finally:
+        tier.close(persist_newest=False)
