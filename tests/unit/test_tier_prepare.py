@@ -381,3 +381,33 @@ def test_the_images_pages_are_allocated_side_by_side_and_a_failure_leaves_no_str
         assert not (tier.slots[2] / name).exists()  # allocated ahead, not taken: removed
     finally:
         tier.close(persist_newest=False)
+
+
+def test_an_interrupt_while_the_pages_are_allocated_ahead_leaves_no_file_and_is_raised(tmp_path, monkeypatch):
+    """A Ctrl-C (here raised by the third file's allocation) stops the files not started, removes those made, and
+    reaches the caller; the next reservation makes every image."""
+    import pytest
+
+    from cpuckpt.tier.images import AllocatedAhead
+
+    real = AllocatedAhead._make
+    calls = []
+
+    def make(self, path, images, nbytes):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, path, images, nbytes)
+
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    name = f"__{tier.rank}_0.distcp"
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(AllocatedAhead, "_make", make)
+            with pytest.raises(KeyboardInterrupt):
+                tier.reserve_files({name: 1 << 20, "b.pt": 1 << 20})
+        assert [images.names for images in tier.images] == [[], [], []]
+        assert not [p for slot in tier.slots for p in slot.iterdir() if not p.name.startswith(".")]
+        assert tier.reserve_files({name: 1 << 20, "b.pt": 1 << 20}) == 6
+    finally:
+        tier.close(persist_newest=False)
