@@ -151,8 +151,11 @@ class ReadSlots:
             self._state = "closed"
 
     def close_later(self) -> None:
-        """:meth:`close` on a daemon thread: a load returns without waiting for the unpinning."""
-        threading.Thread(target=self.close, name="cpuckpt-read-slots-close", daemon=True).start()
+        """:meth:`close` on a thread of its own: a load returns without waiting for the unpinning. Not a daemon: the
+        interpreter's exit waits for it (a daemon thread still freeing the slots' tensor when the interpreter
+        finalizes is ended inside torch's C++ and aborts the process: "terminate called without an active
+        exception", exit code -6, seen in a CI run of a process that exited right after a load)."""
+        threading.Thread(target=self.close, name="cpuckpt-read-slots-close").start()
 
     def __enter__(self) -> ReadSlots:
         return self
