@@ -470,12 +470,14 @@ class AllocatedAhead:
     """New image files made, and their pages allocated, on threads (a file each, 8 at a time; no CUDA there): tmpfs
     allocates one file's pages under its inode lock, ~4 GB/s, separate files in parallel. A reservation then takes
     each (:meth:`ImageSet.reserve` with ``allocated=``), mapping and pinning it on its own thread. :meth:`close`
-    stops any file from being made after it and removes those no set took (a failure, a close, an interrupt)."""
+    stops any file from being made after it and removes those no set took (a failure, a close, an interrupt); a file
+    still being allocated then is removed by its own thread once its allocation ends (an unlink would wait for it
+    behind the inode lock, holding up a Ctrl-C)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stopped = False
-        self._files: dict[Path, tuple[ImageSet, int]] = {}  # made here: its set, the bytes allocated
+        self._files: dict[Path, tuple[ImageSet, int]] = {}  # made here: its set, bytes allocated (-1: in progress)
 
     def allocate(self, files: Sequence[tuple[Path, ImageSet, int]]) -> None:
         """Make ``files`` (path, the set that will take it, bytes) and allocate them; returns once all ended. A
@@ -494,7 +496,7 @@ class AllocatedAhead:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _make(self, path: Path, images: ImageSet, nbytes: int) -> None:
-        with self._lock:  # made and listed at once: close() removes every file made
+        with self._lock:  # made and listed at once: every file made is removed unless a set takes it
             if self._stopped:
                 return
             try:
@@ -502,37 +504,46 @@ class AllocatedAhead:
                              | getattr(os, "O_CLOEXEC", 0), 0o600)
             except OSError:
                 return  # there meanwhile, or the directory refuses it: the reservation says why
-            self._files[path] = (images, 0)
+            self._files[path] = (images, -1)
+        allocated = 0
         try:
             os.posix_fallocate(fd, 0, nbytes)
+            allocated = nbytes
         except OSError as e:
             logger.debug("allocating %s ahead failed: %s", path, e)
-        else:
-            with self._lock:
-                self._files[path] = (images, nbytes)
         finally:
             os.close(fd)
+            with self._lock:
+                stopped = self._stopped
+                self._files[path] = (images, allocated)
+            if stopped:  # close() came while this was allocated: nobody takes it
+                _unlink_quietly(path)
 
     def allocated(self, path: Path) -> int | None:
-        """The bytes of ``path`` allocated here, None if it was not made here."""
+        """The bytes of ``path`` allocated here, None if it was not made here or is still being allocated (its thread
+        removes it: the file is not the reservation's to take)."""
         with self._lock:
             made = self._files.get(path)
-        return None if made is None else made[1]
+        return None if made is None or made[1] < 0 else made[1]
 
     def _stop(self) -> list[tuple[Path, ImageSet]]:
+        """No file is made from now on; the files made and allocated (or failed) by now."""
         with self._lock:
             self._stopped = True
-            return [(path, images) for path, (images, _) in self._files.items()]
+            return [(path, images) for path, (images, n) in self._files.items() if n >= 0]
 
     def close(self) -> None:
-        """No file is made from now on; those no set took are removed."""
+        """No file is made from now on; those no set took are removed (one still being allocated by its thread)."""
         for path, images in self._stop():
             if images.get(path.name) is None:
-                try:
-                    path.unlink(missing_ok=True)
-                except OSError as e:
-                    logger.warning("memory image %s, allocated ahead and not taken: removing it failed: %s", path, e)
+                _unlink_quietly(path)
 
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        logger.warning("memory image %s, allocated ahead and not taken: removing it failed: %s", path, e)
 
 class ImageSink:
     """A save straight into this rank's image files (the save engine's sink; :class:`ImageSet` makes it).

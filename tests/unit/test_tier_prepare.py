@@ -411,3 +411,45 @@ def test_an_interrupt_while_the_pages_are_allocated_ahead_leaves_no_file_and_is_
         assert tier.reserve_files({name: 1 << 20, "b.pt": 1 << 20}) == 6
     finally:
         tier.close(persist_newest=False)
+
+
+def test_a_file_still_allocated_at_an_interrupt_is_removed_by_its_own_thread(tmp_path, monkeypatch):
+    """The interrupt (here raised where the caller waits for the allocations) does not wait for an allocation in
+    progress (an unlink would, behind tmpfs's inode lock): the thread removes its file once its allocation ends, and
+    the reservation never takes it."""
+    import concurrent.futures as cf
+    import threading
+
+    import pytest
+
+    real_fallocate, real_result = os.posix_fallocate, cf.Future.result
+    started, release = threading.Event(), threading.Event()
+
+    def slow(fd, offset, length):
+        if "/slot-0/" in os.readlink(f"/proc/self/fd/{fd}"):
+            started.set()
+            release.wait(30)
+        return real_fallocate(fd, offset, length)
+
+    def result(self, timeout=None):  # Ctrl-C while the caller waits, once slot 0's file is being allocated
+        if started.wait(30) and not release.is_set():
+            raise KeyboardInterrupt
+        return real_result(self, timeout)
+
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, prepare=False))
+    name = f"__{tier.rank}_0.distcp"
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(os, "posix_fallocate", slow)
+            m.setattr(cf.Future, "result", result)
+            with pytest.raises(KeyboardInterrupt):
+                tier.reserve_files({name: 1 << 20})
+            assert (tier.slots[0] / name).exists()  # still being allocated: left to its thread
+            release.set()
+            for t in [t for t in threading.enumerate() if t.name.startswith("cpuckpt-allocate")]:
+                t.join(30)
+        assert not [p for slot in tier.slots for p in slot.iterdir() if not p.name.startswith(".")]
+        assert [images.names for images in tier.images] == [[], [], []]
+    finally:
+        release.set()
+        tier.close(persist_newest=False)
