@@ -177,7 +177,9 @@ class PoolPreparation:
         self.error: BaseException | None = None
         self._config = config
         device = torch.cuda.current_device() if torch.cuda.is_available() else None
-        self._thread = threading.Thread(target=self._run, args=(device,), name="cpuckpt-prepare-pool", daemon=True)
+        # not a daemon: a daemon thread inside a torch call that released the GIL (pinning) when the interpreter
+        # finalizes is ended in C++ and aborts the process ("terminate called without an active exception")
+        self._thread = threading.Thread(target=self._run, args=(device,), name="cpuckpt-prepare-pool")
         self._thread.start()
 
     def _run(self, device: int | None) -> None:

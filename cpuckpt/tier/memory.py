@@ -691,7 +691,8 @@ class MemoryTier:
 
         with self._prepare_lock:  # one preparation per tier; none once close() began
             if self._prepared is None and not self._closing.is_set():
-                self._prepared = threading.Thread(target=run, name=f"cpuckpt-prepare-{self.rank}", daemon=True)
+                # not a daemon: the exit waits for it (a daemon thread pinning at finalization aborts the process)
+                self._prepared = threading.Thread(target=run, name=f"cpuckpt-prepare-{self.rank}")
                 self._prepared.start()
         self._prepare_decided.set()
 
