@@ -27,7 +27,7 @@ from cpuckpt.errors import ConfigError, is_interrupt
 from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.roots import after_commit, loading
 from cpuckpt.transfer.pacing import PACER
-from cpuckpt.transfer.staging import get_pool
+from cpuckpt.transfer.staging import caller_device, get_pool
 
 __all__ = ["PoolPreparation", "load", "prepare_pool", "prepare_pool_in_background", "save", "tick"]
 
@@ -176,7 +176,7 @@ class PoolPreparation:
         self.seconds: float | None = None
         self.error: BaseException | None = None
         self._config = config
-        device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        device = caller_device()
         # not a daemon: a daemon thread inside a torch call that released the GIL (pinning) when the interpreter
         # finalizes is ended in C++ and aborts the process ("terminate called without an active exception")
         self._thread = threading.Thread(target=self._run, args=(device,), name="cpuckpt-prepare-pool")

@@ -396,14 +396,9 @@ class ImageSet:
                 img = self._files.pop(name, None)
                 if img is not None:
                     img.close()
-                    try:  # never raised: a commit callback or a close must go on (the file holds no checkpoint)
-                        img.path.unlink(missing_ok=True)
-                    except OSError as e:
-                        logger.warning("memory image %s in %s was reserved and no save claimed it; removing it "
-                                       "failed: %s", name, self.directory, e)
-                        continue
-                    logger.info("memory image %s in %s was reserved and no save claimed it; removed", name,
-                                self.directory)
+                    # never raised: a commit callback or a close must go on (the file holds no checkpoint)
+                    if _remove_unused(img.path, "reserved and no save claimed it"):
+                        logger.info("memory image %s was reserved and no save claimed it; removed", img.path)
             self._reserved.clear()
 
     def _image(self, name: str, nbytes: int, chunk_bytes: int | None, *, allocated: int = 0) -> ImageFile:
@@ -517,7 +512,7 @@ class AllocatedAhead:
                 stopped = self._stopped
                 self._files[path] = (images, allocated)
             if stopped:  # close() came while this was allocated: nobody takes it
-                _unlink_quietly(path)
+                _remove_unused(path, "allocated ahead and not taken")
 
     def allocated(self, path: Path) -> int | None:
         """The bytes of ``path`` allocated here, None if it was not made here or is still being allocated (its thread
@@ -536,14 +531,18 @@ class AllocatedAhead:
         """No file is made from now on; those no set took are removed (one still being allocated by its thread)."""
         for path, images in self._stop():
             if images.get(path.name) is None:
-                _unlink_quietly(path)
+                _remove_unused(path, "allocated ahead and not taken")
 
 
-def _unlink_quietly(path: Path) -> None:
+def _remove_unused(path: Path, why: str) -> bool:
+    """Remove an image file that holds no checkpoint; a failure is a warning (returns False), never raised."""
     try:
         path.unlink(missing_ok=True)
     except OSError as e:
-        logger.warning("memory image %s, allocated ahead and not taken: removing it failed: %s", path, e)
+        logger.warning("memory image %s, %s: removing it failed: %s", path, why, e)
+        return False
+    return True
+
 
 class ImageSink:
     """A save straight into this rank's image files (the save engine's sink; :class:`ImageSet` makes it).

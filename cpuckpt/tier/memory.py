@@ -69,6 +69,7 @@ from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, nod
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import RamRoot, acquire_lock, job_id_for
 from cpuckpt.tier.recovery import Replication, Restore, agree_available, node_copies
+from cpuckpt.transfer.staging import caller_device
 
 __all__ = ["MemoryTier", "WriterDiedError"]
 
@@ -81,12 +82,6 @@ class WriterDiedError(CpuckptError):
 
 class PersistError(CpuckptError):
     """A persist to the durable root failed (raised on every rank at the next save)."""
-
-
-def _current_device() -> int | None:
-    """The calling thread's CUDA device, where CUDA is in use (a thread of ours starts on device 0: every rank of a
-    node would make a context there and pin for it alone, a registration not being portable)."""
-    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 class MemoryTier:
@@ -511,7 +506,7 @@ class MemoryTier:
         images = self.images[k]
         handle.add_done_callback(lambda error: images.drop_unclaimed() if error is None else None)
         if self.config.memory.prepare_slots and not self._prepare_decided.is_set():
-            device = _current_device()  # the saving thread's: the callback runs on the committer's
+            device = caller_device()  # the saving thread's: the callback runs on the committer's
             handle.add_done_callback(lambda error, k=k: self._prepare_slots(k, device) if error is None
                                      else self._prepare_decided.set())
         if self._replication is not None and self.nodes.is_leader and self._replication.partners:
@@ -641,7 +636,7 @@ class MemoryTier:
             self._put(self.last_replica)
         self._last = _LastSave(step, slot, request, requested)
         if self.config.memory.prepare_slots and not self._prepare_decided.is_set():
-            self._prepare_slots(k, _current_device())
+            self._prepare_slots(k, caller_device())
         return self.last_persist
 
     def resume_after(self, path: str | os.PathLike) -> None:

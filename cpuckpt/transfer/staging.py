@@ -36,7 +36,7 @@ from cpuckpt.transfer.fillplan import FillProgram
 from cpuckpt.transfer.pacing import PACER
 
 __all__ = [
-    "CopyFence", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "existing_pool", "fill_chunk",
+    "CopyFence", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "caller_device", "existing_pool", "fill_chunk",
     "flat_bytes", "get_pool", "own_host_sources", "pool_state", "release_pool", "unmap",
 ]
 
@@ -292,6 +292,13 @@ def release_pool() -> None:
         if _POOL is not None:
             _POOL.close()
             _POOL = None
+
+
+def caller_device() -> int | None:
+    """The calling thread's CUDA device where CUDA is in use, for a thread of ours that pins for it: a new thread's
+    is device 0, so every rank of a node would make a context there and pin for it alone (a registration is not
+    portable). None: CUDA not in use (the thread pins nothing, or under device 0 as the caller would)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
 def consume_cuda_error() -> None:

@@ -203,7 +203,6 @@ class Training:
             return
         self.close()
 
-
     def _close_at_exit(self) -> None:
         """At exit, where ``pretrain()``'s terminate never came: the close is collective, so only where the process
         ends without an uncaught exception and its process group is alive (then every rank is here). Otherwise the
