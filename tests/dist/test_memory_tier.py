@@ -443,7 +443,8 @@ def test_a_trainer_killed_while_its_persist_is_owed_the_writer_finishes_it(run_r
     for r in (0, 1):
         os.kill(int(Path(f"{pids}.{r}").read_text()), signal.SIGCONT)
     _wait_writers_gone(ram)  # trainers gone: each writer finishes what it owed, then exits
-    assert _durable_steps(durable) == [1, 4]
+    logs = {str(p.relative_to(ram)): p.read_text()[-3000:] for p in ram.rglob("*.log")} if ram.exists() else {}
+    assert _durable_steps(durable) == [1, 4], logs  # (failed once in CI, 1 of ~12 runs: the writers' logs)
     import cpuckpt
 
     out = {"r0": {"w": torch.empty(300, 257), "b": torch.empty(33, dtype=torch.int64)},
