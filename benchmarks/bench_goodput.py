@@ -20,7 +20,8 @@ A memory variant may name changes after ``+`` to say what a part costs (not defa
 ``+window<MiB>`` (the paced pieces' size, ``staging.d2h_window_bytes``), ``+host`` (``megatron.ordering: host``:
 the save returns once its copies are done), ``+u<N>`` (``memory.max_uncommitted: N``; ``u1``: each memory save
 finalized at the next iteration's top, at most one iteration lost), e.g. ``mem1+nocrc``, ``mem1snap+copyproc``,
-``mem1snap+window16``, ``mem1+u1+host``.
+``mem1snap+window16``, ``mem1+u1+host``; ``+rep<N>`` changes nothing (the same variant run again under another
+name, e.g. a sampled copy of an unsampled run: ``mem1snap+copyproc+rep2``).
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -136,8 +137,11 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             staging["d2h_window_bytes"] = int(change[len("window"):]) << 20
         elif change.startswith("u") and change[1:].isdigit():
             memory["max_uncommitted"] = int(change[1:])
+        elif change.startswith("rep") and change[len("rep"):].isdigit():
+            pass
         else:
-            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, u<N>)")
+            raise ValueError(f"variant {name}: unknown change {change!r} "
+                             "(nocrc, copyproc, host, window<MiB>, u<N>, rep<N>)")
     cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
