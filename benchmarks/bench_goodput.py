@@ -13,6 +13,7 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
 ``mem1snap``      ``mem1`` with ``staging.device_snapshot``: the GPU bytes are copied device-to-device first (ms), so
                   the optimizer step waits for that copy only and the copies to the host may take the whole
                   iteration (where a forward and backward are shorter than the state's device-to-host copy)
+``mem8snap``      ``mem8`` with the device snapshot
 
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
 ``+nocrc`` (``memory.checksum: false``: no crc32c of the images in the trainer's process), ``+copyproc``
@@ -121,9 +122,9 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         cfg = megatron_config(a.config, tmp / "cpuckpt8.yaml", ordering="optimizer")
         return b.argv("cpuckpt", "goodput", [*base, *save, "--save-interval", "8", *ASYNC], config=str(cfg)), 8
     kind, *changes = name.split("+")
-    every = {"mem8": 8, "mem1": 1, "mem1snap": 1}[kind]
+    every = {"mem8": 8, "mem8snap": 8, "mem1": 1, "mem1snap": 1}[kind]
     cfg = memory_tier_config(a.config, tmp / f"{name}.yaml", ram, a.slots)
-    staging: dict[str, Any] = {"device_snapshot": True} if kind == "mem1snap" else {}
+    staging: dict[str, Any] = {"device_snapshot": True} if kind.endswith("snap") else {}
     memory: dict[str, Any] = {}
     ordering = "optimizer"
     for change in changes:
