@@ -19,6 +19,8 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
+import re
 import shutil
 import signal
 import socket
@@ -77,18 +79,47 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 _PR_SET_PDEATHSIG = 1
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 now (held open together while chosen, so no repeats)."""
-    socks = []
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports bound to 0 and for outgoing connections' local ports."""
     try:
-        for _ in range(n):
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return low, high
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 now, outside the kernel's ephemeral range: a port there could
+    be given to any other process's outgoing connection or ``bind(0)`` between our choice and the server's
+    bind (a server restart needs its ports again). Held open together while chosen, so no repeats."""
+    low, high = _ephemeral_range()
+    pool = [p for p in range(10000, 65536) if not low <= p <= high] or list(range(1024, 65536))
+    socks: list[socket.socket] = []
+    try:
+        for port in random.sample(pool, len(pool)):
+            if len(socks) == n:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
+        if len(socks) < n:
+            raise RuntimeError(f"fewer than {n} free TCP ports on 127.0.0.1 outside {low}-{high}")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+# weed mini's own check of its ports ("... is not available ...") and a bind that lost a race after it.
+_PORT_TAKEN = re.compile(rb"Port allocation failed|address already in use")
+
+
+class _PortTaken(Exception):
+    """``weed mini`` exited because one of its ports was bound by another process first."""
 
 
 @dataclass
@@ -106,6 +137,7 @@ class SeaweedServer:
         self.directory = Path(self.directory)
         self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
         self.proc: subprocess.Popen | None = None
+        self._started_once = False  # a restart keeps its ports: clients were given the endpoint
 
     @property
     def endpoint(self) -> str:
@@ -137,7 +169,19 @@ class SeaweedServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
         (self.directory / "data").mkdir(parents=True, exist_ok=True)
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except _PortTaken:
+                if self._started_once or attempt == 2:
+                    raise RuntimeError(f"weed mini: a port of {self.ports} was taken: {self._log_tail()}") from None
+                logger.info("weed mini: a port was taken before it bound it; starting on other ports")
+                self.ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS))))
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> SeaweedServer:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+        log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                          cwd=self.directory, start_new_session=True,
@@ -145,9 +189,13 @@ class SeaweedServer:
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
+                if _PORT_TAKEN.search(self.log_path.read_bytes()[log_start:]):
+                    self.proc = None
+                    raise _PortTaken
                 raise RuntimeError(f"weed mini exited with status {self.proc.returncode}: {self._log_tail()}")
             if self._bucket_answers():
                 logger.info("SeaweedFS S3 at %s (pid %d)", self.endpoint, self.proc.pid)
+                self._started_once = True
                 return self
             if time.monotonic() > deadline:
                 self.stop()
