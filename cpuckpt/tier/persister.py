@@ -388,7 +388,10 @@ def serve(queue: PersistQueue, trainer_lock: Path) -> int:
             failures += not outcome.ok
             queue.finish(outcome)
             continue
-        if queue.stop_requested() or not lock_held(trainer_lock):
+        # Listed again *after* the trainer's lock was seen free (or stop seen): the listing above may predate a
+        # request the trainer queued just before it died (this writer paused or preempted between the listing and
+        # the probe, e.g. SIGSTOPped); a trainer queues before it releases its lock, so this listing holds it.
+        if (queue.stop_requested() or not lock_held(trainer_lock)) and not queue.owed():
             return 1 if failures else 0
         time.sleep(POLL_S)
 

@@ -1,0 +1,38 @@
+"""The writer's loop (:func:`cpuckpt.tier.persister.serve`) never exits owing what its trainer queued before it died.
+
+Deterministic: the trainer's last request and its death are placed exactly between the writer's listing of the queue
+and its probe of the trainer's lock (in CI the writer was SIGSTOPped there: tests/dist/test_memory_tier.py's
+``test_a_trainer_killed_while_its_persist_is_owed_the_writer_finishes_it``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from cpuckpt.tier import persister
+from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
+from cpuckpt.tier.ramroot import acquire_lock
+
+
+def test_a_request_queued_just_before_the_trainer_died_is_served(tmp_path, monkeypatch):
+    queue = PersistQueue(tmp_path / "queue-0").create()
+    trainer_lock = tmp_path / ".rank-0.lock"
+    fd = acquire_lock(trainer_lock)
+    req = PersistRequest(seq=1, slot=str(tmp_path / "slot-0"), save_id="s", step=4, dest=str(tmp_path / "step_4"),
+                         rank=0, world_size=1, coordinator=True, config={}, trainer_pid=os.getpid(),
+                         trainer_lock=str(trainer_lock))
+    real_lock_held = persister.lock_held
+    died = []
+
+    def lock_held(path):  # the writer listed an empty queue; before it probes, the trainer queues and dies
+        if not died:
+            queue.put(req)
+            os.close(fd)
+            died.append(True)
+        return real_lock_held(path)
+
+    served = []
+    monkeypatch.setattr(persister, "lock_held", lock_held)
+    monkeypatch.setattr(persister, "persist_one", lambda r, q=None: served.append(r.seq) or Outcome(r.seq, True))
+    assert persister.serve(queue, trainer_lock) == 0
+    assert served == [1] and queue.owed() == [] and queue.outcome(1).ok
