@@ -20,7 +20,8 @@ A memory variant may name changes after ``+`` to say what a part costs (not defa
 (``memory.copy_process: true``: the checksums, and with a device snapshot the D2H copies, in a process of ours),
 ``+window<MiB>`` (the paced pieces' size, ``staging.d2h_window_bytes``), ``+host`` (``megatron.ordering: host``:
 the save returns once its copies are done), ``+u<N>`` (``memory.max_uncommitted: N``; ``u1``: each memory save
-finalized at the next iteration's top, at most one iteration lost), e.g. ``mem1+nocrc``, ``mem1snap+copyproc``,
+finalized at the next iteration's top, at most one iteration lost), ``+slots<N>`` (``memory.slots: N`` instead of
+``--slots``: N - 1 saves may be in flight), e.g. ``mem1+nocrc``, ``mem1snap+copyproc``,
 ``mem1snap+window16``, ``mem1+u1+host``; ``+rep<N>`` changes nothing (the same variant run again under another
 name, e.g. a sampled copy of an unsampled run: ``mem1snap+copyproc+rep2``).
 
@@ -123,7 +124,9 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         return b.argv("cpuckpt", "goodput", [*base, *save, "--save-interval", "8", *ASYNC], config=str(cfg)), 8
     kind, *changes = name.split("+")
     every = {"mem8": 8, "mem8snap": 8, "mem1": 1, "mem1snap": 1}[kind]
-    cfg = memory_tier_config(a.config, tmp / f"{name}.yaml", ram, a.slots)
+    slots = next((int(c[len("slots"):]) for c in changes if c.startswith("slots") and c[len("slots"):].isdigit()),
+                 a.slots)
+    cfg = memory_tier_config(a.config, tmp / f"{name}.yaml", ram, slots)
     staging: dict[str, Any] = {"device_snapshot": True} if kind.endswith("snap") else {}
     memory: dict[str, Any] = {}
     ordering = "optimizer"
@@ -138,11 +141,12 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             staging["d2h_window_bytes"] = int(change[len("window"):]) << 20
         elif change.startswith("u") and change[1:].isdigit():
             memory["max_uncommitted"] = int(change[1:])
-        elif change.startswith("rep") and change[len("rep"):].isdigit():
-            pass
+        elif (change.startswith("rep") and change[len("rep"):].isdigit()) or (
+                change.startswith("slots") and change[len("slots"):].isdigit()):
+            pass  # rep: a name only; slots: read above
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} "
-                             "(nocrc, copyproc, host, window<MiB>, u<N>, rep<N>)")
+                             "(nocrc, copyproc, host, window<MiB>, u<N>, slots<N>, rep<N>)")
     cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
