@@ -37,7 +37,9 @@ and Megatron-LM's ``save-checkpoint`` timers. ``--floor`` runs ``overlap_floor.p
 tools into an ignored folder) in the same call for the floor of a full snapshot every iteration. ``--sample``
 names variants whose trainer's main thread is sampled (``benchmarks/stack_sampler``: every 2 ms, inside the
 training loop): the functions it was in, as ms per iteration, against ``none``'s, to say where a variant's time goes
-(the sampler's own cost is in the sampled runs' wall too, so their wall ratio is not the result).
+(the sampler's own cost is in the sampled runs' wall too, so their wall ratio is not the result). ``--pyspy``
+names variants whose trainer is recorded by ``py-spy record --gil`` from outside (a carried wheel on the GPU
+machine) for ``--pyspy-seconds`` from iteration warm + 10: which of its threads held the interpreter, and where.
 
     python -m benchmarks.bench_goodput --megatron-lm .megatron-lm --out $OUT
     python -m benchmarks.bench_goodput --dry-run        # the commands only
@@ -49,6 +51,7 @@ Results: ``$OUT/bench_goodput.json``, one log per run (``mlm_<variant>.log``), t
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import logging
@@ -62,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_megatron_lm import ASYNC, Bench, megatron_config, memory_tier_config, parse_log
+from benchmarks.bench_megatron_lm import ASYNC, ITER_RE, Bench, LineHook, megatron_config, memory_tier_config, parse_log
 from benchmarks.common import format_table
 
 logger = logging.getLogger("bench_goodput")
@@ -175,6 +178,91 @@ def read_samples(b: Bench, name: str, iterations: int) -> dict[str, Any] | None:
             "leaf_ms": {k: round(v * per, 2) for k, v in data["leaf"].items()}}
 
 
+class GilProfile:
+    """``py-spy record --gil`` of a variant's trainer (``--pyspy``): which of its threads held the interpreter, and
+    where, for ``seconds`` from iteration ``at`` on. From outside the process (``--nonblocking``: never paused), so
+    the threads of ours that take the trainer's GIL show up by name, which the main thread's sampler cannot say."""
+
+    def __init__(self, b: Bench, name: str, at: int, seconds: float, rate: int = 200) -> None:
+        self.path = b.out / f"gil_{name.replace('+', '_')}.txt"
+        self.at, self.seconds, self.rate = at, seconds, rate
+        self.proc: subprocess.Popen | None = None
+        self.exe = shutil.which("py-spy") or str(Path(sys.prefix) / "bin" / "py-spy")
+        for site in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+            if site and (Path(site) / "bin" / "py-spy").exists():
+                self.exe = str(Path(site) / "bin" / "py-spy")
+
+    def hook(self) -> LineHook:
+        def on_line(t: float, line: str, proc: subprocess.Popen, ctl: dict[str, Any]) -> None:
+            m = ITER_RE.search(line)
+            if self.proc is not None or m is None or int(m.group(1)) < self.at:
+                return
+            pid = _trainer_pid(proc.pid)
+            if pid is None:
+                logger.warning("py-spy: no trainer process under pid %d", proc.pid)
+                self.at = 1 << 30
+                return
+            self.proc = subprocess.Popen(
+                [self.exe, "record", "--pid", str(pid), "--duration", str(int(self.seconds)), "--rate", str(self.rate),
+                 "--format", "raw", "--threads", "--gil", "--nonblocking", "-o", str(self.path)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return on_line
+
+    def summary(self, top: int = 8) -> dict[str, Any] | None:
+        """ms of GIL per second by thread, and each thread's innermost frames by ms per second."""
+        if self.proc is None:
+            return None
+        try:
+            _, err = self.proc.communicate(timeout=self.seconds + 30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return {"error": "py-spy did not finish"}
+        if not self.path.exists():
+            return {"error": f"py-spy wrote nothing: {err[-300:]}"}
+        per_s = 1000.0 / self.rate / self.seconds  # ms of GIL per second, per sample
+        threads: dict[str, collections.Counter[str]] = {}
+        for raw in self.path.read_text().splitlines():
+            stack, _, count = raw.rpartition(" ")
+            head, _, frames = stack.partition(";")
+            thread = head.split(": ", 1)[-1].split(" (")[0]
+            leaf = " < ".join(_frame(f) for f in frames.split(";")[::-1][:3])
+            threads.setdefault(thread, collections.Counter())[leaf] += int(count)
+        return {t: {"gil_ms_per_s": round(per_s * sum(c.values()), 1),
+                    "where": {k: round(per_s * v, 1) for k, v in c.most_common(top)}}
+                for t, c in sorted(threads.items(), key=lambda kv: -sum(kv[1].values()))}
+
+
+def _frame(text: str) -> str:
+    """``fn (path/file.py:12)`` as ``fn@file.py``."""
+    fn, _, where = text.partition(" (")
+    return f"{fn}@{os.path.basename(where.rsplit(':', 1)[0])}" if where else fn
+
+
+def _trainer_pid(launcher: int) -> int | None:
+    """The training process under torchrun ``launcher`` (the first child whose command line is Python's)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == launcher:
+            return int(stat.parent.name)
+    return None
+
+
+def gil_table(profiles: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for name, prof in profiles.items():
+        for thread, t in prof.items():
+            if not isinstance(t, dict):
+                rows.append([name, thread, t, ""])
+                continue
+            rows.append([name, thread, t["gil_ms_per_s"], ""])
+            rows.extend(["", "", v, k] for k, v in t["where"].items())
+    return format_table(["variant", "thread", "GIL ms/s", "innermost frames"], rows,
+                        title="who held the trainer's GIL (py-spy --gil, from outside the process)")
+
+
 def sample_table(samples: dict[str, dict[str, Any]], top: int = 40) -> str:
     """Functions by ms per iteration in every sampled variant, largest difference to ``none`` first."""
     names = list(samples)
@@ -249,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--floor", default=None, help="path of overlap_floor.py: run it after the variants")
     ap.add_argument("--floor-budget", type=float, default=150.0)
     ap.add_argument("--sample", default="", help="variants whose trainer's main thread is sampled (a profile)")
+    ap.add_argument("--pyspy", default="", help="variants whose trainer's GIL is profiled by py-spy from outside")
+    ap.add_argument("--pyspy-seconds", type=float, default=6.0)
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--self-test", action="store_true")
     args = ap.parse_args(argv)
@@ -279,7 +369,10 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(ram, ignore_errors=True)
             cmd, every = variant_argv(b, name, root, tmp, ram, args.iters)
             sampled = name in args.sample.split(",")
-            r = b.run(name, cmd, env=sample_env(b, name) if sampled else None)
+            gil = GilProfile(b, name, args.warm + 10, args.pyspy_seconds) if name in args.pyspy.split(",") else None
+            r = b.run(name, cmd, env=sample_env(b, name) if sampled else None, on_line=gil.hook() if gil else None)
+            if gil is not None and (prof := gil.summary()) is not None:
+                results.setdefault("gil", {})[name] = prof
             g = goodput(r["iters"], args.warm)
             saves = _saves_between(g.get("first", args.warm), g.get("last", args.iters), every)
             s = summarize(name, r, ref, saves, args.warm)
@@ -319,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     if results.get("samples"):
         print()
         print(sample_table(results["samples"]))
+    if results.get("gil"):
+        print()
+        print(gil_table(results["gil"]))
     floor = results.get("floor") or {}
     if floor.get("tail"):
         print()
