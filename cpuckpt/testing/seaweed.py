@@ -190,7 +190,7 @@ class SeaweedServer:
         while True:
             if self.proc.poll() is not None:
                 if _PORT_TAKEN.search(self.log_path.read_bytes()[log_start:]):
-                    self.proc = None
+                    self.stop()
                     raise _PortTaken
                 raise RuntimeError(f"weed mini exited with status {self.proc.returncode}: {self._log_tail()}")
             if self._bucket_answers():
