@@ -134,10 +134,48 @@ def rank_stock_save_our_load(root: str) -> None:
     _check(loaded, 3, device, split_dim=1)
 
 
+def rank_validations(device: str) -> dict[str, int]:
+    """How often megatron-core's ``FullyParallelSaveStrategyWrapper``, as the Megatron-LM hook hands it over
+    (:func:`validate_structure_once`), validates the sharding over two saves of the same structure: per group
+    (one rank alone: nothing to distribute; the world) and ``do_cache_distribution`` (Megatron-LM's
+    ``--ckpt-assume-constant-structure``)."""
+    import types
+
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.hook import validate_structure_once
+    from megatron.core.dist_checkpointing.strategies import fully_parallel
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    calls: list[int] = []
+    real = fully_parallel.validate_sharding_integrity
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    wrapper = validate_structure_once(types.SimpleNamespace(
+        FullyParallelSaveStrategyWrapper=fully_parallel.FullyParallelSaveStrategyWrapper))
+    fully_parallel.validate_sharding_integrity = counted
+    try:
+        out = {}
+        for name, group, constant in (("alone, constant", alone, True), ("alone, not constant", alone, False),
+                                      ("world, constant", None, True)):
+            calls.clear()
+            strategy = wrapper(TorchDistSaveShardedStrategy("torch_dist", 1), group, do_cache_distribution=constant)
+            for step in (1, 2):  # what Megatron hands it: the sharded items (common values extracted before)
+                strategy.apply_saving_parallelization({k: v for k, v in _sharded(step, device).items()
+                                                       if k != "iteration"})
+            out[name] = len(calls)
+        return out
+    finally:
+        fully_parallel.validate_sharding_integrity = real
+
+
 def rank_sync_cases(root: str) -> dict:
     """The synchronous round trips (fp32, then bf16) and the stock save loaded through ours, in one launch of the
     ranks (each case its own directory): megatron-core is imported and the ranks set up once, not three times."""
-    out = {}
+    out: dict = {"validations": rank_validations(_setup()[2])}
     for bf16 in (False, True):
         case = Path(root) / ("bf16" if bf16 else "fp32")
         case.mkdir(parents=True, exist_ok=True)
@@ -150,6 +188,8 @@ def test_sync_save_stock_and_resharded_load(run_ranks, tmp_path):
     """fp32 and bf16: cpuckpt's save loads through stock megatron-core and, resharded, through ours; and a stock
     torch_dist checkpoint loads through ours, resharded (the cases of one launch)."""
     results = run_ranks(2, rank_sync_cases, str(tmp_path), timeout_s=240, env=ENV)
+    for r in results:  # a constant structure is validated once, also where the group has nothing to distribute
+        assert r.pop("validations") == {"alone, constant": 1, "alone, not constant": 2, "world, constant": 1}, r
     for bf16, r in results[0].items():
         assert r["backend"] == "torch_dist", (bf16, r)
         assert r["manifest"], f"bf16={bf16}: cpuckpt's manifest missing: the save did not go through cpuckpt"

@@ -94,14 +94,17 @@ def test_install_patches_megatron_training(tmp_path):
     import megatron.training.checkpointing as mlm
     from cpuckpt.integrations.megatron.strategy import CpuckptLoadStrategy, CpuckptSaveStrategy
 
-    originals = (mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy, mlm.load_checkpoint)
+    originals = (mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy, mlm.load_checkpoint,
+                 mlm.FullyParallelSaveStrategyWrapper)
     argv = ["pretrain_gpt.py", "--ckpt-format", "cpuckpt"]
     try:
         assert install(argv=argv) is True
         assert issubclass(mlm.TorchDistSaveShardedStrategy, CpuckptSaveStrategy)
         assert issubclass(mlm.TorchDistLoadShardedStrategy, CpuckptLoadStrategy)
+        assert issubclass(mlm.FullyParallelSaveStrategyWrapper, originals[3])  # validates a constant structure once
     finally:
-        mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy, mlm.load_checkpoint = originals
+        (mlm.TorchDistSaveShardedStrategy, mlm.TorchDistLoadShardedStrategy, mlm.load_checkpoint,
+         mlm.FullyParallelSaveStrategyWrapper) = originals
         training = sys.modules.get("megatron.training.training")  # imported load_checkpoint by name: wrapped too
         if training is not None and hasattr(training, "load_checkpoint"):
             training.load_checkpoint = originals[2]
