@@ -173,14 +173,24 @@ _ITEM_STEPS = [
 _STATS = {"dcp": ("dcp", "planner"), "plan": ("reused", "planner"), "cached": ("reused", "cached")}
 
 
-def rank_cached_items(root: str, images: bool) -> tuple[list[tuple[str, str]], bool]:
+def rank_cached_items(root: str, images: bool) -> tuple[list[tuple[str, str]], bool, list[bool]]:
     """Rank-local tensors, a replicated tensor (DCP deduplicates it: one rank writes it) and non-tensor values."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     import cpuckpt
+    from cpuckpt.background import _ResultsRelay
     from cpuckpt.tier.images import ImageSet
 
+    unchanged = []  # per save: did this rank send the marker instead of its write results (and still load right)
+    sends = _ResultsRelay.outgoing
+
+    def counted(self, results):
+        out = sends(self, results)
+        unchanged.append(out == _ResultsRelay.UNCHANGED)
+        return out
+
+    _ResultsRelay.outgoing = counted
     rank = dist.get_rank()
     own = {f"w{i}@{rank}": H.make_full(f"w{i}", (3 + i % 3, 4), torch.float32, seed=rank) for i in range(12)}
     rep = H.make_full("rep", (5, 2), torch.bfloat16)
@@ -219,13 +229,15 @@ def rank_cached_items(root: str, images: bool) -> tuple[list[tuple[str, str]], b
         dist.barrier()  # nobody saves into the slot again before every rank has read it
     if image_set is not None:
         image_set.close()
-    return seen, writes_rep
+    return seen, writes_rep, unchanged
 
 
 @pytest.mark.parametrize("images", [False, True], ids=["pool", "images"])
 def test_cached_items_on_two_ranks(run_ranks, tmp_path, images):
     results = run_ranks(2, rank_cached_items, str(tmp_path / "ck"), images, timeout_s=180)
-    for rank, (seen, writes_rep) in enumerate(results):
+    for rank, (seen, writes_rep, unchanged) in enumerate(results):
+        # a layout reused as it was sends a marker; every save still loaded bit-exact (checked in the rank)
+        assert len(unchanged) == len(_ITEM_STEPS) and not unchanged[0] and any(unchanged), (rank, unchanged)
         # the rank that does not write the replicated tensor only checks its shape: its items still hold
         want = [w if w != "rep" else ("plan" if writes_rep else "cached") for w in (s[1 + rank] for s in _ITEM_STEPS)]
         expected = [_STATS[w] for w in want]
