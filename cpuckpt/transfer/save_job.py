@@ -41,7 +41,15 @@ from cpuckpt.transfer.device_snapshot import DeviceSnapshot, DeviceSnapshots
 from cpuckpt.transfer.device_snapshot import release as release_snapshot
 from cpuckpt.transfer.pacing import PACER
 from cpuckpt.transfer.sinks import DeviceCopies, PoolSink, Sink, SlotSource
-from cpuckpt.transfer.staging import CopyFence, DeviceCopier, LeaseOrder, Slot, fill_chunk, own_host_sources
+from cpuckpt.transfer.staging import (
+    CopyFence,
+    DeviceCopier,
+    LeaseOrder,
+    Slot,
+    fill_chunk,
+    offload_ops,
+    own_host_sources,
+)
 from cpuckpt.transfer.threads import shared_executor, wait_future
 from cpuckpt.transfer.tracing import nvtx_range
 
@@ -277,16 +285,13 @@ class SaveJob:
         here only the host bytes (record skeletons, CPU tensors) are written and the copies described."""
         snap = self._require(self._snapshot)
         ops = array("q")
-        base = snap.buffer.data_ptr()
+        described = offload_ops(ops, snap.buffer.data_ptr())
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for k, (chunk, slot) in enumerate(zip(self._chunks, slots)):
-            fill_chunk(slot, self.files[chunk.file], chunk, self.sources, deferred=pairs)
-            at = slot.tensor.data_ptr() - chunk.offset  # the file's byte 0 in this process's mapping
-            for dst, src in pairs:
-                if src.is_cuda:
-                    ops.extend((k, src.data_ptr() - base, chunk.file, dst.data_ptr() - at, dst.numel()))
-                else:
-                    dst.copy_(src)
+            fill_chunk(slot, self.files[chunk.file], chunk, self.sources, deferred=pairs,
+                       described=described(k, chunk.file))
+            for dst, src in pairs:  # host sources only: the device ones are in ops
+                dst.copy_(src)
             pairs.clear()
         ready = torch.cuda.Event(interprocess=True)
         ready.record(copier.stream)

@@ -24,6 +24,7 @@ import mmap
 import os
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from cpuckpt.transfer.pacing import PACER
 
 __all__ = [
     "CopyFence", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "caller_device", "existing_pool", "fill_chunk",
+    "offload_ops",
     "flat_bytes", "get_pool", "own_host_sources", "pool_state", "release_pool", "unmap",
 ]
 
@@ -334,11 +336,14 @@ def own_host_sources(sources: Sequence[torch.Tensor | None]) -> list[torch.Tenso
 
 
 def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[torch.Tensor | None],
-               *, deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+               *, deferred: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+               described: Callable[[int, torch.Tensor, int, int], bool] | None = None) -> None:
     """Copy the image bytes of ``chunk`` into ``slot``: skeletons, tensor bytes, zeros in gaps.
 
     With ``deferred`` the tensor copies are appended there as (dst, src) pairs instead, for the
-    caller to issue in one batch.
+    caller to issue in one batch. ``described(file_offset, src, src_offset, nbytes)`` is asked first
+    about each tensor run: True means the caller copies those bytes itself (another process's copy,
+    described by offsets: no tensor views are made for it).
     """
     start, stop = chunk.offset, chunk.offset + chunk.nbytes
     buf, view = slot.tensor, slot.view
@@ -358,6 +363,9 @@ def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[t
             else:
                 src = sources[seg.item]
                 s += seg.src_offset
+                if described is not None and described(lo, src, s, hi - lo):  # type: ignore[arg-type]
+                    cursor = hi
+                    continue
                 pair = (buf[lo - start : hi - start], src[s : s + hi - lo])  # type: ignore[index]
                 if deferred is None:
                     pair[0].copy_(pair[1])
@@ -368,6 +376,25 @@ def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[t
             buf[cursor - start : stop - start].zero_()
     except RuntimeError as e:
         raise StagingError(f"copying bytes [{cursor}, {stop}) of file {chunk.file} into host memory failed: {e}") from e
+
+
+def offload_ops(ops: array, base: int, is_device: Callable[[torch.Tensor], bool] = lambda t: t.is_cuda
+                ) -> Callable[[int, int], Callable[[int, torch.Tensor, int, int], bool]]:
+    """``fill_chunk``'s ``described`` for a process that copies device bytes out of one buffer: per chunk
+    ``k`` of file ``file``, each run of a device source whose bytes start at address ``base`` (the device
+    snapshot) becomes the op ``(k, offset in the buffer, file, file offset, nbytes)`` in ``ops`` (the
+    fields of :data:`cpuckpt.transfer.sinks.OP_FIELDS`); host sources are left to ``fill_chunk``."""
+
+    def for_chunk(k: int, file: int) -> Callable[[int, torch.Tensor, int, int], bool]:
+        def described(file_offset: int, src: torch.Tensor, src_offset: int, nbytes: int) -> bool:
+            if not is_device(src):
+                return False
+            ops.extend((k, src.data_ptr() - base + src_offset, file, file_offset, nbytes))
+            return True
+
+        return described
+
+    return for_chunk
 
 
 def _host_program(layout: FileLayout, chunk: Chunk) -> FillProgram | None:

@@ -102,3 +102,48 @@ def test_unbound_program_refuses_to_fill() -> None:
     program = files[0].fill_programs[0]  # type: ignore[index]
     with pytest.raises(RuntimeError, match="bind_programs"):
         program.fill(torch.empty(files[0].nbytes, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("seed", range(0, N_CASES, 4))
+def test_offload_ops_describe_exactly_the_device_bytes(seed: int) -> None:
+    """The copy process's path (``memory.copy_process`` with a device snapshot): ``fill_chunk`` writes the host
+    bytes and describes each run of a "device" source (here: views of one buffer, standing for the snapshot) as
+    an op; applying the ops as the copy process does yields the same image as a fill segment by segment."""
+    from array import array
+
+    from cpuckpt.transfer.sinks import OP_FIELDS
+    from cpuckpt.transfer.staging import offload_ops
+
+    rng = random.Random(seed)
+    items, sources, _, params = _case(rng)
+    files, _ = plan_files(items, **params)
+    expected = _fill_all(files, sources)
+    snapshot = torch.cat([s for s in sources if s is not None] + [torch.zeros(1, dtype=torch.uint8)])
+    on_device, views, at = set(), [], 0
+    for s in sources:  # every other tensor source lives in the "snapshot"; the rest stay host tensors
+        if s is not None and rng.random() < 0.5:
+            views.append(snapshot[at : at + s.numel()])
+            on_device.add(id(views[-1]))
+        else:
+            views.append(s)
+        at += s.numel() if s is not None else 0
+    ops = array("q")
+    described = offload_ops(ops, snapshot.data_ptr(), is_device=lambda t: id(t) in on_device)
+    images = [torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8) for layout in files]
+    k = 0
+    for layout in files:
+        for chunk in layout.chunks:
+            buf = images[layout.index][chunk.offset : chunk.offset + chunk.nbytes]
+            pairs: list = []
+            fill_chunk(Slot(0, 1, buf, memoryview(buf.numpy())), layout, chunk, views, deferred=pairs,
+                       described=described(k, layout.index))
+            for dst, src in pairs:
+                dst.copy_(src)
+            k += 1
+    for i in range(len(ops) // OP_FIELDS):  # as the copy process applies them
+        _, src, f, dst, n = ops[i * OP_FIELDS : (i + 1) * OP_FIELDS]
+        images[f][dst : dst + n] = snapshot[src : src + n]
+    got = [bytes(images[layout.index][c.offset : c.offset + c.nbytes].numpy())
+           for layout in files for c in layout.chunks]
+    assert got == expected
+    assert (len(ops) > 0) == any(v.numel() for v in views if id(v) in on_device)  # device bytes went as ops
