@@ -72,7 +72,9 @@ class CommitHook(Protocol):
     across nodes: each node's leader commits its own slot). Called on every rank's committer thread once
     every rank's files are in and no rank failed; runs its own collectives on ``commit_group`` and returns
     the outcome every rank agrees on: None when committed, else the reports that fail the save. Raises
-    only when a collective fails."""
+    only when a collective fails. ``gathered_results`` (every rank's write results of a reused plan) is given
+    on the coordinator only (None elsewhere, and on the coordinator when the plan was not reused or a rank's
+    results are unknown to it)."""
 
     def __call__(self, writer: StorageWriter, gathered_results: list[Any] | None, commit_group: Any,
                  coordinator: int) -> list[FailureReport | None] | None: ...
@@ -212,7 +214,10 @@ class _ResultsRelay:
     results are the list it last sent sends :data:`UNCHANGED` instead, and the coordinator uses the copy it kept.
     Sent whole, ~1,000 items cost the committer ~9 ms of the trainer's interpreter per save on the H200 (pickled,
     and unpickled on every rank: an all-gather), a memory save every iteration included. After a save that did
-    not commit every rank forgets (the outcome is agreed), so a marker never names a copy the coordinator lacks.
+    not commit a rank sends its results whole again (:meth:`forget`); the coordinator keeps what it received, so
+    a rank that saw a commit its coordinator did not (a collective that failed on one side) still resolves. A
+    marker the coordinator cannot resolve fails that save on every rank (the commit finds no results), never
+    commits stale ones.
     """
 
     UNCHANGED = "cpuckpt: unchanged write results"
@@ -229,18 +234,18 @@ class _ResultsRelay:
         self.sent = results
         if not coordinator:
             return None  # only the coordinator commits from them
-        out = []
-        for rank, got in enumerate(gathered):
-            if isinstance(got, str) and got == self.UNCHANGED:
-                got = self.kept.get(rank)
-                if got is None:
-                    return None
-            elif got is not None:
+        for rank, got in enumerate(gathered):  # every whole list kept first, resolved or not
+            if got is not None and not (isinstance(got, str) and got == self.UNCHANGED):
                 self.kept[rank] = got
-            out.append(got)
-        return out
+        out = [self.kept.get(rank) if isinstance(got, str) and got == self.UNCHANGED else got
+               for rank, got in enumerate(gathered)]
+        return None if any(got is None for got in out) and results is not None else out
 
     def forget(self) -> None:
+        """After a save that failed: this rank's next results travel whole."""
+        self.sent = None
+
+    def clear(self) -> None:
         self.sent = None
         self.kept.clear()
 
@@ -377,6 +382,7 @@ class Checkpointer:
             inflight.unregister(self)
             if self._groups is not None:  # no task is left (a cancelled one ends on its own)
                 self._groups.committer.shutdown(wait=False)
+                self._groups.results.clear()
             self._plan_cache = self._items = self._unfit = None
             self._layouts = LayoutCache()
             self.snapshots.clear()

@@ -330,7 +330,8 @@ class StorageWriter(_DcpStorageWriter):
         metadata, results = self._pending
         if results is None:
             if gathered is None:
-                raise RuntimeError("a save from a cached plan needs every rank's results to commit")
+                raise RuntimeError("a save from a cached plan needs every rank's results to commit (a rank's were not "
+                                   "received, or it sent the marker of results this coordinator does not hold)")
             results = gathered
             metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
             metadata.storage_meta = self.storage_meta()

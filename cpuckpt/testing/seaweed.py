@@ -96,7 +96,7 @@ def free_ports(n: int) -> list[int]:
     pool = [p for p in range(10000, 65536) if not low <= p <= high] or list(range(1024, 65536))
     socks: list[socket.socket] = []
     try:
-        for port in random.sample(pool, len(pool)):
+        for port in random.SystemRandom().sample(pool, len(pool)):  # not the caller's seeded generator
             if len(socks) == n:
                 break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -38,8 +38,7 @@ from cpuckpt.transfer.pacing import PACER
 
 __all__ = [
     "CopyFence", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "caller_device", "existing_pool", "fill_chunk",
-    "offload_ops",
-    "flat_bytes", "get_pool", "own_host_sources", "pool_state", "release_pool", "unmap",
+    "flat_bytes", "get_pool", "offload_ops", "own_host_sources", "pool_state", "release_pool", "unmap",
 ]
 
 logger = logging.getLogger(__name__)

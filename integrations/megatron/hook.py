@@ -301,10 +301,10 @@ def validate_structure_once(module: Any) -> type | None:
 
 
 def _trivial(group: Any) -> bool:
-    """One rank in ``group`` (None: the world), as megatron-core decides that nothing is distributed."""
-    import torch.distributed as dist
+    """One rank in ``group``, as megatron-core decides that nothing is distributed (its own size of a group)."""
+    from megatron.core.utils import get_pg_size
 
-    return dist.get_world_size(group) <= 1
+    return get_pg_size(group=group) <= 1
 
 
 def order_optimizer_steps(base: type | None = None) -> list[str]:

@@ -23,11 +23,14 @@ def test_the_same_list_travels_once_and_the_coordinator_resolves_it():
     assert coordinator.incoming([UNCHANGED, changed], mine, coordinator=True) == [mine, changed]
 
 
-def test_a_marker_without_a_kept_copy_resolves_to_nothing_and_forget_starts_over():
-    mine = ["r0"]
+def test_a_marker_without_a_kept_copy_resolves_to_nothing_and_forget_sends_whole_again():
+    mine, theirs = ["r0"], ["r1"]
     relay = _ResultsRelay()
-    relay.incoming([relay.outgoing(mine)], mine, coordinator=True)
-    relay.forget()
-    assert relay.outgoing(mine) is mine  # sent whole again after a failed save
-    assert relay.incoming([UNCHANGED, ["r1"]], mine, coordinator=True) is None
+    assert relay.incoming([mine, UNCHANGED], mine, coordinator=True) is None  # rank 1's copy is unknown here
+    assert relay.incoming([UNCHANGED, theirs], mine, coordinator=True) == [mine, theirs]  # rank 0's was kept
+    relay.forget()  # after a failed save: this rank sends whole, the coordinator still resolves the others
+    assert relay.outgoing(mine) is mine
+    assert relay.incoming([mine, UNCHANGED], mine, coordinator=True) == [mine, theirs]
+    relay.clear()  # the stream closed
+    assert relay.incoming([UNCHANGED, UNCHANGED], mine, coordinator=True) is None
     assert relay.outgoing(None) is None
