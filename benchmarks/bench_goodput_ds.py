@@ -190,11 +190,15 @@ def main(argv: list[str] | None = None) -> int:
                         str(args.durable), *model_argv(args), *(["--smoke"] if args.smoke else [])]
             logger.info("== %s", name)
             r = run(name, argv_run, env, out / f"ds_{name}.log", args.timeout)
-            r["iters"] = own_clock(Path(r["log"])) or r["iters"]
+            own = own_clock(Path(r["log"]))
+            if r["iters"] and not own:
+                logger.warning("%s: no trainer clock in its iteration lines; timed by their arrival", name)
+            r["iters"] = own or r["iters"]
             g = goodput(r["iters"], args.warm)
             every = EVERY[name.split("+")[0]]
             s = summarize(name, r, ref, _saves_between(g.get("first", args.warm), g.get("last", args.iters), every),
                           args.warm)
+            s["clock"] = "trainer" if own else "arrival"
             if name == "none":
                 ref = {**g, "run_s": r["wall_s"]}
             results["summary"].append(s)

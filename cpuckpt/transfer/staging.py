@@ -342,12 +342,13 @@ def fill_chunk(slot: Slot, layout: FileLayout, chunk: Chunk, sources: Sequence[t
     With ``deferred`` the tensor copies are appended there as (dst, src) pairs instead, for the
     caller to issue in one batch. ``described(file_offset, src, src_offset, nbytes)`` is asked first
     about each tensor run: True means the caller copies those bytes itself (another process's copy,
-    described by offsets: no tensor views are made for it).
+    described by offsets: no tensor views are made for it). A chunk's host fill program is used only
+    when neither is given.
     """
     start, stop = chunk.offset, chunk.offset + chunk.nbytes
     buf, view = slot.tensor, slot.view
     cursor = start
-    program = _host_program(layout, chunk) if deferred is None else None
+    program = _host_program(layout, chunk) if deferred is None and described is None else None
     try:
         if program is not None:  # one batched copy of prepared pieces (transfer.fillplan)
             program.fill(buf[: chunk.nbytes])

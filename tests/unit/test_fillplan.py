@@ -130,9 +130,10 @@ def test_offload_ops_describe_exactly_the_device_bytes(seed: int) -> None:
     ops = array("q")
     described = offload_ops(ops, snapshot.data_ptr(), is_device=lambda t: id(t) in on_device)
     images = [torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8) for layout in files]
-    k = 0
+    k, chunks = 0, []
     for layout in files:
         for chunk in layout.chunks:
+            chunks.append(chunk)
             buf = images[layout.index][chunk.offset : chunk.offset + chunk.nbytes]
             pairs: list = []
             fill_chunk(Slot(0, 1, buf, memoryview(buf.numpy())), layout, chunk, views, deferred=pairs,
@@ -141,7 +142,9 @@ def test_offload_ops_describe_exactly_the_device_bytes(seed: int) -> None:
                 dst.copy_(src)
             k += 1
     for i in range(len(ops) // OP_FIELDS):  # as the copy process applies them
-        _, src, f, dst, n = ops[i * OP_FIELDS : (i + 1) * OP_FIELDS]
+        k, src, f, dst, n = ops[i * OP_FIELDS : (i + 1) * OP_FIELDS]
+        chunk = chunks[k]  # the copy process keys its events and checksums by chunk: the op must lie in it
+        assert f == chunk.file and chunk.offset <= dst and dst + n <= chunk.offset + chunk.nbytes, (i, k, f, dst, n)
         images[f][dst : dst + n] = snapshot[src : src + n]
     got = [bytes(images[layout.index][c.offset : c.offset + c.nbytes].numpy())
            for layout in files for c in layout.chunks]
