@@ -230,16 +230,16 @@ class _ResultsRelay:
         return self.UNCHANGED if results is not None and results is self.sent else results
 
     def incoming(self, gathered: list[Any], results: list | None, coordinator: bool) -> list[Any] | None:
-        """Every rank's results (the coordinator; None if one is unknown), after the gather of ``results``."""
+        """Every rank's results (the coordinator, for a reused plan; None if one is unknown), after the gather of
+        ``results``."""
         self.sent = results
-        if not coordinator:
-            return None  # only the coordinator commits from them
+        if not coordinator or results is None:
+            return None  # only the coordinator commits from them; none travel when the plan was not reused
         for rank, got in enumerate(gathered):  # every whole list kept first, resolved or not
-            if got is not None and not (isinstance(got, str) and got == self.UNCHANGED):
+            if got != self.UNCHANGED:
                 self.kept[rank] = got
-        out = [self.kept.get(rank) if isinstance(got, str) and got == self.UNCHANGED else got
-               for rank, got in enumerate(gathered)]
-        return None if any(got is None for got in out) and results is not None else out
+        out = [self.kept.get(rank) for rank in range(len(gathered))]
+        return None if any(got is None for got in out) else out
 
     def forget(self) -> None:
         """After a save that failed: this rank's next results travel whole."""
@@ -456,8 +456,6 @@ class Checkpointer:
                 dist.all_gather_object(gathered, sent, group=groups.commit_group)
             reports = [g[0] for g in gathered]
             results = groups.results.incoming([g[1] for g in gathered], w.last_results, w.is_coordinator)
-            if w.last_results is None:
-                results = None
             agreed = False  # the outcome is already every rank's (the commit hook agrees on it itself)
             if any(r is not None for r in reports):
                 outcome = reports
