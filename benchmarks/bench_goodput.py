@@ -23,7 +23,10 @@ the save returns once its copies are done), ``+u<N>`` (``memory.max_uncommitted:
 finalized at the next iteration's top, at most one iteration lost), ``+slots<N>`` (``memory.slots: N`` instead of
 ``--slots``: N - 1 saves may be in flight), e.g. ``mem1+nocrc``, ``mem1snap+copyproc``,
 ``mem1snap+window16``, ``mem1+u1+host``; ``+rep<N>`` changes nothing (the same variant run again under another
-name, e.g. a sampled copy of an unsampled run: ``mem1snap+copyproc+rep2``).
+name, e.g. a sampled copy of an unsampled run: ``mem1snap+copyproc+rep2``). ``+mgc`` (any variant, ``none``
+included) runs Megatron-LM with ``--manual-gc``: the interpreter's automatic collector off for the whole run; a
+variant with it is compared with ``none+mgc`` (so ``none+mgc,mem1snap+copyproc+mgc`` against ``none,mem1snap+...``
+says what the trainer's garbage collections under saves cost).
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -70,7 +73,7 @@ from benchmarks.common import format_table
 
 logger = logging.getLogger("bench_goodput")
 
-VARIANTS = ("none", "torch_dist8", "cpuckpt8", "mem8", "mem1", "mem1snap")
+VARIANTS = ("none", "torch_dist8", "cpuckpt8", "mem8", "mem8snap", "mem1", "mem1snap")
 
 
 def goodput(iters: list[dict[str, Any]], warm: int) -> dict[str, Any]:
@@ -114,8 +117,11 @@ def _saves_between(first: int, last: int, every: int) -> int:
 def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: int) -> tuple[list[str], int]:
     """The command line of a variant and its save interval (0: none)."""
     a = b.args
+    kind, *changes = name.split("+")
     base = ["--train-iters", str(iters), "--eval-interval", str(10 * iters)]
-    if name == "none":
+    if "mgc" in changes:
+        base.append("--manual-gc")  # interval 0: no collection at all while it trains
+    if kind == "none":
         return b.argv("torch_dist", "goodput", base), 0
     # Megatron-LM's own promise for repeated saves: without it every save validates the sharding again
     # (validate_sharding_integrity, ~20-40 ms per save on this model); every variant that saves gets it.
@@ -125,7 +131,6 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     if name == "cpuckpt8":
         cfg = megatron_config(a.config, tmp / "cpuckpt8.yaml", ordering="optimizer")
         return b.argv("cpuckpt", "goodput", [*base, *save, "--save-interval", "8", *ASYNC], config=str(cfg)), 8
-    kind, *changes = name.split("+")
     every = {"mem8": 8, "mem8snap": 8, "mem1": 1, "mem1snap": 1}[kind]
     slots = next((int(c[len("slots"):]) for c in changes if c.startswith("slots") and c[len("slots"):].isdigit()),
                  a.slots)
@@ -145,11 +150,11 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         elif change.startswith("u") and change[1:].isdigit():
             memory["max_uncommitted"] = int(change[1:])
         elif (change.startswith("rep") and change[len("rep"):].isdigit()) or (
-                change.startswith("slots") and change[len("slots"):].isdigit()):
-            pass  # rep: a name only; slots: read above
+                change.startswith("slots") and change[len("slots"):].isdigit()) or change == "mgc":
+            pass  # rep: a name only; slots, mgc: read above
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} "
-                             "(nocrc, copyproc, host, window<MiB>, u<N>, slots<N>, rep<N>)")
+                             "(nocrc, copyproc, host, window<MiB>, u<N>, slots<N>, rep<N>, mgc)")
     cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
@@ -355,13 +360,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         b.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"args": vars(args), "runs": {}, "summary": []}
-    ref: dict[str, Any] | None = None
+    refs: dict[bool, dict[str, Any]] = {}  # the run without checkpoints, per collector mode (+mgc or not)
     rows = []
     try:
         for name in [v for v in args.variants.split(",") if v]:
-            if name.split("+")[0] not in VARIANTS or ("+" in name and not name.startswith("mem")):
+            kind, *changes = name.split("+")
+            if kind not in VARIANTS or (changes and not kind.startswith("mem") and changes != ["mgc"]):
                 ap.error(f"unknown variant {name}; known: {VARIANTS} "
-                         "(memory ones with +nocrc, +copyproc, +window<MiB>)")
+                         "(memory ones with +nocrc, +copyproc, +window<MiB>, ...; any with +mgc)")
+            manual_gc = "mgc" in changes
             if args.budget and b.left() < 60:
                 logger.warning("variant %s skipped: %.0f s of the budget left", name, b.left())
                 continue
@@ -375,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault("gil", {})[name] = prof
             g = goodput(r["iters"], args.warm)
             saves = _saves_between(g.get("first", args.warm), g.get("last", args.iters), every)
-            s = summarize(name, r, ref, saves, args.warm)
-            if name == "none":
-                ref = {**g, "run_s": r["wall_s"]}
+            s = summarize(name, r, refs.get(manual_gc), saves, args.warm)
+            if kind == "none":
+                refs[manual_gc] = {**g, "run_s": r["wall_s"]}
             if sampled and not args.dry_run:
                 sample = read_samples(b, name, max((x["it"] for x in r["iters"]), default=0))
                 if sample is not None:

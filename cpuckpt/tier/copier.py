@@ -36,19 +36,27 @@ import sys
 import threading
 import weakref
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from cpuckpt.errors import StagingError
+from cpuckpt.tier import pinning
 from cpuckpt.transfer.sinks import OP_FIELDS
 from cpuckpt.transfer.staging import consume_cuda_error
 
-__all__ = ["CopyProcess", "RemoteSave", "main"]
+__all__ = ["CopyProcess", "ImageDesc", "RemoteSave", "main"]
 
 logger = logging.getLogger(__name__)
+
+# An image file as the trainer describes it to the process: path, the name of the trainer's object that owns it
+# (a new one: the process maps the file anew), its size, and the smallest size it had since its last description
+# (registrations past it are dropped: pinning.stale). Made under the process's lock, so the process reads the
+# descriptions of an image in the order they were made (:meth:`CopyProcess.submit`).
+ImageDesc = tuple[str, str, int, int]
+Describe = Callable[[], Sequence[ImageDesc]]
 
 
 
@@ -138,18 +146,20 @@ class CopyProcess:
                     self.log_path)
         return self._conn
 
-    def prepare(self, files: Sequence[tuple[str, str, int]], chunk_bytes: int) -> None:
-        """Map and pin these image files (path, identity, bytes) in the process ahead of their first save."""
+    def prepare(self, files: Describe, chunk_bytes: int) -> None:
+        """Map and pin image files in the process ahead of their first save; ``files`` describes them (called
+        under the lock that orders every description sent)."""
         with self._lock:
             conn = self._ensure()
-            self._send(conn, ("prepare", list(files), chunk_bytes))
+            self._send(conn, ("prepare", list(files()), chunk_bytes))
 
-    def submit(self, files: Sequence[tuple[str, str, int]], chunks: Sequence[tuple[int, int, int]], *,
+    def submit(self, files: Describe, chunks: Sequence[tuple[int, int, int]], *,
                chunk_bytes: int, checksum: bool, buffer: Any = None, ready: Any = None,
                ops: array | None = None) -> RemoteSave:
-        """Hand one save over: ``files`` (path, identity, bytes) of its images, ``chunks`` (file index, offset,
-        bytes) in order; with ``buffer`` (the device snapshot, a uint8 CUDA tensor), ``ready`` (an interprocess
-        CUDA event after the snapshot) and ``ops`` (:data:`OP_FIELDS` int64 per copy), the copies too.
+        """Hand one save over: ``files`` describes its images (:data:`ImageDesc`; called under the lock that
+        orders every description sent), ``chunks`` (file index, offset, bytes) in order; with ``buffer`` (the
+        device snapshot, a uint8 CUDA tensor), ``ready`` (an interprocess CUDA event after the snapshot) and
+        ``ops`` (:data:`OP_FIELDS` int64 per copy), the copies too.
 
         Raises:
             StagingError: the process could not be started or the request not sent.
@@ -170,7 +180,7 @@ class CopyProcess:
                 copy = (key, desc, ready.ipc_handle(), buffer.device.index or 0, ops.tobytes() if ops else b"")
             self._pending[save_id] = remote
             try:
-                self._send(conn, ("save", save_id, list(files), list(chunks), chunk_bytes, checksum, copy))
+                self._send(conn, ("save", save_id, list(files()), list(chunks), chunk_bytes, checksum, copy))
             except BaseException:
                 self._pending.pop(save_id, None)
                 raise
@@ -302,67 +312,93 @@ def _open_shared(desc: tuple) -> Any:
     return t.set_(storage, t_offset, (numel,), (1,))
 
 
-_PIN_SEGMENT = 64 << 20
-
-
 class _Mapped:
-    """An image file as the copy process maps it: exactly its size (never resized here: the trainer owns the
-    file's size), ``MAP_SHARED``, pinned in chunk-aligned segments for copies."""
+    """An image file as the copy process maps it: ``MAP_SHARED`` over the size it had when mapped (the trainer owns
+    the file's size; a larger one is mapped anew), pinned in chunk-aligned segments for copies that are kept
+    across saves and sizes while their pages stay in the file (:mod:`cpuckpt.tier.pinning`)."""
 
-    def __init__(self, path: str, identity: str, nbytes: int, chunk_bytes: int, pin: bool) -> None:
+    def __init__(self, path: str, owner: str, nbytes: int) -> None:
         import mmap
 
         import torch
 
-        self.path, self.identity, self.nbytes, self.pinned = path, identity, nbytes, False
-        self._regs: list[int] = []
-        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        self.path, self.owner, self.nbytes, self.pinned = path, owner, nbytes, False
+        self._regs: dict[int, int] = {}  # registered: offset -> bytes
+        self._pin_failed = False
+        self._fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
         try:
-            size = os.fstat(fd).st_size
-            if size != nbytes:
-                raise StagingError(f"memory image {path} is {size} bytes, the save expects {nbytes}")
-            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED) if nbytes else None
-        finally:
-            os.close(fd)
+            self._check_size(nbytes)
+            self._mmap = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED) if nbytes else None
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.mapped = nbytes
         self._tensor = (torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None
                         else torch.empty(0, dtype=torch.uint8))
-        if pin and nbytes and torch.cuda.is_available():
-            self._pin(chunk_bytes)
 
-    def _pin(self, chunk_bytes: int) -> None:
+    def _check_size(self, nbytes: int) -> None:
+        size = os.fstat(self._fd).st_size
+        if size != nbytes:
+            raise StagingError(f"memory image {self.path} is {size} bytes, the save expects {nbytes}")
+
+    def forget_past(self, intact: int) -> None:
+        """The file was as small as ``intact`` since these registrations were made: drop those past it."""
+        self._unregister(pinning.stale(self._regs, None, intact))
+
+    def fit(self, nbytes: int, segment: int, pin: bool) -> None:
+        """The file is ``nbytes`` now (at most :attr:`mapped`): registrations of other segments go, and with
+        ``pin`` the missing ones are made. Raises ``StagingError`` when the file is not that size."""
+        self._check_size(nbytes)
+        self.nbytes = nbytes
+        wanted = pinning.segments(nbytes, segment, self.mapped)
+        self._unregister(pinning.stale(self._regs, wanted, nbytes))
+        if pin and not self._pin_failed and wanted:
+            import torch
+
+            if torch.cuda.is_available():
+                self._register(wanted)
+        self.pinned = bool(wanted) and all(self._regs.get(off) == n for off, n in wanted)
+
+    def _register(self, wanted: list[tuple[int, int]]) -> None:
         import torch
 
         cudart = torch.cuda.cudart()
         base = self._tensor.data_ptr()
-        segment = chunk_bytes * max(1, -(-_PIN_SEGMENT // chunk_bytes)) if chunk_bytes else _PIN_SEGMENT
-        for off in range(0, self.nbytes, segment):
-            n = min(segment, self.nbytes - off)
+        made = 0
+        for off, n in wanted:
+            if self._regs.get(off) == n:
+                continue
             if int(cudart.cudaHostRegister(base + off, n, 0)) != 0:
                 consume_cuda_error()
                 logger.warning("cudaHostRegister of %d bytes of %s failed; copying into it unpinned", n, self.path)
-                self._unpin()
+                self._unregister(list(self._regs))
+                self._pin_failed = True
                 return
-            self._regs.append(base + off)
-        self.pinned = True
+            self._regs[off] = n
+            made += 1
+        if made:
+            logger.info("%s: %d of %d segments registered (%d bytes)", self.path, made, len(wanted), self.nbytes)
 
-    def _unpin(self) -> None:
-        if self._regs:
-            import torch
+    def _unregister(self, offsets: list[int]) -> None:
+        if not offsets:
+            return
+        import torch
 
-            cudart = torch.cuda.cudart()
-            for ptr in self._regs:
-                cudart.cudaHostUnregister(ptr)
-        self._regs = []
+        base = self._tensor.data_ptr()
+        for off in offsets:
+            del self._regs[off]
+            if torch.cuda.is_available():  # registrations exist only there
+                torch.cuda.cudart().cudaHostUnregister(base + off)
         self.pinned = False
 
     def tensor(self) -> Any:
-        return self._tensor
+        return self._tensor[: self.nbytes]
 
     def view(self) -> memoryview:
-        return memoryview(self._mmap) if self._mmap is not None else memoryview(b"")
+        return memoryview(self._mmap)[: self.nbytes] if self._mmap is not None else memoryview(b"")
 
     def close(self) -> None:
-        self._unpin()
+        self._unregister(list(self._regs))
         self._tensor = None
         if self._mmap is not None:
             try:
@@ -370,6 +406,9 @@ class _Mapped:
             except BufferError:
                 logger.debug("%s: views still referenced; unmapped when collected", self.path)
             self._mmap = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class _Worker:
@@ -388,29 +427,41 @@ class _Worker:
         with self.send_lock:
             self.conn.send_bytes(_dumps(msg))
 
-    def image(self, path: str, identity: str, nbytes: int, chunk_bytes: int, pin: bool) -> _Mapped:
-        """``path`` mapped (and pinned, for copies) as the trainer last shaped it: an image the trainer
-        resized or remapped since (a new ``identity``) is mapped anew, so no stale pinned page is used."""
+    def forget(self, files: list) -> None:
+        """First, whatever else a message does: registrations whose pages may have left the file since they
+        were made (a description's ``intact``) are dropped, even when the rest of the message then fails."""
+        for path, owner, _, intact in files:
+            held = self.images.get(path)
+            if held is not None and held.owner == owner:
+                held.forget_past(intact)
+
+    def image(self, path: str, owner: str, nbytes: int, chunk_bytes: int, pin: bool) -> _Mapped:
+        """``path`` mapped (and pinned, for copies) as the trainer last shaped it. A file of another owner (a new
+        object of the trainer's) or larger than this mapping is mapped anew; segments still in the file stay
+        registered (a first save smaller than its image's reservation re-registers only the last one)."""
         held = self.images.get(path)
-        if held is not None and held.identity == identity and held.nbytes == nbytes and (held.pinned or not pin):
-            return held
-        if held is not None:
+        if held is not None and (held.owner != owner or nbytes > held.mapped):
             held.close()
             del self.images[path]
-        img = self.images[path] = _Mapped(path, identity, nbytes, chunk_bytes, pin)
-        return img
+            held = None
+        if held is None:
+            held = self.images[path] = _Mapped(path, owner, nbytes)
+        held.fit(nbytes, pinning.segment_bytes(chunk_bytes), pin)
+        return held
 
     def prepare(self, files: list, chunk_bytes: int) -> None:
-        for path, identity, nbytes in files:
+        self.forget(files)
+        for path, owner, nbytes, _ in files:
             try:
-                self.image(path, identity, nbytes, chunk_bytes, pin=True)
+                self.image(path, owner, nbytes, chunk_bytes, pin=True)
             except Exception as e:  # the save that uses it reports it
                 logger.warning("preparing %s failed: %r", path, e)
 
     def save(self, save_id: int, files: list, chunks: list, chunk_bytes: int, checksum: bool,
              copy: tuple | None) -> None:
         try:
-            images = [self.image(p, i, n, chunk_bytes, pin=copy is not None) for p, i, n in files]
+            self.forget(files)
+            images = [self.image(p, o, n, chunk_bytes, pin=copy is not None) for p, o, n, _ in files]
             if copy is None:
                 events: list[Any] = [None] * len(chunks)
             else:

@@ -49,7 +49,8 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, StagingError, StorageIOError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
-from cpuckpt.tier.copier import CopyProcess
+from cpuckpt.tier import pinning
+from cpuckpt.tier.copier import CopyProcess, ImageDesc
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
 from cpuckpt.transfer.pacing import PACER
 from cpuckpt.transfer.sinks import DeviceCopies, Offloaded
@@ -62,8 +63,7 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 CAPACITY_ROUND_BYTES = 2 * _MiB  # mappings grow in these steps, so a slightly larger save reuses them
-PIN_SEGMENT_MIN_BYTES = 64 * _MiB  # registrations are whole chunks, at least this large
-_PAGE = mmap.PAGESIZE
+_PAGE = pinning.PAGE
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -106,14 +106,15 @@ class ImageFile:
         self._view: memoryview | None = None
         self._base = 0  # address of the mapping
         self._regs: dict[int, int] = {}  # registered ranges: offset -> length
-        self._segment = PIN_SEGMENT_MIN_BYTES
+        self._segment = pinning.MIN_SEGMENT_BYTES
         self._pin_failed = False
         # [0, _allocated) was reserved by this object (or by its maker: adopt_allocated), not truncated since
         self._allocated = 0
-        # Changes whenever the file's size or this mapping changes: another process that maps and pins the file
-        # (the copy process) maps it anew then, so no registration of it outlives the pages it pinned.
+        # For another process that maps and pins the file (the copy process, :meth:`describe`): this object's
+        # name (a new object: that process maps the file anew), and the smallest the file was since it was last
+        # described (its registrations past that are dropped: pinning.stale).
         self._uid = uuid.uuid4().hex
-        self._generation = 0
+        self._smallest = self.nbytes
 
     # -- sizing -----------------------------------------------------------------------------------
     def ensure(self, nbytes: int, *, chunk_bytes: int | None = None) -> None:
@@ -136,11 +137,10 @@ class ImageFile:
         if self._fd < 0:
             raise StagingError(f"memory image {self.path} is closed")
         if chunk_bytes:
-            segment = chunk_bytes * max(1, -(-PIN_SEGMENT_MIN_BYTES // chunk_bytes))
+            segment = pinning.segment_bytes(chunk_bytes)
             if segment != self._segment:
                 self._unregister(list(self._regs))  # re-registered below in the new unit
                 self._segment = segment
-        old_size, old_remaps = self.nbytes, self.remaps
         self._reserve(nbytes)  # also extends the file; a failure leaves the image as it was
         try:
             if nbytes > self.capacity:
@@ -155,11 +155,8 @@ class ImageFile:
                 self.nbytes = min(os.fstat(self._fd).st_size, self.capacity)
             except OSError:
                 self.nbytes = 0
-            self._generation += 1
             raise
         self.nbytes = nbytes
-        if nbytes != old_size or self.remaps != old_remaps:
-            self._generation += 1
         self._register_missing()
 
     def adopt_allocated(self, nbytes: int) -> None:
@@ -198,6 +195,7 @@ class ImageFile:
         except OSError as e:
             raise _os_error("ftruncate", e, self.path, nbytes) from e
         self._allocated = min(self._allocated, nbytes)
+        self._smallest = min(self._smallest, nbytes)
 
     def _remap(self, nbytes: int) -> None:
         self._unmap()
@@ -224,8 +222,7 @@ class ImageFile:
 
     # -- pinning ----------------------------------------------------------------------------------
     def _wanted(self) -> list[tuple[int, int]]:
-        last_page = min(_round_up(self.nbytes, _PAGE), self.capacity)
-        return [(off, min(self._segment, last_page - off)) for off in range(0, last_page, self._segment)]
+        return pinning.segments(self.nbytes, self._segment, self.capacity)
 
     def _register_missing(self) -> None:
         wanted = self._wanted()
@@ -260,10 +257,13 @@ class ImageFile:
         self.pinned = False
 
     # -- access -----------------------------------------------------------------------------------
-    @property
-    def identity(self) -> str:
-        """This object's mapping of the file at its current size (changes with either)."""
-        return f"{self._uid}.{self._generation}"
+    def describe(self) -> ImageDesc:
+        """The image as a copy process maps and pins it, for a message sent to it before any other description of
+        this image (:meth:`ImageSet.describe` under the copy process's lock): (path, this object's name, its size,
+        the smallest size it had since the last description). Every later description reports from here on."""
+        desc = (str(self.path), self._uid, self.nbytes, self._smallest)
+        self._smallest = self.nbytes
+        return desc
 
     @property
     def allocated(self) -> int:
@@ -435,6 +435,12 @@ class ImageSet:
                 self._last_done[n] = done
             return list(previous.values())
 
+    def describe(self, files: Sequence[ImageFile]) -> list[ImageDesc]:
+        """``files`` (images of this set) as the copy process maps them (:meth:`ImageFile.describe`), under the
+        set's lock: no image is resized while it is described."""
+        with self._lock:
+            return [img.describe() for img in files]
+
     def get(self, name: str) -> ImageFile | None:
         """The image ``name`` if it was made, as it is (no resizing)."""
         with self._lock:
@@ -600,8 +606,12 @@ class ImageSink:
         copier = self.images.copier
         if copier is None or not self._opened:
             raise RuntimeError("ImageSink.submit_offload without a copy process or before open()")
-        files = [(str(img.path), img.identity, img.nbytes) for img in self._opened]
+        opened = list(self._opened)
         chunks = [(c.file, c.offset, c.nbytes) for c in self._chunks]
+
+        def files() -> list[ImageDesc]:
+            return self.images.describe(opened)
+
         if copies is None:
             return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=self.checksum)
         return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=self.checksum,

@@ -697,7 +697,7 @@ class MemoryTier:
         if self.copier is None or not self.config.staging.device_snapshot or img is None:
             return
         try:
-            self.copier.prepare([(str(img.path), img.identity, img.nbytes)], self.config.io.chunk_bytes)
+            self.copier.prepare(lambda: images.describe([img]), self.config.io.chunk_bytes)
         except CpuckptError as e:  # the save that needs it starts a new process and says so
             logger.warning("cpuckpt memory tier: rank %d: preparing %s in the copy process failed: %s", self.rank,
                            img.path, e)
@@ -705,8 +705,9 @@ class MemoryTier:
     def reserve(self, shard_nbytes: int) -> int:
         """Before the first save (a job calls it before it trains): reserve, map and pin every free slot's image
         for this rank's shard of about ``shard_nbytes`` bytes, so that no save pays for it while the job trains
-        (~1-1.8 s per 5 GB slot on the H200, on the trainer's thread: the spikes at the first saves). The first
-        save into a slot truncates its image to the real size (a larger one maps it again). A slot holding a
+        (~1-1.8 s per 5 GB slot on the H200, on the trainer's thread: the spikes at the first saves); with a copy
+        process that copies from a device snapshot, that process pins them instead, beside the job's start. The
+        first save into a slot truncates its image to the real size (a larger one maps it again). A slot holding a
         checkpoint, or an image, is left alone; a tier of other files (DeepSpeed's: :meth:`reserve_files`), or
         across nodes, reserves nothing here. Returns how many images it made; a RAM filesystem too small is a
         warning here (the save that needs the space raises it)."""
@@ -749,8 +750,12 @@ class MemoryTier:
                     if self._closing.is_set():  # closed: its root and queue may be gone
                         return made
                     try:
-                        made += images.reserve(name, nbytes, chunk_bytes=self.config.io.chunk_bytes,
-                                               allocated=ahead.allocated(slot / name))
+                        if images.reserve(name, nbytes, chunk_bytes=self.config.io.chunk_bytes,
+                                          allocated=ahead.allocated(slot / name)):
+                            made += 1
+                            # the copy process pins it now, beside the job's start: its first save re-registers
+                            # only the segment past its real size (pinning.stale)
+                            self._prepare_copier(images, name)
                     except CpuckptError as e:
                         logger.warning("cpuckpt memory tier: reserving %d bytes for %s in %s ahead of the first save "
                                        "failed: %s", nbytes, name, slot, e)

@@ -71,3 +71,44 @@ def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_pat
         assert tier.copier is not None and tier.copier.pid is not None
     finally:
         tier.close(persist_newest=False)
+
+
+def _sized(step: int, mib: int) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(step)
+    return {"big": torch.randn(mib << 18, device="cuda", generator=g), "step": step}
+
+
+def _check_sized(path: Path, step: int, mib: int) -> None:
+    out = {"big": torch.empty(mib << 18, device="cuda"), "step": -1}
+    cpuckpt.load(out, path)
+    assert out["step"] == step and torch.equal(out["big"], _sized(step, mib)["big"]), (path, step, mib)
+
+
+def test_reserved_images_are_pinned_by_the_copy_process_once_and_resizes_keep_every_copy_in_the_file(tmp_path):
+    """The copy process pins the images reserved before training; the first save (smaller than the reservation)
+    re-registers only the segment past its size; a shrink the process never saw (two resizes between its
+    messages) still drops the registrations past it, so a save that grows back lands every byte in the file."""
+    cfg = _cfg(tmp_path / "ram")
+    cfg["io"]["chunk_bytes"] = "4MiB"  # 64 MiB registration segments
+    tier = MemoryTier(tmp_path / "durable", cfg)
+    try:
+        assert tier.reserve(200 << 20) == 2
+        step = 0
+        for mib in (150, 150, 100, 100, 150, 150):  # each slot: 150 -> 100 -> 150 (seen by the process)
+            step += 1
+            tier.save(_sized(step, mib), step).wait()
+            _check_sized(tier.find_latest(), step, mib)
+        k = tier.slots.index(tier.find_latest())
+        name = tier.images[k].names[0]
+        tier.images[k].image(name, 50 << 20)  # a shrink the copy process is never told of as a size
+        for _ in range(2):  # the slot after it, then this one again: grown back to 150 MiB
+            step += 1
+            tier.save(_sized(step, 150), step).wait()
+            _check_sized(tier.find_latest(), step, 150)
+        log = (tier.root.path / f"copier-{tier.rank}.log").read_text()
+        first = str(tier.slots[0] / name)
+        lines = [ln.split(first + ": ", 1)[1] for ln in log.splitlines() if first + ": " in ln]
+        assert len(lines) >= 2 and lines[0] == "4 of 4 segments registered (209715200 bytes)", lines
+        assert lines[1].startswith("1 of 3 segments registered"), lines  # the first save: only the last segment
+    finally:
+        tier.close(persist_newest=False)

@@ -19,7 +19,7 @@ import torch
 import cpuckpt
 from cpuckpt.backend.committed import read_manifest
 from cpuckpt.errors import CpuckptError
-from cpuckpt.tier import copier
+from cpuckpt.tier import copier, pinning
 from cpuckpt.tier.images import ImageFile
 from cpuckpt.tier.memory import MemoryTier
 
@@ -97,27 +97,70 @@ def test_a_copy_process_killed_during_a_save_fails_it_naming_the_process_and_the
         tier.close(persist_newest=False)
 
 
-def test_an_images_identity_changes_with_its_size_and_mapping_not_with_a_save_of_the_same_size(tmp_path):
+def test_an_image_describes_the_smallest_size_it_had_since_its_last_description(tmp_path):
     img = ImageFile(tmp_path / "f", pin=False)
     try:
         img.ensure(100_000)
-        first = img.identity
+        path, owner, nbytes, intact = img.describe()
+        assert (path, nbytes, intact) == (str(tmp_path / "f"), 100_000, 0), "made from nothing: no page was there"
         img.ensure(100_000)
-        assert img.identity == first, "a save of the same size would make the copy process map and pin it again"
+        assert img.describe() == (path, owner, 100_000, 100_000), "a save of the same size keeps every registration"
         img.ensure(50_000)
-        shrunk = img.identity
-        assert shrunk != first
-        img.ensure(100_000)
-        assert img.identity not in (first, shrunk), "after shrinking and growing back the pages are new"
+        img.ensure(120_000)  # both between two descriptions: the pages past 50,000 are new
+        assert img.describe() == (path, owner, 120_000, 50_000)
+        assert img.describe()[3] == 120_000
+        img.ensure(10 << 20)  # past the mapping: mapped anew, the pages below the old size stay
+        assert img.describe() == (path, owner, 10 << 20, 120_000)
         other = ImageFile(tmp_path / "f", pin=False)
-        other.ensure(100_000)
-        assert other.identity != img.identity
+        assert other.describe()[1] != owner, "another object: the copy process maps the file anew"
         other.close()
     finally:
         img.close()
 
 
+def test_registrations_are_kept_only_while_their_pages_stayed_in_the_file():
+    seg = pinning.segment_bytes(4 << 20)
+    assert seg == 64 << 20 and pinning.segment_bytes(48 << 20) == 96 << 20, "whole chunks, at least 64 MiB"
+    reserved = dict(pinning.segments(200 << 20, seg))
+    assert reserved == {0: 64 << 20, 64 << 20: 64 << 20, 128 << 20: 64 << 20, 192 << 20: 8 << 20}
+    first_save = pinning.segments(150 << 20, seg)
+    # a first save smaller than the reservation: only the segments reaching past it go
+    assert pinning.stale(reserved, first_save, 150 << 20) == [128 << 20, 192 << 20]
+    # the same size again: nothing
+    kept = {o: n for o, n in reserved.items() if o + n <= 128 << 20} | {128 << 20: 22 << 20}
+    assert pinning.stale(kept, first_save, 150 << 20) == []
+    # shrunk to 50 MiB and grown back to 150 between two messages: everything past 50 MiB's pages goes
+    assert pinning.stale(kept, first_save, 50 << 20) == [0, 64 << 20, 128 << 20]
+    # a size that is not a page multiple keeps the page it ends in
+    assert pinning.stale({0: pinning.PAGE}, [(0, pinning.PAGE)], 1) == []
+    assert pinning.segments(0, seg) == [] and pinning.segments(1, seg) == [(0, pinning.PAGE)]
+    assert pinning.segments(200 << 20, seg, mapped=100 << 20) == [(0, 64 << 20), (64 << 20, 36 << 20)]
+
+
+def test_a_stale_description_still_drops_what_it_reports(tmp_path):
+    """The copy process applies a message's ``intact`` before anything of it can fail (a prepare describing a size
+    the file no longer has), so a later message, which reports only what happened after, is enough."""
+    img = ImageFile(tmp_path / "f", pin=False)
+    worker = copier._Worker(None, 1)
+    try:
+        img.ensure(3 << 20)
+        worker.prepare([img.describe()], 1 << 20)
+        held = worker.images[str(img.path)]
+        held._regs = {0: 2 << 20, 2 << 20: 1 << 20}  # as if pinned in two segments (no CUDA here)
+        img.ensure(1 << 20)
+        stale_desc = img.describe()
+        img.ensure(3 << 20)  # resized again before the process read the description above
+        worker.prepare([stale_desc], 1 << 20)  # its size check fails: the file is 3 MiB again
+        assert held._regs == {}, "both segments reach past 1 MiB, the smallest the file was"
+        worker.prepare([img.describe()], 1 << 20)
+        assert worker.images[str(img.path)] is held and held.nbytes == 3 << 20
+    finally:
+        held._regs = {}
+        worker.close()
+        img.close()
+
+
 def test_a_message_naming_a_class_is_refused():
-    assert copier._loads(copier._dumps(("save", 1, [("p", "i", 3)], [(0, 0, 3)], 64, True, None)))[0] == "save"
+    assert copier._loads(copier._dumps(("save", 1, [("p", "o", 3, 3)], [(0, 0, 3)], 64, True, None)))[0] == "save"
     with pytest.raises(pickle.UnpicklingError, match="refused"):
         copier._loads(pickle.dumps(("save", torch.device("cpu"))))
