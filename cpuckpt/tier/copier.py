@@ -25,6 +25,7 @@ exit status and log; the next save starts a new one.
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures as cf
 import io
 import logging
@@ -103,6 +104,9 @@ class CopyProcess:
         self._pending: dict[int, RemoteSave] = {}
         self._next_id = 0
         self._buffers: dict[int, int] = {}  # id(snapshot buffer) -> its key in the process, while it lives
+        # keys of freed snapshot buffers, sent with the next message: a buffer's finalizer runs on whatever thread
+        # frees it, maybe one inside this object's lock, so it never takes the lock itself
+        self._dropped: collections.deque[tuple[int, int]] = collections.deque()
         self._closed = False
         # replies are settled here, in order, not on the reading thread: a save's callbacks (its job's end, the
         # commit it starts) must not hold up the replies of the saves after it
@@ -146,12 +150,14 @@ class CopyProcess:
                     self.log_path)
         return self._conn
 
-    def prepare(self, files: Describe, chunk_bytes: int) -> None:
-        """Map and pin image files in the process ahead of their first save; ``files`` describes them (called
-        under the lock that orders every description sent)."""
+    def prepare(self, files: Describe, chunk_bytes: int, device: int | None) -> None:
+        """Map and pin image files in the process ahead of their first save, under CUDA ``device`` (the trainer's:
+        a registration counts for the context that made it); ``files`` describes them (called under the lock that
+        orders every description sent)."""
         with self._lock:
             conn = self._ensure()
-            self._send(conn, ("prepare", list(files()), chunk_bytes))
+            self._send_drops(conn)
+            self._send_described(conn, files, lambda desc: ("prepare", desc, chunk_bytes, device))
 
     def submit(self, files: Describe, chunks: Sequence[tuple[int, int, int]], *,
                chunk_bytes: int, checksum: bool, buffer: Any = None, ready: Any = None,
@@ -167,6 +173,7 @@ class CopyProcess:
         remote = RemoteSave(cf.Future(), cf.Future(), keep=ready)
         with self._lock:
             conn = self._ensure()
+            self._send_drops(conn)
             save_id = self._next_id
             self._next_id += 1
             copy = None
@@ -180,11 +187,34 @@ class CopyProcess:
                 copy = (key, desc, ready.ipc_handle(), buffer.device.index or 0, ops.tobytes() if ops else b"")
             self._pending[save_id] = remote
             try:
-                self._send(conn, ("save", save_id, list(files()), list(chunks), chunk_bytes, checksum, copy))
+                self._send_described(conn, files, lambda desc: ("save", save_id, desc, list(chunks), chunk_bytes,
+                                                                checksum, copy))
             except BaseException:
                 self._pending.pop(save_id, None)
                 raise
         return remote
+
+    def _send_described(self, conn: Connection, files: Describe, message: Callable[[list], tuple]) -> None:
+        """Lock held: ``message`` of the images as ``files`` describes them now. A description read and not sent
+        (an error, an interrupt) would leave the process keeping registrations past a shrink it never hears of:
+        that process is ended, the next message starts a new one (nothing pinned)."""
+        desc = list(files())
+        try:
+            self._send(conn, message(desc))
+        except BaseException:
+            proc = self._proc
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+            raise
+
+    def _send_drops(self, conn: Connection) -> None:
+        """Lock held, before any buffer is looked up: the freed buffers are forgotten here (a new buffer may have
+        the id of a freed one) and let go of in the process."""
+        while self._dropped:
+            ident, key = self._dropped.popleft()
+            if self._buffers.get(ident) == key:
+                del self._buffers[ident]
+            self._send(conn, ("drop", key))
 
     def _send(self, conn: Connection, msg: tuple) -> None:
         try:
@@ -195,17 +225,9 @@ class CopyProcess:
                                f"see {self.log_path}") from e
 
     def _drop(self, ident: int, key: int) -> None:
-        """A snapshot buffer was freed: the process lets go of its mapping of it."""
-        with self._lock:
-            if self._buffers.get(ident) == key:
-                del self._buffers[ident]
-            conn = self._conn
-        if conn is None or self._closed:
-            return
-        try:
-            self._send(conn, ("drop", key))
-        except StagingError:
-            pass
+        """A snapshot buffer was freed: the process lets go of its mapping of it at the next message (a finalizer:
+        it takes no lock)."""
+        self._dropped.append((ident, key))
 
     def _read(self, conn: Connection, proc: subprocess.Popen) -> None:
         """The replies of one process, until it ends; then every save it still had fails."""
@@ -337,9 +359,17 @@ class _Mapped:
                         else torch.empty(0, dtype=torch.uint8))
 
     def _check_size(self, nbytes: int) -> None:
-        size = os.fstat(self._fd).st_size
+        size = self.size()
         if size != nbytes:
             raise StagingError(f"memory image {self.path} is {size} bytes, the save expects {nbytes}")
+
+    def size(self) -> int:
+        """The file's size now (the trainer may change it while no save of it is in flight)."""
+        return os.fstat(self._fd).st_size
+
+    def removed(self) -> bool:
+        """The file is gone from the RAM root (a reserved image no save claimed): it must not stay mapped here."""
+        return os.fstat(self._fd).st_nlink == 0
 
     def forget_past(self, intact: int) -> None:
         """The file was as small as ``intact`` since these registrations were made: drop those past it."""
@@ -370,6 +400,10 @@ class _Mapped:
                 continue
             if int(cudart.cudaHostRegister(base + off, n, 0)) != 0:
                 consume_cuda_error()
+                if self.size() != self.nbytes:  # resized under a prepare: the next message describes the new size
+                    logger.info("%s was resized while it was being pinned; pinned at its next message", self.path)
+                    self._unregister(pinning.stale(self._regs, None, self.size()))
+                    return
                 logger.warning("cudaHostRegister of %d bytes of %s failed; copying into it unpinned", n, self.path)
                 self._unregister(list(self._regs))
                 self._pin_failed = True
@@ -427,13 +461,27 @@ class _Worker:
         with self.send_lock:
             self.conn.send_bytes(_dumps(msg))
 
-    def forget(self, files: list) -> None:
+    def forget(self, files: Sequence[ImageDesc]) -> None:
         """First, whatever else a message does: registrations whose pages may have left the file since they
-        were made (a description's ``intact``) are dropped, even when the rest of the message then fails."""
+        were made (a description's ``intact``) are dropped, even when the rest of the message then fails; and
+        images removed from the RAM root are let go of (their RAM is freed only once nothing maps them)."""
         for path, owner, _, intact in files:
             held = self.images.get(path)
             if held is not None and held.owner == owner:
                 held.forget_past(intact)
+        for path, held in list(self.images.items()):
+            if held.removed():
+                held.close()
+                del self.images[path]
+
+    def use_device(self, device: int | None) -> None:
+        """Registrations and copies under the trainer's CUDA device (one copy process per rank, each its own)."""
+        if device is None:
+            return
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.current_device() != device:
+            torch.cuda.set_device(device)
 
     def image(self, path: str, owner: str, nbytes: int, chunk_bytes: int, pin: bool) -> _Mapped:
         """``path`` mapped (and pinned, for copies) as the trainer last shaped it. A file of another owner (a new
@@ -449,11 +497,15 @@ class _Worker:
         held.fit(nbytes, pinning.segment_bytes(chunk_bytes), pin)
         return held
 
-    def prepare(self, files: list, chunk_bytes: int) -> None:
+    def prepare(self, files: Sequence[ImageDesc], chunk_bytes: int, device: int | None) -> None:
+        """Map and pin images ahead of their saves, at the size each has now: the trainer may have resized one
+        since it described it (a first save right after the reservation), and whatever it changes after this is in
+        its next message's ``intact``."""
         self.forget(files)
-        for path, owner, nbytes, _ in files:
+        self.use_device(device)
+        for path, owner, _, _ in files:
             try:
-                self.image(path, owner, nbytes, chunk_bytes, pin=True)
+                self.image(path, owner, os.stat(path).st_size, chunk_bytes, pin=True)
             except Exception as e:  # the save that uses it reports it
                 logger.warning("preparing %s failed: %r", path, e)
 
@@ -461,6 +513,8 @@ class _Worker:
              copy: tuple | None) -> None:
         try:
             self.forget(files)
+            if copy is not None:
+                self.use_device(copy[3])
             images = [self.image(p, o, n, chunk_bytes, pin=copy is not None) for p, o, n, _ in files]
             if copy is None:
                 events: list[Any] = [None] * len(chunks)

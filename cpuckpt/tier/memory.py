@@ -680,7 +680,7 @@ class MemoryTier:
                         if self._closing.is_set():
                             return
                         images.prepare(name, nbytes, chunk_bytes=self.config.io.chunk_bytes)
-                        self._prepare_copier(images, name)
+                        self._prepare_copier(images, name, device)
             except CpuckptError as e:  # e.g. the RAM root's headroom: the save that needs the image says so
                 logger.warning("cpuckpt memory tier: preparing the slots' images ahead failed: %s", e)
 
@@ -691,13 +691,14 @@ class MemoryTier:
                 self._prepared.start()
         self._prepare_decided.set()
 
-    def _prepare_copier(self, images: ImageSet, name: str) -> None:
-        """The copy process maps and pins an image ahead of its first save (when it copies into it)."""
+    def _prepare_copier(self, images: ImageSet, name: str, device: int | None) -> None:
+        """The copy process maps and pins an image ahead of its first save (when it copies into it), under the
+        trainer's ``device``."""
         img = images.get(name)
         if self.copier is None or not self.config.staging.device_snapshot or img is None:
             return
         try:
-            self.copier.prepare(lambda: images.describe([img]), self.config.io.chunk_bytes)
+            self.copier.prepare(lambda: images.describe([img]), self.config.io.chunk_bytes, device)
         except CpuckptError as e:  # the save that needs it starts a new process and says so
             logger.warning("cpuckpt memory tier: rank %d: preparing %s in the copy process failed: %s", self.rank,
                            img.path, e)
@@ -755,7 +756,7 @@ class MemoryTier:
                             made += 1
                             # the copy process pins it now, beside the job's start: its first save re-registers
                             # only the segment past its real size (pinning.stale)
-                            self._prepare_copier(images, name)
+                            self._prepare_copier(images, name, caller_device())
                     except CpuckptError as e:
                         logger.warning("cpuckpt memory tier: reserving %d bytes for %s in %s ahead of the first save "
                                        "failed: %s", nbytes, name, slot, e)

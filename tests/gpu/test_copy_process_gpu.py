@@ -7,6 +7,7 @@ process computes the checksums only) runs in tests/unit/test_copy_process.py.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import crc32c
@@ -93,6 +94,10 @@ def test_reserved_images_are_pinned_by_the_copy_process_once_and_resizes_keep_ev
     tier = MemoryTier(tmp_path / "durable", cfg)
     try:
         assert tier.reserve(200 << 20) == 2
+        log_path = tier.root.path / f"copier-{tier.rank}.log"
+        deadline = time.monotonic() + 60  # the process pins them beside the job's start: here, before any save
+        while log_path.read_text().count("4 of 4 segments registered") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         step = 0
         for mib in (150, 150, 100, 100, 150, 150):  # each slot: 150 -> 100 -> 150 (seen by the process)
             step += 1
@@ -105,7 +110,7 @@ def test_reserved_images_are_pinned_by_the_copy_process_once_and_resizes_keep_ev
             step += 1
             tier.save(_sized(step, 150), step).wait()
             _check_sized(tier.find_latest(), step, 150)
-        log = (tier.root.path / f"copier-{tier.rank}.log").read_text()
+        log = log_path.read_text()
         first = str(tier.slots[0] / name)
         lines = [ln.split(first + ": ", 1)[1] for ln in log.splitlines() if first + ": " in ln]
         assert len(lines) >= 2 and lines[0] == "4 of 4 segments registered (209715200 bytes)", lines

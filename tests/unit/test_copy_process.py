@@ -137,27 +137,66 @@ def test_registrations_are_kept_only_while_their_pages_stayed_in_the_file():
     assert pinning.segments(200 << 20, seg, mapped=100 << 20) == [(0, 64 << 20), (64 << 20, 36 << 20)]
 
 
-def test_a_stale_description_still_drops_what_it_reports(tmp_path):
-    """The copy process applies a message's ``intact`` before anything of it can fail (a prepare describing a size
-    the file no longer has), so a later message, which reports only what happened after, is enough."""
+def test_a_stale_description_still_drops_what_it_reports(tmp_path, monkeypatch):
+    """The copy process applies a message's ``intact`` first (a prepare describing a size the file no longer has),
+    so a later message, which reports only what happened after, is enough; a prepare maps the file as it is."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # registrations made up below, none real
     img = ImageFile(tmp_path / "f", pin=False)
     worker = copier._Worker(None, 1)
     try:
         img.ensure(3 << 20)
-        worker.prepare([img.describe()], 1 << 20)
+        worker.prepare([img.describe()], 1 << 20, None)
         held = worker.images[str(img.path)]
-        held._regs = {0: 2 << 20, 2 << 20: 1 << 20}  # as if pinned in two segments (no CUDA here)
+        held._regs = {0: 2 << 20, 2 << 20: 1 << 20}  # as if pinned in two segments
         img.ensure(1 << 20)
         stale_desc = img.describe()
         img.ensure(3 << 20)  # resized again before the process read the description above
-        worker.prepare([stale_desc], 1 << 20)  # its size check fails: the file is 3 MiB again
+        worker.prepare([stale_desc], 1 << 20, None)
         assert held._regs == {}, "both segments reach past 1 MiB, the smallest the file was"
-        worker.prepare([img.describe()], 1 << 20)
-        assert worker.images[str(img.path)] is held and held.nbytes == 3 << 20
+        assert worker.images[str(img.path)] is held and held.nbytes == 3 << 20, "prepared at its size now"
+        held._regs = {0: 3 << 20}  # pinned at the prepare: the one segment of 3 MiB (64 MiB segments)
+        worker.prepare([img.describe()], 1 << 20, None)
+        assert held._regs == {}, "it grew past 1 MiB since the description the process last read: pinned again"
+        held._regs = {0: 3 << 20}
+        worker.prepare([img.describe()], 1 << 20, None)
+        assert held._regs == {0: 3 << 20}, "nothing changed since: the registration stays"
     finally:
-        held._regs = {}
         worker.close()
         img.close()
+
+
+def test_an_image_removed_from_the_ram_root_is_let_go_of_at_the_next_message(tmp_path):
+    reserved, used = ImageFile(tmp_path / "unused", pin=False), ImageFile(tmp_path / "used", pin=False)
+    worker = copier._Worker(None, 1)
+    try:
+        reserved.ensure(1 << 20)
+        used.ensure(1 << 20)
+        worker.prepare([reserved.describe(), used.describe()], 1 << 20, None)
+        assert set(worker.images) == {str(reserved.path), str(used.path)}
+        reserved.path.unlink()  # what ImageSet.drop_unclaimed does to a reserved image no save claimed
+        worker.prepare([used.describe()], 1 << 20, None)
+        assert set(worker.images) == {str(used.path)}, "its pages stay allocated while the process maps the file"
+    finally:
+        worker.close()
+        reserved.close()
+        used.close()
+
+
+@pytest.mark.parametrize("copy_process, snapshot, sent", [(True, True, 2), (True, False, 0), (False, True, 0)])
+def test_reserved_images_go_to_the_copy_process_only_when_it_copies_into_them(tmp_path, monkeypatch,
+                                                                             copy_process, snapshot, sent):
+    cfg = _cfg(tmp_path, copy_process=copy_process)
+    cfg["staging"] = {"device_snapshot": snapshot}
+    tier = MemoryTier(tmp_path / "durable", cfg)
+    try:
+        prepared: list = []
+        if tier.copier is not None:
+            monkeypatch.setattr(tier.copier, "prepare", lambda files, chunk, device: prepared.extend(files()))
+        assert tier.reserve(1 << 20) == 2
+        assert len(prepared) == sent
+        assert all(d[2] == 1 << 20 for d in prepared), prepared
+    finally:
+        tier.close(persist_newest=False)
 
 
 def test_a_message_naming_a_class_is_refused():
