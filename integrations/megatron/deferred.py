@@ -11,9 +11,16 @@ enqueued at the next *start point*, after the timer:
 
 - the next ``maybe_finalize_async_calls`` of the watched queue (Megatron-LM calls it at the top of every
   iteration, before ``train_step``): the copies then overlap that iteration's forward and backward;
-- else the next optimizer step (wrapped by the hook), before its body: correct, without overlap;
-- a blocking finalize starts what is still recorded first, so the last save of a run never waits for
-  a start that will not come.
+- else the next optimizer step (wrapped by the hook), before its body: correct, without overlap of copies
+  made by the trainer (the step waits for them);
+- a blocking finalize (and one that waits for an urgent save) starts what is still recorded first, so the
+  last save of a run never waits for a start that will not come.
+
+A save copied from a device snapshot by the copy process (``at_step``) starts at the optimizer step, not at the
+finalize: the step waits only for the device-to-device snapshot (milliseconds), and the save's start, tens of
+milliseconds of Python (its state flattened, its plan matched, its ops described), runs while the device
+still executes that iteration's forward and backward. At the finalize the device is idle — the timer's
+``synchronize`` drained it — so the same work there is paid on the job's wall clock in full.
 
 Every rank passes the same start points in the same order (the saves are collective). Between the
 call and its start nothing may change a saved tensor: in Megatron-LM the next writer of parameters
@@ -36,7 +43,7 @@ _LOCK = threading.Lock()
 # both process-wide functions), and a save cannot tell which queue its request will be scheduled on.
 # Starting another model's recorded save early only loses overlap. Must not be started off the
 # trainer's thread, nor in a different order on different ranks (the starts are collective).
-_STARTS: list[Callable[[], None]] = []
+_STARTS: list[tuple[Callable[[], None], bool]] = []  # (start, waits for the optimizer step)
 _ENABLED = False  # a watched queue exists in this process (guard.watch_async_queue)
 
 
@@ -50,16 +57,23 @@ def enabled() -> bool:
     return _ENABLED
 
 
-def defer(start: Callable[[], None]) -> None:
-    """Record a save's start for the next start point."""
+def defer(start: Callable[[], None], *, at_step: bool = False) -> None:
+    """Record a save's start for the next start point (``at_step``: the next optimizer step, or a finalize that
+    waits; not a finalize that does not)."""
     with _LOCK:
-        _STARTS.append(start)
+        _STARTS.append((start, at_step))
 
 
-def start_all() -> int:
-    """Start every recorded save, in order (collective: every rank calls it at the same point); returns how many."""
+def start_all(*, finalize: bool = False) -> int:
+    """Start the recorded saves, in order (collective: every rank calls it at the same point); returns how many.
+    ``finalize``: a start point that does not wait (the queue's non-blocking finalize), which stops before the
+    first save recorded for the optimizer step (saves start in the order they were recorded)."""
     with _LOCK:
-        starts, _STARTS[:] = list(_STARTS), []
+        n = len(_STARTS)
+        if finalize:
+            n = next((i for i, (_, at_step) in enumerate(_STARTS) if at_step), n)
+        starts = [start for start, _ in _STARTS[:n]]
+        del _STARTS[:n]
     for start in starts:
         start()
     return len(starts)
