@@ -269,6 +269,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             deferred.defer(self._deferred_start(started, channel), at_step=at_step)
         else:
             try:
+                deferred.start_all()  # saves start in the order they were made: one recorded earlier goes first
                 started.start()
                 if not overlap:
                     started.handle().staged.wait()  # after this the trainer may change any saved tensor
