@@ -35,9 +35,36 @@ def to_pyt(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool) -> 
     return mcore_to_pyt_state_dict(sharded, False)
 
 
-def flat_state(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool) -> FlatState | dict[str, Any]:
+# Values pickled once per stream (their bytes reused): immutable, compared by type and value. Every module without
+# Transformer Engine has an ``_extra_state`` of None, one ShardedObject each: 96 in a 24-layer GPT, 3-6 ms of
+# torch.save per save for the same bytes.
+_PLAIN = (type(None), bool, int, float, str, bytes)
+_PACKED_MAX = 4096  # distinct plain groups kept per stream
+
+
+def _pack(values: list[Any], packed: dict[tuple, bytes] | None) -> io.BytesIO:
+    """``values`` as megatron-core's translation packs a key's objects (``torch.save`` of the list); with ``packed``
+    (a stream's cache), a list of plain values is pickled once and its bytes reused."""
+    if packed is None or not all(type(v) in _PLAIN for v in values):
+        buf = io.BytesIO()
+        torch.save(values, buf)
+        return buf
+    key = tuple((type(v), v) for v in values)  # the type too: 1, 1.0 and True are equal
+    raw = packed.get(key)
+    if raw is None:
+        buf = io.BytesIO()
+        torch.save(values, buf)
+        raw = buf.getvalue()
+        if len(packed) < _PACKED_MAX:
+            packed[key] = raw
+    return io.BytesIO(raw)
+
+
+def flat_state(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool,
+               packed: dict[tuple, bytes] | None = None) -> FlatState | dict[str, Any]:
     """The save's values as a :class:`FlatState`, or the translated state dict where that cannot be (a tensor
-    without data, or megatron-core's older flattened-range tensors: their layout is the translation's own)."""
+    without data, or megatron-core's older flattened-range tensors: their layout is the translation's own).
+    ``packed``: the stream's cache of pickled plain objects (:func:`_pack`)."""
     sharded, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica)
     names: list[tuple[str, tuple[int, ...] | None]] = []
     leaves: list[Any] = []
@@ -55,8 +82,7 @@ def flat_state(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool)
         else:
             if not all(isinstance(sh, ShardedObject) for sh in group):
                 return mcore_to_pyt_state_dict(sharded, False)
-            buf = io.BytesIO()  # as megatron-core's translation packs a key's objects
-            torch.save([sh.data for sh in group], buf)
+            buf = _pack([sh.data for sh in group], packed)
             objects[fqn] = buf
             names.append((fqn, None))
             leaves.append(buf)

@@ -177,6 +177,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         self.ordering = ordering
         self.checkpointer = checkpointer
         self.last_save_stats: Any = None  # cpuckpt.background.SaveStats of the last async_save
+        self._packed: dict[tuple, bytes] = {}  # plain objects' pickles, reused save after save (flatstate._pack)
 
     def _to_pyt(self, sharded_state_dict: dict[str, Any], keep_replicas: bool = False) -> dict[str, Any]:
         return to_pyt(sharded_state_dict, self.keep_only_main_replica and not keep_replicas)
@@ -187,7 +188,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         repeats the last one skips the translation and DCP); without, the translated state dict."""
         if plan_key is None:
             return self._to_pyt(sharded_state_dict, keep_replicas)
-        return flat_state(sharded_state_dict, self.keep_only_main_replica and not keep_replicas)
+        return flat_state(sharded_state_dict, self.keep_only_main_replica and not keep_replicas, self._packed)
 
     def _planner(self, keep_replicas: bool = False) -> MCoreSavePlanner:
         if keep_replicas:  # DCP's central global plan deduplicates the replicas (and the tier adds node copies)
