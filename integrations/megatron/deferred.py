@@ -24,8 +24,9 @@ still executes that iteration's forward and backward. At the finalize the device
 
 Every rank passes the same start points in the same order (the saves are collective). Between the
 call and its start nothing may change a saved tensor: in Megatron-LM the next writer of parameters
-and optimizer state is the optimizer step, and ``expert_bias`` (written earlier, in
-``finalize_model_grads``) is cloned at the call.
+and optimizer state is the optimizer step; ``expert_bias`` and ``qb_beta`` (written earlier, in
+``finalize_model_grads``) are cloned at the call, and so are the objects held in host memory (RNG
+generators advanced by dropout with CUDA graphs, the rerun state machine's counters).
 """
 
 from __future__ import annotations
@@ -72,8 +73,13 @@ def start_all(*, finalize: bool = False) -> int:
         n = len(_STARTS)
         if finalize:
             n = next((i for i, (_, at_step) in enumerate(_STARTS) if at_step), n)
-        starts = [start for start, _ in _STARTS[:n]]
+        records = _STARTS[:n]
         del _STARTS[:n]
-    for start in starts:
-        start()
-    return len(starts)
+    for i, (start, _) in enumerate(records):
+        try:
+            start()
+        except BaseException:
+            with _LOCK:  # the saves after it still start at the next start point, in order
+                _STARTS[:0] = records[i + 1 :]
+            raise
+    return len(records)

@@ -38,25 +38,28 @@ def to_pyt(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool) -> 
 # Values pickled once per stream (their bytes reused): immutable, compared by type and value. Every module without
 # Transformer Engine has an ``_extra_state`` of None, one ShardedObject each: 96 in a 24-layer GPT, 3-6 ms of
 # torch.save per save for the same bytes.
-_PLAIN = (type(None), bool, int, float, str, bytes)
-_PACKED_MAX = 4096  # distinct plain groups kept per stream
+_PLAIN = (type(None), bool, int, str, bytes)  # not float: -0.0 == 0.0, and NaN equals nothing
+_PACKED_MAX = 1024  # distinct plain groups kept per stream (cleared when full: a value that changes every save)
+_PACKED_MAX_BYTES = 4096  # larger values are pickled every save (a key would hold them twice)
 
 
 def _pack(values: list[Any], packed: dict[tuple, bytes] | None) -> io.BytesIO:
     """``values`` as megatron-core's translation packs a key's objects (``torch.save`` of the list); with ``packed``
     (a stream's cache), a list of plain values is pickled once and its bytes reused."""
-    if packed is None or not all(type(v) in _PLAIN for v in values):
+    if packed is None or not all(type(v) in _PLAIN and (not isinstance(v, str | bytes) or len(v) <= _PACKED_MAX_BYTES)
+                                 for v in values):
         buf = io.BytesIO()
         torch.save(values, buf)
         return buf
-    key = tuple((type(v), v) for v in values)  # the type too: 1, 1.0 and True are equal
+    key = tuple((type(v), v) for v in values)  # the type too: 1 and True are equal
     raw = packed.get(key)
     if raw is None:
         buf = io.BytesIO()
         torch.save(values, buf)
         raw = buf.getvalue()
-        if len(packed) < _PACKED_MAX:
-            packed[key] = raw
+        if len(packed) >= _PACKED_MAX:
+            packed.clear()
+        packed[key] = raw
     return io.BytesIO(raw)
 
 

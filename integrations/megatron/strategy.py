@@ -10,6 +10,7 @@ stock megatron-core loads them without cpuckpt.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreLoadPlanner,
     MCoreSavePlanner,
@@ -52,11 +53,13 @@ __all__ = ["EAGER_SUFFIXES", "CpuckptLoadStrategy", "CpuckptSaveStrategy", "orde
 
 logger = logging.getLogger(__name__)
 
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes)
 _PERSIST_POLL_S = 0.01  # a persistent save's finalize that must wait for its persist looks again this often
 
 # ordering="optimizer": saved tensors Megatron writes *before* the optimizer step, copied on the GPU at
-# save time (small). MoE routers' ``expert_bias`` is updated in ``finalize_model_grads``.
-EAGER_SUFFIXES = ("expert_bias",)
+# save time (small). MoE routers' ``expert_bias`` and quantile balancing's ``qb_beta`` are updated in
+# ``finalize_model_grads``.
+EAGER_SUFFIXES = ("expert_bias", "qb_beta")
 
 # Per process, like the optimizer classes whose wrapped steps read them: a step cannot tell which model a
 # save is of, so it orders itself after every pending save (a GPU-side wait; a superset is still correct).
@@ -71,6 +74,11 @@ def order_pending_saves() -> int:
     Called at the start of each optimizer step (ordering ``optimizer``), before the first kernel that
     writes a saved tensor after the save returned (see :class:`CpuckptSaveStrategy`).
     """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # a captured step (--optimizer-cuda-graph) runs this once, at capture: its replays would order nothing
+        raise ConfigError("megatron.ordering optimizer: the optimizer step is captured into a CUDA graph "
+                          "(--optimizer-cuda-graph), so no replay of it waits for the saves' copies; use "
+                          "megatron.ordering host")
     deferred.start_all()  # saves no start point started yet (deferred.py): enqueued now, without overlap
     pending, _PENDING[:] = list(_PENDING), []
     for handle in pending:
@@ -112,13 +120,32 @@ class _Started:
 
 
 def _snapshot_eager(sharded_state_dict: dict[str, Any]) -> int:
-    """Replace the data of saved tensors written before the optimizer step by GPU copies (stream-ordered)."""
+    """Replace the data of saved tensors written before the optimizer step by GPU copies (stream-ordered), and the
+    host objects by copies: a save started later (:mod:`.deferred`) must not see what the next iteration changes
+    in them (the RNG tracker's generators with CUDA graphs, which dropout advances; the rerun state machine's
+    counters, updated during the backward). Plain immutable values are kept as they are, and so are objects
+    holding device tensors (a distributed optimizer's per-bucket state: only its step writes them, and a copy
+    would double them in device memory)."""
     n = 0
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedTensor) and sh.key.endswith(EAGER_SUFFIXES) and sh.data is not None:
             sh.data = sh.data.detach().clone()  # on the trainer's stream: the save's copies wait for it
             n += 1
+        elif isinstance(sh, ShardedObject) and not isinstance(sh.data, _IMMUTABLE) and not _on_device(sh.data):
+            sh.data = copy.deepcopy(sh.data)
+            n += 1
     return n
+
+
+def _on_device(obj: Any) -> bool:
+    """Whether ``obj`` (nested dicts, lists, tuples) holds a tensor on a device."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type != "cpu"
+    if isinstance(obj, dict):
+        return any(_on_device(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return any(_on_device(v) for v in obj)
+    return False
 
 
 class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
@@ -269,8 +296,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             at_step = tier is not None and tier.copier is not None and tier.config.staging.device_snapshot
             deferred.defer(self._deferred_start(started, channel), at_step=at_step)
         else:
+            deferred.start_all()  # saves start in the order they were made: one recorded earlier goes first
             try:
-                deferred.start_all()  # saves start in the order they were made: one recorded earlier goes first
                 started.start()
                 if not overlap:
                     started.handle().staged.wait()  # after this the trainer may change any saved tensor

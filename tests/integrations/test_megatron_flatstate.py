@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
+
+pytest.importorskip("megatron.core")
+
 from cpuckpt.integrations.megatron import flatstate
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
@@ -43,6 +47,9 @@ def test_plain_objects_are_pickled_once_per_stream_and_load_as_megatron_core_pac
     changed = _objects(flatstate.flat_state(_state(True), True, packed))
     assert changed["n/shard_0_1"] == [True] and type(changed["n/shard_0_1"][0]) is bool, "True is not 1"
     assert len(saves) == 2
+    saves.clear()
+    negative = _objects(flatstate.flat_state(_state(-0.0), True, packed))["n/shard_0_1"]
+    assert str(negative) == "[-0.0]" and len(saves) == 2, "a float is pickled every save (-0.0 == 0.0)"
     saves.clear()
     flatstate.flat_state(_state(1), True, None)
     assert len(saves) == 5, "without a stream's cache every object is pickled"

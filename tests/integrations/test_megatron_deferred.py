@@ -1,0 +1,55 @@
+"""Saves started after their call (integrations/megatron/deferred.py): what the call must freeze, and a start that
+fails leaving the saves recorded after it to the next start point. Real megatron-core objects; no process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from cpuckpt.integrations.megatron import deferred, strategy
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+
+def test_the_call_freezes_what_the_next_iteration_changes_before_its_optimizer_step():
+    counters = {"large_value_counts": {"loss": 1}}  # the rerun state machine's, updated during the backward
+    generator = torch.Generator().manual_seed(5)  # an RNG tracker's state with CUDA graphs: advanced by dropout
+    on_device = {"exp_avg": torch.empty(2, device="meta")}  # a distributed optimizer's bucket: only its step writes
+    bias = torch.zeros(3)
+    state = {"rerun": ShardedObject("rerun_state_machine", counters, (1,), (0,), replica_id=0),
+             "rng": ShardedObject("rng_state", [generator], (1,), (0,), replica_id=0),
+             "bucket": ShardedObject("optimizer.bucket", on_device, (1,), (0,), replica_id=0),
+             "extra": ShardedObject("layer._extra_state", None, (1,), (0,), replica_id=0),
+             "expert_bias": ShardedTensor.from_rank_offsets("router.expert_bias", bias, replica_id=0),
+             "qb_beta": ShardedTensor.from_rank_offsets("router.qb_beta", bias.clone(), replica_id=0)}
+    assert strategy._snapshot_eager(state) == 4
+    counters["large_value_counts"]["loss"] = 2
+    torch.rand(4, generator=generator)
+    bias.add_(1.0)
+    assert state["rerun"].data == {"large_value_counts": {"loss": 1}}
+    assert torch.equal(torch.rand(1, generator=state["rng"].data[0]),
+                       torch.rand(1, generator=torch.Generator().manual_seed(5))), "the generator as it was"
+    assert state["bucket"].data is on_device and state["extra"].data is None
+    assert torch.equal(state["expert_bias"].data, torch.zeros(3)) and state["qb_beta"].data is not bias
+
+
+def test_a_start_that_fails_leaves_the_saves_after_it_recorded_in_order():
+    started: list[str] = []
+
+    def failing() -> None:
+        raise RuntimeError("no room")
+
+    try:
+        deferred.defer(lambda: started.append("a"))
+        deferred.defer(failing, at_step=True)
+        deferred.defer(lambda: started.append("c"), at_step=True)
+        deferred.defer(lambda: started.append("d"))
+        assert deferred.start_all(finalize=True) == 1 and started == ["a"], "the finalize stops at the first at_step"
+        with pytest.raises(RuntimeError, match="no room"):
+            deferred.start_all()
+        assert [at for _, at in deferred._STARTS] == [True, False], "c and d still recorded, as they were"
+        assert deferred.start_all(finalize=True) == 0
+        assert deferred.start_all() == 2 and started == ["a", "c", "d"]
+    finally:
+        deferred._STARTS.clear()
