@@ -13,14 +13,8 @@ enqueued at the next *start point*, after the timer:
   iteration, before ``train_step``): the copies then overlap that iteration's forward and backward;
 - else the next optimizer step (wrapped by the hook), before its body: correct, without overlap of copies
   made by the trainer (the step waits for them);
-- a blocking finalize (and one that waits for an urgent save) starts what is still recorded first, so the
-  last save of a run never waits for a start that will not come.
-
-A save copied from a device snapshot by the copy process (``at_step``) starts at the optimizer step, not at the
-finalize: the step waits only for the device-to-device snapshot (milliseconds), and the save's start, tens of
-milliseconds of Python (its state flattened, its plan matched, its ops described), runs while the device
-still executes that iteration's forward and backward. At the finalize the device is idle — the timer's
-``synchronize`` drained it — so the same work there is paid on the job's wall clock in full.
+- a blocking finalize starts what is still recorded first, so the last save of a run never waits for
+  a start that will not come.
 
 Every rank passes the same start points in the same order (the saves are collective). Between the
 call and its start nothing may change a saved tensor: in Megatron-LM the next writer of parameters
@@ -44,7 +38,7 @@ _LOCK = threading.Lock()
 # both process-wide functions), and a save cannot tell which queue its request will be scheduled on.
 # Starting another model's recorded save early only loses overlap. Must not be started off the
 # trainer's thread, nor in a different order on different ranks (the starts are collective).
-_STARTS: list[tuple[Callable[[], None], bool]] = []  # (start, waits for the optimizer step)
+_STARTS: list[Callable[[], None]] = []
 _ENABLED = False  # a watched queue exists in this process (guard.watch_async_queue)
 
 
@@ -58,28 +52,22 @@ def enabled() -> bool:
     return _ENABLED
 
 
-def defer(start: Callable[[], None], *, at_step: bool = False) -> None:
-    """Record a save's start for the next start point (``at_step``: the next optimizer step, or a finalize that
-    waits; not a finalize that does not)."""
+def defer(start: Callable[[], None]) -> None:
+    """Record a save's start for the next start point."""
     with _LOCK:
-        _STARTS.append((start, at_step))
+        _STARTS.append(start)
 
 
-def start_all(*, finalize: bool = False) -> int:
-    """Start the recorded saves, in order (collective: every rank calls it at the same point); returns how many.
-    ``finalize``: a start point that does not wait (the queue's non-blocking finalize), which stops before the
-    first save recorded for the optimizer step (saves start in the order they were recorded)."""
+def start_all() -> int:
+    """Start every recorded save, in order (collective: every rank calls it at the same point); returns how many.
+    A start that raises leaves the saves recorded after it for the next start point, in order."""
     with _LOCK:
-        n = len(_STARTS)
-        if finalize:
-            n = next((i for i, (_, at_step) in enumerate(_STARTS) if at_step), n)
-        records = _STARTS[:n]
-        del _STARTS[:n]
-    for i, (start, _) in enumerate(records):
+        starts, _STARTS[:] = list(_STARTS), []
+    for i, start in enumerate(starts):
         try:
             start()
         except BaseException:
-            with _LOCK:  # the saves after it still start at the next start point, in order
-                _STARTS[:0] = records[i + 1 :]
+            with _LOCK:
+                _STARTS[:0] = starts[i + 1 :]
             raise
-    return len(records)
+    return len(starts)

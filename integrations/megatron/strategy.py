@@ -291,10 +291,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         # After Megatron-LM's timer, whose synchronize would wait for the copies (deferred.py). A persistent
         # memory-tier save starts at once: its persist request is part of the request handed to Megatron.
         if overlap and deferred.enabled() and (route is None or route.kind == "memory"):
-            tier = self.memory.tier if route is not None else None
-            # copied from a device snapshot by the copy process: started at the optimizer step (deferred.py)
-            at_step = tier is not None and tier.copier is not None and tier.config.staging.device_snapshot
-            deferred.defer(self._deferred_start(started, channel), at_step=at_step)
+            deferred.defer(self._deferred_start(started, channel))
         else:
             deferred.start_all()  # saves start in the order they were made: one recorded earlier goes first
             try:
