@@ -31,6 +31,7 @@ import io
 import logging
 import os
 import pickle
+import queue
 import socket
 import subprocess
 import sys
@@ -455,6 +456,7 @@ class _Worker:
         self.waiters = cf.ThreadPoolExecutor(1, thread_name_prefix="cpuckpt-copy-wait")
         self.buffers: dict[int, Any] = {}
         self.images: dict[str, _Mapped] = {}
+        self.to_prepare: collections.deque[tuple[str, str, int, int | None]] = collections.deque()
         self.stream: Any = None
 
     def reply(self, msg: tuple) -> None:
@@ -498,16 +500,22 @@ class _Worker:
         return held
 
     def prepare(self, files: Sequence[ImageDesc], chunk_bytes: int, device: int | None) -> None:
-        """Map and pin images ahead of their saves, at the size each has now: the trainer may have resized one
-        since it described it (a first save right after the reservation), and whatever it changes after this is in
-        its next message's ``intact``."""
+        """Images to map and pin ahead of their saves, when nothing else is asked of the process
+        (:meth:`prepare_next`): a save never waits behind another image's pinning (5 GB took seconds). What the
+        descriptions report is applied now, in message order."""
         self.forget(files)
-        self.use_device(device)
-        for path, owner, _, _ in files:
-            try:
-                self.image(path, owner, os.stat(path).st_size, chunk_bytes, pin=True)
-            except Exception as e:  # the save that uses it reports it
-                logger.warning("preparing %s failed: %r", path, e)
+        self.to_prepare.extend((path, owner, chunk_bytes, device) for path, owner, _, _ in files)
+
+    def prepare_next(self) -> None:
+        """Map and pin the next image asked for, at the size it has now: the trainer may have resized it since it
+        described it (a first save right after the reservation), and whatever it changes after this is in its
+        next message's ``intact``. An image a save used meanwhile is pinned already (nothing to do)."""
+        path, owner, chunk_bytes, device = self.to_prepare.popleft()
+        try:
+            self.use_device(device)
+            self.image(path, owner, os.stat(path).st_size, chunk_bytes, pin=True)
+        except Exception as e:  # the save that uses it reports it
+            logger.warning("preparing %s failed: %r", path, e)
 
     def save(self, save_id: int, files: list, chunks: list, chunk_bytes: int, checksum: bool,
              copy: tuple | None) -> None:
@@ -622,12 +630,28 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s copier %(process)d %(levelname)s %(message)s")
     conn = Connection(a.fd)
     worker = _Worker(conn, a.threads)
+    # Messages are read as they come, so the trainer's send never waits for this process (its socket buffer
+    # filled while a pin took seconds: the trainer blocked in a save's submit), and pinning ahead fills the time
+    # no message waits.
+    inbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            while True:
+                inbox.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            inbox.put(None)
+
+    threading.Thread(target=read, name="cpuckpt-copy-inbox", daemon=True).start()
     try:
         while True:
-            try:
-                msg = _loads(conn.recv_bytes())
-            except (EOFError, OSError):
+            if worker.to_prepare and inbox.empty():
+                worker.prepare_next()
+                continue
+            data = inbox.get()
+            if data is None:
                 break
+            msg = _loads(data)
             kind = msg[0]
             if kind == "save":
                 worker.save(*msg[1:])

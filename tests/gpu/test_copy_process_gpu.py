@@ -98,6 +98,7 @@ def test_reserved_images_are_pinned_by_the_copy_process_once_and_resizes_keep_ev
         deadline = time.monotonic() + 60  # the process pins them beside the job's start: here, before any save
         while log_path.read_text().count("4 of 4 segments registered") < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert log_path.read_text().count("4 of 4 segments registered") == 2, log_path.read_text()[-3000:]
         step = 0
         for mib in (150, 150, 100, 100, 150, 150):  # each slot: 150 -> 100 -> 150 (seen by the process)
             step += 1

@@ -137,6 +137,13 @@ def test_registrations_are_kept_only_while_their_pages_stayed_in_the_file():
     assert pinning.segments(200 << 20, seg, mapped=100 << 20) == [(0, 64 << 20), (64 << 20, 36 << 20)]
 
 
+def _prepare(worker: copier._Worker, files: list, chunk_bytes: int, device: int | None) -> None:
+    """A prepare message, then the idle time in which the process pins what it asks for."""
+    worker.prepare(files, chunk_bytes, device)
+    while worker.to_prepare:
+        worker.prepare_next()
+
+
 def test_a_stale_description_still_drops_what_it_reports(tmp_path, monkeypatch):
     """The copy process applies a message's ``intact`` first (a prepare describing a size the file no longer has),
     so a later message, which reports only what happened after, is enough; a prepare maps the file as it is."""
@@ -145,20 +152,20 @@ def test_a_stale_description_still_drops_what_it_reports(tmp_path, monkeypatch):
     worker = copier._Worker(None, 1)
     try:
         img.ensure(3 << 20)
-        worker.prepare([img.describe()], 1 << 20, None)
+        _prepare(worker, [img.describe()], 1 << 20, None)
         held = worker.images[str(img.path)]
         held._regs = {0: 2 << 20, 2 << 20: 1 << 20}  # as if pinned in two segments
         img.ensure(1 << 20)
         stale_desc = img.describe()
         img.ensure(3 << 20)  # resized again before the process read the description above
-        worker.prepare([stale_desc], 1 << 20, None)
+        _prepare(worker, [stale_desc], 1 << 20, None)
         assert held._regs == {}, "both segments reach past 1 MiB, the smallest the file was"
         assert worker.images[str(img.path)] is held and held.nbytes == 3 << 20, "prepared at its size now"
         held._regs = {0: 3 << 20}  # pinned at the prepare: the one segment of 3 MiB (64 MiB segments)
-        worker.prepare([img.describe()], 1 << 20, None)
+        _prepare(worker, [img.describe()], 1 << 20, None)
         assert held._regs == {}, "it grew past 1 MiB since the description the process last read: pinned again"
         held._regs = {0: 3 << 20}
-        worker.prepare([img.describe()], 1 << 20, None)
+        _prepare(worker, [img.describe()], 1 << 20, None)
         assert held._regs == {0: 3 << 20}, "nothing changed since: the registration stays"
     finally:
         worker.close()
@@ -171,10 +178,10 @@ def test_an_image_removed_from_the_ram_root_is_let_go_of_at_the_next_message(tmp
     try:
         reserved.ensure(1 << 20)
         used.ensure(1 << 20)
-        worker.prepare([reserved.describe(), used.describe()], 1 << 20, None)
+        _prepare(worker, [reserved.describe(), used.describe()], 1 << 20, None)
         assert set(worker.images) == {str(reserved.path), str(used.path)}
         reserved.path.unlink()  # what ImageSet.drop_unclaimed does to a reserved image no save claimed
-        worker.prepare([used.describe()], 1 << 20, None)
+        _prepare(worker, [used.describe()], 1 << 20, None)
         assert set(worker.images) == {str(used.path)}, "its pages stay allocated while the process maps the file"
     finally:
         worker.close()
