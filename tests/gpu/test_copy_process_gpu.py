@@ -7,7 +7,9 @@ process computes the checksums only) runs in tests/unit/test_copy_process.py.
 
 from __future__ import annotations
 
+import shutil
 import time
+import uuid
 from pathlib import Path
 
 import crc32c
@@ -89,7 +91,8 @@ def test_reserved_images_are_pinned_by_the_copy_process_once_and_resizes_keep_ev
     """The copy process pins the images reserved before training; the first save (smaller than the reservation)
     re-registers only the segment past its size; a shrink the process never saw (two resizes between its
     messages) still drops the registrations past it, so a save that grows back lands every byte in the file."""
-    cfg = _cfg(tmp_path / "ram")
+    ram = Path("/dev/shm") / f"cpuckpt-gpu-test-{uuid.uuid4().hex[:8]}"  # tmpfs: a disk file's pages cannot be pinned
+    cfg = _cfg(ram)
     cfg["io"]["chunk_bytes"] = "4MiB"  # 64 MiB registration segments
     tier = MemoryTier(tmp_path / "durable", cfg)
     try:
@@ -118,3 +121,4 @@ def test_reserved_images_are_pinned_by_the_copy_process_once_and_resizes_keep_ev
         assert lines[1].startswith("1 of 3 segments registered"), lines  # the first save: only the last segment
     finally:
         tier.close(persist_newest=False)
+        shutil.rmtree(ram, ignore_errors=True)
