@@ -62,6 +62,9 @@ Describe = Callable[[], Sequence[ImageDesc]]
 
 
 
+_CLOSE_S = 120.0  # the copy process's saves end within this after its last message, or it exits
+
+
 @dataclass
 class RemoteSave:
     """One save handed to the copy process: ``copied`` once its copies completed (the snapshot buffer is free),
@@ -144,7 +147,9 @@ class CopyProcess:
             theirs.close()
         self._conn = Connection(ours.detach())
         self._buffers = {}  # a new process knows none of the buffers
-        self._reader = threading.Thread(target=self._read, args=(self._conn, self._proc),
+        # this process's saves only: the reader of a process that ended fails its own, never a new one's
+        self._pending = {}
+        self._reader = threading.Thread(target=self._read, args=(self._conn, self._proc, self._pending),
                                         name=f"cpuckpt-copy-replies-{self.rank}", daemon=True)
         self._reader.start()
         logger.info("cpuckpt memory tier: rank %d copy process pid %d started (log %s)", self.rank, self._proc.pid,
@@ -178,21 +183,26 @@ class CopyProcess:
             save_id = self._next_id
             self._next_id += 1
             copy = None
+            shared = None  # a buffer the process learns of with this message
             if buffer is not None:
                 key = self._buffers.get(id(buffer))
                 desc = None
                 if key is None:
-                    key = self._buffers[id(buffer)] = save_id
+                    key = save_id
                     desc = _share(buffer)
-                    weakref.finalize(buffer, self._drop, id(buffer), key)
+                    shared = (id(buffer), key)
                 copy = (key, desc, ready.ipc_handle(), buffer.device.index or 0, ops.tobytes() if ops else b"")
-            self._pending[save_id] = remote
+            pending = self._pending
+            pending[save_id] = remote
             try:
                 self._send_described(conn, files, lambda desc: ("save", save_id, desc, list(chunks), chunk_bytes,
                                                                 checksum, copy))
             except BaseException:
-                self._pending.pop(save_id, None)
+                pending.pop(save_id, None)
                 raise
+            if shared is not None:  # only once sent: a failed message shares it again with the next one
+                self._buffers[shared[0]] = shared[1]
+                weakref.finalize(buffer, self._drop, *shared)
         return remote
 
     def _send_described(self, conn: Connection, files: Describe, message: Callable[[list], tuple]) -> None:
@@ -205,7 +215,10 @@ class CopyProcess:
         except BaseException:
             proc = self._proc
             if proc is not None and proc.poll() is None:
+                logger.error("rank %d: a message to the copy process (pid %d) was not sent after its images were "
+                             "described; the process is ended (the next save starts a new one)", self.rank, proc.pid)
                 proc.kill()
+                proc.wait()  # ended before the next message: _ensure starts a new one
             raise
 
     def _send_drops(self, conn: Connection) -> None:
@@ -230,26 +243,26 @@ class CopyProcess:
         it takes no lock)."""
         self._dropped.append((ident, key))
 
-    def _read(self, conn: Connection, proc: subprocess.Popen) -> None:
-        """The replies of one process, until it ends; then every save it still had fails."""
+    def _read(self, conn: Connection, proc: subprocess.Popen, pending: dict[int, RemoteSave]) -> None:
+        """The replies of one process, until it ends; then every save it still had (``pending``) fails."""
         try:
             while True:
                 msg = _loads(conn.recv_bytes())
                 kind, save_id = msg[0], msg[1]
                 with self._lock:
-                    remote = self._pending.get(save_id)
+                    remote = pending.get(save_id)
                     if kind in ("done", "error"):
-                        self._pending.pop(save_id, None)
+                        pending.pop(save_id, None)
                 if remote is not None:
-                    self._settler.submit(self._settle_reply, remote, msg, proc.pid)
+                    self._settle_later(remote, msg, proc.pid)
         except (EOFError, OSError):
             pass
         except BaseException as e:  # a malformed reply: the process is not trusted further
             logger.error("rank %d: bad reply from the copy process (pid %d): %r", self.rank, proc.pid, e)
             proc.kill()
         with self._lock:
-            failed = list(self._pending.values())
-            self._pending.clear()
+            failed = list(pending.values())
+            pending.clear()
             if self._conn is conn:
                 self._conn = None
             closed = self._closed
@@ -265,7 +278,14 @@ class CopyProcess:
         for remote in failed:
             # it is gone: no copy of it still lands anywhere, so the snapshot buffer is free either way
             err = f"exited with status {code} before the save's copies and checksums were done; see {self.log_path}"
-            self._settler.submit(self._settle_reply, remote, ("error", -1, err), proc.pid)
+            self._settle_later(remote, ("error", -1, err), proc.pid)
+
+    def _settle_later(self, remote: RemoteSave, msg: tuple, pid: int) -> None:
+        """Settle on the settler thread (in order), or here once it was shut down (a close that stopped waiting)."""
+        try:
+            self._settler.submit(self._settle_reply, remote, msg, pid)
+        except RuntimeError:  # cannot schedule new futures after shutdown
+            self._settle_reply(remote, msg, pid)
 
     def _settle_reply(self, remote: RemoteSave, msg: tuple, pid: int) -> None:
         kind = msg[0]
@@ -296,6 +316,8 @@ class CopyProcess:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if reader is not None:
+            reader.join(10.0)  # it fails what the process still had, once it sees the end
         self._settler.shutdown(wait=True)
 
 
@@ -376,21 +398,27 @@ class _Mapped:
         """The file was as small as ``intact`` since these registrations were made: drop those past it."""
         self._unregister(pinning.stale(self._regs, None, intact))
 
-    def fit(self, nbytes: int, segment: int, pin: bool) -> None:
+    def fit(self, nbytes: int, segment: int, pin: bool, budget: int | None = None) -> tuple[int, int]:
         """The file is ``nbytes`` now (at most :attr:`mapped`): registrations of other segments go, and with
-        ``pin`` the missing ones are made. Raises ``StagingError`` when the file is not that size."""
+        ``pin`` the missing ones are made, at most ``budget`` of them. Returns (segments registered now, segments
+        still missing). Raises ``StagingError`` when the file is not that size."""
         self._check_size(nbytes)
         self.nbytes = nbytes
         wanted = pinning.segments(nbytes, segment, self.mapped)
         self._unregister(pinning.stale(self._regs, wanted, nbytes))
-        if pin and not self._pin_failed and wanted:
-            import torch
+        import torch
 
-            if torch.cuda.is_available():
-                self._register(wanted)
-        self.pinned = bool(wanted) and all(self._regs.get(off) == n for off, n in wanted)
+        missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
+        self.pinned = bool(wanted) and not missing
+        if not (pin and missing and not self._pin_failed and torch.cuda.is_available()):
+            return 0, 0  # nothing (more) to register here
+        made = self._register(wanted, budget)
+        missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
+        self.pinned = not missing
+        return made, 0 if self._pin_failed else missing
 
-    def _register(self, wanted: list[tuple[int, int]]) -> None:
+    def _register(self, wanted: list[tuple[int, int]], budget: int | None) -> int:
+        """Register the missing ``wanted`` segments (at most ``budget``); returns how many were."""
         import torch
 
         cudart = torch.cuda.cudart()
@@ -399,20 +427,21 @@ class _Mapped:
         for off, n in wanted:
             if self._regs.get(off) == n:
                 continue
+            if budget is not None and made >= budget:
+                break
             if int(cudart.cudaHostRegister(base + off, n, 0)) != 0:
                 consume_cuda_error()
                 if self.size() != self.nbytes:  # resized under a prepare: the next message describes the new size
                     logger.info("%s was resized while it was being pinned; pinned at its next message", self.path)
                     self._unregister(pinning.stale(self._regs, None, self.size()))
-                    return
+                    return made
                 logger.warning("cudaHostRegister of %d bytes of %s failed; copying into it unpinned", n, self.path)
                 self._unregister(list(self._regs))
                 self._pin_failed = True
-                return
+                return made
             self._regs[off] = n
             made += 1
-        if made:
-            logger.info("%s: %d of %d segments registered (%d bytes)", self.path, made, len(wanted), self.nbytes)
+        return made
 
     def _unregister(self, offsets: list[int]) -> None:
         if not offsets:
@@ -427,10 +456,16 @@ class _Mapped:
         self.pinned = False
 
     def tensor(self) -> Any:
+        if self._tensor is None:
+            raise StagingError(f"memory image {self.path} is no longer mapped in the copy process")
         return self._tensor[: self.nbytes]
 
     def view(self) -> memoryview:
-        return memoryview(self._mmap)[: self.nbytes] if self._mmap is not None else memoryview(b"")
+        if self._mmap is not None:
+            return memoryview(self._mmap)[: self.nbytes]
+        if self._tensor is None:  # closed: never a checksum of nothing
+            raise StagingError(f"memory image {self.path} is no longer mapped in the copy process")
+        return memoryview(b"")
 
     def close(self) -> None:
         self._unregister(list(self._regs))
@@ -446,6 +481,10 @@ class _Mapped:
             self._fd = -1
 
 
+def _registered(img: _Mapped) -> int:
+    return len(img._regs)
+
+
 class _Worker:
     """The copy process's state: opened snapshot buffers, mapped images, its stream and checksum threads."""
 
@@ -456,7 +495,8 @@ class _Worker:
         self.waiters = cf.ThreadPoolExecutor(1, thread_name_prefix="cpuckpt-copy-wait")
         self.buffers: dict[int, Any] = {}
         self.images: dict[str, _Mapped] = {}
-        self.to_prepare: collections.deque[tuple[str, str, int, int | None]] = collections.deque()
+        # images to pin ahead: [path, owner, chunk bytes, device, segments registered so far]
+        self.to_prepare: collections.deque[list[Any]] = collections.deque()
         self.stream: Any = None
 
     def reply(self, msg: tuple) -> None:
@@ -496,25 +536,50 @@ class _Worker:
             held = None
         if held is None:
             held = self.images[path] = _Mapped(path, owner, nbytes)
-        held.fit(nbytes, pinning.segment_bytes(chunk_bytes), pin)
+        made, missing = held.fit(nbytes, pinning.segment_bytes(chunk_bytes), pin)
+        if made:
+            logger.info("%s: %d of %d segments registered (%d bytes)", path, made, _registered(held) + missing,
+                        nbytes)
         return held
 
     def prepare(self, files: Sequence[ImageDesc], chunk_bytes: int, device: int | None) -> None:
-        """Images to map and pin ahead of their saves, when nothing else is asked of the process
-        (:meth:`prepare_next`): a save never waits behind another image's pinning (5 GB took seconds). What the
-        descriptions report is applied now, in message order."""
-        self.forget(files)
-        self.to_prepare.extend((path, owner, chunk_bytes, device) for path, owner, _, _ in files)
+        """Images to map and pin ahead of their saves, a segment at a time when nothing else is asked of the
+        process (:meth:`prepare_next`): a message waits behind one segment's pinning at most, not an image's
+        (seconds for 5 GB). What the descriptions report is applied now, in message order."""
+        try:
+            self.forget(files)
+        except Exception as e:  # nothing is pinned ahead then; the saves map what they need
+            logger.error("applying a prepare's descriptions failed: %r", e)
+            return
+        self.to_prepare.extend([path, owner, chunk_bytes, device, 0] for path, owner, _, _ in files)
 
     def prepare_next(self) -> None:
-        """Map and pin the next image asked for, at the size it has now: the trainer may have resized it since it
-        described it (a first save right after the reservation), and whatever it changes after this is in its
-        next message's ``intact``. An image a save used meanwhile is pinned already (nothing to do)."""
-        path, owner, chunk_bytes, device = self.to_prepare.popleft()
+        """Pin one more segment of the next image asked for, at the size the file has now: the trainer may have
+        resized it since it described it (a first save right after the reservation), and whatever it changes after
+        this is in its next message's ``intact``. An image of another owner by now (a new object of the trainer's,
+        maybe in a save's use) or removed is skipped: only a save's own message maps an image anew."""
+        entry = self.to_prepare[0]
+        path, owner, chunk_bytes, device, made = entry
+        held = self.images.get(path)
         try:
+            if held is not None and (held.owner != owner or held.removed()):
+                self.to_prepare.popleft()
+                return
             self.use_device(device)
-            self.image(path, owner, os.stat(path).st_size, chunk_bytes, pin=True)
+            size = os.stat(path).st_size
+            if held is None or size > held.mapped:
+                if held is not None:
+                    held.close()
+                held = self.images[path] = _Mapped(path, owner, size)
+            now, missing = held.fit(size, pinning.segment_bytes(chunk_bytes), pin=True, budget=1)
+            entry[4] = made = made + now
+            if missing:
+                return
+            self.to_prepare.popleft()
+            if made:
+                logger.info("%s: %d of %d segments registered (%d bytes)", path, made, _registered(held), size)
         except Exception as e:  # the save that uses it reports it
+            self.to_prepare.popleft()
             logger.warning("preparing %s failed: %r", path, e)
 
     def save(self, save_id: int, files: list, chunks: list, chunk_bytes: int, checksum: bool,
@@ -640,6 +705,10 @@ def main(argv: list[str] | None = None) -> int:
             while True:
                 inbox.put(conn.recv_bytes())
         except (EOFError, OSError):
+            pass
+        except BaseException as e:  # e.g. a malformed length: this process is not trusted further
+            logger.error("reading the trainer's messages failed: %r", e)
+        finally:
             inbox.put(None)
 
     threading.Thread(target=read, name="cpuckpt-copy-inbox", daemon=True).start()
@@ -662,7 +731,14 @@ def main(argv: list[str] | None = None) -> int:
             elif kind == "close":
                 break
     finally:
-        worker.close()
+        # bounded: copies waiting on a dead trainer's event may never end, and this process (a session of its own)
+        # would keep the images pinned
+        closer = threading.Thread(target=worker.close, name="cpuckpt-copy-close", daemon=True)
+        closer.start()
+        closer.join(_CLOSE_S)
+        if closer.is_alive():
+            logger.error("its saves did not end within %.0f s of the last message; exiting", _CLOSE_S)
+            os._exit(1)
         conn.close()
     return 0
 

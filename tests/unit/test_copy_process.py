@@ -210,3 +210,87 @@ def test_a_message_naming_a_class_is_refused():
     assert copier._loads(copier._dumps(("save", 1, [("p", "o", 3, 3)], [(0, 0, 3)], 64, True, None)))[0] == "save"
     with pytest.raises(pickle.UnpicklingError, match="refused"):
         copier._loads(pickle.dumps(("save", torch.device("cpu"))))
+
+
+class _SlowCudart:
+    """Stands in for CUDA's registration in the process's main loop (no GPU here): each segment takes a while."""
+
+    def __init__(self) -> None:
+        self.registered = 0
+
+    def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:
+        time.sleep(0.1)
+        self.registered += 1
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        return 0
+
+
+def test_a_save_is_answered_between_segments_of_the_images_pinned_ahead_and_close_ends_the_process(tmp_path,
+                                                                                                    monkeypatch):
+    """The process's main loop (``main``, over a socket pair, in a thread here): images asked for ahead are pinned a
+    segment at a time while no message waits, a save that comes meanwhile is answered first, and ``close`` ends it
+    with prepares still pending."""
+    import socket
+    import threading
+
+    cudart = _SlowCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    ahead = []
+    for i in range(2):  # 4 segments of 64 MiB each, sparse (nothing is really pinned)
+        path = tmp_path / f"ahead{i}"
+        path.touch()
+        os.truncate(path, 256 << 20)
+        ahead.append((str(path), f"owner{i}", 256 << 20, 256 << 20))
+    small = tmp_path / "small"
+    small.write_bytes(b"x" * 1000)
+    ours, theirs = socket.socketpair()
+    loop = threading.Thread(target=copier.main, args=(["--fd", str(theirs.detach())],), daemon=True)
+    loop.start()
+    conn = copier.Connection(ours.detach())
+    try:
+        conn.send_bytes(copier._dumps(("prepare", ahead, 1 << 20, None)))
+        time.sleep(0.25)
+        conn.send_bytes(copier._dumps(("save", 7, [(str(small), "o", 1000, 1000)], [(0, 0, 1000)], 1 << 20, True,
+                                       None)))
+        assert conn.poll(5), "no reply to the save"
+        kind, save_id, crcs = copier._loads(conn.recv_bytes())
+        assert (kind, save_id, crcs) == ("done", 7, [[crc32c.crc32c(b"x" * 1000)]])
+        assert cudart.registered < 8, f"the save waited for every segment ahead ({cudart.registered})"
+        conn.send_bytes(copier._dumps(("close",)))
+        loop.join(10)
+        assert not loop.is_alive(), "close with prepares pending did not end the process"
+        assert cudart.registered < 8
+    finally:
+        conn.close()
+
+
+def test_a_message_not_sent_after_its_images_were_described_ends_the_process_and_the_next_starts_anew(tmp_path,
+                                                                                                     monkeypatch):
+    proc = copier.CopyProcess(0, tmp_path / "copier.log", threads=1, timeout_s=30)
+    img = ImageFile(tmp_path / "img", pin=False)
+    try:
+        img.ensure(4096)
+        img.view()[:] = b"y" * 4096
+        proc.start()
+        first = proc.pid
+        real = copier._dumps
+
+        def fail_saves(msg: tuple) -> bytes:
+            if msg[0] == "save":
+                raise OSError("interrupted")
+            return real(msg)
+
+        monkeypatch.setattr(copier, "_dumps", fail_saves)
+        with pytest.raises(CpuckptError, match="interrupted"):
+            proc.submit(lambda: [img.describe()], [(0, 0, 4096)], chunk_bytes=4096, checksum=True)
+        monkeypatch.setattr(copier, "_dumps", real)
+        remote = proc.submit(lambda: [img.describe()], [(0, 0, 4096)], chunk_bytes=4096, checksum=True)
+        assert remote.done.result(timeout=30) == [[crc32c.crc32c(b"y" * 4096)]], "the new process's save is its own"
+        assert proc.pid not in (None, first), "the process that missed a description was ended"
+    finally:
+        proc.close()
+        img.close()
