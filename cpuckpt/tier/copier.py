@@ -62,9 +62,6 @@ Describe = Callable[[], Sequence[ImageDesc]]
 
 
 
-_CLOSE_S = 120.0  # the copy process's saves end within this after its last message, or it exits
-
-
 @dataclass
 class RemoteSave:
     """One save handed to the copy process: ``copied`` once its copies completed (the snapshot buffer is free),
@@ -137,7 +134,7 @@ class CopyProcess:
             with open(self.log_path, "ab") as log:
                 self._proc = subprocess.Popen(
                     [sys.executable, "-m", "cpuckpt.tier.copier", "--fd", str(theirs.fileno()),
-                     "--threads", str(self.threads)],
+                     "--threads", str(self.threads), "--close-s", str(self.timeout_s)],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True,
                     pass_fds=(theirs.fileno(),), start_new_session=True)
         except OSError as e:
@@ -218,7 +215,7 @@ class CopyProcess:
                 logger.error("rank %d: a message to the copy process (pid %d) was not sent after its images were "
                              "described; the process is ended (the next save starts a new one)", self.rank, proc.pid)
                 proc.kill()
-                proc.wait()  # ended before the next message: _ensure starts a new one
+            self._conn = None  # the next message starts a new process (its reader reaps this one)
             raise
 
     def _send_drops(self, conn: Connection) -> None:
@@ -388,20 +385,23 @@ class _Mapped:
 
     def size(self) -> int:
         """The file's size now (the trainer may change it while no save of it is in flight)."""
+        if self._fd < 0:
+            raise StagingError(f"memory image {self.path} is no longer mapped in the copy process")
         return os.fstat(self._fd).st_size
 
     def removed(self) -> bool:
-        """The file is gone from the RAM root (a reserved image no save claimed): it must not stay mapped here."""
-        return os.fstat(self._fd).st_nlink == 0
+        """The file is gone from the RAM root (a reserved image no save claimed), or this mapping was closed: it
+        must not stay here."""
+        return self._fd < 0 or os.fstat(self._fd).st_nlink == 0
 
     def forget_past(self, intact: int) -> None:
         """The file was as small as ``intact`` since these registrations were made: drop those past it."""
         self._unregister(pinning.stale(self._regs, None, intact))
 
-    def fit(self, nbytes: int, segment: int, pin: bool, budget: int | None = None) -> tuple[int, int]:
+    def fit(self, nbytes: int, segment: int, pin: bool, budget: int | None = None) -> tuple[int, int, int]:
         """The file is ``nbytes`` now (at most :attr:`mapped`): registrations of other segments go, and with
         ``pin`` the missing ones are made, at most ``budget`` of them. Returns (segments registered now, segments
-        still missing). Raises ``StagingError`` when the file is not that size."""
+        still missing, segments of the file). Raises ``StagingError`` when the file is not that size."""
         self._check_size(nbytes)
         self.nbytes = nbytes
         wanted = pinning.segments(nbytes, segment, self.mapped)
@@ -411,11 +411,13 @@ class _Mapped:
         missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
         self.pinned = bool(wanted) and not missing
         if not (pin and missing and not self._pin_failed and torch.cuda.is_available()):
-            return 0, 0  # nothing (more) to register here
+            return 0, 0, len(wanted)  # nothing (more) to register here
         made = self._register(wanted, budget)
         missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
         self.pinned = not missing
-        return made, 0 if self._pin_failed else missing
+        if self._pin_failed:
+            return 0, 0, len(wanted)
+        return made, missing, len(wanted)
 
     def _register(self, wanted: list[tuple[int, int]], budget: int | None) -> int:
         """Register the missing ``wanted`` segments (at most ``budget``); returns how many were."""
@@ -481,10 +483,6 @@ class _Mapped:
             self._fd = -1
 
 
-def _registered(img: _Mapped) -> int:
-    return len(img._regs)
-
-
 class _Worker:
     """The copy process's state: opened snapshot buffers, mapped images, its stream and checksum threads."""
 
@@ -536,21 +534,16 @@ class _Worker:
             held = None
         if held is None:
             held = self.images[path] = _Mapped(path, owner, nbytes)
-        made, missing = held.fit(nbytes, pinning.segment_bytes(chunk_bytes), pin)
+        made, _, total = held.fit(nbytes, pinning.segment_bytes(chunk_bytes), pin)
         if made:
-            logger.info("%s: %d of %d segments registered (%d bytes)", path, made, _registered(held) + missing,
-                        nbytes)
+            logger.info("%s: %d of %d segments registered (%d bytes)", path, made, total, nbytes)
         return held
 
     def prepare(self, files: Sequence[ImageDesc], chunk_bytes: int, device: int | None) -> None:
         """Images to map and pin ahead of their saves, a segment at a time when nothing else is asked of the
         process (:meth:`prepare_next`): a message waits behind one segment's pinning at most, not an image's
         (seconds for 5 GB). What the descriptions report is applied now, in message order."""
-        try:
-            self.forget(files)
-        except Exception as e:  # nothing is pinned ahead then; the saves map what they need
-            logger.error("applying a prepare's descriptions failed: %r", e)
-            return
+        self.forget(files)  # a failure ends the process: a registration must not outlive what it reports
         self.to_prepare.extend([path, owner, chunk_bytes, device, 0] for path, owner, _, _ in files)
 
     def prepare_next(self) -> None:
@@ -569,15 +562,17 @@ class _Worker:
             size = os.stat(path).st_size
             if held is None or size > held.mapped:
                 if held is not None:
+                    del self.images[path]  # gone from the set before it closes: a failed remap leaves no closed one
                     held.close()
-                held = self.images[path] = _Mapped(path, owner, size)
-            now, missing = held.fit(size, pinning.segment_bytes(chunk_bytes), pin=True, budget=1)
+                held = _Mapped(path, owner, size)
+                self.images[path] = held
+            now, missing, total = held.fit(size, pinning.segment_bytes(chunk_bytes), pin=True, budget=1)
             entry[4] = made = made + now
             if missing:
                 return
             self.to_prepare.popleft()
             if made:
-                logger.info("%s: %d of %d segments registered (%d bytes)", path, made, _registered(held), size)
+                logger.info("%s: %d of %d segments registered (%d bytes)", path, min(made, total), total, size)
         except Exception as e:  # the save that uses it reports it
             self.to_prepare.popleft()
             logger.warning("preparing %s failed: %r", path, e)
@@ -686,11 +681,17 @@ class _Worker:
         self.buffers.clear()
 
 
+def _exit_late(close_s: float) -> None:
+    logger.error("its saves did not end within %.0f s of the last message; exiting", close_s)
+    os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m cpuckpt.tier.copier --fd N``: serve one trainer until it closes the connection."""
     ap = argparse.ArgumentParser(prog="python -m cpuckpt.tier.copier")
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--threads", type=int, default=4)
+    ap.add_argument("--close-s", type=float, default=600.0, help="bound on the exit after the last message")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s copier %(process)d %(levelname)s %(message)s")
     conn = Connection(a.fd)
@@ -733,12 +734,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # bounded: copies waiting on a dead trainer's event may never end, and this process (a session of its own)
         # would keep the images pinned
-        closer = threading.Thread(target=worker.close, name="cpuckpt-copy-close", daemon=True)
-        closer.start()
-        closer.join(_CLOSE_S)
-        if closer.is_alive():
-            logger.error("its saves did not end within %.0f s of the last message; exiting", _CLOSE_S)
-            os._exit(1)
+        # on this thread (its CUDA device: registrations are undone by the context that made them)
+        watchdog = threading.Timer(a.close_s, _exit_late, (a.close_s,))
+        watchdog.daemon = True
+        watchdog.start()
+        worker.close()
+        watchdog.cancel()
         conn.close()
     return 0
 

@@ -238,7 +238,6 @@ def test_a_save_is_answered_between_segments_of_the_images_pinned_ahead_and_clos
     cudart = _SlowCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     ahead = []
     for i in range(2):  # 4 segments of 64 MiB each, sparse (nothing is really pinned)
         path = tmp_path / f"ahead{i}"
