@@ -43,3 +43,15 @@ def test_dry_run_takes_memory_variants_with_changes(tmp_path: Path) -> None:
     assert "# mem1+nocrc\n" in proc.stdout and "# mem1snap+window16\n" in proc.stdout
     bad = _bench("--dry-run", "--out", str(tmp_path), "--variants", "mem1+fast", cwd=REPO)
     assert bad.returncode != 0 and "unknown change" in bad.stderr, bad.stderr
+
+
+def test_dry_run_takes_the_variants_the_device_calls_ask_for(tmp_path: Path) -> None:
+    """What BENCHMARKS.md's owed calls name (a variant refused on the device machine costs that call's variants)."""
+    names = "none+mgc,mem8snap+copyproc,mem1snap+copyproc+mgc,mem1snap+copyproc+slots5+rep2"
+    proc = _bench("--dry-run", "--out", str(tmp_path), "--variants", names, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    blocks = {b.split("\n", 1)[0]: b for b in proc.stdout.split("# ")[1:]}
+    assert set(names.split(",")) <= set(blocks), list(blocks)
+    assert "--manual-gc" in blocks["none+mgc"] and "--manual-gc" in blocks["mem1snap+copyproc+mgc"]
+    assert "--manual-gc" not in blocks["mem8snap+copyproc"]
+    assert "--non-persistent-save-interval 8 " in blocks["mem8snap+copyproc"]
