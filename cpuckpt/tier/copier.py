@@ -408,15 +408,13 @@ class _Mapped:
         self._unregister(pinning.stale(self._regs, wanted, nbytes))
         import torch
 
+        made = 0
+        if pin and not self._pin_failed and torch.cuda.is_available():
+            made = self._register(wanted, budget)
         missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
         self.pinned = bool(wanted) and not missing
-        if not (pin and missing and not self._pin_failed and torch.cuda.is_available()):
+        if not pin or self._pin_failed or not torch.cuda.is_available():
             return 0, 0, len(wanted)  # nothing (more) to register here
-        made = self._register(wanted, budget)
-        missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
-        self.pinned = not missing
-        if self._pin_failed:
-            return 0, 0, len(wanted)
         return made, missing, len(wanted)
 
     def _register(self, wanted: list[tuple[int, int]], budget: int | None) -> int:
@@ -433,9 +431,10 @@ class _Mapped:
                 break
             if int(cudart.cudaHostRegister(base + off, n, 0)) != 0:
                 consume_cuda_error()
-                if self.size() != self.nbytes:  # resized under a prepare: the next message describes the new size
+                size = self.size()
+                if size != self.nbytes:  # resized under a prepare: the next message describes the new size
                     logger.info("%s was resized while it was being pinned; pinned at its next message", self.path)
-                    self._unregister(pinning.stale(self._regs, None, self.size()))
+                    self._unregister(pinning.stale(self._regs, None, size))
                     return made
                 logger.warning("cudaHostRegister of %d bytes of %s failed; copying into it unpinned", n, self.path)
                 self._unregister(list(self._regs))
@@ -527,16 +526,23 @@ class _Worker:
         """``path`` mapped (and pinned, for copies) as the trainer last shaped it. A file of another owner (a new
         object of the trainer's) or larger than this mapping is mapped anew; segments still in the file stay
         registered (a first save smaller than its image's reservation re-registers only the last one)."""
-        held = self.images.get(path)
-        if held is not None and (held.owner != owner or nbytes > held.mapped):
-            held.close()
-            del self.images[path]
-            held = None
-        if held is None:
-            held = self.images[path] = _Mapped(path, owner, nbytes)
+        held = self._mapping(path, owner, nbytes)
         made, _, total = held.fit(nbytes, pinning.segment_bytes(chunk_bytes), pin)
         if made:
             logger.info("%s: %d of %d segments registered (%d bytes)", path, made, total, nbytes)
+        return held
+
+    def _mapping(self, path: str, owner: str, nbytes: int) -> _Mapped:
+        """``owner``'s mapping of ``path`` covering ``nbytes``: the one held, or a new one when none is, another
+        owner's is, or it is smaller (the old one leaves the set before it closes: a failed map leaves none)."""
+        held = self.images.get(path)
+        if held is not None and held.owner == owner and nbytes <= held.mapped:
+            return held
+        if held is not None:
+            del self.images[path]
+            held.close()
+        held = _Mapped(path, owner, nbytes)
+        self.images[path] = held
         return held
 
     def prepare(self, files: Sequence[ImageDesc], chunk_bytes: int, device: int | None) -> None:
@@ -560,12 +566,7 @@ class _Worker:
                 return
             self.use_device(device)
             size = os.stat(path).st_size
-            if held is None or size > held.mapped:
-                if held is not None:
-                    del self.images[path]  # gone from the set before it closes: a failed remap leaves no closed one
-                    held.close()
-                held = _Mapped(path, owner, size)
-                self.images[path] = held
+            held = self._mapping(path, owner, size)
             now, missing, total = held.fit(size, pinning.segment_bytes(chunk_bytes), pin=True, budget=1)
             entry[4] = made = made + now
             if missing:

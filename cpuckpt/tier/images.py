@@ -63,11 +63,6 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 CAPACITY_ROUND_BYTES = 2 * _MiB  # mappings grow in these steps, so a slightly larger save reuses them
-_PAGE = pinning.PAGE
-
-
-def _round_up(n: int, unit: int) -> int:
-    return -(-n // unit) * unit
 
 
 def _os_error(what: str, e: OSError, path: Path, nbytes: int | None = None) -> StorageIOError:
@@ -147,8 +142,7 @@ class ImageFile:
                 self._remap(nbytes)
             else:
                 # Pages past the new last page leave the file: no registration may keep them.
-                last_page = _round_up(nbytes, _PAGE)
-                self._unregister([off for off, n in self._regs.items() if off + n > last_page])
+                self._unregister(pinning.stale(self._regs, None, nbytes))
                 self._truncate(nbytes)
         except BaseException:
             try:
@@ -199,7 +193,7 @@ class ImageFile:
 
     def _remap(self, nbytes: int) -> None:
         self._unmap()
-        capacity = _round_up(nbytes, CAPACITY_ROUND_BYTES)
+        capacity = pinning.round_up(nbytes, CAPACITY_ROUND_BYTES)
         # mmap needs the file to span the mapping: extend it (sparse, nothing allocated), map,
         # then cut it back to its exact size. The pages past it are never touched.
         self._truncate(capacity)
@@ -741,7 +735,7 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
                         f"{expected[k]} at the memory commit, read {crcs[k]}; the RAM copy is damaged and is not "
                         f"persisted to {dst_s}")
                 faultpoint.hit(f"persist-chunk:{name}:{k}")
-                io_n = _round_up(n, align) if backend.aligned else n
+                io_n = pinning.round_up(n, align) if backend.aligned else n
                 if io_n > n:
                     view[n:io_n] = bytes(io_n - n)
                 backend.pwrite(dfd, view[:io_n], off, dst_s)

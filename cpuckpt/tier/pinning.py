@@ -14,13 +14,13 @@ from __future__ import annotations
 import mmap
 from collections.abc import Mapping
 
-__all__ = ["MIN_SEGMENT_BYTES", "PAGE", "segment_bytes", "segments", "stale"]
+__all__ = ["MIN_SEGMENT_BYTES", "PAGE", "round_up", "segment_bytes", "segments", "stale"]
 
 MIN_SEGMENT_BYTES = 64 << 20  # registrations are whole chunks, at least this large
 PAGE = mmap.PAGESIZE
 
 
-def _round_up(n: int, unit: int) -> int:
+def round_up(n: int, unit: int) -> int:
     return -(-n // unit) * unit
 
 
@@ -35,7 +35,7 @@ def segment_bytes(chunk_bytes: int | None) -> int:
 def segments(nbytes: int, segment: int, mapped: int | None = None) -> list[tuple[int, int]]:
     """The (offset, length) registrations of a file of ``nbytes``: ``segment`` apart, up to its last page (and
     no further than the ``mapped`` bytes of the mapping they are made in)."""
-    last_page = _round_up(nbytes, PAGE)
+    last_page = round_up(nbytes, PAGE)
     if mapped is not None:
         last_page = min(last_page, mapped)
     return [(off, min(segment, last_page - off)) for off in range(0, last_page, segment)]
@@ -45,7 +45,7 @@ def stale(registered: Mapping[int, int], wanted: list[tuple[int, int]] | None, i
     """Offsets of the ``registered`` (offset: length) ranges to drop: those reaching past the first ``intact``
     bytes' pages (the smallest the file was since they were made: pages past it may be new), and, with
     ``wanted`` (:func:`segments` of the file now), those that are not one of them."""
-    keep_below = _round_up(max(0, intact), PAGE)
+    keep_below = round_up(max(0, intact), PAGE)
     want = set(wanted) if wanted is not None else None
     return [off for off, n in registered.items()
             if off + n > keep_below or (want is not None and (off, n) not in want)]
