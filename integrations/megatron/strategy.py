@@ -120,18 +120,24 @@ class _Started:
 
 
 def _snapshot_eager(sharded_state_dict: dict[str, Any]) -> int:
-    """Replace the data of saved tensors written before the optimizer step by GPU copies (stream-ordered), and the
-    host objects by copies: a save started later (:mod:`.deferred`) must not see what the next iteration changes
-    in them (the RNG tracker's generators with CUDA graphs, which dropout advances; the rerun state machine's
-    counters, updated during the backward). Plain immutable values are kept as they are, and so are objects
-    holding device tensors (a distributed optimizer's per-bucket state: only its step writes them, and a copy
-    would double them in device memory)."""
+    """Replace the data of saved tensors written before the optimizer step by GPU copies (stream-ordered)."""
     n = 0
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedTensor) and sh.key.endswith(EAGER_SUFFIXES) and sh.data is not None:
             sh.data = sh.data.detach().clone()  # on the trainer's stream: the save's copies wait for it
             n += 1
-        elif isinstance(sh, ShardedObject) and not isinstance(sh.data, _IMMUTABLE) and not _on_device(sh.data):
+    return n
+
+
+def _freeze_objects(sharded_state_dict: dict[str, Any]) -> int:
+    """For a save started later (:mod:`.deferred`): replace the host objects by copies, so that it does not see
+    what the next iteration changes in them before an optimizer step starts it (the RNG tracker's generators with
+    CUDA graphs, which dropout advances; the rerun state machine's counters, updated during the backward). Plain
+    immutable values are kept as they are, and so are objects holding device tensors (a distributed optimizer's
+    per-bucket state: only its step writes them, and a copy would double them in device memory)."""
+    n = 0
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedObject) and not isinstance(sh.data, _IMMUTABLE) and not _on_device(sh.data):
             sh.data = copy.deepcopy(sh.data)
             n += 1
     return n
@@ -291,6 +297,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         # After Megatron-LM's timer, whose synchronize would wait for the copies (deferred.py). A persistent
         # memory-tier save starts at once: its persist request is part of the request handed to Megatron.
         if overlap and deferred.enabled() and (route is None or route.kind == "memory"):
+            _freeze_objects(sharded_state_dict)
             deferred.defer(self._deferred_start(started, channel))
         else:
             deferred.start_all()  # saves start in the order they were made: one recorded earlier goes first
