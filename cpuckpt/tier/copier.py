@@ -162,6 +162,39 @@ class CopyProcess:
             self._send_drops(conn)
             self._send_described(conn, files, lambda desc: ("prepare", desc, chunk_bytes, device))
 
+    def wait_prepared(self, timeout_s: float) -> bool:
+        """Wait until the process has pinned every image :meth:`prepare` asked for (a job waits before it trains:
+        pins taken while it trains held up its first saves by seconds). True once they are (or none was ever
+        started: nothing was asked of one); False at the timeout.
+
+        Raises:
+            StagingError: the process failed or exited first, was closed, or the request could not be sent.
+        """
+        remote = RemoteSave(cf.Future(), cf.Future())
+        with self._lock:
+            if self._closed:
+                raise StagingError(f"rank {self.rank}: the copy process was closed")
+            if self._conn is None:
+                if self._proc is None:
+                    return True
+                raise StagingError(f"rank {self.rank}: the copy process (pid {self._proc.pid}) exited; see "
+                                   f"{self.log_path}")
+            conn = self._conn
+            token = self._next_id
+            self._next_id += 1
+            pending = self._pending
+            pending[token] = remote
+            try:
+                self._send(conn, ("ready", token))
+            except BaseException:
+                pending.pop(token, None)
+                raise
+        try:
+            remote.done.result(timeout=timeout_s)
+        except cf.TimeoutError:
+            return False
+        return True
+
     def submit(self, files: Describe, chunks: Sequence[tuple[int, int, int]], *,
                chunk_bytes: int, checksum: bool, buffer: Any = None, ready: Any = None,
                ops: array | None = None) -> RemoteSave:
@@ -248,7 +281,7 @@ class CopyProcess:
                 kind, save_id = msg[0], msg[1]
                 with self._lock:
                     remote = pending.get(save_id)
-                    if kind in ("done", "error"):
+                    if kind in ("done", "error", "ready"):
                         pending.pop(save_id, None)
                 if remote is not None:
                     self._settle_later(remote, msg, proc.pid)
@@ -291,6 +324,9 @@ class CopyProcess:
         elif kind == "done":
             _settle(remote.copied, None)
             _settle(remote.done, msg[2])
+        elif kind == "ready":  # a wait_prepared
+            _settle(remote.copied, None)
+            _settle(remote.done, [])
         elif kind == "error":
             err = StagingError(f"rank {self.rank}: the copy process (pid {pid}) {msg[2]}")
             _settle(remote.copied, error=err)
@@ -494,6 +530,7 @@ class _Worker:
         self.images: dict[str, _Mapped] = {}
         # images to pin ahead: [path, owner, chunk bytes, device, segments registered so far]
         self.to_prepare: collections.deque[list[Any]] = collections.deque()
+        self.ready_waits: list[int] = []  # tokens of the trainer's wait_prepared, answered once to_prepare is empty
         self.stream: Any = None
 
     def reply(self, msg: tuple) -> None:
@@ -719,6 +756,10 @@ def main(argv: list[str] | None = None) -> int:
             if worker.to_prepare and inbox.empty():
                 worker.prepare_next()
                 continue
+            if worker.ready_waits and not worker.to_prepare:
+                for token in worker.ready_waits:
+                    worker.reply(("ready", token))
+                worker.ready_waits.clear()
             data = inbox.get()
             if data is None:
                 break
@@ -728,6 +769,8 @@ def main(argv: list[str] | None = None) -> int:
                 worker.save(*msg[1:])
             elif kind == "prepare":
                 worker.prepare(*msg[1:])
+            elif kind == "ready":
+                worker.ready_waits.append(msg[1])
             elif kind == "drop":
                 worker.buffers.pop(msg[1], None)
             elif kind == "close":

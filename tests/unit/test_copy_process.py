@@ -267,6 +267,78 @@ def test_a_save_is_answered_between_segments_of_the_images_pinned_ahead_and_clos
         conn.close()
 
 
+def test_a_wait_for_the_images_pinned_ahead_is_answered_once_every_segment_is_registered(tmp_path, monkeypatch):
+    """The process's main loop answers ``ready`` only after the last segment of the images asked for ahead (what the
+    memory tier's reservation waits for before the job trains), and at once when nothing is asked for."""
+    import socket
+    import threading
+
+    cudart = _SlowCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    ahead = []
+    for i in range(2):  # 2 x 2 segments of 64 MiB, sparse
+        path = tmp_path / f"ahead{i}"
+        path.touch()
+        os.truncate(path, 128 << 20)
+        ahead.append((str(path), f"owner{i}", 128 << 20, 128 << 20))
+    ours, theirs = socket.socketpair()
+    loop = threading.Thread(target=copier.main, args=(["--fd", str(theirs.detach())],), daemon=True)
+    loop.start()
+    conn = copier.Connection(ours.detach())
+    try:
+        conn.send_bytes(copier._dumps(("ready", 3)))
+        assert conn.poll(5) and copier._loads(conn.recv_bytes()) == ("ready", 3)
+        assert cudart.registered == 0
+        conn.send_bytes(copier._dumps(("prepare", ahead, 1 << 20, None)))
+        conn.send_bytes(copier._dumps(("ready", 4)))
+        assert conn.poll(10), "no answer to the wait"
+        assert copier._loads(conn.recv_bytes()) == ("ready", 4)
+        assert cudart.registered == 4, f"answered with {cudart.registered} of 4 segments registered"
+        conn.send_bytes(copier._dumps(("close",)))
+        loop.join(10)
+        assert not loop.is_alive()
+    finally:
+        conn.close()
+
+
+def test_the_reservation_waits_for_the_copy_process_to_pin_the_images(tmp_path, monkeypatch):
+    """``reserve`` returns once the copy process answered the wait (a real process; no GPU here, so it pins
+    nothing and answers at once); a process that died meanwhile is a warning, not a failure of the job."""
+    cfg = _cfg(tmp_path, copy_process=True)
+    cfg["staging"] = {"device_snapshot": True}
+    tier = MemoryTier(tmp_path / "durable", cfg)
+    try:
+        assert tier.copier is not None
+        waits: list = []
+        real = tier.copier.wait_prepared
+
+        def spy(timeout_s: float) -> bool:
+            waits.append(real(timeout_s))
+            return waits[-1]
+
+        monkeypatch.setattr(tier.copier, "wait_prepared", spy)
+        assert tier.reserve(1 << 20) == 2
+        assert waits == [True], "the reservation did not wait for the copy process"
+        assert tier.copier.pid is not None
+    finally:
+        tier.close(persist_newest=False)
+
+
+def test_a_wait_for_pinning_fails_when_the_copy_process_dies(tmp_path):
+    proc = copier.CopyProcess(0, tmp_path / "copier.log", threads=1, timeout_s=30)
+    try:
+        assert proc.wait_prepared(1.0), "with no process running there is nothing to wait for"
+        proc.start()
+        os.kill(proc.pid, signal.SIGSTOP)  # it cannot answer
+        assert proc.wait_prepared(0.5) is False
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(CpuckptError, match="exited"):
+            proc.wait_prepared(30)
+    finally:
+        proc.close()
+
+
 def test_a_message_not_sent_after_its_images_were_described_ends_the_process_and_the_next_starts_anew(tmp_path,
                                                                                                      monkeypatch):
     proc = copier.CopyProcess(0, tmp_path / "copier.log", threads=1, timeout_s=30)
