@@ -50,3 +50,79 @@ def test_a_start_that_fails_leaves_the_saves_after_it_recorded_in_order():
         assert deferred.start_all() == 1 and started == ["a", "c"]
     finally:
         deferred._STARTS.clear()
+
+
+def test_a_recorded_save_starts_at_the_end_of_the_model_forward_on_the_trainer_thread_only():
+    """With the model's forward as the start point (a one-stage pipeline), a recorded save starts once the forward's
+    work is queued, not at the queue's finalize; a forward on another thread (recomputation in autograd's) starts
+    nothing."""
+    import threading
+
+    from cpuckpt.integrations.megatron import hook
+
+    started: list[str] = []
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    setup_calls: list[int] = []
+
+    class Training:  # megatron.training.training's entry point, as the hook wraps it
+        @staticmethod
+        def setup_model_and_optimizer(*args, **kwargs):
+            setup_calls.append(1)
+            return [model], object(), None
+
+    assert hook.start_saves_at_forward(Training, stages=lambda: 1)
+    assert not hook.start_saves_at_forward(Training, stages=lambda: 1), "installed once"
+    assert not deferred.at_forward()
+    chunks, _, _ = Training.setup_model_and_optimizer()
+    try:
+        assert deferred.at_forward() and setup_calls == [1]
+        deferred.defer(lambda: started.append("save"))
+        worker = threading.Thread(target=model, args=(torch.ones(1, 2),))
+        worker.start()
+        worker.join()
+        assert started == [] and len(deferred._STARTS) == 1, "a forward on another thread started it"
+        chunks[0](torch.ones(1, 2))
+        assert started == ["save"] and not deferred._STARTS
+        chunks[0](torch.ones(1, 2))
+        assert started == ["save"], "nothing recorded: nothing starts"
+    finally:
+        deferred._STARTS.clear()
+        for h in list(model._forward_hooks):
+            model._forward_hooks.pop(h)
+        deferred._AT_FORWARD = False
+
+
+def test_a_pipeline_of_several_stages_keeps_the_queue_finalize_as_the_start_point():
+    from cpuckpt.integrations.megatron import hook
+
+    model = torch.nn.Linear(2, 2)
+
+    class Training:
+        @staticmethod
+        def setup_model_and_optimizer():
+            return [model], object(), None
+
+    assert hook.start_saves_at_forward(Training, stages=lambda: 2)
+    Training.setup_model_and_optimizer()
+    assert not deferred.at_forward() and not model._forward_hooks
+
+
+def test_each_wrapper_of_setup_is_found_again_by_a_later_install():
+    """The slots' reservation and the forward start both wrap ``setup_model_and_optimizer``: a later install updates
+    the reservation's run on its own wrapper (not a copy of its attributes on the outer one) and adds neither twice."""
+    from cpuckpt.integrations.megatron import hook
+
+    class Training:
+        @staticmethod
+        def setup_model_and_optimizer():
+            return [torch.nn.Linear(1, 1)], None, None
+
+    first, second = object(), object()
+    hook._reserve_slots_after_setup(first, Training)
+    reserve = Training.setup_model_and_optimizer
+    assert hook.start_saves_at_forward(Training, stages=lambda: 1)
+    outer = Training.setup_model_and_optimizer
+    hook._reserve_slots_after_setup(second, Training)
+    assert not hook.start_saves_at_forward(Training, stages=lambda: 1)
+    assert Training.setup_model_and_optimizer is outer
+    assert reserve._cpuckpt_run is second and "_cpuckpt_run" not in outer.__dict__
