@@ -41,10 +41,10 @@ format with other storage. :func:`install`:
    ``--overlap-param-gather`` the next forward re-gathers parameters that ``force_param_sync`` already
    made whole before the save (the same bytes: no step ran in between). Megatron-LM's ``--async-save``
    uses the persistent caller, which does not synchronize the device; megatron-core's temporal caller
-   does (``torch.cuda.synchronize()`` before its fork), which removes the overlap but stays correct. Where the
-   pipeline has one stage, a save recorded by ``save_checkpoint`` starts at the end of the model's next forward
-   (:func:`start_saves_at_forward`: its Python overlaps the forward's queued kernels instead of the GPU waiting for
-   it at the top of the iteration).
+   does (``torch.cuda.synchronize()`` before its fork), which removes the overlap but stays correct. With
+   ``start_at: forward`` and a one-stage pipeline, a save recorded by ``save_checkpoint`` starts at the end of the
+   model's next forward (:func:`start_saves_at_forward`: its Python overlaps the forward's queued kernels instead of
+   the GPU waiting for it at the top of the iteration).
 
 6. with ``megatron: {prepare_pool: true}`` (the default), reserves the host pool in the background
    after the first optimizer step (:mod:`.prepare`), so the first save is as fast as later ones.
@@ -262,7 +262,8 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
     validate_structure_once(module)
     if options.ordering == "optimizer":
         order_optimizer_steps()
-        start_saves_at_forward()
+        if options.start_at == "forward":
+            start_saves_at_forward()
     if options.prepare_pool and not options.memory_tier:
         from .prepare import PoolPreparer, prepare_after_first_step
 

@@ -126,3 +126,17 @@ def test_each_wrapper_of_setup_is_found_again_by_a_later_install():
     assert not hook.start_saves_at_forward(Training, stages=lambda: 1)
     assert Training.setup_model_and_optimizer is outer
     assert reserve._cpuckpt_run is second and "_cpuckpt_run" not in outer.__dict__
+
+
+def test_the_forward_start_point_is_an_option_off_by_default():
+    from pathlib import Path
+
+    from cpuckpt.integrations.megatron.settings import split_config
+
+    from cpuckpt.errors import ConfigError
+
+    repo = Path(__file__).resolve().parents[2]
+    assert split_config(repo / "configs" / "megatron.yaml")[1].start_at == "finalize"
+    assert split_config({"megatron": {"ordering": "optimizer", "start_at": "forward"}})[1].start_at == "forward"
+    with pytest.raises(ConfigError, match="start_at"):
+        split_config({"megatron": {"start_at": "step"}})
