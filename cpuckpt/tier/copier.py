@@ -184,14 +184,20 @@ class CopyProcess:
             self._next_id += 1
             pending = self._pending
             pending[token] = remote
+            proc = self._proc
             try:
                 self._send(conn, ("ready", token))
-            except BaseException:
+            except BaseException as e:
                 pending.pop(token, None)
+                if proc is not None and proc.poll() is not None:  # killed: its socket closed before its reader saw
+                    raise StagingError(f"rank {self.rank}: the copy process (pid {proc.pid}) exited with status "
+                                       f"{proc.returncode}; see {self.log_path}") from e
                 raise
         try:
             remote.done.result(timeout=timeout_s)
         except cf.TimeoutError:
+            with self._lock:
+                pending.pop(token, None)  # not a save of its: its end must not count one as failed
             return False
         return True
 

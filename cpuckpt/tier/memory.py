@@ -705,29 +705,31 @@ class MemoryTier:
             return False
         return True
 
-    def _wait_copier_pinned(self, images: int) -> None:
-        """The reserving thread (the job's, before it trains) waits for the copy process to pin the reserved
-        images: pinned while the job trained, they held up its first saves (a Megatron-LM run on an H100: the first
-        saves committed 3.6-5.7 s after their calls, iterations 3-5 took 4.5, 1.2 and 1.2 s, and a save every 8
-        iterations waited 1.7 s at its third). Bounded by ``timeout_s``; a failure or the timeout is a warning (each
-        save pins what it still needs)."""
+    def _wait_copier_pinned(self, asked: list[int]) -> None:
+        """The reserving thread (the job's, before it trains) waits for the copy process to have pinned the reserved
+        images of sizes ``asked``: pinned while the job trained, they held up its first saves (a Megatron-LM run on an
+        H100: the first saves committed 3.6-5.7 s after their calls, iterations 3-5 took 4.5, 1.2 and 1.2 s, and a save
+        every 8 iterations waited 1.7 s at its third). Bounded by 30 s plus 2 s per GB (it pinned 2.0-2.1 GB/s), at
+        most ``timeout_s``: well within the framework's collective timeouts, which the other ranks wait under meanwhile.
+        A failure or the bound is a warning (each save pins what it still needs)."""
         copier = self.copier
-        if copier is None:
+        if copier is None or not asked:
             return
+        bound = min(self.config.timeout_s, 30.0 + 2.0 * sum(asked) / 1e9)
         t0 = time.monotonic()
         try:
-            done = copier.wait_prepared(self.config.timeout_s)
+            done = copier.wait_prepared(bound)
         except CpuckptError as e:
-            logger.warning("cpuckpt memory tier: rank %d: the copy process did not pin the reserved images: %s",
-                           self.rank, e)
+            logger.warning("cpuckpt memory tier: rank %d: waiting for the copy process to pin the reserved images "
+                           "failed: %s", self.rank, e)
             return
-        if done:
-            logger.info("cpuckpt memory tier: rank %d: the copy process pinned %d reserved image(s) in %.2f s",
-                        self.rank, images, time.monotonic() - t0)
+        if done:  # what it could not pin (its log says) the first saves pin
+            logger.info("cpuckpt memory tier: rank %d: the copy process went through the %d reserved image(s) in "
+                        "%.2f s", self.rank, len(asked), time.monotonic() - t0)
         else:
             logger.warning("cpuckpt memory tier: rank %d: the copy process had not pinned the %d reserved image(s) "
-                           "after %.0f s; training goes on (the first saves pin what is missing)", self.rank, images,
-                           self.config.timeout_s)
+                           "after %.0f s; training goes on (the first saves pin what is missing)", self.rank,
+                           len(asked), bound)
 
     def reserve(self, shard_nbytes: int) -> int:
         """Before the first save (a job calls it before it trains): reserve, map and pin every free slot's image
@@ -769,7 +771,8 @@ class MemoryTier:
             return 0
         free = [(slot, images) for slot, images in zip(self.slots, self.images)
                 if self.format.committed(slot) is None and not self._held(slot)]
-        made = pinning_asked = 0
+        made = 0
+        asked: list[int] = []  # sizes of the images the copy process was asked to pin
         ahead = AllocatedAhead()  # files made and allocated first, each taken below (or removed at the end)
         try:
             self._allocate_ahead(free, wanted, ahead)
@@ -783,13 +786,14 @@ class MemoryTier:
                             made += 1
                             # the copy process pins it (waited for below): its first save re-registers only the
                             # segment past its real size (pinning.stale)
-                            pinning_asked += self._prepare_copier(images, name, caller_device())
+                            if self._prepare_copier(images, name, caller_device()):
+                                asked.append(nbytes)
                     except CpuckptError as e:
                         logger.warning("cpuckpt memory tier: reserving %d bytes for %s in %s ahead of the first save "
                                        "failed: %s", nbytes, name, slot, e)
-                        break
-            if pinning_asked:
-                self._wait_copier_pinned(pinning_asked)
+                        self._wait_copier_pinned(asked)
+                        return made
+            self._wait_copier_pinned(asked)
             return made
         finally:
             ahead.close()

@@ -124,7 +124,7 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
     deferred.enable()  # this finalize is a start point for saves recorded by the strategy (deferred.py)
 
     def maybe_finalize_async_calls(blocking: bool = False, no_dist: bool = False) -> list[int]:
-        if blocking or not deferred.at_forward():
+        if blocking or not deferred.forward_will_start():
             deferred.start_all()  # after Megatron-LM's save-checkpoint timer, before the next train_step
         if blocking:
             PACER.drain()  # the trainer waits now, making no ticks: the copies of pending saves go at once

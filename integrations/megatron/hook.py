@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from .memory import MegatronMemory
 
 __all__ = ["FORMAT", "Selection", "Training", "install", "order_optimizer_steps", "rewrite_argv",
-           "watch_megatron_lm_queue"]
+           "start_saves_at_forward", "watch_megatron_lm_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -428,16 +428,16 @@ def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Calla
             logger.warning("cpuckpt: could not size the memory tier's slots from the optimizer", exc_info=True)
             nbytes = 0
         tier = setup_model_and_optimizer._cpuckpt_run.memory().tier  # type: ignore[attr-defined]  # collective
+        if getattr(margs, "save_interval", None):  # persistent saves come: the writer starts now (its interpreter
+            try:  # beside the reservation's pins), not in the first persist
+                tier.start_writer()
+            except Exception:  # the first persist starts it (and every rank agrees on a failure there)
+                logger.warning("cpuckpt memory tier: starting the writer before training failed", exc_info=True)
         try:  # this rank's own files only: a failure here is a warning (the saves make the images then)
             made = tier.reserve(nbytes)
         except Exception:
             logger.warning("cpuckpt memory tier: reserving the slots before training failed", exc_info=True)
             made = 0
-        if getattr(margs, "save_interval", None):  # persistent saves come: the writer starts now, not in the first
-            try:
-                tier.start_writer()
-            except Exception:  # the first persist starts it (and every rank agrees on a failure there)
-                logger.warning("cpuckpt memory tier: starting the writer before training failed", exc_info=True)
         logger.info("cpuckpt memory tier: %d slot image(s) of %d bytes reserved before training", made, nbytes)
         return result
 
@@ -455,7 +455,9 @@ def start_saves_at_forward(module: Any = None, stages: Callable[[], int] | None 
     if module is None:
         try:
             import megatron.training.training as module
-        except ImportError:
+        except ImportError as e:
+            logger.warning("cpuckpt: megatron.training.training not importable (%s): saves start at the queue's "
+                           "finalize", e)
             return False
     original = getattr(module, "setup_model_and_optimizer", None)
     if original is None or _wrapper_with(original, "_cpuckpt_forward_start") is not None:
@@ -469,7 +471,13 @@ def start_saves_at_forward(module: Any = None, stages: Callable[[], int] | None 
     def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
         chunks = result[0] if isinstance(result[0], list | tuple) else [result[0]]
-        if stages() == 1 and len(chunks) == 1:
+        try:
+            one_stage = stages() == 1 and len(chunks) == 1
+        except Exception:  # parallel state not set up: no start point that needs it
+            logger.warning("cpuckpt: the pipeline's size is unknown: saves start at the queue's finalize",
+                           exc_info=True)
+            one_stage = False
+        if one_stage:
             from . import deferred
 
             deferred.start_at_forward(chunks)

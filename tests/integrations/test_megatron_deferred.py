@@ -54,8 +54,7 @@ def test_a_start_that_fails_leaves_the_saves_after_it_recorded_in_order():
 
 def test_a_recorded_save_starts_at_the_end_of_the_model_forward_on_the_trainer_thread_only():
     """With the model's forward as the start point (a one-stage pipeline), a recorded save starts once the forward's
-    work is queued, not at the queue's finalize; a forward on another thread (recomputation in autograd's) starts
-    nothing."""
+    work is queued, not at the queue's finalize; a forward on another thread or under inference mode starts nothing."""
     import threading
 
     from cpuckpt.integrations.megatron import hook
@@ -72,24 +71,58 @@ def test_a_recorded_save_starts_at_the_end_of_the_model_forward_on_the_trainer_t
 
     assert hook.start_saves_at_forward(Training, stages=lambda: 1)
     assert not hook.start_saves_at_forward(Training, stages=lambda: 1), "installed once"
-    assert not deferred.at_forward()
+    assert not deferred._FORWARD_STARTS
     chunks, _, _ = Training.setup_model_and_optimizer()
+    (forward_start,) = deferred._FORWARD_STARTS
     try:
-        assert deferred.at_forward() and setup_calls == [1]
+        assert setup_calls == [1]
+        assert not deferred.forward_will_start(), "no forward ran yet: the finalize still starts"
         deferred.defer(lambda: started.append("save"))
         worker = threading.Thread(target=model, args=(torch.ones(1, 2),))
         worker.start()
         worker.join()
-        assert started == [] and len(deferred._STARTS) == 1, "a forward on another thread started it"
+        with torch.inference_mode():
+            chunks[0](torch.ones(1, 2))
+        assert started == [] and len(deferred._STARTS) == 1, "a forward on another thread or a rollout started it"
         chunks[0](torch.ones(1, 2))
         assert started == ["save"] and not deferred._STARTS
-        chunks[0](torch.ones(1, 2))
-        assert started == ["save"], "nothing recorded: nothing starts"
+        assert deferred.forward_will_start(), "a forward ran since the last finalize: the next one starts nothing"
+        assert not deferred.forward_will_start(), "each finalize observes anew"
     finally:
         deferred._STARTS.clear()
-        for h in list(model._forward_hooks):
-            model._forward_hooks.pop(h)
-        deferred._AT_FORWARD = False
+        forward_start.remove()
+    assert not deferred._FORWARD_STARTS and not model._forward_hooks
+
+
+def test_a_finalize_without_a_forward_since_the_last_still_starts_the_recorded_saves(tmp_path):
+    """A run whose forward never reaches the hooked module (a full-iteration CUDA graph replays it) keeps the queue's
+    finalize as its start point: the watched queue's non-blocking finalize starts what is recorded."""
+    from cpuckpt.integrations.megatron import guard
+
+    class Queue:  # megatron-core's AsyncCallsQueue, as the watchdog sees it: no calls pending
+        def __init__(self) -> None:
+            self.async_calls: list = []
+
+        def maybe_finalize_async_calls(self, blocking=False, no_dist=False):
+            return []
+
+    model = torch.nn.Linear(2, 2)
+    forward_start = deferred.start_at_forward([model])
+    queue = guard.watch_async_queue(Queue(), timeout_s=30)
+    started: list[int] = []
+    try:
+        model(torch.ones(1, 2))  # a forward ran: the next finalize leaves the start to the next forward
+        deferred.defer(lambda: started.append(1))
+        queue.maybe_finalize_async_calls()
+        assert started == [], "started at the finalize although the forward will start it"
+        queue.maybe_finalize_async_calls()  # no forward since: the finalize starts it
+        assert started == [1]
+        deferred.defer(lambda: started.append(2))
+        queue.maybe_finalize_async_calls(blocking=True)
+        assert started == [1, 2], "a blocking finalize starts what is recorded"
+    finally:
+        deferred._STARTS.clear()
+        forward_start.remove()
 
 
 def test_a_pipeline_of_several_stages_keeps_the_queue_finalize_as_the_start_point():
@@ -104,7 +137,7 @@ def test_a_pipeline_of_several_stages_keeps_the_queue_finalize_as_the_start_poin
 
     assert hook.start_saves_at_forward(Training, stages=lambda: 2)
     Training.setup_model_and_optimizer()
-    assert not deferred.at_forward() and not model._forward_hooks
+    assert not deferred._FORWARD_STARTS and not model._forward_hooks
 
 
 def test_each_wrapper_of_setup_is_found_again_by_a_later_install():

@@ -325,6 +325,32 @@ def test_the_reservation_waits_for_the_copy_process_to_pin_the_images(tmp_path, 
         tier.close(persist_newest=False)
 
 
+@pytest.mark.parametrize("outcome", ["late", "dead"])
+def test_a_reservation_whose_pins_do_not_end_warns_and_lets_the_job_train(tmp_path, monkeypatch, caplog, outcome):
+    """Pins that do not end within the bound (sized from the images: 30 s + 2 s per GB), or a copy process that died,
+    are a warning: the reservation returns its images and the first saves pin what is missing."""
+    cfg = _cfg(tmp_path, copy_process=True)
+    cfg["staging"] = {"device_snapshot": True}
+    tier = MemoryTier(tmp_path / "durable", cfg)
+    try:
+        assert tier.copier is not None
+        bounds: list[float] = []
+
+        def wait(timeout_s: float) -> bool:
+            bounds.append(timeout_s)
+            if outcome == "dead":
+                raise CpuckptError("the copy process (pid 1) exited")
+            return False
+
+        monkeypatch.setattr(tier.copier, "wait_prepared", wait)
+        with caplog.at_level("WARNING", logger="cpuckpt.tier.memory"):
+            assert tier.reserve(1 << 30) == 2
+        assert bounds and bounds[0] == pytest.approx(30.0 + 2.0 * 2 * (1 << 30) / 1e9)
+        assert ("had not pinned the 2 reserved image(s)" if outcome == "late" else "exited") in caplog.text
+    finally:
+        tier.close(persist_newest=False)
+
+
 def test_a_wait_for_pinning_fails_when_the_copy_process_dies(tmp_path):
     proc = copier.CopyProcess(0, tmp_path / "copier.log", threads=1, timeout_s=30)
     try:
