@@ -75,6 +75,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
             "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "numpy",
             "yaml", "crc32c"]
+# megatron-core too (~6 s of imports per rank on the 2-core box; it starts no thread and leaves torch's settings
+# alone), where no NVIDIA driver is: a fork server must never hold a CUDA context its ranks would inherit.
+# A missing module is skipped by the fork server.
+if not os.path.exists("/dev/nvidiactl"):
+    _PRELOAD += ["megatron.core", "megatron.core.dist_checkpointing",
+                 "megatron.core.dist_checkpointing.strategies.async_utils",
+                 "megatron.core.dist_checkpointing.strategies.fully_parallel"]
 
 # The rank's program. With the popen start method it is ``python -c`` with arguments in sys.argv;
 # forked from the fork server it is run by runpy.run_path with RANK_ARGV, RANK_LOG, RANK_CWD,

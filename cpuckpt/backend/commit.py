@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Protocol
-
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING, Protocol
 
 from cpuckpt import faultpoint
 from cpuckpt.backend.committed import METADATA_NAME, manifest_from_json_part, size_mismatches
@@ -20,7 +18,11 @@ from cpuckpt.errors import IntegrityError, as_storage_error
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest, part_name
 from cpuckpt.format.metapickle import dumps_metadata
 from cpuckpt.transfer.files import fsync_dir, write_atomic
-from cpuckpt.transfer.sinks import SinkFactory, pool_sink
+
+if TYPE_CHECKING:  # the writer process commits without torch
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from cpuckpt.transfer.sinks import SinkFactory
 
 __all__ = ["CommitTarget", "LocalTarget", "clear_commit", "commit_checkpoint", "make_checkpoint_dir"]
 
@@ -61,8 +63,10 @@ def clear_commit(path: Path, *, fsync: bool = True) -> None:
     faultpoint.hit("clear-commit:done")
 
 
-def commit_checkpoint(path: Path, metadata: Metadata, prefixes: list[str], manifest: Manifest, *, fsync: bool) -> None:
-    """Coordinator only: merge the ranks' manifest parts, check file sizes, write manifest then ``.metadata``.
+def commit_checkpoint(path: Path, metadata: Metadata | bytes, prefixes: list[str], manifest: Manifest, *,
+                      fsync: bool) -> None:
+    """Coordinator only: merge the ranks' manifest parts, check file sizes, write manifest then ``.metadata``
+    (``metadata``, or its pickle's bytes as they are).
 
     Raises:
         IntegrityError: a rank's part is missing or a data file's size differs from what it wrote.
@@ -78,7 +82,8 @@ def commit_checkpoint(path: Path, metadata: Metadata, prefixes: list[str], manif
             raise IntegrityError(str(problems[0]))
         for entry in entries:
             manifest.files[entry.name] = entry
-    for name, data in ((MANIFEST_NAME, manifest.to_json().encode()), (METADATA_NAME, dumps_metadata(metadata))):
+    pickled = metadata if isinstance(metadata, bytes) else dumps_metadata(metadata)
+    for name, data in ((MANIFEST_NAME, manifest.to_json().encode()), (METADATA_NAME, pickled)):
         try:
             write_atomic(path / name, data, fsync=fsync)
         except OSError as e:
@@ -115,11 +120,15 @@ class CommitTarget(Protocol):
 class LocalTarget:
     """A checkpoint directory of a file system: the functions above, through the pinned pool's file sink."""
 
-    sink: SinkFactory = staticmethod(pool_sink)  # type: ignore[assignment]
-
     def __init__(self, path: Path, *, fsync: bool) -> None:
         self.path = path
         self.fsync = fsync
+
+    @property
+    def sink(self) -> SinkFactory:
+        from cpuckpt.transfer.sinks import pool_sink  # trainer side (torch): the writer process never makes sinks
+
+        return pool_sink
 
     def prepare(self) -> None:
         make_checkpoint_dir(self.path)

@@ -26,12 +26,13 @@ import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING
 
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError, as_storage_error
 from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json
-from cpuckpt.format.unpickle import unpickle_metadata
+
+if TYPE_CHECKING:  # torch is imported where metadata is unpickled: the writer process mostly never does
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "METADATA_NAME",
@@ -43,6 +44,7 @@ __all__ = [
     "manifest_from_json_part",
     "parse_metadata",
     "read_manifest",
+    "read_metadata_bytes",
     "same_save",
     "size_mismatch",
     "size_mismatches",
@@ -222,16 +224,25 @@ def load_metadata(path: Path) -> Metadata:
         CheckpointCorrupt: present but unreadable, not DCP metadata, or referring to globals
             outside DCP's metadata classes (a hostile or foreign pickle).
     """
+    return parse_metadata(read_metadata_bytes(path), path / METADATA_NAME)
+
+
+def read_metadata_bytes(path: Path) -> bytes:
+    """``path/.metadata``'s bytes, not unpickled.
+
+    Raises:
+        IntegrityError: missing: the save was never committed (or this is not a checkpoint).
+        StorageIOError: it cannot be read (errno and path of the failed read).
+    """
     md_path = path / METADATA_NAME
     try:
-        data = md_path.read_bytes()
+        return md_path.read_bytes()
     except FileNotFoundError:
         raise IntegrityError(
             f"{path}: no {METADATA_NAME}: not a checkpoint, or a save that did not complete"
         ) from None
     except OSError as e:  # unreadable (permissions, a file where the directory should be, EIO): errno and path kept
         raise as_storage_error(e, "cannot read", md_path) from e
-    return parse_metadata(data, md_path)
 
 
 def parse_metadata(data: bytes, where: object) -> Metadata:
@@ -240,6 +251,10 @@ def parse_metadata(data: bytes, where: object) -> Metadata:
     Raises:
         CheckpointCorrupt: refused by the unpickler, unreadable, or not DCP metadata.
     """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from cpuckpt.format.unpickle import unpickle_metadata
+
     try:
         md = unpickle_metadata(data)
     except Exception as e:

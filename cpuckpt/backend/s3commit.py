@@ -24,8 +24,7 @@ import errno
 import logging
 import pickle
 from collections.abc import Iterable, Mapping
-
-from torch.distributed.checkpoint.metadata import Metadata
+from typing import TYPE_CHECKING
 
 from cpuckpt import faultpoint
 from cpuckpt.backend.committed import (
@@ -39,7 +38,11 @@ from cpuckpt.errors import IntegrityError, StorageIOError
 from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json, part_name
 from cpuckpt.paths import S3Url
 from cpuckpt.transfer.objstore import ObjectStore
-from cpuckpt.transfer.s3sink import S3SinkFactory
+
+if TYPE_CHECKING:  # the writer process commits without torch
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from cpuckpt.transfer.s3sink import S3SinkFactory
 
 __all__ = ["S3Target", "check_complete", "load_metadata", "read_manifest", "size_mismatches"]
 
@@ -52,7 +55,12 @@ class S3Target:
     def __init__(self, store: ObjectStore, url: S3Url) -> None:
         self.store = store
         self.url = url
-        self.sink = S3SinkFactory(store, url)
+
+    @property
+    def sink(self) -> S3SinkFactory:
+        from cpuckpt.transfer.s3sink import S3SinkFactory  # trainer side (torch): the writer process makes no sinks
+
+        return S3SinkFactory(self.store, self.url)
 
     def prepare(self) -> None:
         self.store.check_bucket(self.url)

@@ -23,14 +23,17 @@ import collections
 import copy
 import dataclasses
 import pickle
+import pickletools
+import struct
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["MetadataPickles", "dumps_metadata", "reusable"]
+__all__ = ["MetadataPickles", "dumps_metadata", "reusable", "with_checkpoint_id"]
 
 _PER_SAVE = ("storage_data", "storage_meta")  # the fields a save from a cached plan fills anew
 
@@ -151,3 +154,51 @@ def reusable(owner: Metadata) -> None:
 def dumps_metadata(md: Metadata) -> bytes:
     """The process's :class:`MetadataPickles`: ``pickle.dumps(md)`` for a ``.metadata`` file."""
     return _PICKLES.dumps(md)
+
+
+_TEXT_OPS = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8")
+_GET_OPS = ("GET", "BINGET", "LONG_BINGET")
+_PUT_OPS = ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT")
+
+
+def with_checkpoint_id(data: bytes, checkpoint_id: str) -> bytes | None:
+    """The pickled ``Metadata`` ``data`` with ``storage_meta.checkpoint_id`` set to ``checkpoint_id``, rewritten
+    without unpickling it (no torch: the memory tier's writer process renames a slot's metadata for the durable
+    copy). The field is found by its opcodes: the key's text record, then the value's, each exactly once and the
+    value never referred to again (a memo get); the value's record is replaced (the enclosing frame's length
+    adjusted) and the result must parse. None where the shape differs: the caller unpickles instead."""
+    try:
+        ops = list(pickletools.genops(data))
+    except Exception:
+        return None
+    keys = [i for i, (op, arg, _) in enumerate(ops) if op.name in _TEXT_OPS and arg == "checkpoint_id"]
+    if len(keys) != 1:
+        return None
+    at = keys[0] + 1
+    if at < len(ops) and ops[at][0].name in _PUT_OPS:
+        at += 1
+    if at + 1 >= len(ops) or ops[at][0].name not in _TEXT_OPS or not isinstance(ops[at][1], str):
+        return None
+    put = ops[at + 1][0].name
+    if put in _PUT_OPS:
+        memo = sum(op.name == "MEMOIZE" for op, _, _ in ops[: at + 1]) if put == "MEMOIZE" else ops[at + 1][1]
+        if any(op.name in _GET_OPS and arg == memo for op, arg, _ in ops):
+            return None  # another field is the same string object
+    start, end = ops[at][2], ops[at + 1][2]
+    text = checkpoint_id.encode("utf-8")
+    record = pickle.BINUNICODE + struct.pack("<I", len(text)) + text  # valid in every binary protocol
+    delta = len(record) - (end - start)
+    frames = [pos for op, _, pos in ops if op.name == "FRAME" and pos < start]
+    out = bytearray(data[:start] + record + data[end:])
+    if frames:
+        pos = frames[-1]
+        (length,) = struct.unpack_from("<Q", data, pos + 1)
+        if pos + 9 + length > start:  # the record lies in this frame
+            struct.pack_into("<Q", out, pos + 1, length + delta)
+    try:
+        if sum(1 for _ in pickletools.genops(bytes(out))) != len(ops):
+            return None
+    except Exception:
+        return None
+    return bytes(out)
+

@@ -41,16 +41,22 @@ from pathlib import Path
 
 from cpuckpt import faultpoint
 from cpuckpt.backend.commit import clear_commit, commit_checkpoint
-from cpuckpt.backend.committed import METADATA_NAME, check_complete, load_metadata, read_manifest
-from cpuckpt.backend.s3commit import S3Target
+from cpuckpt.backend.committed import (
+    METADATA_NAME,
+    check_complete,
+    load_metadata,
+    parse_metadata,
+    read_manifest,
+    read_metadata_bytes,
+)
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, IntegrityError, StorageIOError
 from cpuckpt.format.manifest import FileEntry, Manifest, manifest_from_json, part_name
+from cpuckpt.format.metapickle import with_checkpoint_id
 from cpuckpt.paths import S3Url, is_s3
 from cpuckpt.roots import after_commit
-from cpuckpt.tier import s3persist
 from cpuckpt.tier.formats import marker_save_id, marker_step, part_path
-from cpuckpt.tier.images import persist_image
+from cpuckpt.tier.imagecopy import persist_image
 from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import acquire_lock, lock_holder
 from cpuckpt.tier.replica import Endpoint, Listener, send_slot
@@ -167,6 +173,9 @@ def _persist_one_s3(req: PersistRequest, queue: PersistQueue | None) -> Outcome:
     """:func:`persist_one` to an ``s3://`` prefix (``tier.s3persist``): the same steps, objects for files, and
     no clearing: a prefix that holds a committed checkpoint of another save (or a stock one) is refused with
     EEXIST before any byte is uploaded, on every rank; one committed by this save is done already."""
+    from cpuckpt.backend.s3commit import S3Target  # imports torch: only writers that persist to object storage
+    from cpuckpt.tier import s3persist
+
     t0 = time.perf_counter()
     cfg = Config.from_dict(req.config, source="persist request", env=False)
     deadline = time.monotonic() + cfg.timeout_s
@@ -355,10 +364,13 @@ def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Pa
                     deadline: float, t0: float, queue: PersistQueue | None = None) -> None:
     prefixes = [f"__{r}_" for r in range(req.world_size)]
     _await_parts(req, dest, {f"the part of {p}": dest / part_name(p) for p in prefixes}, deadline, queue)
-    metadata = load_metadata(slot)
+    data = read_metadata_bytes(slot)
     if _committed_save_id(slot) != req.save_id:
         raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of {req.save_id[:8]}")
-    metadata.storage_meta.checkpoint_id = str(dest)
+    metadata = with_checkpoint_id(data, str(dest))  # the slot's pickle renamed, without torch
+    if metadata is None:  # another pickle shape: unpickled (this imports torch) and renamed
+        metadata = parse_metadata(data, slot / METADATA_NAME)
+        metadata.storage_meta.checkpoint_id = str(dest)
     commit_checkpoint(dest, metadata, prefixes, _durable_manifest(req, memory, t0), fsync=cfg.io.fsync)
     after_commit(dest, cfg)
 

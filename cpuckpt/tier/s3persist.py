@@ -24,7 +24,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, ConfigError, IntegrityError, StorageIOError
 from cpuckpt.format.manifest import FileEntry, manifest_from_json, part_name
 from cpuckpt.paths import S3Url
-from cpuckpt.tier.images import _expected_crcs
+from cpuckpt.tier.imagecopy import expected_crcs
 from cpuckpt.transfer.objstore import PART_MIN_BYTES, ObjectStore
 from cpuckpt.transfer.threads import run_parallel
 
@@ -69,7 +69,7 @@ def persist_image_s3(src: Path, url: S3Url, store: ObjectStore, cfg: Config, *, 
         if size < expect.nbytes:
             raise CheckpointCorrupt(f"memory image {src} holds {size} bytes, its memory manifest says "
                                     f"{expect.nbytes}; not persisted")
-        expected = _expected_crcs(str(src), expect, expect.nbytes, chunk_bytes)
+        expected = expected_crcs(str(src), expect, expect.nbytes, chunk_bytes)
         if expect.nbytes == 0:
             store.put(url, b"")
             return FileEntry(name=url.name, nbytes=0, chunk_bytes=chunk_bytes, checksum=expect.checksum)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, is_interrupt
-from cpuckpt.transfer.pacing import PACER
 
 __all__ = ["Cancelled", "new_executor", "run_parallel", "shared_executor", "stop_after_interrupt", "wait_future"]
 
@@ -134,7 +134,9 @@ def wait_future(fut: cf.Future[R], timeout_s: float, what: str, *,
     if fut.done():
         return fut.result()
     try:
-        PACER.drain_for_wait()  # a trainer waiting here would wait for copies its own ticks enqueue
+        pacing = sys.modules.get("cpuckpt.transfer.pacing")  # never imported (the writer process): nothing paced
+        if pacing is not None:
+            pacing.PACER.drain_for_wait()  # a trainer waiting here would wait for copies its own ticks enqueue
         return _wait(fut, timeout_s, what)
     except BaseException as e:
         if is_interrupt(e) and on_interrupt is not None:

@@ -206,6 +206,15 @@ def test_no_writer_process_starts_until_the_first_persist_request(tmp_path):
     assert len(children) == 1 and tier.writer_pid() == children[0], (children, tier.writer_pid())
     tier.wait_persisted()
     assert _durable_steps(tmp_path / "durable") == [4]
+    # the writer copied and committed without torch (it starts in a fraction of a second): no libtorch mapped;
+    # the durable .metadata names its own directory (the slot's pickle rewritten, not unpickled)
+    maps = Path(f"/proc/{children[0]}/maps").read_text()
+    assert "libtorch" not in maps and "libc10" not in maps, "the writer process loaded torch"
+    import cpuckpt
+    from cpuckpt.backend.committed import load_metadata
+
+    [durable] = [c.path for c in cpuckpt.list_checkpoints(tmp_path / "durable") if c.complete]
+    assert load_metadata(Path(durable)).storage_meta.checkpoint_id == str(durable)
     tier.close(persist_newest=False)
     assert _writer_children() == [], "close() left the writer process running"
 

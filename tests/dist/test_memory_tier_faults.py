@@ -147,7 +147,8 @@ def test_checksums_off_record_nothing_and_loads_and_persists_still_work(tmp_path
     from cpuckpt.backend.committed import read_manifest
     from cpuckpt.backend.reader import StorageReader
     from cpuckpt.config import Config
-    from cpuckpt.tier.images import ImageSet, persist_image
+    from cpuckpt.tier.imagecopy import persist_image
+    from cpuckpt.tier.images import ImageSet
 
     cfg = Config.from_dict(_cfg(tmp_path / "ram", checksum=False), env=False)
     slot = tmp_path / "ram" / "slot-0"

@@ -26,6 +26,10 @@ pytest.importorskip("megatron.core")
 STUBS = str(Path(__file__).resolve().parent / "cpu_ci_cuda_stubs")
 ENV = {"CPU_CI_CUDA_STUBS": "1", "PYTHONPATH": os.pathsep.join([STUBS, os.environ.get("PYTHONPATH", "")])}
 ROWS, COLS = 8, 6
+# The watched queues' bound. A dead worker must be found before it: the error names the death (WorkerDiedError), not
+# this timeout. Elapsed times include spawning megatron-core's persistent worker (seconds of imports; tens of seconds
+# on a loaded 2-core box), so they are held to this bound, not to a detection time.
+WATCH_S = 60
 
 
 # ----------------------------------------------------------------------------------- rank side
@@ -282,7 +286,7 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: 
     if watch:
         from cpuckpt.integrations.megatron.guard import watch_async_queue
 
-        watch_async_queue(queue, timeout_s=60)
+        watch_async_queue(queue, timeout_s=WATCH_S)
     path = Path(root) / "iter_1"
     path.mkdir(parents=True, exist_ok=True)
     request = dist_checkpointing.save(_sharded(1, device), str(path), sharded_strategy=ckpt_mg.save_strategy(config),
@@ -344,7 +348,7 @@ def test_a_failed_or_dead_worker_raises_on_every_rank(run_ranks, tmp_path):
         assert r["error"] is not None and "WorkerDiedError" in r["error"], r
         assert ("rank 0's" in r["error"]) or ("another rank's" in r["error"]), r
         assert not r["metadata_json"]
-        assert r["elapsed"] < 30, r
+        assert r["elapsed"] < WATCH_S, r
     results = [c["enospc"] for c in cases]
     for r in results:
         assert r["error"] is not None and "No space left" in r["error"], r
@@ -508,7 +512,7 @@ def rank_worker_dies_before_request(root: str, kind: str) -> dict:
 
     rank, _, device = _setup()
     queue, save_kwargs = _queue(kind)
-    ckpt_mg.watch_async_queue(queue, timeout_s=60)
+    ckpt_mg.watch_async_queue(queue, timeout_s=WATCH_S)
     path = Path(root) / "iter_1"
     path.mkdir(exist_ok=True)
     request = dist_checkpointing.save(_sharded(1, device), str(path), sharded_strategy=ckpt_mg.save_strategy(),
@@ -553,7 +557,7 @@ def test_persistent_worker_killed_before_first_save_raises_on_every_rank(run_ran
         assert r["error"] is not None and "WorkerDiedError" in r["error"], r
         assert "rank 0's persistent checkpoint worker ended" in r["error"] and "exit code -9" in r["error"], r
         assert not r["metadata_json"], "metadata.json written for a save no worker took"
-        assert r["elapsed"] < 30, r
+        assert r["elapsed"] < WATCH_S, r
         assert r["leftovers"] == [], "channel files left behind"
 
 
@@ -579,7 +583,7 @@ def rank_continue_after_failure(root: str, stage_hooks: list[str], kind: str) ->
 
     logging.getLogger("cpuckpt.integrations.megatron.guard").addHandler(Grab())
     queue, save_kwargs = _queue(kind)
-    ckpt_mg.watch_async_queue(queue, timeout_s=60, config={"megatron": {"on_failure": "continue"}})
+    ckpt_mg.watch_async_queue(queue, timeout_s=WATCH_S, config={"megatron": {"on_failure": "continue"}})
     strategy = ckpt_mg.save_strategy()
     pids, elapsed = [], []
     steps = range(1, len(stage_hooks) + 2)
@@ -613,11 +617,13 @@ def test_on_failure_continue_respawns_a_killed_worker_keeps_one_that_raised_and_
     for r in results:
         assert len(r["errors"]) == len(hooks) and all("training continues" in e for e in r["errors"]), r
         killed, *raised = r["errors"]
-        assert "WorkerDiedError" in killed or "ended without reporting" in killed, r
+        # found by the channel ("ended without reporting") or by the persistent worker's exit ("worker ended")
+        found = ("WorkerDiedError", "ended without reporting", "persistent checkpoint worker ended")
+        assert any(m in killed for m in found), r
         assert all("checkpoint worker of rank 0" in e or "ended without reporting" in e for e in raised), r
         assert r["metadata_json"] == [False] * len(hooks) + [True], r
         assert r["leftovers"] == [], "channel files left behind"
-        assert all(t < 30 for t in r["elapsed"][: len(hooks)]), r
+        assert all(t < WATCH_S for t in r["elapsed"][: len(hooks)]), r
         # a dead worker is replaced on every rank; one that raised lives on
         assert r["pids"][0] and r["pids"][1] and set(r["pids"][0]).isdisjoint(r["pids"][1]), r
         if raised:
@@ -632,7 +638,7 @@ def test_silent_worker_is_dead_after_heartbeat_timeout(run_ranks, tmp_path):
     for r in results:
         assert r["error"] is not None and "WorkerDiedError" in r["error"] and "silent for" in r["error"], r
         assert not r["metadata_json"]
-        assert r["elapsed"] < 30, r
+        assert r["elapsed"] < WATCH_S, r
 
 
 def rank_worker_dies_idle(root: str, kind: str) -> dict:
@@ -647,7 +653,7 @@ def rank_worker_dies_idle(root: str, kind: str) -> dict:
 
     rank, _, device = _setup()
     queue, save_kwargs = _queue(kind)
-    ckpt_mg.watch_async_queue(queue, timeout_s=60)
+    ckpt_mg.watch_async_queue(queue, timeout_s=WATCH_S)
     path = Path(root) / "iter_1"
     path.mkdir(exist_ok=True)
     queue.schedule_async_request(dist_checkpointing.save(

@@ -493,7 +493,8 @@ def rank_logits_requests_carry_the_finalize(root: str) -> dict:
 
     _, _, device = _setup()
     root_p = Path(root)
-    queue, router, strategy = _watched(root_p, 30.0, slots=3)
+    # the bound covers the writers' start (imports: tens of seconds on a loaded 2-core box) and the slowed persist
+    queue, router, strategy = _watched(root_p, 90.0, slots=3)
     clean = dict(os.environ)
     os.environ.update(faults.child_env(root_p / "site", ";".join(
         f"persist-chunk:__{r}_0.distcp:0=sleep:1.5" for r in (0, 1))))

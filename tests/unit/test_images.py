@@ -16,7 +16,8 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError, IntegrityError, StagingError, StorageIOError
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.tier import images as images_mod
-from cpuckpt.tier.images import CAPACITY_ROUND_BYTES, ImageFile, ImageSet, persist_image
+from cpuckpt.tier.imagecopy import persist_image
+from cpuckpt.tier.images import CAPACITY_ROUND_BYTES, ImageFile, ImageSet
 from cpuckpt.transfer import save_job as engine
 from cpuckpt.transfer.save_job import SaveJob
 

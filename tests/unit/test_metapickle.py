@@ -9,6 +9,7 @@ import copy
 import gc
 import pickle
 
+import pytest
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -20,7 +21,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from cpuckpt.format.metapickle import MetadataPickles
+from cpuckpt.format.metapickle import MetadataPickles, with_checkpoint_id
+from cpuckpt.format.unpickle import unpickle_metadata
 
 SDM = {f"layer.{i}.w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([8, 4]),
                                              [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([8, 4]))])
@@ -131,3 +133,41 @@ def test_the_id_is_rewritten_in_its_own_record_only_whatever_its_text():
     md.version = "9.9.9"  # any other field that changed: pickled in full
     assert pickle.loads(pickles.dumps(md)).version == "9.9.9" and pickles.reused == reused
     del owner, owner_q
+
+
+# ------------------------------------------------------------------------------------- with_checkpoint_id
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+@pytest.mark.parametrize("new", ["/d", "/durable/step_00000064" * 20, "/d/é/" + "x" * 70000])
+def test_with_checkpoint_id_renames_without_unpickling(protocol, new):
+    """The writer process's rename of a slot's ``.metadata``: every protocol, shorter and longer names (a frame's
+    length grows; a record larger than a frame), non-ASCII; everything else unpickles unchanged."""
+    md = _md("a1b2c3")
+    out = with_checkpoint_id(pickle.dumps(md, protocol=protocol), new)
+    assert out is not None
+    back = unpickle_metadata(out)
+    assert back.storage_meta.checkpoint_id == new and back.storage_meta.save_id == "a1b2c3"
+    assert back.state_dict_metadata == md.state_dict_metadata and back.storage_data == md.storage_data
+    assert back.planner_data == md.planner_data
+
+
+def test_with_checkpoint_id_of_the_committed_bytes():
+    """What the trainer commits (``MetadataPickles``, the save id rewritten in place) renames as well."""
+    pickles = MetadataPickles()
+    owner = _reusable(pickles)
+    for save_id in ("s1", "s2", "s3"):
+        data = pickles.dumps(_md(save_id))
+    assert pickles.reused and owner is not None
+    assert unpickle_metadata(with_checkpoint_id(data, "/durable/7")).storage_meta.checkpoint_id == "/durable/7"
+
+
+def test_with_checkpoint_id_refuses_other_shapes():
+    """None where a rewrite could change another field or there is no such field: the caller unpickles instead."""
+    shared = "/ram/slot-0"  # one string object in two fields: pickled once, referred to again
+    md = _md("x", slot=shared)
+    md.planner_data = {"where": shared}
+    assert with_checkpoint_id(pickle.dumps(md), "/d") is None
+    assert with_checkpoint_id(pickle.dumps(Metadata(state_dict_metadata={}, storage_meta=None)), "/d") is None
+    assert with_checkpoint_id(b"not a pickle", "/d") is None
+
