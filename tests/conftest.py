@@ -75,13 +75,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.tensor",
             "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "numpy",
             "yaml", "crc32c"]
-# megatron-core too (~6 s of imports per rank on the 2-core box; it starts no thread and leaves torch's settings
-# alone), where no NVIDIA driver is: a fork server must never hold a CUDA context its ranks would inherit.
-# A missing module is skipped by the fork server.
+# megatron-core and DeepSpeed too (~6 s and ~2.5 s of imports per rank on the 2-core box; neither starts a thread
+# or changes torch's settings; DeepSpeed picks its CPU accelerator and sets PYTORCH_NVML_BASED_CUDA_CHECK, as each
+# of its ranks would), where no NVIDIA driver is: a fork server must never hold a CUDA context its ranks would
+# inherit. A missing module is skipped by the fork server.
 if not os.path.exists("/dev/nvidiactl"):
     _PRELOAD += ["megatron.core", "megatron.core.dist_checkpointing",
                  "megatron.core.dist_checkpointing.strategies.async_utils",
-                 "megatron.core.dist_checkpointing.strategies.fully_parallel"]
+                 "megatron.core.dist_checkpointing.strategies.fully_parallel", "deepspeed"]
 
 # The rank's program. With the popen start method it is ``python -c`` with arguments in sys.argv;
 # forked from the fork server it is run by runpy.run_path with RANK_ARGV, RANK_LOG, RANK_CWD,

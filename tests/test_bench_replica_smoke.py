@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+# A benchmark's smoke run: off in CI (its 10-minute budget), on with CPUCKPT_SLOW=1 — run them before a device
+# call (README: "The two commands").
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -655,6 +655,7 @@ def test_torch_file_matches_torch_save_of_compact_clones(tmp_path):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow  # a benchmark's smoke run: CPUCKPT_SLOW=1 (README: "The two commands")
 def test_bench_deepspeed_smoke(tmp_path):
     """``python -m benchmarks.bench_deepspeed --smoke`` runs (CPU, gloo, tiny model): every engine (cpuckpt-zero:
     ordering optimizer; decoupled: DeepSpeed's DecoupledCheckpointEngine with its writer process), the host
