@@ -77,8 +77,10 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch
             "yaml", "crc32c"]
 # megatron-core and DeepSpeed too (~6 s and ~2.5 s of imports per rank on the 2-core box; neither starts a thread
 # or changes torch's settings; DeepSpeed picks its CPU accelerator and sets PYTORCH_NVML_BASED_CUDA_CHECK, as each
-# of its ranks would), where no NVIDIA driver is: a fork server must never hold a CUDA context its ranks would
-# inherit. A missing module is skipped by the fork server.
+# of its ranks would; megatron-core adds its safe globals to torch's weights_only allow-list, so every rank has
+# them: a test of an allow-list of ours clears them, as test_deepspeed's _torch_safe_globals_only does), where no
+# NVIDIA driver is: a fork server must never hold a CUDA context its ranks would inherit. A missing module is
+# skipped by the fork server (an import that raises anything else would fail every rank: the versions are pinned).
 if not os.path.exists("/dev/nvidiactl"):
     _PRELOAD += ["megatron.core", "megatron.core.dist_checkpointing",
                  "megatron.core.dist_checkpointing.strategies.async_utils",

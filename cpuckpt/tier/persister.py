@@ -49,12 +49,14 @@ from cpuckpt.backend.committed import (
     read_manifest,
     read_metadata_bytes,
 )
+from cpuckpt.backend.s3commit import S3Target
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, IntegrityError, StorageIOError
 from cpuckpt.format.manifest import FileEntry, Manifest, manifest_from_json, part_name
 from cpuckpt.format.metapickle import with_checkpoint_id
 from cpuckpt.paths import S3Url, is_s3
 from cpuckpt.roots import after_commit
+from cpuckpt.tier import s3persist
 from cpuckpt.tier.formats import marker_save_id, marker_step, part_path
 from cpuckpt.tier.imagecopy import persist_image
 from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
@@ -173,9 +175,6 @@ def _persist_one_s3(req: PersistRequest, queue: PersistQueue | None) -> Outcome:
     """:func:`persist_one` to an ``s3://`` prefix (``tier.s3persist``): the same steps, objects for files, and
     no clearing: a prefix that holds a committed checkpoint of another save (or a stock one) is refused with
     EEXIST before any byte is uploaded, on every rank; one committed by this save is done already."""
-    from cpuckpt.backend.s3commit import S3Target  # imports torch: only writers that persist to object storage
-    from cpuckpt.tier import s3persist
-
     t0 = time.perf_counter()
     cfg = Config.from_dict(req.config, source="persist request", env=False)
     deadline = time.monotonic() + cfg.timeout_s

@@ -206,8 +206,8 @@ def test_no_writer_process_starts_until_the_first_persist_request(tmp_path):
     assert len(children) == 1 and tier.writer_pid() == children[0], (children, tier.writer_pid())
     tier.wait_persisted()
     assert _durable_steps(tmp_path / "durable") == [4]
-    # the writer copied and committed without torch (it starts in a fraction of a second): no libtorch mapped;
-    # the durable .metadata names its own directory (the slot's pickle rewritten, not unpickled)
+    # the writer copied and committed without torch: no libtorch mapped; the durable .metadata names its own
+    # directory (the slot's pickle renamed by format.metapickle.with_checkpoint_id, not unpickled)
     maps = Path(f"/proc/{children[0]}/maps").read_text()
     assert "libtorch" not in maps and "libc10" not in maps, "the writer process loaded torch"
     import cpuckpt

@@ -42,8 +42,10 @@ or ninja needed, ~30-45 s saved); ``torch_adam`` avoids the fused-Adam build.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -161,6 +163,25 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
                            y.cpu().view(-1).view(torch.uint8) if y.numel() else y.cpu()), f"{what}{k}: bytes differ"
 
 
+
+@contextlib.contextmanager
+def _torch_safe_globals_only() -> Iterator[None]:
+    """Only torch's own ``weights_only`` allow-list inside: another library's import registers its globals process-wide
+    (megatron-core's, which the tests' fork server preloads, adds numpy's and argparse's), and they would hide a global
+    missing from ``safe_globals_for_deepspeed()``."""
+    import torch
+
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(
+        [g for g in registered if (g[0] if isinstance(g, tuple) else g).__module__.split(".")[0] == "torch"])
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(registered)
+
+
 def rank_roundtrip(stage: int, bf16: bool, root: str) -> dict:
     _setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
@@ -206,11 +227,12 @@ def rank_roundtrip(stage: int, bf16: bool, root: str) -> dict:
     names = sorted(p.name for p in (save_dir / "t1").iterdir())
     allowed = {f"{g.__module__}.{g.__qualname__}" for g in safe_globals_for_deepspeed()}
     unsafe = set()
-    for p in (save_dir / "t1").glob("*.pt"):  # the hidden completion marker is not a torch file
-        # outside safe_globals(): inside, the listed globals count as safe and are not reported
-        unsafe |= set(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
-        with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
-            torch.load(p, weights_only=True, map_location="cpu")
+    with _torch_safe_globals_only():
+        for p in (save_dir / "t1").glob("*.pt"):  # the hidden completion marker is not a torch file
+            # outside safe_globals(): inside, the listed globals count as safe and are not reported
+            unsafe |= set(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
+            with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
+                torch.load(p, weights_only=True, map_location="cpu")
     assert unsafe <= allowed, f"globals missing from safe_globals_for_deepspeed(): {unsafe - allowed}"
     ckpt_ds.uninstall()
     dist.barrier()
@@ -538,10 +560,11 @@ def rank_fp16(stage: int, root: str) -> dict:
     engine2.destroy()
     unsafe = set()
     allowed = {f"{g.__module__}.{g.__qualname__}" for g in safe_globals_for_deepspeed()}
-    for p in (save_dir / "t1").glob("*.pt"):
-        unsafe |= set(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
-        with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
-            torch.load(p, weights_only=True, map_location="cpu")
+    with _torch_safe_globals_only():
+        for p in (save_dir / "t1").glob("*.pt"):
+            unsafe |= set(torch.serialization.get_unsafe_globals_in_checkpoint(str(p)))
+            with torch.serialization.safe_globals(safe_globals_for_deepspeed()):
+                torch.load(p, weights_only=True, map_location="cpu")
     assert unsafe <= allowed, f"globals missing from safe_globals_for_deepspeed(): {unsafe - allowed}"
     ckpt_ds.uninstall()
     return {"scalers": scalers, "restored": restored_scaler, "continued": continued, "overflowed": overflowed,

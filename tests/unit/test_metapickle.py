@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import io
 import pickle
 
 import pytest
@@ -138,18 +139,30 @@ def test_the_id_is_rewritten_in_its_own_record_only_whatever_its_text():
 # ------------------------------------------------------------------------------------- with_checkpoint_id
 
 
+def _pickled(md: Metadata, protocol: int, python: bool) -> bytes:
+    if not python:
+        return pickle.dumps(md, protocol=protocol)
+    buf = io.BytesIO()
+    pickle._Pickler(buf, protocol=protocol).dump(md)  # the pure-Python pickler frames its own way
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("python", [False, True])
 @pytest.mark.parametrize("protocol", [2, 3, 4, 5])
-@pytest.mark.parametrize("new", ["/d", "/durable/step_00000064" * 20, "/d/é/" + "x" * 70000])
-def test_with_checkpoint_id_renames_without_unpickling(protocol, new):
-    """The writer process's rename of a slot's ``.metadata``: every protocol, shorter and longer names (a frame's
-    length grows; a record larger than a frame), non-ASCII; everything else unpickles unchanged."""
-    md = _md("a1b2c3")
-    out = with_checkpoint_id(pickle.dumps(md, protocol=protocol), new)
+@pytest.mark.parametrize("old", ["/ram/slot-0", "/ram/" + "s" * 70000])
+@pytest.mark.parametrize("new", ["/d", "/durable/step_00000064" * 20, "/d/\u00e9/\udcff/" + "x" * 70000])
+def test_with_checkpoint_id_renames_without_unpickling(python, protocol, old, new):
+    """The writer process's rename of a slot's ``.metadata``: every protocol, both picklers, shorter and longer names
+    (a frame's length changes; records larger than a frame are written outside frames), non-UTF-8 bytes of a path
+    (a lone surrogate); the strict unpickler reads the result, and everything else is unchanged."""
+    md = _md("a1b2c3", slot=old)
+    out = with_checkpoint_id(_pickled(md, protocol, python), new)
     assert out is not None
-    back = unpickle_metadata(out)
+    back = pickle._loads(out)  # the pure-Python unpickler checks every frame's length
     assert back.storage_meta.checkpoint_id == new and back.storage_meta.save_id == "a1b2c3"
     assert back.state_dict_metadata == md.state_dict_metadata and back.storage_data == md.storage_data
     assert back.planner_data == md.planner_data
+    assert unpickle_metadata(out).storage_meta.checkpoint_id == new
 
 
 def test_with_checkpoint_id_of_the_committed_bytes():
@@ -162,12 +175,21 @@ def test_with_checkpoint_id_of_the_committed_bytes():
     assert unpickle_metadata(with_checkpoint_id(data, "/durable/7")).storage_meta.checkpoint_id == "/durable/7"
 
 
-def test_with_checkpoint_id_refuses_other_shapes():
-    """None where a rewrite could change another field or there is no such field: the caller unpickles instead."""
-    shared = "/ram/slot-0"  # one string object in two fields: pickled once, referred to again
+def test_with_checkpoint_id_refuses_what_it_cannot_rename_alone():
+    """None (the caller unpickles) wherever a rewrite could touch another field, or there is no StorageMeta."""
+    shared = "/ram/slot-0"  # one string object in two fields: pickled once, fetched from the memo again
     md = _md("x", slot=shared)
     md.planner_data = {"where": shared}
     assert with_checkpoint_id(pickle.dumps(md), "/d") is None
-    assert with_checkpoint_id(pickle.dumps(Metadata(state_dict_metadata={}, storage_meta=None)), "/d") is None
+    # the key's text pickled first in another field (a state dict entry named so): StorageMeta's key is a memo fetch
+    key = "checkpoint_id"
+    md = _md("x")
+    md.planner_data = {"checkpoint_id.step": (key, "step")}
+    assert with_checkpoint_id(pickle.dumps(md), "/d") is None
+    md.planner_data = {"a": "checkpoint_id", "b": "x"}  # the only record of the text, not StorageMeta's
+    out = with_checkpoint_id(pickle.dumps(md), "/d")
+    assert out is None or (unpickle_metadata(out).planner_data == md.planner_data
+                           and unpickle_metadata(out).storage_meta.checkpoint_id == "/d")
+    md = Metadata(state_dict_metadata={}, planner_data={"checkpoint_id": "/ram/slot-0"}, storage_meta=None)
+    assert with_checkpoint_id(pickle.dumps(md), "/d") is None  # no StorageMeta: nothing is renamed
     assert with_checkpoint_id(b"not a pickle", "/d") is None
-
