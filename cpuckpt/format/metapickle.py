@@ -159,20 +159,29 @@ def dumps_metadata(md: Metadata) -> bytes:
 _TEXT_OPS = ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8")
 _GET_OPS = ("GET", "BINGET", "LONG_BINGET")
 _PUT_OPS = ("PUT", "BINPUT", "LONG_BINPUT")  # and MEMOIZE, which numbers its entries implicitly
-RENAME_MAX_BYTES = 4 << 20  # larger metadata is unpickled instead: the walk is pure Python (0.55 s for 0.7 MB)
+RENAME_MAX_BYTES = 1 << 20  # larger metadata is unpickled instead: the walk is pure Python (0.55 s for 0.7 MB), and
+# from about 1 MB it costs more than importing torch once and unpickling
+_STORAGE_META = ["torch.distributed.checkpoint.metadata", "StorageMeta"]
+_STORAGE_META_GLOBAL = "torch.distributed.checkpoint.metadata StorageMeta"  # protocols < 4: one GLOBAL op
+_OPS_TO_STATE = 6  # global, (empty) args, NEWOBJ, EMPTY_DICT, MARK, then the first key (memo stores not counted)
 
 
 def with_checkpoint_id(data: bytes, checkpoint_id: str) -> bytes | None:
     """The pickled ``Metadata`` ``data`` with ``storage_meta.checkpoint_id`` set to ``checkpoint_id``, rewritten
     without unpickling it (no torch: the memory tier's writer process renames a slot's metadata for the durable
-    copy). One walk over the opcodes finds StorageMeta's state as pickled: the only text record ``checkpoint_id``,
-    then the value's text record, then ``save_id`` (a record, or a memo fetch of one); neither the key nor the value
-    may ever be fetched from the memo (no other field shares either string object). The value's record is replaced
-    and the enclosing frame's length adjusted. None where any of that does not hold, or above
-    :data:`RENAME_MAX_BYTES`: the caller unpickles instead."""
-    if len(data) > RENAME_MAX_BYTES:
+    copy). One walk over the opcodes finds StorageMeta's state as pickled: within a few ops of the global
+    ``torch.distributed.checkpoint.metadata.StorageMeta``, the only text record ``checkpoint_id``, then the value's
+    text record, then ``save_id`` (a record, or a memo fetch of one); neither the key nor the value may ever be
+    fetched from the memo (no other field shares either string object). The value's record is replaced and the
+    enclosing frame's length adjusted. None where any of that does not hold, or above :data:`RENAME_MAX_BYTES`: the
+    caller unpickles instead."""
+    if len(data) > RENAME_MAX_BYTES or not isinstance(checkpoint_id, str):
         return None
     memo_count = 0
+    strings: dict[int, str] = {}  # memo index -> text, for memoized text records (a global's module and name)
+    recent: list[str | None] = [None, None]  # the last two strings pushed: STACK_GLOBAL's module and name
+    global_at = -(1 << 30)  # the op count at the last StorageMeta global
+    count = 0
     save_ids: set[int] = set()  # memo indices holding the text "save_id"
     fetched: set[int] = set()
     keys = 0
@@ -196,16 +205,23 @@ def with_checkpoint_id(data: bytes, checkpoint_id: str) -> bytes | None:
                 index = memo_count if name == "MEMOIZE" else int(arg)  # type: ignore[arg-type]
                 memo_count += name == "MEMOIZE"
                 if last is not None and last[0] in _TEXT_OPS:
+                    strings[index] = last[1]  # type: ignore[assignment]
                     if last[1] == "save_id":
                         save_ids.add(index)
                     if seq and last[2] in (seq[0][2], seq[-1][2]):
                         stores[last[2]] = index
                 continue
+            count += 1
             if name in _GET_OPS:
                 fetched.add(int(arg))  # type: ignore[arg-type]
+                recent = [recent[1], strings.get(int(arg))]  # type: ignore[arg-type]
+            elif name in _TEXT_OPS:
+                recent = [recent[1], arg]  # type: ignore[list-item]
+            if recent == _STORAGE_META if name == "STACK_GLOBAL" else name == "GLOBAL" and arg == _STORAGE_META_GLOBAL:
+                global_at = count
             if name in _TEXT_OPS and arg == "checkpoint_id":
                 keys += 1
-                seq = [(name, arg, pos)]
+                seq = [(name, arg, pos)] if count - global_at <= _OPS_TO_STATE else []
             elif 0 < len(seq) < 3:
                 seq.append((name, arg, pos))
                 if len(seq) == 2:

@@ -366,8 +366,10 @@ def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Pa
     data = read_metadata_bytes(slot)
     if _committed_save_id(slot) != req.save_id:
         raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of {req.save_id[:8]}")
-    metadata = with_checkpoint_id(data, str(dest))  # the slot's pickle renamed, without torch
-    if metadata is None:  # another pickle shape: unpickled (this imports torch) and renamed
+    # the slot's pickle renamed without torch; where torch is in already (a replica's or `latest`'s completeness
+    # check imported it), or the shape or size is another, unpickled (C speed) and renamed
+    metadata = None if "torch" in sys.modules else with_checkpoint_id(data, str(dest))
+    if metadata is None:
         metadata = parse_metadata(data, slot / METADATA_NAME)
         metadata.storage_meta.checkpoint_id = str(dest)
     commit_checkpoint(dest, metadata, prefixes, _durable_manifest(req, memory, t0), fsync=cfg.io.fsync)

@@ -9,6 +9,7 @@ import copy
 import gc
 import io
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,6 +191,14 @@ def test_with_checkpoint_id_refuses_what_it_cannot_rename_alone():
     out = with_checkpoint_id(pickle.dumps(md), "/d")
     assert out is None or (unpickle_metadata(out).planner_data == md.planner_data
                            and unpickle_metadata(out).storage_meta.checkpoint_id == "/d")
-    md = Metadata(state_dict_metadata={}, planner_data={"checkpoint_id": "/ram/slot-0"}, storage_meta=None)
-    assert with_checkpoint_id(pickle.dumps(md), "/d") is None  # no StorageMeta: nothing is renamed
+    # a look-alike state (the key, a text, "save_id") outside StorageMeta: before it, or with no StorageMeta at all
+    for storage_meta in (StorageMeta(checkpoint_id="/ram/slot-0", save_id="x"), None):
+        md = Metadata(state_dict_metadata={}, planner_data={"checkpoint_id": "zz", "save_id": "q"},
+                      storage_meta=storage_meta)
+        assert with_checkpoint_id(pickle.dumps(md), "/d") is None, storage_meta
+    # the value shared by a field pickled after StorageMeta (the same str object)
+    md = _md("x")
+    md.version = md.storage_meta.checkpoint_id
+    assert with_checkpoint_id(pickle.dumps(md), "/d") is None
     assert with_checkpoint_id(b"not a pickle", "/d") is None
+    assert with_checkpoint_id(pickle.dumps(_md("x")), Path("/d")) is None  # not a str
