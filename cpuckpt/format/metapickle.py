@@ -182,22 +182,19 @@ def with_checkpoint_id(data: bytes, checkpoint_id: str) -> bytes | None:
     recent: list[str | None] = [None, None]  # the last two strings pushed: STACK_GLOBAL's module and name
     global_at = -(1 << 30)  # the op count at the last StorageMeta global
     count = 0
-    save_ids: set[int] = set()  # memo indices holding the text "save_id"
     fetched: set[int] = set()
     keys = 0
     seq: list[tuple[str, object, int]] = []  # the ops after the key (memo stores and frames left out), up to 3
     stores: dict[int, int] = {}  # the key's and the value's position -> the memo index stored right after it
     last: tuple[str, object, int] | None = None  # the previous op that was neither a frame nor a memo store
-    ends: dict[int, int] = {}  # op position -> where the next op starts
     frame = (-1, -1)  # (position, end) of the latest frame
     value_frame = (-1, -1)
-    prev_pos = -1
+    value_end = -1  # where the op after the value starts (0: the value is the last op seen)
     try:
         for op, arg, pos in pickletools.genops(data):
             name = op.name
-            if prev_pos >= 0:
-                ends[prev_pos] = pos
-            prev_pos = -1
+            if value_end == 0:
+                value_end = pos
             if name == "FRAME":
                 frame = (pos, pos + 9 + int(arg))  # type: ignore[arg-type]
                 continue
@@ -206,8 +203,6 @@ def with_checkpoint_id(data: bytes, checkpoint_id: str) -> bytes | None:
                 memo_count += name == "MEMOIZE"
                 if last is not None and last[0] in _TEXT_OPS:
                     strings[index] = last[1]  # type: ignore[assignment]
-                    if last[1] == "save_id":
-                        save_ids.add(index)
                     if seq and last[2] in (seq[0][2], seq[-1][2]):
                         stores[last[2]] = index
                 continue
@@ -225,8 +220,7 @@ def with_checkpoint_id(data: bytes, checkpoint_id: str) -> bytes | None:
             elif 0 < len(seq) < 3:
                 seq.append((name, arg, pos))
                 if len(seq) == 2:
-                    value_frame = frame
-                    prev_pos = pos  # its end: the next op's position
+                    value_frame, value_end = frame, 0
             last = (name, arg, pos)
             if name == "STOP":
                 break
@@ -235,12 +229,12 @@ def with_checkpoint_id(data: bytes, checkpoint_id: str) -> bytes | None:
     if keys != 1 or len(seq) != 3:
         return None
     key, value, after = seq
-    names_save_id = after[1] == "save_id" if after[0] in _TEXT_OPS else after[0] in _GET_OPS and after[1] in save_ids
-    if value[0] not in _TEXT_OPS or not names_save_id or value[2] not in ends:
+    after_text = after[1] if after[0] in _TEXT_OPS else strings.get(after[1]) if after[0] in _GET_OPS else None  # type: ignore[arg-type]
+    if value[0] not in _TEXT_OPS or after_text != "save_id" or value_end <= 0:
         return None
     if stores.get(key[2]) in fetched or stores.get(value[2]) in fetched:
         return None
-    start, end = value[2], ends[value[2]]
+    start, end = value[2], value_end
     text = checkpoint_id.encode("utf-8", "surrogatepass")  # as pickle writes a str
     record = pickle.BINUNICODE + struct.pack("<I", len(text)) + text  # valid in every binary protocol
     out = bytearray(data[:start] + record + data[end:])

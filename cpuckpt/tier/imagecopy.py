@@ -23,12 +23,14 @@ from cpuckpt.tier import pinning
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
 from cpuckpt.transfer.threads import run_parallel
 
-__all__ = ["expected_crcs", "persist_image"]
+__all__ = ["expected_crcs", "os_error", "persist_image"]
 
 
-def _os_error(what: str, e: OSError, path: Path) -> StorageIOError:
-    return StorageIOError(f"{what} failed on memory image {path}: [errno {e.errno}] {e.strerror or e}",
-                          path=str(path), errno_=e.errno)
+def os_error(what: str, e: OSError, path: Path, nbytes: int | None = None) -> StorageIOError:
+    """``e`` of ``what`` on the memory image ``path`` as a ``StorageIOError`` (errno and path kept)."""
+    size = f" ({nbytes} bytes)" if nbytes is not None else ""
+    return StorageIOError(f"{what} failed on memory image {path}{size}: [errno {e.errno}] {e.strerror or e}",
+                          path=str(path), nbytes=nbytes, errno_=e.errno)
 
 
 def expected_crcs(src: str, expect: FileEntry | None, nbytes: int, chunk_bytes: int) -> list[int] | None:
@@ -82,7 +84,7 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
         try:
             nbytes = os.fstat(sfd).st_size
         except OSError as e:
-            raise _os_error("fstat", e, Path(src)) from e
+            raise os_error("fstat", e, Path(src)) from e
         offsets = list(range(0, nbytes, chunk_bytes))
         crcs = [0] * len(offsets)
         expected = expected_crcs(src_s, expect, nbytes, chunk_bytes)

@@ -44,6 +44,7 @@ from cpuckpt.errors import CheckpointTimeoutError, StagingError, StorageIOError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.tier import pinning
 from cpuckpt.tier.copier import CopyProcess, ImageDesc
+from cpuckpt.tier.imagecopy import os_error as _os_error
 from cpuckpt.transfer.pacing import PACER
 from cpuckpt.transfer.sinks import DeviceCopies, Offloaded
 from cpuckpt.transfer.staging import Slot, consume_cuda_error
@@ -54,12 +55,6 @@ logger = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 CAPACITY_ROUND_BYTES = 2 * _MiB  # mappings grow in these steps, so a slightly larger save reuses them
-
-
-def _os_error(what: str, e: OSError, path: Path, nbytes: int | None = None) -> StorageIOError:
-    size = f" ({nbytes} bytes)" if nbytes is not None else ""
-    return StorageIOError(f"{what} failed on memory image {path}{size}: [errno {e.errno}] {e.strerror or e}",
-                          path=str(path), nbytes=nbytes, errno_=e.errno)
 
 
 class ImageFile:

@@ -177,3 +177,17 @@ def test_an_unmapped_module_is_caught(tmp_path):
     (pkg / "newthing.py").write_text('"""x"""\n')
     problems = check_import_order(pkg, REPO / "docs" / "ARCHITECTURE.md")
     assert "cpuckpt.newthing has no layer in docs/ARCHITECTURE.md's import order" in problems
+
+
+def test_every_public_name_loads_on_first_use():
+    """``cpuckpt``'s names load lazily (PEP 562) from the module each is listed under: every name of ``__all__`` has
+    a home there and resolves to that module's object; nothing is listed that ``__all__`` lacks."""
+    import importlib
+
+    import cpuckpt
+
+    homes = cpuckpt._HOMES
+    assert set(cpuckpt.__all__) == {*homes, "__version__"}
+    for name, home in homes.items():
+        assert getattr(cpuckpt, name) is getattr(importlib.import_module(home), name), name
+    assert set(cpuckpt.__all__) <= set(dir(cpuckpt))
