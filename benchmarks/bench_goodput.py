@@ -16,7 +16,8 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
 ``mem8snap``      ``mem8`` with the device snapshot
 
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
-``+nocrc`` (``memory.checksum: false``: no crc32c of the images in the trainer's process), ``+copyproc``
+``+nocrc`` (``memory.checksum: false``: no crc32c of the images), ``+io<N>`` (``io.threads: N``: the copy process's
+checksum threads, and the writer's), ``+copyproc``
 (``memory.copy_process: true``: the checksums, and with a device snapshot the D2H copies, in a process of ours),
 ``+window<MiB>`` (the paced pieces' size, ``staging.d2h_window_bytes``), ``+host`` (``megatron.ordering: host``:
 the save returns once its copies are done), ``+u<N>`` (``memory.max_uncommitted: N``; ``u1``: each memory save
@@ -138,6 +139,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     cfg = memory_tier_config(a.config, tmp / f"{name}.yaml", ram, slots)
     staging: dict[str, Any] = {"device_snapshot": True} if kind.endswith("snap") else {}
     memory: dict[str, Any] = {}
+    io: dict[str, Any] = {}
     extra_keys: dict[str, Any] = {}  # the megatron: block's other keys
     ordering = "optimizer"
     for change in changes:
@@ -151,6 +153,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             extra_keys["start_at"] = "forward"
         elif change.startswith("window") and change[len("window"):].isdigit():
             staging["d2h_window_bytes"] = int(change[len("window"):]) << 20
+        elif change.startswith("io") and change[2:].isdigit():
+            io["threads"] = int(change[2:])  # the copy process's checksum threads (and the writer's)
         elif change.startswith("u") and change[1:].isdigit():
             memory["max_uncommitted"] = int(change[1:])
         elif (change.startswith("rep") and change[len("rep"):].isdigit()) or (
@@ -158,8 +162,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             pass  # rep: a name only; slots, mgc: read above
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} "
-                             "(nocrc, copyproc, host, fwd, window<MiB>, u<N>, slots<N>, rep<N>, mgc)")
-    cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, **extra_keys)
+                             "(nocrc, copyproc, host, fwd, window<MiB>, io<N>, u<N>, slots<N>, rep<N>, mgc)")
+    cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io, **extra_keys)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
     return b.argv("cpuckpt", "goodput", extra, config=str(cfg)), every

@@ -808,12 +808,12 @@ class KillWatcher:
 
 
 def megatron_config(base: str, dest: Path, **keys: Any) -> Path:
-    """``base`` YAML with ``keys`` merged into its ``megatron:`` block (a ``staging`` or ``memory`` mapping into
-    the core block of that name), written to ``dest``."""
+    """``base`` YAML with ``keys`` merged into its ``megatron:`` block (a ``staging``, ``memory`` or ``io`` mapping
+    into the core block of that name), written to ``dest``."""
     import yaml
 
     data = yaml.safe_load(Path(base).read_text()) or {}
-    for section in ("staging", "memory"):
+    for section in ("staging", "memory", "io"):
         if section in keys:
             data.setdefault(section, {}).update(keys.pop(section))
     data.setdefault("megatron", {}).update(keys)
