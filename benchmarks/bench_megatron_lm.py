@@ -977,12 +977,37 @@ def lost_work(killed: dict[str, Any], relaunch: dict[str, Any], kill: dict[str, 
 
 
 def same_values(reference: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    """Whether ``run`` logged the same values (loss, grad norm) as ``reference`` at every iteration both logged."""
+    """Whether ``run`` logged the same values (loss, grad norm) as ``reference`` at every iteration both logged.
+
+    One exception, listed as ``logged_mean_at``: Megatron-LM logs, at a resumed run's second logged iteration, the
+    mean of its first two iterations' losses (its loss sum is not reset after the first log line of a resume). That
+    line still counts as equal when its grad norm is the reference's and its loss is the mean of the reference's
+    losses at that iteration and the one before (to the 7 printed digits)."""
     ref = {i["it"]: i["values"] for i in reference.get("iters") or []}
     got = {i["it"]: i["values"] for i in run.get("iters") or []}
     both = sorted(ref.keys() & got.keys())
-    differ = [it for it in both if ref[it] != got[it]]
-    return {"compared": len(both), "values_differ_at": differ[:10], "values_equal": None if not both else not differ}
+    second = sorted(got)[1] if len(got) > 1 else None
+    mean_at = [it for it in both if it == second and ref[it] != got[it] and _logged_mean(ref, got, it)]
+    differ = [it for it in both if ref[it] != got[it] and it not in mean_at]
+    return {"compared": len(both), "values_differ_at": differ[:10], "logged_mean_at": mean_at,
+            "values_equal": None if not both else not differ}
+
+
+def _logged_mean(ref: dict[int, str], got: dict[int, str], it: int) -> bool:
+    """``got``'s line at ``it``: the reference's grad norm and the mean of its losses at ``it - 1`` and ``it``."""
+    def parse(values: str) -> dict[str, float]:
+        return {k: float(v) for k, v in (part.split(": ") for part in values.split(" | ") if ": " in part)}
+
+    if it - 1 not in ref:
+        return False
+    try:
+        a, b, g = parse(ref[it - 1]), parse(ref[it]), parse(got[it])
+    except ValueError:
+        return False
+    if "lm loss" not in g or g.get("grad norm") != b.get("grad norm") or set(g) != set(b):
+        return False
+    mean = (a["lm loss"] + b["lm loss"]) / 2
+    return abs(g["lm loss"] - mean) <= 1e-6 * max(1.0, abs(mean))
 
 
 def memory_tier_config(base: str, dest: Path, ram: Path, slots: int, max_uncommitted: int = 0) -> Path:
@@ -1203,7 +1228,16 @@ def self_test(config: str) -> int:
                    {"after": "logged", "killed": True}) == {"killed_after": "logged", "last_logged": 6,
                                                              "resumed_from": 4,
                                             "iterations_lost": 2, "compared": 1, "values_differ_at": [],
-                                            "values_equal": True}, "lost work from two runs' logs"),
+                                            "logged_mean_at": [], "values_equal": True},
+         "lost work from two runs' logs"),
+        (same_values({"iters": [{"it": 80, "values": "lm loss: 3.518200E+00 | grad norm: 24.569"},
+                                {"it": 81, "values": "lm loss: 2.492671E+00 | grad norm: 23.918"},
+                                {"it": 82, "values": "lm loss: 5.622334E+00 | grad norm: 23.623"}]},
+                     {"iters": [{"it": 80, "values": "lm loss: 3.518200E+00 | grad norm: 24.569"},
+                                {"it": 81, "values": "lm loss: 3.005435E+00 | grad norm: 23.918"},
+                                {"it": 82, "values": "lm loss: 5.622335E+00 | grad norm: 23.623"}]})
+         == {"compared": 3, "values_differ_at": [82], "logged_mean_at": [81], "values_equal": False},
+         "a resumed run's logged mean loss is not a difference; any other digit is"),
         ([s["ms"] for s in p["saves"]] == [410.25, 399.0], "save-checkpoint timer (minmax, max), not -non-persistent"),
         (p["saves"][0]["start_t"] == round(2.0 - 0.41025, 2), "save start time"),
         (p["load_ms"] == 1240.25, "load-checkpoint timer"),
