@@ -23,8 +23,7 @@ checksum threads, and the writer's), ``+copyproc``
 the save returns once its copies are done), ``+u<N>`` (``memory.max_uncommitted: N``; ``u1``: each memory save
 finalized at the next iteration's top, at most one iteration lost), ``+slots<N>`` (``memory.slots: N`` instead of
 ``--slots``: N - 1 saves may be in flight), e.g. ``mem1+nocrc``, ``mem1snap+copyproc``,
-``mem1snap+window16``, ``mem1+u1+host``; ``+fwd`` (``megatron.start_at: forward``: a recorded save starts at the end
-of the model's next forward instead of the top of the next iteration); ``+rep<N>`` changes nothing (the same variant
+``mem1snap+window16``, ``mem1+u1+host``; ``+rep<N>`` changes nothing (the same variant
 run again under another name, e.g. a sampled copy of an unsampled run: ``mem1snap+copyproc+rep2``). ``+mgc`` (any
 variant, ``none`` included) runs Megatron-LM with ``--manual-gc``: the interpreter's automatic collector off for the
 whole run; a variant with it is compared with ``none+mgc`` (so ``none+mgc,mem1snap+copyproc+mgc`` against
@@ -140,7 +139,6 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     staging: dict[str, Any] = {"device_snapshot": True} if kind.endswith("snap") else {}
     memory: dict[str, Any] = {}
     io: dict[str, Any] = {}
-    extra_keys: dict[str, Any] = {}  # the megatron: block's other keys
     ordering = "optimizer"
     for change in changes:
         if change == "nocrc":
@@ -149,8 +147,6 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             memory["copy_process"] = True
         elif change == "host":
             ordering = "host"
-        elif change == "fwd":
-            extra_keys["start_at"] = "forward"
         elif change.startswith("window") and change[len("window"):].isdigit():
             staging["d2h_window_bytes"] = int(change[len("window"):]) << 20
         elif change.startswith("io") and change[2:].isdigit():
@@ -162,8 +158,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             pass  # rep: a name only; slots, mgc: read above
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} "
-                             "(nocrc, copyproc, host, fwd, window<MiB>, io<N>, u<N>, slots<N>, rep<N>, mgc)")
-    cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io, **extra_keys)
+                             "(nocrc, copyproc, host, window<MiB>, io<N>, u<N>, slots<N>, rep<N>, mgc)")
+    cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
     return b.argv("cpuckpt", "goodput", extra, config=str(cfg)), every

@@ -47,7 +47,7 @@ def test_dry_run_takes_memory_variants_with_changes(tmp_path: Path) -> None:
 
 def test_dry_run_takes_the_variants_the_device_calls_ask_for(tmp_path: Path) -> None:
     """What BENCHMARKS.md's owed calls name (a variant refused on the device machine costs that call's variants)."""
-    names = "none+mgc,mem8snap+copyproc,mem1snap+copyproc+mgc,mem1snap+copyproc+slots5+rep2,mem1snap+copyproc+fwd"
+    names = "none+mgc,mem8snap+copyproc,mem1snap+copyproc+mgc,mem1snap+copyproc+slots5+rep2,mem1snap+copyproc+io1"
     proc = _bench("--dry-run", "--out", str(tmp_path), "--variants", names, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     blocks = {b.split("\n", 1)[0]: b for b in proc.stdout.split("# ")[1:]}

@@ -124,8 +124,7 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
     deferred.enable()  # this finalize is a start point for saves recorded by the strategy (deferred.py)
 
     def maybe_finalize_async_calls(blocking: bool = False, no_dist: bool = False) -> list[int]:
-        if blocking or not deferred.forward_will_start():
-            deferred.start_all()  # after Megatron-LM's save-checkpoint timer, before the next train_step
+        deferred.start_all()  # after Megatron-LM's save-checkpoint timer, before the next train_step
         if blocking:
             PACER.drain()  # the trainer waits now, making no ticks: the copies of pending saves go at once
             return dog.finalize(True, no_dist)
@@ -133,7 +132,6 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
         urgent = dog.urgent_until()
         if urgent is None:
             return done
-        deferred.start_all()  # an urgent save is waited for below: it must have started
         PACER.drain()
         return done + dog.finalize(True, no_dist, urgent)  # waiting for their commit
 

@@ -41,10 +41,7 @@ format with other storage. :func:`install`:
    ``--overlap-param-gather`` the next forward re-gathers parameters that ``force_param_sync`` already
    made whole before the save (the same bytes: no step ran in between). Megatron-LM's ``--async-save``
    uses the persistent caller, which does not synchronize the device; megatron-core's temporal caller
-   does (``torch.cuda.synchronize()`` before its fork), which removes the overlap but stays correct. With
-   ``start_at: forward`` and a one-stage pipeline, a save recorded by ``save_checkpoint`` starts at the end of the
-   model's next forward (:func:`start_saves_at_forward`: its Python overlaps the forward's queued kernels instead of
-   the GPU waiting for it at the top of the iteration).
+   does (``torch.cuda.synchronize()`` before its fork), which removes the overlap but stays correct.
 
 6. with ``megatron: {prepare_pool: true}`` (the default), reserves the host pool in the background
    after the first optimizer step (:mod:`.prepare`), so the first save is as fast as later ones.
@@ -83,7 +80,7 @@ if TYPE_CHECKING:
     from .memory import MegatronMemory
 
 __all__ = ["FORMAT", "Selection", "Training", "install", "order_optimizer_steps", "rewrite_argv",
-           "start_saves_at_forward", "watch_megatron_lm_queue"]
+           "watch_megatron_lm_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -262,8 +259,6 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
     validate_structure_once(module)
     if options.ordering == "optimizer":
         order_optimizer_steps()
-        if options.start_at == "forward":
-            start_saves_at_forward()
     if options.prepare_pool and not options.memory_tier:
         from .prepare import PoolPreparer, prepare_after_first_step
 
@@ -443,50 +438,6 @@ def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Calla
 
     setup_model_and_optimizer._cpuckpt_run = run  # type: ignore[attr-defined]
     module.setup_model_and_optimizer = setup_model_and_optimizer
-
-
-def start_saves_at_forward(module: Any = None, stages: Callable[[], int] | None = None) -> bool:
-    """When Megatron-LM's ``setup_model_and_optimizer`` returns, make the end of the model's forward the start point
-    of recorded saves (:func:`.deferred.start_at_forward`: the start's Python then overlaps the forward's kernels
-    instead of holding up the next iteration's first ones), where the pipeline has one stage (``stages``: its size;
-    default megatron-core's). ``module``: ``megatron.training.training``. Returns whether it was installed."""
-    import functools
-
-    if module is None:
-        try:
-            import megatron.training.training as module
-        except ImportError as e:
-            logger.warning("cpuckpt: megatron.training.training not importable (%s): saves start at the queue's "
-                           "finalize", e)
-            return False
-    original = getattr(module, "setup_model_and_optimizer", None)
-    if original is None or _wrapper_with(original, "_cpuckpt_forward_start") is not None:
-        return False
-    if stages is None:
-        from megatron.core import parallel_state
-
-        stages = parallel_state.get_pipeline_model_parallel_world_size
-
-    @functools.wraps(original, updated=())  # its own attributes only (_wrapper_with)
-    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        chunks = result[0] if isinstance(result[0], list | tuple) else [result[0]]
-        try:
-            one_stage = stages() == 1 and len(chunks) == 1
-        except Exception:  # parallel state not set up: no start point that needs it
-            logger.warning("cpuckpt: the pipeline's size is unknown: saves start at the queue's finalize",
-                           exc_info=True)
-            one_stage = False
-        if one_stage:
-            from . import deferred
-
-            deferred.start_at_forward(chunks)
-            logger.info("cpuckpt: recorded saves start at the end of the model's next forward")
-        return result
-
-    setup_model_and_optimizer._cpuckpt_forward_start = True  # type: ignore[attr-defined]
-    module.setup_model_and_optimizer = setup_model_and_optimizer
-    return True
 
 
 def _wrapper_with(fn: Any, attr: str) -> Any:

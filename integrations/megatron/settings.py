@@ -62,12 +62,6 @@ class MegatronOptions:
             The copies are paced from the trainer's module calls in 64 MiB pieces, one in flight
             (``staging.d2h_window_bytes``, when left 0: :mod:`cpuckpt.transfer.pacing`), so the
             iteration's ``.item()`` calls do not wait behind the whole save on the copy engine.
-        start_at: with ``ordering: optimizer``, where a save recorded inside Megatron-LM's ``save_checkpoint``
-            starts. ``finalize`` (default): the watched queue's next finalize, at the top of the next iteration,
-            where the GPU has nothing queued and waits for the start's Python. ``forward``: the end of the model's
-            next forward, where the GPU still runs that forward's kernels (:func:`.deferred.start_at_forward`;
-            only with a one-stage pipeline, else ``finalize``). Not yet measured on a GPU: the default stays until
-            ``bench_goodput``'s ``+fwd`` says which costs the job less.
         prepare_pool: after the first optimizer step, reserve (allocate, touch, pin) the host pool
             on a background thread, sized from the model and optimizer state (:mod:`.prepare`), so
             the first async save costs what later ones cost. Not used with ``memory_tier`` (saves go
@@ -85,7 +79,6 @@ class MegatronOptions:
     reuse_plan: bool = True
     memory_tier: bool = False
     ordering: str = field(default="host", metadata={"choices": ("host", "optimizer")})
-    start_at: str = field(default="finalize", metadata={"choices": ("finalize", "forward")})
     prepare_pool: bool = True
     fallback_on_corrupt: bool = True
 

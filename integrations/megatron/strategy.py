@@ -194,8 +194,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             and a memory save on a watched queue forks nothing. With a
             queue watched by cpuckpt (Megatron-LM: the hook), a save to the durable root is only
             recorded here and started at the queue's next finalize, after Megatron-LM's timer has
-            synchronized the device, or with ``start_at: forward`` at the end of the model's next forward
-            (:mod:`.deferred`).
+            synchronized the device (:mod:`.deferred`).
     """
 
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *,
