@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,20 +88,25 @@ def order_pending_saves() -> int:
 
 
 class _Started:
-    """A save's handle, made when its start ran (at once, or at a start point: see :mod:`.deferred`)."""
+    """A save's handle, made when its start ran (at once, or at a start point: see :mod:`.deferred`).
 
-    def __init__(self, start: Any) -> None:
-        self._start = start
+    Once it ran, the start (and with it Megatron's sharded state dict, ~10,000 objects for a 24-layer GPT) is
+    dropped: the request lives until the save is finalized, iterations later, and what it held would outlive the
+    young generations of the trainer's garbage collector, bringing its full collections (hundreds of ms) sooner."""
+
+    def __init__(self, start: Callable[[], Any]) -> None:
+        self._start: Callable[[], Any] | None = start
         self._handle: Any = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
 
     def start(self) -> None:
         with self._lock:
-            if self._handle is not None or self._error is not None:
+            if self._start is None:
                 return
+            start, self._start = self._start, None
             try:
-                self._handle = self._start()
+                self._handle = start()
             except BaseException as e:
                 self._error = e
                 raise

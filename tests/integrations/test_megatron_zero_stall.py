@@ -127,6 +127,9 @@ def test_optimizer_ordering_keeps_the_save_step(run_ranks, tmp_path):
 
 def rank_deferred_start(root: str) -> dict:
     """With a watched queue the save is only recorded; the queue's next finalize starts it (deferred.py)."""
+    import gc
+    import weakref
+
     import torch
     import torch.distributed as dist
     from cpuckpt.integrations.megatron import deferred, hook, strategy
@@ -143,11 +146,16 @@ def rank_deferred_start(root: str) -> dict:
     ours = strategy.CpuckptSaveStrategy(ordering="optimizer")
     out: dict = {"enabled": deferred.enabled()}
 
+    held: list = []
+
     def save(step: int, live: dict) -> Path:
         path = Path(root) / f"iter_{step}"
         path.mkdir(parents=True, exist_ok=True)
-        request = dist_checkpointing.save(_sharded(live), str(path), sharded_strategy=ours, async_sharded_save=True,
+        sharded = _sharded(live)
+        held[:] = [weakref.ref(sharded["w"])]
+        request = dist_checkpointing.save(sharded, str(path), sharded_strategy=ours, async_sharded_save=True,
                                           **mcore_async_kwargs())
+        del sharded
         queue.schedule_async_request(request)
         return path
 
@@ -165,9 +173,13 @@ def rank_deferred_start(root: str) -> dict:
     out["recorded"] = len(deferred._STARTS)
     out["pending_at_save"] = len(strategy._PENDING)
     out["files_at_save"] = sorted(p.name for p in path.glob("__*"))
+    gc.collect()
+    out["held_while_recorded"] = held[0]() is not None
     queue.maybe_finalize_async_calls(blocking=False)
     out["recorded_after_finalize"] = len(deferred._STARTS)
     out["pending_after_finalize"] = len(strategy._PENDING)
+    gc.collect()  # started, not finalized: Megatron's sharded state dict is no longer held (it would age into the
+    out["held_after_start"] = held[0]() is not None  # trainer's oldest GC generation, bringing full collections)
     live["bias"].add_(1.0)  # finalize_model_grads' expert_bias update (cloned at the save)
     bare = FP32Optimizer.__new__(FP32Optimizer)
     try:
@@ -226,6 +238,7 @@ def test_a_watched_queue_starts_the_save_after_the_timer(run_ranks, tmp_path):
         assert out["recorded"] == 1 and out["pending_at_save"] == 0, (rank, out)
         assert out["files_at_save"] == [], (rank, out)  # nothing planned or written inside save_checkpoint
         assert out["recorded_after_finalize"] == 0 and out["pending_after_finalize"] == 1, (rank, out)
+        assert out["held_while_recorded"] and not out["held_after_start"], (rank, out)
         assert out["pending_after_step"] == 0, (rank, out)
         assert out["recorded_last"] == 1 and out["recorded_end"] == 0, (rank, out)
         assert out["memory_recorded"] == 1 and not out["memory_link_at_save"], (rank, out)
