@@ -53,3 +53,52 @@ def test_plain_objects_are_pickled_once_per_stream_and_load_as_megatron_core_pac
     saves.clear()
     flatstate.flat_state(_state(1), True, None)
     assert len(saves) == 5, "without a stream's cache every object is pickled"
+
+
+def _nested() -> dict:
+    """A sharded state dict shaped like Megatron-LM's: nested dicts and lists, tensors split and replicated (int and
+    tuple replica ids, main and not), objects (grouped by their unique key), a key repeated across shards."""
+    w = torch.arange(12.0).view(4, 3)
+    return {
+        "model": {
+            "layers": [
+                {"w": ShardedTensor.from_rank_offsets("dec.w", w[:2], (0, 0, 2), replica_id=0),
+                 "b": ShardedTensor.from_rank_offsets("dec.b", torch.ones(3), replica_id=(0, 1))},
+                {"w": ShardedTensor.from_rank_offsets("dec.w", w[2:], (0, 1, 2), replica_id=0),
+                 "b": ShardedTensor.from_rank_offsets("dec.b", torch.ones(3), replica_id=(0, 0))},
+            ],
+            "extra": [ShardedObject("dec._extra_state", None, (2,), (i,), replica_id=i) for i in range(2)],
+        },
+        "optimizer": {"state": {"exp_avg": ShardedTensor.from_rank_offsets("opt.exp_avg", torch.zeros(5),
+                                                                          replica_id=1)}},
+        "rng": ShardedObject("rng_state", [1, 2], (1,), (0,), replica_id=0),
+    }
+
+
+@pytest.mark.parametrize("keep_only_main_replica", [True, False])
+def test_grouping_is_megatron_cores_own(keep_only_main_replica: bool):
+    """The fast grouping gives megatron-core's groups: the same keys in the same order, the same objects in each."""
+    from megatron.core.dist_checkpointing.strategies.torch import _replace_state_dict_keys_with_sharded_keys
+
+    state = _nested()
+    theirs = _replace_state_dict_keys_with_sharded_keys(state, keep_only_main_replica)[0]
+    ours = flatstate.grouped(state, keep_only_main_replica)
+    assert list(ours) == list(theirs)
+    assert all(len(ours[k]) == len(theirs[k]) and all(a is b for a, b in zip(ours[k], theirs[k])) for k in theirs)
+    if keep_only_main_replica:
+        assert "opt.exp_avg" not in ours and len(ours["dec.b"]) == 1 and len(ours["dec._extra_state/shard_0_2"]) == 1
+
+
+@pytest.mark.parametrize("odd", [(), [], 3, torch.zeros(1)])
+def test_a_value_the_grouping_does_not_know_goes_to_megatron_core(odd: object):
+    """A tuple, an empty list, a plain value or a bare tensor among the shards: megatron-core's grouping decides, and
+    raises as it does."""
+    from megatron.core.dist_checkpointing.strategies.torch import _replace_state_dict_keys_with_sharded_keys
+
+    state = _nested()
+    state["model"]["odd"] = odd
+    with pytest.raises(AssertionError) as theirs:
+        _replace_state_dict_keys_with_sharded_keys(state, True)
+    with pytest.raises(AssertionError) as ours:
+        flatstate.grouped(state, True)
+    assert str(ours.value) == str(theirs.value)
