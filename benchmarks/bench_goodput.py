@@ -24,7 +24,9 @@ the save returns once its copies are done), ``+u<N>`` (``memory.max_uncommitted:
 finalized at the next iteration's top, at most one iteration lost), ``+slots<N>`` (``memory.slots: N`` instead of
 ``--slots``: N - 1 saves may be in flight), e.g. ``mem1+nocrc``, ``mem1snap+copyproc``,
 ``mem1snap+window16``, ``mem1+u1+host``; ``+rep<N>`` changes nothing (the same variant
-run again under another name, e.g. a sampled copy of an unsampled run: ``mem1snap+copyproc+rep2``). ``+mgc`` (any
+run again under another name, e.g. a sampled copy of an unsampled run: ``mem1snap+copyproc+rep2``); ``+base``
+runs the variant with ``--base-site``'s cpuckpt (a baseline commit's install) first on the path: before and after
+a change in one call, on one machine. ``+mgc`` (any
 variant, ``none`` included) runs Megatron-LM with ``--manual-gc``: the interpreter's automatic collector off for the
 whole run; a variant with it is compared with ``none+mgc`` (so ``none+mgc,mem1snap+copyproc+mgc`` against
 ``none,mem1snap+...`` says what the trainer's garbage collections under saves cost).
@@ -154,11 +156,11 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         elif change.startswith("u") and change[1:].isdigit():
             memory["max_uncommitted"] = int(change[1:])
         elif (change.startswith("rep") and change[len("rep"):].isdigit()) or (
-                change.startswith("slots") and change[len("slots"):].isdigit()) or change == "mgc":
-            pass  # rep: a name only; slots, mgc: read above
+                change.startswith("slots") and change[len("slots"):].isdigit()) or change in ("mgc", "base"):
+            pass  # rep: a name only; slots, mgc: read above; base: the environment (main)
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} "
-                             "(nocrc, copyproc, host, window<MiB>, io<N>, u<N>, slots<N>, rep<N>, mgc)")
+                             "(nocrc, copyproc, host, window<MiB>, io<N>, u<N>, slots<N>, rep<N>, mgc, base)")
     cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
@@ -345,6 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0.0, help="seconds for all runs (0: no limit)")
     ap.add_argument("--floor", default=None, help="path of overlap_floor.py: run it after the variants")
     ap.add_argument("--floor-budget", type=float, default=150.0)
+    ap.add_argument("--base-site", default="", help="a directory holding another cpuckpt install (a baseline "
+                    "commit's wheel): variants named +base run with it first on PYTHONPATH, so that one call compares "
+                    "two versions on one machine")
     ap.add_argument("--sample", default="", help="variants whose trainer's main thread is sampled (a profile)")
     ap.add_argument("--pyspy", default="", help="variants whose trainer's GIL is profiled by py-spy from outside")
     ap.add_argument("--pyspy-seconds", type=float, default=6.0)
@@ -381,7 +386,12 @@ def main(argv: list[str] | None = None) -> int:
             cmd, every = variant_argv(b, name, root, tmp, ram, args.iters)
             sampled = name in args.sample.split(",")
             gil = GilProfile(b, name, args.warm + 10, args.pyspy_seconds) if name in args.pyspy.split(",") else None
-            r = b.run(name, cmd, env=sample_env(b, name) if sampled else None, on_line=gil.hook() if gil else None)
+            env = sample_env(b, name) if sampled else None
+            if "base" in changes:  # the same run with the baseline's cpuckpt first on the path (--base-site)
+                if not args.base_site:
+                    ap.error(f"variant {name}: +base needs --base-site")
+                env = {**(env or {}), "PYTHONPATH": os.pathsep.join([args.base_site, (env or b.env)["PYTHONPATH"]])}
+            r = b.run(name, cmd, env=env, on_line=gil.hook() if gil else None)
             if gil is not None and (prof := gil.summary()) is not None:
                 results.setdefault("gil", {})[name] = prof
             g = goodput(r["iters"], args.warm)

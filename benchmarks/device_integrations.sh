@@ -2,7 +2,8 @@
 # The adapters on the GPU machine, in one script (phases: setup, tests, mlm-tests, deepspeed, megatron-lm, example,
 # zero (benchmarks/bench_zero_stall.py), loop (benchmarks/bench_loop.py, LOOP_ARGS), goodput-ds
 # (benchmarks/bench_goodput_ds.py, GOODPUT_DS_ARGS), goodput (benchmarks/bench_goodput.py: whole Megatron-LM runs, GOODPUT_ARGS,
-# bounded by GOODPUT_TIMEOUT, default 420 s; the floor tool runs too when .out/overlap_floor.py is there);
+# bounded by GOODPUT_TIMEOUT, default 420 s; the floor tool runs too when .out/overlap_floor.py is there, and +base
+# variants with a baseline commit's cpuckpt wheel when .whl-base/ holds one);
 # default all but zero, loop, goodput-ds and goodput). Extra arguments per phase: DS_ARGS, MLM_ARGS.
 # megatron-lm: benchmarks/bench_megatron_lm.py, its own phases through MLM_ARGS (default load,reuse,kill;
 # "save" is the torch_dist-vs-cpuckpt save comparison), bounded by MLM_TIMEOUT seconds (default 480; the
@@ -26,6 +27,10 @@ for phase in $phases; do
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
       python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
         || { echo "cpuckpt install failed"; exit 1; }
+      if ls .whl-base/cpuckpt-*.whl >/dev/null 2>&1; then  # a baseline commit's wheel: goodput's +base variants
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-base \
+          .whl-base/cpuckpt-*.whl || { echo "baseline install failed"; exit 1; }
+      fi
       python3 -c "import torch, megatron.core, deepspeed, cpuckpt.integrations.megatron as m; \
 print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'deepspeed', deepspeed.__version__)"
       ;;
@@ -57,9 +62,10 @@ print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'd
     goodput)
       (cd .megatron-lm && make -s -C megatron/core/datasets >/dev/null 2>&1 || echo "datasets helpers build failed")
       GOODPUT_TIMEOUT=${GOODPUT_TIMEOUT:-420}
-      FLOOR=(); [ -f .out/overlap_floor.py ] && FLOOR=(--floor .out/overlap_floor.py)
+      EXTRA=(); [ -f .out/overlap_floor.py ] && EXTRA=(--floor .out/overlap_floor.py)
+      [ -d /tmp/site-base ] && EXTRA+=(--base-site /tmp/site-base)  # +base variants
       PYTHONPATH=$BENCH_PATH timeout -k 15 "$GOODPUT_TIMEOUT" python3 -m benchmarks.bench_goodput \
-        --megatron-lm .megatron-lm --out "$OUT" --budget $((GOODPUT_TIMEOUT - 20)) "${FLOOR[@]}" ${GOODPUT_ARGS:-} 2>&1 \
+        --megatron-lm .megatron-lm --out "$OUT" --budget $((GOODPUT_TIMEOUT - 20)) "${EXTRA[@]}" ${GOODPUT_ARGS:-} 2>&1 \
         | tee "$OUT/bench_goodput.log" | grep -v "^\s*$" | tail -45
       rm -rf /root/cpuckpt-goodput /dev/shm/cpuckpt*
       ;;
