@@ -39,6 +39,7 @@ __all__ = [
     "Completeness",
     "SizeMismatch",
     "check_complete",
+    "check_slot_complete",
     "is_complete",
     "load_metadata",
     "manifest_from_json_part",
@@ -105,6 +106,38 @@ def check_complete(path: str | os.PathLike) -> Completeness:
         return Completeness(False, str(e), None, mtime)
     if manifest is None or not same_save(manifest, metadata):
         return Completeness(True, "", None, mtime)  # stock DCP (or stock DCP committed over us)
+    try:
+        problems = size_mismatches(path, manifest.files, first=True)
+    except OSError as e:
+        return Completeness(False, f"cannot stat its data files: {e}", manifest.step, mtime)
+    if problems:
+        return Completeness(False, f"{problems[0].name}: {problems[0].what}", manifest.step, mtime)
+    return Completeness(True, "", manifest.step, mtime)
+
+
+def check_slot_complete(path: str | os.PathLike) -> Completeness:
+    """:func:`check_complete` for a memory tier slot, without unpickling ``.metadata``, so that a writer process
+    sending replicas imports no torch (0.2 s of imports instead of 3.5 s and 250 MB of memory per rank).
+
+    Only the tier writes into a slot, always with a manifest: the slot is complete when ``.metadata`` is a whole
+    pickle (its last byte the STOP opcode) that names the manifest's save (the save's id, a random 40-character
+    string, among its bytes) and the manifest's data files have their sizes. Whatever reads the checkpoint (a load,
+    a restore, a partner restarting from the replica) still parses it with the restricted unpickler.
+    """
+    path = Path(path)
+    mtime, why = _commit_marker(path)
+    if why:
+        return Completeness(False, why, None, mtime)
+    try:
+        data = read_metadata_bytes(path)
+        manifest = _manifest_file(path)
+    except (IntegrityError, OSError) as e:
+        return Completeness(False, str(e), None, mtime)
+    if manifest is None:
+        return Completeness(False, f"no {MANIFEST_NAME}", None, mtime)
+    if not data.endswith(b".") or not manifest.save_id or manifest.save_id.encode() not in data:
+        return Completeness(False, f"{METADATA_NAME} does not name the manifest's save {manifest.save_id[:8]}",
+                            manifest.step, mtime)
     try:
         problems = size_mismatches(path, manifest.files, first=True)
     except OSError as e:

@@ -43,7 +43,7 @@ from typing import Any
 import crc32c
 
 from cpuckpt.backend.commit import clear_commit
-from cpuckpt.backend.committed import METADATA_NAME, check_complete, read_manifest
+from cpuckpt.backend.committed import METADATA_NAME, check_slot_complete, read_manifest
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError
 from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry
 from cpuckpt.tier.nodefiles import NODE_FILES_NAME, committed_node_files
@@ -176,8 +176,9 @@ class SlotContent:
 
 
 def slot_content(slot: Path) -> SlotContent | None:
-    """The checkpoint committed in ``slot`` (a DCP directory, or a file set with a node listing); None: none."""
-    if check_complete(slot).complete:
+    """The checkpoint committed in ``slot`` (a DCP directory, or a file set with a node listing); None: none.
+    Unpickles nothing: the writer process that sends replicas imports no torch (:func:`check_slot_complete`)."""
+    if check_slot_complete(slot).complete:
         manifest = read_manifest(slot)
         if manifest is None:
             return None

@@ -166,6 +166,8 @@ def _lagging(durable: str, base: str, site: str) -> None:
               "found_steps": [tier.step_of(p) for p in found], "changed": changed, "slot_steps": _slot_steps(tier),
               "replicated": replicated, "replicated_5": tier.replicated(5), "writer_pid": tier.writer_pid(),
               "writer_lock": str(tier.root.writer_lock_path(rank))}
+    maps = Path(f"/proc/{report['writer_pid']}/maps").read_text()  # it sent replicas of steps 1-4 and persisted 4
+    report["writer_torch"] = "libtorch" in maps or "libc10" in maps
     _die(report, Path(base) / "out", "lag")
 
 
@@ -192,6 +194,7 @@ def test_find_latest_mid_run_with_lagging_replicas_writes_nothing(lagging_run) -
         assert not r["changed"], f"rank {rank}: find_latest/candidates changed {r['changed'][:5]}"
         assert r["latest"] == r["slots"][1] and r["latest_step"] == 6, r
         assert r["found_steps"][:2] == [6, 5], r
+        assert not r["writer_torch"], f"rank {rank}: the writer process that sent replicas loaded torch"
 
 
 def _relaunch_newest(durable: str, base: str) -> None:

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 import cpuckpt
 from cpuckpt.backend.committed import (
     check_complete,
+    check_slot_complete,
     is_complete,
     read_manifest,
     same_save,
@@ -113,6 +114,46 @@ def test_a_stale_manifest_is_not_this_saves(ckpt):
     assert not same_save(manifest, md)
     c = check_complete(ckpt)
     assert c.complete and c.step is None
+
+
+@pytest.mark.parametrize(("damage", "fragment"), [
+    (None, ""),
+    ("no-metadata", "no .metadata"),
+    ("truncated-metadata", "does not name the manifest's save"),
+    ("another-save", "does not name the manifest's save"),
+    ("no-manifest", "no .cpuckpt.json"),
+    ("garbage-manifest", ".cpuckpt.json"),
+    ("truncated-data", f"{DATA}: 100 bytes on disk, the manifest says"),
+    ("missing-data", f"{DATA}: data file is missing"),
+])
+def test_a_slot_is_complete_without_unpickling_its_metadata(ckpt, tmp_path, damage, fragment):
+    """The writer's check of a memory slot (replicas): what check_complete refuses for a slot, it refuses too, and a
+    .metadata of another save (a stock save over the slot, or a slot refilled under it) is not this save's."""
+    data = ckpt / DATA
+    if damage == "no-metadata":
+        (ckpt / ".metadata").unlink()
+    elif damage == "truncated-metadata":
+        md = (ckpt / ".metadata").read_bytes()
+        (ckpt / ".metadata").write_bytes(md[: len(md) // 2])
+    elif damage == "another-save":
+        other = tmp_path / "other"
+        cpuckpt.save(_sd(), other, CFG, step=3)
+        (ckpt / ".metadata").write_bytes((other / ".metadata").read_bytes())
+    elif damage == "no-manifest":
+        (ckpt / ".cpuckpt.json").unlink()
+    elif damage == "garbage-manifest":
+        (ckpt / ".cpuckpt.json").write_text("{not json")
+    elif damage == "truncated-data":
+        os.truncate(data, 100)
+    elif damage == "missing-data":
+        data.unlink()
+    c = check_slot_complete(ckpt)
+    assert (c.complete, fragment in c.reason) == (damage is None, True), c.reason
+    if damage is None:
+        assert (c.step, c.committed_at) == (3, (ckpt / ".metadata").stat().st_mtime)
+        assert check_complete(ckpt).complete
+    else:  # without a manifest, or under another save's metadata, check_complete sees a stock DCP checkpoint
+        assert check_complete(ckpt).complete is (damage in ("no-manifest", "another-save"))
 
 
 def test_the_manifest_json_is_the_dataclass_fields_as_json_and_reads_back():
