@@ -321,13 +321,12 @@ class CachedItems:
         """What is checked of the tensors: written from a cached view; otherwise; complex ones' lazy bits.
 
         One comprehension each, no call per tensor: this is most of a cached save's call path. A written-from-view
-        tensor is checked by its address, not its storage and offset (half the cost): the cached view holds the
-        storage it was built on, so no other allocation can take that address while it is cached, and a leaf at
-        that address with the same shape, strides and dtype reads exactly the cached view's bytes.
+        tensor is checked by its storage and offset, not its address: a storage resized in place keeps its identity
+        but moves, and another tensor may then take its old address (the cached view reads the storage's new place).
         """
         get = leaves.__getitem__
-        static = [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.requires_grad, t.is_pinned(), t.is_neg())
-                  for t in map(get, self._static_pos)]
+        static = [(t.untyped_storage()._cdata, t.storage_offset(), t.shape, t.stride(), t.dtype, t.requires_grad,
+                   t.is_pinned(), t.is_neg()) for t in map(get, self._static_pos)]
         light = [(t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_pinned())
                  for t in map(get, self._light_pos)]
         lazy = [(t.is_conj(), t.is_neg()) for t in map(get, self._complex_pos)]

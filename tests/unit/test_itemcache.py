@@ -194,6 +194,22 @@ def test_a_change_is_never_reused(target, change):
     assert _run(target, [first, first, second, third]) == ["planner", "cached", "planner", "cached"]
 
 
+def test_another_storage_at_the_same_address_is_never_reused(tmp_path):
+    """A cached item is tied to its storage, not to its address: a storage resized in place keeps its identity but
+    moves, and another tensor may then take its old address with the same shape and dtype; the cached view would
+    read the moved storage. Here the other storage is made at that address directly (an alias of the same bytes)."""
+    import ctypes
+
+    first = torch.full((1000,), 1.0)
+    for k in range(2):
+        assert _save({"w": first.detach()}, tmp_path / f"s{k}").stats.resolved == ["planner", "cached"][k]
+    block = (ctypes.c_char * first.nbytes).from_address(first.data_ptr())
+    other = torch.frombuffer(block, dtype=torch.float32)  # same address, shape, strides, dtype: another storage
+    assert other.data_ptr() == first.data_ptr() and other.untyped_storage()._cdata != first.untyped_storage()._cdata
+    assert _save({"w": other}, tmp_path / "s2").stats.resolved == "planner"
+    _assert_loads(tmp_path / "s2", {"w": torch.full((1000,), 1.0)})
+
+
 def _fresh_aliases(state: Any) -> Any:
     """The same tensors through new wrapper objects (what ``state_dict()`` returns on the next step)."""
     if isinstance(state, torch.Tensor):
