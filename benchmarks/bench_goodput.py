@@ -17,7 +17,7 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
 
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
 ``+nocrc`` (``memory.checksum: false``: no crc32c of the images), ``+io<N>`` (``io.threads: N``: the copy process's
-checksum threads, and the writer's), ``+copyproc``
+checksum threads, and the writer's and the trainer's I/O and staging pools), ``+copyproc``
 (``memory.copy_process: true``: the checksums, and with a device snapshot the D2H copies, in a process of ours),
 ``+window<MiB>`` (the paced pieces' size, ``staging.d2h_window_bytes``), ``+host`` (``megatron.ordering: host``:
 the save returns once its copies are done), ``+u<N>`` (``memory.max_uncommitted: N``; ``u1``: each memory save
@@ -152,7 +152,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         elif change.startswith("window") and change[len("window"):].isdigit():
             staging["d2h_window_bytes"] = int(change[len("window"):]) << 20
         elif change.startswith("io") and change[2:].isdigit():
-            io["threads"] = int(change[2:])  # the copy process's checksum threads (and the writer's)
+            io["threads"] = int(change[2:])  # the copy process's checksum threads (and every pool sized by io.threads)
         elif change.startswith("u") and change[1:].isdigit():
             memory["max_uncommitted"] = int(change[1:])
         elif (change.startswith("rep") and change[len("rep"):].isdigit()) or (

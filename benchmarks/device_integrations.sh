@@ -25,8 +25,10 @@ for phase in $phases; do
   case $phase in
     setup)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-      python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
+      # --upgrade: a machine still warm from an earlier call would keep that call's cpuckpt
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site . \
         || { echo "cpuckpt install failed"; exit 1; }
+      rm -rf /tmp/site-base
       if ls .whl-base/cpuckpt-*.whl >/dev/null 2>&1; then  # a baseline commit's wheel: goodput's +base variants
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-base \
           .whl-base/cpuckpt-*.whl || { echo "baseline install failed"; exit 1; }

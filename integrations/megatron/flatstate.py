@@ -72,7 +72,9 @@ def grouped(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool) ->
     first result: every ``ShardedTensor`` under its key, every ``ShardedObject`` under its unique key, in the
     traversal's order, main replicas only if asked), without the flattened names it builds for the way back: one
     walk over dicts and lists, no path per leaf (a third of a repeated save's start on the trainer's thread). Anything
-    else in the dict (another leaf type, an empty list, a tuple) is left to megatron-core's function."""
+    else in the dict (another leaf type, an empty list, a tuple) is left to megatron-core's function. Unlike it, two
+    paths that flatten to one name (``{"a.b": x, "a": {"b": y}}``) are not refused here: :func:`flat_state`'s build,
+    which the first save of every structure runs, groups through megatron-core and refuses them."""
     groups: dict[str, list[Any]] = {}
 
     def visit(value: Any) -> None:
@@ -119,14 +121,14 @@ def flat_state(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool,
         if isinstance(group[0], ShardedTensor):
             for sh in group:
                 if sh.data is None or sh.flattened_range is not None or not isinstance(sh, ShardedTensor):
-                    return mcore_to_pyt_state_dict(sharded, False)
+                    return to_pyt(sharded_state_dict, keep_only_main_replica)
                 names.append((fqn, tuple(sh.global_offset)))
                 leaves.append(sh.data)
                 key.append((fqn, sh.global_shape, sh.global_offset, sh.local_shape, sh.dtype, sh.prepend_axis_num,
                             sh.axis_fragmentations, sh.allow_shape_mismatch))
         else:
             if not all(isinstance(sh, ShardedObject) for sh in group):
-                return mcore_to_pyt_state_dict(sharded, False)
+                return to_pyt(sharded_state_dict, keep_only_main_replica)
             buf = _pack([sh.data for sh in group], packed)
             objects[fqn] = buf
             names.append((fqn, None))
@@ -134,7 +136,10 @@ def flat_state(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool,
             key.append((fqn, len(group)))
 
     def build() -> dict[str, Any]:  # megatron-core's translation, in its order, with the objects packed above
-        tensors = mcore_to_pyt_state_dict({fqn: group for fqn, group in sharded.items() if fqn not in objects}, False)
-        return {fqn: objects[fqn] if fqn in objects else tensors[fqn] for fqn in sharded}
+        # Built only when the item cache has no layout for this structure (its first save, or a change): megatron-core
+        # groups it itself then, with its own checks (a flattened path twice is its ValueError), which grouped() skips.
+        checked, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica)
+        tensors = mcore_to_pyt_state_dict({fqn: group for fqn, group in checked.items() if fqn not in objects}, False)
+        return {fqn: objects[fqn] if fqn in objects else tensors[fqn] for fqn in checked}
 
     return FlatState(key=("megatron", tuple(key)), names=names, leaves=leaves, build=build)

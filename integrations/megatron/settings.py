@@ -62,6 +62,9 @@ class MegatronOptions:
             The copies are paced from the trainer's module calls in 64 MiB pieces, one in flight
             (``staging.d2h_window_bytes``, when left 0: :mod:`cpuckpt.transfer.pacing`), so the
             iteration's ``.item()`` calls do not wait behind the whole save on the copy engine.
+        start_at: where a save recorded inside Megatron-LM's ``save_checkpoint`` starts: ``finalize``, the watched
+            queue's next finalize at the top of the next iteration, the only start point. Kept so that configs naming
+            it still load; the model's forward as the start point was measured slower and removed.
         prepare_pool: after the first optimizer step, reserve (allocate, touch, pin) the host pool
             on a background thread, sized from the model and optimizer state (:mod:`.prepare`), so
             the first async save costs what later ones cost. Not used with ``memory_tier`` (saves go
@@ -79,6 +82,7 @@ class MegatronOptions:
     reuse_plan: bool = True
     memory_tier: bool = False
     ordering: str = field(default="host", metadata={"choices": ("host", "optimizer")})
+    start_at: str = field(default="finalize", metadata={"choices": ("finalize",)})
     prepare_pool: bool = True
     fallback_on_corrupt: bool = True
 

@@ -76,3 +76,15 @@ def test_the_reservation_wrapper_of_setup_is_found_again_by_a_later_install():
     hook._reserve_slots_after_setup(second, Training)
     assert Training.setup_model_and_optimizer is outer
     assert reserve._cpuckpt_run is second and "_cpuckpt_run" not in outer.__dict__
+
+
+def test_a_config_naming_the_start_point_still_loads():
+    """``megatron.start_at: finalize`` (what configs/megatron.yaml shipped) loads; the removed ``forward`` is refused
+    by name."""
+    from cpuckpt.integrations.megatron.settings import split_config
+
+    from cpuckpt.errors import ConfigError
+
+    assert split_config({"megatron": {"ordering": "optimizer", "start_at": "finalize"}})[1].start_at == "finalize"
+    with pytest.raises(ConfigError, match="start_at"):
+        split_config({"megatron": {"start_at": "forward"}})

@@ -102,3 +102,14 @@ def test_a_value_the_grouping_does_not_know_goes_to_megatron_core(odd: object):
     with pytest.raises(AssertionError) as ours:
         flatstate.grouped(state, True)
     assert str(ours.value) == str(theirs.value)
+
+
+def test_two_paths_flattened_to_one_name_are_refused_when_the_structure_is_first_built():
+    """megatron-core refuses a state dict whose paths flatten to one name; the fast grouping does not look, but the
+    build of every new structure (the item cache's first save of it) groups through megatron-core."""
+    state = {"a.b": ShardedTensor.from_rank_offsets("x", torch.ones(2), replica_id=0),
+             "a": {"b": ShardedTensor.from_rank_offsets("y", torch.ones(2), replica_id=0)}}
+    assert list(flatstate.grouped(state, True)) == ["x", "y"]
+    flat = flatstate.flat_state(state, True)
+    with pytest.raises(ValueError, match="duplicated flatten key"):
+        flat.build()
