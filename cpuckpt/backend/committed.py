@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError, as_storage_error
 from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json
+from cpuckpt.format.metapickle import holds_text
 
 if TYPE_CHECKING:  # torch is imported where metadata is unpickled: the writer process mostly never does
     from torch.distributed.checkpoint.metadata import Metadata
@@ -120,9 +122,10 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
     sending replicas imports no torch (0.2 s of imports instead of 3.5 s and 250 MB of memory per rank).
 
     Only the tier writes into a slot, always with a manifest: the slot is complete when ``.metadata`` is a whole
-    pickle (its last byte the STOP opcode) that names the manifest's save (the save's id, a random 40-character
-    string, among its bytes) and the manifest's data files have their sizes. Whatever reads the checkpoint (a load,
-    a restore, a partner restarting from the replica) still parses it with the restricted unpickler.
+    pickle (its last byte the STOP opcode) holding the manifest's save id as a string record (the tier's ids are
+    unique per save) and the manifest's data files have their sizes. Whatever reads the checkpoint (a load, a
+    restore, a partner restarting from the replica) still parses it with the restricted unpickler, which refuses a
+    ``.metadata`` damaged in RAM: such a replica is never loaded, though it replaces the partner's previous one.
     """
     path = Path(path)
     mtime, why = _commit_marker(path)
@@ -135,8 +138,9 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
         return Completeness(False, str(e), None, mtime)
     if manifest is None:
         return Completeness(False, f"no {MANIFEST_NAME}", None, mtime)
-    if not data.endswith(b".") or not manifest.save_id or manifest.save_id.encode() not in data:
-        return Completeness(False, f"{METADATA_NAME} does not name the manifest's save {manifest.save_id[:8]}",
+    save_id = manifest.save_id
+    if not (isinstance(save_id, str) and save_id and data.endswith(pickle.STOP) and holds_text(data, save_id)):
+        return Completeness(False, f"{METADATA_NAME} does not name the manifest's save {str(save_id)[:8]!r}",
                             manifest.step, mtime)
     try:
         problems = size_mismatches(path, manifest.files, first=True)

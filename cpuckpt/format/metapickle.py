@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
-__all__ = ["MetadataPickles", "dumps_metadata", "reusable", "with_checkpoint_id"]
+__all__ = ["MetadataPickles", "dumps_metadata", "holds_text", "reusable", "with_checkpoint_id"]
 
 _PER_SAVE = ("storage_data", "storage_meta")  # the fields a save from a cached plan fills anew
 
@@ -141,6 +141,17 @@ def _id_record(data: bytes, save_id: str) -> int | None:
     if at < 0 or data.find(record, at + 1) >= 0:
         return None
     return at + len(head)
+
+
+def holds_text(data: bytes, text: str) -> bool:
+    """Whether the pickle ``data`` holds ``text`` as a string record of its own (its opcode and length before it, as
+    pickle writes it: UTF-8, lone surrogates passed through), not merely its bytes inside a longer string."""
+    raw = text.encode("utf-8", "surrogatepass")
+    n = len(raw)
+    heads = [pickle.BINUNICODE + n.to_bytes(4, "little")]  # protocols < 4 write every string so
+    if n < 256:
+        heads.append(pickle.SHORT_BINUNICODE + bytes([n]))
+    return any(head + raw in data for head in heads)
 
 
 _PICKLES = MetadataPickles()  # cached plans' structures (weakly), a pickle per slot

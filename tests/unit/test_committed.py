@@ -122,6 +122,7 @@ def test_a_stale_manifest_is_not_this_saves(ckpt):
     ("truncated-metadata", "does not name the manifest's save"),
     ("another-save", "does not name the manifest's save"),
     ("no-manifest", "no .cpuckpt.json"),
+    ("save-id-not-a-string", "does not name the manifest's save"),
     ("garbage-manifest", ".cpuckpt.json"),
     ("truncated-data", f"{DATA}: 100 bytes on disk, the manifest says"),
     ("missing-data", f"{DATA}: data file is missing"),
@@ -141,6 +142,10 @@ def test_a_slot_is_complete_without_unpickling_its_metadata(ckpt, tmp_path, dama
         (ckpt / ".metadata").write_bytes((other / ".metadata").read_bytes())
     elif damage == "no-manifest":
         (ckpt / ".cpuckpt.json").unlink()
+    elif damage == "save-id-not-a-string":  # a manifest that parses, with a number for its save: refused, not raised
+        text = (ckpt / ".cpuckpt.json").read_text()
+        save_id = read_manifest(ckpt).save_id
+        (ckpt / ".cpuckpt.json").write_text(text.replace(f'"{save_id}"', "12345"))
     elif damage == "garbage-manifest":
         (ckpt / ".cpuckpt.json").write_text("{not json")
     elif damage == "truncated-data":
@@ -152,7 +157,7 @@ def test_a_slot_is_complete_without_unpickling_its_metadata(ckpt, tmp_path, dama
     if damage is None:
         assert (c.step, c.committed_at) == (3, (ckpt / ".metadata").stat().st_mtime)
         assert check_complete(ckpt).complete
-    else:  # without a manifest, or under another save's metadata, check_complete sees a stock DCP checkpoint
+    elif damage != "save-id-not-a-string":  # without a manifest, or under another save's metadata: stock DCP to it
         assert check_complete(ckpt).complete is (damage in ("no-manifest", "another-save"))
 
 

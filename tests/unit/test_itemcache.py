@@ -204,6 +204,7 @@ def test_another_storage_at_the_same_address_is_never_reused(tmp_path):
     for k in range(2):
         assert _save({"w": first.detach()}, tmp_path / f"s{k}").stats.resolved == ["planner", "cached"][k]
     block = (ctypes.c_char * first.nbytes).from_address(first.data_ptr())
+    block.owner = first  # the aliased memory lives as long as the alias (the item cache may keep it past the test)
     other = torch.frombuffer(block, dtype=torch.float32)  # same address, shape, strides, dtype: another storage
     assert other.data_ptr() == first.data_ptr() and other.untyped_storage()._cdata != first.untyped_storage()._cdata
     assert _save({"w": other}, tmp_path / "s2").stats.resolved == "planner"

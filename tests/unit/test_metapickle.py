@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from cpuckpt.format.metapickle import MetadataPickles, with_checkpoint_id
+from cpuckpt.format.metapickle import MetadataPickles, holds_text, with_checkpoint_id
 from cpuckpt.format.unpickle import unpickle_metadata
 
 SDM = {f"layer.{i}.w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([8, 4]),
@@ -202,3 +202,13 @@ def test_with_checkpoint_id_refuses_what_it_cannot_rename_alone():
     assert with_checkpoint_id(pickle.dumps(md), "/d") is None
     assert with_checkpoint_id(b"not a pickle", "/d") is None
     assert with_checkpoint_id(pickle.dumps(_md("x")), Path("/d")) is None  # not a str
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_a_string_record_is_found_as_a_whole_never_inside_a_longer_one(protocol):
+    """A slot's .metadata names its save by a string record of its own: "s1" is not found inside "s10", a name with
+    a lone surrogate (a job named by undecodable bytes) is found as pickle wrote it, a name 256 bytes or longer too."""
+    long_id = "j" * 300
+    data = pickle.dumps({"save_id": "s10", "other": "job\udcff-1", "long": long_id}, protocol=protocol)
+    assert holds_text(data, "s10") and not holds_text(data, "s1") and not holds_text(data, "10")
+    assert holds_text(data, "job\udcff-1") and holds_text(data, long_id) and not holds_text(data, long_id[:-1])
