@@ -90,7 +90,7 @@ def order_pending_saves() -> int:
 class _Started:
     """A save's handle, made when its start ran (at once, or at a start point: see :mod:`.deferred`).
 
-    Once it ran, the start (and with it Megatron's sharded state dict, ~10,000 objects for a 24-layer GPT) is
+    Once it ran, the start (and with it Megatron's sharded state dict: thousands of objects for a 24-layer GPT) is
     dropped: the request lives until the save is finalized, iterations later, and what it held would outlive the
     young generations of the trainer's garbage collector, bringing its full collections (hundreds of ms) sooner."""
 
