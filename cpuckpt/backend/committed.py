@@ -108,13 +108,7 @@ def check_complete(path: str | os.PathLike) -> Completeness:
         return Completeness(False, str(e), None, mtime)
     if manifest is None or not same_save(manifest, metadata):
         return Completeness(True, "", None, mtime)  # stock DCP (or stock DCP committed over us)
-    try:
-        problems = size_mismatches(path, manifest.files, first=True)
-    except OSError as e:
-        return Completeness(False, f"cannot stat its data files: {e}", manifest.step, mtime)
-    if problems:
-        return Completeness(False, f"{problems[0].name}: {problems[0].what}", manifest.step, mtime)
-    return Completeness(True, "", manifest.step, mtime)
+    return _with_sizes(path, manifest, mtime)
 
 
 def check_slot_complete(path: str | os.PathLike) -> Completeness:
@@ -142,6 +136,11 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
     if not (isinstance(save_id, str) and save_id and data.endswith(pickle.STOP) and holds_text(data, save_id)):
         return Completeness(False, f"{METADATA_NAME} does not name the manifest's save {str(save_id)[:8]!r}",
                             manifest.step, mtime)
+    return _with_sizes(path, manifest, mtime)
+
+
+def _with_sizes(path: Path, manifest: Manifest, mtime: float | None) -> Completeness:
+    """The last step of both checks: complete when every data file the manifest lists has its size."""
     try:
         problems = size_mismatches(path, manifest.files, first=True)
     except OSError as e:

@@ -133,25 +133,28 @@ def _id_record(data: bytes, save_id: str) -> int | None:
     """Where the text of ``save_id``'s string record starts in the pickle ``data``, None unless its bytes (opcode,
     length, text) occur exactly once. The record is there (the id is pickled as an object of its own, protocol 4+),
     so one occurrence is that record: no other record, and no bytes across two, read the same."""
-    text = save_id.encode()
-    n = len(text)
-    head = pickle.SHORT_BINUNICODE + bytes([n]) if n < 256 else pickle.BINUNICODE + n.to_bytes(4, "little")
-    record = head + text
+    record = _string_records(save_id)[0]
     at = data.find(record)
     if at < 0 or data.find(record, at + 1) >= 0:
         return None
-    return at + len(head)
+    return at + len(record) - len(save_id.encode("utf-8", "surrogatepass"))
+
+
+def _string_records(text: str) -> list[bytes]:
+    """``text``'s string record as pickle writes it (opcode, length, UTF-8 with lone surrogates passed through):
+    protocols 4+ first (SHORT_BINUNICODE under 256 bytes), then BINUNICODE (protocols < 4 write every string so)."""
+    raw = text.encode("utf-8", "surrogatepass")
+    n = len(raw)
+    records = [pickle.BINUNICODE + n.to_bytes(4, "little") + raw]
+    if n < 256:
+        records.insert(0, pickle.SHORT_BINUNICODE + bytes([n]) + raw)
+    return records
 
 
 def holds_text(data: bytes, text: str) -> bool:
     """Whether the pickle ``data`` holds ``text`` as a string record of its own (its opcode and length before it, as
     pickle writes it: UTF-8, lone surrogates passed through), not merely its bytes inside a longer string."""
-    raw = text.encode("utf-8", "surrogatepass")
-    n = len(raw)
-    heads = [pickle.BINUNICODE + n.to_bytes(4, "little")]  # protocols < 4 write every string so
-    if n < 256:
-        heads.append(pickle.SHORT_BINUNICODE + bytes([n]))
-    return any(head + raw in data for head in heads)
+    return any(record in data for record in _string_records(text))
 
 
 _PICKLES = MetadataPickles()  # cached plans' structures (weakly), a pickle per slot

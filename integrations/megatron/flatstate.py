@@ -73,9 +73,9 @@ def grouped(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool) ->
     traversal's order, main replicas only if asked), without the flattened names it builds for the way back: one
     walk over dicts and lists, no path per leaf (megatron-core's took 6 of the ~26 ms of a repeated save's start and
     finalize on the 2-core box, 1,152 tensors). Anything else in the dict (another leaf type, an empty list, a tuple)
-    is left to megatron-core's function. Unlike it, two
-    paths that flatten to one name (``{"a.b": x, "a": {"b": y}}``) are not refused here: :func:`flat_state`'s build,
-    which the first save of every structure runs, groups through megatron-core and refuses them."""
+    is left to megatron-core's function. Unlike it, two paths that flatten to one name (``{"a.b": x, "a": {"b": y}}``)
+    are not refused here: :func:`flat_state`'s build, which the first save of every structure runs, groups through
+    megatron-core and refuses them."""
     groups: dict[str, list[Any]] = {}
 
     def visit(value: Any) -> None:
