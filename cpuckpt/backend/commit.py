@@ -12,6 +12,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+import crc32c
+
 from cpuckpt import faultpoint
 from cpuckpt.backend.committed import METADATA_NAME, manifest_from_json_part, size_mismatches
 from cpuckpt.errors import IntegrityError, as_storage_error
@@ -83,6 +85,7 @@ def commit_checkpoint(path: Path, metadata: Metadata | bytes, prefixes: list[str
         for entry in entries:
             manifest.files[entry.name] = entry
     pickled = metadata if isinstance(metadata, bytes) else dumps_metadata(metadata)
+    manifest.metadata_crc32c = crc32c.crc32c(pickled)
     for name, data in ((MANIFEST_NAME, manifest.to_json().encode()), (METADATA_NAME, pickled)):
         try:
             write_atomic(path / name, data, fsync=fsync)

@@ -8,12 +8,13 @@ Completeness, defined once here (:func:`check_complete`), in three steps:
    (:func:`is_complete`: one ``stat``, nothing read; what a successful save guarantees, and what
    stock DCP looks for);
 2. ``.metadata`` is accepted by the restricted unpickler as DCP ``Metadata``;
-3. if a cpuckpt manifest of the same save is there, it parses and every data file it lists exists
-   with the listed size (:func:`size_mismatches`; stock DCP checkpoints, and a manifest of an earlier
-   save that a stock save committed over, stop at step 2).
+3. if a cpuckpt manifest of the same save is there, it parses, ``.metadata`` has the crc32c it
+   records (:func:`metadata_damage`; manifests of format 1 record none), and every data file it lists
+   exists with the listed size (:func:`size_mismatches`; stock DCP checkpoints, and a manifest of an
+   earlier save that a stock save committed over, stop at step 2).
 
-Checksums are not read (that is the load's and ``cpuckpt verify``'s job): the whole check costs one
-read of ``.metadata`` and one ``stat`` per data file. ``find_latest``, retention, the ``latest``
+The data files' checksums are not read (that is the load's and ``cpuckpt verify``'s job): the whole
+check costs one read of ``.metadata`` and one ``stat`` per data file. ``find_latest``, retention, the ``latest``
 pointer and ``cpuckpt ls`` use the whole check, so a checkpoint damaged after its commit is never
 picked; :func:`is_complete` is step 1 alone, for callers that only ask "did the save commit?".
 """
@@ -28,6 +29,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import crc32c
 
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError, as_storage_error
 from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json
@@ -45,6 +48,7 @@ __all__ = [
     "is_complete",
     "load_metadata",
     "manifest_from_json_part",
+    "metadata_damage",
     "parse_metadata",
     "read_manifest",
     "read_metadata_bytes",
@@ -99,16 +103,14 @@ def check_complete(path: str | os.PathLike) -> Completeness:
     if why:
         return Completeness(False, why, None, mtime)
     try:
-        metadata = load_metadata(path)  # restricted unpickler: garbage or hostile metadata is refused
-    except (IntegrityError, OSError) as e:
-        return Completeness(False, str(e), None, mtime)
-    try:
+        data = read_metadata_bytes(path)
+        metadata = parse_metadata(data, path / METADATA_NAME)  # restricted unpickler: garbage or hostile is refused
         manifest = _manifest_file(path)
     except (IntegrityError, OSError) as e:
         return Completeness(False, str(e), None, mtime)
     if manifest is None or not same_save(manifest, metadata):
         return Completeness(True, "", None, mtime)  # stock DCP (or stock DCP committed over us)
-    return _with_sizes(path, manifest, mtime)
+    return _with_sizes(path, manifest, mtime, data)
 
 
 def check_slot_complete(path: str | os.PathLike) -> Completeness:
@@ -117,9 +119,10 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
 
     Only the tier writes into a slot, always with a manifest: the slot is complete when ``.metadata`` is a whole
     pickle (its last byte the STOP opcode) holding the manifest's save id as a string record (the tier's ids are
-    unique per save) and the manifest's data files have their sizes. Whatever reads the checkpoint (a load, a
-    restore, a partner restarting from the replica) still parses it with the restricted unpickler, which refuses a
-    ``.metadata`` damaged in RAM: such a replica is never loaded, though it replaces the partner's previous one.
+    unique per save), its crc32c is the one the manifest records, and the manifest's data files have their sizes:
+    a ``.metadata`` damaged in RAM after its commit is never sent to a partner (where it would replace the
+    partner's previous replica) nor persisted. Whatever reads the checkpoint still parses it with the restricted
+    unpickler.
     """
     path = Path(path)
     mtime, why = _commit_marker(path)
@@ -136,11 +139,27 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
     if not (isinstance(save_id, str) and save_id and data.endswith(pickle.STOP) and holds_text(data, save_id)):
         return Completeness(False, f"{METADATA_NAME} does not name the manifest's save {str(save_id)[:8]!r}",
                             manifest.step, mtime)
-    return _with_sizes(path, manifest, mtime)
+    return _with_sizes(path, manifest, mtime, data)
 
 
-def _with_sizes(path: Path, manifest: Manifest, mtime: float | None) -> Completeness:
-    """The last step of both checks: complete when every data file the manifest lists has its size."""
+def metadata_damage(manifest: Manifest, data: bytes) -> str:
+    """Why ``data`` (a ``.metadata``'s bytes) is not the pickle committed with ``manifest``: its crc32c differs
+    from the one the manifest records; "" when it is the same, or the manifest records none (format 1)."""
+    if manifest.metadata_crc32c is None:
+        return ""
+    actual = crc32c.crc32c(data)
+    if actual == manifest.metadata_crc32c:
+        return ""
+    return (f"{METADATA_NAME} is not the one committed with the manifest (crc32c {actual}, the manifest says "
+            f"{manifest.metadata_crc32c}): damaged after its commit")
+
+
+def _with_sizes(path: Path, manifest: Manifest, mtime: float | None, data: bytes) -> Completeness:
+    """The last steps of both checks: complete when ``.metadata`` (``data``) is the pickle committed with the
+    manifest and every data file the manifest lists has its size."""
+    damage = metadata_damage(manifest, data)
+    if damage:
+        return Completeness(False, damage, manifest.step, mtime)
     try:
         problems = size_mismatches(path, manifest.files, first=True)
     except OSError as e:

@@ -26,11 +26,14 @@ import pickle
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+import crc32c
+
 from cpuckpt import faultpoint
 from cpuckpt.backend.committed import (
     METADATA_NAME,
     Completeness,
     manifest_from_json_part,
+    metadata_damage,
     parse_metadata,
     same_save,
 )
@@ -44,7 +47,7 @@ if TYPE_CHECKING:  # the writer process commits without torch
 
     from cpuckpt.transfer.s3sink import S3SinkFactory
 
-__all__ = ["S3Target", "check_complete", "load_metadata", "read_manifest", "size_mismatches"]
+__all__ = ["S3Target", "check_complete", "load_metadata", "read_manifest", "read_metadata_bytes", "size_mismatches"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +108,11 @@ class S3Target:
                                  "appeared while this save uploaded); this save's objects may have replaced some "
                                  "of its data, which its checksums will report at load",
                                  path=str(self.url / METADATA_NAME), errno_=errno.EEXIST)
+        pickled = pickle.dumps(metadata)
+        manifest.metadata_crc32c = crc32c.crc32c(pickled)
         self.store.put(self.url / MANIFEST_NAME, manifest.to_json().encode())
         faultpoint.hit(f"before-rename:{METADATA_NAME}")
-        if not self.store.put(self.url / METADATA_NAME, pickle.dumps(metadata), if_absent=True) \
+        if not self.store.put(self.url / METADATA_NAME, pickled, if_absent=True) \
                 and not self._committed_by(metadata):
             raise StorageIOError(f"{self.url}: another save committed this checkpoint first (conditional PUT of "
                                  f"{METADATA_NAME} refused); this save's objects may have replaced some of its "
@@ -158,11 +163,20 @@ def load_metadata(store: ObjectStore, url: S3Url) -> Metadata:
         StorageIOError: it cannot be read.
         CheckpointCorrupt: present but refused or not DCP metadata.
     """
-    md_url = url / METADATA_NAME
-    data = store.get(md_url)
+    return parse_metadata(read_metadata_bytes(store, url), url / METADATA_NAME)
+
+
+def read_metadata_bytes(store: ObjectStore, url: S3Url) -> bytes:
+    """``url/.metadata``'s bytes, not unpickled.
+
+    Raises:
+        IntegrityError: missing (a save that did not complete, or not a checkpoint).
+        StorageIOError: it cannot be read.
+    """
+    data = store.get(url / METADATA_NAME)
     if data is None:
         raise IntegrityError(f"{url}: no {METADATA_NAME}: not a checkpoint, or a save that did not complete")
-    return parse_metadata(data, md_url)
+    return data
 
 
 def read_manifest(store: ObjectStore, url: S3Url) -> Manifest | None:
@@ -198,12 +212,16 @@ def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
         return Completeness(False, f"no {METADATA_NAME}" if info is None else f"{METADATA_NAME} is empty")
     faultpoint.hit(f"s3-complete:{url.name}")
     try:
-        metadata = load_metadata(store, url)
+        data = read_metadata_bytes(store, url)
+        metadata = parse_metadata(data, url / METADATA_NAME)
         manifest = read_manifest(store, url)
     except IntegrityError as e:  # gone since the HEAD, refused or unparsable: damage, not a read error
         return Completeness(False, str(e), None, info.mtime)
     if manifest is None or not same_save(manifest, metadata):
         return Completeness(True, "", None, info.mtime)
+    damage = metadata_damage(manifest, data)
+    if damage:
+        return Completeness(False, damage, manifest.step, info.mtime)
     problems = size_mismatches(store, url, manifest.files, first=True)
     if problems:
         return Completeness(False, problems[0], manifest.step, info.mtime)

@@ -24,7 +24,7 @@ __all__ = [
     "part_name",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: metadata_crc32c
 MIN_READER_VERSION = 1
 MANIFEST_NAME = ".cpuckpt.json"
 
@@ -57,6 +57,9 @@ class Manifest:
     cpuckpt_version: str = ""
     torch_version: str = ""
     save_id: str = ""
+    # crc32c of the ``.metadata`` committed with this manifest (None: a writer of format 1): what tells a pickle
+    # damaged after its commit (in RAM, on disk) from the one committed, without unpickling it
+    metadata_crc32c: int | None = None
     step: int | None = None
     created_unix: float = 0.0
     world_size: int = 1

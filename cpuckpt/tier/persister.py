@@ -44,14 +44,14 @@ from cpuckpt.backend.commit import clear_commit, commit_checkpoint
 from cpuckpt.backend.committed import (
     METADATA_NAME,
     check_complete,
-    load_metadata,
+    metadata_damage,
     parse_metadata,
     read_manifest,
     read_metadata_bytes,
 )
 from cpuckpt.backend.s3commit import S3Target
 from cpuckpt.config import Config
-from cpuckpt.errors import CheckpointTimeoutError, IntegrityError, StorageIOError
+from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, IntegrityError, StorageIOError
 from cpuckpt.format.manifest import FileEntry, Manifest, manifest_from_json, part_name
 from cpuckpt.format.metapickle import with_checkpoint_id
 from cpuckpt.paths import S3Url, is_s3
@@ -208,10 +208,7 @@ def _persist_one_s3(req: PersistRequest, queue: PersistQueue | None) -> Outcome:
         if req.coordinator:
             prefixes = s3persist.await_parts(store, dest, req.save_id, req.world_size, deadline,
                                              lambda: queue is not None and queue.outcome(req.seq) is not None)
-            metadata = load_metadata(slot)
-            if _committed_save_id(slot) != req.save_id:
-                raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of "
-                                     f"{req.save_id[:8]}")
+            metadata = parse_metadata(_slot_metadata(req, slot, manifest), slot / METADATA_NAME)
             metadata.storage_meta.checkpoint_id = str(dest)
             S3Target(store, dest).commit(metadata, prefixes, _durable_manifest(req, manifest, t0))
             after_commit(dest, cfg)
@@ -363,9 +360,7 @@ def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Pa
                     deadline: float, t0: float, queue: PersistQueue | None = None) -> None:
     prefixes = [f"__{r}_" for r in range(req.world_size)]
     _await_parts(req, dest, {f"the part of {p}": dest / part_name(p) for p in prefixes}, deadline, queue)
-    data = read_metadata_bytes(slot)
-    if _committed_save_id(slot) != req.save_id:
-        raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of {req.save_id[:8]}")
+    data = _slot_metadata(req, slot, memory)
     # the slot's pickle renamed without torch; where torch is in already (a replica's or `latest`'s completeness
     # check imported it), or the shape or size is another, unpickled (C speed) and renamed
     metadata = None if "torch" in sys.modules else with_checkpoint_id(data, str(dest))
@@ -374,6 +369,19 @@ def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Pa
         metadata.storage_meta.checkpoint_id = str(dest)
     commit_checkpoint(dest, metadata, prefixes, _durable_manifest(req, memory, t0), fsync=cfg.io.fsync)
     after_commit(dest, cfg)
+
+
+def _slot_metadata(req: PersistRequest, slot: Path, manifest: Manifest) -> bytes:
+    """The ``.metadata`` bytes of the request's save in ``slot`` (its memory ``manifest``), for its durable commit.
+    Raises when the slot holds another save by now, or bytes other than those committed with the manifest (damaged
+    in RAM: a durable commit of them would be complete and wrong)."""
+    data = read_metadata_bytes(slot)
+    if _committed_save_id(slot) != req.save_id:
+        raise IntegrityError(f"{slot}: overwritten by another save before the durable commit of {req.save_id[:8]}")
+    damage = metadata_damage(manifest, data)
+    if damage:
+        raise CheckpointCorrupt(f"{slot}: {damage}; not persisted")
+    return data
 
 
 def _durable_manifest(req: PersistRequest, memory: Manifest, t0: float) -> Manifest:

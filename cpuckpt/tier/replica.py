@@ -43,9 +43,9 @@ from typing import Any
 import crc32c
 
 from cpuckpt.backend.commit import clear_commit
-from cpuckpt.backend.committed import METADATA_NAME, check_slot_complete, read_manifest
+from cpuckpt.backend.committed import METADATA_NAME, check_slot_complete, metadata_damage, read_manifest
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError
-from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry
+from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry, manifest_from_json
 from cpuckpt.tier.nodefiles import NODE_FILES_NAME, committed_node_files
 from cpuckpt.tier.ramroot import require_free
 from cpuckpt.transfer.files import write_atomic
@@ -382,6 +382,7 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
         commit_bytes.append((n, bytes(data)))
     verdict = bytearray(1)
     _recv_exact(conn, memoryview(verdict))
+    damaged += _commit_damage(target, dict(commit_bytes))
     if damaged:
         raise CheckpointCorrupt(f"{damaged[0]}; the replica is not committed")
     if bytes(verdict) != b"C":
@@ -392,6 +393,18 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
     logger.info("received %s of %s (save %s, step %s) into %s in %.3f s", _human(sum(e.nbytes for e in entries)),
                 head["source"], save_id[:8], step, target, time.perf_counter() - t0)
     return target
+
+
+def _commit_damage(target: Path, commit: dict[str, bytes]) -> list[str]:
+    """A DCP slot's ``.metadata`` as it arrived, against the crc32c its manifest records (the data chunks are
+    checked as they arrive); a file set's commit files carry none."""
+    if MANIFEST_NAME not in commit or METADATA_NAME not in commit:
+        return []
+    try:
+        damage = metadata_damage(manifest_from_json(commit[MANIFEST_NAME]), commit[METADATA_NAME])
+    except (ValueError, TypeError) as e:
+        damage = f"unreadable manifest: {e}"
+    return [f"{target}: {damage}"] if damage else []
 
 
 def _refuse_overwriting_newer(target: Path, save_id: str, step: int | None) -> None:

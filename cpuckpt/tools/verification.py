@@ -1,8 +1,9 @@
 """Full verification of a checkpoint (``cpuckpt verify``): every byte of every data file. Reads only.
 
-For a cpuckpt checkpoint, every chunk of every file in the manifest is read and its crc32c compared
-with the manifest, every file's size with the manifest's, and every ``.metadata`` record must lie
-inside a listed file. For a stock DCP checkpoint (no manifest) every record is read and must load:
+For a cpuckpt checkpoint, ``.metadata``'s crc32c is compared with the one the manifest records
+(format 2 on), every chunk of every file in the manifest is read and its crc32c compared with the
+manifest, every file's size with the manifest's, and every ``.metadata`` record must lie inside a
+listed file. For a stock DCP checkpoint (no manifest) every record is read and must load:
 its zip CRCs are checked and a tensor record is loaded with ``torch.load(weights_only=True)``; a
 non-tensor record that ``weights_only`` refuses (an arbitrary pickled object) is CRC-checked only,
 and reported as a note, never unpickled.
@@ -24,7 +25,7 @@ import crc32c
 import torch
 
 from cpuckpt.backend import s3commit
-from cpuckpt.backend.committed import load_metadata, read_manifest
+from cpuckpt.backend.committed import METADATA_NAME, metadata_damage, parse_metadata, read_manifest, read_metadata_bytes
 from cpuckpt.config import resolve_config
 from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.transfer.objstore import ObjectStore, open_store
@@ -118,18 +119,23 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
     if isinstance(where, S3Url):
         p: Path | S3Url = where
         store = open_store(resolve_config(None).s3)
-        md = s3commit.load_metadata(store, where)
+        data = s3commit.read_metadata_bytes(store, where)
+        md = parse_metadata(data, where / METADATA_NAME)
         manifest = s3commit.read_manifest(store, where)
         files = _Objects(store, where)
     else:
         p = Path(where)
-        md = load_metadata(p)
+        data = read_metadata_bytes(p)
+        md = parse_metadata(data, p / METADATA_NAME)
         manifest = read_manifest(p)
         files = _Files(p)
     tick = progress or (lambda n: None)
     if manifest is None:
         return _verify_stock(p, files, md, tick)
     report = VerifyReport(p, "cpuckpt")
+    damage = metadata_damage(manifest, data)
+    if damage:
+        report.damage.append(Damage(METADATA_NAME, 0, len(data), damage))
     for name, entry in sorted(manifest.files.items()):
         report.files += 1
         actual = files.size(name)

@@ -141,6 +141,43 @@ def test_a_flipped_byte_in_a_memory_image_fails_its_load_and_its_persist(tmp_pat
     assert _durable_steps(tmp_path / "durable") == [1]
 
 
+def test_a_metadata_changed_in_ram_is_never_listed_loaded_nor_persisted(tmp_path):
+    """The slot's ``.metadata`` of step 2 changed after its memory commit so that it still unpickles (a key renamed):
+    the crc32c its manifest records refuses it; a restart falls back to step 1 and the persist of step 2 fails."""
+    from cpuckpt.backend.committed import check_complete
+    from cpuckpt.tier.memory import PersistError
+
+    tier = _one(tmp_path, persist_every=1)
+    tier.save(_state(1, 0), 1).wait()
+    tier.wait_persisted()
+    writer = tier.writer_pid()
+    os.kill(writer, signal.SIGSTOP)  # the persist of step 2 waits for us
+    try:
+        tier.save(_state(2, 0), 2).wait()
+        (owed,) = tier.queue.owed()
+        newest = Path(owed.slot)
+        md = (newest / ".metadata").read_bytes()
+        changed = md.replace(b"\x8c\x04r0.w\x94", b"\x8c\x04r0.v\x94")
+        assert changed != md
+        (newest / ".metadata").write_bytes(changed)
+        assert "not the one committed with the manifest" in check_complete(newest).reason
+        out = _targets(0)
+        older = tier.load_latest(out)
+        assert older is not None and tier.step_of(older) == 1, older
+        _assert_state(out, 1, (0,), "fallback past the changed .metadata")
+    finally:
+        os.kill(writer, signal.SIGCONT)
+    _wait("the writer failed the persist", lambda: not tier.queue.owed())
+    outcome = tier.queue.outcome(owed.seq)
+    assert outcome is not None and not outcome.ok, outcome
+    assert "CheckpointCorrupt" in outcome.error and ".metadata is not the one committed" in outcome.error, outcome
+    assert not (tmp_path / "durable" / "step_2" / ".metadata").exists()
+    with pytest.raises(PersistError, match=r"\.metadata is not the one committed"):
+        tier.save(_state(3, 0), 3)
+    tier.close(persist_newest=False)
+    assert _durable_steps(tmp_path / "durable") == [1]
+
+
 def test_checksums_off_record_nothing_and_loads_and_persists_still_work(tmp_path):
     """``memory.checksum: false`` through the memory save path (``async_save`` into images; no writer needed)."""
     import cpuckpt

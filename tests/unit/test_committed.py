@@ -19,6 +19,7 @@ from cpuckpt.backend.committed import (
     check_complete,
     check_slot_complete,
     is_complete,
+    parse_metadata,
     read_manifest,
     same_save,
     size_mismatch,
@@ -121,6 +122,7 @@ def test_a_stale_manifest_is_not_this_saves(ckpt):
     ("no-metadata", "no .metadata"),
     ("truncated-metadata", "does not name the manifest's save"),
     ("another-save", "does not name the manifest's save"),
+    ("changed-metadata", ".metadata is not the one committed with the manifest (crc32c"),
     ("no-manifest", "no .cpuckpt.json"),
     ("save-id-not-a-string", "does not name the manifest's save"),
     ("garbage-manifest", ".cpuckpt.json"),
@@ -140,6 +142,11 @@ def test_a_slot_is_complete_without_unpickling_its_metadata(ckpt, tmp_path, dama
         other = tmp_path / "other"
         cpuckpt.save(_sd(), other, CFG, step=3)
         (ckpt / ".metadata").write_bytes((other / ".metadata").read_bytes())
+    elif damage == "changed-metadata":  # a whole pickle of this save that still unpickles, with a key changed
+        md = (ckpt / ".metadata").read_bytes()
+        changed = md.replace(b"\x8c\x01w\x94", b"\x8c\x01v\x94")
+        assert changed != md and "v" in parse_metadata(changed, "changed").state_dict_metadata
+        (ckpt / ".metadata").write_bytes(changed)
     elif damage == "no-manifest":
         (ckpt / ".cpuckpt.json").unlink()
     elif damage == "save-id-not-a-string":  # a manifest that parses, with a number for its save: refused, not raised
@@ -154,6 +161,8 @@ def test_a_slot_is_complete_without_unpickling_its_metadata(ckpt, tmp_path, dama
         data.unlink()
     c = check_slot_complete(ckpt)
     assert (c.complete, fragment in c.reason) == (damage is None, True), c.reason
+    if damage == "changed-metadata":
+        assert [(d.file, d.what) for d in verify_checkpoint(ckpt).damage] == [(".metadata", c.reason)]
     if damage is None:
         assert (c.step, c.committed_at) == (3, (ckpt / ".metadata").stat().st_mtime)
         assert check_complete(ckpt).complete

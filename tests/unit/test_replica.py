@@ -22,7 +22,16 @@ from cpuckpt.tier.nodes import NodeMap
 from cpuckpt.tier.persister import replicate_one
 from cpuckpt.tier.queue import PersistRequest
 from cpuckpt.tier.recovery import Copy, plan_restores
-from cpuckpt.tier.replica import Listener, ReplicaError, partners, replica_dir, replica_slots, send_slot, write_token
+from cpuckpt.tier.replica import (
+    Listener,
+    ReplicaError,
+    _commit_damage,
+    partners,
+    replica_dir,
+    replica_slots,
+    send_slot,
+    write_token,
+)
 from cpuckpt.transfer.threads import new_executor
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,6 +99,30 @@ def test_a_damaged_byte_is_refused_and_nothing_is_committed(slot: Path, partner:
     with pytest.raises(ReplicaError, match=r"chunk 1 .*crc32c"):
         _send(partner, slot)
     assert not check_complete(replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")).complete
+
+
+def test_a_changed_metadata_is_never_sent_and_the_previous_replica_stays(slot: Path, partner: Listener) -> None:
+    """A slot's ``.metadata`` changed after its commit (still a pickle of this save: a key renamed) is not sent: the
+    partner's replica of the slot stays the complete one it was."""
+    _send(partner, slot)
+    target = replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")
+    before = (target / ".metadata").read_bytes()
+    md = (slot / ".metadata").read_bytes()
+    (slot / ".metadata").write_bytes(md.replace(b"\x8c\x01w\x94", b"\x8c\x01v\x94"))
+    assert (slot / ".metadata").read_bytes() != md
+    with pytest.raises(ReplicaError, match="not the committed memory checkpoint"):
+        _send(partner, slot)
+    assert check_complete(target).complete and (target / ".metadata").read_bytes() == before
+
+
+def test_a_metadata_changed_on_the_way_is_named_before_the_commit(slot: Path) -> None:
+    """The receiver's check of the commit files as they arrived (the data chunks are checked as they arrive)."""
+    commit = {".cpuckpt.json": (slot / ".cpuckpt.json").read_bytes(), ".metadata": (slot / ".metadata").read_bytes()}
+    assert _commit_damage(slot, commit) == []
+    commit[".metadata"] = commit[".metadata"].replace(b"\x8c\x01w\x94", b"\x8c\x01v\x94")
+    (why,) = _commit_damage(slot, commit)
+    assert why.startswith(f"{slot}: .metadata is not the one committed with the manifest"), why
+    assert _commit_damage(slot, {"node-files": b"{}", "marker": b"x"}) == []  # a file set's commit files: none
 
 
 def test_a_wrong_token_is_refused(slot: Path, partner: Listener) -> None:
