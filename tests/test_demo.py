@@ -14,12 +14,13 @@ import pytest
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(320)
 def test_demo_quick(tmp_path: Path) -> None:
     workdir = tmp_path / "work"
+    # ~24 s alone on the 2-core box (19 CPU-seconds); beside the suite's other workers 100-110 s were seen
     proc = subprocess.run(
         [sys.executable, str(DEMO), "--quick", "--workdir", str(workdir)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=110,
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     out = proc.stdout
     assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{proc.stderr}"
