@@ -142,12 +142,13 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
     return _with_sizes(path, manifest, mtime, data)
 
 
-def metadata_damage(manifest: Manifest, data: bytes) -> str:
-    """Why ``data`` (a ``.metadata``'s bytes) is not the pickle committed with ``manifest``: its crc32c differs
-    from the one the manifest records; "" when it is the same, or the manifest records none (format 1)."""
+def metadata_damage(manifest: Manifest, data: bytes | int) -> str:
+    """Why ``data`` (a ``.metadata``'s bytes, or their crc32c) is not the pickle committed with ``manifest``: its
+    crc32c differs from the one the manifest records; "" when it is the same, or the manifest records none
+    (format 1)."""
     if manifest.metadata_crc32c is None:
         return ""
-    actual = crc32c.crc32c(data)
+    actual = data if isinstance(data, int) else crc32c.crc32c(data)
     if actual == manifest.metadata_crc32c:
         return ""
     return (f"{METADATA_NAME} is not the one committed with the manifest (crc32c {actual}, the manifest says "

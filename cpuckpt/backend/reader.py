@@ -56,7 +56,15 @@ from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageRea
 from torch.futures import Future
 
 from cpuckpt.backend import s3commit
-from cpuckpt.backend.committed import load_metadata, read_manifest, same_save, size_mismatch
+from cpuckpt.backend.committed import (
+    METADATA_NAME,
+    metadata_damage,
+    parse_metadata,
+    read_manifest,
+    read_metadata_bytes,
+    same_save,
+    size_mismatch,
+)
 from cpuckpt.backend.ramread import MappedFile, in_ram
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError
@@ -169,6 +177,7 @@ class StorageReader(_DcpStorageReader):
         self.last_read_nbytes = 0
         self.last_stats = ReadStats()
         self._preloaded: Metadata | None = None
+        self._metadata_read: tuple[Metadata, int] | None = None  # load_metadata's last, its bytes' crc32c
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
@@ -188,14 +197,19 @@ class StorageReader(_DcpStorageReader):
             self.path = Path(where)
 
     def load_metadata(self) -> Metadata:
-        """This checkpoint's ``.metadata``, unpickled safely (``committed.load_metadata``, or its object twin).
+        """This checkpoint's ``.metadata``, unpickled safely (``committed.parse_metadata``); its bytes' crc32c is
+        kept for :meth:`set_up_storage_reader` to check against the manifest's.
 
         Raises:
             IntegrityError: not committed. StorageIOError: unreadable. CheckpointCorrupt: refused.
         """
         if isinstance(self.path, S3Url):
-            return s3commit.load_metadata(self.store, self.path)
-        return load_metadata(self.path)
+            data = s3commit.read_metadata_bytes(self.store, self.path)
+        else:
+            data = read_metadata_bytes(self.path)
+        md = parse_metadata(data, self.path / METADATA_NAME)
+        self._metadata_read = (md, crc32c.crc32c(data))  # checked against the manifest's once it is read
+        return md
 
     def use_metadata(self, metadata: Metadata) -> None:
         """Serve ``metadata`` (already read from this checkpoint) to the next ``read_metadata``.
@@ -228,6 +242,10 @@ class StorageReader(_DcpStorageReader):
             logger.warning("%s: manifest belongs to an earlier save (%s, .metadata says %s); reading as stock DCP",
                            self.path, self.manifest.save_id, metadata.storage_meta.save_id)
             self.manifest = None
+        if self.manifest is not None and self._metadata_read is not None and self._metadata_read[0] is metadata:
+            damage = metadata_damage(self.manifest, self._metadata_read[1])
+            if damage:  # e.g. a record's offset changed: every chunk would still verify, the tensors be wrong
+                raise CheckpointCorrupt(f"{self.path}: {damage}")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -182,3 +182,28 @@ def test_the_manifest_json_is_the_dataclass_fields_as_json_and_reads_back():
                                                                       records=[[i, 64] for i in range(100)])})
     assert m.to_json() == json.dumps(dataclasses.asdict(m), separators=(",", ":"), sort_keys=True)
     assert manifest_from_json(m.to_json()) == m
+
+
+def test_a_metadata_mapping_keys_to_each_others_records_is_refused_on_load(tmp_path):
+    """A ``.metadata`` changed after its commit so that it still unpickles and every chunk still verifies (two keys'
+    names swapped: each points at the other's record) is refused by every load path; without the crc32c the
+    manifest records (format 1) it loads the values swapped."""
+    import json
+
+    path = tmp_path / "ck"
+    cpuckpt.save({"a": torch.ones(4), "b": torch.zeros(4)}, path, CFG)
+    md = (path / ".metadata").read_bytes()
+    a, b, x = b"\x8c\x01a\x94", b"\x8c\x01b\x94", b"\x8c\x01x\x94"
+    assert md.count(a) == 1 and md.count(b) == 1 and x not in md
+    (path / ".metadata").write_bytes(md.replace(a, x).replace(b, a).replace(x, b))
+    with pytest.raises(CheckpointCorrupt, match=r"\.metadata is not the one committed with the manifest"):
+        cpuckpt.load({"a": torch.empty(4), "b": torch.empty(4)}, path, CFG)
+    with pytest.raises(BaseException, match=r"\.metadata is not the one committed with the manifest"):
+        dcp.load({"a": torch.empty(4), "b": torch.empty(4)}, storage_reader=cpuckpt.StorageReader(path, CFG))
+    assert not check_complete(path).complete
+    manifest = json.loads((path / ".cpuckpt.json").read_text())
+    del manifest["metadata_crc32c"]
+    (path / ".cpuckpt.json").write_text(json.dumps(manifest))
+    out = {"a": torch.empty(4), "b": torch.empty(4)}
+    cpuckpt.load(out, path, CFG)
+    assert torch.equal(out["a"], torch.zeros(4)) and torch.equal(out["b"], torch.ones(4))  # what the crc32c refuses
