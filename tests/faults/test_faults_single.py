@@ -346,6 +346,20 @@ def test_malicious_payload_control(tmp_path):
     assert marker.exists()
 
 
+def _write_metadata(path: Path, md: object) -> None:
+    """A hostile ``.metadata`` as its writer would leave it: with the manifest's crc32c of it rewritten too (else
+    that check refuses it first: these tests are about what is checked after it)."""
+    import json
+
+    import crc32c
+
+    data = pickle.dumps(md)
+    (path / ".metadata").write_bytes(data)
+    manifest = json.loads((path / ".cpuckpt.json").read_text())
+    manifest["metadata_crc32c"] = crc32c.crc32c(data)
+    (path / ".cpuckpt.json").write_text(json.dumps(manifest))
+
+
 @pytest.mark.parametrize("bad", ["../outside.distcp", "../ckpt/" + DATA, "/etc/passwd", "sub/../../x.distcp", ""])
 def test_storage_data_path_escape_is_refused(ckpt, tmp_path, bad):
     path, sd = ckpt
@@ -354,7 +368,7 @@ def test_storage_data_path_escape_is_refused(ckpt, tmp_path, bad):
     shutil.copy(path / DATA, tmp_path / "outside.distcp")
     for k, sinfo in md.storage_data.items():
         md.storage_data[k] = type(sinfo)(bad, sinfo.offset, sinfo.length)
-    (path / ".metadata").write_bytes(pickle.dumps(md))
+    _write_metadata(path, md)
     with pytest.raises(CheckpointCorrupt) as ei:
         cpuckpt.load(_targets(sd), path, CFG)
     assert repr(bad) in str(ei.value) or bad in str(ei.value)
@@ -365,7 +379,7 @@ def test_storage_entry_missing_from_metadata(ckpt):
     md = pickle.loads((path / ".metadata").read_bytes())
     key = next(k for k in md.storage_data if k.fqn == "w")
     del md.storage_data[key]
-    (path / ".metadata").write_bytes(pickle.dumps(md))
+    _write_metadata(path, md)
     with pytest.raises(CheckpointCorrupt, match=r"storage entry for .*'w'"):
         cpuckpt.load(_targets(sd), path, CFG)
 

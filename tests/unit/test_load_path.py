@@ -27,10 +27,10 @@ def test_metadata_is_read_and_unpickled_once_per_load(tmp_path, monkeypatch):
 
     def counting(p):
         calls.append(p)
-        return committed.load_metadata(p)
+        return committed.read_metadata_bytes(p)
 
     # cpuckpt.load reads it through the reader (StorageReader.load_metadata: a directory or an s3:// prefix)
-    monkeypatch.setattr(cpuckpt.backend.reader, "load_metadata", counting)
+    monkeypatch.setattr(cpuckpt.backend.reader, "read_metadata_bytes", counting)
     out = {"w": torch.empty(512, 256), "b": torch.empty(7, dtype=torch.int64), "step": 0}
     reader = cpuckpt.StorageReader(path)
     cpuckpt.load(out, path, storage_reader=reader)
