@@ -201,7 +201,8 @@ def read_manifest(store: ObjectStore, url: S3Url) -> Manifest | None:
 
 def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
     """``committed.check_complete`` for a URL: ``.metadata`` there and accepted, the manifest of the same save
-    parses, every data object it lists has its size. Never raises for a damaged checkpoint.
+    parses and records ``.metadata``'s crc32c (format 2 on), every data object it lists has its size. Never
+    raises for a damaged checkpoint.
 
     Raises:
         StorageIOError: an object could not be read (server gone, timeout, 5xx after retries). Never reported

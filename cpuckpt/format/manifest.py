@@ -83,11 +83,17 @@ def manifest_from_json(text: str | bytes) -> Manifest:
     Raises:
         ValueError: not JSON, or not a cpuckpt manifest.
     """
-    raw = json.loads(text)
+    try:
+        raw = json.loads(text)
+    except RecursionError:  # nested deeper than the parser goes: not a manifest (never an escaping error)
+        raise ValueError("JSON nested too deep") from None
     if not isinstance(raw, dict) or raw.get("format") != "cpuckpt":
         raise ValueError("not a cpuckpt manifest")
     known = set(Manifest.__dataclass_fields__)
     kwargs = {k: v for k, v in raw.items() if k in known}
+    kwargs.setdefault("format_version", 1)  # the field is there from format 1 on: absent, the writer's was 1
+    if not isinstance(kwargs.get("files") or {}, dict):
+        raise ValueError("manifest files is not an object")
     file_known = set(FileEntry.__dataclass_fields__)
     files = {}
     for name, entry in (kwargs.get("files") or {}).items():

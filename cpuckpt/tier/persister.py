@@ -142,6 +142,8 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
         if _durable_save_id(dest) == req.save_id:
             return Outcome(req.seq, True, seconds=time.perf_counter() - t0)
         manifest = _wait_memory_commit(req, deadline, queue)
+        if manifest is not None:  # a damaged .metadata fails here, before dest is touched (and at the commit)
+            _slot_metadata(req, slot, manifest)
         dest.mkdir(parents=True, exist_ok=True)
         if _part_save_id(part) != req.save_id:
             # Whatever stands in dest (an older checkpoint of this name, a failed attempt) is made
@@ -194,6 +196,7 @@ def _persist_one_s3(req: PersistRequest, queue: PersistQueue | None) -> Outcome:
         manifest = _wait_memory_commit(req, deadline, queue)
         if manifest is None:
             raise IntegrityError(f"{slot}: no memory manifest for save {req.save_id[:8]}")
+        _slot_metadata(req, slot, manifest)  # a damaged .metadata fails here, before any upload (and at the commit)
         part = dest / part_name(prefix)
         if s3persist.part_save_id(store, part) != req.save_id:
             entries = []

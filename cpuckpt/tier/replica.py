@@ -218,7 +218,8 @@ def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_i
     """
     content = slot_content(slot)
     if content is None or content.save_id != save_id:
-        raise ReplicaError(f"{slot}: not the committed memory checkpoint {save_id[:8]}; nothing sent")
+        why = f" ({check_slot_complete(slot).reason})" if content is None else ""
+        raise ReplicaError(f"{slot}: not the committed memory checkpoint {save_id[:8]}{why}; nothing sent")
     what = f"replica of {slot} ({save_id[:8]}) to {endpoint.host}:{endpoint.port}"
     nbytes = 0
     try:
@@ -382,11 +383,11 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
         commit_bytes.append((n, bytes(data)))
     verdict = bytearray(1)
     _recv_exact(conn, memoryview(verdict))
+    if bytes(verdict) != b"C":  # first: a slot reused while it was sent explains any damage
+        raise ReplicaError(f"{target}: the sender aborted (its slot was reused while sending); not committed")
     damaged += _commit_damage(target, dict(commit_bytes))
     if damaged:
         raise CheckpointCorrupt(f"{damaged[0]}; the replica is not committed")
-    if bytes(verdict) != b"C":
-        raise ReplicaError(f"{target}: the sender aborted (its slot was reused while sending); not committed")
     for n, data in commit_bytes:  # in the sender's order: its last file commits
         write_atomic(target / n, data, fsync=False)
     _send_msg(conn, {"ok": True})

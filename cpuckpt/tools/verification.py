@@ -25,7 +25,14 @@ import crc32c
 import torch
 
 from cpuckpt.backend import s3commit
-from cpuckpt.backend.committed import METADATA_NAME, metadata_damage, parse_metadata, read_manifest, read_metadata_bytes
+from cpuckpt.backend.committed import (
+    METADATA_NAME,
+    metadata_damage,
+    parse_metadata,
+    read_manifest,
+    read_metadata_bytes,
+    same_save,
+)
 from cpuckpt.config import resolve_config
 from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.transfer.objstore import ObjectStore, open_store
@@ -130,6 +137,8 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
         manifest = read_manifest(p)
         files = _Files(p)
     tick = progress or (lambda n: None)
+    if manifest is not None and not same_save(manifest, md):
+        manifest = None  # a stock save committed over a cpuckpt one: the manifest describes the old files
     if manifest is None:
         return _verify_stock(p, files, md, tick)
     report = VerifyReport(p, "cpuckpt")

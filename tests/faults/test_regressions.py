@@ -49,6 +49,10 @@ def test_stock_save_over_a_cpuckpt_checkpoint_still_loads(tmp_path):
     out = {"a": torch.empty(1000), "b": torch.empty(3)}
     cpuckpt.load(out, path)
     assert torch.equal(out["a"], new["a"]) and torch.equal(out["b"], new["b"])
+    from cpuckpt.tools.verification import verify_checkpoint
+
+    report = verify_checkpoint(path)  # as a stock checkpoint: the stale manifest is not checked against it
+    assert report.ok and report.kind == "dcp", (report.kind, report.damage)
 
 
 def test_storage_io_error_keeps_its_fields_across_ranks():

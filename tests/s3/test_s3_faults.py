@@ -149,6 +149,29 @@ def test_overwritten_or_truncated_object_is_corrupt(s3_server, s3_env, s3_url):
     assert [c.complete for c in info if str(c.path) == s3_url] == [False]
 
 
+def test_a_metadata_changed_after_its_commit_is_refused(s3_server, s3_env, s3_url):
+    """A ``.metadata`` object replaced by one that still unpickles (two keys' names swapped: every chunk still
+    verifies) does not have the crc32c the manifest recorded at the commit: incomplete, damaged, refused on load."""
+    import cpuckpt
+    from cpuckpt.backend import s3commit
+    from cpuckpt.paths import S3Url
+    from cpuckpt.tools.verification import verify_checkpoint
+
+    cpuckpt.save({"a": torch.ones(4), "b": torch.zeros(4)}, s3_url, CFG)
+    store = s3_server.store()
+    url = S3Url.parse(s3_url)
+    assert s3commit.check_complete(store, url).complete and verify_checkpoint(s3_url).ok
+    md = store.get(url / ".metadata")
+    a, b, x = b"\x8c\x01a\x94", b"\x8c\x01b\x94", b"\x8c\x01x\x94"
+    assert md.count(a) == 1 and md.count(b) == 1 and x not in md
+    store.put(url / ".metadata", md.replace(a, x).replace(b, a).replace(x, b))
+    why = ".metadata is not the one committed with the manifest"
+    assert why in s3commit.check_complete(store, url).reason
+    assert [d.file for d in verify_checkpoint(s3_url).damage] == [".metadata"]
+    with pytest.raises(cpuckpt.CheckpointCorrupt, match=why):
+        cpuckpt.load({"a": torch.empty(4), "b": torch.empty(4)}, s3_url, CFG)
+
+
 def test_only_one_of_two_writers_commits(s3_server, s3_env, s3_url):
     """The writer that loses the race gets EEXIST and leaves the winner whole: its manifest (step, crc32c) is
     not replaced, so it still loads bit-exact and a damaged data object is still caught."""

@@ -207,3 +207,18 @@ def test_a_metadata_mapping_keys_to_each_others_records_is_refused_on_load(tmp_p
     out = {"a": torch.empty(4), "b": torch.empty(4)}
     cpuckpt.load(out, path, CFG)
     assert torch.equal(out["a"], torch.zeros(4)) and torch.equal(out["b"], torch.ones(4))  # what the crc32c refuses
+
+
+@pytest.mark.parametrize("text", ['{"format": "cpuckpt", "files": [1]}', '{"format": "cpuckpt", "files": "x"}',
+                                  '{"format": "cpuckpt", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"])
+def test_an_unusable_manifest_makes_the_checkpoint_incomplete_never_raises(ckpt, text):
+    (ckpt / ".cpuckpt.json").write_text(text)
+    c = check_complete(ckpt)
+    assert not c.complete and ".cpuckpt.json: unreadable manifest" in c.reason, c.reason
+    assert not check_slot_complete(ckpt).complete
+
+
+def test_a_manifest_without_its_format_version_is_format_1():
+    from cpuckpt.format.manifest import manifest_from_json
+
+    assert manifest_from_json('{"format": "cpuckpt"}').format_version == 1

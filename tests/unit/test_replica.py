@@ -110,13 +110,37 @@ def test_a_changed_metadata_is_never_sent_and_the_previous_replica_stays(slot: P
     md = (slot / ".metadata").read_bytes()
     (slot / ".metadata").write_bytes(md.replace(b"\x8c\x01w\x94", b"\x8c\x01v\x94"))
     assert (slot / ".metadata").read_bytes() != md
-    with pytest.raises(ReplicaError, match="not the committed memory checkpoint"):
+    with pytest.raises(ReplicaError, match=r"not the committed memory checkpoint .*\(\.metadata is not the one"):
         _send(partner, slot)
     assert check_complete(target).complete and (target / ".metadata").read_bytes() == before
 
 
+def test_a_metadata_changed_on_the_way_is_refused_by_the_receiver(slot: Path, partner: Listener,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver checks the commit files as they arrived (the data chunks are checked as they arrive): a
+    ``.metadata`` other than its manifest's (here changed after the sender's check) is never committed."""
+    import dataclasses
+
+    from cpuckpt.tier import replica
+
+    real = replica.slot_content
+
+    def changed_on_the_way(path: Path) -> replica.SlotContent | None:
+        content = real(path)
+        commit = tuple((n, d.replace(b"\x8c\x01w\x94", b"\x8c\x01v\x94") if n == ".metadata" else d)
+                       for n, d in content.commit)
+        assert commit != content.commit
+        return dataclasses.replace(content, commit=commit)
+
+    monkeypatch.setattr(replica, "slot_content", changed_on_the_way)
+    with pytest.raises(ReplicaError, match=r"\.metadata is not the one committed with the manifest"):
+        _send(partner, slot)
+    target = replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")
+    assert not (target / ".metadata").exists() and not check_complete(target).complete
+
+
 def test_a_metadata_changed_on_the_way_is_named_before_the_commit(slot: Path) -> None:
-    """The receiver's check of the commit files as they arrived (the data chunks are checked as they arrive)."""
+    """The receiver's check of the commit files as they arrived, alone."""
     commit = {".cpuckpt.json": (slot / ".cpuckpt.json").read_bytes(), ".metadata": (slot / ".metadata").read_bytes()}
     assert _commit_damage(slot, commit) == []
     commit[".metadata"] = commit[".metadata"].replace(b"\x8c\x01w\x94", b"\x8c\x01v\x94")
