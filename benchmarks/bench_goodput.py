@@ -68,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,9 +195,11 @@ class GilProfile:
     where, for ``seconds`` from iteration ``at`` on. From outside the process (``--nonblocking``: never paused), so
     the threads of ours that take the trainer's GIL show up by name, which the main thread's sampler cannot say."""
 
-    def __init__(self, b: Bench, name: str, at: int, seconds: float, rate: int = 200) -> None:
-        self.path = b.out / f"gil_{name.replace('+', '_')}.txt"
+    def __init__(self, out: Path, name: str, at: int, seconds: float, rate: int = 200,
+                 pid_of: Callable[[subprocess.Popen], int | None] | None = None) -> None:
+        self.path = out / f"gil_{name.replace('+', '_')}.txt"
         self.at, self.seconds, self.rate = at, seconds, rate
+        self.pid_of = pid_of or (lambda proc: _trainer_pid(proc.pid))  # default: the trainer under torchrun
         self.proc: subprocess.Popen | None = None
         self.exe = shutil.which("py-spy") or str(Path(sys.prefix) / "bin" / "py-spy")
         for site in os.environ.get("PYTHONPATH", "").split(os.pathsep):
@@ -208,7 +211,7 @@ class GilProfile:
             m = ITER_RE.search(line)
             if self.proc is not None or m is None or int(m.group(1)) < self.at:
                 return
-            pid = _trainer_pid(proc.pid)
+            pid = self.pid_of(proc)
             if pid is None:
                 logger.warning("py-spy: no trainer process under pid %d", proc.pid)
                 self.at = 1 << 30
@@ -236,7 +239,7 @@ class GilProfile:
             stack, _, count = raw.rpartition(" ")
             head, _, frames = stack.partition(";")
             thread = head.split(": ", 1)[-1].split(" (")[0]
-            leaf = " < ".join(_frame(f) for f in frames.split(";")[::-1][:3])
+            leaf = " < ".join(_frame(f) for f in frames.split(";")[::-1][:3]) if frames else "(no Python frame)"
             threads.setdefault(thread, collections.Counter())[leaf] += int(count)
         return {t: {"gil_ms_per_s": round(per_s * sum(c.values()), 1),
                     "where": {k: round(per_s * v, 1) for k, v in c.most_common(top)}}
@@ -385,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(ram, ignore_errors=True)
             cmd, every = variant_argv(b, name, root, tmp, ram, args.iters)
             sampled = name in args.sample.split(",")
-            gil = GilProfile(b, name, args.warm + 10, args.pyspy_seconds) if name in args.pyspy.split(",") else None
+            gil = GilProfile(b.out, name, args.warm + 10, args.pyspy_seconds) if name in args.pyspy.split(",") else None
             env = sample_env(b, name) if sampled else None
             if "base" in changes:  # the same run with the baseline's cpuckpt first on the path (--base-site)
                 if not args.base_site:

@@ -21,7 +21,9 @@ host time since the previous line and the time of the line, by its own clock); t
 iteration ``--warm`` to the last, by the trainer's clock (the job's own wall clock, not a framework's timer),
 over ``none``'s, as in ``bench_goodput`` (per save, largest gap against the median,
 launch to exit). ``engine.destroy()`` ends every run (the memory variants persist their newest tag there, as a
-job ending does).
+job ending does). ``--pyspy VARIANTS`` records those variants' trainer with ``py-spy record --gil`` from outside for
+``--pyspy-seconds`` from iteration warm + 2, as ``bench_goodput`` does (which of its threads held the interpreter,
+and where; the sampler's cost is in that run's wall too, so its ratio is not the result).
 
     python -m benchmarks.bench_goodput_ds --out $OUT                       # one H200
     python -m benchmarks.bench_goodput_ds --smoke --out /tmp/g             # CPU, gloo, a tiny model
@@ -42,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_deepspeed import GPT, SMOKE_MODEL, add_model_args, free_port, import_adapter, model_argv
-from benchmarks.bench_goodput import _saves_between, goodput, summarize
+from benchmarks.bench_goodput import GilProfile, _saves_between, gil_table, goodput, summarize
 from benchmarks.bench_megatron_lm import run
 from benchmarks.common import format_table
 
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     ap.add_argument("--out", default=".")
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model, few iterations")
+    ap.add_argument("--pyspy", default="", help="variants whose trainer's GIL is profiled by py-spy from outside")
+    ap.add_argument("--pyspy-seconds", type=float, default=6.0)
     ap.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # the trainer of one run
     ap.add_argument("--variant", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--save", default="", help=argparse.SUPPRESS)
@@ -189,7 +193,11 @@ def main(argv: list[str] | None = None) -> int:
                         "--save", str(root / name), "--ram", ram, "--iters", str(args.iters), "--durable",
                         str(args.durable), *model_argv(args), *(["--smoke"] if args.smoke else [])]
             logger.info("== %s", name)
-            r = run(name, argv_run, env, out / f"ds_{name}.log", args.timeout)
+            gil = (GilProfile(out, f"ds_{name}", args.warm + 2, args.pyspy_seconds, pid_of=lambda proc: proc.pid)
+                   if name in args.pyspy.split(",") else None)  # the trainer is the process itself (no torchrun)
+            r = run(name, argv_run, env, out / f"ds_{name}.log", args.timeout, gil.hook() if gil else None)
+            if gil is not None and (prof := gil.summary()) is not None:
+                results.setdefault("gil", {})[name] = prof
             own = own_clock(Path(r["log"]))
             if r["iters"] and not own:
                 logger.warning("%s: no trainer clock in its iteration lines; timed by their arrival", name)
@@ -217,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         title=f"goodput: DeepSpeed ZeRO-1 GPT {args.layers}x{args.hidden}, {args.iters} iterations, memory durable "
               f"every {args.durable}, slots 3",
         footnotes=["wall: by the trainer's own clock in its iteration lines; run s: launch to exit"]))
+    if results.get("gil"):
+        print(gil_table(results["gil"]))
     return 0 if all(s["rc"] == 0 for s in results["summary"]) else 1
 
 
