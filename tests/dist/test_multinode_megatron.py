@@ -42,13 +42,13 @@ import _launches as L
 import pytest
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.timeout(360)  # a hang guard: on a loaded 2-core box the phases take minutes
+pytestmark = pytest.mark.timeout(600)  # a hang guard: on a loaded 2-core box the phases take minutes (CI: 282 s)
 
 THIS = Path(__file__).resolve()
 INTEGRATIONS = THIS.parent.parent / "integrations"
 STUBS = INTEGRATIONS / "cpu_ci_cuda_stubs"
 TIMEOUT_S = 30  # the tier's own bound (collectives, writers)
-PHASE_S = 120  # the test's bound on one launch phase
+PHASE_S = 180  # the test's bound on one launch phase
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
