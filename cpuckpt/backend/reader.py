@@ -181,6 +181,7 @@ class StorageReader(_DcpStorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
+        self._preloaded = self._metadata_read = None  # another load (another checkpoint, maybe) reads its own
         if checkpoint_id:
             self._set_path(checkpoint_id, "StorageReader: checkpoint_id")
         self.load_id = uuid.uuid4().hex

@@ -92,11 +92,14 @@ def manifest_from_json(text: str | bytes) -> Manifest:
     known = set(Manifest.__dataclass_fields__)
     kwargs = {k: v for k, v in raw.items() if k in known}
     kwargs.setdefault("format_version", 1)  # the field is there from format 1 on: absent, the writer's was 1
-    if not isinstance(kwargs.get("files") or {}, dict):
+    raw_files = kwargs.get("files")
+    if raw_files is None:
+        raw_files = {}
+    if not isinstance(raw_files, dict):
         raise ValueError("manifest files is not an object")
     file_known = set(FileEntry.__dataclass_fields__)
     files = {}
-    for name, entry in (kwargs.get("files") or {}).items():
+    for name, entry in raw_files.items():
         if not isinstance(entry, dict):
             raise ValueError(f"manifest entry for {name!r} is not an object")
         files[name] = FileEntry(**{k: v for k, v in entry.items() if k in file_known})

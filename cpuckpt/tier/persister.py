@@ -74,11 +74,14 @@ POLL_S = 0.02
 
 
 def _committed_save_id(slot: Path) -> str | None:
-    """The save committed in memory in ``slot`` (its manifest's id, when ``.metadata`` is there)."""
-    if not (slot / METADATA_NAME).exists():
+    """The save committed in memory in ``slot``: its manifest's id, when ``.metadata`` is there and the manifest
+    still names that save after (a save refilling the slot removes both first and writes ``.metadata`` last: a
+    manifest read, then a ``.metadata`` seen, then the same manifest again is that save's commit)."""
+    first = read_manifest(slot)
+    if first is None or not (slot / METADATA_NAME).exists():
         return None
-    manifest = read_manifest(slot)
-    return manifest.save_id if manifest is not None else None
+    again = read_manifest(slot)
+    return first.save_id if again is not None and again.save_id == first.save_id else None
 
 
 def _wait_memory_commit(req: PersistRequest, deadline: float, queue: PersistQueue | None,

@@ -218,7 +218,8 @@ def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_i
     """
     content = slot_content(slot)
     if content is None or content.save_id != save_id:
-        why = f" ({check_slot_complete(slot).reason})" if content is None else ""
+        reason = check_slot_complete(slot).reason if content is None else ""
+        why = f" ({reason})" if reason else ""
         raise ReplicaError(f"{slot}: not the committed memory checkpoint {save_id[:8]}{why}; nothing sent")
     what = f"replica of {slot} ({save_id[:8]}) to {endpoint.host}:{endpoint.port}"
     nbytes = 0

@@ -381,7 +381,7 @@ def test_manifest_missing_later_fields_loads_with_defaults(saved, tmp_path):
     reader = _load_with_reader(path, sd)
     m = reader.manifest
     assert m is not None
-    defaults = Manifest()
+    defaults = Manifest(format_version=1)  # a manifest without the field was written by format 1 (FORMAT.md 5.1)
     for k in dropped:
         assert getattr(m, k) == getattr(defaults, k), k
     assert m.files["__0_0.distcp"].checksum == FileEntry("x", 0, 0).checksum
@@ -420,8 +420,10 @@ def test_manifest_from_json_policy_unit():
     assert m == base
     minimal = {"format": "cpuckpt", "files": {"f": {"name": "f", "nbytes": 10, "chunk_bytes": 4096}}}
     m = manifest_from_json(json.dumps(minimal).encode())
-    assert m.format_version == FORMAT_VERSION and m.files["f"].chunk_checksums == [] and m.files["f"].records == []
-    for bad in ["[]", '{"format": "other"}', "not json", '{"format": "cpuckpt", "files": {"f": 3}}']:
+    assert m.format_version == 1 and m.files["f"].chunk_checksums == [] and m.files["f"].records == []
+    assert m.metadata_crc32c is None  # format 1: nothing to compare .metadata with
+    for bad in ["[]", '{"format": "other"}', "not json", '{"format": "cpuckpt", "files": {"f": 3}}',
+                '{"format": "cpuckpt", "files": []}', '{"format": "cpuckpt", "files": 0}']:
         with pytest.raises(ValueError):
             manifest_from_json(bad)
 

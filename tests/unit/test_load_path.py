@@ -91,3 +91,18 @@ def test_reads_of_every_file_share_one_set_of_threads_and_are_accounted(tmp_path
     assert stats.bounce_nbytes == 100 * 8  # the float64 record, converted on the caller's thread
     assert stats.nbytes == reader.last_read_nbytes >= sum(v.numel() * v.element_size() for v in sd.values())
     assert stats.plan_s + stats.io_s + stats.finish_s <= reader.last_read_s
+
+
+def test_a_reset_reader_reads_the_new_checkpoints_metadata(tmp_path):
+    """Metadata handed to a reader for one load (``use_metadata``, say by a ``cpuckpt.load`` that failed before DCP
+    read it) is not served to the next load after ``reset``: that one may be of another checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    cpuckpt.save({"a": torch.ones(3)}, a)
+    cpuckpt.save({"b": torch.full((3,), 2.0)}, b)
+    reader = cpuckpt.StorageReader(a)
+    reader.use_metadata(reader.load_metadata())
+    out = {"b": torch.zeros(3)}
+    dcp.load(out, storage_reader=reader, checkpoint_id=b)
+    assert torch.equal(out["b"], torch.full((3,), 2.0))
