@@ -305,7 +305,8 @@ def parse_metadata(data: bytes, where: object) -> Metadata:
     """``.metadata``'s bytes as DCP ``Metadata``, through the restricted unpickler (``where`` names it in errors).
 
     Raises:
-        CheckpointCorrupt: refused by the unpickler, unreadable, or not DCP metadata.
+        CheckpointCorrupt: refused by the unpickler, unreadable, or not DCP metadata (of DCP's classes, but with a
+            field missing or of another type: a damaged attribute name still unpickles).
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -317,4 +318,41 @@ def parse_metadata(data: bytes, where: object) -> Metadata:
         raise CheckpointCorrupt(f"{where}: refused or unreadable metadata: {e}") from e
     if not isinstance(md, Metadata):
         raise CheckpointCorrupt(f"{where}: holds a {type(md).__name__}, not DCP Metadata")
+    problem = _malformed(md)
+    if problem:
+        raise CheckpointCorrupt(f"{where}: malformed DCP metadata: {problem}")
     return md
+
+
+def _malformed(md: Metadata) -> str:
+    """What of ``md``'s structure the loaders rely on is missing or of another type ("" when nothing): the
+    restricted unpickler admits DCP's classes with any attributes, and one damaged name (memoized, so shared by
+    every entry) would otherwise surface as an ``AttributeError`` in the middle of a load."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    entries = vars(md).get("state_dict_metadata")
+    if not isinstance(entries, dict):
+        return "no state_dict_metadata"
+    storage = vars(md).get("storage_data")
+    if storage is not None and not (isinstance(storage, dict)
+                                    and all(type(k) is MetadataIndex and "fqn" in vars(k) for k in storage)):
+        return "storage_data is not a map of MetadataIndex"
+    for fqn, entry in entries.items():
+        if isinstance(entry, TensorStorageMetadata):
+            fields = vars(entry)
+            chunks = fields.get("chunks")
+            if not (isinstance(fields.get("properties"), TensorProperties)
+                    and isinstance(fields.get("size"), torch.Size) and isinstance(chunks, list)
+                    and all(isinstance(c, ChunkStorageMetadata) and isinstance(vars(c).get("offsets"), torch.Size)
+                            and isinstance(vars(c).get("sizes"), torch.Size) for c in chunks)):
+                return f"the entry of {fqn!r} is not a whole TensorStorageMetadata"
+        elif not isinstance(entry, BytesStorageMetadata):
+            return f"the entry of {fqn!r} is a {type(entry).__name__}"
+    return ""

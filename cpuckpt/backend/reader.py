@@ -177,11 +177,10 @@ class StorageReader(_DcpStorageReader):
         self.last_read_nbytes = 0
         self.last_stats = ReadStats()
         self._preloaded: Metadata | None = None
-        self._metadata_read: tuple[Metadata, int] | None = None  # load_metadata's last, its bytes' crc32c
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
-        self._preloaded = self._metadata_read = None  # another load (another checkpoint, maybe) reads its own
+        self._preloaded = None  # another load (of another checkpoint, maybe) reads its own
         if checkpoint_id:
             self._set_path(checkpoint_id, "StorageReader: checkpoint_id")
         self.load_id = uuid.uuid4().hex
@@ -198,8 +197,9 @@ class StorageReader(_DcpStorageReader):
             self.path = Path(where)
 
     def load_metadata(self) -> Metadata:
-        """This checkpoint's ``.metadata``, unpickled safely (``committed.parse_metadata``); its bytes' crc32c is
-        kept for :meth:`set_up_storage_reader` to check against the manifest's.
+        """This checkpoint's ``.metadata``, unpickled safely (``committed.parse_metadata``) and, where a manifest of
+        the same save records its crc32c, checked against it before anything uses it (a ``.metadata`` changed after
+        its commit that still unpickles: two keys swapped, an offset changed, would load wrong values).
 
         Raises:
             IntegrityError: not committed. StorageIOError: unreadable. CheckpointCorrupt: refused.
@@ -209,8 +209,17 @@ class StorageReader(_DcpStorageReader):
         else:
             data = read_metadata_bytes(self.path)
         md = parse_metadata(data, self.path / METADATA_NAME)
-        self._metadata_read = (md, crc32c.crc32c(data))  # checked against the manifest's once it is read
+        manifest = self._read_manifest()
+        if manifest is not None and same_save(manifest, md):
+            damage = metadata_damage(manifest, data)
+            if damage:
+                raise CheckpointCorrupt(f"{self.path}: {damage}")
         return md
+
+    def _read_manifest(self) -> Manifest | None:
+        if isinstance(self.path, S3Url):
+            return s3commit.read_manifest(self.store, self.path)
+        return read_manifest(self.path)
 
     def use_metadata(self, metadata: Metadata) -> None:
         """Serve ``metadata`` (already read from this checkpoint) to the next ``read_metadata``.
@@ -234,19 +243,12 @@ class StorageReader(_DcpStorageReader):
             raise CheckpointCorrupt(f"{self.path}/.metadata has no storage_data")
         self.metadata = metadata
         self.storage_data = metadata.storage_data
-        if isinstance(self.path, S3Url):
-            self.manifest = s3commit.read_manifest(self.store, self.path)
-        else:
-            self.manifest = read_manifest(self.path)
+        self.manifest = self._read_manifest()
         if self.manifest is not None and not same_save(self.manifest, metadata):
             # Another writer (e.g. stock DCP) committed here after us: the manifest describes old files.
             logger.warning("%s: manifest belongs to an earlier save (%s, .metadata says %s); reading as stock DCP",
                            self.path, self.manifest.save_id, metadata.storage_meta.save_id)
             self.manifest = None
-        if self.manifest is not None and self._metadata_read is not None and self._metadata_read[0] is metadata:
-            damage = metadata_damage(self.manifest, self._metadata_read[1])
-            if damage:  # e.g. a record's offset changed: every chunk would still verify, the tensors be wrong
-                raise CheckpointCorrupt(f"{self.path}: {damage}")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
