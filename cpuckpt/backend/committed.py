@@ -324,11 +324,17 @@ def parse_metadata(data: bytes, where: object) -> Metadata:
     return md
 
 
+def _field(obj: object, name: str) -> object:
+    """``obj``'s own value of field ``name`` (None when it has none): a field the pickle did not set must not be
+    answered by a class-level default."""
+    own = getattr(obj, "__dict__", None)
+    return own.get(name) if own is not None else getattr(obj, name, None)
+
+
 def _malformed(md: Metadata) -> str:
     """What of ``md``'s structure the loaders rely on is missing or of another type ("" when nothing): the
     restricted unpickler admits DCP's classes with any attributes, and one damaged name (memoized, so shared by
     every entry) would otherwise surface as an ``AttributeError`` in the middle of a load."""
-    import torch
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -337,21 +343,21 @@ def _malformed(md: Metadata) -> str:
         TensorStorageMetadata,
     )
 
-    entries = vars(md).get("state_dict_metadata")
+    entries = _field(md, "state_dict_metadata")
     if not isinstance(entries, dict):
         return "no state_dict_metadata"
-    storage = vars(md).get("storage_data")
-    if storage is not None and not (isinstance(storage, dict)
-                                    and all(type(k) is MetadataIndex and "fqn" in vars(k) for k in storage)):
+    storage = _field(md, "storage_data")
+    if storage is not None and not (isinstance(storage, dict) and all(type(k) is MetadataIndex
+                                                                      and isinstance(_field(k, "fqn"), str)
+                                                                      for k in storage)):
         return "storage_data is not a map of MetadataIndex"
     for fqn, entry in entries.items():
-        if isinstance(entry, TensorStorageMetadata):
-            fields = vars(entry)
-            chunks = fields.get("chunks")
-            if not (isinstance(fields.get("properties"), TensorProperties)
-                    and isinstance(fields.get("size"), torch.Size) and isinstance(chunks, list)
-                    and all(isinstance(c, ChunkStorageMetadata) and isinstance(vars(c).get("offsets"), torch.Size)
-                            and isinstance(vars(c).get("sizes"), torch.Size) for c in chunks)):
+        if isinstance(entry, TensorStorageMetadata):  # sizes and offsets: any sequence (torch.Size, tuples of some
+            chunks = _field(entry, "chunks")  # writers' chunks, Megatron-FSDP's uneven DTensors), as DCP takes them
+            if not (isinstance(_field(entry, "properties"), TensorProperties)
+                    and isinstance(_field(entry, "size"), tuple | list) and isinstance(chunks, list)
+                    and all(isinstance(c, ChunkStorageMetadata) and isinstance(_field(c, "offsets"), tuple | list)
+                            and isinstance(_field(c, "sizes"), tuple | list) for c in chunks)):
                 return f"the entry of {fqn!r} is not a whole TensorStorageMetadata"
         elif not isinstance(entry, BytesStorageMetadata):
             return f"the entry of {fqn!r} is a {type(entry).__name__}"

@@ -177,10 +177,12 @@ class StorageReader(_DcpStorageReader):
         self.last_read_nbytes = 0
         self.last_stats = ReadStats()
         self._preloaded: Metadata | None = None
+        # the metadata read last, the manifest read with it, its bytes' crc32c (:meth:`_check_metadata`)
+        self._metadata_read: tuple[Metadata, Manifest | None, int] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
-        self._preloaded = None  # another load (of another checkpoint, maybe) reads its own
+        self._preloaded = self._metadata_read = None  # another load (of another checkpoint, maybe) reads its own
         if checkpoint_id:
             self._set_path(checkpoint_id, "StorageReader: checkpoint_id")
         self.load_id = uuid.uuid4().hex
@@ -204,17 +206,30 @@ class StorageReader(_DcpStorageReader):
         Raises:
             IntegrityError: not committed. StorageIOError: unreadable. CheckpointCorrupt: refused.
         """
+        md = self._read_metadata()
+        self._check_metadata(md)
+        return md
+
+    def _read_metadata(self) -> Metadata:
+        """``.metadata`` unpickled, the manifest read with it (kept, with the bytes' crc32c, in ``_metadata_read``)."""
         if isinstance(self.path, S3Url):
             data = s3commit.read_metadata_bytes(self.store, self.path)
         else:
             data = read_metadata_bytes(self.path)
         md = parse_metadata(data, self.path / METADATA_NAME)
-        manifest = self._read_manifest()
+        self._metadata_read = (md, self._read_manifest(), crc32c.crc32c(data))
+        return md
+
+    def _check_metadata(self, md: Metadata) -> None:
+        """Raise ``CheckpointCorrupt`` when ``md`` was read here and a manifest of the same save records another
+        crc32c for it (a ``.metadata`` changed after its commit that still unpickles)."""
+        if self._metadata_read is None or self._metadata_read[0] is not md:
+            return
+        _, manifest, crc = self._metadata_read
         if manifest is not None and same_save(manifest, md):
-            damage = metadata_damage(manifest, data)
+            damage = metadata_damage(manifest, crc)
             if damage:
                 raise CheckpointCorrupt(f"{self.path}: {damage}")
-        return md
 
     def _read_manifest(self) -> Manifest | None:
         if isinstance(self.path, S3Url):
@@ -231,8 +246,8 @@ class StorageReader(_DcpStorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         md, self._preloaded = self._preloaded, None
-        if md is None:
-            md = self.load_metadata()
+        if md is None:  # checked in set_up_storage_reader: DCP reports an error from there alike on every rank (from
+            md = self._read_metadata()  # here it would retry with rank-local metadata and report that instead)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -243,12 +258,14 @@ class StorageReader(_DcpStorageReader):
             raise CheckpointCorrupt(f"{self.path}/.metadata has no storage_data")
         self.metadata = metadata
         self.storage_data = metadata.storage_data
-        self.manifest = self._read_manifest()
+        read_with = self._metadata_read is not None and self._metadata_read[0] is metadata
+        self.manifest = self._metadata_read[1] if read_with else self._read_manifest()  # type: ignore[index]
         if self.manifest is not None and not same_save(self.manifest, metadata):
             # Another writer (e.g. stock DCP) committed here after us: the manifest describes old files.
             logger.warning("%s: manifest belongs to an earlier save (%s, .metadata says %s); reading as stock DCP",
                            self.path, self.manifest.save_id, metadata.storage_meta.save_id)
             self.manifest = None
+        self._check_metadata(metadata)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -198,8 +198,13 @@ def test_a_metadata_mapping_keys_to_each_others_records_is_refused_on_load(tmp_p
     (path / ".metadata").write_bytes(md.replace(a, x).replace(b, a).replace(x, b))
     with pytest.raises(CheckpointCorrupt, match=r"\.metadata is not the one committed with the manifest"):
         cpuckpt.load({"a": torch.empty(4), "b": torch.empty(4)}, path, CFG)
-    with pytest.raises(BaseException, match=r"\.metadata is not the one committed with the manifest"):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as ei:  # DCP's own load: the rank's error is the same class
         dcp.load({"a": torch.empty(4), "b": torch.empty(4)}, storage_reader=cpuckpt.StorageReader(path, CFG))
+    (failure,) = ei.value.failures.values()
+    failure = failure[0] if isinstance(failure, tuple) else failure
+    assert isinstance(failure, CheckpointCorrupt) and "not the one committed with the manifest" in str(failure)
     assert not check_complete(path).complete
     manifest = json.loads((path / ".cpuckpt.json").read_text())
     del manifest["metadata_crc32c"]
@@ -222,3 +227,26 @@ def test_a_manifest_without_its_format_version_is_format_1():
     from cpuckpt.format.manifest import manifest_from_json
 
     assert manifest_from_json('{"format": "cpuckpt"}').format_version == 1
+
+
+def test_metadata_of_any_size_sequence_parses_and_a_damaged_field_name_is_corrupt():
+    """DCP takes a chunk's offsets and sizes as any sequence (Megatron-FSDP's uneven DTensors record tuples): such
+    metadata is DCP metadata; one whose field name was damaged (the pickle memoizes it: every entry loses it) is
+    CheckpointCorrupt, not an AttributeError in the middle of a load."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 2]),
+                                  [ChunkStorageMetadata(offsets=(0, 0), sizes=(2, 2)),
+                                   ChunkStorageMetadata(offsets=[2, 0], sizes=[2, 2])])
+    data = pickle.dumps(Metadata(state_dict_metadata={"w": entry, "v": entry}))
+    assert parse_metadata(data, "tuples").state_dict_metadata["w"].chunks[0].offsets == (0, 0)
+    assert data.count(b"offsets") == 1
+    with pytest.raises(CheckpointCorrupt, match=r"damaged: malformed DCP metadata: the entry of 'w'"):
+        parse_metadata(data.replace(b"offsets", b"offsetz"), "damaged")
