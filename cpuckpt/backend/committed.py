@@ -351,6 +351,13 @@ def _malformed(md: Metadata) -> str:
                                                                       and isinstance(_field(k, "fqn"), str)
                                                                       for k in storage)):
         return "storage_data is not a map of MetadataIndex"
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # FileSystemWriter's (and cpuckpt's) records
+
+    for index, info in (storage or {}).items():
+        if isinstance(info, _StorageInfo) and not (isinstance(_field(info, "relative_path"), str)
+                                                   and isinstance(_field(info, "offset"), int)
+                                                   and isinstance(_field(info, "length"), int)):
+            return f"the storage record of {_field(index, 'fqn')!r} is not a whole _StorageInfo"
     for fqn, entry in entries.items():
         if isinstance(entry, TensorStorageMetadata):  # sizes and offsets: any sequence (torch.Size, tuples of some
             chunks = _field(entry, "chunks")  # writers' chunks, Megatron-FSDP's uneven DTensors), as DCP takes them

@@ -250,3 +250,16 @@ def test_metadata_of_any_size_sequence_parses_and_a_damaged_field_name_is_corrup
     assert data.count(b"offsets") == 1
     with pytest.raises(CheckpointCorrupt, match=r"damaged: malformed DCP metadata: the entry of 'w'"):
         parse_metadata(data.replace(b"offsets", b"offsetz"), "damaged")
+
+
+def test_a_stock_checkpoint_whose_storage_record_field_is_damaged_is_corrupt(tmp_path):
+    """A stock checkpoint has no manifest (no crc32c of its .metadata): a damaged field name of its storage records
+    is CheckpointCorrupt from the metadata check (what the Megatron fallback falls back on), not an error mid-load."""
+    path = tmp_path / "stock"
+    dcp.save({"w": torch.ones(4), "b": torch.zeros(2)}, storage_writer=dcp.FileSystemWriter(str(path)))
+    md = (path / ".metadata").read_bytes()
+    assert md.count(b"relative_path") == 1
+    (path / ".metadata").write_bytes(md.replace(b"relative_path", b"relative_pbth"))
+    with pytest.raises(CheckpointCorrupt, match=r"malformed DCP metadata: the storage record of '(w|b)'"):
+        cpuckpt.load({"w": torch.empty(4), "b": torch.empty(2)}, path, CFG)
+    assert "malformed" in check_complete(path).reason
