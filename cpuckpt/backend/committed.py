@@ -335,6 +335,7 @@ def _malformed(md: Metadata) -> str:
     """What of ``md``'s structure the loaders rely on is missing or of another type ("" when nothing): the
     restricted unpickler admits DCP's classes with any attributes, and one damaged name (memoized, so shared by
     every entry) would otherwise surface as an ``AttributeError`` in the middle of a load."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # FileSystemWriter's (and cpuckpt's) records
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         ChunkStorageMetadata,
@@ -351,8 +352,6 @@ def _malformed(md: Metadata) -> str:
                                                                       and isinstance(_field(k, "fqn"), str)
                                                                       for k in storage)):
         return "storage_data is not a map of MetadataIndex"
-    from torch.distributed.checkpoint.filesystem import _StorageInfo  # FileSystemWriter's (and cpuckpt's) records
-
     for index, info in (storage or {}).items():
         if isinstance(info, _StorageInfo) and not (isinstance(_field(info, "relative_path"), str)
                                                    and isinstance(_field(info, "offset"), int)

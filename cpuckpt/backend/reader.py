@@ -258,8 +258,8 @@ class StorageReader(_DcpStorageReader):
             raise CheckpointCorrupt(f"{self.path}/.metadata has no storage_data")
         self.metadata = metadata
         self.storage_data = metadata.storage_data
-        read_with = self._metadata_read is not None and self._metadata_read[0] is metadata
-        self.manifest = self._metadata_read[1] if read_with else self._read_manifest()  # type: ignore[index]
+        read = self._metadata_read
+        self.manifest = read[1] if read is not None and read[0] is metadata else self._read_manifest()
         if self.manifest is not None and not same_save(self.manifest, metadata):
             # Another writer (e.g. stock DCP) committed here after us: the manifest describes old files.
             logger.warning("%s: manifest belongs to an earlier save (%s, .metadata says %s); reading as stock DCP",

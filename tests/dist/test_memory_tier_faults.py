@@ -20,10 +20,12 @@ What is proven, with real files, real writer processes, real gloo ranks and no m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import _helpers as H
@@ -95,6 +97,31 @@ def _one(tmp_path: Path, **memory):
 # ---------------------------------------------------------------------------------- checksums (one process)
 
 
+@contextlib.contextmanager
+def _persist_of_step_2_held(tmp_path: Path) -> Iterator[tuple]:
+    """A tier with step 1 persisted and step 2 committed in memory only: its writer is stopped (the persist of step
+    2 waits) until the block ends. Yields the tier and step 2's owed request."""
+    tier = _one(tmp_path, persist_every=1)
+    tier.save(_state(1, 0), 1).wait()
+    tier.wait_persisted()
+    writer = tier.writer_pid()
+    os.kill(writer, signal.SIGSTOP)
+    try:
+        tier.save(_state(2, 0), 2).wait()
+        (owed,) = tier.queue.owed()
+        yield tier, owed
+    finally:
+        os.kill(writer, signal.SIGCONT)
+
+
+def _failed_persist(tier, owed) -> str:
+    """The error of ``owed``'s persist, once the writer reported it (it must fail)."""
+    _wait("the writer failed the persist", lambda: not tier.queue.owed())
+    outcome = tier.queue.outcome(owed.seq)
+    assert outcome is not None and not outcome.ok, outcome
+    return outcome.error
+
+
 def test_a_flipped_byte_in_a_memory_image_fails_its_load_and_its_persist(tmp_path, caplog):
     """One RAM page damaged after the memory commit of step 2 (its persist held back by a frozen writer):
     loading step 2 fails, a restart falls back to step 1, and the persist of step 2 fails and is never
@@ -104,14 +131,7 @@ def test_a_flipped_byte_in_a_memory_image_fails_its_load_and_its_persist(tmp_pat
     from cpuckpt.errors import IntegrityError
     from cpuckpt.tier.memory import PersistError
 
-    tier = _one(tmp_path, persist_every=1)
-    tier.save(_state(1, 0), 1).wait()
-    tier.wait_persisted()
-    writer = tier.writer_pid()
-    os.kill(writer, signal.SIGSTOP)  # the persist of step 2 waits for us
-    try:
-        tier.save(_state(2, 0), 2).wait()  # committed in memory, with checksums
-        (owed,) = tier.queue.owed()
+    with _persist_of_step_2_held(tmp_path) as (tier, owed):  # step 2 committed in memory, with checksums
         newest = Path(owed.slot)
         entry = read_manifest(newest).files["__0_0.distcp"]
         assert entry.checksum == "crc32c" and len(entry.chunk_checksums) == NCHUNKS, entry
@@ -126,12 +146,8 @@ def test_a_flipped_byte_in_a_memory_image_fails_its_load_and_its_persist(tmp_pat
         assert older is not None and older.parent == tier.root.path and tier.step_of(older) == 1, older
         assert str(newest) in caplog.text and "checksum" in caplog.text
         _assert_state(out, 1, (0,), "fallback past the damaged memory checkpoint")
-    finally:
-        os.kill(writer, signal.SIGCONT)
-    _wait("the writer failed the persist", lambda: not tier.queue.owed())
-    outcome = tier.queue.outcome(owed.seq)
-    assert outcome is not None and not outcome.ok, outcome
-    assert "CheckpointCorrupt" in outcome.error and "(chunk 3)" in outcome.error, outcome.error
+    error = _failed_persist(tier, owed)
+    assert "CheckpointCorrupt" in error and "(chunk 3)" in error, error
     dest = tmp_path / "durable" / "step_2"
     assert not check_complete(dest).complete and not (dest / ".metadata").exists()
     assert _durable_steps(tmp_path / "durable") == [1]
@@ -147,14 +163,7 @@ def test_a_metadata_changed_in_ram_is_never_listed_loaded_nor_persisted(tmp_path
     from cpuckpt.backend.committed import check_complete
     from cpuckpt.tier.memory import PersistError
 
-    tier = _one(tmp_path, persist_every=1)
-    tier.save(_state(1, 0), 1).wait()
-    tier.wait_persisted()
-    writer = tier.writer_pid()
-    os.kill(writer, signal.SIGSTOP)  # the persist of step 2 waits for us
-    try:
-        tier.save(_state(2, 0), 2).wait()
-        (owed,) = tier.queue.owed()
+    with _persist_of_step_2_held(tmp_path) as (tier, owed):
         newest = Path(owed.slot)
         md = (newest / ".metadata").read_bytes()
         changed = md.replace(b"\x8c\x04r0.w\x94", b"\x8c\x04r0.v\x94")
@@ -165,12 +174,8 @@ def test_a_metadata_changed_in_ram_is_never_listed_loaded_nor_persisted(tmp_path
         older = tier.load_latest(out)
         assert older is not None and tier.step_of(older) == 1, older
         _assert_state(out, 1, (0,), "fallback past the changed .metadata")
-    finally:
-        os.kill(writer, signal.SIGCONT)
-    _wait("the writer failed the persist", lambda: not tier.queue.owed())
-    outcome = tier.queue.outcome(owed.seq)
-    assert outcome is not None and not outcome.ok, outcome
-    assert "CheckpointCorrupt" in outcome.error and ".metadata is not the one committed" in outcome.error, outcome
+    error = _failed_persist(tier, owed)
+    assert "CheckpointCorrupt" in error and ".metadata is not the one committed" in error, error
     assert not list((tmp_path / "durable").glob("step_2/*.distcp"))  # refused before a byte was copied
     with pytest.raises(PersistError, match=r"\.metadata is not the one committed"):
         tier.save(_state(3, 0), 3)

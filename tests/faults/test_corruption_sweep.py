@@ -10,10 +10,12 @@ default (``representative``) 40 seeded flips plus the flips at each file's chunk
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import _helpers as H  # tests/dist is on sys.path (tests/conftest.py)
@@ -58,9 +60,30 @@ def pristine(tmp_path_factory) -> tuple[Path, dict]:
     assert sorted(p.name for p in path.glob("*.distcp")) == FILES
     out = _targets(sd)
     cpuckpt.load(out, path, CFG)
-    assert all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) for k, v in sd.items()
-               if isinstance(v, torch.Tensor))
+    assert _same(out, sd)
     return path, sd
+
+
+def _same(out: dict, sd: dict) -> bool:
+    """``out`` holds ``sd``'s tensors bit for bit (and its other values)."""
+    return all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) if isinstance(v, torch.Tensor)
+               else out[k] == v for k, v in sd.items())
+
+
+@contextlib.contextmanager
+def _flipped(f: Path, off: int, mask: int) -> Iterator[None]:
+    """Byte ``off`` of ``f`` XORed with ``mask`` for the block, restored after it."""
+    with open(f, "r+b") as fh:
+        fh.seek(off)
+        old = fh.read(1)[0]
+        fh.seek(off)
+        fh.write(bytes([old ^ mask]))
+    try:
+        yield
+    finally:
+        with open(f, "r+b") as fh:
+            fh.seek(off)
+            fh.write(bytes([old]))
 
 
 @pytest.fixture
@@ -94,17 +117,8 @@ def test_flipped_bytes_are_all_detected(ckpt, capsys, sweep):
     missed, badmsg = [], []
     for name, off, mask in flips:
         f = path / name
-        with open(f, "r+b") as fh:
-            fh.seek(off)
-            old = fh.read(1)[0]
-            fh.seek(off)
-            fh.write(bytes([old ^ mask]))
-        try:
+        with _flipped(f, off, mask):
             err = _load_error(path, sd)
-        finally:
-            with open(f, "r+b") as fh:
-                fh.seek(off)
-                fh.write(bytes([old]))
         if err is None:
             missed.append((name, off))
             continue
@@ -137,25 +151,15 @@ def test_flipped_bytes_of_the_metadata_are_all_detected(ckpt, capsys):
     flips += [(0, 0xFF), (size // 2, 0x01), (size - 1, 0xFF)]
     missed, unclear, by_crc, renamed = [], [], 0, 0
     for off, mask in flips:
-        with open(f, "r+b") as fh:
-            fh.seek(off)
-            old = fh.read(1)[0]
-            fh.seek(off)
-            fh.write(bytes([old ^ mask]))
-        try:
+        with _flipped(f, off, mask):
             err = _load_error(path, sd)
             complete = check_complete(path).complete
             if err is None and parse_metadata(f.read_bytes(), f).storage_meta.save_id != save_id:
                 out = _targets(sd)
                 cpuckpt.load(out, path, CFG)
-                assert all(torch.equal(out[k].view(torch.uint8), v.view(torch.uint8)) if isinstance(v, torch.Tensor)
-                           else out[k] == v for k, v in sd.items()), f"save id flipped @{off}: other values"
+                assert _same(out, sd), f"save id flipped @{off}: other values"
                 renamed += 1
                 continue
-        finally:
-            with open(f, "r+b") as fh:
-                fh.seek(off)
-                fh.write(bytes([old]))
         if err is None or complete:
             missed.append((off, mask, err is None, complete))
         elif ".metadata" not in str(err):
