@@ -216,10 +216,14 @@ class GilProfile:
                 logger.warning("py-spy: no trainer process under pid %d", proc.pid)
                 self.at = 1 << 30
                 return
-            self.proc = subprocess.Popen(
-                [self.exe, "record", "--pid", str(pid), "--duration", str(int(self.seconds)), "--rate", str(self.rate),
-                 "--format", "raw", "--threads", "--gil", "--nonblocking", "-o", str(self.path)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            try:
+                self.proc = subprocess.Popen(
+                    [self.exe, "record", "--pid", str(pid), "--duration", str(int(self.seconds)), "--rate",
+                     str(self.rate), "--format", "raw", "--threads", "--gil", "--nonblocking", "-o", str(self.path)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            except OSError as e:  # no profile, but the run and the benchmark go on
+                logger.warning("py-spy: cannot start %s: %s", self.exe, e)
+                self.at = 1 << 30
         return on_line
 
     def summary(self, top: int = 8) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 phases=${*:-setup tests megatron-lm example deepspeed}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=/tmp/site PATH=/tmp/tools/bin:$PATH
 export PYTHONSAFEPATH=1  # the repo root must not shadow the installed cpuckpt (cpuckpt.integrations lives in /tmp/site)
 BENCH_PATH=/tmp/site:$PWD  # benchmarks run as modules (python -m benchmarks.X); /tmp/site still wins for cpuckpt
 for phase in $phases; do
@@ -28,6 +28,9 @@ for phase in $phases; do
       # --upgrade: a machine still warm from an earlier call would keep that call's cpuckpt
       python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site . \
         || { echo "cpuckpt install failed"; exit 1; }
+      # py-spy apart: --target --upgrade above replaces /tmp/site/bin, and the profilers look for it on PATH
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tools \
+        .whl/py_spy-*.whl >/dev/null 2>&1 || echo "py-spy install failed (no --pyspy profiles)"
       rm -rf /tmp/site-base
       if ls .whl-base/cpuckpt-*.whl >/dev/null 2>&1; then  # a baseline commit's wheel: goodput's +base variants
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-base \
