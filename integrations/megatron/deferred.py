@@ -29,8 +29,6 @@ import logging
 import threading
 from collections.abc import Callable
 
-from cpuckpt.background import gc_paused
-
 __all__ = ["defer", "enable", "enabled", "start_all"]
 
 logger = logging.getLogger(__name__)
@@ -65,15 +63,12 @@ def start_all() -> int:
     A start that raises leaves the saves recorded after it for the next start point, in order."""
     with _LOCK:
         starts, _STARTS[:] = list(_STARTS), []
-    if not starts:
-        return 0
-    with gc_paused():  # a start's temporaries are freed young (hook.pause_collector_in_saves says why)
-        for i, start in enumerate(starts):
-            try:
-                start()
-            except BaseException:
-                with _LOCK:
-                    _STARTS[:0] = starts[i + 1 :]
-                raise
+    for i, start in enumerate(starts):
+        try:
+            start()
+        except BaseException:
+            with _LOCK:
+                _STARTS[:0] = starts[i + 1 :]
+            raise
     return len(starts)
 

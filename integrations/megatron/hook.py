@@ -56,9 +56,6 @@ format with other storage. :func:`install`:
    ``--ckpt-assume-constant-structure``, validates the sharding once also where the data-parallel group has
    one rank (:func:`validate_structure_once`: Megatron-LM validated every save there).
 
-9. runs ``save_checkpoint`` with Python's cyclic collector paused (:func:`pause_collector_in_saves`), so that
-   the sharded state dict every save builds is freed young instead of counting towards full collections.
-
 Without ``--ckpt-format cpuckpt`` on the command line it changes nothing. Use it through the
 launcher (``python -m cpuckpt.integrations.megatron.launch pretrain_gpt.py ...``) or add one line
 at the top of the script: ``import cpuckpt.integrations.megatron as m; m.install()``.
@@ -260,7 +257,6 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
         _reserve_slots_after_setup(run)
     _finalize_before_cleanup(module, memory_of=run.memory if options.memory_tier else None)
     validate_structure_once(module)
-    pause_collector_in_saves(module)
     if options.ordering == "optimizer":
         order_optimizer_steps()
     if options.prepare_pool and not options.memory_tier:
@@ -272,44 +268,6 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
 
         fall_back_on_corrupt(module)  # a missing function is a warning: the load then raises as before
     return run
-
-
-def pause_collector_in_saves(module: Any, importers: list[Any] | None = None) -> bool:
-    """Run Megatron-LM's ``save_checkpoint`` (``module``: ``megatron.training.checkpointing``; and where
-    ``importers``, by default every loaded ``megatron.training`` module, imported it by name) with Python's cyclic
-    collector paused; returns whether it did.
-
-    Every save builds Megatron's sharded state dict: thousands of objects for a 24-layer GPT, built in bulk, so the
-    young collections that the build itself triggers find most of it alive and move it to older generations. It
-    dies within an iteration (the save's start drops it), but what reached the oldest generation is counted towards
-    the next full collection (hundreds of ms with torch loaded: the largest gaps of a run saving every iteration).
-    With the collector paused while it is built, the dict is freed young; the collections still run, after the
-    save, over what is alive then."""
-    import functools
-
-    from cpuckpt.background import gc_paused
-
-    original = getattr(module, "save_checkpoint", None)
-    if original is None:
-        logger.warning("cpuckpt: %s has no save_checkpoint(): its saves run with the collector as it is",
-                       getattr(module, "__name__", module))
-        return False
-    if _wrapper_with(original, "_cpuckpt_collector_paused") is not None:
-        return True
-
-    @functools.wraps(original)
-    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        with gc_paused():
-            return original(*args, **kwargs)
-
-    save_checkpoint._cpuckpt_collector_paused = True  # type: ignore[attr-defined]
-    module.save_checkpoint = save_checkpoint
-    if importers is None:
-        importers = [m for name, m in list(sys.modules.items()) if name.startswith("megatron.training") and m]
-    for m in importers:
-        if m is not module and getattr(m, "save_checkpoint", None) is original:
-            m.save_checkpoint = save_checkpoint
-    return True
 
 
 def validate_structure_once(module: Any) -> type | None:
