@@ -29,7 +29,9 @@ runs the variant with ``--base-site``'s cpuckpt (a baseline commit's install) fi
 a change in one call, on one machine. ``+mgc`` (any
 variant, ``none`` included) runs Megatron-LM with ``--manual-gc``: the interpreter's automatic collector off for the
 whole run; a variant with it is compared with ``none+mgc`` (so ``none+mgc,mem1snap+copyproc+mgc`` against
-``none,mem1snap+...`` says what the trainer's garbage collections under saves cost).
+``none,mem1snap+...`` says what the trainer's garbage collections under saves cost). ``+timers`` (any variant)
+adds Megatron-LM's level-1 timers (``--timing-log-level 1``: forward-backward, optimizer, ...), which synchronize
+the device at each start and stop: where in the step a save's cost lands, not a goodput figure.
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -125,6 +127,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     base = ["--train-iters", str(iters), "--eval-interval", str(10 * iters)]
     if "mgc" in changes:
         base.append("--manual-gc")  # interval 0: no collection at all while it trains
+    if "timers" in changes:  # Megatron-LM's level-1 timers (forward-backward, optimizer, ...; each synchronizes)
+        base += ["--timing-log-level", "1"]
     if kind == "none":
         return b.argv("torch_dist", "goodput", base), 0
     # Megatron-LM's own promise for repeated saves: without it every save validates the sharding again
@@ -157,11 +161,11 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         elif change.startswith("u") and change[1:].isdigit():
             memory["max_uncommitted"] = int(change[1:])
         elif (change.startswith("rep") and change[len("rep"):].isdigit()) or (
-                change.startswith("slots") and change[len("slots"):].isdigit()) or change in ("mgc", "base"):
-            pass  # rep: a name only; slots, mgc: read above; base: the environment (main)
+                change.startswith("slots") and change[len("slots"):].isdigit()) or change in ("mgc", "base", "timers"):
+            pass  # rep: a name only; slots, mgc, timers: read above; base: the environment (main)
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} "
-                             "(nocrc, copyproc, host, window<MiB>, io<N>, u<N>, slots<N>, rep<N>, mgc, base)")
+                             "(nocrc, copyproc, host, window<MiB>, io<N>, u<N>, slots<N>, rep<N>, mgc, base, timers)")
     cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
@@ -376,15 +380,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         b.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"args": vars(args), "runs": {}, "summary": []}
-    refs: dict[bool, dict[str, Any]] = {}  # the run without checkpoints, per collector mode (+mgc or not)
+    refs: dict[tuple[bool, bool], dict[str, Any]] = {}  # the run without checkpoints, per (+mgc, +timers)
     rows = []
     try:
         for name in [v for v in args.variants.split(",") if v]:
             kind, *changes = name.split("+")
-            if kind not in VARIANTS or (changes and not kind.startswith("mem") and changes != ["mgc"]):
+            if kind not in VARIANTS or (not kind.startswith("mem") and not set(changes) <= {"mgc", "timers"}):
                 ap.error(f"unknown variant {name}; known: {VARIANTS} "
-                         "(memory ones with +nocrc, +copyproc, +window<MiB>, ...; any with +mgc)")
-            manual_gc = "mgc" in changes
+                         "(memory ones with +nocrc, +copyproc, +window<MiB>, ...; any with +mgc, +timers)")
+            ref_key = ("mgc" in changes, "timers" in changes)
             if args.budget and b.left() < 60:
                 logger.warning("variant %s skipped: %.0f s of the budget left", name, b.left())
                 continue
@@ -403,9 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault("gil", {})[name] = prof
             g = goodput(r["iters"], args.warm)
             saves = _saves_between(g.get("first", args.warm), g.get("last", args.iters), every)
-            s = summarize(name, r, refs.get(manual_gc), saves, args.warm)
+            s = summarize(name, r, refs.get(ref_key), saves, args.warm)
             if kind == "none":
-                refs[manual_gc] = {**g, "run_s": r["wall_s"]}
+                refs[ref_key] = {**g, "run_s": r["wall_s"]}
             if sampled and not args.dry_run:
                 sample = read_samples(b, name, max((x["it"] for x in r["iters"]), default=0))
                 if sample is not None:
