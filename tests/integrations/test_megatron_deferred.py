@@ -34,6 +34,54 @@ def test_the_call_freezes_what_the_next_iteration_changes_before_its_optimizer_s
     assert torch.equal(state["expert_bias"].data, torch.zeros(3)) and state["qb_beta"].data is not bias
 
 
+def _saved(obj) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_the_frozen_objects_save_as_deep_copies_do_and_keep_their_values():
+    """The call's copies of host objects (strategy._private_copy, not copy.deepcopy: Python per value) write the
+    bytes torch.save writes for deep copies, shared storages and views included, and do not follow the originals."""
+    import copy
+    import random
+
+    import numpy as np
+
+    rng = torch.get_rng_state()
+    big = torch.arange(8, dtype=torch.float32)
+    tagged = torch.ones(2)
+    tagged.note = "attribute"  # a Python attribute: deep-copied, not cloned
+    values = {
+        "megatron_rng": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                          "torch_rng_state": rng, "rng_tracker_states": {"model-parallel-rng": rng[:16].clone()}}],
+        "view": big[2:5],  # a view of a larger storage: saved whole
+        "shared": [big, big.view(2, 4)],  # one storage twice: saved once
+        "grad": torch.zeros(3, requires_grad=True),
+        "tagged": tagged,
+        "nested": (1, ["list", {"in": (2.5, None)}], b"x"),
+    }
+    inner = {"counts": [1, 2]}
+    values["twice"] = [inner, (inner, "tuple")]  # one object reached twice stays one object
+    state = {k: ShardedObject(f"obj.{k}", v, (1,), (0,), replica_id=0) for k, v in values.items()}
+    want = {k: _saved(copy.deepcopy(v)) for k, v in values.items()}
+    assert strategy._freeze_objects(state) == len(values)
+    for k in values:
+        assert _saved(state[k].data) == want[k], k
+    assert state["megatron_rng"].data is not values["megatron_rng"]
+    assert torch.equal(state["megatron_rng"].data[0]["torch_rng_state"], rng)
+    rng.zero_()  # the originals change after the call (the trainer's next iteration)
+    big.add_(1.0)
+    values["nested"][1][1]["in"] = "changed"
+    assert _saved(state["megatron_rng"].data) == want["megatron_rng"]
+    assert _saved(state["shared"].data) == want["shared"] and _saved(state["view"].data) == want["view"]
+    assert state["nested"].data == (1, ["list", {"in": (2.5, None)}], b"x")
+    twice = state["twice"].data
+    assert twice[0] is twice[1][0] and twice[0] is not inner
+
+
 def test_a_start_that_fails_leaves_the_saves_after_it_recorded_in_order():
     started: list[str] = []
 
