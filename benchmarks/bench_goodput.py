@@ -31,7 +31,9 @@ variant, ``none`` included) runs Megatron-LM with ``--manual-gc``: the interpret
 whole run; a variant with it is compared with ``none+mgc`` (so ``none+mgc,mem1snap+copyproc+mgc`` against
 ``none,mem1snap+...`` says what the trainer's garbage collections under saves cost). ``+timers`` (any variant)
 adds Megatron-LM's level-1 timers (``--timing-log-level 1``: forward-backward, optimizer, ...), which synchronize
-the device at each start and stop: where in the step a save's cost lands, not a goodput figure.
+the device at each start and stop: where in the step a save's cost lands, not a goodput figure. ``+syncstart`` and
+``+syncstep`` (memory variants) synchronize the device at one point only (``benchmarks/sync_probe``): after the
+iteration's save start, or before each optimizer step.
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -120,6 +122,9 @@ def _saves_between(first: int, last: int, every: int) -> int:
     return sum(1 for it in range(first, last) if every and it % every == 0)
 
 
+_ENV_CHANGES = ("mgc", "base", "timers", "syncstart", "syncstep")  # changes read outside the cpuckpt config
+
+
 def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: int) -> tuple[list[str], int]:
     """The command line of a variant and its save interval (0: none)."""
     a = b.args
@@ -134,9 +139,9 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     # Megatron-LM's own promise for repeated saves: without it every save validates the sharding again
     # (validate_sharding_integrity, ~20-40 ms per save on this model); every variant that saves gets it.
     save = ["--save", str(root / name), "--ckpt-assume-constant-structure"]
-    if name == "torch_dist8":
+    if kind == "torch_dist8":
         return b.argv("torch_dist", "goodput", [*base, *save, "--save-interval", "8", *ASYNC]), 8
-    if name == "cpuckpt8":
+    if kind == "cpuckpt8":
         cfg = megatron_config(a.config, tmp / "cpuckpt8.yaml", ordering="optimizer")
         return b.argv("cpuckpt", "goodput", [*base, *save, "--save-interval", "8", *ASYNC], config=str(cfg)), 8
     every = {"mem8": 8, "mem8snap": 8, "mem1": 1, "mem1snap": 1}[kind]
@@ -161,11 +166,11 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         elif change.startswith("u") and change[1:].isdigit():
             memory["max_uncommitted"] = int(change[1:])
         elif (change.startswith("rep") and change[len("rep"):].isdigit()) or (
-                change.startswith("slots") and change[len("slots"):].isdigit()) or change in ("mgc", "base", "timers"):
-            pass  # rep: a name only; slots, mgc, timers: read above; base: the environment (main)
+                change.startswith("slots") and change[len("slots"):].isdigit()) or change in _ENV_CHANGES:
+            pass  # rep: a name only; slots, mgc, timers: read above; base, sync<at>: the environment (main)
         else:
-            raise ValueError(f"variant {name}: unknown change {change!r} "
-                             "(nocrc, copyproc, host, window<MiB>, io<N>, u<N>, slots<N>, rep<N>, mgc, base, timers)")
+            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, io<N>, "
+                             "u<N>, slots<N>, rep<N>, mgc, base, timers, syncstart, syncstep)")
     cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
@@ -173,6 +178,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
 
 
 SAMPLER = Path(__file__).resolve().parent / "stack_sampler"
+SYNC_PROBE = Path(__file__).resolve().parent / "sync_probe"  # +syncstart, +syncstep
 
 
 def sample_env(b: Bench, name: str) -> dict[str, str]:
@@ -402,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.base_site:
                     ap.error(f"variant {name}: +base needs --base-site")
                 env = {**(env or {}), "PYTHONPATH": os.pathsep.join([args.base_site, (env or b.env)["PYTHONPATH"]])}
+            sync = next((c[len("sync"):] for c in changes if c.startswith("sync")), None)
+            if sync:  # a host synchronization at one point of the iteration (benchmarks/sync_probe)
+                env = {**(env or {}), "CPUCKPT_SYNC_AT": sync,
+                       "PYTHONPATH": os.pathsep.join([str(SYNC_PROBE), (env or b.env)["PYTHONPATH"]])}
             r = b.run(name, cmd, env=env, on_line=gil.hook() if gil else None)
             if gil is not None and (prof := gil.summary()) is not None:
                 results.setdefault("gil", {})[name] = prof

@@ -60,3 +60,37 @@ def test_dry_run_takes_the_variants_the_device_calls_ask_for(tmp_path: Path) -> 
     assert "/opt/base-site" not in blocks["mem1snap+copyproc+io1"]
     unset = _bench("--dry-run", "--out", str(tmp_path), "--variants", "mem1snap+copyproc+base", cwd=REPO)
     assert unset.returncode != 0 and "--base-site" in unset.stderr, unset.stderr
+
+
+def test_dry_run_takes_the_synchronization_variants(tmp_path: Path) -> None:
+    """+timers (Megatron-LM's level-1 timers, against none+timers) and +sync<at> (benchmarks/sync_probe)."""
+    names = ("none+timers,mem1snap+copyproc+timers,mem1snap+copyproc+syncstart,mem1snap+copyproc+syncstep,"
+             "torch_dist8+timers,cpuckpt8+mgc")
+    proc = _bench("--dry-run", "--out", str(tmp_path), "--variants", names, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    blocks = {b.split("\n", 1)[0]: b for b in proc.stdout.split("# ")[1:]}
+    assert all("--timing-log-level 1" in blocks[n] for n in ("none+timers", "mem1snap+copyproc+timers"))
+    assert "--timing-log-level" not in blocks["mem1snap+copyproc+syncstart"]
+    assert "--save-interval 8 " in blocks["torch_dist8+timers"] and "--manual-gc" in blocks["cpuckpt8+mgc"]
+    assert "CPUCKPT_SYNC_AT=start" in blocks["mem1snap+copyproc+syncstart"]
+    assert "CPUCKPT_SYNC_AT=step" in blocks["mem1snap+copyproc+syncstep"]
+    bad = _bench("--dry-run", "--out", str(tmp_path), "--variants", "none+syncstart", cwd=REPO)
+    assert bad.returncode != 0 and "unknown variant" in bad.stderr, bad.stderr
+
+
+def test_the_sync_probe_wraps_the_point_it_is_asked_for(tmp_path: Path) -> None:
+    """benchmarks/sync_probe: with CPUCKPT_SYNC_AT, the adapter's function is wrapped once imported (and still runs)."""
+    start = ("from cpuckpt.integrations.megatron import deferred\n"
+             "deferred.defer(lambda: print('started'))\n"
+             "print('starts', deferred.start_all(), hasattr(deferred.start_all, '__wrapped__'))\n")
+    step = ("from cpuckpt.integrations.megatron import strategy\n"  # imports megatron-core (seconds)
+            "print('ordered', strategy.order_pending_saves(), hasattr(strategy.order_pending_saves, '__wrapped__'))\n")
+    for at, code, want in (("start", start, "started\nstarts 1 True\n"), ("", start, "started\nstarts 1 False\n"),
+                           ("step", step, "ordered 0 True\n")):
+        env = {**os.environ, "CPUCKPT_SYNC_AT": at,
+               "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "sync_probe"),
+                                              *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert want in proc.stdout, (at, proc.stdout)

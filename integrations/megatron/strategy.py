@@ -14,6 +14,7 @@ import copy
 import functools
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -158,7 +159,7 @@ def _freeze_objects(sharded_state_dict: dict[str, Any]) -> int:
         if isinstance(sh, ShardedObject) and not isinstance(sh.data, _IMMUTABLE) and not _on_device(sh.data):
             try:
                 sh.data = _private_copy(sh.data, {})
-            except _SharedStorage:  # two tensors of one storage: deepcopy keeps them one storage, as saved
+            except _NotPlain:
                 sh.data = copy.deepcopy(sh.data)
             n += 1
     return n
@@ -167,20 +168,22 @@ def _freeze_objects(sharded_state_dict: dict[str, Any]) -> int:
 _ATOMIC = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
-class _SharedStorage(Exception):
-    """Two tensors of one object share a storage: :func:`_private_copy` would save it twice."""
+class _NotPlain(Exception):
+    """An object :func:`_private_copy` leaves to ``copy.deepcopy`` as a whole."""
 
 
 def _private_copy(obj: Any, memo: dict[Any, Any]) -> Any:
     """What ``copy.deepcopy(obj)`` makes of the trainer's host objects (the RNG states, the rerun state machine's),
-    the same for ``torch.save``, without deepcopy's Python per value where the value is plain: a tuple of plain
-    values is immutable and kept (Python's RNG state holds 625 ints, which deepcopy visits one by one), dicts and
-    lists are rebuilt, a plain CPU tensor that is its whole storage is cloned (deepcopy of one takes ~20 times as
-    long); anything else (arrays, other objects, other tensors) is ``copy.deepcopy``'d with the same memo, so shared
-    references stay shared. With deepcopy, Megatron-LM's objects took ~2 ms per save on the trainer's thread (H100).
+    the same for ``torch.save``, without deepcopy's Python per value: plain values and tuples of them are immutable
+    and kept (Python's RNG state holds 625 ints, which deepcopy visits one by one), dicts (plain keys) and lists are
+    rebuilt, numeric arrays copied, plain CPU tensors that are the whole of their own storage cloned (deepcopy of one
+    takes ~20 times as long); shared objects stay shared (``memo``). Anything else in ``obj`` (another type, a view,
+    a storage two tensors share) makes the whole of it ``copy.deepcopy``'s: the two are never mixed in one object,
+    whose shared storages only deepcopy's own memo knows. With deepcopy, Megatron-LM's objects took ~2 ms per save on
+    the trainer's thread (H100).
 
     Raises:
-        _SharedStorage: two cloned tensors share a storage (the caller deep-copies instead).
+        _NotPlain: ``obj`` holds something else (the caller deep-copies it instead).
     """
     kind = type(obj)
     if kind in _ATOMIC:
@@ -188,44 +191,53 @@ def _private_copy(obj: Any, memo: dict[Any, Any]) -> Any:
     done = memo.get(id(obj))
     if done is not None:
         return done
-    if kind is torch.Tensor and _whole_plain(obj):
+    if kind is torch.Tensor:
+        if not _whole_plain(obj):
+            raise _NotPlain
         storage = ("storage", obj.untyped_storage().data_ptr())
         if storage in memo:
-            raise _SharedStorage
+            raise _NotPlain
         memo[storage] = True
-        memo[id(obj)] = out = obj.clone()
-        _keep_alive(obj, memo)
-        return out
-    if kind is tuple:
+        out: Any = obj.clone()
+    elif kind is tuple:
         if all(type(v) in _ATOMIC for v in obj):
             return obj
         values = [_private_copy(v, memo) for v in obj]
+        done = memo.get(id(obj))  # reached again through its own values (a list holding it): that copy
+        if done is not None:
+            return done
         if all(a is b for a, b in zip(values, obj)):
             return obj
-        memo[id(obj)] = out = tuple(values)
-        _keep_alive(obj, memo)
-        return out
-    if kind is dict:
-        out: Any = {}
-        memo[id(obj)] = out
+        out = tuple(values)
+    elif kind is dict:
+        out = memo[id(obj)] = {}
         for k, v in obj.items():
+            if type(k) not in _ATOMIC:
+                raise _NotPlain  # deepcopy copies keys too
             out[k] = _private_copy(v, memo)
-        _keep_alive(obj, memo)
-        return out
-    if kind is list:
-        out = []
-        memo[id(obj)] = out
+    elif kind is list:
+        out = memo[id(obj)] = []
         out.extend(_private_copy(v, memo) for v in obj)
-        _keep_alive(obj, memo)
-        return out
-    return copy.deepcopy(obj, memo)
+    elif _is_numeric_array(obj):
+        out = obj.copy(order="K")
+    else:
+        raise _NotPlain
+    memo[id(obj)] = out
+    _keep_alive(obj, memo)
+    return out
+
+
+def _is_numeric_array(obj: Any) -> bool:
+    numpy = sys.modules.get("numpy")  # loaded wherever one exists: never imported for this
+    return numpy is not None and type(obj) is numpy.ndarray and not obj.dtype.hasobject
 
 
 def _whole_plain(t: torch.Tensor) -> bool:
-    """A CPU tensor ``clone()`` copies as ``torch.save`` writes it: dense, the whole of its storage, no autograd
-    state, no Python attributes."""
-    return (t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad and t.is_contiguous()
-            and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    """A CPU tensor ``clone()`` copies as ``torch.save`` writes it: dense, not empty, the whole of its storage, no
+    autograd state, no Python attributes."""
+    return (not t.is_nested and t.layout == torch.strided and t.device.type == "cpu" and not t.requires_grad
+            and t.numel() > 0 and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size()
             and not t.is_conj() and not t.is_neg() and not getattr(t, "__dict__", None))
 
 
@@ -234,15 +246,17 @@ def _keep_alive(obj: Any, memo: dict[Any, Any]) -> None:
     memo.setdefault(id(memo), []).append(obj)
 
 
-def _on_device(obj: Any) -> bool:
-    """Whether ``obj`` (nested dicts, lists, tuples) holds a tensor on a device."""
+def _on_device(obj: Any, seen: set[int] | None = None) -> bool:
+    """Whether ``obj`` (nested dicts, lists, tuples; each container looked into once) holds a tensor on a device."""
     if isinstance(obj, torch.Tensor):
         return obj.device.type != "cpu"
-    if isinstance(obj, dict):
-        return any(_on_device(v) for v in obj.values())
-    if isinstance(obj, list | tuple):
-        return any(_on_device(v) for v in obj)
-    return False
+    if not isinstance(obj, dict | list | tuple):
+        return False
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    return any(_on_device(v, seen) for v in (obj.values() if isinstance(obj, dict) else obj))
 
 
 class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):

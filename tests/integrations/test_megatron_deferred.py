@@ -45,6 +45,7 @@ def _saved(obj) -> bytes:
 def test_the_frozen_objects_save_as_deep_copies_do_and_keep_their_values():
     """The call's copies of host objects (strategy._private_copy, not copy.deepcopy: Python per value) write the
     bytes torch.save writes for deep copies, shared storages and views included, and do not follow the originals."""
+    import collections
     import copy
     import random
 
@@ -65,6 +66,16 @@ def test_the_frozen_objects_save_as_deep_copies_do_and_keep_their_values():
     }
     inner = {"counts": [1, 2]}
     values["twice"] = [inner, (inner, "tuple")]  # one object reached twice stays one object
+    values["whole_and_view"] = [big, big[2:5]]  # one storage, whole and in part: saved once
+    key = torch.ones(1)
+    values["tensor_key"] = {key: 1, "value": key}  # deepcopy copies keys too
+    inside: list = []
+    values["loop"] = (inside, "loop")  # a tuple reached again through its own list
+    inside.append(values["loop"])
+    values["ordered"] = collections.OrderedDict(a=torch.ones(2), b=[3])
+    values["parameter"] = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    values["empty"] = [torch.empty(0), torch.empty(0, 3)]
+    values["array"] = np.arange(6, dtype=np.int64).reshape(2, 3)[:, ::2]  # a strided view
     state = {k: ShardedObject(f"obj.{k}", v, (1,), (0,), replica_id=0) for k, v in values.items()}
     want = {k: _saved(copy.deepcopy(v)) for k, v in values.items()}
     assert strategy._freeze_objects(state) == len(values)
@@ -80,6 +91,10 @@ def test_the_frozen_objects_save_as_deep_copies_do_and_keep_their_values():
     assert state["nested"].data == (1, ["list", {"in": (2.5, None)}], b"x")
     twice = state["twice"].data
     assert twice[0] is twice[1][0] and twice[0] is not inner
+    assert state["loop"].data[0][0] is state["loop"].data
+    # Megatron-LM's RNG state is all plain values, arrays and whole tensors: copied without deepcopy
+    copied = strategy._private_copy(values["megatron_rng"], {})  # _NotPlain here would mean deepcopy again
+    assert _saved(copied) == _saved(copy.deepcopy(values["megatron_rng"]))
 
 
 def test_a_start_that_fails_leaves_the_saves_after_it_recorded_in_order():
