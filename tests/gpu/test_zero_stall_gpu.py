@@ -245,7 +245,11 @@ def test_a_small_copy_waits_behind_the_window_not_the_save(tmp_path: Path, ram_d
     call_ms = 1000 * (time.perf_counter() - t0)
     done_small = torch.cuda.Event()
     done_small.record()
-    done_small.synchronize()
+    # A trainer ticks while it waits for its copy (module calls; here cpuckpt.tick): a host that made no tick for 0.1 s
+    # would have the pacer's watch enqueue the rest of the save (its idle drain), which the sleep outlasts.
+    while not done_small.query():
+        cpuckpt.tick()
+        time.sleep(0.002)
     sleep_ms = start.elapsed_time(slept)
     fence = h._writer.job.fence
     enqueued_all = fence._final.is_set()
