@@ -33,7 +33,8 @@ whole run; a variant with it is compared with ``none+mgc`` (so ``none+mgc,mem1sn
 adds Megatron-LM's level-1 timers (``--timing-log-level 1``: forward-backward, optimizer, ...), which synchronize
 the device at each start and stop: where in the step a save's cost lands, not a goodput figure. ``+syncstart`` and
 ``+syncstep`` (memory variants) synchronize the device at one point only (``benchmarks/sync_probe``): after the
-iteration's save start, or before each optimizer step.
+iteration's save start, or before each optimizer step. ``+gcfreeze`` (memory variants): ``megatron: {freeze_gc:
+true}``, the collector's objects frozen once setup returned (full collections then skip them).
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -151,6 +152,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     staging: dict[str, Any] = {"device_snapshot": True} if kind.endswith("snap") else {}
     memory: dict[str, Any] = {}
     io: dict[str, Any] = {}
+    adapter: dict[str, Any] = {}  # the megatron: block's other keys
     ordering = "optimizer"
     for change in changes:
         if change == "nocrc":
@@ -159,6 +161,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             memory["copy_process"] = True
         elif change == "host":
             ordering = "host"
+        elif change == "gcfreeze":
+            adapter["freeze_gc"] = True
         elif change.startswith("window") and change[len("window"):].isdigit():
             staging["d2h_window_bytes"] = int(change[len("window"):]) << 20
         elif change.startswith("io") and change[2:].isdigit():
@@ -170,8 +174,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             pass  # rep: a name only; slots, mgc, timers: read above; base, sync<at>: the environment (main)
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, io<N>, "
-                             "u<N>, slots<N>, rep<N>, mgc, base, timers, syncstart, syncstep)")
-    cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io)
+                             "u<N>, slots<N>, rep<N>, gcfreeze, mgc, base, timers, syncstart, syncstep)")
+    cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io, **adapter)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
     return b.argv("cpuckpt", "goodput", extra, config=str(cfg)), every

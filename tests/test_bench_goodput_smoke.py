@@ -65,13 +65,14 @@ def test_dry_run_takes_the_variants_the_device_calls_ask_for(tmp_path: Path) -> 
 def test_dry_run_takes_the_synchronization_variants(tmp_path: Path) -> None:
     """+timers (Megatron-LM's level-1 timers, against none+timers) and +sync<at> (benchmarks/sync_probe)."""
     names = ("none+timers,mem1snap+copyproc+timers,mem1snap+copyproc+syncstart,mem1snap+copyproc+syncstep,"
-             "torch_dist8+timers,cpuckpt8+mgc")
+             "torch_dist8+timers,cpuckpt8+mgc,mem1snap+copyproc+gcfreeze")
     proc = _bench("--dry-run", "--out", str(tmp_path), "--variants", names, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     blocks = {b.split("\n", 1)[0]: b for b in proc.stdout.split("# ")[1:]}
     assert all("--timing-log-level 1" in blocks[n] for n in ("none+timers", "mem1snap+copyproc+timers"))
     assert "--timing-log-level" not in blocks["mem1snap+copyproc+syncstart"]
     assert "--save-interval 8 " in blocks["torch_dist8+timers"] and "--manual-gc" in blocks["cpuckpt8+mgc"]
+    assert "--non-persistent-save-interval 1 " in blocks["mem1snap+copyproc+gcfreeze"]
     assert "CPUCKPT_SYNC_AT=start" in blocks["mem1snap+copyproc+syncstart"]
     assert "CPUCKPT_SYNC_AT=step" in blocks["mem1snap+copyproc+syncstep"]
     bad = _bench("--dry-run", "--out", str(tmp_path), "--variants", "none+syncstart", cwd=REPO)

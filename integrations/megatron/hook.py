@@ -56,6 +56,9 @@ format with other storage. :func:`install`:
    ``--ckpt-assume-constant-structure``, validates the sharding once also where the data-parallel group has
    one rank (:func:`validate_structure_once`: Megatron-LM validated every save there).
 
+9. with ``megatron: {freeze_gc: true}``, freezes Python's collector's objects once setup returned
+   (:func:`freeze_collector_after_setup`).
+
 Without ``--ckpt-format cpuckpt`` on the command line it changes nothing. Use it through the
 launcher (``python -m cpuckpt.integrations.megatron.launch pretrain_gpt.py ...``) or add one line
 at the top of the script: ``import cpuckpt.integrations.megatron as m; m.install()``.
@@ -267,7 +270,47 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
         from .fallback import fall_back_on_corrupt
 
         fall_back_on_corrupt(module)  # a missing function is a warning: the load then raises as before
+    if options.freeze_gc:
+        freeze_collector_after_setup()  # after the slots' reservation: its objects live as long
     return run
+
+
+def freeze_collector_after_setup(module: Any = None) -> bool:
+    """When Megatron-LM's ``setup_model_and_optimizer`` returns, collect, then ``gc.freeze()`` what is alive
+    (``megatron: {freeze_gc: true}``; :class:`.settings.MegatronOptions` says why); returns whether it wrapped it.
+    ``module``: ``megatron.training.training``."""
+    import functools
+    import gc
+    import time
+
+    if module is None:
+        try:
+            import megatron.training.training as module
+        except ImportError as e:
+            logger.warning("cpuckpt: megatron.training.training not importable (%s): megatron.freeze_gc does nothing",
+                           e)
+            return False
+    original = getattr(module, "setup_model_and_optimizer", None)
+    if original is None:
+        logger.warning("cpuckpt: Megatron-LM has no setup_model_and_optimizer: megatron.freeze_gc does nothing")
+        return False
+    if _wrapper_with(original, "_cpuckpt_freezes") is not None:
+        return True
+
+    @functools.wraps(original, updated=())
+    def setup_model_and_optimizer(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        t0 = time.perf_counter()
+        gc.collect()
+        gc.freeze()
+        logger.info("cpuckpt: %d objects frozen after setup (megatron.freeze_gc; collected first in %.0f ms): full "
+                    "collections while training look only at newer ones", gc.get_freeze_count(),
+                    1000 * (time.perf_counter() - t0))
+        return result
+
+    setup_model_and_optimizer._cpuckpt_freezes = True  # type: ignore[attr-defined]
+    module.setup_model_and_optimizer = setup_model_and_optimizer
+    return True
 
 
 def validate_structure_once(module: Any) -> type | None:

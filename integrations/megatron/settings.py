@@ -75,6 +75,12 @@ class MegatronOptions:
             (:mod:`.fallback`: Megatron-LM's ``load_checkpoint`` through the hook, megatron-core
             through :func:`~cpuckpt.integrations.megatron.load_latest`). Nothing on disk changes.
             False: the load raises ``CheckpointCorrupt``.
+        freeze_gc: once Megatron-LM's ``setup_model_and_optimizer`` returned (before the first iteration), collect
+            and then ``gc.freeze()`` every object alive, so that the interpreter's full collections while training
+            look only at what was made since: a full collection over torch, megatron-core and the model took ~400 ms
+            on the H100 (the largest gap of a run saving every iteration, once every ~60-110 saves), ~200 ms on the
+            CPU box against ~3 ms frozen. What is frozen is never collected: cycles among setup's objects that
+            become garbage later stay (what ``--manual-gc`` does differs: no automatic collection at all).
     """
 
     on_failure: str = field(default="raise", metadata={"choices": ("raise", "continue")})
@@ -85,6 +91,7 @@ class MegatronOptions:
     start_at: str = field(default="finalize", metadata={"choices": ("finalize",)})
     prepare_pool: bool = True
     fallback_on_corrupt: bool = True
+    freeze_gc: bool = False
 
 
 def _mapping(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> tuple[dict[str, Any] | None, str]:

@@ -261,3 +261,40 @@ def test_the_tier_stays_open_for_megatron_lms_final_save_and_closes_at_the_next_
     run._memory = tier = Tier()
     run.end_of_training(args(100, 64))
     assert tier.closes == 1 and at_exit == []
+
+
+def test_freeze_gc_freezes_what_setup_left_alive_once():
+    """megatron.freeze_gc: once setup returns, garbage is collected and the rest frozen (a later full collection
+    does not look at it); a second install does not wrap twice."""
+    import gc
+    import types
+
+    from cpuckpt.integrations.megatron.hook import freeze_collector_after_setup
+    from cpuckpt.integrations.megatron.settings import split_config
+
+    class Node:
+        def __init__(self) -> None:
+            self.me = self  # a cycle: only the collector frees it
+
+    training = types.ModuleType("training")  # stands in for megatron.training.training
+    made: dict[str, object] = {}
+
+    def setup_model_and_optimizer(*args, **kwargs):
+        made["kept"] = Node()
+        Node()  # garbage by the time setup returns
+        return "model", "optimizer", "scheduler"
+
+    training.setup_model_and_optimizer = setup_model_and_optimizer
+    assert gc.get_freeze_count() == 0
+    try:
+        assert freeze_collector_after_setup(training) and freeze_collector_after_setup(training)
+        wrapped = training.setup_model_and_optimizer
+        assert wrapped.__wrapped__ is setup_model_and_optimizer  # wrapped once
+        assert wrapped() == ("model", "optimizer", "scheduler")
+        assert gc.get_freeze_count() > 0
+        assert not any(isinstance(o, Node) for o in gc.get_objects()), "frozen objects are not tracked any more"
+        assert isinstance(made["kept"], Node)
+    finally:
+        gc.unfreeze()
+    assert split_config({"megatron": {"freeze_gc": True}})[1].freeze_gc and not split_config(None)[1].freeze_gc
+    assert not freeze_collector_after_setup(types.ModuleType("training"))  # no setup_model_and_optimizer: a warning
