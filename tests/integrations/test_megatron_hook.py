@@ -239,9 +239,16 @@ def test_the_tier_stays_open_for_megatron_lms_final_save_and_closes_at_the_next_
         def close(self):
             self.closes += 1
 
-    at_exit: list = []  # the process's exit handlers, as the hook registers them
-    monkeypatch.setattr(hook.atexit, "register", at_exit.append)
-    monkeypatch.setattr(hook.atexit, "unregister", lambda fn: at_exit.remove(fn) if fn in at_exit else None)
+    at_exit: list = []  # the hook's exit handlers (a module imported meanwhile registers its own for real)
+    register, unregister = hook.atexit.register, hook.atexit.unregister
+
+    def ours(fn) -> bool:
+        return getattr(fn, "__func__", None) is Training._close_at_exit
+
+    monkeypatch.setattr(hook.atexit, "register", lambda fn, *a, **k: at_exit.append(fn) if ours(fn)
+                        else register(fn, *a, **k))
+    monkeypatch.setattr(hook.atexit, "unregister", lambda fn: (at_exit.remove(fn) if fn in at_exit else None)
+                        if ours(fn) else unregister(fn))
     run = Training(Config())
     run._memory = tier = Tier()
     run.end_of_training(args(100, 64))  # train()'s terminate: the final save follows
