@@ -412,7 +412,10 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.base_site:
                     ap.error(f"variant {name}: +base needs --base-site")
                 env = {**(env or {}), "PYTHONPATH": os.pathsep.join([args.base_site, (env or b.env)["PYTHONPATH"]])}
-            sync = next((c[len("sync"):] for c in changes if c.startswith("sync")), None)
+            syncs = [c[len("sync"):] for c in changes if c.startswith("sync")]
+            if len(syncs) > 1:
+                ap.error(f"variant {name}: one +sync<at> at a time")
+            sync = syncs[0] if syncs else None
             if sync:  # a host synchronization at one point of the iteration (benchmarks/sync_probe)
                 env = {**(env or {}), "CPUCKPT_SYNC_AT": sync,
                        "PYTHONPATH": os.pathsep.join([str(SYNC_PROBE), (env or b.env)["PYTHONPATH"]])}

@@ -95,3 +95,23 @@ def test_the_sync_probe_wraps_the_point_it_is_asked_for(tmp_path: Path) -> None:
                               timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert want in proc.stdout, (at, proc.stdout)
+
+
+def test_two_instruments_and_the_images_sitecustomize_each_run_once(tmp_path: Path) -> None:
+    """The sync probe and the stack sampler on one path (a sampled +sync variant): each runs once, then the
+    image's own sitecustomize; they ran each other without end before."""
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "sitecustomize.py").write_text("import sys\nprint('image ran', file=sys.stderr)\n")
+    code = ("from cpuckpt.integrations.megatron import deferred\n"
+            "f, depth = deferred.start_all, 0\n"
+            "while hasattr(f, '__wrapped__'):\n    f, depth = f.__wrapped__, depth + 1\n"
+            "print('depth', depth)\n")
+    path = [str(REPO / "benchmarks" / "sync_probe"), str(REPO / "benchmarks" / "stack_sampler"), str(image),
+            *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "CPUCKPT_SYNC_AT": "start", "CPUCKPT_SAMPLE_MATCH": "no-such-process",
+           "PYTHONPATH": os.pathsep.join(path)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "depth 1\n" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.count("image ran") == 1, proc.stderr

@@ -77,6 +77,8 @@ class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self._inner.exec_module(module)
         setattr(module, self.function, _synchronizing(getattr(module, self.function), self.at == "start"))
         sys.meta_path.remove(self)
+        print(f"sync_probe: {self.module}.{self.function} synchronizes the device (pid {os.getpid()})",
+              file=sys.stderr, flush=True)
 
 
 def _install() -> None:
@@ -86,11 +88,16 @@ def _install() -> None:
 
 
 def _chain_original() -> None:
+    """Run the next ``sitecustomize.py`` on ``sys.path`` (another instrument's, then the image's own), each once per
+    process: two instruments on the path would otherwise run each other without end."""
+    ran = sys.__dict__.setdefault("_cpuckpt_sitecustomize_ran", set())
+    ran.add(_HERE)
     for entry in sys.path:
-        if not entry or os.path.abspath(entry) == _HERE:
+        if not entry or os.path.abspath(entry) in ran:
             continue
         path = os.path.join(entry, "sitecustomize.py")
         if os.path.isfile(path):
+            ran.add(os.path.abspath(entry))
             spec = importlib.util.spec_from_file_location("_image_sitecustomize", path)
             if spec is not None and spec.loader is not None:
                 spec.loader.exec_module(importlib.util.module_from_spec(spec))

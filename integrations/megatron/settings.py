@@ -77,10 +77,11 @@ class MegatronOptions:
             False: the load raises ``CheckpointCorrupt``.
         freeze_gc: once Megatron-LM's ``setup_model_and_optimizer`` returned (before the first iteration), collect
             and then ``gc.freeze()`` every object alive, so that the interpreter's full collections while training
-            look only at what was made since: a full collection over torch, megatron-core and the model took ~400 ms
-            on the H100 (the largest gap of a run saving every iteration, once every ~60-110 saves), ~200 ms on the
-            CPU box against ~3 ms frozen. What is frozen is never collected: cycles among setup's objects that
-            become garbage later stay (what ``--manual-gc`` does differs: no automatic collection at all).
+            look only at what was made since: a full collection took ~400 ms on the H100 (the largest gap of a run
+            saving every iteration, one per run of 60-120 saves); on the CPU box, right after the imports, ~200 ms
+            against ~3 ms frozen (in training what was made since setup is still looked at: not measured on a GPU
+            yet). What is frozen is never collected: cycles among setup's objects that become garbage later stay
+            (``--manual-gc`` differs: no automatic collection at all).
     """
 
     on_failure: str = field(default="raise", metadata={"choices": ("raise", "continue")})

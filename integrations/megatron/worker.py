@@ -268,7 +268,8 @@ def _freeze_imports() -> None:
     request, before it takes the next one: with torch and megatron-core imported that is 0.1-0.2 s per save,
     so with a save every iteration the worker fell behind the trainer and every save into the memory tier's
     ring waited for it (BENCHMARKS.md, goodput). Frozen objects are never scanned; what a request allocates
-    is not frozen and is still collected. Once per process (``gc.get_freeze_count`` says whether it ran).
+    is not frozen and is still collected. Once per process (``gc.get_freeze_count`` says whether it ran; a process
+    forked from a trainer that froze its own, ``megatron.freeze_gc``, has its imports frozen already).
     """
     if gc.get_freeze_count() == 0:
         gc.freeze()
