@@ -88,20 +88,13 @@ def _install() -> None:
 
 
 def _chain_original() -> None:
-    """Run the next ``sitecustomize.py`` on ``sys.path`` (another instrument's, then the image's own), each once per
-    process: two instruments on the path would otherwise run each other without end."""
-    ran = sys.__dict__.setdefault("_cpuckpt_sitecustomize_ran", set())
-    ran.add(_HERE)
-    for entry in sys.path:
-        if not entry or os.path.abspath(entry) in ran:
-            continue
-        path = os.path.join(entry, "sitecustomize.py")
-        if os.path.isfile(path):
-            ran.add(os.path.abspath(entry))
-            spec = importlib.util.spec_from_file_location("_image_sitecustomize", path)
-            if spec is not None and spec.loader is not None:
-                spec.loader.exec_module(importlib.util.module_from_spec(spec))
-            return
+    """The next ``sitecustomize.py`` on ``sys.path`` (``benchmarks/sitechain.py``)."""
+    spec = importlib.util.spec_from_file_location("_cpuckpt_sitechain", os.path.join(os.path.dirname(_HERE),
+                                                                                       "sitechain.py"))
+    if spec is not None and spec.loader is not None:
+        chain = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(chain)
+        chain.run_next(_HERE)
 
 
 _install()

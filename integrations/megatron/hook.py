@@ -283,17 +283,10 @@ def freeze_collector_after_setup(module: Any = None) -> bool:
     import gc
     import time
 
-    if module is None:
-        try:
-            import megatron.training.training as module
-        except ImportError as e:
-            logger.warning("cpuckpt: megatron.training.training not importable (%s): megatron.freeze_gc does nothing",
-                           e)
-            return False
-    original = getattr(module, "setup_model_and_optimizer", None)
-    if original is None:
-        logger.warning("cpuckpt: Megatron-LM has no setup_model_and_optimizer: megatron.freeze_gc does nothing")
+    found = _megatron_setup(module, "megatron.freeze_gc does nothing")
+    if found is None:
         return False
+    module, original = found
     if _wrapper_with(original, "_cpuckpt_freezes") is not None:
         return True
 
@@ -431,18 +424,10 @@ def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Calla
     saves asynchronously (sync saves do not use the tier); ``module``: ``megatron.training.training``."""
     import functools
 
-    if module is None:
-        try:
-            import megatron.training.training as module
-        except ImportError as e:
-            logger.warning("cpuckpt: megatron.training.training not importable (%s): the memory tier's slots are "
-                           "made by the first saves", e)
-            return
-    original = getattr(module, "setup_model_and_optimizer", None)
-    if original is None:
-        logger.warning("cpuckpt: Megatron-LM has no setup_model_and_optimizer: the memory tier's slots are made by "
-                       "the first saves")
+    found = _megatron_setup(module, "the memory tier's slots are made by the first saves")
+    if found is None:
         return
+    module, original = found
     installed = _wrapper_with(original, "_cpuckpt_run")
     if installed is not None:
         installed._cpuckpt_run = run  # a later install's run reserves
@@ -481,6 +466,22 @@ def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Calla
 
     setup_model_and_optimizer._cpuckpt_run = run  # type: ignore[attr-defined]
     module.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+def _megatron_setup(module: Any, otherwise: str) -> tuple[Any, Any] | None:
+    """``module`` (default ``megatron.training.training``) and its ``setup_model_and_optimizer``, for a wrapper of it;
+    None, with a warning ending in ``otherwise``, where there is none."""
+    if module is None:
+        try:
+            import megatron.training.training as module
+        except ImportError as e:
+            logger.warning("cpuckpt: megatron.training.training not importable (%s): %s", e, otherwise)
+            return None
+    original = getattr(module, "setup_model_and_optimizer", None)
+    if original is None:
+        logger.warning("cpuckpt: Megatron-LM has no setup_model_and_optimizer: %s", otherwise)
+        return None
+    return module, original
 
 
 def _wrapper_with(fn: Any, attr: str) -> Any:
