@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from cpuckpt.format.layout import FileLayout, LayoutItem, Placement
 from cpuckpt.format.plancache import CachedPlan
-from cpuckpt.transfer.fillplan import bind_programs, build_programs
+from cpuckpt.transfer.fillplan import bind_programs, build_offload_programs, build_programs
 from cpuckpt.transfer.staging import flat_bytes
 
 __all__ = ["CachedItems", "FlatState", "ItemsHit", "SaveLayout", "WrittenItems", "walk_state"]
@@ -380,10 +380,12 @@ class CachedItems:
         """Keep ``layout`` (planned for ``sources``) for later saves, with its fills prepared."""
         byte_items = {item for item, _ in self._byte_items}
         files = [dataclasses.replace(f, segments=[dataclasses.replace(s, payload=b"") if s.item in byte_items else s
-                                                  for s in f.segments], fill_programs=None)
+                                                  for s in f.segments], fill_programs=None, offload_program=None)
                  for f in layout.files]
         self._where = [(s.item, f.index, k) for f in files for k, s in enumerate(f.segments) if s.item in byte_items]
         build_programs(files, sources, dynamic={item for item, _ in self._dynamic}, payload_items=byte_items)
+        if any(s is not None and s.is_cuda for s in sources):  # a device snapshot's copies may go to another process
+            build_offload_programs(files, sources, payload_items=byte_items)
         self._layout = dataclasses.replace(layout, files=files)
         self._payload_nbytes = tuple(self._payload_len(layout, item) for item, _ in self._byte_items)
 

@@ -12,20 +12,31 @@ in one device-to-host copy instead of one per segment.
 
 Pieces whose bytes differ from save to save (non-tensor items' pickles, the contiguous copies of
 non-contiguous tensors) are placeholders (``Dynamic``), bound per save by ``bind_programs``.
+A save whose device bytes another process copies (``memory.copy_process``) fills on the host only the
+skeletons, gaps, non-tensor payloads and CPU tensors, and describes the device runs as ops for that
+process: an :class:`OffloadProgram` prepares that once per layout (the constant bytes of a chunk merged
+into a few runs, the device runs as ops whose only per-save part is where each source lies in the
+device snapshot), instead of ``fill_chunk``'s walk over every segment (~2.75 ms per save of Megatron-LM's
+588 tensors on the H100's host, ~10 ms on the 2-core box).
+
 No threads, no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+from array import array
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from cpuckpt.format.layout import FileLayout
 
-__all__ = ["MIN_PIECES", "Dynamic", "FillProgram", "bind_programs", "build_programs"]
+__all__ = ["MIN_PIECES", "Dynamic", "FillProgram", "OffloadProgram", "bind_programs", "build_offload_programs",
+           "build_programs"]
 
 MIN_PIECES = 8  # a chunk of fewer pieces costs little to fill segment by segment (large tensors)
 # A host cat is cut into runs of at most this many bytes, below ATen's parallel grain (32768 elements):
@@ -192,3 +203,112 @@ def _move_constants(programs: list[tuple[FillProgram, list[int]]]) -> None:
         for program, where in group:
             for k in where:
                 program.pieces[k] = next(it)
+
+
+@dataclass(frozen=True)
+class OffloadProgram:
+    """One file's host fill and device-copy ops when another process copies its device bytes (``fill_chunk`` with
+    ``described``, prepared once). Chunk ``j`` is the file's ``j``-th; ops use the save's chunk numbering."""
+
+    file: int
+    constant: tuple[tuple[int, int, bytes], ...]  # (j, offset in the chunk, bytes): skeletons and zero gaps, merged
+    payloads: tuple[tuple[int, int, int, int, int], ...]  # (j, offset in the chunk, segment, from, to): per save
+    device: tuple[tuple[int, int, int, int, int], ...]  # (j, item, offset in its source, file offset, bytes)
+    host: tuple[tuple[int, int, int, int, int], ...]  # (j, offset in the chunk, item, offset in its source, bytes)
+    device_items: tuple[int, ...]  # every item of ``device``, once (each a CUDA source at every save)
+    host_items: tuple[int, ...]  # every item of ``host``, once (each a CPU source at every save)
+    _ops: list[Any] = field(default_factory=lambda: [None], compare=False, repr=False)  # [(key, first chunk, ops)]
+    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+
+    def applies(self, sources: Sequence[torch.Tensor | None]) -> bool:
+        """Whether this save's sources are where the program expects them (device items on a CUDA device)."""
+        try:
+            return (all(sources[i].is_cuda for i in self.device_items)  # type: ignore[union-attr]
+                    and not any(sources[i].is_cuda for i in self.host_items))  # type: ignore[union-attr]
+        except (AttributeError, IndexError):  # a source missing: not this program's save
+            return False
+
+    def fill(self, slots: Sequence[Any], layout: FileLayout, sources: Sequence[torch.Tensor | None]) -> None:
+        """Write the file's host bytes into ``slots`` (the file's chunks in order; ``.view`` a memoryview and
+        ``.tensor`` a uint8 tensor of each): the constants, ``layout``'s payloads (this save's), CPU tensors."""
+        for j, off, data in self.constant:
+            slots[j].view[off : off + len(data)] = data
+        segments = layout.segments
+        for j, off, k, lo, hi in self.payloads:
+            payload = segments[k].payload
+            if payload is None or len(payload) < hi:
+                raise RuntimeError(f"offload program: segment {k} of file {self.file} has no payload of {hi} bytes")
+            slots[j].view[off : off + hi - lo] = memoryview(payload)[lo:hi]
+        for j, off, item, s, n in self.host:
+            slots[j].tensor[off : off + n].copy_(sources[item][s : s + n])  # type: ignore[index]
+
+    def ops(self, sources: Sequence[torch.Tensor | None], base: int, first_chunk: int) -> array:
+        """The device runs as ops ``(chunk, offset in the buffer at ``base``, file, file offset, bytes)``
+        (:data:`cpuckpt.transfer.sinks.OP_FIELDS`) for sources that lie in one device buffer; the same as the
+        last save's when every source lies where it did then (the snapshot's views are kept per buffer)."""
+        key = (base, tuple(sources[i].data_ptr() for i in self.device_items))  # type: ignore[union-attr]
+        with self._lock:
+            cached = self._ops[0]
+        if cached is not None and cached[0] == key and cached[1] == first_chunk:
+            return cached[2]
+        where = dict(zip(self.device_items, key[1]))
+        ops = array("q")
+        f = self.file
+        for j, item, s, fo, n in self.device:
+            ops.extend((first_chunk + j, where[item] - base + s, f, fo, n))
+        with self._lock:
+            self._ops[0] = (key, first_chunk, ops)
+        return ops
+
+
+def build_offload_programs(files: Sequence[FileLayout], sources: Sequence[torch.Tensor | None], *,
+                           payload_items: Collection[int]) -> None:
+    """Prepare ``offload_program`` for every file of ``files`` whose tensor sources are all given (CUDA ones are
+    the device runs); ``payload_items`` are the non-tensor items, whose bytes come from each save's layout."""
+    for layout in files:
+        layout.offload_program = _offload_program(layout, sources, payload_items)
+
+
+def _offload_program(layout: FileLayout, sources: Sequence[torch.Tensor | None],
+                     payload_items: Collection[int]) -> OffloadProgram | None:
+    constant: list[tuple[int, int, bytes]] = []
+    payloads, device, host = [], [], []
+    index = {id(seg): k for k, seg in enumerate(layout.segments)}
+    for j, chunk in enumerate(layout.chunks):
+        start, stop = chunk.offset, chunk.offset + chunk.nbytes
+        const: list[tuple[int, bytes | memoryview]] = []  # (offset in the chunk, bytes): skeletons and gaps
+        cursor = start
+        for seg in layout.segments_in(start, stop):
+            lo, hi = max(seg.file_offset, start), min(seg.file_offset + seg.nbytes, stop)
+            if lo > cursor:
+                const.append((cursor - start, bytes(lo - cursor)))
+            s = lo - seg.file_offset
+            if seg.item in payload_items:
+                payloads.append((j, lo - start, index[id(seg)], s, s + hi - lo))
+            elif seg.payload is not None:  # a tensor record's skeleton
+                const.append((lo - start, memoryview(seg.payload)[s : s + hi - lo]))
+            else:
+                src = sources[seg.item]
+                if src is None:
+                    return None
+                if src.is_cuda:
+                    device.append((j, seg.item, s + seg.src_offset, lo, hi - lo))
+                else:
+                    host.append((j, lo - start, seg.item, s + seg.src_offset, hi - lo))
+            cursor = hi
+        if cursor < stop:
+            const.append((cursor - start, bytes(stop - cursor)))
+        constant += [(j, at, data) for at, data in _merged(const)]
+    return OffloadProgram(layout.index, tuple(constant), tuple(payloads), tuple(device), tuple(host),
+                          tuple(dict.fromkeys(d[1] for d in device)), tuple(dict.fromkeys(h[2] for h in host)))
+
+
+def _merged(pieces: Sequence[tuple[int, bytes | memoryview]]) -> list[tuple[int, bytes]]:
+    """Adjacent (offset, bytes) pieces joined: one write each run."""
+    out: list[tuple[int, bytearray]] = []
+    for at, data in pieces:
+        if out and out[-1][0] + len(out[-1][1]) == at:
+            out[-1][1].extend(data)
+        else:
+            out.append((at, bytearray(data)))
+    return [(at, bytes(data)) for at, data in out]

@@ -285,14 +285,23 @@ class SaveJob:
         here only the host bytes (record skeletons, CPU tensors) are written and the copies described."""
         snap = self._require(self._snapshot)
         ops = array("q")
-        described = offload_ops(ops, snap.buffer.data_ptr())
+        base = snap.buffer.data_ptr()
+        described = offload_ops(ops, base)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for k, (chunk, slot) in enumerate(zip(self._chunks, slots)):
-            fill_chunk(slot, self.files[chunk.file], chunk, self.sources, deferred=pairs,
-                       described=described(k, chunk.file))
-            for dst, src in pairs:  # host sources only: the device ones are in ops
-                dst.copy_(src)
-            pairs.clear()
+        first = 0  # the file's first chunk in the save's numbering (self._chunks: file after file)
+        for layout in self.files:
+            file_slots = slots[first : first + len(layout.chunks)]
+            program = layout.offload_program  # prepared by a save of the same layout (transfer.fillplan)
+            if program is not None and program.applies(self.sources):
+                program.fill(file_slots, layout, self.sources)
+                ops.extend(program.ops(self.sources, base, first))
+            else:
+                for k, (chunk, slot) in enumerate(zip(layout.chunks, file_slots), first):
+                    fill_chunk(slot, layout, chunk, self.sources, deferred=pairs, described=described(k, chunk.file))
+                    for dst, src in pairs:  # host sources only: the device ones are in ops
+                        dst.copy_(src)
+                    pairs.clear()
+            first += len(layout.chunks)
         ready = torch.cuda.Event(interprocess=True)
         ready.record(copier.stream)
         with self._lock:

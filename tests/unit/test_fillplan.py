@@ -150,3 +150,124 @@ def test_offload_ops_describe_exactly_the_device_bytes(seed: int) -> None:
            for layout in files for c in layout.chunks]
     assert got == expected
     assert (len(ops) > 0) == any(v.numel() for v in views if id(v) in on_device)  # device bytes went as ops
+
+
+class _OnDevice:
+    """A source standing for a view of the device snapshot: the offload path only asks where its bytes are."""
+
+    is_cuda = True
+
+    def __init__(self, view: torch.Tensor) -> None:
+        self.view = view
+
+    def data_ptr(self) -> int:
+        return self.view.data_ptr()
+
+    def numel(self) -> int:
+        return self.view.numel()
+
+
+def _offload_by_segments(files, sources, base):
+    """``fill_chunk`` as the save engine calls it for the copy process: host bytes, and the ops of device bytes."""
+    from array import array
+
+    from cpuckpt.transfer.staging import offload_ops
+
+    ops = array("q")
+    described = offload_ops(ops, base)
+    images = [torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8) for layout in files]
+    k = 0
+    for layout in files:
+        for chunk in layout.chunks:
+            buf = images[layout.index][chunk.offset : chunk.offset + chunk.nbytes]
+            pairs: list = []
+            fill_chunk(Slot(0, 1, buf, memoryview(buf.numpy())), layout, chunk, sources, deferred=pairs,
+                       described=described(k, layout.index))
+            for dst, src in pairs:
+                dst.copy_(src)
+            k += 1
+    return [bytes(i.numpy()) for i in images], list(ops)
+
+
+def _offload_by_program(files, sources, base):
+    from array import array
+
+    ops = array("q")
+    images = [torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8) for layout in files]
+    first = 0
+    for layout in files:
+        program = layout.offload_program
+        assert program is not None and program.applies(sources)
+        img = images[layout.index]
+        views = [img[c.offset : c.offset + c.nbytes] for c in layout.chunks]
+        slots = [Slot(0, 1, v, memoryview(v.numpy())) for v in views]
+        program.fill(slots, layout, sources)
+        ops.extend(program.ops(sources, base, first))
+        first += len(layout.chunks)
+    return [bytes(i.numpy()) for i in images], list(ops)
+
+
+def _snapshot_views(sources, on_device: set[int], gap: int):
+    """The device sources as views of one buffer (``gap`` bytes before each: where they lie changes with it)."""
+    total = sum(s.numel() + gap for s in sources if s is not None)
+    snapshot = torch.randint(0, 256, (total + 1,), dtype=torch.uint8)
+    out, at = [], 0
+    for i, s in enumerate(sources):
+        if s is not None and i in on_device:
+            at += gap
+            snapshot[at : at + s.numel()] = s
+            out.append(_OnDevice(snapshot[at : at + s.numel()]))
+            at += s.numel()
+        else:
+            out.append(s)
+    return out, snapshot
+
+
+@pytest.mark.parametrize("seed", range(0, N_CASES, 3))
+def test_offload_programs_write_and_describe_what_segments_do(seed: int) -> None:
+    """A save repeating a layout with its device bytes copied by another process: the prepared program writes the
+    same host bytes (skeletons, gaps, payloads, CPU tensors) and returns the same ops as ``fill_chunk``; in the next
+    save (new payloads, new CPU bytes) too, and its ops follow the sources when they lie elsewhere in the buffer."""
+    from cpuckpt.transfer.fillplan import build_offload_programs
+
+    rng = random.Random(seed)
+    items, sources, payload_items, params = _case(rng)
+    files, _ = plan_files(items, **params)
+    on_device = {i for i, s in enumerate(sources) if s is not None and rng.random() < 0.6}
+    views, snapshot = _snapshot_views(sources, on_device, 0)
+    base = snapshot.data_ptr()
+    expected = _offload_by_segments(files, views, base)
+    build_offload_programs(files, views, payload_items=payload_items)
+    assert _offload_by_program(files, views, base) == expected
+
+    # the next save: the same layout bound to new payloads, new bytes in the CPU tensors
+    payloads = {i: rng.randbytes(items[i].data_nbytes) for i in payload_items}
+    new_items = [LayoutItem(data_nbytes=it.data_nbytes, payload=payloads[i]) if i in payload_items else it
+                 for i, it in enumerate(items)]
+    plain, _ = plan_files(new_items, **params)
+    bound = [dataclasses.replace(p, offload_program=f.offload_program) for f, p in zip(files, plain)]
+    for i, s in enumerate(views):
+        if isinstance(s, torch.Tensor):
+            s.copy_(torch.randint(0, 256, s.shape, dtype=torch.uint8))
+    assert _offload_by_program(bound, views, base) == _offload_by_segments(plain, views, base)
+    program = next((f.offload_program for f in bound if f.offload_program.device), None)
+    if program is not None:  # the sources lie where they did: the last save's ops, not built again
+        assert program.ops(views, base, 0) is program.ops(views, base, 0)
+        moved, snap2 = _snapshot_views(sources, on_device, 512)
+        assert _offload_by_program(bound, moved, snap2.data_ptr()) == _offload_by_segments(plain, moved,
+                                                                                           snap2.data_ptr())
+        assert not program.applies([s.view if isinstance(s, _OnDevice) else s for s in moved])  # now on the host
+
+
+def test_offload_program_refuses_a_layout_without_its_payload() -> None:
+    items = [LayoutItem(data_nbytes=3, payload=b"abc"), LayoutItem(data_nbytes=4, head=b"h", tail=b"t")]
+    from cpuckpt.transfer.fillplan import build_offload_programs
+
+    sources = [None, torch.arange(4, dtype=torch.uint8)]
+    files, _ = plan_files(items, num_files=1, chunk_bytes=4096, align_bytes=512, align_data_min_bytes=0)
+    build_offload_programs(files, sources, payload_items={0})
+    emptied = dataclasses.replace(files[0], segments=[dataclasses.replace(files[0].segments[0], payload=b"")]
+                                  + files[0].segments[1:])
+    buf = torch.empty(files[0].nbytes, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="no payload"):
+        files[0].offload_program.fill([Slot(0, 1, buf, memoryview(buf.numpy()))], emptied, sources)
