@@ -31,13 +31,11 @@ variant, ``none`` included) runs Megatron-LM with ``--manual-gc``: the interpret
 whole run; a variant with it is compared with ``none+mgc`` (so ``none+mgc,mem1snap+copyproc+mgc`` against
 ``none,mem1snap+...`` says what the trainer's garbage collections under saves cost). ``+timers`` (any variant)
 adds Megatron-LM's level-1 timers (``--timing-log-level 1``: forward-backward, optimizer, ...), which synchronize
-the device at each start and stop: where in the step a save's cost lands, not a goodput figure. ``+syncstart`` and
-``+syncstep`` (memory variants) synchronize the device at one point only (``benchmarks/sync_probe``): after the
-iteration's save start, or before each optimizer step. ``+gcfreeze`` (memory variants): ``megatron: {freeze_gc:
-true}``, the collector's objects frozen once setup returned (full collections then skip them). ``+ev<MiB>``
-(copy-process variants): the copy process records one CUDA event per ``<MiB>`` of copies instead of one per chunk
-(``CPUCKPT_COPIER_EVENT_MIB``); ``+hostwait``: it waits for the trainer's snapshot event on the host, not on the GPU
-(``CPUCKPT_COPIER_HOST_WAIT``).
+the device at each start and stop: where in the step a save's cost lands, not a goodput figure. ``+syncstart``,
+``+syncstep``, ``+nodma`` and ``+nod2d`` (memory variants; any together) are probes (``benchmarks/probe``): the device
+synchronized after the iteration's save start or before each optimizer step; the copy process handed no copies; the
+device snapshot not copied (a probed run's checkpoints are not valid). ``+gcfreeze`` (memory variants): ``megatron:
+{freeze_gc: true}``, the collector's objects frozen once setup returned (full collections then skip them).
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -127,7 +125,8 @@ def _saves_between(first: int, last: int, every: int) -> int:
 
 
 # changes read outside the cpuckpt config
-_ENV_CHANGES = ("mgc", "base", "timers", "syncstart", "syncstep", "hostwait")
+_PROBES = ("syncstart", "syncstep", "nodma", "nod2d")  # benchmarks/probe
+_ENV_CHANGES = ("mgc", "base", "timers", *_PROBES)
 
 
 def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: int) -> tuple[list[str], int]:
@@ -174,13 +173,12 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         elif change.startswith("u") and change[1:].isdigit():
             memory["max_uncommitted"] = int(change[1:])
         elif (change.startswith("rep") and change[len("rep"):].isdigit()) or (
-                change.startswith("ev") and change[len("ev"):].isdigit()) or (
                 change.startswith("slots") and change[len("slots"):].isdigit()) or change in _ENV_CHANGES:
-            pass  # rep: a name only; slots, mgc, timers: read above; base, sync<at>: the environment (main)
+            pass  # rep: a name only; slots, mgc, timers: read above; base, probes: the environment (main)
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, io<N>, "
-                             "u<N>, slots<N>, rep<N>, ev<MiB>, hostwait, gcfreeze, mgc, base, timers, syncstart, "
-                             "syncstep)")
+                             "u<N>, slots<N>, rep<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, nodma, "
+                             "nod2d)")
     cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io, **adapter)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]
@@ -188,7 +186,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
 
 
 SAMPLER = Path(__file__).resolve().parent / "stack_sampler"
-SYNC_PROBE = Path(__file__).resolve().parent / "sync_probe"  # +syncstart, +syncstep
+PROBE = Path(__file__).resolve().parent / "probe"  # +syncstart, +syncstep, +nodma, +nod2d
 
 
 def sample_env(b: Bench, name: str) -> dict[str, str]:
@@ -418,18 +416,10 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.base_site:
                     ap.error(f"variant {name}: +base needs --base-site")
                 env = {**(env or {}), "PYTHONPATH": os.pathsep.join([args.base_site, (env or b.env)["PYTHONPATH"]])}
-            syncs = [c[len("sync"):] for c in changes if c.startswith("sync")]
-            if len(syncs) > 1:
-                ap.error(f"variant {name}: one +sync<at> at a time")
-            sync = syncs[0] if syncs else None
-            if sync:  # a host synchronization at one point of the iteration (benchmarks/sync_probe)
-                env = {**(env or {}), "CPUCKPT_SYNC_AT": sync,
-                       "PYTHONPATH": os.pathsep.join([str(SYNC_PROBE), (env or b.env)["PYTHONPATH"]])}
-            events = [c[len("ev"):] for c in changes if c.startswith("ev") and c[len("ev"):].isdigit()]
-            if events:  # the copy process's bytes between two events (cpuckpt.tier.copier._event_bytes)
-                env = {**(env or {}), "CPUCKPT_COPIER_EVENT_MIB": events[-1]}
-            if "hostwait" in changes:  # the copy process waits for the snapshot on the host (copier._host_wait)
-                env = {**(env or {}), "CPUCKPT_COPIER_HOST_WAIT": "1"}
+            probes = [c for c in changes if c in _PROBES]
+            if probes:  # one thing of the iteration changed (benchmarks/probe)
+                env = {**(env or {}), "GOODPUT_PROBE": ",".join(probes),
+                       "PYTHONPATH": os.pathsep.join([str(PROBE), (env or b.env)["PYTHONPATH"]])}
             r = b.run(name, cmd, env=env, on_line=gil.hook() if gil else None)
             if gil is not None and (prof := gil.summary()) is not None:
                 results.setdefault("gil", {})[name] = prof

@@ -48,7 +48,7 @@ def test_dry_run_takes_memory_variants_with_changes(tmp_path: Path) -> None:
 def test_dry_run_takes_the_variants_the_device_calls_ask_for(tmp_path: Path) -> None:
     """What BENCHMARKS.md's owed calls name (a variant refused on the device machine costs that call's variants)."""
     names = ("none+mgc,mem8snap+copyproc,mem1snap+copyproc+mgc,mem1snap+copyproc+slots5+rep2,mem1snap+copyproc+io1,"
-             "mem1snap+copyproc+base,mem1snap+copyproc+ev1024+hostwait")
+             "mem1snap+copyproc+base")
     proc = _bench("--dry-run", "--out", str(tmp_path), "--variants", names, "--base-site", "/opt/base-site", cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     blocks = {b.split("\n", 1)[0]: b for b in proc.stdout.split("# ")[1:]}
@@ -58,17 +58,14 @@ def test_dry_run_takes_the_variants_the_device_calls_ask_for(tmp_path: Path) -> 
     assert "--non-persistent-save-interval 8 " in blocks["mem8snap+copyproc"]
     assert "PYTHONPATH=/opt/base-site" + os.pathsep in blocks["mem1snap+copyproc+base"]  # the baseline's cpuckpt first
     assert "/opt/base-site" not in blocks["mem1snap+copyproc+io1"]
-    assert "CPUCKPT_COPIER_EVENT_MIB=1024" in blocks["mem1snap+copyproc+ev1024+hostwait"]  # the copy process's events
-    assert "CPUCKPT_COPIER_HOST_WAIT=1" in blocks["mem1snap+copyproc+ev1024+hostwait"]
-    assert "CPUCKPT_COPIER_EVENT_MIB" not in blocks["mem1snap+copyproc+io1"]
     unset = _bench("--dry-run", "--out", str(tmp_path), "--variants", "mem1snap+copyproc+base", cwd=REPO)
     assert unset.returncode != 0 and "--base-site" in unset.stderr, unset.stderr
 
 
 def test_dry_run_takes_the_synchronization_variants(tmp_path: Path) -> None:
-    """+timers (Megatron-LM's level-1 timers, against none+timers) and +sync<at> (benchmarks/sync_probe)."""
+    """+timers (Megatron-LM's level-1 timers, against none+timers) and the probes (benchmarks/probe)."""
     names = ("none+timers,mem1snap+copyproc+timers,mem1snap+copyproc+syncstart,mem1snap+copyproc+syncstep,"
-             "torch_dist8+timers,cpuckpt8+mgc,mem1snap+copyproc+gcfreeze")
+             "torch_dist8+timers,cpuckpt8+mgc,mem1snap+copyproc+gcfreeze,mem1snap+copyproc+nodma+nod2d")
     proc = _bench("--dry-run", "--out", str(tmp_path), "--variants", names, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     blocks = {b.split("\n", 1)[0]: b for b in proc.stdout.split("# ")[1:]}
@@ -76,35 +73,51 @@ def test_dry_run_takes_the_synchronization_variants(tmp_path: Path) -> None:
     assert "--timing-log-level" not in blocks["mem1snap+copyproc+syncstart"]
     assert "--save-interval 8 " in blocks["torch_dist8+timers"] and "--manual-gc" in blocks["cpuckpt8+mgc"]
     assert "--non-persistent-save-interval 1 " in blocks["mem1snap+copyproc+gcfreeze"]
-    assert "CPUCKPT_SYNC_AT=start" in blocks["mem1snap+copyproc+syncstart"]
-    assert "CPUCKPT_SYNC_AT=step" in blocks["mem1snap+copyproc+syncstep"]
+    assert "GOODPUT_PROBE=syncstart" in blocks["mem1snap+copyproc+syncstart"]
+    assert "GOODPUT_PROBE=syncstep" in blocks["mem1snap+copyproc+syncstep"]
+    assert "GOODPUT_PROBE=nodma,nod2d" in blocks["mem1snap+copyproc+nodma+nod2d"]
+    assert "GOODPUT_PROBE" not in blocks["mem1snap+copyproc+gcfreeze"]
     bad = _bench("--dry-run", "--out", str(tmp_path), "--variants", "none+syncstart", cwd=REPO)
     assert bad.returncode != 0 and "unknown variant" in bad.stderr, bad.stderr
 
 
-def test_the_sync_probe_wraps_the_point_it_is_asked_for(tmp_path: Path) -> None:
-    """benchmarks/sync_probe: with CPUCKPT_SYNC_AT, the adapter's function is wrapped once imported (and still runs).
-    ``step`` wraps the strategy module's function the same way (importing it takes megatron-core's ~7 s: its name is
-    checked in the source instead)."""
+def test_the_probes_patch_what_they_are_asked_for(tmp_path: Path) -> None:
+    """benchmarks/probe: with GOODPUT_PROBE, cpuckpt's function is patched once its module is imported (and still
+    runs); the copy process is handed no copies, the snapshot copies nothing. ``syncstep`` patches the strategy module
+    the same way (importing it takes megatron-core's ~7 s: the name is checked in the source instead)."""
     code = ("from cpuckpt.integrations.megatron import deferred\n"
             "deferred.defer(lambda: print('started'))\n"
-            "print('starts', deferred.start_all(), hasattr(deferred.start_all, '__wrapped__'))\n")
-    for at, want in (("start", "started\nstarts 1 True\n"), ("", "started\nstarts 1 False\n"),
-                     ("step", "started\nstarts 1 False\n")):
-        env = {**os.environ, "CPUCKPT_SYNC_AT": at,
-               "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "sync_probe"),
+            "print('starts', deferred.start_all(), hasattr(deferred.start_all, '__wrapped__'))\n"
+            "import torch\n"
+            "from array import array\n"
+            "from types import SimpleNamespace as NS\n"
+            "from cpuckpt.tier.images import ImageSink\n"
+            "from cpuckpt.transfer import device_snapshot\n"
+            "from cpuckpt.transfer.sinks import DeviceCopies\n"
+            "sent = {}\n"
+            "copier = NS(submit=lambda files, chunks, **kw: sent.update(kw))\n"
+            "sink = NS(images=NS(copier=copier, describe=list), _opened=[1], _chunks=[], checksum=True,\n"
+            "          cfg=NS(io=NS(chunk_bytes=1)))\n"
+            "ImageSink.submit_offload(sink, DeviceCopies(torch.zeros(1), None, array('q', [1, 2, 3])))\n"
+            "dst, src = torch.zeros(3), torch.ones(3)\n"
+            "device_snapshot.torch._foreach_copy_([dst], [src])\n"
+            "print('copied', int(dst.sum()), 'ops', len(sent['ops']))\n")
+    for probe, want in (("syncstart,nodma,nod2d", "starts 1 True\ncopied 0 ops 0\n"),
+                        ("", "starts 1 False\ncopied 3 ops 3\n"), ("syncstep", "starts 1 False\ncopied 3 ops 3\n")):
+        env = {**os.environ, "GOODPUT_PROBE": probe,
+               "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "probe"),
                                               *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
         proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 0, proc.stderr
-        assert want in proc.stdout, (at, proc.stdout)
-    probe = (REPO / "benchmarks" / "sync_probe" / "sitecustomize.py").read_text()
-    assert '"step": ("cpuckpt.integrations.megatron.strategy", "order_pending_saves")' in probe
+        assert want in proc.stdout, (probe, proc.stdout)
+    probe = (REPO / "benchmarks" / "probe" / "sitecustomize.py").read_text()
+    assert '"syncstep": ("cpuckpt.integrations.megatron.strategy", _sync_before_a_step)' in probe
     assert "\ndef order_pending_saves(" in (REPO / "integrations" / "megatron" / "strategy.py").read_text()
 
 
 def test_two_instruments_and_the_images_sitecustomize_each_run_once(tmp_path: Path) -> None:
-    """The sync probe and the stack sampler on one path (a sampled +sync variant): each runs once, then the
+    """The probe and the stack sampler on one path (a sampled probed variant): each runs once, then the
     image's own sitecustomize; they ran each other without end before."""
     image = tmp_path / "image"
     image.mkdir()
@@ -113,9 +126,9 @@ def test_two_instruments_and_the_images_sitecustomize_each_run_once(tmp_path: Pa
             "f, depth = deferred.start_all, 0\n"
             "while hasattr(f, '__wrapped__'):\n    f, depth = f.__wrapped__, depth + 1\n"
             "print('depth', depth)\n")
-    path = [str(REPO / "benchmarks" / "sync_probe"), str(REPO / "benchmarks" / "stack_sampler"), str(image),
+    path = [str(REPO / "benchmarks" / "probe"), str(REPO / "benchmarks" / "stack_sampler"), str(image),
             *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "CPUCKPT_SYNC_AT": "start", "CPUCKPT_SAMPLE_MATCH": "no-such-process",
+    env = {**os.environ, "GOODPUT_PROBE": "syncstart", "CPUCKPT_SAMPLE_MATCH": "no-such-process",
            "PYTHONPATH": os.pathsep.join(path)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)

@@ -667,25 +667,17 @@ class _Worker:
             dsts.append(tensors[f][dst : dst + nb])
             srcs.append(buffer[src : src + nb])
         ready = torch.cuda.Event.from_ipc_handle(dev, ready_handle)
-        events: list[Any] = []
-        every = _event_bytes()
-        since = 0  # bytes of chunks copied since the last event
-        if _host_wait():
-            ready.synchronize()
+        events = []
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
-            for k, (dsts, srcs) in enumerate(by_chunk):
+            for dsts, srcs in by_chunk:
                 if dsts:
                     torch._foreach_copy_(dsts, srcs, non_blocking=True)
-                since += chunks[k][2]
-                if since < every and k + 1 < len(by_chunk):
-                    continue
                 # blocking: the checksum threads and the finisher sleep until their chunk is copied; a default
                 # event's synchronize spins, a core each for as long as the copies run (~0.1 s of every save)
                 ev = torch.cuda.Event(blocking=True)
                 ev.record(self.stream)
-                events.extend([ev] * (k + 1 - len(events)))  # the chunks since the last event wait for this one
-                since = 0
+                events.append(ev)
         return events
 
     def finish(self, save_id: int, images: list, chunks: list, checksum: bool, events: list[Any],
@@ -733,23 +725,6 @@ class _Worker:
             img.close()
         self.images.clear()
         self.buffers.clear()
-
-
-def _event_bytes() -> int:
-    """Bytes of copies between two of a save's events (each chunk's checksum waits for the first event after its
-    copy): ``CPUCKPT_COPIER_EVENT_MIB``, an instrument of ``bench_goodput`` (``+ev<MiB>``); 0, the default, records
-    one after every chunk."""
-    try:
-        return max(0, int(os.environ.get("CPUCKPT_COPIER_EVENT_MIB", "0"))) << 20
-    except ValueError:
-        return 0
-
-
-def _host_wait() -> bool:
-    """``CPUCKPT_COPIER_HOST_WAIT=1`` (an instrument of ``bench_goodput``, ``+hostwait``): the process waits on the host
-    for the trainer's snapshot event before it enqueues the copies, so its stream has no wait on the other process's
-    event on the GPU."""
-    return os.environ.get("CPUCKPT_COPIER_HOST_WAIT") == "1"
 
 
 def _exit_late(close_s: float) -> None:

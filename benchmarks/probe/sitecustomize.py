@@ -1,0 +1,157 @@
+"""Probes that change one thing in a memory-tier save's iteration, for bench_goodput's ``+<probe>`` variants (an
+instrument: it changes what it measures, on purpose; a probed run's checkpoints are not valid).
+
+With a save every iteration the trainer's step ran ~35 ms longer while the copy process copied (BENCHMARKS.md,
+sessions 30-31), and neither Megatron-LM's synchronizations nor the copy process's events explained it. Put on
+PYTHONPATH with ``GOODPUT_PROBE`` set (a comma-separated list), it patches cpuckpt once the module is imported:
+
+- ``syncstart``: ``deferred.start_all`` (the saves' starts at the top of an iteration) synchronizes the device after a
+  call that started a save, so the forward is enqueued only after the device snapshot ran;
+- ``syncstep``: ``strategy.order_pending_saves`` (the first thing of every optimizer step) synchronizes the device
+  before the step's kernels are enqueued;
+- ``nodma``: the copy process is handed no device-to-host copies (``ImageSink.submit_offload`` with empty ops): it
+  still waits for the snapshot, records its events and checksums the images, but no byte crosses PCIe;
+- ``nod2d``: the device snapshot's device-to-device copy is not made (``device_snapshot``'s ``_foreach_copy_``).
+
+Another ``sitecustomize`` further down ``sys.path`` (an image's own) still runs after this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.abc
+import importlib.util
+import os
+import sys
+from array import array
+from collections.abc import Callable
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _sync_after_a_start(module: Any) -> str:
+    fn = module.start_all
+
+    @functools.wraps(fn)
+    def start_all(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if out:
+            _synchronize()
+        return out
+
+    module.start_all = start_all
+    return "start_all synchronizes the device after a start"
+
+
+def _sync_before_a_step(module: Any) -> str:
+    fn = module.order_pending_saves
+
+    @functools.wraps(fn)
+    def order_pending_saves(*args: Any, **kwargs: Any) -> Any:
+        _synchronize()
+        return fn(*args, **kwargs)
+
+    module.order_pending_saves = order_pending_saves
+    return "order_pending_saves synchronizes the device first"
+
+
+def _no_dma(module: Any) -> str:
+    fn = module.ImageSink.submit_offload
+
+    @functools.wraps(fn)
+    def submit_offload(self: Any, copies: Any) -> Any:
+        if copies is not None:
+            copies = dataclasses.replace(copies, ops=array("q"))
+        return fn(self, copies)
+
+    module.ImageSink.submit_offload = submit_offload
+    return "ImageSink.submit_offload hands the copy process no copies"
+
+
+class _NoCopyTorch:
+    """``torch`` for one module, whose ``_foreach_copy_`` copies nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def _foreach_copy_(*args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _no_d2d(module: Any) -> str:
+    module.torch = _NoCopyTorch()
+    return "the device snapshot copies nothing"
+
+
+_PROBES: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "syncstart": ("cpuckpt.integrations.megatron.deferred", _sync_after_a_start),
+    "syncstep": ("cpuckpt.integrations.megatron.strategy", _sync_before_a_step),
+    "nodma": ("cpuckpt.tier.images", _no_dma),
+    "nod2d": ("cpuckpt.transfer.device_snapshot", _no_d2d),
+}
+
+
+class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Applies ``patch`` to ``module`` once it is executed (a finder first on ``sys.meta_path``)."""
+
+    def __init__(self, module: str, patch: Callable[[Any], str]) -> None:
+        self.module = module
+        self.patch = patch
+        self._inner: Any = None
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.module:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        self._inner = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self._inner.exec_module(module)
+        sys.meta_path.remove(self)
+        what = self.patch(module)
+        print(f"probe: {self.module}: {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
+
+
+def _install() -> None:
+    for name in filter(None, os.environ.get("GOODPUT_PROBE", "").split(",")):
+        if name not in _PROBES:
+            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)})", file=sys.stderr, flush=True)
+            continue
+        sys.meta_path.insert(0, _Patch(*_PROBES[name]))
+
+
+def _chain_original() -> None:
+    """The next ``sitecustomize.py`` on ``sys.path`` (``benchmarks/sitechain.py``)."""
+    spec = importlib.util.spec_from_file_location("_cpuckpt_sitechain", os.path.join(os.path.dirname(_HERE),
+                                                                                       "sitechain.py"))
+    if spec is not None and spec.loader is not None:
+        chain = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(chain)
+        chain.run_next(_HERE)
+
+
+_install()
+_chain_original()
