@@ -1,4 +1,4 @@
-"""The chain of ``sitecustomize`` files the benchmarks' instruments (``stack_sampler``, ``sync_probe``) put on
+"""The chain of ``sitecustomize`` files the benchmarks' instruments (``stack_sampler``, ``probe``) put on
 PYTHONPATH: each runs the next one on ``sys.path`` (another instrument's, then the image's own), each once per
 process; two instruments on one path would otherwise run each other without end. Loaded by path (the
 instruments run before anything else is importable)."""
