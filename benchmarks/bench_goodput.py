@@ -179,6 +179,10 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, io<N>, "
                              "u<N>, slots<N>, rep<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, nodma, "
                              "nod2d)")
+    if "nod2d" in changes and not kind.endswith("snap"):
+        raise ValueError(f"variant {name}: +nod2d needs a device snapshot (mem1snap, mem8snap)")
+    if "nodma" in changes and not (kind.endswith("snap") and "copyproc" in changes):
+        raise ValueError(f"variant {name}: +nodma needs the copy process's copies (<kind>snap+copyproc)")
     cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io, **adapter)
     extra = [*base, *save, "--save-interval", str(a.durable), "--non-persistent-save-interval", str(every),
              "--non-persistent-ckpt-type", "global", *ASYNC]

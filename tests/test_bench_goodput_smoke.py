@@ -79,6 +79,9 @@ def test_dry_run_takes_the_synchronization_variants(tmp_path: Path) -> None:
     assert "GOODPUT_PROBE" not in blocks["mem1snap+copyproc+gcfreeze"]
     bad = _bench("--dry-run", "--out", str(tmp_path), "--variants", "none+syncstart", cwd=REPO)
     assert bad.returncode != 0 and "unknown variant" in bad.stderr, bad.stderr
+    for probe, needs in (("mem1+nod2d", "device snapshot"), ("mem1snap+nodma", "copy process")):
+        bad = _bench("--dry-run", "--out", str(tmp_path), "--variants", probe, cwd=REPO)
+        assert bad.returncode != 0 and needs in bad.stderr, (probe, bad.stderr)  # a probe that would do nothing
 
 
 def test_the_probes_patch_what_they_are_asked_for(tmp_path: Path) -> None:

@@ -84,7 +84,8 @@ class FileLayout:
     # chunk index -> a prepared batched copy of that chunk (transfer.fillplan.FillProgram), set by a
     # save that repeats an earlier one; chunks without one are filled segment by segment
     fill_programs: dict[int, Any] | None = field(default=None, repr=False)
-    # the same, prepared for a save whose device bytes another process copies (transfer.fillplan.OffloadProgram)
+    # the whole file's host bytes and device-copy ops, prepared for a save whose device bytes another process copies
+    # (transfer.fillplan.OffloadProgram); set by a save that repeats an earlier one
     offload_program: Any = field(default=None, repr=False)
 
     def segments_in(self, start: int, stop: int) -> Iterator[Segment]:

@@ -36,7 +36,7 @@ import torch
 from cpuckpt.format.layout import FileLayout
 
 __all__ = ["MIN_PIECES", "Dynamic", "FillProgram", "OffloadProgram", "bind_programs", "build_offload_programs",
-           "build_programs"]
+           "build_programs", "without_device_programs"]
 
 MIN_PIECES = 8  # a chunk of fewer pieces costs little to fill segment by segment (large tensors)
 # A host cat is cut into runs of at most this many bytes, below ATen's parallel grain (32768 elements):
@@ -136,6 +136,20 @@ def bind_programs(files: Sequence[FileLayout], sources: Sequence[torch.Tensor | 
     return out
 
 
+def without_device_programs(files: Sequence[FileLayout]) -> list[FileLayout]:
+    """``files`` without their device programs (host programs kept). A device program's pieces are views of the
+    tensors the layout was prepared for: a save whose copies must read a device snapshot of them instead (the
+    trainer may write the tensors once the snapshot is made) cannot use one."""
+    out = []
+    for layout in files:
+        programs = layout.fill_programs
+        if programs and any(p.device is not None for p in programs.values()):
+            kept = {k: p for k, p in programs.items() if p.device is None}
+            layout = dataclasses.replace(layout, fill_programs=kept or None)
+        out.append(layout)
+    return out
+
+
 def _runs(pieces: Sequence[torch.Tensor | Dynamic]) -> tuple[tuple[int, int, int, int], ...]:
     """Consecutive pieces grouped into runs of at most ``RUN_BYTES`` (a larger piece is a run alone)."""
     runs = []
@@ -217,7 +231,9 @@ class OffloadProgram:
     host: tuple[tuple[int, int, int, int, int], ...]  # (j, offset in the chunk, item, offset in its source, bytes)
     device_items: tuple[int, ...]  # every item of ``device``, once (each a CUDA source at every save)
     host_items: tuple[int, ...]  # every item of ``host``, once (each a CPU source at every save)
-    _ops: list[Any] = field(default_factory=lambda: [None], compare=False, repr=False)  # [(key, first chunk, ops)]
+    # per snapshot buffer (its address): (where the sources lay in it, first chunk, ops); saves every iteration
+    # alternate between buffers while the previous save's copies still read one
+    _ops: dict[int, tuple[tuple[int, ...], int, bytes]] = field(default_factory=dict, compare=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     def applies(self, sources: Sequence[torch.Tensor | None]) -> bool:
@@ -242,23 +258,30 @@ class OffloadProgram:
         for j, off, item, s, n in self.host:
             slots[j].tensor[off : off + n].copy_(sources[item][s : s + n])  # type: ignore[index]
 
-    def ops(self, sources: Sequence[torch.Tensor | None], base: int, first_chunk: int) -> array:
+    def ops(self, sources: Sequence[torch.Tensor | None], base: int, first_chunk: int) -> bytes:
         """The device runs as ops ``(chunk, offset in the buffer at ``base``, file, file offset, bytes)``
-        (:data:`cpuckpt.transfer.sinks.OP_FIELDS`) for sources that lie in one device buffer; the same as the
-        last save's when every source lies where it did then (the snapshot's views are kept per buffer)."""
-        key = (base, tuple(sources[i].data_ptr() for i in self.device_items))  # type: ignore[union-attr]
+        (:data:`cpuckpt.transfer.sinks.OP_FIELDS`, int64 bytes) for sources that lie in one device buffer; the same
+        as the last save's into that buffer when every source lies where it did then (the snapshot's views are
+        kept per buffer)."""
+        where = tuple(sources[i].data_ptr() for i in self.device_items)  # type: ignore[union-attr]
         with self._lock:
-            cached = self._ops[0]
-        if cached is not None and cached[0] == key and cached[1] == first_chunk:
+            cached = self._ops.get(base)
+        if cached is not None and cached[0] == where and cached[1] == first_chunk:
             return cached[2]
-        where = dict(zip(self.device_items, key[1]))
+        at = dict(zip(self.device_items, where))
         ops = array("q")
         f = self.file
         for j, item, s, fo, n in self.device:
-            ops.extend((first_chunk + j, where[item] - base + s, f, fo, n))
+            ops.extend((first_chunk + j, at[item] - base + s, f, fo, n))
+        out = ops.tobytes()
         with self._lock:
-            self._ops[0] = (key, first_chunk, ops)
-        return ops
+            if base not in self._ops and len(self._ops) >= _OPS_KEPT:
+                del self._ops[next(iter(self._ops))]  # the oldest buffer's
+            self._ops[base] = (where, first_chunk, out)
+        return out
+
+
+_OPS_KEPT = 4  # snapshot buffers whose ops a program keeps (a stream of saves holds one to three)
 
 
 def build_offload_programs(files: Sequence[FileLayout], sources: Sequence[torch.Tensor | None], *,

@@ -39,6 +39,7 @@ from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.device_snapshot import DeviceSnapshot, DeviceSnapshots
 from cpuckpt.transfer.device_snapshot import release as release_snapshot
+from cpuckpt.transfer.fillplan import without_device_programs
 from cpuckpt.transfer.pacing import PACER
 from cpuckpt.transfer.sinks import DeviceCopies, PoolSink, Sink, SlotSource
 from cpuckpt.transfer.staging import (
@@ -246,6 +247,8 @@ class SaveJob:
                 self.sources, self._snapshot = self.snapshots.snapshot_sources(
                     self.sources, device, copier.stream, torch.cuda.current_stream(device))
                 fence.event = copier.record()
+                if self._snapshot is not None:  # the copies read the snapshot, not the tensors a program holds
+                    self.files = without_device_programs(self.files)
                 if self.sink.offloads and self._snapshot is not None and not any(
                         s is not None and s.is_cuda and s.device != device for s in self.sources):
                     self._offload_device(copier, slots)
@@ -293,8 +296,12 @@ class SaveJob:
             file_slots = slots[first : first + len(layout.chunks)]
             program = layout.offload_program  # prepared by a save of the same layout (transfer.fillplan)
             if program is not None and program.applies(self.sources):
-                program.fill(file_slots, layout, self.sources)
-                ops.extend(program.ops(self.sources, base, first))
+                try:
+                    program.fill(file_slots, layout, self.sources)
+                except RuntimeError as e:
+                    raise StagingError(f"writing the host bytes of file {layout.index} into its image failed: "
+                                       f"{e}") from e
+                ops.frombytes(program.ops(self.sources, base, first))
             else:
                 for k, (chunk, slot) in enumerate(zip(layout.chunks, file_slots), first):
                     fill_chunk(slot, layout, chunk, self.sources, deferred=pairs, described=described(k, chunk.file))

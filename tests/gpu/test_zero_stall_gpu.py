@@ -178,6 +178,46 @@ def test_device_snapshot_orders_after_the_device_copy_only(tmp_path: Path, ram_d
         images.close()
 
 
+@pytest.mark.parametrize("target", ["pool", "images"])
+def test_a_cached_save_of_many_small_tensors_copies_from_the_snapshot(tmp_path: Path, ram_dir: Path, monkeypatch,
+                                                                     target: str) -> None:
+    """``staging.device_snapshot`` with cached items: a chunk of many small GPU tensors has a device fill program
+    (one gather, one copy) whose pieces are views of the tensors the layout was prepared for. A save from a device
+    snapshot must not gather from them: the third save's copies are held back ~1 s after its snapshot, the tensors
+    change right after ``wait_stream``, and every checkpoint still holds its save's values bit-exact."""
+    from cpuckpt.transfer import staging
+
+    original = staging.DeviceCopier.enqueue
+    hold = {"on": False}
+
+    def held_back(self, *args, **kwargs):
+        if hold["on"]:
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(20 * SLEEP_CYCLES)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(staging.DeviceCopier, "enqueue", held_back)
+    images = ImageSet(ram_dir / "slot", pin=True) if target == "images" else None
+    sd = {f"t{i}": torch.randn(64, device="cuda") for i in range(96)}  # 96 records in one chunk: a program
+    ckpt = cpuckpt.Checkpointer()
+    try:
+        for k in range(3):  # the first plans, the second caches the items, the third uses their programs
+            hold["on"] = k == 2
+            path = ram_dir / "slot" if images is not None else tmp_path / f"ckpt{k}"
+            want = _expected(sd)
+            h = ckpt.async_save(sd, path, _cfg(0, True), ordering="stream", sink=images)
+            h.wait_stream()
+            with torch.no_grad():
+                for v in sd.values():
+                    v.add_(1000.0)  # what the next optimizer step does, ordered after the snapshot only
+            h.wait()
+            assert _differing_tensors(_checkpoint(path, want), want) == [], (target, k)
+    finally:
+        ckpt.close()
+        if images is not None:
+            images.close()
+
+
 def test_two_checkpointers_keep_their_own_device_buffers(tmp_path: Path) -> None:
     """Two streams (two models) with ``staging.device_snapshot``: each allocates one device buffer and
     reuses it (alternating saves never take or wait for the other's), closing one frees its buffer

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from array import array
 
 import pytest
 import torch
@@ -190,8 +191,6 @@ def _offload_by_segments(files, sources, base):
 
 
 def _offload_by_program(files, sources, base):
-    from array import array
-
     ops = array("q")
     images = [torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8) for layout in files]
     first = 0
@@ -202,15 +201,16 @@ def _offload_by_program(files, sources, base):
         views = [img[c.offset : c.offset + c.nbytes] for c in layout.chunks]
         slots = [Slot(0, 1, v, memoryview(v.numpy())) for v in views]
         program.fill(slots, layout, sources)
-        ops.extend(program.ops(sources, base, first))
+        ops.frombytes(program.ops(sources, base, first))
         first += len(layout.chunks)
     return [bytes(i.numpy()) for i in images], list(ops)
 
 
-def _snapshot_views(sources, on_device: set[int], gap: int):
+def _snapshot_views(sources, on_device: set[int], gap: int, snapshot: torch.Tensor | None = None):
     """The device sources as views of one buffer (``gap`` bytes before each: where they lie changes with it)."""
     total = sum(s.numel() + gap for s in sources if s is not None)
-    snapshot = torch.randint(0, 256, (total + 1,), dtype=torch.uint8)
+    if snapshot is None:
+        snapshot = torch.randint(0, 256, (total + 1,), dtype=torch.uint8)
     out, at = [], 0
     for i, s in enumerate(sources):
         if s is not None and i in on_device:
@@ -257,6 +257,31 @@ def test_offload_programs_write_and_describe_what_segments_do(seed: int) -> None
         assert _offload_by_program(bound, moved, snap2.data_ptr()) == _offload_by_segments(plain, moved,
                                                                                            snap2.data_ptr())
         assert not program.applies([s.view if isinstance(s, _OnDevice) else s for s in moved])  # now on the host
+        # the same buffer, the sources elsewhere in it: new ops, not the cached ones
+        big = torch.zeros(snap2.numel() + 4096, dtype=torch.uint8)
+        here, _ = _snapshot_views(sources, on_device, 0, big)
+        there, _ = _snapshot_views(sources, on_device, 512, big)
+        for views_now in (here, there, here):
+            assert _offload_by_program(bound, views_now, big.data_ptr()) == _offload_by_segments(plain, views_now,
+                                                                                                 big.data_ptr())
+        # the ops of each buffer kept apart: two buffers alternating reuse their own ops
+        a, b = program.ops(here, big.data_ptr(), 0), program.ops(moved, snap2.data_ptr(), 0)
+        assert program.ops(here, big.data_ptr(), 0) is a and program.ops(moved, snap2.data_ptr(), 0) is b
+        # the file's first chunk in another save's numbering
+        shifted = array("q")
+        shifted.frombytes(program.ops(here, big.data_ptr(), 5))
+        plain_ops = array("q")
+        plain_ops.frombytes(a)
+        assert list(shifted[0::5]) == [k + 5 for k in plain_ops[0::5]] and list(shifted[1::5]) == list(plain_ops[1::5])
+    hosted = [i for i in program_host_items(bound)]
+    if hosted:  # a CPU source that is now on the device: not this program's save
+        on_gpu = list(views)
+        on_gpu[hosted[0]] = _OnDevice(views[hosted[0]])
+        assert not all(f.offload_program.applies(on_gpu) for f in bound)
+
+
+def program_host_items(files) -> list[int]:
+    return [i for f in files for i in f.offload_program.host_items]
 
 
 def test_offload_program_refuses_a_layout_without_its_payload() -> None:
@@ -271,3 +296,19 @@ def test_offload_program_refuses_a_layout_without_its_payload() -> None:
     buf = torch.empty(files[0].nbytes, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="no payload"):
         files[0].offload_program.fill([Slot(0, 1, buf, memoryview(buf.numpy()))], emptied, sources)
+
+
+def test_a_device_snapshot_save_drops_the_device_programs() -> None:
+    """A device program gathers from views of the tensors its layout was prepared for: a save that copies from a
+    device snapshot must not use it (the trainer writes those tensors once the snapshot is made); host programs stay,
+    and a layout without device programs is passed as it is."""
+    from cpuckpt.transfer.fillplan import FillProgram, without_device_programs
+
+    host = FillProgram([torch.zeros(4, dtype=torch.uint8)], None)
+    device = FillProgram([torch.zeros(4, dtype=torch.uint8)], torch.device("cuda", 0))  # only its device is read
+    mixed = FileLayout(0, fill_programs={0: host, 1: device})
+    only_device = FileLayout(1, fill_programs={0: device})
+    plain = FileLayout(2, fill_programs={0: host})
+    out = without_device_programs([mixed, only_device, plain])
+    assert out[0].fill_programs == {0: host} and out[1].fill_programs is None and out[2] is plain
+    assert mixed.fill_programs == {0: host, 1: device}  # the cached layout keeps them for saves without a snapshot
