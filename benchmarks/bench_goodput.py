@@ -36,6 +36,9 @@ the device at each start and stop: where in the step a save's cost lands, not a 
 synchronized after the iteration's save start or before each optimizer step; the copy process handed no copies; the
 device snapshot not copied (a probed run's checkpoints are not valid). ``+gcfreeze`` (memory variants): ``megatron:
 {freeze_gc: true}``, the collector's objects frozen once setup returned (full collections then skip them).
+``+log<N>`` (any variant, ``none`` included, compared with the ``none`` of the same interval): Megatron-LM's
+``--log-interval N`` instead of the benchmark's 1 (jobs log every 10-100 iterations; each line is a barrier and a
+device synchronization); the wall and the gaps are then read every N iterations.
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -119,6 +122,15 @@ def summarize(name: str, r: dict[str, Any], ref: dict[str, Any] | None, saves_in
     return out
 
 
+def log_interval(changes: list[str]) -> int | None:
+    """``+log<N>``: Megatron-LM's ``--log-interval`` (the benchmark's own is 1: a line, and with it a device
+    synchronization, every iteration; jobs log every 10-100). The wall is then read every N iterations."""
+    values = [int(c[3:]) for c in changes if c.startswith("log") and c[3:].isdigit()]
+    if any(v < 1 for v in values):
+        raise ValueError(f"+log<N> needs N >= 1 (got {values})")
+    return values[-1] if values else None
+
+
 def _saves_between(first: int, last: int, every: int) -> int:
     """Saves after iterations first..last-1: each one's cost lands in the window."""
     return sum(1 for it in range(first, last) if every and it % every == 0)
@@ -138,6 +150,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         base.append("--manual-gc")  # interval 0: no collection at all while it trains
     if "timers" in changes:  # Megatron-LM's level-1 timers (forward-backward, optimizer, ...; each synchronizes)
         base += ["--timing-log-level", "1"]
+    if (interval := log_interval(changes)) is not None:  # Megatron-LM's training_log synchronizes at each line
+        base += ["--log-interval", str(interval)]
     if kind == "none":
         return b.argv("torch_dist", "goodput", base), 0
     # Megatron-LM's own promise for repeated saves: without it every save validates the sharding again
@@ -173,12 +187,13 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         elif change.startswith("u") and change[1:].isdigit():
             memory["max_uncommitted"] = int(change[1:])
         elif (change.startswith("rep") and change[len("rep"):].isdigit()) or (
+                change.startswith("log") and change[3:].isdigit()) or (
                 change.startswith("slots") and change[len("slots"):].isdigit()) or change in _ENV_CHANGES:
             pass  # rep: a name only; slots, mgc, timers: read above; base, probes: the environment (main)
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, io<N>, "
-                             "u<N>, slots<N>, rep<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, nodma, "
-                             "nod2d)")
+                             "u<N>, slots<N>, rep<N>, log<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, "
+                             "nodma, nod2d)")
     if "nod2d" in changes and not kind.endswith("snap"):
         raise ValueError(f"variant {name}: +nod2d needs a device snapshot (mem1snap, mem8snap)")
     if "nodma" in changes and not (kind.endswith("snap") and "copyproc" in changes):
@@ -398,15 +413,23 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         b.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"args": vars(args), "runs": {}, "summary": []}
-    refs: dict[tuple[bool, bool], dict[str, Any]] = {}  # the run without checkpoints, per (+mgc, +timers)
+    refs: dict[tuple, dict[str, Any]] = {}  # the run without checkpoints, per (+mgc, +timers, +log<N>)
     rows = []
     try:
         for name in [v for v in args.variants.split(",") if v]:
             kind, *changes = name.split("+")
-            if kind not in VARIANTS or (not kind.startswith("mem") and not set(changes) <= {"mgc", "timers"}):
+            general = {c for c in changes if c in ("mgc", "timers") or (c.startswith("log") and c[3:].isdigit())}
+            if kind not in VARIANTS or (not kind.startswith("mem") and set(changes) != general):
                 ap.error(f"unknown variant {name}; known: {VARIANTS} "
-                         "(memory ones with +nocrc, +copyproc, +window<MiB>, ...; any with +mgc, +timers)")
-            ref_key = ("mgc" in changes, "timers" in changes)
+                         "(memory ones with +nocrc, +copyproc, +window<MiB>, ...; any with +mgc, +timers, +log<N>)")
+            try:
+                interval = log_interval(changes)
+            except ValueError as e:
+                ap.error(f"variant {name}: {e}")
+            if interval is not None and (args.iters - args.warm) // interval < 2:
+                ap.error(f"variant {name}: with --log-interval {interval} fewer than 3 log lines fall in iterations "
+                         f"{args.warm}-{args.iters} (no wall to compare)")
+            ref_key = ("mgc" in changes, "timers" in changes, interval)
             if args.budget and b.left() < 60:
                 logger.warning("variant %s skipped: %.0f s of the budget left", name, b.left())
                 continue

@@ -65,7 +65,8 @@ def test_dry_run_takes_the_variants_the_device_calls_ask_for(tmp_path: Path) -> 
 def test_dry_run_takes_the_synchronization_variants(tmp_path: Path) -> None:
     """+timers (Megatron-LM's level-1 timers, against none+timers) and the probes (benchmarks/probe)."""
     names = ("none+timers,mem1snap+copyproc+timers,mem1snap+copyproc+syncstart,mem1snap+copyproc+syncstep,"
-             "torch_dist8+timers,cpuckpt8+mgc,mem1snap+copyproc+gcfreeze,mem1snap+copyproc+nodma+nod2d")
+             "torch_dist8+timers,cpuckpt8+mgc,mem1snap+copyproc+gcfreeze,mem1snap+copyproc+nodma+nod2d,"
+             "mem1snap+copyproc+log10,none+log10")
     proc = _bench("--dry-run", "--out", str(tmp_path), "--variants", names, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     blocks = {b.split("\n", 1)[0]: b for b in proc.stdout.split("# ")[1:]}
@@ -77,11 +78,16 @@ def test_dry_run_takes_the_synchronization_variants(tmp_path: Path) -> None:
     assert "GOODPUT_PROBE=syncstep" in blocks["mem1snap+copyproc+syncstep"]
     assert "GOODPUT_PROBE=nodma,nod2d" in blocks["mem1snap+copyproc+nodma+nod2d"]
     assert "GOODPUT_PROBE" not in blocks["mem1snap+copyproc+gcfreeze"]
+    assert "--non-persistent-save-interval 1 " in blocks["mem1snap+copyproc+log10"]
+    for n in ("none+log10", "mem1snap+copyproc+log10"):  # the last one given is Megatron-LM's
+        assert blocks[n].rindex("--log-interval") == blocks[n].index("--log-interval 10"), blocks[n]
+    assert "--log-interval 10" not in blocks["none+timers"]
     bad = _bench("--dry-run", "--out", str(tmp_path), "--variants", "none+syncstart", cwd=REPO)
     assert bad.returncode != 0 and "unknown variant" in bad.stderr, bad.stderr
-    for probe, needs in (("mem1+nod2d", "device snapshot"), ("mem1snap+nodma", "copy process")):
-        bad = _bench("--dry-run", "--out", str(tmp_path), "--variants", probe, cwd=REPO)
-        assert bad.returncode != 0 and needs in bad.stderr, (probe, bad.stderr)  # a probe that would do nothing
+    for probe, needs in (("mem1+nod2d", "device snapshot"), ("mem1snap+nodma", "copy process"),
+                         ("mem1+log0", "N >= 1"), ("none+log30", "fewer than 3 log lines")):
+        bad = _bench("--dry-run", "--out", str(tmp_path), "--variants", probe, "--iters", "60", cwd=REPO)
+        assert bad.returncode != 0 and needs in bad.stderr, (probe, bad.stderr)  # would measure nothing
 
 
 def test_the_probes_patch_what_they_are_asked_for(tmp_path: Path) -> None:
