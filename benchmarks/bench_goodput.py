@@ -204,6 +204,26 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     return b.argv("cpuckpt", "goodput", extra, config=str(cfg)), every
 
 
+def variant_error(b: Bench, args: argparse.Namespace, name: str, tmp: Path) -> str | None:
+    """Why ``name`` cannot run as asked (None: it can): its kind, its changes, the arguments it needs."""
+    kind, *changes = name.split("+")
+    general = {c for c in changes if c in ("mgc", "timers") or (c.startswith("log") and c[3:].isdigit())}
+    if kind not in VARIANTS or (not kind.startswith("mem") and set(changes) != general):
+        return (f"unknown variant {name}; known: {VARIANTS} (memory ones with +nocrc, +copyproc, +window<MiB>, ...; "
+                "any with +mgc, +timers, +log<N>)")
+    try:
+        interval = log_interval(changes)
+        variant_argv(b, name, tmp / "check", tmp, tmp / "check-ram", args.iters)  # the changes' own checks
+    except ValueError as e:
+        return str(e) if str(e).startswith("variant ") else f"variant {name}: {e}"
+    if interval is not None and (args.iters - args.warm) // interval < 2:
+        return (f"variant {name}: with --log-interval {interval} fewer than 3 log lines fall in iterations "
+                f"{args.warm}-{args.iters} (no wall to compare)")
+    if "base" in changes and not args.base_site:
+        return f"variant {name}: +base needs --base-site"
+    return None
+
+
 SAMPLER = Path(__file__).resolve().parent / "stack_sampler"
 PROBE = Path(__file__).resolve().parent / "probe"  # +syncstart, +syncstep, +nodma, +nod2d
 
@@ -415,21 +435,15 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"args": vars(args), "runs": {}, "summary": []}
     refs: dict[tuple, dict[str, Any]] = {}  # the run without checkpoints, per (+mgc, +timers, +log<N>)
     rows = []
+    names = [v for v in args.variants.split(",") if v]
+    errors = [e for name in names if (e := variant_error(b, args, name, tmp)) is not None]
+    if errors:  # every variant checked before the first runs: a bad last one would waste a device call's others
+        shutil.rmtree(tmp, ignore_errors=True)
+        ap.error("; ".join(errors))
     try:
-        for name in [v for v in args.variants.split(",") if v]:
+        for name in names:
             kind, *changes = name.split("+")
-            general = {c for c in changes if c in ("mgc", "timers") or (c.startswith("log") and c[3:].isdigit())}
-            if kind not in VARIANTS or (not kind.startswith("mem") and set(changes) != general):
-                ap.error(f"unknown variant {name}; known: {VARIANTS} "
-                         "(memory ones with +nocrc, +copyproc, +window<MiB>, ...; any with +mgc, +timers, +log<N>)")
-            try:
-                interval = log_interval(changes)
-            except ValueError as e:
-                ap.error(f"variant {name}: {e}")
-            if interval is not None and (args.iters - args.warm) // interval < 2:
-                ap.error(f"variant {name}: with --log-interval {interval} fewer than 3 log lines fall in iterations "
-                         f"{args.warm}-{args.iters} (no wall to compare)")
-            ref_key = ("mgc" in changes, "timers" in changes, interval)
+            ref_key = ("mgc" in changes, "timers" in changes, log_interval(changes))
             if args.budget and b.left() < 60:
                 logger.warning("variant %s skipped: %.0f s of the budget left", name, b.left())
                 continue
@@ -440,8 +454,6 @@ def main(argv: list[str] | None = None) -> int:
             gil = GilProfile(b.out, name, args.warm + 10, args.pyspy_seconds) if name in args.pyspy.split(",") else None
             env = sample_env(b, name) if sampled else None
             if "base" in changes:  # the same run with the baseline's cpuckpt first on the path (--base-site)
-                if not args.base_site:
-                    ap.error(f"variant {name}: +base needs --base-site")
                 env = {**(env or {}), "PYTHONPATH": os.pathsep.join([args.base_site, (env or b.env)["PYTHONPATH"]])}
             probes = [c for c in changes if c in _PROBES]
             if probes:  # one thing of the iteration changed (benchmarks/probe)
