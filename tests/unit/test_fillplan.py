@@ -110,38 +110,16 @@ def test_offload_ops_describe_exactly_the_device_bytes(seed: int) -> None:
     """The copy process's path (``memory.copy_process`` with a device snapshot): ``fill_chunk`` writes the host
     bytes and describes each run of a "device" source (here: views of one buffer, standing for the snapshot) as
     an op; applying the ops as the copy process does yields the same image as a fill segment by segment."""
-    from array import array
-
     from cpuckpt.transfer.sinks import OP_FIELDS
-    from cpuckpt.transfer.staging import offload_ops
 
     rng = random.Random(seed)
     items, sources, _, params = _case(rng)
     files, _ = plan_files(items, **params)
     expected = _fill_all(files, sources)
-    snapshot = torch.cat([s for s in sources if s is not None] + [torch.zeros(1, dtype=torch.uint8)])
-    on_device, views, at = set(), [], 0
-    for s in sources:  # every other tensor source lives in the "snapshot"; the rest stay host tensors
-        if s is not None and rng.random() < 0.5:
-            views.append(snapshot[at : at + s.numel()])
-            on_device.add(id(views[-1]))
-        else:
-            views.append(s)
-        at += s.numel() if s is not None else 0
-    ops = array("q")
-    described = offload_ops(ops, snapshot.data_ptr(), is_device=lambda t: id(t) in on_device)
-    images = [torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8) for layout in files]
-    k, chunks = 0, []
-    for layout in files:
-        for chunk in layout.chunks:
-            chunks.append(chunk)
-            buf = images[layout.index][chunk.offset : chunk.offset + chunk.nbytes]
-            pairs: list = []
-            fill_chunk(Slot(0, 1, buf, memoryview(buf.numpy())), layout, chunk, views, deferred=pairs,
-                       described=described(k, layout.index))
-            for dst, src in pairs:
-                dst.copy_(src)
-            k += 1
+    on_device = {i for i, s in enumerate(sources) if s is not None and rng.random() < 0.5}
+    views, snapshot = _snapshot_views(sources, on_device, 0)  # the rest stay host tensors
+    images, ops = _segment_fill(files, views, snapshot.data_ptr())
+    chunks = [c for layout in files for c in layout.chunks]
     for i in range(len(ops) // OP_FIELDS):  # as the copy process applies them
         k, src, f, dst, n = ops[i * OP_FIELDS : (i + 1) * OP_FIELDS]
         chunk = chunks[k]  # the copy process keys its events and checksums by chunk: the op must lie in it
@@ -150,7 +128,7 @@ def test_offload_ops_describe_exactly_the_device_bytes(seed: int) -> None:
     got = [bytes(images[layout.index][c.offset : c.offset + c.nbytes].numpy())
            for layout in files for c in layout.chunks]
     assert got == expected
-    assert (len(ops) > 0) == any(v.numel() for v in views if id(v) in on_device)  # device bytes went as ops
+    assert (len(ops) > 0) == any(v.numel() for v in views if isinstance(v, _OnDevice))  # device bytes went as ops
 
 
 class _OnDevice:
@@ -168,10 +146,9 @@ class _OnDevice:
         return self.view.numel()
 
 
-def _offload_by_segments(files, sources, base):
-    """``fill_chunk`` as the save engine calls it for the copy process: host bytes, and the ops of device bytes."""
-    from array import array
-
+def _segment_fill(files, sources, base):
+    """``fill_chunk`` as the save engine calls it for the copy process: the images with their host bytes written
+    (0xAB where the ops' bytes go), and the ops of the device bytes."""
     from cpuckpt.transfer.staging import offload_ops
 
     ops = array("q")
@@ -187,6 +164,11 @@ def _offload_by_segments(files, sources, base):
             for dst, src in pairs:
                 dst.copy_(src)
             k += 1
+    return images, ops
+
+
+def _offload_by_segments(files, sources, base):
+    images, ops = _segment_fill(files, sources, base)
     return [bytes(i.numpy()) for i in images], list(ops)
 
 
