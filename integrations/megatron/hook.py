@@ -170,6 +170,7 @@ class Training:
 
         self.cfg = cfg
         self.checkpointer = Checkpointer()  # plan, item and layout caches of this run's async saves
+        self.reuse: Any = None  # the run's replay.StateDictReuse (megatron.reuse_state_dict)
         self._memory: Any = None  # the run's MegatronMemory (memory_tier: true), made at its first save
         self._terminated = False  # train()'s terminate came: the next is pretrain()'s, after its final save
 
@@ -253,6 +254,10 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
             ) from e
     options = options or MegatronOptions()
     run = Training(cfg)
+    if options.reuse_state_dict:
+        from .replay import StateDictReuse
+
+        run.reuse = StateDictReuse(timeout_s=cfg.timeout_s)
     classes = _training_classes(cfg, options, run)
     module.TorchDistSaveShardedStrategy, module.TorchDistLoadShardedStrategy = classes
     if options.memory_tier:
@@ -260,6 +265,10 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
         _reserve_slots_after_setup(run)
     _finalize_before_cleanup(module, memory_of=run.memory if options.memory_tier else None)
     validate_structure_once(module)
+    if options.reuse_state_dict:
+        from . import replay
+
+        replay.install(module, run.reuse)
     if options.ordering == "optimizer":
         order_optimizer_steps()
     if options.prepare_pool and not options.memory_tier:
@@ -320,6 +329,7 @@ def validate_structure_once(module: Any) -> type | None:
     base = getattr(module, "FullyParallelSaveStrategyWrapper", None)
     if base is None or getattr(base, "_cpuckpt_validates_once", False):
         return None
+    from . import replay
 
     class FullyParallelValidatedOnce(base):  # type: ignore[misc, valid-type]
         _cpuckpt_validates_once = True
@@ -331,6 +341,14 @@ def validate_structure_once(module: Any) -> type | None:
             out = super().apply_saving_parallelization(sharded_state_dict)
             self._cpuckpt_applied = True
             return out
+
+        def save(self, sharded_state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+            replay.take(sharded_state_dict)  # before the parallelization, which walks the tensors
+            return super().save(sharded_state_dict, *args, **kwargs)
+
+        def async_save(self, sharded_state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+            replay.take(sharded_state_dict)
+            return super().async_save(sharded_state_dict, *args, **kwargs)
 
     module.FullyParallelSaveStrategyWrapper = FullyParallelValidatedOnce
     return FullyParallelValidatedOnce
@@ -610,7 +628,7 @@ def _training_classes(cfg: Config, options: MegatronOptions, run: Training | Non
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             # cpu_shm_mode (NVRx's worker-side staging) has no meaning here: staging is ours.
             super().__init__(cfg, reuse_plan=options.reuse_plan, memory=run.memory() if options.memory_tier else None,
-                             ordering=options.ordering, checkpointer=run.checkpointer)
+                             ordering=options.ordering, checkpointer=run.checkpointer, reuse=run.reuse)
 
     class MegatronLMLoadStrategy(CpuckptLoadStrategy):
         """Built by Megatron-LM as ``TorchDistLoadShardedStrategy(cache_metadata=..., ...)``."""

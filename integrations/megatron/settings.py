@@ -82,6 +82,11 @@ class MegatronOptions:
             against ~3 ms frozen (in training what was made since setup is still looked at: not measured on a GPU
             yet). What is frozen is never collected: cycles among setup's objects that become garbage later stay
             (``--manual-gc`` differs: no automatic collection at all).
+        reuse_state_dict: under ``--ckpt-assume-constant-structure``, a save whose model and optimizer still hold
+            the same tensors as at the last full build skips Megatron-LM's per-save state-dict build: the captured
+            tensors and their places are reused, the small non-tensor state (iteration, RNG, scheduler, rerun
+            state, the optimizer's learning rates and steps) is taken fresh (:mod:`.replay` says how it is checked).
+            The files are those Megatron-LM's build writes. False: every save builds (as Megatron-LM alone does).
     """
 
     on_failure: str = field(default="raise", metadata={"choices": ("raise", "continue")})
@@ -93,6 +98,7 @@ class MegatronOptions:
     prepare_pool: bool = True
     fallback_on_corrupt: bool = True
     freeze_gc: bool = False
+    reuse_state_dict: bool = True
 
 
 def _mapping(config: Config | Mapping[str, Any] | str | os.PathLike | None) -> tuple[dict[str, Any] | None, str]:

@@ -44,7 +44,7 @@ from cpuckpt.backend.itemcache import FlatState
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 
-from . import compat, deferred, prepare
+from . import compat, deferred, prepare, replay
 from .flatstate import flat_state, to_pyt
 from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, PROBE_FAILED, URGENT_MARK
 from .memory import MegatronMemory
@@ -282,6 +282,9 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         keep_only_main_replica: as for megatron-core's ``TorchDistSaveShardedStrategy``.
         reuse_plan: reuse plans as above (default); False plans every save with DCP unless
             ``use_cached_ckpt_structure`` is set.
+        reuse: the run's :class:`.replay.StateDictReuse`: a full build it waits for has its tensors captured here,
+            after megatron-core's preprocessing (the hook passes its run's; a replayed save's tensors come back
+            without it).
         checkpointer: the :class:`cpuckpt.Checkpointer` (save stream) its async saves go through: its
             plan, item and layout caches and in-flight bound. Default: :func:`cpuckpt.async_save`'s of the
             default group. Two models of one process pass one each; strategies made per save (as
@@ -305,8 +308,9 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *,
                  keep_only_main_replica: bool = True, reuse_plan: bool = True,
                  memory: MegatronMemory | None = None, ordering: str = "host",
-                 checkpointer: cpuckpt.Checkpointer | None = None) -> None:
+                 checkpointer: cpuckpt.Checkpointer | None = None, reuse: replay.StateDictReuse | None = None) -> None:
         super().__init__(backend="torch_dist", version=1, keep_only_main_replica=keep_only_main_replica)
+        self.reuse = reuse  # captures the tensors of the state dicts it builds (megatron.reuse_state_dict)
         self.config = resolve_core(config)  # a megatron: block (the adapter's own keys) is allowed
         self.reuse_plan = reuse_plan
         self.memory = memory  # routes async saves of Megatron-LM's iter_<N> directories into the memory tier
@@ -345,6 +349,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
 
     def save(self, sharded_state_dict: dict[str, Any], checkpoint_dir: str | Path) -> None:
         """Synchronous save: streams through a bounded pool; durable and committed on return."""
+        replay.take(sharded_state_dict, self.reuse)
         prepare.wait_prepared(self.config.timeout_s)
         cpuckpt.save(self._to_pyt(sharded_state_dict), checkpoint_dir, self.config, planner=self._planner())
 
@@ -355,6 +360,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         With :attr:`memory` set, a save of Megatron-LM's ``iter_<N>`` is a memory-tier save instead (see
         :mod:`.memory`); for a persistent one the worker also waits for the writer process's persist.
         """
+        replay.take(sharded_state_dict, self.reuse)  # megatron.reuse_state_dict: a replay's tensors, a build's capture
         planner = self._planner()
         route = self.memory.route(checkpoint_dir) if self.memory is not None else None
         overlap = self.ordering == "optimizer"
