@@ -342,6 +342,10 @@ def validate_structure_once(module: Any) -> type | None:
             self._cpuckpt_applied = True
             return out
 
+        @property
+        def takes_replays(self) -> bool:  # resolves a replayed state dict's marker first (replay.take) for cpuckpt's
+            return bool(getattr(self.base_strategy, "takes_replays", False))
+
         def save(self, sharded_state_dict: Any, *args: Any, **kwargs: Any) -> Any:
             replay.take(sharded_state_dict)  # before the parallelization, which walks the tensors
             return super().save(sharded_state_dict, *args, **kwargs)

@@ -305,6 +305,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
             synchronized the device (:mod:`.deferred`).
     """
 
+    takes_replays = True  # resolves a replayed state dict's marker first (replay.take)
+
     def __init__(self, config: Config | str | os.PathLike | dict | None = None, *,
                  keep_only_main_replica: bool = True, reuse_plan: bool = True,
                  memory: MegatronMemory | None = None, ordering: str = "host",
