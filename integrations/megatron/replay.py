@@ -23,7 +23,8 @@ and dtype of every parameter, buffer, optimizer parameter and optimizer state te
 every module that has one (Transformer Engine's FP8 metadata; ``None`` for megatron-core's local layers) equal to
 what it was at the capture; the same build arguments. A change makes that save a full build (and a new capture);
 eight in a row turn reuse off (it cannot help). A capture whose tensors are not views of those tensors (a state dict
-that gathers or copies, as ``fully_reshardable`` does; a distributed optimizer's bucket padding) turns it off too. The
+that gathers or copies, as ``fully_reshardable`` does) turns it off too; a distributed optimizer's bucket padding
+(``torch.empty`` per build beside ``padding: True``, its values never read) is replayed as captured. The
 refresh by path and the captured tensors are checked against a full build at the second save, after each change and
 every ``verify_every`` saves; a difference turns reuse off for the run, with a warning naming the value. A save never
 fails because of reuse: an error in it is a build, and reuse off.
@@ -80,8 +81,10 @@ class _Capture:
     skeleton: dict[str, Any]
     live: set[int]  # storages of the model's and optimizer's tensors at the build
     tensor_keys: frozenset[str]  # the keys of the build's tensors (a factory's are known once it is built)
+    padding: frozenset[int]  # ids of the build's padding tensors (a distributed optimizer's, made per build)
     order: tuple[str, ...]  # the build's top-level keys, in order
     tensors: list[tuple[ShardedTensor, Any]] | None = None  # (leaf, its data as captured)
+    padding_at: frozenset[int] = frozenset()  # the padding tensors' places among them
     refused: str | None = None  # why its tensors cannot be replayed
     verifies: _Capture | None = None  # the capture this build checks (its tensors against the build's)
 
@@ -103,12 +106,16 @@ class _Capture:
         if self.refused is not None:
             return
         self.tensors = [(sh, sh.data) for sh in leaves]
+        self.padding_at = self._padding_at(leaves)  # by place: a replay may put a copy of a tensor in its place
         for k, v in rest.items():
             if v is _DROPPED:
                 del sharded_state_dict[k]
             else:
                 sharded_state_dict[k] = v
         sharded_state_dict[MARKER_KEY] = leaves
+
+    def _padding_at(self, leaves: list[ShardedTensor]) -> frozenset[int]:
+        return frozenset(i for i, sh in enumerate(leaves) if id(sh) in self.padding)
 
     def _check(self, sharded_state_dict: dict[str, Any], verifies: _Capture | None) -> str | None:
         """Why the build's tensors cannot be replayed (None: they can)."""
@@ -117,11 +124,13 @@ class _Capture:
             return "the tensors the strategy received are not those of the build"
         for sh in leaves:
             data = sh.data
+            if id(sh) in self.padding:
+                continue
             if not isinstance(data, torch.Tensor) or data.untyped_storage().data_ptr() not in self.live:
-                return (f"{sh.key} is not a view of the model's or optimizer's tensors (the build made it: a gather, "
-                        "a copy, or a distributed optimizer's bucket padding)")
+                return f"{sh.key} is not a view of the model's or optimizer's tensors (the build made it: a copy)"
         if verifies is not None:
-            diff = _tensor_difference(verifies.tensors or [], [(sh, sh.data) for sh in leaves])
+            built = [(sh, sh.data) for sh in leaves]
+            diff = _tensor_difference(verifies.tensors or [], verifies.padding_at, built, self._padding_at(leaves))
             if diff is not None:
                 return f"a replayed save's tensors would have differed from Megatron's build at {diff}"
         return None
@@ -175,21 +184,41 @@ def take(sharded_state_dict: dict[str, Any], reuse: StateDictReuse | None = None
     return False
 
 
-def _tensor_signature(sh: ShardedTensor, data: torch.Tensor) -> tuple:
-    """What a save of ``sh`` writes from where: its place in the checkpoint and the memory its data is read from."""
+def _tensor_signature(sh: ShardedTensor, data: torch.Tensor, padding: bool) -> tuple:
+    """What a save of ``sh`` writes from where: its place in the checkpoint and the memory its data is read from (not
+    for padding, new memory at every build)."""
     return (sh.key, sh.global_shape, sh.global_offset, sh.local_shape, sh.axis_fragmentations, sh.replica_id,
             sh.prepend_axis_num, getattr(sh, "flattened_range", None), getattr(sh, "allow_shape_mismatch", None),
-            sh.dtype, data.data_ptr(), data.shape, data.stride(), data.dtype)
+            sh.dtype, None if padding else data.data_ptr(), data.shape, data.stride(), data.dtype)
 
 
-def _tensor_difference(replayed: list[tuple[ShardedTensor, Any]], built: list[tuple[ShardedTensor, Any]]) -> str | None:
-    """The key of the first tensor a replay would have written otherwise than the build does (None: the same)."""
+def _tensor_difference(replayed: list[tuple[ShardedTensor, Any]], replayed_padding: frozenset[int],
+                       built: list[tuple[ShardedTensor, Any]], built_padding: frozenset[int]) -> str | None:
+    """The key of the first tensor a replay would have written otherwise than the build does (None: the same);
+    ``*_padding``: the places of padding tensors."""
     if len(replayed) != len(built):
         return f"the number of tensors ({len(replayed)} against {len(built)})"
-    for (a, da), (b, db) in zip(replayed, built, strict=True):
-        if _tensor_signature(a, da) != _tensor_signature(b, db):
+    for i, ((a, da), (b, db)) in enumerate(zip(replayed, built, strict=True)):
+        if _tensor_signature(a, da, i in replayed_padding) != _tensor_signature(b, db, i in built_padding):
             return b.key
     return None
+
+
+def _padding(tree: Any) -> frozenset[int]:
+    """The ids of the padding tensors in a build (a distributed optimizer's ``dp_reshardable`` state: a dict of
+    ``torch.empty`` tensors beside ``padding: LocalNonpersistentObject(True)``)."""
+    found: set[int] = set()
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            flag = node.get("padding")
+            if isinstance(flag, LocalNonpersistentObject) and flag.obj is True:
+                found.update(id(v) for v in node.values() if isinstance(v, ShardedTensor))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return frozenset(found)
 
 
 def _leaves(tree: Any) -> Iterator[Any]:
@@ -509,6 +538,7 @@ class StateDictReuse:
         tensor_keys = frozenset(v.key for k in parts for v in _leaves(full[k]) if isinstance(v, ShardedTensor))
         self._capture = self.pending = _Capture(key, extra, parts, skeleton,
                                                 {t.untyped_storage().data_ptr() for t in tensors}, tensor_keys,
+                                                _padding({k: full[k] for k in parts}),
                                                 tuple(k for k in full if isinstance(k, str)),
                                                 verifies=cap if holds else None)
 
