@@ -271,3 +271,62 @@ def _check_case(root: Path, case: str, results: list[dict]) -> None:
 
             common = [torch.load(root / d / "common.pt", weights_only=False) for d in (f"iter_{it}", f"ref_{it}")]
             assert _equal(*common), f"{case}, save {it}: the common state differs from Megatron's build"
+
+
+def test_only_saves_megatron_lm_would_not_validate_go_through_reuse():
+    """``replay.install``'s wrappers, on stand-ins of Megatron-LM's two functions (``megatron.training`` does not import
+    without a GPU): a build is offered to reuse only inside a save under ``--ckpt-assume-constant-structure`` of the
+    torch_dist format, not a local non-persistent one, whose checkpointing context already holds a strategy that
+    resolves a replay's marker (before that Megatron-LM validates the save); loads always build; a build the strategy
+    never took is dropped at the end of the save, also when it raised; a second install moves the saves to its reuse."""
+    import torch
+    from cpuckpt.integrations.megatron import replay
+
+    args = types.SimpleNamespace(ckpt_assume_constant_structure=True, ckpt_format="torch_dist",
+                                 non_persistent_ckpt_type="global")
+    model = [torch.nn.Linear(2, 2)]
+    built = []
+
+    def generate_state_dict(args, model, optimizer, opt_param_scheduler, rng_state, iteration=None):
+        built.append(len(model))
+        return {"iteration": iteration, "model": {"w": model[0].weight.detach()} if model else {}}
+
+    def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, checkpointing_context=None,
+                        non_persistent_ckpt=False, fail=False):
+        module.generate_state_dict(args, model, optimizer, opt_param_scheduler, None, iteration=iteration)
+        if fail:
+            raise RuntimeError("the save failed")
+
+    module = types.SimpleNamespace(generate_state_dict=generate_state_dict, save_checkpoint=save_checkpoint,
+                                   get_args=lambda: args)
+    reuse = replay.StateDictReuse()
+    assert replay.install(module, reuse, importers=[])
+    ours = types.SimpleNamespace(takes_replays=True)
+
+    def offered(context, **kwargs) -> bool:
+        before = reuse.saves
+        module.save_checkpoint(1, model, None, None, checkpointing_context=context, **kwargs)
+        return reuse.saves > before
+
+    assert not offered(None)
+    assert not offered({})  # the first save: Megatron-LM validates it
+    assert not offered({"save_strategy": types.SimpleNamespace()})  # a strategy that would pass the marker on
+    assert offered({"save_strategy": ours})
+    assert offered({"save_strategy": ours}, non_persistent_ckpt=True)  # a global non-persistent one is offered
+    args.non_persistent_ckpt_type = "local"
+    assert not offered({"save_strategy": ours}, non_persistent_ckpt=True)  # nvidia-resiliency-ext's format
+    args.non_persistent_ckpt_type = "global"
+    args.ckpt_assume_constant_structure = False
+    assert not offered({"save_strategy": ours})
+    args.ckpt_assume_constant_structure = True
+    before = reuse.saves
+    module.generate_state_dict(args, model, None, None, None)  # a load's build
+    assert reuse.saves == before
+    with pytest.raises(RuntimeError, match="the save failed"):
+        module.save_checkpoint(2, model, None, None, checkpointing_context={"save_strategy": ours}, fail=True)
+    assert reuse.pending is None, "a build the strategy never took outlived its save"
+    again = replay.StateDictReuse()
+    assert replay.install(module, again, importers=[])
+    before = reuse.saves
+    module.save_checkpoint(3, model, None, None, checkpointing_context={"save_strategy": ours})
+    assert reuse.saves == before and again.saves == 1
