@@ -22,17 +22,21 @@ one. The shapes (read from each package's source):
 - Temporal callers (all versions): a process forked per request, in the caller's ``process``.
 
 A caller of any other shape is named in a warning, once per class, together with what is not watched.
+
+Megatron-LM's modules import some functions by name (``megatron.training.training`` imports ``save_checkpoint`` and
+``load_checkpoint`` from ``megatron.training.checkpointing``): :func:`replace_function` puts a wrapper in every place.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["AsyncQueueShape", "load_planner_kwargs", "make_async_request", "mcore_async_kwargs",
-           "megatron_core_version"]
+           "megatron_core_version", "replace_function"]
 
 logger = logging.getLogger(__name__)
 
@@ -229,3 +233,15 @@ def _warn_once(cls: type, what: str) -> None:
         _warned.add(name)
         logger.warning("cpuckpt: %s is not an async caller of a shape cpuckpt knows (megatron-core 0.16-0.20, "
                        "nvidia-resiliency-ext 0.7): %s", name, what)
+
+
+def replace_function(module: Any, name: str, original: Any, wrapper: Any,
+                     importers: Iterable[Any] | None = None) -> None:
+    """Put ``wrapper`` in place of ``module.<name>`` and of every ``importers``' own ``<name>`` that is ``original``
+    (default importers: every loaded ``megatron.*`` module)."""
+    setattr(module, name, wrapper)
+    if importers is None:
+        importers = [m for n, m in list(sys.modules.items()) if n.startswith("megatron") and m]
+    for m in importers:
+        if m is not module and getattr(m, name, None) is original:
+            setattr(m, name, wrapper)

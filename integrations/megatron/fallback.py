@@ -26,7 +26,6 @@ import functools
 import logging
 import os
 import re
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -37,6 +36,8 @@ from cpuckpt.backend.collectives import checkpoint_group
 from cpuckpt.backend.committed import check_complete, is_complete
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError, UnsafeCheckpointError
 from cpuckpt.paths import local_path
+
+from .compat import replace_function
 
 __all__ = ["TRACKER", "Candidate", "LatestLoad", "fall_back_on_corrupt", "load_latest", "next_candidate"]
 
@@ -268,12 +269,7 @@ def fall_back_on_corrupt(module: Any, importers: list[Any] | None = None) -> boo
         return _retry(module, original, args, kwargs, failed, first)
 
     load_checkpoint._cpuckpt_fallback = True  # type: ignore[attr-defined]
-    module.load_checkpoint = load_checkpoint
-    if importers is None:
-        importers = [m for name, m in list(sys.modules.items()) if name.startswith("megatron") and m]
-    for m in importers:
-        if m is not module and getattr(m, "load_checkpoint", None) is original:
-            m.load_checkpoint = load_checkpoint
+    replace_function(module, "load_checkpoint", original, load_checkpoint, importers)
     return True
 
 

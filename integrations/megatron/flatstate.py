@@ -26,7 +26,19 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 
 from cpuckpt.backend.itemcache import FlatState
 
-__all__ = ["flat_state", "grouped", "to_pyt"]
+__all__ = ["flat_state", "grouped", "leaves", "to_pyt"]
+
+
+def leaves(tree: Any, out: list[Any] | None = None) -> list[Any]:
+    """The values of nested dicts and lists, in order (megatron-core's ``nested_values`` without a generator per
+    level: the strategy and :mod:`.replay` walk ~1,200 values several times per save on the trainer's thread)."""
+    out = [] if out is None else out
+    for v in tree.values() if isinstance(tree, dict) else tree:
+        if isinstance(v, dict | list):
+            leaves(v, out)
+        else:
+            out.append(v)
+    return out
 
 
 def to_pyt(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool) -> dict[str, Any]:

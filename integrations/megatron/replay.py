@@ -37,8 +37,7 @@ import functools
 import inspect
 import logging
 import re
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -53,6 +52,9 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 from cpuckpt.backend.collectives import checkpoint_group
+
+from .compat import replace_function
+from .flatstate import leaves
 
 __all__ = ["MARKER_KEY", "ReplayedTensors", "StateDictReuse", "install", "take"]
 
@@ -96,41 +98,39 @@ class _Capture:
         refused (reuse goes off at the next save, on every rank)."""
         verifies, self.verifies = self.verifies, None
         try:
-            self.refused = self._check(sharded_state_dict, verifies)
+            found = [sh for k in self.parts for sh in _tensors(sharded_state_dict.get(k))]
+            self.refused = self._check(found, verifies)
             if self.refused is None:
                 rest = {k: _compact(_skeleton(sharded_state_dict[k])) for k in self.parts if k in sharded_state_dict}
-                leaves = [v for k in self.parts for v in _leaves(sharded_state_dict.get(k))
-                          if isinstance(v, ShardedTensor)]
         except Exception as e:  # the save goes on as the plain build it is
             self.refused = f"capturing the build's tensors failed: {type(e).__name__}: {e}"
         if self.refused is not None:
             return
-        self.tensors = [(sh, sh.data) for sh in leaves]
-        self.padding_at = self._padding_at(leaves)  # by place: a replay may put a copy of a tensor in its place
+        self.tensors = [(sh, sh.data) for sh in found]
+        self.padding_at = self._padding_at(found)  # by place: a replay may put a copy of a tensor in its place
         for k, v in rest.items():
             if v is _DROPPED:
                 del sharded_state_dict[k]
             else:
                 sharded_state_dict[k] = v
-        sharded_state_dict[MARKER_KEY] = leaves
+        sharded_state_dict[MARKER_KEY] = found
 
-    def _padding_at(self, leaves: list[ShardedTensor]) -> frozenset[int]:
-        return frozenset(i for i, sh in enumerate(leaves) if id(sh) in self.padding)
+    def _padding_at(self, found: list[ShardedTensor]) -> frozenset[int]:
+        return frozenset(i for i, sh in enumerate(found) if id(sh) in self.padding)
 
-    def _check(self, sharded_state_dict: dict[str, Any], verifies: _Capture | None) -> str | None:
-        """Why the build's tensors cannot be replayed (None: they can)."""
-        leaves = [v for k in self.parts for v in _leaves(sharded_state_dict.get(k)) if isinstance(v, ShardedTensor)]
-        if not self.tensor_keys <= {sh.key for sh in leaves}:
+    def _check(self, found: list[ShardedTensor], verifies: _Capture | None) -> str | None:
+        """Why the build's tensors the strategy received (``found``) cannot be replayed (None: they can)."""
+        if not self.tensor_keys <= {sh.key for sh in found}:
             return "the tensors the strategy received are not those of the build"
-        for sh in leaves:
+        for sh in found:
             data = sh.data
             if id(sh) in self.padding:
                 continue
             if not isinstance(data, torch.Tensor) or data.untyped_storage().data_ptr() not in self.live:
                 return f"{sh.key} is not a view of the model's or optimizer's tensors (the build made it: a copy)"
         if verifies is not None:
-            built = [(sh, sh.data) for sh in leaves]
-            diff = _tensor_difference(verifies.tensors or [], verifies.padding_at, built, self._padding_at(leaves))
+            built = [(sh, sh.data) for sh in found]
+            diff = _tensor_difference(verifies.tensors or [], verifies.padding_at, built, self._padding_at(found))
             if diff is not None:
                 return f"a replayed save's tensors would have differed from Megatron's build at {diff}"
         return None
@@ -221,15 +221,11 @@ def _padding(tree: Any) -> frozenset[int]:
     return frozenset(found)
 
 
-def _leaves(tree: Any) -> Iterator[Any]:
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, list):
-        for v in tree:
-            yield from _leaves(v)
-    elif tree is not None:
-        yield tree
+def _tensors(tree: Any) -> list[ShardedTensor]:
+    """The ``ShardedTensor``s of a part of a state dict (nested dicts and lists), in order."""
+    if isinstance(tree, ShardedTensor):
+        return [tree]
+    return [v for v in leaves(tree) if isinstance(v, ShardedTensor)] if isinstance(tree, dict | list) else []
 
 
 def _skeleton(tree: Any) -> Any:
@@ -535,7 +531,7 @@ class StateDictReuse:
         if holds:
             self._changes = 0
         self._verified, self._since_full = holds, 0
-        tensor_keys = frozenset(v.key for k in parts for v in _leaves(full[k]) if isinstance(v, ShardedTensor))
+        tensor_keys = frozenset(sh.key for k in parts for sh in _tensors(full[k]))
         self._capture = self.pending = _Capture(key, extra, parts, skeleton,
                                                 {t.untyped_storage().data_ptr() for t in tensors}, tensor_keys,
                                                 _padding({k: full[k] for k in parts}),
@@ -638,10 +634,5 @@ def install(module: Any, reuse: StateDictReuse, importers: list[Any] | None = No
     holder = [reuse]
     generate_state_dict._cpuckpt_reuse = holder  # type: ignore[attr-defined]
     module.generate_state_dict = generate_state_dict
-    module.save_checkpoint = save_checkpoint
-    if importers is None:
-        importers = [m for name, m in list(sys.modules.items()) if name.startswith("megatron") and m]
-    for m in importers:
-        if m is not module and getattr(m, "save_checkpoint", None) is save:
-            m.save_checkpoint = save_checkpoint
+    replace_function(module, "save_checkpoint", save, save_checkpoint, importers)
     return True

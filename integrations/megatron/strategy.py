@@ -45,7 +45,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 
 from . import compat, deferred, prepare, replay
-from .flatstate import flat_state, to_pyt
+from .flatstate import flat_state, leaves, to_pyt
 from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, PROBE_FAILED, URGENT_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
@@ -126,22 +126,10 @@ class _Started:
         return self._handle
 
 
-def _leaves(tree: Any, out: list[Any] | None = None) -> list[Any]:
-    """The values of nested dicts and lists, in order (megatron-core's ``nested_values`` without a generator per
-    level: it runs twice per save on the trainer's thread, over ~1,200 values)."""
-    out = [] if out is None else out
-    for v in tree.values() if isinstance(tree, dict) else tree:
-        if isinstance(v, dict | list):
-            _leaves(v, out)
-        else:
-            out.append(v)
-    return out
-
-
 def _snapshot_eager(sharded_state_dict: dict[str, Any]) -> int:
     """Replace the data of saved tensors written before the optimizer step by GPU copies (stream-ordered)."""
     n = 0
-    for sh in _leaves(sharded_state_dict):
+    for sh in leaves(sharded_state_dict):
         if isinstance(sh, ShardedTensor) and sh.key.endswith(EAGER_SUFFIXES) and sh.data is not None:
             sh.data = sh.data.detach().clone()  # on the trainer's stream: the save's copies wait for it
             n += 1
@@ -155,7 +143,7 @@ def _freeze_objects(sharded_state_dict: dict[str, Any]) -> int:
     immutable values are kept as they are, and so are objects holding device tensors (a distributed optimizer's
     per-bucket state: only its step writes them, and a copy would double them in device memory)."""
     n = 0
-    for sh in _leaves(sharded_state_dict):
+    for sh in leaves(sharded_state_dict):
         if isinstance(sh, ShardedObject) and not isinstance(sh.data, _IMMUTABLE) and not _on_device(sh.data):
             try:
                 sh.data = _private_copy(sh.data, {})
