@@ -191,9 +191,9 @@ class MemoryConfig:
                                 "from step - 1 or newer (at most one step lost; needs slots >= 2). At most "
                                 "max(1, slots - 1). The DeepSpeed adapter always waits for the previous commit; "
                                 "with Megatron-LM (a queue cpuckpt watches) setting 1 also finalizes each memory save "
-                                "at the next iteration's top, so its tracker names N before N + 1 is logged, except "
-                                "while a persistent save's persist is ahead in the queue or Megatron-LM's logits saver "
-                                "carries the save's finalize (docs/ARCHITECTURE.md 6b).",
+                                "before the next iteration's log line, so its tracker names N before N + 1 is logged, "
+                                "except while a persistent save's persist is ahead in the queue or Megatron-LM's "
+                                "logits saver carries the save's finalize (docs/ARCHITECTURE.md 6b).",
                                 min=0, max=63)
     persist_every: int = _opt(1, "Persist every K-th memory checkpoint to the durable root (1: all; 0: none).",
                               min=0)

@@ -41,9 +41,11 @@ watchdog does, in queue order: a cpuckpt call at the head is finalized (its fina
 too, run in order) once its probe says ended on every rank (one all-reduce on cpuckpt's gloo group, no device
 synchronization); runs of Megatron's own calls go to megatron-core's finalize, shown only that run. So a
 save every iteration costs no process round trip, no pickled request and no device-synchronizing poll.
-A probe marked :data:`URGENT_MARK` (the memory tier's ``max_uncommitted: 1``) is finalized at the queue's next
-look (Megatron-LM: the top of the next iteration), which then waits for its commit like a blocking finalize (with
-the agreed timeout), so Megatron-LM's tracker names it before the next iteration is logged.
+A probe marked :data:`URGENT_MARK` (the memory tier's ``max_uncommitted: 1``) is finalized before the next
+iteration is logged, waiting for its commit like a blocking finalize (with the agreed timeout), so Megatron-LM's
+tracker names it by then: at the look the hook makes before Megatron-LM's ``training_log``
+(:func:`finalize_before_log`), where the save's copies have had the whole next iteration to run; a queue that no log
+has looked at (megatron-core driven by its own loop) waits at its next look instead (the top of the next iteration).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from .settings import MegatronOptions, resolve_options
 from .worker import Channel, wait_for_commit
 
 __all__ = ["DIR_MARK", "DONE_MARK", "FINALIZE_MARK", "PROBE_FAILED", "URGENT_MARK", "WorkerDiedError",
-           "finalize_saves_under", "is_watched", "watch_async_queue"]
+           "finalize_before_log", "finalize_saves_under", "is_watched", "watch_async_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +130,7 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
         if blocking:
             PACER.drain()  # the trainer waits now, making no ticks: the copies of pending saves go at once
             return dog.finalize(True, no_dist)
-        done = dog.finalize(False, no_dist)  # what has ended; then urgent saves (URGENT_MARK) now at the head
-        urgent = dog.urgent_until()
-        if urgent is None:
-            return done
-        PACER.drain()
-        return done + dog.finalize(True, no_dist, urgent)  # waiting for their commit
+        return dog.look(no_dist, urgent=not dog.logs_look)  # urgent saves wait for the log's look where one comes
 
     setattr(maybe_finalize_async_calls, _WATCHED, True)
     queue.maybe_finalize_async_calls = maybe_finalize_async_calls
@@ -155,6 +152,21 @@ def is_watched(queue: Any) -> bool:
     """Whether ``queue`` is watched (:func:`watch_async_queue`): only then may a call carry no ``async_fn``
     (:data:`DONE_MARK`): an unwatched persistent caller would wait forever for its worker to report it."""
     return getattr(getattr(queue, "maybe_finalize_async_calls", None), _WATCHED, False)
+
+
+def finalize_before_log(queue: Any) -> list[int]:
+    """The look before an iteration's log line (Megatron-LM's ``training_log``, wrapped by the hook), collective:
+    finalize every save that has ended, then wait for the commits of the urgent ones at the head of the queue
+    (:data:`URGENT_MARK`) and finalize them; returns the finalized call ids. The save of N started after the log of N,
+    so by the log of N + 1 its copies had the whole iteration N + 1 to run (at the top of N + 1 they had not begun):
+    Megatron-LM's tracker names N before N + 1 is logged, at the cost of what the commit has left then. Once a log
+    has looked, the tops of iterations no longer wait for urgent saves (they still finalize what has ended). A
+    queue that is not watched is left alone."""
+    dog = getattr(queue, "_cpuckpt_dog", None)
+    if dog is None:
+        return []
+    dog.logs_look = True
+    return dog.look(False, urgent=True) if queue.async_calls else []
 
 
 def _done_probe(call: Any) -> Callable[[], bool] | None:
@@ -223,6 +235,7 @@ class _Watchdog:
         self.original = original
         self.timeout_s = timeout_s
         self.options = options
+        self.logs_look = False  # an iteration's log looked (finalize_before_log): urgent saves wait there, not at a top
 
     def finalize(self, blocking: bool, no_dist: bool, until: int = 0) -> list[int]:
         """Megatron's finalize with the dead-worker check; blocking: until at most ``until`` calls are pending."""
@@ -239,6 +252,17 @@ class _Watchdog:
             if not blocking or len(self.queue.async_calls) <= until:
                 return done
             time.sleep(POLL_S)
+
+    def look(self, no_dist: bool, urgent: bool) -> list[int]:
+        """A non-blocking look: finalize what has ended; with ``urgent``, then wait for the commits of the urgent
+        saves (:data:`URGENT_MARK`) at the head of the queue and finalize them too."""
+        done = self.finalize(False, no_dist)
+        until = self.urgent_until() if urgent else None
+        if until is None:
+            return done
+        deferred.start_all()  # a recorded save's call cannot complete before it starts
+        PACER.drain()  # nor before its copies are enqueued (the trainer makes no ticks while it waits)
+        return done + self.finalize(True, no_dist, until)
 
     def urgent_until(self) -> int | None:
         """How many calls may stay pending once the urgent ones (:data:`URGENT_MARK`) at the head of the queue are

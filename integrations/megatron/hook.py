@@ -30,7 +30,9 @@ format with other storage. :func:`install`:
    ``maybe_finalize_async_save(terminate=True)`` (the end of training) closes the tier (after Megatron-LM's
    final save when one follows: :meth:`Training.end_of_training`), and the tier is
    made when ``setup_model_and_optimizer`` returns, every free slot's image reserved, mapped and pinned
-   then for the shard the optimizer will save (no first save pays it while the job trains).
+   then for the shard the optimizer will save (no first save pays it while the job trains), and
+   ``training_log`` first finalizes the memory saves that have committed (:func:`finalize_before_log`), so that
+   Megatron-LM's tracker names the previous iteration before an iteration is logged.
 
 5. with ``megatron: {ordering: optimizer}``, wraps the ``step`` of every ``megatron.core.optimizer``
    class (:func:`order_optimizer_steps`): async saves return once their device-to-host copies are
@@ -77,12 +79,13 @@ from typing import TYPE_CHECKING, Any
 from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError
 
+from .compat import replace_function
 from .settings import MegatronOptions, split_config
 
 if TYPE_CHECKING:
     from .memory import MegatronMemory
 
-__all__ = ["FORMAT", "Selection", "Training", "install", "order_optimizer_steps", "rewrite_argv",
+__all__ = ["FORMAT", "Selection", "Training", "finalize_before_log", "install", "order_optimizer_steps", "rewrite_argv",
            "watch_megatron_lm_queue"]
 
 logger = logging.getLogger(__name__)
@@ -263,6 +266,7 @@ def patch_training(cfg: Config, module: Any = None, options: MegatronOptions | N
     if options.memory_tier:
         _route_to_memory_tier(run, module)
         _reserve_slots_after_setup(run)
+        finalize_before_log()
     _finalize_before_cleanup(module, memory_of=run.memory if options.memory_tier else None)
     validate_structure_once(module)
     if options.reuse_state_dict:
@@ -565,6 +569,43 @@ def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue,
 
     cleanup_old_non_persistent_checkpoint._cpuckpt_finalizing = True  # type: ignore[attr-defined]
     module.cleanup_old_non_persistent_checkpoint = cleanup_old_non_persistent_checkpoint
+
+
+def finalize_before_log(module: Any = None, queue_of: Callable[[], Any] = _megatron_lm_queue) -> bool:
+    """Make Megatron-LM's ``training_log`` (``module``: ``megatron.training.training``) first finalize the memory
+    saves that have ended and wait for the urgent ones (:func:`.guard.finalize_before_log`), so that the tracker names
+    iteration N before N + 1 is logged (with ``memory.max_uncommitted: 1``: always; otherwise where the commit of N
+    ended by then); returns whether it wrapped it. Every rank calls ``training_log`` once per iteration, after the
+    step and before that iteration's save (a collective point: the look all-reduces on cpuckpt's gloo group). Before,
+    the tops of iterations were the only looks: the save of N was finalized at the top of N + 2, or, urgent, the top
+    of N + 1 waited for all of its copies, which only began there."""
+    import functools
+
+    if module is None:
+        try:
+            import megatron.training.training as module
+        except ImportError:
+            return False
+    original = getattr(module, "training_log", None)
+    if original is None:
+        logger.warning("cpuckpt: %s has no training_log(): memory saves are finalized at the tops of iterations only "
+                       "(one iteration later)", getattr(module, "__name__", module))
+        return False
+    if getattr(original, "_cpuckpt_looks", False):
+        return True
+
+    @functools.wraps(original)
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        from .guard import finalize_before_log as look
+
+        queue = queue_of()
+        if queue is not None:
+            look(queue)
+        return original(*args, **kwargs)
+
+    training_log._cpuckpt_looks = True  # type: ignore[attr-defined]
+    replace_function(module, "training_log", original, training_log)
+    return True
 
 
 _QUEUE_BUILDERS = ("_get_async_calls_queue", "init_persistent_async_worker")

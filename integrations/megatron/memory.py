@@ -154,11 +154,12 @@ class MegatronMemory:
 
     @property
     def finalize_at_next_look(self) -> bool:
-        """Whether each memory save is finalized at the queue's next look, waiting for its commit
-        (``memory.max_uncommitted: 1``, on a watched queue): Megatron-LM's non-blocking finalize at the top of
-        iteration N + 1 then writes D's tracker for N before N + 1 is logged, so a kill after the log of N + 1
-        restarts from N (one iteration lost) — not while a persistent save's call is ahead in the queue (its
-        persist is not waited for at a top), nor when Megatron-LM's logits saver moved the finalize functions."""
+        """Whether each memory save is finalized before the next iteration is logged, waiting for its commit
+        (``memory.max_uncommitted: 1``, on a watched queue): the look before Megatron-LM's ``training_log`` of
+        N + 1 (:func:`.guard.finalize_before_log`; without one, its finalize at the top of N + 1) writes D's tracker
+        for N, so a kill after the log of N + 1 restarts from N (one iteration lost) — not while a persistent save's
+        call is ahead in the queue (its persist is not waited for), nor when Megatron-LM's logits saver moved the
+        finalize functions."""
         return self.config.memory.max_uncommitted == 1  # as configured: 0 (slots - 1) is 1 too with 2 slots
 
     def track(self) -> list[bool]:

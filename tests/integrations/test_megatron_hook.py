@@ -305,3 +305,40 @@ def test_freeze_gc_freezes_what_setup_left_alive_once():
         gc.unfreeze()
     assert split_config({"megatron": {"freeze_gc": True}})[1].freeze_gc and not split_config(None)[1].freeze_gc
     assert not freeze_collector_after_setup(types.ModuleType("training"))  # no setup_model_and_optimizer: a warning
+
+
+def test_the_look_before_the_log_wraps_training_log_once_and_leaves_unwatched_queues_alone():
+    """With the memory tier, Megatron-LM's ``training_log`` first looks at the async queue (the dist test
+    test_megatron_memory.py::test_with_max_uncommitted_1... shows what it finalizes); installed twice it wraps once,
+    the log's own arguments and result pass through, a queue cpuckpt does not watch is not touched (nothing of ours
+    finalizes there), and a Megatron-LM without ``training_log`` gets a warning, not an error."""
+    import collections
+    import types
+
+    from cpuckpt.integrations.megatron.hook import finalize_before_log
+
+    training = types.ModuleType("training")  # stands in for megatron.training.training
+    logged: list[tuple] = []
+
+    def training_log(*args, **kwargs):
+        logged.append((args, kwargs))
+        return "report_memory_flag"
+
+    training.training_log = training_log
+
+    class Unwatched:  # megatron-core's queue shape, not watched
+        def __init__(self) -> None:
+            self.async_calls = collections.deque(["a pending call"])
+
+        def maybe_finalize_async_calls(self, blocking=False, no_dist=False):
+            raise AssertionError("an unwatched queue is not finalized by the look")
+
+    queue = Unwatched()
+    assert finalize_before_log(training, queue_of=lambda: queue)
+    assert finalize_before_log(training, queue_of=lambda: queue)
+    assert training.training_log.__wrapped__ is training_log  # wrapped once
+    assert training.training_log(1, 2, iteration=3) == "report_memory_flag"
+    assert logged == [((1, 2), {"iteration": 3})] and list(queue.async_calls) == ["a pending call"]
+    queue = None  # no queue yet (before the first async save)
+    assert training.training_log(4) == "report_memory_flag"
+    assert not finalize_before_log(types.ModuleType("training"))

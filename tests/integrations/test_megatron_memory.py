@@ -437,11 +437,17 @@ def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, t
     assert logits == {"order": [1, 2, (3, True), 4, 5], "np_tracker": 5, "save_tracker": 3, "pending": 0}, logits
 
 
-def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int) -> dict:
+def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_looks: bool = False) -> dict:
     """Megatron-LM's loop with a memory save every iteration, its commits slowed (0.3 s): the non-blocking finalize
     at the top of each iteration, the log, then the save. What D's tracker names at each log is what a whole-job
-    kill right after that log leaves for the restart (Megatron-LM loads the newer of the two trackers)."""
+    kill right after that log leaves for the restart (Megatron-LM loads the newer of the two trackers). With
+    ``log_looks`` the log is a ``training_log`` wrapped by the hook (:func:`.hook.finalize_before_log`, in a module
+    that stands for ``megatron.training.training``, whose ``train`` calls it by name), as Megatron-LM's is; then also
+    what the tracker named right after the top's finalize."""
+    import types
+
     import torch.distributed as dist
+    from cpuckpt.integrations.megatron.hook import finalize_before_log
     from megatron.core import dist_checkpointing
 
     from cpuckpt.testing import faults
@@ -449,12 +455,23 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int) -> di
     _, _, device = _setup()
     root_p = Path(root)
     queue, router, strategy = _watched(root_p, slots=slots, max_uncommitted=max_uncommitted)
+    training = types.ModuleType("training")
+
+    def training_log(it: int) -> int | None:  # Megatron-LM logs the iteration (then saves it)
+        dist.barrier()  # rank 0's tracker write (in the look) is visible to every rank after it
+        return _read_tracker(router.np_dir)
+
+    training.training_log = training_log
+    if log_looks:
+        assert finalize_before_log(training, queue_of=lambda: queue)
+        assert training.training_log is not training_log
     faults.install("before-rename:.metadata=sleep:0.3")
-    at_log = {}
+    at_log, at_top = {}, {}
     for it in range(1, 7):
         queue.maybe_finalize_async_calls(blocking=False)  # the top of the iteration
         dist.barrier()  # the iteration's collectives: rank 0's tracker write is visible to every rank after it
-        at_log[it] = named = _read_tracker(router.np_dir)  # Megatron-LM logs the iteration, then saves it
+        at_top[it] = _read_tracker(router.np_dir)
+        at_log[it] = named = training.training_log(it)
         if it == 6 and named is not None:  # what a kill right here restarts from loads, with its own values
             _check(dist_checkpointing.load(_template(device), str(router.np_dir / f"iter_{named:07d}")), named, device)
         _megatron_save(strategy, queue, router, router.np_dir, it, device)
@@ -462,24 +479,31 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int) -> di
     faults.uninstall()
     queue.close()
     router.close()
-    return at_log
+    return {"log": at_log, "top": at_top}
 
 
-def rank_trackers_both_ways(root: str) -> list[dict]:
-    """``max_uncommitted: 1`` (3 slots), then the default (2 slots), in one launch of the ranks."""
-    return [rank_trackers_at_each_log(str(Path(root) / name), k, slots) for name, k, slots in (("one", 1, 3),
-                                                                                                ("default", 0, 2))]
+def rank_trackers_three_ways(root: str) -> list[dict]:
+    """``max_uncommitted: 1`` (3 slots) with no log look, then with the hook's look before Megatron-LM's log, then the
+    default (2 slots) with that look, in one launch of the ranks."""
+    return [rank_trackers_at_each_log(str(Path(root) / name), k, slots, log_looks)
+            for name, k, slots, log_looks in (("top", 1, 3, False), ("log", 1, 3, True), ("default", 0, 2, True))]
 
 
 def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_1(run_ranks, tmp_path):
-    res = run_ranks(2, rank_trackers_both_ways, str(tmp_path), timeout_s=240, env=ENV)
+    res = run_ranks(2, rank_trackers_three_ways, str(tmp_path), timeout_s=240, env=ENV)
     assert res[0] == res[1], res
-    one, default = res[0]
-    assert one == {it: it - 1 if it > 1 else None for it in range(1, 7)}, one
-    # the control, the default (2 slots: one save in flight, as with 1, but not asked for): the top of an iteration
-    # finalizes what has committed by then, and a slowed commit has not: the tracker lags two or more
-    assert all(n is None or n <= it - 2 for it, n in default.items()), default
-    assert default[6] is not None, default  # memory checkpoints were finalized all the same, later
+    top, log, default = res[0]
+    one_behind = {it: it - 1 if it > 1 else None for it in range(1, 7)}
+    # megatron-core driven by its own loop (no log look): the top of N + 1 waits for the commit of N
+    assert top["log"] == one_behind and top["top"] == one_behind, top
+    # Megatron-LM's: the look before the log waits for it instead, after the iteration's work; the top did not wait
+    # (the slowed commit of N had not ended there, so the tracker still named N - 1 or older)
+    assert log["log"] == one_behind, log
+    assert all(n is None or n <= it - 2 for it, n in log["top"].items()), log
+    # the control, the default (2 slots: one save in flight, as with 1, but not asked for): the looks finalize what
+    # has committed by then, and a slowed commit has not: the tracker lags two or more
+    assert all(n is None or n <= it - 2 for it, n in default["log"].items()), default
+    assert default["log"][6] is not None, default  # memory checkpoints were finalized all the same, later
 
 
 def rank_logits_requests_carry_the_finalize(root: str) -> dict:
