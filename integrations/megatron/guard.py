@@ -81,7 +81,8 @@ POLL_S = 0.01
 _WATCHED = "_cpuckpt_watchdog"
 FINALIZE_MARK = "cpuckpt_finalize"  # on cpuckpt's finalize function: called (abandoned=True) for a dropped call too
 DONE_MARK = "cpuckpt_done"  # on the finalize function of a call the trainer completes: its done probe (see above)
-URGENT_MARK = "cpuckpt_urgent"  # on such a function: finalize it at the queue's next look, waiting for its commit
+URGENT_MARK = "cpuckpt_urgent"  # on such a function: finalize it before the next log line, waiting for its commit
+_LOG_LOOKS = [False]  # a log looked in this process (finalize_before_log): urgent saves wait there, not at a top
 PROBE_FAILED = 2  # a probe's answer (truthy): ended here in failure; the call is finalized (and raises) everywhere
 
 
@@ -130,7 +131,7 @@ def watch_async_queue(queue: Any, timeout_s: float = 600.0, *,
         if blocking:
             PACER.drain()  # the trainer waits now, making no ticks: the copies of pending saves go at once
             return dog.finalize(True, no_dist)
-        return dog.look(no_dist, urgent=not dog.logs_look)  # urgent saves wait for the log's look where one comes
+        return dog.look(no_dist, urgent=not _LOG_LOOKS[0])  # urgent saves wait for the log's look where one comes
 
     setattr(maybe_finalize_async_calls, _WATCHED, True)
     queue.maybe_finalize_async_calls = maybe_finalize_async_calls
@@ -158,15 +159,15 @@ def finalize_before_log(queue: Any) -> list[int]:
     """The look before an iteration's log line (Megatron-LM's ``training_log``, wrapped by the hook), collective:
     finalize every save that has ended, then wait for the commits of the urgent ones at the head of the queue
     (:data:`URGENT_MARK`) and finalize them; returns the finalized call ids. The save of N started after the log of N,
-    so by the log of N + 1 its copies had the whole iteration N + 1 to run (at the top of N + 1 they had not begun):
+    so by the log of N + 1 its commit had the whole iteration N + 1 to end (at the top of N + 1 it had just begun):
     Megatron-LM's tracker names N before N + 1 is logged, at the cost of what the commit has left then. Once a log
-    has looked, the tops of iterations no longer wait for urgent saves (they still finalize what has ended). A
-    queue that is not watched is left alone."""
+    has looked in this process (a queue or not), the tops of iterations no longer wait for urgent saves (they still
+    finalize what has ended). A queue that is not watched is left alone."""
+    _LOG_LOOKS[0] = True  # for the process: also where no queue exists yet (Megatron-LM makes it at the first save)
     dog = getattr(queue, "_cpuckpt_dog", None)
-    if dog is None:
+    if dog is None or not queue.async_calls:
         return []
-    dog.logs_look = True
-    return dog.look(False, urgent=True) if queue.async_calls else []
+    return dog.look(False, urgent=True)
 
 
 def _done_probe(call: Any) -> Callable[[], bool] | None:
@@ -235,7 +236,6 @@ class _Watchdog:
         self.original = original
         self.timeout_s = timeout_s
         self.options = options
-        self.logs_look = False  # an iteration's log looked (finalize_before_log): urgent saves wait there, not at a top
 
     def finalize(self, blocking: bool, no_dist: bool, until: int = 0) -> list[int]:
         """Megatron's finalize with the dead-worker check; blocking: until at most ``until`` calls are pending."""

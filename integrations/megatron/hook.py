@@ -576,9 +576,9 @@ def finalize_before_log(module: Any = None, queue_of: Callable[[], Any] = _megat
     saves that have ended and wait for the urgent ones (:func:`.guard.finalize_before_log`), so that the tracker names
     iteration N before N + 1 is logged (with ``memory.max_uncommitted: 1``: always; otherwise where the commit of N
     ended by then); returns whether it wrapped it. Every rank calls ``training_log`` once per iteration, after the
-    step and before that iteration's save (a collective point: the look all-reduces on cpuckpt's gloo group). Before,
-    the tops of iterations were the only looks: the save of N was finalized at the top of N + 2, or, urgent, the top
-    of N + 1 waited for all of its copies, which only began there."""
+    step and before that iteration's regular save (a collective point: the look all-reduces on cpuckpt's gloo group).
+    Before, the tops of iterations were the only looks: the save of N was finalized at the top of N + 2, or, urgent,
+    the top of N + 1 waited for its whole commit (with ``ordering: optimizer``, for all of its copies)."""
     import functools
 
     if module is None:

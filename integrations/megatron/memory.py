@@ -153,7 +153,7 @@ class MegatronMemory:
         return self.queue_of is not None and is_watched(self.queue_of())
 
     @property
-    def finalize_at_next_look(self) -> bool:
+    def finalize_before_next_log(self) -> bool:
         """Whether each memory save is finalized before the next iteration is logged, waiting for its commit
         (``memory.max_uncommitted: 1``, on a watched queue): the look before Megatron-LM's ``training_log`` of
         N + 1 (:func:`.guard.finalize_before_log`; without one, its finalize at the top of N + 1) writes D's tracker

@@ -463,7 +463,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         """The ``AsyncRequest`` of a memory-tier save: no ``async_fn`` (no worker takes part); its finalize function
         carries the done probe the queue's watchdog finalizes it by (:data:`.guard.DONE_MARK`: the memory commit
         ended, and with ``watch``, a persistent save's, the writer's persist too; a memory save's is urgent with
-        :attr:`.MegatronMemory.finalize_at_next_look`), and raises the save's error, the same on every rank (the
+        :attr:`.MegatronMemory.finalize_before_next_log`), and raises the save's error, the same on every rank (the
         committer agreed it; every rank's persist outcome is gathered), before Megatron's finalize functions after
         it run (``metadata.json``, the tracker: a persistent save's only once every rank's files are durable)."""
         timeout_s = self.config.timeout_s
@@ -489,7 +489,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         setattr(finalize_fn, FINALIZE_MARK, True)
         setattr(finalize_fn, DIR_MARK, str(checkpoint_dir))
         probe = functools.partial(ended)  # its own object: it may carry URGENT_MARK
-        if self.memory.finalize_at_next_look and route.kind == "memory":
+        if self.memory.finalize_before_next_log and route.kind == "memory":
             setattr(probe, URGENT_MARK, True)
         setattr(finalize_fn, DONE_MARK, probe)
         try:

@@ -307,7 +307,7 @@ def test_freeze_gc_freezes_what_setup_left_alive_once():
     assert not freeze_collector_after_setup(types.ModuleType("training"))  # no setup_model_and_optimizer: a warning
 
 
-def test_the_look_before_the_log_wraps_training_log_once_and_leaves_unwatched_queues_alone():
+def test_the_look_before_the_log_wraps_training_log_once_and_leaves_unwatched_queues_alone(caplog):
     """With the memory tier, Megatron-LM's ``training_log`` first looks at the async queue (the dist test
     test_megatron_memory.py::test_with_max_uncommitted_1... shows what it finalizes); installed twice it wraps once,
     the log's own arguments and result pass through, a queue cpuckpt does not watch is not touched (nothing of ours
@@ -341,4 +341,6 @@ def test_the_look_before_the_log_wraps_training_log_once_and_leaves_unwatched_qu
     assert logged == [((1, 2), {"iteration": 3})] and list(queue.async_calls) == ["a pending call"]
     queue = None  # no queue yet (before the first async save)
     assert training.training_log(4) == "report_memory_flag"
-    assert not finalize_before_log(types.ModuleType("training"))
+    with caplog.at_level("WARNING", logger="cpuckpt"):
+        assert not finalize_before_log(types.ModuleType("training"))
+    assert "has no training_log()" in caplog.text

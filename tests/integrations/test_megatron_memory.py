@@ -437,13 +437,15 @@ def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, t
     assert logits == {"order": [1, 2, (3, True), 4, 5], "np_tracker": 5, "save_tracker": 3, "pending": 0}, logits
 
 
-def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_looks: bool = False) -> dict:
+def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_looks: bool = False,
+                              work_s: float = 0.0) -> dict:
     """Megatron-LM's loop with a memory save every iteration, its commits slowed (0.3 s): the non-blocking finalize
     at the top of each iteration, the log, then the save. What D's tracker names at each log is what a whole-job
     kill right after that log leaves for the restart (Megatron-LM loads the newer of the two trackers). With
     ``log_looks`` the log is a ``training_log`` wrapped by the hook (:func:`.hook.finalize_before_log`, in a module
     that stands for ``megatron.training.training``, whose ``train`` calls it by name), as Megatron-LM's is; then also
-    what the tracker named right after the top's finalize."""
+    what the tracker named right after the top's finalize. ``work_s``: the iteration's work between the top and the
+    log."""
     import types
 
     import torch.distributed as dist
@@ -471,6 +473,7 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_l
         queue.maybe_finalize_async_calls(blocking=False)  # the top of the iteration
         dist.barrier()  # the iteration's collectives: rank 0's tracker write is visible to every rank after it
         at_top[it] = _read_tracker(router.np_dir)
+        time.sleep(work_s)  # forward, backward, step
         at_log[it] = named = training.training_log(it)
         if it == 6 and named is not None:  # what a kill right here restarts from loads, with its own values
             _check(dist_checkpointing.load(_template(device), str(router.np_dir / f"iter_{named:07d}")), named, device)
@@ -482,17 +485,19 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_l
     return {"log": at_log, "top": at_top}
 
 
-def rank_trackers_three_ways(root: str) -> list[dict]:
+def rank_trackers_four_ways(root: str) -> list[dict]:
     """``max_uncommitted: 1`` (3 slots) with no log look, then with the hook's look before Megatron-LM's log, then the
-    default (2 slots) with that look, in one launch of the ranks."""
-    return [rank_trackers_at_each_log(str(Path(root) / name), k, slots, log_looks)
-            for name, k, slots, log_looks in (("top", 1, 3, False), ("log", 1, 3, True), ("default", 0, 2, True))]
+    default (2 slots) with that look, with no work in the iteration and with work that outlasts the slowed commit,
+    in one launch of the ranks."""
+    return [rank_trackers_at_each_log(str(Path(root) / name), k, slots, log_looks, work_s)
+            for name, k, slots, log_looks, work_s in (("top", 1, 3, False, 0.0), ("log", 1, 3, True, 0.0),
+                                                      ("default", 0, 2, True, 0.0), ("worked", 0, 2, True, 0.5))]
 
 
 def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_1(run_ranks, tmp_path):
-    res = run_ranks(2, rank_trackers_three_ways, str(tmp_path), timeout_s=240, env=ENV)
+    res = run_ranks(2, rank_trackers_four_ways, str(tmp_path), timeout_s=240, env=ENV)
     assert res[0] == res[1], res
-    top, log, default = res[0]
+    top, log, default, worked = res[0]
     one_behind = {it: it - 1 if it > 1 else None for it in range(1, 7)}
     # megatron-core driven by its own loop (no log look): the top of N + 1 waits for the commit of N
     assert top["log"] == one_behind and top["top"] == one_behind, top
@@ -504,6 +509,9 @@ def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_
     # has committed by then, and a slowed commit has not: the tracker lags two or more
     assert all(n is None or n <= it - 2 for it, n in default["log"].items()), default
     assert default["log"][6] is not None, default  # memory checkpoints were finalized all the same, later
+    # the default where the iteration's work outlasts the commit (0.5 s against 0.3): the look before the log
+    # finalizes the save of N, committed by then, without being asked to wait: one iteration lost here too
+    assert worked["log"] == one_behind, worked
 
 
 def rank_logits_requests_carry_the_finalize(root: str) -> dict:
