@@ -48,6 +48,7 @@ PER_PROCESS = {
     ("integrations/megatron/compat.py", "_warned"): "a version difference is warned about once per process",
     ("integrations/megatron/deferred.py", "_STARTS"): "start points are process-wide (the queue, any step)",
     ("integrations/megatron/deferred.py", "_ENABLED"): "a watched queue exists in this process",
+    ("integrations/megatron/guard.py", "_LOG_LOOKS"): "a log looked in this process (its queue may not exist yet)",
     ("integrations/megatron/fallback.py", "_LOADING"): "Megatron-LM's load_checkpoint is one function per process",
     ("integrations/megatron/prepare.py", "_PREPARER"): "it prepares the one pool, from patched optimizer classes",
     ("integrations/megatron/prepare.py", "_DEPTH"): "per thread: nested wrapped optimizer steps",
