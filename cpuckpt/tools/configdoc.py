@@ -9,6 +9,7 @@ Regenerate after changing a config field::
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 import typing
@@ -129,10 +130,13 @@ def config_markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m cpuckpt.tools.configdoc [OUT.md]``: write the reference to OUT.md, or print it."""
-    args = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(prog="python -m cpuckpt.tools.configdoc",
+                                 description="Write the configuration reference (docs/CONFIG.md) from the code.")
+    ap.add_argument("out", nargs="?", help="the Markdown file to write (default: standard output)")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     text = config_markdown()
-    if args:
-        Path(args[0]).write_text(text)
+    if args.out:
+        Path(args.out).write_text(text)
     else:
         sys.stdout.write(text)
     return 0

@@ -30,3 +30,17 @@ def test_every_leaf_key_and_env_var_is_documented():
                 assert sf.metadata["doc"].replace("|", "\\|") in text
         else:
             assert f"`{key}`" in text and f"CPUCKPT_{key.upper()}" in text
+
+
+def test_the_command_writes_the_file_it_is_given_and_takes_help_as_an_option(tmp_path, monkeypatch, capsys):
+    """``--help`` prints the usage (it once became the name of the file written)."""
+    import pytest
+
+    from cpuckpt.tools.configdoc import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    assert main(["ref.md"]) == 0 and (tmp_path / "ref.md").read_text() == config_markdown()
