@@ -429,9 +429,7 @@ def _route_to_memory_tier(run: Training, module: Any) -> None:
             maybe_finalize_async_save._cpuckpt_memory.end_of_training(_megatron_lm_args())  # type: ignore[attr-defined]
 
     maybe_finalize_async_save._cpuckpt_memory = run  # type: ignore[attr-defined]
-    for m in [async_utils] + [m for name, m in list(sys.modules.items()) if name.startswith("megatron.training") and m]:
-        if getattr(m, "maybe_finalize_async_save", None) is original_finalize:
-            m.maybe_finalize_async_save = maybe_finalize_async_save
+    replace_function(async_utils, "maybe_finalize_async_save", original_finalize, maybe_finalize_async_save)
 
 
 def _megatron_lm_args() -> Any:
@@ -617,7 +615,7 @@ def watch_megatron_lm_queue(timeout_s: float, options: MegatronOptions, module: 
     that every queue they build is watched (:func:`.guard.watch_async_queue`); returns their names.
 
     ``module`` stands for ``megatron.training.async_utils``; ``importers`` are the modules that may
-    hold the original functions under the same name (default: every loaded ``megatron.training.*``).
+    hold the original functions under the same name (default: every loaded ``megatron.*``).
     """
     if module is None:
         try:
@@ -626,8 +624,6 @@ def watch_megatron_lm_queue(timeout_s: float, options: MegatronOptions, module: 
             logger.warning("cpuckpt: megatron.training.async_utils not importable (%s): Megatron-LM's async "
                            "save queue is not watched; a dead checkpoint worker may hang the job", e)
             return []
-    if importers is None:
-        importers = [m for name, m in list(sys.modules.items()) if name.startswith("megatron.training") and m]
     wrapped: list[str] = []
     for name in _QUEUE_BUILDERS:
         fn = getattr(module, name, None)
@@ -637,11 +633,7 @@ def watch_megatron_lm_queue(timeout_s: float, options: MegatronOptions, module: 
                            getattr(module, "__name__", module), name)
             continue
         if not getattr(fn, "_cpuckpt_watching", False):
-            new = _watching(fn, module, timeout_s, options)
-            setattr(module, name, new)
-            for m in importers:
-                if m is not module and getattr(m, name, None) is fn:
-                    setattr(m, name, new)
+            replace_function(module, name, fn, _watching(fn, module, timeout_s, options), importers)
         wrapped.append(name)
     return wrapped
 

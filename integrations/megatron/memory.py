@@ -55,7 +55,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +71,7 @@ from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.tier.queue import PersistRequest
 from cpuckpt.transfer.files import write_atomic
 
+from .compat import replace_function
 from .guard import finalize_saves_under, is_watched
 
 __all__ = ["TRACKER", "MegatronMemory", "Route", "restart_before_load"]
@@ -481,9 +481,7 @@ def restart_before_load(module: Any, memory_of: Callable[[], MegatronMemory]) ->
         return original(*args, **kwargs)
 
     load_checkpoint._cpuckpt_restart = True  # type: ignore[attr-defined]
-    for m in [module] + [m for name, m in list(sys.modules.items()) if name.startswith("megatron.") and m]:
-        if getattr(m, "load_checkpoint", None) is original:
-            m.load_checkpoint = load_checkpoint
+    replace_function(module, "load_checkpoint", original, load_checkpoint)
     return True
 
 
