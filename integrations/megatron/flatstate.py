@@ -26,7 +26,11 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 
 from cpuckpt.backend.itemcache import FlatState
 
-__all__ = ["flat_state", "grouped", "leaves", "to_pyt"]
+__all__ = ["ATOMIC", "flat_state", "grouped", "leaves", "to_pyt"]
+
+# Plain immutable values: what a save may keep by reference (the strategy's copies of host objects and the replay's
+# copies of the captured ones leave the same values alone)
+ATOMIC = (type(None), bool, int, float, complex, str, bytes)
 
 
 def leaves(tree: Any, out: list[Any] | None = None) -> list[Any]:

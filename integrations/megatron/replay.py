@@ -54,14 +54,13 @@ from megatron.core.dist_checkpointing.mapping import (
 from cpuckpt.backend.collectives import checkpoint_group
 
 from .compat import replace_function
-from .flatstate import leaves
+from .flatstate import ATOMIC, leaves
 
 __all__ = ["MARKER_KEY", "ReplayedTensors", "StateDictReuse", "install", "take"]
 
 logger = logging.getLogger(__name__)
 
 MARKER_KEY = "__cpuckpt_replayed_tensors__"
-_ATOMIC = (type(None), bool, int, float, complex, str, bytes)
 _CHANGES_IN_A_ROW = 8  # saves whose structure changed since the last one, in a row: reuse goes off (it cannot help)
 _PART = re.compile(r"optimizer|model\d*")  # generate_state_dict's keys of the model's chunks and the optimizer
 
@@ -99,15 +98,16 @@ class _Capture:
         verifies, self.verifies = self.verifies, None
         try:
             found = [sh for k in self.parts for sh in _tensors(sharded_state_dict.get(k))]
-            self.refused = self._check(found, verifies)
+            tensors = [(sh, sh.data) for sh in found]
+            padding_at = frozenset(i for i, sh in enumerate(found) if id(sh) in self.padding)  # by place: a replay
+            self.refused = self._check(tensors, padding_at, verifies)  # may put a copy of a tensor in its place
             if self.refused is None:
                 rest = {k: _compact(_skeleton(sharded_state_dict[k])) for k in self.parts if k in sharded_state_dict}
         except Exception as e:  # the save goes on as the plain build it is
             self.refused = f"capturing the build's tensors failed: {type(e).__name__}: {e}"
         if self.refused is not None:
             return
-        self.tensors = [(sh, sh.data) for sh in found]
-        self.padding_at = self._padding_at(found)  # by place: a replay may put a copy of a tensor in its place
+        self.tensors, self.padding_at = tensors, padding_at
         for k, v in rest.items():
             if v is _DROPPED:
                 del sharded_state_dict[k]
@@ -115,22 +115,19 @@ class _Capture:
                 sharded_state_dict[k] = v
         sharded_state_dict[MARKER_KEY] = found
 
-    def _padding_at(self, found: list[ShardedTensor]) -> frozenset[int]:
-        return frozenset(i for i, sh in enumerate(found) if id(sh) in self.padding)
-
-    def _check(self, found: list[ShardedTensor], verifies: _Capture | None) -> str | None:
-        """Why the build's tensors the strategy received (``found``) cannot be replayed (None: they can)."""
-        if not self.tensor_keys <= {sh.key for sh in found}:
+    def _check(self, built: list[tuple[ShardedTensor, Any]], padding_at: frozenset[int],
+               verifies: _Capture | None) -> str | None:
+        """Why the build's tensors the strategy received (``built``: each with its data) cannot be replayed (None:
+        they can)."""
+        if not self.tensor_keys <= {sh.key for sh, _ in built}:
             return "the tensors the strategy received are not those of the build"
-        for sh in found:
-            data = sh.data
-            if id(sh) in self.padding:
+        for i, (sh, data) in enumerate(built):
+            if i in padding_at:
                 continue
             if not isinstance(data, torch.Tensor) or data.untyped_storage().data_ptr() not in self.live:
                 return f"{sh.key} is not a view of the model's or optimizer's tensors (the build made it: a copy)"
         if verifies is not None:
-            built = [(sh, sh.data) for sh in found]
-            diff = _tensor_difference(verifies.tensors or [], verifies.padding_at, built, self._padding_at(found))
+            diff = _tensor_difference(verifies.tensors or [], verifies.padding_at, built, padding_at)
             if diff is not None:
                 return f"a replayed save's tensors would have differed from Megatron's build at {diff}"
         return None
@@ -169,19 +166,17 @@ class ReplayedTensors(ShardedBase):
         return replace(self, data=None)
 
 
-def take(sharded_state_dict: dict[str, Any], reuse: StateDictReuse | None = None) -> bool:
+def take(sharded_state_dict: dict[str, Any], reuse: StateDictReuse | None = None) -> None:
     """What a cpuckpt strategy does first with a state dict: a replayed save gets its tensors back (a list under
     :data:`MARKER_KEY`); with ``reuse`` (the strategy that writes), the tensors of a full build that ``reuse`` waits
-    for are captured. Returns whether it replayed."""
+    for are captured."""
     marker = sharded_state_dict.get(MARKER_KEY)
     if isinstance(marker, ReplayedTensors):
         del sharded_state_dict[MARKER_KEY]  # last, as a build's (after the common state megatron-core added)
         sharded_state_dict[MARKER_KEY] = marker.data.replayed()
-        return True
-    if reuse is not None and reuse.pending is not None:
+    elif reuse is not None and reuse.pending is not None:
         capture, reuse.pending = reuse.pending, None
         capture.record(sharded_state_dict)
-    return False
 
 
 def _tensor_signature(sh: ShardedTensor, data: torch.Tensor, padding: bool) -> tuple:
@@ -317,7 +312,7 @@ def _copy_objects(tree: Any) -> Any:
         return {k: _copy_objects(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_copy_objects(v) for v in tree if v is not _DROPPED]
-    if isinstance(tree, ShardedObject) and type(tree.data) not in _ATOMIC:
+    if isinstance(tree, ShardedObject) and type(tree.data) not in ATOMIC:
         return copy.copy(tree)  # the strategy may replace its data (a deferred save's private copy); not a plain one's
     return tree
 
@@ -343,7 +338,7 @@ def _same(a: Any, b: Any) -> bool:
             b.key, b.global_shape, b.global_offset, b.replica_id) and _same(a.data, b.data)
     if isinstance(a, LocalNonpersistentObject):
         return True  # never written
-    if isinstance(a, _ATOMIC):
+    if isinstance(a, ATOMIC):
         try:
             return bool(a == b)
         except Exception:  # an uncomparable value is not known equal
@@ -428,7 +423,7 @@ def _plain_key(kwargs: Any) -> Any:
         return tuple(sorted((str(k), _plain_key(v)) for k, v in kwargs.items()))
     if isinstance(kwargs, list | tuple):
         return tuple(_plain_key(v) for v in kwargs)
-    if isinstance(kwargs, _ATOMIC):
+    if isinstance(kwargs, ATOMIC):
         return kwargs
     return ("id", id(kwargs))
 

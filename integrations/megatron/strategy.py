@@ -45,7 +45,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 
 from . import compat, deferred, prepare, replay
-from .flatstate import flat_state, leaves, to_pyt
+from .flatstate import ATOMIC, flat_state, leaves, to_pyt
 from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, PROBE_FAILED, URGENT_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
@@ -55,7 +55,6 @@ __all__ = ["EAGER_SUFFIXES", "CpuckptLoadStrategy", "CpuckptSaveStrategy", "orde
 
 logger = logging.getLogger(__name__)
 
-_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes)
 _PERSIST_POLL_S = 0.01  # a persistent save's finalize that must wait for its persist looks again this often
 
 # ordering="optimizer": saved tensors Megatron writes *before* the optimizer step, copied on the GPU at
@@ -126,25 +125,27 @@ class _Started:
         return self._handle
 
 
-def _snapshot_eager(sharded_state_dict: dict[str, Any]) -> int:
-    """Replace the data of saved tensors written before the optimizer step by GPU copies (stream-ordered)."""
+def _snapshot_eager(values: list[Any]) -> int:
+    """Replace the data of saved tensors written before the optimizer step by GPU copies (stream-ordered);
+    ``values``: the state dict's leaves (:func:`.flatstate.leaves`)."""
     n = 0
-    for sh in leaves(sharded_state_dict):
+    for sh in values:
         if isinstance(sh, ShardedTensor) and sh.key.endswith(EAGER_SUFFIXES) and sh.data is not None:
             sh.data = sh.data.detach().clone()  # on the trainer's stream: the save's copies wait for it
             n += 1
     return n
 
 
-def _freeze_objects(sharded_state_dict: dict[str, Any]) -> int:
+def _freeze_objects(values: list[Any]) -> int:
     """For a save started later (:mod:`.deferred`): replace the host objects by copies, so that it does not see
     what the next iteration changes in them before an optimizer step starts it (the RNG tracker's generators with
     CUDA graphs, which dropout advances; the rerun state machine's counters, updated during the backward). Plain
     immutable values are kept as they are, and so are objects holding device tensors (a distributed optimizer's
-    per-bucket state: only its step writes them, and a copy would double them in device memory)."""
+    per-bucket state: only its step writes them, and a copy would double them in device memory). ``values``: the
+    state dict's leaves."""
     n = 0
-    for sh in leaves(sharded_state_dict):
-        if isinstance(sh, ShardedObject) and not isinstance(sh.data, _IMMUTABLE) and not _on_device(sh.data):
+    for sh in values:
+        if isinstance(sh, ShardedObject) and not isinstance(sh.data, ATOMIC) and not _on_device(sh.data):
             try:
                 sh.data = _private_copy(sh.data, {})
             except _NotPlain:
@@ -153,7 +154,7 @@ def _freeze_objects(sharded_state_dict: dict[str, Any]) -> int:
     return n
 
 
-_ATOMIC = frozenset({type(None), bool, int, float, complex, str, bytes})
+_ATOMIC = frozenset(ATOMIC)  # membership of a type: a set lookup
 
 
 class _NotPlain(Exception):
@@ -354,12 +355,14 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         planner = self._planner()
         route = self.memory.route(checkpoint_dir) if self.memory is not None else None
         overlap = self.ordering == "optimizer"
+        values: list[Any] = []
         if overlap:
             if not _STEPS_ORDERED:
                 raise ConfigError("megatron.ordering optimizer: no optimizer step waits for the save's copies; "
                                   "call cpuckpt.integrations.megatron.hook.order_optimizer_steps() first "
                                   "(hook.install() does), or use ordering host")
-            _snapshot_eager(sharded_state_dict)
+            values = leaves(sharded_state_dict)  # one walk for both passes (they change leaves, not containers)
+            _snapshot_eager(values)
         finalized = None
         if route is not None:  # the save about to be refilled is finalized first (either kind of save)
             self.memory.finalize_before_reuse()
@@ -398,7 +401,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         # After Megatron-LM's timer, whose synchronize would wait for the copies (deferred.py). A persistent
         # memory-tier save starts at once: its persist request is part of the request handed to Megatron.
         if overlap and deferred.enabled() and (route is None or route.kind == "memory"):
-            _freeze_objects(sharded_state_dict)
+            _freeze_objects(values)
             deferred.defer(self._deferred_start(started, channel))
         else:
             deferred.start_all()  # saves start in the order they were made: one recorded earlier goes first
