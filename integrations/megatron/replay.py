@@ -245,17 +245,13 @@ def _skeleton(tree: Any) -> Any:
 _MISSING = object()
 
 
-def _at(tree: Any, path: tuple) -> Any:
-    for p in path:
-        if isinstance(tree, dict):
-            tree = tree.get(p, _MISSING)
-        elif isinstance(tree, list) and isinstance(p, int) and 0 <= p < len(tree):
-            tree = tree[p]
-        else:
-            return _MISSING
-        if tree is _MISSING:
-            return _MISSING
-    return tree
+def _child(fresh: Any, key: Any) -> Any:
+    """``fresh[key]`` of a dict or a list (:data:`_MISSING` where there is none)."""
+    if isinstance(fresh, dict):
+        return fresh.get(key, _MISSING)
+    if isinstance(fresh, list) and isinstance(key, int) and 0 <= key < len(fresh):
+        return fresh[key]
+    return _MISSING
 
 
 def _common_step(state_dict: Any) -> Any:
@@ -282,27 +278,33 @@ def _value(step: Any) -> Any:
     return step
 
 
-def _refresh(tree: Any, fresh: Any, path: tuple = ()) -> Any:
-    """A copy of an optimizer skeleton with its values from ``fresh`` (the optimizer's ``state_dict()``) at the same
-    paths: plain values taken, ``ShardedObject``s given the fresh data (copies: the strategy may replace it), a
-    ``common_step`` recomputed from the fresh per-parameter states; what ``fresh`` lacks (constants of the sharded
-    form) and non-persistent objects stay as captured."""
+def _refresh(tree: Any, fresh: Any, common: Any = _MISSING) -> Any:
+    """A copy of an optimizer skeleton with its values from ``fresh`` (the optimizer's ``state_dict()``, walked beside
+    it): plain values taken, ``ShardedObject``s given the fresh data (copies: the strategy may replace it), a
+    ``state``'s ``common_step`` recomputed from the fresh per-parameter states (``common``, found by the dict holding
+    that ``state``); what ``fresh`` lacks (constants of the sharded form) and non-persistent objects stay as
+    captured."""
     if isinstance(tree, dict):
-        return {k: _refresh(v, fresh, (*path, k)) for k, v in tree.items()}
+        out = {}
+        for k, v in tree.items():
+            if k == "common_step" and common is not _MISSING and not isinstance(
+                    v, dict | list | ShardedBase | LocalNonpersistentObject):
+                out[k] = common
+                continue
+            step = _MISSING
+            if k == "state" and isinstance(v, dict) and "common_step" in v and isinstance(fresh, dict):
+                step = _common_step(fresh)
+            out[k] = _refresh(v, _child(fresh, k), step)
+        return out
     if isinstance(tree, list):
-        return [_refresh(v, fresh, (*path, i)) for i, v in enumerate(tree) if v is not _DROPPED]
+        return [_refresh(v, _child(fresh, i)) for i, v in enumerate(tree) if v is not _DROPPED]
     if isinstance(tree, LocalNonpersistentObject):
         return tree
-    if path[-2:] == ("state", "common_step") and not isinstance(tree, ShardedBase):
-        parent = _at(fresh, path[:-2])
-        if isinstance(parent, dict):
-            return _common_step(parent)
-    value = _at(fresh, path)
     if isinstance(tree, ShardedObject):
-        return replace(tree, data=value) if value is not _MISSING else copy.copy(tree)
+        return replace(tree, data=fresh) if fresh is not _MISSING else copy.copy(tree)
     if isinstance(tree, ShardedBase):
         return copy.copy(tree)
-    return tree if value is _MISSING else value
+    return tree if fresh is _MISSING else fresh
 
 
 def _copy_objects(tree: Any) -> Any:
