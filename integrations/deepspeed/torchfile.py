@@ -13,21 +13,35 @@ reads it), and its bytes come from the caller's tensor. So a view saves only its
 its whole base storage (the clone DeepSpeed does for ``torch.save``, without the copy), non-leaf
 views that require grad are detached, and the file loads as CPU tensors (``location`` "cpu"), like
 ``torch.save(t.cpu())``. Two distinct tensor objects viewing the same memory are written twice.
+
+The skeleton has two builders. ``torch.save`` itself pays ~30 ms for DeepSpeed's model-states file (its
+Python ``persistent_id`` per storage, a proxy tensor per tensor, a scan of the zip headers); at every save
+that is interpreter time beside the trainer's. The fast builder pickles with the same C pickler, a stand-in
+per storage and the persistent id ``torch.save`` would give it, and writes the records in ``torch.save``'s
+order with torch's own zip writer (19 against 32 ms for a file of 216 tensors, on a 2-core box). It is
+used once it has written, in this process, byte for byte what ``torch.save`` writes for a probe of every
+kind of object it takes; anything else (tensor subclasses, dtypes saved as untyped storages, bare
+storages) goes to ``torch.save``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
+import io
 import itertools
 import logging
 import pickle
+import sys
 import threading
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.serialization import config as _ser_config
 
 from cpuckpt.config import Config
 from cpuckpt.format.layout import FileLayout, LayoutItem, plan_files
@@ -150,7 +164,8 @@ def _record_key(rec: _Recorder, obj: Any, pid: Any) -> Any:
 
 
 def plan_torch_file(obj: Any, *, storage_alignment: int = 4096) -> TorchFileImage:
-    """Build the image of ``torch.save(obj)``: skeleton from ``torch.save`` under ``skip_data``.
+    """Build the image of ``torch.save(obj)``: its skeleton (the fast builder where it holds, else
+    ``torch.save`` under ``skip_data``) and, per storage, where its bytes go.
 
     Args:
         obj: what ``torch.save`` would be given (nested dicts, lists, tensors, other objects).
@@ -160,24 +175,11 @@ def plan_torch_file(obj: Any, *, storage_alignment: int = 4096) -> TorchFileImag
     Returns:
         The image's layout items (in file order) and, per item, the flat bytes to place (or None).
     """
-    rec = _Recorder()
-    sink = SparseSink()
-    try:
-        from torch.utils.serialization import config as _ser_config
-        save_cfg: Any = _ser_config.save
-    except ImportError:  # torch < 2.6 has no storage_alignment: storages are 64-byte aligned
-        save_cfg = None
-    with _ALIGNMENT_LOCK:
-        old = getattr(save_cfg, "storage_alignment", None)
-        if old is not None:
-            save_cfg.storage_alignment = storage_alignment
-        try:
-            with torch.serialization.skip_data():
-                torch.save(obj, sink, pickle_module=_pickle_module(rec))
-        finally:
-            if old is not None:
-                save_cfg.storage_alignment = old
-    regions = _data_regions(sink, rec)
+    with _ALIGNMENT_LOCK, _storage_alignment(storage_alignment):
+        skeleton = _fast_skeleton(obj) if _fast_matches_torch() else None
+        if skeleton is None:
+            skeleton = _torch_skeleton(obj)
+    sink, regions = skeleton
     pieces = sorted(sink.pieces)
     items: list[LayoutItem] = []
     sources: list[torch.Tensor | None] = []
@@ -193,8 +195,156 @@ def plan_torch_file(obj: Any, *, storage_alignment: int = 4096) -> TorchFileImag
     tail, _ = _bytes_between(pieces, k, cursor, sink.end)
     items.append(LayoutItem(data_nbytes=len(tail), payload=tail))
     sources.append(None)
-    del rec.keep  # the proxies were only needed while pickling
     return TorchFileImage(items=items, sources=sources, data_offsets=offsets, nbytes=sink.end)
+
+
+@contextlib.contextmanager
+def _storage_alignment(alignment: int) -> Iterator[None]:
+    """torch's save-time storage alignment set to ``alignment`` (callers hold ``_ALIGNMENT_LOCK``)."""
+    old = _ser_config.save.storage_alignment
+    _ser_config.save.storage_alignment = alignment
+    try:
+        yield
+    finally:
+        _ser_config.save.storage_alignment = old
+
+
+Regions = list[tuple[int, int, torch.Tensor]]  # (data offset, nbytes, flat uint8 source) per storage, in file order
+
+
+def _torch_skeleton(obj: Any) -> tuple[SparseSink, Regions]:
+    """The skeleton as ``torch.save`` writes it (proxies pickled, data skipped), and its storages' regions."""
+    rec = _Recorder()
+    sink = SparseSink()
+    with torch.serialization.skip_data():
+        torch.save(obj, sink, pickle_module=_pickle_module(rec))
+    return sink, _data_regions(sink, rec)
+
+
+class _Unsupported(Exception):
+    """The fast builder met an object it does not write as ``torch.save`` would (``torch.save`` takes it)."""
+
+
+class _StorageRef:
+    """Stands for one storage in the fast builder's pickle: its persistent id is looked up by identity."""
+
+    __slots__ = ()
+
+
+@functools.cache
+def _storage_class(dtype: torch.dtype) -> type:
+    """The legacy storage class ``torch.save`` names in a ``dtype`` storage's persistent id."""
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    """A contiguous tensor's strides, as a list: each reduce needs a tuple of its own (the pickle memoizes
+    tuples by identity, and ``torch.save`` pickles a fresh one per tensor)."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+def _fast_skeleton(obj: Any) -> tuple[SparseSink, Regions] | None:
+    """The skeleton ``torch.save`` writes under ``skip_data``, built without it; None where ``obj`` holds
+    something only ``torch.save`` writes right (see :class:`_Unsupported`).
+
+    Each plain dense tensor is reduced as :func:`_plain_reduce` reduces its proxy, with a
+    :class:`_StorageRef` in the storage's place; storage keys are numbered in pickling order, as
+    ``torch.save`` numbers its fresh proxies. The records follow ``torch.serialization._save``'s order.
+    """
+    pids: dict[int, tuple[Any, ...]] = {}
+    refs: list[_StorageRef] = []  # alive while pickling, so no id is reused
+    tensors: list[torch.Tensor] = []
+    rebuild = torch._utils._rebuild_tensor_v2
+    ordered = collections.OrderedDict
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, o: Any) -> Any:  # called for every object pickled
+            kind = type(o)
+            if kind in _NEVER_STORAGES:
+                return None
+            if kind is _StorageRef:
+                return pids[id(o)]
+            if isinstance(o, (torch.storage.TypedStorage, torch.UntypedStorage)):
+                raise _Unsupported(f"a {type(o).__name__} pickled as is")
+            return None
+
+        def reducer_override(self, t: Any) -> Any:
+            if type(t) is not torch.Tensor:
+                return NotImplemented  # Parameters reduce to their .data (a plain tensor) and come back here
+            if t.layout != torch.strided or t.is_quantized or t.device.type == "meta" or t.dtype in _NEW_DTYPES:
+                raise _Unsupported(f"a {t.layout} {t.dtype} tensor on {t.device}")
+            ref = _StorageRef()
+            refs.append(ref)
+            pids[id(ref)] = ("storage", _storage_class(t.dtype), str(len(tensors)), "cpu", t.numel())
+            tensors.append(t)
+            shape = tuple(t.shape)
+            grad = t.requires_grad and (t.is_floating_point() or t.is_complex())
+            return rebuild, (ref, 0, shape, tuple(_contiguous_strides(shape)), grad, ordered())
+
+    buf = io.BytesIO()
+    try:
+        Pickler(buf, torch.serialization.DEFAULT_PROTOCOL).dump(obj)
+    except _Unsupported as e:
+        logger.debug("torch file skeleton: %s; torch.save writes it", e)
+        return None
+    data = buf.getvalue()
+    sink = SparseSink()
+    regions: Regions = []
+    with torch.serialization._open_zipfile_writer(sink) as archive:
+        alignment = str(_ser_config.save.storage_alignment)
+        for name, value in (("data.pkl", data), (".format_version", "1"), (".storage_alignment", alignment),
+                            ("byteorder", sys.byteorder)):
+            archive.write_record(name, value, len(value))
+        for key, t in enumerate(tensors):
+            nbytes = t.numel() * t.element_size()
+            archive.write_record_metadata(f"data/{key}", nbytes)
+            regions.append((_data_start(sink, nbytes, key), nbytes, flat_bytes(t)))
+    return sink, regions
+
+
+def _data_start(sink: SparseSink, nbytes: int, key: int) -> int:
+    """Where the data of the record just written begins: after its header, before its data descriptor
+    (an empty record has none)."""
+    at, last = sink.pieces[-1]
+    if not nbytes:
+        return at + len(last)
+    head_at, head = sink.pieces[-2]
+    if not last.startswith(b"PK\x07\x08") or head_at + len(head) + nbytes != at:
+        raise RuntimeError(f"torch file skeleton: record data/{key} is not header, data, descriptor")
+    return at - nbytes
+
+
+@functools.cache
+def _fast_matches_torch() -> bool:
+    """The fast builder writes what ``torch.save`` writes, byte for byte, for a probe of every kind of
+    object it takes (checked once per process, at the alignment set then)."""
+    base = torch.arange(600, dtype=torch.float32)
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    leaf = torch.randn(3, 3, requires_grad=True)
+    probe = {"view": base[10:20], "base": base, "strided": base[::7], "param": param, "shared": [param, base],
+             "bf16": torch.randn(5).bfloat16(), "nonleaf": (leaf * 2)[1:], "empty": torch.empty(0, 3),
+             "scalar": torch.tensor(2.5), "i64": torch.arange(4), "bool": torch.arange(3) > 1,
+             "shape": torch.Size([2, 3]), "ordered": collections.OrderedDict(a=1, b=None), "text": "s", "n": 7,
+             "f16": torch.ones(2, 2, dtype=torch.float16).t(), "i8": torch.zeros(3, dtype=torch.int8)}
+    if not _plain_reduce_agrees():
+        return False
+    fast, torch_made = _fast_skeleton(probe), _torch_skeleton(probe)
+    if fast is None:
+        return False
+    (fast_sink, fast_regions), (sink, regions) = fast, torch_made
+    same = (fast_sink.read_at(0, fast_sink.end) == sink.read_at(0, sink.end)
+            and [r[:2] for r in fast_regions] == [r[:2] for r in regions]
+            and all(torch.equal(a[2], b[2]) for a, b in zip(fast_regions, regions, strict=True)))
+    if not same:
+        logger.warning("torch file skeleton: this torch writes differently from cpuckpt's builder; "
+                       "using torch.save (slower)")
+    return same
 
 
 def _data_regions(sink: SparseSink, rec: _Recorder) -> list[tuple[int, int, torch.Tensor]]:

@@ -31,7 +31,9 @@ What is proven, with real DeepSpeed engines and files (no mocks):
 - ``"cpuckpt": {"enabled": false}`` leaves DeepSpeed's engine in place, ``attach()`` switches a
   built engine over, and ``commit_pending()`` writes ``latest`` at once;
 - single process: the file holds exactly the zip entries ``torch.save`` writes for a compact clone
-  of the same state dict (views compacted, non-leaf views detached, shared objects kept);
+  of the same state dict (views compacted, non-leaf views detached, shared objects kept), through
+  either skeleton builder; the fast builder's skeleton of a DeepSpeed-shaped state is ``torch.save``'s
+  byte for byte;
 - ``python -m benchmarks.bench_deepspeed --smoke`` runs with every engine (torch, cpuckpt, cpuckpt-zero,
   DeepSpeed's decoupled) (and its check that DeepSpeed's engine and ours
   write bit-identical tensors for the same state holds).
@@ -633,11 +635,14 @@ def _compact_clone(obj, memo: dict):
     return c
 
 
-def test_torch_file_matches_torch_save_of_compact_clones(tmp_path):
+@pytest.mark.parametrize("builder", ["fast", "torch.save"])
+def test_torch_file_matches_torch_save_of_compact_clones(tmp_path, builder):
     """Our file holds what ``torch.save`` writes for a compact clone of the same state dict:
     same zip entries (pickle, records, every storage's bytes), views compacted to their own bytes,
-    a non-leaf view that requires grad detached, Parameters and shared objects kept as such."""
+    a non-leaf view that requires grad detached, Parameters and shared objects kept as such. Both
+    skeleton builders: the fast one, and ``torch.save`` (taken for a dtype saved as an untyped storage)."""
     import torch
+    from cpuckpt.integrations.deepspeed import torchfile
     from cpuckpt.integrations.deepspeed.torchfile import layout_torch_file
     from torch.utils.serialization import config as ser_config
 
@@ -649,8 +654,11 @@ def test_torch_file_matches_torch_save_of_compact_clones(tmp_path):
     x = torch.randn(5, 5, requires_grad=True)
     sd = {"view": base[10:20], "base": base, "param": w, "strided": base[::3], "bf16": torch.randn(300).bfloat16(),
           "nonleaf": (x * 2)[1:3], "int": 3, "str": "s", "empty": torch.empty(0), "scalar": torch.tensor(2.5),
-          "shared": [w, {"again": base[10:20]}], "i64": torch.arange(7), "bool": torch.arange(6) > 2,
-          "u16": torch.arange(5, dtype=torch.int32).to(torch.uint16)}
+          "shared": [w, {"again": base[10:20]}], "i64": torch.arange(7), "bool": torch.arange(6) > 2}
+    if builder == "torch.save":
+        sd["u16"] = torch.arange(5, dtype=torch.int32).to(torch.uint16)
+    with torchfile._ALIGNMENT_LOCK, torchfile._storage_alignment(4096):
+        assert (torchfile._fast_skeleton(sd) is not None) == (builder == "fast")
     cfg = Config.from_dict({"io": {"backend": "buffered", "chunk_bytes": 64 * 1024}})
     files, sources = layout_torch_file(sd, cfg, storage_alignment=4096)
     job = SaveJob(tmp_path, ["ours.pt"], files, sources, cfg, rank=0, mode="streaming")
@@ -673,8 +681,53 @@ def test_torch_file_matches_torch_save_of_compact_clones(tmp_path):
     assert isinstance(out["param"], torch.nn.Parameter) and out["shared"][0] is out["param"]
     assert out["view"].untyped_storage().nbytes() == 40  # only the view's bytes, not the base's
     for k in ("view", "base", "strided", "bf16", "nonleaf", "empty", "scalar", "i64", "bool", "u16"):
-        assert torch.equal(out[k], sd[k].detach()) and out[k].dtype == sd[k].dtype, k
+        if k in sd:
+            assert torch.equal(out[k], sd[k].detach()) and out[k].dtype == sd[k].dtype, k
     assert out["int"] == 3 and out["str"] == "s"
+
+
+def _deepspeed_like_model_states():
+    """The shape of DeepSpeed's ``mp_rank_00_model_states.pt`` (ZeRO, bf16): its module's tensors, the
+    ``param_shapes`` of ``torch.Size``, a scheduler's state, its config, counters, a set, Nones."""
+    import collections
+
+    import torch
+
+    module = collections.OrderedDict()
+    for layer in range(3):
+        for name, shape in (("qkv.weight", (24, 8)), ("qkv.bias", (24,)), ("fc.weight", (8, 8)), ("ln.weight", (8,))):
+            module[f"layers.{layer}.{name}"] = torch.randn(shape).bfloat16()
+    module["embed.weight"] = torch.nn.Parameter(torch.randn(16, 8))
+    module["tied.weight"] = module["embed.weight"]
+    module["position_ids"] = torch.arange(16)
+    shapes = collections.OrderedDict((k, v.shape) for k, v in module.items())
+    return {"module": module, "buffer_names": ["position_ids"], "optimizer": None, "param_shapes": [shapes],
+            "frozen_param_shapes": None, "shared_params": {"tied.weight": "embed.weight"},
+            "lr_scheduler": {"last_epoch": 8, "base_lrs": [1e-4], "_last_lr": [8e-6]}, "data_sampler": None,
+            "sparse_tensor_module_names": set(), "skipped_steps": 0, "global_steps": 8, "global_samples": 64,
+            "dp_world_size": 2, "mp_world_size": 1, "ds_version": "0.19.8",
+            "ds_config": {"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}},
+            "scalar": torch.tensor(0.5), "flag": torch.tensor(True), "empty": torch.empty(0, 4)}
+
+
+@pytest.mark.parametrize("alignment", [64, 4096])
+def test_fast_torch_file_skeleton_is_torch_saves(alignment):
+    """The fast skeleton builder writes, byte for byte, the skeleton ``torch.save`` writes under ``skip_data``
+    (serialization id included), with every storage's bytes at the same offsets, for DeepSpeed's kind of
+    file; and this torch passed the process's probe, so DeepSpeed saves take the fast builder."""
+    import torch
+    from cpuckpt.integrations.deepspeed import torchfile
+
+    state = _deepspeed_like_model_states()
+    with torchfile._ALIGNMENT_LOCK, torchfile._storage_alignment(alignment):
+        assert torchfile._fast_matches_torch()
+        fast = torchfile._fast_skeleton(state)
+        slow = torchfile._torch_skeleton(state)
+    assert fast is not None
+    (fast_sink, fast_regions), (sink, regions) = fast, slow
+    assert fast_sink.end == sink.end and fast_sink.read_at(0, fast_sink.end) == sink.read_at(0, sink.end)
+    assert [r[:2] for r in fast_regions] == [r[:2] for r in regions]
+    assert len(regions) == 17 and all(torch.equal(a[2], b[2]) for a, b in zip(fast_regions, regions, strict=True))
 
 
 @pytest.mark.timeout(180)
