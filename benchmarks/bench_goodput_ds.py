@@ -23,7 +23,8 @@ over ``none``'s, as in ``bench_goodput`` (per save, largest gap against the medi
 launch to exit). ``engine.destroy()`` ends every run (the memory variants persist their newest tag there, as a
 job ending does). ``--pyspy VARIANTS`` records those variants' trainer with ``py-spy record --gil`` from outside for
 ``--pyspy-seconds`` from iteration warm + 2, as ``bench_goodput`` does (which of its threads held the interpreter,
-and where; the sampler's cost is in that run's wall too, so its ratio is not the result).
+and where; the sampler's cost is in that run's wall too, so its ratio is not the result). ``+base`` runs a variant
+with ``--base-site``'s cpuckpt first on the path, ``+rep<N>`` runs it again under another name.
 
     python -m benchmarks.bench_goodput_ds --out $OUT                       # one H200
     python -m benchmarks.bench_goodput_ds --smoke --out /tmp/g             # CPU, gloo, a tiny model
@@ -53,6 +54,7 @@ logger = logging.getLogger("bench_goodput_ds")
 VARIANTS = ("none", "ds8", "cpuckpt8", "mem8", "mem1")
 EVERY = {"none": 0, "ds8": 8, "cpuckpt8": 8, "mem8": 8, "mem1": 1}
 MODIFIERS = ("ahead", "snap", "copyproc")
+_REPEAT = re.compile(r"rep\d+")  # the same run again under another name (pairs alternated in one call)
 
 
 def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict[str, Any] | None:
@@ -71,13 +73,16 @@ def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict
     return out
 
 
-def check_variant(name: str) -> str | None:
+def check_variant(name: str, base_site: str = "") -> str | None:
     """Why ``name`` is not a variant (None: it is)."""
-    base, *mods = name.split("+")
+    base, *changes = name.split("+")
+    mods = [m for m in changes if m != "base" and not _REPEAT.fullmatch(m)]
     if base not in VARIANTS:
         return f"unknown variant {base}; known: {VARIANTS}"
-    if not set(mods) <= set(MODIFIERS) or len(set(mods)) != len(mods):
-        return f"{name}: modifiers are {MODIFIERS}, each once"
+    if not set(mods) <= set(MODIFIERS) or len(set(changes)) != len(changes):
+        return f"{name}: modifiers are {MODIFIERS}, +base and +rep<N>, each once"
+    if "base" in changes and not base_site:
+        return f"{name}: +base needs --base-site"
     if mods and base in ("none", "ds8"):
         return f"{name}: modifiers are cpuckpt's"
     if not base.startswith("mem") and set(mods) - {"snap"}:
@@ -161,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model, few iterations")
     ap.add_argument("--pyspy", default="", help="variants whose trainer's GIL is profiled by py-spy from outside")
     ap.add_argument("--pyspy-seconds", type=float, default=6.0)
+    ap.add_argument("--base-site", default="", help="another cpuckpt install (a baseline commit's wheel): variants "
+                    "named +base run with it first on PYTHONPATH (before and after in one call)")
     ap.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # the trainer of one run
     ap.add_argument("--variant", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--save", default="", help=argparse.SUPPRESS)
@@ -180,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                                                          *filter(None, os.environ.get("PYTHONPATH", "").split(":"))])}
     names = [v for v in args.variants.split(",") if v]
     for name in names:
-        if (why := check_variant(name)) is not None:
+        if (why := check_variant(name, args.base_site)) is not None:
             ap.error(why)
     results: dict[str, Any] = {"args": vars(args), "summary": [], "runs": {}}
     ref: dict[str, Any] | None = None
@@ -195,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("== %s", name)
             gil = (GilProfile(out, f"ds_{name}", args.warm + 2, args.pyspy_seconds, pid_of=lambda proc: proc.pid)
                    if name in args.pyspy.split(",") else None)  # the trainer is the process itself (no torchrun)
-            r = run(name, argv_run, env, out / f"ds_{name}.log", args.timeout, gil.hook() if gil else None)
+            run_env = env
+            if "base" in name.split("+")[1:]:
+                run_env = {**env, "PYTHONPATH": os.pathsep.join([args.base_site, env["PYTHONPATH"]])}
+            r = run(name, argv_run, run_env, out / f"ds_{name}.log", args.timeout, gil.hook() if gil else None)
             if gil is not None and (prof := gil.summary()) is not None:
                 results.setdefault("gil", {})[name] = prof
             own = own_clock(Path(r["log"]))

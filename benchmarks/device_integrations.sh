@@ -75,8 +75,9 @@ print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'd
       rm -rf /root/cpuckpt-goodput /dev/shm/cpuckpt*
       ;;
     goodput-ds)  # benchmarks/bench_goodput_ds.py: whole DeepSpeed runs per variant (GOODPUT_DS_ARGS)
+      EXTRA=(); [ -d /tmp/site-base ] && EXTRA=(--base-site /tmp/site-base)  # +base variants
       PYTHONPATH=$BENCH_PATH timeout -k 15 "${GOODPUT_DS_TIMEOUT:-480}" python3 -m benchmarks.bench_goodput_ds \
-        --out "$OUT" ${GOODPUT_DS_ARGS:-} 2>&1 | tee "$OUT/bench_goodput_ds.log" | grep -v "^\s*$" | tail -14
+        --out "$OUT" "${EXTRA[@]}" ${GOODPUT_DS_ARGS:-} 2>&1 | tee "$OUT/bench_goodput_ds.log" | grep -v "^\s*$" | tail -14
       rm -rf /root/cpuckpt-goodput-ds /dev/shm/cpuckpt*
       ;;
     loop)  # benchmarks/bench_loop.py: a plain loop checkpointing every iteration through MemoryTier (LOOP_ARGS)
