@@ -202,16 +202,14 @@ def test_sync_save_stock_and_resharded_load(run_ranks, tmp_path):
     assert sorted(results[0]) == [False, True], results[0]
 
 
-def rank_async(root: str, persistent: bool, fully_parallel: bool) -> dict:
-    """Two async saves through Megatron's AsyncCallsQueue; tensors change right after scheduling."""
+def rank_async(root: str, queue, fully_parallel: bool) -> dict:
+    """Two async saves through Megatron's AsyncCallsQueue ``queue``; tensors change right after scheduling."""
     import cpuckpt.integrations.megatron as ckpt_mg
     import torch.distributed as dist
     from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     _, _, device = _setup()
-    queue = AsyncCallsQueue(persistent=persistent)
     strategy = ckpt_mg.save_strategy(fully_parallel=fully_parallel, parallelization_group=dist.group.WORLD)
     finalized = []
     for step in (1, 2):
@@ -227,7 +225,6 @@ def rank_async(root: str, persistent: bool, fully_parallel: bool) -> dict:
         sd["b"].data.fill_(-7.0)
         queue.maybe_finalize_async_calls(blocking=False)
     queue.maybe_finalize_async_calls(blocking=True)
-    queue.close()
     for step in (1, 2):
         path = Path(root) / f"iter_{step}"
         _check(dist_checkpointing.load(_template(device), str(path)), step, device)
@@ -239,36 +236,52 @@ def rank_async(root: str, persistent: bool, fully_parallel: bool) -> dict:
         f"cpuckpt-megatron-p{os.getpid()}-*"))}
 
 
+# (name, persistent worker, fully parallel strategy). The persistent cases share one queue, as a Megatron-LM run
+# (--use-persistent-ckpt-worker) keeps one worker for all its saves: the worker is spawned once (seconds of imports).
 ASYNC_CASES = (("temporal", False, False), ("persistent", True, False), ("persistent-fully-parallel", True, True))
 
 
 def rank_async_cases(root: str) -> dict:
-    """:func:`rank_async` for each of :data:`ASYNC_CASES` (queue, strategy), in one launch of the ranks (each case
-    its own directory, queue and strategy): megatron-core is imported and the ranks set up once, not three times."""
+    """:func:`rank_async` for each of :data:`ASYNC_CASES` (caller, strategy), in one launch of the ranks (each case
+    its own directory and strategy; the temporal case its own queue, the persistent ones one queue and so one spawned
+    worker, which takes the fully parallel case's saves after the others): megatron-core is imported and the ranks
+    set up once, not three times. Each queue is closed after its last case; ``"closed"``: the channel files of this
+    rank left once both are."""
+    from cpuckpt.integrations.megatron.worker import _channel_dir
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    queues = {persistent: AsyncCallsQueue(persistent=persistent) for persistent in {p for _, p, _ in ASYNC_CASES}}
+    last = {persistent: name for name, persistent, _ in ASYNC_CASES}
     out = {}
     for name, persistent, fully_parallel in ASYNC_CASES:
         case = Path(root) / name
         case.mkdir(parents=True, exist_ok=True)
-        out[name] = rank_async(str(case), persistent, fully_parallel)
-    return out
+        out[name] = rank_async(str(case), queues[persistent], fully_parallel)
+        if last[persistent] == name:
+            queues[persistent].close()
+    return {"cases": out, "closed": sorted(p.name for p in _channel_dir().glob(f"cpuckpt-megatron-p{os.getpid()}-*"))}
 
 
 def test_async_save_through_megatron_callers(run_ranks, tmp_path):
     results = run_ranks(2, rank_async_cases, str(tmp_path), timeout_s=240, env=ENV)
     for r in results:
-        assert list(r) == [name for name, _, _ in ASYNC_CASES], r
-        for name, case in r.items():
+        assert r["closed"] == [], f"channel files left behind after close: {r['closed']}"
+        assert list(r["cases"]) == [name for name, _, _ in ASYNC_CASES], r
+        for name, case in r["cases"].items():
             assert case["finalized"] == [1, 2], (name, case)
             assert case["leftovers"] == [], f"{name}: channel files left behind: {case['leftovers']}"
 
 
 def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: bool = False,
-                       hook: str | None = None) -> dict:
+                       hook: str | None = None, queue=None, close: bool = True) -> dict:
     """A failing save must raise at finalize on every rank, within the timeout, never hang.
 
     Faults come from ``cpuckpt.testing.faults``: the ``fault:`` backend in ``config``, or the stage
     action of ``$CPUCKPT_TEST_HOOK`` at ``megatron-worker:rank<r>``, which reaches Megatron's caller
     process by fork (temporal) or with the request (persistent worker, spawned).
+
+    ``queue``: an ``AsyncCallsQueue`` of the kind ``persistent`` names to save through (default: a new one);
+    ``close``: close it (``abort=True``) at the end.
     """
     import time
 
@@ -282,7 +295,9 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: 
     faults.install(hook)  # None: $CPUCKPT_TEST_HOOK
 
     _, _, device = _setup()
-    queue = AsyncCallsQueue(persistent=persistent)
+    if queue is None:
+        queue = AsyncCallsQueue(persistent=persistent)
+    assert queue.persistent is persistent
     if watch:
         from cpuckpt.integrations.megatron.guard import watch_async_queue
 
@@ -303,7 +318,8 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: 
     else:
         error = contract = None
     elapsed = time.monotonic() - t0
-    queue.close(abort=True)
+    if close:
+        queue.close(abort=True)
     from cpuckpt.integrations.megatron.worker import _channel_dir
 
     return {"error": error, "contract": contract, "elapsed": elapsed,
@@ -313,8 +329,10 @@ def rank_async_failure(root: str, persistent: bool, config: dict | None, watch: 
 
 
 FAILURES = {  # name: (the stage action in the worker, persistent worker, config, watched queue); ENOSPC first: it
-    # asserts that no channel file is left, and a killed worker's may stay behind
-    "enospc": ("", True, {"io": {"backend": f"fault:{errno.ENOSPC}@4096"}, "timeout_s": 60}, False),
+    # asserts that no channel file is left, and a killed worker's may stay behind. ENOSPC's error contract is cpuckpt's
+    # (its worker reports the error through its channel, alike for either caller): a forked worker, not one spawned
+    # for it (seconds of imports); the raised and killed cases cover both callers.
+    "enospc": ("", False, {"io": {"backend": f"fault:{errno.ENOSPC}@4096"}, "timeout_s": 60}, False),
     "raised-temporal": ("megatron-worker:rank1=raise", False, None, False),
     "raised-persistent": ("megatron-worker:rank1=raise", True, None, False),
     "killed-temporal": ("megatron-worker:rank0=kill", False, None, False),
@@ -324,8 +342,17 @@ FAILURES = {  # name: (the stage action in the worker, persistent worker, config
 
 
 def rank_async_failures(root: str) -> dict:
-    """Every case of :data:`FAILURES` in one launch, a queue and a directory each."""
-    return {name: rank_async_failure(str(Path(root) / name), persistent, config, watch, hook=hook)
+    """Every case of :data:`FAILURES` in one launch, a directory each; a queue each, except that the persistent cases
+    share one (one spawned worker per rank, seconds of imports, as a Megatron-LM run keeps one): the worker that
+    raised lives on and takes the next case's save (watched from then on, as a queue can be wrapped at any time),
+    which kills it; the queue is closed after the last of them."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    persistent_queue = AsyncCallsQueue(persistent=True)
+    last_persistent = [name for name, (_, persistent, _, _) in FAILURES.items() if persistent][-1]
+    return {name: rank_async_failure(str(Path(root) / name), persistent, config, watch, hook=hook,
+                                     queue=persistent_queue if persistent else None,
+                                     close=not persistent or name == last_persistent)
             for name, (hook, persistent, config, watch) in FAILURES.items()}
 
 
@@ -632,9 +659,11 @@ def test_on_failure_continue_respawns_a_killed_worker_keeps_one_that_raised_and_
 
 def test_silent_worker_is_dead_after_heartbeat_timeout(run_ranks, tmp_path):
     # rank 0's worker takes the save, then stops beating (sleeps at its fault point): dead after 3 s,
-    # set through the environment (CPUCKPT_MEGATRON_<KEY>)
+    # set through the environment (CPUCKPT_MEGATRON_<KEY>). The heartbeat is cpuckpt's channel, alike for either
+    # caller: a temporal (forked) worker, not a spawned one (seconds of imports); a dead persistent worker is
+    # found by the tests above (killed before its first save, mid-save, while idle)
     env = dict(ENV, CPUCKPT_TEST_HOOK="megatron-worker:rank0=sleep:120", CPUCKPT_MEGATRON_HEARTBEAT_TIMEOUT_S="3")
-    results = run_ranks(2, rank_async_failure, str(tmp_path), True, None, True, timeout_s=120, env=env)
+    results = run_ranks(2, rank_async_failure, str(tmp_path), False, None, True, timeout_s=120, env=env)
     for r in results:
         assert r["error"] is not None and "WorkerDiedError" in r["error"] and "silent for" in r["error"], r
         assert not r["metadata_json"]
