@@ -3,9 +3,11 @@
 Each rank drives megatron-core the way Megatron-LM's ``save_checkpoint`` does (rank 0 prunes the
 non-persistent directory and creates ``iter_<N>``, ``dist_checkpointing.save`` with the async
 strategy, a finalize function that writes the directory's ``latest_checkpointed_iteration.txt``,
-megatron-core's persistent ``AsyncCallsQueue``) and restarts the way Megatron-LM's loader does (the
-newer of the two trackers, ``dist_checkpointing.load`` of ``iter_<N>``). Megatron-LM itself is not on
-PyPI; the hook that installs this into ``pretrain_gpt.py`` runs on the GPU machine.
+megatron-core's persistent ``AsyncCallsQueue`` where its worker takes part in what is asserted, else
+the temporal one: a worker forked per save, not spawned with seconds of imports) and restarts the way
+Megatron-LM's loader does (the newer of the two trackers, ``dist_checkpointing.load`` of ``iter_<N>``).
+Megatron-LM itself is not on PyPI; the hook that installs this into ``pretrain_gpt.py`` runs on the GPU
+machine.
 """
 
 from __future__ import annotations
@@ -135,7 +137,9 @@ def rank_train(root: str, iterations: list[int]) -> None:
 
 
 def rank_restart(root: str) -> dict:
-    """Megatron-LM's restart: load the newer of the two trackers' checkpoints, then train on."""
+    """Megatron-LM's restart: load the newer of the two trackers' checkpoints, then train on. Its one save goes
+    through megatron-core's temporal caller (a forked worker): what is asserted is the tier's, and the persistent
+    worker (seconds of imports to spawn) is :func:`rank_train`'s."""
     import torch.distributed as dist
     from cpuckpt.integrations.megatron import load_strategy
     from cpuckpt.integrations.megatron.memory import MegatronMemory
@@ -155,7 +159,7 @@ def rank_restart(root: str) -> dict:
     _check(loaded, it, device)
     from_memory = os.path.realpath(d / f"iter_{it:07d}").startswith(str(root_p / "ram"))
     strategy = CpuckptSaveStrategy(_config(root_p), memory=router)
-    queue = AsyncCallsQueue(persistent=True)
+    queue = AsyncCallsQueue(persistent=False)
     _megatron_save(strategy, queue, router, router.np_dir, it + 1, device)
     queue.maybe_finalize_async_calls(blocking=True)
     dist.barrier()
@@ -549,7 +553,8 @@ def rank_logits_requests_carry_the_finalize(root: str) -> dict:
 
 def rank_unfinalized_without_a_queue(root: str) -> str:
     """The strategy used without Megatron-LM's queue (``queue_of`` unset) by a caller that never finalizes: the
-    save that would refill the slot of an unfinalized one is refused, before it touches the slot."""
+    save that would refill the slot of an unfinalized one is refused, before it touches the slot. (megatron-core's
+    temporal caller, a worker forked per save: the refusal is the strategy's, whichever caller; no spawned worker.)"""
     import torch.distributed as dist
     from cpuckpt.integrations.megatron.memory import MegatronMemory
     from cpuckpt.integrations.megatron.strategy import CpuckptSaveStrategy
@@ -563,7 +568,7 @@ def rank_unfinalized_without_a_queue(root: str) -> str:
     root_p = Path(root)
     router = MegatronMemory(root_p / "save", root_p / "save" / "non_persistent", Config.from_dict(_config(root_p)))
     strategy = CpuckptSaveStrategy(_config(root_p), memory=router)  # 2 slots
-    queue = AsyncCallsQueue(persistent=True)
+    queue = AsyncCallsQueue(persistent=False)
     for it in (1, 2):
         _megatron_save(strategy, queue, router, router.np_dir, it, device)  # scheduled, never finalized here
     outcome = "saved"
