@@ -6,7 +6,7 @@ own, node-local, non-persistent directory ``D`` (``np<i>``, what ``--non-persist
 node), and one shared ``--save``. Each rank drives real megatron-core the way Megatron-LM's ``save_checkpoint``
 does (as tests/integrations/test_megatron_memory.py does: rank 0 prunes ``D`` and creates ``iter_<N>``,
 ``dist_checkpointing.save`` with cpuckpt's async strategy, a finalize that writes rank 0's tracker, megatron-core's
-persistent ``AsyncCallsQueue``) on a sharded state (a tensor split across the ranks, a replicated one, a sharded
+``AsyncCallsQueue``) on a sharded state (a tensor split across the ranks, a replicated one, a sharded
 object, a common value), a memory save every iteration, a persistent one every 4th, ``memory.replicas: 1``. Real
 writer processes, real sockets, real files; nothing is mocked. Proven:
 
@@ -125,7 +125,9 @@ def worker(argv: list[str]) -> int:
     tier = router.tier
     report["tier_root"] = str(tier.root.path)
     strategy = CpuckptSaveStrategy(cfg, memory=router)
-    queue = AsyncCallsQueue(persistent=True)
+    # the temporal caller (a worker forked per save): nothing here is about megatron-core's persistent worker
+    # (test_megatron*.py), which every launch would spawn anew, seconds of imports each
+    queue = AsyncCallsQueue(persistent=False)
     for k in range(max(it, 0) + 1, args.until + 1):
         _megatron_save(strategy, queue, router, save if k % 4 == 0 else np_dir, k, device)
         if not (args.skip_last_finalize and k == args.until):  # a kill before Megatron finalized the last save
