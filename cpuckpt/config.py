@@ -189,9 +189,11 @@ class MemoryConfig:
                                 "in its own slot, and one slot always holds a committed save). 1: save(step) returns "
                                 "only once every older save is committed, so a job killed after it returned restarts "
                                 "from step - 1 or newer (at most one step lost; needs slots >= 2). At most "
-                                "max(1, slots - 1). The DeepSpeed adapter always waits for the previous commit; "
-                                "with Megatron-LM (a queue cpuckpt watches) setting 1 also finalizes each memory save "
-                                "before the next iteration's log line, so its tracker names N before N + 1 is logged, "
+                                "max(1, slots - 1). The DeepSpeed adapter always waits for the previous commit at "
+                                "the next save; with 1 also at the end of the step() after a save, so that save is "
+                                "committed before the trainer logs that step. With Megatron-LM (a queue cpuckpt "
+                                "watches) setting 1 also finalizes each memory save before the next iteration's log "
+                                "line, so its tracker names N before N + 1 is logged, "
                                 "except while a persistent save's persist is ahead in the queue or Megatron-LM's "
                                 "logits saver carries the save's finalize (docs/ARCHITECTURE.md 6b).",
                                 min=0, max=63)

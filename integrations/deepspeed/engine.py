@@ -601,6 +601,14 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                 job.fence.order(stream)
         return len(jobs)
 
+    def after_boundary_step(self, ds_engine: Any) -> None:
+        """The end of a ``step()`` that updated the model, whose start requested the commit of the save before it
+        (DeepSpeed's decoupled commit, here in the background). With the memory tier and ``memory.max_uncommitted:
+        1`` the step waits for that commit, so a job killed after the trainer logs iteration N + 1 restarts from N (the
+        default waits only at the next save: where the commit outlasts an iteration, from N - 1)."""
+        if self.settings.memory_tier and self.settings.core.memory.max_uncommitted == 1:
+            self._wait_background()
+
     def after_optimizer_step(self, ds_engine: Any) -> None:
         """After the first optimizer step (``prepare_pool``): size this rank's checkpoint, prepare the pool."""
         if self._prepare_decided:

@@ -79,7 +79,9 @@ def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
         if not _boundary(self):
             return original(self, *args, **kwargs)
         ck.before_optimizer_writes(self)  # a GPU-side wait: the host does not block
-        return original(self, *args, **kwargs)
+        result = original(self, *args, **kwargs)
+        ck.after_boundary_step(self)  # the commit this step requested, before the trainer logs it (if asked)
+        return result
 
     step._cpuckpt_ordered = True  # type: ignore[attr-defined]
     return step

@@ -20,6 +20,10 @@ What is proven (real DeepSpeed ZeRO-2 engines, real writer processes, real files
 - rank 1's writer cannot write (ENOSPC): the tag is never committed durably (no marker, no ``latest``), the
   next ``save_checkpoint`` raises ``PersistError`` on every rank, and so does ``engine.destroy()`` (its
   persist of the newest fails again), promptly, not after ``timeout_s``;
+- a memory save every iteration, its memory commits slowed: with ``memory.max_uncommitted: 1`` the step after a
+  save waits for its commit, so at the trainer's log of N the newest complete tag (a whole-job kill's restart) is
+  N - 1, and it loads bit-exact; without it, two behind (the commit is waited for only at the next save), unless the
+  iteration's work outlasts the commit;
 - ranks with separate RAM roots (two nodes) work (tests/dist/test_multinode_deepspeed.py: two torchrun launches,
   a lost node restored from a partner's replica); what a node's leader cannot copy itself, ZeRO's
   ``elastic_checkpoint`` (every rank reads every rank's optimizer file), is refused across nodes with the same
@@ -297,6 +301,54 @@ def rank_two_nodes(root: str) -> tuple[str, str]:
     return "", ""
 
 
+def rank_newest_at_each_log(root: str, max_uncommitted: int, work_s: float) -> dict:
+    """A DeepSpeed loop with a memory save every iteration, its memory commits slowed (0.3 s): the step (whose start
+    requests the commit of the previous save: DeepSpeed's decoupled commit, ours in the background), the iteration's
+    other work, the log, then the save. The newest complete tag at each log is what a whole-job kill right after that
+    log restarts from (``load_latest``'s choice); at the log of iteration 6 it is loaded by a fresh engine."""
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    from cpuckpt.testing import faults
+
+    rank = dist.get_rank()
+    save_dir = Path(root) / "ckpt"
+    ckpt_ds.install(_settings(str(Path(root) / "ram"), slots=3, persist_every=0, max_uncommitted=max_uncommitted))
+    engine = h._engine(2, seed=0)
+    memory = None
+    faults.install("before-rename:.cpuckpt-complete.json=sleep:0.3")  # the slot's marker: its memory commit
+    at_log: dict[int, int | None] = {}
+    for it in range(1, 7):
+        h._step(engine, it)
+        time.sleep(work_s)
+        dist.barrier()  # the log line; rank 0's commit is visible to every rank after it
+        memory = memory or engine.checkpoint_engine.memory_for(str(save_dir))
+        newest = memory.candidates() if memory is not None else []
+        at_log[it] = newest[0].global_step if newest else None
+        _save_state(h, engine, root, rank)
+        engine.save_checkpoint(str(save_dir))
+    ckpt_ds.commit_pending(engine)
+    faults.uninstall()
+    out = {"log": at_log}
+    if at_log[6] is not None:  # what a kill right after the log of 6 restarts from: its values, bit-exact
+        restarted = h._engine(2, seed=3)
+        path, _ = restarted.load_checkpoint(str(memory.links), tag=f"global_step{at_log[6]}")
+        h._assert_same(h._state(restarted), _saved(root, at_log[6], rank), f"global_step{at_log[6]} from RAM")
+        out["loaded"] = Path(path).parent.name
+        restarted.destroy()
+    engine.destroy()
+    return out
+
+
+def rank_newest_three_ways(root: str) -> list[dict]:
+    """``memory.max_uncommitted: 1``; the default, with no other work in the iteration; the default, with work that
+    outlasts the slowed commit (0.5 s against 0.3); in one launch of the ranks."""
+    return [rank_newest_at_each_log(str(Path(root) / name), k, work_s)
+            for name, k, work_s in (("u1", 1, 0.0), ("default", 0, 0.0), ("worked", 0, 0.5))]
+
+
 # ----------------------------------------------------------------------------------- test side
 def _wait_writers_gone(ram: Path, timeout_s: float = 60.0) -> None:
     from cpuckpt.tier.persister import lock_held
@@ -381,3 +433,17 @@ def test_elastic_checkpoints_across_nodes_are_refused_on_every_rank(run_ranks, t
     assert cls == "ConfigError" and "elastic_checkpoint" in msg and "across nodes" in msg, results[0]
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir()), "a byte reached save_dir"
     _wait_writers_gone(tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_1(run_ranks, tmp_path):
+    res = run_ranks(2, rank_newest_three_ways, str(tmp_path), timeout_s=240)
+    assert res[0] == res[1], res
+    u1, default, worked = res[0]
+    one_behind = {it: it - 1 if it > 1 else None for it in range(1, 7)}
+    # the step after a save waits for its commit: the newest tag at the log of N is N - 1, and it loads bit-exact
+    assert u1["log"] == one_behind and u1["loaded"] == "global_step5", u1
+    # the control: without it the commit of N - 1 is waited for only at the save of N, after the log: two behind
+    assert all(n is None or n <= it - 2 for it, n in default["log"].items()) and default["log"][6] == 4, default
+    # the default where the iteration's work outlasts the commit: one iteration lost there too
+    assert worked["log"] == one_behind, worked
