@@ -24,7 +24,10 @@ launch to exit). ``engine.destroy()`` ends every run (the memory variants persis
 job ending does). ``--pyspy VARIANTS`` records those variants' trainer with ``py-spy record --gil`` from outside for
 ``--pyspy-seconds`` from iteration warm + 2, as ``bench_goodput`` does (which of its threads held the interpreter,
 and where; the sampler's cost is in that run's wall too, so its ratio is not the result). ``+base`` runs a variant
-with ``--base-site``'s cpuckpt first on the path, ``+rep<N>`` runs it again under another name.
+with ``--base-site``'s cpuckpt first on the path, ``+rep<N>`` runs it again under another name, ``+u1`` with
+``memory.max_uncommitted: 1``. ``--kill-after-log N`` also runs each memory variant killed (the whole job, as
+iteration N's log line arrives) and relaunched from the newest complete tag: the iterations lost, and whether the
+relaunch logs the losses of ``none``.
 
     python -m benchmarks.bench_goodput_ds --out $OUT                       # one H200
     python -m benchmarks.bench_goodput_ds --smoke --out /tmp/g             # CPU, gloo, a tiny model
@@ -46,14 +49,14 @@ from typing import Any
 
 from benchmarks.bench_deepspeed import GPT, SMOKE_MODEL, add_model_args, free_port, import_adapter, model_argv
 from benchmarks.bench_goodput import GilProfile, _saves_between, gil_table, goodput, summarize
-from benchmarks.bench_megatron_lm import run
+from benchmarks.bench_megatron_lm import JobKiller, run
 from benchmarks.common import format_table
 
 logger = logging.getLogger("bench_goodput_ds")
 
 VARIANTS = ("none", "ds8", "cpuckpt8", "mem8", "mem1")
 EVERY = {"none": 0, "ds8": 8, "cpuckpt8": 8, "mem8": 8, "mem1": 1}
-MODIFIERS = ("ahead", "snap", "copyproc")
+MODIFIERS = ("ahead", "snap", "copyproc", "u1")  # u1: memory.max_uncommitted 1 (the step after a save waits for it)
 _REPEAT = re.compile(r"rep\d+")  # the same run again under another name (pairs alternated in one call)
 
 
@@ -68,6 +71,8 @@ def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict
                                              "copy_process": "copyproc" in mods})
         if "ahead" in mods:
             out["memory_save_dir"] = save
+        if "u1" in mods:
+            out["memory"]["max_uncommitted"] = 1
     if "snap" in mods:
         out["staging"] = {"device_snapshot": True}
     return out
@@ -86,7 +91,7 @@ def check_variant(name: str, base_site: str = "") -> str | None:
     if mods and base in ("none", "ds8"):
         return f"{name}: modifiers are cpuckpt's"
     if not base.startswith("mem") and set(mods) - {"snap"}:
-        return f"{name}: +ahead and +copyproc need a memory variant"
+        return f"{name}: +ahead, +copyproc and +u1 need a memory variant"
     return None
 
 
@@ -120,8 +125,13 @@ def train(args: argparse.Namespace) -> int:
               "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     every = EVERY[args.variant.split("+")[0]]
+    first = 1
+    if args.resume:  # the relaunch after a whole-job kill: the newest complete tag of both tiers
+        path, _ = import_adapter().load_latest(engine, args.save)
+        print(f"resumed from global step {engine.global_steps} ({path})", flush=True)
+        first = engine.global_steps + 1
     last = time.perf_counter()
-    for it in range(1, args.iters + 1):
+    for it in range(first, args.iters + 1):
         g = torch.Generator(device=device).manual_seed(it)
         ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq), device=device, generator=g)
         loss = engine(ids)
@@ -152,6 +162,40 @@ def own_clock(log: Path) -> list[dict[str, Any]]:
     return [{"it": int(m.group(1)), "t": float(m.group(2))} for m in _AT_RE.finditer(text)]
 
 
+_LOSS_RE = re.compile(r"iteration\s+(\d+)/.*\| loss (\S+) \|")
+_RESUMED_RE = re.compile(r"resumed from global step (\d+)")
+
+
+def logged_losses(log: Path) -> dict[int, str]:
+    """The loss each iteration logged (as printed: a bit-identical run prints the same)."""
+    try:
+        return {int(m.group(1)): m.group(2) for m in _LOSS_RE.finditer(log.read_text(errors="replace"))}
+    except OSError:
+        return {}
+
+
+def kill_and_resume(name: str, argv_run: list[str], env: dict[str, str], out: Path, timeout: float, at: int,
+                    reference: dict[int, str]) -> dict[str, Any]:
+    """Run ``name`` again, SIGKILL the whole job (its writers aside) as iteration ``at``'s log line arrives, relaunch
+    it from the newest complete tag (``load_latest``): the iterations lost, and whether every iteration the relaunch
+    logged has ``reference``'s loss (the run without checkpoints)."""
+    killer = JobKiller(at, logged=True)
+    killed_log, resumed_log = out / f"ds_{name}_killed.log", out / f"ds_{name}_resumed.log"
+    run(f"{name}-killed", argv_run, env, killed_log, timeout, killer)
+    resumed = run(f"{name}-resumed", [*argv_run, "--resume"], env, resumed_log, timeout)
+    logged, got = logged_losses(killed_log), logged_losses(resumed_log)
+    try:
+        m = _RESUMED_RE.search(resumed_log.read_text(errors="replace"))
+    except OSError:
+        m = None
+    last, start = max(logged, default=None), int(m.group(1)) if m else None
+    both = sorted(reference.keys() & got.keys())
+    differ = [it for it in both if reference[it] != got[it]]
+    return {"killed": killer.info["killed"], "last_logged": last, "resumed_from": start,
+            "iterations_lost": None if last is None or start is None else last - start, "relaunch_rc": resumed["rc"],
+            "compared": len(both), "values_differ_at": differ[:10], "values_equal": None if not both else not differ}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -171,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # the trainer of one run
     ap.add_argument("--variant", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--save", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kill-after-log", type=int, default=0, help="memory variants are also run SIGKILLed (the whole "
+                    "job, its writers aside) as iteration N's log line arrives, then relaunched from the newest tag: "
+                    "the iterations lost, and whether the relaunch logs the losses of none (run first)")
     args = ap.parse_args(argv)
     if args.smoke:
         vars(args).update(SMOKE_MODEL)
@@ -189,9 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if (why := check_variant(name, args.base_site)) is not None:
             ap.error(why)
+    if args.kill_after_log and names[:1] != ["none"]:
+        ap.error("--kill-after-log compares the relaunch's losses with none's: run none first")
     results: dict[str, Any] = {"args": vars(args), "summary": [], "runs": {}}
     ref: dict[str, Any] | None = None
-    rows = []
+    rows: list[list[Any]] = []
+    kills: list[list[Any]] = []
     try:
         for name in names:
             shutil.rmtree(root, ignore_errors=True)
@@ -224,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
                          f'{s.get("gap_max_ms")} @{s.get("gap_max_it")} ({s.get("gap_max_over_median")}x)',
                          s.get("gap_median_ms"), s.get("run_s"), s.get("run_over_none_s")])
+            if args.kill_after_log and name.startswith("mem"):
+                shutil.rmtree(root, ignore_errors=True)
+                shutil.rmtree(ram, ignore_errors=True)
+                reference = logged_losses(out / "ds_none.log")
+                k = kill_and_resume(name, argv_run, run_env, out, args.timeout, args.kill_after_log, reference)
+                results.setdefault("kill", {})[name] = k
+                kills.append([name, k["killed"], k["last_logged"], k["resumed_from"], k["iterations_lost"],
+                              k["relaunch_rc"], f'{k["values_equal"]} ({k["compared"]} compared)'])
             (out / "bench_goodput_ds.json").write_text(json.dumps(results, indent=1, default=str))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -235,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         title=f"goodput: DeepSpeed ZeRO-1 GPT {args.layers}x{args.hidden}, {args.iters} iterations, memory durable "
               f"every {args.durable}, slots 3",
         footnotes=["wall: by the trainer's own clock in its iteration lines; run s: launch to exit"]))
+    if kills:
+        print(format_table(["variant", "killed", "last logged", "resumed from", "iterations lost", "relaunch rc",
+                            "losses equal none's"], kills,
+                           title=f"whole-job SIGKILL as iteration {args.kill_after_log}'s log line arrived, relaunched "
+                                 "from the newest complete tag (load_latest)"))
     if results.get("gil"):
         print(gil_table(results["gil"]))
     return 0 if all(s["rc"] == 0 for s in results["summary"]) else 1
