@@ -25,9 +25,9 @@ job ending does). ``--pyspy VARIANTS`` records those variants' trainer with ``py
 ``--pyspy-seconds`` from iteration warm + 2, as ``bench_goodput`` does (which of its threads held the interpreter,
 and where; the sampler's cost is in that run's wall too, so its ratio is not the result). ``+base`` runs a variant
 with ``--base-site``'s cpuckpt first on the path, ``+rep<N>`` runs it again under another name, ``+u1`` with
-``memory.max_uncommitted: 1``. ``--kill-after-log N`` also runs each memory variant killed (the whole job, as
-iteration N's log line arrives) and relaunched from the newest complete tag: the iterations lost, and whether the
-relaunch logs the losses of ``none``.
+``memory.max_uncommitted: 1``. ``--kill VARIANTS`` also runs those memory variants killed (the whole job, as
+iteration ``--kill-after-log``'s line arrives) and relaunched from the newest complete tag: the iterations lost, and
+whether the relaunch logs the losses of ``none``.
 
     python -m benchmarks.bench_goodput_ds --out $OUT                       # one H200
     python -m benchmarks.bench_goodput_ds --smoke --out /tmp/g             # CPU, gloo, a tiny model
@@ -216,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", default="none", help=argparse.SUPPRESS)
     ap.add_argument("--save", default="", help=argparse.SUPPRESS)
     ap.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--kill-after-log", type=int, default=0, help="memory variants are also run SIGKILLed (the whole "
-                    "job, its writers aside) as iteration N's log line arrives, then relaunched from the newest tag: "
-                    "the iterations lost, and whether the relaunch logs the losses of none (run first)")
+    ap.add_argument("--kill", default="", help="memory variants also run SIGKILLed (the whole job, its writers "
+                    "aside) as iteration --kill-after-log's line arrives, then relaunched from the newest tag: the "
+                    "iterations lost, and whether the relaunch logs the losses of none (run first)")
+    ap.add_argument("--kill-after-log", type=int, default=30)
     args = ap.parse_args(argv)
     if args.smoke:
         vars(args).update(SMOKE_MODEL)
@@ -237,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         if (why := check_variant(name, args.base_site)) is not None:
             ap.error(why)
-    if args.kill_after_log and names[:1] != ["none"]:
-        ap.error("--kill-after-log compares the relaunch's losses with none's: run none first")
+    killed = [v for v in args.kill.split(",") if v]
+    if killed and names[:1] != ["none"]:
+        ap.error("--kill compares the relaunch's losses with none's: run none first")
+    if any(v not in names or not v.startswith("mem") for v in killed):
+        ap.error("--kill names memory variants of --variants")
     results: dict[str, Any] = {"args": vars(args), "summary": [], "runs": {}}
     ref: dict[str, Any] | None = None
     rows: list[list[Any]] = []
@@ -275,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
                          f'{s.get("gap_max_ms")} @{s.get("gap_max_it")} ({s.get("gap_max_over_median")}x)',
                          s.get("gap_median_ms"), s.get("run_s"), s.get("run_over_none_s")])
-            if args.kill_after_log and name.startswith("mem"):
+            if name in args.kill.split(","):
                 shutil.rmtree(root, ignore_errors=True)
                 shutil.rmtree(ram, ignore_errors=True)
                 reference = logged_losses(out / "ds_none.log")

@@ -27,7 +27,8 @@ def test_bench_goodput_ds_smoke(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_goodput_ds", "--smoke", "--variants",
-                           "none,mem8+ahead+u1", "--kill-after-log", "9", "--out", str(tmp_path)],
+                           "none,mem8+ahead+u1", "--kill", "mem8+ahead+u1", "--kill-after-log", "9", "--out",
+                           str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=290)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     results = json.loads((tmp_path / "bench_goodput_ds.json").read_text())
