@@ -1,7 +1,8 @@
 """benchmarks/bench_goodput_ds.py still runs: ``--smoke`` (CPU, gloo, a tiny GPT) makes whole DeepSpeed runs without
 and with memory checkpoints, reads their iteration lines and prints the goodput table (asserting no speed); the memory
-variant killed as iteration 9's line arrives resumes from its save of 8 (``+u1``: committed before that line) and
-logs the losses of the run without checkpoints."""
+variant (a save every iteration, ``+u1``: each committed before the next line) killed as iteration 6's line arrives
+(the kill lands a little later on a loaded box) resumes from the save before the last line it logged, and logs the
+losses of the run without checkpoints."""
 
 from __future__ import annotations
 
@@ -27,16 +28,16 @@ def test_bench_goodput_ds_smoke(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_goodput_ds", "--smoke", "--variants",
-                           "none,mem8+ahead+u1", "--kill", "mem8+ahead+u1", "--kill-after-log", "9", "--out",
+                           "none,mem1+ahead+u1", "--kill", "mem1+ahead+u1", "--kill-after-log", "6", "--out",
                            str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=290)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     results = json.loads((tmp_path / "bench_goodput_ds.json").read_text())
     summary = results["summary"]
-    assert [s["variant"] for s in summary] == ["none", "mem8+ahead+u1"]
+    assert [s["variant"] for s in summary] == ["none", "mem1+ahead+u1"]
     assert all(s["rc"] == 0 and s["iters"] == 8 for s in summary), summary  # iterations 2..10 of the window
-    assert summary[1]["saves"] == 1 and summary[1].get("ratio") is not None, summary[1]
+    assert summary[1]["saves"] == 8 and summary[1].get("ratio") is not None, summary[1]
     assert "wall x none" in proc.stdout
-    kill = results["kill"]["mem8+ahead+u1"]
-    assert kill["killed"] and (kill["last_logged"], kill["resumed_from"], kill["iterations_lost"]) == (9, 8, 1), kill
-    assert kill["relaunch_rc"] == 0 and kill["values_equal"] and kill["compared"] == 2, kill
+    kill = results["kill"]["mem1+ahead+u1"]
+    assert kill["killed"] and 6 <= kill["last_logged"] < 10 and kill["iterations_lost"] == 1, kill
+    assert kill["relaunch_rc"] == 0 and kill["values_equal"] and kill["compared"] == 10 - kill["resumed_from"], kill
