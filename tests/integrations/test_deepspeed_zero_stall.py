@@ -315,6 +315,9 @@ def test_step_hooks_order_before_the_optimizer_writes():
         def after_optimizer_step(self, engine) -> None:
             log.append("after")
 
+        def after_boundary_step(self, engine) -> None:
+            log.append("stepped")
+
     assert order_engine_steps(Engine) == ["step", "_take_model_step"]
     assert order_engine_steps(Engine) == ["step", "_take_model_step"]  # idempotent: wrapped once
     e = Engine(boundary=False)
@@ -324,7 +327,7 @@ def test_step_hooks_order_before_the_optimizer_writes():
     log.clear()
     e.boundary, e.checkpoint_engine.pending = True, 2
     e.step()
-    assert log == ["bind", "order2", "step", "bind", "order0", "optimizer", "after"], log
+    assert log == ["bind", "order2", "step", "bind", "order0", "optimizer", "after", "stepped"], log
     log.clear()
     e._take_model_step(None)  # the pipeline engine's direct call
     assert log == ["bind", "order0", "optimizer", "after"], log
