@@ -13,10 +13,12 @@ With ``background_commit`` (the default for async saves) the commit DeepSpeed re
 ``engine.step()`` runs on a background thread with its own gloo group, so the step does not wait
 for storage: the tensors already sit in the host pool. The next ``create()`` (the next save),
 ``cleanup()`` (``engine.destroy()``) and :meth:`CpuckptCheckpointEngine.wait` wait for it and raise
-its failure, which every rank learns from the same all-gather (the same error on every rank).
-Commits that DeepSpeed makes right after ``create`` with the same info object
-(``save_16bit_model``), and the one in ``cleanup``, block: their callers expect durable files on
-return.
+its failure, which every rank learns from the same all-gather (the same error on every rank); with the
+memory tier and ``memory.max_uncommitted: 1`` so does the end of the ``step()`` that requested it
+(:meth:`CpuckptCheckpointEngine.after_boundary_step`: a memory or a disk checkpoint alike; DeepSpeed's pipeline
+engine calls no ``step()``, so there it waits only at the next save). Commits that DeepSpeed makes right after
+``create`` with the same info object (``save_16bit_model``), and the one in ``cleanup``, block: their callers expect
+durable files on return.
 
 Completion marker (:mod:`.marker`): before a rank writes its first byte into ``<save_dir>/<tag>``,
 it removes the tag's ``.cpuckpt-complete.json`` and creates ``.cpuckpt-saving`` (directory
@@ -604,8 +606,10 @@ class CpuckptCheckpointEngine(CheckpointEngine):
     def after_boundary_step(self, ds_engine: Any) -> None:
         """The end of a ``step()`` that updated the model, whose start requested the commit of the save before it
         (DeepSpeed's decoupled commit, here in the background). With the memory tier and ``memory.max_uncommitted:
-        1`` the step waits for that commit, so a job killed after the trainer logs iteration N + 1 restarts from N (the
-        default waits only at the next save: where the commit outlasts an iteration, from N - 1)."""
+        1`` the step waits for that commit (a checkpoint that went to disk too: ``when_full: disk``), so a job killed
+        after the trainer logs iteration N + 1 restarts from N (the default waits only at the next save: where the
+        commit outlasts an iteration, from N - 1). DeepSpeed's ``PipelineEngine`` commits from its next save only
+        (it calls no ``step()``): there this does not hold."""
         if self.settings.memory_tier and self.settings.core.memory.max_uncommitted == 1:
             self._wait_background()
 

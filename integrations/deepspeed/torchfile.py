@@ -104,7 +104,7 @@ def _pickle_module(rec: _Recorder) -> Any:
                     or obj.device.type == "meta":
                 return NotImplemented  # Parameters reduce to their .data (a plain tensor) and come back here
             grad = obj.requires_grad and (obj.is_floating_point() or obj.is_complex())
-            proxy = torch.empty(tuple(obj.shape), dtype=obj.dtype, requires_grad=grad)
+            proxy = torch.empty(tuple(obj.shape), dtype=obj.dtype, requires_grad=grad, device="cpu")
             rec.keep.append(proxy)
             rec.by_cdata[proxy.untyped_storage()._cdata] = obj
             return _reduce_proxy(proxy, self._protocol)
@@ -216,9 +216,14 @@ def _torch_skeleton(obj: Any) -> tuple[SparseSink, Regions]:
     """The skeleton as ``torch.save`` writes it (proxies pickled, data skipped), and its storages' regions."""
     rec = _Recorder()
     sink = SparseSink()
-    with torch.serialization.skip_data():
-        torch.save(obj, sink, pickle_module=_pickle_module(rec))
-    return sink, _data_regions(sink, rec)
+    try:
+        with torch.serialization.skip_data():
+            torch.save(obj, sink, pickle_module=_pickle_module(rec))
+        return sink, _data_regions(sink, rec)
+    finally:  # the pickler's class holds ``rec`` in a reference cycle: free the proxies and sources now, not at a GC
+        rec.keep.clear()
+        rec.by_cdata.clear()
+        rec.keys.clear()
 
 
 class _Unsupported(Exception):
@@ -289,23 +294,28 @@ def _fast_skeleton(obj: Any) -> tuple[SparseSink, Regions] | None:
 
     buf = io.BytesIO()
     try:
-        Pickler(buf, torch.serialization.DEFAULT_PROTOCOL).dump(obj)
-    except _Unsupported as e:
-        logger.debug("torch file skeleton: %s; torch.save writes it", e)
-        return None
-    data = buf.getvalue()
-    sink = SparseSink()
-    regions: Regions = []
-    with torch.serialization._open_zipfile_writer(sink) as archive:
-        alignment = str(_ser_config.save.storage_alignment)
-        for name, value in (("data.pkl", data), (".format_version", "1"), (".storage_alignment", alignment),
-                            ("byteorder", sys.byteorder)):
-            archive.write_record(name, value, len(value))
-        for key, t in enumerate(tensors):
-            nbytes = t.numel() * t.element_size()
-            archive.write_record_metadata(f"data/{key}", nbytes)
-            regions.append((_data_start(sink, nbytes, key), nbytes, flat_bytes(t)))
-    return sink, regions
+        try:
+            Pickler(buf, torch.serialization.DEFAULT_PROTOCOL).dump(obj)
+        except _Unsupported as e:
+            logger.debug("torch file skeleton: %s; torch.save writes it", e)
+            return None
+        data = buf.getvalue()
+        sink = SparseSink()
+        regions: Regions = []
+        with torch.serialization._open_zipfile_writer(sink) as archive:
+            alignment = str(_ser_config.save.storage_alignment)
+            for name, value in (("data.pkl", data), (".format_version", "1"), (".storage_alignment", alignment),
+                                ("byteorder", sys.byteorder)):
+                archive.write_record(name, value, len(value))
+            for key, t in enumerate(tensors):
+                nbytes = t.numel() * t.element_size()
+                archive.write_record_metadata(f"data/{key}", nbytes)
+                regions.append((_data_start(sink, nbytes, key), nbytes, flat_bytes(t)))
+        return sink, regions
+    finally:  # the pickler's class holds these in a reference cycle: the caller's tensors go now, not at a GC
+        tensors.clear()
+        refs.clear()
+        pids.clear()
 
 
 def _data_start(sink: SparseSink, nbytes: int, key: int) -> int:
@@ -324,14 +334,17 @@ def _data_start(sink: SparseSink, nbytes: int, key: int) -> int:
 def _fast_matches_torch() -> bool:
     """The fast builder writes what ``torch.save`` writes, byte for byte, for a probe of every kind of
     object it takes (checked once per process, at the alignment set then)."""
-    base = torch.arange(600, dtype=torch.float32)
-    param = torch.nn.Parameter(torch.randn(4, 3))
-    leaf = torch.randn(3, 3, requires_grad=True)
+    cpu = torch.device("cpu")  # whatever the default device; and no random draws (the job's RNG stays as it was)
+    base = torch.arange(600, dtype=torch.float32, device=cpu)
+    param = torch.nn.Parameter(torch.arange(12.0, device=cpu).view(4, 3))
+    leaf = torch.ones(3, 3, device=cpu, requires_grad=True)
     probe = {"view": base[10:20], "base": base, "strided": base[::7], "param": param, "shared": [param, base],
-             "bf16": torch.randn(5).bfloat16(), "nonleaf": (leaf * 2)[1:], "empty": torch.empty(0, 3),
-             "scalar": torch.tensor(2.5), "i64": torch.arange(4), "bool": torch.arange(3) > 1,
-             "shape": torch.Size([2, 3]), "ordered": collections.OrderedDict(a=1, b=None), "text": "s", "n": 7,
-             "f16": torch.ones(2, 2, dtype=torch.float16).t(), "i8": torch.zeros(3, dtype=torch.int8)}
+             "bf16": base[:5].bfloat16(), "nonleaf": (leaf * 2)[1:], "empty": torch.empty(0, 3, device=cpu),
+             "scalar": torch.tensor(2.5, device=cpu), "i64": torch.arange(4, device=cpu),
+             "bool": torch.arange(3, device=cpu) > 1, "shape": torch.Size([2, 3]),
+             "ordered": collections.OrderedDict(a=1, b=None), "text": "s", "n": 7,
+             "f16": torch.ones(2, 2, dtype=torch.float16, device=cpu).t(), "i8": torch.zeros(3, dtype=torch.int8,
+                                                                                             device=cpu)}
     if not _plain_reduce_agrees():
         return False
     fast, torch_made = _fast_skeleton(probe), _torch_skeleton(probe)

@@ -714,13 +714,18 @@ def _deepspeed_like_model_states():
 def test_fast_torch_file_skeleton_is_torch_saves(alignment):
     """The fast skeleton builder writes, byte for byte, the skeleton ``torch.save`` writes under ``skip_data``
     (serialization id included), with every storage's bytes at the same offsets, for DeepSpeed's kind of
-    file; and this torch passed the process's probe, so DeepSpeed saves take the fast builder."""
+    file; and this torch passed the process's probe (under another default device too, without a random draw), so
+    DeepSpeed saves take the fast builder."""
     import torch
     from cpuckpt.integrations.deepspeed import torchfile
 
     state = _deepspeed_like_model_states()
+    torchfile._fast_matches_torch.cache_clear()
+    rng = torch.get_rng_state()
+    with torch.device("meta"), torchfile._ALIGNMENT_LOCK, torchfile._storage_alignment(alignment):
+        assert torchfile._fast_matches_torch()  # whatever the default device (the proxies are CPU tensors)
+    assert torch.equal(torch.get_rng_state(), rng)  # the probe draws no random numbers (the job's stream is its own)
     with torchfile._ALIGNMENT_LOCK, torchfile._storage_alignment(alignment):
-        assert torchfile._fast_matches_torch()
         fast = torchfile._fast_skeleton(state)
         slow = torchfile._torch_skeleton(state)
     assert fast is not None
