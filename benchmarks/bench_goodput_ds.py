@@ -103,6 +103,11 @@ def train(args: argparse.Namespace) -> int:
 
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if args.deterministic:  # the same kernels in every run, so a relaunch's losses can be compared with none's
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.enable_flash_sdp(False)  # their backward accumulates with atomics: the math kernel
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1", "CROSS_SIZE": "1", "CROSS_RANK": "0"}.items():
         os.environ.setdefault(k, v)
@@ -220,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                     "aside) as iteration --kill-after-log's line arrives, then relaunched from the newest tag: the "
                     "iterations lost, and whether the relaunch logs the losses of none (run first)")
     ap.add_argument("--kill-after-log", type=int, default=30)
+    ap.add_argument("--deterministic", action="store_true", help="every run with deterministic kernels (math "
+                    "attention, torch's deterministic algorithms): without, DeepSpeed's GPU runs differ from the "
+                    "first iterations on, so --kill's relaunch cannot be compared with none")
     args = ap.parse_args(argv)
     if args.smoke:
         vars(args).update(SMOKE_MODEL)
@@ -243,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--kill compares the relaunch's losses with none's: run none first")
     if any(v not in names or not v.startswith("mem") for v in killed):
         ap.error("--kill names memory variants of --variants")
+    if killed and not 0 < args.kill_after_log < args.iters:
+        ap.error(f"--kill-after-log {args.kill_after_log} is not an iteration before the last ({args.iters})")
     results: dict[str, Any] = {"args": vars(args), "summary": [], "runs": {}}
     ref: dict[str, Any] | None = None
     rows: list[list[Any]] = []
@@ -253,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(ram, ignore_errors=True)
             argv_run = [sys.executable, "-m", "benchmarks.bench_goodput_ds", "--train", "--variant", name,
                         "--save", str(root / name), "--ram", ram, "--iters", str(args.iters), "--durable",
-                        str(args.durable), *model_argv(args), *(["--smoke"] if args.smoke else [])]
+                        str(args.durable), *model_argv(args), *(["--smoke"] if args.smoke else []),
+                        *(["--deterministic"] if args.deterministic else [])]
             logger.info("== %s", name)
             gil = (GilProfile(out, f"ds_{name}", args.warm + 2, args.pyspy_seconds, pid_of=lambda proc: proc.pid)
                    if name in args.pyspy.split(",") else None)  # the trainer is the process itself (no torchrun)

@@ -1068,12 +1068,14 @@ def phase_memory(b: Bench) -> tuple[dict, str]:
     tmp = Path(tempfile.mkdtemp(prefix="bench_mlm_"))
     cfg_on = memory_tier_config(a.config, tmp / "memory_on.yaml", ram, a.memory_slots, a.memory_max_uncommitted)
     extra = ["--save-interval", str(a.memory_durable), "--non-persistent-save-interval", str(a.memory_interval),
-             "--non-persistent-ckpt-type", "global", "--eval-interval", str(10 * a.memory_iters), *ASYNC]
+             "--non-persistent-ckpt-type", "global", "--eval-interval", str(10 * a.memory_iters), *ASYNC,
+             "--log-interval", str(a.memory_log_interval)]
     train = ["--train-iters", str(a.memory_iters), *extra]
     out: dict[str, Any] = {}
     fmt = a.memory_format
     # the reference run: the same saves without the tier, or (--memory-off-plain) no checkpoints at all
-    off_train = ["--train-iters", str(a.memory_iters), "--eval-interval", str(10 * a.memory_iters)] \
+    off_train = ["--train-iters", str(a.memory_iters), "--eval-interval", str(10 * a.memory_iters),
+                 "--log-interval", str(a.memory_log_interval)] \
         if a.memory_off_plain else [*train, "--save", str(root / "off")]  # (--save needs --save-interval)
     off = b.run("memory-off", b.argv(fmt, "memory", off_train))
     b.clean(root / "off")
@@ -1425,6 +1427,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--memory-max-uncommitted", type=int, default=0,
                    help="memory.max_uncommitted of the tier's run (1: at most one iteration lost)")
     g.add_argument("--memory-slots", type=int, default=3)
+    g.add_argument("--memory-log-interval", type=int, default=1,
+                   help="Megatron-LM's --log-interval of the three runs (a job's: 10 or 100)")
     g.add_argument("--memory-off-plain", action="store_true",
                    help="the reference run saves nothing (its values are the uninterrupted run's)")
     g.add_argument("--memory-format", default="cpuckpt", choices=["cpuckpt", *VARIANTS],
