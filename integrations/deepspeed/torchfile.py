@@ -130,7 +130,7 @@ def _plain_reduce(proxy: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
 @functools.cache
 def _plain_reduce_agrees() -> bool:
     """This torch reduces a fresh tensor as :func:`_plain_reduce` does (checked once per process)."""
-    probe = torch.empty((2, 3), requires_grad=True)
+    probe = torch.empty((2, 3), requires_grad=True, device="cpu")  # the proxies are CPU tensors
     try:
         want, ours = probe.__reduce_ex__(2), _plain_reduce(probe)
     except Exception:

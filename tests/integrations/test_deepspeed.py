@@ -721,6 +721,7 @@ def test_fast_torch_file_skeleton_is_torch_saves(alignment):
 
     state = _deepspeed_like_model_states()
     torchfile._fast_matches_torch.cache_clear()
+    torchfile._plain_reduce_agrees.cache_clear()
     rng = torch.get_rng_state()
     with torch.device("meta"), torchfile._ALIGNMENT_LOCK, torchfile._storage_alignment(alignment):
         assert torchfile._fast_matches_torch()  # whatever the default device (the proxies are CPU tensors)
