@@ -179,12 +179,12 @@ def _replayed_saves(root: str, case: str, device: str) -> dict:
         for p in model.parameters():  # a training step: new values everywhere, learning rate and step advance
             p.grad = torch.randn_like(p)
         states = optimizer.optimizer.state.values()
-        if case == "step_number":  # AdamW steps tensors only
+        if case == "padding":  # (also) a step that is a plain number in the optimizer's state; AdamW steps tensors only
             for param_state in states:
                 param_state["step"] = torch.tensor(float(param_state["step"]))
         optimizer.optimizer.step()  # AdamW's own (megatron-core's wrapper clips gradients on CUDA)
         optimizer.steps += 1
-        if case == "step_number":  # an optimizer whose step is a plain number: new at every step, outside the structure
+        if case == "padding":  # an optimizer whose step is a plain number: new at every step, outside the structure
             for param_state in states:
                 param_state["step"] = float(param_state["step"])
         scheduler.step(1)
@@ -245,8 +245,9 @@ EXPECTED = {
     "structure": [0, 0, 0, 1, 0, 0, 1],  # 5: the moved parameter makes a build, 6 verifies it
     "state_moved": [0, 0, 0, 1, 0, 0, 1],  # the same for an optimizer state (a replay would write the stale one)
     "one_rank": [0, 0, 0, 1, 0, 0, 1],  # the same on rank 0 only: every rank builds with it (the builds gather)
-    "padding": [0, 0, 0, 1, 1, 1, 0],  # replayed as captured (its values are never read)
-    "step_number": [0, 0, 0, 1, 1, 1, 0],  # replayed with the common step of the optimizer's fresh state
+    # replayed: the padding as captured (its values are never read), the common step from the optimizer's fresh state
+    # (a plain number there: a captured one would be stale)
+    "padding": [0, 0, 0, 1, 1, 1, 0],
     "extra_state": [0] * SAVES,
     "copies": [0] * SAVES,
     "derived": [0] * SAVES,
