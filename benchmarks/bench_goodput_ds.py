@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
                          f'{s.get("gap_max_ms")} @{s.get("gap_max_it")} ({s.get("gap_max_over_median")}x)',
                          s.get("gap_median_ms"), s.get("run_s"), s.get("run_over_none_s")])
-            if name in args.kill.split(","):
+            if name in killed:
                 shutil.rmtree(root, ignore_errors=True)
                 shutil.rmtree(ram, ignore_errors=True)
                 reference = logged_losses(out / "ds_none.log")

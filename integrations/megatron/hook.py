@@ -69,6 +69,7 @@ at the top of the script: ``import cpuckpt.integrations.megatron as m; m.install
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import sys
@@ -292,7 +293,6 @@ def freeze_collector_after_setup(module: Any = None) -> bool:
     """When Megatron-LM's ``setup_model_and_optimizer`` returns, collect, then ``gc.freeze()`` what is alive
     (``megatron: {freeze_gc: true}``; :class:`.settings.MegatronOptions` says why); returns whether it wrapped it.
     ``module``: ``megatron.training.training``."""
-    import functools
     import gc
     import time
 
@@ -377,7 +377,6 @@ def order_optimizer_steps(base: type | None = None) -> list[str]:
     emptied by the first. Classes defined after this call are covered through a wrapped base's
     ``step`` only if they do not define their own.
     """
-    import functools
 
     from . import strategy
     from .prepare import wrap_optimizer_steps
@@ -413,7 +412,6 @@ def _route_to_memory_tier(run: Training, module: Any) -> None:
     from .memory import restart_before_load
 
     restart_before_load(module, run.memory)  # across nodes, the trackers every rank reads agree first
-    import functools
 
     import megatron.training.async_utils as async_utils
 
@@ -446,7 +444,6 @@ def _reserve_slots_after_setup(run: Training, module: Any = None, args_of: Calla
     saves pay it while the job trains (~1-1.8 s per 5 GB slot on the H200, on the trainer's thread). With
     persistent saves coming (``--save-interval``) the rank's writer process starts then too. Only for a run that
     saves asynchronously (sync saves do not use the tier); ``module``: ``megatron.training.training``."""
-    import functools
 
     found = _megatron_setup(module, "the memory tier's slots are made by the first saves")
     if found is None:
@@ -550,7 +547,6 @@ def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue,
     here: the ring reuses slots, not directories, and the strategy finalizes before every save into it only
     what that save refills (:meth:`.memory.MegatronMemory.finalize_before_reuse`), so saves every iteration
     overlap each other, each in its own slot, instead of each waiting for the one before."""
-    import functools
 
     original = getattr(module, "cleanup_old_non_persistent_checkpoint", None)
     if original is None or getattr(original, "_cpuckpt_finalizing", False):
@@ -577,7 +573,7 @@ def finalize_before_log(module: Any = None, queue_of: Callable[[], Any] = _megat
     step and before that iteration's regular save (a collective point: the look all-reduces on cpuckpt's gloo group).
     Before, the tops of iterations were the only looks: the save of N was finalized at the top of N + 2, or, urgent,
     the top of N + 1 waited for its whole commit (with ``ordering: optimizer``, for all of its copies)."""
-    import functools
+    from .guard import finalize_before_log as look
 
     if module is None:
         try:
@@ -594,8 +590,6 @@ def finalize_before_log(module: Any = None, queue_of: Callable[[], Any] = _megat
 
     @functools.wraps(original)
     def training_log(*args: Any, **kwargs: Any) -> Any:
-        from .guard import finalize_before_log as look
-
         queue = queue_of()
         if queue is not None:
             look(queue)
@@ -639,7 +633,6 @@ def watch_megatron_lm_queue(timeout_s: float, options: MegatronOptions, module: 
 
 
 def _watching(fn: Any, module: Any, timeout_s: float, options: MegatronOptions) -> Any:
-    import functools
 
     from .guard import watch_async_queue
 
