@@ -108,6 +108,7 @@ def train(args: argparse.Namespace) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.enable_flash_sdp(False)  # their backward accumulates with atomics: the math kernel
         torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # and cuDNN's (picked on the H100 with the two above off)
     for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                  "MASTER_ADDR": "127.0.0.1", "CROSS_SIZE": "1", "CROSS_RANK": "0"}.items():
         os.environ.setdefault(k, v)
@@ -185,7 +186,7 @@ def kill_and_resume(name: str, argv_run: list[str], env: dict[str, str], out: Pa
     it from the newest complete tag (``load_latest``): the iterations lost, and whether every iteration the relaunch
     logged has ``reference``'s loss (the run without checkpoints)."""
     killer = JobKiller(at, logged=True)
-    killed_log, resumed_log = out / f"ds_{name}_killed.log", out / f"ds_{name}_resumed.log"
+    killed_log, resumed_log = out / f"ds_{log_name(name)}_killed.log", out / f"ds_{log_name(name)}_resumed.log"
     run(f"{name}-killed", argv_run, env, killed_log, timeout, killer)
     resumed = run(f"{name}-resumed", [*argv_run, "--resume"], env, resumed_log, timeout)
     logged, got = logged_losses(killed_log), logged_losses(resumed_log)
@@ -196,9 +197,17 @@ def kill_and_resume(name: str, argv_run: list[str], env: dict[str, str], out: Pa
     last, start = max(logged, default=None), int(m.group(1)) if m else None
     both = sorted(reference.keys() & got.keys())
     differ = [it for it in both if reference[it] != got[it]]
+    before = sorted(reference.keys() & logged.keys())  # the control: the killed run itself, up to the kill
     return {"killed": killer.info["killed"], "last_logged": last, "resumed_from": start,
             "iterations_lost": None if last is None or start is None else last - start, "relaunch_rc": resumed["rc"],
-            "compared": len(both), "values_differ_at": differ[:10], "values_equal": None if not both else not differ}
+            "compared": len(both), "values_differ_at": differ[:10], "values_equal": None if not both else not differ,
+            "before_kill_compared": len(before),
+            "before_kill_equal": None if not before else all(reference[it] == logged[it] for it in before)}
+
+
+def log_name(variant: str) -> str:
+    """A variant's name as a file name the device machine hands back (it leaves out names with ``+``)."""
+    return variant.replace("+", "_")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             run_env = env
             if "base" in name.split("+")[1:]:
                 run_env = {**env, "PYTHONPATH": os.pathsep.join([args.base_site, env["PYTHONPATH"]])}
-            r = run(name, argv_run, run_env, out / f"ds_{name}.log", args.timeout, gil.hook() if gil else None)
+            r = run(name, argv_run, run_env, out / f"ds_{log_name(name)}.log", args.timeout,
+                    gil.hook() if gil else None)
             if gil is not None and (prof := gil.summary()) is not None:
                 results.setdefault("gil", {})[name] = prof
             own = own_clock(Path(r["log"]))
@@ -297,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 k = kill_and_resume(name, argv_run, run_env, out, args.timeout, args.kill_after_log, reference)
                 results.setdefault("kill", {})[name] = k
                 kills.append([name, k["killed"], k["last_logged"], k["resumed_from"], k["iterations_lost"],
-                              k["relaunch_rc"], f'{k["values_equal"]} ({k["compared"]} compared)'])
+                              k["relaunch_rc"], f'{k["values_equal"]} ({k["compared"]} compared)',
+                              f'{k["before_kill_equal"]} ({k["before_kill_compared"]} compared)'])
             (out / "bench_goodput_ds.json").write_text(json.dumps(results, indent=1, default=str))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -311,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         footnotes=["wall: by the trainer's own clock in its iteration lines; run s: launch to exit"]))
     if kills:
         print(format_table(["variant", "killed", "last logged", "resumed from", "iterations lost", "relaunch rc",
-                            "losses equal none's"], kills,
+                            "losses equal none's", "killed run's equal none's (control)"], kills,
                            title=f"whole-job SIGKILL as iteration {args.kill_after_log}'s log line arrived, relaunched "
                                  "from the newest complete tag (load_latest)"))
     if results.get("gil"):

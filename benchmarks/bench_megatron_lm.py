@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import itertools
 import json
 import logging
 import mmap
@@ -491,7 +492,7 @@ class Bench:
         telemetry = self.out / f"telemetry_{name}.jsonl"
         telemetry.unlink(missing_ok=True)
         run_env = {**self.env, "CPUCKPT_TELEMETRY_FILE": str(telemetry), **(env or {})}
-        r = run(name, argv, run_env, self.out / f"mlm_{name}.log", timeout, on_line)
+        r = run(name, argv, run_env, run_log(self.out, name), timeout, on_line)
         r["telemetry_file"] = read_telemetry_file(telemetry)
         logger.info("%s: rc %s%s, wall %.1f s, %d iterations, save-checkpoint ms %s, load-checkpoint ms %s",
                     name, r["rc"], " (timed out)" if r["timed_out"] else "", r["wall_s"], len(r["iters"]),
@@ -960,6 +961,11 @@ class JobKiller:
                         self.info["after"], len(victims))
 
 
+def run_log(out: Path, name: str) -> Path:
+    """The log of run ``name`` (``+`` in a name is ``_``: the device machine does not hand such names back)."""
+    return out / f"mlm_{name.replace('+', '_')}.log"
+
+
 def lost_work(killed: dict[str, Any], relaunch: dict[str, Any], kill: dict[str, Any]) -> dict[str, Any]:
     """What the kill cost: the last iteration the killed job logged, the iteration the relaunch loaded, the
     iterations lost between them, and whether the relaunch logged the same values (loss, grad norm) as the killed
@@ -979,15 +985,21 @@ def lost_work(killed: dict[str, Any], relaunch: dict[str, Any], kill: dict[str, 
 def same_values(reference: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     """Whether ``run`` logged the same values (loss, grad norm) as ``reference`` at every iteration both logged.
 
-    One exception, listed as ``logged_mean_at``: Megatron-LM logs, at a resumed run's second logged iteration, the
+    Two exceptions, listed as ``logged_mean_at``: Megatron-LM logs, at a resumed run's second logged iteration, the
     mean of its first two iterations' losses (its loss sum is not reset after the first log line of a resume). That
     line still counts as equal when its grad norm is the reference's and its loss is the mean of the reference's
-    losses at that iteration and the one before (to the 7 printed digits)."""
+    losses at that iteration and the one before (to the 7 printed digits). And with a log interval above one, the
+    loss of a resumed run's first line is the mean over the iterations since the resume, not over the interval: that
+    line counts as equal when its grad norm (the iteration's own) is the reference's, and the lines after it are
+    compared whole."""
     ref = {i["it"]: i["values"] for i in reference.get("iters") or []}
     got = {i["it"]: i["values"] for i in run.get("iters") or []}
     both = sorted(ref.keys() & got.keys())
-    second = sorted(got)[1] if len(got) > 1 else None
-    mean_at = [it for it in both if it == second and ref[it] != got[it] and _logged_mean(ref, got, it)]
+    first, second = (sorted(got) + [None, None])[:2]
+    spaced = len(ref) > 1 and min(b - a for a, b in itertools.pairwise(sorted(ref))) > 1  # a log interval above 1
+    mean_at = [it for it in both if ref[it] != got[it]
+               and ((it == second and _logged_mean(ref, got, it))
+                    or (spaced and it == first and _same_grad(ref, got, it)))]
     differ = [it for it in both if ref[it] != got[it] and it not in mean_at]
     return {"compared": len(both), "values_differ_at": differ[:10], "logged_mean_at": mean_at,
             "values_equal": None if not both else not differ}
@@ -995,19 +1007,28 @@ def same_values(reference: dict[str, Any], run: dict[str, Any]) -> dict[str, Any
 
 def _logged_mean(ref: dict[int, str], got: dict[int, str], it: int) -> bool:
     """``got``'s line at ``it``: the reference's grad norm and the mean of its losses at ``it - 1`` and ``it``."""
-    def parse(values: str) -> dict[str, float]:
-        return {k: float(v) for k, v in (part.split(": ") for part in values.split(" | ") if ": " in part)}
-
     if it - 1 not in ref:
         return False
-    try:
-        a, b, g = parse(ref[it - 1]), parse(ref[it]), parse(got[it])
-    except ValueError:
-        return False
-    if "lm loss" not in g or g.get("grad norm") != b.get("grad norm") or set(g) != set(b):
+    a, b, g = _parse_values(ref[it - 1]), _parse_values(ref[it]), _parse_values(got[it])
+    if a is None or b is None or g is None or "lm loss" not in g or g.get("grad norm") != b.get("grad norm") \
+            or set(g) != set(b):
         return False
     mean = (a["lm loss"] + b["lm loss"]) / 2
     return abs(g["lm loss"] - mean) <= 1e-6 * max(1.0, abs(mean))
+
+
+def _same_grad(ref: dict[int, str], got: dict[int, str], it: int) -> bool:
+    """``got``'s line at ``it`` has the reference's grad norm and keys (its loss a mean over other iterations)."""
+    a, b = _parse_values(ref[it]), _parse_values(got[it])
+    return a is not None and b is not None and "grad norm" in a and set(a) == set(b) \
+        and a["grad norm"] == b["grad norm"]
+
+
+def _parse_values(values: str) -> dict[str, float] | None:
+    try:
+        return {k: float(v) for k, v in (part.split(": ") for part in values.split(" | ") if ": " in part)}
+    except ValueError:
+        return None
 
 
 def memory_tier_config(base: str, dest: Path, ram: Path, slots: int, max_uncommitted: int = 0) -> Path:
@@ -1240,6 +1261,17 @@ def self_test(config: str) -> int:
                                 {"it": 82, "values": "lm loss: 5.622335E+00 | grad norm: 23.623"}]})
          == {"compared": 3, "values_differ_at": [82], "logged_mean_at": [81], "values_equal": False},
          "a resumed run's logged mean loss is not a difference; any other digit is"),
+        (same_values({"iters": [{"it": k, "values": f"lm loss: {v} | grad norm: {g}"}
+                                for k, v, g in ((20, 9.1, 7.0), (30, 8.950678, 6.979), (40, 8.529778, 12.444))]},
+                     {"iters": [{"it": k, "values": f"lm loss: {v} | grad norm: {g}"}
+                                for k, v, g in ((30, 8.656391, 6.979), (40, 8.529778, 12.444))]})
+         == {"compared": 2, "values_differ_at": [], "logged_mean_at": [30], "values_equal": True}
+         and same_values({"iters": [{"it": 30, "values": "lm loss: 8.9 | grad norm: 6.979"},
+                                    {"it": 40, "values": "lm loss: 8.5 | grad norm: 12.4"}]},
+                         {"iters": [{"it": 30, "values": "lm loss: 8.6 | grad norm: 6.978"},
+                                    {"it": 40, "values": "lm loss: 8.5 | grad norm: 12.4"}]}
+                         )["values_differ_at"] == [30],
+         "log interval 10: a resumed run's first line averages fewer iterations; its grad norm must still be equal"),
         ([s["ms"] for s in p["saves"]] == [410.25, 399.0], "save-checkpoint timer (minmax, max), not -non-persistent"),
         (p["saves"][0]["start_t"] == round(2.0 - 0.41025, 2), "save start time"),
         (p["load_ms"] == 1240.25, "load-checkpoint timer"),
@@ -1359,7 +1391,7 @@ def phase_fallback(b: Bench) -> tuple[dict, str]:
     rows = []
     out: dict[str, Any] = {"save": saved, "damaged": damaged, "runs": runs}
     for name, r in runs.items():
-        log_path = b.out / f"mlm_{name}.log"
+        log_path = run_log(b.out, name)
         log = log_path.read_text(errors="replace") if log_path.is_file() else ""
         warned = "falling back to the next newest checkpoint" in log
         corrupt = "CheckpointCorrupt" in log

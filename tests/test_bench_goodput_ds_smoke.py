@@ -41,3 +41,5 @@ def test_bench_goodput_ds_smoke(tmp_path: Path) -> None:
     kill = results["kill"]["mem1+ahead+u1"]
     assert kill["killed"] and 6 <= kill["last_logged"] < 10 and kill["iterations_lost"] == 1, kill
     assert kill["relaunch_rc"] == 0 and kill["values_equal"] and kill["compared"] == 10 - kill["resumed_from"], kill
+    assert kill["before_kill_equal"] and kill["before_kill_compared"] >= 6, kill  # the control: the same run up to it
+    assert (tmp_path / "ds_mem1_ahead_u1_resumed.log").is_file()  # no "+" in names (the device hands those back)

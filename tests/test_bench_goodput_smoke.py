@@ -143,3 +143,14 @@ def test_two_instruments_and_the_images_sitecustomize_each_run_once(tmp_path: Pa
                           timeout=120)
     assert proc.returncode == 0 and "depth 1\n" in proc.stdout, proc.stdout + proc.stderr
     assert proc.stderr.count("image ran") == 1, proc.stderr
+
+
+def test_megatron_lm_bench_self_test(tmp_path: Path) -> None:
+    """benchmarks/bench_megatron_lm.py's parsers and lost-work arithmetic (its --self-test, from the root it reads
+    configs/ from), among them the comparison of a relaunch's logged values at a log interval above one."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_megatron_lm", "--self-test"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, proc.stdout + proc.stderr
+    assert "ok   log interval 10:" in proc.stdout
