@@ -196,7 +196,9 @@ class MemoryConfig:
                                 "watches) setting 1 also finalizes each memory save before the next iteration's log "
                                 "line, so its tracker names N before N + 1 is logged, "
                                 "except while a persistent save's persist is ahead in the queue or Megatron-LM's "
-                                "logits saver carries the save's finalize (docs/ARCHITECTURE.md 6b).",
+                                "logits saver carries the save's finalize (docs/ARCHITECTURE.md 6b); with any "
+                                "setting it does so before each line Megatron-LM prints at a --log-interval above "
+                                "one.",
                                 min=0, max=63)
     persist_every: int = _opt(1, "Persist every K-th memory checkpoint to the durable root (1: all; 0: none).",
                               min=0)

@@ -42,8 +42,9 @@ too, run in order) once its probe says ended on every rank (one all-reduce on cp
 synchronization); runs of Megatron's own calls go to megatron-core's finalize, shown only that run. So a
 save every iteration costs no process round trip, no pickled request and no device-synchronizing poll.
 A probe marked :data:`URGENT_MARK` (the memory tier's ``max_uncommitted: 1``) is finalized before the next
-iteration is logged, waiting for its commit like a blocking finalize (with the agreed timeout), so Megatron-LM's
-tracker names it by then: at the look the hook makes before Megatron-LM's ``training_log``
+iteration is logged, and one marked :data:`MEMORY_MARK` (every memory-only save) before the next log line that
+Megatron-LM prints (with a log interval above one), waiting for its commit like a blocking finalize (with the agreed
+timeout), so Megatron-LM's tracker names it by then: at the look the hook makes before Megatron-LM's ``training_log``
 (:func:`finalize_before_log`), where the save's copies have had the whole next iteration to run; a queue that no log
 has looked at (megatron-core driven by its own loop) waits at its next look instead (the top of the next iteration).
 """
@@ -70,7 +71,7 @@ from .compat import AsyncQueueShape
 from .settings import MegatronOptions, resolve_options
 from .worker import Channel, wait_for_commit
 
-__all__ = ["DIR_MARK", "DONE_MARK", "FINALIZE_MARK", "PROBE_FAILED", "URGENT_MARK", "WorkerDiedError",
+__all__ = ["DIR_MARK", "DONE_MARK", "FINALIZE_MARK", "MEMORY_MARK", "PROBE_FAILED", "URGENT_MARK", "WorkerDiedError",
            "finalize_before_log", "finalize_saves_under", "is_watched", "watch_async_queue"]
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ _WATCHED = "_cpuckpt_watchdog"
 FINALIZE_MARK = "cpuckpt_finalize"  # on cpuckpt's finalize function: called (abandoned=True) for a dropped call too
 DONE_MARK = "cpuckpt_done"  # on the finalize function of a call the trainer completes: its done probe (see above)
 URGENT_MARK = "cpuckpt_urgent"  # on such a function: finalize it before the next log line, waiting for its commit
+MEMORY_MARK = "cpuckpt_memory"  # on such a function: a memory-only save, waited for before a printed log line
 _LOG_LOOKS = [False]  # a log looked in this process (finalize_before_log): urgent saves wait there, not at a top
 PROBE_FAILED = 2  # a probe's answer (truthy): ended here in failure; the call is finalized (and raises) everywhere
 
@@ -155,19 +157,20 @@ def is_watched(queue: Any) -> bool:
     return getattr(getattr(queue, "maybe_finalize_async_calls", None), _WATCHED, False)
 
 
-def finalize_before_log(queue: Any) -> list[int]:
+def finalize_before_log(queue: Any, printed: bool = False) -> list[int]:
     """The look before an iteration's log line (Megatron-LM's ``training_log``, wrapped by the hook), collective:
     finalize every save that has ended, then wait for the commits of the urgent ones at the head of the queue
-    (:data:`URGENT_MARK`) and finalize them; returns the finalized call ids. The save of N started after the log of N,
-    so by the log of N + 1 its commit had the whole iteration N + 1 to end (at the top of N + 1 it had just begun):
-    Megatron-LM's tracker names N before N + 1 is logged, at the cost of what the commit has left then. Once a log
-    has looked in this process (a queue or not), the tops of iterations no longer wait for urgent saves (they still
-    finalize what has ended). A queue that is not watched is left alone."""
+    (:data:`URGENT_MARK`; where the line is ``printed``, every memory-only save there too, :data:`MEMORY_MARK`) and
+    finalize them; returns the finalized call ids. The save of N started after the log of N, so by the log of N + 1
+    its commit had the whole iteration N + 1 to end (at the top of N + 1 it had just begun): Megatron-LM's tracker
+    names N before N + 1 is logged, at the cost of what the commit has left then. Once a log has looked in this
+    process (a queue or not), the tops of iterations no longer wait for urgent saves (they still finalize what has
+    ended). A queue that is not watched is left alone. ``printed``: the same on every rank."""
     _LOG_LOOKS[0] = True  # for the process: also where no queue exists yet (Megatron-LM makes it at the first save)
     dog = getattr(queue, "_cpuckpt_dog", None)
     if dog is None or not queue.async_calls:
         return []
-    return dog.look(False, urgent=True)
+    return dog.look(False, urgent=True, printed=printed)
 
 
 def _done_probe(call: Any) -> Callable[[], bool] | None:
@@ -253,27 +256,29 @@ class _Watchdog:
                 return done
             time.sleep(POLL_S)
 
-    def look(self, no_dist: bool, urgent: bool) -> list[int]:
+    def look(self, no_dist: bool, urgent: bool, printed: bool = False) -> list[int]:
         """A non-blocking look: finalize what has ended; with ``urgent``, then wait for the commits of the urgent
-        saves (:data:`URGENT_MARK`) at the head of the queue and finalize them too."""
+        saves (:data:`URGENT_MARK`; with ``printed`` also the memory-only ones, :data:`MEMORY_MARK`) at the head of
+        the queue and finalize them too."""
         done = self.finalize(False, no_dist)
-        until = self.urgent_until() if urgent else None
+        until = self.urgent_until(printed) if urgent else None
         if until is None:
             return done
         deferred.start_all()  # a recorded save's call cannot complete before it starts
         PACER.drain()  # nor before its copies are enqueued (the trainer makes no ticks while it waits)
         return done + self.finalize(True, no_dist, until)
 
-    def urgent_until(self) -> int | None:
-        """How many calls may stay pending once the urgent ones (:data:`URGENT_MARK`) at the head of the queue are
-        finalized; None: none there. Only the leading run of urgent calls counts: waiting past one of Megatron's
-        own or a persistent save's (a persist, seconds) is not what an urgent save asks for. The same on every
-        rank."""
+    def urgent_until(self, printed: bool = False) -> int | None:
+        """How many calls may stay pending once the urgent ones (:data:`URGENT_MARK`; ``printed``: also every
+        memory-only save, :data:`MEMORY_MARK`) at the head of the queue are finalized; None: none there. Only the
+        leading run of such calls counts: waiting past one of Megatron's own or a persistent save's (a persist,
+        seconds) is not what an urgent save asks for. The same on every rank."""
         calls = self.queue.async_calls
         last = None
         for i, call in enumerate(calls):
             probe = _done_probe(call)
-            if probe is None or not getattr(probe, URGENT_MARK, False):
+            if probe is None or not (getattr(probe, URGENT_MARK, False) or (printed and getattr(probe, MEMORY_MARK,
+                                                                                                 False))):
                 break
             last = i
         return None if last is None else len(calls) - (last + 1)

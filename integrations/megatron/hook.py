@@ -31,8 +31,9 @@ format with other storage. :func:`install`:
    final save when one follows: :meth:`Training.end_of_training`), and the tier is
    made when ``setup_model_and_optimizer`` returns, every free slot's image reserved, mapped and pinned
    then for the shard the optimizer will save (no first save pays it while the job trains), and
-   ``training_log`` first finalizes the memory saves that have committed (:func:`finalize_before_log`), so that
-   Megatron-LM's tracker names the previous iteration before an iteration is logged.
+   ``training_log`` first finalizes the memory saves that have committed (:func:`finalize_before_log`; before a
+   line Megatron-LM prints, with a log interval above one, it waits for their commits), so that Megatron-LM's tracker
+   names the previous iteration before an iteration is logged.
 
 5. with ``megatron: {ordering: optimizer}``, wraps the ``step`` of every ``megatron.core.optimizer``
    class (:func:`order_optimizer_steps`): async saves return once their device-to-host copies are
@@ -565,14 +566,30 @@ def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue,
     module.cleanup_old_non_persistent_checkpoint = cleanup_old_non_persistent_checkpoint
 
 
-def finalize_before_log(module: Any = None, queue_of: Callable[[], Any] = _megatron_lm_queue) -> bool:
+def _megatron_lm_log_interval() -> int | None:
+    """Megatron-LM's ``--log-interval``, or None (no Megatron-LM arguments parsed)."""
+    try:
+        from megatron.training.global_vars import get_args
+
+        return getattr(get_args(), "log_interval", None)
+    except (ImportError, AssertionError):  # no such module; not set up (get_args asserts)
+        return None
+
+
+def finalize_before_log(module: Any = None, queue_of: Callable[[], Any] = _megatron_lm_queue,
+                        log_interval_of: Callable[[], int | None] = _megatron_lm_log_interval) -> bool:
     """Make Megatron-LM's ``training_log`` (``module``: ``megatron.training.training``) first finalize the memory
     saves that have ended and wait for the urgent ones (:func:`.guard.finalize_before_log`), so that the tracker names
-    iteration N before N + 1 is logged (with ``memory.max_uncommitted: 1``: always; otherwise where the commit of N
-    ended by then); returns whether it wrapped it. Every rank calls ``training_log`` once per iteration, after the
-    step and before that iteration's regular save (a collective point: the look all-reduces on cpuckpt's gloo group).
+    iteration N before N + 1 is logged (with ``memory.max_uncommitted: 1``: always; with a log interval above one,
+    before every line Megatron-LM prints, ``iteration % log_interval == 0``; otherwise where the commit of N ended by
+    then); returns whether it wrapped it. So a job killed after a printed line restarts from at most one iteration
+    before it, at the cost of one commit's rest per printed line (with ``--log-interval 1`` that is every iteration:
+    ``max_uncommitted: 1`` asks for it there). Every rank calls ``training_log`` once per iteration, after the step
+    and before that iteration's regular save (a collective point: the look all-reduces on cpuckpt's gloo group).
     Before, the tops of iterations were the only looks: the save of N was finalized at the top of N + 2, or, urgent,
     the top of N + 1 waited for its whole commit (with ``ordering: optimizer``, for all of its copies)."""
+    import inspect
+
     from .guard import finalize_before_log as look
 
     if module is None:
@@ -588,11 +605,21 @@ def finalize_before_log(module: Any = None, queue_of: Callable[[], Any] = _megat
     if getattr(original, "_cpuckpt_looks", False):
         return True
 
+    try:
+        at = list(inspect.signature(original).parameters).index("iteration")
+    except (TypeError, ValueError):
+        at = None  # no iteration argument to read: no line counts as printed
+
+    def printed(args: tuple, kwargs: dict[str, Any]) -> bool:  # the same on every rank: one iteration, one interval
+        iteration = kwargs.get("iteration", args[at] if at is not None and at < len(args) else None)
+        interval = log_interval_of()
+        return type(iteration) is int and type(interval) is int and interval > 1 and iteration % interval == 0
+
     @functools.wraps(original)
     def training_log(*args: Any, **kwargs: Any) -> Any:
         queue = queue_of()
         if queue is not None:
-            look(queue)
+            look(queue, printed=printed(args, kwargs))
         return original(*args, **kwargs)
 
     training_log._cpuckpt_looks = True  # type: ignore[attr-defined]

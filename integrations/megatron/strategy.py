@@ -46,7 +46,7 @@ from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 
 from . import compat, deferred, prepare, replay
 from .flatstate import ATOMIC, flat_state, leaves, to_pyt
-from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, PROBE_FAILED, URGENT_MARK
+from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, MEMORY_MARK, PROBE_FAILED, URGENT_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
 from .worker import OK, PersistWait, PersistWatch, new_channel, wait_for_commit
@@ -492,8 +492,10 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         setattr(finalize_fn, FINALIZE_MARK, True)
         setattr(finalize_fn, DIR_MARK, str(checkpoint_dir))
         probe = functools.partial(ended)  # its own object: it may carry URGENT_MARK
-        if self.memory.finalize_before_next_log and route.kind == "memory":
-            setattr(probe, URGENT_MARK, True)
+        if route.kind == "memory":  # waited for before the next printed log line (guard.finalize_before_log)
+            setattr(probe, MEMORY_MARK, True)
+            if self.memory.finalize_before_next_log:  # and before the next one, printed or not
+                setattr(probe, URGENT_MARK, True)
         setattr(finalize_fn, DONE_MARK, probe)
         try:
             return compat.make_async_request(async_strategy, None, (), [finalize_fn])

@@ -235,10 +235,13 @@ def test_calls_without_a_worker_are_finalized_in_order_by_their_probe_and_never_
     assert finalized[-2:] == [("m3", False), "m3 metadata.json"] and caller.closed == []
 
 
-def test_an_urgent_call_behind_one_of_megatrons_that_ends_is_waited_for_in_the_same_look():
+def test_an_urgent_call_behind_one_of_megatrons_that_ends_is_waited_for_in_the_same_look(monkeypatch):
     """Urgency is decided after the look's non-blocking finalize: Megatron's call at the head ends in this look, so the
     urgent call behind it (memory.max_uncommitted: 1) is waited for (0.3 s) and finalized in the same look."""
+    from cpuckpt.integrations.megatron import guard
     from cpuckpt.integrations.megatron.guard import URGENT_MARK
+
+    monkeypatch.setattr(guard, "_LOG_LOOKS", [False])  # no log has looked in this process (another test's may have)
 
     finalized: list = []
     queue, caller = _instance_shape(FakeProcess(), finalized)

@@ -309,7 +309,7 @@ def test_freeze_gc_freezes_what_setup_left_alive_once():
 
 def test_the_look_before_the_log_wraps_training_log_once_and_leaves_unwatched_queues_alone(caplog):
     """With the memory tier, Megatron-LM's ``training_log`` first looks at the async queue (the dist test
-    test_megatron_memory.py::test_with_max_uncommitted_1... shows what it finalizes); installed twice it wraps once,
+    test_megatron_memory.py::test_a_kill_after_the_log_of_n... shows what it finalizes); installed twice it wraps once,
     the log's own arguments and result pass through, a queue cpuckpt does not watch is not touched (nothing of ours
     finalizes there), and a Megatron-LM without ``training_log`` gets a warning, not an error."""
     import collections
@@ -344,3 +344,38 @@ def test_the_look_before_the_log_wraps_training_log_once_and_leaves_unwatched_qu
     with caplog.at_level("WARNING", logger="cpuckpt"):
         assert not finalize_before_log(types.ModuleType("training"))
     assert "has no training_log()" in caplog.text
+
+
+def test_the_look_waits_for_the_commits_before_the_lines_megatron_lm_prints():
+    """The look before a line Megatron-LM prints (``iteration % --log-interval == 0``, the interval above one) waits for
+    the memory saves' commits (guard.finalize_before_log's ``printed``; the dist test in test_megatron_memory.py shows
+    what it finalizes); its iteration is read by name or by its place in ``training_log``'s signature; with
+    ``--log-interval 1`` (every line printed) or no Megatron-LM arguments it does not wait."""
+    import collections
+    import types
+
+    from cpuckpt.integrations.megatron.hook import finalize_before_log
+
+    training = types.ModuleType("training")
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, *rest, **kwargs):
+        return iteration
+
+    training.training_log = training_log
+    looks: list[bool] = []
+
+    class Dog:  # a watched queue's watchdog
+        def look(self, no_dist: bool, urgent: bool, printed: bool = False) -> list[int]:
+            looks.append(printed)
+            return []
+
+    queue = types.SimpleNamespace(async_calls=collections.deque(["a memory save"]), _cpuckpt_dog=Dog())
+    interval: list = [10]
+    assert finalize_before_log(training, queue_of=lambda: queue, log_interval_of=lambda: interval[0])
+    assert [training.training_log({}, {}, 0.1, it, 1.0) for it in (20, 21)] == [20, 21]
+    assert training.training_log({}, {}, 0.1, iteration=30, loss_scale=1.0) == 30
+    interval[0] = 1
+    training.training_log({}, {}, 0.1, 40, 1.0)
+    interval[0] = None
+    training.training_log({}, {}, 0.1, 50, 1.0)
+    assert looks == [True, False, True, False, False]

@@ -442,14 +442,14 @@ def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, t
 
 
 def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_looks: bool = False,
-                              work_s: float = 0.0) -> dict:
+                              work_s: float = 0.0, log_interval: int | None = None) -> dict:
     """Megatron-LM's loop with a memory save every iteration, its commits slowed (0.3 s): the non-blocking finalize
     at the top of each iteration, the log, then the save. What D's tracker names at each log is what a whole-job
     kill right after that log leaves for the restart (Megatron-LM loads the newer of the two trackers). With
     ``log_looks`` the log is a ``training_log`` wrapped by the hook (:func:`.hook.finalize_before_log`, in a module
     that stands for ``megatron.training.training``, whose ``train`` calls it by name), as Megatron-LM's is; then also
     what the tracker named right after the top's finalize. ``work_s``: the iteration's work between the top and the
-    log."""
+    log; ``log_interval``: Megatron-LM's ``--log-interval`` as the look reads it (None: no arguments parsed)."""
     import types
 
     import torch.distributed as dist
@@ -463,13 +463,13 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_l
     queue, router, strategy = _watched(root_p, slots=slots, max_uncommitted=max_uncommitted)
     training = types.ModuleType("training")
 
-    def training_log(it: int) -> int | None:  # Megatron-LM logs the iteration (then saves it)
+    def training_log(iteration: int) -> int | None:  # Megatron-LM logs the iteration (then saves it)
         dist.barrier()  # rank 0's tracker write (in the look) is visible to every rank after it
         return _read_tracker(router.np_dir)
 
     training.training_log = training_log
     if log_looks:
-        assert finalize_before_log(training, queue_of=lambda: queue)
+        assert finalize_before_log(training, queue_of=lambda: queue, log_interval_of=lambda: log_interval)
         assert training.training_log is not training_log
     faults.install("before-rename:.metadata=sleep:0.3")
     at_log, at_top = {}, {}
@@ -489,19 +489,21 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_l
     return {"log": at_log, "top": at_top}
 
 
-def rank_trackers_four_ways(root: str) -> list[dict]:
+def rank_trackers_five_ways(root: str) -> list[dict]:
     """``max_uncommitted: 1`` (3 slots) with no log look, then with the hook's look before Megatron-LM's log, then the
-    default (2 slots) with that look, with no work in the iteration and with work that outlasts the slowed commit,
-    in one launch of the ranks."""
-    return [rank_trackers_at_each_log(str(Path(root) / name), k, slots, log_looks, work_s)
-            for name, k, slots, log_looks, work_s in (("top", 1, 3, False, 0.0), ("log", 1, 3, True, 0.0),
-                                                      ("default", 0, 2, True, 0.0), ("worked", 0, 2, True, 0.5))]
+    default (2 slots) with that look, with no work in the iteration, with work that outlasts the slowed commit, and
+    with Megatron-LM printing every second line (``--log-interval 2``), in one launch of the ranks."""
+    return [rank_trackers_at_each_log(str(Path(root) / name), k, slots, log_looks, work_s, interval)
+            for name, k, slots, log_looks, work_s, interval in (
+                ("top", 1, 3, False, 0.0, None), ("log", 1, 3, True, 0.0, None), ("default", 0, 2, True, 0.0, 1),
+                ("worked", 0, 2, True, 0.5, None), ("printed", 0, 2, True, 0.0, 2))]
 
 
-def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_1(run_ranks, tmp_path):
-    res = run_ranks(2, rank_trackers_four_ways, str(tmp_path), timeout_s=240, env=ENV)
+def test_a_kill_after_the_log_of_n_restarts_from_n_minus_1_with_max_uncommitted_1_or_a_printed_line(
+        run_ranks, tmp_path):
+    res = run_ranks(2, rank_trackers_five_ways, str(tmp_path), timeout_s=240, env=ENV)
     assert res[0] == res[1], res
-    top, log, default, worked = res[0]
+    top, log, default, worked, printed = res[0]
     one_behind = {it: it - 1 if it > 1 else None for it in range(1, 7)}
     # megatron-core driven by its own loop (no log look): the top of N + 1 waits for the commit of N
     assert top["log"] == one_behind and top["top"] == one_behind, top
@@ -516,6 +518,10 @@ def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_
     # the default where the iteration's work outlasts the commit (0.5 s against 0.3): the look before the log
     # finalizes the save of N, committed by then, without being asked to wait: one iteration lost here too
     assert worked["log"] == one_behind, worked
+    # the default where Megatron-LM prints every second line: before a printed line the look waits for the commit of
+    # N (a kill after it loses one iteration); before the others it does not (the slowed commit has not ended)
+    assert {it: n for it, n in printed["log"].items() if it % 2 == 0} == {2: 1, 4: 3, 6: 5}, printed
+    assert all(n is None or n <= it - 2 for it, n in printed["log"].items() if it % 2), printed
 
 
 def rank_logits_requests_carry_the_finalize(root: str) -> dict:
