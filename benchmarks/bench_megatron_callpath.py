@@ -117,8 +117,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     _cuda_noops()
-    tmp = Path(tempfile.mkdtemp(prefix="cpuckpt-callpath-", dir=args.dir))
-    dist.init_process_group("gloo", init_method=f"file://{tmp / 'pg'}", rank=0, world_size=1)
     from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
     from cpuckpt.integrations.megatron.guard import watch_async_queue
     from cpuckpt.integrations.megatron.hook import order_optimizer_steps
@@ -129,6 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from cpuckpt.config import Config
 
+    tmp = Path(tempfile.mkdtemp(prefix="cpuckpt-callpath-", dir=args.dir))  # after the imports, which may fail
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'pg'}", rank=0, world_size=1)
     cfg = {"io": {"chunk_bytes": "1MiB", "threads": 2, "backend": "buffered"}, "timeout_s": 120,
            "memory": {"root": str(tmp / "ram"), "slots": 3, "headroom_bytes": 0, "persist_every": 0}}
     queue = watch_async_queue(AsyncCallsQueue(persistent=True), 120)
