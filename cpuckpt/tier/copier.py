@@ -46,8 +46,6 @@ from typing import Any
 
 from cpuckpt.errors import StagingError
 from cpuckpt.tier import pinning
-from cpuckpt.transfer.sinks import OP_FIELDS
-from cpuckpt.transfer.staging import consume_cuda_error
 
 __all__ = ["CopyProcess", "ImageDesc", "RemoteSave", "main"]
 
@@ -404,8 +402,6 @@ class _Mapped:
     def __init__(self, path: str, owner: str, nbytes: int) -> None:
         import mmap
 
-        import torch
-
         self.path, self.owner, self.nbytes, self.pinned = path, owner, nbytes, False
         self._regs: dict[int, int] = {}  # registered: offset -> bytes
         self._pin_failed = False
@@ -417,8 +413,10 @@ class _Mapped:
             os.close(self._fd)
             raise
         self.mapped = nbytes
-        self._tensor = (torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None
-                        else torch.empty(0, dtype=torch.uint8))
+        # the mapping as a torch tensor, made when a copy or a registration first asks for it (:meth:`_view`):
+        # a process that only checksums (no device snapshot, nothing pinned) never imports torch (~1 s)
+        self._tensor: Any = None
+        self._closed = False
 
     def _check_size(self, nbytes: int) -> None:
         size = self.size()
@@ -448,6 +446,9 @@ class _Mapped:
         self.nbytes = nbytes
         wanted = pinning.segments(nbytes, segment, self.mapped)
         self._unregister(pinning.stale(self._regs, wanted, nbytes))
+        if not pin or self._pin_failed:  # nothing (more) to register here; no torch needed to know that
+            self.pinned = bool(wanted) and all(self._regs.get(off) == n for off, n in wanted)
+            return 0, 0, len(wanted)
         import torch
 
         made = 0
@@ -463,8 +464,10 @@ class _Mapped:
         """Register the missing ``wanted`` segments (at most ``budget``); returns how many were."""
         import torch
 
+        from cpuckpt.transfer.staging import consume_cuda_error
+
         cudart = torch.cuda.cudart()
-        base = self._tensor.data_ptr()
+        base = self._view().data_ptr()
         made = 0
         for off, n in wanted:
             if self._regs.get(off) == n:
@@ -491,27 +494,37 @@ class _Mapped:
             return
         import torch
 
-        base = self._tensor.data_ptr()
+        base = self._view().data_ptr()
         for off in offsets:
             del self._regs[off]
             if torch.cuda.is_available():  # registrations exist only there
                 torch.cuda.cudart().cudaHostUnregister(base + off)
         self.pinned = False
 
-    def tensor(self) -> Any:
-        if self._tensor is None:
+    def _view(self) -> Any:
+        """The whole mapping as a uint8 tensor (made once)."""
+        if self._closed:
             raise StagingError(f"memory image {self.path} is no longer mapped in the copy process")
-        return self._tensor[: self.nbytes]
+        if self._tensor is None:
+            import torch
+
+            self._tensor = (torch.frombuffer(self._mmap, dtype=torch.uint8) if self._mmap is not None
+                            else torch.empty(0, dtype=torch.uint8))
+        return self._tensor
+
+    def tensor(self) -> Any:
+        return self._view()[: self.nbytes]
 
     def view(self) -> memoryview:
+        if self._closed:  # never a checksum of nothing
+            raise StagingError(f"memory image {self.path} is no longer mapped in the copy process")
         if self._mmap is not None:
             return memoryview(self._mmap)[: self.nbytes]
-        if self._tensor is None:  # closed: never a checksum of nothing
-            raise StagingError(f"memory image {self.path} is no longer mapped in the copy process")
         return memoryview(b"")
 
     def close(self) -> None:
         self._unregister(list(self._regs))
+        self._closed = True
         self._tensor = None
         if self._mmap is not None:
             try:
@@ -641,6 +654,8 @@ class _Worker:
     def enqueue(self, images: list, chunks: list, copy: tuple) -> list[Any]:
         """All of a save's copies on this process's stream, an event after each chunk's."""
         import torch
+
+        from cpuckpt.transfer.sinks import OP_FIELDS
 
         key, desc, ready_handle, device, ops_bytes = copy
         if desc is not None:
