@@ -9,6 +9,8 @@ patched, so the same tests run unstubbed on the device.
 
 from __future__ import annotations
 
+import sys
+
 
 def install() -> bool:
     """Patch torch.cuda when no GPU is present; returns whether it patched."""
@@ -21,3 +23,37 @@ def install() -> bool:
     torch.cuda.set_device = lambda *a, **k: None
     torch.cuda.device_count = lambda: 1
     return True
+
+
+class _AfterTorch:
+    """A meta-path finder that runs :func:`install` right after ``torch`` is first imported (then leaves)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            del loader.exec_module  # the loader's own method again
+            install()
+
+        loader.exec_module = exec_module
+        return spec
+
+
+def install_when_imported() -> None:
+    """:func:`install` once ``torch`` is imported, in a process that ever imports it: a process that never does
+    (a memory-tier writer, ``python -m cpuckpt.tier.persister``) does not pay ~1 CPU-s of torch for nothing, and
+    the stubs are in place before any code can call what they patch (right after ``import torch``)."""
+    if "torch" in sys.modules:
+        install()
+    elif not any(isinstance(f, _AfterTorch) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterTorch())
