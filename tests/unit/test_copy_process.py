@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -135,6 +137,30 @@ def test_registrations_are_kept_only_while_their_pages_stayed_in_the_file():
     assert pinning.stale({0: pinning.PAGE}, [(0, pinning.PAGE)], 1) == []
     assert pinning.segments(0, seg) == [] and pinning.segments(1, seg) == [(0, pinning.PAGE)]
     assert pinning.segments(200 << 20, seg, mapped=100 << 20) == [(0, 64 << 20), (64 << 20, 36 << 20)]
+
+
+_CHECKSUM_ONLY = """
+import sys, crc32c
+from cpuckpt.tier import copier
+path = sys.argv[1]
+img = copier._Mapped(path, "owner", 3 << 20)
+assert img.fit(3 << 20, 64 << 20, pin=False) == (0, 0, 1)
+with img.view()[: 1 << 20] as v:
+    print(crc32c.crc32c(v))
+img.close()
+print(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+"""
+
+
+def test_a_checksum_only_copy_process_never_imports_torch(tmp_path):
+    """Without a device snapshot and nothing to pin (every CPU job), the copy process maps and checksums only: it
+    imports no torch (~1 CPU-s and ~250 MB at every start of one)."""
+    path = tmp_path / "image"
+    data = os.urandom(3 << 20)
+    path.write_bytes(data)
+    out = subprocess.run([sys.executable, "-c", _CHECKSUM_ONLY, str(path)], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.split("\n")[:2] == [str(crc32c.crc32c(data[: 1 << 20])), "[]"], out.stdout + out.stderr
 
 
 def _prepare(worker: copier._Worker, files: list, chunk_bytes: int, device: int | None) -> None:
