@@ -35,9 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where used: a driver that only launches and tabulates (bench_goodput) starts without torch
+    import torch
 
 __all__ = [
     "FloorResult",
@@ -106,6 +107,8 @@ def _fill(t: torch.Tensor, block: torch.Tensor, start: int) -> None:
 
 
 def _blocks(device: str | torch.device, seed: int) -> dict[torch.dtype, torch.Tensor]:
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     base = torch.randn(_FILL_BLOCK_NUMEL, generator=gen, dtype=torch.float32)
     return {torch.float32: base.to(device), torch.bfloat16: base.to(torch.bfloat16).to(device)}
@@ -120,6 +123,8 @@ def _shape_for(numel: int) -> tuple[int, ...]:
 
 
 def _log_uniform(rng: torch.Generator, lo: int, hi: int) -> int:
+    import torch
+
     u = torch.rand((), generator=rng).item()
     return int(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))))
 
@@ -138,6 +143,8 @@ def build_state_dict(total_bytes: int, device: str | torch.device = "cpu", seed:
         device: where tensors live ("cpu", "cuda", ...).
         seed: same seed, same state dict (names, shapes, dtypes and values).
     """
+    import torch
+
     rng = torch.Generator().manual_seed(seed)
     blocks = _blocks(device, seed)
     dtypes = (torch.float32, torch.bfloat16)
@@ -203,6 +210,8 @@ def small_state_dict(n: int = 10000, *, distinct_shapes: bool = False, device: s
     The distinct shapes are the ``n`` smallest (a, b, c) triples (mean ~250 elements for n=10,000);
     the same-shape case uses the mean element count of those, so both carry about the same bytes.
     """
+    import torch
+
     shapes: Sequence[tuple[int, ...]] = _distinct_shapes(n)
     if not distinct_shapes:
         mean = max(1, round(sum(a * b * c for a, b, c in shapes) / max(n, 1)))  # type: ignore[misc]
@@ -231,11 +240,15 @@ def count_leaves(sd: dict[str, Any]) -> int:
 
 def state_dict_nbytes(sd: dict[str, Any]) -> int:
     """Bytes held by the tensors of a (nested) state dict."""
+    import torch
+
     return sum(v.numel() * v.element_size() for _, v in _leaves(sd) if isinstance(v, torch.Tensor))
 
 
 def clone_empty(sd: Any) -> Any:
     """Same structure, tensors replaced by zeroed tensors of the same shape/dtype/device (load targets)."""
+    import torch
+
     if isinstance(sd, dict):
         return {k: clone_empty(v) for k, v in sd.items()}
     if isinstance(sd, torch.Tensor):
@@ -245,12 +258,16 @@ def clone_empty(sd: Any) -> Any:
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (bit-exact: a NaN equals the same NaN)."""
+    import torch
+
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
                                                                      b.reshape(-1).view(torch.uint8))
 
 
 def same_state_dict(a: Any, b: Any) -> str | None:
     """None when ``a`` and ``b`` hold bit-identical tensors and equal other leaves; else the first difference."""
+    import torch
+
     la, lb = dict(_leaves(a)), dict(_leaves(b))
     if la.keys() != lb.keys():
         return f"keys differ: {sorted(set(la) ^ set(lb))[:5]}"
@@ -268,6 +285,8 @@ def same_state_dict(a: Any, b: Any) -> str | None:
 
 def named_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor in a nested structure of dicts, lists and tuples, by dotted path (``"a.0.b"``)."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return {prefix: obj}
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
@@ -295,6 +314,8 @@ def with_time_spent(fn: Callable[..., Any], name: str, spent: dict[str, float]) 
 
 def device_sync() -> None:
     """Wait for the GPU's queued work (a no-op without CUDA): timings bracket real device time."""
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -314,6 +335,8 @@ def copy_floors(sd: dict[str, Any], reps: int) -> tuple[int, dict[str, dict[str,
 
     Returns the bytes and ``{"d2h": summary, "h2d": summary}`` (:func:`summarize` of the seconds).
     """
+    import torch
+
     ts = list(named_tensors(sd).values())
     nbytes = sum(t.numel() * t.element_size() for t in ts)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
@@ -347,6 +370,8 @@ def matmul_loop(iters: int, n: int = 8192) -> list[float]:
     reported as interference. A diagnostic on the H200 that used the same data in both measured 0.99-1.01 x
     during in-process and writer-process persists (BENCHMARKS.md, fifth session).
     """
+    import torch
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ops = _MATMUL_OPERANDS.get((n, device))
     if ops is None:
@@ -603,6 +628,8 @@ class FloorResult:
 
 def _aligned_buffer(nbytes: int, seed: int) -> mmap.mmap:
     """A page-aligned anonymous buffer of ``nbytes`` filled with pseudo-random, incompressible bytes."""
+    import torch
+
     buf = mmap.mmap(-1, nbytes)
     t = torch.frombuffer(buf, dtype=torch.uint8)
     t.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
@@ -687,6 +714,8 @@ def pread_floor(path: str | os.PathLike, nbytes: int, threads: int, direct: bool
     Each thread reads into its own page-aligned buffer (the bytes are not kept). Drop the page cache
     before calling it for a cold read.
     """
+    import torch
+
     res = FloorResult("pread", direct, threads, nbytes, chunk_bytes)
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     bufs = [mmap.mmap(-1, chunk_bytes) for _ in range(threads)]
