@@ -446,19 +446,16 @@ class _Mapped:
         self.nbytes = nbytes
         wanted = pinning.segments(nbytes, segment, self.mapped)
         self._unregister(pinning.stale(self._regs, wanted, nbytes))
-        if not pin or self._pin_failed:  # nothing (more) to register here; no torch needed to know that
-            self.pinned = bool(wanted) and all(self._regs.get(off) == n for off, n in wanted)
-            return 0, 0, len(wanted)
-        import torch
+        if pin and not self._pin_failed:
+            import torch  # only here: a process that never pins (checksums only) never imports it
 
-        made = 0
-        if pin and not self._pin_failed and torch.cuda.is_available():
-            made = self._register(wanted, budget)
-        missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
-        self.pinned = bool(wanted) and not missing
-        if not pin or self._pin_failed or not torch.cuda.is_available():
-            return 0, 0, len(wanted)  # nothing (more) to register here
-        return made, missing, len(wanted)
+            if torch.cuda.is_available():
+                made = self._register(wanted, budget)
+                missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
+                self.pinned = bool(wanted) and not missing
+                return made, missing, len(wanted)
+        self.pinned = bool(wanted) and all(self._regs.get(off) == n for off, n in wanted)
+        return 0, 0, len(wanted)  # nothing (more) to register here
 
     def _register(self, wanted: list[tuple[int, int]], budget: int | None) -> int:
         """Register the missing ``wanted`` segments (at most ``budget``); returns how many were."""
