@@ -453,7 +453,9 @@ class _Mapped:
                 made = self._register(wanted, budget)
                 missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
                 self.pinned = bool(wanted) and not missing
-                return made, missing, len(wanted)
+                if not self._pin_failed:  # a registration that failed now: nothing more to register, as below
+                    return made, missing, len(wanted)
+                return 0, 0, len(wanted)
         self.pinned = bool(wanted) and all(self._regs.get(off) == n for off, n in wanted)
         return 0, 0, len(wanted)  # nothing (more) to register here
 

@@ -609,6 +609,9 @@ def finalize_before_log(module: Any = None, queue_of: Callable[[], Any] = _megat
         at = list(inspect.signature(original).parameters).index("iteration")
     except (TypeError, ValueError):
         at = None  # no iteration argument to read: no line counts as printed
+        logger.warning("cpuckpt: %s's training_log() has no iteration parameter: the look before a printed log line "
+                       "does not wait for the memory saves' commits (max_uncommitted: 1 still does)",
+                       getattr(module, "__name__", module))
 
     def printed(args: tuple, kwargs: dict[str, Any]) -> bool:  # the same on every rank: one iteration, one interval
         iteration = kwargs.get("iteration", args[at] if at is not None and at < len(args) else None)

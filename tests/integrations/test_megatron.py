@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -704,3 +705,31 @@ def test_close_does_not_wait_for_a_worker_that_died_idle(run_ranks, tmp_path, ki
     results = run_ranks(2, rank_worker_dies_idle, str(tmp_path), kind, timeout_s=120, env=ENV)
     for r in results:
         assert r["metadata_json"] and r["elapsed"] < 20, r
+
+
+_STUBS_PROBE = """
+import sys
+if sys.argv[1] == "probe":  # a spec asked for without an import (as is_torch_available() helpers do) comes first
+    import importlib.util
+    assert importlib.util.find_spec("torch") is not None
+    assert "torch" not in sys.modules
+if sys.argv[1] != "none":
+    import torch
+    print(torch.cuda.device_count.__name__, torch.cuda.current_device())
+print("torch" in sys.modules)
+"""
+
+
+def test_the_spawned_processes_stubs_come_with_torch_and_only_then():
+    """The fixture's sitecustomize (megatron-core's spawned worker gets the stubs through it) installs them right after
+    torch is imported, also when a spec of torch was asked for first, and a process that never imports torch (a
+    memory tier's writer) does not import it for the stubs."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the stubs patch nothing where CUDA is present")
+    env = {**os.environ, "CPU_CI_CUDA_STUBS": "1", "PYTHONPATH": STUBS}
+    out = {how: subprocess.run([sys.executable, "-c", _STUBS_PROBE, how], env=env, capture_output=True, text=True,
+                               timeout=120, check=True).stdout.split()
+           for how in ("import", "probe", "none")}
+    assert out == {"import": ["<lambda>", "cpu", "True"], "probe": ["<lambda>", "cpu", "True"], "none": ["False"]}, out

@@ -26,26 +26,31 @@ def install() -> bool:
 
 
 class _AfterTorch:
-    """A meta-path finder that runs :func:`install` right after ``torch`` is first imported (then leaves)."""
+    """A meta-path finder that runs :func:`install` right after ``torch``'s module is executed (then leaves). A spec
+    asked for without an import (``importlib.util.find_spec("torch")``) is never executed: the finder stays for the
+    import that comes."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
             return None
-        sys.meta_path.remove(self)
         import importlib.util
 
-        spec = importlib.util.find_spec(name)
+        sys.meta_path.remove(self)  # the real spec, found by the other finders
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return spec
-        loader = spec.loader
-        run = loader.exec_module
+        run = spec.loader.exec_module
 
         def exec_module(module):
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             run(module)
-            del loader.exec_module  # the loader's own method again
             install()
 
-        loader.exec_module = exec_module
+        spec.loader.exec_module = exec_module  # this spec's own loader object
         return spec
 
 
