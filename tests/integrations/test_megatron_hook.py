@@ -307,7 +307,16 @@ def test_freeze_gc_freezes_what_setup_left_alive_once():
     assert not freeze_collector_after_setup(types.ModuleType("training"))  # no setup_model_and_optimizer: a warning
 
 
-def test_the_look_before_the_log_wraps_training_log_once_and_leaves_unwatched_queues_alone(caplog):
+@pytest.fixture
+def no_log_looked(monkeypatch):
+    """A look before a log marks the process (guard._LOG_LOOKS: tops no longer wait for urgent saves): only this
+    test's."""
+    from cpuckpt.integrations.megatron import guard
+
+    monkeypatch.setattr(guard, "_LOG_LOOKS", [False])
+
+
+def test_the_look_before_the_log_wraps_training_log_once_and_leaves_unwatched_queues_alone(caplog, no_log_looked):
     """With the memory tier, Megatron-LM's ``training_log`` first looks at the async queue (the dist test
     test_megatron_memory.py::test_a_kill_after_the_log_of_n... shows what it finalizes); installed twice it wraps once,
     the log's own arguments and result pass through, a queue cpuckpt does not watch is not touched (nothing of ours
@@ -346,7 +355,7 @@ def test_the_look_before_the_log_wraps_training_log_once_and_leaves_unwatched_qu
     assert "has no training_log()" in caplog.text
 
 
-def test_the_look_waits_for_the_commits_before_the_lines_megatron_lm_prints():
+def test_the_look_waits_for_the_commits_before_the_lines_megatron_lm_prints(no_log_looked):
     """The look before a line Megatron-LM prints (``iteration % --log-interval == 0``, the interval above one) waits for
     the memory saves' commits (guard.finalize_before_log's ``printed``; the dist test in test_megatron_memory.py shows
     what it finalizes); its iteration is read by name or by its place in ``training_log``'s signature; with
