@@ -50,7 +50,7 @@ from typing import Any
 from benchmarks.bench_deepspeed import GPT, SMOKE_MODEL, add_model_args, free_port, import_adapter, model_argv
 from benchmarks.bench_goodput import GilProfile, _saves_between, gil_table, goodput, summarize
 from benchmarks.bench_megatron_lm import JobKiller, run
-from benchmarks.common import format_table
+from benchmarks.common import file_safe, format_table
 
 logger = logging.getLogger("bench_goodput_ds")
 
@@ -186,7 +186,7 @@ def kill_and_resume(name: str, argv_run: list[str], env: dict[str, str], out: Pa
     it from the newest complete tag (``load_latest``): the iterations lost, and whether every iteration the relaunch
     logged has ``reference``'s loss (the run without checkpoints)."""
     killer = JobKiller(at, logged=True)
-    killed_log, resumed_log = out / f"ds_{log_name(name)}_killed.log", out / f"ds_{log_name(name)}_resumed.log"
+    killed_log, resumed_log = out / f"ds_{file_safe(name)}_killed.log", out / f"ds_{file_safe(name)}_resumed.log"
     run(f"{name}-killed", argv_run, env, killed_log, timeout, killer)
     resumed = run(f"{name}-resumed", [*argv_run, "--resume"], env, resumed_log, timeout)
     logged, got = logged_losses(killed_log), logged_losses(resumed_log)
@@ -203,11 +203,6 @@ def kill_and_resume(name: str, argv_run: list[str], env: dict[str, str], out: Pa
             "compared": len(both), "values_differ_at": differ[:10], "values_equal": None if not both else not differ,
             "before_kill_compared": len(before),
             "before_kill_equal": None if not before else all(reference[it] == logged[it] for it in before)}
-
-
-def log_name(variant: str) -> str:
-    """A variant's name as a file name the device machine hands back (it leaves out names with ``+``)."""
-    return variant.replace("+", "_")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             run_env = env
             if "base" in name.split("+")[1:]:
                 run_env = {**env, "PYTHONPATH": os.pathsep.join([args.base_site, env["PYTHONPATH"]])}
-            r = run(name, argv_run, run_env, out / f"ds_{log_name(name)}.log", args.timeout,
+            r = run(name, argv_run, run_env, out / f"ds_{file_safe(name)}.log", args.timeout,
                     gil.hook() if gil else None)
             if gil is not None and (prof := gil.summary()) is not None:
                 results.setdefault("gil", {})[name] = prof

@@ -77,7 +77,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import FloorResult, drop_caches, files_under, format_table, tree_nbytes
+from benchmarks.common import FloorResult, drop_caches, file_safe, files_under, format_table, tree_nbytes
 
 logger = logging.getLogger("bench_megatron_lm")
 
@@ -962,8 +962,8 @@ class JobKiller:
 
 
 def run_log(out: Path, name: str) -> Path:
-    """The log of run ``name`` (``+`` in a name is ``_``: the device machine does not hand such names back)."""
-    return out / f"mlm_{name.replace('+', '_')}.log"
+    """The log of run ``name``."""
+    return out / f"mlm_{file_safe(name)}.log"
 
 
 def lost_work(killed: dict[str, Any], relaunch: dict[str, Any], kill: dict[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,7 @@ __all__ = [
     "device_sync",
     "drop_caches",
     "evict_files",
+    "file_safe",
     "files_under",
     "format_table",
     "freeze_heap",
@@ -744,6 +745,11 @@ def pread_floor(path: str | os.PathLike, nbytes: int, threads: int, direct: bool
 
 
 # ------------------------------------------------------------------------------------------- table
+
+
+def file_safe(name: str) -> str:
+    """A variant's name as part of a file name the device machine hands back (it leaves out names with ``+``)."""
+    return name.replace("+", "_")
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[bool] | None = None,

@@ -394,6 +394,13 @@ def _open_shared(desc: tuple) -> Any:
     return t.set_(storage, t_offset, (numel,), (1,))
 
 
+def _cuda_available() -> bool:
+    """Whether this process can pin (imports torch: only a process that copies or pins asks)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class _Mapped:
     """An image file as the copy process maps it: ``MAP_SHARED`` over the size it had when mapped (the trainer owns
     the file's size; a larger one is mapped anew), pinned in chunk-aligned segments for copies that are kept
@@ -446,18 +453,13 @@ class _Mapped:
         self.nbytes = nbytes
         wanted = pinning.segments(nbytes, segment, self.mapped)
         self._unregister(pinning.stale(self._regs, wanted, nbytes))
-        if pin and not self._pin_failed:
-            import torch  # only here: a process that never pins (checksums only) never imports it
-
-            if torch.cuda.is_available():
-                made = self._register(wanted, budget)
-                missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
-                self.pinned = bool(wanted) and not missing
-                if not self._pin_failed:  # a registration that failed now: nothing more to register, as below
-                    return made, missing, len(wanted)
-                return 0, 0, len(wanted)
-        self.pinned = bool(wanted) and all(self._regs.get(off) == n for off, n in wanted)
-        return 0, 0, len(wanted)  # nothing (more) to register here
+        registering = pin and not self._pin_failed and _cuda_available()  # torch only where it may pin
+        made = self._register(wanted, budget) if registering else 0
+        missing = sum(1 for off, n in wanted if self._regs.get(off) != n)
+        self.pinned = bool(wanted) and not missing
+        if not registering or self._pin_failed:
+            return 0, 0, len(wanted)  # nothing (more) to register here
+        return made, missing, len(wanted)
 
     def _register(self, wanted: list[tuple[int, int]], budget: int | None) -> int:
         """Register the missing ``wanted`` segments (at most ``budget``); returns how many were."""

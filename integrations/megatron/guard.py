@@ -274,11 +274,11 @@ class _Watchdog:
         leading run of such calls counts: waiting past one of Megatron's own or a persistent save's (a persist,
         seconds) is not what an urgent save asks for. The same on every rank."""
         calls = self.queue.async_calls
+        marks = (URGENT_MARK, MEMORY_MARK) if printed else (URGENT_MARK,)
         last = None
         for i, call in enumerate(calls):
             probe = _done_probe(call)
-            if probe is None or not (getattr(probe, URGENT_MARK, False) or (printed and getattr(probe, MEMORY_MARK,
-                                                                                                 False))):
+            if probe is None or not any(getattr(probe, mark, False) for mark in marks):
                 break
             last = i
         return None if last is None else len(calls) - (last + 1)
