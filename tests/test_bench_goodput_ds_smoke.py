@@ -1,8 +1,8 @@
 """benchmarks/bench_goodput_ds.py still runs: ``--smoke`` (CPU, gloo, a tiny GPT) makes whole DeepSpeed runs without
 and with memory checkpoints, reads their iteration lines and prints the goodput table (asserting no speed); the memory
 variant (a save every iteration, ``+u1``: each committed before the next line) killed as iteration 6's line arrives
-(the kill lands a little later on a loaded box) resumes from the save before the last line it logged, and logs the
-losses of the run without checkpoints."""
+(the kill lands a little later on a loaded box) resumes from the save before the last line it logged, or from that
+line's own, and logs the losses of the run without checkpoints."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ def test_bench_goodput_ds_smoke(tmp_path: Path) -> None:
     assert summary[1]["saves"] == 8 and summary[1].get("ratio") is not None, summary[1]
     assert "wall x none" in proc.stdout
     kill = results["kill"]["mem1+ahead+u1"]
-    assert kill["killed"] and 6 <= kill["last_logged"] < 10 and kill["iterations_lost"] == 1, kill
+    # at most one lost: the tiny save of the logged iteration itself may commit before the kill lands (then none)
+    assert kill["killed"] and 6 <= kill["last_logged"] < 10 and kill["iterations_lost"] in (0, 1), kill
     assert kill["relaunch_rc"] == 0 and kill["values_equal"] and kill["compared"] == 10 - kill["resumed_from"], kill
     assert kill["before_kill_equal"] and kill["before_kill_compared"] >= 6, kill  # the control: the same run up to it
     assert (tmp_path / "ds_mem1_ahead_u1_resumed.log").is_file()  # no "+" in names (the device hands those back)
