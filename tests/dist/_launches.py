@@ -63,6 +63,14 @@ def kill_launch(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+def write_report(out: Path, phase: str, rank: int, report: dict) -> None:
+    """Write ``rank``'s report whole: by rename, so ``await_reports`` never reads one half-written."""
+    final = out / f"{phase}-{rank}.json"
+    part = final.with_suffix(".part")
+    part.write_text(json.dumps(report))
+    os.replace(part, final)
+
+
 def await_reports(tmp: Path, phase: str, procs: list[subprocess.Popen], ranks: int, *, hold: bool,
                   phase_s: float) -> list[dict]:
     """Every rank's report (by rank) once written (and, unless ``hold``, every launch ended), within ``phase_s``;

@@ -31,7 +31,6 @@ of the same deterministic training, and reports in JSON files the test reads.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -165,12 +164,12 @@ def worker(argv: list[str]) -> int:
         if args.lag_from:
             report["replicated"] = {k: tier.replicated(k) for k in range(args.lag_from - 1, args.until + 1)}
         report["durable"] = sorted(c.step for c in cpuckpt.list_checkpoints(args.durable) if c.complete)
-        (out / f"{args.phase}-{rank}.json").write_text(json.dumps(report))
+        L.write_report(out, args.phase, rank, report)
         time.sleep(300)
         return 3
     tier.close()
     report["durable"] = sorted(c.step for c in cpuckpt.list_checkpoints(args.durable) if c.complete)
-    (out / f"{args.phase}-{rank}.json").write_text(json.dumps(report))
+    L.write_report(out, args.phase, rank, report)
     dist.destroy_process_group()
     return 0
 

@@ -29,7 +29,6 @@ the worker is this file run as a script (``__main__``) and reports in JSON files
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -132,14 +131,14 @@ def worker(argv: list[str]) -> int:
         report["durable"] = sorted(t.global_step for t in ckpt_ds.marker.complete_tags(save_dir))
         last = min(args.until, args.save_until)
         report["replicated"] = {k: tier.replicated(k) for k in (last - 1, last)}
-        (out / f"{args.phase}-{rank}.json").write_text(json.dumps(report))
+        L.write_report(out, args.phase, rank, report)
         time.sleep(300)
         return 3
     engine.destroy()  # the newest made durable, writers stopped, RAM root removed
     dist.barrier()
     report["durable"] = sorted(t.global_step for t in ckpt_ds.marker.complete_tags(save_dir))
     report["ram_left"] = Path(report["tier_root"]).exists()
-    (out / f"{args.phase}-{rank}.json").write_text(json.dumps(report))
+    L.write_report(out, args.phase, rank, report)
     dist.destroy_process_group()
     return 0
 

@@ -28,7 +28,6 @@ writer processes, real sockets, real files; nothing is mocked. Proven:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -139,7 +138,7 @@ def worker(argv: list[str]) -> int:
         report["durable"] = _durable(save)
         report["replicated"] = {k: tier.replicated(k) for k in (args.until - 1, args.until)}
         report["np_tracker"] = _read_tracker(np_dir)
-        (out / f"{args.phase}-{rank}.json").write_text(json.dumps(report))
+        L.write_report(out, args.phase, rank, report)
         time.sleep(300)
         return 3
     queue.close()
@@ -147,7 +146,7 @@ def worker(argv: list[str]) -> int:
     dist.barrier()
     report["durable"] = _durable(save)
     report["ram_left"] = Path(report["tier_root"]).exists()
-    (out / f"{args.phase}-{rank}.json").write_text(json.dumps(report))
+    L.write_report(out, args.phase, rank, report)
     dist.destroy_process_group()
     return 0
 
