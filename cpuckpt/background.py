@@ -405,7 +405,7 @@ class Checkpointer:
             coordinator = not self._dist or dist.get_rank(self._require_groups().plan_group) == 0
         error: BaseException | None = None
         try:
-            writer.target.prepare()
+            writer.prepare_target()
             if coordinator:
                 writer.target.clear()
         except BaseException as e:  # shared with the peers below, so that no rank waits for this one

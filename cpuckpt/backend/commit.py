@@ -47,6 +47,10 @@ def make_checkpoint_dir(path: Path) -> None:
 def clear_commit(path: Path, *, fsync: bool = True) -> None:
     """Make an existing checkpoint in ``path`` incomplete before it is overwritten.
 
+    ``fsync``: the directory is fsynced after the removal, so that after a crash no old ``.metadata`` comes back
+    beside rewritten data. Only a RAM root's slots (gone with the machine) skip it; a checkpoint on storage never
+    does, ``io.fsync: false`` or not (FORMAT.md §2, step 1).
+
     Raises:
         StorageIOError: its ``.metadata`` or manifest exists and cannot be removed.
     """
@@ -137,7 +141,7 @@ class LocalTarget:
         make_checkpoint_dir(self.path)
 
     def clear(self) -> None:
-        clear_commit(self.path, fsync=self.fsync)
+        clear_commit(self.path)  # fsynced even without io.fsync (FORMAT.md §2, step 1)
 
     def write_part(self, prefix: str, data: bytes) -> None:
         target = self.path / part_name(prefix)

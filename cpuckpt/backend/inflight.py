@@ -9,11 +9,12 @@ nothing is saving is gone). Holds references only: no threads, no I/O.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from typing import Protocol
 
-__all__ = ["InFlightSave", "SaveStream", "pending", "register", "streams", "unregister"]
+__all__ = ["InFlightSave", "SaveStream", "pending", "register", "streams", "unregister", "wait_for_writers_of"]
 
 
 class InFlightSave(Protocol):
@@ -24,6 +25,8 @@ class InFlightSave(Protocol):
     def done(self) -> bool: ...
 
     def wait(self, timeout: float | None = None) -> None: ...
+
+    def wait_ended(self, timeout: float | None = None) -> None: ...
 
 
 class SaveStream(Protocol):
@@ -63,3 +66,19 @@ def streams() -> list[SaveStream]:
 def pending() -> list[InFlightSave]:
     """Every stream's saves that have not ended (committed or failed), each stream's oldest first."""
     return [h for s in streams() for h in s.pending()]
+
+
+def _same_place(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
+
+
+def wait_for_writers_of(path: str, timeout: float | None = None) -> None:
+    """Block until no save of this process is still writing ``path``: each has ended, committed or failed (its
+    failure stays its own caller's to see). A save into a directory another save is still writing would clear
+    and rewrite the files under it, and the earlier save's commit would then name a mix of both (with
+    ``async.max_in_flight`` above one, a trainer saving to one "last" directory does this)."""
+    for handle in pending():
+        if _same_place(handle.path, path):
+            handle.wait_ended(timeout)

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from cpuckpt.backend import inflight
 from cpuckpt.backend.commit import CommitTarget, LocalTarget
 from cpuckpt.backend.dcp_stager import PoolSnapshot, snapshot_state_dict
 from cpuckpt.backend.itemcache import CachedItems, ItemsHit, SaveLayout, WrittenItems
@@ -211,8 +212,14 @@ class StorageWriter(_DcpStorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
 
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+    def prepare_target(self) -> None:
+        """Every rank, before planning ends: the earlier saves of this process into the same path end first
+        (:func:`~cpuckpt.backend.inflight.wait_for_writers_of`), then the target is made ready."""
+        inflight.wait_for_writers_of(str(self.path), self.config.timeout_s)
         self.target.prepare()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.prepare_target()
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:

@@ -151,7 +151,7 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
         if _part_save_id(part) != req.save_id:
             # Whatever stands in dest (an older checkpoint of this name, a failed attempt) is made
             # incomplete before this rank overwrites a byte of it, on every rank.
-            clear_commit(dest, fsync=cfg.io.fsync)
+            clear_commit(dest)  # fsynced even without io.fsync (FORMAT.md §2)
             part.unlink(missing_ok=True)
             entries = []
             for e in (e for name, e in sorted(manifest.files.items()) if name.startswith(prefix)):

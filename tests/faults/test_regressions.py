@@ -98,3 +98,45 @@ def test_sampled_verification_checks_a_share_of_chunks(tmp_path):
             caught += 1
     assert 5 <= caught <= 35, caught  # ~20 expected; p(outside) < 1e-5
     cpuckpt.load(target, path, {**cfg, "integrity": {"verify": "off"}})  # off: loads the damaged bytes
+
+
+def test_async_saves_into_one_directory_never_commit_a_mix_of_two(tmp_path):
+    """With ``async.max_in_flight: 2``, a second save into the directory of one still in flight cleared its commit
+    and rewrote its files; the first save's commit then named the second's bytes. When the second died before its
+    own commit, the directory was listed complete and loaded the wrong values (verify: checksum mismatches)."""
+    import threading
+
+    from cpuckpt import faultpoint
+    from cpuckpt.backend.committed import check_complete
+
+    cfg = {"io": {"chunk_bytes": "1MiB", "threads": 2, "backend": "buffered"}, "timeout_s": 60,
+           "async": {"max_in_flight": 2}}
+    d = tmp_path / "last"
+    commits: list[int] = []
+    lock = threading.Lock()
+
+    def second_dies(stage: str) -> None:
+        if stage == "before-rename:.cpuckpt.json":
+            with lock:
+                commits.append(len(commits) + 1)
+                if len(commits) == 2:
+                    raise RuntimeError("the second save dies before its commit")
+
+    faultpoint.set_handler(second_dies)
+    try:
+        h1 = cpuckpt.async_save({"w": torch.full((1 << 20,), 1.0)}, d, cfg, step=1)
+        h2 = cpuckpt.async_save({"w": torch.full((1 << 20,), 2.0)}, d, cfg, step=2)
+        h1.wait()
+        with pytest.raises(cpuckpt.CpuckptError, match="dies before its commit"):
+            h2.wait()
+    finally:
+        faultpoint.set_handler(None)
+    assert not check_complete(d).complete  # the second save had cleared the first's commit: nothing is named
+    assert cpuckpt.find_latest(tmp_path) is None
+    h3 = cpuckpt.async_save({"w": torch.full((1 << 20,), 3.0)}, d, cfg, step=3)
+    h4 = cpuckpt.async_save({"w": torch.full((1 << 20,), 4.0)}, d, cfg, step=4)
+    h3.wait()
+    h4.wait()
+    out = {"w": torch.zeros(1 << 20)}
+    cpuckpt.load(out, d, cfg)
+    assert check_complete(d).step == 4 and bool((out["w"] == 4.0).all())

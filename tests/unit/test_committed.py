@@ -263,3 +263,17 @@ def test_a_stock_checkpoint_whose_storage_record_field_is_damaged_is_corrupt(tmp
     with pytest.raises(CheckpointCorrupt, match=r"malformed DCP metadata: the storage record of '(w|b)'"):
         cpuckpt.load({"w": torch.empty(4), "b": torch.empty(2)}, path, CFG)
     assert "malformed" in check_complete(path).reason
+
+
+def test_an_overwrite_fsyncs_the_removal_of_the_old_commit_even_without_io_fsync(tmp_path, monkeypatch):
+    """FORMAT.md §2, step 1: after a crash, no old ``.metadata`` may come back beside rewritten data."""
+    import cpuckpt.backend.commit as commit
+
+    cfg = {**CFG, "io": {**CFG["io"], "fsync": False}}
+    path = tmp_path / "c"
+    cpuckpt.save(_sd(), path, cfg)
+    synced: list[Path] = []
+    real = commit.fsync_dir
+    monkeypatch.setattr(commit, "fsync_dir", lambda p: (synced.append(Path(p)), real(p))[1])
+    cpuckpt.save(_sd(), path, cfg)
+    assert synced == [path]
