@@ -33,6 +33,7 @@ class CheckpointInfo:
     step: int | None  # from the manifest; None for stock DCP checkpoints and incomplete ones
     mtime: float  # of .metadata when complete, else of the directory
     reason: str  # why it is incomplete ("" when complete)
+    unreadable: bool = False  # it could not be read (not missing): complete or not is unknown; never deleted
 
 
 T = TypeVar("T")

@@ -85,7 +85,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     path = Path(where)
     c = check_complete(path)
     mtime = c.committed_at if c.committed_at is not None else _mtime(path)
-    return CheckpointInfo(path, c.complete, c.step, mtime, c.reason)
+    return CheckpointInfo(path, c.complete, c.step, mtime, c.reason, c.unreadable)
 
 
 def _mtime(path: Path) -> float:
@@ -147,7 +147,11 @@ def find_latest(root: str | os.PathLike) -> Path | S3Url | None:
         >>> if path is not None:
         ...     cpuckpt.load(state_dict, path)
     """
-    complete = [c for c in list_checkpoints(root) if c.complete]
+    listed = list_checkpoints(root)
+    for c in listed:
+        if c.unreadable:
+            logger.warning("find_latest: %s %s; it is not a candidate", c.path, c.reason)
+    complete = [c for c in listed if c.complete]
     return complete[-1].path if complete else None
 
 
@@ -303,6 +307,9 @@ def clean_incomplete(root: str | os.PathLike, *, keep: Iterable[str | os.PathLik
         if str(info.path.resolve()) in protected or is_being_loaded(info.path):
             continue
         if not info.complete and min_age_s > 0 and time.time() - _newest_mtime(info.path) < min_age_s:
+            continue
+        if info.unreadable:  # it may well be complete: deleting what could not be read would lose it
+            logger.warning("not removing %s: it %s", info.path, info.reason)
             continue
         if not info.complete:
             if not dry_run:

@@ -69,14 +69,21 @@ def is_complete(path: str | os.PathLike) -> bool:
     answer to "did the save complete?". Whether the files are still intact is
     ``check_complete(path).complete`` (what ``find_latest`` and retention use).
     """
-    return _commit_marker(Path(path))[1] == ""
+    try:
+        return _commit_marker(Path(path))[1] == ""
+    except OSError:
+        return False
 
 
 def _commit_marker(path: Path) -> tuple[float | None, str]:
-    """(mtime of ``.metadata`` or None, why it is not a commit marker: "" when it is one)."""
+    """(mtime of ``.metadata`` or None, why it is not a commit marker: "" when it is one).
+
+    Raises:
+        OSError: ``stat`` failed for another reason than a missing file (permissions, EIO).
+    """
     try:
         st = (path / METADATA_NAME).stat()
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return None, f"no {METADATA_NAME}"
     if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
         return st.st_mtime, f"{METADATA_NAME} is empty or not a file"
@@ -91,23 +98,36 @@ class Completeness:
     reason: str = ""  # why it is incomplete ("" when complete)
     step: int | None = None  # the manifest's; None for stock DCP checkpoints and unusable manifests
     committed_at: float | None = None  # mtime of .metadata; None when there is none
+    # A read or stat failed for another reason than a missing file (permissions, EIO, a stale NFS handle): whether
+    # it is complete is unknown. Never loaded as the latest, and never deleted by cleaning or retention.
+    unreadable: bool = False
+
+
+def _unreadable(error: OSError, mtime: float | None, step: int | None = None) -> Completeness:
+    return Completeness(False, f"cannot be read: {error}", step, mtime, unreadable=True)
 
 
 def check_complete(path: str | os.PathLike) -> Completeness:
     """Whether the checkpoint in ``path`` is complete (the module docstring's three steps), and why not.
 
-    Never raises for a damaged checkpoint: every problem becomes ``complete=False`` and a reason.
+    Never raises for a damaged checkpoint: every problem becomes ``complete=False`` and a reason; one that could
+    not be read (not missing: permissions, EIO) is also ``unreadable``.
     """
     path = Path(path)
-    mtime, why = _commit_marker(path)
+    try:
+        mtime, why = _commit_marker(path)
+    except OSError as e:
+        return _unreadable(e, None)
     if why:
         return Completeness(False, why, None, mtime)
     try:
         data = read_metadata_bytes(path)
         metadata = parse_metadata(data, path / METADATA_NAME)  # restricted unpickler: garbage or hostile is refused
         manifest = _manifest_file(path)
-    except (IntegrityError, OSError) as e:
+    except IntegrityError as e:
         return Completeness(False, str(e), None, mtime)
+    except OSError as e:
+        return _unreadable(e, mtime)
     if manifest is None or not same_save(manifest, metadata):
         return Completeness(True, "", None, mtime)  # stock DCP (or stock DCP committed over us)
     return _with_sizes(path, manifest, mtime, data)
@@ -125,14 +145,19 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
     unpickler.
     """
     path = Path(path)
-    mtime, why = _commit_marker(path)
+    try:
+        mtime, why = _commit_marker(path)
+    except OSError as e:
+        return _unreadable(e, None)
     if why:
         return Completeness(False, why, None, mtime)
     try:
         data = read_metadata_bytes(path)
         manifest = _manifest_file(path)
-    except (IntegrityError, OSError) as e:
+    except IntegrityError as e:
         return Completeness(False, str(e), None, mtime)
+    except OSError as e:
+        return _unreadable(e, mtime)
     if manifest is None:
         return Completeness(False, f"no {MANIFEST_NAME}", None, mtime)
     save_id = manifest.save_id
@@ -164,7 +189,7 @@ def _with_sizes(path: Path, manifest: Manifest, mtime: float | None, data: bytes
     try:
         problems = size_mismatches(path, manifest.files, first=True)
     except OSError as e:
-        return Completeness(False, f"cannot stat its data files: {e}", manifest.step, mtime)
+        return _unreadable(e, mtime, manifest.step)
     if problems:
         return Completeness(False, f"{problems[0].name}: {problems[0].what}", manifest.step, mtime)
     return Completeness(True, "", manifest.step, mtime)

@@ -230,6 +230,44 @@ def test_clean_incomplete_removes_leftovers_only(tmp_path):
     assert _loads_as(good, 1)
 
 
+@pytest.mark.parametrize("what", [".metadata", "data file"])
+def test_a_checkpoint_that_cannot_be_read_is_never_deleted_nor_the_latest(tmp_path, monkeypatch, caplog, what):
+    """An I/O error (EACCES, EIO, a stale NFS handle) reading a committed checkpoint made it "incomplete", and
+    ``clean_incomplete`` deleted it. It is now unreadable: listed so, not loaded as the latest, never deleted."""
+    import errno
+
+    import cpuckpt.backend.committed as committed
+
+    _save(tmp_path, 1)
+    newest = _save(tmp_path, 2)
+    if what == ".metadata":
+        real = committed.read_metadata_bytes
+
+        def fail(path):
+            if Path(path) == newest:
+                raise cpuckpt.StorageIOError("cannot read", path=str(path / ".metadata"), errno_=errno.EIO)
+            return real(path)
+
+        monkeypatch.setattr(committed, "read_metadata_bytes", fail)
+    else:
+        real_stat = Path.stat
+
+        def stat(self, *a, **k):
+            if self.parent == newest and self.name.endswith(".distcp"):
+                raise PermissionError(errno.EACCES, "Permission denied", str(self))
+            return real_stat(self, *a, **k)
+
+        monkeypatch.setattr(Path, "stat", stat)
+    info = {c.path.name: c for c in cpuckpt.list_checkpoints(tmp_path)}["step_0002"]
+    assert (info.complete, info.unreadable) == (False, True) and "cannot be read" in info.reason
+    with caplog.at_level("WARNING"):
+        assert cpuckpt.find_latest(tmp_path) == tmp_path / "step_0001"
+        assert cpuckpt.clean_incomplete(tmp_path) == []
+    assert "not removing" in caplog.text and "not a candidate" in caplog.text
+    monkeypatch.undo()
+    assert _loads_as(newest, 2)
+
+
 def _age(path: Path, seconds: float) -> None:
     t = os.stat(path).st_mtime - seconds
     for p in [path, *path.iterdir()]:
