@@ -7,7 +7,8 @@ Completeness, defined once here (:func:`check_complete`), in three steps:
 1. *committed*: ``.metadata``, the commit marker written last by a save, is a non-empty regular file
    (:func:`is_complete`: one ``stat``, nothing read; what a successful save guarantees, and what
    stock DCP looks for);
-2. ``.metadata`` is accepted by the restricted unpickler as DCP ``Metadata``;
+2. ``.metadata`` is accepted by the restricted unpickler as DCP ``Metadata`` (not parsed when it is the pickle
+   whose crc32c the manifest of its save records: a cpuckpt save's own, which the load parses);
 3. if a cpuckpt manifest of the same save is there, it parses, ``.metadata`` has the crc32c it
    records (:func:`metadata_damage`; manifests of format 1 record none), and every data file it lists
    exists with the listed size (:func:`size_mismatches`; stock DCP checkpoints, and a manifest of an
@@ -122,8 +123,10 @@ def check_complete(path: str | os.PathLike) -> Completeness:
         return Completeness(False, why, None, mtime)
     try:
         data = read_metadata_bytes(path)
-        metadata = parse_metadata(data, path / METADATA_NAME)  # restricted unpickler: garbage or hostile is refused
         manifest = _manifest_file(path)
+        if manifest is not None and _committed_with(manifest, data):
+            return _with_sizes(path, manifest, mtime, data)  # a cpuckpt save's own pickle: the load parses it
+        metadata = parse_metadata(data, path / METADATA_NAME)  # restricted unpickler: garbage or hostile is refused
     except IntegrityError as e:
         return Completeness(False, str(e), None, mtime)
     except OSError as e:
@@ -165,6 +168,16 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
         return Completeness(False, f"{METADATA_NAME} does not name the manifest's save {str(save_id)[:8]!r}",
                             manifest.step, mtime)
     return _with_sizes(path, manifest, mtime, data)
+
+
+def _committed_with(manifest: Manifest, data: bytes) -> bool:
+    """Whether ``data`` is the ``.metadata`` committed with ``manifest``: a whole pickle with the crc32c the manifest
+    records, naming its save. Then step 2 (unpickling, ~30-100 ms for a large model's) is left to the load: listing
+    a root of many checkpoints reads each one's ``.metadata`` without parsing it."""
+    save_id = manifest.save_id
+    return (manifest.metadata_crc32c is not None and isinstance(save_id, str) and bool(save_id)
+            and data.endswith(pickle.STOP) and crc32c.crc32c(data) == manifest.metadata_crc32c
+            and holds_text(data, save_id))
 
 
 def metadata_damage(manifest: Manifest, data: bytes | int) -> str:

@@ -14,6 +14,7 @@ directory and pickle with a restricted unpickler, so a reader can take the data 
 from __future__ import annotations
 
 import bisect
+import functools
 import io
 import logging
 import pickle
@@ -315,10 +316,11 @@ class _RecordUnpickler(pickle.Unpickler):
     """Allows only what a plain tensor's pickle needs; anything else means 'not a layout we know'."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # A fresh callable per pickle: BUILD on a global changes the object itself, and ours would stay changed
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_v2
+            return functools.partial(_rebuild_v2)
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_v3
+            return functools.partial(_rebuild_v3)
         if module == "collections" and name == "OrderedDict":
             return OrderedDict
         if module == "torch.storage" and name == "UntypedStorage":

@@ -277,3 +277,18 @@ def test_an_overwrite_fsyncs_the_removal_of_the_old_commit_even_without_io_fsync
     monkeypatch.setattr(commit, "fsync_dir", lambda p: (synced.append(Path(p)), real(p))[1])
     cpuckpt.save(_sd(), path, cfg)
     assert synced == [path]
+
+
+def test_listing_does_not_unpickle_the_metadata_its_manifest_vouches_for(ckpt, monkeypatch):
+    """``.metadata`` whose crc32c the manifest of its save records is a cpuckpt save's own: listing a root of many
+    checkpoints reads it without the (pure-Python, restricted) unpickler; a foreign one is still parsed."""
+    import cpuckpt.backend.committed as committed
+
+    parsed: list[object] = []
+    real = committed.parse_metadata
+    monkeypatch.setattr(committed, "parse_metadata", lambda data, where: (parsed.append(where), real(data, where))[1])
+    assert check_complete(ckpt).complete and parsed == []
+    data = (ckpt / ".metadata").read_bytes()
+    (ckpt / ".metadata").write_bytes(data[:-1] + b"\x00")  # not the committed pickle: parsed (and refused)
+    c = check_complete(ckpt)
+    assert not c.complete and parsed == [ckpt / ".metadata"]

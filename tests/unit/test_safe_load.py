@@ -390,3 +390,57 @@ def test_a_numpy_array_loads_when_another_library_allowed_numpy_dtype_itself():
     with torch.serialization.safe_globals([np.ndarray, np.dtype, np.dtypes.UInt32DType, core.multiarray._reconstruct]):
         out = load_value(buf.getvalue(), "arr")
     assert out["arr"].tolist() == [0, 1, 2, 3, 4]
+
+
+# --------------------------------------------------------------------------------------- .metadata that changes classes
+
+
+def _poisoned(body: bytes, target: bytes, name: bytes, value: bytes) -> bytes:
+    """``body`` (a protocol-4 pickle) preceded by: push the allowed global ``target``, BUILD on it with slot state
+    ``{name: value global}``, pop it (what a hostile ``.metadata`` can do with allowed globals alone)."""
+    assert body[:2] == b"\x80\x04"
+    prefix = (b"c" + target + b"N}" + b"X" + len(name).to_bytes(4, "little") + name + b"c" + value
+              + b"s\x86b0")  # SETITEM, TUPLE2, BUILD, POP
+    return b"\x80\x04" + prefix + body[2:]
+
+
+@pytest.mark.parametrize("target,name", [(b"pathlib\nPurePosixPath\n", b"is_absolute"),
+                                         (b"torch.serialization\n_get_layout\n", b"__defaults__"),
+                                         (b"torch.distributed.checkpoint.metadata\nMetadata\n", b"__eq__")])
+def test_a_metadata_that_sets_attributes_of_an_allowed_class_or_function_is_refused(tmp_path, target, name):
+    """The restricted unpickler filtered globals only: a ``.metadata`` could BUILD on an allowed class itself and
+    change it for the whole process (``PurePosixPath.is_absolute = set`` let a load read a file outside the
+    checkpoint, and ``ls`` of an untrusted root was enough to poison the process)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from cpuckpt.backend.committed import check_complete
+    from cpuckpt.format.unpickle import unpickle_metadata
+
+    cpuckpt.save({"w": torch.zeros(4)}, tmp_path / "c", CFG)
+    body = (tmp_path / "c" / ".metadata").read_bytes()
+    before = pathlib.PurePosixPath("/etc").is_absolute(), torch.serialization._get_layout.__defaults__
+    bad = _poisoned(pickle.dumps(unpickle_metadata(body), protocol=4), target, name, b"builtins\nset\n")
+    with pytest.raises(pickle.UnpicklingError, match="refused"):
+        unpickle_metadata(bad)
+    (tmp_path / "c" / ".cpuckpt.json").unlink()  # as a stock checkpoint: the reader parses it
+    (tmp_path / "c" / ".metadata").write_bytes(bad)
+    with pytest.raises(CheckpointCorrupt, match="refused"):
+        cpuckpt.load({"w": torch.zeros(4)}, tmp_path / "c", CFG)
+    assert not check_complete(tmp_path / "c").complete  # listing it changes nothing either
+    assert (pathlib.PurePosixPath("/etc").is_absolute(), torch.serialization._get_layout.__defaults__) == before
+    assert "__eq__" not in vars(Metadata) or vars(Metadata)["__eq__"] is not set
+
+
+def test_metadata_items_and_appends_go_only_into_containers_it_built():
+    """SETITEMS, APPENDS and ADDITEMS on an allowed global (a class, a function) are refused as BUILD is."""
+    import pickle
+
+    from cpuckpt.format.unpickle import unpickle_metadata
+
+    for body in (b"\x80\x04cbuiltins\nset\n(K\x01K\x02u.", b"\x80\x04cbuiltins\nfrozenset\n(K\x01e.",
+                 b"\x80\x04cbuiltins\nset\n(K\x01\x90."):
+        with pytest.raises(pickle.UnpicklingError, match="refused"):
+            unpickle_metadata(body)
+    assert unpickle_metadata(pickle.dumps({"a": [1, 2], "b": {3}}, protocol=4)) == {"a": [1, 2], "b": {3}}
