@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import crc32c
+
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
@@ -22,11 +24,13 @@ __all__ = [
     "Manifest",
     "manifest_from_json",
     "part_name",
+    "signed_json",
 ]
 
-FORMAT_VERSION = 2  # 2: metadata_crc32c
+FORMAT_VERSION = 3  # 2: metadata_crc32c; 3: manifest_crc32c
 MIN_READER_VERSION = 1
 MANIFEST_NAME = ".cpuckpt.json"
+_SELF_CRC = "manifest_crc32c"  # the manifest's own checksum, over its canonical JSON without this field
 
 
 def part_name(prefix: str) -> str:
@@ -73,7 +77,18 @@ class Manifest:
         # JSON values already; json.dumps walks them once.
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["files"] = {name: {f.name: getattr(e, f.name) for f in fields(e)} for name, e in self.files.items()}
-        return json.dumps(data, separators=(",", ":"), sort_keys=True)
+        return signed_json(data)
+
+
+def _canonical(data: dict[str, Any]) -> str:
+    """The JSON a manifest's own checksum covers: the same text from the writer's fields and a reader's parse."""
+    return json.dumps(data, separators=(",", ":"), sort_keys=True)
+
+
+def signed_json(data: dict[str, Any]) -> str:
+    """A manifest's text: ``data`` (its fields as JSON values, without ``manifest_crc32c``) with its own crc32c."""
+    body = _canonical(data)
+    return f'{body[:-1]},"{_SELF_CRC}":{crc32c.crc32c(body.encode())}}}'
 
 
 def manifest_from_json(text: str | bytes) -> Manifest:
@@ -89,6 +104,7 @@ def manifest_from_json(text: str | bytes) -> Manifest:
         raise ValueError("JSON nested too deep") from None
     if not isinstance(raw, dict) or raw.get("format") != "cpuckpt":
         raise ValueError("not a cpuckpt manifest")
+    _check_own_crc(raw)
     known = set(Manifest.__dataclass_fields__)
     kwargs = {k: v for k, v in raw.items() if k in known}
     kwargs.setdefault("format_version", 1)  # the field is there from format 1 on: absent, the writer's was 1
@@ -105,3 +121,21 @@ def manifest_from_json(text: str | bytes) -> Manifest:
         files[name] = FileEntry(**{k: v for k, v in entry.items() if k in file_known})
     kwargs["files"] = files
     return Manifest(**kwargs)
+
+
+def _check_own_crc(raw: dict[str, Any]) -> None:
+    """The manifest's own checksum (format 3 on) must match: a damaged offset in ``records``, a damaged checksum or
+    size, would otherwise load wrong bytes with nothing noticing (the chunk checksums cover the data files only).
+
+    Raises:
+        ValueError: it does not match, or a manifest of format 3 or later has none.
+    """
+    own = raw.pop(_SELF_CRC, None)
+    if own is None:
+        version = raw.get("format_version", 1)
+        if isinstance(version, int) and version >= 3:
+            raise ValueError(f"manifest of format {version} without its {_SELF_CRC}: damaged")
+        return
+    actual = crc32c.crc32c(_canonical(raw).encode())
+    if own != actual:
+        raise ValueError(f"manifest damaged: its crc32c is {actual}, it records {own}")

@@ -36,12 +36,15 @@ test starts itself (the memory tier's writer, ``python -m cpuckpt.tier.persister
 from __future__ import annotations
 
 import errno as errno_mod
+import json
 import logging
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from cpuckpt import faultpoint
 from cpuckpt.errors import ConfigError
@@ -256,3 +259,15 @@ def child_env(directory: str | os.PathLike, stage_spec: str) -> dict[str, str]:
     (directory / "sitecustomize.py").write_text(_SITECUSTOMIZE.format(env=TEST_HOOK_ENV))
     path = os.environ.get("PYTHONPATH", "")
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(directory), path) if p), TEST_HOOK_ENV: stage_spec}
+
+
+def rewrite_manifest(path: str | os.PathLike, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Change the manifest of the checkpoint in ``path`` as a writer would have written it (its own crc32c made
+    anew): a test models a writer's mistake or a hostile checkpoint this way; damage is an edit without it."""
+    from cpuckpt.format.manifest import MANIFEST_NAME, signed_json
+
+    file = Path(path) / MANIFEST_NAME
+    raw = json.loads(file.read_text())
+    raw.pop("manifest_crc32c", None)
+    edit(raw)
+    file.write_text(signed_json(raw))

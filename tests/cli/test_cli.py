@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
 
 import cpuckpt
+from cpuckpt.testing import faults
 from cpuckpt.tier.ramroot import RamRoot, acquire_lock, lock_holder
 from cpuckpt.tools.cli import cli
 
@@ -144,9 +145,7 @@ def test_ls_verify_marks_a_damaged_checkpoint_and_moves_latest(tmp_path):
 def test_ls_age_is_the_commit_time_and_a_load_does_not_reset_it(tmp_path):
     path = tmp_path / "step_1"
     cpuckpt.save({"w": torch.ones(10)}, path, SMALL_CFG, step=1)
-    manifest = json.loads((path / ".cpuckpt.json").read_text())
-    manifest["created_unix"] = time.time() - 7200  # written two hours ago
-    (path / ".cpuckpt.json").write_text(json.dumps(manifest))
+    faults.rewrite_manifest(path, lambda m: m.update(created_unix=time.time() - 7200))  # written two hours ago
     stock = tmp_path / "stock"
     dcp.save({"w": torch.ones(10)}, storage_writer=dcp.FileSystemWriter(stock))
     old = time.time() - 3600

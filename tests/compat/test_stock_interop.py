@@ -24,7 +24,15 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
 import cpuckpt
-from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json
+from cpuckpt.format.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    manifest_from_json,
+    signed_json,
+)
+from cpuckpt.testing import faults
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -315,10 +323,9 @@ def test_stock_file_per_tensor_checkpoint_loads_through_our_reader(tmp_path):
 
 
 def _edit_manifest(path: Path, edit) -> dict:
-    raw = json.loads((path / MANIFEST_NAME).read_text())
-    edit(raw)
-    (path / MANIFEST_NAME).write_text(json.dumps(raw))
-    return raw
+    """Another writer's manifest (its own crc32c made anew, as that writer would)."""
+    faults.rewrite_manifest(path, edit)
+    return json.loads((path / MANIFEST_NAME).read_text())
 
 
 def _load_with_reader(path: Path, sd: dict) -> cpuckpt.StorageReader:
@@ -414,10 +421,16 @@ def test_manifest_requiring_newer_reader_falls_back_to_stock_reading(saved, tmp_
 def test_manifest_from_json_policy_unit():
     base = Manifest(save_id="abc", files={"f": FileEntry("f", 10, 4096, chunk_checksums=[1])})
     raw = json.loads(base.to_json())
+    raw.pop("manifest_crc32c")
     raw["new_field"] = 1
     raw["files"]["f"]["new_file_field"] = 2
-    m = manifest_from_json(json.dumps(raw))
+    m = manifest_from_json(signed_json(raw))
     assert m == base
+    with pytest.raises(ValueError, match="manifest damaged"):  # the same fields, not as its writer wrote them
+        manifest_from_json(json.dumps({**raw, "manifest_crc32c": json.loads(base.to_json())["manifest_crc32c"]}))
+    raw.update(format_version=3)
+    with pytest.raises(ValueError, match="without its manifest_crc32c"):
+        manifest_from_json(json.dumps(raw))
     minimal = {"format": "cpuckpt", "files": {"f": {"name": "f", "nbytes": 10, "chunk_bytes": 4096}}}
     m = manifest_from_json(json.dumps(minimal).encode())
     assert m.format_version == 1 and m.files["f"].chunk_checksums == [] and m.files["f"].records == []

@@ -349,15 +349,11 @@ def test_malicious_payload_control(tmp_path):
 def _write_metadata(path: Path, md: object) -> None:
     """A hostile ``.metadata`` as its writer would leave it: with the manifest's crc32c of it rewritten too (else
     that check refuses it first: these tests are about what is checked after it)."""
-    import json
-
     import crc32c
 
     data = pickle.dumps(md)
     (path / ".metadata").write_bytes(data)
-    manifest = json.loads((path / ".cpuckpt.json").read_text())
-    manifest["metadata_crc32c"] = crc32c.crc32c(data)
-    (path / ".cpuckpt.json").write_text(json.dumps(manifest))
+    faults.rewrite_manifest(path, lambda m: m.update(metadata_crc32c=crc32c.crc32c(data)))
 
 
 @pytest.mark.parametrize("bad", ["../outside.distcp", "../ckpt/" + DATA, "/etc/passwd", "sub/../../x.distcp", ""])
@@ -392,14 +388,30 @@ def test_corrupt_manifest_is_refused(ckpt):
 
 
 def test_manifest_record_offsets_mismatch_is_detected(ckpt):
-    import json
-
+    """A writer that listed the wrong records (its own crc32c right)."""
     path, sd = ckpt
-    raw = json.loads((path / ".cpuckpt.json").read_text())
-    raw["files"][DATA]["records"] = raw["files"][DATA]["records"][1:]
-    (path / ".cpuckpt.json").write_text(json.dumps(raw))
+    faults.rewrite_manifest(path, lambda m: m["files"][DATA].update(records=m["files"][DATA]["records"][1:]))
     with pytest.raises(CheckpointCorrupt, match="no tensor record"):
         cpuckpt.load(_targets(sd), path, CFG)
+
+
+@pytest.mark.parametrize("old,new", [('"records":[[0,', '"records":[[1,'),
+                                     ('"chunk_checksums":[', '"chunk_checksumz":['),
+                                     ('"checksum":"crc32c"', '"checksum":"none"'), ('"nbytes":', '"nbytes":1')])
+def test_one_damaged_field_of_the_manifest_is_refused_not_loaded(ckpt, old, new):
+    """The manifest had no checksum of its own: one byte of a record's offset loaded wrong values with nothing
+    noticing (the chunk checksums cover the data files), and a damaged checksum field turned verification off."""
+    from cpuckpt.backend.committed import check_complete
+
+    path, sd = ckpt
+    text = (path / ".cpuckpt.json").read_text()
+    assert old in text
+    (path / ".cpuckpt.json").write_text(text.replace(old, new, 1))
+    with pytest.raises(IntegrityError, match="manifest damaged"):
+        cpuckpt.load(_targets(sd), path, {**CFG, "integrity": {"verify": "always"}})
+    c = check_complete(path)
+    assert not c.complete and "manifest damaged" in c.reason
+    assert cpuckpt.find_latest(path.parent) is None
 
 
 def test_damaged_stock_record_is_reported_as_corrupt(tmp_path):

@@ -26,6 +26,7 @@ from cpuckpt.backend.committed import (
     size_mismatches,
 )
 from cpuckpt.errors import CheckpointCorrupt
+from cpuckpt.testing import faults
 from cpuckpt.tools.verification import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -150,9 +151,7 @@ def test_a_slot_is_complete_without_unpickling_its_metadata(ckpt, tmp_path, dama
     elif damage == "no-manifest":
         (ckpt / ".cpuckpt.json").unlink()
     elif damage == "save-id-not-a-string":  # a manifest that parses, with a number for its save: refused, not raised
-        text = (ckpt / ".cpuckpt.json").read_text()
-        save_id = read_manifest(ckpt).save_id
-        (ckpt / ".cpuckpt.json").write_text(text.replace(f'"{save_id}"', "12345"))
+        faults.rewrite_manifest(ckpt, lambda m: m.update(save_id=12345))
     elif damage == "garbage-manifest":
         (ckpt / ".cpuckpt.json").write_text("{not json")
     elif damage == "truncated-data":
@@ -175,12 +174,16 @@ def test_the_manifest_json_is_the_dataclass_fields_as_json_and_reads_back():
     import dataclasses
     import json
 
-    from cpuckpt.format.manifest import FileEntry, Manifest, manifest_from_json
+    from crc32c import crc32c
+
+    from cpuckpt.format.manifest import FileEntry, Manifest, manifest_from_json, signed_json
 
     m = Manifest(cpuckpt_version="1", save_id="s", step=3, config={"io": {"threads": 8}, "root": None},
                  timings={"t": 0.5}, files={"__0_0.distcp": FileEntry("__0_0.distcp", 10, 4, chunk_checksums=[1, 2],
                                                                       records=[[i, 64] for i in range(100)])})
-    assert m.to_json() == json.dumps(dataclasses.asdict(m), separators=(",", ":"), sort_keys=True)
+    body = json.dumps(dataclasses.asdict(m), separators=(",", ":"), sort_keys=True)
+    own = crc32c(body.encode())
+    assert m.to_json() == signed_json(dataclasses.asdict(m)) == body[:-1] + f',"manifest_crc32c":{own}}}'
     assert manifest_from_json(m.to_json()) == m
 
 
@@ -188,7 +191,6 @@ def test_a_metadata_mapping_keys_to_each_others_records_is_refused_on_load(tmp_p
     """A ``.metadata`` changed after its commit so that it still unpickles and every chunk still verifies (two keys'
     names swapped: each points at the other's record) is refused by every load path; without the crc32c the
     manifest records (format 1) it loads the values swapped."""
-    import json
 
     path = tmp_path / "ck"
     cpuckpt.save({"a": torch.ones(4), "b": torch.zeros(4)}, path, CFG)
@@ -206,9 +208,7 @@ def test_a_metadata_mapping_keys_to_each_others_records_is_refused_on_load(tmp_p
     failure = failure[0] if isinstance(failure, tuple) else failure
     assert isinstance(failure, CheckpointCorrupt) and "not the one committed with the manifest" in str(failure)
     assert not check_complete(path).complete
-    manifest = json.loads((path / ".cpuckpt.json").read_text())
-    del manifest["metadata_crc32c"]
-    (path / ".cpuckpt.json").write_text(json.dumps(manifest))
+    faults.rewrite_manifest(path, lambda m: (m.pop("metadata_crc32c"), m.update(format_version=1)))
     out = {"a": torch.empty(4), "b": torch.empty(4)}
     cpuckpt.load(out, path, CFG)
     assert torch.equal(out["a"], torch.zeros(4)) and torch.equal(out["b"], torch.ones(4))  # what the crc32c refuses
