@@ -945,7 +945,8 @@ class MemoryTier:
         return found[0] if found else None
 
     def candidates(self, state_dict: dict[str, Any] | None = None, *, planner: Any = None) -> list[Path | S3Url]:
-        """Every complete checkpoint of both tiers, newest first (memory before durable on equal steps).
+        """Every complete checkpoint of both tiers, newest first (memory before durable on equal steps; of two memory
+        saves of one step, the later commit first).
 
         Across nodes (ranks in several RAM roots) it is collective: a memory checkpoint is listed only
         when every rank's node holds the files that rank needs (its load plan of ``state_dict`` with
@@ -954,9 +955,12 @@ class MemoryTier:
         copy is planned here and sent only by :meth:`load` of that path (nothing here writes), and only
         where it overwrites nothing newer (:func:`cpuckpt.tier.recovery.agree_available`).
         """
+        # (step, tier, commit time, name, path): memory before durable on equal steps, and two memory saves of one
+        # step (a rewind: the abandoned one may still sit in another slot) by commit time, as rootinfo.ordered does
+        found: list[tuple[int, int, float, str, Path | S3Url]]
         if self.nodes.single:
-            found = [(c.step, 1, d) for d in self.slots if (c := self.format.committed(d)) is not None
-                     and c.step is not None and not self._partial(d)]
+            found = [(c.step, 1, c.created, str(d), d) for d in self.slots
+                     if (c := self.format.committed(d)) is not None and c.step is not None and not self._partial(d)]
         else:
             mine = held_saves(self.slots, self.rank, self.world_size, state_dict, planner)
             if self.config.memory.replicas:  # own slots, or a copy another node holds (restored before the load)
@@ -965,9 +969,15 @@ class MemoryTier:
                 held, self._pending = agree_available(self.nodes, mine, copies, self.slots, self.group)
             else:
                 held = agree_held(mine, self.world_size, self.group)
-            found = [(step, 1, slot) for (step, _), slot in held.items()]
-        found += [(step, 0, path) for step, path in self.format.durable(self.durable_root)]
-        return [p for _, _, p in sorted(found, key=lambda f: (f[0], f[1], str(f[2])), reverse=True)]
+            found = [(step, 1, self._created(slot, save_id), str(slot), slot) for (step, save_id), slot in held.items()]
+        found += [(step, 0, 0.0, str(path), path) for step, path in self.format.durable(self.durable_root)]
+        return [f[-1] for f in sorted(found, key=lambda f: f[:4], reverse=True)]
+
+    def _created(self, slot: Path, save_id: str) -> float:
+        """When save ``save_id`` (listed in ``slot``) was committed: its manifest's time (0.0 when unknown, e.g. a
+        restore from another node's copy planned into ``slot``)."""
+        held = self.listed(slot)
+        return held.created if held is not None and held.save_id == save_id else 0.0
 
     def _partial(self, slot: Path) -> bool:
         """One node after a run across nodes: a slot holding only that node's ranks' files (the same answer on

@@ -398,6 +398,36 @@ def test_restart_falls_back_past_a_checkpoint_that_does_not_verify(tmp_path, cap
     assert cpuckpt.find_latest(tmp_path / "durable").name == "step_3"  # damaged data is not a commit marker
 
 
+def _rewound(step: int) -> dict:
+    """What a job that rewound (a loss spike: it reloaded an older checkpoint) saves at ``step``: not ``_state``."""
+    return {"r0": _state(step, 7)["r7"], "step": step}
+
+
+def test_a_restart_after_a_rewind_loads_the_newer_save_of_the_same_step(tmp_path):
+    """Steps 4, 5, 6 in slots 0-2; the job rewinds to the durable step 4 and saves 5 and 6 again (slots 0, 1): the
+    restart loads the later save of step 6 (slot-1), not the abandoned one left in slot-2 (before: ordered by the
+    slot's name, slot-2 won and the restart trained on from the abandoned trajectory)."""
+    tier, _ = _one(tmp_path, persist_every=4, slots=3)
+    for step in (4, 5, 6):
+        tier.save(_state(step, 0), step).wait()
+    tier.wait_persisted()
+    rewind = tmp_path / "durable" / "step_4"
+    tier.load(_targets(0), rewind)
+    tier.resume_after(rewind)
+    for step in (5, 6):
+        tier.save(_rewound(step), step).wait()
+    assert [tier.step_of(s) for s in tier.slots] == [5, 6, 6]
+    tier.close(persist_newest=False, remove_root=False)  # the job dies here; its RAM root stays
+
+    tier, _ = _one(tmp_path, persist_every=4, slots=3)
+    out = _targets(0)
+    path = tier.load_latest(out)
+    assert path == tier.slots[1] and out["step"] == 6, path
+    H.assert_bitexact(out["r0"]["w"], _rewound(6)["r0"]["w"], "the newer save of step 6")
+    assert tier.candidates()[:2] == [tier.slots[1], tier.slots[2]]  # the same step: the later commit first
+    _close_idle(tier)
+
+
 def test_a_memory_checkpoint_of_this_process_loads_from_its_images_without_reading(tmp_path, monkeypatch):
     from cpuckpt.transfer import files
 
