@@ -937,16 +937,18 @@ class MemoryTier:
     def find_latest(self) -> Path | S3Url | None:
         """The newest checkpoint complete in either tier (memory first on equal steps); torn images never.
 
-        A query: it changes nothing in any RAM root. Across nodes it is collective (see :meth:`candidates`),
-        and a memory checkpoint a lost node gets back from a replica is restored by :meth:`load` of the
-        path returned here (load it with ``tier.load``, not ``cpuckpt.load``).
+        Collective: every rank gets the checkpoint rank 0 found (a durable commit landing between two ranks' scans
+        must not send them different ways). A query: it changes nothing in any RAM root; a memory checkpoint a lost
+        node gets back from a replica is restored by :meth:`load` of the path returned here (load it with
+        ``tier.load``, not ``cpuckpt.load``).
         """
-        found = self.candidates()
+        found = self._agreed_candidates()
         return found[0] if found else None
 
     def candidates(self, state_dict: dict[str, Any] | None = None, *, planner: Any = None) -> list[Path | S3Url]:
         """Every complete checkpoint of both tiers, newest first (memory before durable on equal steps; of two memory
-        saves of one step, the later commit first).
+        saves of one step, the later commit first), as this rank sees them: on one node no collective, so ranks that
+        list a moment apart may differ (:meth:`find_latest` and :meth:`load_latest` agree on rank 0's).
 
         Across nodes (ranks in several RAM roots) it is collective: a memory checkpoint is listed only
         when every rank's node holds the files that rank needs (its load plan of ``state_dict`` with
@@ -955,11 +957,35 @@ class MemoryTier:
         copy is planned here and sent only by :meth:`load` of that path (nothing here writes), and only
         where it overwrites nothing newer (:func:`cpuckpt.tier.recovery.agree_available`).
         """
-        # (step, tier, commit time, name, path): memory before durable on equal steps, and two memory saves of one
-        # step (a rewind: the abandoned one may still sit in another slot) by commit time, as rootinfo.ordered does
-        found: list[tuple[int, int, float, str, Path | S3Url]]
+        return [path for _, path in self._listing(state_dict, planner)]
+
+    def _agreed_candidates(self, state_dict: dict[str, Any] | None = None, *,
+                           planner: Any = None) -> list[Path | S3Url]:
+        """Collective: :meth:`candidates` as rank 0 lists them, the same checkpoints in the same order on every rank
+        (one broadcast; across nodes each rank's path of a memory checkpoint is its own node's slot).
+
+        Each rank's own listing is not enough: a writer of the previous trainer committing a durable checkpoint
+        between two ranks' scans would make them load different checkpoints, silently (restart.py agrees the
+        core's candidates the same way).
+        """
+        listing = self._listing(state_dict, planner)
+        if not self.dist:
+            return [path for _, path in listing]
+        box: list[Any] = [listing if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        mine = dict(listing)
+        # a memory checkpoint by this rank's slot (across nodes every rank lists the same ones: agreed above); one
+        # this rank did not list is rank 0's path: on one node the slots and the durable root are shared
+        return [mine.get(key, path) for key, path in box[0]]
+
+    def _listing(self, state_dict: dict[str, Any] | None, planner: Any) -> list[tuple[Hashable, Path | S3Url]]:
+        """:meth:`candidates` with a key naming each alike on every rank: ("memory", step, save id) or
+        ("durable", path)."""
+        # (step, tier, commit time, name, key, path): memory before durable on equal steps, and two memory saves of
+        # one step (a rewind: the abandoned one may still sit in another slot) by commit time, as rootinfo.ordered
+        found: list[tuple[int, int, float, str, Hashable, Path | S3Url]]
         if self.nodes.single:
-            found = [(c.step, 1, c.created, str(d), d) for d in self.slots
+            found = [(c.step, 1, c.created, str(d), ("memory", c.step, c.save_id), d) for d in self.slots
                      if (c := self.format.committed(d)) is not None and c.step is not None and not self._partial(d)]
         else:
             mine = held_saves(self.slots, self.rank, self.world_size, state_dict, planner)
@@ -969,9 +995,11 @@ class MemoryTier:
                 held, self._pending = agree_available(self.nodes, mine, copies, self.slots, self.group)
             else:
                 held = agree_held(mine, self.world_size, self.group)
-            found = [(step, 1, self._created(slot, save_id), str(slot), slot) for (step, save_id), slot in held.items()]
-        found += [(step, 0, 0.0, str(path), path) for step, path in self.format.durable(self.durable_root)]
-        return [f[-1] for f in sorted(found, key=lambda f: f[:4], reverse=True)]
+            found = [(step, 1, self._created(slot, save_id), str(slot), ("memory", step, save_id), slot)
+                     for (step, save_id), slot in held.items()]
+        found += [(step, 0, 0.0, str(path), ("durable", str(path)), path)
+                  for step, path in self.format.durable(self.durable_root)]
+        return [(f[4], f[5]) for f in sorted(found, key=lambda f: f[:4], reverse=True)]
 
     def _created(self, slot: Path, save_id: str) -> float:
         """When save ``save_id`` (listed in ``slot``) was committed: its manifest's time (0.0 when unknown, e.g. a
@@ -999,7 +1027,7 @@ class MemoryTier:
             CheckpointCorrupt: checkpoints exist but none loads (never an empty start over them).
             UnsafeCheckpointError: a value names a global a safe load refuses (not damage: no fallback).
         """
-        found = self.candidates(state_dict, planner=planner)
+        found = self._agreed_candidates(state_dict, planner=planner)
         plan = dict(self._pending)  # a fallback's restore was planned with the rest: kept for it
         failures: list[str] = []
         for path in found:

@@ -428,6 +428,38 @@ def test_a_restart_after_a_rewind_loads_the_newer_save_of_the_same_step(tmp_path
     _close_idle(tier)
 
 
+def _durable_commit_between_scans(durable: str, ram: str) -> dict:
+    """Rank body: durable steps 4 and 8, step 8's commit (``.metadata``, written last) landing after rank 0 listed
+    the durable root and before rank 1 did (an adopted writer of the killed trainer finishing its persist)."""
+    import torch.distributed as dist
+
+    import cpuckpt
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank, d = dist.get_rank(), Path(durable)
+    for step in (4, 8):
+        cpuckpt.save(_state(step, rank), d / f"step_{step}", step=step)
+    dist.barrier()
+    if rank == 0:  # step 8 is being persisted: every file there but its commit
+        os.rename(d / "step_8" / ".metadata", d / ".metadata-of-step-8")
+    tier = MemoryTier(durable, _cfg(Path(ram), persist_every=0))  # a relaunch: nothing in memory
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 lists meanwhile
+        os.rename(d / ".metadata-of-step-8", d / "step_8" / ".metadata")
+    out = _targets(rank)
+    path = tier.load_latest(out)
+    _close_idle(tier)
+    return {"path": str(path), "step": out["step"]}
+
+
+def test_ranks_load_the_same_checkpoint_when_a_durable_commit_lands_between_their_scans(run_ranks, tmp_path):
+    """load_latest takes rank 0's list of candidates on every rank (before: each rank listed the durable root on its
+    own, and rank 1 loaded step 8 while rank 0 loaded step 4)."""
+    res = run_ranks(2, _durable_commit_between_scans, str(tmp_path / "durable"), str(tmp_path / "ram"), timeout_s=90)
+    assert res[0] == res[1] == {"path": str(tmp_path / "durable" / "step_4"), "step": 4}, res
+
+
 def test_a_memory_checkpoint_of_this_process_loads_from_its_images_without_reading(tmp_path, monkeypatch):
     from cpuckpt.transfer import files
 
