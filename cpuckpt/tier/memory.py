@@ -46,7 +46,7 @@ import torch.distributed as dist
 from cpuckpt.api import load
 from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group
 from cpuckpt.backend.commit import clear_commit
-from cpuckpt.backend.committed import check_complete, read_manifest
+from cpuckpt.backend.committed import check_complete, is_complete, read_manifest
 from cpuckpt.backend.reader import ReadStats, StorageReader
 from cpuckpt.background import AsyncSaveHandle, Checkpointer
 from cpuckpt.config import CheckpointConfig, Config, MemoryConfig, resolve_config
@@ -60,7 +60,7 @@ from cpuckpt.errors import (
 )
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import S3Url, checkpoint_path, local_path
-from cpuckpt.roots import inspect_checkpoint, install_sigterm_handler
+from cpuckpt.roots import committed_once, inspect_checkpoint, install_sigterm_handler, list_checkpoints
 from cpuckpt.tier.copier import CopyProcess
 from cpuckpt.tier.formats import Committed, DcpSlots, SlotFormat, missing_files
 from cpuckpt.tier.images import AllocatedAhead, ImageSet
@@ -1024,7 +1024,8 @@ class MemoryTier:
         steps instead of becoming NaNs or a crash loop. Returns the path loaded, or None (nothing to load).
 
         Raises:
-            CheckpointCorrupt: checkpoints exist but none loads (never an empty start over them).
+            CheckpointCorrupt: checkpoints exist but none loads, or none is complete but some were committed and are
+                damaged since (a data file truncated or missing): never an empty start over them.
             UnsafeCheckpointError: a value names a global a safe load refuses (not damage: no fallback).
         """
         found = self._agreed_candidates(state_dict, planner=planner)
@@ -1043,11 +1044,34 @@ class MemoryTier:
                 continue
             self.resume_after(path)
             return path
-        if failures:
-            raise CheckpointCorrupt(f"no memory or durable checkpoint of {self.durable_root} loads cleanly ("
-                                    + "; ".join(failures) + "); the state dict may be partly overwritten: do not "
-                                    "train from it")
+        damaged = self._agreed_damaged()
+        if failures or damaged:
+            raise CheckpointCorrupt(
+                f"no memory or durable checkpoint of {self.durable_root} loads cleanly ("
+                + "; ".join(failures + [f"{where}: committed, but incomplete now ({why})" for where, why in damaged])
+                + ("); the state dict may be partly overwritten: do not train from it" if failures else
+                   "); not starting from scratch over committed checkpoints"))
         return None
+
+    def _agreed_damaged(self) -> list[tuple[str, str]]:
+        """Collective: (where, why) of every checkpoint committed once (its ``.metadata`` is there) but incomplete now
+        (a data file truncated or missing), in every node's slots (its leader looks) and in the durable root (rank 0
+        looks), on every rank alike (one all-gather). A restart raises over them rather than start from scratch, as
+        ``cpuckpt.load_latest`` does. Only DCP checkpoints tell: another format's slot is complete or not."""
+        if not isinstance(self.format, DcpSlots):
+            return []
+        found: list[tuple[str, str]] = []
+        if self.nodes.is_leader:
+            found += [(str(slot), status.reason) for slot in self.slots
+                      if is_complete(slot) and not (status := check_complete(slot)).complete]
+        if self.rank == 0:
+            found += [(str(c.path), c.reason) for c in list_checkpoints(self.durable_root)
+                      if not c.complete and committed_once(c)]
+        if not self.dist:
+            return found
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, found, group=self.group)
+        return [item for items in every for item in items]
 
     def load(self, state_dict: dict[str, Any], path: str | os.PathLike, *, planner: Any = None) -> None:
         """``cpuckpt.load`` of ``path``; a memory checkpoint this process saved is copied straight from its

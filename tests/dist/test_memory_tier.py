@@ -742,6 +742,32 @@ def test_restart_where_no_checkpoint_verifies_raises_instead_of_starting_from_sc
     _close_idle(tier)
 
 
+@pytest.mark.parametrize("where", ["durable", "memory"])
+def test_restart_over_a_committed_checkpoint_damaged_since_raises_instead_of_starting_from_scratch(tmp_path, where):
+    """Step 1's data file loses its tail after the commit (a truncated copy), in the durable root (the RAM root gone)
+    or in its slot (nothing durable): the checkpoint is no longer complete, so no candidate is left, and load_latest
+    raises CheckpointCorrupt naming it, as cpuckpt.load_latest does (before: it returned None, a silent start)."""
+    from cpuckpt.errors import CheckpointCorrupt
+
+    tier, _ = _one(tmp_path, persist_every=1 if where == "durable" else 0)
+    tier.save(_state(1, 0), 1).wait()
+    if where == "durable":
+        tier.close()  # step 1 persisted, RAM root removed
+        damaged = tmp_path / "durable" / "step_1"
+    else:
+        damaged = tier.find_latest()
+        tier.close(persist_newest=False, remove_root=False)  # the job dies; its RAM root stays
+    data = damaged / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 4096)
+
+    tier, _ = _one(tmp_path, persist_every=0)
+    assert tier.candidates() == []
+    with pytest.raises(CheckpointCorrupt, match=rf"{damaged}: committed, but incomplete now"):
+        tier.load_latest(_targets(0))
+    _close_idle(tier)
+
+
 def _writer_cannot_start_on_rank_1(durable: str, ram: str) -> dict:
     """Rank body: memory saves at steps 1-3, persist every 2nd; rank 1 cannot start a process (Popen fails)."""
     import subprocess
