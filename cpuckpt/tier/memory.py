@@ -650,6 +650,16 @@ class MemoryTier:
         committed = self.format.committed(last.slot)
         return committed is not None and committed.save_id == last.request.save_id
 
+    def _persisted_save(self, last: _LastSave) -> bool:
+        """The save ``last`` itself (its save id) is committed at its persist destination. A durable checkpoint of the
+        same step from another save (a rewind, a rerun to the same step) is not it. For object storage False: the
+        writer skips a save already committed there."""
+        dest = checkpoint_path(last.request.dest)
+        if isinstance(dest, S3Url):
+            return False
+        durable = self.format.committed(Path(dest))
+        return durable is not None and durable.save_id == last.request.save_id
+
     def _persist_due(self, step: int | None, persist: bool | None) -> bool:
         """``persist`` when given, else whether ``step`` is a multiple of ``memory.persist_every`` (0: never; a
         save without a step is persisted whenever persisting is on)."""
@@ -1176,18 +1186,25 @@ class MemoryTier:
         except CpuckptError as e:
             errors.append(e)
         self._wait_owed_agreed(errors)
-        (bad,) = self._agree([int(bool(errors))])  # also: all owed persists done, every rank sees one durable root
         last = self._last
-        if persist_newest and not bad and last is not None:
-            due = last.step is not None and self._holds(last) and not self.persisted(last.step)
+        due = (persist_newest and last is not None and last.step is not None and self._holds(last)
+               and not self._persisted_save(last))
+        # also: all owed persists done, every rank sees one durable root; the newest is persisted only where every
+        # rank can send its part (else the coordinator's writer would wait timeout_s for the missing one)
+        bad, any_not_due = self._agree([int(bool(errors)), int(not due)])
+        if due and any_not_due and not bad:
+            logger.warning("cpuckpt memory tier: rank %d: step %s is not persisted at close: another rank's slot no "
+                           "longer holds it, or that rank finds it durable already (see its log)", self.rank,
+                           last.step if last is not None else None)
+        if not bad and not any_not_due and last is not None:
             # the writer may start only now (persist_every 0): its start is agreed before any request
-            started = self._try_start_writer() if due else None
+            started = self._try_start_writer()
             (start_failed,) = self._agree([int(started is not None)])
             if start_failed:  # no rank asks: the coordinator's writer would wait timeout_s for the missing part
                 errors.append(started or WriterDiedError(
                     f"rank {self.rank}: another rank's writer could not start to persist the newest memory "
                     f"checkpoint (see its log); it stays in {self.root.path}"))
-            elif due:
+            else:
                 self._put(dataclasses.replace(last.request, seq=self.queue.next_seq()))
             self._wait_owed_agreed(errors)  # collective: every rank waits, requested or not
         self._stop_writer()

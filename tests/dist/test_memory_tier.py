@@ -525,6 +525,28 @@ def test_a_trainer_killed_while_its_persist_is_owed_the_writer_finishes_it(run_r
         H.assert_bitexact(out[f"r{r}"]["w"], _state(4, r)[f"r{r}"]["w"], f"persisted after the trainer died, rank {r}")
 
 
+def test_close_persists_the_newest_save_when_the_durable_step_is_another_saves(tmp_path):
+    """Run 1 ends at step 6 (4 persisted, 6 by close); run 2 rewinds to step 4 and saves 5 and 6 again: its close
+    persists its own step 6 (before: a durable step 6 of any save counted, run 2's final state was lost with the RAM
+    root, and the next restart loaded run 1's step 6)."""
+    import cpuckpt
+
+    tier, _ = _one(tmp_path, persist_every=4)
+    for step in range(1, 7):
+        tier.save(_state(step, 0), step).wait()
+    tier.close()
+    assert _durable_steps(tmp_path / "durable") == [4, 6]
+
+    tier, _ = _one(tmp_path, persist_every=4)
+    tier.load(_targets(0), tmp_path / "durable" / "step_4")
+    for step in (5, 6):
+        tier.save(_rewound(step), step).wait()
+    tier.close()
+    out = _targets(0)
+    assert cpuckpt.load_latest(out, tmp_path / "durable") == tmp_path / "durable" / "step_6"
+    H.assert_bitexact(out["r0"]["w"], _rewound(6)["r0"]["w"], "run 2's step 6, persisted at close")
+
+
 def test_sigterm_makes_the_newest_memory_checkpoint_durable_then_chains(tmp_path):
     tier, _ = _one(tmp_path, persist_every=4)
     chained = []
