@@ -186,13 +186,39 @@ class MemoryTier:
         # The writer starts when it is first needed (its interpreter costs a core for seconds, and a tier that never
         # persists needs none): at the first persist or replica request, now if an earlier trainer's persists are
         # still owed (it finishes them), and now for a node that receives its partners' replicas.
-        if self.queue.owed():
-            self._ensure_writer()
-        if m.replicas and not self.nodes.single:
-            pid = self._ensure_writer()
+        replicating = bool(m.replicas) and not self.nodes.single
+        self._start_writer_agreed(bool(self.queue.owed()) or replicating)
+        if replicating:
+            pid = self._ensure_writer()  # the one started (or adopted) just above
             self._replication = Replication.start(self.nodes, self.root.path, pid, m.replicas, self.group,
                                                   self.config.timeout_s)
             self._requeue_replicas(self._replication, stale_replicas)
+
+    def _start_writer_agreed(self, needed: bool) -> None:
+        """Collective, at construction: start this rank's writer when ``needed``; when any rank's cannot start, every
+        rank raises WriterDiedError at once (the failing rank its own, the others one naming it) instead of the
+        others waiting in the next collective until the group's timeout. What this tier took is let go first."""
+        started = self._try_start_writer() if needed else None
+        (failed,) = self._agree([self.rank + 1 if started is not None else 0])  # the highest failing rank, plus 1
+        if not failed:
+            return
+        self._abandon()
+        if started is not None:
+            raise started
+        raise WriterDiedError(f"rank {self.rank}: rank {failed - 1}'s writer process could not be started (see its "
+                              f"writer-{failed - 1}.log); the memory tier of {self.durable_root} was not opened")
+
+    def _abandon(self) -> None:
+        """A constructor that fails lets go of what it took, with no collective: its writer is asked to stop (one
+        adopted finishes what an earlier trainer owed first), its copy process ends, its images are unmapped and its
+        trainer lock released. The RAM root stays: it may hold the only copy of a checkpoint."""
+        self._stop_writer()
+        self.saves.close()
+        if self.copier is not None:
+            self.copier.close()
+        for images in self.images:
+            images.close()
+        self.root.close()
 
     @staticmethod
     def _max_uncommitted(m: MemoryConfig) -> int:
