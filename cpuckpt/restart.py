@@ -17,12 +17,10 @@ import torch.distributed as dist
 
 from cpuckpt.api import load
 from cpuckpt.backend import collectives
-from cpuckpt.backend.committed import METADATA_NAME, is_complete
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError, UnsafeCheckpointError
 from cpuckpt.paths import S3Url, checkpoint_path
-from cpuckpt.rootinfo import CheckpointInfo
-from cpuckpt.roots import list_checkpoints
+from cpuckpt.roots import committed_once, list_checkpoints
 
 __all__ = ["load_latest"]
 
@@ -122,15 +120,9 @@ def _agreed_candidates(root: Path | S3Url, group: Any) -> tuple[list[str], list[
         infos = list_checkpoints(root)
         names = [c.path.name for c in reversed(infos) if c.complete]
         # committed once (a .metadata is there) but incomplete now: damage after the commit, not a torn save
-        damaged = [(c.path.name, c.reason) for c in infos if not c.complete and _committed(c)]
+        damaged = [(c.path.name, c.reason) for c in infos if not c.complete and committed_once(c)]
         listing = [(names, damaged)]
     if group is not None:
         dist.broadcast_object_list(listing, src=dist.get_global_rank(group, 0), group=group)
     return listing[0]
 
-
-def _committed(c: CheckpointInfo) -> bool:
-    """``c`` has its commit marker (``.metadata``): incomplete now means damaged after the commit."""
-    if isinstance(c.path, S3Url):
-        return not c.reason.startswith(f"no {METADATA_NAME}")  # s3commit.check_complete's reason without one
-    return is_complete(c.path)

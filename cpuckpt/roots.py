@@ -38,7 +38,7 @@ from typing import Any
 
 from cpuckpt import faultpoint, s3roots
 from cpuckpt.backend import inflight, s3commit
-from cpuckpt.backend.committed import METADATA_NAME, check_complete
+from cpuckpt.backend.committed import METADATA_NAME, check_complete, is_complete
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CpuckptError, IntegrityError
 from cpuckpt.paths import S3Url, checkpoint_path, is_s3, local_path
@@ -55,6 +55,7 @@ __all__ = [
     "after_commit",
     "apply_retention",
     "clean_incomplete",
+    "committed_once",
     "find_latest",
     "install_sigterm_handler",
     "list_checkpoints",
@@ -130,6 +131,14 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
     out = [inspect_checkpoint(Path(e.path)) for e in entries
            if e.is_dir(follow_symlinks=False) and _looks_like_checkpoint(Path(e.path))]
     return ordered(out, lambda c: c.step, lambda c: c.mtime, lambda c: c.path.name)
+
+
+def committed_once(c: CheckpointInfo) -> bool:
+    """``c`` has its commit marker (``.metadata``): incomplete now means damaged after the commit, not a torn save
+    (a restart raises over it rather than start from scratch)."""
+    if isinstance(c.path, S3Url):
+        return not c.reason.startswith(f"no {METADATA_NAME}")  # s3commit.check_complete's reason without one
+    return is_complete(c.path)
 
 
 def find_latest(root: str | os.PathLike) -> Path | S3Url | None:

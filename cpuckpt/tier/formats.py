@@ -31,10 +31,13 @@ PART_PREFIX = ".cpuckpt-part-"  # a file set's per-rank done marker in the durab
 
 @dataclass(frozen=True)
 class Committed:
-    """A complete checkpoint found in a directory: its step (None: none recorded) and its save's id."""
+    """A complete checkpoint found in a directory: its step (None: none recorded), its save's id and when it was
+    committed (the manifest's ``created_unix``, the coordinator's clock: the same in every node's copy; 0.0 when the
+    format records none). Two saves of one step (a rewind) are told apart by it, newest commit first."""
 
     step: int | None
     save_id: str
+    created: float = 0.0
 
 
 class SlotFormat(Protocol):
@@ -57,7 +60,7 @@ class DcpSlots:
         if not status.complete:
             return None
         manifest = read_manifest(directory)
-        return Committed(status.step, manifest.save_id) if manifest is not None else None
+        return Committed(status.step, manifest.save_id, manifest.created_unix) if manifest is not None else None
 
     def durable(self, root: Path) -> list[tuple[int, Path]]:
         return [(c.step, c.path) for c in list_checkpoints(root) if c.complete and c.step is not None]

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from cpuckpt.api import load
 from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group
 from cpuckpt.backend.commit import clear_commit
-from cpuckpt.backend.committed import check_complete, read_manifest
+from cpuckpt.backend.committed import check_complete, is_complete, read_manifest
 from cpuckpt.backend.reader import ReadStats, StorageReader
 from cpuckpt.background import AsyncSaveHandle, Checkpointer
 from cpuckpt.config import CheckpointConfig, Config, MemoryConfig, resolve_config
@@ -60,7 +60,7 @@ from cpuckpt.errors import (
 )
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import S3Url, checkpoint_path, local_path
-from cpuckpt.roots import inspect_checkpoint, install_sigterm_handler
+from cpuckpt.roots import committed_once, inspect_checkpoint, install_sigterm_handler, list_checkpoints
 from cpuckpt.tier.copier import CopyProcess
 from cpuckpt.tier.formats import Committed, DcpSlots, SlotFormat, missing_files
 from cpuckpt.tier.images import AllocatedAhead, ImageSet
@@ -186,13 +186,39 @@ class MemoryTier:
         # The writer starts when it is first needed (its interpreter costs a core for seconds, and a tier that never
         # persists needs none): at the first persist or replica request, now if an earlier trainer's persists are
         # still owed (it finishes them), and now for a node that receives its partners' replicas.
-        if self.queue.owed():
-            self._ensure_writer()
-        if m.replicas and not self.nodes.single:
-            pid = self._ensure_writer()
+        replicating = bool(m.replicas) and not self.nodes.single
+        self._start_writer_agreed(bool(self.queue.owed()) or replicating)
+        if replicating:
+            pid = self._ensure_writer()  # the one started (or adopted) just above
             self._replication = Replication.start(self.nodes, self.root.path, pid, m.replicas, self.group,
                                                   self.config.timeout_s)
             self._requeue_replicas(self._replication, stale_replicas)
+
+    def _start_writer_agreed(self, needed: bool) -> None:
+        """Collective, at construction: start this rank's writer when ``needed``; when any rank's cannot start, every
+        rank raises WriterDiedError at once (the failing rank its own, the others one naming it) instead of the
+        others waiting in the next collective until the group's timeout. What this tier took is let go first."""
+        started = self._try_start_writer() if needed else None
+        (failed,) = self._agree([self.rank + 1 if started is not None else 0])  # the highest failing rank, plus 1
+        if not failed:
+            return
+        self._abandon()
+        if started is not None:
+            raise started
+        raise WriterDiedError(f"rank {self.rank}: rank {failed - 1}'s writer process could not be started (see its "
+                              f"writer-{failed - 1}.log); the memory tier of {self.durable_root} was not opened")
+
+    def _abandon(self) -> None:
+        """A constructor that fails lets go of what it took, with no collective: its writer is asked to stop (one
+        adopted finishes what an earlier trainer owed first), its copy process ends, its images are unmapped and its
+        trainer lock released. The RAM root stays: it may hold the only copy of a checkpoint."""
+        self._stop_writer()
+        self.saves.close()
+        if self.copier is not None:
+            self.copier.close()
+        for images in self.images:
+            images.close()
+        self.root.close()
 
     @staticmethod
     def _max_uncommitted(m: MemoryConfig) -> int:
@@ -650,6 +676,16 @@ class MemoryTier:
         committed = self.format.committed(last.slot)
         return committed is not None and committed.save_id == last.request.save_id
 
+    def _persisted_save(self, last: _LastSave) -> bool:
+        """The save ``last`` itself (its save id) is committed at its persist destination. A durable checkpoint of the
+        same step from another save (a rewind, a rerun to the same step) is not it. For object storage False: the
+        writer skips a save already committed there."""
+        dest = checkpoint_path(last.request.dest)
+        if isinstance(dest, S3Url):
+            return False
+        durable = self.format.committed(Path(dest))
+        return durable is not None and durable.save_id == last.request.save_id
+
     def _persist_due(self, step: int | None, persist: bool | None) -> bool:
         """``persist`` when given, else whether ``step`` is a multiple of ``memory.persist_every`` (0: never; a
         save without a step is persisted whenever persisting is on)."""
@@ -937,15 +973,18 @@ class MemoryTier:
     def find_latest(self) -> Path | S3Url | None:
         """The newest checkpoint complete in either tier (memory first on equal steps); torn images never.
 
-        A query: it changes nothing in any RAM root. Across nodes it is collective (see :meth:`candidates`),
-        and a memory checkpoint a lost node gets back from a replica is restored by :meth:`load` of the
-        path returned here (load it with ``tier.load``, not ``cpuckpt.load``).
+        Collective: every rank gets the checkpoint rank 0 found (a durable commit landing between two ranks' scans
+        must not send them different ways). A query: it changes nothing in any RAM root; a memory checkpoint a lost
+        node gets back from a replica is restored by :meth:`load` of the path returned here (load it with
+        ``tier.load``, not ``cpuckpt.load``).
         """
-        found = self.candidates()
+        found = self._agreed_candidates()
         return found[0] if found else None
 
     def candidates(self, state_dict: dict[str, Any] | None = None, *, planner: Any = None) -> list[Path | S3Url]:
-        """Every complete checkpoint of both tiers, newest first (memory before durable on equal steps).
+        """Every complete checkpoint of both tiers, newest first (memory before durable on equal steps; of two memory
+        saves of one step, the later commit first), as this rank sees them: on one node no collective, so ranks that
+        list a moment apart may differ (:meth:`find_latest` and :meth:`load_latest` agree on rank 0's).
 
         Across nodes (ranks in several RAM roots) it is collective: a memory checkpoint is listed only
         when every rank's node holds the files that rank needs (its load plan of ``state_dict`` with
@@ -954,9 +993,36 @@ class MemoryTier:
         copy is planned here and sent only by :meth:`load` of that path (nothing here writes), and only
         where it overwrites nothing newer (:func:`cpuckpt.tier.recovery.agree_available`).
         """
+        return [path for _, path in self._listing(state_dict, planner)]
+
+    def _agreed_candidates(self, state_dict: dict[str, Any] | None = None, *,
+                           planner: Any = None) -> list[Path | S3Url]:
+        """Collective: :meth:`candidates` as rank 0 lists them, the same checkpoints in the same order on every rank
+        (one broadcast; across nodes each rank's path of a memory checkpoint is its own node's slot).
+
+        Each rank's own listing is not enough: a writer of the previous trainer committing a durable checkpoint
+        between two ranks' scans would make them load different checkpoints, silently (restart.py agrees the
+        core's candidates the same way).
+        """
+        listing = self._listing(state_dict, planner)
+        if not self.dist:
+            return [path for _, path in listing]
+        box: list[Any] = [listing if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        mine = dict(listing)
+        # a memory checkpoint by this rank's slot (across nodes every rank lists the same ones: agreed above); one
+        # this rank did not list is rank 0's path: on one node the slots and the durable root are shared
+        return [mine.get(key, path) for key, path in box[0]]
+
+    def _listing(self, state_dict: dict[str, Any] | None, planner: Any) -> list[tuple[Hashable, Path | S3Url]]:
+        """:meth:`candidates` with a key naming each alike on every rank: ("memory", step, save id) or
+        ("durable", path)."""
+        # (step, tier, commit time, name, key, path): memory before durable on equal steps, and two memory saves of
+        # one step (a rewind: the abandoned one may still sit in another slot) by commit time, as rootinfo.ordered
+        found: list[tuple[int, int, float, str, Hashable, Path | S3Url]]
         if self.nodes.single:
-            found = [(c.step, 1, d) for d in self.slots if (c := self.format.committed(d)) is not None
-                     and c.step is not None and not self._partial(d)]
+            found = [(c.step, 1, c.created, str(d), ("memory", c.step, c.save_id), d) for d in self.slots
+                     if (c := self.format.committed(d)) is not None and c.step is not None and not self._partial(d)]
         else:
             mine = held_saves(self.slots, self.rank, self.world_size, state_dict, planner)
             if self.config.memory.replicas:  # own slots, or a copy another node holds (restored before the load)
@@ -965,9 +1031,17 @@ class MemoryTier:
                 held, self._pending = agree_available(self.nodes, mine, copies, self.slots, self.group)
             else:
                 held = agree_held(mine, self.world_size, self.group)
-            found = [(step, 1, slot) for (step, _), slot in held.items()]
-        found += [(step, 0, path) for step, path in self.format.durable(self.durable_root)]
-        return [p for _, _, p in sorted(found, key=lambda f: (f[0], f[1], str(f[2])), reverse=True)]
+            found = [(step, 1, self._created(slot, save_id), str(slot), ("memory", step, save_id), slot)
+                     for (step, save_id), slot in held.items()]
+        found += [(step, 0, 0.0, str(path), ("durable", str(path)), path)
+                  for step, path in self.format.durable(self.durable_root)]
+        return [(f[4], f[5]) for f in sorted(found, key=lambda f: f[:4], reverse=True)]
+
+    def _created(self, slot: Path, save_id: str) -> float:
+        """When save ``save_id`` (listed in ``slot``) was committed: its manifest's time (0.0 when unknown, e.g. a
+        restore from another node's copy planned into ``slot``)."""
+        held = self.listed(slot)
+        return held.created if held is not None and held.save_id == save_id else 0.0
 
     def _partial(self, slot: Path) -> bool:
         """One node after a run across nodes: a slot holding only that node's ranks' files (the same answer on
@@ -986,10 +1060,11 @@ class MemoryTier:
         steps instead of becoming NaNs or a crash loop. Returns the path loaded, or None (nothing to load).
 
         Raises:
-            CheckpointCorrupt: checkpoints exist but none loads (never an empty start over them).
+            CheckpointCorrupt: checkpoints exist but none loads, or none is complete but some were committed and are
+                damaged since (a data file truncated or missing): never an empty start over them.
             UnsafeCheckpointError: a value names a global a safe load refuses (not damage: no fallback).
         """
-        found = self.candidates(state_dict, planner=planner)
+        found = self._agreed_candidates(state_dict, planner=planner)
         plan = dict(self._pending)  # a fallback's restore was planned with the rest: kept for it
         failures: list[str] = []
         for path in found:
@@ -1005,11 +1080,34 @@ class MemoryTier:
                 continue
             self.resume_after(path)
             return path
-        if failures:
-            raise CheckpointCorrupt(f"no memory or durable checkpoint of {self.durable_root} loads cleanly ("
-                                    + "; ".join(failures) + "); the state dict may be partly overwritten: do not "
-                                    "train from it")
+        damaged = self._agreed_damaged()
+        if failures or damaged:
+            raise CheckpointCorrupt(
+                f"no memory or durable checkpoint of {self.durable_root} loads cleanly ("
+                + "; ".join(failures + [f"{where}: committed, but incomplete now ({why})" for where, why in damaged])
+                + ("); the state dict may be partly overwritten: do not train from it" if failures else
+                   "); not starting from scratch over committed checkpoints"))
         return None
+
+    def _agreed_damaged(self) -> list[tuple[str, str]]:
+        """Collective: (where, why) of every checkpoint committed once (its ``.metadata`` is there) but incomplete now
+        (a data file truncated or missing), in every node's slots (its leader looks) and in the durable root (rank 0
+        looks), on every rank alike (one all-gather). A restart raises over them rather than start from scratch, as
+        ``cpuckpt.load_latest`` does. Only DCP checkpoints tell: another format's slot is complete or not."""
+        if not isinstance(self.format, DcpSlots):
+            return []
+        found: list[tuple[str, str]] = []
+        if self.nodes.is_leader:
+            found += [(str(slot), status.reason) for slot in self.slots
+                      if is_complete(slot) and not (status := check_complete(slot)).complete]
+        if self.rank == 0:
+            found += [(str(c.path), c.reason) for c in list_checkpoints(self.durable_root)
+                      if not c.complete and committed_once(c)]
+        if not self.dist:
+            return found
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, found, group=self.group)
+        return [item for items in every for item in items]
 
     def load(self, state_dict: dict[str, Any], path: str | os.PathLike, *, planner: Any = None) -> None:
         """``cpuckpt.load`` of ``path``; a memory checkpoint this process saved is copied straight from its
@@ -1114,18 +1212,25 @@ class MemoryTier:
         except CpuckptError as e:
             errors.append(e)
         self._wait_owed_agreed(errors)
-        (bad,) = self._agree([int(bool(errors))])  # also: all owed persists done, every rank sees one durable root
         last = self._last
-        if persist_newest and not bad and last is not None:
-            due = last.step is not None and self._holds(last) and not self.persisted(last.step)
+        due = (persist_newest and last is not None and last.step is not None and self._holds(last)
+               and not self._persisted_save(last))
+        # also: all owed persists done, every rank sees one durable root; the newest is persisted only where every
+        # rank can send its part (else the coordinator's writer would wait timeout_s for the missing one)
+        bad, any_not_due = self._agree([int(bool(errors)), int(not due)])
+        if due and any_not_due and not bad:
+            logger.warning("cpuckpt memory tier: rank %d: step %s is not persisted at close: another rank's slot no "
+                           "longer holds it, or that rank finds it durable already (see its log)", self.rank,
+                           last.step if last is not None else None)
+        if not bad and not any_not_due and last is not None:
             # the writer may start only now (persist_every 0): its start is agreed before any request
-            started = self._try_start_writer() if due else None
+            started = self._try_start_writer()
             (start_failed,) = self._agree([int(started is not None)])
             if start_failed:  # no rank asks: the coordinator's writer would wait timeout_s for the missing part
                 errors.append(started or WriterDiedError(
                     f"rank {self.rank}: another rank's writer could not start to persist the newest memory "
                     f"checkpoint (see its log); it stays in {self.root.path}"))
-            elif due:
+            else:
                 self._put(dataclasses.replace(last.request, seq=self.queue.next_seq()))
             self._wait_owed_agreed(errors)  # collective: every rank waits, requested or not
         self._stop_writer()

@@ -398,6 +398,68 @@ def test_restart_falls_back_past_a_checkpoint_that_does_not_verify(tmp_path, cap
     assert cpuckpt.find_latest(tmp_path / "durable").name == "step_3"  # damaged data is not a commit marker
 
 
+def _rewound(step: int) -> dict:
+    """What a job that rewound (a loss spike: it reloaded an older checkpoint) saves at ``step``: not ``_state``."""
+    return {"r0": _state(step, 7)["r7"], "step": step}
+
+
+def test_a_restart_after_a_rewind_loads_the_newer_save_of_the_same_step(tmp_path):
+    """Steps 4, 5, 6 in slots 0-2; the job rewinds to the durable step 4 and saves 5 and 6 again (slots 0, 1): the
+    restart loads the later save of step 6 (slot-1), not the abandoned one left in slot-2 (before: ordered by the
+    slot's name, slot-2 won and the restart trained on from the abandoned trajectory)."""
+    tier, _ = _one(tmp_path, persist_every=4, slots=3)
+    for step in (4, 5, 6):
+        tier.save(_state(step, 0), step).wait()
+    tier.wait_persisted()
+    rewind = tmp_path / "durable" / "step_4"
+    tier.load(_targets(0), rewind)
+    tier.resume_after(rewind)
+    for step in (5, 6):
+        tier.save(_rewound(step), step).wait()
+    assert [tier.step_of(s) for s in tier.slots] == [5, 6, 6]
+    tier.close(persist_newest=False, remove_root=False)  # the job dies here; its RAM root stays
+
+    tier, _ = _one(tmp_path, persist_every=4, slots=3)
+    out = _targets(0)
+    path = tier.load_latest(out)
+    assert path == tier.slots[1] and out["step"] == 6, path
+    H.assert_bitexact(out["r0"]["w"], _rewound(6)["r0"]["w"], "the newer save of step 6")
+    assert tier.candidates()[:2] == [tier.slots[1], tier.slots[2]]  # the same step: the later commit first
+    _close_idle(tier)
+
+
+def _durable_commit_between_scans(durable: str, ram: str) -> dict:
+    """Rank body: durable steps 4 and 8, step 8's commit (``.metadata``, written last) landing after rank 0 listed
+    the durable root and before rank 1 did (an adopted writer of the killed trainer finishing its persist)."""
+    import torch.distributed as dist
+
+    import cpuckpt
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank, d = dist.get_rank(), Path(durable)
+    for step in (4, 8):
+        cpuckpt.save(_state(step, rank), d / f"step_{step}", step=step)
+    dist.barrier()
+    if rank == 0:  # step 8 is being persisted: every file there but its commit
+        os.rename(d / "step_8" / ".metadata", d / ".metadata-of-step-8")
+    tier = MemoryTier(durable, _cfg(Path(ram), persist_every=0))  # a relaunch: nothing in memory
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 lists meanwhile
+        os.rename(d / ".metadata-of-step-8", d / "step_8" / ".metadata")
+    out = _targets(rank)
+    path = tier.load_latest(out)
+    _close_idle(tier)
+    return {"path": str(path), "step": out["step"]}
+
+
+def test_ranks_load_the_same_checkpoint_when_a_durable_commit_lands_between_their_scans(run_ranks, tmp_path):
+    """load_latest takes rank 0's list of candidates on every rank (before: each rank listed the durable root on its
+    own, and rank 1 loaded step 8 while rank 0 loaded step 4)."""
+    res = run_ranks(2, _durable_commit_between_scans, str(tmp_path / "durable"), str(tmp_path / "ram"), timeout_s=90)
+    assert res[0] == res[1] == {"path": str(tmp_path / "durable" / "step_4"), "step": 4}, res
+
+
 def test_a_memory_checkpoint_of_this_process_loads_from_its_images_without_reading(tmp_path, monkeypatch):
     from cpuckpt.transfer import files
 
@@ -461,6 +523,28 @@ def test_a_trainer_killed_while_its_persist_is_owed_the_writer_finishes_it(run_r
     cpuckpt.load(out, durable / "step_4")
     for r in (0, 1):
         H.assert_bitexact(out[f"r{r}"]["w"], _state(4, r)[f"r{r}"]["w"], f"persisted after the trainer died, rank {r}")
+
+
+def test_close_persists_the_newest_save_when_the_durable_step_is_another_saves(tmp_path):
+    """Run 1 ends at step 6 (4 persisted, 6 by close); run 2 rewinds to step 4 and saves 5 and 6 again: its close
+    persists its own step 6 (before: a durable step 6 of any save counted, run 2's final state was lost with the RAM
+    root, and the next restart loaded run 1's step 6)."""
+    import cpuckpt
+
+    tier, _ = _one(tmp_path, persist_every=4)
+    for step in range(1, 7):
+        tier.save(_state(step, 0), step).wait()
+    tier.close()
+    assert _durable_steps(tmp_path / "durable") == [4, 6]
+
+    tier, _ = _one(tmp_path, persist_every=4)
+    tier.load(_targets(0), tmp_path / "durable" / "step_4")
+    for step in (5, 6):
+        tier.save(_rewound(step), step).wait()
+    tier.close()
+    out = _targets(0)
+    assert cpuckpt.load_latest(out, tmp_path / "durable") == tmp_path / "durable" / "step_6"
+    H.assert_bitexact(out["r0"]["w"], _rewound(6)["r0"]["w"], "run 2's step 6, persisted at close")
 
 
 def test_sigterm_makes_the_newest_memory_checkpoint_durable_then_chains(tmp_path):
@@ -676,6 +760,32 @@ def test_restart_where_no_checkpoint_verifies_raises_instead_of_starting_from_sc
 
     tier, _ = _one(tmp_path, persist_every=1)
     with pytest.raises(CheckpointCorrupt, match=r"step_2.*step_1|loads cleanly"):
+        tier.load_latest(_targets(0))
+    _close_idle(tier)
+
+
+@pytest.mark.parametrize("where", ["durable", "memory"])
+def test_restart_over_a_committed_checkpoint_damaged_since_raises_instead_of_starting_from_scratch(tmp_path, where):
+    """Step 1's data file loses its tail after the commit (a truncated copy), in the durable root (the RAM root gone)
+    or in its slot (nothing durable): the checkpoint is no longer complete, so no candidate is left, and load_latest
+    raises CheckpointCorrupt naming it, as cpuckpt.load_latest does (before: it returned None, a silent start)."""
+    from cpuckpt.errors import CheckpointCorrupt
+
+    tier, _ = _one(tmp_path, persist_every=1 if where == "durable" else 0)
+    tier.save(_state(1, 0), 1).wait()
+    if where == "durable":
+        tier.close()  # step 1 persisted, RAM root removed
+        damaged = tmp_path / "durable" / "step_1"
+    else:
+        damaged = tier.find_latest()
+        tier.close(persist_newest=False, remove_root=False)  # the job dies; its RAM root stays
+    data = damaged / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 4096)
+
+    tier, _ = _one(tmp_path, persist_every=0)
+    assert tier.candidates() == []
+    with pytest.raises(CheckpointCorrupt, match=rf"{damaged}: committed, but incomplete now"):
         tier.load_latest(_targets(0))
     _close_idle(tier)
 

@@ -324,6 +324,41 @@ def test_close_raises_one_error_class_on_every_rank_promptly_when_one_persist_fa
     assert "ENOSPC" in res[1]["error"][1] or "No space" in res[1]["error"][1], res[1]
 
 
+def _writer_cannot_start_at_construction(durable: str, base: str) -> dict:
+    """Rank body: two nodes with replicas (every rank's writer starts in the constructor); rank 1 cannot fork."""
+    import subprocess
+
+    import torch.distributed as dist
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    if rank == 1:
+        def refuse(*a, **k):
+            raise OSError(11, "planted: cannot fork")
+        subprocess.Popen = refuse  # this rank's process only
+    t0 = time.monotonic()
+    try:
+        MemoryTier(durable, _cfg(f"{base}/ram{rank}"))
+        error = None
+    except Exception as e:  # reported to the test
+        error = (type(e).__name__, str(e))
+    return {"error": error, "seconds": time.monotonic() - t0}
+
+
+def test_a_writer_that_cannot_start_at_construction_fails_it_on_every_rank_promptly(run_ranks, tmp_path) -> None:
+    """With replicas across nodes the constructor starts every rank's writer; one that cannot start fails the
+    constructor on every rank with WriterDiedError naming that rank, within seconds (before: that rank raised at once,
+    the others waited in the replicas' set-up until the group's timeout, then raised another error), and rank 0's
+    writer, started meanwhile, is stopped (the session's leak check)."""
+    res = run_ranks(2, _writer_cannot_start_at_construction, str(tmp_path / "durable"), str(tmp_path), timeout_s=60)
+    for rank, r in enumerate(res):
+        assert r["error"] is not None and r["error"][0] == "WriterDiedError", f"rank {rank}: {r}"
+        assert r["seconds"] < TIMEOUT_S / 2, f"rank {rank}: the constructor took {r['seconds']:.1f} s"
+    assert "planted: cannot fork" in res[1]["error"][1], res[1]
+    assert "rank 1's writer process could not be started" in res[0]["error"][1], res[0]
+
+
 # ------------------------------------------------------------------------------------ 5: URL roots
 
 
