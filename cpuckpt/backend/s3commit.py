@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import logging
 import pickle
+import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -55,9 +56,10 @@ logger = logging.getLogger(__name__)
 class S3Target:
     """The :class:`~cpuckpt.backend.commit.CommitTarget` of a checkpoint in object storage."""
 
-    def __init__(self, store: ObjectStore, url: S3Url) -> None:
+    def __init__(self, store: ObjectStore, url: S3Url, timeout_s: float) -> None:
         self.store = store
         self.url = url
+        self.timeout_s = timeout_s  # a save silent this long is dead: the manifest it left is a leftover
 
     @property
     def sink(self) -> S3SinkFactory:
@@ -101,8 +103,6 @@ class S3Target:
                 raise IntegrityError(problems[0])
             for entry in entries:
                 manifest.files[entry.name] = entry
-        # A writer that lost the race must not replace the winner's manifest (its step and checksums): look
-        # again right before writing it. (A window remains between this HEAD and the PUT below.)
         if self.store.head(self.url / METADATA_NAME) is not None:
             raise StorageIOError(f"{self.url}: another save committed this checkpoint first ({METADATA_NAME} "
                                  "appeared while this save uploaded); this save's objects may have replaced some "
@@ -110,7 +110,7 @@ class S3Target:
                                  path=str(self.url / METADATA_NAME), errno_=errno.EEXIST)
         pickled = pickle.dumps(metadata)
         manifest.metadata_crc32c = crc32c.crc32c(pickled)
-        self.store.put(self.url / MANIFEST_NAME, manifest.to_json().encode())
+        self._put_manifest(manifest)
         faultpoint.hit(f"before-rename:{METADATA_NAME}")
         if not self.store.put(self.url / METADATA_NAME, pickled, if_absent=True) \
                 and not self._committed_by(metadata):
@@ -122,6 +122,31 @@ class S3Target:
         for prefix in prefixes:
             self.store.delete(self.url / part_name(prefix))
         faultpoint.hit("commit:parts-deleted")
+
+    def _put_manifest(self, manifest: Manifest) -> None:
+        """Write the manifest only where there is none, so that of two saves racing to one prefix only one gets to
+        its ``.metadata``: a loser that replaced the winner's manifest left one of another save beside the winner's
+        ``.metadata``, which is then ignored, and the load checked nothing while reading the loser's objects. One
+        that a dead save left (untouched for ``timeout_s``) is deleted first; one of this save (a retried commit, a
+        PUT whose response was lost) is kept.
+
+        Raises:
+            StorageIOError: EEXIST, another live save's manifest is there.
+        """
+        url = self.url / MANIFEST_NAME
+        for attempt in range(2):
+            if self.store.put(url, manifest.to_json().encode(), if_absent=True):
+                return
+            data, info = self.store.get(url), self.store.head(url)
+            if data is not None and _save_id_of(data) == manifest.save_id:
+                return  # this save's own, from an earlier attempt
+            if attempt or info is None or time.time() - info.mtime < self.timeout_s:
+                break
+            logger.info("%s: deleting the manifest a dead save left (%.0f s old)", self.url, time.time() - info.mtime)
+            self.store.delete(url)
+        raise StorageIOError(f"{self.url}: another save is committing this checkpoint (its {MANIFEST_NAME} is there "
+                             f"without a {METADATA_NAME}); this save's objects may have replaced some of its data, "
+                             "which its checksums will report at load", path=str(url), errno_=errno.EEXIST)
 
     def _committed_by(self, metadata: Metadata) -> bool:
         """Whether the ``.metadata`` that refused our conditional PUT is our own: the client retries a PUT
@@ -227,3 +252,11 @@ def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
     if problems:
         return Completeness(False, problems[0], manifest.step, info.mtime)
     return Completeness(True, "", manifest.step, info.mtime)
+
+
+def _save_id_of(data: bytes) -> str | None:
+    """The save id of a manifest's bytes (None: not a usable manifest)."""
+    try:
+        return manifest_from_json(data).save_id
+    except (ValueError, TypeError):
+        return None

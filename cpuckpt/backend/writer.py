@@ -189,7 +189,8 @@ class StorageWriter(_DcpStorageWriter):
         self.target: CommitTarget
         if isinstance(where, S3Url):
             self.path = where
-            self.target = S3Target(open_store(self.config.s3, threads=self.config.io.threads), where)
+            self.target = S3Target(open_store(self.config.s3, threads=self.config.io.threads), where,
+                                   self.config.timeout_s)
         else:
             self.path = Path(where)
             self.target = LocalTarget(self.path, fsync=self.config.io.fsync)

@@ -678,11 +678,18 @@ class MemoryTier:
 
     def _persisted_save(self, last: _LastSave) -> bool:
         """The save ``last`` itself (its save id) is committed at its persist destination. A durable checkpoint of the
-        same step from another save (a rewind, a rerun to the same step) is not it. For object storage False: the
-        writer skips a save already committed there."""
+        same step from another save (a rewind, a rerun to the same step) is not it, and is overwritten; in object
+        storage, where objects are written once, it cannot be: then nothing is to do, and a warning says so."""
         dest = checkpoint_path(last.request.dest)
         if isinstance(dest, S3Url):
-            return False
+            from cpuckpt.tier.s3persist import committed_save_id
+            from cpuckpt.transfer.objstore import open_store
+
+            committed = committed_save_id(open_store(self.config.s3, threads=1), dest)
+            if committed is not None and committed != last.request.save_id:
+                logger.warning("cpuckpt memory tier: step %s is not persisted at close: %s holds another save's "
+                               "checkpoint of that step (objects are written once)", last.step, dest)
+            return committed is not None
         durable = self.format.committed(Path(dest))
         return durable is not None and durable.save_id == last.request.save_id
 

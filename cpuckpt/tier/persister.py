@@ -191,7 +191,7 @@ def _persist_one_s3(req: PersistRequest, queue: PersistQueue | None) -> Outcome:
         if s3persist.committed_save_id(store, dest) == req.save_id:
             return Outcome(req.seq, True, seconds=time.perf_counter() - t0)
         try:  # objects are written once: never upload over a committed checkpoint (StorageWriter.clear's rule)
-            S3Target(store, dest).refuse_committed()
+            S3Target(store, dest, cfg.timeout_s).refuse_committed()
         except StorageIOError:
             if s3persist.committed_save_id(store, dest) == req.save_id:  # our coordinator committed meanwhile
                 return Outcome(req.seq, True, seconds=time.perf_counter() - t0)
@@ -216,7 +216,7 @@ def _persist_one_s3(req: PersistRequest, queue: PersistQueue | None) -> Outcome:
                                              lambda: queue is not None and queue.outcome(req.seq) is not None)
             metadata = parse_metadata(_slot_metadata(req, slot, manifest), slot / METADATA_NAME)
             metadata.storage_meta.checkpoint_id = str(dest)
-            S3Target(store, dest).commit(metadata, prefixes, _durable_manifest(req, manifest, t0))
+            S3Target(store, dest, cfg.timeout_s).commit(metadata, prefixes, _durable_manifest(req, manifest, t0))
             after_commit(dest, cfg)
     except Exception as e:  # the outcome file carries it to the trainer
         logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)

@@ -203,6 +203,56 @@ def test_only_one_of_two_writers_commits(s3_server, s3_env, s3_url):
         cpuckpt.load({"w": torch.zeros(3 * MiB)}, s3_url, CFG)
 
 
+def test_a_writer_racing_another_to_its_commit_never_replaces_its_manifest(s3_server, s3_env, s3_url):
+    """Both writers past the HEAD of ``.metadata``: the loser's PUT replaced the winner's manifest before its own
+    conditional PUT of ``.metadata`` was refused. The winner's ``.metadata`` then stood beside another save's
+    manifest, which is ignored, and the load returned the loser's objects without a single check (verify: always).
+    The loser now fails at its manifest, and the winner's checksums catch the objects the loser replaced."""
+    import cpuckpt
+    from cpuckpt.backend.s3commit import load_metadata, read_manifest
+    from cpuckpt.paths import S3Url
+
+    winner_manifest_put, loser_done = threading.Event(), threading.Event()
+    outcome: dict[str, BaseException | None] = {}
+
+    def stages(stage: str) -> None:
+        if threading.current_thread().name == "winner" and stage == "before-rename:.metadata":
+            winner_manifest_put.set()
+            assert loser_done.wait(60)
+
+    def save(name: str, value: float) -> None:
+        try:
+            if name == "loser":
+                assert winner_manifest_put.wait(60)  # its objects replace the winner's
+            cpuckpt.save({"w": torch.full((MiB,), value)}, s3_url, CFG, step=1)
+            outcome[name] = None
+        except BaseException as e:
+            outcome[name] = e
+        finally:
+            if name == "loser":
+                loser_done.set()
+
+    from cpuckpt import faultpoint
+
+    faultpoint.set_handler(stages)
+    try:
+        threads = [threading.Thread(target=save, args=(n, v), name=n) for n, v in (("winner", 1.0), ("loser", 2.0))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        faultpoint.set_handler(None)
+    assert outcome["winner"] is None
+    loser = outcome["loser"]
+    assert isinstance(loser, cpuckpt.StorageIOError) and loser.errno == errno.EEXIST, loser
+    assert "another save is committing this checkpoint" in str(loser)
+    store, url = s3_server.store(), S3Url.parse(s3_url)
+    assert read_manifest(store, url).save_id == load_metadata(store, url).storage_meta.save_id
+    with pytest.raises(cpuckpt.CheckpointCorrupt, match="checksum mismatch"):
+        cpuckpt.load({"w": torch.zeros(MiB)}, s3_url, {**CFG, "integrity": {"verify": "always"}})
+
+
 def test_load_with_the_server_gone_fails_fast(own_s3_server, monkeypatch):
     """A load whose server died raises a StorageIOError naming the object (bounded by the client's connect
     timeout and attempts), never hangs; the checkpoint loads again once the server is back."""

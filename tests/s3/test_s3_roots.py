@@ -70,5 +70,5 @@ def test_bucket_level_root_cleans_uploads(own_s3_server):
     assert [str(u) for u in removed] == [f"s3://{server.bucket}/step_1/__0_0.distcp"], removed
     assert store.list_uploads(bucket) == []
     store.create_upload(bucket / "__0_0.distcp")  # a checkpoint at the bucket's top, killed mid-upload
-    S3Target(store, bucket).clear()
+    S3Target(store, bucket, 30).clear()
     assert store.list_uploads(bucket) == []
