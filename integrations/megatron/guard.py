@@ -198,12 +198,12 @@ def finalize_saves_under(queue: Any, parents: str | os.PathLike | Sequence[str |
     ``parents``) is left but the newest ``keep`` (collective, like a blocking finalize); returns the finalized
     call ids.
 
-    Called before Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` removes all but the newest
-    ``keep`` directories of ``parent`` (or, with the memory tier, before the ring reuses the slot of the
-    save ``slots`` saves back): megatron-core writes a save's ``metadata.json`` into its directory only when
-    it finalizes the call, which the persistent worker (started by the first save, ~5 s) or a slow persist
-    can delay past the removal. Every rank holds the same calls in the same order, so every rank waits for
-    the same ones.
+    Called with ``keep=0`` before Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` removes all but the
+    newest directories of ``parent`` (so its tracker names the newest one, which it keeps), or, with the memory
+    tier, before the ring reuses the slot of the save ``slots`` saves back: megatron-core writes a save's
+    ``metadata.json`` (and Megatron-LM its tracker) only when it finalizes the call, which the persistent worker
+    (started by the first save, ~5 s) or a slow persist can delay past the removal. Every rank holds the same
+    calls in the same order, so every rank waits for the same ones.
     """
     calls = list(getattr(queue, "async_calls", ()) or ())
     if not calls:
