@@ -27,7 +27,8 @@ are stopped and forgotten, so the queue's next save spawns new ones. With ``on_f
 default) every rank then raises :class:`WorkerDiedError` (``CheckpointTimeoutError`` for the bound);
 with ``continue`` every rank logs it and training goes on. ``continue`` also covers a failed save
 that megatron-core finalizes itself (a write error, a worker that raised): every rank raises the same
-cpuckpt error there, which is logged instead.
+cpuckpt error there, which is logged instead; and a failure of Megatron's own finalize functions of a cpuckpt
+save (``metadata.json``, the tracker: rank 0 only), which every rank raises alike too (:class:`_MegatronFinalize`).
 
 The queue's ``close()`` is wrapped too: a persistent worker that died while idle (no save pending)
 is forgotten first, since megatron-core's ``close`` would wait forever for it to acknowledge its stop.
@@ -61,7 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpuckpt.backend.collectives import checkpoint_group
+from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 from cpuckpt.transfer.pacing import PACER
@@ -198,12 +199,12 @@ def finalize_saves_under(queue: Any, parents: str | os.PathLike | Sequence[str |
     ``parents``) is left but the newest ``keep`` (collective, like a blocking finalize); returns the finalized
     call ids.
 
-    Called before Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` removes all but the newest
-    ``keep`` directories of ``parent`` (or, with the memory tier, before the ring reuses the slot of the
-    save ``slots`` saves back): megatron-core writes a save's ``metadata.json`` into its directory only when
-    it finalizes the call, which the persistent worker (started by the first save, ~5 s) or a slow persist
-    can delay past the removal. Every rank holds the same calls in the same order, so every rank waits for
-    the same ones.
+    Called with ``keep=0`` before Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` removes all but the
+    newest directories of ``parent`` (so its tracker names the newest one, which it keeps), or, with the memory
+    tier, before the ring reuses the slot of the save ``slots`` saves back: megatron-core writes a save's
+    ``metadata.json`` (and Megatron-LM its tracker) only when it finalizes the call, which the persistent worker
+    (started by the first save, ~5 s) or a slow persist can delay past the removal. Every rank holds the same
+    calls in the same order, so every rank waits for the same ones.
     """
     calls = list(getattr(queue, "async_calls", ()) or ())
     if not calls:
@@ -239,6 +240,7 @@ class _Watchdog:
         self.original = original
         self.timeout_s = timeout_s
         self.options = options
+        self.no_dist = False  # the finalize in progress: local only (no collectives)
 
     def finalize(self, blocking: bool, no_dist: bool, until: int = 0) -> list[int]:
         """Megatron's finalize with the dead-worker check; blocking: until at most ``until`` calls are pending."""
@@ -381,6 +383,9 @@ class _Watchdog:
 
     def _finalize_in_order(self, no_dist: bool, until: int) -> list[int]:
         calls = self.queue.async_calls
+        self.no_dist = no_dist  # for the agreement on Megatron's finalize functions (_MegatronFinalize)
+        for call in calls:
+            _MegatronFinalize.arm(call, self)
         done: list[int] = []
         while len(calls) > until:
             probe = _done_probe(calls[0])
@@ -419,6 +424,65 @@ class _Watchdog:
         flags = torch.tensor([1 if mine else 0, -1 if failed else 0], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)  # [ended everywhere, -(failed anywhere)]
         return bool(int(flags[0])) or bool(int(flags[1]))
+
+
+class _MegatronFinalize:
+    """Megatron's finalize functions of one cpuckpt save, run so that a failure on one rank is every rank's.
+
+    cpuckpt's own finalize function is collective and raises alike on every rank; Megatron's after it
+    (megatron-core's ``metadata.json``, Megatron-LM's tracker) write on rank 0 only and may fail there alone
+    (ENOSPC, EACCES): rank 0 raised a bare ``OSError`` while the others went on into the next collective. Each of
+    Megatron's functions is wrapped (:meth:`arm`, in place, whoever then runs them: the watchdog or megatron-core's
+    finalize) to keep its error, and one function appended after them agrees on it (an all-reduce of a flag on
+    cpuckpt's gloo group, the reports gathered only after a failure): every rank raises the same error
+    (``StorageIOError`` naming the rank and path for an ``OSError``), which ``on_failure: continue`` logs like any
+    agreed failure. After a failed function the rest are skipped: no tracker names a checkpoint whose
+    ``metadata.json`` could not be written."""
+
+    def __init__(self, dog: _Watchdog, directory: str | None) -> None:
+        self.dog = dog
+        self.directory = directory
+        self.error: Exception | None = None
+
+    @classmethod
+    def arm(cls, call: Any, dog: _Watchdog) -> None:
+        """Wrap the Megatron finalize functions of ``call`` (a cpuckpt save's, not yet armed) in place."""
+        fns = getattr(getattr(call, "async_request", None), "finalize_fns", None)
+        if not isinstance(fns, list) or any(isinstance(fn, cls) for fn in fns):
+            return
+        ours = [fn for fn in fns if getattr(fn, FINALIZE_MARK, False)]
+        if not ours:  # not a cpuckpt save: left as Megatron made it
+            return
+        agreement = cls(dog, getattr(ours[0], DIR_MARK, None))
+        fns[:] = [fn if getattr(fn, FINALIZE_MARK, False) else agreement.guarded(fn) for fn in fns] + [agreement]
+
+    def guarded(self, fn: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            if self.error is not None:
+                return
+            try:
+                fn()
+            except Exception as e:
+                self.error = e
+                if isinstance(e, OSError) and _ends_in_barrier(fn) and not self.dog.no_dist and dist.is_initialized():
+                    dist.barrier()  # the one this rank skipped, where the other ranks wait
+
+        run.__wrapped__ = fn  # type: ignore[attr-defined]
+        return run
+
+    def __call__(self) -> None:
+        error, self.error = self.error, None
+        group = None if self.dog.no_dist else checkpoint_group(None, self.dog.timeout_s)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        where = self.directory or "its checkpoint directory"
+        agree_or_raise(error, rank, group, f"Megatron's finalize of the save into {where}")
+
+
+def _ends_in_barrier(fn: Callable[..., Any]) -> bool:
+    """megatron-core's ``metadata_finalize_fn`` (``dist_checkpointing.save``): ``save_config`` on rank 0, then a
+    barrier of the default group; a rank whose ``save_config`` raised skipped that barrier."""
+    return (getattr(fn, "__qualname__", "") == "save.<locals>.metadata_finalize_fn"
+            and getattr(fn, "__module__", "").startswith("megatron.core."))
 
 
 def _error(kind: str, reasons: list[str | None], n: int, timeout_s: float, local_rank: int | None) -> CpuckptError:

@@ -21,8 +21,9 @@ format with other storage. :func:`install`:
    ``--cpuckpt-config`` (``on_failure``, ``heartbeat_timeout_s``) configures the watchdog.
 
 4. wraps Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` so that every rank first finalizes
-   the pending saves into the directories it removes (Megatron-LM removes them without asking, and a
-   save finalized after its directory went fails: :func:`.guard.finalize_saves_under`); with
+   every pending save into that directory (Megatron-LM removes all but the newest without asking: a save
+   finalized after its directory went fails, and a tracker naming a removed one is left behind:
+   :func:`.guard.finalize_saves_under`) and the directory the tracker names is never removed; with
    ``megatron: {memory_tier: true}``, routes async saves through the memory tier
    (:mod:`.memory`): Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` leaves the
    non-persistent directory to the ring (before every save into it, of either kind, only the saves
@@ -76,6 +77,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cpuckpt.config import Config
@@ -542,12 +544,18 @@ def _megatron_lm_queue() -> Any:
 def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue,
                              memory_of: Callable[[], MegatronMemory] | None = None) -> None:
     """Before ``cleanup_old_non_persistent_checkpoint`` removes older non-persistent directories, every rank
-    finalizes the pending saves into them (:func:`.guard.finalize_saves_under`): Megatron-LM removes them
-    without asking (its own TODO there), and a save finalized after its directory went fails with
-    ``metadata.json`` not found. A directory the memory tier's ring prunes (``memory_of``) is left alone
-    here: the ring reuses slots, not directories, and the strategy finalizes before every save into it only
-    what that save refills (:meth:`.memory.MegatronMemory.finalize_before_reuse`), so saves every iteration
-    overlap each other, each in its own slot, instead of each waiting for the one before."""
+    finalizes every pending save into that directory (:func:`.guard.finalize_saves_under` with ``keep=0``; one
+    blocking finalize per non-persistent save, mostly of a save that ended long before), and the cleanup then keeps
+    at least the directory the tracker names (:func:`_leave_tracked`). Megatron-LM removes all but the newest
+    ``leave_ckpt_num`` directories on disk without asking (its own TODO there): a save finalized after its directory
+    went fails with ``metadata.json`` not found, and the directory the tracker names (the newest *finalized* save) is
+    not the newest one on disk while a save is pending, so a crash after the removal left a tracker naming a missing
+    checkpoint. Finalizing every pending save moves the tracker to the newest directory, the one Megatron-LM keeps;
+    where it cannot (a save failed with ``on_failure: continue``, a newer directory left by a crash), the tracker's
+    directory and every newer one stay until the tracker moves on. A directory the memory tier's ring prunes
+    (``memory_of``) is left alone here: the ring reuses slots, not directories, and the strategy finalizes before
+    every save into it only what that save refills (:meth:`.memory.MegatronMemory.finalize_before_reuse`), so saves
+    every iteration overlap each other, each in its own slot, instead of each waiting for the one before."""
 
     original = getattr(module, "cleanup_old_non_persistent_checkpoint", None)
     if original is None or getattr(original, "_cpuckpt_finalizing", False):
@@ -559,11 +567,37 @@ def _finalize_before_cleanup(module: Any, queue_of: Any = _megatron_lm_queue,
 
         memory = memory_of() if memory_of is not None else None
         if memory is None or not memory.prunes(save_dir):
-            finalize_saves_under(queue_of(), save_dir, leave_ckpt_num)
+            finalize_saves_under(queue_of(), save_dir, 0)  # the tracker moves to the newest directory
+            leave_ckpt_num = _leave_tracked(save_dir, leave_ckpt_num)
         original(save_dir, leave_ckpt_num=leave_ckpt_num, do_async=do_async)
 
     cleanup_old_non_persistent_checkpoint._cpuckpt_finalizing = True  # type: ignore[attr-defined]
     module.cleanup_old_non_persistent_checkpoint = cleanup_old_non_persistent_checkpoint
+
+
+def _leave_tracked(save_dir: Any, leave_ckpt_num: int) -> int:
+    """``leave_ckpt_num``, raised so that Megatron-LM's cleanup of ``save_dir`` (which sorts its ``iter_*`` entries,
+    found recursively, by iteration and removes all but the last ``leave_ckpt_num``) keeps the directory that
+    ``save_dir``'s tracker names: the count of entries no older than it. Unchanged on ranks other than 0 (Megatron-LM
+    removes on rank 0 only), where there is no tracker, it names no iteration, or an entry is not ``iter_<int>``."""
+    import torch.distributed as dist
+
+    from .fallback import TRACKER
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return leave_ckpt_num  # Megatron-LM removes on rank 0 only
+    try:
+        with open(os.path.join(save_dir, TRACKER)) as f:
+            tracked = int(f.read().strip())
+        found = [int(p.name[len("iter_"):]) for p in Path(save_dir).rglob("iter_*")]
+    except (OSError, ValueError):
+        return leave_ckpt_num
+    newer = sum(1 for iteration in found if iteration >= tracked)
+    if newer > leave_ckpt_num:
+        logger.warning("cpuckpt: %s's tracker names iteration %d, not its newest directory: Megatron-LM's cleanup "
+                       "keeps the newest %d there instead of %d (a crash must find what the tracker names)",
+                       save_dir, tracked, newer, leave_ckpt_num)
+    return max(leave_ckpt_num, newer)
 
 
 def _megatron_lm_log_interval() -> int | None:

@@ -18,7 +18,9 @@ import errno
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -390,6 +392,141 @@ def test_a_failed_or_dead_worker_raises_on_every_rank(run_ranks, tmp_path):
         assert c["path"] and "__0_" in Path(c["path"]).name, r
         assert "rank 0" in c["message"], r
     assert results[0]["contract"]["message"] == results[1]["contract"]["message"], results
+
+
+class _Call(NamedTuple):
+    """megatron-core's ``_ActiveAsyncRequest`` as the watchdog reads it."""
+
+    idx: int
+    async_caller: Any
+    async_request: Any
+
+
+def _megatron_lm_tracker(root: Path, step: int, rank: int) -> Callable[[], None]:
+    """Megatron-LM's ``iter_finalize_fn``: rank 0 writes the tracker when the save is finalized."""
+
+    def iter_finalize_fn() -> None:
+        if rank == 0:
+            (root / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+    return iter_finalize_fn
+
+
+def _outcome(fn: Callable[[], Any]) -> dict:
+    try:
+        fn()
+    except Exception as e:
+        return {"type": f"{type(e).__module__}.{type(e).__qualname__}", "message": str(e),
+                "errno": getattr(e, "errno", None), "rank": getattr(e, "rank", None)}
+    return {"type": None}
+
+
+def rank_megatron_finalize_fails_on_rank_0(root: str, on_failure: str) -> dict:
+    """Megatron's own finalize functions of a cpuckpt save (megatron-core's ``metadata.json``, Megatron-LM's
+    tracker) fail with ENOSPC on rank 0 alone: of a call the trainer completes (the watchdog runs them) and of a
+    worker's call (megatron-core's finalize runs them; its ``metadata_finalize_fn`` ends in a barrier). Then the next
+    save of each kind, which succeeds: every rank must still be in step."""
+    import types
+    from collections import deque
+
+    import cpuckpt.integrations.megatron as ckpt_mg
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.compat import mcore_async_kwargs
+    from cpuckpt.integrations.megatron.guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, watch_async_queue
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    rank, _, device = _setup()
+    out: dict = {}
+    full = [True]  # rank 0's disk is full
+
+    # 1. A call the trainer completes (the memory tier's shape): cpuckpt's finalize, then Megatron's.
+    own = types.SimpleNamespace(async_calls=deque(), maybe_finalize_async_calls=lambda blocking, no_dist: [])
+    watch_async_queue(own, timeout_s=WATCH_S, on_failure=on_failure)
+    trainer_root = Path(root) / "trainer"
+
+    def schedule(step: int) -> None:
+        directory = trainer_root / f"iter_{step:07d}"
+        directory.mkdir(parents=True, exist_ok=True)
+
+        def ours(abandoned: bool = False) -> None:
+            pass
+
+        setattr(ours, FINALIZE_MARK, True)
+        setattr(ours, DIR_MARK, str(directory))
+        setattr(ours, DONE_MARK, lambda: True)
+
+        def metadata() -> None:
+            if rank == 0 and full[0]:
+                raise OSError(errno.ENOSPC, "No space left on device", str(directory / "metadata.json"))
+            if rank == 0:
+                (directory / "metadata.json").write_text("{}")
+
+        fns = [ours, metadata, _megatron_lm_tracker(trainer_root, step, rank)]
+        own.async_calls.append(_Call(step, None, types.SimpleNamespace(async_fn=None, async_fn_args=(),
+                                                                       finalize_fns=fns)))
+
+    schedule(1)
+    out["trainer"] = _outcome(lambda: own.maybe_finalize_async_calls(blocking=False))
+    out["trainer_tracker_after_failure"] = (trainer_root / "latest_checkpointed_iteration.txt").exists()
+
+    # 2. A worker's call: megatron-core's own finalize runs megatron-core's metadata_finalize_fn and the tracker.
+    queue = watch_async_queue(AsyncCallsQueue(persistent=False), timeout_s=WATCH_S, on_failure=on_failure)
+    original_save_config = serialization.save_config
+
+    def save_config(config: Any, checkpoint_dir: str) -> None:
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device", str(Path(checkpoint_dir) / "metadata.json"))
+        original_save_config(config, checkpoint_dir)
+
+    serialization.save_config = save_config  # only rank 0 writes metadata.json
+    worker_root = Path(root) / "worker"
+
+    def save(step: int) -> None:
+        path = worker_root / f"iter_{step:07d}"
+        path.mkdir(parents=True, exist_ok=True)
+        request = dist_checkpointing.save(_sharded(step, device), str(path), sharded_strategy=ckpt_mg.save_strategy(),
+                                          async_sharded_save=True, **mcore_async_kwargs())
+        request.add_finalize_fn(_megatron_lm_tracker(worker_root, step, rank))
+        queue.schedule_async_request(request)
+
+    try:
+        save(1)
+        out["worker"] = _outcome(lambda: queue.maybe_finalize_async_calls(blocking=True))
+        out["worker_tracker_after_failure"] = (worker_root / "latest_checkpointed_iteration.txt").exists()
+
+        # 3. Space again: the next saves of both kinds finalize on every rank, and the trackers name them.
+        full[0] = False
+        schedule(2)
+        own.maybe_finalize_async_calls(blocking=False)
+        save(2)
+        queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        serialization.save_config = original_save_config
+        queue.close(abort=True)
+    dist.barrier()
+    if rank == 0:
+        out["trackers"] = [(r / "latest_checkpointed_iteration.txt").read_text() for r in (trainer_root, worker_root)]
+    return out
+
+
+@pytest.mark.parametrize("on_failure", ["raise", "continue"])
+def test_megatron_finalize_failing_on_rank_0_fails_every_rank_alike(run_ranks, tmp_path, on_failure):
+    results = run_ranks(2, rank_megatron_finalize_fails_on_rank_0, str(tmp_path), on_failure, timeout_s=240, env=ENV)
+    for kind in ("trainer", "worker"):
+        outcomes = [r[kind] for r in results]
+        assert outcomes[0] == outcomes[1], (kind, outcomes)  # the same branch, class and message on every rank
+        if on_failure == "continue":  # logged on every rank: nothing raised
+            assert outcomes[0]["type"] is None, (kind, outcomes)
+        else:  # the contract's error: a StorageIOError (an OSError) naming the rank, the path and the checkpoint
+            o = outcomes[0]
+            assert o["type"] == "cpuckpt.errors.StorageIOError" and o["errno"] == errno.ENOSPC, (kind, o)
+            assert o["rank"] == 0 and "failed on rank 0" in o["message"], (kind, o)
+            assert "metadata.json" in o["message"] and f"{kind}/iter_0000001" in o["message"], (kind, o)
+        # no tracker names a checkpoint whose metadata.json could not be written
+        assert not results[0][f"{kind}_tracker_after_failure"], (kind, results[0])
+    assert results[0]["trackers"] == ["2", "2"], results[0]
 
 
 def rank_plan_reuse(root: str, reuse_plan: bool, use_cached: bool, fully_parallel: bool) -> list[str]:

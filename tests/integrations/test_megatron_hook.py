@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import pytest
 from cpuckpt.integrations.megatron.hook import Selection, install, rewrite_argv
@@ -388,3 +393,108 @@ def test_the_look_waits_for_the_commits_before_the_lines_megatron_lm_prints(no_l
     interval[0] = None
     training.training_log({}, {}, 0.1, 50, 1.0)
     assert looks == [True, False, True, False, False]
+
+
+class _Call(NamedTuple):
+    """megatron-core's ``_ActiveAsyncRequest`` as the watchdog reads it."""
+
+    idx: int
+    async_caller: Any
+    async_request: Any
+
+
+class _Queue:
+    """An ``AsyncCallsQueue`` holding only calls the trainer completes (the watchdog finalizes them itself)."""
+
+    def __init__(self) -> None:
+        self.async_calls: deque = deque()
+
+    def maybe_finalize_async_calls(self, blocking: bool = False, no_dist: bool = False) -> list[int]:
+        return []
+
+
+def _megatron_lm_cleanup(save_dir, leave_ckpt_num=1, do_async=False) -> None:
+    """Megatron-LM's ``cleanup_old_non_persistent_checkpoint`` (megatron/training/checkpointing.py, not on PyPI):
+    every ``iter_*`` entry (found recursively) but the newest ``leave_ckpt_num`` goes, pending saves or not."""
+    import shutil
+
+    found = sorted(Path(save_dir).rglob("iter_*"), key=lambda p: int(p.name[len("iter_"):]))
+    for p in found[:-leave_ckpt_num]:
+        shutil.rmtree(p)
+
+
+def _pending_save(np_dir: Path, iteration: int, ended: Callable[[], bool]) -> _Call:
+    """A cpuckpt save into ``np_dir/iter_<iteration>`` as the strategy schedules it: cpuckpt's finalize function,
+    then Megatron's (``metadata.json``, then Megatron-LM's tracker)."""
+    from cpuckpt.integrations.megatron.guard import DIR_MARK, DONE_MARK, FINALIZE_MARK
+
+    directory = np_dir / f"iter_{iteration:07d}"
+    directory.mkdir()
+
+    def ours(abandoned: bool = False) -> None:
+        pass
+
+    setattr(ours, FINALIZE_MARK, True)
+    setattr(ours, DIR_MARK, str(directory))
+    setattr(ours, DONE_MARK, ended)
+
+    def megatrons() -> None:
+        (directory / "metadata.json").write_text("{}")
+        (np_dir / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+    return _Call(iteration, None, SimpleNamespace(async_fn=None, async_fn_args=(), finalize_fns=[ours, megatrons]))
+
+
+def _tracked(np_dir: Path) -> tuple[int, bool]:
+    """The iteration the tracker names, and whether its directory is complete (exists, with ``metadata.json``)."""
+    iteration = int((np_dir / "latest_checkpointed_iteration.txt").read_text())
+    return iteration, (np_dir / f"iter_{iteration:07d}" / "metadata.json").is_file()
+
+
+@pytest.mark.parametrize("case", ["ended", "still-writing", "two-ended", "failed-earlier"])
+def test_cleanup_never_removes_the_directory_the_tracker_names(tmp_path, case):
+    """Megatron-LM's cleanup before a non-persistent save keeps only the newest ``iter_*`` on disk; the tracker names
+    the newest *finalized* save. The hook finalizes every pending save there first (the tracker moves to the newest)
+    and never lets the cleanup remove what the tracker names (a crash then restarts from a missing directory)."""
+    import types
+
+    from cpuckpt.integrations.megatron import hook
+    from cpuckpt.integrations.megatron.guard import watch_async_queue
+
+    from cpuckpt.errors import CheckpointTimeoutError
+
+    np_dir = tmp_path / "non_persistent"
+    np_dir.mkdir()
+    queue = _Queue()
+    ended = [True]
+    if case == "two-ended":  # saves 8 and 16 ended, neither finalized; the save of 24 starts
+        for iteration in (8, 16):
+            queue.async_calls.append(_pending_save(np_dir, iteration, lambda: True))
+    else:  # save 10 finalized (the tracker names it); save 20 pending; the save of 30 starts
+        queue.async_calls.append(_pending_save(np_dir, 10, lambda: True))
+        queue.async_calls[0].async_request.finalize_fns[1]()
+        queue.async_calls.clear()
+        if case == "failed-earlier":  # save 20 failed and was dropped (on_failure: continue): never finalized
+            (np_dir / "iter_0000020").mkdir()
+        else:
+            ended[0] = case == "ended"
+            queue.async_calls.append(_pending_save(np_dir, 20, lambda: ended[0]))
+    watch_async_queue(queue, timeout_s=1 if case == "still-writing" else 30, on_failure="raise")
+    module = types.SimpleNamespace(cleanup_old_non_persistent_checkpoint=_megatron_lm_cleanup)
+    hook._finalize_before_cleanup(module, queue_of=lambda: queue)
+
+    if case == "still-writing":  # not finalized within the bound: an error, and nothing removed
+        with pytest.raises(CheckpointTimeoutError):
+            module.cleanup_old_non_persistent_checkpoint(str(np_dir), leave_ckpt_num=1, do_async=False)
+        assert _tracked(np_dir) == (10, True)
+        assert sorted(p.name for p in np_dir.glob("iter_*")) == ["iter_0000010", "iter_0000020"]
+        return
+    module.cleanup_old_non_persistent_checkpoint(str(np_dir), leave_ckpt_num=1, do_async=False)
+    iteration, complete = _tracked(np_dir)
+    assert complete, f"the tracker names iter_{iteration:07d}, which the cleanup removed"
+    dirs = sorted(p.name for p in np_dir.glob("iter_*"))
+    if case == "failed-earlier":  # the tracker's directory stays (and the newer one, until the tracker moves on)
+        assert (iteration, dirs) == (10, ["iter_0000010", "iter_0000020"])
+    else:  # every pending save finalized: the tracker names the newest, the one directory Megatron-LM keeps
+        newest = 16 if case == "two-ended" else 20
+        assert (iteration, dirs, list(queue.async_calls)) == (newest, [f"iter_{newest:07d}"], [])

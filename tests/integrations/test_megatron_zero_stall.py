@@ -263,6 +263,7 @@ def _megatron_lm_cleanup(save_dir, leave_ckpt_num=1, do_async=False) -> None:
 def rank_cleanup_finalizes_older_saves(root: str, wrapped: bool) -> dict:
     """Three non-persistent saves left pending (their worker slow to report), then Megatron-LM's cleanup:
     wrapped by the hook, it first finalizes the saves into the directories it removes."""
+    import functools
     import types
 
     import torch
@@ -280,6 +281,7 @@ def rank_cleanup_finalizes_older_saves(root: str, wrapped: bool) -> dict:
         hook._finalize_before_cleanup(module, queue_of=lambda: queue)
     ours = strategy.CpuckptSaveStrategy()
     np_dir = Path(root) / "non_persistent"
+    tracker = np_dir / "latest_checkpointed_iteration.txt"
     for step in (8, 16, 24):
         module.cleanup_old_non_persistent_checkpoint(str(np_dir), leave_ckpt_num=1, do_async=False)
         dist.barrier()
@@ -287,11 +289,16 @@ def rank_cleanup_finalizes_older_saves(root: str, wrapped: bool) -> dict:
         path.mkdir(parents=True, exist_ok=True)
         request = dist_checkpointing.save(_sharded(_values(step, device)), str(path), sharded_strategy=ours,
                                           async_sharded_save=True, **mcore_async_kwargs())
+        if dist.get_rank() == 0:  # Megatron-LM's iter_finalize_fn: the tracker names the save once finalized
+            request.add_finalize_fn(functools.partial(tracker.write_text, str(step)))
         queue.schedule_async_request(request)  # no finalize in between: its worker has not reported yet
     out: dict = {"pending": sorted(Path(fn.cpuckpt_dir).name for call in queue.async_calls
                                    for fn in call.async_request.finalize_fns if hasattr(fn, "cpuckpt_dir"))}
     dist.barrier()
-    out["dirs"] = sorted(p.name for p in np_dir.iterdir())
+    out["dirs"] = sorted(p.name for p in np_dir.iterdir() if p.name.startswith("iter_"))
+    if dist.get_rank() == 0:  # what a crash now restarts from
+        named = np_dir / f"iter_{int(tracker.read_text()):07d}" if tracker.exists() else None
+        out["tracked"] = (named.name, (named / "metadata.json").is_file()) if named else None
     if not wrapped:  # finalizing now would fail on rank 0 only (it writes metadata.json) and hang rank 1
         queue.async_calls.clear()
         return out
@@ -314,10 +321,14 @@ def test_cleanup_finalizes_the_saves_it_removes(run_ranks, tmp_path, wrapped):
     for rank, out in enumerate(results):
         # the cleanup before the save of 24 removed iter_8 and kept iter_16
         assert out["dirs"] == ["iter_0000016", "iter_0000024"], (rank, out)
-        if wrapped:  # ... after finalizing the save of 8 (16 may have been finalized with it); both load
-            assert "iter_0000008" not in out["pending"] and "iter_0000024" in out["pending"], (rank, out)
+        if wrapped:  # ... after finalizing every pending save (8 and 16): the tracker names 16, kept; both load
+            assert out["pending"] == ["iter_0000024"], (rank, out)
             assert out["loads"] == [True, True], (rank, out)
+            if rank == 0:
+                assert out["tracked"] == ("iter_0000016", True), (rank, out)
         else:  # Megatron-LM alone: the save of 8 is still pending, its directory (and metadata.json) gone
             assert out["pending"] == ["iter_0000008", "iter_0000016", "iter_0000024"], (rank, out)
+            if rank == 0:  # and no save finalized yet: no tracker
+                assert out["tracked"] is None, (rank, out)
 
 
