@@ -172,8 +172,8 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
 
 def _committed_with(manifest: Manifest, data: bytes) -> bool:
     """Whether ``data`` is the ``.metadata`` committed with ``manifest``: a whole pickle with the crc32c the manifest
-    records, naming its save. Then step 2 (unpickling, ~30-100 ms for a large model's) is left to the load: listing
-    a root of many checkpoints reads each one's ``.metadata`` without parsing it."""
+    records, naming its save. Then step 2 (unpickling: ~15 ms for 1,200 tensors on a 2-core box) is left to the
+    load: listing a root of many checkpoints reads each one's ``.metadata`` without parsing it."""
     save_id = manifest.save_id
     return (manifest.metadata_crc32c is not None and isinstance(save_id, str) and bool(save_id)
             and data.endswith(pickle.STOP) and crc32c.crc32c(data) == manifest.metadata_crc32c

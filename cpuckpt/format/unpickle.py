@@ -14,6 +14,8 @@ Pure: no I/O. Loading an untrusted checkpoint must never run pickled code.
 from __future__ import annotations
 
 import contextlib
+import enum
+import functools
 import importlib
 import io
 import logging
@@ -23,7 +25,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
@@ -60,99 +62,69 @@ for _module in (dcp_metadata, dcp_planner):
 _LAZY_ALLOWED = {("megatron.core.dist_checkpointing.strategies.torch", n) for n in ("MCoreSavePlan", "MCoreMetadata")}
 
 
-def _refuse(what: str) -> pickle.UnpicklingError:
-    return pickle.UnpicklingError(f"checkpoint metadata {what}: refused (it could change this process's classes)")
+_IMMUTABLE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: nothing can set an attribute of such a type (torch.Size, set, ...)
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
-    """Resolves only DCP's metadata classes, torch dtypes and a few plain containers, and changes only what it built.
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only DCP's metadata classes, torch dtypes and a few plain containers; the C unpickler.
 
     Allowed globals are not enough: BUILD sets attributes on whatever the stack holds, and a pickle can put an
     allowed class or function there itself (``pathlib.PurePosixPath``, then BUILD with ``{"is_absolute": set}``):
     every later use of that class in the process would be changed, e.g. the reader's refusal of data files outside
-    the checkpoint. The C unpickler offers no hook at BUILD, so this is the pure-Python one (~4x slower per
-    ``.metadata``), with BUILD allowed on instances of the allowed classes only, item setting on dicts, appends on
-    lists and set additions on sets.
+    the checkpoint. The C unpickler has no hook at BUILD, so the allowed globals that can be changed (Python classes,
+    functions) are never handed to it: each load gets stand-ins of its own (:func:`_stand_in`) that build the real
+    objects, and whatever a pickle does to a stand-in ends with the load.
     """
 
-    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._stand_ins: dict[tuple[str, str], Any] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        obj = _ALLOWED.get((module, name))
+        key = (module, name)
+        obj = _ALLOWED.get(key)
+        if obj is None and key in _LAZY_ALLOWED:
+            obj = getattr(importlib.import_module(module), name)
         if obj is not None:
-            return obj
-        if (module, name) in _LAZY_ALLOWED:
-            return getattr(importlib.import_module(module), name)
+            if key not in self._stand_ins:
+                self._stand_ins[key] = _stand_in(obj)
+            return self._stand_ins[key]
         value = getattr(torch, name, None) if module == "torch" else None
         if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-            return value
+            return value  # no attribute of theirs can be set
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not allowed in checkpoint metadata")
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("checkpoint metadata holds a persistent id: refused")
 
-    def load_build(self) -> None:
-        stack = self.stack
-        inst = stack[-2]
-        if type(inst) not in _BUILDABLE and type(inst).__module__ + "." + type(inst).__qualname__ not in _LAZY_NAMES:
-            raise _refuse(f"sets the state of a {type(inst).__qualname__}")
-        state = stack[-1]
-        if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict) and any(
-                not isinstance(k, str) or k.startswith("__") for k in state[1]):
-            raise _refuse(f"sets special attributes of a {type(inst).__qualname__}")
-        super().load_build()
 
-    def _target(self, kinds: tuple[type, ...], what: str) -> None:
-        if type(self.stack[-1]) not in kinds:
-            raise _refuse(f"{what} a {type(self.stack[-1]).__qualname__}")
+def _stand_in(obj: Any) -> Any:
+    """What the unpickler hands out for the allowed global ``obj``: ``obj`` itself where nothing can change it (an
+    immutable type), else an object of this load only that makes what ``obj`` makes. A class becomes a subclass
+    whose construction, by NEWOBJ (``cls.__new__(cls, *args)``, how dataclasses are pickled) or by REDUCE
+    (``cls(*args)``), returns an instance of the real class; an enum class or a function becomes a partial of it."""
+    if isinstance(obj, type):
+        if obj.__flags__ & _IMMUTABLE:
+            return obj
+        if issubclass(obj, enum.Enum):  # cannot be subclassed; REDUCE alone makes its members
+            return functools.partial(obj)
+        real = obj
 
-    def load_setitem(self) -> None:
-        stack = self.stack
-        if type(stack[-3]) not in (dict, OrderedDict):
-            raise _refuse(f"sets an item of a {type(stack[-3]).__qualname__}")
-        super().load_setitem()
+        def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+            return real.__new__(real, *args, **kwargs) if real.__new__ is not object.__new__ else object.__new__(real)
 
-    def load_setitems(self) -> None:
-        items = self.pop_mark()
-        self._target((dict, OrderedDict), "sets items of")
-        target = self.stack[-1]
-        for i in range(0, len(items), 2):
-            target[items[i]] = items[i + 1]
-
-    def load_append(self) -> None:
-        if type(self.stack[-2]) is not list:
-            raise _refuse(f"appends to a {type(self.stack[-2]).__qualname__}")
-        super().load_append()
-
-    def load_appends(self) -> None:
-        items = self.pop_mark()
-        self._target((list,), "appends to")
-        self.stack[-1].extend(items)
-
-    def load_additems(self) -> None:
-        items = self.pop_mark()
-        self._target((set,), "adds to")
-        self.stack[-1].update(items)
-
-    dispatch[pickle.BUILD[0]] = load_build
-    dispatch[pickle.SETITEM[0]] = load_setitem
-    dispatch[pickle.SETITEMS[0]] = load_setitems
-    dispatch[pickle.APPEND[0]] = load_append
-    dispatch[pickle.APPENDS[0]] = load_appends
-    dispatch[pickle.ADDITEMS[0]] = load_additems
-
-
-# The classes whose instances a .metadata may set the state of (BUILD): the allowed classes; megatron-core's by name
-_BUILDABLE = frozenset(v for v in _ALLOWED.values() if isinstance(v, type))
-_LAZY_NAMES = frozenset(f"{m}.{n}" for m, n in _LAZY_ALLOWED)
+        meta = type(f"{real.__name__}StandInType", (type(real),),
+                     {"__call__": lambda cls, *args, **kwargs: real(*args, **kwargs)})
+        return meta(real.__name__, (real,), {"__new__": __new__, "__module__": real.__module__,
+                                             "__qualname__": real.__qualname__, "__slots__": ()})
+    return functools.partial(obj)
 
 
 def unpickle_metadata(data: bytes) -> Any:
-    """Unpickle ``data`` resolving only the allowed globals, changing nothing but the objects it builds.
+    """Unpickle ``data`` resolving only the allowed globals, changing nothing outside what it builds.
 
     Raises:
-        pickle.UnpicklingError: it names a global outside the allowed set, or would change an object it did not
-            build (:class:`_MetadataUnpickler`).
+        pickle.UnpicklingError: it names a global outside the allowed set.
     """
     return _MetadataUnpickler(io.BytesIO(data)).load()
 
