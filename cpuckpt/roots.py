@@ -135,7 +135,10 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
 
 def committed_once(c: CheckpointInfo) -> bool:
     """``c`` has its commit marker (``.metadata``): incomplete now means damaged after the commit, not a torn save
-    (a restart raises over it rather than start from scratch)."""
+    (a restart raises over it rather than start from scratch, and cleaning leaves it). One that could not be read
+    (EIO, EACCES) may be committed: it counts as such."""
+    if c.unreadable:
+        return True
     if isinstance(c.path, S3Url):
         return not c.reason.startswith(f"no {METADATA_NAME}")  # s3commit.check_complete's reason without one
     return is_complete(c.path)
@@ -317,9 +320,9 @@ def clean_incomplete(root: str | os.PathLike, *, keep: Iterable[str | os.PathLik
             continue
         if not info.complete and min_age_s > 0 and time.time() - _newest_mtime(info.path) < min_age_s:
             continue
-        if info.unreadable:  # it may well be complete: deleting what could not be read would lose it
-            logger.warning("not removing %s: it %s", info.path, info.reason)
-            continue
+        if not info.complete and committed_once(info):  # damaged after its commit, or unreadable: perhaps
+            logger.warning("not removing %s: committed once, incomplete now (%s)", info.path, info.reason)
+            continue  # salvageable, or complete after all: cleaning removes torn saves only
         if not info.complete:
             if not dry_run:
                 logger.info("removing incomplete checkpoint %s (%s)", info.path, info.reason)

@@ -110,6 +110,7 @@ class S3Target:
                                  path=str(self.url / METADATA_NAME), errno_=errno.EEXIST)
         pickled = pickle.dumps(metadata)
         manifest.metadata_crc32c = crc32c.crc32c(pickled)
+        faultpoint.hit(f"before-rename:{MANIFEST_NAME}")
         self._put_manifest(manifest)
         faultpoint.hit(f"before-rename:{METADATA_NAME}")
         if not self.store.put(self.url / METADATA_NAME, pickled, if_absent=True) \
@@ -126,9 +127,10 @@ class S3Target:
     def _put_manifest(self, manifest: Manifest) -> None:
         """Write the manifest only where there is none, so that of two saves racing to one prefix only one gets to
         its ``.metadata``: a loser that replaced the winner's manifest left one of another save beside the winner's
-        ``.metadata``, which is then ignored, and the load checked nothing while reading the loser's objects. One
-        that a dead save left (untouched for ``timeout_s``) is deleted first; one of this save (a retried commit, a
-        PUT whose response was lost) is kept.
+        ``.metadata``, which is then ignored, and the load checked nothing while reading the loser's objects. One of
+        this save (a retried commit, a PUT whose response was lost) is kept. Another save's is dead when it is older
+        than this save's own data (the server's clock for both): a live writer PUTs its ``.metadata`` right after its
+        manifest, not a whole upload later; so is one untouched for ``timeout_s``. A dead one is deleted first.
 
         Raises:
             StorageIOError: EEXIST, another live save's manifest is there.
@@ -140,13 +142,21 @@ class S3Target:
             data, info = self.store.get(url), self.store.head(url)
             if data is not None and _save_id_of(data) == manifest.save_id:
                 return  # this save's own, from an earlier attempt
-            if attempt or info is None or time.time() - info.mtime < self.timeout_s:
+            if attempt or info is None or not self._dead(info.mtime, manifest):
                 break
             logger.info("%s: deleting the manifest a dead save left (%.0f s old)", self.url, time.time() - info.mtime)
             self.store.delete(url)
         raise StorageIOError(f"{self.url}: another save is committing this checkpoint (its {MANIFEST_NAME} is there "
                              f"without a {METADATA_NAME}); this save's objects may have replaced some of its data, "
                              "which its checksums will report at load", path=str(url), errno_=errno.EEXIST)
+
+    def _dead(self, mtime: float, manifest: Manifest) -> bool:
+        """Whether another save's manifest written at ``mtime`` (the server's time) is a dead save's."""
+        if time.time() - mtime >= self.timeout_s:
+            return True
+        ours = next(iter(sorted(manifest.files)), None)
+        first = self.store.head(self.url / ours) if ours is not None else None
+        return first is not None and mtime < first.mtime
 
     def _committed_by(self, metadata: Metadata) -> bool:
         """Whether the ``.metadata`` that refused our conditional PUT is our own: the client retries a PUT

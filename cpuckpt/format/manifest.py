@@ -131,6 +131,9 @@ def _check_own_crc(raw: dict[str, Any]) -> None:
         ValueError: it does not match, or a manifest of format 3 or later has none.
     """
     own = raw.pop(_SELF_CRC, None)
+    needs = raw.get("min_reader_version", MIN_READER_VERSION)
+    if isinstance(needs, int) and needs > FORMAT_VERSION:
+        return  # a newer writer's, which may sum itself otherwise: read as a stock checkpoint (read_manifest)
     if own is None:
         version = raw.get("format_version", 1)
         if isinstance(version, int) and version >= 3:

@@ -120,13 +120,29 @@ def _stand_in(obj: Any) -> Any:
     return functools.partial(obj)
 
 
+# The allowed enums' members: shared objects a pickle reaches through its class (REDUCE returns the member itself), and
+# whose attributes BUILD could set (``_value_``: every later save would pickle a value no load accepts)
+_ENUMS = tuple(v for v in _ALLOWED.values() if isinstance(v, type) and issubclass(v, enum.Enum))
+
+
 def unpickle_metadata(data: bytes) -> Any:
     """Unpickle ``data`` resolving only the allowed globals, changing nothing outside what it builds.
 
     Raises:
-        pickle.UnpicklingError: it names a global outside the allowed set.
+        pickle.UnpicklingError: it names a global outside the allowed set, or it changed a member of an allowed enum
+            (restored before this raises).
     """
-    return _MetadataUnpickler(io.BytesIO(data)).load()
+    members = [(m, dict(vars(m))) for cls in _ENUMS for m in cls]
+    try:
+        return _MetadataUnpickler(io.BytesIO(data)).load()
+    finally:
+        changed = [m for m, before in members if vars(m) != before]
+        for m, before in members:
+            if vars(m) != before:
+                vars(m).clear()
+                vars(m).update(before)
+        if changed:
+            raise pickle.UnpicklingError(f"checkpoint metadata changes {changed[0]!r}: refused")
 
 
 # -- non-tensor values ---------------------------------------------------------------------------

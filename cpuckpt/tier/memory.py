@@ -406,6 +406,9 @@ class MemoryTier:
                          and self.root.writer_alive(int(owner)) is None)
                 if (mine and keep is not None and f.name not in keep) or moved or (departed and (keep is None or
                                                                                                f.name not in keep)):
+                    if keep is not None and f.name in keep:  # the tier's own decision, not damage: no longer a
+                        clear_commit(slot, fsync=False)  # checkpoint (a restart must not take it for a damaged one)
+                        keep = None
                     logger.info("cpuckpt memory tier: removing stale image %s", f)
                     f.unlink(missing_ok=True)
 

@@ -444,8 +444,15 @@ def _durable_commit_between_scans(durable: str, ram: str) -> dict:
         os.rename(d / "step_8" / ".metadata", d / ".metadata-of-step-8")
     tier = MemoryTier(durable, _cfg(Path(ram), persist_every=0))  # a relaunch: nothing in memory
     dist.barrier()
-    if rank == 1:
-        time.sleep(1.0)  # rank 0 lists meanwhile
+    listed = d / ".rank-0-listed"
+    if rank == 0:  # rank 0 lists before step 8's commit lands, rank 1 after
+        own = tier._listing
+        tier._listing = lambda *a, **k: (own(*a, **k), listed.touch())[0]  # type: ignore[method-assign]
+    else:
+        deadline = time.monotonic() + 60
+        while not listed.exists():
+            assert time.monotonic() < deadline, "rank 0 never listed"
+            time.sleep(0.01)
         os.rename(d / ".metadata-of-step-8", d / "step_8" / ".metadata")
     out = _targets(rank)
     path = tier.load_latest(out)

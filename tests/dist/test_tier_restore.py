@@ -420,3 +420,37 @@ def test_a_relaunch_on_one_node_ignores_slots_saved_across_nodes(rank_runner, tm
     for r in res:
         assert r["listed"] == [str(durable / "step_2")], r
         assert r["loaded"] == str(durable / "step_2") and not r["bad"], r
+
+
+def _save_step_1_per_node(durable: str, base: str) -> None:
+    import torch.distributed as dist
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(f"{base}/ram{rank}", persist_every=0, replicas=0))
+    tier.save(_state(1, rank), 1).wait()
+    tier.close(persist_newest=False, remove_root=False)
+
+
+def _relaunch_with_ranks_swapped(durable: str, base: str) -> list:
+    import torch.distributed as dist
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(f"{base}/ram{1 - rank}", persist_every=0, replicas=0))
+    try:
+        return [tier.load_latest(_targets(rank)), tier.find_latest()]
+    finally:
+        tier.close(persist_newest=False, remove_root=False)
+
+
+def test_a_relaunch_that_moved_ranks_between_nodes_starts_from_scratch_every_time(run_ranks, tmp_path) -> None:
+    """With no durable checkpoint, the memory checkpoint of a job whose ranks changed nodes is gone: each node's
+    leader removes the images of ranks now elsewhere. Counted as a committed checkpoint damaged since, it made
+    every relaunch raise CheckpointCorrupt (a crash loop); the slot's commit now goes with the images."""
+    durable, base = str(tmp_path / "durable"), str(tmp_path)
+    run_ranks(2, _save_step_1_per_node, durable, base, timeout_s=90)
+    for _ in range(2):
+        assert run_ranks(2, _relaunch_with_ranks_swapped, durable, base, timeout_s=90) == [[None, None]] * 2

@@ -212,18 +212,25 @@ def test_a_writer_racing_another_to_its_commit_never_replaces_its_manifest(s3_se
     from cpuckpt.backend.s3commit import load_metadata, read_manifest
     from cpuckpt.paths import S3Url
 
-    winner_manifest_put, loser_done = threading.Event(), threading.Event()
+    winner_data_done, loser_at_commit, winner_manifest_put, loser_done = (threading.Event() for _ in range(4))
     outcome: dict[str, BaseException | None] = {}
 
-    def stages(stage: str) -> None:
-        if threading.current_thread().name == "winner" and stage == "before-rename:.metadata":
+    def stages(stage: str) -> None:  # both past the HEAD of .metadata; the winner's manifest PUT after the loser's data
+        who = threading.current_thread().name
+        if who == "winner" and stage == "before-rename:.cpuckpt.json":
+            winner_data_done.set()
+            assert loser_at_commit.wait(60)
+        elif who == "loser" and stage == "before-rename:.cpuckpt.json":
+            loser_at_commit.set()
+            assert winner_manifest_put.wait(60)
+        elif who == "winner" and stage == "before-rename:.metadata":
             winner_manifest_put.set()
             assert loser_done.wait(60)
 
     def save(name: str, value: float) -> None:
         try:
             if name == "loser":
-                assert winner_manifest_put.wait(60)  # its objects replace the winner's
+                assert winner_data_done.wait(60)  # its objects replace the winner's
             cpuckpt.save({"w": torch.full((MiB,), value)}, s3_url, CFG, step=1)
             outcome[name] = None
         except BaseException as e:
@@ -251,6 +258,25 @@ def test_a_writer_racing_another_to_its_commit_never_replaces_its_manifest(s3_se
     assert read_manifest(store, url).save_id == load_metadata(store, url).storage_meta.save_id
     with pytest.raises(cpuckpt.CheckpointCorrupt, match="checksum mismatch"):
         cpuckpt.load({"w": torch.zeros(MiB)}, s3_url, {**CFG, "integrity": {"verify": "always"}})
+
+
+def test_a_manifest_a_dead_save_left_does_not_block_the_next_save(s3_server, s3_env, s3_url):
+    """A save that died between its manifest and its ``.metadata`` left a manifest that made every later save of the
+    prefix fail (EEXIST) for ``timeout_s``: it is older than the new save's own data, so it is a dead save's."""
+    import cpuckpt
+    from cpuckpt.backend.s3commit import read_manifest
+    from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
+    from cpuckpt.paths import S3Url
+
+    store, url = s3_server.store(), S3Url.parse(s3_url)
+    store.put(url / MANIFEST_NAME, Manifest(save_id="a-dead-save", step=1).to_json().encode())
+    time.sleep(1.1)  # the server's times are whole seconds
+    state = {"w": torch.arange(float(MiB))}
+    cpuckpt.save(state, s3_url, CFG, step=1)
+    assert read_manifest(store, url).save_id != "a-dead-save"
+    out = {"w": torch.zeros(MiB)}
+    cpuckpt.load(out, s3_url, {**CFG, "integrity": {"verify": "always"}})
+    assert torch.equal(out["w"], state["w"])
 
 
 def test_load_with_the_server_gone_fails_fast(own_s3_server, monkeypatch):

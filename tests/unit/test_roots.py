@@ -264,6 +264,10 @@ def test_a_checkpoint_that_cannot_be_read_is_never_deleted_nor_the_latest(tmp_pa
         assert cpuckpt.find_latest(tmp_path) == tmp_path / "step_0001"
         assert cpuckpt.clean_incomplete(tmp_path) == []
     assert "not removing" in caplog.text and "not a candidate" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # a restart loads the older one, and says why (every rank: one broadcast)
+        assert cpuckpt.load_latest(_sd(0), tmp_path, CFG) == tmp_path / "step_0001"
+    assert "skipping" in caplog.text and "cannot be read" in caplog.text
     monkeypatch.undo()
     assert _loads_as(newest, 2)
 

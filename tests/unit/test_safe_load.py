@@ -440,15 +440,26 @@ def test_a_metadata_that_sets_attributes_of_an_allowed_class_or_function_changes
     assert after == before
 
 
-def test_metadata_items_and_appends_on_allowed_globals_are_refused():
-    """SETITEMS, APPENDS and ADDITEMS on an allowed global fail the load and change nothing."""
+def test_a_metadata_that_changes_a_member_of_an_allowed_enum_is_refused_and_the_member_restored(tmp_path):
+    """REDUCE of an allowed enum class returns its process-wide member, and BUILD set its attributes: the pickle was
+    refused, but ``_value_`` stayed 42, and every later save pickled a ``.metadata`` no load accepts."""
     import pickle
+
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
     from cpuckpt.format.unpickle import unpickle_metadata
 
-    for body in (b"\x80\x04cbuiltins\nset\n(K\x01K\x02u.", b"\x80\x04cbuiltins\nfrozenset\n(K\x01e.",
-                 b"\x80\x04cbuiltins\nset\n(K\x01\x90.", b"\x80\x04cpathlib\nPurePosixPath\n(K\x01K\x02u."):
-        with pytest.raises(Exception):  # any refusal: TypeError, AttributeError, UnpicklingError
-            unpickle_metadata(body)
-    assert unpickle_metadata(pickle.dumps({"a": [1, 2], "b": {3}}, protocol=4)) == {"a": [1, 2], "b": {3}}
-    assert type(unpickle_metadata(pickle.dumps(pathlib.PurePosixPath("a/b")))) is pathlib.PurePosixPath
+    member = next(iter(_MEM_FORMAT_ENCODING))
+    cpuckpt.save({"w": torch.zeros(4)}, tmp_path / "c", CFG)
+    body = (tmp_path / "c" / ".metadata").read_bytes()
+    assert body[:2] == b"\x80\x04"
+    name = b"_value_"
+    prefix = (b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\n" + b"K" + bytes([member.value])
+              + b"\x85R" + b"}X" + len(name).to_bytes(4, "little") + name + b"K*sb0")  # its _value_ = 42
+    with pytest.raises(pickle.UnpicklingError, match="refused"):
+        unpickle_metadata(b"\x80\x04" + prefix + body[2:])
+    assert member.value == member._value_ != 42
+    cpuckpt.save({"w": torch.ones(4)}, tmp_path / "d", CFG)  # a later save pickles what a load accepts
+    out = {"w": torch.zeros(4)}
+    cpuckpt.load(out, tmp_path / "d", CFG)
+    assert torch.equal(out["w"], torch.ones(4))
