@@ -48,8 +48,8 @@ def clear_commit(path: Path, *, fsync: bool = True) -> None:
     """Make an existing checkpoint in ``path`` incomplete before it is overwritten.
 
     ``fsync``: the directory is fsynced after the removal, so that after a crash no old ``.metadata`` comes back
-    beside rewritten data. Only the memory tier's own clears of its RAM slots (gone with the machine) skip it; a save never
-    does, ``io.fsync: false`` or not (FORMAT.md §2, step 1).
+    beside rewritten data. Only the memory tier's own clears of its RAM slots (gone with the machine) skip it; a
+    save never does, ``io.fsync: false`` or not (FORMAT.md §2, step 1).
 
     Raises:
         StorageIOError: its ``.metadata`` or manifest exists and cannot be removed.
