@@ -52,6 +52,10 @@ __all__ = ["S3Target", "check_complete", "load_metadata", "read_manifest", "read
 
 logger = logging.getLogger(__name__)
 
+# Another save's manifest with no .metadata beside it, older than this and than this save's data, is a dead save's:
+# a live writer's .metadata PUT (megatron-core's can be hundreds of MB, with the client's retries) follows sooner
+MANIFEST_DEAD_AFTER_S = 60.0
+
 
 class S3Target:
     """The :class:`~cpuckpt.backend.commit.CommitTarget` of a checkpoint in object storage."""
@@ -151,12 +155,16 @@ class S3Target:
                              "which its checksums will report at load", path=str(url), errno_=errno.EEXIST)
 
     def _dead(self, mtime: float, manifest: Manifest) -> bool:
-        """Whether another save's manifest written at ``mtime`` (the server's time) is a dead save's."""
-        if time.time() - mtime >= self.timeout_s:
-            return True
-        ours = next(iter(sorted(manifest.files)), None)
-        first = self.store.head(self.url / ours) if ours is not None else None
-        return first is not None and mtime < first.mtime
+        """Whether another save's manifest written at ``mtime`` (the server's time) is a dead save's: untouched for
+        ``timeout_s``, or older than this save's own data and than :data:`MANIFEST_DEAD_AFTER_S` (a live writer's
+        ``.metadata`` PUT, retries included, follows its manifest sooner), with still no ``.metadata`` beside it."""
+        age = time.time() - mtime
+        if age < self.timeout_s:
+            ours = next(iter(sorted(manifest.files)), None)
+            first = self.store.head(self.url / ours) if ours is not None else None
+            if first is None or mtime >= first.mtime or age < MANIFEST_DEAD_AFTER_S:
+                return False
+        return self.store.head(self.url / METADATA_NAME) is None
 
     def _committed_by(self, metadata: Metadata) -> bool:
         """Whether the ``.metadata`` that refused our conditional PUT is our own: the client retries a PUT

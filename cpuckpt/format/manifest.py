@@ -131,14 +131,11 @@ def _check_own_crc(raw: dict[str, Any]) -> None:
         ValueError: it does not match, or a manifest of format 3 or later has none.
     """
     own = raw.pop(_SELF_CRC, None)
-    needs = raw.get("min_reader_version", MIN_READER_VERSION)
-    if isinstance(needs, int) and needs > FORMAT_VERSION:
-        return  # a newer writer's, which may sum itself otherwise: read as a stock checkpoint (read_manifest)
     if own is None:
-        version = raw.get("format_version", 1)
-        if isinstance(version, int) and version >= 3:
+        version, needs = raw.get("format_version", 1), raw.get("min_reader_version", MIN_READER_VERSION)
+        if isinstance(version, int) and version >= 3 and not (isinstance(needs, int) and needs > FORMAT_VERSION):
             raise ValueError(f"manifest of format {version} without its {_SELF_CRC}: damaged")
-        return
+        return  # formats 1-2; or a newer writer's that sums itself otherwise (read as a stock checkpoint)
     actual = crc32c.crc32c(_canonical(raw).encode())
     if own != actual:
         raise ValueError(f"manifest damaged: its crc32c is {actual}, it records {own}")

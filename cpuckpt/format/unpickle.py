@@ -121,8 +121,12 @@ def _stand_in(obj: Any) -> Any:
 
 
 # The allowed enums' members: shared objects a pickle reaches through its class (REDUCE returns the member itself), and
-# whose attributes BUILD could set (``_value_``: every later save would pickle a value no load accepts)
-_ENUMS = tuple(v for v in _ALLOWED.values() if isinstance(v, type) and issubclass(v, enum.Enum))
+# whose attributes or class BUILD could set (``_value_``: every later save would pickle a value no load accepts). Their
+# state as imported is the baseline every unpickling is checked against (and restored to) under one lock: two loads
+# in two threads must not take each other's changes for the baseline.
+_ENUM_BASELINE = [(m, type(m), dict(vars(m))) for v in _ALLOWED.values()
+                  if isinstance(v, type) and issubclass(v, enum.Enum) for m in v]
+_ENUM_LOCK = threading.Lock()
 
 
 def unpickle_metadata(data: bytes) -> Any:
@@ -132,17 +136,19 @@ def unpickle_metadata(data: bytes) -> Any:
         pickle.UnpicklingError: it names a global outside the allowed set, or it changed a member of an allowed enum
             (restored before this raises).
     """
-    members = [(m, dict(vars(m))) for cls in _ENUMS for m in cls]
-    try:
-        return _MetadataUnpickler(io.BytesIO(data)).load()
-    finally:
-        changed = [m for m, before in members if vars(m) != before]
-        for m, before in members:
-            if vars(m) != before:
-                vars(m).clear()
-                vars(m).update(before)
-        if changed:
-            raise pickle.UnpicklingError(f"checkpoint metadata changes {changed[0]!r}: refused")
+    with _ENUM_LOCK:
+        try:
+            return _MetadataUnpickler(io.BytesIO(data)).load()
+        finally:
+            changed = [m for m, cls, state in _ENUM_BASELINE if type(m) is not cls or vars(m) != state]
+            for m, cls, state in _ENUM_BASELINE:
+                if type(m) is not cls:
+                    object.__setattr__(m, "__class__", cls)
+                if vars(m) != state:
+                    vars(m).clear()
+                    vars(m).update(state)
+            if changed:
+                raise pickle.UnpicklingError("checkpoint metadata changes a member of an allowed enum: refused")
 
 
 # -- non-tensor values ---------------------------------------------------------------------------

@@ -397,6 +397,9 @@ class MemoryTier:
         for slot in self.slots:
             manifest = read_manifest(slot) if check_complete(slot).complete else None
             keep = set(manifest.files) if manifest is not None else None
+            owners = {int(o) for o in (f.name[2:].split("_", 1)[0] for f in slot.glob("__*_*.distcp")) if o.isdigit()}
+            # a writer of this root may still persist the slot's checkpoint (it needs its .metadata and manifest)
+            persisting = any(self.root.writer_alive(k) is not None for k in owners | here)
             for f in slot.glob("__*_*.distcp"):
                 owner = f.name[2:].split("_", 1)[0]
                 if not owner.isdigit():
@@ -406,9 +409,9 @@ class MemoryTier:
                          and self.root.writer_alive(int(owner)) is None)
                 if (mine and keep is not None and f.name not in keep) or moved or (departed and (keep is None or
                                                                                                f.name not in keep)):
-                    if keep is not None and f.name in keep:  # the tier's own decision, not damage: no longer a
-                        clear_commit(slot, fsync=False)  # checkpoint (a restart must not take it for a damaged one)
-                        keep = None
+                    if keep is not None and f.name in keep and not persisting:  # the tier's own decision, not
+                        clear_commit(slot, fsync=False)  # damage: no longer a checkpoint (a restart must not take it
+                        keep = None  # for a damaged one)
                     logger.info("cpuckpt memory tier: removing stale image %s", f)
                     f.unlink(missing_ok=True)
 

@@ -260,16 +260,19 @@ def test_a_writer_racing_another_to_its_commit_never_replaces_its_manifest(s3_se
         cpuckpt.load({"w": torch.zeros(MiB)}, s3_url, {**CFG, "integrity": {"verify": "always"}})
 
 
-def test_a_manifest_a_dead_save_left_does_not_block_the_next_save(s3_server, s3_env, s3_url):
+def test_a_manifest_a_dead_save_left_does_not_block_the_next_save(s3_server, s3_env, s3_url, monkeypatch):
     """A save that died between its manifest and its ``.metadata`` left a manifest that made every later save of the
-    prefix fail (EEXIST) for ``timeout_s``: it is older than the new save's own data, so it is a dead save's."""
+    prefix fail (EEXIST) for ``timeout_s``: older than the new save's own data (and than a live writer's gap between
+    its two PUTs: 60 s, shortened here), it is a dead save's."""
     import cpuckpt
+    from cpuckpt.backend import s3commit
     from cpuckpt.backend.s3commit import read_manifest
     from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
     from cpuckpt.paths import S3Url
 
     store, url = s3_server.store(), S3Url.parse(s3_url)
     store.put(url / MANIFEST_NAME, Manifest(save_id="a-dead-save", step=1).to_json().encode())
+    monkeypatch.setattr(s3commit, "MANIFEST_DEAD_AFTER_S", 1.0)
     time.sleep(1.1)  # the server's times are whole seconds
     state = {"w": torch.arange(float(MiB))}
     cpuckpt.save(state, s3_url, CFG, step=1)

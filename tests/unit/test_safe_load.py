@@ -463,3 +463,22 @@ def test_a_metadata_that_changes_a_member_of_an_allowed_enum_is_refused_and_the_
     out = {"w": torch.zeros(4)}
     cpuckpt.load(out, tmp_path / "d", CFG)
     assert torch.equal(out["w"], torch.ones(4))
+
+
+def test_a_metadata_that_changes_the_class_of_an_allowed_enums_member_is_refused_and_the_member_restored():
+    """BUILD with slot state ``{"__class__": ...}`` on the shared ``WriteItemType.TENSOR`` made it another class for
+    the process (its attributes unchanged): comparing, hashing or pickling it failed from then on."""
+    import pickle
+
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from cpuckpt.format.unpickle import unpickle_metadata
+
+    member = WriteItemType.TENSOR
+    name = b"__class__"
+    bad = (b"\x80\x04ctorch.distributed.checkpoint.planner\nWriteItemType\n" + b"K" + bytes([member.value]) + b"\x85R"
+           + b"N}X" + len(name).to_bytes(4, "little") + name
+           + b"ctorch.distributed.checkpoint.metadata\nStorageMeta\n" + b"s\x86b.")
+    with pytest.raises(pickle.UnpicklingError, match="refused"):
+        unpickle_metadata(bad)
+    assert type(member) is WriteItemType and pickle.loads(pickle.dumps(member)) is member
