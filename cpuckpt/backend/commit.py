@@ -95,11 +95,13 @@ def commit_checkpoint(path: Path, metadata: Metadata | bytes, prefixes: list[str
             write_atomic(path / name, data, fsync=fsync)
         except OSError as e:
             raise as_storage_error(e, "cannot write", path / name) from e
-    for prefix in prefixes:
+    for prefix in prefixes:  # committed already: a part left behind is a leftover (cleaning removes it), not a failure
         try:
             (path / part_name(prefix)).unlink()
         except FileNotFoundError:
             pass
+        except OSError as e:
+            logger.warning("%s: committed; its manifest part %s could not be removed: %s", path, part_name(prefix), e)
     faultpoint.hit("commit:parts-deleted")
 
 

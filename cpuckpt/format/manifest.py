@@ -118,6 +118,8 @@ def manifest_from_json(text: str | bytes) -> Manifest:
     for name, entry in raw_files.items():
         if not isinstance(entry, dict):
             raise ValueError(f"manifest entry for {name!r} is not an object")
+        if not _inside(name):
+            raise ValueError(f"manifest names a file outside the checkpoint: {name!r}")
         files[name] = FileEntry(**{k: v for k, v in entry.items() if k in file_known})
     kwargs["files"] = files
     return Manifest(**kwargs)
@@ -139,3 +141,10 @@ def _check_own_crc(raw: dict[str, Any]) -> None:
     actual = crc32c.crc32c(_canonical(raw).encode())
     if own != actual:
         raise ValueError(f"manifest damaged: its crc32c is {actual}, it records {own}")
+
+
+def _inside(name: str) -> bool:
+    """``name`` is a path inside the checkpoint directory: relative, no ``..``, not empty (a crafted manifest must not
+    make ``verify`` or the size checks open or stat a file elsewhere)."""
+    parts = name.split("/")
+    return bool(name) and "\0" not in name and not name.startswith("/") and all(p not in ("", ".", "..") for p in parts)

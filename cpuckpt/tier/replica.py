@@ -238,7 +238,10 @@ def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_i
                     if size < entry.nbytes:
                         raise ReplicaError(f"{what}: {slot / entry.name} has {size} bytes, its listing says "
                                            f"{entry.nbytes}")
-                    nbytes += sock.sendfile(f, 0, entry.nbytes)  # no copy through Python (tmpfs page cache → socket)
+                    sent = sock.sendfile(f, 0, entry.nbytes)  # no copy through Python (tmpfs page cache → socket)
+                    if sent != entry.nbytes:  # the file shrank meanwhile: the stream would lose its framing
+                        raise ReplicaError(f"{what}: sent {sent} of {entry.nbytes} bytes of {slot / entry.name}")
+                    nbytes += sent
             for _, data in content.commit:
                 sock.sendall(data)
             # The slot must still hold that save after the last byte left (its trainer reuses slots in a ring):

@@ -292,3 +292,14 @@ def test_listing_does_not_unpickle_the_metadata_its_manifest_vouches_for(ckpt, m
     (ckpt / ".metadata").write_bytes(data[:-1] + b"\x00")  # not the committed pickle: parsed (and refused)
     c = check_complete(ckpt)
     assert not c.complete and parsed == [ckpt / ".metadata"]
+
+
+@pytest.mark.parametrize("name", ["../outside.distcp", "/etc/passwd", "a/../../b", "", "sub//x"])
+def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused(ckpt, name):
+    """A crafted manifest (its own crc32c right) made ``verify`` and the size checks stat and read files elsewhere."""
+    from cpuckpt.format.manifest import manifest_from_json
+
+    faults.rewrite_manifest(ckpt, lambda m: m["files"].update({name: {**m["files"][DATA], "name": name}}))
+    with pytest.raises(ValueError, match="outside the checkpoint"):
+        manifest_from_json((ckpt / ".cpuckpt.json").read_bytes())
+    assert not check_complete(ckpt).complete
