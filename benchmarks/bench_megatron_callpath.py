@@ -1,6 +1,6 @@
 """The trainer thread's host work per memory save of a Megatron-shaped state, on the CPU box (an instrument).
 
-``python -m benchmarks.bench_megatron_callpath [--layers 24] [--saves 40] [--profile N] [--smoke]``
+``python -m benchmarks.bench_megatron_callpath [--layers 24] [--saves 40] [--replayed] [--profile N] [--smoke]``
 
 A save every iteration costs Megatron-LM jobs Python on the trainer's thread, not copies (BENCHMARKS.md, session 31).
 This drives megatron-core's ``dist_checkpointing.save`` with cpuckpt's strategy into the memory tier the way the
@@ -95,6 +95,31 @@ class Model:
                 "opt_param_scheduler": {"num_steps": iteration * 4, "max_lr": 1e-4}, "args": {"hidden": HIDDEN}}
 
 
+class _Capture:
+    """What a replayed save's marker stands for (``megatron: {reuse_state_dict: true}``): the model's and optimizer's
+    ``ShardedTensor``s of one build, handed back save after save (:func:`cpuckpt.integrations.megatron.replay.take`)."""
+
+    def __init__(self, tensors: list[Any]) -> None:
+        self.tensors = tensors
+
+    def replayed(self) -> list[Any]:
+        return list(self.tensors)
+
+
+def replayed_state_dict(model: Model, iteration: int, capture: _Capture | None) -> tuple[dict[str, Any], _Capture]:
+    """The state dict of a replayed save: Megatron-LM's small parts built, the tensors behind the replay's marker
+    (built once, at the first save)."""
+    from cpuckpt.integrations.megatron.replay import MARKER_KEY, ReplayedTensors
+
+    sd = model.sharded_state_dict(iteration)
+    if capture is None:  # a full build first (validated by megatron-core), as Megatron-LM's first save
+        return sd, _Capture([*sd["model"].values(), *sd["optimizer"]["param_state"].values()])
+    small = {k: v for k, v in sd.items() if k != "model"}
+    small["optimizer"] = {"param_groups": sd["optimizer"]["param_groups"]}
+    small[MARKER_KEY] = ReplayedTensors(MARKER_KEY, capture)
+    return small, capture
+
+
 def _verify(dist_checkpointing: Any, model: Model, path: Path, iteration: int) -> None:
     """The last save loads (stock megatron-core, through the slot's link) with the model's bytes: the saves timed
     were real ones."""
@@ -140,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = Model(args.layers)
     times: dict[str, list[float]] = {"build": [], "save": [], "top": []}
     profile = cProfile.Profile() if args.profile else None
+    capture: _Capture | None = None
     total = args.warmup + args.saves
     try:
         for it in range(1, total + 1):
@@ -152,7 +178,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             order_pending_saves()  # the wrapped optimizer step's first call
             model.step()
             t2 = time.perf_counter()
-            sd = model.sharded_state_dict(it)
+            if args.replayed:
+                sd, capture = replayed_state_dict(model, it, capture)
+            else:
+                sd = model.sharded_state_dict(it)
             t3 = time.perf_counter()
             path = np_dir / f"iter_{it:07d}"
             path.mkdir(parents=True, exist_ok=True)
@@ -179,8 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         queue.close()
         router.close()
-        queue = router = strategy = None  # type: ignore[assignment]  # megatron-core's caller logs its rank when
-        # collected: before the group goes
+        # megatron-core's caller logs its rank when collected: before the group goes
+        queue = router = strategy = capture = request = None  # type: ignore[assignment]
         gc.collect()
         dist.destroy_process_group()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -210,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile", type=int, default=0, help="print the N cpuckpt/megatron functions with the most "
                                                          "cumulative time (cProfile)")
     p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    p.add_argument("--replayed", action="store_true", help="hand the tensors as a replayed save does (the same "
+                                                          "ShardedTensors behind the replay's marker every save)")
     p.add_argument("--smoke", action="store_true", help="a tiny run that keeps the script working")
     args = p.parse_args(argv)
     if args.smoke:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import operator
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,12 @@ class FlatState:
     names: Sequence[tuple[str, tuple[int, ...] | None]]
     leaves: Sequence[Any]
     build: Callable[[], dict[str, Any]]
+    # The caller vouches that the tensor leaves from ``vouched_from`` on are the objects they were at the last save
+    # offered with the same ``vouched`` token, with the same storage, offset, shape, strides and dtype (it checked what
+    # they are views of): their per-tensor check is skipped (their ``requires_grad`` and a CPU tensor's pinning are
+    # still compared). None: nothing vouched for.
+    vouched: Any = None
+    vouched_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,6 +188,26 @@ def default_planner_like(planner: Any) -> bool:
         getattr(cls, m) is getattr(DefaultSavePlanner, m) for m in _PLANNER_METHODS)
 
 
+class _Vouch:
+    """The vouched tensors of the last save whose tensors were all checked (:attr:`FlatState.vouched`): a later save
+    with the same token and the same tensor objects at the same places repeats their check."""
+
+    def __init__(self, token: Any, start: int, tensors: list[torch.Tensor]) -> None:
+        self.token = token
+        self.start = start
+        self.tensors = tensors
+        self.grads = [t.requires_grad for t in tensors]
+        self.cpu = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+        self.pinned = [tensors[i].is_pinned() for i in self.cpu]
+
+    def holds(self, flat: FlatState, leaves: list[Any]) -> bool:
+        tail = leaves[self.start:]
+        tensors = self.tensors
+        return (flat.vouched is self.token and flat.vouched_from == self.start and len(tail) == len(tensors)
+                and all(map(operator.is_, tail, tensors)) and [t.requires_grad for t in tail] == self.grads
+                and [tail[i].is_pinned() for i in self.cpu] == self.pinned)
+
+
 class CachedItems:
     """The resolved items, layout and fills of one rank's save; build with :meth:`build`."""
 
@@ -209,6 +236,7 @@ class CachedItems:
         self._layout: SaveLayout | None = None
         self._payload_nbytes: tuple[int, ...] = ()
         self._where: list[tuple[int, int, int]] = []
+        self._vouch: _Vouch | None = None  # the last checked save's vouched tensors (FlatState.vouched)
 
     @classmethod
     def build(cls, who: Hashable, cached: CachedPlan, state: Mapping[str, Any], planner: Any,
@@ -314,8 +342,20 @@ class CachedItems:
         items = cls(who, cached, _flat_skeleton(flat, leaves), written, static, dynamic, byte_items, other_tensors,
                     [], _transform_of(planner))
         items._static_keys, items._light_keys, items._complex_keys = items._keys(leaves)
+        items._vouch = items._vouch_of(flat, leaves)
         items.adopt(written.layout, written.sources)
         return items
+
+    def _vouch_of(self, flat: FlatState, leaves: list[Any]) -> _Vouch | None:
+        """What a later save of ``flat``'s vouch may skip the per-tensor check by: only where every tensor checked is
+        among the vouched leaves (checked just now, with ``leaves``)."""
+        start = flat.vouched_from
+        if flat.vouched is None or any(p < start for p in (*self._static_pos, *self._light_pos, *self._complex_pos)):
+            return None
+        tail = leaves[start:]
+        if not all(isinstance(t, torch.Tensor) for t in tail):
+            return None
+        return _Vouch(flat.vouched, start, tail)
 
     def _keys(self, leaves: list[Any]) -> tuple[list[tuple], list[tuple], list[tuple]]:
         """What is checked of the tensors: written from a cached view; otherwise; complex ones' lazy bits.
@@ -338,17 +378,22 @@ class CachedItems:
             return None
         leaves: list[Any] = []
         skeleton: list[Any] = []
+        vouched = False
         if isinstance(state, FlatState):
             leaves = list(state.leaves)
             if _flat_skeleton(state, leaves) != self.skeleton:
                 return None
+            vouched = self._vouch is not None and self._vouch.holds(state, leaves)
         else:
             walk_state(state, leaves, skeleton)
             if skeleton != self.skeleton:
                 return None
         try:
-            if self._keys(leaves) != (self._static_keys, self._light_keys, self._complex_keys):
-                return None
+            if not vouched:
+                if self._keys(leaves) != (self._static_keys, self._light_keys, self._complex_keys):
+                    return None
+                if isinstance(state, FlatState):
+                    self._vouch = self._vouch_of(state, leaves)
         except (RuntimeError, AttributeError):  # a tensor without storage, a flat leaf not a tensor: DCP's path
             return None
         sources = list(self._sources)

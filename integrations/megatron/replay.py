@@ -54,7 +54,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from cpuckpt.backend.collectives import checkpoint_group
 
 from .compat import replace_function
-from .flatstate import ATOMIC, leaves
+from .flatstate import ATOMIC, CapturedTensors, leaves
 
 __all__ = ["MARKER_KEY", "ReplayedTensors", "StateDictReuse", "install", "take"]
 
@@ -173,7 +173,8 @@ def take(sharded_state_dict: dict[str, Any], reuse: StateDictReuse | None = None
     marker = sharded_state_dict.get(MARKER_KEY)
     if isinstance(marker, ReplayedTensors):
         del sharded_state_dict[MARKER_KEY]  # last, as a build's (after the common state megatron-core added)
-        sharded_state_dict[MARKER_KEY] = marker.data.replayed()
+        # with the capture: the strategy flattens them once per capture, and the item cache skips their check
+        sharded_state_dict[MARKER_KEY] = CapturedTensors(marker.data.replayed(), marker.data)
     elif reuse is not None and reuse.pending is not None:
         capture, reuse.pending = reuse.pending, None
         capture.record(sharded_state_dict)

@@ -45,7 +45,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 
 from . import compat, deferred, prepare, replay
-from .flatstate import ATOMIC, flat_state, leaves, to_pyt
+from .flatstate import ATOMIC, RepeatedTensors, flat_state, leaves, to_pyt
 from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, MEMORY_MARK, PROBE_FAILED, URGENT_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
@@ -311,6 +311,7 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         self.checkpointer = checkpointer
         self.last_save_stats: Any = None  # cpuckpt.background.SaveStats of the last async_save
         self._packed: dict[tuple, bytes] = {}  # plain objects' pickles, reused save after save (flatstate._pack)
+        self._repeated = RepeatedTensors()  # a replay's tensors flattened once per capture (flatstate)
 
     def _to_pyt(self, sharded_state_dict: dict[str, Any], keep_replicas: bool = False) -> dict[str, Any]:
         return to_pyt(sharded_state_dict, self.keep_only_main_replica and not keep_replicas)
@@ -321,7 +322,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         repeats the last one skips the translation and DCP); without, the translated state dict."""
         if plan_key is None:
             return self._to_pyt(sharded_state_dict, keep_replicas)
-        return flat_state(sharded_state_dict, self.keep_only_main_replica and not keep_replicas, self._packed)
+        return flat_state(sharded_state_dict, self.keep_only_main_replica and not keep_replicas, self._packed,
+                          self._repeated)
 
     def _planner(self, keep_replicas: bool = False) -> MCoreSavePlanner:
         if keep_replicas:  # DCP's central global plan deduplicates the replicas (and the tier adds node copies)

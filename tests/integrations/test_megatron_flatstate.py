@@ -113,3 +113,45 @@ def test_two_paths_flattened_to_one_name_are_refused_when_the_structure_is_first
     flat = flatstate.flat_state(state, True)
     with pytest.raises(ValueError, match="duplicated flatten key"):
         flat.build()
+
+
+def _replayed(capture: object, tensors: list) -> dict:
+    """A replayed save's state dict as the strategy receives it: the small state, then the captured tensors last."""
+    return {"n": ShardedObject("n", 3, (1,), (0,), replica_id=0),
+            "__replayed__": flatstate.CapturedTensors(tensors, capture)}
+
+
+@pytest.mark.parametrize("keep_only_main_replica", [True, False])
+def test_a_replays_tensors_are_flattened_once_per_capture_and_as_a_full_flattening(keep_only_main_replica):
+    """The captured tensors' part of the flattening is reused while they are the same objects with the same data and
+    replica ids; every save's result equals flat_state's without reuse, and vouches for them from their place on."""
+    tensors = [ShardedTensor.from_rank_offsets(f"t{i}", torch.full((4,), float(i)), replica_id=i % 2)
+               for i in range(6)] + [ShardedTensor.from_rank_offsets("s", torch.ones(2, 3), (0, 0, 2), replica_id=0)]
+    capture, repeated = object(), flatstate.RepeatedTensors()
+    grouped = []
+    real = flatstate.grouped
+
+    def counted(state, keep):
+        grouped.append(list(state))
+        return real(state, keep)
+
+    def check(state):
+        fast = flatstate.flat_state(state, keep_only_main_replica, None, repeated)
+        plain = flatstate.flat_state(dict(state, __replayed__=list(state["__replayed__"])), keep_only_main_replica)
+        assert (fast.key, fast.names) == (plain.key, plain.names)
+        assert all(a is b for a, b in zip(fast.leaves[1:], plain.leaves[1:]))
+        assert fast.vouched is state["__replayed__"].capture and fast.vouched_from == 1
+        assert plain.vouched is None
+        return fast
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(flatstate, "grouped", counted)
+        check(_replayed(capture, tensors))
+        check(_replayed(capture, list(tensors)))  # a new list of the same tensors
+        assert grouped.count(["tensors"]) == 1
+        tensors[2].replica_id = 1 - tensors[2].replica_id  # megatron-core's distribution of the main replicas moved
+        check(_replayed(capture, tensors))
+        tensors[3].data = tensors[3].data.clone()  # an eager clone in its place
+        check(_replayed(capture, tensors))
+        check(_replayed(object(), tensors))  # another capture: never reused
+        assert grouped.count(["tensors"]) == 4

@@ -433,3 +433,38 @@ def test_the_cache_keeps_no_copy_the_translation_made(tmp_path):
     del h
     gc.collect()
     assert resolved == ["planner", "cached"] and len(refs) == 1 and refs[0]() is None
+
+
+def test_vouched_tensors_are_not_checked_again_until_the_token_or_a_tensor_changes(target, monkeypatch):
+    """A FlatState whose caller vouches for its tensors (the same objects, checked by the caller) skips the per-tensor
+    check while the token and the objects stay, and still catches ``requires_grad`` and a replaced tensor."""
+    import dataclasses
+
+    from cpuckpt.backend.itemcache import CachedItems
+
+    model = _Model()
+    checks: list[int] = []
+    real = CachedItems._keys
+    monkeypatch.setattr(CachedItems, "_keys", lambda self, leaves: (checks.append(1), real(self, leaves))[1])
+    token, other = object(), object()
+    seen = []
+    for k, change in enumerate([None, None, None, None, "token", None, "requires_grad", "replaced"]):
+        model.step()
+        if change == "requires_grad":
+            model.params["layer3.w"].requires_grad_(True)
+        if change == "replaced":
+            model.params["layer3.w"] = model.params["layer3.w"].detach().clone()
+        state = {"extra": {"step": k}, "model": dict(model.params)}  # the same tensor objects every save
+        flat = _flat(state)
+        start = next(i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor))
+        flat = dataclasses.replace(flat, vouched=other if change == "token" else token, vouched_from=start)
+        want = _snapshot(state)
+        path, images = target(k)
+        before = len(checks)
+        h = _save(flat, path, images)  # type: ignore[arg-type]
+        seen.append((h.stats.resolved, len(checks) - before))
+        _assert_loads(path, want)
+    # built (checked by the build, which keeps the vouch), not checked again while the token holds, a new token and
+    # the old one back: checked each, requires_grad and a replaced tensor: checked, and planned again
+    assert seen[1:6] == [("cached", 0), ("cached", 0), ("cached", 0), ("cached", 1), ("cached", 1)], seen
+    assert [r for r, _ in seen[6:]] == ["planner", "planner"] and all(n >= 1 for _, n in seen[6:]), seen
