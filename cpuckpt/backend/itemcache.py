@@ -196,15 +196,21 @@ class _Vouch:
         self.token = token
         self.start = start
         self.tensors = tensors
-        self.grads = [t.requires_grad for t in tensors]
+        self.places = self._places(tensors)
         self.cpu = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
         self.pinned = [tensors[i].is_pinned() for i in self.cpu]
+
+    @staticmethod
+    def _places(tensors: list[torch.Tensor]) -> tuple[list[int], list[Any], list[bool]]:
+        """What may change in place between the caller's check and this one (a deferred start comes after the
+        optimizer step): the address (``set_``, ``.data =``, a resize), the shape, ``requires_grad``."""
+        return [t.data_ptr() for t in tensors], [t.shape for t in tensors], [t.requires_grad for t in tensors]
 
     def holds(self, flat: FlatState, leaves: list[Any]) -> bool:
         tail = leaves[self.start:]
         tensors = self.tensors
         return (flat.vouched is self.token and flat.vouched_from == self.start and len(tail) == len(tensors)
-                and all(map(operator.is_, tail, tensors)) and [t.requires_grad for t in tail] == self.grads
+                and all(map(operator.is_, tail, tensors)) and self._places(tail) == self.places
                 and [tail[i].is_pinned() for i in self.cpu] == self.pinned)
 
 

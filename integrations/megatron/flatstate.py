@@ -102,6 +102,9 @@ class RepeatedTensors:
         self._seen: tuple[Any, bool, list[Any], list[Any], list[Any]] | None = None  # capture, keep, tensors, ...
         self._flat: tuple[list[tuple[str, tuple[int, ...] | None]], list[Any], list[tuple], set[str]] | None = None
 
+    def forget(self) -> None:
+        self._seen = self._flat = None
+
     def flatten(self, tensors: CapturedTensors, keep_only_main_replica: bool
                 ) -> tuple[list[tuple[str, tuple[int, ...] | None]], list[Any], list[tuple], set[str]] | None:
         """(names, leaves, key entries, fqns) of ``tensors`` as :func:`flat_state` lists them; None where that
@@ -192,13 +195,14 @@ def flat_state(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool,
     ``packed``: the stream's cache of pickled plain objects (:func:`_pack`). ``repeated``: the stream's flattening
     of a replay's tensors (the state dict's last value, a :class:`CapturedTensors`), reused save after save; the
     FlatState then vouches for them (``vouched``: the replay checked them at this save's build)."""
-    if repeated is not None and sharded_state_dict:
-        last = next(reversed(sharded_state_dict))
-        tail = sharded_state_dict[last]
+    if repeated is not None:
+        last = next(reversed(sharded_state_dict), None)
+        tail = sharded_state_dict[last] if last is not None else None
         if type(tail) is CapturedTensors:
             fast = _flat_with_captured(sharded_state_dict, last, tail, keep_only_main_replica, packed, repeated)
             if fast is not None:
                 return fast
+        repeated.forget()  # a full build, or reuse went off: hold none of the model's or optimizer's tensors
     return _flat(sharded_state_dict, keep_only_main_replica, packed)
 
 

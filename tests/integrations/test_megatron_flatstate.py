@@ -155,3 +155,16 @@ def test_a_replays_tensors_are_flattened_once_per_capture_and_as_a_full_flatteni
         check(_replayed(capture, tensors))
         check(_replayed(object(), tensors))  # another capture: never reused
         assert grouped.count(["tensors"]) == 4
+        state = _replayed(capture, tensors)
+        flatstate.flat_state(state, not keep_only_main_replica, None, repeated)  # the other replica rule
+        flatstate.flat_state(state, keep_only_main_replica, None, repeated)
+        assert grouped.count(["tensors"]) == 6
+    clash = dict(_replayed(capture, tensors))  # a key before the captured tensors that is also theirs: no vouch
+    clash = {"t0": ShardedTensor.from_rank_offsets("t0", torch.zeros(4), replica_id=0), **clash}
+    clash["__replayed__"] = flatstate.CapturedTensors(tensors, capture)
+    fast = flatstate.flat_state(clash, keep_only_main_replica, None, repeated)
+    plain = flatstate.flat_state(dict(clash, __replayed__=list(clash["__replayed__"])), keep_only_main_replica)
+    assert fast.vouched is None and (fast.key, fast.names) == (plain.key, plain.names)
+    flatstate.flat_state({"n": ShardedObject("n", 3, (1,), (0,), replica_id=0)}, keep_only_main_replica, None,
+                         repeated)  # a full build's save: nothing of the capture is held any more
+    assert repeated._seen is None and repeated._flat is None

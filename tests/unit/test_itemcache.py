@@ -448,12 +448,15 @@ def test_vouched_tensors_are_not_checked_again_until_the_token_or_a_tensor_chang
     monkeypatch.setattr(CachedItems, "_keys", lambda self, leaves: (checks.append(1), real(self, leaves))[1])
     token, other = object(), object()
     seen = []
-    for k, change in enumerate([None, None, None, None, "token", None, "requires_grad", "replaced"]):
+    for k, change in enumerate([None, None, None, None, "token", None, "requires_grad", "replaced", None, "set_"]):
         model.step()
         if change == "requires_grad":
             model.params["layer3.w"].requires_grad_(True)
         if change == "replaced":
             model.params["layer3.w"] = model.params["layer3.w"].detach().clone()
+        if change == "set_":  # the same object, new memory (after the caller checked it: a deferred start)
+            w = model.params["layer4.w"]
+            w.set_(w.clone() + 1000)
         state = {"extra": {"step": k}, "model": dict(model.params)}  # the same tensor objects every save
         flat = _flat(state)
         start = next(i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor))
@@ -467,4 +470,29 @@ def test_vouched_tensors_are_not_checked_again_until_the_token_or_a_tensor_chang
     # built (checked by the build, which keeps the vouch), not checked again while the token holds, a new token and
     # the old one back: checked each, requires_grad and a replaced tensor: checked, and planned again
     assert seen[1:6] == [("cached", 0), ("cached", 0), ("cached", 0), ("cached", 1), ("cached", 1)], seen
-    assert [r for r, _ in seen[6:]] == ["planner", "planner"] and all(n >= 1 for _, n in seen[6:]), seen
+    assert [r for r, _ in seen[6:8]] == ["planner", "planner"] and all(n >= 1 for _, n in seen[6:8]), seen
+    assert seen[8] == ("cached", 0) and seen[9][0] == "planner", seen  # each save also loaded what it saved
+
+
+def test_tensors_before_the_vouched_ones_are_always_checked(target, monkeypatch):
+    """A vouch covers the tensors from ``vouched_from`` on only: with a tensor before them, every save checks all."""
+    import dataclasses
+
+    from cpuckpt.backend.itemcache import CachedItems
+
+    model = _Model()
+    checks: list[int] = []
+    real = CachedItems._keys
+    monkeypatch.setattr(CachedItems, "_keys", lambda self, leaves: (checks.append(1), real(self, leaves))[1])
+    token, per_save = object(), []
+    for k in range(4):
+        model.step()
+        state = {"extra": {"step": k}, "model": dict(model.params)}
+        flat = _flat(state)
+        first = next(i for i, v in enumerate(flat.leaves) if isinstance(v, torch.Tensor))
+        flat = dataclasses.replace(flat, vouched=token, vouched_from=first + 1)
+        path, images = target(k)
+        before = len(checks)
+        _save(flat, path, images)  # type: ignore[arg-type]
+        per_save.append(len(checks) - before)
+    assert all(n >= 1 for n in per_save), per_save
