@@ -116,12 +116,18 @@ def _agreed_candidates(root: Path | S3Url, group: Any) -> tuple[list[str], list[
     otherwise try different checkpoints and wait for each other in different loads.
     """
     listing: list[Any] = [None]
-    if group is None or dist.get_rank(group) == 0:
-        infos = list_checkpoints(root)
-        names = [c.path.name for c in reversed(infos) if c.complete]
-        # committed once (a .metadata is there) but incomplete now: damage after the commit, not a torn save
-        damaged = [(c.path.name, c.reason) for c in infos if not c.complete and committed_once(c)]
-        listing = [(names, damaged)]
+    rank = dist.get_rank(group) if group is not None else 0
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            infos = list_checkpoints(root)
+            names = [c.path.name for c in reversed(infos) if c.complete]
+            # committed once (a .metadata is there) but incomplete now: damage after the commit, not a torn save
+            damaged = [(c.path.name, c.reason) for c in infos if not c.complete and committed_once(c)]
+            listing = [(names, damaged)]
+        except BaseException as e:  # the others would wait in the broadcast until the group's timeout
+            error = e
+    collectives.agree_or_raise(error, rank, group, f"listing the checkpoints of {root}")
     if group is not None:
         dist.broadcast_object_list(listing, src=dist.get_global_rank(group, 0), group=group)
     return listing[0]

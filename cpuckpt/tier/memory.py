@@ -1017,7 +1017,14 @@ class MemoryTier:
         between two ranks' scans would make them load different checkpoints, silently (restart.py agrees the
         core's candidates the same way).
         """
-        listing = self._listing(state_dict, planner)
+        listing: list[tuple[Hashable, Path | S3Url]] = []
+        error: BaseException | None = None
+        try:
+            listing = self._listing(state_dict, planner)
+        except BaseException as e:  # raised alike on every rank, not while the others wait in the broadcast
+            error = e
+        agree_or_raise(error, self.rank, self.group, f"listing the checkpoints of "
+                       f"{self.durable_root} and the memory tier")
         if not self.dist:
             return [path for _, path in listing]
         box: list[Any] = [listing if self.rank == 0 else None]
@@ -1110,12 +1117,18 @@ class MemoryTier:
         if not isinstance(self.format, DcpSlots):
             return []
         found: list[tuple[str, str]] = []
-        if self.nodes.is_leader:
-            found += [(str(slot), status.reason) for slot in self.slots
-                      if is_complete(slot) and not (status := check_complete(slot)).complete]
-        if self.rank == 0:
-            found += [(str(c.path), c.reason) for c in list_checkpoints(self.durable_root)
-                      if not c.complete and committed_once(c)]
+        error: BaseException | None = None
+        try:
+            if self.nodes.is_leader:
+                found += [(str(slot), status.reason) for slot in self.slots
+                          if is_complete(slot) and not (status := check_complete(slot)).complete]
+            if self.rank == 0:
+                found += [(str(c.path), c.reason) for c in list_checkpoints(self.durable_root)
+                          if not c.complete and committed_once(c)]
+        except BaseException as e:  # raised alike on every rank, not while the others wait in the all-gather
+            error = e
+        agree_or_raise(error, self.rank, self.group,
+                       f"looking for damaged checkpoints of {self.durable_root} and the memory tier")
         if not self.dist:
             return found
         every: list[Any] = [None] * self.world_size

@@ -113,3 +113,33 @@ def test_empty_root_loads_nothing_and_a_url_is_refused(tmp_path):
     assert cpuckpt.load_latest({"w": torch.zeros(1)}, tmp_path / "none", CFG) is None
     with pytest.raises(cpuckpt.ConfigError, match="gs://"):  # s3:// roots work (tests/s3/test_s3_roots.py)
         cpuckpt.load_latest({"w": torch.zeros(1)}, "gs://bucket/run", CFG)
+
+
+def rank_listing_fails_on_rank_0(root: str) -> str:
+    """Rank 0 cannot list the root (an I/O error there only); every rank calls load_latest."""
+    import errno
+    import time
+
+    import torch.distributed as dist
+
+    import cpuckpt.restart as restart
+
+    cpuckpt.save({"w": torch.ones(4)}, Path(root) / "step_1", CFG, step=1)
+    if dist.get_rank() == 0:
+        def fail(root):
+            raise cpuckpt.StorageIOError("cannot list", path=str(root), errno_=errno.EIO)
+
+        restart.list_checkpoints = fail
+    t0 = time.monotonic()
+    try:
+        cpuckpt.load_latest({"w": torch.zeros(4)}, root, CFG)
+    except cpuckpt.CpuckptError as e:
+        return f"{type(e).__name__}: {e} ({time.monotonic() - t0 < 20})"
+    return "loaded"
+
+
+def test_a_listing_that_fails_on_rank_0_fails_every_rank_alike_and_promptly(run_ranks, tmp_path):
+    """Rank 0 raised while the other ranks waited in the broadcast of its listing until the group's timeout (and
+    then raised another error)."""
+    results = run_ranks(2, rank_listing_fails_on_rank_0, str(tmp_path), timeout_s=120)
+    assert results[0] == results[1] and "cannot list" in results[0] and results[0].endswith("(True)"), results
