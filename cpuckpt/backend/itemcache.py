@@ -77,8 +77,8 @@ class FlatState:
     build: Callable[[], dict[str, Any]]
     # The caller vouches that the tensor leaves from ``vouched_from`` on are the objects they were at the last save
     # offered with the same ``vouched`` token, with the same storage, offset, shape, strides and dtype (it checked what
-    # they are views of): their per-tensor check is skipped (their ``requires_grad`` and a CPU tensor's pinning are
-    # still compared). None: nothing vouched for.
+    # they are views of): their per-tensor check is skipped (their address, shape, ``requires_grad`` and a CPU
+    # tensor's pinning are still compared: :class:`_Vouch`). None: nothing vouched for.
     vouched: Any = None
     vouched_from: int = 0
 

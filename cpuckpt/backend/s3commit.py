@@ -48,7 +48,8 @@ if TYPE_CHECKING:  # the writer process commits without torch
 
     from cpuckpt.transfer.s3sink import S3SinkFactory
 
-__all__ = ["S3Target", "check_complete", "load_metadata", "read_manifest", "read_metadata_bytes", "size_mismatches"]
+__all__ = ["S3Target", "check_complete", "load_metadata", "manifest_save_id", "read_manifest", "read_metadata_bytes",
+           "size_mismatches"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +144,9 @@ class S3Target:
         for attempt in range(2):
             if self.store.put(url, manifest.to_json().encode(), if_absent=True):
                 return
-            data, info = self.store.get(url), self.store.head(url)
-            if data is not None and _save_id_of(data) == manifest.save_id:
+            if manifest_save_id(self.store, url) == manifest.save_id:
                 return  # this save's own, from an earlier attempt
+            info = self.store.head(url)
             if attempt or info is None or not self._dead(info.mtime, manifest):
                 break
             logger.info("%s: deleting the manifest a dead save left (%.0f s old)", self.url, time.time() - info.mtime)
@@ -272,9 +273,10 @@ def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
     return Completeness(True, "", manifest.step, info.mtime)
 
 
-def _save_id_of(data: bytes) -> str | None:
-    """The save id of a manifest's bytes (None: not a usable manifest)."""
+def manifest_save_id(store: ObjectStore, url: S3Url) -> str | None:
+    """The save a manifest object (a checkpoint's, or a rank's part) belongs to (None: none there, or unusable)."""
     try:
-        return manifest_from_json(data).save_id
-    except (ValueError, TypeError):
+        data = store.get(url)
+        return manifest_from_json(data).save_id or None if data is not None else None
+    except (ValueError, TypeError, KeyError):
         return None

@@ -140,13 +140,11 @@ def unpickle_metadata(data: bytes) -> Any:
         try:
             return _MetadataUnpickler(io.BytesIO(data)).load()
         finally:
-            changed = [m for m, cls, state in _ENUM_BASELINE if type(m) is not cls or vars(m) != state]
-            for m, cls, state in _ENUM_BASELINE:
-                if type(m) is not cls:
-                    object.__setattr__(m, "__class__", cls)
-                if vars(m) != state:
-                    vars(m).clear()
-                    vars(m).update(state)
+            changed = [(m, cls, state) for m, cls, state in _ENUM_BASELINE if type(m) is not cls or vars(m) != state]
+            for m, cls, state in changed:
+                object.__setattr__(m, "__class__", cls)
+                vars(m).clear()
+                vars(m).update(state)
             if changed:
                 raise pickle.UnpicklingError("checkpoint metadata changes a member of an allowed enum: refused")
 

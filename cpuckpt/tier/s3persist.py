@@ -22,7 +22,7 @@ from cpuckpt import faultpoint
 from cpuckpt.backend import s3commit
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, ConfigError, IntegrityError, StorageIOError
-from cpuckpt.format.manifest import FileEntry, manifest_from_json, part_name
+from cpuckpt.format.manifest import FileEntry, part_name
 from cpuckpt.paths import S3Url
 from cpuckpt.tier.imagecopy import expected_crcs
 from cpuckpt.transfer.objstore import PART_MIN_BYTES, ObjectStore
@@ -41,13 +41,7 @@ def committed_save_id(store: ObjectStore, url: S3Url) -> str | None:
     return manifest.save_id if manifest is not None else None
 
 
-def part_save_id(store: ObjectStore, part: S3Url) -> str | None:
-    """The save a rank's manifest part object belongs to (None: none there, or unreadable)."""
-    try:
-        data = store.get(part)
-        return manifest_from_json(data).save_id or None if data is not None else None
-    except (ValueError, TypeError, KeyError):
-        return None
+part_save_id = s3commit.manifest_save_id  # the save a rank's manifest part object belongs to
 
 
 def persist_image_s3(src: Path, url: S3Url, store: ObjectStore, cfg: Config, *, expect: FileEntry) -> FileEntry:

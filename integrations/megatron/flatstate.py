@@ -131,15 +131,24 @@ def _flatten_tensors(sharded: dict[str, list[Any]]
     names: list[tuple[str, tuple[int, ...] | None]] = []
     out: list[Any] = []
     key: list[tuple] = []
-    for fqn, group in sharded.items():
-        for sh in group:
-            if not isinstance(sh, ShardedTensor) or sh.data is None or sh.flattened_range is not None:
-                return None
-            names.append((fqn, tuple(sh.global_offset)))
-            out.append(sh.data)
-            key.append((fqn, sh.global_shape, sh.global_offset, sh.local_shape, sh.dtype, sh.prepend_axis_num,
-                        sh.axis_fragmentations, sh.allow_shape_mismatch))
+    if not all(_add_tensors(fqn, group, names, out, key) for fqn, group in sharded.items()):
+        return None
     return names, out, key, set(sharded)
+
+
+def _add_tensors(fqn: str, group: list[Any], names: list[tuple[str, tuple[int, ...] | None]], out: list[Any],
+                 key: list[tuple]) -> bool:
+    """Append the name, leaf and key entry of every ``ShardedTensor`` of ``fqn``'s group; False (stopping) at one
+    :func:`flat_state` cannot list: without data, or megatron-core's older flattened range (its layout is the
+    translation's own)."""
+    for sh in group:
+        if not isinstance(sh, ShardedTensor) or sh.data is None or sh.flattened_range is not None:
+            return False
+        names.append((fqn, tuple(sh.global_offset)))
+        out.append(sh.data)
+        key.append((fqn, sh.global_shape, sh.global_offset, sh.local_shape, sh.dtype, sh.prepend_axis_num,
+                    sh.axis_fragmentations, sh.allow_shape_mismatch))
+    return True
 
 
 class _Unusual(Exception):
@@ -236,13 +245,8 @@ def _flat(sharded_state_dict: dict[str, Any], keep_only_main_replica: bool, pack
     objects: dict[str, io.BytesIO] = {}
     for fqn, group in sharded.items():
         if isinstance(group[0], ShardedTensor):
-            for sh in group:
-                if sh.data is None or sh.flattened_range is not None or not isinstance(sh, ShardedTensor):
-                    return to_pyt(sharded_state_dict, keep_only_main_replica)
-                names.append((fqn, tuple(sh.global_offset)))
-                leaves.append(sh.data)
-                key.append((fqn, sh.global_shape, sh.global_offset, sh.local_shape, sh.dtype, sh.prepend_axis_num,
-                            sh.axis_fragmentations, sh.allow_shape_mismatch))
+            if not _add_tensors(fqn, group, names, leaves, key):
+                return to_pyt(sharded_state_dict, keep_only_main_replica)
         else:
             if not all(isinstance(sh, ShardedObject) for sh in group):
                 return to_pyt(sharded_state_dict, keep_only_main_replica)
