@@ -92,7 +92,7 @@ def commit_checkpoint(path: Path, metadata: Metadata | bytes, prefixes: list[str
     manifest.metadata_crc32c = crc32c.crc32c(pickled)
     for name, data in ((MANIFEST_NAME, manifest.to_json().encode()), (METADATA_NAME, pickled)):
         try:
-            write_atomic(path / name, data, fsync=fsync)
+            write_atomic(path / name, data, fsync=fsync, withdraw=name == METADATA_NAME)
         except OSError as e:
             raise as_storage_error(e, "cannot write", path / name) from e
     for prefix in prefixes:  # committed already: a part left behind is a leftover (cleaning removes it), not a failure

@@ -160,8 +160,8 @@ WAIT_LIMIT_S = 120.0  # a ``wait:<path>`` action gives up after this long
 
 
 class StageActions:
-    """A :mod:`cpuckpt.faultpoint` handler: ``"<stage>=kill|sleep:<s>|wait:<path>|raise"`` entries,
-    ``;``-separated.
+    """A :mod:`cpuckpt.faultpoint` handler: ``"<stage>=kill|sleep:<s>|wait:<path>|raise|eio"`` entries,
+    ``;``-separated (``eio``: an ``OSError`` EIO, as a failing system call raises).
 
     Picklable (it holds only the spec), so it can be handed to a worker process.
 
@@ -174,7 +174,7 @@ class StageActions:
         self._actions: dict[str, list[str]] = {}
         for entry in filter(None, (e.strip() for e in spec.split(";"))):
             stage, eq, action = entry.rpartition("=")
-            ok = bool(eq and stage) and (action in ("kill", "raise") or action.startswith(("sleep:", "wait:")))
+            ok = bool(eq and stage) and (action in ("kill", "raise", "eio") or action.startswith(("sleep:", "wait:")))
             if ok and action.startswith("sleep:"):
                 try:
                     float(action[len("sleep:") :])
@@ -182,7 +182,7 @@ class StageActions:
                     ok = False
             if not ok:
                 raise ConfigError(f"{TEST_HOOK_ENV}: bad entry {entry!r}; expected '<stage>=kill', "
-                                  "'<stage>=sleep:<seconds>', '<stage>=wait:<path>' or '<stage>=raise'")
+                                  "'<stage>=sleep:<seconds>', '<stage>=wait:<path>', '<stage>=raise' or '<stage>=eio'")
             self._actions.setdefault(stage, []).append(action)
 
     def __reduce__(self) -> tuple:
@@ -198,6 +198,8 @@ class StageActions:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif action == "raise":
                 raise RuntimeError(f"fault point: raise at {stage}")
+            elif action == "eio":
+                raise OSError(errno_mod.EIO, f"fault point: EIO at {stage}")
             elif action.startswith("wait:"):
                 _wait_for_file(action[len("wait:") :], stage)
             else:

@@ -292,13 +292,16 @@ def _commit_files(req: PersistRequest, cfg: Config, dest: Path, slot: Path, dead
     if queue is not None and queue.outcome(req.seq) is not None:  # withdrawn after every part came in
         raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step}); "
                              "not committed")
-    write_atomic(dest / req.marker, marker, fsync=cfg.io.fsync)
+    write_atomic(dest / req.marker, marker, fsync=cfg.io.fsync, withdraw=True)
     if req.saving:
         (dest / req.saving).unlink(missing_ok=True)
     for p in parts:
         p.unlink(missing_ok=True)
-    if cfg.io.fsync:
-        fsync_dir(dest)
+    if cfg.io.fsync:  # committed already: removals not yet durable leave leftovers (cleaning's), not a failure
+        try:
+            fsync_dir(dest)
+        except OSError as e:
+            logger.warning("%s: committed; the removal of its parts is not durable: %s", dest, e)
     if req.pointer:
         _move_pointer(Path(req.pointer[0]), str(req.pointer[1]), req, cfg)
 

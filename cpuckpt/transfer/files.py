@@ -238,8 +238,12 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
-    """Write ``path`` via a temporary file, fsync, rename, and fsync of the directory."""
+def write_atomic(path: Path, data: bytes, *, fsync: bool = True, withdraw: bool = False) -> None:
+    """Write ``path`` via a temporary file, fsync, rename, and fsync of the directory.
+
+    ``withdraw``: when the directory's fsync fails after the rename, remove ``path`` again before raising. For
+    commit markers: a save that reports failure must not leave its checkpoint listed as committed.
+    """
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -249,5 +253,21 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
     faultpoint.hit(f"before-rename:{path.name}")
     os.replace(tmp, path)
     if fsync:
-        fsync_dir(path.parent)
+        try:
+            faultpoint.hit(f"fsync-dir:{path.name}")
+            fsync_dir(path.parent)
+        except OSError:
+            if withdraw:
+                _withdraw(path)
+            raise
     faultpoint.hit(f"after-rename:{path.name}")
+
+
+def _withdraw(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.error("%s: its directory's fsync failed after the rename, and it could not be removed again "
+                     "(it may be listed although its write failed): %s", path, e)

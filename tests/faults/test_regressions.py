@@ -140,3 +140,21 @@ def test_async_saves_into_one_directory_never_commit_a_mix_of_two(tmp_path):
     out = {"w": torch.zeros(1 << 20)}
     cpuckpt.load(out, d, cfg)
     assert check_complete(d).step == 4 and bool((out["w"] == 4.0).all())
+
+
+def test_a_commit_whose_directory_fsync_fails_is_withdrawn_not_listed(tmp_path):
+    """``.metadata`` was renamed into place, then the fsync of its directory failed: the save raised
+    StorageIOError, yet its checkpoint stood committed, and ``find_latest`` returned a save reported failed."""
+    root = tmp_path / "root"
+    cpuckpt.save({"w": torch.arange(100)}, root / "step_1", step=1)
+    faults.install("fsync-dir:.metadata=eio")
+    try:
+        with pytest.raises(cpuckpt.StorageIOError, match=r"step_2.*\.metadata|\.metadata.*step_2"):
+            cpuckpt.save({"w": torch.arange(100) + 2}, root / "step_2", step=2)
+    finally:
+        faults.install("")
+    assert cpuckpt.find_latest(root) == root / "step_1"
+    assert not (root / "step_2" / ".metadata").exists()
+    assert [c.path.name for c in cpuckpt.list_checkpoints(root) if c.complete] == ["step_1"]
+    cpuckpt.save({"w": torch.arange(100) + 2}, root / "step_2", step=2)  # the path works again
+    assert cpuckpt.find_latest(root) == root / "step_2"

@@ -315,3 +315,19 @@ def test_fsync_dir(tmp_path):
     with pytest.raises(StorageIOError) as ei:
         fsync_dir(missing)
     assert str(missing) in str(ei.value) and ei.value.errno == errno.ENOENT
+
+
+@pytest.mark.parametrize("withdraw", [True, False])
+def test_write_atomic_withdraws_a_marker_whose_directory_fsync_failed(tmp_path, withdraw):
+    """A commit marker (``withdraw``) is removed again when its directory's fsync fails after the rename; any
+    other file (a pointer) stays as renamed. The error is raised either way."""
+    faults.install("fsync-dir:marker=eio")
+    try:
+        with pytest.raises(OSError, match="fault point: EIO at fsync-dir:marker"):
+            fileio.write_atomic(tmp_path / "marker", b"x", withdraw=withdraw)
+    finally:
+        faults.install("")
+    assert (tmp_path / "marker").exists() is not withdraw
+    assert not (tmp_path / "marker.tmp").exists()
+    fileio.write_atomic(tmp_path / "other", b"y", withdraw=True)  # no fault: written
+    assert (tmp_path / "other").read_bytes() == b"y"
