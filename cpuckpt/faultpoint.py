@@ -1,6 +1,7 @@
 """Named fault points: places in the commit path where a test may act. A no-op unless a test installs a handler.
 
-Production code calls :func:`hit` at each stage (``before-rename:<name>``, ``after-rename:<name>``,
+Production code calls :func:`hit` at each stage (``before-rename:<name>``, ``fsync-dir:<name>`` between the
+rename and the directory's fsync, ``after-rename:<name>``,
 ``clear-commit:done``, ``commit:parts-deleted``, ``retention:metadata-removed``,
 ``megatron-worker:rank<r>``, ``persist-chunk:<file>:<chunk>`` between reading a chunk of a memory
 image and writing it to the durable file, ``replicate:step<N>`` before a writer sends step N's replica,
