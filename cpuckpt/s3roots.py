@@ -52,15 +52,27 @@ def _inspect(store: ObjectStore, url: S3Url, objects: list[tuple[str, float]]) -
                           c.reason)
 
 
+def _looks_like_checkpoint(objects: list[tuple[str, float]]) -> bool:
+    names = [n for n, _ in objects]
+    return bool(names) and all("/" not in n and CHECKPOINT_FILE.match(n) for n in names)
+
+
 def _scan(store: ObjectStore, root: S3Url) -> list[tuple[CheckpointInfo, list[tuple[str, float]]]]:
     out = []
     for name in store.list_dirs(root):
         url = root / name
         objects = _objects(store, url)
-        names = [n for n, _ in objects]
-        if names and all("/" not in n and CHECKPOINT_FILE.match(n) for n in names):
+        if _looks_like_checkpoint(objects):
             out.append((_inspect(store, url, objects), objects))
     return out
+
+
+def inspect_prefix(url: S3Url, cfg: S3Config | None = None) -> CheckpointInfo | None:
+    """``url`` itself as a checkpoint (None when its objects are not a checkpoint's): ``cpuckpt ls`` of a
+    checkpoint prefix, as of a local checkpoint directory."""
+    store = _store(cfg)
+    objects = _objects(store, url)
+    return _inspect(store, url, objects) if _looks_like_checkpoint(objects) else None
 
 
 def list_checkpoints(root: S3Url, cfg: S3Config | None = None) -> list[CheckpointInfo]:

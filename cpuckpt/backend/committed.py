@@ -11,8 +11,9 @@ Completeness, defined once here (:func:`check_complete`), in three steps:
    whose crc32c the manifest of its save records: a cpuckpt save's own, which the load parses);
 3. if a cpuckpt manifest of the same save is there, it parses, ``.metadata`` has the crc32c it
    records (:func:`metadata_damage`; manifests of format 1 record none), and every data file it lists
-   exists with the listed size (:func:`size_mismatches`; stock DCP checkpoints, and a manifest of an
-   earlier save that a stock save committed over, stop at step 2).
+   exists with the listed size (:func:`size_mismatches`). A stock DCP checkpoint (or a manifest of an earlier
+   save that a stock save committed over): every data file ``.metadata``'s records name exists and reaches the
+   end of its last record (:func:`stock_extents`).
 
 The data files' checksums are not read (that is the load's and ``cpuckpt verify``'s job): the whole
 check costs one read of ``.metadata`` and one ``stat`` per data file. ``find_latest``, retention, the ``latest``
@@ -28,7 +29,7 @@ import pickle
 import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 import crc32c
@@ -46,6 +47,7 @@ __all__ = [
     "SizeMismatch",
     "check_complete",
     "check_slot_complete",
+    "inside_checkpoint",
     "is_complete",
     "load_metadata",
     "manifest_from_json_part",
@@ -56,6 +58,7 @@ __all__ = [
     "same_save",
     "size_mismatch",
     "size_mismatches",
+    "stock_extents",
 ]
 
 logger = logging.getLogger(__name__)
@@ -131,9 +134,29 @@ def check_complete(path: str | os.PathLike) -> Completeness:
         return Completeness(False, str(e), None, mtime)
     except OSError as e:
         return _unreadable(e, mtime)
-    if manifest is None or not same_save(manifest, metadata):
-        return Completeness(True, "", None, mtime)  # stock DCP (or stock DCP committed over us)
+    if manifest is None or not same_save(manifest, metadata):  # stock DCP (or stock DCP committed over us)
+        try:
+            short = _short_stock_file(path, metadata)
+        except OSError as e:
+            return _unreadable(e, mtime)
+        return Completeness(not short, short, None, mtime)
     return _with_sizes(path, manifest, mtime, data)
+
+
+def _short_stock_file(path: Path, metadata: Metadata) -> str:
+    """The first data file of a stock checkpoint that is missing or ends before its records do ("" when none).
+
+    Raises:
+        OSError: a ``stat`` failed for another reason than a missing file.
+    """
+    for rel, need in sorted(stock_extents(metadata).items()):
+        try:
+            size = (path / rel).stat().st_size
+        except FileNotFoundError:
+            return f"{rel}: data file is missing"
+        if size < need:
+            return f"{rel}: {size} bytes on disk, its records in {METADATA_NAME} end at {need} (truncated)"
+    return ""
 
 
 def check_slot_complete(path: str | os.PathLike) -> Completeness:
@@ -342,6 +365,25 @@ def read_metadata_bytes(path: Path) -> bytes:
         raise as_storage_error(e, "cannot read", md_path) from e
 
 
+def inside_checkpoint(relative_path: str) -> bool:
+    """Whether a data file name a ``.metadata`` records stays inside its checkpoint directory (relative, no
+    ``..``): every reader, ``verify`` and ``ls`` included, refuses one that does not."""
+    p = PurePosixPath(relative_path)
+    return bool(p.parts) and not p.is_absolute() and ".." not in p.parts
+
+
+def stock_extents(metadata: Metadata) -> dict[str, int]:
+    """Each data file a stock ``.metadata``'s records name, and the size it needs to hold them (the end of its last
+    record): a stock checkpoint is complete only when every such file is that long."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    need: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        if isinstance(info, _StorageInfo):
+            need[info.relative_path] = max(need.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    return need
+
+
 def parse_metadata(data: bytes, where: object) -> Metadata:
     """``.metadata``'s bytes as DCP ``Metadata``, through the restricted unpickler (``where`` names it in errors).
 
@@ -394,10 +436,14 @@ def _malformed(md: Metadata) -> str:
                                                                       for k in storage)):
         return "storage_data is not a map of MetadataIndex"
     for index, info in (storage or {}).items():
-        if isinstance(info, _StorageInfo) and not (isinstance(_field(info, "relative_path"), str)
-                                                   and isinstance(_field(info, "offset"), int)
-                                                   and isinstance(_field(info, "length"), int)):
+        if not isinstance(info, _StorageInfo):
+            continue
+        rel = _field(info, "relative_path")
+        if not (isinstance(rel, str) and isinstance(_field(info, "offset"), int)
+                and isinstance(_field(info, "length"), int)):
             return f"the storage record of {_field(index, 'fqn')!r} is not a whole _StorageInfo"
+        if not inside_checkpoint(rel):
+            return f"the storage record of {_field(index, 'fqn')!r} names {rel!r}, outside the checkpoint directory"
     for fqn, entry in entries.items():
         if isinstance(entry, TensorStorageMetadata):  # sizes and offsets: any sequence (torch.Size, tuples of some
             chunks = _field(entry, "chunks")  # writers' chunks, Megatron-FSDP's uneven DTensors), as DCP takes them

@@ -58,6 +58,7 @@ from torch.futures import Future
 from cpuckpt.backend import s3commit
 from cpuckpt.backend.committed import (
     METADATA_NAME,
+    inside_checkpoint,
     metadata_damage,
     parse_metadata,
     read_manifest,
@@ -438,10 +439,9 @@ def _check_plain(root: Path, sinfo: Any) -> None:
 
 
 def _safe_relpath(root: Path, rel: str) -> str:
-    p = PurePosixPath(rel)
-    if p.is_absolute() or ".." in p.parts or not p.parts:
+    if not inside_checkpoint(rel):
         raise CheckpointCorrupt(f"{root}/.metadata: refusing data path {rel!r} outside the checkpoint directory")
-    return str(p)
+    return str(PurePosixPath(rel))
 
 
 def _tensor_need(ri: ReadItem | None, data_lo: int, dtype: torch.dtype, shape: tuple[int, ...],

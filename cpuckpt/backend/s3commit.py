@@ -37,6 +37,7 @@ from cpuckpt.backend.committed import (
     metadata_damage,
     parse_metadata,
     same_save,
+    stock_extents,
 )
 from cpuckpt.errors import IntegrityError, StorageIOError
 from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json, part_name
@@ -262,8 +263,9 @@ def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
         manifest = read_manifest(store, url)
     except IntegrityError as e:  # gone since the HEAD, refused or unparsable: damage, not a read error
         return Completeness(False, str(e), None, info.mtime)
-    if manifest is None or not same_save(manifest, metadata):
-        return Completeness(True, "", None, info.mtime)
+    if manifest is None or not same_save(manifest, metadata):  # stock DCP: its records' objects, long enough
+        short = _short_stock_object(store, url, metadata)
+        return Completeness(not short, short, None, info.mtime)
     damage = metadata_damage(manifest, data)
     if damage:
         return Completeness(False, damage, manifest.step, info.mtime)
@@ -271,6 +273,17 @@ def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
     if problems:
         return Completeness(False, problems[0], manifest.step, info.mtime)
     return Completeness(True, "", manifest.step, info.mtime)
+
+
+def _short_stock_object(store: ObjectStore, url: S3Url, metadata: Metadata) -> str:
+    """The first data object of a stock checkpoint that is missing or ends before its records do ("" when none)."""
+    for rel, need in sorted(stock_extents(metadata).items()):
+        found = store.head(url / rel)
+        if found is None:
+            return f"{rel}: data object is missing"
+        if found.nbytes < need:
+            return f"{rel}: {found.nbytes} bytes in the store, its records in {METADATA_NAME} end at {need} (truncated)"
+    return ""
 
 
 def manifest_save_id(store: ObjectStore, url: S3Url) -> str | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from cpuckpt import s3roots
 from cpuckpt.backend import s3commit
 from cpuckpt.backend.committed import METADATA_NAME, is_complete, load_metadata, read_manifest, same_save
 from cpuckpt.config import resolve_config
@@ -206,7 +207,8 @@ def _scan_s3(root: S3Url, *, verify: bool) -> list[ListedCheckpoint]:
     verifies."""
     store = open_store(resolve_config(None).s3, threads=4)
     found = []
-    for c in list_checkpoints(root):
+    own = s3roots.inspect_prefix(root)  # ROOT a checkpoint itself, as a local directory may be
+    for c in [own] if own is not None else list_checkpoints(root):
         url: S3Url = c.path  # type: ignore[assignment]
         objects = list(store.list(S3Url(url.bucket, f"{url.key}/")))
         kind = "cpuckpt" if any(o.key.endswith(f"/{MANIFEST_NAME}") for o in objects) else "dcp"

@@ -7,7 +7,9 @@ outcomes to exit codes:
 
 - 0: success (``verify``: every byte checked and sound);
 - 1: ``verify`` found damage;
-- 2: the command could not run (not a checkpoint, incomplete, bad arguments, missing source tree).
+- 2: the command could not run (not a checkpoint, incomplete, bad arguments, missing source tree);
+- 3: ``verify`` found no damage, but some contents could not be checked (files saved with
+  ``integrity.checksum: none``): not "every byte checked".
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _EXIT_DAMAGED = 1
 _EXIT_ERROR = 2
+_EXIT_UNVERIFIED = 3
 
 
 def _human_bytes(n: int) -> str:
@@ -238,7 +241,8 @@ def verify_cmd(path: Any) -> None:
 
     cpuckpt checkpoints: every chunk's crc32c against the manifest, file sizes, record bounds.
     Stock DCP checkpoints: every record's zip CRCs, and every tensor record must load. Exit code 1
-    names each damaged file and byte range; 2 means the checkpoint could not be checked at all.
+    names each damaged file and byte range; 2 means the checkpoint could not be checked at all; 3 that
+    nothing was found damaged but some contents had nothing to be checked against (saved without checksums).
     """
     from tqdm import tqdm
 
@@ -266,6 +270,10 @@ def verify_cmd(path: Any) -> None:
     for damage in report.damage:
         click.echo(f"DAMAGED {path / damage.file}: bytes [{damage.lo}, {damage.hi}): {damage.what}")
     what = "chunk(s)" if report.kind == "cpuckpt" else "record(s)"
+    if report.ok and report.unverified:
+        click.echo(f"UNVERIFIED {path}: no damage in {report.chunks} {what} ({report.nbytes} bytes) checked, but "
+                   f"{len(report.unverified)} file(s) or record(s) carry nothing to check their contents against")
+        sys.exit(_EXIT_UNVERIFIED)
     if report.ok:
         click.echo(f"OK {path}: {report.files} file(s), {report.chunks} {what}, {report.nbytes} bytes verified")
         return

@@ -66,6 +66,7 @@ class VerifyReport:
     nbytes: int = 0  # bytes read
     damage: list[Damage] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)  # files or records whose contents could not be checked
 
     @property
     def ok(self) -> bool:
@@ -158,6 +159,7 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
                                         "(truncated or overwritten)"))
         if entry.checksum != "crc32c" or not entry.chunk_checksums:
             report.notes.append(f"{name}: written with checksum {entry.checksum!r}; contents not verifiable")
+            report.unverified.append(name)
             continue
         cb = entry.chunk_bytes
         for c, stored in enumerate(entry.chunk_checksums):
@@ -214,6 +216,7 @@ def _verify_stock(p: Path | S3Url, files: _Files | _Objects, md: object,
             continue
         if problem.startswith("note:"):
             report.notes.append(f"{rel} [{lo}, {hi}) ({idx.fqn}): {problem[5:].strip()}")
+            report.unverified.append(f"{rel} [{lo}, {hi})")
         else:
             report.damage.append(Damage(rel, lo, hi, f"record of {idx.fqn}: {problem}"))
     return report

@@ -632,3 +632,80 @@ def test_clean_argument_errors(tmp_path):
     assert code == 2 and "--min-age" in out, out
     code, out = _run("--help")
     assert code == 0 and "clean" in out
+
+
+# ------------------------------------------------------------------------------- stock data files, paths
+
+
+def _stock_save(path: Path, value: float) -> Path:
+    dcp.save({"w": torch.full((1000,), value), "n": 7}, storage_writer=dcp.FileSystemWriter(str(path)))
+    return path
+
+
+def test_a_stock_checkpoint_whose_data_file_is_gone_or_short_is_incomplete(tmp_path):
+    """A stock DCP checkpoint was "complete" with its data file deleted or truncated (only ``.metadata`` was
+    looked at): ``ls`` and ``find_latest`` named it the latest, and the load then failed."""
+    root = tmp_path / "root"
+    good = _stock_save(root / "a", 1.0)
+    for name, damage in (("gone", lambda f: f.unlink()), ("short", lambda f: os.truncate(f, f.stat().st_size - 1))):
+        bad = _stock_save(root / name, 2.0)
+        (data,) = bad.glob("*.distcp")
+        os.utime(bad / ".metadata", (time.time() + 60, time.time() + 60))  # committed after `good`
+        assert cpuckpt.find_latest(root) == bad
+        damage(data)
+        assert cpuckpt.find_latest(root) == good, name
+        code, out = _run("ls", root)
+        row = next(line for line in out.splitlines() if line.startswith(name))
+        assert code == 0 and "incomplete" in row and "<- latest" not in row, out
+        shutil.rmtree(bad)
+
+
+def _metadata_naming(src: Path, dest: Path, relative_path: str) -> None:
+    """``dest``: a copy of the stock checkpoint ``src`` whose ``.metadata`` names ``relative_path`` for its data
+    (pickled here, by the test, from torch's own classes)."""
+    import pickle
+
+    shutil.copytree(src, dest)
+    md = pickle.loads((src / ".metadata").read_bytes())  # the test's own checkpoint: trusted
+    for info in md.storage_data.values():
+        info.relative_path = relative_path
+    (dest / ".metadata").write_bytes(pickle.dumps(md))
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_verify_ls_and_inspect_refuse_a_data_path_outside_the_checkpoint(tmp_path, where):
+    """A ``.metadata`` naming ``../outside/x.distcp`` (or an absolute path) was read by ``verify`` ("OK") and
+    ``inspect``, and ``ls`` called it complete and latest, where ``cpuckpt.load`` refuses it."""
+    src = _stock_save(tmp_path / "src", 1.0)
+    (data,) = src.glob("*.distcp")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(data, outside / "x.distcp")  # a file the checkpoint must never read
+    root = tmp_path / "root"
+    root.mkdir()
+    rel = "../../outside/x.distcp" if where == "relative" else str(outside / "x.distcp")
+    _metadata_naming(src, root / "step_1", rel)
+    code, out = _run("verify", root / "step_1")
+    assert code == 2 and "outside the checkpoint directory" in out, out
+    code, out = _run("ls", root)
+    assert code == 0 and "incomplete" in out and "<- latest" not in out, out
+    assert cpuckpt.find_latest(root) is None
+    code, out = _run("inspect", root / "step_1")
+    files = out.split("files:")[1].split("tensors:")[0]  # what it lists as the checkpoint's files
+    assert "outside" not in files and "outside the checkpoint directory" in out, out
+    with pytest.raises(cpuckpt.CpuckptError, match="outside the checkpoint directory"):
+        cpuckpt.load({"w": torch.zeros(1000), "n": 0}, root / "step_1")
+
+
+def test_verify_of_a_checkpoint_saved_without_checksums_is_not_ok(tmp_path):
+    """``verify`` printed "OK ... 0 bytes verified" and exited 0 ("every byte checked and sound") for files
+    saved with ``integrity.checksum: none``, whose bytes it could not check."""
+    path = tmp_path / "ck"
+    cpuckpt.save({"w": torch.arange(1000.0)}, path, {"integrity": {"checksum": "none"}})
+    code, out = _run("verify", path)
+    assert code == 3 and out.splitlines()[-1].startswith(f"UNVERIFIED {path}"), out
+    assert "contents not verifiable" in out, out
+    (data,) = path.glob("*.distcp")
+    os.truncate(data, 10)  # what can be checked still is: damage is exit 1
+    code, out = _run("verify", path)
+    assert code == 1 and "truncated" in out, out

@@ -57,6 +57,10 @@ def test_ls_verify_clean_on_s3(s3_server, s3_env, s3_url):
     code, out = _run("ls", "--verify", root)
     assert code == 1 and "damaged" in out and "step_1" in out.split("<- latest")[0].splitlines()[-1], out
 
+    code, out = _run("ls", f"{root}/step_1")  # a checkpoint prefix as ROOT: itself, as a local directory
+    assert code == 0 and f"{root}/step_1" in out and "complete" in out and "<- latest" in out, out
+    assert "step_2" not in out, out
+
     code, out = _run("clean", "--min-age", "0", root)
     assert code == 0 and f"removed {root}/step_3" in out, out
     code, out = _run("ls", root)
