@@ -8,9 +8,15 @@ checksums verified) into a state dict that holds only that batch, and each tenso
 ``pwrite``-n to their place. Peak memory is about one batch (or the largest tensor, if larger) plus
 the reader's pool (``io.read_threads`` x ``io.chunk_bytes``).
 
+Atomic: each output file is written under a temporary name beside it (``<name>.tmp-<pid>``), fsynced, and
+renamed to its name only once complete; sharded, the shards are renamed once every one is complete, and the
+index is written last. A failed or interrupted convert thus leaves no output (and no temporary file), and an
+existing output is replaced only by a complete one.
+
 Non-tensor items are read from their records with ``torch.load(weights_only=True)`` (never arbitrary
 pickles). With safetensors they go into the header's ``__metadata__`` as JSON; values that are not
-JSON-able, or that ``weights_only`` refuses, are skipped and listed in the report.
+JSON-able, or that ``weights_only`` refuses, are skipped and listed in the report; an item named ``format``
+is refused (it would replace the header's ``"format": "pt"``, which loaders such as transformers check).
 
 Object storage: ``src`` may be an ``s3://`` checkpoint (read by ranged GETs, as :func:`cpuckpt.load` reads it),
 and ``out`` an ``s3://`` object (or, sharded, a prefix). An object cannot be written at offsets, and a ``torch.save``
@@ -36,6 +42,7 @@ import struct
 import tempfile
 import zipfile
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -51,6 +58,7 @@ from cpuckpt.errors import StorageIOError
 from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.zipheader import entry_data_offset
 from cpuckpt.paths import S3Url, checkpoint_path
+from cpuckpt.transfer.files import fsync_dir
 from cpuckpt.transfer.objstore import ObjectStore, open_store, upload_file
 
 __all__ = ["ExportReport", "export_checkpoint"]
@@ -106,7 +114,8 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike, *, fmt: st
         An :class:`ExportReport`.
 
     Raises:
-        ValueError: unknown ``fmt``, or a dtype the format cannot store.
+        ValueError: unknown ``fmt``, a dtype the format cannot store, or (safetensors) a non-tensor item named
+            ``format`` or a tensor named ``__metadata__``.
         IntegrityError / CheckpointCorrupt: the source is incomplete or damaged.
         FileExistsError: the output exists (a file, or a non-empty directory when sharded) and not ``overwrite``.
         IsADirectoryError / NotADirectoryError: the output is a directory where a file goes, or the reverse.
@@ -155,51 +164,121 @@ def _export(src: str | S3Url, out_path: Path, fmt: str, max_shard_bytes: int | N
             tensors.append(_Tensor(name, item.properties.dtype, shape, tensor_nbytes(item.properties.dtype, shape)))
         elif isinstance(item, BytesStorageMetadata):
             _read_extra(src_path, md, name, fmt, extras, report, store)
+    if fmt == "safetensors":
+        _check_safetensors_names(tensors, report.metadata)
     shards = _shard(tensors, max_shard_bytes)
+    created = False
+    index: Path | None = None
     if max_shard_bytes is None:
         targets = [out_path]
     else:
+        created = not out_path.exists()
         out_path.mkdir(exist_ok=True)
         stem, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
         n = len(shards)
         targets = [out_path / f"{stem}.{ext}"] if n == 1 else \
             [out_path / f"{stem}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)]
+        index = out_path / f"{stem}.{ext}.index.json"
     weight_map: dict[str, str] = {}
-    for k, (shard, target) in enumerate(zip(shards, targets)):
-        shard_extras = extras if k == 0 or fmt == "safetensors" else {}
-        if fmt == "safetensors":
-            offsets = _write_safetensors_header(target, shard, report.metadata)
-        else:
-            offsets = _write_torch_skeleton(target, shard, shard_extras)
-        _fill(src_path, target, shard, offsets, memory_budget_bytes, config, progress)
-        size = target.stat().st_size
-        if upload_to is not None:
-            assert store is not None
-            dest = upload_to / target.name if max_shard_bytes is not None else upload_to
-            _upload(store, target, dest, config)
-            target.unlink()
-            report.files.append(dest)
-        else:
-            report.files.append(target)
-        report.sizes.append(size)
-        for t in shard:
-            weight_map[t.name] = target.name
-    report.tensors = len(tensors)
-    report.nbytes = sum(t.nbytes for t in tensors)
-    if len(targets) > 1:
-        index = out_path / ("model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json")
-        meta: dict[str, Any] = {"total_size": report.nbytes}
-        if fmt == "safetensors" and report.metadata:
-            meta["cpuckpt_extras"] = report.metadata
-        text = json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
-        if upload_to is not None:
+    done: list[tuple[Path, Path]] = []  # (temporary, final name) of complete local files, published at the end
+    try:
+        for k, (shard, target) in enumerate(zip(shards, targets)):
+            shard_extras = extras if k == 0 or fmt == "safetensors" else {}
+            tmp = _write_file(src_path, target, shard, fmt, shard_extras, report.metadata, memory_budget_bytes,
+                              config, progress)
+            size = tmp.stat().st_size
+            if upload_to is not None:
+                assert store is not None
+                dest = upload_to / target.name if max_shard_bytes is not None else upload_to
+                try:
+                    _upload(store, tmp, dest, config)
+                finally:
+                    tmp.unlink()
+                report.files.append(dest)
+            else:
+                done.append((tmp, target))
+                report.files.append(target)
+            report.sizes.append(size)
+            for t in shard:
+                weight_map[t.name] = target.name
+        report.tensors = len(tensors)
+        report.nbytes = sum(t.nbytes for t in tensors)
+        text: str | None = None  # the index, only for several shards
+        if len(targets) > 1:
+            meta: dict[str, Any] = {"total_size": report.nbytes}
+            if fmt == "safetensors" and report.metadata:
+                meta["cpuckpt_extras"] = report.metadata
+            text = json.dumps({"metadata": meta, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n"
+        if upload_to is None:
+            _publish(done, index, text)
+            report.index = index if text is not None else None
+        elif text is not None and index is not None:
             assert store is not None
             report.index = upload_to / index.name
             store.put(report.index, text.encode())
-        else:
-            index.write_text(text)
-            report.index = index
+    except BaseException:  # Ctrl-C too: no partial file may stay behind
+        for tmp, _ in done:
+            tmp.unlink(missing_ok=True)
+        if created:
+            with suppress(OSError):  # not empty: a failure after some files were published
+                out_path.rmdir()
+        raise
     return report
+
+
+def _temporary(target: Path) -> Path:
+    """Where ``target`` is written until complete: beside it (same filesystem, so the rename is atomic)."""
+    return target.with_name(f"{target.name}.tmp-{os.getpid()}")
+
+
+def _write_file(src: Path | S3Url, target: Path, shard: list[_Tensor], fmt: str, extras: dict[str, Any],
+                metadata: dict[str, str], budget: int, config: Any, progress: Callable[[int], None] | None) -> Path:
+    """Write one complete, fsynced output file under :func:`_temporary` ``(target)`` and return that path.
+
+    Nothing is written at ``target`` itself: the header is written before the data, so a failure midway (a
+    checksum mismatch, Ctrl-C, a full disk) would leave a loadable file of zeros there. The partial file is
+    removed on any failure.
+    """
+    tmp = _temporary(target)
+    try:
+        if fmt == "safetensors":
+            offsets = _write_safetensors_header(tmp, shard, metadata)
+        else:
+            offsets = _write_torch_skeleton(tmp, shard, extras)
+        _fill(src, tmp, shard, offsets, budget, config, progress)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _publish(done: list[tuple[Path, Path]], index: Path | None, index_text: str | None) -> None:
+    """Rename every complete file to its name, then write the index (if any) the same way.
+
+    Order matters: an index must never name a shard that is not complete, so a previous output's index goes
+    first (it may name shards about to be replaced) and the new one comes after the shards' renames are durable.
+    """
+    if not done:
+        return
+    directory = done[0][1].parent
+    if index is not None and index.exists():
+        index.unlink()
+        fsync_dir(directory)
+    for tmp, target in done:
+        os.replace(tmp, target)
+    fsync_dir(directory)
+    if index is not None and index_text is not None:
+        tmp = _temporary(index)
+        try:
+            with open(tmp, "w") as f:
+                f.write(index_text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, index)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(directory)
 
 
 def _upload(store: ObjectStore, path: Path, url: S3Url, config: Any) -> None:
@@ -330,6 +409,21 @@ def _safetensors_dtypes() -> dict[torch.dtype, str]:
                 torch.bool: "BOOL"}
 
 
+def _check_safetensors_names(tensors: list[_Tensor], metadata: dict[str, str]) -> None:
+    """Refuse names that would overwrite the header's own keys, before anything is written.
+
+    The kept items are read back under their own names (``safe_open(...).metadata()[name]``), so a clash is
+    refused rather than renamed.
+    """
+    if "format" in metadata:
+        raise ValueError("non-tensor item 'format': it would replace the safetensors metadata's \"format\": \"pt\" "
+                         "(which loaders such as transformers check); rename the item in the state dict, or use "
+                         "--to torch")
+    if any(t.name == "__metadata__" for t in tensors):
+        raise ValueError("tensor '__metadata__': the name is the safetensors header's metadata key; rename it in "
+                         "the state dict, or use --to torch")
+
+
 def _write_safetensors_header(target: Path, shard: list[_Tensor], metadata: dict[str, str]) -> dict[str, int]:
     """Write the header, size the file; return each tensor's absolute data offset."""
     names = _safetensors_dtypes()
@@ -403,15 +497,14 @@ _ALIGN = 64  # arena offsets: a multiple of every element size
 
 def _fill(src: Path | S3Url, target: Path, shard: list[_Tensor], offsets: dict[str, int], budget: int,
           config: Any, progress: Callable[[int], None] | None) -> None:
-    """Load the shard's tensors batch by batch into one reused arena; pwrite each tensor's bytes to its offset.
+    """Load the shard's tensors batch by batch into one reused arena; pwrite each tensor's bytes to its offset;
+    fsync.
 
     One arena for every batch (not fresh tensors per batch) keeps the allocator from holding on to
     freed batches: peak memory is the arena, whatever malloc does with large blocks.
     """
     batches = _batches(shard, budget)
-    if not batches:
-        return
-    arena_nbytes = max(off + -(-t.nbytes // _ALIGN) * _ALIGN for b in batches for t, off in b)
+    arena_nbytes = max((off + -(-t.nbytes // _ALIGN) * _ALIGN for b in batches for t, off in b), default=0)
     arena = torch.empty(max(arena_nbytes, 1), dtype=torch.uint8)
     fd = os.open(target, os.O_WRONLY)
     try:
@@ -425,5 +518,6 @@ def _fill(src: Path | S3Url, target: Path, shard: list[_Tensor], offsets: dict[s
                     done += os.pwrite(fd, view[done:], offsets[t.name] + done)
             if progress is not None:
                 progress(sum(t.nbytes for t, _ in batch))
+        os.fsync(fd)  # durable before it is renamed to its name
     finally:
         os.close(fd)
