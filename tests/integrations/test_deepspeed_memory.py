@@ -20,10 +20,10 @@ What is proven (real DeepSpeed ZeRO-2 engines, real writer processes, real files
 - rank 1's writer cannot write (ENOSPC): the tag is never committed durably (no marker, no ``latest``), the
   next ``save_checkpoint`` raises ``PersistError`` on every rank, and so does ``engine.destroy()`` (its
   persist of the newest fails again), promptly, not after ``timeout_s``;
-- a memory save every iteration, its memory commits slowed: with ``memory.max_uncommitted: 1`` the step after a
-  save waits for its commit, so at the trainer's log of N the newest complete tag (a whole-job kill's restart) is
-  N - 1, and it loads bit-exact; without it, two behind (the commit is waited for only at the next save), unless the
-  iteration's work outlasts the commit;
+- a memory save every iteration, its memory commits slowed or held: with ``memory.max_uncommitted: 1`` the step after
+  a save waits for its commit, so at the trainer's log of N the newest complete tag (a whole-job kill's restart) is
+  N - 1, and it loads bit-exact; without it, two behind (the commit, held until every rank has logged, is waited for
+  only at the next save), unless the iteration's work outlasts the commit (it ends in the background);
 - ranks with separate RAM roots (two nodes) work (tests/dist/test_multinode_deepspeed.py: two torchrun launches,
   a lost node restored from a partner's replica); what a node's leader cannot copy itself, ZeRO's
   ``elastic_checkpoint`` (every rank reads every rank's optimizer file), is refused across nodes with the same
@@ -301,12 +301,17 @@ def rank_two_nodes(root: str) -> tuple[str, str]:
     return "", ""
 
 
-def rank_newest_at_each_log(root: str, max_uncommitted: int, work_s: float) -> dict:
-    """A DeepSpeed loop with a memory save every iteration, its memory commits slowed (0.8 s): the step (whose start
-    requests the commit of the previous save: DeepSpeed's decoupled commit, ours in the background), the iteration's
-    other work, the log, then the save. The newest complete tag at each log is what a whole-job kill right after that
-    log restarts from (``load_latest``'s choice); at the last log it is loaded by a fresh engine. Each rank reads its
-    own: a commit may end between two ranks' reads."""
+def rank_newest_at_each_log(root: str, max_uncommitted: int, work: str) -> dict:
+    """A DeepSpeed loop with a memory save every iteration, its memory commits (rank 0's rename of the slot's marker)
+    slowed or held: the step (whose start requests the commit of the previous save: DeepSpeed's decoupled commit, ours
+    in the background), the iteration's other work, the log, then the save. The newest complete tag at each log is what
+    a whole-job kill right after that log restarts from (``load_latest``'s choice); at the last log it is loaded by a
+    fresh engine. Each rank reads its own.
+
+    ``max_uncommitted: 1``: each commit is slowed by 0.8 s (the step waits for it; no release could come). Otherwise
+    it is held, with no time window: ``work="none"``, until every rank has read the log; ``work="commit"``, until every
+    rank has begun the iteration's work, which lasts until this rank sees the commit (30 s at most: a commit that does
+    not end in the background leaves the log two behind)."""
     h = _ds()
     h._setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
@@ -316,20 +321,42 @@ def rank_newest_at_each_log(root: str, max_uncommitted: int, work_s: float) -> d
 
     rank = dist.get_rank()
     save_dir = Path(root) / "ckpt"
+    Path(root).mkdir(parents=True, exist_ok=True)
     ckpt_ds.install(_settings(str(Path(root) / "ram"), slots=3, persist_every=0, max_uncommitted=max_uncommitted))
     engine = h._engine(2, seed=0)
     memory = None
-    faults.install("before-rename:.cpuckpt-complete.json=sleep:0.8")  # the slot's marker: its memory commit
+    marker_rename = "before-rename:.cpuckpt-complete.json"  # the slot's marker: its memory commit
+
+    def newest() -> int | None:
+        found = memory.candidates() if memory is not None else []
+        return found[0].global_step if found else None
+
+    def mark(what: str, it: int) -> None:  # this rank is past a point of iteration ``it``: releases a held commit
+        (Path(root) / f"{what}{it}_rank{rank}").touch()
+
     at_log: dict[int, int | None] = {}
     for it in range(1, 5):
+        # no commit is in flight here (the save before waited for the previous one): the hold set now is that of the
+        # commit this step requests, of the save of iteration it - 1
+        if max_uncommitted == 1:
+            faults.install(f"{marker_rename}=sleep:0.8")  # waited for by the step: no release to wait for
+        else:
+            released_by = "logged" if work == "none" else "working"
+            faults.install(";".join(f"{marker_rename}=wait:{Path(root) / f'{released_by}{it}_rank{r}'}"
+                                    for r in range(dist.get_world_size())))
         h._step(engine, it)
-        time.sleep(work_s)
+        mark("working", it)
+        if work == "commit" and it > 1:  # the work outlasts the commit: it ends once the commit is seen
+            deadline = time.monotonic() + 30
+            while newest() != it - 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
         dist.barrier()  # the log line; rank 0's commit is visible to every rank after it
         memory = memory or engine.checkpoint_engine.memory_for(str(save_dir))
-        newest = memory.candidates() if memory is not None else []
-        at_log[it] = newest[0].global_step if newest else None
+        at_log[it] = newest()
+        mark("logged", it)
         _save_state(h, engine, root, rank)
         engine.save_checkpoint(str(save_dir))
+    faults.install(f"{marker_rename}=sleep:0.8" if max_uncommitted == 1 else "")
     ckpt_ds.commit_pending(engine)
     faults.uninstall()
     out = {"log": at_log}
@@ -345,9 +372,9 @@ def rank_newest_at_each_log(root: str, max_uncommitted: int, work_s: float) -> d
 
 def rank_newest_three_ways(root: str) -> list[dict]:
     """``memory.max_uncommitted: 1``; the default, with no other work in the iteration; the default, with work that
-    outlasts the slowed commit (2 s against 0.8); in one launch of the ranks."""
-    return [rank_newest_at_each_log(str(Path(root) / name), k, work_s)
-            for name, k, work_s in (("u1", 1, 0.0), ("default", 0, 0.0), ("worked", 0, 2.0))]
+    outlasts the held commit; in one launch of the ranks."""
+    return [rank_newest_at_each_log(str(Path(root) / name), k, work)
+            for name, k, work in (("u1", 1, "none"), ("default", 0, "none"), ("worked", 0, "commit"))]
 
 
 # ----------------------------------------------------------------------------------- test side
@@ -439,10 +466,13 @@ def test_elastic_checkpoints_across_nodes_are_refused_on_every_rank(run_ranks, t
 @pytest.mark.timeout(300)
 def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_1(run_ranks, tmp_path):
     one_behind = {it: it - 1 if it > 1 else None for it in range(1, 5)}
+    two_behind = {it: it - 2 if it > 2 else None for it in range(1, 5)}
     for u1, default, worked in run_ranks(2, rank_newest_three_ways, str(tmp_path), timeout_s=240):
         # the step after a save waits for its commit: the newest tag at the log of N is N - 1, and it loads bit-exact
         assert u1["log"] == one_behind and u1["loaded"] == "global_step3", u1
-        # the control: without it the commit of N - 1 is waited for only at the save of N, after the log: two behind
-        assert all(n is None or n <= it - 2 for it, n in default["log"].items()) and default["log"][4] == 2, default
-        # the default where the iteration's work outlasts the commit: one iteration lost there too
-        assert worked["log"] == one_behind, worked
+        # the control: without it the commit of N - 1 (held until every rank has read the log of N) is waited for
+        # only at the save of N: two behind; a step that waited for it would never end
+        assert default["log"] == two_behind and default["loaded"] == "global_step2", default
+        # the default where the iteration's work outlasts the commit (held until the work begins; the work ends once
+        # the commit is seen, 30 s at most): the commit ends in the background, one iteration lost there too
+        assert worked["log"] == one_behind and worked["loaded"] == "global_step3", worked

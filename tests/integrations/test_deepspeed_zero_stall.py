@@ -10,12 +10,12 @@ proves, end to end:
   save-step values bit-exact;
 - simulated device copies: every job gets a fence whose ``order`` is a host wait for its staging
   (what ``cudaStreamWaitEvent`` does on the GPU, done on the host), and every chunk's host copy is
-  delayed by 0.4 s. ``save()`` then returns before any byte is copied (the file still being laid out, or
-  its copies enqueued), the next forward writes the
-  BatchNorm buffers and the next step updates everything while copies are pending, and the files
-  still hold the save-step values bit-exact: the buffers were cloned at save time, and the hook
-  ordered the fences before the optimizer's first write (the recorded events show the order). A
-  ``load`` while copies are pending returns only once they are done;
+  held until a fence is ordered (no time window: a copy goes on unordered only after ``HOLD_LIMIT_S``).
+  ``save_checkpoint`` then returns while no byte is copied (the file still being laid out, or its copies
+  enqueued), the next forward writes the BatchNorm buffers and the next step updates everything while
+  copies are pending, and the files still hold the save-step values bit-exact: the buffers were cloned at
+  save time, and the hook ordered the fences before the optimizer's first write (the recorded events show
+  the order). A ``load`` while copies are pending returns only once they are done;
 - ``prepare_pool``: no pool before the first optimizer step; after it, a pool at least as large as
   the rank's checkpoint files; the first save uses that very pool (not replaced, not grown).
 
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 import sys
-import time
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -48,7 +48,7 @@ pytest.importorskip("deepspeed")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the ranks load this file by path, too
 from test_deepspeed import _tensors
 
-DELAY_S = 0.4
+HOLD_LIMIT_S = 60.0  # a held chunk copy goes on unordered after this long: a save() that waited for one took as long
 
 
 # ----------------------------------------------------------------------------------- rank side
@@ -127,14 +127,17 @@ def _compare_files(tag_dir: Path, rank: int, saved: dict) -> list[str]:
 
 
 class _HostFence:
-    """Stands in for a ``CopyFence`` on CPU: ``order`` is a host wait for the job's staging."""
+    """Stands in for a ``CopyFence`` on CPU: ``order`` lets the held copies go on (``release``) and is a host wait
+    for the job's staging."""
 
-    def __init__(self, job, events: list[str]) -> None:
+    def __init__(self, job, events: list[str], release) -> None:
         self.job = job
         self.events = events
+        self.release = release
 
     def order(self, stream=None) -> None:
         self.events.append("fence.order")
+        self.release()
         self.job.wait_staged()
 
 
@@ -174,8 +177,9 @@ def rank_zero_stall(root: str) -> dict:
                          if p.name.endswith(f"pp_rank_{rank}_mp_rank_00_optim_states.pt")
                          or (rank == 0 and p.name == "mp_rank_00_model_states.pt"))
 
-    # -- B: simulated device copies (fenced, delayed) ---------------------------------------------
+    # -- B: simulated device copies (fenced, held until ordered) -----------------------------------
     events: list[str] = []
+    gate = [threading.Event()]  # the current phase's: every chunk's host copy waits for it
     original_start, original_fill = save_job.SaveJob.start, save_job.fill_chunk
     opt = engine.optimizer
     original_step = opt.step
@@ -183,10 +187,10 @@ def rank_zero_stall(root: str) -> dict:
     def start(self) -> None:
         original_start(self)
         if self.fence is None:
-            self.fence = _HostFence(self, events)
+            self.fence = _HostFence(self, events, lambda: gate[0].set())
 
     def slow_fill(*args, **kwargs):
-        time.sleep(DELAY_S)
+        gate[0].wait(HOLD_LIMIT_S)
         return original_fill(*args, **kwargs)
 
     def optimizer_step(*args, **kwargs):
@@ -208,7 +212,8 @@ def rank_zero_stall(root: str) -> dict:
         out["b_events"] = list(events)
         out["b_mismatch"] = _compare_files(save_dir / "b", rank, saved)
 
-        # a load while copies are pending waits for them
+        # a load while copies are pending waits for them (held again: only the load's ordering lets them go on)
+        gate[0] = threading.Event()
         engine.save_checkpoint(str(save_dir), tag="c")
         pending = len(ck._staging) + len(ck._unordered)
         ck.load(str(next((save_dir / "b").glob(f"*_pp_rank_{rank}_mp_rank_00_optim_states.pt"))))
@@ -217,6 +222,7 @@ def rank_zero_stall(root: str) -> dict:
             and not ck._staging
         ckpt_ds.commit_pending(engine)
     finally:
+        gate[0].set()
         save_job.SaveJob.start, save_job.fill_chunk, opt.step = original_start, original_fill, original_step
     engine.destroy()
     ckpt_ds.uninstall()
@@ -245,7 +251,7 @@ def test_optimizer_ordering_real_path_keeps_the_save_step(zero_stall_run):
 def test_optimizer_ordering_with_pending_copies_keeps_the_save_step(zero_stall_run):
     for rank, r in enumerate(zero_stall_run):
         assert r["b_staged_at_return"] is False and r["b_pending"] >= 1, "save() waited for its copies"
-        assert r["b_save_s"] < DELAY_S, r["b_save_s"]
+        assert r["b_save_s"] < HOLD_LIMIT_S, r["b_save_s"]  # returned while its copies were held
         assert r["b_unchanged"] == [], r["b_unchanged"]
         assert r["b_mismatch"] == [], f"rank {rank}: the step raced the pending copies: {r['b_mismatch']}"
         ev = r["b_events"]

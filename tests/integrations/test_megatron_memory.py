@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,97 @@ def _wait_no_process_in(cwd: Path, timeout_s: float = 15.0) -> None:
         time.sleep(0.2)
 
 
+HOLD_LIMIT_S = 60.0  # a commit held by a test that is never released fails (loudly) after this long
+
+
+def _done_probe(call: Any) -> Any:
+    """The done probe of a memory save's call on a watched queue (whether this rank's save ended, committed or
+    failed): what the watchdog's finalize agrees on. Asking it finalizes nothing."""
+    from cpuckpt.integrations.megatron.guard import DONE_MARK
+
+    probes = [getattr(fn, DONE_MARK) for fn in call.async_request.finalize_fns if hasattr(fn, DONE_MARK)]
+    assert len(probes) == 1, call
+    return probes[0]
+
+
+def _wait_ended(calls: list[Any], what: str, timeout_s: float = HOLD_LIMIT_S) -> None:
+    """Wait until the saves of ``calls`` (queue calls of memory saves) ended on this rank, without finalizing any."""
+    probes = [_done_probe(call) for call in calls]
+    deadline = time.monotonic() + timeout_s
+    while not all(probe() for probe in probes):
+        assert time.monotonic() < deadline, f"{what} did not end within {timeout_s:.0f} s"
+        time.sleep(0.01)
+
+
+class _RaiseOnce:
+    """A :mod:`cpuckpt.faultpoint` handler: raises (as ``<stage>=raise`` does) the first time ``stage`` is reached
+    in this process, and sets :attr:`hit`; passes every other time."""
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+        self.hit = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self, stage: str) -> None:
+        if stage != self.stage:
+            return
+        with self._lock:
+            if self.hit.is_set():
+                return
+            self.hit.set()
+        raise RuntimeError(f"fault point: raise at {stage}")
+
+
+class _HeldCommits:
+    """A :mod:`cpuckpt.faultpoint` handler that holds the commit of each save at its ``.metadata`` rename (on the
+    coordinator: the n-th rename in this process is save n's where saves commit one at a time) until the test
+    :meth:`release` s it; one never released fails after :data:`HOLD_LIMIT_S`."""
+
+    STAGE = "before-rename:.metadata"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._renames = 0
+        self._released: dict[int, threading.Event] = {}
+        self._all = False
+
+    def _event(self, n: int) -> threading.Event:
+        with self._lock:
+            event = self._released.setdefault(n, threading.Event())
+            if self._all:
+                event.set()
+            return event
+
+    def __call__(self, stage: str) -> None:
+        if stage != self.STAGE:
+            return
+        with self._lock:
+            self._renames += 1
+            n = self._renames
+        if not self._event(n).wait(HOLD_LIMIT_S):
+            raise RuntimeError(f"test: the commit of save {n} was held {HOLD_LIMIT_S:.0f} s and never released (did "
+                               "the trainer wait for it where the test holds it?)")
+
+    def release(self, n: int, after_s: float = 0.0) -> None:
+        """Let the commit of save ``n`` go on (now, or ``after_s`` later from a timer thread); 0: no save."""
+        if n < 1:
+            return
+        event = self._event(n)
+        if after_s:
+            timer = threading.Timer(after_s, event.set)
+            timer.daemon = True
+            timer.start()
+        else:
+            event.set()
+
+    def release_all(self) -> None:
+        with self._lock:
+            self._all = True
+            events = list(self._released.values())
+        for event in events:
+            event.set()
+
+
 def test_memory_and_persistent_saves_then_sigkill_resume_from_memory(run_ranks, tmp_path):
     from cpuckpt import runfiles
 
@@ -310,8 +402,8 @@ def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int, ram: str
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from cpuckpt import faultpoint
     from cpuckpt.errors import CpuckptError
-    from cpuckpt.testing import faults
 
     _, _, device = _setup()
     root_p = Path(root)
@@ -328,13 +420,17 @@ def rank_memory_saves_finalized_in_the_trainer(root: str, fail_at: int, ram: str
         except CpuckptError as e:
             errors.append((it, type(e).__name__, str(e)))
         if it == fail_at:
-            faults.install("before-rename:.metadata=raise")
+            # the earlier saves (two may still be in flight) committed first: only this save's commit meets the fault
+            _wait_ended(list(queue.async_calls), f"the saves before {it}")
+            fault = _RaiseOnce("before-rename:.metadata")
+            previous = faultpoint.set_handler(fault)
         durable = it == 3 and not fail_at
         _megatron_save(strategy, queue, router, router.save_dir if durable else router.np_dir, it, device, order)
         workers.append(worker_spawned())
         if it == fail_at:
-            time.sleep(1.0)  # its commit has run (and failed) before the fault goes
-            faults.uninstall()
+            if dist.get_rank() == 0:  # the coordinator: its commit (the .metadata rename) raised before the fault goes
+                assert fault.hit.wait(HOLD_LIMIT_S), f"the commit of save {it} never reached its .metadata rename"
+            faultpoint.set_handler(previous)
         time.sleep(0.3)  # a training iteration
     try:
         finalized += queue.maybe_finalize_async_calls(blocking=True)
@@ -442,21 +538,27 @@ def test_memory_saves_are_finalized_in_the_trainer_without_a_worker(run_ranks, t
 
 
 def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_looks: bool = False,
-                              work_s: float = 0.0, log_interval: int | None = None) -> dict:
-    """Megatron-LM's loop with a memory save every iteration, its commits slowed (0.3 s): the non-blocking finalize
-    at the top of each iteration, the log, then the save. What D's tracker names at each log is what a whole-job
-    kill right after that log leaves for the restart (Megatron-LM loads the newer of the two trackers). With
-    ``log_looks`` the log is a ``training_log`` wrapped by the hook (:func:`.hook.finalize_before_log`, in a module
-    that stands for ``megatron.training.training``, whose ``train`` calls it by name), as Megatron-LM's is; then also
-    what the tracker named right after the top's finalize. ``work_s``: the iteration's work between the top and the
-    log; ``log_interval``: Megatron-LM's ``--log-interval`` as the look reads it (None: no arguments parsed)."""
+                              worked: bool = False, log_interval: int | None = None) -> dict:
+    """Megatron-LM's loop with a memory save every iteration: the non-blocking finalize at the top of each iteration,
+    the log, then the save. What D's tracker names at each log is what a whole-job kill right after that log leaves
+    for the restart (Megatron-LM loads the newer of the two trackers). With ``log_looks`` the log is a
+    ``training_log`` wrapped by the hook (:func:`.hook.finalize_before_log`, in a module that stands for
+    ``megatron.training.training``, whose ``train`` calls it by name), as Megatron-LM's is; then also what the tracker
+    named right after the top's finalize. ``log_interval``: Megatron-LM's ``--log-interval`` as the look reads it
+    (None: no arguments parsed).
+
+    The commit of the save of N (at most one save is in flight here: it commits before the save of N + 1 starts) is
+    held at its ``.metadata`` rename (:class:`_HeldCommits`): with no look, until 0.3 s after the top of N + 1 began
+    (which waits for it); with looks, through the top of N + 1, then until 0.3 s after a look that must wait for it
+    began (``max_uncommitted: 1``, a printed line), else through the log (it has not committed at the look), or, with
+    ``worked``, until the iteration's work, which outlasts it: released, and ended on this rank, before the log."""
     import types
 
     import torch.distributed as dist
     from cpuckpt.integrations.megatron.hook import finalize_before_log
     from megatron.core import dist_checkpointing
 
-    from cpuckpt.testing import faults
+    from cpuckpt import faultpoint
 
     _, _, device = _setup()
     root_p = Path(root)
@@ -471,19 +573,33 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_l
     if log_looks:
         assert finalize_before_log(training, queue_of=lambda: queue, log_interval_of=lambda: log_interval)
         assert training.training_log is not training_log
-    faults.install("before-rename:.metadata=sleep:0.3")
+    commits = _HeldCommits()
+    previous = faultpoint.set_handler(commits)
     at_log, at_top = {}, {}
-    for it in range(1, 7):
-        queue.maybe_finalize_async_calls(blocking=False)  # the top of the iteration
-        dist.barrier()  # the iteration's collectives: rank 0's tracker write is visible to every rank after it
-        at_top[it] = _read_tracker(router.np_dir)
-        time.sleep(work_s)  # forward, backward, step
-        at_log[it] = named = training.training_log(it)
-        if it == 6 and named is not None:  # what a kill right here restarts from loads, with its own values
-            _check(dist_checkpointing.load(_template(device), str(router.np_dir / f"iter_{named:07d}")), named, device)
-        _megatron_save(strategy, queue, router, router.np_dir, it, device)
+    try:
+        for it in range(1, 7):
+            last = it - 1  # the save in flight (0: none yet)
+            if not log_looks:
+                commits.release(last, after_s=0.3)  # the top waits for it
+            queue.maybe_finalize_async_calls(blocking=False)  # the top of the iteration
+            dist.barrier()  # the iteration's collectives: rank 0's tracker write is visible to every rank after it
+            at_top[it] = _read_tracker(router.np_dir)
+            waits = max_uncommitted == 1 or ((log_interval or 0) > 1 and it % log_interval == 0)
+            if log_looks and waits:
+                commits.release(last, after_s=0.3)  # ends while the look waits for it
+            elif log_looks and worked and last:  # forward, backward, step: the commit of the save of N ends meanwhile
+                commits.release(last)
+                _wait_ended(list(queue.async_calls), f"the save of {last}")
+            at_log[it] = named = training.training_log(it)
+            commits.release(last)  # the save of it waits for its commit (one in flight)
+            if it == 6 and named is not None:  # what a kill right here restarts from loads, with its own values
+                _check(dist_checkpointing.load(_template(device), str(router.np_dir / f"iter_{named:07d}")), named,
+                       device)
+            _megatron_save(strategy, queue, router, router.np_dir, it, device)
+    finally:
+        commits.release_all()
     queue.maybe_finalize_async_calls(blocking=True)
-    faults.uninstall()
+    faultpoint.set_handler(previous)
     queue.close()
     router.close()
     return {"log": at_log, "top": at_top}
@@ -491,12 +607,13 @@ def rank_trackers_at_each_log(root: str, max_uncommitted: int, slots: int, log_l
 
 def rank_trackers_five_ways(root: str) -> list[dict]:
     """``max_uncommitted: 1`` (3 slots) with no log look, then with the hook's look before Megatron-LM's log, then the
-    default (2 slots) with that look, with no work in the iteration, with work that outlasts the slowed commit, and
-    with Megatron-LM printing every second line (``--log-interval 2``), in one launch of the ranks."""
-    return [rank_trackers_at_each_log(str(Path(root) / name), k, slots, log_looks, work_s, interval)
-            for name, k, slots, log_looks, work_s, interval in (
-                ("top", 1, 3, False, 0.0, None), ("log", 1, 3, True, 0.0, None), ("default", 0, 2, True, 0.0, 1),
-                ("worked", 0, 2, True, 0.5, None), ("printed", 0, 2, True, 0.0, 2))]
+    default (2 slots) with that look, with no work in the iteration, with work that outlasts the commit, and with
+    Megatron-LM printing every second line (``--log-interval 2``), in one launch of the ranks."""
+    return [rank_trackers_at_each_log(str(Path(root) / name), k, slots, log_looks, worked, interval)
+            for name, k, slots, log_looks, worked, interval in (
+                ("top", 1, 3, False, False, None), ("log", 1, 3, True, False, None),
+                ("default", 0, 2, True, False, 1), ("worked", 0, 2, True, True, None),
+                ("printed", 0, 2, True, False, 2))]
 
 
 def test_a_kill_after_the_log_of_n_restarts_from_n_minus_1_with_max_uncommitted_1_or_a_printed_line(
@@ -508,18 +625,18 @@ def test_a_kill_after_the_log_of_n_restarts_from_n_minus_1_with_max_uncommitted_
     # megatron-core driven by its own loop (no log look): the top of N + 1 waits for the commit of N
     assert top["log"] == one_behind and top["top"] == one_behind, top
     # Megatron-LM's: the look before the log waits for it instead, after the iteration's work; the top did not wait
-    # (the slowed commit of N had not ended there, so the tracker still named N - 1 or older)
+    # (the held commit of N had not ended there, so the tracker still named N - 1 or older)
     assert log["log"] == one_behind, log
     assert all(n is None or n <= it - 2 for it, n in log["top"].items()), log
     # the control, the default (2 slots: one save in flight, as with 1, but not asked for): the looks finalize what
-    # has committed by then, and a slowed commit has not: the tracker lags two or more
+    # has committed by then, and a held commit has not: the tracker lags two or more
     assert all(n is None or n <= it - 2 for it, n in default["log"].items()), default
     assert default["log"][6] is not None, default  # memory checkpoints were finalized all the same, later
-    # the default where the iteration's work outlasts the commit (0.5 s against 0.3): the look before the log
-    # finalizes the save of N, committed by then, without being asked to wait: one iteration lost here too
+    # the default where the iteration's work outlasts the commit (ended on every rank before the log): the look before
+    # the log finalizes the save of N, committed by then, without being asked to wait: one iteration lost here too
     assert worked["log"] == one_behind, worked
     # the default where Megatron-LM prints every second line: before a printed line the look waits for the commit of
-    # N (a kill after it loses one iteration); before the others it does not (the slowed commit has not ended)
+    # N (a kill after it loses one iteration); before the others it does not (the held commit has not ended)
     assert {it: n for it, n in printed["log"].items() if it % 2 == 0} == {2: 1, 4: 3, 6: 5}, printed
     assert all(n is None or n <= it - 2 for it, n in printed["log"].items() if it % 2), printed
 
