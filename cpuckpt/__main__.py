@@ -1,5 +1,6 @@
-"""``python -m cpuckpt``: the ``cpuckpt`` console script."""
+"""``python -m cpuckpt``: the ``cpuckpt`` console script, with its exit status."""
 
 from cpuckpt.tools.cli import main
 
-main()
+if __name__ == "__main__":
+    raise SystemExit(main())  # main() returns the status (it catches click's SystemExit); dropping it exited 0

@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import re
+import threading
+import types
 import typing
 import warnings
 from collections.abc import Mapping
@@ -24,6 +27,7 @@ from cpuckpt.errors import ConfigError
 from cpuckpt.paths import local_path
 
 __all__ = [
+    "ADAPTER_SECTIONS",
     "REMOVED_KEYS",
     "AsyncConfig",
     "CheckpointConfig",
@@ -65,6 +69,17 @@ def parse_bytes(value: Any) -> int:
         if m and m.group(2).lower() in _UNITS:
             return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     raise ValueError(f"expected a byte count such as 4096 or '32MiB', got {value!r}")
+
+
+# The longest wait a seconds key may ask for: Queue.get, Event.wait and socket timeouts refuse longer ones
+# (OverflowError "timestamp out of range for platform time_t", raised by the first load that waits).
+MAX_WAIT_S = threading.TIMEOUT_MAX
+# A byte count must fit an off_t / ssize_t: a larger pool or chunk failed at the first save (OverflowError).
+_MAX_BYTES = 2**63 - 1
+
+# Top-level sections of the project's own adapter files that the core Config leaves to the adapter, so that
+# one file serves both (configs/megatron.yaml's `megatron:` block, parsed by cpuckpt.integrations.megatron).
+ADAPTER_SECTIONS: frozenset[str] = frozenset({"megatron"})
 
 
 def _opt(default: Any, doc: str, **checks: Any) -> Any:
@@ -171,7 +186,8 @@ class CheckpointConfig:
                            min=0)
     clean_incomplete: bool = _opt(False, "After each commit, delete leftovers of crashed saves in the root.")
     sigterm_grace_s: float = _opt(30.0, "install_sigterm_handler(): how long SIGTERM waits for in-flight "
-                                  "saves before the previous handler runs, seconds.", min=0.0)
+                                  "saves before the previous handler runs, seconds.", min=0.0,
+                                  max=MAX_WAIT_S)
 
 
 @dataclass(frozen=True)
@@ -250,9 +266,9 @@ class S3Config:
                              "throttling that outlasts them is a StorageIOError saying so); retry n waits up to "
                              "min(2^(n-1), 20) s, and every save stays bounded by timeout_s.", min=1, max=20)
     connect_timeout_s: float = _opt(10.0, "Bound on opening one connection to the endpoint, seconds.",
-                                    min=0.1)
+                                    min=0.1, max=MAX_WAIT_S)
     read_timeout_s: float = _opt(60.0, "Bound on waiting for one response (or its next bytes), seconds.",
-                                 min=0.1)
+                                 min=0.1, max=MAX_WAIT_S)
 
 
 @dataclass(frozen=True)
@@ -273,7 +289,7 @@ class Config:
                             "group. Not bounded by it: collectives on a trainer group that is already gloo (that "
                             "group's own timeout), and on a gloo group first created by the DeepSpeed adapter's "
                             "commit or the Megatron load fallback (torch's default, 30 min); see "
-                            "docs/ARCHITECTURE.md section 6.", min=0.001)
+                            "docs/ARCHITECTURE.md section 6.", min=0.001, max=MAX_WAIT_S)
 
     def __post_init__(self) -> None:
         if self.io.chunk_bytes % self.layout.align_bytes:
@@ -286,11 +302,17 @@ class Config:
     def from_dict(cls, data: Mapping[str, Any] | None, *, source: str = "<dict>", env: bool = True) -> Config:
         """Build a config from nested mappings, then apply ``CPUCKPT_<SECTION>_<KEY>`` overrides.
 
+        The adapters' own top-level sections (:data:`ADAPTER_SECTIONS`: ``megatron``) are left out: their
+        adapter reads and checks them, so configs/megatron.yaml also serves ``cpuckpt`` commands.
+
         Raises:
             ConfigError: naming the source, the dotted key and the bad value.
         """
         if env:
             warn_unknown_env(cls)
+        if isinstance(data, Mapping):
+            _refuse_deepspeed_file(data, source)
+            data = {k: v for k, v in data.items() if k not in ADAPTER_SECTIONS}
         return build_options(cls, data, source=source, env_prefix="CPUCKPT_" if env else None)
 
     @classmethod
@@ -307,6 +329,17 @@ class Config:
         return _to_dict(self)
 
 
+def _refuse_deepspeed_file(data: Mapping[str, Any], source: str) -> None:
+    """A DeepSpeed adapter file (configs/deepspeed.yaml) sets ``async: true``: its own keys sit at the top level,
+    and its ``async`` is not the core ``async:`` section, so the core cannot read around them as it does for a
+    ``megatron:`` block. Say so, rather than "async must be a mapping" or "unknown key 'background_commit'"."""
+    if isinstance(data.get("async"), bool):
+        raise ConfigError(
+            f"{source}: async: {str(data['async']).lower()} is a key of the DeepSpeed adapter's settings "
+            f"(configs/deepspeed.yaml), which only cpuckpt.integrations.deepspeed reads; give cpuckpt a file with the "
+            f"core sections only (configs/default.yaml), where async is a section (async: {{max_in_flight: 1}})")
+
+
 T = typing.TypeVar("T")
 
 
@@ -319,7 +352,8 @@ def build_options(cls: type[T], data: Mapping[str, Any] | None, *, source: str =
     path that refuses URLs, ``key`` for a YAML name that is not the field's); a field whose type is a dataclass
     is a section. Unknown keys and bad values raise :class:`ConfigError` naming ``source`` and the
     dotted key. With ``env_prefix``, ``<env_prefix><SECTION>_<KEY>`` (``<env_prefix><KEY>`` for
-    top-level keys) environment variables override ``data``, read as YAML scalars.
+    top-level keys) environment variables override ``data``: the text as it is for a string key, a YAML
+    scalar for any other.
     """
     if data is None:
         data = {}
@@ -423,12 +457,19 @@ def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: st
                 value = parse_bytes(value)
             except ValueError:
                 raise bad("a byte count such as 4096 or '32MiB'") from None
+            if value > _MAX_BYTES:
+                raise bad(f"a byte count <= {_MAX_BYTES}")
         elif isinstance(value, bool) or not isinstance(value, int):
             raise bad(f"an int >= {meta.get('min', 0)}")
     elif tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise bad("a number")  # value != value: NaN passes every range check
-        value = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        try:
+            value = float(value)
+        except OverflowError:  # an int past the largest double
+            raise bad("a finite number") from None
+        if not math.isfinite(value):  # NaN passes every range check; inf (.inf) overflows every wait
+            raise bad("a finite number")
     elif tp is str:
         if value is False and "off" in meta.get("choices", ()):
             value = "off"  # YAML 1.1 reads a bare `off` as false
@@ -454,10 +495,12 @@ def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: st
 
 def _apply_env(cls: type, data: dict[str, Any], from_env: dict[str, str], prefix: str = "CPUCKPT_",
                source: str = "<dict>") -> dict[str, Any]:
-    """Overlay ``CPUCKPT_<SECTION>_<KEY>`` (or ``CPUCKPT_<KEY>`` for top-level keys) as YAML scalars.
+    """Overlay ``CPUCKPT_<SECTION>_<KEY>`` (or ``CPUCKPT_<KEY>`` for top-level keys): the text as it is for a
+    string key, a YAML scalar for any other (see :func:`_env_value`).
 
     Records in ``from_env`` the dotted key -> variable name of every override, for error messages.
     """
+    hints = _type_hints(cls)
     for f in dataclasses.fields(cls):
         key = _key(f)
         factory = f.default_factory
@@ -466,22 +509,36 @@ def _apply_env(cls: type, data: dict[str, Any], from_env: dict[str, str], prefix
             if given is not None and not isinstance(given, Mapping):  # `io: fast`: dict() would fail unnamed
                 raise ConfigError(f"{source}: {key} must be a mapping of keys, got {given!r}")
             section = dict(given or {})
+            section_hints = _type_hints(factory)
             for sf in dataclasses.fields(factory):
                 name = f"{prefix}{key}_{sf.name}".upper()
                 if name in os.environ:
-                    section[sf.name] = _env_value(name)
+                    section[sf.name] = _env_value(name, section_hints[sf.name])
                     from_env[f"{key}.{sf.name}"] = name
             if section:
                 data[key] = section
         else:
             name = f"{prefix}{key}".upper()
             if name in os.environ:
-                data[key] = _env_value(name)
+                data[key] = _env_value(name, hints[f.name])
                 from_env[key] = name
     return data
 
 
-def _env_value(name: str) -> Any:
+def _is_str(tp: Any) -> bool:
+    """``str``, or a union holding it (``str | None``)."""
+    return tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp))
+
+
+def _env_value(name: str, tp: Any) -> Any:
+    """The override of variable ``name`` for a key of type ``tp``.
+
+    A string key takes the text as it is: as YAML, ``CPUCKPT_MEMORY_JOB=12345`` was the int 12345,
+    ``CPUCKPT_TELEMETRY_FILE=`` (empty: off, as documented) was None and ``CPUCKPT_MEMORY_REPLICA_HOST=on`` was
+    True, each refused as "not a string". Other keys read a YAML scalar (``8``, ``false``, ``32MiB``).
+    """
+    if _is_str(tp):
+        return os.environ[name]
     try:
         return yaml.safe_load(os.environ[name])
     except yaml.YAMLError as e:

@@ -28,8 +28,10 @@ _HEADER = """\
 Every key, its type, default and meaning. Set keys in a YAML file (every default is mirrored, with a
 comment, in [configs/default.yaml](../configs/default.yaml)), a dict, or a `cpuckpt.Config`; pass
 it wherever `config=` appears. Any key can also be set by the environment variable in the last
-column; the value is read as a YAML scalar. Sizes take plain integers or strings such as `32MiB`,
-`1GB`. A wrong key, type or value raises `cpuckpt.ConfigError` naming the key and the file.
+column; a string key takes the variable's text as it is, any other key reads it as a YAML scalar. Sizes
+take plain integers or strings such as `32MiB`, `1GB`. A wrong key, type or value raises
+`cpuckpt.ConfigError` naming the key and the file. A top-level `megatron:` block (the Megatron adapter's
+settings, [configs/megatron.yaml](../configs/megatron.yaml)) is left to that adapter.
 """
 
 

@@ -374,6 +374,34 @@ def test_env_malformed_yaml_value(monkeypatch):
         Config.from_dict(None)
 
 
+@pytest.mark.parametrize(("name", "text", "dotted"), [
+    ("CPUCKPT_MEMORY_JOB", "12345", "memory.job"),
+    ("CPUCKPT_TELEMETRY_FILE", "", "telemetry.file"),
+    ("CPUCKPT_MEMORY_REPLICA_HOST", "on", "memory.replica_host"),
+    ("CPUCKPT_MEMORY_ROOT", "", "memory.root"),
+    ("CPUCKPT_S3_REGION", "no", "s3.region"),
+    ("CPUCKPT_IO_BACKEND", "buffered", "io.backend"),
+    ("CPUCKPT_INTEGRITY_VERIFY", "off", "integrity.verify"),
+])
+def test_env_override_of_a_string_key_is_the_text_as_it_is(monkeypatch, name, text, dotted):
+    """Regression: env values were read as YAML for every key, so CPUCKPT_MEMORY_JOB=12345 failed with
+    "memory.job must be a string, got 12345", CPUCKPT_TELEMETRY_FILE= (empty: off, as documented) with
+    "got None", and CPUCKPT_MEMORY_REPLICA_HOST=on became True."""
+    monkeypatch.setenv(name, text)
+    section, key = dotted.split(".")
+    assert Config.from_dict(None).to_dict()[section][key] == text
+
+
+def test_env_override_of_an_optional_string_option_is_the_text(monkeypatch):
+    """``str | None`` fields of an option tree built with build_options (the adapters' trees) too."""
+    from cpuckpt.config import build_options
+
+    monkeypatch.setenv("CPUCKPT_TEST_OPTS_NAME", "007")
+    monkeypatch.setenv("CPUCKPT_TEST_OPTS_COUNT", "7")
+    opts = build_options(_Opts, None, env_prefix="CPUCKPT_TEST_OPTS_")
+    assert opts.name == "007" and opts.count == 7  # a non-string key still reads a YAML scalar
+
+
 def test_bare_off_in_yaml_means_the_string_off(tmp_path):
     """YAML 1.1 reads an unquoted ``off`` as false; ``verify: off`` must still mean "off"."""
     cfg = Config.from_yaml(_write(tmp_path, "integrity:\n  verify: off\n"), env=False)
@@ -386,6 +414,80 @@ def test_nan_timeout_is_rejected(tmp_path):
     """NaN compares false with every bound, so a range check alone would let it through."""
     msg = _yaml_error(tmp_path, "timeout_s: .nan\n")
     assert "timeout_s" in msg
+
+
+_FLOAT_KEYS = ["timeout_s", "checkpoint.sigterm_grace_s", "s3.connect_timeout_s", "s3.read_timeout_s",
+               "integrity.sample_fraction"]
+_SECONDS_KEYS = [k for k in _FLOAT_KEYS if k.endswith("_s")]
+
+
+def _nested(dotted: str, value: object) -> dict:
+    section, _, key = dotted.rpartition(".")
+    return {section: {key: value}} if section else {key: value}
+
+
+def _float_key_error(dotted: str, value: object) -> str:
+    with pytest.raises(ConfigError) as ei:
+        Config.from_dict(_nested(dotted, value), env=False)
+    return str(ei.value)
+
+
+def test_every_float_key_is_covered():
+    floats = [k for k in _leaf_keys(Config) if isinstance(_flatten(Config().to_dict())[k], float)]
+    assert sorted(floats) == sorted(_FLOAT_KEYS)
+
+
+@pytest.mark.parametrize("dotted", _FLOAT_KEYS)
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), pytest.param(10**400, id="10**400")])
+def test_float_keys_refuse_values_that_are_not_finite(dotted, value):
+    """Regression: ``timeout_s: .inf`` was accepted; saves worked, then every load failed deep inside with
+    "timestamp out of range for platform time_t" (Queue.get(timeout=inf))."""
+    msg = _float_key_error(dotted, value)
+    assert msg.startswith(f"<dict>: {dotted} must be a finite number, got "), msg
+
+
+@pytest.mark.parametrize("dotted", _SECONDS_KEYS)
+def test_seconds_keys_refuse_waits_longer_than_python_allows(dotted, tmp_path):
+    """1e12 s is finite but past threading.TIMEOUT_MAX: every bounded wait raised OverflowError."""
+    import threading
+
+    msg = _float_key_error(dotted, 1e12)
+    assert f"{dotted} must be <= {threading.TIMEOUT_MAX}, got 1000000000000.0" in msg, msg
+    ok = Config.from_dict(_nested(dotted, threading.TIMEOUT_MAX), env=False)
+    assert _flatten(ok.to_dict())[dotted] == threading.TIMEOUT_MAX
+    section, _, key = dotted.rpartition(".")
+    text = f"{section}:\n  {key}: .inf\n" if section else f"{key}: .inf\n"
+    assert f"{dotted} must be a finite number, got inf" in _yaml_error(tmp_path, text)
+
+
+def test_timeout_from_env_refusing_inf_names_the_variable(monkeypatch):
+    monkeypatch.setenv("CPUCKPT_TIMEOUT_S", ".inf")
+    with pytest.raises(ConfigError, match=r"^environment variable CPUCKPT_TIMEOUT_S: timeout_s must be a finite "
+                                          r"number, got inf$"):
+        Config.from_dict(None)
+
+
+def test_a_large_timeout_within_the_bound_saves_and_loads(tmp_path):
+    """The bound is the real limit: a config at it still saves and, above all, loads."""
+    import threading
+
+    import torch
+
+    import cpuckpt
+
+    cfg = {"timeout_s": threading.TIMEOUT_MAX, "io": {"backend": "buffered", "threads": 2}}
+    cpuckpt.save({"w": torch.arange(10.0)}, tmp_path / "ck", config=cfg)
+    out = {"w": torch.zeros(10)}
+    cpuckpt.load(out, tmp_path / "ck", config=cfg)
+    assert torch.equal(out["w"], torch.arange(10.0))
+
+
+@pytest.mark.parametrize("dotted", ["io.chunk_bytes", "staging.pool_bytes", "staging.d2h_window_bytes",
+                                    "layout.align_data_min_bytes", "memory.headroom_bytes"])
+def test_byte_counts_past_an_off_t_are_refused(dotted):
+    """A pool or chunk of 2**64 bytes passed validation and failed at the first save with an OverflowError."""
+    with pytest.raises(ConfigError, match=rf"^<dict>: {re.escape(dotted)} must be a byte count <= {2**63 - 1}"):
+        Config.from_dict(_nested(dotted, 2**64), env=False)
 
 
 def test_section_with_every_key_commented_out_means_defaults(tmp_path):
@@ -516,3 +618,51 @@ def test_legitimate_env_variables_do_not_warn(monkeypatch, _fresh_env_warnings, 
     value = "1" if name != "CPUCKPT_TELEMETRY_FILE" else "/tmp/t.jsonl"
     monkeypatch.setenv(name, value)
     assert _warnings_of(lambda: Config.from_dict(None)) == []
+
+
+@dataclasses.dataclass(frozen=True)
+class _Opts:
+    """An option tree as an adapter declares one (build_options), with an optional string key."""
+
+    name: str | None = None
+    count: int = 1
+
+
+# ------------------------------------------------------------------------------- adapter files
+
+
+@pytest.mark.parametrize("name", ["megatron.yaml", "megatron-memory.yaml"])
+def test_the_shipped_megatron_files_load_as_core_configs(name, monkeypatch):
+    """Regression: ``cpuckpt convert --config configs/megatron.yaml`` failed with "unknown key 'megatron'".
+    The core leaves the adapter's block to the adapter; the core sections still apply."""
+    path = REPO / "configs" / name
+    data = yaml.safe_load(path.read_text())
+    assert "megatron" in data
+    cfg = Config.from_yaml(path, env=False)
+    core = {k: v for k, v in data.items() if k != "megatron"}
+    assert cfg == Config.from_dict(core, env=False) and cfg.io.threads == data["io"]["threads"]
+    monkeypatch.setenv("CPUCKPT_MEGATRON_ON_FAILURE", "continue")  # the adapter's variables stay the adapter's
+    assert Config.from_yaml(path) == cfg
+
+
+def test_megatron_block_is_left_to_the_adapter_but_other_unknown_sections_are_errors():
+    cfg = Config.from_dict({"megatron": {"on_failure": "continue", "whatever": 1}, "io": {"threads": 3}}, env=False)
+    assert cfg.io.threads == 3
+    with pytest.raises(ConfigError, match=r"unknown key 'deepspeed'"):
+        Config.from_dict({"deepspeed": {}}, env=False)
+    with pytest.raises(ConfigError, match=r"unknown key 'on_failure'"):  # the adapter's key outside its block
+        Config.from_dict({"on_failure": "raise"}, env=False)
+    with pytest.raises(ConfigError, match=r"unknown key 'io\.megatron'"):  # a top-level section only
+        Config.from_dict({"io": {"megatron": {}}}, env=False)
+
+
+@pytest.mark.parametrize("env", [True, False])
+def test_the_shipped_deepspeed_file_is_refused_with_a_message_saying_why(env):
+    """configs/deepspeed.yaml keeps the adapter's keys at the top level (``async: true`` is not the core
+    ``async:`` section), so the core cannot read around them: it says what the file is and what to give."""
+    path = REPO / "configs" / "deepspeed.yaml"
+    with pytest.raises(ConfigError) as ei:
+        Config.from_yaml(path, env=env)
+    msg = str(ei.value)
+    assert msg.startswith(f"{path}: async: true is a key of the DeepSpeed adapter's settings"), msg
+    assert "cpuckpt.integrations.deepspeed" in msg and "configs/default.yaml" in msg, msg
