@@ -35,6 +35,7 @@ from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
 from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.roots import find_latest, inspect_checkpoint, list_checkpoints, ordered
+from cpuckpt.tier.tagmarker import check_dir
 from cpuckpt.transfer.objstore import open_store
 
 __all__ = ["Description", "ListedCheckpoint", "TensorInfo", "describe", "identify", "scan_root", "tensors_of"]
@@ -122,6 +123,10 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
     if kind is None:
         return None
     complete, reason = True, ""  # other backends' files: complete when present
+    if kind == "deepspeed":  # a tag cpuckpt's engine wrote has its markers: torn unless committed, sizes checked
+        status = check_dir(p)
+        complete = status.state != "torn"
+        reason = "; ".join(status.problems) if not complete else ""
     nbytes, newest = _tree_size(p)
     commit_time: float | None = None
     rank_step = step
@@ -226,8 +231,12 @@ def _verify_all(found: list[ListedCheckpoint]) -> None:
     from cpuckpt.tools.verification import verify_checkpoint
 
     for info in found:
-        if not info.complete or info.kind == "deepspeed" or (
-                isinstance(info.path, Path) and not (info.path / METADATA_NAME).is_file()):
+        if info.complete and info.kind == "deepspeed":  # a tag of cpuckpt's engine: its marker's crc32c
+            status = check_dir(info.path, verify=True)  # type: ignore[arg-type]
+            if status.state == "torn":
+                info.damaged, info.reason = True, "; ".join(status.problems)
+            continue
+        if not info.complete or (isinstance(info.path, Path) and not (info.path / METADATA_NAME).is_file()):
             continue
         try:
             report = verify_checkpoint(info.path)
@@ -249,7 +258,8 @@ def _pointer(root: Path, found: list[ListedCheckpoint]) -> ListedCheckpoint | No
             continue
         target = Path(text).name
         for info in found:
-            if info.path.name == target or (name.startswith("latest_checkpointed") and info.step == _int(text)):
+            if info.complete and (info.path.name == target or (name.startswith("latest_checkpointed")
+                                                               and info.step == _int(text))):
                 return info
     return None
 

@@ -89,7 +89,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .marker import LatestTag, TagMarker, TagStatus, check_tag, find_latest, require_complete
+from cpuckpt.tier.tagmarker import LatestTag, TagMarker, TagStatus, check_tag, find_latest, require_complete
+
 from .settings import Settings, resolve_settings
 
 __all__ = ["LatestTag", "Settings", "TagMarker", "TagStatus", "attach", "check_before_load", "check_tag",
@@ -254,8 +255,7 @@ def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, ve
     import torch.distributed as dist
 
     from cpuckpt.backend.collectives import checkpoint_group, gather_failures, raise_if_failed
-
-    from .marker import _refusal, owned_files, verify_files
+    from cpuckpt.tier.tagmarker import owned_files, refusal, verify_files
 
     group = checkpoint_group()
     rank, world = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
@@ -267,7 +267,7 @@ def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, ve
             tag_dir = Path(save_dir) / marker.tag
             problems = verify_files(tag_dir, marker, owned_files(marker, rank, world, tag_dir))
             if problems:
-                raise _refusal(TagStatus(tag_dir, "torn", marker, tuple(problems)))
+                raise refusal(TagStatus(tag_dir, "torn", marker, tuple(problems)))
     except Exception as e:
         error = e
     raise_if_failed(gather_failures(error, rank, group), f"checking DeepSpeed checkpoint {save_dir} before loading",
@@ -293,8 +293,7 @@ def select_tag(save_dir: str | os.PathLike, *, fallback_on_corrupt: bool = True)
         ConfigError: ``save_dir`` is a URL.
     """
     from cpuckpt.paths import local_path
-
-    from .marker import complete_tags
+    from cpuckpt.tier.tagmarker import complete_tags
 
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
     return _first_verified(_from_rank0(lambda: complete_tags(root)), str(root), fallback_on_corrupt=fallback_on_corrupt)

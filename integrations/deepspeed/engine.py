@@ -68,6 +68,16 @@ from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError, FailureReport, StagingError
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.format.unpickle import with_safe_globals
+from cpuckpt.tier.tagmarker import (
+    MARKER_NAME,
+    SAVING_NAME,
+    TagFile,
+    check_tag,
+    new_marker,
+    open_tag,
+    refusal,
+    write_marker,
+)
 from cpuckpt.transfer.device_snapshot import DeviceSnapshots
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.save_job import SaveJob
@@ -75,7 +85,6 @@ from cpuckpt.transfer.staging import get_pool, pool_state
 from cpuckpt.transfer.threads import new_executor, wait_future
 
 from .freeze import Frozen, NotFreezable, freeze
-from .marker import MARKER_NAME, SAVING_NAME, TagFile, _refusal, check_tag, new_marker, open_tag, write_marker
 from .memory import Claim, DeepSpeedMemory
 from .settings import Settings, resolve_settings
 from .torchfile import chunk_count, layout_torch_file
@@ -379,7 +388,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         if (tag_dir / MARKER_NAME).exists() or (tag_dir / SAVING_NAME).exists():
             status = check_tag(tag_dir.parent, tag_dir.name)
             if not status.complete:
-                raise _refusal(status)
+                raise refusal(status)
         return with_safe_globals(lambda: torch.load(path, map_location=map_location, weights_only=True),
                                  safe_globals_for_deepspeed())
 

@@ -45,10 +45,7 @@ from cpuckpt.tier.formats import Committed
 from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.tier.nodefiles import NODE_FILES_NAME, NodeFiles, write_node_files
 from cpuckpt.tier.queue import PersistRequest
-from cpuckpt.transfer.files import write_atomic
-from cpuckpt.transfer.sinks import Sink
-
-from .marker import (
+from cpuckpt.tier.tagmarker import (
     MARKER_NAME,
     SAVING_NAME,
     LatestTag,
@@ -62,6 +59,8 @@ from .marker import (
     read_marker,
     write_marker,
 )
+from cpuckpt.transfer.files import write_atomic
+from cpuckpt.transfer.sinks import Sink
 
 __all__ = ["LINKS_NAME", "Claim", "DeepSpeedMemory", "TagSlots"]
 

@@ -709,3 +709,46 @@ def test_verify_of_a_checkpoint_saved_without_checksums_is_not_ok(tmp_path):
     os.truncate(data, 10)  # what can be checked still is: damage is exit 1
     code, out = _run("verify", path)
     assert code == 1 and "truncated" in out, out
+
+
+def _ds_tag(root: Path, tag: str, step: int, payload: bytes) -> Path:
+    """A DeepSpeed tag as cpuckpt's engine commits it: its files, then the marker listing their crc32c."""
+    import crc32c
+
+    from cpuckpt.tier.tagmarker import TagFile, new_marker, open_tag, write_marker
+
+    d = root / tag
+    open_tag(d, fsync=False)
+    name = "mp_rank_00_model_states.pt"
+    (d / name).write_bytes(payload)
+    listed = {name: TagFile(rank=0, nbytes=len(payload), chunk_bytes=len(payload), checksum="crc32c",
+                            chunk_checksums=(crc32c.crc32c(payload),))}
+    write_marker(d, new_marker(tag, 1, listed, step), fsync=False)
+    return d
+
+
+def test_ls_tells_torn_and_damaged_deepspeed_tags_of_cpuckpts_engine(tmp_path):
+    """A tag cpuckpt's DeepSpeed engine was still writing (``.cpuckpt-saving``, no marker) was "complete" and the
+    latest in ``ls``, as was one whose file no longer matched its marker; ``latest`` naming a torn tag marked it."""
+    from cpuckpt.tier.tagmarker import open_tag
+
+    _ds_tag(tmp_path, "global_step10", 10, b"a" * 100)
+    _ds_tag(tmp_path, "global_step20", 20, b"b" * 100)
+    open_tag(tmp_path / "global_step20", fsync=False)  # a save into it began: torn until its marker comes
+    (tmp_path / "latest").write_text("global_step20")
+    code, out = _run("ls", tmp_path, "--json")
+    rows = {Path(r["path"]).name: r for r in map(json.loads, out.splitlines())}
+    assert code == 0 and rows["global_step20"]["status"] == "incomplete", out
+    assert [n for n, r in rows.items() if r["latest"]] == ["global_step10"], out
+
+    _ds_tag(tmp_path, "global_step30", 30, b"c" * 100)
+    (tmp_path / "latest").write_text("global_step30")
+    data = tmp_path / "global_step30" / "mp_rank_00_model_states.pt"
+    data.write_bytes(b"c" * 99 + b"d")  # same size: only the crc32c tells
+    code, out = _run("ls", tmp_path, "--json")
+    rows = {Path(r["path"]).name: r for r in map(json.loads, out.splitlines())}
+    assert code == 0 and rows["global_step30"]["status"] == "complete" and rows["global_step30"]["latest"], out
+    code, out = _run("ls", "--verify", tmp_path, "--json")
+    rows = {Path(r["path"]).name: r for r in map(json.loads, out.splitlines())}
+    assert code == 1 and rows["global_step30"]["status"] == "damaged", out
+    assert [n for n, r in rows.items() if r["latest"]] == ["global_step10"], out

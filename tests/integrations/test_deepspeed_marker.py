@@ -90,7 +90,8 @@ def rank_after_crash(root: str) -> dict:
     import cpuckpt.integrations.deepspeed as ckpt_ds
     import torch
     import torch.distributed as dist
-    from cpuckpt.integrations.deepspeed.marker import MARKER_NAME, SAVING_NAME
+
+    from cpuckpt.tier.tagmarker import MARKER_NAME, SAVING_NAME
 
     rank = dist.get_rank()
     out: dict = {}
@@ -218,7 +219,8 @@ def test_torn_tag_refused_and_fallback(run_ranks, tmp_path):
 # ------------------------------------------------------------------------- single process, no ranks
 def _tag(root: Path, tag: str, files: dict[str, bytes], step: int | None, *, rank_of=lambda n: 0) -> None:
     import crc32c
-    from cpuckpt.integrations.deepspeed.marker import TagFile, new_marker, open_tag, write_marker
+
+    from cpuckpt.tier.tagmarker import TagFile, new_marker, open_tag, write_marker
 
     d = root / tag
     open_tag(d, fsync=False)
@@ -232,9 +234,9 @@ def _tag(root: Path, tag: str, files: dict[str, bytes], step: int | None, *, ran
 
 def test_marker_states_and_fallback(tmp_path):
     import cpuckpt.integrations.deepspeed as ckpt_ds
-    from cpuckpt.integrations.deepspeed.marker import MARKER_NAME, SAVING_NAME, open_tag
 
     from cpuckpt.errors import CheckpointCorrupt, IntegrityError
+    from cpuckpt.tier.tagmarker import MARKER_NAME, SAVING_NAME, open_tag
 
     root = tmp_path / "ckpt"
     _tag(root, "a", {"x.pt": b"0123456789abcdef0"}, 10)

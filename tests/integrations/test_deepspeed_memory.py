@@ -238,7 +238,8 @@ def rank_restart_past_a_torn_slot(root: str) -> dict:
     h._setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
     import torch.distributed as dist
-    from cpuckpt.integrations.deepspeed.marker import check_dir
+
+    from cpuckpt.tier.tagmarker import check_dir
 
     rank = dist.get_rank()
     ckpt_ds.install(_settings(str(Path(root) / "ram"), persist_every=0))

@@ -51,6 +51,7 @@ __all__ = [
     "complete_tags",
     "find_latest",
     "read_marker",
+    "refusal",
     "require_complete",
 ]
 
@@ -285,10 +286,11 @@ def require_complete(save_dir: str | os.PathLike, tag: str | None = None, *, ver
     status = check_tag(save_dir, tag, verify=verify)
     if status.complete or (allow_unmarked and status.state == "unmarked"):
         return status.marker
-    raise _refusal(status)
+    raise refusal(status)
 
 
-def _refusal(status: TagStatus) -> IntegrityError:
+def refusal(status: TagStatus) -> IntegrityError:
+    """The error a load of a tag that is not complete raises, with what to do instead."""
     cls = CheckpointCorrupt if any("checksum mismatch" in p for p in status.problems) else IntegrityError
     hint = {"torn": "load an earlier tag (cpuckpt.integrations.deepspeed.find_latest(save_dir) names the newest "
                     "complete one)",
