@@ -12,7 +12,6 @@ import functools
 import math
 import os
 import re
-import threading
 import types
 import typing
 import warnings
@@ -71,9 +70,13 @@ def parse_bytes(value: Any) -> int:
     raise ValueError(f"expected a byte count such as 4096 or '32MiB', got {value!r}")
 
 
-# The longest wait a seconds key may ask for: Queue.get, Event.wait and socket timeouts refuse longer ones
-# (OverflowError "timestamp out of range for platform time_t", raised by the first load that waits).
-MAX_WAIT_S = threading.TIMEOUT_MAX
+# The longest wait a seconds key may ask for (~3 years): Queue.get, Event.wait and socket timeouts refuse more than
+# threading.TIMEOUT_MAX (OverflowError "timestamp out of range for platform time_t" at the first load that
+# waits), and gloo's and TCPStore's timeouts, counted in ns, overflow well below it (a wait failed at once).
+MAX_WAIT_S = 1e8
+# YAML 1.1's spellings of false: a key whose choices include "off" takes them (and an environment variable's
+# text of them) as "off", as a YAML file's bare `off` is read.
+_YAML_FALSE = frozenset({"n", "no", "false", "off"})
 # A byte count must fit an off_t / ssize_t: a larger pool or chunk failed at the first save (OverflowError).
 _MAX_BYTES = 2**63 - 1
 
@@ -471,8 +474,9 @@ def _check(dotted: str, tp: Any, meta: Mapping[str, Any], value: Any, source: st
         if not math.isfinite(value):  # NaN passes every range check; inf (.inf) overflows every wait
             raise bad("a finite number")
     elif tp is str:
-        if value is False and "off" in meta.get("choices", ()):
-            value = "off"  # YAML 1.1 reads a bare `off` as false
+        if "off" in meta.get("choices", ()) and (value is False or (
+                isinstance(value, str) and value.lower() in _YAML_FALSE)):
+            value = "off"  # YAML 1.1 reads a bare `off` (`no`, `false`) as false; an environment variable's text
         if not isinstance(value, str):
             raise bad("a string")
         if meta.get("path"):

@@ -69,10 +69,17 @@ def _scan(store: ObjectStore, root: S3Url) -> list[tuple[CheckpointInfo, list[tu
 
 def inspect_prefix(url: S3Url, cfg: S3Config | None = None) -> CheckpointInfo | None:
     """``url`` itself as a checkpoint (None when its objects are not a checkpoint's): ``cpuckpt ls`` of a
-    checkpoint prefix, as of a local checkpoint directory."""
+    checkpoint prefix, as of a local checkpoint directory. The listing stops at the first object that is not a
+    checkpoint file (a root's first checkpoint's), so a root, a bucket included, is never listed whole here."""
     store = _store(cfg)
-    objects = _objects(store, url)
-    return _inspect(store, url, objects) if _looks_like_checkpoint(objects) else None
+    base = url.contents
+    objects = []
+    for o in store.list(base):
+        name = o.key[len(base.key):]
+        if "/" in name or not CHECKPOINT_FILE.match(name):
+            return None
+        objects.append((name, o.mtime))
+    return _inspect(store, url, objects) if objects else None
 
 
 def list_checkpoints(root: S3Url, cfg: S3Config | None = None) -> list[CheckpointInfo]:

@@ -8,10 +8,11 @@ checksums verified) into a state dict that holds only that batch, and each tenso
 ``pwrite``-n to their place. Peak memory is about one batch (or the largest tensor, if larger) plus
 the reader's pool (``io.read_threads`` x ``io.chunk_bytes``).
 
-Atomic: each output file is written under a temporary name beside it (``<name>.tmp-<pid>``), fsynced, and
+Atomic: each output file is written in a hidden directory beside it (``.cpuckpt-convert-*/<name>``), fsynced, and
 renamed to its name only once complete; sharded, the shards are renamed once every one is complete, and the
 index is written last. A failed or interrupted convert thus leaves no output (and no temporary file), and an
-existing output is replaced only by a complete one.
+existing output is replaced only by a complete one. A killed one (SIGKILL, the OOM killer) leaves its
+``.cpuckpt-convert-*`` directories, and nothing else, for the user to remove.
 
 Non-tensor items are read from their records with ``torch.load(weights_only=True)`` (never arbitrary
 pickles). With safetensors they go into the header's ``__metadata__`` as JSON; values that are not
@@ -193,7 +194,7 @@ def _export(src: str | S3Url, out_path: Path, fmt: str, max_shard_bytes: int | N
                 try:
                     _upload(store, tmp, dest, config)
                 finally:
-                    tmp.unlink()
+                    _discard(tmp)
                 report.files.append(dest)
             else:
                 done.append((tmp, target))
@@ -218,7 +219,7 @@ def _export(src: str | S3Url, out_path: Path, fmt: str, max_shard_bytes: int | N
             store.put(report.index, text.encode())
     except BaseException:  # Ctrl-C too: no partial file may stay behind
         for tmp, _ in done:
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
         if created:
             with suppress(OSError):  # not empty: a failure after some files were published
                 out_path.rmdir()
@@ -227,8 +228,17 @@ def _export(src: str | S3Url, out_path: Path, fmt: str, max_shard_bytes: int | N
 
 
 def _temporary(target: Path) -> Path:
-    """Where ``target`` is written until complete: beside it (same filesystem, so the rename is atomic)."""
-    return target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    """Where ``target`` is written until complete: its own name in a new hidden directory beside it (the same
+    filesystem, so the rename is atomic; unique even among hosts sharing the directory; and ``torch.save`` names
+    the archive inside by the file's name, so the published bytes are those of a direct save)."""
+    return Path(tempfile.mkdtemp(prefix=".cpuckpt-convert-", dir=target.parent)) / target.name
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a temporary file of :func:`_temporary` and its directory."""
+    tmp.unlink(missing_ok=True)
+    with suppress(OSError):
+        tmp.parent.rmdir()
 
 
 def _write_file(src: Path | S3Url, target: Path, shard: list[_Tensor], fmt: str, extras: dict[str, Any],
@@ -247,7 +257,7 @@ def _write_file(src: Path | S3Url, target: Path, shard: list[_Tensor], fmt: str,
             offsets = _write_torch_skeleton(tmp, shard, extras)
         _fill(src, tmp, shard, offsets, budget, config, progress)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
     return tmp
 
@@ -266,6 +276,7 @@ def _publish(done: list[tuple[Path, Path]], index: Path | None, index_text: str 
         fsync_dir(directory)
     for tmp, target in done:
         os.replace(tmp, target)
+        tmp.parent.rmdir()
     fsync_dir(directory)
     if index is not None and index_text is not None:
         tmp = _temporary(index)
@@ -275,8 +286,9 @@ def _publish(done: list[tuple[Path, Path]], index: Path | None, index_text: str 
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, index)
+            tmp.parent.rmdir()
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            _discard(tmp)
             raise
         fsync_dir(directory)
 

@@ -278,7 +278,7 @@ def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, ve
 def select_tag(save_dir: str | os.PathLike, *, fallback_on_corrupt: bool = True) -> LatestTag | None:
     """The newest complete tag of ``save_dir`` whose every listed file passes its crc32c, on every rank.
 
-    Collective (every rank calls it): rank 0's list of complete tags (:func:`.marker.complete_tags`,
+    Collective (every rank calls it): rank 0's list of complete tags (:func:`cpuckpt.tier.tagmarker.complete_tags`,
     ``latest``'s first) is broadcast, then each candidate goes through :func:`check_before_load` with
     ``verify=True`` (each rank reads its share; one all-gather, the same outcome everywhere). A tag that
     fails with ``IntegrityError`` (``CheckpointCorrupt``: a chunk's crc32c) is logged as a WARNING and the

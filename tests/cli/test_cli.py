@@ -752,3 +752,17 @@ def test_ls_tells_torn_and_damaged_deepspeed_tags_of_cpuckpts_engine(tmp_path):
     rows = {Path(r["path"]).name: r for r in map(json.loads, out.splitlines())}
     assert code == 1 and rows["global_step30"]["status"] == "damaged", out
     assert [n for n, r in rows.items() if r["latest"]] == ["global_step10"], out
+
+
+def test_verify_of_sound_checkpoints_with_nothing_to_checksum_is_ok(tmp_path):
+    """Not "UNVERIFIED": an empty data file (a rank with no items, an empty state dict) has no chunks to check, and a
+    stock record that ``weights_only`` refuses (an argparse Namespace) had its zip CRCs checked."""
+    import argparse
+
+    cpuckpt.save({}, tmp_path / "empty")
+    code, out = _run("verify", tmp_path / "empty")
+    assert code == 0 and out.startswith("OK "), out
+    dcp.save({"w": torch.arange(10.0), "args": argparse.Namespace(lr=0.1)},
+             storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))
+    code, out = _run("verify", tmp_path / "stock")
+    assert code == 0 and out.splitlines()[-1].startswith("OK "), out

@@ -10,6 +10,7 @@ item named ``format`` replaced the safetensors header's ``"format": "pt"`` (tran
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -156,3 +157,19 @@ def test_safetensors_metadata_key_format_is_refused(tmp_path):
     cpuckpt.save({"__metadata__": torch.ones(4)}, clash, CFG, step=1)
     code, out = _run("convert", clash, "--to", "safetensors", tmp_path / "clash.safetensors")
     assert code == 2 and "'__metadata__'" in out and not (tmp_path / "clash.safetensors").exists(), out
+
+
+def test_outputs_get_the_mode_a_plain_create_gives(ckpts, tmp_path):
+    """Written under a private temporary file (mode 0600) and renamed, the outputs kept 0600; they must get what
+    creating them directly gives (0666 less the umask), single and sharded."""
+    good, _ = ckpts
+    old = os.umask(0o022)
+    try:
+        code, out = _run("convert", good, "--to", "safetensors", tmp_path / "one.safetensors")
+        assert code == 0, out
+        code, out = _run("convert", good, "--to", "safetensors", "--max-shard-size", "100KB", tmp_path / "sharded")
+        assert code == 0, out
+    finally:
+        os.umask(old)
+    files = [tmp_path / "one.safetensors", *(tmp_path / "sharded").iterdir()]
+    assert len(files) > 2 and {f.stat().st_mode & 0o777 for f in files} == {0o644}, files

@@ -135,3 +135,29 @@ def test_convert_from_and_to_s3(s3_server, s3_env, s3_url, tmp_path):
     assert code == 2 and "bucket 'no-such-bucket-31' does not exist" in text, text
     code, text = _run("convert", f"{s3_url}/step_9", str(tmp_path / "x.pt"), "--to", "torch")
     assert code == 2 and f"{s3_url}/step_9: not a checkpoint" in text, text
+
+
+def test_a_stock_checkpoint_prefix_missing_a_data_object_is_incomplete(s3_server, s3_env, s3_url, tmp_path):
+    """A stock DCP checkpoint in the store (its files uploaded as they are) with a data object gone or cut short was
+    complete and the latest: only ``.metadata`` was looked at."""
+    import torch.distributed.checkpoint as dcp
+
+    import cpuckpt
+    from cpuckpt.paths import S3Url
+
+    local = tmp_path / "stock"
+    dcp.save({"w": torch.arange(1000.0)}, storage_writer=dcp.FileSystemWriter(str(local)))
+    store = s3_server.store()
+    for name in ("good", "bad"):
+        for f in local.iterdir():
+            store.put(S3Url.parse(f"{s3_url}/{name}") / f.name, f.read_bytes())
+    (data,) = local.glob("*.distcp")
+    assert cpuckpt.find_latest(s3_url) is not None
+    bad = S3Url.parse(f"{s3_url}/bad") / data.name
+    store.put(bad, data.read_bytes()[:-1])
+    assert cpuckpt.find_latest(s3_url) == S3Url.parse(f"{s3_url}/good")
+    store.delete(bad)
+    code, out = _run("ls", s3_url)
+    row = next(line for line in out.splitlines() if line.startswith("bad"))
+    good = next(line for line in out.splitlines() if line.startswith("good"))
+    assert code == 0 and "incomplete" in row and "<- latest" in good, out

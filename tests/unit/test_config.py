@@ -392,6 +392,19 @@ def test_env_override_of_a_string_key_is_the_text_as_it_is(monkeypatch, name, te
     assert Config.from_dict(None).to_dict()[section][key] == text
 
 
+@pytest.mark.parametrize("text", ["off", "Off", "false", "no", "N"])
+@pytest.mark.parametrize("source", ["env", "yaml"])
+def test_yaml_spellings_of_false_are_off_for_a_key_that_has_off(monkeypatch, tmp_path, text, source):
+    """Regression: with environment text taken as it is, CPUCKPT_INTEGRITY_VERIFY=false (or no, Off), which YAML
+    read as false and so "off", was refused."""
+    if source == "env":
+        monkeypatch.setenv("CPUCKPT_INTEGRITY_VERIFY", text)
+        cfg = Config.from_dict(None)
+    else:
+        cfg = Config.from_yaml(_write(tmp_path, f"integrity:\n  verify: {text}\n"), env=False)
+    assert cfg.integrity.verify == "off"
+
+
 def test_env_override_of_an_optional_string_option_is_the_text(monkeypatch):
     """``str | None`` fields of an option tree built with build_options (the adapters' trees) too."""
     from cpuckpt.config import build_options
@@ -448,13 +461,17 @@ def test_float_keys_refuse_values_that_are_not_finite(dotted, value):
 
 @pytest.mark.parametrize("dotted", _SECONDS_KEYS)
 def test_seconds_keys_refuse_waits_longer_than_python_allows(dotted, tmp_path):
-    """1e12 s is finite but past threading.TIMEOUT_MAX: every bounded wait raised OverflowError."""
+    """1e12 s is finite but past threading.TIMEOUT_MAX: every bounded wait raised OverflowError (and gloo's
+    timeouts overflow far below it)."""
     import threading
 
+    from cpuckpt.config import MAX_WAIT_S
+
+    assert MAX_WAIT_S < threading.TIMEOUT_MAX
     msg = _float_key_error(dotted, 1e12)
-    assert f"{dotted} must be <= {threading.TIMEOUT_MAX}, got 1000000000000.0" in msg, msg
-    ok = Config.from_dict(_nested(dotted, threading.TIMEOUT_MAX), env=False)
-    assert _flatten(ok.to_dict())[dotted] == threading.TIMEOUT_MAX
+    assert f"{dotted} must be <= {MAX_WAIT_S}, got 1000000000000.0" in msg, msg
+    ok = Config.from_dict(_nested(dotted, MAX_WAIT_S), env=False)
+    assert _flatten(ok.to_dict())[dotted] == MAX_WAIT_S
     section, _, key = dotted.rpartition(".")
     text = f"{section}:\n  {key}: .inf\n" if section else f"{key}: .inf\n"
     assert f"{dotted} must be a finite number, got inf" in _yaml_error(tmp_path, text)
@@ -468,14 +485,13 @@ def test_timeout_from_env_refusing_inf_names_the_variable(monkeypatch):
 
 
 def test_a_large_timeout_within_the_bound_saves_and_loads(tmp_path):
-    """The bound is the real limit: a config at it still saves and, above all, loads."""
-    import threading
-
+    """The bound is a real limit: a config at it still saves and, above all, loads."""
     import torch
 
     import cpuckpt
+    from cpuckpt.config import MAX_WAIT_S
 
-    cfg = {"timeout_s": threading.TIMEOUT_MAX, "io": {"backend": "buffered", "threads": 2}}
+    cfg = {"timeout_s": MAX_WAIT_S, "io": {"backend": "buffered", "threads": 2}}
     cpuckpt.save({"w": torch.arange(10.0)}, tmp_path / "ck", config=cfg)
     out = {"w": torch.zeros(10)}
     cpuckpt.load(out, tmp_path / "ck", config=cfg)
