@@ -10,18 +10,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from cpuckpt.testing.seaweed import free_ports
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now, outside the kernel's ephemeral range: torchrun binds it seconds later,
+    and a port from ``bind(0)`` could meanwhile be taken by any other process's outgoing connection."""
+    return free_ports(1)[0]
 
 
 def launch(tmp: Path, node: int, phase: str, port: int, script: Path, args: Sequence[str], *, nnodes: int = 2,

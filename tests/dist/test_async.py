@@ -502,6 +502,12 @@ def _assert_survivor_bounded(out: dict, path: Path) -> None:
     assert not (path / ".metadata").exists()
 
 
+def _hold_part_of_rank1(root: str) -> None:
+    """In rank 1 (which dies or freezes with its save in flight): its manifest part waits for a file never made (a
+    fault point, cpuckpt.testing.faults; it would give up after faults.WAIT_LIMIT_S), so no commit has it."""
+    faults.install(f"before-rename:__1_.cpuckpt-part.json=wait:{Path(root) / 'never-made'}")
+
+
 def rank_dead_peer(root: str) -> dict:
     import torch.distributed as dist
 
@@ -510,7 +516,9 @@ def rank_dead_peer(root: str) -> dict:
     rank = dist.get_rank()
     mesh = _mesh()
     path = Path(root) / "orphan"
-    sd = _state_dict(mesh, seed=7, huge=True)  # 4 MiB a rank: rank 1 cannot commit before it exits
+    if rank == 1:
+        _hold_part_of_rank1(root)  # its save cannot commit before it exits, however slow this rank is
+    sd = _state_dict(mesh, seed=7, huge=True)  # 4 MiB a rank
     h = cpuckpt.async_save(sd, path, _cfg(timeout_s=DEAD_TIMEOUT_S))
     if rank == 1:
         os._exit(0)  # dies with its save in flight: no wait, no commit collectives, no result
@@ -542,7 +550,9 @@ def rank_hung_peer(root: str) -> dict:
     dist.all_gather_object(pids, os.getpid())
     mesh = _mesh()
     path = Path(root) / "frozen"
-    sd = _state_dict(mesh, seed=9, huge=True)  # 4 MiB a rank: rank 1 cannot commit before it stops
+    if rank == 1:
+        _hold_part_of_rank1(root)  # its save cannot commit before it stops, however slow this rank is
+    sd = _state_dict(mesh, seed=9, huge=True)  # 4 MiB a rank
     h = cpuckpt.async_save(sd, path, _cfg(timeout_s=DEAD_TIMEOUT_S))
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, the committer included

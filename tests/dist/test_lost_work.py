@@ -9,13 +9,16 @@ Every memory commit is slowed (0.5 s before ``.metadata`` lands, 1.5 s in the co
 suite), so the bound cannot hold by luck: the negative control, the default (two saves overlap in a ring of three
 slots), resumes two steps back under the same slow commits, and still from memory: with every slot in flight (the
 default before ``memory.max_uncommitted``) every slot's commit could be cleared at once, and that relaunch started
-from scratch.
+from scratch. In the control's killed run the commits after the fifth are held until the kill (however late the
+ranks reach it), so steps 6 and 7 are the two saves in flight there.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +27,27 @@ import torch
 pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("lost_work")]  # one reference run
 
 SLOW_COMMIT = "before-rename:.metadata=sleep:0.5"
-SLOWER_COMMIT = "before-rename:.metadata=sleep:1.5"  # the control's: the commit of step 6 still runs at the kill
+SLOWER_COMMIT = "before-rename:.metadata=sleep:1.5"  # the control's (its killed run also holds 6 and 7: hold=)
 STEPS = 9
+HOLD_LIMIT_S = 120.0  # a held commit gives up (raises) after this long: the kill it waits for never came
+
+
+class _CommitsHeldFrom:
+    """Fault handler (:mod:`cpuckpt.faultpoint`): each commit of this process (``before-rename:.metadata``; one
+    committer thread, in step order) sleeps ``sleep_s``, and the ``hold_from``-th and every later one is held until
+    the process is killed."""
+
+    def __init__(self, sleep_s: float, hold_from: int) -> None:
+        self.sleep_s, self.hold_from = sleep_s, hold_from
+        self._commits = itertools.count(1)
+
+    def __call__(self, stage: str) -> None:
+        if stage != "before-rename:.metadata":
+            return
+        if next(self._commits) >= self.hold_from:
+            time.sleep(HOLD_LIMIT_S)
+            raise RuntimeError(f"a held commit: no kill within {HOLD_LIMIT_S:.0f} s")
+        time.sleep(self.sleep_s)
 
 
 def _cfg(ram: str, max_uncommitted: int) -> dict:
@@ -39,16 +61,21 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
 
 
-def _run(durable: str, ram: str, log: str, kill_after: int | None, max_uncommitted: int, slow: str) -> int:
-    """Rank body: resume from the newest checkpoint (if any), train to STEPS; returns the step resumed from."""
+def _run(durable: str, ram: str, log: str, kill_after: int | None, max_uncommitted: int, slow: str,
+         hold: tuple[float, int] | None = None) -> int:
+    """Rank body: resume from the newest checkpoint (if any), train to STEPS; returns the step resumed from.
+    ``hold``: (seconds, n) for :class:`_CommitsHeldFrom`, instead of ``slow``."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    from cpuckpt import faultpoint
     from cpuckpt.testing import faults
     from cpuckpt.tier.memory import MemoryTier
 
     if slow:
         faults.install(slow)
+    if hold is not None:
+        faultpoint.set_handler(_CommitsHeldFrom(*hold))
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
@@ -99,10 +126,10 @@ def reference(rank_runner, tmp_path_factory) -> dict[int, str]:
 
 
 def _kill_and_relaunch(run_ranks, tmp_path: Path, kill_after: int, max_uncommitted: int,
-                       slow: str = SLOW_COMMIT) -> tuple[int, dict]:
+                       slow: str = SLOW_COMMIT, hold: tuple[float, int] | None = None) -> tuple[int, dict]:
     args = (str(tmp_path / "durable"), str(tmp_path / "ram"), str(tmp_path / "log"))
     with pytest.raises(AssertionError, match="rank"):
-        run_ranks(2, _run, *args, kill_after, max_uncommitted, slow)
+        run_ranks(2, _run, *args, kill_after, max_uncommitted, "" if hold else slow, hold)
     logged = max(_losses(tmp_path / "log", 0))
     assert logged == kill_after, f"the job logged up to step {logged}, killed after {kill_after}"
     resumed = run_ranks(2, _run, *args, None, max_uncommitted, slow)
@@ -119,7 +146,9 @@ def test_a_killed_job_resumes_one_step_back_at_most_and_trains_on_bit_identicall
 
 
 def test_negative_control_overlapping_saves_lose_more_under_slow_commits(run_ranks, tmp_path, reference):
-    resumed, losses = _kill_and_relaunch(run_ranks, tmp_path, 7, max_uncommitted=0, slow=SLOWER_COMMIT)
+    # the killed run's commits sleep 1.5 s, and those of steps 6 and 7 are held until the kill
+    resumed, losses = _kill_and_relaunch(run_ranks, tmp_path, 7, max_uncommitted=0, slow=SLOWER_COMMIT,
+                                         hold=(1.5, 6))
     # save 7 waited until fewer than 2 older saves ran (5 committed); 6 and 7 were in flight: two steps back, and
     # from memory, not from scratch
     assert resumed == 5, f"resumed at {resumed}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -146,8 +147,11 @@ def test_trainers_killed_after_a_memory_commit_writers_finish_and_restart_loads_
     # the memory checkpoint of step 7 is an ordinary checkpoint: stock DCP reads it
     import torch.distributed.checkpoint as dcp
 
-    slots = [p for p in ram.glob("slot-*") if (p / ".metadata").exists()]
-    newest = max(slots, key=lambda p: (p / ".metadata").stat().st_mtime)
+    from cpuckpt.backend.committed import check_complete
+
+    # the newest by the step its manifest records (two commits' .metadata mtimes can tie on a coarse clock)
+    slots = {p: check_complete(p) for p in ram.glob("slot-*")}
+    newest = max((p for p, c in slots.items() if c.complete), key=lambda p: slots[p].step)
     stock = {"r0": {"w": torch.empty(300, 257), "b": torch.empty(33, dtype=torch.int64)}, "step": -1}
     dcp.load(stock, storage_reader=dcp.FileSystemReader(str(newest)))
     assert stock["step"] == 7
@@ -651,19 +655,30 @@ def test_one_job_at_a_time_fills_a_set_of_images(tmp_path, monkeypatch):
     from cpuckpt.transfer import save_job as engine
 
     real = engine.fill_chunk
+    gate = threading.Event()  # every fill waits for it: save 1 cannot finish before the test opens it
 
-    def slow_fill(*args, **kwargs):
-        time.sleep(0.05)
+    def gated_fill(*args, **kwargs):
+        if not gate.wait(60):
+            raise RuntimeError("the test never opened the gate")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "fill_chunk", slow_fill)
+    monkeypatch.setattr(engine, "fill_chunk", gated_fill)
     tier, _ = _one(tmp_path, slots=1, persist_every=0)
     # two saves may be in flight, and there is one slot: only the images' own rule keeps them apart
     tier.memory_config = Config.from_dict({**tier.memory_config.to_dict(), "async": {"max_in_flight": 2}})
     h1 = tier.save(_state(1, 0), 1)
-    assert not h1._writer.job.done.done(), "save 1 should still be filling (slow copies)"
-    h2 = tier.save(_state(2, 0), 2)
-    assert h1._writer.job.done.done(), "save 2 started while save 1 was still filling the slot"
+    assert not h1._writer.job.done.done(), "save 1 finished although none of its chunks was filled"
+    # Save 2 is started with save 1 still filling. The gate opens 0.5 s later, while save 2 waits for save 1: a
+    # save 2 that did not wait returns before then, with save 1 still unfinished.
+    opener = threading.Timer(0.5, gate.set)
+    opener.start()
+    try:
+        h2 = tier.save(_state(2, 0), 2)
+        first_done = h1._writer.job.done.done()
+    finally:
+        opener.cancel()
+        gate.set()
+    assert first_done, "save 2 started while save 1 was still filling the slot"
     h2.wait()
     out = _targets(0)
     tier.load(out, tier.find_latest())

@@ -215,6 +215,8 @@ def _lose_node1(tmp: Path, procs: list[subprocess.Popen], reports: list[dict]) -
         _kill_node(tmp, launch, node_reports)
     for r in by_node[1]:
         L.kill_pid(r["writer_pid"])
+    # gone before their RAM root is: a process SIGKILLed mid-write may still add a file while rmtree runs
+    L.wait_gone([pid for r in by_node[1] for pid in (r["pid"], r["writer_pid"])])
     shutil.rmtree(by_node[1][0]["ram"])
 
 

@@ -92,6 +92,8 @@ def worker(argv: list[str]) -> int:
     h = _helpers()
     import cpuckpt.integrations.deepspeed as ckpt_ds
 
+    from cpuckpt.tier.tagmarker import complete_tags
+
     out = Path(args.out)
     ckpt_ds.install({"memory_tier": True, "timeout_s": TIMEOUT_S,
                      "io": {"backend": "buffered", "chunk_bytes": 64 * 1024, "threads": 1},
@@ -128,7 +130,7 @@ def worker(argv: list[str]) -> int:
         tier.wait_persisted()
         dist.barrier()
         report["writer_pid"] = tier.writer_pid()
-        report["durable"] = sorted(t.global_step for t in ckpt_ds.marker.complete_tags(save_dir))
+        report["durable"] = sorted(t.global_step for t in complete_tags(save_dir))
         last = min(args.until, args.save_until)
         report["replicated"] = {k: tier.replicated(k) for k in (last - 1, last)}
         L.write_report(out, args.phase, rank, report)
@@ -136,7 +138,7 @@ def worker(argv: list[str]) -> int:
         return 3
     engine.destroy()  # the newest made durable, writers stopped, RAM root removed
     dist.barrier()
-    report["durable"] = sorted(t.global_step for t in ckpt_ds.marker.complete_tags(save_dir))
+    report["durable"] = sorted(t.global_step for t in complete_tags(save_dir))
     report["ram_left"] = Path(report["tier_root"]).exists()
     L.write_report(out, args.phase, rank, report)
     dist.destroy_process_group()
@@ -209,6 +211,8 @@ def _two_nodes(tmp_path: Path, *, stage: int, damaged: bool = False) -> None:
     finally:  # node 0's writer lives on (the relaunch adopts it); node 1 is lost: trainer, writer, RAM root
         L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports if r["rank"] == 1])
     kept = [r["writer_pid"] for r in reports if r["rank"] == 0]
+    # node 1's processes gone before its RAM root is: one SIGKILLed mid-write may still add a file while rmtree runs
+    L.wait_gone([pid for r in reports if r["rank"] == 1 for pid in (r["pid"], r["writer_pid"])])
     shutil.rmtree(tmp_path / "ram1")
     away = tmp_path / "save.away"
     save.rename(away)  # the relaunch cannot read a byte of the durable root
@@ -241,8 +245,8 @@ def _two_nodes(tmp_path: Path, *, stage: int, damaged: bool = False) -> None:
 
     # 2. Another topology, one node of 2 ranks on node 0's RAM root (node 1's lost): node 0's slots hold steps 11 and
     # 12 for rank 0 only, so they are ignored (never an error mid-load): the durable step 12, bit-exact.
+    L.wait_gone([pid for r in reports for pid in (r["pid"], r["writer_pid"])])
     shutil.rmtree(tmp_path / "ram1")
-    L.wait_gone([r["writer_pid"] for r in reports])
     reports, procs = _run_phase(tmp_path, "topology", 12, hold=True, nodes=1, stage=stage)
     L.kill_all(procs, reports, writers=[r["writer_pid"] for r in reports])
     for r in reports:
@@ -251,8 +255,8 @@ def _two_nodes(tmp_path: Path, *, stage: int, damaged: bool = False) -> None:
         assert r["slot_steps"] == [11, 12], f"node 0's RAM root should still hold its part of 11 and 12: {r}"
 
     # 3. Both RAM roots lost; one node of 2 ranks: the durable step 12, bit-exact, then on to 14.
+    L.wait_gone([pid for r in reports for pid in (r["pid"], r["writer_pid"])])
     shutil.rmtree(tmp_path / "ram0")
-    L.wait_gone([r["writer_pid"] for r in reports])
     reports, _ = _run_phase(tmp_path, "disk", 14, hold=False, nodes=1, stage=stage)
     for r in reports:
         assert r["step"] == 12 and r["loaded"].startswith(str(save / "global_step12")), f"rank {r['rank']}: {r}"

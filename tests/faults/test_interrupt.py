@@ -26,9 +26,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 BIG = 96 << 20  # int32 elements: 384 MiB
 SMALL = 1 << 16
-# One writer thread: a 384 MiB save takes seconds, so the signal lands mid-save; small chunks and few
-# reader threads: what is in flight when Ctrl-C comes ends soon.
+# One writer thread; small chunks and few reader threads: what is in flight when Ctrl-C comes ends soon.
 CFG = {"io": {"threads": 1, "read_threads": 2, "chunk_bytes": "8MiB"}, "timeout_s": 120}
+# The interrupted work goes through a slow disk: each 8 MiB chunk's pwrite waits CHUNK_DELAY_S (one writer
+# thread: 48 chunks, >= 12 s a save) and each pread twice that (two reader threads: >= 12 s a load). Through
+# the page cache a save takes a fraction of a second, too short for the bounds below to tell a prompt
+# interrupt from one that waits for the rest of the save; with this one the signal lands mid-save (mid-load),
+# and an exit that waited for it would take seconds more than the bounds, however loaded the machine.
+CHUNK_DELAY_S = 0.25
+HANDLER_BOUND_S = 5.0  # signal -> the script's except clause
+EXIT_BOUND_S = 8.0  # signal -> atexit (past every thread join)
 
 # The child: commits a small step 1, then works on 384 MiB until interrupted. It reports each
 # committed step ("committed <dir>") and, on the way out, when it caught what and when its exit got
@@ -44,7 +51,40 @@ import cpuckpt
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 mode, root, cfg = sys.argv[1], sys.argv[2], eval(sys.argv[3])
-big, small = int(sys.argv[4]), int(sys.argv[5])
+big, small, delay = int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6])
+
+from cpuckpt.transfer import files
+
+class SlowDisk:  # the backend 'auto' picks (writes) and reads with, each chunk delayed: a slow disk
+    name = "slow"
+
+    def __init__(self):
+        self._w = files.get_backend("auto", root)
+        self._r = files.BufferedFileBackend()  # what an 'auto' load reads with
+        self.aligned = self._w.aligned
+
+    def open_write(self, path):
+        return self._w.open_write(path)
+
+    def pwrite(self, fd, buf, offset, path):
+        time.sleep(delay)
+        self._w.pwrite(fd, buf, offset, path)
+
+    def finish_write(self, fd, nbytes, path, fsync):
+        self._w.finish_write(fd, nbytes, path, fsync)
+
+    def open_read(self, path):
+        return self._r.open_read(path)
+
+    def pread_into(self, fd, buf, offset, path):
+        time.sleep(2 * delay)
+        return self._r.pread_into(fd, buf, offset, path)
+
+    def close(self, fd):
+        self._r.close(fd)
+
+files.register_backend("slow", SlowDisk)
+slow = {**cfg, "io": {**cfg["io"], "backend": "slow"}}  # the work the signal interrupts
 atexit.register(lambda: print(f"atexit {time.monotonic()}", flush=True))
 
 def state(n, k):
@@ -62,7 +102,7 @@ try:
         dest = state(big, 0)
         print("working", flush=True)
         for _ in range(30):
-            cpuckpt.load(dest, f"{root}/step_2", cfg, planner=Planner())
+            cpuckpt.load(dest, f"{root}/step_2", slow, planner=Planner())
     else:
         sd = state(big, 2)
         print("working", flush=True)
@@ -70,9 +110,9 @@ try:
             sd["w"][0] = k  # every step's state differs (bit-exact checks know which one loaded)
             sd["step"] = k
             if mode == "sync":
-                cpuckpt.save(sd, f"{root}/step_{k}", cfg, step=k)
+                cpuckpt.save(sd, f"{root}/step_{k}", slow, step=k)
             else:
-                cpuckpt.async_save(sd, f"{root}/step_{k}", cfg, step=k).wait()
+                cpuckpt.async_save(sd, f"{root}/step_{k}", slow, step=k).wait()
             print(f"committed step_{k}", flush=True)
     print("FINISHED", flush=True)
 except Exception as e:
@@ -98,8 +138,8 @@ def _interrupt(tmp_path: Path, mode: str) -> tuple[float, list[str], int, float]
     script.write_text(CHILD)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CPUCKPT_")}
     proc = subprocess.Popen([sys.executable, str(script), mode, str(tmp_path / "root"), repr(CFG), str(BIG),
-                             str(SMALL)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=tmp_path, env=env)
+                             str(SMALL), str(CHUNK_DELAY_S)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=tmp_path, env=env)
     lines: list[str] = []
     try:
         assert proc.stdout is not None
@@ -109,7 +149,7 @@ def _interrupt(tmp_path: Path, mode: str) -> tuple[float, list[str], int, float]
                 break
         else:
             raise AssertionError(f"the child ended before working: {lines}")
-        time.sleep(0.5)  # into the save (or load): 384 MiB on one writer thread take seconds here
+        time.sleep(0.5)  # into the save (or load): >= 12 s on the slow disk
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
@@ -132,9 +172,11 @@ def test_ctrl_c_is_a_keyboard_interrupt_and_leaves_the_last_checkpoint(tmp_path,
     assert rc == -signal.SIGINT, f"exit code {rc}: the interrupt did not end the process as itself\n{text}"
     assert "KeyboardInterrupt" in text
     # Promptly: the interrupt reached the script's handler, and the exit got past every thread's join.
-    assert float(caught[0][2]) - sent < 1.5, f"KeyboardInterrupt raised {float(caught[0][2]) - sent:.2f} s late"
+    # Both bounds are well short of the >= 12 s the interrupted save (load) would still have taken.
+    late = float(caught[0][2]) - sent
+    assert late < HANDLER_BOUND_S, f"KeyboardInterrupt raised {late:.2f} s late"
     at_exit = [float(line.split()[1]) for line in lines if line.startswith("atexit ")]
-    assert at_exit and at_exit[0] - sent < 2.5, f"exit waited {at_exit[0] - sent:.2f} s for background threads"
+    assert at_exit and at_exit[0] - sent < EXIT_BOUND_S, f"exit waited {at_exit[0] - sent:.2f} s for background threads"
     assert exited - sent < 20, "the process took too long to exit"
 
     # The last committed checkpoint is intact and the one find_latest returns; the torn one is not listed.

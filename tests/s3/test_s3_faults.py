@@ -59,7 +59,7 @@ def _load(url: str, seed: int) -> None:
         assert torch.equal(out[k], v), k
 
 
-def test_server_killed_mid_upload(run_ranks, own_s3_server, monkeypatch):
+def test_server_killed_mid_upload(run_ranks, own_s3_server, monkeypatch, tmp_path):
     import cpuckpt
     from cpuckpt.paths import S3Url
 
@@ -72,22 +72,27 @@ def test_server_killed_mid_upload(run_ranks, own_s3_server, monkeypatch):
 
     store = server.store()
     killed = threading.Event()
+    resume = tmp_path / "server-stopped"  # rank 0 holds before its second part until this exists
 
-    def kill_once_uploading() -> None:  # rank 0 sleeps before its second part: its upload is open then
+    def kill_once_uploading() -> None:  # rank 0's upload is open and cannot finish until ``resume`` exists
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not killed.is_set():
-            try:
-                if store.list_uploads(S3Url(server.bucket, "run/step_2/")):
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    uploads = store.list_uploads(S3Url(server.bucket, "run/step_2/"))
+                except OSError:
+                    uploads = []
+                if any(u.url.key.endswith("/__0_0.distcp") for u in uploads):
                     server.stop()
                     killed.set()
                     return
-            except OSError:
-                pass
-            time.sleep(0.05)
+                time.sleep(0.05)
+        finally:
+            resume.touch()  # never leave rank 0 waiting (the assertion below tells a kill that never came)
 
     killer = threading.Thread(target=kill_once_uploading, daemon=True)
     killer.start()
-    hook = {"CPUCKPT_TEST_HOOK": "s3-part:__0_0.distcp:1=sleep:2"}
+    hook = {"CPUCKPT_TEST_HOOK": f"s3-part:__0_0.distcp:1=wait:{resume}"}
     results = run_ranks(2, rank_save, f"{root}/step_2", 2, env={**env, **hook}, timeout_s=120)
     killer.join(10)
     assert killed.is_set(), "the server was never seen uploading"

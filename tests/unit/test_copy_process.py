@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 import crc32c
@@ -253,15 +256,46 @@ class _SlowCudart:
         return 0
 
 
+class _GatedCudart:
+    """Stands in for CUDA's registration in the process's main loop (no GPU here): the first segment's registration
+    (``pinning`` once it began) ends once the save is in the process's inbox, every later one once the close is:
+    the main loop looks at its inbox only between segments, so the save comes while a segment is being pinned and
+    is there to be answered at the next chance, and nothing is registered while the test looks at what the save
+    waited for."""
+
+    def __init__(self) -> None:
+        self.registered = 0
+        self.pinning = threading.Event()
+        self.save_queued = threading.Event()
+        self.close_queued = threading.Event()
+
+    def cudaHostRegister(self, ptr: int, n: int, flags: int) -> int:
+        self.pinning.set()
+        gate = self.save_queued if self.registered == 0 else self.close_queued
+        gate.wait(10)  # not forever: a loop that never answers fails on the test's own bounds
+        self.registered += 1
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        return 0
+
+
 def test_a_save_is_answered_between_segments_of_the_images_pinned_ahead_and_close_ends_the_process(tmp_path,
                                                                                                     monkeypatch):
     """The process's main loop (``main``, over a socket pair, in a thread here): images asked for ahead are pinned a
     segment at a time while no message waits, a save that comes meanwhile is answered first, and ``close`` ends it
     with prepares still pending."""
     import socket
-    import threading
 
-    cudart = _SlowCudart()
+    cudart = _GatedCudart()
+
+    class Inbox(queue.SimpleQueue):  # the main loop's inbox: tells the cudart above what arrived
+        def put(self, item, block=True, timeout=None):
+            super().put(item, block, timeout)
+            kind = copier._loads(item)[0] if item is not None else None
+            {"save": cudart.save_queued, "close": cudart.close_queued}.get(kind, threading.Event()).set()
+
+    monkeypatch.setattr(copier, "queue", types.SimpleNamespace(SimpleQueue=Inbox))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     ahead = []
@@ -278,7 +312,7 @@ def test_a_save_is_answered_between_segments_of_the_images_pinned_ahead_and_clos
     conn = copier.Connection(ours.detach())
     try:
         conn.send_bytes(copier._dumps(("prepare", ahead, 1 << 20, None)))
-        time.sleep(0.25)
+        assert cudart.pinning.wait(10), "the images asked for ahead were never pinned"
         conn.send_bytes(copier._dumps(("save", 7, [(str(small), "o", 1000, 1000)], [(0, 0, 1000)], 1 << 20, True,
                                        None)))
         assert conn.poll(5), "no reply to the save"
@@ -290,6 +324,8 @@ def test_a_save_is_answered_between_segments_of_the_images_pinned_ahead_and_clos
         assert not loop.is_alive(), "close with prepares pending did not end the process"
         assert cudart.registered < 8
     finally:
+        cudart.save_queued.set()  # nothing waits on after the test
+        cudart.close_queued.set()
         conn.close()
 
 

@@ -333,15 +333,33 @@ def test_wait_future_keeps_keyboard_interrupt_and_cancels():
 
     from cpuckpt.transfer.threads import wait_future
 
-    fut: cf.Future[None] = cf.Future()
+    waiting = threading.Event()  # this (the main) thread waits in fut.result(), inside wait_future
+    ended = threading.Event()
+    lock = threading.Lock()
+
+    class Watched(cf.Future):
+        def result(self, timeout=None):
+            waiting.set()
+            return super().result(timeout)
+
+    def interrupt_once_waiting() -> None:  # a real KeyboardInterrupt in the main thread, only while it waits
+        if waiting.wait(30):
+            with lock:
+                if not ended.is_set():
+                    _thread.interrupt_main()
+
+    fut: cf.Future[None] = Watched()
     stopped: list[BaseException] = []
-    timer = threading.Timer(0.2, _thread.interrupt_main)  # a real KeyboardInterrupt in this (the waiting) thread
+    interrupter = threading.Thread(target=interrupt_once_waiting, daemon=True)
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # interrupt_main does nothing unless handled
-    timer.start()
+    interrupter.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             wait_future(fut, 30, "a save", on_interrupt=stopped.append)
     finally:
-        timer.cancel()
+        with lock:
+            ended.set()
+        waiting.set()
+        interrupter.join(10)
         signal.signal(signal.SIGINT, before)
     assert len(stopped) == 1 and isinstance(stopped[0], KeyboardInterrupt)

@@ -42,8 +42,8 @@ def test_a_lease_waits_for_a_release_and_times_out_with_a_clear_error():
         held = slots.lease(1.0)
         with pytest.raises(CheckpointTimeoutError, match="none of 1 free"):
             slots.lease(0.05)
+        t0 = time.monotonic()  # before the timer starts: its 0.1 s run from after t0, however late this thread is
         threading.Timer(0.1, slots.release, args=(held,)).start()
-        t0 = time.monotonic()
         again = slots.lease(5.0)
         assert again.index == held.index and time.monotonic() - t0 >= 0.05
         slots.release(again)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import random
 import threading
 import time
@@ -87,20 +88,27 @@ def test_error_raised_on_the_caller_thread():
     assert worker_names and worker_names[0] != caller.name
 
 
-def test_first_error_wins_over_later_ones():
-    gate = threading.Event()
+def test_first_error_wins_over_later_ones(monkeypatch):
+    # The second task fails only once the caller has seen the first failure: run_parallel then cancels the tasks
+    # still pending (test_pending_tasks_cancelled_after_failure), this one among them (running: not cancelled).
+    first_seen = threading.Event()
+    cancel_future = cf.Future.cancel
+
+    def cancel_seen(self):
+        first_seen.set()
+        return cancel_future(self)
+
+    monkeypatch.setattr(cf.Future, "cancel", cancel_seen)
+    second_runs = threading.Event()  # both tasks run: the second is not just cancelled before it starts
 
     def fn(task, cancel):
         if task == 0:
+            assert second_runs.wait(10)
             raise ValueError("first")
-        gate.wait(5)  # fails only after the first one failed
+        second_runs.set()
+        assert first_seen.wait(10)  # fails only after the first one failed
         raise RuntimeError("second")
 
-    def release():
-        time.sleep(0.2)
-        gate.set()
-
-    threading.Thread(target=release).start()
     with pytest.raises(ValueError, match="first"):
         run_parallel(fn, [0, 1], threads=2, timeout_s=10, name="t-first")
 
