@@ -68,7 +68,7 @@ from cpuckpt.backend.committed import (
 )
 from cpuckpt.backend.ramread import MappedFile, in_ram
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import CheckpointCorrupt, CpuckptError
+from cpuckpt.errors import CheckpointCorrupt, CpuckptError, IntegrityError
 from cpuckpt.format.manifest import FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.format.unpickle import load_value, reencode
@@ -79,7 +79,7 @@ from cpuckpt.transfer.objstore import ObjectReads, open_store
 from cpuckpt.transfer.read_slots import ReadSlots
 from cpuckpt.transfer.sinks import MappedBytes
 from cpuckpt.transfer.staging import DeviceCopier, existing_pool, flat_bytes
-from cpuckpt.transfer.threads import run_parallel
+from cpuckpt.transfer.threads import Cancelled, run_parallel
 from cpuckpt.transfer.tracing import nvtx_range
 
 __all__ = ["ReadStats", "StorageReader"]
@@ -246,6 +246,11 @@ class StorageReader(_DcpStorageReader):
         self._preloaded = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            # DCP's retry after this rank's read failed: a rank that answered it would load without collectives
+            # while the others wait in one (a hang until the group's timeout). Failing it again fails the load on
+            # every rank at once, with the first error.
+            raise IntegrityError(f"{self.path}: no rank-local metadata (cpuckpt writes one global {METADATA_NAME})")
         md, self._preloaded = self._preloaded, None
         if md is None:  # checked in set_up_storage_reader: DCP reports an error from there alike on every rank (from
             md = self._read_metadata()  # here it would retry with rank-local metadata and report that instead)
@@ -330,15 +335,21 @@ class StorageReader(_DcpStorageReader):
         stats = ReadStats(files=len(plans), plan_s=time.perf_counter() - t0, items=items)
         t1 = time.perf_counter()
         cfg = self.config
-        with contextlib.ExitStack() as opened:
+        opened = contextlib.ExitStack()
+        try:
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
             jobs, sources, pool = _read_jobs(plans, cfg, opened, self.mapped, self.store)
-            stats.jobs = len(jobs)
-            stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
-                                            name="cpuckpt-read"))
-            stats.mapped_files = len(sources)
-            stats.slots_pinned_nbytes = getattr(pool, "pinned_nbytes", 0)
+        except BaseException:
+            opened.close()
+            raise
+        stats.jobs = len(jobs)
+        stats.mapped_files = len(sources)
+        stats.slots_pinned_nbytes = getattr(pool, "pinned_nbytes", 0)
+        # The files, mappings and slots are closed once no job runs any more: after a timeout or Ctrl-C, a job
+        # still in a read must not find its descriptor closed (and another file opened under its number).
+        stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
+                                        name="cpuckpt-read", release=opened.close))
         stats.io_s = time.perf_counter() - t1
         return stats
 
@@ -500,6 +511,13 @@ def _run_job(job: ReadJob, cancel: threading.Event) -> int:
     return job(cancel)
 
 
+def _check(cancel: threading.Event) -> None:
+    """Stop a read job of a load that already failed (another job's error, a timeout, Ctrl-C): nothing more is
+    read into, or copied to, the caller's tensors after the load has raised."""
+    if cancel.is_set():
+        raise Cancelled("cpuckpt-read: cancelled after an earlier failure")
+
+
 def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.ExitStack,
                given: Mapping[str, MappedBytes], store: Any = None) -> tuple[list[ReadJob], list[_Source], Any]:
     """The read jobs of every file (opened into ``opened``; each job returns the bytes it read), the
@@ -641,6 +659,7 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
         else:
             src, view = source.tensor()[lo:hi], source.view()[lo:hi]
         try:
+            _check(cancel)
             if slot is not None:
                 got = backend.pread_into(fd, view[:want], lo, fp.path)
                 if got < hi - lo:
@@ -658,6 +677,7 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
             gpu = next((n.dst.device for n in needs if n.dst is not None and n.dst.is_cuda), None)
             if gpu is not None and slot is not None:
                 pool.pin(slot, gpu)  # once per slot of a load's own ReadSlots; the process pool is pinned already
+            _check(cancel)  # the load has failed or timed out: its targets are the caller's again
             _scatter(needs, lo, hi, src, copiers, copying)
             for copier in copying:
                 copier.record().synchronize()  # the slot may be reused only after the copies ran
@@ -710,6 +730,7 @@ def _range_jobs(fp: _FilePlan, cfg: Config, opened: contextlib.ExitStack,
     def read_pieces(pieces: list[tuple[_Need, int, int]], cancel: threading.Event) -> int:
         total = 0
         for need, a, b in pieces:
+            _check(cancel)  # these reads land in the targets themselves
             view = memoryview(need.buffer[a - need.lo : b - need.lo].numpy())
             got = backend.pread_into(fd, view, a, fp.path)
             if got < b - a:
@@ -728,6 +749,7 @@ def _stock_jobs(fp: _FilePlan, opened: contextlib.ExitStack, reads: FileBackend 
     fd = _open(backend, fp.path, opened)
 
     def read_record(need: _Need, cancel: threading.Event) -> int:
+        _check(cancel)
         buf = bytearray(need.hi - need.lo)
         got = backend.pread_into(fd, memoryview(buf), need.lo, fp.path)
         if got < len(buf):
@@ -738,6 +760,7 @@ def _stock_jobs(fp: _FilePlan, opened: contextlib.ExitStack, reads: FileBackend 
         src = _tensor_from_record(buf, fp.path, need.lo)
         if need.ri is not None:
             src = _narrow(src, need.ri.storage_offsets, need.ri.lengths)
+        _check(cancel)
         need.target.copy_(src)
         return got
 

@@ -38,11 +38,16 @@ def run_parallel(
     threads: int,
     timeout_s: float,
     name: str,
+    release: Callable[[], None] | None = None,
 ) -> list[R]:
     """Run ``fn(task, cancel_event)`` for every task on ``threads`` threads; results in task order.
 
     ``fn`` should check ``cancel_event`` between slow steps. With one thread the tasks still run
     on a worker, so the caller's thread behaves identically either way.
+
+    ``release``: called once, when no task runs any more: before this returns, or, when it raises (a failure,
+    the timeout, Ctrl-C) while tasks still run, by the last of them as it ends. For what the tasks use (file
+    descriptors, buffers): never freed under a task still in a system call.
 
     Raises:
         The first exception raised by a task (later ones are dropped, as they are usually
@@ -51,17 +56,36 @@ def run_parallel(
     """
     task_list = list(tasks)
     if not task_list:
+        if release is not None:
+            release()
         return []
     cancel = threading.Event()
+    lock = threading.Lock()
+    running = [0]  # tasks started and not ended
+    returned = [False]  # the caller has left: the last task to end releases
+
+    def settle(*, ended: bool, leaving: bool = False) -> None:
+        with lock:
+            running[0] -= ended
+            returned[0] = returned[0] or leaving
+            last = returned[0] and running[0] == 0 and release is not None
+            if last:
+                returned[0] = False  # once
+        if last:
+            release()
 
     def guarded(task: T) -> R:
-        if cancel.is_set():
-            raise Cancelled(f"{name}: cancelled after an earlier failure")
+        with lock:
+            running[0] += 1
         try:
+            if cancel.is_set():
+                raise Cancelled(f"{name}: cancelled after an earlier failure")
             return fn(task, cancel)
         except BaseException:
             cancel.set()
             raise
+        finally:
+            settle(ended=True)
 
     deadline = time.monotonic() + timeout_s
     pool = cf.ThreadPoolExecutor(max_workers=max(1, min(threads, len(task_list))), thread_name_prefix=name)
@@ -92,7 +116,9 @@ def run_parallel(
             cancel.set()
         raise
     finally:
+        cancel.set()  # whatever is left (nothing, when all ended) stops at its next check
         pool.shutdown(wait=False, cancel_futures=True)
+        settle(ended=False, leaving=True)
 
 
 def new_executor(threads: int, name: str) -> cf.ThreadPoolExecutor:

@@ -277,3 +277,41 @@ def test_unusable_directory_on_one_rank_is_the_same_error_on_every_rank(run_rank
             assert info["path"] and ("a_file" in info["path"] or "broken" in info["path"]), (kind, rank, info)
             assert "rank 1" in info["message"], (kind, rank, info)
             assert info["seconds"] < 20, (kind, rank, info)  # agreed at once, not after a peer's timeout
+
+
+def rank_metadata_read_fails_once_on_one_rank(root: str) -> dict:
+    """``dcp.load`` through cpuckpt's reader, ``.metadata`` unreadable once on rank 1 only (an injected EIO)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import cpuckpt
+    from cpuckpt.backend import reader
+
+    path = Path(root) / "ck"
+    cpuckpt.save({"w": torch.arange(100.0)}, path, GOOD)
+    if dist.get_rank() == 1:
+        real, calls = reader.read_metadata_bytes, []
+
+        def flaky(p: Path) -> bytes:
+            calls.append(p)
+            if len(calls) == 1:
+                raise cpuckpt.StorageIOError("injected: .metadata unreadable once", path=str(p), errno_=errno.EIO)
+            return real(p)
+
+        reader.read_metadata_bytes = flaky
+    t0 = time.monotonic()
+    try:
+        dcp.load({"w": torch.zeros(100)}, storage_reader=cpuckpt.StorageReader(path, GOOD))
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        return {"raised": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
+    return {"raised": None, "seconds": time.monotonic() - t0}
+
+
+def test_a_metadata_read_failing_on_one_rank_fails_the_load_on_every_rank_at_once(run_ranks, tmp_path):
+    """DCP retries a failed ``.metadata`` read with ``read_metadata(rank=r)``; cpuckpt's reader answered it with the
+    global ``.metadata``, so that rank loaded without collectives while the other waited in one: both hung until
+    the group's timeout (30 min by default), and the first error was lost."""
+    results = run_ranks(2, rank_metadata_read_fails_once_on_one_rank, str(tmp_path), timeout_s=120)
+    for rank, r in enumerate(results):
+        assert r["raised"] is not None and r["seconds"] < 30, (rank, r)
+        assert "injected: .metadata unreadable once" in r["message"], (rank, r)

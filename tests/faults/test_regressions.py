@@ -158,3 +158,49 @@ def test_a_commit_whose_directory_fsync_fails_is_withdrawn_not_listed(tmp_path):
     assert [c.path.name for c in cpuckpt.list_checkpoints(root) if c.complete] == ["step_1"]
     cpuckpt.save({"w": torch.arange(100) + 2}, root / "step_2", step=2)  # the path works again
     assert cpuckpt.find_latest(root) == root / "step_2"
+
+
+def test_a_read_still_running_after_a_timed_out_load_never_writes_into_the_callers_tensors(tmp_path):
+    """After a load timed out, a read still in its ``pread`` went on: the load had already closed the descriptor,
+    so the read went to whatever file the caller opened next under that number, and its bytes were scattered into
+    the caller's tensors seconds after ``load`` had raised."""
+    import os
+    import threading
+
+    from cpuckpt.transfer import files
+
+    release = threading.Event()
+
+    stalled = threading.Event()
+
+    class StalledDisk(files.BufferedFileBackend):  # the first read stalls until the test lets it go
+        name = "stalled"
+
+        def pread_into(self, fd, buf, offset, path):
+            if not stalled.is_set():
+                stalled.set()
+                release.wait(30)
+            return super().pread_into(fd, buf, offset, path)
+
+    files.register_backend("stalled", StalledDisk)
+    try:
+        cfg = {"io": {"backend": "stalled", "read_threads": 1, "chunk_bytes": "64KiB"},
+               "integrity": {"verify": "sample", "sample_fraction": 0.0}, "timeout_s": 1}  # chunks read, unchecked
+        cpuckpt.save({"w": torch.full((1000,), 3.0)}, tmp_path / "ck", {"io": {"backend": "buffered"}})
+        fds_before = len(os.listdir("/proc/self/fd"))
+        target = {"w": torch.zeros(1000)}
+        with pytest.raises(cpuckpt.CheckpointTimeoutError):
+            cpuckpt.load(target, tmp_path / "ck", cfg)
+        decoy = tmp_path / "decoy"
+        decoy.write_bytes(torch.full((20000,), 7.0).numpy().tobytes())
+        with open(decoy, "rb"):  # takes the lowest free descriptor number: the read's, had the load closed it
+            release.set()
+            deadline = time.monotonic() + 30
+            while any(t.name.startswith("cpuckpt-read") for t in threading.enumerate()):
+                assert time.monotonic() < deadline, "the stalled read never ended"
+                time.sleep(0.05)
+        assert torch.equal(target["w"], torch.zeros(1000)), target["w"].unique()
+        assert len(os.listdir("/proc/self/fd")) == fds_before  # closed once the last read ended
+    finally:
+        release.set()
+        files.unregister_backend("stalled")

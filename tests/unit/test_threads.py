@@ -231,3 +231,32 @@ def test_threads_do_not_leak():
 
 def test_cancelled_is_a_cpuckpt_error():
     assert issubclass(Cancelled, CpuckptError)
+
+
+def test_release_runs_once_after_the_last_task_even_when_the_call_timed_out():
+    """What the tasks use (a load's file descriptors) is released when no task runs any more: at once when they all
+    ended; after a timeout, by the straggler as it ends, never under it."""
+    released: list[str] = []
+    assert run_parallel(lambda t, c: t, [1, 2], threads=2, timeout_s=5, name="t",
+                        release=lambda: released.append("ok")) == [1, 2]
+    assert released == ["ok"]
+    assert run_parallel(lambda t, c: t, [], threads=2, timeout_s=5, name="t",
+                        release=lambda: released.append("none")) == []
+    assert released == ["ok", "none"]
+
+    go = threading.Event()
+    ended: list[str] = []
+
+    def straggler(task, cancel):
+        go.wait(10)
+        ended.append("straggler")
+
+    with pytest.raises(CheckpointTimeoutError):
+        run_parallel(straggler, [0], threads=1, timeout_s=0.2, name="t",
+                     release=lambda: released.append(f"late after {ended}"))
+    assert released == ["ok", "none"]  # the straggler still runs: nothing released under it
+    go.set()
+    deadline = time.monotonic() + 10
+    while len(released) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert released == ["ok", "none", "late after ['straggler']"]
