@@ -383,6 +383,10 @@ class StorageReader(_DcpStorageReader):
                 continue
             dtype, shape = chunk_shapes[(ri.storage_index.fqn, tuple(ri.storage_index.offset or ()))]
             target = planner.resolve_tensor(ri).detach()
+            if tuple(target.shape) != tuple(ri.lengths):  # as FileSystemReader: no reshape, no broadcast
+                raise ValueError(
+                    f"{self.path}: the planner's destination of {ri.dest_index.fqn!r} at {tuple(ri.dest_offsets)} has "
+                    f"shape {tuple(target.shape)}, the read of its saved chunk {tuple(ri.lengths)} (mismatch sizes)")
             if records is None:
                 fp.needs.append(_Need(ri, lo, hi, target=target, dtype=dtype, src_shape=shape))
                 continue

@@ -204,3 +204,20 @@ def test_a_read_still_running_after_a_timed_out_load_never_writes_into_the_calle
     finally:
         release.set()
         files.unregister_backend("stalled")
+
+
+def test_a_planner_destination_of_another_shape_is_refused_not_reshaped(tmp_path):
+    """A custom planner's ``resolve_tensor`` returning a destination of the same element count but another shape
+    was filled silently (reshaped; a stock record was broadcast): ``FileSystemReader`` refuses it (mismatch sizes)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    cpuckpt.save({"w": torch.arange(8.0).reshape(2, 4)}, tmp_path / "ck")
+    dest = torch.zeros(8)
+
+    class Transposing(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item):
+            return dest.view(4, 2)
+
+    with pytest.raises(cpuckpt.CpuckptError, match=r"'w' at \(0, 0\) has shape \(4, 2\).*\(2, 4\) \(mismatch sizes\)"):
+        cpuckpt.load({"w": torch.zeros(2, 4)}, tmp_path / "ck", planner=Transposing())
+    assert torch.equal(dest, torch.zeros(8))
