@@ -35,7 +35,14 @@ from typing import TYPE_CHECKING
 import crc32c
 
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError, as_storage_error
-from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json
+from cpuckpt.format.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    WRITER_MARK,
+    FileEntry,
+    Manifest,
+    manifest_from_json,
+)
 from cpuckpt.format.metapickle import holds_text
 
 if TYPE_CHECKING:  # torch is imported where metadata is unpickled: the writer process mostly never does
@@ -47,6 +54,7 @@ __all__ = [
     "SizeMismatch",
     "check_complete",
     "check_slot_complete",
+    "expects_manifest",
     "inside_checkpoint",
     "is_complete",
     "load_metadata",
@@ -135,6 +143,8 @@ def check_complete(path: str | os.PathLike) -> Completeness:
     except OSError as e:
         return _unreadable(e, mtime)
     if manifest is None or not same_save(manifest, metadata):  # stock DCP (or stock DCP committed over us)
+        if expects_manifest(metadata):
+            return Completeness(False, NO_MANIFEST, None, mtime)
         try:
             short = _short_stock_file(path, metadata)
         except OSError as e:
@@ -232,6 +242,17 @@ def _with_sizes(path: Path, manifest: Manifest, mtime: float | None, data: bytes
     if problems:
         return Completeness(False, f"{problems[0].name}: {problems[0].what}", manifest.step, mtime)
     return Completeness(True, "", manifest.step, mtime)
+
+
+def expects_manifest(metadata: Metadata) -> bool:
+    """``metadata`` was written by cpuckpt (:data:`~cpuckpt.format.manifest.WRITER_MARK`): its manifest belongs beside
+    it, and a checkpoint without one of its save is damaged (its checksums gone), not a stock one."""
+    modules = getattr(getattr(metadata, "storage_meta", None), "modules", None)
+    return isinstance(modules, list) and WRITER_MARK in modules
+
+
+NO_MANIFEST = (f"written by cpuckpt, but its manifest {MANIFEST_NAME} is missing or of another save: its "
+               "checksums are gone")
 
 
 def same_save(manifest: Manifest, metadata: Metadata) -> bool:

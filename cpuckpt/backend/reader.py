@@ -58,6 +58,8 @@ from torch.futures import Future
 from cpuckpt.backend import s3commit
 from cpuckpt.backend.committed import (
     METADATA_NAME,
+    NO_MANIFEST,
+    expects_manifest,
     inside_checkpoint,
     metadata_damage,
     parse_metadata,
@@ -69,7 +71,7 @@ from cpuckpt.backend.committed import (
 from cpuckpt.backend.ramread import MappedFile, in_ram
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError, IntegrityError
-from cpuckpt.format.manifest import FileEntry, Manifest
+from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.format.unpickle import load_value, reencode
 from cpuckpt.paths import S3Url, checkpoint_path
@@ -266,12 +268,21 @@ class StorageReader(_DcpStorageReader):
         self.storage_data = metadata.storage_data
         read = self._metadata_read
         self.manifest = read[1] if read is not None and read[0] is metadata else self._read_manifest()
-        if self.manifest is not None and not same_save(self.manifest, metadata):
+        other_save = self.manifest is not None and not same_save(self.manifest, metadata)
+        if other_save:
             # Another writer (e.g. stock DCP) committed here after us: the manifest describes old files.
             logger.warning("%s: manifest belongs to an earlier save (%s, .metadata says %s); reading as stock DCP",
                            self.path, self.manifest.save_id, metadata.storage_meta.save_id)
             self.manifest = None
+        if (self.manifest is None and expects_manifest(metadata) and self.config.integrity.verify != "off"
+                and (other_save or not self._manifest_exists())):  # (a too-new writer's is read as stock, warned)
+            raise CheckpointCorrupt(f"{self.path}: {NO_MANIFEST}; integrity.verify: off loads it unchecked")
         self._check_metadata(metadata)
+
+    def _manifest_exists(self) -> bool:
+        if isinstance(self.path, S3Url):
+            return self.store.head(self.path / MANIFEST_NAME) is not None
+        return (self.path / MANIFEST_NAME).exists()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

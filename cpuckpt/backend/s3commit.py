@@ -32,7 +32,9 @@ import crc32c
 from cpuckpt import faultpoint
 from cpuckpt.backend.committed import (
     METADATA_NAME,
+    NO_MANIFEST,
     Completeness,
+    expects_manifest,
     manifest_from_json_part,
     metadata_damage,
     parse_metadata,
@@ -264,6 +266,8 @@ def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
     except IntegrityError as e:  # gone since the HEAD, refused or unparsable: damage, not a read error
         return Completeness(False, str(e), None, info.mtime)
     if manifest is None or not same_save(manifest, metadata):  # stock DCP: its records' objects, long enough
+        if expects_manifest(metadata) and (manifest is not None or store.head(url / MANIFEST_NAME) is None):
+            return Completeness(False, NO_MANIFEST, None, info.mtime)  # (a too-new writer's: read as stock)
         short = _short_stock_object(store, url, metadata)
         return Completeness(not short, short, None, info.mtime)
     damage = metadata_damage(manifest, data)

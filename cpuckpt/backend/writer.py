@@ -46,7 +46,7 @@ from cpuckpt.backend.s3commit import S3Target
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import ConfigError, CpuckptError, is_interrupt
 from cpuckpt.format.layout import LayoutCache, LayoutItem
-from cpuckpt.format.manifest import FileEntry, Manifest
+from cpuckpt.format.manifest import WRITER_MARK, FileEntry, Manifest
 from cpuckpt.format.plancache import CachedPlan, reused_metadata
 from cpuckpt.format.record import record_template
 from cpuckpt.paths import S3Url, checkpoint_path
@@ -211,7 +211,9 @@ class StorageWriter(_DcpStorageWriter):
             raise ConfigError("cpuckpt.StorageWriter needs use_collectives=True (one .metadata per checkpoint)")
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+        meta = StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
+        meta.modules = [WRITER_MARK]  # a manifest belongs beside this .metadata (format.manifest)
+        return meta
 
     def prepare_target(self) -> None:
         """Every rank, before planning ends: the earlier saves of this process into the same path end first

@@ -20,6 +20,7 @@ import crc32c
 __all__ = [
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "WRITER_MARK",
     "FileEntry",
     "Manifest",
     "manifest_from_json",
@@ -30,6 +31,10 @@ __all__ = [
 FORMAT_VERSION = 3  # 2: metadata_crc32c; 3: manifest_crc32c
 MIN_READER_VERSION = 1
 MANIFEST_NAME = ".cpuckpt.json"
+# In ``.metadata``'s ``StorageMeta.modules`` (a list DCP keeps and never reads): written by cpuckpt, so its manifest
+# belongs beside it. Without one (deleted, or one of another save) the checksums are gone: the checkpoint is damaged,
+# not a stock one to load unchecked.
+WRITER_MARK = "cpuckpt"
 _SELF_CRC = "manifest_crc32c"  # the manifest's own checksum, over its canonical JSON without this field
 
 

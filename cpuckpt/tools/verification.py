@@ -27,6 +27,8 @@ import torch
 from cpuckpt.backend import s3commit
 from cpuckpt.backend.committed import (
     METADATA_NAME,
+    NO_MANIFEST,
+    expects_manifest,
     metadata_damage,
     parse_metadata,
     read_manifest,
@@ -34,6 +36,7 @@ from cpuckpt.backend.committed import (
     same_save,
 )
 from cpuckpt.config import resolve_config
+from cpuckpt.format.manifest import MANIFEST_NAME
 from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.transfer.objstore import ObjectStore, open_store
 
@@ -138,8 +141,13 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
         manifest = read_manifest(p)
         files = _Files(p)
     tick = progress or (lambda n: None)
-    if manifest is not None and not same_save(manifest, md):
+    other_save = manifest is not None and not same_save(manifest, md)
+    if other_save:
         manifest = None  # a stock save committed over a cpuckpt one: the manifest describes the old files
+    if manifest is None and expects_manifest(md) and (other_save or files.size(MANIFEST_NAME) is None):
+        report = VerifyReport(p, "cpuckpt")  # cpuckpt's .metadata: its checksums are gone, not a stock checkpoint
+        report.damage.append(Damage(MANIFEST_NAME, 0, 0, NO_MANIFEST))
+        return report
     if manifest is None:
         return _verify_stock(p, files, md, tick)
     report = VerifyReport(p, "cpuckpt")

@@ -221,3 +221,32 @@ def test_a_planner_destination_of_another_shape_is_refused_not_reshaped(tmp_path
     with pytest.raises(cpuckpt.CpuckptError, match=r"'w' at \(0, 0\) has shape \(4, 2\).*\(2, 4\) \(mismatch sizes\)"):
         cpuckpt.load({"w": torch.zeros(2, 4)}, tmp_path / "ck", planner=Transposing())
     assert torch.equal(dest, torch.zeros(8))
+
+
+def test_a_cpuckpt_checkpoint_whose_manifest_is_gone_is_damaged_not_a_stock_one(tmp_path):
+    """With ``.cpuckpt.json`` deleted, a cpuckpt checkpoint loaded as stock DCP: no checksums, no warning, under
+    ``verify: always``; a flipped byte loaded as a value, and ``load_latest`` picked it over the sound older one."""
+    from click.testing import CliRunner
+
+    from cpuckpt.tools.cli import cli
+
+    root = tmp_path / "root"
+    for step in (1, 2):
+        cpuckpt.save({"w": torch.full((1000,), float(step))}, root / f"step_{step}", step=step)
+    (data,) = (root / "step_2").glob("*.distcp")
+    raw = bytearray(data.read_bytes())
+    raw[raw.index(torch.full((4,), 2.0).numpy().tobytes()) + 1] ^= 0x10
+    data.write_bytes(bytes(raw))
+    (root / "step_2" / ".cpuckpt.json").unlink()
+
+    with pytest.raises(cpuckpt.CheckpointCorrupt, match=r"manifest \.cpuckpt\.json is missing"):
+        cpuckpt.load({"w": torch.zeros(1000)}, root / "step_2")
+    assert cpuckpt.find_latest(root) == root / "step_1"
+    out = {"w": torch.zeros(1000)}
+    assert cpuckpt.load_latest(out, root) == root / "step_1"
+    assert torch.equal(out["w"], torch.full((1000,), 1.0))
+    res = CliRunner().invoke(cli, ["verify", str(root / "step_2")])
+    assert res.exit_code == 1 and "manifest .cpuckpt.json is missing" in res.output, res.output
+    loose = {"w": torch.zeros(1000)}  # the way to read it anyway, knowingly
+    cpuckpt.load(loose, root / "step_2", {"integrity": {"verify": "off"}})
+    assert not torch.equal(loose["w"], torch.full((1000,), 2.0))  # the flipped byte: what a checksum would have caught

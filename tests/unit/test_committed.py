@@ -165,8 +165,11 @@ def test_a_slot_is_complete_without_unpickling_its_metadata(ckpt, tmp_path, dama
     if damage is None:
         assert (c.step, c.committed_at) == (3, (ckpt / ".metadata").stat().st_mtime)
         assert check_complete(ckpt).complete
-    elif damage != "save-id-not-a-string":  # without a manifest, or under another save's metadata: stock DCP to it
-        assert check_complete(ckpt).complete is (damage in ("no-manifest", "another-save"))
+    elif damage != "save-id-not-a-string":  # cpuckpt's .metadata without its save's manifest: damaged too
+        c = check_complete(ckpt)
+        assert not c.complete, damage
+        if damage in ("no-manifest", "another-save"):
+            assert "manifest .cpuckpt.json is missing or of another save" in c.reason, c.reason
 
 
 def test_the_manifest_json_is_the_dataclass_fields_as_json_and_reads_back():
