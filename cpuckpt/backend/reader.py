@@ -347,20 +347,24 @@ class StorageReader(_DcpStorageReader):
         t1 = time.perf_counter()
         cfg = self.config
         opened = contextlib.ExitStack()
+        handed = False  # from then on run_parallel closes `opened`
         try:
             # Every file's reads go to one set of threads: no drain at file boundaries, and small
             # files (optimizer shards, rank files of a resharded load) read side by side.
             jobs, sources, pool = _read_jobs(plans, cfg, opened, self.mapped, self.store)
+            # The files, mappings and slots are closed once no job runs any more: after a timeout or Ctrl-C, a
+            # job still in a read must not find its descriptor closed (and another file opened under its number).
+            handed = True
+            nbytes = run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
+                                  name="cpuckpt-read", release=opened.close)
         except BaseException:
-            opened.close()
+            if not handed:
+                opened.close()
             raise
+        stats.nbytes = sum(nbytes)
         stats.jobs = len(jobs)
         stats.mapped_files = len(sources)
         stats.slots_pinned_nbytes = getattr(pool, "pinned_nbytes", 0)
-        # The files, mappings and slots are closed once no job runs any more: after a timeout or Ctrl-C, a job
-        # still in a read must not find its descriptor closed (and another file opened under its number).
-        stats.nbytes = sum(run_parallel(_run_job, jobs, threads=cfg.io.read_threads, timeout_s=cfg.timeout_s,
-                                        name="cpuckpt-read", release=opened.close))
         stats.io_s = time.perf_counter() - t1
         return stats
 
@@ -745,7 +749,10 @@ def _range_jobs(fp: _FilePlan, cfg: Config, opened: contextlib.ExitStack,
     def read_pieces(pieces: list[tuple[_Need, int, int]], cancel: threading.Event) -> int:
         total = 0
         for need, a, b in pieces:
-            _check(cancel)  # these reads land in the targets themselves
+            # These reads land in the targets themselves: none starts once the load has failed, but one already
+            # blocked in its pread when the load timed out completes into its target (the checkpoint's own bytes,
+            # through the descriptor kept open for it) after the load has raised.
+            _check(cancel)
             view = memoryview(need.buffer[a - need.lo : b - need.lo].numpy())
             got = backend.pread_into(fd, view, a, fp.path)
             if got < b - a:

@@ -71,8 +71,13 @@ def run_parallel(
             last = returned[0] and running[0] == 0 and release is not None
             if last:
                 returned[0] = False  # once
-        if last:
-            release()
+        if last and not ended:
+            release()  # the caller's thread: an error here is the caller's
+        elif last:
+            try:
+                release()
+            except Exception:  # a straggler's thread: nobody reads its future any more
+                logger.warning("%s: releasing what the tasks used failed", name, exc_info=True)
 
     def guarded(task: T) -> R:
         with lock:
@@ -88,8 +93,9 @@ def run_parallel(
             settle(ended=True)
 
     deadline = time.monotonic() + timeout_s
-    pool = cf.ThreadPoolExecutor(max_workers=max(1, min(threads, len(task_list))), thread_name_prefix=name)
+    pool: cf.ThreadPoolExecutor | None = None
     try:
+        pool = cf.ThreadPoolExecutor(max_workers=max(1, min(threads, len(task_list))), thread_name_prefix=name)
         futures = [pool.submit(guarded, t) for t in task_list]
         pending = set(futures)
         first_error: BaseException | None = None
@@ -117,7 +123,8 @@ def run_parallel(
         raise
     finally:
         cancel.set()  # whatever is left (nothing, when all ended) stops at its next check
-        pool.shutdown(wait=False, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         settle(ended=False, leaving=True)
 
 
