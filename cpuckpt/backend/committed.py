@@ -251,8 +251,8 @@ def expects_manifest(metadata: Metadata) -> bool:
     return isinstance(modules, list) and WRITER_MARK in modules
 
 
-NO_MANIFEST = (f"written by cpuckpt, but its manifest {MANIFEST_NAME} is missing or of another save: its "
-               "checksums are gone")
+NO_MANIFEST = (f"its {METADATA_NAME} was written by cpuckpt, but its manifest {MANIFEST_NAME} is missing or of "
+               "another save: its checksums are gone")
 
 
 def same_save(manifest: Manifest, metadata: Metadata) -> bool:

@@ -137,9 +137,9 @@ def test_flipped_bytes_are_all_detected(ckpt, capsys, sweep):
 def test_flipped_bytes_of_the_metadata_are_all_detected(ckpt, capsys):
     """Every single-byte flip of ``.metadata`` fails the load with ``CheckpointCorrupt`` naming ``.metadata`` and
     makes the checkpoint incomplete: refused by the unpickler (or its structure check), or (a flip it still unpickles:
-    a name, an offset, a size) by the crc32c the manifest recorded at the commit. Except a flip inside the save id:
-    the manifest is then another save's (as after a stock save over the directory), the checkpoint reads as a stock
-    one, and its values are the saved ones (nothing else changed)."""
+    a name, an offset, a size) by the crc32c the manifest recorded at the commit, or (a flip inside the save id: the
+    manifest is then another save's) as a cpuckpt ``.metadata`` without its manifest. A flip that made the pickle
+    another save's that is not cpuckpt's (none here) would read as stock, with the saved values."""
     from cpuckpt.backend.committed import check_complete, parse_metadata, read_manifest
 
     path, sd = ckpt
