@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,8 +49,10 @@ __all__ = [
     "TagStatus",
     "check_dir",
     "check_tag",
+    "chunk_damage",
     "complete_tags",
     "find_latest",
+    "held_files",
     "read_marker",
     "refusal",
     "require_complete",
@@ -189,16 +192,24 @@ def read_marker(tag_dir: str | os.PathLike) -> TagMarker | None:
 
 
 def _crc_problems(tag_dir: Path, name: str, f: TagFile | FileEntry) -> list[str]:
-    if not f.chunk_checksums:
-        return []
+    return [f"{name}: checksum mismatch in chunk {c} (bytes [{lo}, {hi})): {what}"
+            for c, lo, hi, what in chunk_damage(tag_dir, name, f)]
+
+
+def chunk_damage(tag_dir: Path, name: str, f: TagFile | FileEntry,
+                 tick: Callable[[int], None] | None = None) -> list[tuple[int, int, int, str]]:
+    """(chunk, lo, hi, what) of each chunk of file ``name`` whose bytes are cut short or whose crc32c is not the one
+    ``f`` records (none when ``f`` records none); ``tick`` is called with the bytes of each chunk read."""
     out = []
     with open(tag_dir / name, "rb", buffering=0) as fh:
         for c, stored in enumerate(f.chunk_checksums):
             lo, hi = c * f.chunk_bytes, min((c + 1) * f.chunk_bytes, f.nbytes)
             data = os.pread(fh.fileno(), hi - lo, lo)
+            if tick is not None:
+                tick(len(data))
             crc = crc32c.crc32c(data)
             if len(data) != hi - lo or crc != stored:
-                out.append(f"{name}: checksum mismatch in chunk {c} (bytes [{lo}, {hi})): stored {stored}, read {crc}")
+                out.append((c, lo, hi, f"stored {stored}, read {crc}"))
     return out
 
 
@@ -211,7 +222,7 @@ def node_listing(tag_dir: Path, marker: TagMarker) -> NodeFiles | None:
     return listing
 
 
-def _held_files(tag_dir: Path, marker: TagMarker) -> dict[str, TagFile | FileEntry]:
+def held_files(tag_dir: Path, marker: TagMarker) -> dict[str, TagFile | FileEntry]:
     """The files ``tag_dir`` holds of the tag: every file the marker lists, or, in a node's slot, its listing's."""
     listing = node_listing(tag_dir, marker)
     return dict(marker.files) if listing is None else dict(listing.files)
@@ -219,7 +230,7 @@ def _held_files(tag_dir: Path, marker: TagMarker) -> dict[str, TagFile | FileEnt
 
 def verify_files(tag_dir: Path, marker: TagMarker, names: list[str] | None = None) -> list[str]:
     """Compare the crc32c of ``names`` (default: every file the directory holds); the mismatches found."""
-    held = _held_files(tag_dir, marker)
+    held = held_files(tag_dir, marker)
     out: list[str] = []
     for name in sorted(held) if names is None else names:
         out += _crc_problems(tag_dir, name, held[name])
@@ -261,7 +272,7 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
         problems.append(f"the marker is of tag {marker.tag!r}")
     # a node's slot across nodes holds its listing's files only (its ranks' and its own copy of the model states)
     entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=f.chunk_bytes)
-               for n, f in _held_files(tag_dir, marker).items()]
+               for n, f in held_files(tag_dir, marker).items()]
     problems += [str(m) for m in size_mismatches(tag_dir, entries)]
     if verify and not problems:
         problems += verify_files(tag_dir, marker)

@@ -239,7 +239,8 @@ def inspect_cmd(path: Any, as_json: bool, tensors: bool) -> None:
 def verify_cmd(path: Any) -> None:
     """Read every byte of the checkpoint at PATH (a directory, or an s3:// prefix) and check it.
 
-    cpuckpt checkpoints: every chunk's crc32c against the manifest, file sizes, record bounds.
+    cpuckpt checkpoints: every chunk's crc32c against the manifest, file sizes, record bounds. DeepSpeed tags
+    written by cpuckpt's engine: every file's size and chunks' crc32c against the tag's marker.
     Stock DCP checkpoints: every record's zip CRCs, and every tensor record must load. Exit code 1
     names each damaged file and byte range; 2 means the checkpoint could not be checked at all; 3 that
     nothing was found damaged but some contents had nothing to be checked against (saved without checksums).
@@ -269,7 +270,7 @@ def verify_cmd(path: Any) -> None:
         click.echo(f"note: {note}")
     for damage in report.damage:
         click.echo(f"DAMAGED {path / damage.file}: bytes [{damage.lo}, {damage.hi}): {damage.what}")
-    what = "chunk(s)" if report.kind == "cpuckpt" else "record(s)"
+    what = "record(s)" if report.kind == "dcp" else "chunk(s)"
     if report.ok and report.unverified:
         click.echo(f"UNVERIFIED {path}: no damage in {report.chunks} {what} ({report.nbytes} bytes) checked, but "
                    f"{len(report.unverified)} file(s) or record(s) carry nothing to check their contents against")

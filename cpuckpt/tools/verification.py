@@ -36,8 +36,10 @@ from cpuckpt.backend.committed import (
     same_save,
 )
 from cpuckpt.config import resolve_config
+from cpuckpt.errors import IntegrityError
 from cpuckpt.format.manifest import MANIFEST_NAME
 from cpuckpt.paths import S3Url, checkpoint_path
+from cpuckpt.tier.tagmarker import MARKER_NAME, SAVING_NAME, check_dir, chunk_damage, held_files
 from cpuckpt.transfer.objstore import ObjectStore, open_store
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
@@ -63,7 +65,7 @@ class VerifyReport:
     """The outcome of :func:`verify_checkpoint`."""
 
     path: Path | S3Url
-    kind: str  # "cpuckpt" or "dcp"
+    kind: str  # "cpuckpt", "dcp" or "deepspeed" (a tag of cpuckpt's DeepSpeed engine)
     files: int = 0
     chunks: int = 0  # chunks (cpuckpt) or records (stock) checked
     nbytes: int = 0  # bytes read
@@ -126,6 +128,8 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
             or manifest: nothing else can be checked.
     """
     where = checkpoint_path(path)
+    if isinstance(where, Path | str) and _is_tag(Path(where)):
+        return _verify_tag(Path(where), progress or (lambda n: None))
     files: _Files | _Objects
     if isinstance(where, S3Url):
         p: Path | S3Url = where
@@ -194,6 +198,48 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
         elif end > entry.nbytes:
             report.damage.append(Damage(sinfo.relative_path, int(sinfo.offset), end,
                                         f".metadata record of {idx.fqn} ends past the file's {entry.nbytes} bytes"))
+    return report
+
+
+def _is_tag(p: Path) -> bool:
+    """A DeepSpeed tag directory written by cpuckpt's engine (its marker, or its saving file), not a DCP one."""
+    return not (p / METADATA_NAME).exists() and ((p / MARKER_NAME).exists() or (p / SAVING_NAME).exists())
+
+
+def _verify_tag(p: Path, tick: Callable[[int], None]) -> VerifyReport:
+    """A DeepSpeed tag of cpuckpt's engine: every file its marker lists, at its size, every chunk's crc32c.
+
+    Raises:
+        IntegrityError: its save never committed (no marker): nothing to check against.
+    """
+    status = check_dir(p)
+    if status.marker is None:
+        raise IntegrityError(f"{p}: DeepSpeed tag {status.state}: " + ("; ".join(status.problems) or "no marker"))
+    report = VerifyReport(p, "deepspeed")
+    files = _Files(p)
+    for name, entry in sorted(held_files(p, status.marker).items()):
+        report.files += 1
+        size = files.size(name)
+        if size is None:
+            report.damage.append(Damage(name, 0, entry.nbytes, "data file is missing"))
+            continue
+        if size != entry.nbytes:
+            lo, hi = sorted((size, entry.nbytes))
+            report.damage.append(Damage(name, lo, hi, f"{size} bytes on disk, the marker says {entry.nbytes} "
+                                        "(truncated or overwritten)"))
+        if not entry.chunk_checksums:
+            if entry.nbytes:
+                report.notes.append(f"{name}: written without checksums; contents not verifiable")
+                report.unverified.append(name)
+            continue
+
+        def read(n: int) -> None:
+            report.nbytes += n
+            tick(n)
+
+        report.chunks += len(entry.chunk_checksums)
+        for c, lo, hi, what in chunk_damage(p, name, entry, read):
+            report.damage.append(Damage(name, lo, hi, f"checksum mismatch in chunk {c}: {what}"))
     return report
 
 

@@ -753,6 +753,14 @@ def test_ls_tells_torn_and_damaged_deepspeed_tags_of_cpuckpts_engine(tmp_path):
     assert code == 1 and rows["global_step30"]["status"] == "damaged", out
     assert [n for n, r in rows.items() if r["latest"]] == ["global_step10"], out
 
+    # verify reads such a tag too: damage named by file and byte range, a sound tag OK, a torn one not checkable
+    code, out = _run("verify", tmp_path / "global_step30")
+    assert code == 1 and f"DAMAGED {data}: bytes [0, 100): checksum mismatch in chunk 0" in out, out
+    code, out = _run("verify", tmp_path / "global_step10")
+    assert code == 0 and out.startswith(f"OK {tmp_path / 'global_step10'}: 1 file(s), 1 chunk(s), 100 bytes"), out
+    code, out = _run("verify", tmp_path / "global_step20")
+    assert code == 2 and "torn" in out, out
+
 
 def test_verify_of_sound_checkpoints_with_nothing_to_checksum_is_ok(tmp_path):
     """Not "UNVERIFIED": an empty data file (a rank with no items, an empty state dict) has no chunks to check, and a
