@@ -13,7 +13,7 @@ Completeness, defined once here (:func:`check_complete`), in three steps:
    records (:func:`metadata_damage`; manifests of format 1 record none), and every data file it lists
    exists with the listed size (:func:`size_mismatches`). A stock DCP checkpoint (or a manifest of an earlier
    save that a stock save committed over): every data file ``.metadata``'s records name exists and reaches the
-   end of its last record (:func:`stock_extents`).
+   end of its last record (:func:`short_stock_data`).
 
 The data files' checksums are not read (that is the load's and ``cpuckpt verify``'s job): the whole
 check costs one read of ``.metadata`` and one ``stat`` per data file. ``find_latest``, retention, the ``latest``
@@ -27,7 +27,7 @@ import logging
 import os
 import pickle
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -64,9 +64,9 @@ __all__ = [
     "read_manifest",
     "read_metadata_bytes",
     "same_save",
+    "short_stock_data",
     "size_mismatch",
     "size_mismatches",
-    "stock_extents",
 ]
 
 logger = logging.getLogger(__name__)
@@ -146,27 +146,23 @@ def check_complete(path: str | os.PathLike) -> Completeness:
         if expects_manifest(metadata):
             return Completeness(False, NO_MANIFEST, None, mtime)
         try:
-            short = _short_stock_file(path, metadata)
+            short = short_stock_data(metadata, lambda rel: _stat_size(path / rel), "on disk")
         except OSError as e:
             return _unreadable(e, mtime)
         return Completeness(not short, short, None, mtime)
     return _with_sizes(path, manifest, mtime, data)
 
 
-def _short_stock_file(path: Path, metadata: Metadata) -> str:
-    """The first data file of a stock checkpoint that is missing or ends before its records do ("" when none).
+def _stat_size(path: Path) -> int | None:
+    """``path``'s size, None when missing.
 
     Raises:
-        OSError: a ``stat`` failed for another reason than a missing file.
+        OSError: ``stat`` failed for another reason than a missing file.
     """
-    for rel, need in sorted(stock_extents(metadata).items()):
-        try:
-            size = (path / rel).stat().st_size
-        except FileNotFoundError:
-            return f"{rel}: data file is missing"
-        if size < need:
-            return f"{rel}: {size} bytes on disk, its records in {METADATA_NAME} end at {need} (truncated)"
-    return ""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 def check_slot_complete(path: str | os.PathLike) -> Completeness:
@@ -291,10 +287,7 @@ def size_mismatch(file: str | os.PathLike, expected: int | None, name: str = "")
         OSError: ``stat`` failed for another reason than a missing file.
     """
     file = Path(file)
-    try:
-        size = file.stat().st_size
-    except FileNotFoundError:
-        size = None
+    size = _stat_size(file)
     if size is None or (expected is not None and size != expected):
         return SizeMismatch(name or file.name, file, expected, size)
     return None
@@ -393,16 +386,23 @@ def inside_checkpoint(relative_path: str) -> bool:
     return bool(p.parts) and not p.is_absolute() and ".." not in p.parts
 
 
-def stock_extents(metadata: Metadata) -> dict[str, int]:
-    """Each data file a stock ``.metadata``'s records name, and the size it needs to hold them (the end of its last
-    record): a stock checkpoint is complete only when every such file is that long."""
+def short_stock_data(metadata: Metadata, size_of: Callable[[str], int | None], where: str) -> str:
+    """The first data file a stock ``.metadata``'s records name that is missing or ends before its last record does
+    ("" when none): a stock checkpoint is complete only without one. ``size_of``: a file's size (None: missing);
+    ``where``: "on disk", "in the store"."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
     need: dict[str, int] = {}
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         if isinstance(info, _StorageInfo):
             need[info.relative_path] = max(need.get(info.relative_path, 0), int(info.offset) + int(info.length))
-    return need
+    for rel, end in sorted(need.items()):
+        size = size_of(rel)
+        if size is None:
+            return f"{rel}: data file is missing ({where})"
+        if size < end:
+            return f"{rel}: {size} bytes {where}, its records in {METADATA_NAME} end at {end} (truncated)"
+    return ""
 
 
 def parse_metadata(data: bytes, where: object) -> Metadata:

@@ -39,7 +39,7 @@ from cpuckpt.backend.committed import (
     metadata_damage,
     parse_metadata,
     same_save,
-    stock_extents,
+    short_stock_data,
 )
 from cpuckpt.errors import IntegrityError, StorageIOError
 from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json, part_name
@@ -280,20 +280,17 @@ def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
 
 
 def _short_stock_object(store: ObjectStore, url: S3Url, metadata: Metadata) -> str:
-    """The first data object of a stock checkpoint that is missing or ends before its records do ("" when none).
-    Sizes from one listing of the prefix (a request per 1,000 objects), not a HEAD per object."""
-    need = stock_extents(metadata)
-    if not need:
-        return ""
-    base = url.contents
-    sizes = {o.key[len(base.key):]: o.nbytes for o in store.list(base)}
-    for rel, end in sorted(need.items()):
-        size = sizes.get(rel)
-        if size is None:
-            return f"{rel}: data object is missing"
-        if size < end:
-            return f"{rel}: {size} bytes in the store, its records in {METADATA_NAME} end at {end} (truncated)"
-    return ""
+    """:func:`~cpuckpt.backend.committed.short_stock_data` of a prefix: sizes from one listing of it (a request per
+    1,000 objects, made only if a record names an object), not a HEAD per object."""
+    sizes: dict[str, int] = {}
+
+    def size_of(rel: str) -> int | None:
+        if not sizes:
+            base = url.contents
+            sizes.update({o.key[len(base.key):]: o.nbytes for o in store.list(base)})
+        return sizes.get(rel)
+
+    return short_stock_data(metadata, size_of, "in the store")
 
 
 def manifest_save_id(store: ObjectStore, url: S3Url) -> str | None:

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +48,6 @@ __all__ = [
     "TagStatus",
     "check_dir",
     "check_tag",
-    "chunk_damage",
     "complete_tags",
     "find_latest",
     "held_files",
@@ -192,24 +190,16 @@ def read_marker(tag_dir: str | os.PathLike) -> TagMarker | None:
 
 
 def _crc_problems(tag_dir: Path, name: str, f: TagFile | FileEntry) -> list[str]:
-    return [f"{name}: checksum mismatch in chunk {c} (bytes [{lo}, {hi})): {what}"
-            for c, lo, hi, what in chunk_damage(tag_dir, name, f)]
-
-
-def chunk_damage(tag_dir: Path, name: str, f: TagFile | FileEntry,
-                 tick: Callable[[int], None] | None = None) -> list[tuple[int, int, int, str]]:
-    """(chunk, lo, hi, what) of each chunk of file ``name`` whose bytes are cut short or whose crc32c is not the one
-    ``f`` records (none when ``f`` records none); ``tick`` is called with the bytes of each chunk read."""
+    if not f.chunk_checksums:
+        return []
     out = []
     with open(tag_dir / name, "rb", buffering=0) as fh:
         for c, stored in enumerate(f.chunk_checksums):
             lo, hi = c * f.chunk_bytes, min((c + 1) * f.chunk_bytes, f.nbytes)
             data = os.pread(fh.fileno(), hi - lo, lo)
-            if tick is not None:
-                tick(len(data))
             crc = crc32c.crc32c(data)
             if len(data) != hi - lo or crc != stored:
-                out.append((c, lo, hi, f"stored {stored}, read {crc}"))
+                out.append(f"{name}: checksum mismatch in chunk {c} (bytes [{lo}, {hi})): stored {stored}, read {crc}")
     return out
 
 

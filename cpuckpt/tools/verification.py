@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import os
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,9 +37,9 @@ from cpuckpt.backend.committed import (
 )
 from cpuckpt.config import resolve_config
 from cpuckpt.errors import IntegrityError
-from cpuckpt.format.manifest import MANIFEST_NAME
+from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry
 from cpuckpt.paths import S3Url, checkpoint_path
-from cpuckpt.tier.tagmarker import MARKER_NAME, SAVING_NAME, check_dir, chunk_damage, held_files
+from cpuckpt.tier.tagmarker import MARKER_NAME, SAVING_NAME, TagFile, check_dir, held_files
 from cpuckpt.transfer.objstore import ObjectStore, open_store
 
 __all__ = ["Damage", "VerifyReport", "verify_checkpoint"]
@@ -158,7 +158,23 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
     damage = metadata_damage(manifest, data)
     if damage:
         report.damage.append(Damage(METADATA_NAME, 0, len(data), damage))
-    for name, entry in sorted(manifest.files.items()):
+    _verify_files(report, files, manifest.files, tick, listed_by="the manifest")
+    for idx, sinfo in (md.storage_data or {}).items():
+        entry = manifest.files.get(sinfo.relative_path)
+        end = int(sinfo.offset) + int(sinfo.length)
+        if entry is None:
+            report.damage.append(Damage(sinfo.relative_path, int(sinfo.offset), end,
+                                        f".metadata record of {idx.fqn} is in a file the manifest does not list"))
+        elif end > entry.nbytes:
+            report.damage.append(Damage(sinfo.relative_path, int(sinfo.offset), end,
+                                        f".metadata record of {idx.fqn} ends past the file's {entry.nbytes} bytes"))
+    return report
+
+
+def _verify_files(report: VerifyReport, files: _Files | _Objects, entries: Mapping[str, FileEntry | TagFile],
+                  tick: Callable[[int], None], *, listed_by: str) -> None:
+    """Every listed file at its listed size, every chunk's crc32c (a manifest's files, or a DeepSpeed tag marker's)."""
+    for name, entry in sorted(entries.items()):
         report.files += 1
         actual = files.size(name)
         if actual is None:  # missing: nothing more to read
@@ -167,7 +183,7 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
         if actual != entry.nbytes:
             lo, hi = sorted((actual, entry.nbytes))
             where = "on disk" if isinstance(files, _Files) else "in the store"
-            report.damage.append(Damage(name, lo, hi, f"{actual} bytes {where}, the manifest says {entry.nbytes} "
+            report.damage.append(Damage(name, lo, hi, f"{actual} bytes {where}, {listed_by} says {entry.nbytes} "
                                         "(truncated or overwritten)"))
         if entry.checksum != "crc32c" or not entry.chunk_checksums:
             if entry.checksum != "crc32c" or entry.nbytes:  # an empty file has no chunks: nothing to check
@@ -189,16 +205,6 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
             if len(data) == hi - lo and crc != stored:
                 report.damage.append(Damage(name, lo, hi, f"checksum mismatch in chunk {c}: stored {stored}, "
                                             f"read {crc}"))
-    for idx, sinfo in (md.storage_data or {}).items():
-        entry = manifest.files.get(sinfo.relative_path)
-        end = int(sinfo.offset) + int(sinfo.length)
-        if entry is None:
-            report.damage.append(Damage(sinfo.relative_path, int(sinfo.offset), end,
-                                        f".metadata record of {idx.fqn} is in a file the manifest does not list"))
-        elif end > entry.nbytes:
-            report.damage.append(Damage(sinfo.relative_path, int(sinfo.offset), end,
-                                        f".metadata record of {idx.fqn} ends past the file's {entry.nbytes} bytes"))
-    return report
 
 
 def _is_tag(p: Path) -> bool:
@@ -216,30 +222,7 @@ def _verify_tag(p: Path, tick: Callable[[int], None]) -> VerifyReport:
     if status.marker is None:
         raise IntegrityError(f"{p}: DeepSpeed tag {status.state}: " + ("; ".join(status.problems) or "no marker"))
     report = VerifyReport(p, "deepspeed")
-    files = _Files(p)
-    for name, entry in sorted(held_files(p, status.marker).items()):
-        report.files += 1
-        size = files.size(name)
-        if size is None:
-            report.damage.append(Damage(name, 0, entry.nbytes, "data file is missing"))
-            continue
-        if size != entry.nbytes:
-            lo, hi = sorted((size, entry.nbytes))
-            report.damage.append(Damage(name, lo, hi, f"{size} bytes on disk, the marker says {entry.nbytes} "
-                                        "(truncated or overwritten)"))
-        if not entry.chunk_checksums:
-            if entry.nbytes:
-                report.notes.append(f"{name}: written without checksums; contents not verifiable")
-                report.unverified.append(name)
-            continue
-
-        def read(n: int) -> None:
-            report.nbytes += n
-            tick(n)
-
-        report.chunks += len(entry.chunk_checksums)
-        for c, lo, hi, what in chunk_damage(p, name, entry, read):
-            report.damage.append(Damage(name, lo, hi, f"checksum mismatch in chunk {c}: {what}"))
+    _verify_files(report, _Files(p), held_files(p, status.marker), tick, listed_by="the marker")
     return report
 
 
