@@ -52,9 +52,13 @@ def _inspect(store: ObjectStore, url: S3Url, objects: list[tuple[str, float]]) -
                           c.reason)
 
 
+def _checkpoint_file(name: str) -> bool:
+    """An object directly under a checkpoint prefix, named as a checkpoint's files are."""
+    return "/" not in name and bool(CHECKPOINT_FILE.match(name))
+
+
 def _looks_like_checkpoint(objects: list[tuple[str, float]]) -> bool:
-    names = [n for n, _ in objects]
-    return bool(names) and all("/" not in n and CHECKPOINT_FILE.match(n) for n in names)
+    return bool(objects) and all(_checkpoint_file(n) for n, _ in objects)
 
 
 def _scan(store: ObjectStore, root: S3Url) -> list[tuple[CheckpointInfo, list[tuple[str, float]]]]:
@@ -76,7 +80,7 @@ def inspect_prefix(url: S3Url, cfg: S3Config | None = None) -> CheckpointInfo | 
     objects = []
     for o in store.list(base):
         name = o.key[len(base.key):]
-        if "/" in name or not CHECKPOINT_FILE.match(name):
+        if not _checkpoint_file(name):
             return None
         objects.append((name, o.mtime))
     return _inspect(store, url, objects) if objects else None

@@ -193,3 +193,14 @@ def memory_job(directory: Any, names: list[str], files: list[Any], sources: list
 
     return SaveJob(directory, names, files, sources, cfg, rank=rank, mode="snapshot",
                    sink=images(directory, names, files, cfg, rank=rank))
+
+
+def refuse_forks() -> None:
+    """From now on this process cannot start a subprocess (``subprocess.Popen`` raises EAGAIN, as a full process
+    table does): a rank whose writer process cannot start."""
+    import subprocess
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(11, "planted: cannot fork")
+
+    subprocess.Popen = refuse  # type: ignore[misc, assignment]

@@ -814,8 +814,6 @@ def test_restart_over_a_committed_checkpoint_damaged_since_raises_instead_of_sta
 
 def _writer_cannot_start_on_rank_1(durable: str, ram: str) -> dict:
     """Rank body: memory saves at steps 1-3, persist every 2nd; rank 1 cannot start a process (Popen fails)."""
-    import subprocess
-
     import torch.distributed as dist
 
     from cpuckpt.tier.memory import MemoryTier, WriterDiedError
@@ -824,9 +822,7 @@ def _writer_cannot_start_on_rank_1(durable: str, ram: str) -> dict:
     tier = MemoryTier(durable, _cfg(Path(ram), persist_every=2))
     tier.save(_state(1, rank), 1).wait()  # memory only: no writer is needed yet
     if rank == 1:
-        def refuse(*a, **k):
-            raise OSError(11, "planted: cannot fork")
-        subprocess.Popen = refuse  # this rank's process only
+        H.refuse_forks()  # this rank's process only
     t0 = time.monotonic()
     try:
         tier.save(_state(2, rank), 2).wait()

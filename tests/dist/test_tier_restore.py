@@ -35,6 +35,7 @@ import signal
 import time
 from pathlib import Path
 
+import _helpers as H
 import pytest
 import torch
 
@@ -326,17 +327,13 @@ def test_close_raises_one_error_class_on_every_rank_promptly_when_one_persist_fa
 
 def _writer_cannot_start_at_construction(durable: str, base: str) -> dict:
     """Rank body: two nodes with replicas (every rank's writer starts in the constructor); rank 1 cannot fork."""
-    import subprocess
-
     import torch.distributed as dist
 
     from cpuckpt.tier.memory import MemoryTier
 
     rank = dist.get_rank()
     if rank == 1:
-        def refuse(*a, **k):
-            raise OSError(11, "planted: cannot fork")
-        subprocess.Popen = refuse  # this rank's process only
+        H.refuse_forks()  # this rank's process only
     t0 = time.monotonic()
     try:
         MemoryTier(durable, _cfg(f"{base}/ram{rank}"))
