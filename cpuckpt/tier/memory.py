@@ -68,7 +68,7 @@ from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import RamRoot, acquire_lock, job_id_for
-from cpuckpt.tier.recovery import Replication, Restore, agree_available, node_copies
+from cpuckpt.tier.recovery import Replication, Restore, agree_available, node_copies, slots_present
 from cpuckpt.transfer.staging import caller_device
 
 __all__ = ["MemoryTier", "WriterDiedError"]
@@ -1046,9 +1046,10 @@ class MemoryTier:
         else:
             mine = held_saves(self.slots, self.rank, self.world_size, state_dict, planner)
             if self.config.memory.replicas:  # own slots, or a copy another node holds (restored before the load)
-                copies = node_copies(self.root.path, self.slots, self.rank, self.world_size) \
-                    if self.nodes.is_leader else []
-                held, self._pending = agree_available(self.nodes, mine, copies, self.slots, self.group)
+                leader = self.nodes.is_leader
+                copies = node_copies(self.root.path, self.slots, self.rank, self.world_size) if leader else []
+                present = slots_present(self.slots) if leader else {}
+                held, self._pending = agree_available(self.nodes, mine, copies, present, self.slots, self.group)
             else:
                 held = agree_held(mine, self.world_size, self.group)
             found = [(step, 1, self._created(slot, save_id), str(slot), ("memory", step, save_id), slot)

@@ -51,10 +51,12 @@ from cpuckpt.tier.replica import (
     read_token,
     replica_slots,
     send_slot,
+    slot_content,
     write_token,
 )
 
-__all__ = ["Copy", "Replication", "Restore", "agree_available", "node_copies", "overwrites", "plan_restores"]
+__all__ = ["Copy", "Present", "Replication", "Restore", "agree_available", "node_copies", "overwrites", "plan_restores",
+           "slots_present"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +94,23 @@ class Copy:
 
 @dataclasses.dataclass(frozen=True)
 class Restore:
-    """Copy ``source`` into the own ``source.slot`` of the node led by rank ``target``."""
+    """Copy ``source`` into the own ``source.slot`` of the node led by rank ``target``, a slot that held
+    ``expect`` complete (a save id; None: nothing) when planned: the receiver refuses it over anything else."""
 
     target: int
     source: Copy
+    expect: str | None = None
+
+
+# What a node's own slot holds complete, of any world size: (step, save id); a step None (saved without one) is
+# never older than a restore
+Present = tuple[int | None, str]
+
+
+def slots_present(slots: list[Path]) -> dict[str, Present]:
+    """What each of this node's own slots holds complete, whatever its world size (a restore is planned only
+    over a slot that holds nothing newer, and names what it holds). Unpickles nothing."""
+    return {s.name: (c.step, c.save_id) for s in slots if (c := slot_content(s)) is not None}
 
 
 def node_copies(root: Path, slots: list[Path], rank: int, world_size: int) -> list[Copy]:
@@ -195,7 +210,7 @@ class Replication:
             t0 = time.perf_counter()
             try:
                 nbytes = send_slot(endpoint, self.token, source=self.nodes.keys[r.target], slot=Path(r.source.path),
-                                   save_id=r.source.save_id, into="slot", timeout_s=self.timeout_s)
+                                   save_id=r.source.save_id, into="slot", timeout_s=self.timeout_s, expect=r.expect)
                 logger.info("cpuckpt memory tier: restored step %s of node %s from %s (%d bytes, %.3f s)",
                             r.source.step, self.nodes.keys[r.target], r.source.path, nbytes, time.perf_counter() - t0)
             except ReplicaError as e:
@@ -208,22 +223,23 @@ class Replication:
                                  "failed" + (f": {error}" if error else " on another rank (see its log)"))
 
 
-def agree_available(nodes: NodeMap, mine: dict[Held, Path], copies: list[Copy], slots: list[Path],
-                    group: Any) -> tuple[dict[Held, Path], dict[Path, list[Restore]]]:
+def agree_available(nodes: NodeMap, mine: dict[Held, Path], copies: list[Copy], present: dict[str, Present],
+                    slots: list[Path], group: Any) -> tuple[dict[Held, Path], dict[Path, list[Restore]]]:
     """Collective (one all-gather): the available memory checkpoints with this rank's slot path for each, and
-    the restores a path needs before it is loaded."""
+    the restores a path needs before it is loaded. ``copies`` and ``present`` (:func:`slots_present`): a node
+    leader's, empty on the other ranks."""
     every: list[Any] = [None] * len(nodes.keys)
-    dist.all_gather_object(every, (sorted(mine), copies), group=group)
-    held = [list(h) for h, _ in every]
-    copies = [c for _, cs in every for c in cs]
+    dist.all_gather_object(every, (sorted(mine), copies, present), group=group)
+    held = [list(h) for h, _, _ in every]
+    copies = [c for _, cs, _ in every for c in cs]
     plans = plan_restores(nodes, held, copies)
     me = nodes.keys[nodes.rank]
     by_name = {s.name: s for s in slots}
     paths: dict[Held, Path] = {}
     pending: dict[Path, list[Restore]] = {}
-    # What each node's own slots hold now: a restore must never overwrite a complete checkpoint of the same or
-    # a newer step (available or not: a node may hold the only copy of a newer step).
-    content = {(nodes.keys[c.holder], c.slot): c.held for c in copies if not c.replica}
+    # What each node's own slots hold now, of any world size: a restore must never overwrite a complete
+    # checkpoint of the same or a newer step (available or not: a node may hold the only copy of a newer step).
+    content = {(nodes.keys[r], name): held for r, (_, _, pres) in enumerate(every) for name, held in pres.items()}
     # (node, slot) a newer available save reads or restores into: an older save that needs it is not available
     # (its restore would destroy the newer one, or the newer one's restore destroys it before it is loaded).
     claimed: set[tuple[str, str]] = set()
@@ -242,11 +258,17 @@ def agree_available(nodes: NodeMap, mine: dict[Held, Path], copies: list[Copy], 
                 continue  # cannot happen: a save this rank lacks is available only with a restore to its node
         paths[save] = path
         if restores:
-            pending[path] = restores
+            pending[path] = [dataclasses.replace(r, expect=_held_id(content.get((nodes.keys[r.target], r.source.slot))))
+                             for r in restores]
     return paths, pending
 
 
-def overwrites(present: Held | None, restored: Held) -> bool:
+def _held_id(present: Present | None) -> str | None:
+    return present[1] if present is not None else None
+
+
+def overwrites(present: Present | None, restored: Held) -> bool:
     """Whether restoring ``restored`` into a slot that holds ``present`` complete destroys a checkpoint that is
-    not older than it (a newer step, or another save of the same step: which one is newer is not known)."""
-    return present is not None and present != restored and present[0] >= restored[0]
+    not older than it (a newer step, another save of the same step, or one of no step: which one is newer is
+    not known)."""
+    return present is not None and present != restored and (present[0] is None or present[0] >= restored[0])

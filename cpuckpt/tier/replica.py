@@ -19,13 +19,19 @@ pinned image memory, GPUDirect-free since the bytes are in host RAM already): a 
 kernel copy per side and a core per few GB/s, where RDMA moves the bytes at line rate with no CPU.
 
 Connections are authenticated by a per-job token that the trainers agree on and keep in the RAM root
-(``.replica-token``, 0600): a listener on a shared host must not accept another user's bytes.
+(``.replica-token``, 0600): a listener on a shared host must not accept another user's bytes. Each connection
+is served on a thread of its own within ``timeout_s`` in all, and only an authenticated one takes the
+receiver's lock (one slot written at a time, so the RAM bound holds): a peer that connects and stalls
+delays no one. Nothing in the RAM root changes before the sender, still connected, answers the receiver's
+acceptance (a sender that gave up waiting in the queue is never acted on later), and a restore names
+what it expects the slot to hold, as planned: a slot that changed since is left as it is.
 
 Must not: run collectives, import the trainer's state, read the durable root.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -37,6 +43,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +56,7 @@ from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry, manifest_from_json
 from cpuckpt.tier.nodefiles import NODE_FILES_NAME, committed_node_files
 from cpuckpt.tier.ramroot import require_free
 from cpuckpt.transfer.files import write_atomic
+from cpuckpt.transfer.threads import new_executor
 from cpuckpt.version import __version__
 
 __all__ = ["Endpoint", "Listener", "ReplicaError", "SlotContent", "partners", "read_endpoint", "read_token",
@@ -59,7 +67,7 @@ logger = logging.getLogger(__name__)
 # The connection opens with "CPKREP<version>\n", then a length-prefixed JSON head: that framing is the part
 # every version keeps, so a receiver of another version reads the head and refuses with both versions named (a
 # mixed-version job is told to run one cpuckpt on every node, not "not a replica connection").
-PROTOCOL = 2  # 2: file sets (a listing and a marker) besides DCP slots
+PROTOCOL = 3  # 2: file sets (a listing and a marker) besides DCP slots; 3: the sender's go, a restore's expected slot
 _PREFIX = b"CPKREP"
 MAGIC = _PREFIX + str(PROTOCOL).encode() + b"\n"
 TOKEN_NAME = ".replica-token"  # noqa: S105 (a file name, not a secret)
@@ -67,6 +75,8 @@ ENDPOINT_NAME = "replica-endpoint.json"
 SOURCE_NAME = "source.json"
 _LEN = struct.Struct("!Q")
 _RECV_BYTES = 4 << 20  # receive buffer when a file records no chunk size
+_GO = b"G"  # the sender's answer to the acceptance: it is still there, the receiver may change the slot
+_CONNECTIONS = 8  # connections served at once (each within timeout_s); more wait for a free one
 
 
 class ReplicaError(CpuckptError):
@@ -140,23 +150,30 @@ def _send_msg(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view``; with a ``deadline`` (``time.monotonic``) the whole read ends by then, not each ``recv``
+    (a peer that trickles a byte at a time is cut off)."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the connection's time ran out after {got} of {len(view)} bytes")
+            sock.settimeout(left)
         n = sock.recv_into(view[got:])
         if n == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {len(view)} bytes")
         got += n
 
 
-def _recv_msg(sock: socket.socket, limit: int = 1 << 30) -> Any:
+def _recv_msg(sock: socket.socket, limit: int = 1 << 30, deadline: float | None = None) -> Any:
     head = bytearray(_LEN.size)
-    _recv_exact(sock, memoryview(head))
+    _recv_exact(sock, memoryview(head), deadline)
     (n,) = _LEN.unpack(head)
     if n > limit:
         raise ReplicaError(f"message of {n} bytes refused (limit {limit})")
     data = bytearray(n)
-    _recv_exact(sock, memoryview(data))
+    _recv_exact(sock, memoryview(data), deadline)
     return json.loads(data)
 
 
@@ -206,11 +223,14 @@ def _content_id(slot: Path) -> str | None:
 
 
 def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_id: str, into: str,
-              timeout_s: float) -> int:
+              timeout_s: float, expect: str | None = None) -> int:
     """Send the memory checkpoint ``save_id`` in ``slot`` to ``endpoint``; returns the data bytes sent.
 
     ``into``: ``"replica"`` (kept as a replica of node ``source``) or ``"slot"`` (the receiver's own slot of
-    the same name: a restore). Returns only after the receiver committed it.
+    the same name: a restore, which overwrites only what the restore was planned over: ``expect``, the save id
+    that slot held complete then, or None for none). Returns only after the receiver committed it. Connection
+    refusals are retried for ``CONNECT_RETRY_S``; every later wait (a receiver busy with another node's
+    slot first, the transfer) is bounded by ``timeout_s``.
 
     Raises:
         ReplicaError: the slot is not (or no longer) that save, the peer refused or failed (its reason),
@@ -224,14 +244,15 @@ def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_i
     what = f"replica of {slot} ({save_id[:8]}) to {endpoint.host}:{endpoint.port}"
     nbytes = 0
     try:
-        with _connect(endpoint, min(timeout_s, CONNECT_RETRY_S)) as sock:
+        with _connect(endpoint, min(timeout_s, CONNECT_RETRY_S), timeout_s) as sock:
             sock.sendall(MAGIC)
             _send_msg(sock, {"token": token, "into": into, "source": source, "slot": slot.name, "save_id": save_id,
                              "step": content.step, "files": [dataclasses.asdict(e) for e in content.files],
-                             "commit": [[name, len(data)] for name, data in content.commit]})
+                             "commit": [[name, len(data)] for name, data in content.commit], "expect": expect})
             accept = _recv_msg(sock)  # token, slot name and RAM bound are checked before any data moves
             if not accept.get("ok"):
                 raise ReplicaError(f"{what} refused by the receiver: {accept.get('error')}")
+            sock.sendall(_GO)  # still here: only now does the receiver change its slot
             for entry in content.files:
                 with open(slot / entry.name, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
@@ -263,9 +284,10 @@ def send_slot(endpoint: Endpoint, token: str, *, source: str, slot: Path, save_i
 CONNECT_RETRY_S = 10.0
 
 
-def _connect(endpoint: Endpoint, timeout_s: float) -> socket.socket:
-    """Connect, retrying refusals until ``timeout_s`` (a receiver starting after a restart is not up yet)."""
-    deadline = time.monotonic() + timeout_s
+def _connect(endpoint: Endpoint, connect_s: float, timeout_s: float) -> socket.socket:
+    """Connect, retrying refusals for ``connect_s`` (a receiver starting after a restart is not up yet); each
+    later operation on the socket is bounded by ``timeout_s``."""
+    deadline = time.monotonic() + connect_s
     while True:
         try:
             sock = socket.create_connection((endpoint.host, endpoint.port),
@@ -282,10 +304,12 @@ def _connect(endpoint: Endpoint, timeout_s: float) -> socket.socket:
 
 
 class Listener:
-    """The replica receiver of one writer process: a listening socket, one connection at a time.
+    """The replica receiver of one writer process: a listening socket; each connection on a thread of its own,
+    within ``timeout_s`` in all; one authenticated connection writes at a time (:func:`receive`).
 
     ``serve_forever`` runs on a thread of its own (started by the writer through ``transfer.threads``);
-    ``stop`` ends it. Every failure of a connection is answered to the sender and logged; none ends it.
+    ``stop`` ends it, after the connections in progress. Every failure of a connection is answered to the
+    sender and logged; none ends it.
     """
 
     def __init__(self, root: Path, host: str, *, headroom_bytes: int, timeout_s: float) -> None:
@@ -294,6 +318,9 @@ class Listener:
         self.sock.settimeout(0.5)  # stop() is noticed within this
         self.endpoint = Endpoint(host, self.sock.getsockname()[1])
         self._stop = threading.Event()
+        self._writing = threading.Lock()  # one slot written at a time: the RAM bound is checked against the rest
+        self._open: set[socket.socket] = set()  # connections in progress: stop() ends them
+        self._open_lock = threading.Lock()
 
     def publish(self) -> None:
         """Write ``<root>/replica-endpoint.json`` (host, port, this pid): the trainers read and exchange it."""
@@ -304,42 +331,66 @@ class Listener:
         self._stop.set()
 
     def serve_forever(self) -> None:
+        pool = new_executor(_CONNECTIONS, "cpuckpt-replica-conn")
         try:
             while not self._stop.is_set():
                 try:
                     conn, peer = self.sock.accept()
                 except TimeoutError:
                     continue
-                with conn:
-                    conn.settimeout(self.timeout_s)
-                    try:
-                        receive(conn, self.root, headroom_bytes=self.headroom_bytes)
-                    except Exception as e:  # answered to the sender (best effort), then the next connection
-                        logger.error("replica from %s failed: %s", peer, e)
-                        try:
-                            _send_msg(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
-                        except OSError:
-                            pass
+                with self._open_lock:
+                    self._open.add(conn)
+                pool.submit(self._serve, conn, peer, time.monotonic() + self.timeout_s)
         finally:
             self.sock.close()
+            with self._open_lock:  # a transfer cut short here is never committed (its sender is told it failed)
+                for conn in self._open:
+                    with contextlib.suppress(OSError):
+                        conn.shutdown(socket.SHUT_RDWR)
+            pool.shutdown(wait=True)
+
+    def _serve(self, conn: socket.socket, peer: Any, deadline: float) -> None:
+        with conn, _forget(self._open, self._open_lock, conn):
+            try:
+                receive(conn, self.root, headroom_bytes=self.headroom_bytes, deadline=deadline, lock=self._writing)
+            except Exception as e:  # answered to the sender (best effort), then the next connection
+                logger.error("replica from %s failed: %s", peer, e)
+                try:
+                    conn.settimeout(1.0)
+                    _send_msg(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                except OSError:
+                    pass
 
 
-def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
-    """Receive one slot from ``conn`` into ``root`` (see the module docstring); returns its directory.
+@contextlib.contextmanager
+def _forget(live: set[socket.socket], lock: threading.Lock, conn: socket.socket) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        with lock:
+            live.discard(conn)
+
+
+def receive(conn: socket.socket, root: Path, *, headroom_bytes: int, deadline: float,
+            lock: threading.Lock | None = None) -> Path:
+    """Receive one slot from ``conn`` into ``root`` (see the module docstring) by ``deadline``
+    (``time.monotonic``); returns its directory. ``lock`` (the listener's) is held from the token's check on.
 
     Raises:
-        ReplicaError: a bad token or header, a slot name outside the RAM root.
+        ReplicaError: a bad token or header, a slot name outside the RAM root, a restore over a slot that
+            changed since it was planned.
         RamRootError: the RAM bound (the headroom would not stay free).
         CheckpointCorrupt: a chunk whose crc32c is not the source manifest's.
+        TimeoutError / ConnectionError: the deadline passed, or the sender went away.
     """
     magic = bytearray()
     while not magic.endswith(b"\n") and len(magic) < 16:  # "CPKREP<version>\n", any version's length
         one = bytearray(1)
-        _recv_exact(conn, memoryview(one))
+        _recv_exact(conn, memoryview(one), deadline)
         magic += one
     if not magic.startswith(_PREFIX) or not magic.endswith(b"\n"):
         raise ReplicaError("not a cpuckpt replica connection")
-    head = _recv_msg(conn, limit=256 << 20)
+    head = _recv_msg(conn, limit=256 << 20, deadline=deadline)
     if bytes(magic) != MAGIC:  # the head is read first, so that the refusal reaches the sender
         theirs = magic[len(_PREFIX):-1].decode("ascii", "replace")
         raise ReplicaError(f"replica refused: the sender speaks replica protocol {theirs}, this receiver "
@@ -347,6 +398,19 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
     token = read_token(root)
     if token is None or not hmac.compare_digest(str(head.get("token", "")), token):
         raise ReplicaError(f"{root}: replica refused: wrong job token")
+    if lock is None:
+        return _receive_slot(conn, root, head, headroom_bytes, deadline)
+    if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise TimeoutError(f"{root}: the receiver stayed busy with another slot until the connection's time ran out")
+    try:
+        return _receive_slot(conn, root, head, headroom_bytes, deadline)
+    finally:
+        lock.release()
+
+
+def _receive_slot(conn: socket.socket, root: Path, head: dict[str, Any], headroom_bytes: int,
+                  deadline: float) -> Path:
+    """:func:`receive` once the sender is authenticated."""
     name = str(head["slot"])
     if not name.startswith("slot-") or not name[5:].isdigit():
         raise ReplicaError(f"replica refused: bad slot name {name!r}")
@@ -358,7 +422,7 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
             raise ReplicaError(f"replica refused: file name {n!r} outside the slot")
     if head["into"] == "slot":
         target = root / name
-        _refuse_overwriting_newer(target, save_id, step)
+        _refuse_overwriting_newer(target, save_id, step, head.get("expect"))
     elif head["into"] == "replica":
         target = replica_dir(root, str(head["source"]), name)
         target.parent.mkdir(mode=0o700, exist_ok=True)
@@ -372,21 +436,25 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int) -> Path:
     require_free(target, sum(e.nbytes for e in entries), already_reserved=existing, headroom_bytes=headroom_bytes,
                  what=f"a replica of {head['source']} ({name})")
     # incomplete from its first changed byte until the commit below (the last-written commit file goes first)
+    _send_msg(conn, {"ok": True})
+    go = bytearray(1)
+    _recv_exact(conn, memoryview(go), deadline)  # a sender that gave up (closed) ends it here: nothing changed
+    if bytes(go) != _GO:
+        raise ReplicaError(f"{target}: the sender did not confirm the transfer; nothing changed")
     clear_commit(target, fsync=False)
     for n, _ in reversed(commit):
         (target / n).unlink(missing_ok=True)
-    _send_msg(conn, {"ok": True})
     t0 = time.perf_counter()
     damaged: list[str] = []  # the stream is read to its end either way, so the sender gets the reason
     for e in entries:
-        _receive_file(conn, target / e.name, e, damaged)
+        _receive_file(conn, target / e.name, e, damaged, deadline)
     commit_bytes = []
     for n, k in commit:
         data = bytearray(k)
-        _recv_exact(conn, memoryview(data))
+        _recv_exact(conn, memoryview(data), deadline)
         commit_bytes.append((n, bytes(data)))
     verdict = bytearray(1)
-    _recv_exact(conn, memoryview(verdict))
+    _recv_exact(conn, memoryview(verdict), deadline)
     if bytes(verdict) != b"C":  # first: a slot reused while it was sent explains any damage
         raise ReplicaError(f"{target}: the sender aborted (its slot was reused while sending); not committed")
     damaged += _commit_damage(target, dict(commit_bytes))
@@ -412,13 +480,18 @@ def _commit_damage(target: Path, commit: dict[str, bytes]) -> list[str]:
     return [f"{target}: {damage}"] if damage else []
 
 
-def _refuse_overwriting_newer(target: Path, save_id: str, step: int | None) -> None:
+def _refuse_overwriting_newer(target: Path, save_id: str, step: int | None, expect: str | None) -> None:
     """A restore into a node's own slot must never destroy a complete checkpoint that is not older than the
     one restored (a newer step, or another save of the same step: which one is newer is not known): the slot
-    may hold the newest checkpoint of the job. Checked before a byte of the slot changes."""
+    may hold the newest checkpoint of the job. Nor one other than ``expect``, what the restore was planned over
+    (a trainer may have saved there since). Checked before a byte of the slot changes."""
     present = slot_content(target)
     if present is None or present.save_id == save_id:
         return
+    if present.save_id != expect:
+        raise ReplicaError(f"{target}: restore of step {step} ({save_id[:8]}) refused: the slot holds the complete "
+                           f"checkpoint of step {present.step} ({present.save_id[:8]}), not what the restore was "
+                           f"planned over ({expect[:8] if expect else 'nothing complete'}); it is left as it is")
     if present.step is None or step is None or present.step >= step:
         raise ReplicaError(f"{target}: restore of step {step} ({save_id[:8]}) refused: the slot holds the complete "
                            f"checkpoint of step {present.step} ({present.save_id[:8]}), which is not older; it is "
@@ -432,7 +505,7 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _receive_file(conn: socket.socket, path: Path, entry: Any, damaged: list[str]) -> None:
+def _receive_file(conn: socket.socket, path: Path, entry: Any, damaged: list[str], deadline: float) -> None:
     """Preallocate ``path`` (a full tmpfs fails here, never as a SIGBUS later), receive and verify each chunk;
     a chunk whose crc32c differs is named in ``damaged`` and the rest is still read (never written)."""
     check = entry.checksum == "crc32c" and bool(entry.chunk_checksums)
@@ -447,7 +520,7 @@ def _receive_file(conn: socket.socket, path: Path, entry: Any, damaged: list[str
         for k in range((entry.nbytes + chunk - 1) // chunk if entry.nbytes else 0):
             n = min(chunk, entry.nbytes - offset)
             view = memoryview(buf)[:n]
-            _recv_exact(conn, view)
+            _recv_exact(conn, view, deadline)
             if check and crc32c.crc32c(view) != entry.chunk_checksums[k]:
                 damaged.append(f"{path}: chunk {k} (offset {offset}, {n} bytes) arrived with a crc32c other than "
                                "the source manifest's")

@@ -8,7 +8,11 @@ leave nothing complete; a restore lands in the receiver's own slot; partners fol
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,18 +22,23 @@ import torch
 import cpuckpt
 from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.config import Config
+from cpuckpt.tier import replica
 from cpuckpt.tier.nodes import NodeMap
 from cpuckpt.tier.persister import replicate_one
 from cpuckpt.tier.queue import PersistRequest
-from cpuckpt.tier.recovery import Copy, plan_restores
+from cpuckpt.tier.recovery import Copy, overwrites, plan_restores
 from cpuckpt.tier.replica import (
+    MAGIC,
     Listener,
     ReplicaError,
     _commit_damage,
+    _recv_msg,
+    _send_msg,
     partners,
     replica_dir,
     replica_slots,
     send_slot,
+    slot_content,
     write_token,
 )
 from cpuckpt.transfer.threads import new_executor
@@ -217,12 +226,12 @@ def test_the_writer_replicates_to_every_partner_and_reports_a_failed_one_as_a_re
     assert out.nbytes == ok.nbytes
 
 
-@pytest.mark.parametrize("theirs", ["1", "10"])
+@pytest.mark.parametrize("theirs", ["1", "2", "10"])
 def test_a_sender_of_another_protocol_version_is_refused_with_both_versions_named(
         partner: Listener, theirs: str) -> None:
     """A mixed-version job (one node upgraded): the receiver reads the head (the framing every version keeps), then
     refuses in words the sender can report, instead of a bare "not a replica connection" or a reset connection."""
-    from cpuckpt.tier.replica import PROTOCOL, _recv_msg, _send_msg
+    from cpuckpt.tier.replica import PROTOCOL
 
     with socket.create_connection((partner.endpoint.host, partner.endpoint.port), timeout=10) as sock:
         sock.sendall(f"CPKREP{theirs}\n".encode())
@@ -242,3 +251,119 @@ def test_a_connection_that_is_not_a_replica_is_refused(partner: Listener) -> Non
             reply += chunk
         assert b"not a cpuckpt replica connection" in reply
     assert replica_slots(partner.root) == []
+
+
+# ------------------------------------------------------------------ a busy receiver, stalled and abandoned peers
+
+
+def _head(slot: Path, into: str, expect: str | None = None) -> dict:
+    """The head :func:`send_slot` sends for ``slot`` (a peer of this test speaks the protocol by hand)."""
+    content = slot_content(slot)
+    return {"token": TOKEN, "into": into, "source": "hostA:boot:/ram0", "slot": slot.name, "save_id": content.save_id,
+            "step": content.step, "files": [dataclasses.asdict(e) for e in content.files],
+            "commit": [[n, len(d)] for n, d in content.commit], "expect": expect}
+
+
+def _accepted(listener: Listener, slot: Path, into: str = "replica") -> socket.socket:
+    """A connection of an authenticated sender whose slot the receiver accepted and which said go, then stalls:
+    it holds the receiver's lock until it is closed."""
+    sock = socket.create_connection((listener.endpoint.host, listener.endpoint.port), timeout=10)
+    sock.sendall(MAGIC)
+    _send_msg(sock, _head(slot, into))
+    assert _recv_msg(sock)["ok"]
+    sock.sendall(b"G")
+    return sock
+
+
+def _save(path: Path, step: int) -> str:
+    cpuckpt.save({"w": torch.full((64,), float(step))}, path, {"io": {"chunk_bytes": 64 * 1024}}, step=step)
+    return read_manifest(path).save_id
+
+
+def test_a_restore_waits_for_a_transfer_in_progress_longer_than_the_connect_retries(
+        slot: Path, partner: Listener, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receiver serves one slot at a time: a second sender waits for the first, bounded by its timeout_s, not
+    by the connect retries' bound (a replica of many GB holds the receiver longer than that)."""
+    monkeypatch.setattr(replica, "CONNECT_RETRY_S", 0.5)
+    busy = _accepted(partner, slot)
+    threading.Timer(2.0, busy.close).start()  # the first transfer ends (here: fails) 2 s on
+    t0 = time.monotonic()
+    _send(partner, slot, into="slot")  # timeout_s 10
+    assert time.monotonic() - t0 >= 1.5
+    assert check_complete(partner.root / "slot-1").complete
+
+
+def test_a_stalled_peer_delays_no_one_and_is_cut_off_at_its_deadline(slot: Path, tmp_path: Path) -> None:
+    """A peer that connects and trickles (never authenticating) holds no lock: a sender beside it is served at
+    once; and its connection ends when its time (timeout_s in all, not per byte) runs out."""
+    root = tmp_path / "node1"
+    root.mkdir(mode=0o700)
+    write_token(root, TOKEN)
+    listener = Listener(root, "127.0.0.1", headroom_bytes=0, timeout_s=3)
+    pool = new_executor(1, "test-replica-rx")
+    done = pool.submit(listener.serve_forever)
+    try:
+        with socket.create_connection((listener.endpoint.host, listener.endpoint.port), timeout=10) as stalled:
+            t0 = time.monotonic()
+            stalled.sendall(b"C")
+            send_slot(listener.endpoint, TOKEN, source="hostA:boot:/ram0", slot=slot,
+                      save_id=read_manifest(slot).save_id, into="replica", timeout_s=10)
+            assert time.monotonic() - t0 < 2.5  # not behind the stalled one
+            stalled.settimeout(0.5)
+            closed = False
+            while not closed and time.monotonic() - t0 < 8:
+                try:
+                    stalled.sendall(b"P")  # a byte every 0.5 s: a per-byte timeout would never end it
+                    closed = stalled.recv(4096) == b"" or closed
+                except TimeoutError:
+                    continue
+                except OSError:
+                    closed = True
+            assert closed and 2.5 < time.monotonic() - t0 < 6
+    finally:
+        listener.stop()
+        done.result(timeout=10)
+        pool.shutdown()
+
+
+def _wait_logged(caplog: pytest.LogCaptureFixture, text: str, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not any(text in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, f"no log record with {text!r}"
+        time.sleep(0.02)
+
+
+def test_a_sender_that_gave_up_before_its_acceptance_changes_nothing(
+        slot: Path, partner: Listener, caplog: pytest.LogCaptureFixture) -> None:
+    """A restore that timed out while the receiver was busy is still queued there: when the receiver gets to it,
+    its head is in the socket, but the sender is gone. The slot (here: an older checkpoint, which a restore may
+    replace) stays complete and as it was."""
+    caplog.set_level(logging.ERROR, logger="cpuckpt.tier.replica")
+    target = partner.root / "slot-1"
+    older = _save(target, 2)
+    sock = socket.create_connection((partner.endpoint.host, partner.endpoint.port), timeout=10)
+    sock.sendall(MAGIC)
+    _send_msg(sock, _head(slot, "slot", expect=older))
+    sock.close()  # gave up before the acceptance
+    _wait_logged(caplog, "replica from")
+    assert "did not confirm" in caplog.text or "peer closed" in caplog.text or "Connection" in caplog.text
+    assert check_complete(target).complete and read_manifest(target).save_id == older
+
+
+def test_a_restore_refuses_a_slot_that_changed_since_it_was_planned(slot: Path, partner: Listener) -> None:
+    """Planned over an empty slot, the restore finds an older complete checkpoint there (a trainer saved since):
+    refused, and that checkpoint stays; planned over it, the restore replaces it."""
+    target = partner.root / "slot-1"
+    older = _save(target, 2)
+    save_id = read_manifest(slot).save_id
+    with pytest.raises(ReplicaError, match="not what the restore was planned over"):
+        send_slot(partner.endpoint, TOKEN, source="x", slot=slot, save_id=save_id, into="slot", timeout_s=10)
+    assert read_manifest(target).save_id == older and check_complete(target).complete
+    send_slot(partner.endpoint, TOKEN, source="x", slot=slot, save_id=save_id, into="slot", timeout_s=10,
+              expect=older)
+    assert read_manifest(target).save_id == save_id and check_complete(target).complete
+
+
+def test_a_slot_of_no_step_is_never_older_than_a_restore() -> None:
+    assert overwrites((None, "a"), (5, "b"))
+    assert overwrites((5, "a"), (5, "b")) and not overwrites((4, "a"), (5, "b")) and not overwrites(None, (5, "b"))
