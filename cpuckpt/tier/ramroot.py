@@ -595,14 +595,20 @@ class RamRoot:
                   private_parent: bool) -> RamRoot | None:
         if private_parent:
             _mkdir_private(root.parent)
-            _check_dir(root.parent, uid, "the per-user RAM directory")
+            try:
+                _check_dir(root.parent, uid, "the per-user RAM directory")
+                created = _mkdir_private(root)
+            except RamRootError:
+                if not os.path.lexists(root.parent):
+                    return None  # another job's removal took the empty per-user directory just now: again
+                raise
         else:
             try:
                 os.makedirs(root.parent, mode=0o700, exist_ok=True)
             except OSError as e:
                 raise RamRootError(f"cannot create the parent directories of the RAM root {root}: {e}; create "
                                    f"them or set memory.root to another directory", path=root) from e
-        created = _mkdir_private(root)
+            created = _mkdir_private(root)
         dir_fd = _open_dir(root, uid, "RAM root")
         try:
             total, free = _space(root)
@@ -718,6 +724,9 @@ class RamRoot:
                 os.close(open_fd)
         finally:
             os.close(dir_fd)
+        if self.path.parent == _default_base(self.uid):  # the per-user directory, once no job's root is left in it
+            with contextlib.suppress(OSError):
+                os.rmdir(self.path.parent)
         logger.info("removed RAM root %s", self.path)
 
 

@@ -561,3 +561,36 @@ def test_error_pickles_with_its_path():
 
     e = pickle.loads(pickle.dumps(RamRootError("boom", path="/x")))
     assert isinstance(e, RamRootError) and str(e) == "boom" and e.path == "/x"
+
+
+def test_removing_the_last_root_removes_the_per_user_directory_too(shm: Path) -> None:
+    """Nothing stays in /dev/shm after a clean end: the per-user directory goes with the last job's root in it
+    (another job's root keeps it)."""
+    a = RamRoot.open(None, "job-a", 0, headroom_bytes=0)
+    b = RamRoot.open(None, "job-b", 0, headroom_bytes=0)
+    parent = shm / f"cpuckpt-{UID}"
+    a.remove()
+    assert sorted(p.name for p in parent.iterdir()) == [b.path.name]
+    b.remove()
+    assert list(shm.iterdir()) == []
+
+
+def test_a_root_opens_when_another_jobs_removal_takes_the_per_user_directory_meanwhile(
+        shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-user directory is removed once empty: a job opening its root just then creates it again."""
+    real = ramroot._mkdir_private
+    removed = []
+
+    def mkdir_then_lose_parent(path: Path) -> bool:
+        made = real(path)
+        if path.name == f"cpuckpt-{UID}" and not removed:
+            os.rmdir(path)  # the other job's remove(), right after this one created it
+            removed.append(path)
+        return made
+
+    monkeypatch.setattr(ramroot, "_mkdir_private", mkdir_then_lose_parent)
+    root = RamRoot.open(None, "job-a", 0, headroom_bytes=0)
+    try:
+        assert removed and root.path.is_dir() and root.path.parent == shm / f"cpuckpt-{UID}"
+    finally:
+        root.remove()
