@@ -116,9 +116,9 @@ def test_a_restore_never_overwrites_a_newer_file_set(tmp_path: Path, partner: Li
     newer = _file_set(tmp_path / "node0" / "slot-1", "s12", 12)
     older = tmp_path / "holder" / "slot-1"
     _file_set(older, "s10", 10)
-    with pytest.raises(ReplicaError, match="not older"):
+    with pytest.raises(ReplicaError, match="not older"):  # even where planned over it
         send_slot(partner.endpoint, TOKEN, source="hostA:boot:/ram0", slot=older, save_id="s10", into="slot",
-                  timeout_s=10)
+                  timeout_s=10, expect="s12")
     target = tmp_path / "node0" / "slot-1"
     assert slot_content(target).save_id == "s12"
     assert all((target / n).read_bytes() == d for n, d in newer.items())
