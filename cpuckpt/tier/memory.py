@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -179,6 +180,7 @@ class MemoryTier:
         self._prepare_decided = threading.Event()  # the first save ended: preparation started or not needed
         self._closing = threading.Event()
         self._respawn_failed: CpuckptError | None = None
+        self._departed: list[Path] = []  # replicas of nodes this one no longer receives from (Replication.departed)
         self._reported = set(self.queue.finished())  # outcomes already seen (an earlier trainer's too)
         self._cancel_uncommitted_requests()
         stale_replicas = self._withdraw_replica_requests()
@@ -193,6 +195,8 @@ class MemoryTier:
             self._replication = Replication.start(self.nodes, self.root.path, pid, m.replicas, self.group,
                                                   self.config.timeout_s)
             self._requeue_replicas(self._replication, stale_replicas)
+            if self.nodes.is_leader:  # dropped at the first save, once a restart had its chance to restore from them
+                self._departed = self._replication.departed(self.root.path)
 
     def _start_writer_agreed(self, needed: bool) -> None:
         """Collective, at construction: start this rank's writer when ``needed``; when any rank's cannot start, every
@@ -386,6 +390,14 @@ class MemoryTier:
         return [f"persist request {o.seq} failed: {o.error}" for o in new
                 if not o.ok and not o.error.startswith(("cancelled", "replica:"))]
 
+    def _drop_departed_replicas(self) -> None:
+        """At the first save: the replicas of nodes this node no longer receives from would hold RAM beyond the
+        bound ((slots + K x slots) x shard) for good; a restart has restored from them already, or never will."""
+        for d in self._departed:
+            logger.info("cpuckpt memory tier: removing %s (a replica of a node this one no longer receives from)", d)
+            shutil.rmtree(d, ignore_errors=True)
+        self._departed = []
+
     def _drop_stale_images(self) -> None:
         """Images no committed checkpoint of this job can use any more (a rank beyond today's world, a file
         an older layout had) would hold RAM for nothing: this rank removes its own, rank 0 departed ranks'.
@@ -495,6 +507,8 @@ class MemoryTier:
         # Before anything changes a slot (the adapter's before_fill, a leader's clear_commit): with fewer than
         # memory.max_uncommitted older saves running, the newest committed save's slot is never the one refilled.
         self._wait_uncommitted_below(self.max_uncommitted)
+        if self._departed:
+            self._drop_departed_replicas()
         replicas = self._replication is not None and self.nodes.is_leader and bool(self._replication.partners)
         claimed = self._claim(step, needs_writer=replicas or self._persist_due(step, persist))
         if claimed is None:

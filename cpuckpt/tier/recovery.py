@@ -165,6 +165,14 @@ class Replication:
                  timeout_s: float) -> None:
         self.nodes, self.token, self.endpoints, self.timeout_s = nodes, token, endpoints, timeout_s
         self.partners = [endpoints[k] for k in partners(nodes.keys, nodes.keys[nodes.rank], replicas)]
+        me = nodes.keys[nodes.rank]
+        # the nodes whose replicas this node receives now (it is among their partners)
+        self.sources = frozenset(k for k in set(nodes.keys) if me in partners(nodes.keys, k, replicas))
+
+    def departed(self, root: Path) -> list[Path]:
+        """Replica directories in ``root`` of nodes this node no longer receives from (a node replaced or gone, a
+        ring that shifted): a restart may still restore from them, nothing sends to them any more."""
+        return sorted({slot.parent for source, slot in replica_slots(root) if source not in self.sources})
 
     @classmethod
     def start(cls, nodes: NodeMap, root: Path, writer_pid: int | None, replicas: int, group: Any,
