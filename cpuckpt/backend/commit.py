@@ -70,17 +70,19 @@ def clear_commit(path: Path, *, fsync: bool = True) -> None:
 
 
 def commit_checkpoint(path: Path, metadata: Metadata | bytes, prefixes: list[str], manifest: Manifest, *,
-                      fsync: bool) -> None:
+                      fsync: bool, parts_of: str = "") -> None:
     """Coordinator only: merge the ranks' manifest parts, check file sizes, write manifest then ``.metadata``
-    (``metadata``, or its pickle's bytes as they are).
+    (``metadata``, or its pickle's bytes as they are). ``parts_of``: the save id every part must carry (the
+    memory tier's persists, whose ranks' writers go on to the next request on their own).
 
     Raises:
-        IntegrityError: a rank's part is missing or a data file's size differs from what it wrote.
+        IntegrityError: a rank's part is missing, of another save, or a data file's size differs from what it
+            wrote.
     """
     for prefix in prefixes:
         part = path / part_name(prefix)
         try:
-            entries = manifest_from_json_part(part.read_bytes())
+            entries = manifest_from_json_part(part.read_bytes(), parts_of)
         except (OSError, ValueError, TypeError) as e:
             raise IntegrityError(f"{part}: manifest part of a rank is missing or unreadable: {e}") from e
         problems = size_mismatches(path, entries, first=True)

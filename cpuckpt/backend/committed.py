@@ -314,9 +314,14 @@ def size_mismatches(path: Path, files: Mapping[str, FileEntry] | Iterable[FileEn
     return out
 
 
-def manifest_from_json_part(data: bytes) -> list[FileEntry]:
-    """A rank's part is a manifest whose ``files`` are that rank's files."""
-    return list(manifest_from_json(data).files.values())
+def manifest_from_json_part(data: bytes, save_id: str = "") -> list[FileEntry]:
+    """A rank's part is a manifest whose ``files`` are that rank's files. With ``save_id``, the part of another
+    save into the same directory (a rank gone on to a later save of that name, or one an earlier attempt left) is
+    refused: a commit of it would name that save's data under this one's ``.metadata``."""
+    part = manifest_from_json(data)
+    if save_id and part.save_id != save_id:
+        raise ValueError(f"it is the part of save {part.save_id[:8] or '(unnamed)'}, not of {save_id[:8]}")
+    return list(part.files.values())
 
 
 def _manifest_file(path: Path) -> Manifest | None:

@@ -96,14 +96,15 @@ class S3Target:
     def write_part(self, prefix: str, data: bytes) -> None:
         self.store.put(self.url / part_name(prefix), data)
 
-    def commit(self, metadata: Metadata, prefixes: list[str], manifest: Manifest) -> None:
+    def commit(self, metadata: Metadata, prefixes: list[str], manifest: Manifest, parts_of: str = "") -> None:
+        """As :func:`cpuckpt.backend.commit.commit_checkpoint` (``parts_of`` too), for objects."""
         for prefix in prefixes:
             part = self.url / part_name(prefix)
             data = self.store.get(part)
             if data is None:
                 raise IntegrityError(f"{part}: manifest part of a rank is missing")
             try:
-                entries = manifest_from_json_part(data)
+                entries = manifest_from_json_part(data, parts_of)
             except (ValueError, TypeError) as e:
                 raise IntegrityError(f"{part}: manifest part of a rank is unreadable: {e}") from e
             problems = size_mismatches(self.store, self.url, entries, first=True)

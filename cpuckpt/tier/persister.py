@@ -216,7 +216,8 @@ def _persist_one_s3(req: PersistRequest, queue: PersistQueue | None) -> Outcome:
                                              lambda: queue is not None and queue.outcome(req.seq) is not None)
             metadata = parse_metadata(_slot_metadata(req, slot, manifest), slot / METADATA_NAME)
             metadata.storage_meta.checkpoint_id = str(dest)
-            S3Target(store, dest, cfg.timeout_s).commit(metadata, prefixes, _durable_manifest(req, manifest, t0))
+            S3Target(store, dest, cfg.timeout_s).commit(metadata, prefixes, _durable_manifest(req, manifest, t0),
+                                                        parts_of=req.save_id)
             after_commit(dest, cfg)
     except Exception as e:  # the outcome file carries it to the trainer
         logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
@@ -376,7 +377,8 @@ def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Pa
     if metadata is None:
         metadata = parse_metadata(data, slot / METADATA_NAME)
         metadata.storage_meta.checkpoint_id = str(dest)
-    commit_checkpoint(dest, metadata, prefixes, _durable_manifest(req, memory, t0), fsync=cfg.io.fsync)
+    commit_checkpoint(dest, metadata, prefixes, _durable_manifest(req, memory, t0), fsync=cfg.io.fsync,
+                      parts_of=req.save_id)  # a rank's writer gone on to a later save of this name replaced its part
     after_commit(dest, cfg)
 
 

@@ -306,3 +306,33 @@ def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused(ckpt, name):
     with pytest.raises(ValueError, match="outside the checkpoint"):
         manifest_from_json((ckpt / ".cpuckpt.json").read_bytes())
     assert not check_complete(ckpt).complete
+
+
+def test_a_commit_refuses_a_part_of_another_save_into_the_same_directory(tmp_path: Path) -> None:
+    """Two persists of one name in flight (a rewind re-saving a step while the first one's persist commits): a
+    rank's writer that went on to the second replaced its part; committing the first with it would put the second
+    save's data under the first's ``.metadata``, complete and verifying. The coordinator refuses it instead."""
+    import dataclasses
+
+    from cpuckpt.backend.commit import commit_checkpoint
+    from cpuckpt.errors import IntegrityError
+    from cpuckpt.format.manifest import MANIFEST_NAME, part_name
+
+    path = tmp_path / "step_5"
+    cpuckpt.save({"w": torch.arange(1000, dtype=torch.float32)}, path, step=5)
+    manifest = read_manifest(path)
+    metadata = (path / ".metadata").read_bytes()
+    (path / ".metadata").unlink()
+    (path / MANIFEST_NAME).unlink()
+    files = dict(manifest.files)
+    header = dataclasses.replace(manifest, files={}, metadata_crc32c=None)
+    (path / part_name("__0_")).write_bytes(dataclasses.replace(header, save_id="another", files=files)
+                                           .to_json().encode())
+    with pytest.raises(IntegrityError, match="part of save another"):
+        commit_checkpoint(path, metadata, ["__0_"], dataclasses.replace(header, files={}), fsync=False,
+                          parts_of=manifest.save_id)
+    assert not check_complete(path).complete
+    (path / part_name("__0_")).write_bytes(dataclasses.replace(header, files=files).to_json().encode())
+    commit_checkpoint(path, metadata, ["__0_"], dataclasses.replace(header, files={}), fsync=False,
+                      parts_of=manifest.save_id)
+    assert check_complete(path).complete and verify_checkpoint(path).ok
