@@ -11,7 +11,8 @@ destinations (``integrity.verify: sample`` checks a random share of the chunks o
 tensor. A destination that cannot take raw bytes (another dtype, a non-contiguous rectangle of a
 resharded load, a GPU tensor) is filled through a bounce buffer and copied on the caller's thread.
 Stock DCP checkpoints (no manifest) are read record by record: a plain tensor record is viewed in
-place, anything else goes through ``torch.load(weights_only=True)``. Non-tensor (bytes) items are
+place (its data entry's zip CRC-32 checked unless ``integrity.verify: off``: stock DCP's ``torch.load`` does
+not check it), anything else goes through ``torch.load(weights_only=True)``. Non-tensor (bytes) items are
 decoded with weights_only semantics too (``format.unpickle.load_value``) unless ``integrity.trusted``.
 
 Files in a RAM filesystem (the memory tier's root) are mapped, not read (``backend.ramread``): chunks
@@ -40,6 +41,7 @@ import random
 import threading
 import time
 import uuid
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -579,7 +581,8 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
     jobs: list[ReadJob] = []
     for fp in plans.values():
         if fp.entry is None:
-            jobs += _stock_jobs(fp, opened, reads)
+            fraction = {"always": 1.0, "sample": cfg.integrity.sample_fraction, "off": 0.0}[cfg.integrity.verify]
+            jobs += _stock_jobs(fp, opened, reads, verify_fraction=fraction)
         elif fp.path in chunked:
             source = mapped.get(fp.path)
             jobs += _chunk_jobs(fp, fp.entry, cfg, opened, pool, copiers, verify_fraction=chunked[fp.path],
@@ -763,8 +766,11 @@ def _range_jobs(fp: _FilePlan, cfg: Config, opened: contextlib.ExitStack,
     return [functools.partial(read_pieces, batch) for batch in batches]
 
 
-def _stock_jobs(fp: _FilePlan, opened: contextlib.ExitStack, reads: FileBackend | None = None) -> list[ReadJob]:
-    """A stock DCP file: one record per item, viewed in place when it is a plain tensor record."""
+def _stock_jobs(fp: _FilePlan, opened: contextlib.ExitStack, reads: FileBackend | None = None, *,
+                verify_fraction: float = 1.0) -> list[ReadJob]:
+    """A stock DCP file: one record per item, viewed in place when it is a plain tensor record. With no manifest
+    there are no crc32c checksums, but a stock record's data entry has its zip CRC-32: checked (on that share of
+    the records), as ``cpuckpt verify`` checks it (``torch.load``, stock DCP's reader, does not)."""
     if not fp.needs:
         return []
     backend = reads or BufferedFileBackend()
@@ -779,7 +785,8 @@ def _stock_jobs(fp: _FilePlan, opened: contextlib.ExitStack, reads: FileBackend 
         if need.target is None:
             need.bounce = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
             return got
-        src = _tensor_from_record(buf, fp.path, need.lo)
+        check = verify_fraction >= 1.0 or random.random() < verify_fraction  # noqa: S311 - sampling, not security
+        src = _tensor_from_record(buf, fp.path, need.lo, check_crc=check)
         if need.ri is not None:
             src = _narrow(src, need.ri.storage_offsets, need.ri.lengths)
         _check(cancel)
@@ -789,11 +796,16 @@ def _stock_jobs(fp: _FilePlan, opened: contextlib.ExitStack, reads: FileBackend 
     return [functools.partial(read_record, need) for need in fp.needs]
 
 
-def _tensor_from_record(buf: bytearray, path: str, offset: int) -> torch.Tensor:
+def _tensor_from_record(buf: bytearray, path: str, offset: int, *, check_crc: bool = False) -> torch.Tensor:
     info = parse_record(buf)
     if info is not None:
         if info.storage_nbytes == 0:
             return torch.empty(info.shape, dtype=info.dtype)
+        # a CRC of 0: a record of cpuckpt's own format read as stock (FORMAT.md 3.2), nothing to compare
+        if check_crc and info.data_crc32 and zlib.crc32(
+                memoryview(buf)[info.data_offset:info.data_offset + info.storage_nbytes]) != info.data_crc32:
+            raise CheckpointCorrupt(f"{path}: the tensor bytes of the record at offset {offset} fail its zip "
+                                    f"CRC-32 (damaged since it was saved; `cpuckpt verify` names every such record)")
         raw = torch.frombuffer(buf, dtype=torch.uint8, count=info.storage_nbytes, offset=info.data_offset)
         return raw.view(info.dtype).as_strided(info.shape, info.stride, info.storage_offset)
     try:

@@ -270,6 +270,7 @@ class TensorRecordInfo:
     storage_offset: int  # in elements
     data_offset: int  # bytes from the record start to the storage's first byte
     storage_nbytes: int
+    data_crc32: int = 0  # the data entry's zip CRC-32 (0 in cpuckpt's own records: FORMAT.md 3.2)
 
 
 @dataclass(frozen=True)
@@ -373,4 +374,5 @@ def parse_record(record: bytes | bytearray | memoryview) -> TensorRecordInfo | N
         storage_offset=desc.offset,
         data_offset=data_offset,
         storage_nbytes=info.file_size,
+        data_crc32=info.CRC,
     )

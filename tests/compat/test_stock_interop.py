@@ -326,6 +326,30 @@ def test_stock_file_per_tensor_checkpoint_loads_through_our_reader(tmp_path):
     _assert_same(out, sd)
 
 
+def test_a_damaged_stock_checkpoint_is_refused_and_load_latest_takes_the_one_before(tmp_path):
+    """A stock checkpoint has no crc32c checksums, but each tensor record's data entry has its zip CRC-32: a flipped
+    byte loaded silently (stock DCP's torch.load does not check it either) while `cpuckpt verify` and `ls --verify`
+    called the checkpoint damaged, and load_latest picked it. Now the load refuses it (integrity.verify: off loads
+    it unchecked) and load_latest falls back to the one before."""
+    g = torch.Generator().manual_seed(0)
+    sd = {"w": torch.randn(100, 100, generator=g), "b": torch.randn(100, generator=g)}
+    dcp.save(sd, storage_writer=FileSystemWriter(str(tmp_path / "root" / "step_1")))
+    dcp.save(sd, storage_writer=FileSystemWriter(str(tmp_path / "root" / "step_2")))
+    data = tmp_path / "root" / "step_2" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # inside w's tensor bytes
+    data.write_bytes(bytes(raw))
+    with pytest.raises(cpuckpt.CheckpointCorrupt, match=r"__0_0\.distcp: the tensor bytes of the record .*CRC-32"):
+        cpuckpt.load(_targets(sd), tmp_path / "root" / "step_2")
+    out = _targets(sd)
+    cpuckpt.load(out, tmp_path / "root" / "step_2", {"integrity": {"verify": "off"}})
+    assert not torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])  # the flip, unchecked
+    out = _targets(sd)
+    loaded = cpuckpt.load_latest(out, tmp_path / "root")
+    assert Path(loaded).name == "step_1"
+    _assert_same(out, sd)
+
+
 # ---------------------------------------------------------------------------- manifest compatibility
 
 
