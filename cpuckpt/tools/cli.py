@@ -9,7 +9,8 @@ outcomes to exit codes:
 - 1: ``verify`` found damage;
 - 2: the command could not run (not a checkpoint, incomplete, bad arguments, missing source tree);
 - 3: ``verify`` found no damage, but some contents could not be checked (files saved with
-  ``integrity.checksum: none``): not "every byte checked".
+  ``integrity.checksum: none``): not "every byte checked";
+- 130: interrupted (Ctrl-C): nothing was decided.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 _EXIT_DAMAGED = 1
 _EXIT_ERROR = 2
 _EXIT_UNVERIFIED = 3
+_EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def _human_bytes(n: int) -> str:
@@ -451,13 +453,20 @@ def demo_cmd(args: tuple[str, ...]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point (``cpuckpt``)."""
+    """Console-script entry point (``cpuckpt``). Click's own standalone mode would exit 1 on Ctrl-C, which is
+    ``verify``'s "damaged": an interrupted check exits 130 instead, as a shell reports SIGINT."""
     try:
-        cli.main(args=argv, prog_name="cpuckpt", standalone_mode=True)
+        code = cli.main(args=argv, prog_name="cpuckpt", standalone_mode=False)
+    except click.exceptions.Abort:  # Ctrl-C (click's form of KeyboardInterrupt) or end of input at a prompt
+        click.echo("\nAborted!", err=True)
+        return _EXIT_INTERRUPTED
+    except click.ClickException as e:  # bad arguments: the usage message, exit 2
+        e.show()
+        return e.exit_code
     except SystemExit as e:
         code = e.code
         return code if isinstance(code, int) else (0 if code is None else 1)
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -774,3 +774,23 @@ def test_verify_of_sound_checkpoints_with_nothing_to_checksum_is_ok(tmp_path):
              storage_writer=dcp.FileSystemWriter(str(tmp_path / "stock")))
     code, out = _run("verify", tmp_path / "stock")
     assert code == 0 and out.splitlines()[-1].startswith("OK "), out
+
+
+def test_ctrl_c_exits_130_not_the_damaged_status(tmp_path, monkeypatch, capsys):
+    """Click's standalone mode exits 1 on Ctrl-C, `verify`'s "damaged": a script watching checkpoints would
+    call a sound one corrupt because its check was interrupted. Interrupted is 130, as a shell reports SIGINT;
+    the other outcomes keep their codes."""
+    from cpuckpt.tools import verification
+    from cpuckpt.tools.cli import main
+
+    cpuckpt.save({"w": torch.ones(8)}, tmp_path / "c")
+    assert main(["verify", str(tmp_path / "c")]) == 0
+    assert main(["verify", str(tmp_path / "absent")]) == 2
+    assert main(["ls", "--no-such-option"]) == 2
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verification, "verify_checkpoint", interrupted)
+    assert main(["verify", str(tmp_path / "c")]) == 130
+    assert "Aborted!" in capsys.readouterr().err
