@@ -424,7 +424,7 @@ def parse_metadata(data: bytes, where: object) -> Metadata:
     try:
         md = unpickle_metadata(data)
     except Exception as e:
-        raise CheckpointCorrupt(f"{where}: refused or unreadable metadata: {e}") from e
+        raise CheckpointCorrupt(f"{where}: refused or unreadable metadata: {str(e) or type(e).__name__}") from e
     if not isinstance(md, Metadata):
         raise CheckpointCorrupt(f"{where}: holds a {type(md).__name__}, not DCP Metadata")
     problem = _malformed(md)

@@ -36,7 +36,7 @@ from cpuckpt.backend.committed import (
     same_save,
 )
 from cpuckpt.config import resolve_config
-from cpuckpt.errors import IntegrityError
+from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry
 from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.tier.tagmarker import MARKER_NAME, SAVING_NAME, TagFile, check_dir, held_files
@@ -135,17 +135,35 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
         p: Path | S3Url = where
         store = open_store(resolve_config(None).s3)
         data = s3commit.read_metadata_bytes(store, where)
-        md = parse_metadata(data, where / METADATA_NAME)
         manifest = s3commit.read_manifest(store, where)
         files = _Objects(store, where)
     else:
         p = Path(where)
         data = read_metadata_bytes(p)
-        md = parse_metadata(data, p / METADATA_NAME)
         manifest = read_manifest(p)
         files = _Files(p)
+    # The manifest records .metadata's crc32c: a changed byte is damage whatever it does to the unpickling (a
+    # refused opcode, a save id that reads as another save's), named as such, exit 1, not "cannot verify".
+    damage = metadata_damage(manifest, data) if manifest is not None else ""
+    try:
+        md = parse_metadata(data, p / METADATA_NAME)
+    except CheckpointCorrupt as e:
+        if not damage:
+            raise
+        assert manifest is not None
+        report = VerifyReport(p, "cpuckpt")
+        report.damage.append(Damage(METADATA_NAME, 0, len(data), f"{damage} ({e})"))
+        _verify_files(report, files, manifest.files, progress or (lambda n: None), listed_by="the manifest")
+        return report
     tick = progress or (lambda n: None)
     other_save = manifest is not None and not same_save(manifest, md)
+    if other_save and damage and expects_manifest(md):  # cpuckpt's own .metadata, not the one its manifest records
+        assert manifest is not None
+        report = VerifyReport(p, "cpuckpt")
+        report.damage.append(Damage(METADATA_NAME, 0, len(data), f"{damage}, or the manifest is another save's "
+                                    f"(the manifest's save {manifest.save_id[:8]}, .metadata's "
+                                    f"{str(md.storage_meta.save_id)[:8]})"))
+        return report
     if other_save:
         manifest = None  # a stock save committed over a cpuckpt one: the manifest describes the old files
     if manifest is None and expects_manifest(md) and (other_save or files.size(MANIFEST_NAME) is None):
@@ -155,11 +173,11 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
     if manifest is None:
         return _verify_stock(p, files, md, tick)
     report = VerifyReport(p, "cpuckpt")
-    damage = metadata_damage(manifest, data)
     if damage:
         report.damage.append(Damage(METADATA_NAME, 0, len(data), damage))
     _verify_files(report, files, manifest.files, tick, listed_by="the manifest")
-    for idx, sinfo in (md.storage_data or {}).items():
+    # (a .metadata other than its manifest's: its records are not what was saved, only the one damage is named)
+    for idx, sinfo in () if damage else (md.storage_data or {}).items():
         entry = manifest.files.get(sinfo.relative_path)
         end = int(sinfo.offset) + int(sinfo.length)
         if entry is None:
