@@ -83,6 +83,11 @@ def commit_checkpoint(path: Path, metadata: Metadata | bytes, prefixes: list[str
         part = path / part_name(prefix)
         try:
             entries = manifest_from_json_part(part.read_bytes(), parts_of)
+        except FileNotFoundError as e:  # its rank reported success: it wrote the part, but elsewhere (or went on)
+            why = ("its rank's writer went on to another save of this name" if parts_of else "every rank must save "
+                   "to this same directory, on a filesystem that all ranks share (a rank given another path, or "
+                   "node-local disks)")
+            raise IntegrityError(f"{part}: the manifest part of a rank that reported success is not here: {why}") from e
         except (OSError, ValueError, TypeError) as e:
             raise IntegrityError(f"{part}: manifest part of a rank is missing or unreadable: {e}") from e
         problems = size_mismatches(path, entries, first=True)

@@ -274,3 +274,22 @@ def test_three_rank_save_where_a_rank_writes_nothing(run_ranks, tmp_path):
     sizes = sorted((tmp_path / "idle" / f"__{r}_0.distcp").stat().st_size for r in range(3))
     assert sizes[0] == 0 and sizes[-1] > 0, sizes  # the idle rank's file is empty, the others are not
     assert all(listing == listings[0] for listing in listings)
+
+
+def rank_save_to_its_own_path(root: str) -> str:
+    import torch.distributed as dist
+
+    import cpuckpt
+
+    try:
+        cpuckpt.save({"w": torch.ones(4)}, f"{root}/rank{dist.get_rank()}")
+    except cpuckpt.CpuckptError as e:
+        return str(e)
+    return "saved"
+
+
+def test_ranks_saving_to_different_paths_are_told_so_on_every_rank(run_ranks, tmp_path: Path) -> None:
+    """A rank given another directory (or node-local disks) wrote its part elsewhere: every rank's error says what
+    to fix instead of "manifest part of a rank is missing or unreadable", which reads as corruption."""
+    for message in run_ranks(2, rank_save_to_its_own_path, str(tmp_path), timeout_s=120):
+        assert "every rank must save to this same directory" in message, message
