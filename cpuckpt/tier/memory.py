@@ -180,7 +180,7 @@ class MemoryTier:
         self._prepare_decided = threading.Event()  # the first save ended: preparation started or not needed
         self._closing = threading.Event()
         self._respawn_failed: CpuckptError | None = None
-        self._departed: list[Path] = []  # replicas of nodes this one no longer receives from (Replication.departed)
+        self._departed = False  # replicas of nodes this one no longer receives from are left (Replication.departed)
         self._reported = set(self.queue.finished())  # outcomes already seen (an earlier trainer's too)
         self._cancel_uncommitted_requests()
         stale_replicas = self._withdraw_replica_requests()
@@ -195,8 +195,8 @@ class MemoryTier:
             self._replication = Replication.start(self.nodes, self.root.path, pid, m.replicas, self.group,
                                                   self.config.timeout_s)
             self._requeue_replicas(self._replication, stale_replicas)
-            if self.nodes.is_leader:  # dropped at the first save, once a restart had its chance to restore from them
-                self._departed = self._replication.departed(self.root.path)
+            if self.nodes.is_leader:  # dropped once every own slot holds a newer save (_drop_departed_replicas)
+                self._departed = bool(self._replication.departed(self.root.path))
 
     def _start_writer_agreed(self, needed: bool) -> None:
         """Collective, at construction: start this rank's writer when ``needed``; when any rank's cannot start, every
@@ -391,12 +391,24 @@ class MemoryTier:
                 if not o.ok and not o.error.startswith(("cancelled", "replica:"))]
 
     def _drop_departed_replicas(self) -> None:
-        """At the first save: the replicas of nodes this node no longer receives from would hold RAM beyond the
-        bound ((slots + K x slots) x shard) for good; a restart has restored from them already, or never will."""
-        for d in self._departed:
-            logger.info("cpuckpt memory tier: removing %s (a replica of a node this one no longer receives from)", d)
+        """Before a save (while any are left): the replicas of nodes this node no longer receives from would hold
+        RAM beyond the bound ((slots + K x slots) x shard) for good. One goes once every own slot holds a complete
+        save newer than its newest step: no checkpoint it belongs to can be assembled any more (this node's part
+        of that step is gone), so nothing can be restored from it."""
+        assert self._replication is not None
+        own = [self.format.committed(s) for s in self.slots]
+        if any(c is None or c.step is None for c in own):
+            return
+        oldest = min(c.step for c in own if c is not None and c.step is not None)
+        left = False
+        for d, step in self._replication.departed(self.root.path).items():
+            if step is not None and step >= oldest:
+                left = True
+                continue
+            logger.info("cpuckpt memory tier: removing %s (a replica of a node this one no longer receives from, "
+                        "older than every save in this node's slots)", d)
             shutil.rmtree(d, ignore_errors=True)
-        self._departed = []
+        self._departed = left
 
     def _drop_stale_images(self) -> None:
         """Images no committed checkpoint of this job can use any more (a rank beyond today's world, a file
@@ -633,6 +645,8 @@ class MemoryTier:
             (slot directory, save id), or None when every slot is held by a persist and ``memory.when_full`` is
             disk: that checkpoint goes to the durable root, as without the tier.
         """
+        if self._departed:
+            self._drop_departed_replicas()
         replicas = self._replication is not None and self.nodes.is_leader and bool(self._replication.partners)
         claimed = self._claim(step, needs_writer=replicas or self._persist_due(step, None))
         if claimed is None:

@@ -798,7 +798,12 @@ def clean_ram_roots(base: str | os.PathLike | None = None, *, dry_run: bool = Fa
         base = base / f"cpuckpt-{uid}"
     if not os.path.lexists(base):
         return []
-    base_fd = _open_dir(base, uid, "RAM root directory")
+    try:
+        base_fd = _open_dir(base, uid, "RAM root directory")
+    except RamRootError:
+        if not os.path.lexists(base):  # the last job's removal took the empty per-user directory just now
+            return []
+        raise
     try:
         names = os.listdir(base_fd)
     finally:

@@ -20,11 +20,14 @@ kernel copy per side and a core per few GB/s, where RDMA moves the bytes at line
 
 Connections are authenticated by a per-job token that the trainers agree on and keep in the RAM root
 (``.replica-token``, 0600): a listener on a shared host must not accept another user's bytes. Each connection
-is served on a thread of its own within ``timeout_s`` in all, and only an authenticated one takes the
-receiver's lock (one slot written at a time, so the RAM bound holds): a peer that connects and stalls
-delays no one. Nothing in the RAM root changes before the sender, still connected, answers the receiver's
-acceptance (a sender that gave up waiting in the queue is never acted on later), and a restore names
-what it expects the slot to hold, as planned: a slot that changed since is left as it is.
+is served on a thread of its own; it must authenticate within ``AUTH_S`` (however slowly its bytes trickle),
+then waits for the receiver's lock (one slot written at a time, so the RAM bound holds) for up to ``timeout_s``,
+and each of its reads after that for up to ``timeout_s``: a peer that connects and stalls delays no sender,
+and a long transfer is never cut short while bytes flow. Nothing in the RAM root changes before the sender,
+still connected, answers the receiver's acceptance (a sender that gave up waiting in the queue is never acted
+on later), and a restore names what it expects the slot to hold, as planned: a slot that changed since is left
+as it is. ``stop`` lets the transfers in progress end; it cuts only connections not yet authenticated or still
+waiting for the lock.
 
 Must not: run collectives, import the trainer's state, read the durable root.
 """
@@ -43,7 +46,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +79,8 @@ SOURCE_NAME = "source.json"
 _LEN = struct.Struct("!Q")
 _RECV_BYTES = 4 << 20  # receive buffer when a file records no chunk size
 _GO = b"G"  # the sender's answer to the acceptance: it is still there, the receiver may change the slot
-_CONNECTIONS = 8  # connections served at once (each within timeout_s); more wait for a free one
+_CONNECTIONS = 16  # connections served at once; more wait for a free thread
+AUTH_S = 30.0  # a connection's magic and head (its token) arrive within this, or it is closed
 
 
 class ReplicaError(CpuckptError):
@@ -152,7 +156,7 @@ def _send_msg(sock: socket.socket, obj: Any) -> None:
 
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view``; with a ``deadline`` (``time.monotonic``) the whole read ends by then, not each ``recv``
-    (a peer that trickles a byte at a time is cut off)."""
+    (a peer that trickles a byte at a time is cut off); without, each ``recv`` waits the socket's timeout."""
     got = 0
     while got < len(view):
         if deadline is not None:
@@ -160,7 +164,11 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
             if left <= 0:
                 raise TimeoutError(f"the connection's time ran out after {got} of {len(view)} bytes")
             sock.settimeout(left)
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError as e:
+            raise TimeoutError(f"no bytes from the peer for {sock.gettimeout():.0f} s, after {got} of {len(view)} "
+                               "bytes") from e
         if n == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {len(view)} bytes")
         got += n
@@ -304,12 +312,12 @@ def _connect(endpoint: Endpoint, connect_s: float, timeout_s: float) -> socket.s
 
 
 class Listener:
-    """The replica receiver of one writer process: a listening socket; each connection on a thread of its own,
-    within ``timeout_s`` in all; one authenticated connection writes at a time (:func:`receive`).
+    """The replica receiver of one writer process: a listening socket; each connection on a thread of its own;
+    one authenticated connection writes at a time (:func:`receive`).
 
     ``serve_forever`` runs on a thread of its own (started by the writer through ``transfer.threads``);
-    ``stop`` ends it, after the connections in progress. Every failure of a connection is answered to the
-    sender and logged; none ends it.
+    ``stop`` ends it once the transfers in progress end (those not yet authenticated, or waiting for the lock,
+    are cut). Every failure of a connection is answered to the sender and logged; none ends it.
     """
 
     def __init__(self, root: Path, host: str, *, headroom_bytes: int, timeout_s: float) -> None:
@@ -319,8 +327,8 @@ class Listener:
         self.endpoint = Endpoint(host, self.sock.getsockname()[1])
         self._stop = threading.Event()
         self._writing = threading.Lock()  # one slot written at a time: the RAM bound is checked against the rest
-        self._open: set[socket.socket] = set()  # connections in progress: stop() ends them
-        self._open_lock = threading.Lock()
+        self._waiting: set[socket.socket] = set()  # not yet authenticated: stop() cuts them
+        self._waiting_lock = threading.Lock()
 
     def publish(self) -> None:
         """Write ``<root>/replica-endpoint.json`` (host, port, this pid): the trainers read and exchange it."""
@@ -338,21 +346,26 @@ class Listener:
                     conn, peer = self.sock.accept()
                 except TimeoutError:
                     continue
-                with self._open_lock:
-                    self._open.add(conn)
-                pool.submit(self._serve, conn, peer, time.monotonic() + self.timeout_s)
+                with self._waiting_lock:
+                    self._waiting.add(conn)
+                pool.submit(self._serve, conn, peer)
         finally:
             self.sock.close()
-            with self._open_lock:  # a transfer cut short here is never committed (its sender is told it failed)
-                for conn in self._open:
+            with self._waiting_lock:  # (threads waiting for the lock see _stop)
+                for conn in self._waiting:
                     with contextlib.suppress(OSError):
                         conn.shutdown(socket.SHUT_RDWR)
             pool.shutdown(wait=True)
 
-    def _serve(self, conn: socket.socket, peer: Any, deadline: float) -> None:
-        with conn, _forget(self._open, self._open_lock, conn):
+    def _authenticated(self, conn: socket.socket) -> None:
+        with self._waiting_lock:
+            self._waiting.discard(conn)
+
+    def _serve(self, conn: socket.socket, peer: Any) -> None:
+        with conn:
             try:
-                receive(conn, self.root, headroom_bytes=self.headroom_bytes, deadline=deadline, lock=self._writing)
+                receive(conn, self.root, headroom_bytes=self.headroom_bytes, timeout_s=self.timeout_s,
+                        lock=self._writing, stop=self._stop, authenticated=lambda: self._authenticated(conn))
             except Exception as e:  # answered to the sender (best effort), then the next connection
                 logger.error("replica from %s failed: %s", peer, e)
                 try:
@@ -360,29 +373,25 @@ class Listener:
                     _send_msg(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
                 except OSError:
                     pass
+            finally:
+                self._authenticated(conn)
 
 
-@contextlib.contextmanager
-def _forget(live: set[socket.socket], lock: threading.Lock, conn: socket.socket) -> Iterator[None]:
-    try:
-        yield
-    finally:
-        with lock:
-            live.discard(conn)
-
-
-def receive(conn: socket.socket, root: Path, *, headroom_bytes: int, deadline: float,
-            lock: threading.Lock | None = None) -> Path:
-    """Receive one slot from ``conn`` into ``root`` (see the module docstring) by ``deadline``
-    (``time.monotonic``); returns its directory. ``lock`` (the listener's) is held from the token's check on.
+def receive(conn: socket.socket, root: Path, *, headroom_bytes: int, timeout_s: float,
+            lock: threading.Lock | None = None, stop: threading.Event | None = None,
+            authenticated: Callable[[], None] | None = None) -> Path:
+    """Receive one slot from ``conn`` into ``root`` (see the module docstring); returns its directory. The magic and
+    head arrive within ``AUTH_S`` in all; then ``authenticated()`` is called, ``lock`` (the listener's) is taken
+    within ``timeout_s`` (given up once ``stop`` is set) and held to the end; each later read waits ``timeout_s``.
 
     Raises:
         ReplicaError: a bad token or header, a slot name outside the RAM root, a restore over a slot that
-            changed since it was planned.
+            changed since it was planned, the receiver stopping.
         RamRootError: the RAM bound (the headroom would not stay free).
         CheckpointCorrupt: a chunk whose crc32c is not the source manifest's.
-        TimeoutError / ConnectionError: the deadline passed, or the sender went away.
+        TimeoutError / ConnectionError: the peer was too slow, or went away.
     """
+    deadline = time.monotonic() + min(AUTH_S, timeout_s)
     magic = bytearray()
     while not magic.endswith(b"\n") and len(magic) < 16:  # "CPKREP<version>\n", any version's length
         one = bytearray(1)
@@ -398,19 +407,25 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int, deadline: f
     token = read_token(root)
     if token is None or not hmac.compare_digest(str(head.get("token", "")), token):
         raise ReplicaError(f"{root}: replica refused: wrong job token")
+    conn.settimeout(timeout_s)
     if lock is None:
-        return _receive_slot(conn, root, head, headroom_bytes, deadline)
-    if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-        raise TimeoutError(f"{root}: the receiver stayed busy with another slot until the connection's time ran out")
+        return _receive_slot(conn, root, head, headroom_bytes)
+    until = time.monotonic() + timeout_s
+    while not lock.acquire(timeout=0.2):
+        if stop is not None and stop.is_set():
+            raise ReplicaError(f"{root}: the receiver is stopping (its writer's trainer is gone); not received")
+        if time.monotonic() > until:
+            raise TimeoutError(f"{root}: the receiver stayed busy with other slots for {timeout_s:.0f} s")
     try:
-        return _receive_slot(conn, root, head, headroom_bytes, deadline)
+        if authenticated is not None:
+            authenticated()  # a transfer now: stop() lets it end
+        return _receive_slot(conn, root, head, headroom_bytes)
     finally:
         lock.release()
 
 
-def _receive_slot(conn: socket.socket, root: Path, head: dict[str, Any], headroom_bytes: int,
-                  deadline: float) -> Path:
-    """:func:`receive` once the sender is authenticated."""
+def _receive_slot(conn: socket.socket, root: Path, head: dict[str, Any], headroom_bytes: int) -> Path:
+    """:func:`receive` once the sender is authenticated and the lock held."""
     name = str(head["slot"])
     if not name.startswith("slot-") or not name[5:].isdigit():
         raise ReplicaError(f"replica refused: bad slot name {name!r}")
@@ -425,36 +440,37 @@ def _receive_slot(conn: socket.socket, root: Path, head: dict[str, Any], headroo
         _refuse_overwriting_newer(target, save_id, step, head.get("expect"))
     elif head["into"] == "replica":
         target = replica_dir(root, str(head["source"]), name)
-        target.parent.mkdir(mode=0o700, exist_ok=True)
-        write_atomic(target.parent / SOURCE_NAME, json.dumps({"source": head["source"]}).encode(), fsync=False)
     else:
         raise ReplicaError(f"replica refused: unknown destination {head['into']!r}")
-    target.mkdir(mode=0o700, exist_ok=True)
     existing = sum(_size(target / e.name) for e in entries)
     # The RAM bound: (own slots + replica slots) x shard must leave memory.headroom_bytes free. Checked
     # before anything changes: a refused copy leaves the target's complete checkpoint as it was.
-    require_free(target, sum(e.nbytes for e in entries), already_reserved=existing, headroom_bytes=headroom_bytes,
+    require_free(root, sum(e.nbytes for e in entries), already_reserved=existing, headroom_bytes=headroom_bytes,
                  what=f"a replica of {head['source']} ({name})")
-    # incomplete from its first changed byte until the commit below (the last-written commit file goes first)
     _send_msg(conn, {"ok": True})
     go = bytearray(1)
-    _recv_exact(conn, memoryview(go), deadline)  # a sender that gave up (closed) ends it here: nothing changed
+    _recv_exact(conn, memoryview(go))  # a sender that gave up (closed) ends it here: nothing changed
     if bytes(go) != _GO:
         raise ReplicaError(f"{target}: the sender did not confirm the transfer; nothing changed")
+    if head["into"] == "replica":
+        target.parent.mkdir(mode=0o700, exist_ok=True)
+        write_atomic(target.parent / SOURCE_NAME, json.dumps({"source": head["source"]}).encode(), fsync=False)
+    target.mkdir(mode=0o700, exist_ok=True)
+    # incomplete from its first changed byte until the commit below (the last-written commit file goes first)
     clear_commit(target, fsync=False)
     for n, _ in reversed(commit):
         (target / n).unlink(missing_ok=True)
     t0 = time.perf_counter()
     damaged: list[str] = []  # the stream is read to its end either way, so the sender gets the reason
     for e in entries:
-        _receive_file(conn, target / e.name, e, damaged, deadline)
+        _receive_file(conn, target / e.name, e, damaged)
     commit_bytes = []
     for n, k in commit:
         data = bytearray(k)
-        _recv_exact(conn, memoryview(data), deadline)
+        _recv_exact(conn, memoryview(data))
         commit_bytes.append((n, bytes(data)))
     verdict = bytearray(1)
-    _recv_exact(conn, memoryview(verdict), deadline)
+    _recv_exact(conn, memoryview(verdict))
     if bytes(verdict) != b"C":  # first: a slot reused while it was sent explains any damage
         raise ReplicaError(f"{target}: the sender aborted (its slot was reused while sending); not committed")
     damaged += _commit_damage(target, dict(commit_bytes))
@@ -505,7 +521,7 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _receive_file(conn: socket.socket, path: Path, entry: Any, damaged: list[str], deadline: float) -> None:
+def _receive_file(conn: socket.socket, path: Path, entry: Any, damaged: list[str]) -> None:
     """Preallocate ``path`` (a full tmpfs fails here, never as a SIGBUS later), receive and verify each chunk;
     a chunk whose crc32c differs is named in ``damaged`` and the rest is still read (never written)."""
     check = entry.checksum == "crc32c" and bool(entry.chunk_checksums)
@@ -520,7 +536,7 @@ def _receive_file(conn: socket.socket, path: Path, entry: Any, damaged: list[str
         for k in range((entry.nbytes + chunk - 1) // chunk if entry.nbytes else 0):
             n = min(chunk, entry.nbytes - offset)
             view = memoryview(buf)[:n]
-            _recv_exact(conn, view, deadline)
+            _recv_exact(conn, view)
             if check and crc32c.crc32c(view) != entry.chunk_checksums[k]:
                 damaged.append(f"{path}: chunk {k} (offset {offset}, {n} bytes) arrived with a crc32c other than "
                                "the source manifest's")

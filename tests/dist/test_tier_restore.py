@@ -457,8 +457,10 @@ def test_a_relaunch_that_moved_ranks_between_nodes_starts_from_scratch_every_tim
 
 
 def _with_a_departed_node(durable: str, base: str) -> dict:
-    """Rank body: each RAM root holds a replica of a node that is no longer in the job (planted before the tier
-    opens: a node replaced after a crash); the first save removes it, today's partner's replica is made."""
+    """Rank body: each RAM root holds a complete replica (step 5) of a node that is no longer in the job (planted
+    before the tier opens: a node replaced after a crash). Saves of steps 1-3 keep it (the slots hold older saves:
+    it may still belong to the newest checkpoint a restart can assemble); once both slots hold newer saves (6,
+    7), the next save removes it; today's partner's replica stays."""
     import torch.distributed as dist
 
     from cpuckpt.tier.memory import MemoryTier
@@ -467,29 +469,36 @@ def _with_a_departed_node(durable: str, base: str) -> dict:
     _log()
     rank = dist.get_rank()
     tier = MemoryTier(durable, _cfg(f"{base}/ram{rank}", persist_every=0))
+    departed = Path(f"{base}/ram{rank}") / "replica-departed"
     try:
-        before = [source for source, _ in replica_slots(tier.root.path)]
-        tier.save(_state(1, rank), 1).wait()
-        tier.wait_persisted()  # the replica of step 1 to the partner
+        out = {"before": [source for source, _ in replica_slots(tier.root.path)]}
+        for step in (1, 2, 3):
+            tier.save(_state(step, rank), step).wait()
+        out["kept_while_older"] = departed.exists()
+        for step in (6, 7, 8):
+            tier.save(_state(step, rank), step).wait()
+        tier.wait_persisted()  # the replica of step 8 to the partner
         dist.barrier()
-        return {"before": before, "after": [source for source, _ in replica_slots(tier.root.path)],
-                "gone": not (Path(f"{base}/ram{rank}") / "replica-departed").exists()}
+        out |= {"after": [source for source, _ in replica_slots(tier.root.path)], "gone": not departed.exists()}
+        return out
     finally:
         tier.close(persist_newest=False)
 
 
-def test_replicas_of_a_node_that_left_are_removed_at_the_first_save(run_ranks, tmp_path) -> None:
+def test_replicas_of_a_node_that_left_are_removed_once_every_slot_holds_a_newer_save(run_ranks, tmp_path) -> None:
     """A replica directory is kept per source node; one of a node that left the job (a new boot or RAM root is a
-    new node key) received nothing more and was never removed: RAM beyond the bound for good. The first save
-    removes it (a restart had its chance to restore from it before); the current partner's replica stays."""
+    new node key) received nothing more and was never removed: RAM beyond the bound for good. It goes once this
+    node's slots all hold saves newer than it (no checkpoint it belongs to can be assembled any more), not before
+    (a node whose new partner has no copy yet may still need it); the current partner's replica stays."""
+    import cpuckpt
+
     durable, base = str(tmp_path / "durable"), tmp_path
     for rank in (0, 1):
         departed = base / f"ram{rank}" / "replica-departed"
-        (departed / "slot-0").mkdir(parents=True)
-        (departed / "slot-0" / "__1_0.distcp").write_bytes(b"x" * 4096)
+        cpuckpt.save({"w": torch.ones(8)}, departed / "slot-0", step=5)
         (departed / "source.json").write_text(json.dumps({"source": "gone-host:old-boot:/ram9"}))
         os.chmod(base / f"ram{rank}", 0o700)
     res = run_ranks(2, _with_a_departed_node, durable, str(base), timeout_s=90)
     for rank, r in enumerate(res):
-        assert r["before"] == ["gone-host:old-boot:/ram9"], r
-        assert r["gone"] and len(r["after"]) == 1 and r["after"][0] != "gone-host:old-boot:/ram9", (rank, r)
+        assert r["before"] == ["gone-host:old-boot:/ram9"] and r["kept_while_older"], (rank, r)
+        assert r["gone"] and len(set(r["after"])) == 1 and r["after"][0] != "gone-host:old-boot:/ram9", (rank, r)

@@ -367,3 +367,57 @@ def test_a_restore_refuses_a_slot_that_changed_since_it_was_planned(slot: Path, 
 def test_a_slot_of_no_step_is_never_older_than_a_restore() -> None:
     assert overwrites((None, "a"), (5, "b"))
     assert overwrites((5, "a"), (5, "b")) and not overwrites((4, "a"), (5, "b")) and not overwrites(None, (5, "b"))
+
+
+def _paced_transfer(listener: Listener, slot: Path, seconds: float) -> dict:
+    """An authenticated sender that sends ``slot`` by hand, its bytes spread over ``seconds`` (a slow network);
+    returns the receiver's final answer."""
+    content = slot_content(slot)
+    with _accepted(listener, slot) as sock:
+        data = b"".join((slot / e.name).read_bytes()[:e.nbytes] for e in content.files)
+        pieces = 8
+        step = -(-len(data) // pieces)
+        for i in range(pieces):
+            sock.sendall(data[i * step:(i + 1) * step])
+            time.sleep(seconds / pieces)
+        for _, d in content.commit:
+            sock.sendall(d)
+        sock.sendall(b"C")
+        return _recv_msg(sock)
+
+
+def test_a_transfer_longer_than_timeout_s_completes_while_bytes_flow_even_after_a_wait_for_the_lock(
+        slot: Path, tmp_path: Path) -> None:
+    """timeout_s bounds each wait, not the whole transfer: a slot that takes longer to arrive than timeout_s
+    (a large slot, a slow link), after waiting for another sender's transfer, still commits. A whole-connection
+    deadline failed it midway, after the receiver had cleared the slot's previous replica."""
+    root = tmp_path / "node1"
+    root.mkdir(mode=0o700)
+    write_token(root, TOKEN)
+    listener = Listener(root, "127.0.0.1", headroom_bytes=0, timeout_s=2)
+    pool = new_executor(1, "test-replica-rx")
+    done = pool.submit(listener.serve_forever)
+    try:
+        busy = _accepted(listener, slot)
+        threading.Timer(1.5, busy.close).start()  # holds the lock for 1.5 s of the 2
+        t0 = time.monotonic()
+        assert _paced_transfer(listener, slot, 3.0)["ok"]
+        assert time.monotonic() - t0 > 4.0
+        assert check_complete(replica_dir(root, "hostA:boot:/ram0", "slot-1")).complete
+    finally:
+        listener.stop()
+        done.result(timeout=10)
+        pool.shutdown()
+
+
+def test_stop_lets_a_transfer_in_progress_end(slot: Path, partner: Listener) -> None:
+    """A writer stops its listener once its trainer is gone and nothing is owed, while partners may still be
+    sending it the replicas of the newest save (the job crashed): the transfer in progress ends and commits."""
+    result: dict = {}
+    sender = threading.Thread(target=lambda: result.update(_paced_transfer(partner, slot, 1.5)))
+    sender.start()
+    time.sleep(0.5)
+    partner.stop()
+    sender.join(timeout=20)
+    assert result.get("ok"), result
+    assert check_complete(replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")).complete
