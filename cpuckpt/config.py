@@ -250,7 +250,9 @@ class MemoryConfig:
 class TelemetryConfig:
     """Per-save/load telemetry records (see cpuckpt.backend.telemetry)."""
 
-    file: str = _opt("", "Append one JSON line per save and load to this file; empty: log lines only.",
+    file: str = _opt("", "Append one JSON line per save and load of cpuckpt.save/load/async_save and the memory "
+                     "tier (not of dcp.save/dcp.load given cpuckpt's writer or reader) to this file; empty: log lines "
+                     "only.",
                      path=True)
 
 
