@@ -58,6 +58,7 @@ class ListedCheckpoint:
     rank_step: int | None = None  # the step it is ranked by: find_latest's for DCP checkpoints
     damaged: bool = False  # complete, but ``scan_root(verify=True)`` found damage in its bytes
     rank_time: float = 0.0  # the commit time it is ranked by: find_latest's (.metadata's mtime) for DCP ones
+    step_from_name: bool = False  # ``step`` is the last number in the name: the checkpoint records none
 
     @property
     def status(self) -> str:
@@ -136,15 +137,15 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
         complete, reason, rank_step = checked.complete, checked.reason, checked.step
         if complete:
             commit_time = checked.mtime  # .metadata's mtime: written last, by the commit
-    if step is None:
-        m = _STEP_RE.search(p.name)
-        step = int(m.group(1)) if m else None
+    from_name = step is None and (m := _STEP_RE.search(p.name)) is not None
+    if from_name:
+        step = int(m.group(1))
     if not dcp_files:
         rank_step = step
     rank_time = commit_time if commit_time is not None else newest
     return ListedCheckpoint(path=p, kind=kind, complete=complete, step=step, nbytes=nbytes,
                             mtime=_written_at(p, manifest, commit_time) or rank_time, reason=reason,
-                            rank_step=rank_step, rank_time=rank_time)
+                            rank_step=rank_step, rank_time=rank_time, step_from_name=from_name)
 
 
 def _written_at(p: Path, manifest: Manifest | None, commit_time: float | None) -> float | None:

@@ -57,6 +57,15 @@ def _human_age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
+def _step_text(info: Any, mark: str = "") -> str:
+    """A listed checkpoint's step; one taken from its name (none recorded) marked, or said so."""
+    if info.step is None:
+        return "-"
+    if not info.step_from_name:
+        return str(info.step)
+    return f"{mark}{info.step}" if mark else f"{info.step} (the last number in its name: it records none)"
+
+
 def _fail(message: str) -> None:
     click.echo(f"cpuckpt: error: {message}", err=True)
     sys.exit(_EXIT_ERROR)
@@ -132,7 +141,8 @@ def ls_cmd(root: Any, as_json: bool, verify: bool) -> None:
     itself. Order and latest are find_latest's
     (step, then commit time); AGE is the time since the checkpoint was written (its manifest, else its
     commit), which loading it does not change. Without --verify, "complete" means committed with every
-    file at its size; checksums are not read.
+    file at its size; checksums are not read. STEP is the step the checkpoint records, or ~N (JSON:
+    step_from_name), the last number in its name, where it records none (stock DCP, Megatron, DeepSpeed).
     """
     from cpuckpt.tools.catalog import scan_root
 
@@ -144,6 +154,7 @@ def ls_cmd(root: Any, as_json: bool, verify: bool) -> None:
     if as_json:
         for info in found:
             click.echo(json.dumps({"path": str(info.path), "kind": info.kind, "step": info.step,
+                                   "step_from_name": info.step_from_name,
                                    "nbytes": info.nbytes, "status": info.status, "reason": info.reason,
                                    "age_s": round(info.age_s, 1), "latest": info.latest}))
         if damaged:
@@ -157,7 +168,7 @@ def ls_cmd(root: Any, as_json: bool, verify: bool) -> None:
         status = info.status if info.complete and not info.damaged else \
             f"{info.status} ({info.reason})" if info.reason else info.status
         rows.append((info.path.name if info.path != root else str(root), info.kind,
-                     "-" if info.step is None else str(info.step), _human_bytes(info.nbytes), status,
+                     _step_text(info, "~"), _human_bytes(info.nbytes), status,
                      _human_age(info.age_s), "<- latest" if info.latest else ""))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -183,7 +194,8 @@ def inspect_cmd(path: Any, as_json: bool, tensors: bool) -> None:
     if as_json:
         click.echo(json.dumps({
             "path": str(path), "kind": d.info.kind, "status": d.info.status, "reason": d.info.reason,
-            "step": d.info.step, "ranks": d.ranks, "nbytes": d.info.nbytes, "files": d.files,
+            "step": d.info.step, "step_from_name": d.info.step_from_name, "ranks": d.ranks,
+            "nbytes": d.info.nbytes, "files": d.files,
             "save_id": d.save_id, "dcp_version": d.dcp_version,
             "cpuckpt_version": m.cpuckpt_version if m else None, "torch_version": m.torch_version if m else None,
             "created_unix": m.created_unix if m else None, "timings": m.timings if m else {},
@@ -195,7 +207,7 @@ def inspect_cmd(path: Any, as_json: bool, tensors: bool) -> None:
     lines = [
         f"path:      {path}",
         f"kind:      {d.info.kind} ({d.info.status}{', ' + d.info.reason if d.info.reason else ''})",
-        f"step:      {'-' if d.info.step is None else d.info.step}",
+        f"step:      {_step_text(d.info)}",
         f"ranks:     {'-' if d.ranks is None else d.ranks}",
         f"size:      {_human_bytes(d.info.nbytes)} on disk ({d.info.nbytes} bytes), "
         f"tensor data {_human_bytes(tensor_bytes)}",

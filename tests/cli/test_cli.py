@@ -794,3 +794,24 @@ def test_ctrl_c_exits_130_not_the_damaged_status(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(verification, "verify_checkpoint", interrupted)
     assert main(["verify", str(tmp_path / "c")]) == 130
     assert "Aborted!" in capsys.readouterr().err
+
+
+def test_a_step_taken_from_the_name_is_marked_as_such(tmp_path):
+    """A checkpoint that records no step is listed with the last number of its name, marked (~N, JSON
+    step_from_name, inspect says so), not shown as if it were the saved step."""
+    from cpuckpt.tools.cli import main
+
+    sd = {"x": torch.ones(3)}
+    cpuckpt.save(sd, tmp_path / "r" / "step_100", step=100)
+    dcp.save(sd, storage_writer=cpuckpt.StorageWriter(tmp_path / "r" / "final7"))
+    runner = CliRunner()
+    table = runner.invoke(cli, ["ls", str(tmp_path / "r")]).output
+    rows = {line.split()[0]: line.split()[2] for line in table.splitlines()[1:]}
+    assert rows == {"step_100": "100", "final7": "~7"}, table
+    out = runner.invoke(cli, ["ls", "--json", str(tmp_path / "r")]).output
+    listed = [json.loads(line) for line in out.splitlines()]
+    assert {Path(d["path"]).name: (d["step"], d["step_from_name"]) for d in listed} == {
+        "step_100": (100, False), "final7": (7, True)}
+    assert "7 (the last number in its name: it records none)" in runner.invoke(
+        cli, ["inspect", "--no-tensors", str(tmp_path / "r" / "final7")]).output
+    assert main(["ls", str(tmp_path / "r")]) == 0
