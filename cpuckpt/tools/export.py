@@ -14,9 +14,10 @@ index is written last. A failed or interrupted convert thus leaves no output (an
 existing output is replaced only by a complete one. A killed one (SIGKILL, the OOM killer) leaves its
 ``.cpuckpt-convert-*`` directories, and nothing else, for the user to remove.
 
-Non-tensor items are read from their records with ``torch.load(weights_only=True)`` (never arbitrary
-pickles). With safetensors they go into the header's ``__metadata__`` as JSON; values that are not
-JSON-able, or that ``weights_only`` refuses, are skipped and listed in the report; an item named ``format``
+Non-tensor items are read from their records as :func:`cpuckpt.load` reads them (``weights_only`` semantics plus
+the values it also allows, numpy's among them: ``format.unpickle.load_value``; never arbitrary pickles). With
+safetensors they go into the header's ``__metadata__`` as JSON; values that are not JSON-able, or that the
+unpickler refuses, are skipped and listed in the report; an item named ``format``
 is refused (it would replace the header's ``"format": "pt"``, which loaders such as transformers check).
 
 Object storage: ``src`` may be an ``s3://`` checkpoint (read by ranged GETs, as :func:`cpuckpt.load` reads it),
@@ -34,7 +35,6 @@ CRC check does not.
 from __future__ import annotations
 
 import errno
-import io
 import json
 import logging
 import os
@@ -55,8 +55,9 @@ from cpuckpt.api import load
 from cpuckpt.backend import s3commit
 from cpuckpt.backend.committed import load_metadata
 from cpuckpt.config import Config, resolve_config
-from cpuckpt.errors import StorageIOError
+from cpuckpt.errors import CpuckptError, StorageIOError
 from cpuckpt.format.dtypes import tensor_nbytes
+from cpuckpt.format.unpickle import load_value
 from cpuckpt.format.zipheader import entry_data_offset
 from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.transfer.files import fsync_dir
@@ -343,7 +344,7 @@ def _check_output(out: Path, *, sharded: bool, overwrite: bool) -> None:
 
 def _read_extra(src: Path | S3Url, md: Any, name: str, fmt: str, extras: dict[str, Any], report: ExportReport,
                 store: ObjectStore | None) -> None:
-    """Read one non-tensor item's record (weights_only) and keep it where the format can hold it."""
+    """Read one non-tensor item's record (as :func:`cpuckpt.load` does) and keep it where the format can hold it."""
     sinfo = next((s for idx, s in (md.storage_data or {}).items() if idx.fqn == name), None)
     if sinfo is None:
         report.skipped[name] = ".metadata has no record for it"
@@ -362,9 +363,9 @@ def _read_extra(src: Path | S3Url, md: Any, name: str, fmt: str, extras: dict[st
             f.seek(int(sinfo.offset))
             data = f.read(int(sinfo.length))
     try:
-        value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:
-        report.skipped[name] = f"not loadable with torch.load(weights_only=True): {type(e).__name__}"
+        value = load_value(data, name, where=str(src))
+    except CpuckptError as e:
+        report.skipped[name] = f"not loadable without running its pickle's code: {type(e).__name__}"
         return
     if _holds_tensor(value):
         report.skipped[name] = "a non-tensor item that holds tensors"

@@ -815,3 +815,17 @@ def test_a_step_taken_from_the_name_is_marked_as_such(tmp_path):
     assert "7 (the last number in its name: it records none)" in runner.invoke(
         cli, ["inspect", "--no-tensors", str(tmp_path / "r" / "final7")]).output
     assert main(["ls", str(tmp_path / "r")]) == 0
+
+
+def test_convert_keeps_numpy_values_that_load_keeps(tmp_path):
+    """cpuckpt.load loads numpy values (README: every load path); convert skipped them ("not loadable with
+    torch.load(weights_only=True)"). Now it reads items as load does."""
+    import numpy as np
+
+    sd = {"w": torch.ones(4), "counts": np.arange(5, dtype=np.int64), "scale": np.float32(0.5)}
+    cpuckpt.save(sd, tmp_path / "c")
+    code, out = _run("convert", tmp_path / "c", "--to", "torch", tmp_path / "full.pt")
+    assert code == 0, out
+    got = torch.load(tmp_path / "full.pt", weights_only=False)
+    assert torch.equal(got["w"], sd["w"]) and np.array_equal(got["counts"], sd["counts"])
+    assert got["scale"] == np.float32(0.5) and "skipped" not in out, out
