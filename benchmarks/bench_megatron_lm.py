@@ -985,35 +985,37 @@ def lost_work(killed: dict[str, Any], relaunch: dict[str, Any], kill: dict[str, 
 def same_values(reference: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     """Whether ``run`` logged the same values (loss, grad norm) as ``reference`` at every iteration both logged.
 
-    Two exceptions, listed as ``logged_mean_at``: Megatron-LM logs, at a resumed run's second logged iteration, the
-    mean of its first two iterations' losses (its loss sum is not reset after the first log line of a resume). That
-    line still counts as equal when its grad norm is the reference's and its loss is the mean of the reference's
-    losses at that iteration and the one before (to the 7 printed digits). And with a log interval above one, the
-    loss of a resumed run's first line is the mean over the iterations since the resume, not over the interval: that
-    line counts as equal when its grad norm (the iteration's own) is the reference's, and the lines after it are
-    compared whole."""
+    Two exceptions, listed as ``logged_mean_at``: Megatron-LM does not reset its loss sums after a line printed at a
+    resumed run's first iteration, so its next line's loss is the mean over that first iteration and the interval
+    after it (interval 1: the mean of the first two). That line still counts as equal when its grad norm is the
+    reference's and its loss is that mean of the run's first line and the reference's line (to the 7 printed digits).
+    And with a log interval above one, the loss of a resumed run's first line is the mean over the iterations since
+    the resume, not over the interval: that line counts as equal when its grad norm (the iteration's own) is the
+    reference's, and the lines after it are compared whole (unless the first exception applies)."""
     ref = {i["it"]: i["values"] for i in reference.get("iters") or []}
     got = {i["it"]: i["values"] for i in run.get("iters") or []}
     both = sorted(ref.keys() & got.keys())
     first, second = (sorted(got) + [None, None])[:2]
     spaced = len(ref) > 1 and min(b - a for a, b in itertools.pairwise(sorted(ref))) > 1  # a log interval above 1
     mean_at = [it for it in both if ref[it] != got[it]
-               and ((it == second and _logged_mean(ref, got, it))
+               and ((it == second and _logged_mean(ref, got, it, first))
                     or (spaced and it == first and _same_grad(ref, got, it)))]
     differ = [it for it in both if ref[it] != got[it] and it not in mean_at]
     return {"compared": len(both), "values_differ_at": differ[:10], "logged_mean_at": mean_at,
             "values_equal": None if not both else not differ}
 
 
-def _logged_mean(ref: dict[int, str], got: dict[int, str], it: int) -> bool:
-    """``got``'s line at ``it``: the reference's grad norm and the mean of its losses at ``it - 1`` and ``it``."""
-    if it - 1 not in ref:
+def _logged_mean(ref: dict[int, str], got: dict[int, str], it: int, first: int | None) -> bool:
+    """``got``'s line at ``it`` (its second): the reference's grad norm, and its loss the mean of ``got``'s first line
+    (one iteration, ``first``) and the reference's ``it - first`` iterations logged at ``it``."""
+    if first is None or first >= it:
         return False
-    a, b, g = _parse_values(ref[it - 1]), _parse_values(ref[it]), _parse_values(got[it])
-    if a is None or b is None or g is None or "lm loss" not in g or g.get("grad norm") != b.get("grad norm") \
-            or set(g) != set(b):
+    a, b, g = _parse_values(got[first]), _parse_values(ref[it]), _parse_values(got[it])
+    if a is None or b is None or g is None or "lm loss" not in g or "lm loss" not in a \
+            or g.get("grad norm") != b.get("grad norm") or set(g) != set(b):
         return False
-    mean = (a["lm loss"] + b["lm loss"]) / 2
+    n = it - first
+    mean = (a["lm loss"] + n * b["lm loss"]) / (n + 1)
     return abs(g["lm loss"] - mean) <= 1e-6 * max(1.0, abs(mean))
 
 
@@ -1272,6 +1274,17 @@ def self_test(config: str) -> int:
                                     {"it": 40, "values": "lm loss: 8.5 | grad norm: 12.4"}]}
                          )["values_differ_at"] == [30],
          "log interval 10: a resumed run's first line averages fewer iterations; its grad norm must still be equal"),
+        (same_values({"iters": [{"it": k, "values": f"lm loss: {v} | grad norm: {g}"}
+                                for k, v, g in ((20, 9.534409, 1.894), (30, 8.950678, 6.979), (40, 8.529778, 12.444))]},
+                     {"iters": [{"it": k, "values": f"lm loss: {v} | grad norm: {g}"}
+                                for k, v, g in ((30, 8.535886, 6.979), (40, 8.530334, 12.444))]})
+         == {"compared": 2, "values_differ_at": [], "logged_mean_at": [30, 40], "values_equal": True}
+         and same_values({"iters": [{"it": 30, "values": "lm loss: 8.950678 | grad norm: 6.979"},
+                                    {"it": 40, "values": "lm loss: 8.529778 | grad norm: 12.444"}]},
+                         {"iters": [{"it": 30, "values": "lm loss: 8.535886 | grad norm: 6.979"},
+                                    {"it": 40, "values": "lm loss: 8.530434 | grad norm: 12.444"}]}
+                         )["values_differ_at"] == [40],
+         "log interval 10, resumed at 29: the line at 30 is the first iteration's, not reset: 40 averages 30-40"),
         ([s["ms"] for s in p["saves"]] == [410.25, 399.0], "save-checkpoint timer (minmax, max), not -non-persistent"),
         (p["saves"][0]["start_t"] == round(2.0 - 0.41025, 2), "save start time"),
         (p["load_ms"] == 1240.25, "load-checkpoint timer"),
