@@ -180,7 +180,9 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
     core_file = data.pop(_CONFIG_FILE, None)
     source = _source(installed, block, core_file, block_wins)
     _refuse_removed(data, source)
-    own = {key: data.pop(key) for key in _OWN_FIELDS if key in data}
+    # ``async``: the adapter's flag when a bool, the core's ``async:`` section when a mapping (a core YAML's
+    # ``async: {max_in_flight: 1}`` given to this adapter is the core's)
+    own = {key: data.pop(key) for key in _OWN_FIELDS if key in data and not isinstance(data[key], Mapping)}
     base_own = {key: getattr(base, name) for key, name in _OWN_FIELDS.items()}
     options = build_options(AdapterOptions, {**base_own, **own}, source=source, env_prefix=ENV_PREFIX)
     if isinstance(installed, Settings) and not data and not core_file:

@@ -170,3 +170,13 @@ def test_memory_save_dir_without_the_memory_tier_is_ignored_with_a_warning(caplo
     with caplog.at_level("WARNING"):
         CpuckptCheckpointEngine(settings)
     assert "memory_save_dir /ckpt is ignored: memory_tier is off" in caplog.text
+
+
+def test_a_core_async_section_is_the_cores_not_the_adapters_flag(tmp_path):
+    """The adapter's own ``async`` is a bool; a core YAML's ``async:`` is a section (configs/megatron.yaml sets
+    ``async: {max_in_flight: 1}``). Given to this adapter, that section was taken for its flag ("async must be true
+    or false, got {'max_in_flight': 1}"); it now goes to the core, and the flag keeps its default."""
+    s = resolve_settings({"async": {"max_in_flight": 1}, "io": {"threads": 3}})
+    assert s.async_save is True and s.core.async_.max_in_flight == 1 and s.core.io.threads == 3
+    assert resolve_settings(REPO / "configs" / "megatron.yaml").core.async_.max_in_flight == 1
+    assert resolve_settings({"async": False}).async_save is False
