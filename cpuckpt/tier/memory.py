@@ -68,8 +68,9 @@ from cpuckpt.tier.images import AllocatedAhead, ImageSet
 from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
-from cpuckpt.tier.ramroot import RamRoot, acquire_lock, job_id_for
+from cpuckpt.tier.ramroot import RamRoot, acquire_lock, job_id_for, leaving_pid
 from cpuckpt.tier.recovery import Replication, Restore, agree_available, node_copies, slots_present
+from cpuckpt.tier.replica import DRAIN_S
 from cpuckpt.transfer.staging import caller_device
 
 __all__ = ["MemoryTier", "WriterDiedError"]
@@ -180,7 +181,10 @@ class MemoryTier:
         self._prepare_decided = threading.Event()  # the first save ended: preparation started or not needed
         self._closing = threading.Event()
         self._respawn_failed: CpuckptError | None = None
-        self._departed = False  # replicas of nodes this one no longer receives from are left (Replication.departed)
+        # replica directories of nodes this one no longer receives from (Replication.departed), removed once every
+        # own slot was claimed by this run (_drop_departed_replicas); the slots claimed so far
+        self._departed: list[Path] = []
+        self._claimed_slots: set[int] = set()
         self._reported = set(self.queue.finished())  # outcomes already seen (an earlier trainer's too)
         self._cancel_uncommitted_requests()
         stale_replicas = self._withdraw_replica_requests()
@@ -195,8 +199,8 @@ class MemoryTier:
             self._replication = Replication.start(self.nodes, self.root.path, pid, m.replicas, self.group,
                                                   self.config.timeout_s)
             self._requeue_replicas(self._replication, stale_replicas)
-            if self.nodes.is_leader:  # dropped once every own slot holds a newer save (_drop_departed_replicas)
-                self._departed = bool(self._replication.departed(self.root.path))
+            if self.nodes.is_leader:
+                self._departed = self._replication.departed(self.root.path)
 
     def _start_writer_agreed(self, needed: bool) -> None:
         """Collective, at construction: start this rank's writer when ``needed``; when any rank's cannot start, every
@@ -298,7 +302,7 @@ class MemoryTier:
             WriterDiedError: the writer process could not be started.
         """
         lock_path = self.root.writer_lock_path(self.rank)
-        pid = self.root.writer_alive(self.rank)
+        pid = self._writer_not_leaving(lock_path)
         fd = acquire_lock(lock_path) if pid is None else None
         if fd is None:
             pid = self.root.writer_alive(self.rank)
@@ -390,25 +394,19 @@ class MemoryTier:
         return [f"persist request {o.seq} failed: {o.error}" for o in new
                 if not o.ok and not o.error.startswith(("cancelled", "replica:"))]
 
-    def _drop_departed_replicas(self) -> None:
-        """Before a save (while any are left): the replicas of nodes this node no longer receives from would hold
-        RAM beyond the bound ((slots + K x slots) x shard) for good. One goes once every own slot holds a complete
-        save newer than its newest step: no checkpoint it belongs to can be assembled any more (this node's part
-        of that step is gone), so nothing can be restored from it."""
-        assert self._replication is not None
-        own = [self.format.committed(s) for s in self.slots]
-        if any(c is None or c.step is None for c in own):
+    def _drop_departed_replicas(self, k: int) -> None:
+        """After slot ``k`` was claimed: once every own slot has been claimed by this run, the replicas of nodes this
+        node no longer receives from go. They would hold RAM beyond the bound ((slots + K x slots) x shard) for good,
+        and no checkpoint they belong to can be assembled any more: this node's part of it is gone from its slots.
+        Decided from what this process claimed (no reads of the RAM root on the save path)."""
+        self._claimed_slots.add(k)
+        if len(self._claimed_slots) < len(self.slots):
             return
-        oldest = min(c.step for c in own if c is not None and c.step is not None)
-        left = False
-        for d, step in self._replication.departed(self.root.path).items():
-            if step is not None and step >= oldest:
-                left = True
-                continue
-            logger.info("cpuckpt memory tier: removing %s (a replica of a node this one no longer receives from, "
-                        "older than every save in this node's slots)", d)
+        for d in self._departed:
+            logger.info("cpuckpt memory tier: removing %s (a replica of a node this one no longer receives from; "
+                        "every own slot holds a save of this run)", d)
             shutil.rmtree(d, ignore_errors=True)
-        self._departed = left
+        self._departed = []
 
     def _drop_stale_images(self) -> None:
         """Images no committed checkpoint of this job can use any more (a rank beyond today's world, a file
@@ -519,14 +517,14 @@ class MemoryTier:
         # Before anything changes a slot (the adapter's before_fill, a leader's clear_commit): with fewer than
         # memory.max_uncommitted older saves running, the newest committed save's slot is never the one refilled.
         self._wait_uncommitted_below(self.max_uncommitted)
-        if self._departed:
-            self._drop_departed_replicas()
         replicas = self._replication is not None and self.nodes.is_leader and bool(self._replication.partners)
         claimed = self._claim(step, needs_writer=replicas or self._persist_due(step, persist))
         if claimed is None:
             return self.saves.async_save(state_dict, dest, self.config, step=step, planner=planner,
                                          plan_key=plan_key, ordering=ordering)
         k, token = claimed
+        if self._departed:
+            self._drop_departed_replicas(k)
         slot = self.slots[k]
         # A restore planned into this slot (candidates) would now overwrite this save: dropped on every rank
         # (every rank fills the same slot index).
@@ -645,13 +643,13 @@ class MemoryTier:
             (slot directory, save id), or None when every slot is held by a persist and ``memory.when_full`` is
             disk: that checkpoint goes to the durable root, as without the tier.
         """
-        if self._departed:
-            self._drop_departed_replicas()
         replicas = self._replication is not None and self.nodes.is_leader and bool(self._replication.partners)
         claimed = self._claim(step, needs_writer=replicas or self._persist_due(step, None))
         if claimed is None:
             return None
         k, save_id = claimed
+        if self._departed:
+            self._drop_departed_replicas(k)
         self._pending.pop(self.slots[k], None)  # a restore planned into this slot would overwrite this save
         return self.slots[k], save_id
 
@@ -930,6 +928,18 @@ class MemoryTier:
         self._put(req)
         handle.add_done_callback(lambda error: None if error is None else
                                  self.queue.cancel(req.seq, f"the memory save failed: {error}"))
+
+    def _writer_not_leaving(self, lock_path: Path) -> int | None:
+        """The running writer's pid, or None. A writer that marked itself leaving (its trainer was gone and nothing
+        was owed; it may still drain a replica transfer, no longer serving its queue) is waited for until it ends,
+        or until it withdraws the mark (it saw this trainer's lock and serves on), never adopted."""
+        deadline = time.monotonic() + DRAIN_S + 30
+        while (pid := self.root.writer_alive(self.rank)) is not None and leaving_pid(lock_path) == pid:
+            if time.monotonic() > deadline:
+                raise WriterDiedError(f"rank {self.rank}: writer pid {pid} has been ending for {DRAIN_S + 30:.0f} s "
+                                      f"and still holds {lock_path}; see its log in {self.root.path}")
+            time.sleep(0.05)
+        return pid
 
     def _try_start_writer(self) -> CpuckptError | None:
         """:meth:`_ensure_writer`, its failure returned for the caller to agree on with the other ranks."""

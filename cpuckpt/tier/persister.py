@@ -60,7 +60,7 @@ from cpuckpt.tier import s3persist
 from cpuckpt.tier.formats import marker_save_id, marker_step, part_path
 from cpuckpt.tier.imagecopy import persist_image
 from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
-from cpuckpt.tier.ramroot import acquire_lock, lock_holder
+from cpuckpt.tier.ramroot import acquire_lock, leaving_marker, lock_holder, mark_leaving
 from cpuckpt.tier.replica import Endpoint, Listener, send_slot
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 from cpuckpt.transfer.objstore import open_store
@@ -408,8 +408,12 @@ def lock_held(path: Path) -> bool:
     return lock_holder(path) is not None
 
 
-def serve(queue: PersistQueue, trainer_lock: Path) -> int:
-    """Process owed requests until the trainer is gone (or stop was asked) and nothing is owed."""
+def serve(queue: PersistQueue, trainer_lock: Path, writer_lock: Path | None = None) -> int:
+    """Process owed requests until the trainer is gone (or stop was asked) and nothing is owed.
+
+    Leaving, it marks itself so beside ``writer_lock`` (:func:`~cpuckpt.tier.ramroot.mark_leaving`), then looks at the
+    trainer's lock once more: a new trainer that took it meanwhile, and adopted this writer without seeing the mark,
+    keeps it serving (the mark is withdrawn); one that saw the mark waits for this process to end instead."""
     failures = 0
     while True:
         owed = queue.owed()
@@ -424,7 +428,13 @@ def serve(queue: PersistQueue, trainer_lock: Path) -> int:
         # request the trainer queued just before it died (this writer paused or preempted between the listing and
         # the probe, e.g. SIGSTOPped); a trainer queues before it releases its lock, so this listing holds it.
         if (queue.stop_requested() or not lock_held(trainer_lock)) and not queue.owed():
-            return 1 if failures else 0
+            if writer_lock is None:
+                return 1 if failures else 0
+            mark_leaving(writer_lock)
+            if queue.stop_requested() or not lock_held(trainer_lock):
+                return 1 if failures else 0
+            leaving_marker(writer_lock).unlink(missing_ok=True)  # a new trainer came: it may have adopted this writer
+            continue
         time.sleep(POLL_S)
 
 
@@ -458,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             rx = new_executor(1, "cpuckpt-replica-rx")
             rx.submit(listener.serve_forever)
             listener.publish()
-        return serve(PersistQueue(args.queue), Path(args.trainer_lock))
+        return serve(PersistQueue(args.queue), Path(args.trainer_lock), Path(args.lock))
     finally:
         if listener is not None and rx is not None:
             listener.stop()

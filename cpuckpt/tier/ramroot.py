@@ -475,6 +475,27 @@ def _space(path: Path) -> tuple[int, int]:
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
+def leaving_marker(writer_lock: Path) -> Path:
+    """Beside a writer's lock: the pid of that writer once its work is done and it ends (it may still drain a replica
+    transfer for a while, no longer serving its queue): a new trainer waits for it to end instead of adopting it."""
+    return writer_lock.with_name(writer_lock.name + ".leaving")
+
+
+def mark_leaving(writer_lock: Path) -> None:
+    marker = leaving_marker(writer_lock)
+    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, marker)  # whole or absent: a trainer never reads half a pid
+
+
+def leaving_pid(writer_lock: Path) -> int | None:
+    """The pid :func:`mark_leaving` wrote beside ``writer_lock``, or None."""
+    try:
+        return int(leaving_marker(writer_lock).read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def require_free(path: Path, nbytes: int, *, already_reserved: int, headroom_bytes: int, what: str) -> None:
     """Refuse ``nbytes`` more RAM-root bytes for ``what`` (a replica's files, reserved by a writer process,
     which has no :class:`RamRoot`) unless ``headroom_bytes`` stay free: the same bound as

@@ -169,17 +169,10 @@ class Replication:
         # the nodes whose replicas this node receives now (it is among their partners)
         self.sources = frozenset(k for k in set(nodes.keys) if me in partners(nodes.keys, k, replicas))
 
-    def departed(self, root: Path) -> dict[Path, int | None]:
+    def departed(self, root: Path) -> list[Path]:
         """Replica directories in ``root`` of nodes this node no longer receives from (a node replaced or gone, a
-        ring that shifted), with the newest step each holds complete (None: none, or of no step): a restart may
-        still restore from them, nothing sends to them any more."""
-        out: dict[Path, int | None] = {}
-        for source, slot in replica_slots(root):
-            if source not in self.sources:
-                content = slot_content(slot)
-                step, prev = (content.step if content is not None else None), out.get(slot.parent)
-                out[slot.parent] = step if prev is None else (prev if step is None else max(prev, step))
-        return out
+        ring that shifted): a restart may still restore from them; nothing sends to them any more."""
+        return sorted({slot.parent for source, slot in replica_slots(root) if source not in self.sources})
 
     @classmethod
     def start(cls, nodes: NodeMap, root: Path, writer_pid: int | None, replicas: int, group: Any,

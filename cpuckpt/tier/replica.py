@@ -26,8 +26,10 @@ and each of its reads after that for up to ``timeout_s``: a peer that connects a
 and a long transfer is never cut short while bytes flow. Nothing in the RAM root changes before the sender,
 still connected, answers the receiver's acceptance (a sender that gave up waiting in the queue is never acted
 on later), and a restore names what it expects the slot to hold, as planned: a slot that changed since is left
-as it is. ``stop`` lets the transfers in progress end; it cuts only connections not yet authenticated or still
-waiting for the lock.
+as it is. ``stop`` lets the transfer in progress end, for up to ``DRAIN_S``; it cuts connections not yet
+authenticated or still waiting for the lock, and one that would take the lock after it. The writer process marks
+itself leaving first (:func:`cpuckpt.tier.ramroot.mark_leaving`), so that a new trainer never adopts a writer that
+no longer listens.
 
 Must not: run collectives, import the trainer's state, read the durable root.
 """
@@ -81,6 +83,7 @@ _RECV_BYTES = 4 << 20  # receive buffer when a file records no chunk size
 _GO = b"G"  # the sender's answer to the acceptance: it is still there, the receiver may change the slot
 _CONNECTIONS = 16  # connections served at once; more wait for a free thread
 AUTH_S = 30.0  # a connection's magic and head (its token) arrive within this, or it is closed
+DRAIN_S = 30.0  # a stopping listener lets the transfer in progress run this long at most
 
 
 class ReplicaError(CpuckptError):
@@ -316,8 +319,10 @@ class Listener:
     one authenticated connection writes at a time (:func:`receive`).
 
     ``serve_forever`` runs on a thread of its own (started by the writer through ``transfer.threads``);
-    ``stop`` ends it once the transfers in progress end (those not yet authenticated, or waiting for the lock,
-    are cut). Every failure of a connection is answered to the sender and logged; none ends it.
+    ``stop`` ends it once the transfer in progress ends, for up to ``DRAIN_S`` (a crashed job's partners may still
+    be sending the newest save's replicas; a sender whose node died would hold it for ``timeout_s``); connections
+    not yet authenticated, or waiting for the lock, are cut. Every failure of a connection is answered to the sender
+    and logged; none ends it.
     """
 
     def __init__(self, root: Path, host: str, *, headroom_bytes: int, timeout_s: float) -> None:
@@ -327,8 +332,9 @@ class Listener:
         self.endpoint = Endpoint(host, self.sock.getsockname()[1])
         self._stop = threading.Event()
         self._writing = threading.Lock()  # one slot written at a time: the RAM bound is checked against the rest
-        self._waiting: set[socket.socket] = set()  # not yet authenticated: stop() cuts them
-        self._waiting_lock = threading.Lock()
+        self._waiting: set[socket.socket] = set()  # not yet transferring: stop() cuts them
+        self._transferring: set[socket.socket] = set()  # holding the write lock: stop() gives them DRAIN_S
+        self._conns_lock = threading.Lock()
 
     def publish(self) -> None:
         """Write ``<root>/replica-endpoint.json`` (host, port, this pid): the trainers read and exchange it."""
@@ -346,26 +352,34 @@ class Listener:
                     conn, peer = self.sock.accept()
                 except TimeoutError:
                     continue
-                with self._waiting_lock:
+                with self._conns_lock:
                     self._waiting.add(conn)
                 pool.submit(self._serve, conn, peer)
         finally:
             self.sock.close()
-            with self._waiting_lock:  # (threads waiting for the lock see _stop)
-                for conn in self._waiting:
-                    with contextlib.suppress(OSError):
-                        conn.shutdown(socket.SHUT_RDWR)
+            with self._conns_lock:  # none moves to transferring from here on (_transferring checks _stop under it)
+                _shut(self._waiting)
+            deadline = time.monotonic() + min(DRAIN_S, self.timeout_s)
+            while self._transferring and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with self._conns_lock:
+                _shut(self._transferring)  # its sender is told it failed; nothing of it commits
             pool.shutdown(wait=True)
 
-    def _authenticated(self, conn: socket.socket) -> None:
-        with self._waiting_lock:
+    def _transfer(self, conn: socket.socket) -> None:
+        """The connection holds the write lock now: a transfer, unless the listener is stopping (then refused)."""
+        with self._conns_lock:
+            if self._stop.is_set():
+                raise ReplicaError(f"{self.root}: the receiver is stopping (its writer's trainer is gone); not "
+                                   "received")
             self._waiting.discard(conn)
+            self._transferring.add(conn)
 
     def _serve(self, conn: socket.socket, peer: Any) -> None:
-        with conn:
+        with conn, self._tracked(conn):
             try:
                 receive(conn, self.root, headroom_bytes=self.headroom_bytes, timeout_s=self.timeout_s,
-                        lock=self._writing, stop=self._stop, authenticated=lambda: self._authenticated(conn))
+                        lock=self._writing, stop=self._stop, authenticated=lambda: self._transfer(conn))
             except Exception as e:  # answered to the sender (best effort), then the next connection
                 logger.error("replica from %s failed: %s", peer, e)
                 try:
@@ -373,8 +387,21 @@ class Listener:
                     _send_msg(conn, {"ok": False, "error": f"{type(e).__name__}: {e}"})
                 except OSError:
                     pass
-            finally:
-                self._authenticated(conn)
+
+    @contextlib.contextmanager
+    def _tracked(self, conn: socket.socket) -> Any:
+        try:
+            yield
+        finally:
+            with self._conns_lock:
+                self._waiting.discard(conn)
+                self._transferring.discard(conn)
+
+
+def _shut(conns: set[socket.socket]) -> None:
+    for conn in conns:
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
 
 
 def receive(conn: socket.socket, root: Path, *, headroom_bytes: int, timeout_s: float,
@@ -418,7 +445,7 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int, timeout_s: 
             raise TimeoutError(f"{root}: the receiver stayed busy with other slots for {timeout_s:.0f} s")
     try:
         if authenticated is not None:
-            authenticated()  # a transfer now: stop() lets it end
+            authenticated()  # a transfer now (raises when the listener is stopping)
         return _receive_slot(conn, root, head, headroom_bytes)
     finally:
         lock.release()

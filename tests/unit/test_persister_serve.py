@@ -47,3 +47,42 @@ def test_the_writer_process_starts_without_torch():
     code = "import sys, cpuckpt.tier.persister; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_writer_leaving_marks_itself_and_serves_on_for_a_trainer_that_came_meanwhile(tmp_path, monkeypatch):
+    """A writer whose trainer is gone and owes nothing marks itself leaving (its pid beside its lock), so that a new
+    trainer waits for it to end instead of adopting a writer that no longer serves its queue or listens. A trainer
+    that took the lock just as it marked itself (and may have adopted it, not seeing the mark) keeps it serving: the
+    mark is withdrawn and its request served."""
+    from cpuckpt.tier.ramroot import leaving_marker, leaving_pid
+
+    queue = PersistQueue(tmp_path / "queue-0").create()
+    trainer_lock, writer_lock = tmp_path / ".rank-0.lock", tmp_path / ".writer-0.lock"
+    assert persister.serve(queue, trainer_lock, writer_lock) == 0  # no trainer, nothing owed: leaves
+    assert leaving_pid(writer_lock) == os.getpid()
+    leaving_marker(writer_lock).unlink()
+
+    real_mark = persister.mark_leaving
+    arrived: list[int] = []
+    req = PersistRequest(seq=1, slot=str(tmp_path / "slot-0"), save_id="s", step=4, dest=str(tmp_path / "step_4"),
+                         rank=0, world_size=1, coordinator=True, config={}, trainer_pid=os.getpid(),
+                         trainer_lock=str(trainer_lock))
+
+    def mark_then_a_trainer_arrives(path):
+        real_mark(path)
+        if not arrived:  # the new trainer takes its lock and queues, having adopted this writer
+            arrived.append(acquire_lock(trainer_lock))
+            queue.put(req)
+
+    served = []
+
+    def persist(r, q=None):
+        served.append(r.seq)
+        assert leaving_pid(writer_lock) is None  # withdrawn before serving on
+        os.close(arrived[0])  # that trainer ends too
+        return Outcome(r.seq, True)
+
+    monkeypatch.setattr(persister, "mark_leaving", mark_then_a_trainer_arrives)
+    monkeypatch.setattr(persister, "persist_one", persist)
+    assert persister.serve(queue, trainer_lock, writer_lock) == 0
+    assert served == [1] and queue.outcome(1).ok and leaving_pid(writer_lock) == os.getpid()

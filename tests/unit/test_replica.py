@@ -421,3 +421,61 @@ def test_stop_lets_a_transfer_in_progress_end(slot: Path, partner: Listener) -> 
     sender.join(timeout=20)
     assert result.get("ok"), result
     assert check_complete(replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")).complete
+
+
+def test_stop_refuses_a_connection_that_gets_the_lock_after_it_and_bounds_a_stalled_transfer(
+        slot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection waiting for the lock when the listener stops is refused even if the lock frees at once (it would
+    start a whole new transfer after stop); a transfer in progress that stalls (its sender's node died) holds the
+    stopping writer DRAIN_S at most, not timeout_s."""
+    monkeypatch.setattr(replica, "DRAIN_S", 1.0)
+    root = tmp_path / "node1"
+    root.mkdir(mode=0o700)
+    write_token(root, TOKEN)
+    listener = Listener(root, "127.0.0.1", headroom_bytes=0, timeout_s=60)
+    pool = new_executor(1, "test-replica-rx")
+    done = pool.submit(listener.serve_forever)
+    busy = _accepted(listener, slot)  # holds the lock, then stalls (a dead sender)
+    waiter = socket.create_connection((listener.endpoint.host, listener.endpoint.port), timeout=10)
+    waiter.sendall(MAGIC)
+    _send_msg(waiter, _head(slot, "replica"))
+    time.sleep(0.3)  # authenticated, waiting for the lock
+    t0 = time.monotonic()
+    listener.stop()
+    try:
+        answer = _recv_msg(waiter)
+    except (ConnectionError, OSError):
+        answer = {"ok": False, "error": "closed"}
+    assert not answer.get("ok"), answer
+    done.result(timeout=10)
+    assert time.monotonic() - t0 < 4.0  # the stalled transfer was cut after DRAIN_S, not after timeout_s (60 s)
+    assert not check_complete(replica_dir(root, "hostA:boot:/ram0", "slot-1")).complete
+    busy.close()
+    waiter.close()
+    pool.shutdown()
+
+
+def test_a_connection_that_gets_the_lock_just_after_stop_is_refused(slot: Path, tmp_path: Path) -> None:
+    """The transfer holding the lock ends right as the listener stops: the connection waiting for the lock gets it
+    before the listener's loop has cut the waiting ones, and must be refused then, not start a new transfer."""
+    root = tmp_path / "node1"
+    root.mkdir(mode=0o700)
+    write_token(root, TOKEN)
+    listener = Listener(root, "127.0.0.1", headroom_bytes=0, timeout_s=60)
+    pool = new_executor(1, "test-replica-rx")
+    done = pool.submit(listener.serve_forever)
+    busy = _accepted(listener, slot)
+    waiter = socket.create_connection((listener.endpoint.host, listener.endpoint.port), timeout=10)
+    waiter.sendall(MAGIC)
+    _send_msg(waiter, _head(slot, "replica"))
+    time.sleep(0.3)  # authenticated, waiting for the lock
+    listener.stop()
+    busy.close()  # the lock frees at once (its transfer fails)
+    try:
+        answer = _recv_msg(waiter)
+    except (ConnectionError, OSError):
+        answer = {"ok": False, "error": "closed"}
+    assert not answer.get("ok") and "stopping" in answer.get("error", "stopping"), answer
+    done.result(timeout=10)
+    waiter.close()
+    pool.shutdown()
