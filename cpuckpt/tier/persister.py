@@ -113,6 +113,47 @@ def _durable_save_id(dest: Path) -> str | None:
     return manifest.save_id if manifest is not None else None
 
 
+# A rank's writer goes on to its next request once its part is written, while the coordinator's writer may still be
+# committing that save: a later persist of the same destination (a fixed name: a DeepSpeed tag saved again, a rewind)
+# must not clear it under that commit. Each writer remembers the save of the last part it wrote per part path.
+_MY_LAST_PART: dict[Path, str] = {}
+FAILED_NAME = ".cpuckpt-persist-failed"  # the coordinator's word that the commit of the save it names failed
+
+
+def _after_the_commit_of_my_last_part(req: PersistRequest, part: Path, dest: Path, deadline: float,
+                                      queue: PersistQueue | None) -> None:
+    """Before this rank changes ``dest`` for ``req``: wait while the part it wrote there for an earlier save is
+    still there (the coordinator removes the parts once it committed), unless the coordinator says that commit
+    failed, the trainer withdrew ``req``, or the deadline passed (the coordinator is gone: go on, warned)."""
+    earlier = _MY_LAST_PART.get(part)
+    if earlier is None or earlier == req.save_id or req.coordinator:
+        return
+    while _part_save_id(part) == earlier and _failed_save(dest) != earlier:
+        if queue is not None and queue.outcome(req.seq) is not None:
+            raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step})")
+        if time.monotonic() > deadline:
+            logger.warning("%s: the commit of save %s (this rank's part written) never came; persisting save %s "
+                           "over it", dest, earlier[:8], req.save_id[:8])
+            return
+        time.sleep(POLL_S)
+
+
+def _failed_save(dest: Path) -> str | None:
+    try:
+        return (dest / FAILED_NAME).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _mark_failed(req: PersistRequest, dest: Path) -> None:
+    """The coordinator's failed commit, said in ``dest`` for the other ranks' writers waiting on it (best effort)."""
+    if req.coordinator and dest.is_dir():
+        try:
+            write_atomic(dest / FAILED_NAME, req.save_id.encode(), fsync=False)
+        except OSError as e:
+            logger.warning("%s: could not say that the commit of %s failed: %s", dest, req.save_id[:8], e)
+
+
 def _part_save_id(part: Path) -> str | None:
     try:
         return manifest_from_json(part.read_bytes()).save_id or None
@@ -149,6 +190,7 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
             _slot_metadata(req, slot, manifest)
         dest.mkdir(parents=True, exist_ok=True)
         if _part_save_id(part) != req.save_id:
+            _after_the_commit_of_my_last_part(req, part, dest, deadline, queue)
             # Whatever stands in dest (an older checkpoint of this name, a failed attempt) is made
             # incomplete before this rank overwrites a byte of it, on every rank.
             clear_commit(dest)  # fsynced even without io.fsync (FORMAT.md §2)
@@ -166,11 +208,13 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
                 raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
             write_atomic(part, Manifest(save_id=req.save_id, files={e.name: e for e in entries}).to_json().encode(),
                          fsync=cfg.io.fsync)
+            _MY_LAST_PART[part] = req.save_id
             if cfg.io.fsync:
                 fsync_dir(dest)
         if req.coordinator:
             _commit_durable(req, cfg, manifest, dest, slot, deadline, t0, queue)
     except Exception as e:  # the outcome file carries it to the trainer
+        _mark_failed(req, dest)
         logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
         return Outcome(req.seq, False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
     return Outcome(req.seq, True, seconds=time.perf_counter() - t0, nbytes=nbytes)
@@ -248,6 +292,7 @@ def persist_files(req: PersistRequest, queue: PersistQueue | None = None) -> Out
         _wait_memory_commit(req, deadline, queue, lambda d: marker_save_id(d / req.marker))
         dest.mkdir(parents=True, exist_ok=True)
         if _part_save_id(part) != req.save_id:
+            _after_the_commit_of_my_last_part(req, part, dest, deadline, queue)
             (dest / req.marker).unlink(missing_ok=True)  # whatever stands in dest is not this save from here on
             if req.saving:
                 (dest / req.saving).touch()
@@ -267,11 +312,13 @@ def persist_files(req: PersistRequest, queue: PersistQueue | None = None) -> Out
             if marker_save_id(slot / req.marker) != req.save_id:  # the trainer reused the slot under us
                 raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
             write_atomic(part, Manifest(save_id=req.save_id, files=entries).to_json().encode(), fsync=cfg.io.fsync)
+            _MY_LAST_PART[part] = req.save_id
             if cfg.io.fsync:
                 fsync_dir(dest)
         if req.coordinator:
             _commit_files(req, cfg, dest, slot, deadline, queue)
     except Exception as e:  # the outcome file carries it to the trainer
+        _mark_failed(req, dest)
         logger.error("persist of step %s (%s) to %s failed: %s", req.step, req.save_id[:8], dest, e)
         return Outcome(req.seq, False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
     return Outcome(req.seq, True, seconds=time.perf_counter() - t0, nbytes=nbytes)
@@ -296,6 +343,7 @@ def _commit_files(req: PersistRequest, cfg: Config, dest: Path, slot: Path, dead
     write_atomic(dest / req.marker, marker, fsync=cfg.io.fsync, withdraw=True)
     if req.saving:
         (dest / req.saving).unlink(missing_ok=True)
+    (dest / FAILED_NAME).unlink(missing_ok=True)  # an earlier save's failed commit, said here
     for p in parts:
         p.unlink(missing_ok=True)
     if cfg.io.fsync:  # committed already: removals not yet durable leave leftovers (cleaning's), not a failure
@@ -379,6 +427,7 @@ def _commit_durable(req: PersistRequest, cfg: Config, memory: Manifest, dest: Pa
         metadata.storage_meta.checkpoint_id = str(dest)
     commit_checkpoint(dest, metadata, prefixes, _durable_manifest(req, memory, t0), fsync=cfg.io.fsync,
                       parts_of=req.save_id)  # a rank's writer gone on to a later save of this name replaced its part
+    (dest / FAILED_NAME).unlink(missing_ok=True)  # an earlier save's failed commit, said here
     after_commit(dest, cfg)
 
 

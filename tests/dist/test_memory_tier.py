@@ -849,3 +849,39 @@ def test_a_writer_that_cannot_start_fails_that_save_on_every_rank_promptly(run_r
         assert r["closed"] == "clean", (rank, r)
     assert "planted: cannot fork" in res[1]["outcome"], res
     assert "on another rank" in res[0]["outcome"], res
+
+
+def _saves_of_one_name(durable: str, ram: str) -> dict:
+    """Rank body: every save persisted to the same destination (a fixed name, as a DeepSpeed tag saved again)."""
+    import torch.distributed as dist
+
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    tier = MemoryTier(durable, _cfg(Path(ram), persist_every=1))
+    error = ""
+    try:
+        for step in range(1, 6):
+            tier.save(_state(step, rank), step, dest=Path(durable) / "last").wait()
+        tier.wait_persisted()
+    except Exception as e:  # reported, then asserted on
+        error = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    out = _targets(rank)
+    if not error:
+        import cpuckpt
+
+        cpuckpt.load(out, Path(durable) / "last")
+    tier.close(persist_newest=False)
+    return {"error": error, "step": out["step"],
+            "exact": not error and torch.equal(out[f"r{rank}"]["w"], _state(5, rank)[f"r{rank}"]["w"])}
+
+
+def test_persists_of_one_destination_in_a_row_all_commit(run_ranks, tmp_path):
+    """A rank's writer went on to the next persist of the same destination as soon as its own part was written:
+    it removed that part and rewrote its files while the coordinator still waited for the part (the persist
+    failed, every save after it waited for its slot until timeout_s; DeepSpeed with a fixed tag). Each writer now
+    waits for the commit of its previous part there first."""
+    res = run_ranks(2, _saves_of_one_name, str(tmp_path / "durable"), str(tmp_path / "ram"), timeout_s=120)
+    for rank, r in enumerate(res):
+        assert not r["error"] and r["step"] == 5 and r["exact"], (rank, r)
