@@ -68,6 +68,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError, FailureReport, StagingError
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.format.unpickle import with_safe_globals
+from cpuckpt.paths import local_path
 from cpuckpt.tier.tagmarker import (
     MARKER_NAME,
     SAVING_NAME,
@@ -198,6 +199,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         """A new checkpoint begins (every rank). A previous one not yet committed is committed first,
         and a background commit still running is waited for (its failure raised here)."""
+        local_path(info.save_dir, "DeepSpeed save_dir")  # a URL (s3://) is refused: not a local ./s3:/ directory
         if self._info is not None:
             self.commit(self._info)
         self._wait_background()
@@ -371,6 +373,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         return self._stager
 
     def load(self, path: str, map_location: Any = None) -> Any:
+        local_path(path, "DeepSpeed checkpoint file")
         """``torch.load(weights_only=True)`` with DeepSpeed's few globals allowed; never unrestricted.
 
         A background commit still running is waited for first (its files may be the ones asked for),
@@ -572,6 +575,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         ``memory_tier`` is off or the tier serves another ``save_dir`` (checkpoints there go to disk)."""
         if not self.settings.memory_tier:
             return None
+        local_path(save_dir, "DeepSpeed save_dir")
         if self._memory is None:
             self._memory = DeepSpeedMemory(save_dir, self.settings.core)
         if self._memory.save_dir != Path(os.path.abspath(save_dir)):

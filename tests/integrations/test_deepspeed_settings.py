@@ -180,3 +180,19 @@ def test_a_core_async_section_is_the_cores_not_the_adapters_flag(tmp_path):
     assert s.async_save is True and s.core.async_.max_in_flight == 1 and s.core.io.threads == 3
     assert resolve_settings(REPO / "configs" / "megatron.yaml").core.async_.max_in_flight == 1
     assert resolve_settings({"async": False}).async_save is False
+
+
+def test_an_s3_save_dir_is_refused_not_written_to_a_local_s3_directory(tmp_path, monkeypatch):
+    """DeepSpeed's save_dir is a local directory: s3://bucket/run wrote a complete tag into ./s3:/bucket/run (disk
+    and memory tier alike), though the docs say the adapter refuses it. Refused now, before anything is written."""
+    from cpuckpt.integrations.deepspeed.engine import CpuckptCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    monkeypatch.chdir(tmp_path)
+    for opts in ({"prepare_pool": False}, {"prepare_pool": False, "memory_tier": True}):
+        engine = CpuckptCheckpointEngine(opts)
+        with pytest.raises(ConfigError, match=r"s3://bucket/run.*not supported"):
+            engine.create(CheckpointCommitInfo(tag="global_step1", save_dir="s3://bucket/run", save_latest=True))
+        with pytest.raises(ConfigError, match="not supported"):
+            engine.load("s3://bucket/run/global_step1/mp_rank_00_model_states.pt")
+    assert list(tmp_path.iterdir()) == []
