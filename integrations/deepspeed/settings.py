@@ -180,6 +180,10 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
     core_file = data.pop(_CONFIG_FILE, None)
     source = _source(installed, block, core_file, block_wins)
     _refuse_removed(data, source)
+    if "megatron" in data:  # the core leaves that block to the Megatron adapter; dropped here it would be silent
+        raise ConfigError(f"{source}: a megatron: block is the Megatron adapter's (configs/megatron*.yaml); the "
+                          f"DeepSpeed adapter's settings are its own keys ({', '.join(_OWN_KEYS)}) beside the core "
+                          "sections (configs/deepspeed.yaml)")
     # ``async``: the adapter's flag when a bool, the core's ``async:`` section when a mapping (a core YAML's
     # ``async: {max_in_flight: 1}`` given to this adapter is the core's)
     own = {key: data.pop(key) for key in _OWN_FIELDS if key in data and not isinstance(data[key], Mapping)}

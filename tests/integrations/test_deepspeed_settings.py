@@ -178,8 +178,17 @@ def test_a_core_async_section_is_the_cores_not_the_adapters_flag(tmp_path):
     or false, got {'max_in_flight': 1}"); it now goes to the core, and the flag keeps its default."""
     s = resolve_settings({"async": {"max_in_flight": 1}, "io": {"threads": 3}})
     assert s.async_save is True and s.core.async_.max_in_flight == 1 and s.core.io.threads == 3
-    assert resolve_settings(REPO / "configs" / "megatron.yaml").core.async_.max_in_flight == 1
     assert resolve_settings({"async": False}).async_save is False
+
+
+@pytest.mark.parametrize("name", ["megatron.yaml", "megatron-memory.yaml"])
+def test_a_megatron_config_file_is_refused_not_dropped_silently(name):
+    """Its megatron: block (memory_tier: true, ...) was dropped without a word: a DeepSpeed job given
+    configs/megatron-memory.yaml ran without the memory tier it asked for."""
+    with pytest.raises(ConfigError, match=r"megatron: block is the Megatron adapter's.*configs/deepspeed.yaml"):
+        resolve_settings(REPO / "configs" / name)
+    with pytest.raises(ConfigError, match="megatron: block"):
+        resolve_settings(None, {"megatron": {"bogus": 1}})
 
 
 def test_an_s3_save_dir_is_refused_not_written_to_a_local_s3_directory(tmp_path, monkeypatch):
