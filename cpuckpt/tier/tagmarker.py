@@ -333,10 +333,20 @@ def find_latest(save_dir: str | os.PathLike, *, verify: bool = False) -> LatestT
 
 def complete_tags(save_dir: str | os.PathLike) -> list[LatestTag]:
     """Every complete tag in ``save_dir``, newest first: the one ``latest`` names (when complete), then by
-    global step, then marker time (the order :func:`find_latest` picks from). Sizes only; no checksums."""
+    global step, then marker time (the order :func:`find_latest` picks from). Sizes only; no checksums.
+
+    A tag stock DeepSpeed wrote has no marker; it counts when ``latest`` names it (stock DeepSpeed writes ``latest``
+    once the tag is saved), with no marker (``marker`` None: nothing to verify), first like any tag ``latest``
+    names: a run moved onto cpuckpt resumes from it, never from an older tag of ours."""
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
     named = _read_latest(root)
     found: list[tuple[tuple[int, int, float], LatestTag]] = []
+    stock = root / named if named else None
+    if stock is not None and stock.is_dir() and not (stock / MARKER_NAME).exists() \
+            and not (stock / SAVING_NAME).exists() and any(stock.glob("*model_states.pt")):
+        logger.info("%s names %s, a tag stock DeepSpeed wrote (no cpuckpt marker): loaded without checksums",
+                    root / "latest", named)
+        found.append(((1, -1, 0.0), LatestTag(root, named, None, None)))  # type: ignore[arg-type]
     for sub in sorted(root.iterdir()) if root.is_dir() else ():
         if not (sub / MARKER_NAME).exists():
             continue

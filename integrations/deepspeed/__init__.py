@@ -327,7 +327,7 @@ def _first_verified(candidates: list[LatestTag], where: str, *, fallback_on_corr
         try:  # a memory tag's restore from a partner's replica (before_check) fails alike on every rank
             if before_check is not None:
                 before_check(found)
-            marker = check_before_load(found.directory, found.tag, verify=True)
+            marker = check_before_load(found.directory, found.tag, verify=True, allow_unmarked=found.marker is None)
         except IntegrityError as e:
             if not fallback_on_corrupt:
                 raise

@@ -201,6 +201,15 @@ class DeepSpeedMemory:
             status = check_tag(path.parent, path.name)
             if status.complete and status.marker is not None:
                 out.append(LatestTag(path.parent, path.name, status.marker.global_step, status.marker))
+        # A tag stock DeepSpeed wrote (``latest`` names it, no marker) has no step to rank it by without loading it:
+        # the one candidate when there is none of ours, else named in a warning (a run moved onto the tier)
+        stock = [t for t in complete_tags(self.save_dir) if t.marker is None]
+        if stock and not out:
+            out.append(stock[0])
+        elif stock:
+            logger.warning("cpuckpt: %s names %s, a tag stock DeepSpeed wrote (no step recorded to rank it by); the "
+                           "newest of the memory tier's tags is loaded instead: load %s with engine.load_checkpoint to "
+                           "resume from it", self.save_dir / "latest", stock[0].tag, stock[0].tag)
         return out
 
     def _partial(self, slot: Path, marker: TagMarker, *, log: bool = False) -> bool:

@@ -774,3 +774,40 @@ def test_bench_deepspeed_smoke(tmp_path):
     prep = [r for r in results if r["name"] == "prepare"]
     assert prep and prep[0]["pool_bytes"] >= prep[0]["estimate_bytes"] > 0, prep
     assert not (tmp_path / "ck").exists(), "checkpoint directories left behind"
+
+
+def rank_resume_from_a_stock_tag(root: str) -> dict:
+    """A tag of ours at step 1, then stock DeepSpeed's at step 2 in the same save_dir (``latest`` names it); a fresh
+    engine on cpuckpt resumes with load_latest."""
+    _setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+
+    save_dir = Path(root) / "ckpt"
+    ckpt_ds.install({"io": {"backend": "buffered"}})
+    try:
+        ours = _engine(1, seed=0)
+        _step(ours, 1)
+        ours.save_checkpoint(str(save_dir))  # global_step1, a tag of ours (marker)
+        ckpt_ds.commit_pending(ours)
+        stock = _engine(1, seed=0, cpuckpt={"enabled": False})  # stock DeepSpeed's own engine
+        _step(stock, 1)
+        _step(stock, 2)
+        stock.save_checkpoint(str(save_dir))  # global_step2, no marker; latest names it
+        want = _state(stock)
+        fresh = _engine(1, seed=5)
+        path, _ = ckpt_ds.load_latest(fresh, str(save_dir))
+        got = _state(fresh)
+        for e in (ours, stock, fresh):
+            e.destroy()
+    finally:
+        ckpt_ds.uninstall()
+    _assert_same(got, want, "resumed from the stock tag")
+    return {"path": str(path), "step": fresh.global_steps}
+
+
+def test_load_latest_resumes_from_a_tag_stock_deepspeed_wrote(run_ranks, tmp_path):
+    """A run moved onto cpuckpt: load_latest skipped every tag without cpuckpt's marker, so it started from scratch
+    (only stock tags) or loaded an older tag of ours over the newer stock tag ``latest`` names, without a word. The
+    tag ``latest`` names counts, unverified (no checksums to check), first like any tag ``latest`` names."""
+    for r in run_ranks(2, rank_resume_from_a_stock_tag, str(tmp_path), timeout_s=240):
+        assert "/global_step2/" in r["path"] and r["step"] == 2, r
