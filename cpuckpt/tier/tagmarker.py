@@ -263,10 +263,30 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
     # a node's slot across nodes holds its listing's files only (its ranks' and its own copy of the model states)
     entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=f.chunk_bytes)
                for n, f in held_files(tag_dir, marker).items()]
-    problems += [str(m) for m in size_mismatches(tag_dir, entries)]
+    sizes = [str(m) for m in size_mismatches(tag_dir, entries)]
+    if sizes and not (tag_dir / SAVING_NAME).exists() and _rewritten_after(tag_dir, entries):
+        logger.warning("%s: its files were rewritten after its cpuckpt marker (stock DeepSpeed saved this tag again): "
+                       "the marker is stale, the tag is treated as stock DeepSpeed's", tag_dir)
+        return TagStatus(tag_dir, "unmarked")
+    problems += sizes
     if verify and not problems:
         problems += verify_files(tag_dir, marker)
     return TagStatus(tag_dir, "torn" if problems else "complete", marker, tuple(problems))
+
+
+def _rewritten_after(tag_dir: Path, entries: list[FileEntry]) -> bool:
+    """Every listed file that exists was modified after the marker (which cpuckpt writes last): another writer
+    saved the whole tag again (a size differs too: the caller's condition). A copy (``cp -r``) keeps the sizes; a
+    file of ours truncated or overwritten later leaves the others older than the marker."""
+    try:
+        marked = (tag_dir / MARKER_NAME).stat().st_mtime_ns
+    except OSError:
+        return False
+    times = []
+    for e in entries:
+        with contextlib.suppress(OSError):
+            times.append((tag_dir / e.name).stat().st_mtime_ns)
+    return bool(times) and min(times) > marked
 
 
 def require_complete(save_dir: str | os.PathLike, tag: str | None = None, *, verify: bool = False,
@@ -342,8 +362,7 @@ def complete_tags(save_dir: str | os.PathLike) -> list[LatestTag]:
     named = _read_latest(root)
     found: list[tuple[tuple[int, int, float], LatestTag]] = []
     stock = root / named if named else None
-    if stock is not None and stock.is_dir() and not (stock / MARKER_NAME).exists() \
-            and not (stock / SAVING_NAME).exists() and any(stock.glob("*model_states.pt")):
+    if stock is not None and check_tag(root, stock.name).state == "unmarked" and any(stock.glob("*model_states.pt")):
         logger.info("%s names %s, a tag stock DeepSpeed wrote (no cpuckpt marker): loaded without checksums",
                     root / "latest", named)
         found.append(((1, -1, 0.0), LatestTag(root, named, None, None)))  # type: ignore[arg-type]

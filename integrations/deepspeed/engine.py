@@ -390,7 +390,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         tag_dir = Path(path).parent
         if (tag_dir / MARKER_NAME).exists() or (tag_dir / SAVING_NAME).exists():
             status = check_tag(tag_dir.parent, tag_dir.name)
-            if not status.complete:
+            if not status.complete and status.state != "unmarked":  # (unmarked: stock DeepSpeed saved it again)
                 raise refusal(status)
         return with_safe_globals(lambda: torch.load(path, map_location=map_location, weights_only=True),
                                  safe_globals_for_deepspeed())

@@ -776,9 +776,10 @@ def test_bench_deepspeed_smoke(tmp_path):
     assert not (tmp_path / "ck").exists(), "checkpoint directories left behind"
 
 
-def rank_resume_from_a_stock_tag(root: str) -> dict:
-    """A tag of ours at step 1, then stock DeepSpeed's at step 2 in the same save_dir (``latest`` names it); a fresh
-    engine on cpuckpt resumes with load_latest."""
+def rank_resume_from_a_stock_tag(root: str, same_tag: bool) -> dict:
+    """A tag of ours at step 1, then stock DeepSpeed's at step 2 in the same save_dir (``latest`` names it; with
+    ``same_tag``, under our tag's name: its files rewritten, our marker left stale); a fresh engine on cpuckpt
+    resumes with load_latest, and loads the tag with DeepSpeed's own load_checkpoint too."""
     _setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
 
@@ -792,22 +793,28 @@ def rank_resume_from_a_stock_tag(root: str) -> dict:
         stock = _engine(1, seed=0, cpuckpt={"enabled": False})  # stock DeepSpeed's own engine
         _step(stock, 1)
         _step(stock, 2)
-        stock.save_checkpoint(str(save_dir))  # global_step2, no marker; latest names it
+        stock.save_checkpoint(str(save_dir), tag="global_step1" if same_tag else None)  # no marker; latest names it
         want = _state(stock)
         fresh = _engine(1, seed=5)
         path, _ = ckpt_ds.load_latest(fresh, str(save_dir))
         got = _state(fresh)
-        for e in (ours, stock, fresh):
+        again = _engine(1, seed=6)
+        again.load_checkpoint(str(save_dir))  # DeepSpeed's own call through cpuckpt's engine: not refused as torn
+        for e in (ours, stock, fresh, again):
             e.destroy()
     finally:
         ckpt_ds.uninstall()
     _assert_same(got, want, "resumed from the stock tag")
+    _assert_same(_state(again), want, "load_checkpoint of the stock tag")
     return {"path": str(path), "step": fresh.global_steps}
 
 
-def test_load_latest_resumes_from_a_tag_stock_deepspeed_wrote(run_ranks, tmp_path):
+@pytest.mark.parametrize("same_tag", [False, True])
+def test_load_latest_resumes_from_a_tag_stock_deepspeed_wrote(run_ranks, tmp_path, same_tag):
     """A run moved onto cpuckpt: load_latest skipped every tag without cpuckpt's marker, so it started from scratch
-    (only stock tags) or loaded an older tag of ours over the newer stock tag ``latest`` names, without a word. The
-    tag ``latest`` names counts, unverified (no checksums to check), first like any tag ``latest`` names."""
-    for r in run_ranks(2, rank_resume_from_a_stock_tag, str(tmp_path), timeout_s=240):
-        assert "/global_step2/" in r["path"] and r["step"] == 2, r
+    (only stock tags) or loaded an older tag of ours over the newer stock tag ``latest`` names, without a word; and
+    a tag of ours that stock DeepSpeed saved again (its marker left behind, stale) was refused as torn. The tag
+    ``latest`` names counts, unverified (no checksums to check), first like any tag ``latest`` names."""
+    tag = "global_step1" if same_tag else "global_step2"
+    for r in run_ranks(2, rank_resume_from_a_stock_tag, str(tmp_path), same_tag, timeout_s=240):
+        assert f"/{tag}/" in r["path"] and r["step"] == 2, r
