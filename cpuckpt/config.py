@@ -348,6 +348,23 @@ def _refuse_deepspeed_file(data: Mapping[str, Any], source: str) -> None:
 T = typing.TypeVar("T")
 
 
+def warn_unknown_scoped_env(cls: type, env_prefix: str, scope: str) -> list[str]:
+    """:func:`warn_unknown_env` for an adapter's own variables: those starting with ``scope``
+    (``CPUCKPT_DEEPSPEED_``, ``CPUCKPT_MEGATRON_``) that match no key of ``cls`` read with ``env_prefix``."""
+    known = set(_env_names(cls, env_prefix))
+    warned = []
+    for name in sorted(os.environ):
+        if not name.startswith(scope) or name in known or name in _warned_env:
+            continue
+        _warned_env.add(name)
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        warnings.warn(f"environment variable {name} matches no key of the adapter's settings and is ignored{hint}",
+                      UserWarning, stacklevel=3)
+        warned.append(name)
+    return warned
+
+
 def build_options(cls: type[T], data: Mapping[str, Any] | None, *, source: str = "<dict>",
                   env_prefix: str | None = "CPUCKPT_") -> T:
     """Build the frozen dataclass tree ``cls`` from nested mappings, as :meth:`Config.from_dict` does.

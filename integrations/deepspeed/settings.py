@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuckpt.config import Config, build_options, load_yaml_mapping, overlap_window
+from cpuckpt.config import Config, build_options, load_yaml_mapping, overlap_window, warn_unknown_scoped_env
 from cpuckpt.errors import ConfigError
 
 __all__ = ["REMOVED_KEYS", "AdapterOptions", "Settings", "resolve_settings"]
@@ -188,6 +188,7 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
     # ``async: {max_in_flight: 1}`` given to this adapter is the core's)
     own = {key: data.pop(key) for key in _OWN_FIELDS if key in data and not isinstance(data[key], Mapping)}
     base_own = {key: getattr(base, name) for key, name in _OWN_FIELDS.items()}
+    warn_unknown_scoped_env(AdapterOptions, ENV_PREFIX, ENV_PREFIX)  # a misspelt one was ignored without a word
     options = build_options(AdapterOptions, {**base_own, **own}, source=source, env_prefix=ENV_PREFIX)
     if isinstance(installed, Settings) and not data and not core_file:
         core = installed.core

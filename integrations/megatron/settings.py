@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuckpt.config import Config, build_options, load_yaml_mapping, overlap_window
+from cpuckpt.config import Config, build_options, load_yaml_mapping, overlap_window, warn_unknown_scoped_env
 from cpuckpt.errors import ConfigError
 
 __all__ = ["BLOCK", "ENV_PREFIX", "MegatronOptions", "resolve_core", "resolve_options", "split_config"]
@@ -151,6 +151,7 @@ class _File:
 
 
 def _build_options(block: Mapping[str, Any] | None, source: str) -> MegatronOptions:
+    warn_unknown_scoped_env(_File, "CPUCKPT_", ENV_PREFIX)  # a misspelt CPUCKPT_MEGATRON_* was ignored silently
     return build_options(_File, {BLOCK: dict(block or {})}, source=source, env_prefix="CPUCKPT_").megatron
 
 

@@ -205,3 +205,13 @@ def test_an_s3_save_dir_is_refused_not_written_to_a_local_s3_directory(tmp_path,
         with pytest.raises(ConfigError, match="not supported"):
             engine.load("s3://bucket/run/global_step1/mp_rank_00_model_states.pt")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_misspelt_adapter_variable_is_warned_about(monkeypatch):
+    """CPUCKPT_DEEPSPEED_ASYNCC=false was ignored without a word (misspelt core variables get a warning)."""
+    from cpuckpt import config
+
+    monkeypatch.setattr(config, "_warned_env", set())
+    monkeypatch.setenv("CPUCKPT_DEEPSPEED_ASYNCC", "false")
+    with pytest.warns(UserWarning, match=r"CPUCKPT_DEEPSPEED_ASYNCC .*did you mean CPUCKPT_DEEPSPEED_ASYNC\?"):
+        assert resolve_settings(None, {"io": {"threads": 2}}).async_save is True
