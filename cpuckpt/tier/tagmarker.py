@@ -275,9 +275,10 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
 
 
 def _rewritten_after(tag_dir: Path, entries: list[FileEntry]) -> bool:
-    """Every listed file that exists was modified after the marker (which cpuckpt writes last): another writer
-    saved the whole tag again (a size differs too: the caller's condition). A copy (``cp -r``) keeps the sizes; a
-    file of ours truncated or overwritten later leaves the others older than the marker."""
+    """Every listed file that exists (two at least) was modified after the marker (which cpuckpt writes last):
+    another writer saved the whole tag again (a size differs too: the caller's condition). A copy (``cp -r``) keeps
+    the sizes; a file of ours truncated or overwritten later leaves the others older than the marker (a tag of one
+    file stays torn: its damage and a rewrite look the same)."""
     try:
         marked = (tag_dir / MARKER_NAME).stat().st_mtime_ns
     except OSError:
@@ -286,7 +287,7 @@ def _rewritten_after(tag_dir: Path, entries: list[FileEntry]) -> bool:
     for e in entries:
         with contextlib.suppress(OSError):
             times.append((tag_dir / e.name).stat().st_mtime_ns)
-    return bool(times) and min(times) > marked
+    return len(times) >= 2 and min(times) > marked
 
 
 def require_complete(save_dir: str | os.PathLike, tag: str | None = None, *, verify: bool = False,
@@ -370,6 +371,9 @@ def complete_tags(save_dir: str | os.PathLike) -> list[LatestTag]:
         if not (sub / MARKER_NAME).exists():
             continue
         status = check_tag(root, sub.name)
+        if sub.name == named and status.state == "torn":
+            logger.warning("%s names tag %r, which is %s; the newest complete tag is taken instead", root / "latest",
+                           named, status.describe())
         if status.complete and status.marker is not None:
             m = status.marker
             key = (int(sub.name == named), m.global_step if m.global_step is not None else -1, m.created_unix)
