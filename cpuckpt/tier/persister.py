@@ -138,6 +138,15 @@ def _after_the_commit_of_my_last_part(req: PersistRequest, part: Path, dest: Pat
         time.sleep(POLL_S)
 
 
+def _remember_part(part: Path, save_id: str) -> None:
+    """The part just written, remembered for the next persist of its destination; the newest 256 only (a long run's
+    destinations are mostly unique: iter_N, global_stepN)."""
+    _MY_LAST_PART.pop(part, None)
+    _MY_LAST_PART[part] = save_id
+    while len(_MY_LAST_PART) > 256:
+        del _MY_LAST_PART[next(iter(_MY_LAST_PART))]
+
+
 def _failed_save(dest: Path) -> str | None:
     try:
         return (dest / FAILED_NAME).read_text().strip() or None
@@ -208,7 +217,7 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
                 raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
             write_atomic(part, Manifest(save_id=req.save_id, files={e.name: e for e in entries}).to_json().encode(),
                          fsync=cfg.io.fsync)
-            _MY_LAST_PART[part] = req.save_id
+            _remember_part(part, req.save_id)
             if cfg.io.fsync:
                 fsync_dir(dest)
         if req.coordinator:
@@ -312,7 +321,7 @@ def persist_files(req: PersistRequest, queue: PersistQueue | None = None) -> Out
             if marker_save_id(slot / req.marker) != req.save_id:  # the trainer reused the slot under us
                 raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
             write_atomic(part, Manifest(save_id=req.save_id, files=entries).to_json().encode(), fsync=cfg.io.fsync)
-            _MY_LAST_PART[part] = req.save_id
+            _remember_part(part, req.save_id)
             if cfg.io.fsync:
                 fsync_dir(dest)
         if req.coordinator:

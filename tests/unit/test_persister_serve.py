@@ -86,3 +86,18 @@ def test_a_writer_leaving_marks_itself_and_serves_on_for_a_trainer_that_came_mea
     monkeypatch.setattr(persister, "persist_one", persist)
     assert persister.serve(queue, trainer_lock, writer_lock) == 0
     assert served == [1] and queue.outcome(1).ok and leaving_pid(writer_lock) == os.getpid()
+
+
+def test_the_parts_a_writer_remembers_stay_bounded(tmp_path):
+    """A long run persists to a new destination each time (iter_N): the writer remembers the newest 256 parts only,
+    the latest write of one destination included."""
+    from pathlib import Path
+
+    persister._MY_LAST_PART.clear()
+    for k in range(300):
+        persister._remember_part(Path(f"/d/iter_{k}/__1_.cpuckpt-part.json"), f"s{k}")
+    persister._remember_part(Path("/d/iter_0/__1_.cpuckpt-part.json"), "again")
+    assert len(persister._MY_LAST_PART) == 256
+    assert persister._MY_LAST_PART[Path("/d/iter_0/__1_.cpuckpt-part.json")] == "again"
+    assert Path("/d/iter_50/__1_.cpuckpt-part.json") not in persister._MY_LAST_PART
+    persister._MY_LAST_PART.clear()
