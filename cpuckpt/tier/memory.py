@@ -68,7 +68,7 @@ from cpuckpt.tier.images import AllocatedAhead, ImageSet
 from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
-from cpuckpt.tier.ramroot import RamRoot, acquire_lock, job_id_for, leaving_pid
+from cpuckpt.tier.ramroot import RamRoot, acquire_lock, job_id_for, leaving_marker, leaving_pid
 from cpuckpt.tier.recovery import Replication, Restore, agree_available, node_copies, slots_present
 from cpuckpt.tier.replica import DRAIN_S
 from cpuckpt.transfer.staging import caller_device
@@ -302,8 +302,15 @@ class MemoryTier:
             WriterDiedError: the writer process could not be started.
         """
         lock_path = self.root.writer_lock_path(self.rank)
+        running = self.root.writer_alive(self.rank)
+        if running is not None and (self._writer is None or running != self._writer.pid):
+            # an earlier trainer's writer, to adopt: a stop that trainer asked for (killed during close) must not
+            # end it while it serves this one; cleared before its leaving mark is looked at (serve's second look)
+            self.queue.clear_stop()
         pid = self._writer_not_leaving(lock_path)
         fd = acquire_lock(lock_path) if pid is None else None
+        if fd is not None:  # no writer lives: a leaving mark is an ended writer's (its pid may come again)
+            leaving_marker(lock_path).unlink(missing_ok=True)
         if fd is None:
             pid = self.root.writer_alive(self.rank)
             if pid is not None:

@@ -121,14 +121,16 @@ FAILED_NAME = ".cpuckpt-persist-failed"  # the coordinator's word that the commi
 
 
 def _after_the_commit_of_my_last_part(req: PersistRequest, part: Path, dest: Path, deadline: float,
-                                      queue: PersistQueue | None) -> None:
+                                      queue: PersistQueue | None, committed: Callable[[], str | None]) -> None:
     """Before this rank changes ``dest`` for ``req``: wait while the part it wrote there for an earlier save is
-    still there (the coordinator removes the parts once it committed), unless the coordinator says that commit
-    failed, the trainer withdrew ``req``, or the deadline passed (the coordinator is gone: go on, warned)."""
+    still there and ``committed()`` (the save ``dest`` holds committed) is not that save (the coordinator removes
+    the parts once it committed; a coordinator redone after its commit leaves them), unless the coordinator says
+    that commit failed, the trainer withdrew ``req``, or the deadline passed (the coordinator is gone: go on,
+    warned)."""
     earlier = _MY_LAST_PART.get(part)
     if earlier is None or earlier == req.save_id or req.coordinator:
         return
-    while _part_save_id(part) == earlier and _failed_save(dest) != earlier:
+    while _part_save_id(part) == earlier and _failed_save(dest) != earlier and committed() != earlier:
         if queue is not None and queue.outcome(req.seq) is not None:
             raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step})")
         if time.monotonic() > deadline:
@@ -199,7 +201,7 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
             _slot_metadata(req, slot, manifest)
         dest.mkdir(parents=True, exist_ok=True)
         if _part_save_id(part) != req.save_id:
-            _after_the_commit_of_my_last_part(req, part, dest, deadline, queue)
+            _after_the_commit_of_my_last_part(req, part, dest, deadline, queue, lambda: _durable_save_id(dest))
             # Whatever stands in dest (an older checkpoint of this name, a failed attempt) is made
             # incomplete before this rank overwrites a byte of it, on every rank.
             clear_commit(dest)  # fsynced even without io.fsync (FORMAT.md §2)
@@ -301,7 +303,8 @@ def persist_files(req: PersistRequest, queue: PersistQueue | None = None) -> Out
         _wait_memory_commit(req, deadline, queue, lambda d: marker_save_id(d / req.marker))
         dest.mkdir(parents=True, exist_ok=True)
         if _part_save_id(part) != req.save_id:
-            _after_the_commit_of_my_last_part(req, part, dest, deadline, queue)
+            _after_the_commit_of_my_last_part(req, part, dest, deadline, queue,
+                                              lambda: marker_save_id(dest / req.marker))
             (dest / req.marker).unlink(missing_ok=True)  # whatever stands in dest is not this save from here on
             if req.saving:
                 (dest / req.saving).touch()

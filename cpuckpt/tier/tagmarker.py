@@ -275,7 +275,7 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
 
 
 def _rewritten_after(tag_dir: Path, entries: list[FileEntry]) -> bool:
-    """Every listed file that exists (two at least) was modified after the marker (which cpuckpt writes last):
+    """Every listed file (two at least, all there) was modified after the marker (which cpuckpt writes last):
     another writer saved the whole tag again (a size differs too: the caller's condition). A copy (``cp -r``) keeps
     the sizes; a file of ours truncated or overwritten later leaves the others older than the marker (a tag of one
     file stays torn: its damage and a rewrite look the same)."""
@@ -285,8 +285,10 @@ def _rewritten_after(tag_dir: Path, entries: list[FileEntry]) -> bool:
         return False
     times = []
     for e in entries:
-        with contextlib.suppress(OSError):
+        try:
             times.append((tag_dir / e.name).stat().st_mtime_ns)
+        except OSError:
+            return False  # a file missing: torn (an interrupted copy, say), not saved again (a save writes them all)
     return len(times) >= 2 and min(times) > marked
 
 

@@ -373,7 +373,6 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         return self._stager
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        local_path(path, "DeepSpeed checkpoint file")
         """``torch.load(weights_only=True)`` with DeepSpeed's few globals allowed; never unrestricted.
 
         A background commit still running is waited for first (its files may be the ones asked for),
@@ -386,6 +385,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         Raises:
             IntegrityError: the tag is torn (the message names it and what is wrong).
         """
+        local_path(path, "DeepSpeed checkpoint file")
         self.wait()
         tag_dir = Path(path).parent
         if (tag_dir / MARKER_NAME).exists() or (tag_dir / SAVING_NAME).exists():

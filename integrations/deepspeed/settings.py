@@ -180,7 +180,8 @@ def resolve_settings(installed: Settings | Mapping[str, Any] | str | os.PathLike
     core_file = data.pop(_CONFIG_FILE, None)
     source = _source(installed, block, core_file, block_wins)
     _refuse_removed(data, source)
-    if "megatron" in data:  # the core leaves that block to the Megatron adapter; dropped here it would be silent
+    if "megatron" in data or (core_file and "megatron" in load_yaml_mapping(core_file)):  # the core leaves that
+        # block to the Megatron adapter: dropped here it would be silent
         raise ConfigError(f"{source}: a megatron: block is the Megatron adapter's (configs/megatron*.yaml); the "
                           f"DeepSpeed adapter's settings are its own keys ({', '.join(_OWN_KEYS)}) beside the core "
                           "sections (configs/deepspeed.yaml)")

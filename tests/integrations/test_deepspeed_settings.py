@@ -189,6 +189,8 @@ def test_a_megatron_config_file_is_refused_not_dropped_silently(name):
         resolve_settings(REPO / "configs" / name)
     with pytest.raises(ConfigError, match="megatron: block"):
         resolve_settings(None, {"megatron": {"bogus": 1}})
+    with pytest.raises(ConfigError, match="megatron: block"):  # through config_file too
+        resolve_settings({"config_file": str(REPO / "configs" / name)})
 
 
 def test_an_s3_save_dir_is_refused_not_written_to_a_local_s3_directory(tmp_path, monkeypatch):

@@ -101,3 +101,29 @@ def test_the_parts_a_writer_remembers_stay_bounded(tmp_path):
     assert persister._MY_LAST_PART[Path("/d/iter_0/__1_.cpuckpt-part.json")] == "again"
     assert Path("/d/iter_44/__1_.cpuckpt-part.json") not in persister._MY_LAST_PART  # the oldest went
     persister._MY_LAST_PART.clear()
+
+
+def test_a_writer_does_not_wait_for_parts_a_redone_commit_left(tmp_path):
+    """The coordinator's writer died between its commit and the removal of the parts; redone, it found the save
+    committed and returned: the parts stay. The next persist of that name does not wait for them to go (timeout_s),
+    since the destination holds that save committed."""
+    import time
+    from pathlib import Path
+
+    from cpuckpt.format.manifest import Manifest
+
+    part = tmp_path / "dest" / "__1_.cpuckpt-part.json"
+    part.parent.mkdir()
+    part.write_text(Manifest(save_id="A").to_json())
+    persister._MY_LAST_PART.clear()
+    persister._remember_part(part, "A")
+    req = PersistRequest(seq=2, slot=str(tmp_path / "slot-0"), save_id="B", step=4, dest=str(part.parent), rank=1,
+                         world_size=2, coordinator=False, config={}, trainer_pid=os.getpid(),
+                         trainer_lock=str(tmp_path / "t.lock"))
+    t0 = time.monotonic()
+    persister._after_the_commit_of_my_last_part(req, part, Path(req.dest), time.monotonic() + 30, None, lambda: "A")
+    assert time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()  # not committed, parts there: it waits (here until its deadline)
+    persister._after_the_commit_of_my_last_part(req, part, Path(req.dest), time.monotonic() + 0.5, None, lambda: None)
+    assert time.monotonic() - t0 >= 0.5
+    persister._MY_LAST_PART.clear()

@@ -60,3 +60,25 @@ def test_a_tag_of_ours_saved_again_by_stock_deepspeed_is_stock_not_torn(tmp_path
         (d / name).write_bytes(b"z" * 100)  # the marker's sizes: a copy, not a rewrite
         os.utime(d / name, ns=(time.time_ns(), marker_ns + 1_000_000))
     assert [(t.tag, t.marker is None) for t in complete_tags(tmp_path)] == [("global_step1", False)]
+
+
+def test_a_tag_of_ours_with_a_file_missing_stays_torn_however_new_the_rest(tmp_path):
+    """An interrupted copy (the marker first, one file short, one missing): newer files and wrong sizes, but a
+    file missing is no re-save (a save writes them all): torn, never loaded unverified as stock's."""
+    import os
+    import time
+
+    more = (*FILES, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    d = tmp_path / "global_step2"
+    d.mkdir()
+    for name in more:
+        (d / name).write_bytes(b"x" * 100)
+    write_marker(d, new_marker("global_step2", 2, {n: TagFile(0, 100, 0) for n in more}, 2), fsync=False)
+    _tag(tmp_path, "global_step1", 1)
+    (tmp_path / "latest").write_text("global_step2")
+    marker_ns = (d / ".cpuckpt-complete.json").stat().st_mtime_ns
+    (d / more[0]).write_bytes(b"x" * 37)
+    os.utime(d / more[0], ns=(time.time_ns(), marker_ns + 1_000_000))
+    os.utime(d / more[1], ns=(time.time_ns(), marker_ns + 1_000_000))
+    (d / more[2]).unlink()
+    assert [(t.tag, t.marker is None) for t in complete_tags(tmp_path)] == [("global_step1", False)]

@@ -48,3 +48,19 @@ def test_a_leaving_writer_is_waited_for_not_adopted(tmp_path: Path) -> None:
         stand_in.kill()
         stand_in.wait()
         tier.close(persist_newest=False)
+
+
+def test_a_leaving_mark_of_an_ended_writer_is_removed_when_a_new_writer_starts(tmp_path: Path) -> None:
+    """The mark stays in a RAM root kept after a crash; a later writer given the same pid (a new pid namespace)
+    would be taken for a leaving one at every save (60 s, then WriterDiedError). Starting a writer removes it."""
+    cfg = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 60,
+           "memory": {"root": str(tmp_path / "ram"), "persist_every": 1, "slots": 2, "headroom_bytes": 0}}
+    tier = MemoryTier(tmp_path / "durable", cfg)
+    lock = tier.root.writer_lock_path(0)
+    leaving_marker(lock).write_text("4242")
+    try:
+        tier.save({"w": torch.arange(1000.0)}, 1).wait()  # starts the writer
+        assert not leaving_marker(lock).exists()
+        tier.wait_persisted()
+    finally:
+        tier.close(persist_newest=False)
