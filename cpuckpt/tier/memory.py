@@ -169,6 +169,7 @@ class MemoryTier:
             self.copier.start()  # its interpreter and imports take seconds: now, not at the first save
         self.queue = PersistQueue(self.root.path / f"queue-{self.rank}").create()
         self._writer: subprocess.Popen | None = None
+        self._adopted: int | None = None  # the pid of an earlier trainer's writer this one adopted (its stop cleared)
         self._replication: Replication | None = None  # memory.replicas across nodes; set once the writers listen
         self._pending: dict[Path, list[Restore]] = {}  # slots to restore from another node's copy before a load
         newest_in_memory = next((path for path in self.candidates() if path in self.slots), None)
@@ -303,9 +304,11 @@ class MemoryTier:
         """
         lock_path = self.root.writer_lock_path(self.rank)
         running = self.root.writer_alive(self.rank)
-        if running is not None and (self._writer is None or running != self._writer.pid):
+        if running is not None and running != self._adopted and (self._writer is None or running != self._writer.pid):
             # an earlier trainer's writer, to adopt: a stop that trainer asked for (killed during close) must not
-            # end it while it serves this one; cleared before its leaving mark is looked at (serve's second look)
+            # end it while it serves this one; cleared before its leaving mark is looked at (serve's second look),
+            # once (a stop this trainer asks for later, closing, stands)
+            self._adopted = running
             self.queue.clear_stop()
         pid = self._writer_not_leaving(lock_path)
         fd = acquire_lock(lock_path) if pid is None else None

@@ -121,16 +121,16 @@ FAILED_NAME = ".cpuckpt-persist-failed"  # the coordinator's word that the commi
 
 
 def _after_the_commit_of_my_last_part(req: PersistRequest, part: Path, dest: Path, deadline: float,
-                                      queue: PersistQueue | None, committed: Callable[[], str | None]) -> None:
+                                      queue: PersistQueue | None) -> None:
     """Before this rank changes ``dest`` for ``req``: wait while the part it wrote there for an earlier save is
-    still there and ``committed()`` (the save ``dest`` holds committed) is not that save (the coordinator removes
-    the parts once it committed; a coordinator redone after its commit leaves them), unless the coordinator says
-    that commit failed, the trainer withdrew ``req``, or the deadline passed (the coordinator is gone: go on,
-    warned)."""
+    still there (the coordinator removes the parts as the last step of its commit, also when it is redone after
+    the commit: :func:`_finish_redone_commit`), unless the coordinator says that commit failed, the trainer
+    withdrew ``req``, or the deadline passed (the coordinator is gone: go on, warned). The commit file alone is
+    not enough: the coordinator still removes ``<saving>`` and the parts after it."""
     earlier = _MY_LAST_PART.get(part)
     if earlier is None or earlier == req.save_id or req.coordinator:
         return
-    while _part_save_id(part) == earlier and _failed_save(dest) != earlier and committed() != earlier:
+    while _part_save_id(part) == earlier and _failed_save(dest) != earlier:
         if queue is not None and queue.outcome(req.seq) is not None:
             raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step})")
         if time.monotonic() > deadline:
@@ -147,6 +147,16 @@ def _remember_part(part: Path, save_id: str) -> None:
     _MY_LAST_PART[part] = save_id
     while len(_MY_LAST_PART) > 256:
         del _MY_LAST_PART[next(iter(_MY_LAST_PART))]
+
+
+def _finish_redone_commit(req: PersistRequest, dest: Path, parts: list[Path]) -> None:
+    """A coordinator redone after its commit (its writer died between the commit and what follows it): the parts of
+    that save are removed (the other ranks' writers wait for that before the next save of this name), and a failure
+    word of an earlier attempt."""
+    for part in parts:
+        if _part_save_id(part) == req.save_id:
+            part.unlink(missing_ok=True)
+    (dest / FAILED_NAME).unlink(missing_ok=True)
 
 
 def _failed_save(dest: Path) -> str | None:
@@ -195,13 +205,16 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
     nbytes = 0
     try:
         if _durable_save_id(dest) == req.save_id:
+            if req.coordinator:  # redone after its commit: what followed the commit may not have run
+                _finish_redone_commit(req, dest, [dest / part_name(f"__{r}_") for r in range(req.world_size)])
+                after_commit(dest, cfg)
             return Outcome(req.seq, True, seconds=time.perf_counter() - t0)
         manifest = _wait_memory_commit(req, deadline, queue)
         if manifest is not None:  # a damaged .metadata fails here, before dest is touched (and at the commit)
             _slot_metadata(req, slot, manifest)
         dest.mkdir(parents=True, exist_ok=True)
         if _part_save_id(part) != req.save_id:
-            _after_the_commit_of_my_last_part(req, part, dest, deadline, queue, lambda: _durable_save_id(dest))
+            _after_the_commit_of_my_last_part(req, part, dest, deadline, queue)
             # Whatever stands in dest (an older checkpoint of this name, a failed attempt) is made
             # incomplete before this rank overwrites a byte of it, on every rank.
             clear_commit(dest)  # fsynced even without io.fsync (FORMAT.md §2)
@@ -299,12 +312,17 @@ def persist_files(req: PersistRequest, queue: PersistQueue | None = None) -> Out
     nbytes = 0
     try:
         if marker_save_id(dest / req.marker) == req.save_id:
+            if req.coordinator:  # redone after its commit: what followed the commit may not have run
+                if req.saving:
+                    (dest / req.saving).unlink(missing_ok=True)
+                _finish_redone_commit(req, dest, [part_path(dest, r) for r in range(req.world_size)])
+                if req.pointer:
+                    _move_pointer(Path(req.pointer[0]), str(req.pointer[1]), req, cfg)
             return Outcome(req.seq, True, seconds=time.perf_counter() - t0)
         _wait_memory_commit(req, deadline, queue, lambda d: marker_save_id(d / req.marker))
         dest.mkdir(parents=True, exist_ok=True)
         if _part_save_id(part) != req.save_id:
-            _after_the_commit_of_my_last_part(req, part, dest, deadline, queue,
-                                              lambda: marker_save_id(dest / req.marker))
+            _after_the_commit_of_my_last_part(req, part, dest, deadline, queue)
             (dest / req.marker).unlink(missing_ok=True)  # whatever stands in dest is not this save from here on
             if req.saving:
                 (dest / req.saving).touch()

@@ -275,21 +275,25 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
 
 
 def _rewritten_after(tag_dir: Path, entries: list[FileEntry]) -> bool:
-    """Every listed file (two at least, all there) was modified after the marker (which cpuckpt writes last):
-    another writer saved the whole tag again (a size differs too: the caller's condition). A copy (``cp -r``) keeps
-    the sizes; a file of ours truncated or overwritten later leaves the others older than the marker (a tag of one
-    file stays torn: its damage and a rewrite look the same)."""
+    """Another writer saved the whole tag again: every listed file (two at least, all there) was modified after the
+    marker (which cpuckpt writes last) and none has the size the marker records (stock DeepSpeed's ``torch.save``
+    layout is not ours). A copy of ours keeps the sizes, and one interrupted keeps them for the files it finished;
+    a file truncated or overwritten later leaves the others as they were (a tag of one file stays torn: its damage
+    and a rewrite look the same). Any doubt keeps the tag torn, refused rather than loaded unchecked."""
     try:
         marked = (tag_dir / MARKER_NAME).stat().st_mtime_ns
     except OSError:
         return False
-    times = []
+    if len(entries) < 2:
+        return False
     for e in entries:
         try:
-            times.append((tag_dir / e.name).stat().st_mtime_ns)
+            st = (tag_dir / e.name).stat()
         except OSError:
             return False  # a file missing: torn (an interrupted copy, say), not saved again (a save writes them all)
-    return len(times) >= 2 and min(times) > marked
+        if st.st_mtime_ns <= marked or st.st_size == e.nbytes:
+            return False
+    return True
 
 
 def require_complete(save_dir: str | os.PathLike, tag: str | None = None, *, verify: bool = False,

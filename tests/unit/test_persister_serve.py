@@ -103,27 +103,37 @@ def test_the_parts_a_writer_remembers_stay_bounded(tmp_path):
     persister._MY_LAST_PART.clear()
 
 
-def test_a_writer_does_not_wait_for_parts_a_redone_commit_left(tmp_path):
+def test_a_coordinator_redone_after_its_commit_removes_the_parts_the_others_wait_for(tmp_path):
     """The coordinator's writer died between its commit and the removal of the parts; redone, it found the save
-    committed and returned: the parts stay. The next persist of that name does not wait for them to go (timeout_s),
-    since the destination holds that save committed."""
+    committed and returned at once, leaving them: the other ranks' next persist of that name waited timeout_s for
+    them to go. The redone coordinator now removes its save's parts (and only those)."""
     import time
-    from pathlib import Path
 
-    from cpuckpt.format.manifest import Manifest
+    import torch
 
-    part = tmp_path / "dest" / "__1_.cpuckpt-part.json"
-    part.parent.mkdir()
-    part.write_text(Manifest(save_id="A").to_json())
+    import cpuckpt
+    from cpuckpt.backend.committed import read_manifest
+    from cpuckpt.format.manifest import Manifest, part_name
+
+    dest = tmp_path / "last"
+    cpuckpt.save({"w": torch.ones(8)}, dest)
+    save_id = read_manifest(dest).save_id
+    parts = [dest / part_name(f"__{r}_") for r in range(3)]
+    for part in parts[:2]:
+        part.write_text(Manifest(save_id=save_id).to_json())
+    parts[2].write_text(Manifest(save_id="another").to_json())
+    req = PersistRequest(seq=1, slot=str(tmp_path / "slot-0"), save_id=save_id, step=4, dest=str(dest), rank=0,
+                         world_size=3, coordinator=True, config={}, trainer_pid=os.getpid(),
+                         trainer_lock=str(tmp_path / "t.lock"))
+    assert persister.persist_one(req).ok
+    assert [p.exists() for p in parts] == [False, False, True]
+    # and a rank waiting on its part there goes on at once
     persister._MY_LAST_PART.clear()
-    persister._remember_part(part, "A")
-    req = PersistRequest(seq=2, slot=str(tmp_path / "slot-0"), save_id="B", step=4, dest=str(part.parent), rank=1,
-                         world_size=2, coordinator=False, config={}, trainer_pid=os.getpid(),
+    persister._remember_part(parts[1], save_id)
+    nxt = PersistRequest(seq=2, slot=str(tmp_path / "slot-1"), save_id="B", step=5, dest=str(dest), rank=1,
+                         world_size=3, coordinator=False, config={}, trainer_pid=os.getpid(),
                          trainer_lock=str(tmp_path / "t.lock"))
     t0 = time.monotonic()
-    persister._after_the_commit_of_my_last_part(req, part, Path(req.dest), time.monotonic() + 30, None, lambda: "A")
+    persister._after_the_commit_of_my_last_part(nxt, parts[1], dest, time.monotonic() + 30, None)
     assert time.monotonic() - t0 < 1.0
-    t0 = time.monotonic()  # not committed, parts there: it waits (here until its deadline)
-    persister._after_the_commit_of_my_last_part(req, part, Path(req.dest), time.monotonic() + 0.5, None, lambda: None)
-    assert time.monotonic() - t0 >= 0.5
     persister._MY_LAST_PART.clear()

@@ -82,3 +82,19 @@ def test_a_tag_of_ours_with_a_file_missing_stays_torn_however_new_the_rest(tmp_p
     os.utime(d / more[1], ns=(time.time_ns(), marker_ns + 1_000_000))
     (d / more[2]).unlink()
     assert [(t.tag, t.marker is None) for t in complete_tags(tmp_path)] == [("global_step1", False)]
+
+
+def test_a_copy_interrupted_inside_its_last_file_stays_torn(tmp_path):
+    """Every file there and newer than the marker, the last one short: a copy stopped midway (its finished files
+    keep the marker's sizes), not a re-save: torn, never loaded unverified as stock's."""
+    import os
+    import time
+
+    d = _tag(tmp_path, "global_step2", 2)
+    _tag(tmp_path, "global_step1", 1)
+    (tmp_path / "latest").write_text("global_step2")
+    marker_ns = (d / ".cpuckpt-complete.json").stat().st_mtime_ns
+    (d / FILES[1]).write_bytes(b"x" * 37)
+    for name in FILES:
+        os.utime(d / name, ns=(time.time_ns(), marker_ns + 1_000_000))
+    assert [t.tag for t in complete_tags(tmp_path)] == ["global_step1"]

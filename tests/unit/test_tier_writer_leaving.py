@@ -64,3 +64,24 @@ def test_a_leaving_mark_of_an_ended_writer_is_removed_when_a_new_writer_starts(t
         tier.wait_persisted()
     finally:
         tier.close(persist_newest=False)
+
+
+def test_an_adopting_trainer_clears_its_predecessors_stop_once_not_its_own(tmp_path: Path) -> None:
+    """A trainer adopting an earlier trainer's writer clears the stop that trainer asked for (killed while closing);
+    a stop it asks for itself later (its own close, a SIGTERM's persist on the way) stands, or close() waited
+    timeout_s for a writer told to go on."""
+    cfg = {"io": {"chunk_bytes": "64KiB", "threads": 2, "backend": "buffered"}, "timeout_s": 60,
+           "memory": {"root": str(tmp_path / "ram"), "persist_every": 1, "slots": 2, "headroom_bytes": 0}}
+    tier = MemoryTier(tmp_path / "durable", cfg)
+    try:
+        tier.save({"w": torch.arange(1000.0)}, 1).wait()  # starts its writer
+        tier.wait_persisted()
+        started, tier._writer = tier._writer, None  # as if an earlier trainer had started it: this one adopts it
+        tier.queue.request_stop()  # the earlier trainer's stop
+        assert tier._ensure_writer() == started.pid and not tier.queue.stop_requested()
+        tier.queue.request_stop()  # this trainer's own
+        tier._ensure_writer()
+        assert tier.queue.stop_requested()
+        tier._writer = started
+    finally:
+        tier.close(persist_newest=False)
