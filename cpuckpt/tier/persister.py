@@ -232,9 +232,9 @@ def persist_one(req: PersistRequest, queue: PersistQueue | None = None) -> Outco
                 raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
             write_atomic(part, Manifest(save_id=req.save_id, files={e.name: e for e in entries}).to_json().encode(),
                          fsync=cfg.io.fsync)
-            _remember_part(part, req.save_id)
             if cfg.io.fsync:
                 fsync_dir(dest)
+        _remember_part(part, req.save_id)  # also when redone with its part there (a respawned writer)
         if req.coordinator:
             _commit_durable(req, cfg, manifest, dest, slot, deadline, t0, queue)
     except Exception as e:  # the outcome file carries it to the trainer
@@ -315,6 +315,8 @@ def persist_files(req: PersistRequest, queue: PersistQueue | None = None) -> Out
             if req.coordinator:  # redone after its commit: what followed the commit may not have run
                 if req.saving:
                     (dest / req.saving).unlink(missing_ok=True)
+                    if marker_save_id(dest / req.marker) != req.save_id:  # a rank went on meanwhile (past its wait)
+                        (dest / req.saving).touch()
                 _finish_redone_commit(req, dest, [part_path(dest, r) for r in range(req.world_size)])
                 if req.pointer:
                     _move_pointer(Path(req.pointer[0]), str(req.pointer[1]), req, cfg)
@@ -342,9 +344,9 @@ def persist_files(req: PersistRequest, queue: PersistQueue | None = None) -> Out
             if marker_save_id(slot / req.marker) != req.save_id:  # the trainer reused the slot under us
                 raise IntegrityError(f"{slot}: overwritten by another save while persisting {req.save_id[:8]}")
             write_atomic(part, Manifest(save_id=req.save_id, files=entries).to_json().encode(), fsync=cfg.io.fsync)
-            _remember_part(part, req.save_id)
             if cfg.io.fsync:
                 fsync_dir(dest)
+        _remember_part(part, req.save_id)  # also when redone with its part there (a respawned writer)
         if req.coordinator:
             _commit_files(req, cfg, dest, slot, deadline, queue)
     except Exception as e:  # the outcome file carries it to the trainer

@@ -137,3 +137,28 @@ def test_a_coordinator_redone_after_its_commit_removes_the_parts_the_others_wait
     persister._after_the_commit_of_my_last_part(nxt, parts[1], dest, time.monotonic() + 30, None)
     assert time.monotonic() - t0 < 1.0
     persister._MY_LAST_PART.clear()
+
+
+def test_a_writer_redoing_a_persist_whose_part_is_there_remembers_it(tmp_path):
+    """A rank's writer respawned after writing its part (before its outcome) redoes the request and finds the part
+    there: it must still remember it, or its next persist of that name did not wait for the commit."""
+    import torch
+
+    import cpuckpt
+    from cpuckpt.backend.committed import read_manifest
+    from cpuckpt.format.manifest import Manifest, part_name
+
+    slot = tmp_path / "slot-0"
+    cpuckpt.save({"w": torch.ones(8)}, slot)
+    save_id = read_manifest(slot).save_id
+    dest = tmp_path / "last"
+    dest.mkdir()
+    part = dest / part_name("__1_")
+    part.write_text(Manifest(save_id=save_id).to_json())  # written by the writer that died
+    req = PersistRequest(seq=1, slot=str(slot), save_id=save_id, step=4, dest=str(dest), rank=1, world_size=2,
+                         coordinator=False, config={"timeout_s": 5}, trainer_pid=os.getpid(),
+                         trainer_lock=str(tmp_path / "t.lock"))
+    persister._MY_LAST_PART.clear()
+    assert persister.persist_one(req).ok
+    assert persister._MY_LAST_PART.get(part) == save_id
+    persister._MY_LAST_PART.clear()
