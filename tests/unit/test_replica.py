@@ -8,12 +8,14 @@ leave nothing complete; a restore lands in the receiver's own slot; partners fol
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -57,14 +59,16 @@ def slot(tmp_path: Path) -> Path:
     return path
 
 
-def _serve(root: Path, headroom_bytes: int = 0) -> Iterator[Listener]:
+@contextlib.contextmanager
+def _serving(root: Path, *, headroom_bytes: int = 0, timeout_s: float = 10) -> Iterator[tuple[Listener, Future]]:
+    """A listener on ``root`` (made, with the job token), and the future of its ``serve_forever``; stopped after."""
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_token(root, TOKEN)
-    listener = Listener(root, "127.0.0.1", headroom_bytes=headroom_bytes, timeout_s=10)
+    listener = Listener(root, "127.0.0.1", headroom_bytes=headroom_bytes, timeout_s=timeout_s)
     pool = new_executor(1, "test-replica-rx")
     done = pool.submit(listener.serve_forever)
     try:
-        yield listener
+        yield listener, done
     finally:
         listener.stop()
         done.result(timeout=10)
@@ -73,7 +77,8 @@ def _serve(root: Path, headroom_bytes: int = 0) -> Iterator[Listener]:
 
 @pytest.fixture
 def partner(tmp_path: Path) -> Iterator[Listener]:
-    yield from _serve(tmp_path / "node1")
+    with _serving(tmp_path / "node1") as (listener, _):
+        yield listener
 
 
 def _send(listener: Listener, slot: Path, *, token: str = TOKEN, into: str = "replica") -> int:
@@ -165,7 +170,7 @@ def test_a_wrong_token_is_refused(slot: Path, partner: Listener) -> None:
 
 
 def test_the_ram_bound_refuses_a_replica_that_would_eat_the_headroom(slot: Path, tmp_path: Path) -> None:
-    for listener in _serve(tmp_path / "tight", headroom_bytes=1 << 60):
+    with _serving(tmp_path / "tight", headroom_bytes=1 << 60) as (listener, _):
         with pytest.raises(ReplicaError, match=r"memory.headroom_bytes.*memory.replicas"):
             _send(listener, slot)
         assert not check_complete(replica_dir(listener.root, "hostA:boot:/ram0", "slot-1")).complete
@@ -296,13 +301,7 @@ def test_a_restore_waits_for_a_transfer_in_progress_longer_than_the_connect_retr
 def test_a_stalled_peer_delays_no_one_and_is_cut_off_at_its_deadline(slot: Path, tmp_path: Path) -> None:
     """A peer that connects and trickles (never authenticating) holds no lock: a sender beside it is served at
     once; and its connection ends when its time (timeout_s in all, not per byte) runs out."""
-    root = tmp_path / "node1"
-    root.mkdir(mode=0o700)
-    write_token(root, TOKEN)
-    listener = Listener(root, "127.0.0.1", headroom_bytes=0, timeout_s=3)
-    pool = new_executor(1, "test-replica-rx")
-    done = pool.submit(listener.serve_forever)
-    try:
+    with _serving(tmp_path / "node1", timeout_s=3) as (listener, _):
         with socket.create_connection((listener.endpoint.host, listener.endpoint.port), timeout=10) as stalled:
             t0 = time.monotonic()
             stalled.sendall(b"C")
@@ -320,10 +319,6 @@ def test_a_stalled_peer_delays_no_one_and_is_cut_off_at_its_deadline(slot: Path,
                 except OSError:
                     closed = True
             assert closed and 2.5 < time.monotonic() - t0 < 6
-    finally:
-        listener.stop()
-        done.result(timeout=10)
-        pool.shutdown()
 
 
 def _wait_logged(caplog: pytest.LogCaptureFixture, text: str, within_s: float = 10.0) -> None:
@@ -369,6 +364,23 @@ def test_a_slot_of_no_step_is_never_older_than_a_restore() -> None:
     assert overwrites((5, "a"), (5, "b")) and not overwrites((4, "a"), (5, "b")) and not overwrites(None, (5, "b"))
 
 
+def _waiting_for_the_lock(listener: Listener, slot: Path) -> socket.socket:
+    """An authenticated connection, its head sent, waiting for the receiver's lock (another holds it)."""
+    sock = socket.create_connection((listener.endpoint.host, listener.endpoint.port), timeout=10)
+    sock.sendall(MAGIC)
+    _send_msg(sock, _head(slot, "replica"))
+    time.sleep(0.3)
+    return sock
+
+
+def _final_answer(sock: socket.socket) -> dict:
+    """The receiver's answer on ``sock``, or a refusal when it closed the connection instead."""
+    try:
+        return _recv_msg(sock)
+    except (ConnectionError, OSError):
+        return {"ok": False, "error": "closed"}
+
+
 def _paced_transfer(listener: Listener, slot: Path, seconds: float) -> dict:
     """An authenticated sender that sends ``slot`` by hand, its bytes spread over ``seconds`` (a slow network);
     returns the receiver's final answer."""
@@ -391,23 +403,13 @@ def test_a_transfer_longer_than_timeout_s_completes_while_bytes_flow_even_after_
     """timeout_s bounds each wait, not the whole transfer: a slot that takes longer to arrive than timeout_s
     (a large slot, a slow link), after waiting for another sender's transfer, still commits. A whole-connection
     deadline failed it midway, after the receiver had cleared the slot's previous replica."""
-    root = tmp_path / "node1"
-    root.mkdir(mode=0o700)
-    write_token(root, TOKEN)
-    listener = Listener(root, "127.0.0.1", headroom_bytes=0, timeout_s=2)
-    pool = new_executor(1, "test-replica-rx")
-    done = pool.submit(listener.serve_forever)
-    try:
+    with _serving(tmp_path / "node1", timeout_s=2) as (listener, _):
         busy = _accepted(listener, slot)
         threading.Timer(1.5, busy.close).start()  # holds the lock for 1.5 s of the 2
         t0 = time.monotonic()
         assert _paced_transfer(listener, slot, 3.0)["ok"]
         assert time.monotonic() - t0 > 4.0
-        assert check_complete(replica_dir(root, "hostA:boot:/ram0", "slot-1")).complete
-    finally:
-        listener.stop()
-        done.result(timeout=10)
-        pool.shutdown()
+        assert check_complete(replica_dir(listener.root, "hostA:boot:/ram0", "slot-1")).complete
 
 
 def test_stop_lets_a_transfer_in_progress_end(slot: Path, partner: Listener) -> None:
@@ -429,53 +431,29 @@ def test_stop_refuses_a_connection_that_gets_the_lock_after_it_and_bounds_a_stal
     start a whole new transfer after stop); a transfer in progress that stalls (its sender's node died) holds the
     stopping writer DRAIN_S at most, not timeout_s."""
     monkeypatch.setattr(replica, "DRAIN_S", 1.0)
-    root = tmp_path / "node1"
-    root.mkdir(mode=0o700)
-    write_token(root, TOKEN)
-    listener = Listener(root, "127.0.0.1", headroom_bytes=0, timeout_s=60)
-    pool = new_executor(1, "test-replica-rx")
-    done = pool.submit(listener.serve_forever)
-    busy = _accepted(listener, slot)  # holds the lock, then stalls (a dead sender)
-    waiter = socket.create_connection((listener.endpoint.host, listener.endpoint.port), timeout=10)
-    waiter.sendall(MAGIC)
-    _send_msg(waiter, _head(slot, "replica"))
-    time.sleep(0.3)  # authenticated, waiting for the lock
-    t0 = time.monotonic()
-    listener.stop()
-    try:
-        answer = _recv_msg(waiter)
-    except (ConnectionError, OSError):
-        answer = {"ok": False, "error": "closed"}
-    assert not answer.get("ok"), answer
-    done.result(timeout=10)
-    assert time.monotonic() - t0 < 4.0  # the stalled transfer was cut after DRAIN_S, not after timeout_s (60 s)
-    assert not check_complete(replica_dir(root, "hostA:boot:/ram0", "slot-1")).complete
-    busy.close()
-    waiter.close()
-    pool.shutdown()
+    with _serving(tmp_path / "node1", timeout_s=60) as (listener, done):
+        busy = _accepted(listener, slot)  # holds the lock, then stalls (a dead sender)
+        waiter = _waiting_for_the_lock(listener, slot)
+        t0 = time.monotonic()
+        listener.stop()
+        answer = _final_answer(waiter)
+        assert not answer.get("ok"), answer
+        done.result(timeout=10)
+        assert time.monotonic() - t0 < 4.0  # the stalled transfer was cut after DRAIN_S, not timeout_s (60 s)
+        assert not check_complete(replica_dir(listener.root, "hostA:boot:/ram0", "slot-1")).complete
+        busy.close()
+        waiter.close()
 
 
 def test_a_connection_that_gets_the_lock_just_after_stop_is_refused(slot: Path, tmp_path: Path) -> None:
     """The transfer holding the lock ends right as the listener stops: the connection waiting for the lock gets it
     before the listener's loop has cut the waiting ones, and must be refused then, not start a new transfer."""
-    root = tmp_path / "node1"
-    root.mkdir(mode=0o700)
-    write_token(root, TOKEN)
-    listener = Listener(root, "127.0.0.1", headroom_bytes=0, timeout_s=60)
-    pool = new_executor(1, "test-replica-rx")
-    done = pool.submit(listener.serve_forever)
-    busy = _accepted(listener, slot)
-    waiter = socket.create_connection((listener.endpoint.host, listener.endpoint.port), timeout=10)
-    waiter.sendall(MAGIC)
-    _send_msg(waiter, _head(slot, "replica"))
-    time.sleep(0.3)  # authenticated, waiting for the lock
-    listener.stop()
-    busy.close()  # the lock frees at once (its transfer fails)
-    try:
-        answer = _recv_msg(waiter)
-    except (ConnectionError, OSError):
-        answer = {"ok": False, "error": "closed"}
-    assert not answer.get("ok") and "stopping" in answer.get("error", "stopping"), answer
-    done.result(timeout=10)
-    waiter.close()
-    pool.shutdown()
+    with _serving(tmp_path / "node1", timeout_s=60) as (listener, done):
+        busy = _accepted(listener, slot)
+        waiter = _waiting_for_the_lock(listener, slot)
+        listener.stop()
+        busy.close()  # the lock frees at once (its transfer fails)
+        answer = _final_answer(waiter)
+        assert not answer.get("ok") and "stopping" in answer.get("error", "stopping"), answer
+        done.result(timeout=10)
+        waiter.close()
