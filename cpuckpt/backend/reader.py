@@ -564,7 +564,7 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
             mapped[fp.path] = opened.enter_context(MappedFile(fp.path, fp.entry.nbytes))
         mode = cfg.integrity.verify if fp.entry.checksum == "crc32c" and fp.entry.chunk_checksums else "off"
         if mode != "off" or fp.path in mapped or to_gpu:
-            chunked[fp.path] = {"always": 1.0, "sample": cfg.integrity.sample_fraction, "off": 0.0}[mode]
+            chunked[fp.path] = _verify_fraction(cfg, mode)
     pool = copiers = None
     if chunked:
         copiers = _Copiers()
@@ -581,8 +581,7 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
     jobs: list[ReadJob] = []
     for fp in plans.values():
         if fp.entry is None:
-            fraction = {"always": 1.0, "sample": cfg.integrity.sample_fraction, "off": 0.0}[cfg.integrity.verify]
-            jobs += _stock_jobs(fp, opened, reads, verify_fraction=fraction)
+            jobs += _stock_jobs(fp, opened, reads, verify_fraction=_verify_fraction(cfg, cfg.integrity.verify))
         elif fp.path in chunked:
             source = mapped.get(fp.path)
             jobs += _chunk_jobs(fp, fp.entry, cfg, opened, pool, copiers, verify_fraction=chunked[fp.path],
@@ -590,6 +589,11 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
         else:
             jobs += _range_jobs(fp, cfg, opened, reads)
     return jobs, list(mapped.values()), pool
+
+
+def _verify_fraction(cfg: Config, mode: str) -> float:
+    """The share of chunks (or stock records) ``integrity.verify`` mode ``mode`` checks."""
+    return {"always": 1.0, "sample": cfg.integrity.sample_fraction, "off": 0.0}[mode]
 
 
 class _Copiers:

@@ -368,21 +368,21 @@ def complete_tags(save_dir: str | os.PathLike) -> list[LatestTag]:
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
     named = _read_latest(root)
     found: list[tuple[tuple[int, int, float], LatestTag]] = []
-    stock = root / named if named else None
-    if stock is not None and check_tag(root, stock.name).state == "unmarked" and any(stock.glob("*model_states.pt")):
-        logger.info("%s names %s, a tag stock DeepSpeed wrote (no cpuckpt marker): loaded without checksums",
-                    root / "latest", named)
-        found.append(((1, -1, 0.0), LatestTag(root, named, None, None)))  # type: ignore[arg-type]
     for sub in sorted(root.iterdir()) if root.is_dir() else ():
-        if not (sub / MARKER_NAME).exists():
+        is_named = sub.name == named
+        if not is_named and not (sub / MARKER_NAME).exists():
             continue
         status = check_tag(root, sub.name)
-        if sub.name == named and status.state == "torn":
+        if is_named and status.state == "unmarked" and any(sub.glob("*model_states.pt")):
+            logger.info("%s names %s, a tag stock DeepSpeed wrote (no cpuckpt marker): loaded without checksums",
+                        root / "latest", named)
+            found.append(((1, -1, 0.0), LatestTag(root, sub.name, None, None)))  # type: ignore[arg-type]
+        elif is_named and status.state == "torn":
             logger.warning("%s names tag %r, which is %s; the newest complete tag is taken instead", root / "latest",
                            named, status.describe())
-        if status.complete and status.marker is not None:
+        elif status.complete and status.marker is not None:
             m = status.marker
-            key = (int(sub.name == named), m.global_step if m.global_step is not None else -1, m.created_unix)
+            key = (int(is_named), m.global_step if m.global_step is not None else -1, m.created_unix)
             found.append((key, LatestTag(root, sub.name, m.global_step, m)))
     return [t for _, t in sorted(found, key=lambda kt: kt[0], reverse=True)]
 
