@@ -310,7 +310,7 @@ class MemoryTier:
             # once (a stop this trainer asks for later, closing, stands)
             self._adopted = running
             self.queue.clear_stop()
-        pid = self._writer_not_leaving(lock_path)
+        pid = self._writer_not_leaving(lock_path, running)
         fd = acquire_lock(lock_path) if pid is None else None
         if fd is not None:  # no writer lives: a leaving mark is an ended writer's (its pid may come again)
             leaving_marker(lock_path).unlink(missing_ok=True)
@@ -533,8 +533,6 @@ class MemoryTier:
             return self.saves.async_save(state_dict, dest, self.config, step=step, planner=planner,
                                          plan_key=plan_key, ordering=ordering)
         k, token = claimed
-        if self._departed:
-            self._drop_departed_replicas(k)
         slot = self.slots[k]
         # A restore planned into this slot (candidates) would now overwrite this save: dropped on every rank
         # (every rank fills the same slot index).
@@ -629,6 +627,8 @@ class MemoryTier:
                 self._writer_failed()
                 continue
             if not held:
+                if self._departed:
+                    self._drop_departed_replicas(k)
                 return k, f"{self.root.job[:24]}-{token:016x}"
             if self.config.memory.when_full == "disk":
                 logger.warning("cpuckpt memory tier: every slot is held by a persist; step %s goes to the durable "
@@ -658,8 +658,6 @@ class MemoryTier:
         if claimed is None:
             return None
         k, save_id = claimed
-        if self._departed:
-            self._drop_departed_replicas(k)
         self._pending.pop(self.slots[k], None)  # a restore planned into this slot would overwrite this save
         return self.slots[k], save_id
 
@@ -939,16 +937,18 @@ class MemoryTier:
         handle.add_done_callback(lambda error: None if error is None else
                                  self.queue.cancel(req.seq, f"the memory save failed: {error}"))
 
-    def _writer_not_leaving(self, lock_path: Path) -> int | None:
-        """The running writer's pid, or None. A writer that marked itself leaving (its trainer was gone and nothing
-        was owed; it may still drain a replica transfer, no longer serving its queue) is waited for until it ends,
-        or until it withdraws the mark (it saw this trainer's lock and serves on), never adopted."""
+    def _writer_not_leaving(self, lock_path: Path, pid: int | None) -> int | None:
+        """The running writer's pid (``pid``, as just found), or None. A writer that marked itself leaving (its
+        trainer was gone and nothing was owed; it may still drain a replica transfer, no longer serving its queue)
+        is waited for until it ends, or until it withdraws the mark (it saw this trainer's lock and serves on),
+        never adopted."""
         deadline = time.monotonic() + DRAIN_S + 30
-        while (pid := self.root.writer_alive(self.rank)) is not None and leaving_pid(lock_path) == pid:
+        while pid is not None and leaving_pid(lock_path) == pid:
             if time.monotonic() > deadline:
                 raise WriterDiedError(f"rank {self.rank}: writer pid {pid} has been ending for {DRAIN_S + 30:.0f} s "
                                       f"and still holds {lock_path}; see its log in {self.root.path}")
             time.sleep(0.05)
+            pid = self.root.writer_alive(self.rank)
         return pid
 
     def _try_start_writer(self) -> CpuckptError | None:
