@@ -379,7 +379,7 @@ class Listener:
         with conn, self._tracked(conn):
             try:
                 receive(conn, self.root, headroom_bytes=self.headroom_bytes, timeout_s=self.timeout_s,
-                        lock=self._writing, stop=self._stop, authenticated=lambda: self._transfer(conn))
+                        lock=self._writing, stop=self._stop, transferring=lambda: self._transfer(conn))
             except Exception as e:  # answered to the sender (best effort), then the next connection
                 logger.error("replica from %s failed: %s", peer, e)
                 try:
@@ -404,12 +404,12 @@ def _shut(conns: set[socket.socket]) -> None:
             conn.shutdown(socket.SHUT_RDWR)
 
 
-def receive(conn: socket.socket, root: Path, *, headroom_bytes: int, timeout_s: float,
-            lock: threading.Lock | None = None, stop: threading.Event | None = None,
-            authenticated: Callable[[], None] | None = None) -> Path:
+def receive(conn: socket.socket, root: Path, *, headroom_bytes: int, timeout_s: float, lock: threading.Lock,
+            stop: threading.Event, transferring: Callable[[], None]) -> Path:
     """Receive one slot from ``conn`` into ``root`` (see the module docstring); returns its directory. The magic and
-    head arrive within ``AUTH_S`` in all; then ``authenticated()`` is called, ``lock`` (the listener's) is taken
-    within ``timeout_s`` (given up once ``stop`` is set) and held to the end; each later read waits ``timeout_s``.
+    head arrive within ``AUTH_S`` in all; then ``lock`` (the listener's) is taken within ``timeout_s`` (given up
+    once ``stop`` is set) and held to the end, ``transferring()`` called under it (it raises when the listener
+    stopped meanwhile); each later read waits ``timeout_s``.
 
     Raises:
         ReplicaError: a bad token or header, a slot name outside the RAM root, a restore over a slot that
@@ -435,17 +435,14 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int, timeout_s: 
     if token is None or not hmac.compare_digest(str(head.get("token", "")), token):
         raise ReplicaError(f"{root}: replica refused: wrong job token")
     conn.settimeout(timeout_s)
-    if lock is None:
-        return _receive_slot(conn, root, head, headroom_bytes)
     until = time.monotonic() + timeout_s
     while not lock.acquire(timeout=0.2):
-        if stop is not None and stop.is_set():
+        if stop.is_set():
             raise ReplicaError(f"{root}: the receiver is stopping (its writer's trainer is gone); not received")
         if time.monotonic() > until:
             raise TimeoutError(f"{root}: the receiver stayed busy with other slots for {timeout_s:.0f} s")
     try:
-        if authenticated is not None:
-            authenticated()  # a transfer now (raises when the listener is stopping)
+        transferring()
         return _receive_slot(conn, root, head, headroom_bytes)
     finally:
         lock.release()
