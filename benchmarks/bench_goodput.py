@@ -36,9 +36,11 @@ the device at each start and stop: where in the step a save's cost lands, not a 
 synchronized after the iteration's save start or before each optimizer step; the copy process handed no copies; the
 device snapshot not copied (a probed run's checkpoints are not valid). ``+gcfreeze`` (memory variants): ``megatron:
 {freeze_gc: true}``, the collector's objects frozen once setup returned (full collections then skip them).
-``+log<N>`` (any variant, ``none`` included, compared with the ``none`` of the same interval): Megatron-LM's
-``--log-interval N`` instead of the benchmark's 1 (jobs log every 10-100 iterations; each line is a barrier and a
-device synchronization); the wall and the gaps are then read every N iterations.
+``+swi`` (any variant, ``none`` included, compared with ``none+swi``; a probe): the interpreter's switch interval
+0.5 ms instead of 5 in every process of the run, what the trainer pays when a thread of ours runs Python beside its
+main thread. ``+log<N>`` (any variant, ``none`` included, compared with the ``none`` of the same interval):
+Megatron-LM's ``--log-interval N`` instead of the benchmark's 1 (jobs log every 10-100 iterations; each line is a
+barrier and a device synchronization); the wall and the gaps are then read every N iterations.
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -137,7 +139,7 @@ def _saves_between(first: int, last: int, every: int) -> int:
 
 
 # changes read outside the cpuckpt config
-_PROBES = ("syncstart", "syncstep", "nodma", "nod2d")  # benchmarks/probe
+_PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi")  # benchmarks/probe
 _ENV_CHANGES = ("mgc", "base", "timers", *_PROBES)
 
 
@@ -193,7 +195,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, io<N>, "
                              "u<N>, slots<N>, rep<N>, log<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, "
-                             "nodma, nod2d)")
+                             "nodma, nod2d, swi)")
     if "nod2d" in changes and not kind.endswith("snap"):
         raise ValueError(f"variant {name}: +nod2d needs a device snapshot (mem1snap, mem8snap)")
     if "nodma" in changes and not (kind.endswith("snap") and "copyproc" in changes):
@@ -207,7 +209,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
 def variant_error(b: Bench, args: argparse.Namespace, name: str, tmp: Path) -> str | None:
     """Why ``name`` cannot run as asked (None: it can): its kind, its changes, the arguments it needs."""
     kind, *changes = name.split("+")
-    general = {c for c in changes if c in ("mgc", "timers") or (c.startswith("log") and c[3:].isdigit())}
+    general = {c for c in changes if c in ("mgc", "timers", "swi") or (c.startswith("log") and c[3:].isdigit())}
     if kind not in VARIANTS or (not kind.startswith("mem") and set(changes) != general):
         return (f"unknown variant {name}; known: {VARIANTS} (memory ones with +nocrc, +copyproc, +window<MiB>, ...; "
                 "any with +mgc, +timers, +log<N>)")
@@ -433,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run:
         b.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"args": vars(args), "runs": {}, "summary": []}
-    refs: dict[tuple, dict[str, Any]] = {}  # the run without checkpoints, per (+mgc, +timers, +log<N>)
+    refs: dict[tuple, dict[str, Any]] = {}  # the run without checkpoints, per (+mgc, +timers, +swi, +log<N>)
     rows = []
     names = [v for v in args.variants.split(",") if v]
     errors = [e for name in names if (e := variant_error(b, args, name, tmp)) is not None]
@@ -443,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name in names:
             kind, *changes = name.split("+")
-            ref_key = ("mgc" in changes, "timers" in changes, log_interval(changes))
+            ref_key = ("mgc" in changes, "timers" in changes, "swi" in changes, log_interval(changes))
             if args.budget and b.left() < 60:
                 logger.warning("variant %s skipped: %.0f s of the budget left", name, b.left())
                 continue

@@ -11,7 +11,11 @@ PYTHONPATH with ``GOODPUT_PROBE`` set (a comma-separated list), it patches cpuck
   before the step's kernels are enqueued;
 - ``nodma``: the copy process is handed no device-to-host copies (``ImageSink.submit_offload`` with empty ops): it
   still waits for the snapshot, records its events and checksums the images, but no byte crosses PCIe;
-- ``nod2d``: the device snapshot's device-to-device copy is not made (``device_snapshot``'s ``_foreach_copy_``).
+- ``nod2d``: the device snapshot's device-to-device copy is not made (``device_snapshot``'s ``_foreach_copy_``);
+- ``swi``: the interpreter's switch interval 0.5 ms instead of 5 (``sys.setswitchinterval``, every process): a
+  thread that released the GIL (a collective, a device synchronization, a file write) gets it back from another
+  thread running Python after at most 0.5 ms instead of 5. The trainer's own threads of ours (the committer) run
+  Python beside its main thread; this says what that costs it.
 
 Another ``sitecustomize`` further down ``sys.path`` (an image's own) still runs after this one.
 """
@@ -135,10 +139,16 @@ class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         print(f"probe: {self.module}: {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
+SWITCH_INTERVAL_S = 0.0005  # swi
+
+
 def _install() -> None:
     for name in filter(None, os.environ.get("GOODPUT_PROBE", "").split(",")):
+        if name == "swi":  # no module to patch: the interpreter's own setting, before anything starts a thread
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+            continue
         if name not in _PROBES:
-            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)})", file=sys.stderr, flush=True)
+            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi)", file=sys.stderr, flush=True)
             continue
         sys.meta_path.insert(0, _Patch(*_PROBES[name]))
 
