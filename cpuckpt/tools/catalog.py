@@ -35,7 +35,7 @@ from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
 from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.roots import find_latest, inspect_checkpoint, list_checkpoints, ordered
-from cpuckpt.tier.tagmarker import check_dir
+from cpuckpt.tier.tagmarker import MARKER_NAME, check_dir
 from cpuckpt.transfer.objstore import open_store
 
 __all__ = ["Description", "ListedCheckpoint", "TensorInfo", "describe", "identify", "scan_root", "tensors_of"]
@@ -56,7 +56,7 @@ class ListedCheckpoint:
     latest: bool = False
     reason: str = ""  # why it is incomplete, or (damaged) the first damage found
     rank_step: int | None = None  # the step it is ranked by: find_latest's for DCP checkpoints
-    damaged: bool = False  # complete, but ``scan_root(verify=True)`` found damage in its bytes
+    damaged: bool = False  # ``scan_root(verify=True)`` found damage: in its bytes, or files short since its commit
     rank_time: float = 0.0  # the commit time it is ranked by: find_latest's (.metadata's mtime) for DCP ones
     step_from_name: bool = False  # ``step`` is the last number in the name: the checkpoint records none
 
@@ -174,7 +174,8 @@ def scan_root(root: str | os.PathLike, *, verify: bool = False) -> list[ListedCh
 
     ``verify``: read every byte of each complete cpuckpt or DCP checkpoint and check it
     (:func:`cpuckpt.tools.verification.verify_checkpoint`); a damaged one is marked ``damaged`` and the
-    latest is then the newest one that verifies (the one :func:`cpuckpt.load_latest` would load).
+    latest is then the newest one that verifies (the one :func:`cpuckpt.load_latest` would load). An incomplete
+    one whose commit marker is there (a file truncated or missing since its commit) is ``damaged`` too.
 
     An ``s3://`` root lists its checkpoint prefixes (cpuckpt and stock DCP checkpoints: :func:`_scan_s3`).
 
@@ -232,6 +233,9 @@ def _verify_all(found: list[ListedCheckpoint]) -> None:
     from cpuckpt.tools.verification import verify_checkpoint
 
     for info in found:
+        if not info.complete and _committed_once(info):  # a file short or missing since: damage, as `verify` says
+            info.damaged = True
+            continue
         if info.complete and info.kind == "deepspeed":  # a tag of cpuckpt's engine: its marker's crc32c
             status = check_dir(info.path, verify=True)  # type: ignore[arg-type]
             if status.state == "torn":
@@ -247,6 +251,14 @@ def _verify_all(found: list[ListedCheckpoint]) -> None:
         if not report.ok:
             info.damaged = True
             info.reason = f"{len(report.damage)} problem(s), first: {report.damage[0]}"
+
+
+def _committed_once(info: ListedCheckpoint) -> bool:
+    """An incomplete checkpoint whose commit marker is there (a DeepSpeed tag's ``.cpuckpt-complete.json``, else
+    ``.metadata``): it was complete once, so it is damaged now, not a torn save (``verify`` exits 1 over it)."""
+    if not isinstance(info.path, Path):
+        return False
+    return (info.path / (MARKER_NAME if info.kind == "deepspeed" else METADATA_NAME)).is_file()
 
 
 def _pointer(root: Path, found: list[ListedCheckpoint]) -> ListedCheckpoint | None:
