@@ -34,8 +34,8 @@ from cpuckpt.errors import CpuckptError
 from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
 from cpuckpt.paths import S3Url, checkpoint_path
-from cpuckpt.roots import find_latest, inspect_checkpoint, list_checkpoints, ordered
-from cpuckpt.tier.tagmarker import MARKER_NAME, check_dir
+from cpuckpt.roots import committed_once, find_latest, inspect_checkpoint, list_checkpoints, ordered
+from cpuckpt.tier.tagmarker import check_dir
 from cpuckpt.transfer.objstore import open_store
 
 __all__ = ["Description", "ListedCheckpoint", "TensorInfo", "describe", "identify", "scan_root", "tensors_of"]
@@ -59,6 +59,7 @@ class ListedCheckpoint:
     damaged: bool = False  # ``scan_root(verify=True)`` found damage: in its bytes, or files short since its commit
     rank_time: float = 0.0  # the commit time it is ranked by: find_latest's (.metadata's mtime) for DCP ones
     step_from_name: bool = False  # ``step`` is the last number in the name: the checkpoint records none
+    committed: bool = False  # incomplete, but its commit marker is there (``roots.committed_once``): damaged since
 
     @property
     def status(self) -> str:
@@ -123,11 +124,12 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
         kind, dcp_files = "deepspeed", False
     if kind is None:
         return None
-    complete, reason = True, ""  # other backends' files: complete when present
+    complete, reason, committed = True, "", False  # other backends' files: complete when present
     if kind == "deepspeed":  # a tag cpuckpt's engine wrote has its markers: torn unless committed, sizes checked
         status = check_dir(p)
         complete = status.state != "torn"
         reason = "; ".join(status.problems) if not complete else ""
+        committed = not complete and status.marker is not None  # its marker is written last
     nbytes, newest = _tree_size(p)
     commit_time: float | None = None
     rank_step = step
@@ -135,6 +137,7 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
         # the one definition (cpuckpt.backend.committed.check_complete): .metadata, every listed file's size
         checked = inspect_checkpoint(p)
         complete, reason, rank_step = checked.complete, checked.reason, checked.step
+        committed = not complete and committed_once(checked)
         if complete:
             commit_time = checked.mtime  # .metadata's mtime: written last, by the commit
     from_name = step is None and (m := _STEP_RE.search(p.name)) is not None
@@ -145,7 +148,7 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
     rank_time = commit_time if commit_time is not None else newest
     return ListedCheckpoint(path=p, kind=kind, complete=complete, step=step, nbytes=nbytes,
                             mtime=_written_at(p, manifest, commit_time) or rank_time, reason=reason,
-                            rank_step=rank_step, rank_time=rank_time, step_from_name=from_name)
+                            rank_step=rank_step, rank_time=rank_time, step_from_name=from_name, committed=committed)
 
 
 def _written_at(p: Path, manifest: Manifest | None, commit_time: float | None) -> float | None:
@@ -220,7 +223,8 @@ def _scan_s3(root: S3Url, *, verify: bool) -> list[ListedCheckpoint]:
         objects = list(store.list(S3Url(url.bucket, f"{url.key}/")))
         kind = "cpuckpt" if any(o.key.endswith(f"/{MANIFEST_NAME}") for o in objects) else "dcp"
         found.append(ListedCheckpoint(url, kind, c.complete, c.step, sum(o.nbytes for o in objects), c.mtime,
-                                      reason=c.reason, rank_step=c.step, rank_time=c.mtime))
+                                      reason=c.reason, rank_step=c.step, rank_time=c.mtime,
+                                      committed=not c.complete and committed_once(c)))
     if verify:
         _verify_all(found)
     complete = [i for i in found if i.complete and not i.damaged]
@@ -233,7 +237,7 @@ def _verify_all(found: list[ListedCheckpoint]) -> None:
     from cpuckpt.tools.verification import verify_checkpoint
 
     for info in found:
-        if not info.complete and _committed_once(info):  # a file short or missing since: damage, as `verify` says
+        if info.committed:  # a file short or missing since its commit: damage, as `verify` says
             info.damaged = True
             continue
         if info.complete and info.kind == "deepspeed":  # a tag of cpuckpt's engine: its marker's crc32c
@@ -251,14 +255,6 @@ def _verify_all(found: list[ListedCheckpoint]) -> None:
         if not report.ok:
             info.damaged = True
             info.reason = f"{len(report.damage)} problem(s), first: {report.damage[0]}"
-
-
-def _committed_once(info: ListedCheckpoint) -> bool:
-    """An incomplete checkpoint whose commit marker is there (a DeepSpeed tag's ``.cpuckpt-complete.json``, else
-    ``.metadata``): it was complete once, so it is damaged now, not a torn save (``verify`` exits 1 over it)."""
-    if not isinstance(info.path, Path):
-        return False
-    return (info.path / (MARKER_NAME if info.kind == "deepspeed" else METADATA_NAME)).is_file()
 
 
 def _pointer(root: Path, found: list[ListedCheckpoint]) -> ListedCheckpoint | None:

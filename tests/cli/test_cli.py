@@ -152,10 +152,13 @@ def test_ls_verify_calls_a_checkpoint_truncated_after_its_commit_damaged(tmp_pat
         cpuckpt.save({"w": torch.randn(200, 100), "step": k}, tmp_path / f"step_{k}", SMALL_CFG, step=k)
     os.truncate(tmp_path / "step_2" / "__0_0.distcp", 1000)
     _torn_save(tmp_path / "step_3", 3)
+    _torn_save(tmp_path / "step_4", 4)
+    (tmp_path / "step_4" / ".metadata").write_bytes(b"")  # a commit that died writing it: torn, as clean has it
     rows = _ls_rows(tmp_path)
-    assert rows["step_2"]["status"] == rows["step_3"]["status"] == "incomplete", rows
+    assert {rows[f"step_{k}"]["status"] for k in (2, 3, 4)} == {"incomplete"}, rows
     rows = _ls_rows(tmp_path, "--verify", code_wanted=1)
-    assert rows["step_2"]["status"] == "damaged" and rows["step_3"]["status"] == "incomplete", rows
+    assert rows["step_2"]["status"] == "damaged" and "truncated" in rows["step_2"]["reason"], rows
+    assert rows["step_3"]["status"] == rows["step_4"]["status"] == "incomplete", rows
     assert rows["step_1"]["status"] == "complete" and rows["step_1"]["latest"]
     ds = tmp_path / "ds"
     for name, committed in (("global_step1", True), ("global_step2", False)):
