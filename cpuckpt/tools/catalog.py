@@ -34,7 +34,7 @@ from cpuckpt.errors import CpuckptError
 from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
 from cpuckpt.paths import S3Url, checkpoint_path
-from cpuckpt.roots import find_latest, inspect_checkpoint, list_checkpoints, ordered
+from cpuckpt.roots import committed_once, find_latest, inspect_checkpoint, list_checkpoints, ordered
 from cpuckpt.tier.tagmarker import check_dir
 from cpuckpt.transfer.objstore import open_store
 
@@ -56,9 +56,10 @@ class ListedCheckpoint:
     latest: bool = False
     reason: str = ""  # why it is incomplete, or (damaged) the first damage found
     rank_step: int | None = None  # the step it is ranked by: find_latest's for DCP checkpoints
-    damaged: bool = False  # complete, but ``scan_root(verify=True)`` found damage in its bytes
+    damaged: bool = False  # ``scan_root(verify=True)`` found damage: in its bytes, or files short since its commit
     rank_time: float = 0.0  # the commit time it is ranked by: find_latest's (.metadata's mtime) for DCP ones
     step_from_name: bool = False  # ``step`` is the last number in the name: the checkpoint records none
+    committed: bool = False  # incomplete, but its commit marker is there (``roots.committed_once``): damaged since
 
     @property
     def status(self) -> str:
@@ -123,11 +124,12 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
         kind, dcp_files = "deepspeed", False
     if kind is None:
         return None
-    complete, reason = True, ""  # other backends' files: complete when present
+    complete, reason, committed = True, "", False  # other backends' files: complete when present
     if kind == "deepspeed":  # a tag cpuckpt's engine wrote has its markers: torn unless committed, sizes checked
         status = check_dir(p)
         complete = status.state != "torn"
         reason = "; ".join(status.problems) if not complete else ""
+        committed = not complete and status.marker is not None  # its marker is written last
     nbytes, newest = _tree_size(p)
     commit_time: float | None = None
     rank_step = step
@@ -135,6 +137,7 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
         # the one definition (cpuckpt.backend.committed.check_complete): .metadata, every listed file's size
         checked = inspect_checkpoint(p)
         complete, reason, rank_step = checked.complete, checked.reason, checked.step
+        committed = not complete and committed_once(checked)
         if complete:
             commit_time = checked.mtime  # .metadata's mtime: written last, by the commit
     from_name = step is None and (m := _STEP_RE.search(p.name)) is not None
@@ -145,7 +148,7 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
     rank_time = commit_time if commit_time is not None else newest
     return ListedCheckpoint(path=p, kind=kind, complete=complete, step=step, nbytes=nbytes,
                             mtime=_written_at(p, manifest, commit_time) or rank_time, reason=reason,
-                            rank_step=rank_step, rank_time=rank_time, step_from_name=from_name)
+                            rank_step=rank_step, rank_time=rank_time, step_from_name=from_name, committed=committed)
 
 
 def _written_at(p: Path, manifest: Manifest | None, commit_time: float | None) -> float | None:
@@ -174,7 +177,8 @@ def scan_root(root: str | os.PathLike, *, verify: bool = False) -> list[ListedCh
 
     ``verify``: read every byte of each complete cpuckpt or DCP checkpoint and check it
     (:func:`cpuckpt.tools.verification.verify_checkpoint`); a damaged one is marked ``damaged`` and the
-    latest is then the newest one that verifies (the one :func:`cpuckpt.load_latest` would load).
+    latest is then the newest one that verifies (the one :func:`cpuckpt.load_latest` would load). An incomplete
+    one whose commit marker is there (a file truncated or missing since its commit) is ``damaged`` too.
 
     An ``s3://`` root lists its checkpoint prefixes (cpuckpt and stock DCP checkpoints: :func:`_scan_s3`).
 
@@ -219,7 +223,8 @@ def _scan_s3(root: S3Url, *, verify: bool) -> list[ListedCheckpoint]:
         objects = list(store.list(S3Url(url.bucket, f"{url.key}/")))
         kind = "cpuckpt" if any(o.key.endswith(f"/{MANIFEST_NAME}") for o in objects) else "dcp"
         found.append(ListedCheckpoint(url, kind, c.complete, c.step, sum(o.nbytes for o in objects), c.mtime,
-                                      reason=c.reason, rank_step=c.step, rank_time=c.mtime))
+                                      reason=c.reason, rank_step=c.step, rank_time=c.mtime,
+                                      committed=not c.complete and committed_once(c)))
     if verify:
         _verify_all(found)
     complete = [i for i in found if i.complete and not i.damaged]
@@ -232,6 +237,9 @@ def _verify_all(found: list[ListedCheckpoint]) -> None:
     from cpuckpt.tools.verification import verify_checkpoint
 
     for info in found:
+        if info.committed:  # a file short or missing since its commit: damage, as `verify` says
+            info.damaged = True
+            continue
         if info.complete and info.kind == "deepspeed":  # a tag of cpuckpt's engine: its marker's crc32c
             status = check_dir(info.path, verify=True)  # type: ignore[arg-type]
             if status.state == "torn":

@@ -142,6 +142,39 @@ def test_ls_verify_marks_a_damaged_checkpoint_and_moves_latest(tmp_path):
     assert code == 1 and "damaged (" in lines["step_3"] and "<- latest" in lines["step_2"]
 
 
+def test_ls_verify_calls_a_checkpoint_truncated_after_its_commit_damaged(tmp_path):
+    """A committed checkpoint (cpuckpt's ``.metadata``, a DeepSpeed tag's marker) with a file cut short since is
+    damaged, exit 1, as ``verify`` says of it; plain ``ls`` lists it incomplete, and a save that never committed
+    stays incomplete under --verify too (it exited 0 for all of them)."""
+    from cpuckpt.tier.tagmarker import TagFile, new_marker, open_tag, write_marker
+
+    for k in (1, 2):
+        cpuckpt.save({"w": torch.randn(200, 100), "step": k}, tmp_path / f"step_{k}", SMALL_CFG, step=k)
+    os.truncate(tmp_path / "step_2" / "__0_0.distcp", 1000)
+    _torn_save(tmp_path / "step_3", 3)
+    _torn_save(tmp_path / "step_4", 4)
+    (tmp_path / "step_4" / ".metadata").write_bytes(b"")  # a commit that died writing it: torn, as clean has it
+    rows = _ls_rows(tmp_path)
+    assert {rows[f"step_{k}"]["status"] for k in (2, 3, 4)} == {"incomplete"}, rows
+    rows = _ls_rows(tmp_path, "--verify", code_wanted=1)
+    assert rows["step_2"]["status"] == "damaged" and "truncated" in rows["step_2"]["reason"], rows
+    assert rows["step_3"]["status"] == rows["step_4"]["status"] == "incomplete", rows
+    assert rows["step_1"]["status"] == "complete" and rows["step_1"]["latest"]
+    ds = tmp_path / "ds"
+    for name, committed in (("global_step1", True), ("global_step2", False)):
+        d = ds / name
+        open_tag(d, fsync=False)
+        (d / "mp_rank_00_model_states.pt").write_bytes(b"x" * 64)
+        if committed:
+            write_marker(d, new_marker(name, 1, {"mp_rank_00_model_states.pt": TagFile(0, 64, 0)}, 1), fsync=False)
+    os.truncate(ds / "global_step1" / "mp_rank_00_model_states.pt", 10)
+    rows = _ls_rows(ds, "--verify", code_wanted=1)
+    assert rows["global_step1"]["status"] == "damaged" and rows["global_step2"]["status"] == "incomplete", rows
+    shutil.rmtree(ds / "global_step1")
+    rows = _ls_rows(ds, "--verify")  # a save that never committed: not damage
+    assert rows["global_step2"]["status"] == "incomplete", rows
+
+
 def test_ls_age_is_the_commit_time_and_a_load_does_not_reset_it(tmp_path):
     path = tmp_path / "step_1"
     cpuckpt.save({"w": torch.ones(10)}, path, SMALL_CFG, step=1)

@@ -161,3 +161,6 @@ def test_a_stock_checkpoint_prefix_missing_a_data_object_is_incomplete(s3_server
     row = next(line for line in out.splitlines() if line.startswith("bad"))
     good = next(line for line in out.splitlines() if line.startswith("good"))
     assert code == 0 and "incomplete" in row and "<- latest" in good, out
+    code, out = _run("ls", "--verify", s3_url)  # its .metadata is there: damaged since its commit, as verify says
+    row = next(line for line in out.splitlines() if line.startswith("bad"))
+    assert code == 1 and "damaged" in row, out
