@@ -70,6 +70,16 @@ class RemoteSave:
     keep: Any = None  # what must live until ``copied`` (the trainer's event the copies wait for)
 
 
+def _ended(proc: subprocess.Popen, within_s: float) -> bool:
+    """Whether ``proc`` exits within ``within_s`` (a process's sockets close before it can be reaped: a send that
+    failed on its closed socket may come just before its exit status does)."""
+    try:
+        proc.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
 def _dumps(msg: tuple) -> bytes:
     return pickle.dumps(msg, protocol=5)
 
@@ -182,14 +192,10 @@ class CopyProcess:
             self._next_id += 1
             pending = self._pending
             pending[token] = remote
-            proc = self._proc
             try:
-                self._send(conn, ("ready", token))
-            except BaseException as e:
+                self._send(conn, ("ready", token))  # a process that died says so (its socket closed first)
+            except BaseException:
                 pending.pop(token, None)
-                if proc is not None and proc.poll() is not None:  # killed: its socket closed before its reader saw
-                    raise StagingError(f"rank {self.rank}: the copy process (pid {proc.pid}) exited with status "
-                                       f"{proc.returncode}; see {self.log_path}") from e
                 raise
         try:
             remote.done.result(timeout=timeout_s)
@@ -269,6 +275,10 @@ class CopyProcess:
             with self._send_lock:
                 conn.send_bytes(_dumps(msg))
         except OSError as e:
+            proc = self._proc
+            if proc is not None and _ended(proc, within_s=1.0):  # its socket closes as it exits, before it is reaped
+                raise StagingError(f"rank {self.rank}: the copy process (pid {proc.pid}) exited with status "
+                                   f"{proc.returncode}; see {self.log_path}") from e
             raise StagingError(f"rank {self.rank}: sending to the copy process (pid {self.pid}) failed: {e}; "
                                f"see {self.log_path}") from e
 
