@@ -19,7 +19,8 @@ fsynced, then ``latest`` written atomically by rank 0) starting at the next ``en
 background by default, see ``background_commit``), or at ``engine.destroy()`` or
 :func:`commit_pending`, which both wait for it. Call :func:`commit_pending` before reading the
 checkpoint back in the same job (``load_checkpoint`` reads ``latest`` itself) and before tearing the
-process group down without ``engine.destroy()``.
+process group down without ``engine.destroy()``; a process that exits (or drops the engine) with a checkpoint
+never committed logs a warning naming its tag (which stays torn).
 
 Every tag the engine writes gets a hidden completion marker (``<tag>/.cpuckpt-complete.json``,
 written after every rank's files are durable and before ``latest`` moves; see :mod:`.marker`).

@@ -129,6 +129,22 @@ def _log_failure(fut: cf.Future[None]) -> None:
 
 
 @dataclass
+class _Uncommitted:
+    """The checkpoint an engine created and has not committed yet (``where``: its tag directory), read by the engine's
+    finalizer: an engine dropped, or a process exiting, with one says so (its tag stays torn)."""
+
+    where: str | None = None
+
+
+def _warn_uncommitted(state: _Uncommitted) -> None:
+    """At exit (or once the engine is gone): a checkpoint created and never committed is torn; nothing else said so."""
+    if state.where is not None:
+        logger.warning("cpuckpt: the DeepSpeed checkpoint %s was never committed (no engine.step(), "
+                       "commit_pending() or engine.destroy() after its save_checkpoint): it is torn, and the newest "
+                       "complete tag stays the restart point", state.where)
+
+
+@dataclass
 class _Checkpoint:
     """One ``save_checkpoint`` (or ``save_16bit_model``) of this rank, from ``create`` to its commit."""
 
@@ -188,6 +204,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._prepare_decided = (not (self.settings.async_save and self.settings.prepare_pool)
                                  or self.settings.memory_tier)
         self._slots_reserved = False  # memory_save_dir: done once, when DeepSpeed's engine is built (engine_built)
+        self._uncommitted = _Uncommitted()
+        weakref.finalize(self, _warn_uncommitted, self._uncommitted)  # at exit too, while the engine lives
         if self.settings.memory_save_dir and not self.settings.memory_tier:  # e.g. the tier turned off in ds_config
             logger.warning("cpuckpt: memory_save_dir %s is ignored: memory_tier is off", self.settings.memory_save_dir)
         if self.settings.async_save:
@@ -213,6 +231,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                                           and memory.names)
         self._info = info
         self._ckpt = _Checkpoint(info, claim=claim)
+        self._uncommitted.where = str(self._ckpt.tag_dir)
 
     def _require_node_copies(self, memory: DeepSpeedMemory) -> None:
         """Across nodes every node's slot must hold every file its ranks load: refused (the same ``ConfigError`` on
@@ -412,6 +431,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self.order_pending()  # the caller's next kernels (the optimizer step) come after this checkpoint's copies
         ckpt = self._ckpt if self._ckpt is not None and self._info is not None else _Checkpoint(info)
         self._info = self._ckpt = None
+        self._uncommitted.where = None  # a failed commit raises (or, in the background, logs) its own error
         ckpt.jobs, self._jobs = self._jobs, []
         if self.settings.async_save and self.settings.background_commit and not direct:
             group = self._background_group()
@@ -749,6 +769,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             job.cancel(CpuckptError("checkpoint abandoned: another file of it failed"))
         self._wait_jobs()
         self._info = self._ckpt = None
+        self._uncommitted.where = None  # its save raised already
 
 
 def _trains(ds_engine: Any) -> bool:

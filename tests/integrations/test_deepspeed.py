@@ -818,3 +818,40 @@ def test_load_latest_resumes_from_a_tag_stock_deepspeed_wrote(run_ranks, tmp_pat
     tag = "global_step1" if same_tag else "global_step2"
     for r in run_ranks(2, rank_resume_from_a_stock_tag, str(tmp_path), same_tag, timeout_s=240):
         assert f"/{tag}/" in r["path"] and r["step"] == 2, r
+
+
+_EXIT_SCRIPT = """
+import sys
+import torch
+from cpuckpt.integrations.deepspeed.engine import CpuckptCheckpointEngine
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+root, commit = sys.argv[1], sys.argv[2] == "commit"
+ck = CpuckptCheckpointEngine({"prepare_pool": False, "io": {"backend": "buffered", "chunk_bytes": 65536}})
+info = CheckpointCommitInfo(tag="global_step7", save_dir=root, save_latest=True)
+ck.create(info)
+ck.save({"w": torch.ones(8)}, f"{root}/global_step7/mp_rank_00_model_states.pt")
+if commit:
+    ck.commit(info)
+    ck.wait()
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("commit", [False, True])
+def test_a_checkpoint_never_committed_is_warned_about_at_exit(tmp_path, commit):
+    """A script that ends after ``save_checkpoint`` without ``engine.step()``, ``commit_pending()`` or
+    ``engine.destroy()`` leaves its tag torn: the exit says which, instead of nothing; a committed one says
+    nothing."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(tmp_path), "commit" if commit else "no"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-3000:]
+    warned = "was never committed" in proc.stderr
+    assert warned != commit, proc.stderr[-3000:]
+    if not commit:
+        assert str(tmp_path / "global_step7") in proc.stderr, proc.stderr[-3000:]
+    else:
+        assert (tmp_path / "latest").read_text() == "global_step7"
