@@ -48,6 +48,7 @@ __all__ = [
     "TagStatus",
     "check_dir",
     "check_tag",
+    "committed_once",
     "complete_tags",
     "find_latest",
     "held_files",
@@ -189,7 +190,25 @@ def read_marker(tag_dir: str | os.PathLike) -> TagMarker | None:
     return TagMarker.from_json(text, str(path))
 
 
+def committed_once(tag_dir: str | os.PathLike) -> bool:
+    """Whether ``tag_dir`` holds a marker of this cpuckpt's format, parsable or not: its commit happened (the marker
+    is written last, by tmp and rename), so a tag torn now is damaged since. A marker of a newer format is not
+    judged here (this cpuckpt cannot read it)."""
+    try:
+        text = (Path(tag_dir) / MARKER_NAME).read_text()
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError):
+        return True  # there, unreadable: counted as committed (roots.committed_once does so for .metadata)
+    try:
+        version = json.loads(text).get("format_version", 0)
+        return int(version) <= FORMAT_VERSION
+    except (ValueError, TypeError, AttributeError):
+        return True  # damaged bytes of a marker
+
+
 def _crc_problems(tag_dir: Path, name: str, f: TagFile | FileEntry) -> list[str]:
+
     if not f.chunk_checksums:
         return []
     out = []

@@ -130,15 +130,18 @@ def _log_failure(fut: cf.Future[None]) -> None:
 
 @dataclass
 class _Uncommitted:
-    """The checkpoint an engine created and has not committed yet (``where``: its tag directory), read by the engine's
-    finalizer: an engine dropped, or a process exiting, with one says so (its tag stays torn)."""
+    """The checkpoint an engine created and has not committed yet (``where``: its tag directory; ``pid``: the process
+    that created it), read by the engine's finalizer: an engine dropped, or a process exiting, with one says so (its
+    tag stays torn)."""
 
     where: str | None = None
+    pid: int = 0
 
 
 def _warn_uncommitted(state: _Uncommitted) -> None:
-    """At exit (or once the engine is gone): a checkpoint created and never committed is torn; nothing else said so."""
-    if state.where is not None:
+    """At exit (or once the engine is gone): a checkpoint created and never committed is torn; nothing else said so.
+    A forked child inherits the engine and its exit hooks, not its checkpoint: it says nothing."""
+    if state.where is not None and state.pid == os.getpid():
         logger.warning("cpuckpt: the DeepSpeed checkpoint %s was never committed (no engine.step(), "
                        "commit_pending() or engine.destroy() after its save_checkpoint): it is torn, and the newest "
                        "complete tag stays the restart point", state.where)
@@ -231,7 +234,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                                           and memory.names)
         self._info = info
         self._ckpt = _Checkpoint(info, claim=claim)
-        self._uncommitted.where = str(self._ckpt.tag_dir)
+        self._uncommitted.where, self._uncommitted.pid = str(self._ckpt.tag_dir), os.getpid()
 
     def _require_node_copies(self, memory: DeepSpeedMemory) -> None:
         """Across nodes every node's slot must hold every file its ranks load: refused (the same ``ConfigError`` on

@@ -170,6 +170,14 @@ def test_ls_verify_calls_a_checkpoint_truncated_after_its_commit_damaged(tmp_pat
     os.truncate(ds / "global_step1" / "mp_rank_00_model_states.pt", 10)
     rows = _ls_rows(ds, "--verify", code_wanted=1)
     assert rows["global_step1"]["status"] == "damaged" and rows["global_step2"]["status"] == "incomplete", rows
+    marker = ds / "global_step1" / ".cpuckpt-complete.json"
+    text = marker.read_text()
+    marker.write_text(text[:20])  # the marker itself cut short since: still a commit that happened
+    rows = _ls_rows(ds, "--verify", code_wanted=1)
+    assert rows["global_step1"]["status"] == "damaged", rows
+    marker.write_text(json.dumps({**json.loads(text), "format_version": 99}))  # a newer cpuckpt's: not judged
+    rows = _ls_rows(ds, "--verify")
+    assert rows["global_step1"]["status"] == "incomplete" and "upgrade cpuckpt" in rows["global_step1"]["reason"], rows
     shutil.rmtree(ds / "global_step1")
     rows = _ls_rows(ds, "--verify")  # a save that never committed: not damage
     assert rows["global_step2"]["status"] == "incomplete", rows
