@@ -38,7 +38,7 @@ from typing import Any
 
 from cpuckpt import faultpoint, s3roots
 from cpuckpt.backend import inflight, s3commit
-from cpuckpt.backend.committed import METADATA_NAME, check_complete
+from cpuckpt.backend.committed import METADATA_NAME, check_complete, is_complete
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CpuckptError, IntegrityError
 from cpuckpt.paths import S3Url, checkpoint_path, is_s3, local_path
@@ -133,18 +133,15 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
     return ordered(out, lambda c: c.step, lambda c: c.mtime, lambda c: c.path.name)
 
 
-# the reasons of check_complete (local: "... is empty or not a file"; s3commit: "... is empty") with no commit marker
-_UNCOMMITTED = (f"no {METADATA_NAME}", f"{METADATA_NAME} is empty")
-
-
 def committed_once(c: CheckpointInfo) -> bool:
     """``c`` has its commit marker (``.metadata``, non-empty): incomplete now means damaged after the commit, not a
     torn save (a restart raises over it rather than start from scratch, and cleaning leaves it). One that could not
-    be read (EIO, EACCES) may be committed: it counts as such. Decided from ``c``'s own completeness check, not a
-    second look: a commit landing in between would make a save in progress look damaged."""
+    be read (EIO, EACCES) may be committed: it counts as such."""
     if c.unreadable:
         return True
-    return not c.reason.startswith(_UNCOMMITTED)
+    if isinstance(c.path, S3Url):  # s3commit.check_complete's reasons without one: none, or an empty object
+        return not c.reason.startswith((f"no {METADATA_NAME}", f"{METADATA_NAME} is empty"))
+    return is_complete(c.path)
 
 
 def find_latest(root: str | os.PathLike) -> Path | S3Url | None:

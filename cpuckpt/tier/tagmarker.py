@@ -43,12 +43,12 @@ __all__ = [
     "MARKER_NAME",
     "SAVING_NAME",
     "LatestTag",
+    "NewerMarker",
     "TagFile",
     "TagMarker",
     "TagStatus",
     "check_dir",
     "check_tag",
-    "committed_once",
     "complete_tags",
     "find_latest",
     "held_files",
@@ -101,20 +101,29 @@ class TagMarker:
 
     @classmethod
     def from_json(cls, text: str, where: str) -> TagMarker:
-        """Parse a marker; anything malformed is an :class:`IntegrityError` naming ``where``."""
+        """Parse a marker; anything malformed is an :class:`IntegrityError` naming ``where`` (:class:`NewerMarker`
+        for a newer format)."""
         try:
             data = json.loads(text)
             if data.get("format") != FORMAT:
                 raise ValueError(f"format is {data.get('format')!r}, not {FORMAT!r}")
-            if int(data.get("format_version", 0)) > FORMAT_VERSION:
-                raise ValueError(f"format_version {data['format_version']} is newer than this cpuckpt "
-                                 f"reads ({FORMAT_VERSION}); upgrade cpuckpt")
+            version = int(data.get("format_version", 0))
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+            raise IntegrityError(f"{where}: not a valid cpuckpt DeepSpeed marker ({e})") from e
+        if version > FORMAT_VERSION:
+            raise NewerMarker(f"{where}: not a valid cpuckpt DeepSpeed marker (format_version {version} is newer "
+                              f"than this cpuckpt reads ({FORMAT_VERSION}); upgrade cpuckpt)")
+        try:
             files = {str(k): TagFile(**{**v, "chunk_checksums": tuple(v.get("chunk_checksums", ()))})
                      for k, v in data["files"].items()}
             known = {f.name for f in dataclasses.fields(cls)}
             return cls(**{**{k: v for k, v in data.items() if k in known}, "files": files})
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
             raise IntegrityError(f"{where}: not a valid cpuckpt DeepSpeed marker ({e})") from e
+
+
+class NewerMarker(IntegrityError):
+    """A marker of a newer format than this cpuckpt reads: nothing about its tag is judged here."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,7 @@ class TagStatus:
     state: str
     marker: TagMarker | None = None
     problems: tuple[str, ...] = ()
+    committed: bool = False  # a marker of a format this cpuckpt reads was there (valid or not): the commit happened
 
     @property
     def complete(self) -> bool:
@@ -187,28 +197,12 @@ def read_marker(tag_dir: str | os.PathLike) -> TagMarker | None:
         text = path.read_text()
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError as e:
+        raise IntegrityError(f"{path}: not a valid cpuckpt DeepSpeed marker ({e})") from e
     return TagMarker.from_json(text, str(path))
 
 
-def committed_once(tag_dir: str | os.PathLike) -> bool:
-    """Whether ``tag_dir`` holds a marker of this cpuckpt's format, parsable or not: its commit happened (the marker
-    is written last, by tmp and rename), so a tag torn now is damaged since. A marker of a newer format is not
-    judged here (this cpuckpt cannot read it)."""
-    try:
-        text = (Path(tag_dir) / MARKER_NAME).read_text()
-    except FileNotFoundError:
-        return False
-    except (OSError, UnicodeDecodeError):
-        return True  # there, unreadable: counted as committed (roots.committed_once does so for .metadata)
-    try:
-        version = json.loads(text).get("format_version", 0)
-        return int(version) <= FORMAT_VERSION
-    except (ValueError, TypeError, AttributeError):
-        return True  # damaged bytes of a marker
-
-
 def _crc_problems(tag_dir: Path, name: str, f: TagFile | FileEntry) -> list[str]:
-
     if not f.chunk_checksums:
         return []
     out = []
@@ -270,8 +264,12 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
         return TagStatus(tag_dir, "missing")
     try:
         marker = read_marker(tag_dir)
-    except IntegrityError as e:
+    except NewerMarker as e:
         return TagStatus(tag_dir, "torn", None, (str(e),))
+    except IntegrityError as e:  # its marker is written last (tmp, then rename): one there, even garbled, committed
+        return TagStatus(tag_dir, "torn", None, (str(e),), committed=True)
+    except OSError as e:  # there, unreadable (EIO, EACCES, a directory): counted as committed, as for a .metadata
+        return TagStatus(tag_dir, "torn", None, (f"{tag_dir / MARKER_NAME}: cannot be read ({e})",), committed=True)
     if marker is None:
         if (tag_dir / SAVING_NAME).exists():
             return TagStatus(tag_dir, "torn", None, ("no completion marker: its save never committed",))
@@ -290,7 +288,7 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
     problems += sizes
     if verify and not problems:
         problems += verify_files(tag_dir, marker)
-    return TagStatus(tag_dir, "torn" if problems else "complete", marker, tuple(problems))
+    return TagStatus(tag_dir, "torn" if problems else "complete", marker, tuple(problems), committed=True)
 
 
 def _rewritten_after(tag_dir: Path, entries: list[FileEntry]) -> bool:

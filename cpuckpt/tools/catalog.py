@@ -36,7 +36,6 @@ from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
 from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.roots import committed_once, find_latest, inspect_checkpoint, list_checkpoints, ordered
 from cpuckpt.tier.tagmarker import check_dir
-from cpuckpt.tier.tagmarker import committed_once as tag_committed_once
 from cpuckpt.transfer.objstore import open_store
 
 __all__ = ["Description", "ListedCheckpoint", "TensorInfo", "describe", "identify", "scan_root", "tensors_of"]
@@ -130,7 +129,7 @@ def identify(path: str | os.PathLike) -> ListedCheckpoint | None:
         status = check_dir(p)
         complete = status.state != "torn"
         reason = "; ".join(status.problems) if not complete else ""
-        committed = not complete and tag_committed_once(p)
+        committed = not complete and status.committed  # from its one read of the marker
     nbytes, newest = _tree_size(p)
     commit_time: float | None = None
     rank_step = step

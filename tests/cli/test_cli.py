@@ -172,9 +172,10 @@ def test_ls_verify_calls_a_checkpoint_truncated_after_its_commit_damaged(tmp_pat
     assert rows["global_step1"]["status"] == "damaged" and rows["global_step2"]["status"] == "incomplete", rows
     marker = ds / "global_step1" / ".cpuckpt-complete.json"
     text = marker.read_text()
-    marker.write_text(text[:20])  # the marker itself cut short since: still a commit that happened
-    rows = _ls_rows(ds, "--verify", code_wanted=1)
-    assert rows["global_step1"]["status"] == "damaged", rows
+    for garbled in (text[:20].encode(), b'{"tag": \xff\xfe'):  # the marker itself damaged since: still a commit
+        marker.write_bytes(garbled)
+        rows = _ls_rows(ds, "--verify", code_wanted=1)  # (undecodable bytes raised out of ls)
+        assert rows["global_step1"]["status"] == "damaged", rows
     marker.write_text(json.dumps({**json.loads(text), "format_version": 99}))  # a newer cpuckpt's: not judged
     rows = _ls_rows(ds, "--verify")
     assert rows["global_step1"]["status"] == "incomplete" and "upgrade cpuckpt" in rows["global_step1"]["reason"], rows

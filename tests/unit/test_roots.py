@@ -380,20 +380,18 @@ def test_every_root_entry_point_refuses_a_url(tmp_path):
     assert not (Path.cwd() / "gs:").exists()
 
 
-def test_committed_once_is_decided_by_the_completeness_check_of_the_checkpoint():
-    """No commit marker by the check's own reason (local: missing, empty or not a file; ``s3://``: missing or empty)
-    is a torn save, anything else incomplete was committed once; an unreadable one counts as committed. An empty
-    ``.metadata`` on ``s3://`` counted as committed (damaged) where the same directory locally was torn."""
+
+def test_an_empty_metadata_object_on_s3_is_a_torn_save_as_an_empty_file_is_locally():
+    """``s3://``: committed once is decided by the completeness check's reason; an empty ``.metadata`` object counted
+    as committed (a damaged checkpoint, kept by cleaning, raised over by a restart) where locally it is torn."""
     from cpuckpt.paths import S3Url
     from cpuckpt.rootinfo import CheckpointInfo
     from cpuckpt.roots import committed_once
 
-    for where in (Path("/ckpt/step_1"), S3Url.parse("s3://bucket/ckpt/step_1")):
-        def info(reason: str, unreadable: bool = False) -> CheckpointInfo:
-            return CheckpointInfo(where, False, None, 0.0, reason, unreadable)
+    def info(reason: str, unreadable: bool = False) -> CheckpointInfo:
+        return CheckpointInfo(S3Url.parse("s3://bucket/ckpt/step_1"), False, None, 0.0, reason, unreadable)
 
-        assert not committed_once(info("no .metadata"))
-        assert not committed_once(info(".metadata is empty"))
-        assert not committed_once(info(".metadata is empty or not a file"))
-        assert committed_once(info("__0_0.distcp: 10 bytes, expected 4000"))
-        assert committed_once(info("cannot be read: [Errno 5] Input/output error", unreadable=True))
+    assert not committed_once(info("no .metadata"))
+    assert not committed_once(info(".metadata is empty"))
+    assert committed_once(info("__0_0.distcp: 10 bytes, expected 4000"))
+    assert committed_once(info("cannot be read: [Errno 5] Input/output error", unreadable=True))

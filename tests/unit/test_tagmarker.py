@@ -98,3 +98,22 @@ def test_a_copy_interrupted_inside_its_last_file_stays_torn(tmp_path):
     for name in FILES:
         os.utime(d / name, ns=(time.time_ns(), marker_ns + 1_000_000))
     assert [t.tag for t in complete_tags(tmp_path)] == ["global_step1"]
+
+
+def test_a_garbled_or_unreadable_marker_is_a_damaged_tag_not_a_crash(tmp_path, caplog):
+    """A marker with undecodable bytes, or one that cannot be read (here a directory in its place), makes its tag torn
+    and committed once (its marker is written last); the listing restarts use goes on to the older complete tag.
+    Both raised out of the listing (UnicodeDecodeError, IsADirectoryError)."""
+    from cpuckpt.tier.tagmarker import MARKER_NAME, check_dir
+
+    _tag(tmp_path, "global_step1", 1)
+    bad = _tag(tmp_path, "global_step2", 2)
+    (bad / MARKER_NAME).write_bytes(b'{"tag": \xff\xfe')
+    status = check_dir(bad)
+    assert status.state == "torn" and status.committed and "not a valid" in status.problems[0], status
+    assert [t.tag for t in complete_tags(tmp_path)] == ["global_step1"]
+    (bad / MARKER_NAME).unlink()
+    (bad / MARKER_NAME).mkdir()
+    status = check_dir(bad)
+    assert status.state == "torn" and status.committed and "cannot be read" in status.problems[0], status
+    assert [t.tag for t in complete_tags(tmp_path)] == ["global_step1"]
