@@ -134,7 +134,7 @@ class TagStatus:
     state: str
     marker: TagMarker | None = None
     problems: tuple[str, ...] = ()
-    committed: bool = False  # a marker of a format this cpuckpt reads was there (valid or not): the commit happened
+    committed: bool = False  # a marker of a format this cpuckpt reads was there (valid or garbled): the commit happened
 
     @property
     def complete(self) -> bool:
@@ -268,8 +268,7 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
         return TagStatus(tag_dir, "torn", None, (str(e),))
     except IntegrityError as e:  # its marker is written last (tmp, then rename): one there, even garbled, committed
         return TagStatus(tag_dir, "torn", None, (str(e),), committed=True)
-    except OSError as e:  # there, unreadable (EIO, EACCES, a directory): counted as committed, as for a .metadata
-        return TagStatus(tag_dir, "torn", None, (f"{tag_dir / MARKER_NAME}: cannot be read ({e})",), committed=True)
+    # an OSError reading it (EIO, EACCES) is raised: an older tag would not fix it, and a restart must not skip it
     if marker is None:
         if (tag_dir / SAVING_NAME).exists():
             return TagStatus(tag_dir, "torn", None, ("no completion marker: its save never committed",))

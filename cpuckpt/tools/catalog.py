@@ -242,8 +242,8 @@ def _verify_all(found: list[ListedCheckpoint]) -> None:
             continue
         if info.complete and info.kind == "deepspeed":  # a tag of cpuckpt's engine: its marker's crc32c
             status = check_dir(info.path, verify=True)  # type: ignore[arg-type]
-            if status.state == "torn":
-                info.damaged, info.reason = True, "; ".join(status.problems)
+            if status.state == "torn":  # damaged, or (no marker now) a save of the tag begun since the listing
+                info.complete, info.damaged, info.reason = False, status.committed, "; ".join(status.problems)
             continue
         if not info.complete or (isinstance(info.path, Path) and not (info.path / METADATA_NAME).is_file()):
             continue

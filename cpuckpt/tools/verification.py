@@ -237,6 +237,10 @@ def _verify_tag(p: Path, tick: Callable[[int], None]) -> VerifyReport:
         IntegrityError: its save never committed (no marker): nothing to check against.
     """
     status = check_dir(p)
+    if status.marker is None and status.committed:  # its marker, written last, damaged since: damage, as ls says
+        report = VerifyReport(p, "deepspeed")
+        report.damage.append(Damage(MARKER_NAME, 0, 0, "; ".join(status.problems)))
+        return report
     if status.marker is None:
         raise IntegrityError(f"{p}: DeepSpeed tag {status.state}: " + ("; ".join(status.problems) or "no marker"))
     report = VerifyReport(p, "deepspeed")

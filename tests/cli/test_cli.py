@@ -176,6 +176,8 @@ def test_ls_verify_calls_a_checkpoint_truncated_after_its_commit_damaged(tmp_pat
         marker.write_bytes(garbled)
         rows = _ls_rows(ds, "--verify", code_wanted=1)  # (undecodable bytes raised out of ls)
         assert rows["global_step1"]["status"] == "damaged", rows
+        code, out = _run("verify", ds / "global_step1")  # verify says so too (it could not verify: exit 2)
+        assert code == 1 and ".cpuckpt-complete.json" in out and "not a valid" in out, out
     marker.write_text(json.dumps({**json.loads(text), "format_version": 99}))  # a newer cpuckpt's: not judged
     rows = _ls_rows(ds, "--verify")
     assert rows["global_step1"]["status"] == "incomplete" and "upgrade cpuckpt" in rows["global_step1"]["reason"], rows

@@ -380,7 +380,6 @@ def test_every_root_entry_point_refuses_a_url(tmp_path):
     assert not (Path.cwd() / "gs:").exists()
 
 
-
 def test_an_empty_metadata_object_on_s3_is_a_torn_save_as_an_empty_file_is_locally():
     """``s3://``: committed once is decided by the completeness check's reason; an empty ``.metadata`` object counted
     as committed (a damaged checkpoint, kept by cleaning, raised over by a restart) where locally it is torn."""

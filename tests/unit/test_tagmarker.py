@@ -100,10 +100,12 @@ def test_a_copy_interrupted_inside_its_last_file_stays_torn(tmp_path):
     assert [t.tag for t in complete_tags(tmp_path)] == ["global_step1"]
 
 
-def test_a_garbled_or_unreadable_marker_is_a_damaged_tag_not_a_crash(tmp_path, caplog):
-    """A marker with undecodable bytes, or one that cannot be read (here a directory in its place), makes its tag torn
-    and committed once (its marker is written last); the listing restarts use goes on to the older complete tag.
-    Both raised out of the listing (UnicodeDecodeError, IsADirectoryError)."""
+def test_a_garbled_marker_is_a_damaged_tag_and_an_unreadable_one_is_raised(tmp_path):
+    """A marker with undecodable bytes makes its tag torn and committed once (its marker is written last): the
+    listing restarts use goes on to the older complete tag (the UnicodeDecodeError raised out of it). A marker that
+    cannot be read (here a directory in its place) is raised, not skipped: an older tag would not fix it."""
+    import pytest
+
     from cpuckpt.tier.tagmarker import MARKER_NAME, check_dir
 
     _tag(tmp_path, "global_step1", 1)
@@ -114,6 +116,7 @@ def test_a_garbled_or_unreadable_marker_is_a_damaged_tag_not_a_crash(tmp_path, c
     assert [t.tag for t in complete_tags(tmp_path)] == ["global_step1"]
     (bad / MARKER_NAME).unlink()
     (bad / MARKER_NAME).mkdir()
-    status = check_dir(bad)
-    assert status.state == "torn" and status.committed and "cannot be read" in status.problems[0], status
-    assert [t.tag for t in complete_tags(tmp_path)] == ["global_step1"]
+    with pytest.raises(OSError):
+        check_dir(bad)
+    with pytest.raises(OSError):
+        complete_tags(tmp_path)
