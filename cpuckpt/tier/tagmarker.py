@@ -42,6 +42,7 @@ from cpuckpt.version import __version__
 __all__ = [
     "MARKER_NAME",
     "SAVING_NAME",
+    "EmptyMarker",
     "LatestTag",
     "NewerMarker",
     "TagFile",
@@ -126,6 +127,11 @@ class NewerMarker(IntegrityError):
     """A marker of a newer format than this cpuckpt reads: nothing about its tag is judged here."""
 
 
+class EmptyMarker(IntegrityError):
+    """A marker of no bytes: its rename landed without its data (``io.fsync: false``, a crash), not a commit (as an
+    empty ``.metadata`` is none)."""
+
+
 @dataclass(frozen=True)
 class TagStatus:
     """What :func:`check_tag` found. ``state``: complete, torn, unmarked (stock DeepSpeed) or missing."""
@@ -199,6 +205,8 @@ def read_marker(tag_dir: str | os.PathLike) -> TagMarker | None:
         return None
     except UnicodeDecodeError as e:
         raise IntegrityError(f"{path}: not a valid cpuckpt DeepSpeed marker ({e})") from e
+    if not text:
+        raise EmptyMarker(f"{path}: not a valid cpuckpt DeepSpeed marker (empty)")
     return TagMarker.from_json(text, str(path))
 
 
@@ -264,7 +272,7 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
         return TagStatus(tag_dir, "missing")
     try:
         marker = read_marker(tag_dir)
-    except NewerMarker as e:
+    except (NewerMarker, EmptyMarker) as e:
         return TagStatus(tag_dir, "torn", None, (str(e),))
     except IntegrityError as e:  # its marker is written last (tmp, then rename): one there, even garbled, committed
         return TagStatus(tag_dir, "torn", None, (str(e),), committed=True)

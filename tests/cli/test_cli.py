@@ -181,6 +181,9 @@ def test_ls_verify_calls_a_checkpoint_truncated_after_its_commit_damaged(tmp_pat
     marker.write_text(json.dumps({**json.loads(text), "format_version": 99}))  # a newer cpuckpt's: not judged
     rows = _ls_rows(ds, "--verify")
     assert rows["global_step1"]["status"] == "incomplete" and "upgrade cpuckpt" in rows["global_step1"]["reason"], rows
+    marker.write_bytes(b"")  # renamed without its bytes (no fsync, a crash): no commit, as an empty .metadata
+    rows = _ls_rows(ds, "--verify")
+    assert rows["global_step1"]["status"] == "incomplete" and "empty" in rows["global_step1"]["reason"], rows
     shutil.rmtree(ds / "global_step1")
     rows = _ls_rows(ds, "--verify")  # a save that never committed: not damage
     assert rows["global_step2"]["status"] == "incomplete", rows
