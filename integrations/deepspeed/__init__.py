@@ -301,15 +301,23 @@ def select_tag(save_dir: str | os.PathLike, *, fallback_on_corrupt: bool = True)
 
 
 def _from_rank0(listing: Any) -> list[LatestTag]:
-    """``listing()`` of rank 0, broadcast: every rank tries the same candidates in the same order."""
+    """``listing()`` of rank 0, broadcast: every rank tries the same candidates in the same order. A listing that
+    fails on rank 0 (an unreadable marker: EIO) raises its error on every rank at once (the others waited in the
+    broadcast until the group's timeout)."""
     import torch.distributed as dist
 
-    from cpuckpt.backend.collectives import checkpoint_group
+    from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group
 
     group = checkpoint_group()
+    rank = dist.get_rank(group) if group is not None else 0
     box: list[Any] = [None]
-    if group is None or dist.get_rank(group) == 0:
-        box = [list(listing())]
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            box = [list(listing())]
+        except BaseException as e:
+            error = e
+    agree_or_raise(error, rank, group, "listing the DeepSpeed tags")
     if group is not None:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]

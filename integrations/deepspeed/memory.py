@@ -38,6 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from cpuckpt.backend.collectives import agree_or_raise
 from cpuckpt.config import Config
 from cpuckpt.format.layout import FileLayout
 from cpuckpt.format.manifest import FileEntry
@@ -235,7 +236,14 @@ class DeepSpeedMemory:
         """
         group = self.tier.group
         if not self.across_nodes:
-            box: list[Any] = [self.candidates() if self.tier.rank == 0 else None]
+            box: list[Any] = [None]
+            error: BaseException | None = None
+            if self.tier.rank == 0:
+                try:
+                    box = [self.candidates()]
+                except BaseException as e:  # the others would wait in the broadcast until the group's timeout
+                    error = e
+            agree_or_raise(error, self.tier.rank, group, "listing the DeepSpeed tags of both tiers")
             if group is not None:
                 dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
             return box[0]

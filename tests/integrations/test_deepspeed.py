@@ -859,3 +859,34 @@ def test_a_checkpoint_never_committed_is_warned_about_at_exit(tmp_path, commit):
         assert str(tmp_path / "global_step7") in proc.stderr, proc.stderr[-3000:]
     else:
         assert (tmp_path / "latest").read_text() == "global_step7"
+
+
+def rank_listing_fails_on_rank0(root: str) -> dict:
+    """Rank 0's listing of the tags (``load_latest``'s candidates) raises an ``OSError`` (an unreadable marker)."""
+    import time
+
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    from cpuckpt.errors import CpuckptError
+
+    def listing() -> list:
+        if dist.get_rank() == 0:
+            raise OSError(5, "Input/output error", f"{root}/global_step2/.cpuckpt-complete.json")
+        return []
+
+    t0 = time.monotonic()
+    try:
+        ckpt_ds._from_rank0(listing)
+    except CpuckptError as e:
+        return {"error": type(e).__name__, "message": str(e), "s": time.monotonic() - t0}
+    return {"error": None, "s": time.monotonic() - t0}
+
+
+def test_a_listing_that_fails_on_rank_0_fails_on_every_rank_at_once(run_ranks, tmp_path):
+    """``load_latest``: rank 0 lists the tags and broadcasts them; its listing raising (EIO on a marker) left the
+    other ranks waiting in the broadcast until the group's timeout. Every rank now raises rank 0's error at once."""
+    results = run_ranks(2, rank_listing_fails_on_rank0, str(tmp_path), timeout_s=60)
+    for r in results:
+        assert r["error"] is not None and "rank 0" in r["message"] and "Input/output error" in r["message"], r
+        assert r["s"] < 20, r

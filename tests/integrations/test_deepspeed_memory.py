@@ -477,3 +477,42 @@ def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_
         # the default where the iteration's work outlasts the commit (held until the work begins; the work ends once
         # the commit is seen, 30 s at most): the commit ends in the background, one iteration lost there too
         assert worked["log"] == one_behind and worked["loaded"] == "global_step3", worked
+
+
+def rank_listing_of_both_tiers_fails_on_rank0(root: str) -> dict:
+    h = _ds()
+    h._setup_env()
+    import time
+
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+    from cpuckpt.integrations.deepspeed.memory import DeepSpeedMemory
+
+    from cpuckpt.errors import CpuckptError
+
+    def candidates(self):
+        raise OSError(5, "Input/output error", f"{root}/ckpt/global_step2/.cpuckpt-complete.json")
+
+    if dist.get_rank() == 0:  # rank 0's listing of both tiers hits an unreadable marker
+        DeepSpeedMemory.candidates = candidates
+    ckpt_ds.install(_settings(str(Path(root) / "ram")))
+    engine = h._engine(2, seed=5)
+    t0 = time.monotonic()
+    try:
+        ckpt_ds.load_latest(engine, Path(root) / "ckpt")
+        out = {"error": None}
+    except CpuckptError as e:
+        out = {"error": type(e).__name__, "message": str(e)}
+    out["s"] = time.monotonic() - t0
+    engine.destroy()
+    ckpt_ds.uninstall()
+    return out
+
+
+def test_a_listing_of_both_tiers_that_fails_on_rank_0_fails_on_every_rank_at_once(run_ranks, tmp_path):
+    """``load_latest`` with the memory tier: rank 0 lists the tags of both tiers and broadcasts them; its listing
+    raising (EIO on a marker) left the other ranks waiting in the broadcast until the group's timeout. Every rank
+    now raises rank 0's error at once."""
+    for r in run_ranks(2, rank_listing_of_both_tiers_fails_on_rank0, str(tmp_path), timeout_s=150):
+        assert r["error"] is not None and "rank 0" in r["message"] and "Input/output error" in r["message"], r
+        assert r["s"] < 30, r
