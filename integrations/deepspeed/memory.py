@@ -243,7 +243,8 @@ class DeepSpeedMemory:
                     box = [self.candidates()]
                 except BaseException as e:  # the others would wait in the broadcast until the group's timeout
                     error = e
-            agree_or_raise(error, self.tier.rank, group, "listing the DeepSpeed tags of both tiers")
+            agree_or_raise(error, self.tier.rank, group,
+                           f"listing the DeepSpeed tags of {self.save_dir} and its memory tier")
             if group is not None:
                 dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
             return box[0]

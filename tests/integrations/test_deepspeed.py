@@ -877,7 +877,7 @@ def rank_listing_fails_on_rank0(root: str) -> dict:
 
     t0 = time.monotonic()
     try:
-        ckpt_ds._from_rank0(listing)
+        ckpt_ds._from_rank0(listing, root)
     except CpuckptError as e:
         return {"error": type(e).__name__, "message": str(e), "s": time.monotonic() - t0}
     return {"error": None, "s": time.monotonic() - t0}
@@ -889,4 +889,4 @@ def test_a_listing_that_fails_on_rank_0_fails_on_every_rank_at_once(run_ranks, t
     results = run_ranks(2, rank_listing_fails_on_rank0, str(tmp_path), timeout_s=60)
     for r in results:
         assert r["error"] is not None and "rank 0" in r["message"] and "Input/output error" in r["message"], r
-        assert r["s"] < 20, r
+        assert f"listing the DeepSpeed tags of {tmp_path}" in r["message"] and r["s"] < 20, r
