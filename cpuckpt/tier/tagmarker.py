@@ -108,13 +108,9 @@ class TagMarker:
             data = json.loads(text)
             if data.get("format") != FORMAT:
                 raise ValueError(f"format is {data.get('format')!r}, not {FORMAT!r}")
-            version = int(data.get("format_version", 0))
-        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
-            raise IntegrityError(f"{where}: not a valid cpuckpt DeepSpeed marker ({e})") from e
-        if version > FORMAT_VERSION:
-            raise NewerMarker(f"{where}: not a valid cpuckpt DeepSpeed marker (format_version {version} is newer "
-                              f"than this cpuckpt reads ({FORMAT_VERSION}); upgrade cpuckpt)")
-        try:
+            if (version := int(data.get("format_version", 0))) > FORMAT_VERSION:  # an IntegrityError: not caught below
+                raise NewerMarker(f"{where}: not a valid cpuckpt DeepSpeed marker (format_version {version} is newer "
+                                  f"than this cpuckpt reads ({FORMAT_VERSION}); upgrade cpuckpt)")
             files = {str(k): TagFile(**{**v, "chunk_checksums": tuple(v.get("chunk_checksums", ()))})
                      for k, v in data["files"].items()}
             known = {f.name for f in dataclasses.fields(cls)}
