@@ -13,8 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from cpuckpt.api import load
 from cpuckpt.backend import collectives
 from cpuckpt.config import Config, resolve_config
@@ -115,20 +113,11 @@ def _agreed_candidates(root: Path | S3Url, group: Any) -> tuple[list[str], list[
     One broadcast: ranks that scanned the root a moment apart (a save committing meanwhile) would
     otherwise try different checkpoints and wait for each other in different loads.
     """
-    listing: list[Any] = [None]
-    rank = dist.get_rank(group) if group is not None else 0
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            infos = list_checkpoints(root)
-            names = [c.path.name for c in reversed(infos) if c.complete]
-            # committed once (a .metadata is there) but incomplete now: damage after the commit, not a torn save
-            damaged = [(c.path.name, c.reason) for c in infos if not c.complete and committed_once(c)]
-            listing = [(names, damaged)]
-        except BaseException as e:  # the others would wait in the broadcast until the group's timeout
-            error = e
-    collectives.agree_or_raise(error, rank, group, f"listing the checkpoints of {root}")
-    if group is not None:
-        dist.broadcast_object_list(listing, src=dist.get_global_rank(group, 0), group=group)
-    return listing[0]
+    def listing() -> tuple[list[str], list[tuple[str, str]]]:
+        infos = list_checkpoints(root)
+        names = [c.path.name for c in reversed(infos) if c.complete]
+        # committed once (a .metadata is there) but incomplete now: damage after the commit, not a torn save
+        return names, [(c.path.name, c.reason) for c in infos if not c.complete and committed_once(c)]
+
+    return collectives.from_rank0(listing, group, f"listing the checkpoints of {root}")
 

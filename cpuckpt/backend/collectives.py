@@ -29,6 +29,7 @@ __all__ = [
     "agree_or_raise",
     "checkpoint_group",
     "dcp_save",
+    "from_rank0",
     "gather_failures",
     "new_gloo_group",
     "one_contract",
@@ -160,6 +161,24 @@ def agree_or_raise(error: BaseException | None, rank: int, group: Any, what: str
     if is_interrupt(error):
         raise error  # type: ignore[misc]
     raise_if_failed(reports, what, error)
+
+
+def from_rank0(compute: Callable[[], Any], group: Any, what: str) -> Any:
+    """``compute()`` on rank 0 of ``group``, its value given to every rank (one broadcast); collective. A failure
+    there is raised on every rank at once (:func:`agree_or_raise`), not while the others wait in the broadcast
+    until the group's timeout. ``group`` None: this process alone computes it."""
+    rank = dist.get_rank(group) if group is not None else 0
+    box: list[Any] = [None]
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            box = [compute()]
+        except BaseException as e:
+            error = e
+    agree_or_raise(error, rank, group, what)
+    if group is not None:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
 
 
 @contextlib.contextmanager

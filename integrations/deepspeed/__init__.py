@@ -293,35 +293,13 @@ def select_tag(save_dir: str | os.PathLike, *, fallback_on_corrupt: bool = True)
             newest does not.
         ConfigError: ``save_dir`` is a URL.
     """
+    from cpuckpt.backend.collectives import checkpoint_group, from_rank0
     from cpuckpt.paths import local_path
     from cpuckpt.tier.tagmarker import complete_tags
 
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
-    return _first_verified(_from_rank0(lambda: complete_tags(root), root), str(root),
-                           fallback_on_corrupt=fallback_on_corrupt)
-
-
-def _from_rank0(listing: Any, where: Any) -> list[LatestTag]:
-    """``listing()`` of rank 0 (of ``where``), broadcast: every rank tries the same candidates in the same order. A
-    listing that fails on rank 0 (an unreadable marker: EIO) raises its error on every rank at once (the others
-    waited in the broadcast until the group's timeout)."""
-    import torch.distributed as dist
-
-    from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group
-
-    group = checkpoint_group()
-    rank = dist.get_rank(group) if group is not None else 0
-    box: list[Any] = [None]
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            box = [list(listing())]
-        except BaseException as e:
-            error = e
-    agree_or_raise(error, rank, group, f"listing the DeepSpeed tags of {where}")
-    if group is not None:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
+    candidates = from_rank0(lambda: complete_tags(root), checkpoint_group(), f"listing the DeepSpeed tags of {root}")
+    return _first_verified(candidates, str(root), fallback_on_corrupt=fallback_on_corrupt)
 
 
 def _first_verified(candidates: list[LatestTag], where: str, *, fallback_on_corrupt: bool,

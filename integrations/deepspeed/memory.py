@@ -38,7 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cpuckpt.backend.collectives import agree_or_raise
+from cpuckpt.backend.collectives import from_rank0
 from cpuckpt.config import Config
 from cpuckpt.format.layout import FileLayout
 from cpuckpt.format.manifest import FileEntry
@@ -236,18 +236,8 @@ class DeepSpeedMemory:
         """
         group = self.tier.group
         if not self.across_nodes:
-            box: list[Any] = [None]
-            error: BaseException | None = None
-            if self.tier.rank == 0:
-                try:
-                    box = [self.candidates()]
-                except BaseException as e:  # the others would wait in the broadcast until the group's timeout
-                    error = e
-            agree_or_raise(error, self.tier.rank, group,
-                           f"listing the DeepSpeed tags of {self.save_dir} and its memory tier")
-            if group is not None:
-                dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-            return box[0]
+            return from_rank0(self.candidates, group, f"listing the DeepSpeed tags of {self.save_dir} and its memory "
+                                                      "tier")
         paths = self.tier.candidates()  # collective: memory checkpoints every node holds or gets back from a copy
         mine: list[tuple[str, Any]] = []
         tags: dict[str, tuple[str, int | None]] = {}  # save id -> (tag, step) of the slots this rank can read

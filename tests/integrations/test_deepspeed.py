@@ -862,22 +862,23 @@ def test_a_checkpoint_never_committed_is_warned_about_at_exit(tmp_path, commit):
 
 
 def rank_listing_fails_on_rank0(root: str) -> dict:
-    """Rank 0's listing of the tags (``load_latest``'s candidates) raises an ``OSError`` (an unreadable marker)."""
+    """Rank 0's listing of the tags (``select_tag``'s candidates) raises an ``OSError`` (an unreadable marker)."""
     import time
 
     import cpuckpt.integrations.deepspeed as ckpt_ds
     import torch.distributed as dist
 
     from cpuckpt.errors import CpuckptError
+    from cpuckpt.tier import tagmarker
 
-    def listing() -> list:
-        if dist.get_rank() == 0:
-            raise OSError(5, "Input/output error", f"{root}/global_step2/.cpuckpt-complete.json")
-        return []
+    def complete_tags(save_dir):
+        raise OSError(5, "Input/output error", f"{save_dir}/global_step2/.cpuckpt-complete.json")
 
+    if dist.get_rank() == 0:
+        tagmarker.complete_tags = complete_tags
     t0 = time.monotonic()
     try:
-        ckpt_ds._from_rank0(listing, root)
+        ckpt_ds.select_tag(root)
     except CpuckptError as e:
         return {"error": type(e).__name__, "message": str(e), "s": time.monotonic() - t0}
     return {"error": None, "s": time.monotonic() - t0}
