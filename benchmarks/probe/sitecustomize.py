@@ -16,6 +16,8 @@ PYTHONPATH with ``GOODPUT_PROBE`` set (a comma-separated list), it patches cpuck
   thread that released the GIL (a collective, a device synchronization, a file write) gets it back from another
   thread running Python after at most 0.5 ms instead of 5. The trainer's own threads of ours (the committer) run
   Python beside its main thread; this says what that costs it.
+- ``nocrc``: no checksums of memory saves (``CPUCKPT_MEMORY_CHECKSUM=false``): the copy process no longer reads
+  every image back after its copies; what that host memory traffic costs the trainer's own work.
 
 Another ``sitecustomize`` further down ``sys.path`` (an image's own) still runs after this one.
 """
@@ -147,8 +149,12 @@ def _install() -> None:
         if name == "swi":  # no module to patch: the interpreter's own setting, before anything starts a thread
             sys.setswitchinterval(SWITCH_INTERVAL_S)
             continue
+        if name == "nocrc":  # a configuration override, read when the trainer builds its config
+            os.environ["CPUCKPT_MEMORY_CHECKSUM"] = "false"
+            continue
         if name not in _PROBES:
-            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi)", file=sys.stderr, flush=True)
+            known = ", ".join([*_PROBES, "swi", "nocrc"])
+            print(f"probe: unknown probe {name!r} (known: {known})", file=sys.stderr, flush=True)
             continue
         sys.meta_path.insert(0, _Patch(*_PROBES[name]))
 
