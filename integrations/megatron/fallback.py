@@ -30,9 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch.distributed as dist
-
-from cpuckpt.backend.collectives import checkpoint_group
+from cpuckpt.backend.collectives import checkpoint_group, from_rank0
 from cpuckpt.backend.committed import check_complete, is_complete
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError, UnsafeCheckpointError
 from cpuckpt.paths import local_path
@@ -133,14 +131,15 @@ def next_candidate(roots: Sequence[tuple[str | os.PathLike, bool]], below: tuple
     alone): rank 0 scans (one ``stat`` per file and one ``.metadata`` read per directory it looks at,
     newest first, until one is complete) and broadcasts. Also returns, for the WARNING, the directories
     passed over that were committed but are incomplete now.
+
+    Raises:
+        StorageIOError: the scan failed on rank 0 (a root it cannot list, an entry it cannot ``stat``), on
+            every rank at once (:func:`~cpuckpt.backend.collectives.from_rank0`), not after the group's timeout;
+            ``CpuckptError`` for another failure.
     """
     paths = [(Path(local_path(r, "checkpoint root")), bool(t)) for r, t in roots]
-    box: list[Any] = [None]
-    if group is None or dist.get_rank(group) == 0:
-        box = [_scan(paths, below)]
-    if group is not None:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
+    return from_rank0(lambda: _scan(paths, below), group,
+                      f"listing the Megatron iterations of {', '.join(str(p) for p, _ in paths)}")
 
 
 def load_latest(sharded_state_dict: dict[str, Any] | Callable[[], dict[str, Any]], root: str | os.PathLike,

@@ -196,6 +196,48 @@ def test_damaged_newest_falls_back_on_both_ranks(run_ranks, tmp_path, damaged_fi
     assert results[0]["capped"] == [3, 3, 4] and results[0]["no_tracker"] is None
 
 
+def rank_scan_fails(root: str, clean: str, timeout_s: float) -> dict:
+    """``next_candidate`` of ``root``, which rank 0 cannot scan, over a group with a ``timeout_s`` timeout; then of
+    ``clean``, to see that the ranks are still in step."""
+    import datetime
+    import errno
+    import time
+
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron import fallback
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    start = time.monotonic()
+    try:
+        fallback.next_candidate([(root, False)], None, group)
+        out: dict = {"type": None}
+    except Exception as e:
+        out = {"type": type(e).__name__, "message": str(e), "eloop": getattr(e, "errno", None) == errno.ELOOP}
+    out["s"] = time.monotonic() - start
+    out["after"] = fallback.next_candidate([(clean, False)], None, group)
+    return out
+
+
+def test_scan_failure_raises_on_every_rank_at_once(run_ranks, tmp_path):
+    """Rank 0 alone scans; its failure (here: ``os.scandir``'s entry ``iter_0000002`` is a symbolic link to itself,
+    ELOOP at its ``stat``, as root too) is raised on both ranks within seconds, not after the group's timeout."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    (root / "iter_0000001").mkdir()
+    (root / "iter_0000002").symlink_to("iter_0000002")
+    (tmp_path / "clean").mkdir()
+    timeout_s = 30.0
+    results = run_ranks(2, rank_scan_fails, str(root), str(tmp_path / "clean"), timeout_s, timeout_s=2 * timeout_s,
+                        env=ENV)
+    for r in results:
+        assert r["type"] == "StorageIOError" and r["eloop"], r
+        assert r["message"].startswith(f"listing the Megatron iterations of {root} failed on rank 0:"), r
+        assert "iter_0000002" in r["message"], r
+        assert r["s"] < timeout_s / 3, r
+        assert r["after"] == (None, []), r
+    assert results[0]["message"] == results[1]["message"]
+
+
 # ----------------------------------------------------------------------------------- one process
 def test_settings_fallback_on_corrupt(monkeypatch):
     from cpuckpt.integrations.megatron.settings import resolve_options
