@@ -56,6 +56,7 @@ __all__ = [
     "read_marker",
     "refusal",
     "require_complete",
+    "scan_tags",
 ]
 
 logger = logging.getLogger(__name__)
@@ -384,16 +385,31 @@ def complete_tags(save_dir: str | os.PathLike) -> list[LatestTag]:
 
     A tag stock DeepSpeed wrote has no marker; it counts when ``latest`` names it (stock DeepSpeed writes ``latest``
     once the tag is saved), with no marker (``marker`` None: nothing to verify), first like any tag ``latest``
-    names: a run moved onto cpuckpt resumes from it, never from an older tag of ours."""
+    names: a run moved onto cpuckpt resumes from it, never from an older tag of ours. A tag committed but damaged
+    since is left out with a WARNING (:func:`scan_tags` gives them to a restart, which must not skip them)."""
+    tags, damaged = scan_tags(save_dir)
+    for status in damaged:
+        logger.warning("%s: committed, but incomplete now (%s); left out of the complete tags", status.path,
+                       "; ".join(status.problems))
+    return tags
+
+
+def scan_tags(save_dir: str | os.PathLike) -> tuple[list[LatestTag], list[TagStatus]]:
+    """:func:`complete_tags`, and every tag committed once but not complete now (``TagStatus.committed``: a file
+    truncated or missing, the marker garbled after the commit), which a restart names instead of taking it for a
+    torn save. Neither is logged here except a torn tag ``latest`` names that never committed."""
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
     named = _read_latest(root)
     found: list[tuple[tuple[int, int, float], LatestTag]] = []
+    damaged: list[TagStatus] = []
     for sub in sorted(root.iterdir()) if root.is_dir() else ():
         is_named = sub.name == named
         if not is_named and not (sub / MARKER_NAME).exists():
             continue
         status = check_tag(root, sub.name)
-        if is_named and status.state == "unmarked" and any(sub.glob("*model_states.pt")):
+        if status.committed and not status.complete:
+            damaged.append(status)
+        elif is_named and status.state == "unmarked" and any(sub.glob("*model_states.pt")):
             logger.info("%s names %s, a tag stock DeepSpeed wrote (no cpuckpt marker): loaded without checksums",
                         root / "latest", named)
             found.append(((1, -1, 0.0), LatestTag(root, sub.name, None, None)))  # type: ignore[arg-type]
@@ -404,7 +420,7 @@ def complete_tags(save_dir: str | os.PathLike) -> list[LatestTag]:
             m = status.marker
             key = (int(is_named), m.global_step if m.global_step is not None else -1, m.created_unix)
             found.append((key, LatestTag(root, sub.name, m.global_step, m)))
-    return [t for _, t in sorted(found, key=lambda kt: kt[0], reverse=True)]
+    return [t for _, t in sorted(found, key=lambda kt: kt[0], reverse=True)], damaged
 
 
 def owned_files(marker: TagMarker, rank: int, world_size: int, tag_dir: Path | None = None) -> list[str]:

@@ -279,39 +279,63 @@ def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, ve
 def select_tag(save_dir: str | os.PathLike, *, fallback_on_corrupt: bool = True) -> LatestTag | None:
     """The newest complete tag of ``save_dir`` whose every listed file passes its crc32c, on every rank.
 
-    Collective (every rank calls it): rank 0's list of complete tags (:func:`cpuckpt.tier.tagmarker.complete_tags`,
-    ``latest``'s first) is broadcast, then each candidate goes through :func:`check_before_load` with
-    ``verify=True`` (each rank reads its share; one all-gather, the same outcome everywhere). A tag that
-    fails with ``IntegrityError`` (``CheckpointCorrupt``: a chunk's crc32c) is logged as a WARNING and the
-    next newest is tried, by every rank together (a bad file on one rank moves them all).
+    Collective (every rank calls it): rank 0's listing (:func:`cpuckpt.tier.tagmarker.scan_tags`: the complete tags,
+    ``latest``'s first, and those committed but damaged since) is broadcast, then each candidate goes through
+    :func:`check_before_load` with ``verify=True`` (each rank reads its share; one all-gather, the same outcome
+    everywhere). A tag that fails with ``IntegrityError`` (``CheckpointCorrupt``: a chunk's crc32c) is logged as a
+    WARNING and the next newest is tried, by every rank together (a bad file on one rank moves them all). A tag
+    committed but incomplete now (a file truncated or missing, its marker garbled) is no torn save: passing over it
+    to an older tag is a WARNING naming it and why.
 
     Returns:
-        The tag to load, or None when ``save_dir`` has no complete tag.
+        The tag to load, or None when ``save_dir`` has no complete tag and none committed.
 
     Raises:
-        CheckpointCorrupt: complete tags exist but none verifies; with ``fallback_on_corrupt=False``, the
-            newest does not.
+        CheckpointCorrupt: tags were committed but none verifies (each one's reason in the message): never a fresh
+            start over them; with ``fallback_on_corrupt=False``, the newest does not verify or is damaged.
         ConfigError: ``save_dir`` is a URL.
     """
     from cpuckpt.backend.collectives import checkpoint_group, from_rank0
     from cpuckpt.paths import local_path
-    from cpuckpt.tier.tagmarker import complete_tags
+    from cpuckpt.tier.tagmarker import scan_tags
 
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
-    candidates = from_rank0(lambda: complete_tags(root), checkpoint_group(), f"listing the DeepSpeed tags of {root}")
-    return _first_verified(candidates, str(root), fallback_on_corrupt=fallback_on_corrupt)
+    candidates, damaged = from_rank0(lambda: scan_tags(root), checkpoint_group(),
+                                     f"listing the DeepSpeed tags of {root}")
+    return _first_verified(candidates, damaged, str(root), fallback_on_corrupt=fallback_on_corrupt)
 
 
-def _first_verified(candidates: list[LatestTag], where: str, *, fallback_on_corrupt: bool,
+def _newer(damaged: TagStatus, found: LatestTag) -> bool:
+    """Whether the damaged tag may be newer than ``found``: a later step, or no step to tell (a garbled marker);
+    a tag stock DeepSpeed wrote (no step) comes first only because ``latest`` names it, so it is newer."""
+    step = damaged.marker.global_step if damaged.marker is not None else None
+    return step is None or (found.global_step is not None and step > found.global_step)
+
+
+def _damage(status: TagStatus) -> str:
+    return f"{status.path}: committed, but incomplete now ({'; '.join(status.problems)})"
+
+
+def _first_verified(candidates: list[LatestTag], damaged: list[TagStatus], where: str, *, fallback_on_corrupt: bool,
                     before_check: Any = None) -> LatestTag | None:
     """The first of ``candidates`` whose files pass :func:`check_before_load` (verify) on every rank, falling back
-    past one that does not (a WARNING naming it) unless ``fallback_on_corrupt`` is false. Collective."""
+    past one that does not, or past a newer tag of ``damaged`` (committed, incomplete now), with a WARNING naming it,
+    unless ``fallback_on_corrupt`` is false. Collective; ``damaged`` is the same on every rank."""
     import logging
 
     from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 
+    log = logging.getLogger(__name__)
     failures: list[str] = []
+    pending = list(damaged)
     for found in candidates:
+        for status in [s for s in pending if _newer(s, found)]:
+            pending.remove(status)
+            if not fallback_on_corrupt:
+                raise CheckpointCorrupt(f"DeepSpeed tag {_damage(status)}; not loading an older tag "
+                                        "(fallback_on_corrupt is off)")
+            failures.append(_damage(status))
+            log.warning("cpuckpt: DeepSpeed tag %s; falling back to the next newest complete tag", _damage(status))
         try:  # a memory tag's restore from a partner's replica (before_check) fails alike on every rank
             if before_check is not None:
                 before_check(found)
@@ -320,12 +344,14 @@ def _first_verified(candidates: list[LatestTag], where: str, *, fallback_on_corr
             if not fallback_on_corrupt:
                 raise
             failures.append(str(e))
-            logging.getLogger(__name__).warning("cpuckpt: DeepSpeed tag %s does not verify (%s); falling back to "
-                                                "the next newest complete tag", found.directory / found.tag, e)
+            log.warning("cpuckpt: DeepSpeed tag %s does not verify (%s); falling back to the next newest complete "
+                        "tag", found.directory / found.tag, e)
             continue
         return LatestTag(found.directory, found.tag, found.global_step, marker)  # type: ignore[arg-type]
+    failures += [_damage(s) for s in pending]
     if failures:
-        raise CheckpointCorrupt(f"no complete DeepSpeed tag in {where} verifies: {'; '.join(failures)}")
+        raise CheckpointCorrupt(f"no complete DeepSpeed tag in {where} verifies: {'; '.join(failures)}; not starting "
+                                "from scratch over tags that were committed")
     return None
 
 
@@ -338,12 +364,16 @@ def load_latest(engine: Any, save_dir: str | os.PathLike, *, fallback_on_corrupt
     to the next newest complete tag on every rank together. With ``memory_tier``, the candidates are the
     complete tags of both tiers, newest global step first (memory first on a tie): a memory tag newer
     than the durable ``latest`` wins, and an older one never wins over a newer durable one; the memory
-    tier's next save then goes past the slot loaded. ``fallback_on_corrupt``: default the engine's setting
+    tier's next save then goes past the slot loaded. A tag of ``save_dir`` committed but damaged since is passed
+    over with a WARNING, never taken for a torn save. ``fallback_on_corrupt``: default the engine's setting
     (``fallback_on_corrupt``, true), else true. ``load_kwargs`` go to ``load_checkpoint``.
 
     Returns:
         What ``load_checkpoint`` returns (``load_path``, ``client_state``); ``(None, None)`` when there is
-        no complete tag.
+        no complete tag and none was committed.
+
+    Raises:
+        CheckpointCorrupt: tags were committed but none loads (see :func:`select_tag`): never a fresh start.
     """
     ckpt = getattr(engine, "checkpoint_engine", None)
     if fallback_on_corrupt is None:
@@ -352,7 +382,14 @@ def load_latest(engine: Any, save_dir: str | os.PathLike, *, fallback_on_corrupt
     if memory is None:
         found = select_tag(save_dir, fallback_on_corrupt=bool(fallback_on_corrupt))
     else:
-        found = _first_verified(memory.agreed_candidates(), f"{save_dir} and its memory tier",
+        from cpuckpt.backend.collectives import from_rank0
+        from cpuckpt.tier.tagmarker import scan_tags
+
+        candidates = memory.agreed_candidates()
+        # save_dir's damaged tags (a memory slot is complete or not, as the core tier's non-DCP slots)
+        damaged = from_rank0(lambda: scan_tags(memory.save_dir)[1], memory.tier.group,
+                             f"listing the damaged DeepSpeed tags of {save_dir}")
+        found = _first_verified(candidates, damaged, f"{save_dir} and its memory tier",
                                 fallback_on_corrupt=bool(fallback_on_corrupt), before_check=memory.before_load)
     if found is None:
         return None, None

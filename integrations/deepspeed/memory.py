@@ -54,10 +54,10 @@ from cpuckpt.tier.tagmarker import (
     TagMarker,
     check_dir,
     check_tag,
-    complete_tags,
     new_marker,
     node_listing,
     read_marker,
+    scan_tags,
     write_marker,
 )
 from cpuckpt.transfer.files import write_atomic
@@ -82,7 +82,8 @@ class TagSlots:
         return Committed(marker.global_step, marker.save_id)
 
     def durable(self, root: Path) -> list[tuple[int, Path]]:
-        return [(t.global_step, t.directory / t.tag) for t in complete_tags(root) if t.global_step is not None]
+        # damaged tags are not logged here: load_latest names them (it must not skip them as torn)
+        return [(t.global_step, t.directory / t.tag) for t in scan_tags(root)[0] if t.global_step is not None]
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class DeepSpeedMemory:
                 out.append(LatestTag(path.parent, path.name, status.marker.global_step, status.marker))
         # A tag stock DeepSpeed wrote (``latest`` names it, no marker) has no step to rank it by without loading it:
         # the one candidate when there is none of ours, else named in a warning (a run moved onto the tier)
-        stock = [t for t in complete_tags(self.save_dir) if t.marker is None]
+        stock = [t for t in scan_tags(self.save_dir)[0] if t.marker is None]
         if stock and not out:
             out.append(stock[0])
         elif stock:

@@ -79,8 +79,9 @@ class AdapterOptions:
             go to disk as without it. One node only (across nodes the first saves make the images), for the first
             engine with an optimizer per directory in a process; ignored with a warning when ``memory_tier`` is off.
         fallback_on_corrupt: :func:`~cpuckpt.integrations.deepspeed.load_latest` loads the next newest
-            complete tag when the newest fails its crc32c check on any rank (all ranks together, with a
-            WARNING naming the tag and the damage). False: it raises ``CheckpointCorrupt`` instead.
+            complete tag when the newest fails its crc32c check on any rank, or was committed and is damaged
+            since (all ranks together, with a WARNING naming the tag and the damage). False: it raises
+            ``CheckpointCorrupt`` instead. Committed tags of which none loads raise it either way.
     """
 
     enabled: bool = True

@@ -871,11 +871,11 @@ def rank_listing_fails_on_rank0(root: str) -> dict:
     from cpuckpt.errors import CpuckptError
     from cpuckpt.tier import tagmarker
 
-    def complete_tags(save_dir):
+    def scan_tags(save_dir):
         raise OSError(5, "Input/output error", f"{save_dir}/global_step2/.cpuckpt-complete.json")
 
     if dist.get_rank() == 0:
-        tagmarker.complete_tags = complete_tags
+        tagmarker.scan_tags = scan_tags
     t0 = time.monotonic()
     try:
         ckpt_ds.select_tag(root)
@@ -891,3 +891,77 @@ def test_a_listing_that_fails_on_rank_0_fails_on_every_rank_at_once(run_ranks, t
     for r in results:
         assert r["error"] is not None and "rank 0" in r["message"] and "Input/output error" in r["message"], r
         assert f"listing the DeepSpeed tags of {tmp_path}" in r["message"] and r["s"] < 20, r
+
+
+def rank_restart_over_a_damaged_tag(root: str, older: bool, memory_tier: bool) -> dict:
+    """Tags saved and committed through cpuckpt (global_step1 when ``older``, then global_step2); after the commit a
+    data file of global_step2 is truncated (rank 1's optimizer file, on rank 0); a fresh engine restarts with
+    load_latest (with ``memory_tier``, through the tier's listing of both tiers: its RAM root empty)."""
+    _setup_env()
+    import logging
+
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    from cpuckpt.errors import CheckpointCorrupt
+
+    save_dir = Path(root) / "ckpt"
+    ckpt_ds.install({"io": {"backend": "buffered"}})
+    try:
+        engine = _engine(1, seed=0)
+        _step(engine, 1)
+        if older:
+            engine.save_checkpoint(str(save_dir))  # global_step1
+            ckpt_ds.commit_pending(engine)
+        want = _state(engine)
+        _step(engine, 2)
+        engine.save_checkpoint(str(save_dir))  # global_step2, committed: latest names it
+        ckpt_ds.commit_pending(engine)
+        victim = save_dir / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        dist.barrier()
+        if dist.get_rank() == 0:
+            os.truncate(victim, victim.stat().st_size // 2)
+        dist.barrier()
+        warned: list[str] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("cpuckpt").addHandler(handler)
+        if memory_tier:
+            ckpt_ds.install({"memory_tier": True, "io": {"backend": "buffered"}, "memory": {
+                "root": str(Path(root) / "ram"), "slots": 2, "persist_every": 1, "headroom_bytes": 0}})
+        fresh = _engine(1, seed=5)
+        try:
+            path, _ = ckpt_ds.load_latest(fresh, str(save_dir))
+            out = {"path": path and str(path), "step": fresh.global_steps, "error": None}
+            if path is not None:
+                _assert_same(_state(fresh), want, f"resumed from {path}")
+        except CheckpointCorrupt as e:
+            out = {"path": None, "error": str(e)}
+        logging.getLogger("cpuckpt").removeHandler(handler)
+        out["warned"], out["tiered"] = warned, fresh.checkpoint_engine.memory_tier is not None
+        for e in (engine, fresh):
+            e.destroy()
+    finally:
+        ckpt_ds.uninstall()
+    return out
+
+
+@pytest.mark.parametrize("memory_tier", [False, True], ids=["save_dir", "memory_tier"])
+@pytest.mark.parametrize("older", [True, False], ids=["older_tag", "only_tag"])
+def test_load_latest_never_takes_a_committed_tag_damaged_since_for_a_torn_one(run_ranks, tmp_path, older,
+                                                                              memory_tier):
+    """A tag committed, then a data file truncated: load_latest skipped it as a torn save, so the restart resumed
+    from the older tag (a warning on rank 0 only, calling it torn) or, with no older tag, started from scratch. Now
+    every rank names it (committed, why) when falling back, and raises CheckpointCorrupt when nothing loads."""
+    results = run_ranks(2, rank_restart_over_a_damaged_tag, str(tmp_path), older, memory_tier, timeout_s=240)
+    damaged = f"{tmp_path / 'ckpt' / 'global_step2'}: committed, but incomplete now ("
+    for r in results:
+        assert r["tiered"] == memory_tier, r
+        if older:
+            assert r["error"] is None and "/global_step1/" in r["path"] and r["step"] == 1, r
+            assert any(damaged in w and "optim_states.pt" in w and "falling back" in w for w in r["warned"]), r
+        else:
+            assert r["path"] is None and r["error"] is not None, r
+            assert damaged in r["error"] and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in r["error"], r
+            assert "not starting from scratch" in r["error"], r
+    assert results[0]["error"] == results[1]["error"]

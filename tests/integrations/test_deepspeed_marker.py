@@ -303,3 +303,35 @@ def test_select_tag_falls_back_past_a_tag_that_fails_its_crc32c(tmp_path, caplog
         ckpt_ds.select_tag(root)
     with pytest.raises(ConfigError, match="s3://"):
         ckpt_ds.select_tag("s3://bucket/ds")
+
+
+def test_select_tag_names_a_committed_tag_damaged_since_and_never_starts_from_scratch(tmp_path, caplog):
+    """A committed tag with a file truncated (or its marker garbled) after the commit was skipped as a torn save:
+    an older tag loaded, or nothing, without a word. Passing over one newer than the tag loaded is a WARNING (a
+    CheckpointCorrupt with ``fallback_on_corrupt=False``); one older is not; with nothing loadable it raises."""
+    import logging
+
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+
+    from cpuckpt.errors import CheckpointCorrupt
+    from cpuckpt.tier.tagmarker import MARKER_NAME, open_tag
+
+    root = tmp_path / "ckpt"
+    for tag, step in (("a", 10), ("b", 20), ("c", 30)):
+        _tag(root, tag, {"x.pt": bytes(range(step, step + 20))}, step)
+    open_tag(root / "d", fsync=False)  # a save that never committed: torn, skipped without a word
+    (root / "latest").write_text("c")
+    os.truncate(root / "a" / "x.pt", 5)  # older than the tag loaded: not passed over
+    os.truncate(root / "c" / "x.pt", 5)
+    with caplog.at_level(logging.WARNING, logger="cpuckpt.integrations.deepspeed"):
+        assert ckpt_ds.select_tag(root).tag == "b"
+    warned = [r.getMessage() for r in caplog.records if r.name == "cpuckpt.integrations.deepspeed"]
+    assert len(warned) == 1 and f"{root / 'c'}: committed, but incomplete now (" in warned[0], warned
+    assert "5 bytes on disk, the manifest says 20" in warned[0], warned
+    with pytest.raises(CheckpointCorrupt, match=r"c: committed, but incomplete now .*fallback_on_corrupt is off"):
+        ckpt_ds.select_tag(root, fallback_on_corrupt=False)
+    (root / "b" / MARKER_NAME).write_bytes(b'{"tag": \xff')  # garbled after its commit: no step to rank it by
+    with pytest.raises(CheckpointCorrupt) as ei:
+        ckpt_ds.select_tag(root)
+    assert all(f"{root / t}: committed, but incomplete now" in str(ei.value) for t in "abc"), ei.value
+    assert str(root / "d") not in str(ei.value) and "not starting from scratch" in str(ei.value)
