@@ -312,7 +312,7 @@ class DeepSpeedMemory:
         self.links.mkdir(mode=0o700, exist_ok=True)
         real = Path(os.path.realpath(slot))
         for link in self.links.iterdir():
-            if link.is_symlink() and link.name != tag and Path(os.path.realpath(link)) == real:
+            if link.name != tag and _names(link, real):
                 link.unlink(missing_ok=True)
         tmp = self.links / f".{tag}.tmp-{os.getpid()}"
         tmp.unlink(missing_ok=True)
@@ -327,7 +327,7 @@ class DeepSpeedMemory:
             return
         real = Path(os.path.realpath(slot))
         for link in self.links.iterdir():
-            if link.is_symlink() and Path(os.path.realpath(link)) == real:
+            if _names(link, real):
                 link.unlink(missing_ok=True)
 
     def _relink(self) -> None:
@@ -342,7 +342,7 @@ class DeepSpeedMemory:
                                            slot)
         for link in self.links.iterdir():
             if link.is_symlink() and (link.name not in held or
-                                      Path(os.path.realpath(link)) != Path(os.path.realpath(held[link.name][1]))):
+                                      not _names(link, Path(os.path.realpath(held[link.name][1])))):
                 link.unlink(missing_ok=True)
         for tag, (_, slot) in held.items():
             self._link(tag, slot)
@@ -354,3 +354,12 @@ class DeepSpeedMemory:
     def _barrier(self) -> None:
         if self.tier.dist:
             dist.barrier(group=self.tier.group)
+
+
+def _names(link: Path, real: Path) -> bool:
+    """Whether ``link`` is a name of ``real``. False once gone: another rank of the node may remove the same name at
+    once (``_unname``), and ``realpath`` reads a link after its ``lstat``, raising FileNotFoundError in between."""
+    try:
+        return link.is_symlink() and Path(os.path.realpath(link)) == real
+    except FileNotFoundError:
+        return False

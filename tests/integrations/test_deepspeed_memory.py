@@ -516,3 +516,26 @@ def test_a_listing_of_both_tiers_that_fails_on_rank_0_fails_on_every_rank_at_onc
     for r in run_ranks(2, rank_listing_of_both_tiers_fails_on_rank0, str(tmp_path), timeout_s=150):
         assert r["error"] is not None and "rank 0" in r["message"] and "Input/output error" in r["message"], r
         assert f"{tmp_path / 'ckpt'} and its memory tier" in r["message"] and r["s"] < 30, r
+
+
+def test_a_name_removed_by_another_rank_while_it_is_resolved_is_no_error(tmp_path, monkeypatch):
+    """Every rank of a node removes the names of the slot it claimed (``_unname``), the same names at once: a name
+    gone between the ``lstat`` and the ``readlink`` of its resolution is not a failed save (it failed one rank's
+    ``save_checkpoint`` with FileNotFoundError). The race made certain: the other rank removes it right then."""
+    from cpuckpt.integrations.deepspeed.memory import _names
+
+    slot = tmp_path / "slot0"
+    slot.mkdir()
+    link = tmp_path / "global_step1"
+    os.symlink(slot, link, target_is_directory=True)
+    assert _names(link, slot.resolve())
+    real_readlink = os.readlink
+
+    def removed_first(path, *args, **kwargs):
+        if os.fspath(path) == str(link):
+            link.unlink(missing_ok=True)  # the other rank's removal
+        return real_readlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "readlink", removed_first)
+    assert not _names(link, slot.resolve())
+    assert not _names(link, slot.resolve())  # and once gone
