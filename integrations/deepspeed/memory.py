@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from cpuckpt.backend.collectives import from_rank0
 from cpuckpt.config import Config
+from cpuckpt.errors import IntegrityError
 from cpuckpt.format.layout import FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.tier.formats import Committed
@@ -278,7 +279,10 @@ class DeepSpeedMemory:
         if planned is not None:
             return planned
         for slot in self.tier.slots:
-            marker = read_marker(slot) if (slot / MARKER_NAME).exists() else None
+            try:
+                marker = read_marker(slot) if (slot / MARKER_NAME).exists() else None
+            except IntegrityError:  # another slot's marker, damaged since: not the slot of this tag
+                continue
             if marker is not None and marker.save_id == found.marker.save_id:
                 return slot
         return None

@@ -253,6 +253,47 @@ def rank_restart_past_a_torn_slot(root: str) -> dict:
     return out
 
 
+def rank_memory_only_then_garbled(root: str) -> None:
+    """Steps 1-2 committed in RAM (persist_every 0), then step 1's marker garbled (rank 0), the RAM root left."""
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    from cpuckpt.tier.tagmarker import MARKER_NAME, read_marker
+
+    rank = dist.get_rank()
+    ckpt_ds.install(_settings(str(Path(root) / "ram"), persist_every=0))
+    engine = h._engine(2, seed=0)
+    for k in range(1, 3):
+        h._step(engine, k)
+        _save_state(h, engine, root, rank)
+        engine.save_checkpoint(str(Path(root) / "ckpt"))
+    ckpt_ds.commit_pending(engine)
+    dist.barrier()
+    if rank == 0:
+        slots = engine.checkpoint_engine.memory_tier.slots
+        first = next(s for s in slots if read_marker(s).global_step == 1)
+        (first / MARKER_NAME).write_text('{"format": 1, "tag": "global_st')  # cut short since its commit
+    dist.barrier()  # no destroy(): the RAM root stays for the restart
+
+
+def rank_restart_past_a_garbled_slot(root: str) -> dict:
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ckpt_ds.install(_settings(str(Path(root) / "ram"), persist_every=0))
+    engine = h._engine(2, seed=3)
+    path, _ = ckpt_ds.load_latest(engine, Path(root) / "ckpt")
+    h._assert_same(h._state(engine), _saved(root, 2, rank), "step 2 restored from RAM")
+    out = {"loaded": path, "step": engine.global_steps}
+    engine.destroy()
+    return out
+
+
 def rank_persist_fails_on_rank1(root: str) -> dict:
     h = _ds()
     h._setup_env()
@@ -439,6 +480,16 @@ def test_no_writer_without_persists_and_a_torn_memory_tag_is_never_chosen(run_ra
         assert sorted(r["slots"]) == ["complete", "torn"], r["slots"]  # step 3's slot: files, no marker
         assert r["links"] == ["global_step2", "latest"], r["links"]  # step 1's slot was refilled by step 3
     assert not (tmp_path / "ram").exists() or not any((tmp_path / "ram").iterdir())
+
+
+@pytest.mark.timeout(300)
+def test_a_garbled_marker_in_another_slot_does_not_fail_the_restart_from_the_newest(run_ranks, tmp_path):
+    """The restart finds the slot of the memory tag it loads by the slots' markers: another slot's marker, damaged
+    since its commit, is not that slot, not a failure of this one (it made the newest memory tag "not verify")."""
+    run_ranks(2, rank_memory_only_then_garbled, str(tmp_path), timeout_s=150)
+    _wait_writers_gone(tmp_path / "ram")
+    for r in run_ranks(2, rank_restart_past_a_garbled_slot, str(tmp_path), timeout_s=150):
+        assert Path(r["loaded"]).parent == tmp_path / "ram" / "tags" / "global_step2" and r["step"] == 2, r
 
 
 @pytest.mark.timeout(300)
