@@ -34,6 +34,7 @@ class CheckpointInfo:
     mtime: float  # of .metadata when complete, else of the directory
     reason: str  # why it is incomplete ("" when complete)
     unreadable: bool = False  # it could not be read (not missing): complete or not is unknown; never deleted
+    committed: bool = False  # its commit marker was there when it was inspected (``Completeness.committed``)
 
 
 T = TypeVar("T")

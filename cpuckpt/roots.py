@@ -38,7 +38,7 @@ from typing import Any
 
 from cpuckpt import faultpoint, s3roots
 from cpuckpt.backend import inflight, s3commit
-from cpuckpt.backend.committed import METADATA_NAME, check_complete, is_complete
+from cpuckpt.backend.committed import METADATA_NAME, check_complete
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CpuckptError, IntegrityError
 from cpuckpt.paths import S3Url, checkpoint_path, is_s3, local_path
@@ -82,11 +82,11 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     where = checkpoint_path(path)
     if isinstance(where, S3Url):
         c = s3commit.check_complete(open_store(resolve_config(None).s3, threads=4), where)
-        return CheckpointInfo(where, c.complete, c.step, c.committed_at or 0.0, c.reason)
+        return CheckpointInfo(where, c.complete, c.step, c.committed_at or 0.0, c.reason, committed=c.committed)
     path = Path(where)
     c = check_complete(path)
     mtime = c.committed_at if c.committed_at is not None else _mtime(path)
-    return CheckpointInfo(path, c.complete, c.step, mtime, c.reason, c.unreadable)
+    return CheckpointInfo(path, c.complete, c.step, mtime, c.reason, c.unreadable, c.committed)
 
 
 def _mtime(path: Path) -> float:
@@ -134,14 +134,11 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
 
 
 def committed_once(c: CheckpointInfo) -> bool:
-    """``c`` has its commit marker (``.metadata``, non-empty): incomplete now means damaged after the commit, not a
-    torn save (a restart raises over it rather than start from scratch, and cleaning leaves it). One that could not
-    be read (EIO, EACCES) may be committed: it counts as such."""
-    if c.unreadable:
-        return True
-    if isinstance(c.path, S3Url):  # s3commit.check_complete's reasons without one: none, or an empty object
-        return not c.reason.startswith((f"no {METADATA_NAME}", f"{METADATA_NAME} is empty"))
-    return is_complete(c.path)
+    """``c`` had its commit marker (``.metadata``, non-empty) when inspected: incomplete now means damaged after the
+    commit, not a torn save (a restart raises over it rather than start from scratch, and cleaning leaves it). One
+    that could not be read (EIO, EACCES) may be committed: it counts as such. From ``c``'s own look, never another:
+    a save committing meanwhile (a writer of the previous run) is not damage."""
+    return c.unreadable or c.committed
 
 
 def find_latest(root: str | os.PathLike) -> Path | S3Url | None:

@@ -49,7 +49,7 @@ def _inspect(store: ObjectStore, url: S3Url, objects: list[tuple[str, float]]) -
     c = s3commit.check_complete(store, url)
     newest = max((m for _, m in objects), default=0.0)
     return CheckpointInfo(url, c.complete, c.step, c.committed_at if c.committed_at is not None else newest,
-                          c.reason)
+                          c.reason, committed=c.committed)
 
 
 def _checkpoint_file(name: str) -> bool:

@@ -23,6 +23,7 @@ picked; :func:`is_complete` is step 1 alone, for callers that only ask "did the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -113,6 +114,9 @@ class Completeness:
     # A read or stat failed for another reason than a missing file (permissions, EIO, a stale NFS handle): whether
     # it is complete is unknown. Never loaded as the latest, and never deleted by cleaning or retention.
     unreadable: bool = False
+    # The commit marker (a non-empty ``.metadata``) was there in this same look: incomplete then means damaged since
+    # the commit, not a torn save. From the one look, never a second one (a commit landing in between is no damage).
+    committed: bool = False
 
 
 def _unreadable(error: OSError, mtime: float | None, step: int | None = None) -> Completeness:
@@ -132,6 +136,11 @@ def check_complete(path: str | os.PathLike) -> Completeness:
         return _unreadable(e, None)
     if why:
         return Completeness(False, why, None, mtime)
+    return dataclasses.replace(_check_committed(path, mtime), committed=True)
+
+
+def _check_committed(path: Path, mtime: float | None) -> Completeness:
+    """:func:`check_complete` of a checkpoint whose commit marker is there."""
     try:
         data = read_metadata_bytes(path)
         manifest = _manifest_file(path)
@@ -183,6 +192,11 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
         return _unreadable(e, None)
     if why:
         return Completeness(False, why, None, mtime)
+    return dataclasses.replace(_check_slot_committed(path, mtime), committed=True)
+
+
+def _check_slot_committed(path: Path, mtime: float | None) -> Completeness:
+    """:func:`check_slot_complete` of a slot whose commit marker is there."""
     try:
         data = read_metadata_bytes(path)
         manifest = _manifest_file(path)

@@ -20,6 +20,7 @@ reader and cpuckpt all see an incomplete checkpoint. The read side (:func:`load_
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import pickle
@@ -44,7 +45,7 @@ from cpuckpt.backend.committed import (
 from cpuckpt.errors import IntegrityError, StorageIOError
 from cpuckpt.format.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, Manifest, manifest_from_json, part_name
 from cpuckpt.paths import S3Url
-from cpuckpt.transfer.objstore import ObjectStore
+from cpuckpt.transfer.objstore import ObjectInfo, ObjectStore
 
 if TYPE_CHECKING:  # the writer process commits without torch
     from torch.distributed.checkpoint.metadata import Metadata
@@ -260,6 +261,11 @@ def check_complete(store: ObjectStore, url: S3Url) -> Completeness:
     if info is None or info.nbytes == 0:
         return Completeness(False, f"no {METADATA_NAME}" if info is None else f"{METADATA_NAME} is empty")
     faultpoint.hit(f"s3-complete:{url.name}")
+    return dataclasses.replace(_check_committed(store, url, info), committed=True)
+
+
+def _check_committed(store: ObjectStore, url: S3Url, info: ObjectInfo) -> Completeness:
+    """:func:`check_complete` of a prefix whose ``.metadata`` object is there, not empty (``info``)."""
     try:
         data = read_metadata_bytes(store, url)
         metadata = parse_metadata(data, url / METADATA_NAME)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from cpuckpt.api import load
 from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group
 from cpuckpt.backend.commit import clear_commit
-from cpuckpt.backend.committed import check_complete, is_complete, read_manifest
+from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.backend.reader import ReadStats, StorageReader
 from cpuckpt.background import AsyncSaveHandle, Checkpointer
 from cpuckpt.config import CheckpointConfig, Config, MemoryConfig, resolve_config
@@ -1170,7 +1170,7 @@ class MemoryTier:
         try:
             if self.nodes.is_leader:
                 found += [(str(slot), status.reason) for slot in self.slots
-                          if is_complete(slot) and not (status := check_complete(slot)).complete]
+                          if (status := check_complete(slot)).committed and not status.complete]
             if self.rank == 0:
                 found += [(str(c.path), c.reason) for c in list_checkpoints(self.durable_root)
                           if not c.complete and committed_once(c)]

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from cpuckpt import s3roots
 from cpuckpt.backend import s3commit
-from cpuckpt.backend.committed import METADATA_NAME, is_complete, load_metadata, read_manifest, same_save
+from cpuckpt.backend.committed import METADATA_NAME, load_metadata, read_manifest, same_save
 from cpuckpt.config import resolve_config
 from cpuckpt.errors import CpuckptError
 from cpuckpt.format.dtypes import tensor_nbytes
@@ -332,7 +332,7 @@ def describe(path: str | os.PathLike) -> Description:
     if desc.manifest is not None:
         desc.ranks = desc.manifest.world_size
         desc.save_id = desc.manifest.save_id
-    if not is_complete(p):
+    if not info.complete and not info.committed:  # the look that made ``info``: one commit marker, one verdict
         desc.notes.append("no .metadata: the save did not complete; tensors are unknown")
         desc.files = {n.name: n.stat().st_size for n in sorted(p.glob("*.distcp"))}
         return desc

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from cpuckpt.backend.collectives import checkpoint_group, from_rank0
-from cpuckpt.backend.committed import check_complete, is_complete
+from cpuckpt.backend.committed import check_complete
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError, UnsafeCheckpointError
 from cpuckpt.paths import local_path
 
@@ -82,13 +82,15 @@ def tracker_iteration(root: str | os.PathLike) -> int | None:
     return int(text)
 
 
-def _complete(path: Path) -> tuple[bool, str]:
+def _complete(path: Path) -> tuple[bool, str, bool]:
+    """(complete, why not, committed by cpuckpt in this same look: incomplete then means damaged since)."""
     c = check_complete(path)
+    committed = c.committed or c.unreadable
     if not c.complete:
-        return False, c.reason
+        return False, c.reason, committed
     if not (path / "metadata.json").is_file():
-        return False, "no metadata.json (megatron-core never finalized the save)"
-    return True, ""
+        return False, "no metadata.json (megatron-core never finalized the save)", committed
+    return True, "", committed
 
 
 def _scan(roots: Sequence[tuple[Path, bool]], below: tuple[int, int] | None) -> tuple[Candidate | None, list[str]]:
@@ -114,10 +116,10 @@ def _scan(roots: Sequence[tuple[Path, bool]], below: tuple[int, int] | None) -> 
                 if below is None or key < below:
                     names.append((key, Path(entry.path)))
     for key, path in sorted(names, key=lambda kp: kp[0], reverse=True):
-        ok, why = _complete(path)
+        ok, why, committed = _complete(path)
         if ok:
             return Candidate(key[0], key[1], str(path)), damaged
-        if is_complete(path):  # committed once: damage after the commit, not a torn save
+        if committed:  # damage after the commit, not a torn save
             damaged.append(f"{path}: committed, but incomplete now ({why})")
     return None, damaged
 

@@ -72,3 +72,27 @@ def test_bucket_level_root_cleans_uploads(own_s3_server):
     store.create_upload(bucket / "__0_0.distcp")  # a checkpoint at the bucket's top, killed mid-upload
     S3Target(store, bucket, 30).clear()
     assert store.list_uploads(bucket) == []
+
+
+def test_committed_once_on_s3_comes_from_the_inspection(s3_server, s3_env, s3_url):
+    """``s3://`` as locally: a prefix without ``.metadata`` or with an empty one is a torn save; one whose data object
+    is cut short after the commit is damaged (committed once). The inspection says so itself, not its reason text."""
+    from cpuckpt.paths import S3Url
+    from cpuckpt.roots import committed_once, inspect_checkpoint
+
+    store = s3_server.store()
+    url = S3Url.parse(f"{s3_url}/step_1")
+    _save(str(url), 1)
+    held = store.get(url / ".metadata")
+    store.delete(url / ".metadata")
+    before = inspect_checkpoint(str(url))
+    assert not before.complete and not committed_once(before), before
+    store.put(url / ".metadata", b"")
+    assert not committed_once(inspect_checkpoint(str(url)))
+    store.put(url / ".metadata", held)
+    assert inspect_checkpoint(str(url)).complete
+    data = next(o.key for o in store.list(url.contents) if o.key.endswith(".distcp"))
+    body = store.get(S3Url(url.bucket, data))
+    store.put(S3Url(url.bucket, data), body[: len(body) // 2])
+    after = inspect_checkpoint(str(url))
+    assert not after.complete and committed_once(after), after

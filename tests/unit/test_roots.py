@@ -380,17 +380,26 @@ def test_every_root_entry_point_refuses_a_url(tmp_path):
     assert not (Path.cwd() / "gs:").exists()
 
 
-def test_an_empty_metadata_object_on_s3_is_a_torn_save_as_an_empty_file_is_locally():
-    """``s3://``: committed once is decided by the completeness check's reason; an empty ``.metadata`` object counted
-    as committed (a damaged checkpoint, kept by cleaning, raised over by a restart) where locally it is torn."""
-    from cpuckpt.paths import S3Url
-    from cpuckpt.rootinfo import CheckpointInfo
-    from cpuckpt.roots import committed_once
+def test_committed_once_is_the_verdict_of_the_inspection_not_a_second_look(tmp_path):
+    """Committed once is what the inspection that said "incomplete" saw: a save that commits after it (a writer of
+    the previous run committing while a restart lists) is not damage; the second look it took (a ``stat`` of
+    ``.metadata``) called it "committed, but incomplete now", so a restart raised over a sound checkpoint."""
+    import cpuckpt
+    from cpuckpt.roots import committed_once, inspect_checkpoint
 
-    def info(reason: str, unreadable: bool = False) -> CheckpointInfo:
-        return CheckpointInfo(S3Url.parse("s3://bucket/ckpt/step_1"), False, None, 0.0, reason, unreadable)
-
-    assert not committed_once(info("no .metadata"))
-    assert not committed_once(info(".metadata is empty"))
-    assert committed_once(info("__0_0.distcp: 10 bytes, expected 4000"))
-    assert committed_once(info("cannot be read: [Errno 5] Input/output error", unreadable=True))
+    d = tmp_path / "step_1"
+    cpuckpt.save({"w": torch.arange(64.0)}, d, step=1)
+    meta = d / ".metadata"
+    held = meta.read_bytes()
+    meta.unlink()  # the moment before the commit: data and manifest there, no .metadata
+    before = inspect_checkpoint(d)
+    meta.write_bytes(held)  # the commit lands
+    assert not before.complete and not committed_once(before), before
+    assert inspect_checkpoint(d).complete
+    meta.write_bytes(b"")  # renamed without its bytes: no commit either
+    assert not committed_once(inspect_checkpoint(d))
+    meta.write_bytes(held)
+    data = next(d.glob("*.distcp"))
+    os.truncate(data, data.stat().st_size // 2)  # damaged after the commit
+    after = inspect_checkpoint(d)
+    assert not after.complete and committed_once(after), after
