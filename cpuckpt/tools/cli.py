@@ -283,7 +283,7 @@ def verify_cmd(path: Any) -> None:
     for note in report.notes:
         click.echo(f"note: {note}")
     for damage in report.damage:
-        click.echo(f"DAMAGED {path / damage.file}: bytes [{damage.lo}, {damage.hi}): {damage.what}")
+        click.echo(f"DAMAGED {path / damage.file}: {damage.where}{damage.what}")
     what = "record(s)" if report.kind == "dcp" else "chunk(s)"
     if report.ok and report.unverified:
         click.echo(f"UNVERIFIED {path}: no damage in {report.chunks} {what} ({report.nbytes} bytes) checked, but "

@@ -56,8 +56,13 @@ class Damage:
     hi: int
     what: str
 
+    @property
+    def where(self) -> str:
+        """The byte range, when the damage has one (a whole file's, such as a garbled marker's, has none)."""
+        return f"bytes [{self.lo}, {self.hi}): " if self.hi > self.lo else ""
+
     def __str__(self) -> str:
-        return f"{self.file}: bytes [{self.lo}, {self.hi}): {self.what}"
+        return f"{self.file}: {self.where}{self.what}"
 
 
 @dataclass
@@ -239,7 +244,8 @@ def _verify_tag(p: Path, tick: Callable[[int], None]) -> VerifyReport:
     status = check_dir(p)
     if status.marker is None and status.committed:  # its marker, written last, damaged since: damage, as ls says
         report = VerifyReport(p, "deepspeed")
-        report.damage.append(Damage(MARKER_NAME, 0, 0, "; ".join(status.problems)))
+        marker = f"{p / MARKER_NAME}: "  # the line names the marker's path once
+        report.damage.append(Damage(MARKER_NAME, 0, 0, "; ".join(w.removeprefix(marker) for w in status.problems)))
         return report
     if status.marker is None:
         raise IntegrityError(f"{p}: DeepSpeed tag {status.state}: " + ("; ".join(status.problems) or "no marker"))

@@ -178,6 +178,8 @@ def test_ls_verify_calls_a_checkpoint_truncated_after_its_commit_damaged(tmp_pat
         assert rows["global_step1"]["status"] == "damaged", rows
         code, out = _run("verify", ds / "global_step1")  # verify says so too (it could not verify: exit 2)
         assert code == 1 and ".cpuckpt-complete.json" in out and "not a valid" in out, out
+        line = next(x for x in out.splitlines() if x.startswith("DAMAGED"))  # the marker once, no empty byte range
+        assert line.count(".cpuckpt-complete.json") == 1 and "bytes [" not in line, line
     marker.write_text(json.dumps({**json.loads(text), "format_version": 99}))  # a newer cpuckpt's: not judged
     rows = _ls_rows(ds, "--verify")
     assert rows["global_step1"]["status"] == "incomplete" and "upgrade cpuckpt" in rows["global_step1"]["reason"], rows
