@@ -119,5 +119,5 @@ def _agreed_candidates(root: Path | S3Url, group: Any) -> tuple[list[str], list[
         # committed once (a .metadata is there) but incomplete now: damage after the commit, not a torn save
         return names, [(c.path.name, c.reason) for c in infos if not c.complete and committed_once(c)]
 
-    return collectives.from_rank0(listing, group, f"listing the checkpoints of {root}")
+    return collectives.from_rank(listing, group, f"listing the checkpoints of {root}")
 

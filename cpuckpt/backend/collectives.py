@@ -29,7 +29,7 @@ __all__ = [
     "agree_or_raise",
     "checkpoint_group",
     "dcp_save",
-    "from_rank0",
+    "from_rank",
     "gather_failures",
     "new_gloo_group",
     "one_contract",
@@ -163,22 +163,28 @@ def agree_or_raise(error: BaseException | None, rank: int, group: Any, what: str
     raise_if_failed(reports, what, error)
 
 
-def from_rank0(compute: Callable[[], Any], group: Any, what: str) -> Any:
-    """``compute()`` on rank 0 of ``group``, its value given to every rank (one broadcast); collective. A failure
-    there is raised on every rank at once (:func:`agree_or_raise`), not while the others wait in the broadcast
-    until the group's timeout. ``group`` None: this process alone computes it."""
-    rank = dist.get_rank(group) if group is not None else 0
+def from_rank(compute: Callable[[], Any], group: Any, what: str, src: int = 0) -> Any:
+    """``compute()`` on rank ``src`` of ``group``, its value given to every rank in one broadcast; collective. A
+    failure there travels in that broadcast and is raised on every rank at once (the same error; an interrupt as
+    itself on ``src``), not while the others wait until the group's timeout; no other collective is added (a save
+    across nodes calls it every time). ``group`` None: this process alone computes it."""
+    rank = dist.get_rank(group) if group is not None else src
     box: list[Any] = [None]
     error: BaseException | None = None
-    if rank == 0:
+    if rank == src:
         try:
-            box = [compute()]
+            box = [(None, compute())]
         except BaseException as e:
             error = e
-    agree_or_raise(error, rank, group, what)
+            box = [(FailureReport.of(e, src), None)]
     if group is not None:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return box[0]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
+    report, value = box[0]
+    if report is not None:
+        if error is not None and is_interrupt(error):
+            raise error
+        raise_if_failed([report], what, error)
+    return value
 
 
 @contextlib.contextmanager

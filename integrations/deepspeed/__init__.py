@@ -295,12 +295,12 @@ def select_tag(save_dir: str | os.PathLike, *, fallback_on_corrupt: bool = True)
             start over them; with ``fallback_on_corrupt=False``, the newest does not verify or is damaged.
         ConfigError: ``save_dir`` is a URL.
     """
-    from cpuckpt.backend.collectives import checkpoint_group, from_rank0
+    from cpuckpt.backend.collectives import checkpoint_group, from_rank
     from cpuckpt.paths import local_path
     from cpuckpt.tier.tagmarker import scan_tags
 
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
-    candidates, damaged = from_rank0(lambda: scan_tags(root), checkpoint_group(),
+    candidates, damaged = from_rank(lambda: scan_tags(root), checkpoint_group(),
                                      f"listing the DeepSpeed tags of {root}")
     return _first_verified(candidates, damaged, str(root), fallback_on_corrupt=fallback_on_corrupt)
 
@@ -382,12 +382,12 @@ def load_latest(engine: Any, save_dir: str | os.PathLike, *, fallback_on_corrupt
     if memory is None:
         found = select_tag(save_dir, fallback_on_corrupt=bool(fallback_on_corrupt))
     else:
-        from cpuckpt.backend.collectives import from_rank0
+        from cpuckpt.backend.collectives import from_rank
         from cpuckpt.tier.tagmarker import scan_tags
 
         candidates = memory.agreed_candidates()
         # save_dir's damaged tags (a memory slot is complete or not, as the core tier's non-DCP slots)
-        damaged = from_rank0(lambda: scan_tags(memory.save_dir)[1], memory.tier.group,
+        damaged = from_rank(lambda: scan_tags(memory.save_dir)[1], memory.tier.group,
                              f"listing the damaged DeepSpeed tags of {save_dir}")
         found = _first_verified(candidates, damaged, f"{save_dir} and its memory tier",
                                 fallback_on_corrupt=bool(fallback_on_corrupt), before_check=memory.before_load)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cpuckpt.backend.collectives import from_rank0
+from cpuckpt.backend.collectives import from_rank
 from cpuckpt.config import Config
 from cpuckpt.errors import IntegrityError
 from cpuckpt.format.layout import FileLayout
@@ -238,7 +238,7 @@ class DeepSpeedMemory:
         """
         group = self.tier.group
         if not self.across_nodes:
-            return from_rank0(self.candidates, group, f"listing the DeepSpeed tags of {self.save_dir} and its memory "
+            return from_rank(self.candidates, group, f"listing the DeepSpeed tags of {self.save_dir} and its memory "
                                                       "tier")
         paths = self.tier.candidates()  # collective: memory checkpoints every node holds or gets back from a copy
         mine: list[tuple[str, Any]] = []

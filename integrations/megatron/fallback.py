@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from cpuckpt.backend.collectives import checkpoint_group, from_rank0
+from cpuckpt.backend.collectives import checkpoint_group, from_rank
 from cpuckpt.backend.committed import check_complete
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError, UnsafeCheckpointError
 from cpuckpt.paths import local_path
@@ -136,11 +136,11 @@ def next_candidate(roots: Sequence[tuple[str | os.PathLike, bool]], below: tuple
 
     Raises:
         StorageIOError: the scan failed on rank 0 (a root it cannot list, an entry it cannot ``stat``), on
-            every rank at once (:func:`~cpuckpt.backend.collectives.from_rank0`), not after the group's timeout;
+            every rank at once (:func:`~cpuckpt.backend.collectives.from_rank`), not after the group's timeout;
             ``CpuckptError`` for another failure.
     """
     paths = [(Path(local_path(r, "checkpoint root")), bool(t)) for r, t in roots]
-    return from_rank0(lambda: _scan(paths, below), group,
+    return from_rank(lambda: _scan(paths, below), group,
                       f"listing the Megatron iterations of {', '.join(str(p) for p, _ in paths)}")
 
 

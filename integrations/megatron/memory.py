@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpuckpt.backend.collectives import agree_or_raise, from_rank0
+from cpuckpt.backend.collectives import from_rank
 from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import check_complete
 from cpuckpt.config import Config
@@ -232,7 +232,7 @@ class MegatronMemory:
     def _megatron_bytes(self, route: Route) -> dict[str, bytes]:
         """Collective: rank 0's Megatron files of ``route`` (``common.pt``; not ``metadata.json``, an earlier
         save's), broadcast to every rank. Small: megatron-core's common state."""
-        return from_rank0(lambda: {e.name: e.read_bytes() for e in _megatron_files(route.path)
+        return from_rank(lambda: {e.name: e.read_bytes() for e in _megatron_files(route.path)
                                    if e.is_file() and e.name != MEGATRON_METADATA},
                           self.tier.group, f"reading Megatron's files of {route.path}")
 
@@ -310,7 +310,7 @@ class MegatronMemory:
             return [tier.slots.index(found) for found in slots
                     if durable is None or (tier.step_of(found) or -1) >= durable]
 
-        agreed: list[int] = from_rank0(order, tier.group, "ordering the memory checkpoints for the restart")
+        agreed: list[int] = from_rank(order, tier.group, "ordering the memory checkpoints for the restart")
         mine = [sorted(e.name for e in _megatron_files(d) if e.is_file()) if self.names else [] for d in tier.slots]
         every: list[Any] = [None] * tier.world_size
         dist.all_gather_object(every, mine, group=tier.group)
@@ -347,17 +347,10 @@ class MegatronMemory:
         dist.all_gather_object(every, sorted(mine), group=tier.group)
         names = set().union(*(set(m) for m in every))
         holder = next((r for r, m in enumerate(every) if set(m) == names), 0)
-        box: list[Any] = [None]
-        error: BaseException | None = None
-        if tier.rank == holder:  # as from_rank0, from the holder: its failed read is raised on every rank at once
-            try:
-                box = [{e.name: e.read_bytes() for e in _megatron_files(slot) if e.is_file()}]
-            except BaseException as e:
-                error = e
-        agree_or_raise(error, tier.rank, tier.group, f"reading Megatron's files of {slot}")
-        dist.broadcast_object_list(box, src=dist.get_global_rank(tier.group, holder), group=tier.group)
+        files = from_rank(lambda: {e.name: e.read_bytes() for e in _megatron_files(slot) if e.is_file()}, tier.group,
+                          f"reading Megatron's files of {slot.name} on rank {holder}", src=holder)
         if self.names:
-            for name, data in box[0].items():
+            for name, data in files.items():
                 if name not in mine:
                     write_atomic(slot / name, data, fsync=False)
 

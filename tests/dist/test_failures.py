@@ -315,3 +315,41 @@ def test_a_metadata_read_failing_on_one_rank_fails_the_load_on_every_rank_at_onc
     for rank, r in enumerate(results):
         assert r["raised"] is not None and r["seconds"] < 30, (rank, r)
         assert "injected: .metadata unreadable once" in r["message"], (rank, r)
+
+
+def rank_from_rank(root: str) -> dict:
+    """``from_rank`` from rank 1: its value on every rank; its failure raised on every rank at once, the ranks in step
+    after it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from cpuckpt.backend.collectives import from_rank
+
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+    out: dict = {"value": from_rank(lambda: {"from": rank}, group, "a value", src=1)}
+
+    def fail() -> None:
+        raise OSError(errno.EIO, "Input/output error", str(Path(root) / "common.pt"))
+
+    t0 = time.monotonic()
+    try:
+        from_rank(fail, group, "reading common.pt on rank 1", src=1)
+    except Exception as e:
+        out["error"] = (type(e).__name__, str(e), getattr(e, "errno", None))
+    out["error_s"] = time.monotonic() - t0
+    out["after"] = from_rank(lambda: rank, group, "a value after the failure")  # from rank 0
+    return out
+
+
+def test_from_rank_gives_every_rank_the_value_or_the_failure_at_once(run_ranks, tmp_path):
+    results = run_ranks(2, rank_from_rank, str(tmp_path), timeout_s=120)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1, errors  # the same error on every rank
+    kind, message, code = errors.pop()
+    assert kind == "StorageIOError" and code == errno.EIO, (kind, code)
+    assert "reading common.pt on rank 1" in message and "common.pt" in message, message
+    for r in results:
+        assert r["value"] == {"from": 1} and r["after"] == 0, r
+        assert r["error_s"] < 20, r  # not the group's 60 s timeout
