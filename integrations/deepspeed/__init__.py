@@ -85,6 +85,7 @@ Importing this module does not import DeepSpeed; the engine class is loaded on f
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -305,11 +306,26 @@ def select_tag(save_dir: str | os.PathLike, *, fallback_on_corrupt: bool = True)
     return _first_verified(candidates, damaged, str(root), fallback_on_corrupt=fallback_on_corrupt)
 
 
-def _newer(damaged: TagStatus, found: LatestTag) -> bool:
-    """Whether the damaged tag may be newer than ``found``: a later step, or no step to tell (a garbled marker);
-    a tag stock DeepSpeed wrote (no step) comes first only because ``latest`` names it, so it is newer."""
-    step = damaged.marker.global_step if damaged.marker is not None else None
-    return step is None or (found.global_step is not None and step > found.global_step)
+_STEP_NAME = re.compile(r"global_step(\d+)$")  # DeepSpeed's default tag names
+
+
+def _step_of(damaged: TagStatus) -> int | None:
+    """A damaged tag's step: its marker's, or for a garbled marker the one its name says (DeepSpeed's default)."""
+    if damaged.marker is not None:
+        return damaged.marker.global_step
+    m = _STEP_NAME.search(damaged.path.name)
+    return int(m.group(1)) if m else None
+
+
+def _newer(damaged: TagStatus, found: LatestTag) -> bool | None:
+    """Whether the damaged tag is newer than ``found`` (a later step); None: no step to tell by. A tag stock
+    DeepSpeed wrote (no step) comes first only because ``latest`` names it: nothing is newer than it."""
+    step = _step_of(damaged)
+    if found.global_step is None and found.marker is None:
+        return False
+    if step is None or found.global_step is None:
+        return None
+    return step > found.global_step
 
 
 def _damage(status: TagStatus) -> str:
@@ -333,7 +349,7 @@ def _first_verified(candidates: list[LatestTag], damaged: list[TagStatus], where
             pending.remove(status)
             if not fallback_on_corrupt:
                 raise CheckpointCorrupt(f"DeepSpeed tag {_damage(status)}; not loading an older tag "
-                                        "(fallback_on_corrupt is off)")
+                                        "(fallback_on_corrupt is off: repair or remove that tag, or turn it on)")
             failures.append(_damage(status))
             log.warning("cpuckpt: DeepSpeed tag %s; falling back to the next newest complete tag", _damage(status))
         try:  # a memory tag's restore from a partner's replica (before_check) fails alike on every rank
@@ -347,11 +363,15 @@ def _first_verified(candidates: list[LatestTag], damaged: list[TagStatus], where
             log.warning("cpuckpt: DeepSpeed tag %s does not verify (%s); falling back to the next newest complete "
                         "tag", found.directory / found.tag, e)
             continue
+        for status in [s for s in pending if _newer(s, found) is None]:  # named, never raised over alone
+            pending.remove(status)
+            log.warning("cpuckpt: DeepSpeed tag %s; no step tells whether it is newer than %s, which is loaded",
+                        _damage(status), found.directory / found.tag)
         return LatestTag(found.directory, found.tag, found.global_step, marker)  # type: ignore[arg-type]
     failures += [_damage(s) for s in pending]
     if failures:
-        raise CheckpointCorrupt(f"no complete DeepSpeed tag in {where} verifies: {'; '.join(failures)}; not starting "
-                                "from scratch over tags that were committed")
+        raise CheckpointCorrupt(f"no DeepSpeed tag in {where} loads: {'; '.join(failures)}; not starting from scratch "
+                                "over tags that were committed (repair or remove them to start afresh)")
     return None
 
 

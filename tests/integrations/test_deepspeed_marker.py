@@ -299,7 +299,7 @@ def test_select_tag_falls_back_past_a_tag_that_fails_its_crc32c(tmp_path, caplog
         ckpt_ds.select_tag(root, fallback_on_corrupt=False)
     for tag in ("a", "b"):
         (root / tag / "x.pt").write_bytes(b"\0" * 20)
-    with pytest.raises(CheckpointCorrupt, match=r"no complete DeepSpeed tag .* verifies"):
+    with pytest.raises(CheckpointCorrupt, match=r"no DeepSpeed tag in .* loads"):
         ckpt_ds.select_tag(root)
     with pytest.raises(ConfigError, match="s3://"):
         ckpt_ds.select_tag("s3://bucket/ds")
@@ -335,3 +335,47 @@ def test_select_tag_names_a_committed_tag_damaged_since_and_never_starts_from_sc
         ckpt_ds.select_tag(root)
     assert all(f"{root / t}: committed, but incomplete now" in str(ei.value) for t in "abc"), ei.value
     assert str(root / "d") not in str(ei.value) and "not starting from scratch" in str(ei.value)
+
+
+def test_an_old_tag_whose_marker_is_garbled_never_blocks_loading_the_newest(tmp_path, caplog):
+    """A garbled marker has no step: it counted as newer than every tag, so with ``fallback_on_corrupt=False`` every
+    restart raised over an ancient tag (and with it on, warned of a fallback while loading the newest). Its name's
+    step ranks it (DeepSpeed's ``global_step<N>``); a name without one is named in a warning, never raised over."""
+    import logging
+
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+
+    from cpuckpt.tier.tagmarker import MARKER_NAME
+
+    root = tmp_path / "ckpt"
+    for tag, step in (("global_step10", 10), ("custom", 20), ("global_step1000", 1000)):
+        _tag(root, tag, {"x.pt": bytes(range(20))}, step)
+    (root / "latest").write_text("global_step1000")
+    (root / "global_step10" / MARKER_NAME).write_text('{"format": "cpuckpt-deepspeed-tag", "ta')
+    with caplog.at_level(logging.WARNING, logger="cpuckpt.integrations.deepspeed"):
+        assert ckpt_ds.select_tag(root, fallback_on_corrupt=False).tag == "global_step1000"
+    assert not [r for r in caplog.records if r.name == "cpuckpt.integrations.deepspeed"]
+    (root / "custom" / MARKER_NAME).write_text('{"format": "cpuckpt-deepspeed-tag", "ta')
+    with caplog.at_level(logging.WARNING, logger="cpuckpt.integrations.deepspeed"):
+        assert ckpt_ds.select_tag(root, fallback_on_corrupt=False).tag == "global_step1000"
+    warned = [r.getMessage() for r in caplog.records if r.name == "cpuckpt.integrations.deepspeed"]
+    assert len(warned) == 1 and "custom" in warned[0] and "no step tells" in warned[0], warned
+
+
+def test_a_tag_saved_again_while_it_is_checked_is_no_damage(tmp_path, monkeypatch):
+    """``check_dir`` reads the marker, then the files' sizes: a save of the same tag beginning in between (its
+    marker removed, the saving file made, files rewritten) made a sound tag read as committed and damaged since."""
+    import cpuckpt.tier.tagmarker as tm
+
+    root = tmp_path / "ckpt"
+    _tag(root, "global_step5", {"x.pt": bytes(range(20))}, 5)
+    sizes = tm.size_mismatches
+
+    def saved_again_first(tag_dir, entries):
+        tm.open_tag(tag_dir, fsync=False)  # the next save of the tag begins
+        os.truncate(tag_dir / "x.pt", 3)
+        return sizes(tag_dir, entries)
+
+    monkeypatch.setattr(tm, "size_mismatches", saved_again_first)
+    status = tm.check_dir(root / "global_step5")
+    assert status.state == "torn" and not status.committed, status
