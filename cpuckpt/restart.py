@@ -54,7 +54,8 @@ def load_latest(
         root: the checkpoint root (its subdirectories are checkpoints).
         config: reader configuration, as for :func:`cpuckpt.load` (``integrity.verify: always``, the
             default, checks every chunk's crc32c; with ``off`` only sizes are checked).
-        fallback_on_corrupt: False: a damaged newest checkpoint is raised, not skipped.
+        fallback_on_corrupt: False: a damaged newest checkpoint is raised, not skipped (one that does not verify,
+            or one committed and incomplete since, newer than every complete one).
         process_group, planner: as for :func:`cpuckpt.load`.
 
     Returns:
@@ -80,7 +81,10 @@ def load_latest(
     cfg = resolve_config(config)
     group = collectives.checkpoint_group(process_group, cfg.timeout_s)
     names, damaged = _agreed_candidates(root_path, group)
-    for name, why in damaged:
+    for name, why, newest in damaged:
+        if newest and not fallback_on_corrupt:
+            raise CheckpointCorrupt(f"{root_path / name}: committed, but incomplete now ({why}); not loading an older "
+                                    "checkpoint (fallback_on_corrupt is off: repair or remove it, or turn it on)")
         logger.warning("cpuckpt: skipping %s: committed, but incomplete now (%s)", root_path / name, why)
     failures: list[str] = []
     for name in names:
@@ -100,24 +104,27 @@ def load_latest(
             logger.warning("cpuckpt: loaded %s after %d newer checkpoint(s) failed to verify", path, len(failures))
         return path
     if failures or damaged:
-        detail = "; ".join(failures + [f"{root_path / n}: {why}" for n, why in damaged])
+        detail = "; ".join(failures + [f"{root_path / n}: {why}" for n, why, _ in damaged])
         raise CheckpointCorrupt(f"no checkpoint under {root_path} loads cleanly ({detail}); the state dict "
                                 "may be partly overwritten: do not train from it")
     logger.info("cpuckpt: no complete checkpoint under %s: nothing loaded", root_path)
     return None
 
 
-def _agreed_candidates(root: Path | S3Url, group: Any) -> tuple[list[str], list[tuple[str, str]]]:
-    """Rank 0's complete checkpoints (newest first) and committed-but-incomplete ones, given to every rank.
+def _agreed_candidates(root: Path | S3Url, group: Any) -> tuple[list[str], list[tuple[str, str, bool]]]:
+    """Rank 0's complete checkpoints (newest first) and committed-but-incomplete ones (name, why, whether newer than
+    every complete one), given to every rank.
 
     One broadcast: ranks that scanned the root a moment apart (a save committing meanwhile) would
     otherwise try different checkpoints and wait for each other in different loads.
     """
-    def listing() -> tuple[list[str], list[tuple[str, str]]]:
-        infos = list_checkpoints(root)
+    def listing() -> tuple[list[str], list[tuple[str, str, bool]]]:
+        infos = list_checkpoints(root)  # oldest first, by the one order
         names = [c.path.name for c in reversed(infos) if c.complete]
+        last = max((i for i, c in enumerate(infos) if c.complete), default=-1)
         # committed once (a .metadata is there) but incomplete now: damage after the commit, not a torn save
-        return names, [(c.path.name, c.reason) for c in infos if not c.complete and committed_once(c)]
+        return names, [(c.path.name, c.reason, i > last) for i, c in enumerate(infos)
+                       if not c.complete and committed_once(c)]
 
     return collectives.from_rank(listing, group, f"listing the checkpoints of {root}")
 

@@ -173,7 +173,8 @@ def load_latest(sharded_state_dict: dict[str, Any] | Callable[[], dict[str, Any]
     Raises:
         CheckpointCorrupt: no candidate loads, or committed ones are damaged and none loads (each
             reason in the message): never a fresh start over checkpoints that exist.
-        IntegrityError: with ``fallback_on_corrupt`` false, the newest does not verify.
+        IntegrityError: with ``fallback_on_corrupt`` false, the newest does not verify, or was committed and is
+            incomplete since (``CheckpointCorrupt``).
     """
     from megatron.core import dist_checkpointing
 
@@ -189,6 +190,9 @@ def load_latest(sharded_state_dict: dict[str, Any] | Callable[[], dict[str, Any]
     below: tuple[int, int] | None = None
     while True:
         found, passed = next_candidate([(root, False)], below, group)
+        if passed and not fallback:  # committed, damaged since, newer than what would load: the newest is damaged
+            raise CheckpointCorrupt(f"{passed[0]}; not loading past it (fallback_on_corrupt is off: repair or remove "
+                                    "it, or turn it on)")
         _warn_damaged(passed)
         damaged += passed
         if found is None:

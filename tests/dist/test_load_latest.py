@@ -11,6 +11,7 @@ is damaged, a clear ``CheckpointCorrupt`` naming them, not a silent fresh start.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import _helpers as H
@@ -107,6 +108,23 @@ def test_fallback_is_logged_and_can_be_turned_off(tmp_path, caplog):
     assert sd["step"] == 1
     with pytest.raises(cpuckpt.CheckpointCorrupt):
         cpuckpt.load_latest(sd, tmp_path, CFG, fallback_on_corrupt=False)
+
+
+def test_a_newest_checkpoint_damaged_since_its_commit_is_never_loaded_past_with_fallback_off(tmp_path, caplog):
+    """A newest checkpoint whose data file was cut short after its commit: skipped with a WARNING, and with
+    ``fallback_on_corrupt=False`` raised (it was skipped either way: the switch only covered checksum failures)."""
+    _save_one(tmp_path, 1)
+    data = _save_one(tmp_path, 2) / "__0_0.distcp"
+    os.truncate(data, data.stat().st_size // 2)
+    sd = {"w": torch.zeros(200, 100), "step": None}
+    with caplog.at_level(logging.WARNING, logger="cpuckpt.restart"):
+        assert cpuckpt.load_latest(sd, tmp_path, CFG) == tmp_path / "step_1"
+    assert any("step_2" in r.getMessage() and "committed, but incomplete now" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(cpuckpt.CheckpointCorrupt, match=r"step_2: committed, but incomplete now .*fallback_on_corrupt"):
+        cpuckpt.load_latest(sd, tmp_path, CFG, fallback_on_corrupt=False)
+    _save_one(tmp_path, 3)  # an older damaged one does not stop the newest loading
+    assert cpuckpt.load_latest(sd, tmp_path, CFG, fallback_on_corrupt=False) == tmp_path / "step_3"
 
 
 def test_empty_root_loads_nothing_and_a_url_is_refused(tmp_path):

@@ -154,6 +154,20 @@ def rank_fall_back(root: str, damaged_file: str) -> dict:
         load_latest(lambda: mg._template(device), root_p, {"megatron": {"fallback_on_corrupt": False}})
     except CheckpointCorrupt as e:
         out["core_off"] = type(e).__name__
+    victim = root_p / "iter_0000003" / damaged_file
+    held = victim.read_bytes()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.truncate(victim, len(held) // 2)  # committed, incomplete since: never loaded past with fallback off
+    dist.barrier()
+    try:
+        load_latest(lambda: mg._template(device), root_p, {"megatron": {"fallback_on_corrupt": False}})
+    except CheckpointCorrupt as e:
+        out["core_off_truncated"] = "iter_0000003: committed, but incomplete now" in str(e)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        victim.write_bytes(held)
+    dist.barrier()
 
     # Megatron-LM's load_checkpoint through the hook (patch_training is what install() runs)
     options = MegatronOptions(prepare_pool=False)
@@ -189,7 +203,7 @@ def test_damaged_newest_falls_back_on_both_ranks(run_ranks, tmp_path, damaged_fi
     for rank, r in enumerate(results):
         assert r["core"] == (2, "iter_0000002"), r
         assert r["warned"], "no WARNING naming the damaged iteration"
-        assert r["core_off"] == "CheckpointCorrupt", r
+        assert r["core_off"] == "CheckpointCorrupt" and r["core_off_truncated"], r
         assert r["hook"] == (2, 2, True), r  # Megatron-LM's iteration and loaded iteration; read_metadata restored
         assert r["tracker"] == "3", "the tracker file changed"
         assert r["hook_off"] == "CheckpointCorrupt", r
