@@ -406,9 +406,9 @@ def load_latest(engine: Any, save_dir: str | os.PathLike, *, fallback_on_corrupt
         from cpuckpt.tier.tagmarker import scan_tags
 
         candidates = memory.agreed_candidates()
-        # save_dir's damaged tags (a memory slot is complete or not, as the core tier's non-DCP slots)
+        # the damaged tags of save_dir (rank 0's look) and of every node's slots (its leader's)
         damaged = from_rank(lambda: scan_tags(memory.save_dir)[1], memory.tier.group,
-                             f"listing the damaged DeepSpeed tags of {save_dir}")
+                            f"listing the damaged DeepSpeed tags of {save_dir}") + memory.agreed_damaged_slots()
         found = _first_verified(candidates, damaged, f"{save_dir} and its memory tier",
                                 fallback_on_corrupt=bool(fallback_on_corrupt), before_check=memory.before_load)
     if found is None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cpuckpt.backend.collectives import from_rank
+from cpuckpt.backend.collectives import agree_or_raise, from_rank
 from cpuckpt.config import Config
 from cpuckpt.errors import IntegrityError
 from cpuckpt.format.layout import FileLayout
@@ -53,6 +53,7 @@ from cpuckpt.tier.tagmarker import (
     LatestTag,
     TagFile,
     TagMarker,
+    TagStatus,
     check_dir,
     check_tag,
     new_marker,
@@ -270,6 +271,23 @@ class DeepSpeedMemory:
                 out.append(LatestTag(self.links, tag, step, TagMarker(tag, self.tier.world_size, {}, step,
                                                                         save_id=what)))
         return out
+
+    def agreed_damaged_slots(self) -> list[TagStatus]:
+        """Collective: the slots committed once but incomplete now (a file cut short, the marker garbled), every
+        node's leader's look, on every rank alike: a restart names them, never takes them for torn saves."""
+        found: list[TagStatus] = []
+        error: BaseException | None = None
+        try:
+            if self.tier.nodes.is_leader:
+                found = [s for s in map(check_dir, self.tier.slots) if s.committed and not s.complete]
+        except BaseException as e:  # raised alike on every rank, not while the others wait in the all-gather
+            error = e
+        agree_or_raise(error, self.tier.rank, self.tier.group, f"looking for damaged memory tags of {self.save_dir}")
+        if not self.tier.dist:
+            return found
+        every: list[Any] = [None] * self.tier.world_size
+        dist.all_gather_object(every, found, group=self.tier.group)
+        return [s for theirs in every for s in theirs]
 
     def slot_of(self, found: LatestTag) -> Path | None:
         """The slot a memory candidate names (None: a durable tag)."""

@@ -278,6 +278,58 @@ def rank_memory_only_then_garbled(root: str) -> None:
     dist.barrier()  # no destroy(): the RAM root stays for the restart
 
 
+def rank_memory_only_then_truncated(root: str) -> None:
+    """Steps 1-2 committed in RAM (persist_every 0), then a file of step 2's slot cut short (rank 0)."""
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    from cpuckpt.tier.tagmarker import read_marker
+
+    rank = dist.get_rank()
+    ckpt_ds.install(_settings(str(Path(root) / "ram"), persist_every=0))
+    engine = h._engine(2, seed=0)
+    for k in range(1, 3):
+        h._step(engine, k)
+        _save_state(h, engine, root, rank)
+        engine.save_checkpoint(str(Path(root) / "ckpt"))
+    ckpt_ds.commit_pending(engine)
+    dist.barrier()
+    if rank == 0:
+        slot = next(s for s in engine.checkpoint_engine.memory_tier.slots if read_marker(s).global_step == 2)
+        victim = slot / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+        os.truncate(victim, victim.stat().st_size // 2)
+    dist.barrier()  # no destroy(): the RAM root stays for the restart
+
+
+def rank_restart_past_a_truncated_slot(root: str) -> dict:
+    import logging
+
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+
+    from cpuckpt.errors import CheckpointCorrupt
+
+    ckpt_ds.install(_settings(str(Path(root) / "ram"), persist_every=0))
+    engine = h._engine(2, seed=3)
+    out: dict = {}
+    try:
+        ckpt_ds.load_latest(engine, Path(root) / "ckpt", fallback_on_corrupt=False)
+    except CheckpointCorrupt as e:
+        out["off"] = str(e)
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("cpuckpt").addHandler(handler)
+    path, _ = ckpt_ds.load_latest(engine, Path(root) / "ckpt")
+    logging.getLogger("cpuckpt").removeHandler(handler)
+    out.update(loaded=path, step=engine.global_steps, warned=warned)
+    engine.destroy()
+    return out
+
+
 def rank_restart_past_a_garbled_slot(root: str) -> dict:
     h = _ds()
     h._setup_env()
@@ -480,6 +532,18 @@ def test_no_writer_without_persists_and_a_torn_memory_tag_is_never_chosen(run_ra
         assert sorted(r["slots"]) == ["complete", "torn"], r["slots"]  # step 3's slot: files, no marker
         assert r["links"] == ["global_step2", "latest"], r["links"]  # step 1's slot was refilled by step 3
     assert not (tmp_path / "ram").exists() or not any((tmp_path / "ram").iterdir())
+
+
+@pytest.mark.timeout(300)
+def test_a_memory_tag_damaged_since_its_commit_is_named_not_skipped_as_torn(run_ranks, tmp_path):
+    """A slot whose file was cut short after its commit was dropped from the candidates like a torn save: the
+    restart loaded the older memory tag without a word, even with ``fallback_on_corrupt`` off."""
+    run_ranks(2, rank_memory_only_then_truncated, str(tmp_path), timeout_s=150)
+    _wait_writers_gone(tmp_path / "ram")
+    for r in run_ranks(2, rank_restart_past_a_truncated_slot, str(tmp_path), timeout_s=150):
+        assert "committed, but incomplete now" in r.get("off", "") and "fallback_on_corrupt is off" in r["off"], r
+        assert Path(r["loaded"]).parent == tmp_path / "ram" / "tags" / "global_step1" and r["step"] == 1, r
+        assert any("committed, but incomplete now" in w and "falling back" in w for w in r["warned"]), r["warned"]
 
 
 @pytest.mark.timeout(300)
