@@ -16,6 +16,9 @@ A tag is *complete* when its marker parses and every listed file has its listed 
 nodes: every file of its node listing, :mod:`cpuckpt.tier.nodefiles`, of the marker's save); *torn* when it
 has the saving file or a marker that does not match the files; *unmarked* when it has neither (stock
 DeepSpeed wrote it: nothing to check). ``verify`` also compares every chunk's crc32c.
+
+:func:`clean_torn_tags` (``cpuckpt clean``) removes a torn tag only where a tag committed after it proves that
+its save is over: an engine commits its tags in the order it creates them.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +40,7 @@ from cpuckpt.backend.committed import size_mismatches
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import local_path
+from cpuckpt.tier.formats import PART_PREFIX
 from cpuckpt.tier.nodefiles import NodeFiles, read_node_files
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 from cpuckpt.version import __version__
@@ -50,6 +56,7 @@ __all__ = [
     "TagStatus",
     "check_dir",
     "check_tag",
+    "clean_torn_tags",
     "complete_tags",
     "find_latest",
     "held_files",
@@ -436,3 +443,163 @@ def owned_files(marker: TagMarker, rank: int, world_size: int, tag_dir: Path | N
         return sorted(n for n, f in marker.files.items() if f.rank == rank)
     return [n for i, n in enumerate(sorted(marker.files)) if i % world_size == rank]
 
+
+# -- cleaning (``cpuckpt clean``) ----------------------------------------------------------------------------------
+ORDER_MARGIN_S = 1.0  # a commit less than this after a torn tag's last change does not order them (coarse file times)
+
+
+def clean_torn_tags(save_dir: str | os.PathLike, *, min_age_s: float = 0.0, fsync: bool = True,
+                    dry_run: bool = False) -> list[Path]:
+    """Remove torn tags of cpuckpt's engine in ``save_dir`` whose save is over; returns what was (``dry_run``: would
+    be) removed, by name.
+
+    A tag goes only when it never committed (``.cpuckpt-saving``, no marker file at all) and a tag of ``save_dir``
+    committed after its last change: an engine commits its checkpoints in the order it creates them (a save's
+    ``create`` commits the one before, and waits for a background commit, before its first byte), so a tag whose
+    save still waits for its commit (until the next ``engine.step()``, save or ``destroy()``, however long) is newer
+    than every commit of its engine. "After" is when the later tag's commit happened: the earlier of its marker's
+    ``created_unix`` (its engine's commit, in memory or on disk) and its marker file's mtime (a writer process
+    persists a memory tag into ``save_dir`` long after its memory commit, out of the engine's order), at least
+    :data:`ORDER_MARGIN_S` after the newest modification time in the torn tag (its directory and everything in it).
+    The marker of a later tag must parse (a garbled one dates nothing); it may be damaged since its commit.
+
+    Never removed: a tag with a marker file (committed, damaged since, empty or of a newer format), a tag of stock
+    DeepSpeed (neither file), one ``latest`` names (a file naming it, or a symlink to it; ``latest`` itself is never
+    followed into, read through or removed), one holding a writer process's part (``.cpuckpt-part-<rank>.json``:
+    the memory tier's persist of it may still be owed: its coordinator commits from the parts), one modified in
+    the last ``min_age_s`` seconds (a writer copying into it; another process's save), one that cannot be read
+    whole, and anything that is not a directory directly under ``save_dir``. Each torn tag is judged right before
+    it goes, not from the listing; its files go first, then (the directory fsynced) ``.cpuckpt-saving``, then the
+    directory, so an interrupted removal leaves a torn tag, never one that looks like stock DeepSpeed's.
+    """
+    root = Path(local_path(save_dir, "DeepSpeed save_dir"))
+    torn, commits = _survey(root)
+    removed: list[Path] = []
+    for tag_dir in torn:
+        why, later = _kept_because(tag_dir, commits, root, min_age_s)
+        if why is not None:
+            logger.info("not removing torn DeepSpeed tag %s: %s", tag_dir, why)
+            continue
+        if not dry_run:
+            logger.info("removing torn DeepSpeed tag %s: never committed, and %s committed after its last change",
+                        tag_dir, later)
+            _remove_tag(tag_dir, fsync=fsync)
+        removed.append(tag_dir)
+    return removed
+
+
+def _survey(root: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
+    """(the tags of cpuckpt's engine that never committed, the committed tags with their commit time in ns)."""
+    torn: list[Path] = []
+    commits: list[tuple[Path, int]] = []
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except FileNotFoundError:
+        return [], []
+    for entry in entries:
+        if entry.name == "latest" or not entry.is_dir(follow_symlinks=False):
+            continue
+        tag_dir = Path(entry.path)
+        if not (os.path.lexists(tag_dir / MARKER_NAME) or os.path.lexists(tag_dir / SAVING_NAME)):
+            continue  # stock DeepSpeed's, or no tag at all
+        try:
+            status = check_dir(tag_dir, entry.name)
+        except OSError as e:
+            logger.warning("not removing DeepSpeed tag %s: it cannot be read (%s)", tag_dir, e)
+            continue
+        if status.committed:
+            if not status.complete:
+                logger.warning("not removing DeepSpeed tag %s: committed once, incomplete now (%s)", tag_dir,
+                               "; ".join(status.problems))
+            when = _commit_ns(tag_dir, status.marker) if status.marker is not None else None
+            if when is not None:
+                commits.append((tag_dir, when))
+        elif status.state == "torn":
+            torn.append(tag_dir)
+    return torn, commits
+
+
+def _commit_ns(tag_dir: Path, marker: TagMarker) -> int | None:
+    """When ``tag_dir``'s commit happened, in ns: the earlier of its marker's ``created_unix`` and its mtime."""
+    if marker.created_unix <= 0:
+        return None
+    try:
+        mtime = os.lstat(tag_dir / MARKER_NAME).st_mtime_ns
+    except OSError:
+        return None
+    return min(int(marker.created_unix * 1e9), mtime)
+
+
+def _named_by_latest(root: Path, tag_dir: Path) -> bool:
+    """Whether ``root/latest`` names ``tag_dir``: a regular file holding its name, or a symlink resolving to it."""
+    latest = root / "latest"
+    try:
+        st = os.lstat(latest)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(st.st_mode):
+        return os.path.realpath(latest) == os.path.realpath(tag_dir)
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    try:
+        return latest.read_text().strip() == tag_dir.name
+    except UnicodeDecodeError:
+        return False
+
+
+def _kept_because(tag_dir: Path, commits: list[tuple[Path, int]], root: Path,
+                  min_age_s: float) -> tuple[str | None, Path | None]:
+    """(why ``tag_dir`` stays, or None, and then the tag committed after it)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(tag_dir).st_mode):
+            return "not a directory", None
+        if _named_by_latest(root, tag_dir):
+            return f"{root / 'latest'} names it", None
+        if os.path.lexists(tag_dir / MARKER_NAME):
+            return "it has a marker file (committed, or of a format this cpuckpt does not judge)", None
+        status = check_dir(tag_dir, tag_dir.name)
+        if status.state != "torn" or status.committed:
+            return f"it is {status.state} now", None
+        parts = sorted(n for n in os.listdir(tag_dir) if n.startswith(PART_PREFIX))
+        if parts:
+            return (f"a writer process persists it ({', '.join(parts)}: its coordinator may still commit it)", None)
+        newest = _newest_ns(tag_dir)
+    except OSError as e:  # gone, unreadable, or changing while read: nothing is decided
+        return f"it cannot be read whole ({e})", None
+    age_s = (time.time_ns() - newest) / 1e9
+    if age_s < min_age_s:
+        return f"modified {age_s:.0f} s ago, less than {min_age_s:g} s (it may be written right now)", None
+    later = [(when, p) for p, when in commits if when > newest + int(ORDER_MARGIN_S * 1e9)]
+    if not later:
+        return ("no tag was committed after its last change (a save waits for its commit until the engine's next "
+                "step(), save or destroy())"), None
+    return None, max(later)[1]
+
+
+def _newest_ns(tag_dir: Path) -> int:
+    """The newest mtime (ns) of ``tag_dir`` and everything under it; raises when anything cannot be stat'ed."""
+    newest = os.lstat(tag_dir).st_mtime_ns
+
+    def fail(e: OSError) -> None:
+        raise e
+
+    for dirpath, dirnames, filenames in os.walk(tag_dir, onerror=fail):
+        for name in (*dirnames, *filenames):
+            newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime_ns)
+    return newest
+
+
+def _remove_tag(tag_dir: Path, *, fsync: bool) -> None:
+    """Everything but ``.cpuckpt-saving`` first (durably, with ``fsync``), then it, then the directory."""
+    for entry in os.scandir(tag_dir):
+        if entry.name == SAVING_NAME:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+    if fsync:
+        fsync_dir(tag_dir)
+    (tag_dir / SAVING_NAME).unlink(missing_ok=True)
+    os.rmdir(tag_dir)

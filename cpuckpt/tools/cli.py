@@ -1,9 +1,9 @@
 """The ``cpuckpt`` command line: ls, inspect, verify, convert, clean, bench, demo. Front end only.
 
 The work is done by :mod:`cpuckpt.tools.catalog` (ls, inspect), :mod:`cpuckpt.tools.verification` (verify),
-:mod:`cpuckpt.tools.export` (convert), :mod:`cpuckpt.roots` and :mod:`cpuckpt.tier.ramroot` (clean); this
-module parses arguments, configures logging (the only place in cpuckpt that adds handlers), prints, and maps
-outcomes to exit codes:
+:mod:`cpuckpt.tools.export` (convert), :mod:`cpuckpt.roots`, :mod:`cpuckpt.tier.tagmarker` (DeepSpeed tags) and
+:mod:`cpuckpt.tier.ramroot` (clean); this module parses arguments, configures logging (the only place in cpuckpt
+that adds handlers), prints, and maps outcomes to exit codes:
 
 - 0: success (``verify``: every byte checked and sound);
 - 1: ``verify`` found damage;
@@ -356,7 +356,8 @@ def convert_cmd(path: Any, out: Any, fmt: str, max_shard_size: int | None, memor
 @click.option("--min-age", "min_age", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Durable roots: remove only leftovers untouched this long. A live save touches its directory "
                    "at least once per timeout_s, so keep this >= the trainers' timeout_s; 0 also removes saves "
-                   "that other processes are writing right now.  [default: the default timeout_s, 600]")
+                   "that other processes are writing right now (a torn DeepSpeed tag also needs a tag committed "
+                   "after it).  [default: the default timeout_s, 600]")
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per removed path.")
 def clean_cmd(root: Any, ram: bool, min_age: float | None, dry_run: bool, as_json: bool) -> None:
@@ -364,13 +365,19 @@ def clean_cmd(root: Any, ram: bool, min_age: float | None, dry_run: bool, as_jso
 
     ROOT: torn checkpoint directories (no valid commit) untouched for --min-age, *.tmp files, manifest
     parts and O_DIRECT probes inside complete checkpoints, and a stray latest.tmp; complete checkpoints and
-    checkpoints being loaded stay. An s3:// ROOT: incomplete checkpoint prefixes, manifest parts and the
+    checkpoints being loaded stay. In a DeepSpeed save_dir: tags of cpuckpt's engine that never committed
+    (.cpuckpt-saving, no marker), untouched for --min-age, and only where another tag was committed after
+    their last change (a tag waits for its commit until the engine's next step(), save or destroy(), however
+    long; its engine commits in order); never a tag that latest names, one with a marker (committed, even if
+    damaged since), one of stock DeepSpeed, one a memory tier's writer persists (its parts there), or latest
+    itself. An s3:// ROOT: incomplete checkpoint prefixes, manifest parts and the
     multipart uploads of dead saves, untouched for --min-age. --ram: RAM roots whose trainer and writer locks
     are all free; live ones stay; and process files (``cpuckpt-<tag>-p<pid>-b<boot>-*``, e.g. the Megatron
     adapter's) of processes gone.
     """
     verb = "would remove" if dry_run else "removed"
     files: list[Path] = []
+    tags: list[Path] = []  # torn DeepSpeed tags
     from cpuckpt.paths import S3Url
 
     if ram and isinstance(root, S3Url):
@@ -405,20 +412,28 @@ def clean_cmd(root: Any, ram: bool, min_age: float | None, dry_run: bool, as_jso
         min_age_s = Config().timeout_s if min_age is None else min_age
         try:
             removed = clean_incomplete(root, min_age_s=min_age_s, dry_run=dry_run)
+            if not isinstance(root, S3Url):  # a DeepSpeed save_dir is local
+                from cpuckpt.tier.tagmarker import clean_torn_tags
+
+                tags = clean_torn_tags(root, min_age_s=min_age_s, dry_run=dry_run)
         except (OSError, CpuckptError) as e:
             _fail(f"cannot clean {root}: {e}")
         base, kind, what = root, "checkpoint", ""
     if as_json:
         for path in removed:
             click.echo(json.dumps({"path": str(path), "kind": kind, "removed": not dry_run}))
+        for path in tags:
+            click.echo(json.dumps({"path": str(path), "kind": "deepspeed-tag", "removed": not dry_run}))
         for path in files:
             click.echo(json.dumps({"path": str(path), "kind": "process-file", "removed": not dry_run}))
         return
     for path in removed:
         click.echo(f"{verb} {what}{path}")
+    for path in tags:
+        click.echo(f"{verb} torn DeepSpeed tag {path}")
     for path in files:
         click.echo(f"{verb} stale process file {path}")
-    if not removed and not files:
+    if not removed and not tags and not files:
         click.echo(f"no stale RAM roots under {base}" if ram else f"nothing to clean in {base}")
 
 def _source_root(rel: str) -> Path:

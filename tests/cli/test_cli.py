@@ -683,6 +683,164 @@ def test_clean_argument_errors(tmp_path):
     assert code == 0 and "clean" in out
 
 
+# ------------------------------------------------------------------------- clean: torn DeepSpeed tags
+
+
+def _ds_torn(root: Path, tag: str, *, ago: float) -> Path:
+    """A tag cpuckpt's engine began and never committed (``open_tag``, then its file; no marker), last changed
+    ``ago`` seconds ago."""
+    from cpuckpt.tier.tagmarker import open_tag
+
+    d = root / tag
+    open_tag(d, fsync=False)
+    (d / "mp_rank_00_model_states.pt").write_bytes(b"t" * 100)
+    _age(d, ago)
+    return d
+
+
+def test_clean_removes_a_torn_deepspeed_tag_only_once_a_later_tag_committed(tmp_path):
+    """A torn tag of cpuckpt's engine whose save died: its engine commits tags in order, so a tag committed after
+    its last change proves its commit will never come. Before that commit, however old, it is kept (a tag waits
+    for its commit until the engine's next step(), save or destroy()); --dry-run lists exactly what goes."""
+    root = tmp_path / "save_dir"
+    _ds_tag(root, "global_step10", 10, b"a" * 100, ago=3000)
+    torn = _ds_torn(root, "global_step20", ago=2000)  # untouched far longer than timeout_s
+    (root / "latest").write_text("global_step10")
+    code, out = _run("clean", root)
+    assert code == 0 and out.splitlines() == [f"nothing to clean in {root}"], out
+    assert torn.is_dir()
+
+    _ds_tag(root, "global_step30", 30, b"c" * 100)  # committed now: global_step20's save is over
+    (root / "latest").write_text("global_step30")
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    code, out = _run("clean", root, "--dry-run")
+    assert code == 0 and out.splitlines() == [f"would remove torn DeepSpeed tag {torn}"], out
+    code, out = _run("clean", root, "--dry-run", "--json")
+    assert code == 0 and _json_lines(out) == [{"path": str(torn), "kind": "deepspeed-tag", "removed": False}], out
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+    code, out = _run("clean", root, "--json")
+    assert code == 0 and _json_lines(out) == [{"path": str(torn), "kind": "deepspeed-tag", "removed": True}], out
+    assert sorted(os.listdir(root)) == ["global_step10", "global_step30", "latest"]
+    assert (root / "latest").read_text() == "global_step30"
+    from cpuckpt.tier.tagmarker import check_tag
+
+    assert [check_tag(root, t).state for t in ("global_step10", "global_step30")] == ["complete", "complete"]
+    code, out = _run("clean", root)
+    assert code == 0 and out.splitlines() == [f"nothing to clean in {root}"], out
+
+
+def test_clean_keeps_a_torn_tag_newer_than_every_commit_or_with_none(tmp_path):
+    """A torn tag changed after the newest commit (a live save waiting for its commit: its engine committed
+    everything before it first) stays, as does one in a save_dir with no committed tag at all; one older than a
+    commit goes. A commit within ORDER_MARGIN_S of a tag's last change orders nothing."""
+    alone = tmp_path / "alone"
+    _ds_torn(alone, "global_step20", ago=5000)
+    code, out = _run("clean", alone, "--min-age", "0")
+    assert code == 0 and out.splitlines() == [f"nothing to clean in {alone}"], out
+
+    root = tmp_path / "save_dir"
+    dead = _ds_torn(root, "global_step10", ago=4000)
+    _ds_tag(root, "global_step20", 20, b"b" * 100, ago=3000)
+    live = _ds_torn(root, "global_step30", ago=2000)  # its commit still to come: newer than every commit
+    close = _ds_torn(root, "global_step5", ago=3000.5)  # 0.5 s before global_step20's commit: not ordered
+    code, out = _run("clean", root, "--min-age", "0")
+    assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}"], out
+    assert live.is_dir() and close.is_dir() and not dead.exists()
+
+
+def test_clean_keeps_committed_damaged_stock_and_unjudged_deepspeed_tags(tmp_path, caplog):
+    """Only a tag that never committed goes: a committed tag damaged since (a file short), a tag of stock
+    DeepSpeed (no cpuckpt file), a marker left empty by a crash, a newer format's marker, all older than a
+    commit, stay; so does a torn tag older than a tag whose garbled marker dates nothing."""
+    import logging
+
+    from cpuckpt.tier.tagmarker import MARKER_NAME
+
+    root = tmp_path / "save_dir"
+    damaged = _ds_tag(root, "global_step10", 10, b"a" * 100, ago=4000)
+    (damaged / "mp_rank_00_model_states.pt").write_bytes(b"a" * 60)
+    _age(damaged, 4000)
+    stock = root / "global_step11"
+    stock.mkdir(parents=True)
+    (stock / "mp_rank_00_model_states.pt").write_bytes(b"s" * 100)
+    _age(stock, 4000)
+    empty = _ds_torn(root, "global_step12", ago=4000)
+    (empty / MARKER_NAME).write_bytes(b"")
+    newer = _ds_torn(root, "global_step13", ago=4000)
+    (newer / MARKER_NAME).write_text('{"format": "cpuckpt-deepspeed-tag", "format_version": 99}')
+    for d in (empty, newer):
+        _age(d, 4000)
+    dead = _ds_torn(root, "global_step14", ago=4000)
+    _ds_tag(root, "global_step20", 20, b"b" * 100, ago=10)
+    before = {p: p.stat().st_size for p in root.rglob("*") if p.is_file() and dead not in p.parents}
+    with caplog.at_level(logging.WARNING):
+        code, out = _run("clean", root)
+    assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}"], out
+    assert {p: p.stat().st_size for p in root.rglob("*") if p.is_file()} == before
+    assert f"not removing DeepSpeed tag {damaged}: committed once, incomplete now" in caplog.text
+
+    garbled = tmp_path / "garbled"
+    torn = _ds_torn(garbled, "global_step14", ago=4000)
+    later = _ds_tag(garbled, "global_step20", 20, b"b" * 100)
+    (later / MARKER_NAME).write_bytes(b'{"tag": \xff')  # committed (written last), but when is unknown
+    code, out = _run("clean", garbled)
+    assert code == 0 and out.splitlines() == [f"nothing to clean in {garbled}"], out
+    assert torn.is_dir()
+
+
+def test_clean_with_latest_a_symlink_never_follows_or_removes_it(tmp_path):
+    """``latest`` a symlink to a tag: it is neither read through nor removed, and the tag it names stays even torn
+    (a tag a symlink names is not a tag of its own either); the other torn tags are judged as always."""
+    root = tmp_path / "save_dir"
+    dead = _ds_torn(root, "global_step10", ago=4000)
+    named = _ds_torn(root, "global_step15", ago=4000)
+    _ds_tag(root, "global_step20", 20, b"b" * 100, ago=10)
+    (root / "latest").symlink_to("global_step15")
+    (root / "alias").symlink_to(dead)
+    code, out = _run("clean", root)
+    assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}"], out
+    assert os.readlink(root / "latest") == "global_step15" and named.is_dir()
+    assert os.readlink(root / "alias") == str(dead)
+    os.unlink(root / "latest")
+    (root / "latest").symlink_to(root / "global_step20")
+    code, out = _run("clean", root)
+    assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {named}"], out
+    assert os.readlink(root / "latest") == str(root / "global_step20")
+    assert sorted(os.listdir(root)) == ["alias", "global_step20", "latest"]
+
+
+def test_clean_keeps_a_tag_a_memory_tier_writer_persists(tmp_path):
+    """A memory tag persisted into save_dir by its writer process looks torn while it is copied. It stays while
+    a rank's part is there (the coordinator's writer commits from the parts, maybe later than any commit), while
+    it changes within --min-age (a writer copying), and when the later commit is a writer's persist of a tag
+    committed in memory before the torn tag's files were written (a disk save still waiting for its commit)."""
+    from cpuckpt.format.manifest import FileEntry, Manifest
+    from cpuckpt.tier.formats import part_path
+    from cpuckpt.transfer.files import write_atomic
+
+    root = tmp_path / "save_dir"
+    parted = _ds_torn(root, "global_step10", ago=4000)  # rank 1's writer done, the coordinator's not yet
+    entry = FileEntry(name="zero_pp_rank_1_mp_rank_00_optim_states.pt", nbytes=100, chunk_bytes=100)
+    write_atomic(part_path(parted, 1), Manifest(save_id="job-0001", files={entry.name: entry}).to_json().encode(),
+                 fsync=False)
+    _age(parted, 4000)
+    copying = _ds_torn(root, "global_step11", ago=300)  # a writer copied into it 300 s ago
+    dead = _ds_torn(root, "global_step12", ago=4000)
+    _ds_tag(root, "global_step20", 20, b"b" * 100, ago=10)
+    code, out = _run("clean", root)
+    assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}"], out
+    assert parted.is_dir() and copying.is_dir()
+
+    mem = tmp_path / "memory"
+    waiting = _ds_torn(mem, "global_step30", ago=2000)  # went to disk (when_full: disk), waits for its commit
+    persisted = _ds_tag(mem, "global_step25", 25, b"p" * 100, ago=3000, save_id="job-0002")  # memory commit
+    marker = persisted / ".cpuckpt-complete.json"
+    os.utime(marker, (time.time() - 5, time.time() - 5))  # its writer's durable commit: long after the memory one
+    code, out = _run("clean", mem)
+    assert code == 0 and out.splitlines() == [f"nothing to clean in {mem}"], out
+    assert waiting.is_dir()
+
+
 # ------------------------------------------------------------------------------- stock data files, paths
 
 
@@ -760,8 +918,12 @@ def test_verify_of_a_checkpoint_saved_without_checksums_is_not_ok(tmp_path):
     assert code == 1 and "truncated" in out, out
 
 
-def _ds_tag(root: Path, tag: str, step: int, payload: bytes) -> Path:
-    """A DeepSpeed tag as cpuckpt's engine commits it: its files, then the marker listing their crc32c."""
+def _ds_tag(root: Path, tag: str, step: int, payload: bytes, *, ago: float | None = None,
+            save_id: str = "") -> Path:
+    """A DeepSpeed tag as cpuckpt's engine commits it: its files, then the marker listing their crc32c (``ago``:
+    committed that many seconds ago, its marker's time and every mtime; ``save_id``: a memory tag's marker)."""
+    import dataclasses
+
     import crc32c
 
     from cpuckpt.tier.tagmarker import TagFile, new_marker, open_tag, write_marker
@@ -772,7 +934,12 @@ def _ds_tag(root: Path, tag: str, step: int, payload: bytes) -> Path:
     (d / name).write_bytes(payload)
     listed = {name: TagFile(rank=0, nbytes=len(payload), chunk_bytes=len(payload), checksum="crc32c",
                             chunk_checksums=(crc32c.crc32c(payload),))}
-    write_marker(d, new_marker(tag, 1, listed, step), fsync=False)
+    marker = new_marker(tag, 1, listed, step, save_id=save_id)
+    if ago is not None:
+        marker = dataclasses.replace(marker, created_unix=time.time() - ago)
+    write_marker(d, marker, fsync=False)
+    if ago is not None:
+        _age(d, ago)
     return d
 
 

@@ -216,6 +216,62 @@ def test_torn_tag_refused_and_fallback(run_ranks, tmp_path):
     assert not list(ckpt.glob("*/*.tmp")), "temporary marker files left behind"
 
 
+def rank_clean_torn_tags(root: str) -> dict:
+    """One rank: t1 committed; t2 whose write fails (its commit raises: torn, never to commit); t3 committed; t4
+    saved and waiting for its commit (no step() yet). Cleaning (no --min-age) while t4 waits, then after its
+    commit."""
+    import time
+
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+
+    from cpuckpt.tier.tagmarker import clean_torn_tags
+
+    save_dir = Path(root) / "ckpt"
+    out: dict = {}
+    ckpt_ds.install({"io": _IO})
+    engine = h._engine(2, seed=0)
+    h._step(engine, 0)
+    engine.save_checkpoint(str(save_dir), tag="t1")
+    h._step(engine, 1)  # commits t1
+    ckpt_ds.attach(engine, {"io": {**_IO, "backend": "fault:ENOSPC@0"}})
+    engine.save_checkpoint(str(save_dir), tag="t2")
+    out["t2_commit"] = _raised(lambda: ckpt_ds.commit_pending(engine))[0]
+    ckpt_ds.attach(engine, {"io": _IO})
+    out["before_t3"] = [str(p) for p in clean_torn_tags(save_dir)]  # nothing committed after t2 yet
+    time.sleep(1.1)  # ORDER_MARGIN_S: t3's commit comes clearly after t2's last change
+    h._step(engine, 2)
+    engine.save_checkpoint(str(save_dir), tag="t3")
+    h._step(engine, 3)  # commits t3
+    engine.save_checkpoint(str(save_dir), tag="t4")  # its commit waits for the next step()
+    time.sleep(1.1)
+    out["states"] = {t: ckpt_ds.check_tag(save_dir, t).state for t in ("t1", "t2", "t3", "t4")}
+    out["removed"] = [str(p) for p in clean_torn_tags(save_dir)]
+    out["after"] = {t: ckpt_ds.check_tag(save_dir, t).state for t in ("t1", "t2", "t3", "t4")}
+    h._step(engine, 4)  # commits t4
+    ckpt_ds.commit_pending(engine)
+    out["t4_committed"] = ckpt_ds.check_tag(save_dir, "t4").state
+    out["removed_after"] = [str(p) for p in clean_torn_tags(save_dir)]
+    out["latest"] = (save_dir / "latest").read_text()
+    engine.destroy()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_clean_removes_a_dead_torn_tag_and_keeps_one_waiting_for_its_commit(run_ranks, tmp_path):
+    """A real engine: a tag whose commit failed goes once a later tag committed; the tag saved since, waiting for
+    its commit until the next step() (no --min-age), stays, and commits afterwards."""
+    (r,) = run_ranks(1, rank_clean_torn_tags, str(tmp_path), timeout_s=200)
+    ckpt = tmp_path / "ckpt"
+    assert r["t2_commit"] == "StorageIOError", r
+    assert r["before_t3"] == [], r
+    assert r["states"] == {"t1": "complete", "t2": "torn", "t3": "complete", "t4": "torn"}, r
+    assert r["removed"] == [str(ckpt / "t2")], r
+    assert r["after"] == {"t1": "complete", "t2": "missing", "t3": "complete", "t4": "torn"}, r
+    assert r["t4_committed"] == "complete" and r["removed_after"] == [] and r["latest"] == "t4", r
+
+
 # ------------------------------------------------------------------------- single process, no ranks
 def _tag(root: Path, tag: str, files: dict[str, bytes], step: int | None, *, rank_of=lambda n: 0) -> None:
     import crc32c
