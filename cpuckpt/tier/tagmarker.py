@@ -359,10 +359,15 @@ def refusal(status: TagStatus) -> IntegrityError:
 
 
 def _read_latest(directory: Path) -> str | None:
+    """The tag ``latest`` names: DeepSpeed's file, or a symlink to a tag of ``directory`` (a hand-made pointer)."""
+    latest = directory / "latest"
     try:
-        return (directory / "latest").read_text().strip() or None
+        return latest.read_text().strip() or None
     except FileNotFoundError:
         return None
+    except IsADirectoryError:
+        target = Path(os.path.realpath(latest))
+        return target.name if target.parent == Path(os.path.realpath(directory)) else None
 
 
 def find_latest(save_dir: str | os.PathLike, *, verify: bool = False) -> LatestTag | None:
@@ -414,7 +419,7 @@ def scan_tags(save_dir: str | os.PathLike) -> tuple[list[LatestTag], list[TagSta
     damaged: list[TagStatus] = []
     for sub in sorted(root.iterdir()) if root.is_dir() else ():
         is_named = sub.name == named
-        if not is_named and not (sub / MARKER_NAME).exists():
+        if sub.name == "latest" or (not is_named and not (sub / MARKER_NAME).exists()):  # latest: a pointer, no tag
             continue
         status = check_tag(root, sub.name)
         if status.committed and not status.complete:

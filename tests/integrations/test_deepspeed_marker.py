@@ -435,3 +435,18 @@ def test_a_tag_saved_again_while_it_is_checked_is_no_damage(tmp_path, monkeypatc
     monkeypatch.setattr(tm, "size_mismatches", saved_again_first)
     status = tm.check_dir(root / "global_step5")
     assert status.state == "torn" and not status.committed, status
+
+
+def test_latest_as_a_symlink_to_a_tag_names_that_tag(tmp_path):
+    """``latest`` made a symlink to a tag directory (by hand, or a tool) raised IsADirectoryError out of every
+    listing, a restart's included, and was itself listed as a damaged tag (its marker names another tag)."""
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+
+    root = tmp_path / "ckpt"
+    for tag, step in (("a", 10), ("b", 20)):
+        _tag(root, tag, {"x.pt": bytes(range(step, step + 20))}, step)
+    os.symlink(root / "a", root / "latest", target_is_directory=True)
+    assert ckpt_ds.find_latest(root).tag == "a"  # what latest names first, as with DeepSpeed's file
+    found = ckpt_ds.select_tag(root, fallback_on_corrupt=False)
+    assert (found.tag, found.global_step) == ("a", 10)
+    assert ckpt_ds.require_complete(root).tag == "a"
