@@ -187,6 +187,30 @@ def from_rank(compute: Callable[[], Any], group: Any, what: str, src: int = 0) -
     return value
 
 
+def from_every_rank(compute: Callable[[], Any], group: Any, what: str) -> list[Any]:
+    """``compute()`` on every rank of ``group``, every rank's value to every rank in one all-gather (by rank);
+    collective. A failure on any rank travels in it and is raised on every rank alike (an interrupt as itself where
+    it happened), not while the others wait in a later collective until the group's timeout. ``group`` None: this
+    process's value alone."""
+    rank = dist.get_rank(group) if group is not None else 0
+    error: BaseException | None = None
+    try:
+        mine: tuple[FailureReport | None, Any] = (None, compute())
+    except BaseException as e:
+        error = e
+        mine = (FailureReport.of(e, rank), None)
+    every: list[Any] = [mine]
+    if group is not None:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+    reports = [report for report, _ in every]
+    if any(report is not None for report in reports):
+        if error is not None and is_interrupt(error):
+            raise error
+        raise_if_failed(reports, what, error)
+    return [value for _, value in every]
+
+
 @contextlib.contextmanager
 def one_contract(what: str, rank: int | Callable[[], int] = 0) -> Iterator[None]:
     """An entry point's outermost guard: an exception that is not yet a cpuckpt error becomes one.

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from cpuckpt.api import load
-from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group
+from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group, from_every_rank
 from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.backend.reader import ReadStats, StorageReader
@@ -1165,23 +1165,18 @@ class MemoryTier:
         ``cpuckpt.load_latest`` does. Only DCP checkpoints tell: another format's slot is complete or not."""
         if not isinstance(self.format, DcpSlots):
             return []
-        found: list[tuple[str, str]] = []
-        error: BaseException | None = None
-        try:
+        def look() -> list[tuple[str, str]]:
+            found: list[tuple[str, str]] = []
             if self.nodes.is_leader:
                 found += [(str(slot), status.reason) for slot in self.slots
                           if (status := check_complete(slot)).committed and not status.complete]
             if self.rank == 0:
                 found += [(str(c.path), c.reason) for c in list_checkpoints(self.durable_root)
                           if not c.complete and committed_once(c)]
-        except BaseException as e:  # raised alike on every rank, not while the others wait in the all-gather
-            error = e
-        agree_or_raise(error, self.rank, self.group,
-                       f"looking for damaged checkpoints of {self.durable_root} and the memory tier")
-        if not self.dist:
             return found
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, found, group=self.group)
+
+        every = from_every_rank(look, self.group if self.dist else None,
+                                f"looking for damaged checkpoints of {self.durable_root} and the memory tier")
         return [item for items in every for item in items]
 
     def load(self, state_dict: dict[str, Any], path: str | os.PathLike, *, planner: Any = None) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from cpuckpt.backend.collectives import agree_or_raise, from_rank
+from cpuckpt.backend.collectives import from_every_rank, from_rank
 from cpuckpt.config import Config
 from cpuckpt.errors import IntegrityError
 from cpuckpt.format.layout import FileLayout
@@ -242,25 +242,29 @@ class DeepSpeedMemory:
             return from_rank(self.candidates, group, f"listing the DeepSpeed tags of {self.save_dir} and its memory "
                                                       "tier")
         paths = self.tier.candidates()  # collective: memory checkpoints every node holds or gets back from a copy
-        mine: list[tuple[str, Any]] = []
-        tags: dict[str, tuple[str, int | None]] = {}  # save id -> (tag, step) of the slots this rank can read
         self._memory_slots = {}
-        for path in paths:
-            if path in self.tier.slots:
-                held = self.tier.listed(path)
-                if held is None:
+
+        def listing() -> tuple[list[tuple[str, Any]] | None, dict[str, tuple[str, int | None]]]:
+            mine: list[tuple[str, Any]] = []
+            tags: dict[str, tuple[str, int | None]] = {}  # save id -> (tag, step) of the slots this rank can read
+            for path in paths:
+                if path in self.tier.slots:
+                    held = self.tier.listed(path)
+                    if held is None:
+                        continue
+                    mine.append(("memory", held.save_id))
+                    self._memory_slots[held.save_id] = path
+                    marker = read_marker(path) if (path / MARKER_NAME).exists() else None
+                    if marker is not None and marker.save_id == held.save_id:
+                        tags[held.save_id] = (marker.tag, marker.global_step)
                     continue
-                mine.append(("memory", held.save_id))
-                self._memory_slots[held.save_id] = path
-                marker = read_marker(path) if (path / MARKER_NAME).exists() else None
-                if marker is not None and marker.save_id == held.save_id:
-                    tags[held.save_id] = (marker.tag, marker.global_step)
-                continue
-            status = check_tag(path.parent, path.name)
-            if status.complete and status.marker is not None:
-                mine.append(("durable", LatestTag(path.parent, path.name, status.marker.global_step, status.marker)))
-        every: list[Any] = [None] * self.tier.world_size
-        dist.all_gather_object(every, (mine if self.tier.rank == 0 else None, tags), group=group)
+                status = check_tag(path.parent, path.name)
+                if status.complete and status.marker is not None:
+                    mine.append(("durable", LatestTag(path.parent, path.name, status.marker.global_step,
+                                                      status.marker)))
+            return (mine if self.tier.rank == 0 else None, tags)
+
+        every = from_every_rank(listing, group, f"listing the DeepSpeed tags of {self.save_dir} and its memory tier")
         known = {sid: t for _, theirs in every for sid, t in theirs.items()}
         out: list[LatestTag] = []
         for kind, what in every[0][0]:
@@ -275,18 +279,13 @@ class DeepSpeedMemory:
     def agreed_damaged_slots(self) -> list[TagStatus]:
         """Collective: the slots committed once but incomplete now (a file cut short, the marker garbled), every
         node's leader's look, on every rank alike: a restart names them, never takes them for torn saves."""
-        found: list[TagStatus] = []
-        error: BaseException | None = None
-        try:
-            if self.tier.nodes.is_leader:
-                found = [s for s in map(check_dir, self.tier.slots) if s.committed and not s.complete]
-        except BaseException as e:  # raised alike on every rank, not while the others wait in the all-gather
-            error = e
-        agree_or_raise(error, self.tier.rank, self.tier.group, f"looking for damaged memory tags of {self.save_dir}")
-        if not self.tier.dist:
-            return found
-        every: list[Any] = [None] * self.tier.world_size
-        dist.all_gather_object(every, found, group=self.tier.group)
+        def look() -> list[TagStatus]:
+            if not self.tier.nodes.is_leader:
+                return []
+            return [s for s in map(check_dir, self.tier.slots) if s.committed and not s.complete]
+
+        every = from_every_rank(look, self.tier.group if self.tier.dist else None,
+                                f"looking for damaged memory tags of {self.save_dir}")
         return [s for theirs in every for s in theirs]
 
     def slot_of(self, found: LatestTag) -> Path | None:

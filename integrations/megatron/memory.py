@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpuckpt.backend.collectives import from_rank
+from cpuckpt.backend.collectives import from_every_rank, from_rank
 from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import check_complete
 from cpuckpt.config import Config
@@ -279,7 +279,10 @@ class MegatronMemory:
             tier.resume_after(slot)
             self._share_megatron_files(slot)
         step = tier.step_of(slot) if slot is not None else None
-        if self.names:
+
+        def name() -> None:  # each node's leader; every rank waits for every node's (its failure raised alike)
+            if not self.names:
+                return
             self.np_dir.mkdir(parents=True, exist_ok=True)
             for link, _, _ in self._links():
                 link.unlink(missing_ok=True)
@@ -288,7 +291,8 @@ class MegatronMemory:
                 write_atomic(self.np_dir / TRACKER, str(step).encode(), fsync=False)
             else:
                 (self.np_dir / TRACKER).unlink(missing_ok=True)
-        dist.barrier(group=tier.group)
+
+        from_every_rank(name, tier.group, f"naming the restart's memory checkpoint in {self.np_dir}")
         logger.info("cpuckpt memory tier: restart across %d nodes: %s", tier.nodes.nodes,
                     f"iteration {step} from memory ({slot})" if slot is not None else
                     f"no memory checkpoint every node holds; Megatron-LM loads {self.save_dir}")
@@ -311,9 +315,10 @@ class MegatronMemory:
                     if durable is None or (tier.step_of(found) or -1) >= durable]
 
         agreed: list[int] = from_rank(order, tier.group, "ordering the memory checkpoints for the restart")
-        mine = [sorted(e.name for e in _megatron_files(d) if e.is_file()) if self.names else [] for d in tier.slots]
-        every: list[Any] = [None] * tier.world_size
-        dist.all_gather_object(every, mine, group=tier.group)
+        def held() -> list[list[str]]:  # each node's leader: the Megatron files of each of its slots
+            return [sorted(e.name for e in _megatron_files(d) if e.is_file()) if self.names else [] for d in tier.slots]
+
+        every = from_every_rank(held, tier.group, "listing Megatron's files of the memory slots")
         usable = []
         for k in agreed:
             held = set().union(*(set(names[k]) for names in every))
@@ -342,17 +347,20 @@ class MegatronMemory:
         """Collective: every node's leader's ``slot`` gets Megatron's files (``common.pt``, ``metadata.json``) from
         the lowest rank whose node's slot has them (a slot restored from a replica has only cpuckpt's files)."""
         tier = self.tier
-        mine = ({e.name for e in _megatron_files(slot) if e.is_file()} if self.names else set())
-        every: list[Any] = [None] * tier.world_size
-        dist.all_gather_object(every, sorted(mine), group=tier.group)
+        every = from_every_rank(lambda: sorted(e.name for e in _megatron_files(slot) if e.is_file()) if self.names
+                                else [], tier.group, f"listing Megatron's files of {slot.name}")
+        mine = set(every[tier.rank])
         names = set().union(*(set(m) for m in every))
         holder = next((r for r, m in enumerate(every) if set(m) == names), 0)
         files = from_rank(lambda: {e.name: e.read_bytes() for e in _megatron_files(slot) if e.is_file()}, tier.group,
                           f"reading Megatron's files of {slot.name} on rank {holder}", src=holder)
-        if self.names:
-            for name, data in files.items():
+
+        def write() -> None:
+            for name, data in files.items() if self.names else ():
                 if name not in mine:
                     write_atomic(slot / name, data, fsync=False)
+
+        from_every_rank(write, tier.group, f"writing Megatron's files into {slot.name}")
 
     def close(self) -> None:
         """End of training: stop the writers and remove the RAM root (Megatron's own final save is the

@@ -324,7 +324,7 @@ def rank_from_rank(root: str) -> dict:
 
     import torch.distributed as dist
 
-    from cpuckpt.backend.collectives import from_rank
+    from cpuckpt.backend.collectives import from_every_rank, from_rank
 
     rank = dist.get_rank()
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
@@ -340,10 +340,18 @@ def rank_from_rank(root: str) -> dict:
         out["error"] = (type(e).__name__, str(e), getattr(e, "errno", None))
     out["error_s"] = time.monotonic() - t0
     out["after"] = from_rank(lambda: rank, group, "a value after the failure")  # from rank 0
+    out["every"] = from_every_rank(lambda: rank * 10, group, "every rank's value")
+    t0 = time.monotonic()
+    try:
+        from_every_rank(lambda: fail() if rank == 1 else rank, group, "writing common.pt on every rank")
+    except Exception as e:
+        out["every_error"] = (type(e).__name__, str(e))
+    out["every_error_s"] = time.monotonic() - t0
+    out["every_after"] = from_every_rank(lambda: rank, group, "every rank's value after the failure")
     return out
 
 
-def test_from_rank_gives_every_rank_the_value_or_the_failure_at_once(run_ranks, tmp_path):
+def test_from_rank_and_from_every_rank_give_every_rank_the_values_or_the_failure_at_once(run_ranks, tmp_path):
     results = run_ranks(2, rank_from_rank, str(tmp_path), timeout_s=120)
     errors = {r["error"] for r in results}
     assert len(errors) == 1, errors  # the same error on every rank
@@ -353,3 +361,7 @@ def test_from_rank_gives_every_rank_the_value_or_the_failure_at_once(run_ranks, 
     for r in results:
         assert r["value"] == {"from": 1} and r["after"] == 0, r
         assert r["error_s"] < 20, r  # not the group's 60 s timeout
+        assert r["every"] == [0, 10] and r["every_after"] == [0, 1], r
+        assert r["every_error"][0] == "StorageIOError" and "writing common.pt on every rank" in r["every_error"][1], r
+        assert r["every_error_s"] < 20, r
+    assert results[0]["every_error"] == results[1]["every_error"]
