@@ -394,6 +394,9 @@ def _move_pointer(pointer: Path, text: str, req: PersistRequest, cfg: Config) ->
         current = pointer.read_text().strip()
     except (FileNotFoundError, UnicodeDecodeError):
         current = ""
+    except IsADirectoryError:  # a symlink to a file set (a hand-made pointer): the one it names
+        target = Path(os.path.realpath(pointer))
+        current = target.name if target.parent == Path(os.path.realpath(pointer.parent)) else ""
     newer = marker_step(pointer.parent / current / req.marker) if current and current != text else None
     if newer is not None and req.step is not None and newer > req.step:
         logger.info("%s names %s (step %d), newer than step %d: left as it is", pointer, current, newer, req.step)

@@ -292,10 +292,10 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
     entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=f.chunk_bytes)
                for n, f in held_files(tag_dir, marker).items()]
     sizes = [str(m) for m in size_mismatches(tag_dir, entries)]
-    if sizes and ((tag_dir / SAVING_NAME).exists() or not (tag_dir / MARKER_NAME).exists()):
+    if sizes and not _same_marker(tag_dir, marker):
         # a save of the tag began since its marker was read (the marker goes before its first byte): not damage
-        return TagStatus(tag_dir, "torn", None, ("being saved again: its marker went since it was read",))
-    if sizes and _rewritten_after(tag_dir, entries):
+        return TagStatus(tag_dir, "torn", None, ("being saved again: its marker changed since it was read",))
+    if sizes and not (tag_dir / SAVING_NAME).exists() and _rewritten_after(tag_dir, entries):
         logger.warning("%s: its files were rewritten after its cpuckpt marker (stock DeepSpeed saved this tag again): "
                        "the marker is stale, the tag is treated as stock DeepSpeed's", tag_dir)
         return TagStatus(tag_dir, "unmarked")
@@ -303,6 +303,15 @@ def check_dir(tag_dir: str | os.PathLike, tag: str | None = None, *, verify: boo
     if verify and not problems:
         problems += verify_files(tag_dir, marker)
     return TagStatus(tag_dir, "torn" if problems else "complete", marker, tuple(problems), committed=True)
+
+
+def _same_marker(tag_dir: Path, marker: TagMarker) -> bool:
+    """Whether ``tag_dir``'s marker is still ``marker`` (a save of the tag removes it before its first byte; a
+    saving file left beside a marker by a crash between the two is no such save)."""
+    try:
+        return read_marker(tag_dir) == marker
+    except (IntegrityError, OSError):
+        return False
 
 
 def _rewritten_after(tag_dir: Path, entries: list[FileEntry]) -> bool:

@@ -82,20 +82,23 @@ def tracker_iteration(root: str | os.PathLike) -> int | None:
     return int(text)
 
 
-def _complete(path: Path) -> tuple[bool, str, bool]:
-    """(complete, why not, committed by cpuckpt in this same look: incomplete then means damaged since)."""
+def _complete(path: Path, tracked: bool) -> tuple[bool, str, bool]:
+    """(complete, why not, committed in this same look: incomplete then means damaged since). ``tracked``: the
+    root's tracker names this iteration or a later one, so megatron-core finalized it (``metadata.json``, then the
+    tracker); without that, a save cpuckpt committed but megatron-core never finalized is torn, not damaged."""
     c = check_complete(path)
-    committed = c.committed or c.unreadable
+    finalized = (path / "metadata.json").is_file()  # written after cpuckpt's commit, before the tracker moves
+    committed = (c.committed or c.unreadable) and (finalized or tracked)
     if not c.complete:
         return False, c.reason, committed
-    if not (path / "metadata.json").is_file():
+    if not finalized:
         return False, "no metadata.json (megatron-core never finalized the save)", committed
     return True, "", committed
 
 
 def _scan(roots: Sequence[tuple[Path, bool]], below: tuple[int, int] | None) -> tuple[Candidate | None, list[str]]:
     """Rank 0's side of :func:`next_candidate`."""
-    names: list[tuple[tuple[int, int], Path]] = []
+    names: list[tuple[tuple[int, int], Path, bool]] = []  # (iteration, rank), directory, named by its tracker
     damaged: list[str] = []
     for rank, (root, need_tracker) in enumerate(roots):
         try:
@@ -114,9 +117,9 @@ def _scan(roots: Sequence[tuple[Path, bool]], below: tuple[int, int] | None) -> 
             if m and entry.is_dir(follow_symlinks=True) and (cap is None or int(m.group(1)) <= cap):
                 key = (int(m.group(1)), rank)
                 if below is None or key < below:
-                    names.append((key, Path(entry.path)))
-    for key, path in sorted(names, key=lambda kp: kp[0], reverse=True):
-        ok, why, committed = _complete(path)
+                    names.append((key, Path(entry.path), cap is not None))
+    for key, path, tracked in sorted(names, key=lambda kp: kp[0], reverse=True):
+        ok, why, committed = _complete(path, tracked)
         if ok:
             return Candidate(key[0], key[1], str(path)), damaged
         if committed:  # damage after the commit, not a torn save

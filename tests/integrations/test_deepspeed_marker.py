@@ -450,3 +450,23 @@ def test_latest_as_a_symlink_to_a_tag_names_that_tag(tmp_path):
     found = ckpt_ds.select_tag(root, fallback_on_corrupt=False)
     assert (found.tag, found.global_step) == ("a", 10)
     assert ckpt_ds.require_complete(root).tag == "a"
+
+
+def test_a_saving_file_left_beside_a_marker_does_not_hide_damage(tmp_path):
+    """A crash between the marker's rename and the saving file's removal leaves both: that tag is committed, and a
+    file of it cut short later is damage (it was read as a save beginning again: skipped, or a fresh start)."""
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+
+    from cpuckpt.errors import CheckpointCorrupt
+    from cpuckpt.tier.tagmarker import SAVING_NAME, check_dir
+
+    root = tmp_path / "ckpt"
+    for tag, step in (("global_step1", 1), ("global_step2", 2)):
+        _tag(root, tag, {"x.pt": bytes(range(20))}, step)
+    (root / "latest").write_text("global_step2")
+    (root / "global_step2" / SAVING_NAME).touch()
+    os.truncate(root / "global_step2" / "x.pt", 5)
+    status = check_dir(root / "global_step2")
+    assert status.state == "torn" and status.committed, status
+    with pytest.raises(CheckpointCorrupt, match="global_step2: committed, but incomplete now"):
+        ckpt_ds.select_tag(root, fallback_on_corrupt=False)

@@ -309,3 +309,23 @@ def test_install_wraps_megatron_lm_load_checkpoint():
             setattr(mlm, n, v)
         if training is not None and getattr(training, "load_checkpoint", None) is not saved["load_checkpoint"]:
             training.load_checkpoint = saved["load_checkpoint"]
+
+
+def test_a_save_megatron_core_never_finalized_is_torn_unless_its_tracker_names_it(tmp_path):
+    """An iteration directory cpuckpt committed but megatron-core never finalized (no ``metadata.json``: its finalize
+    runs at a later iteration with async saves) is a torn save, which a restart passes over silently: it was called
+    damaged, so ``fallback_on_corrupt: false`` raised over it at every restart. Once the tracker names it (written
+    after ``metadata.json``), a missing ``metadata.json`` is damage."""
+    import torch
+
+    import cpuckpt
+    from cpuckpt.integrations.megatron import fallback
+
+    for step in (1, 2):
+        cpuckpt.save({"w": torch.full((4,), float(step))}, tmp_path / f"iter_{step:07d}", step=step)
+    (tmp_path / "iter_0000001" / "metadata.json").write_text("{}")
+    found, passed = fallback.next_candidate([(tmp_path, False)])
+    assert found.iteration == 1 and passed == [], (found, passed)
+    (tmp_path / fallback.TRACKER).write_text("2")
+    found, passed = fallback.next_candidate([(tmp_path, False)])
+    assert found.iteration == 1 and len(passed) == 1 and "iter_0000002: committed, but incomplete now" in passed[0]
