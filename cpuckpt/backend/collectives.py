@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import inspect
 import os
+import pickle
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -172,11 +173,8 @@ def from_rank(compute: Callable[[], Any], group: Any, what: str, src: int = 0) -
     box: list[Any] = [None]
     error: BaseException | None = None
     if rank == src:
-        try:
-            box = [(None, compute())]
-        except BaseException as e:
-            error = e
-            box = [(FailureReport.of(e, src), None)]
+        report, value, error = _outcome(compute, rank, pickled=group is not None)
+        box = [(report, value)]
     if group is not None:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
     report, value = box[0]
@@ -184,7 +182,18 @@ def from_rank(compute: Callable[[], Any], group: Any, what: str, src: int = 0) -
         if error is not None and is_interrupt(error):
             raise error
         raise_if_failed([report], what, error)
-    return value
+    return pickle.loads(value) if group is not None else value
+
+
+def _outcome(compute: Callable[[], Any], rank: int,
+             pickled: bool) -> tuple[FailureReport | None, Any, BaseException | None]:
+    """``compute()``'s value (``pickled``: as bytes, so that a value that cannot be pickled fails here, as this rank's
+    failure, not in the collective while the others wait) or this rank's failure: (report, value, error)."""
+    try:
+        value = compute()
+        return None, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if pickled else value, None
+    except BaseException as e:
+        return FailureReport.of(e, rank), None, e
 
 
 def from_every_rank(compute: Callable[[], Any], group: Any, what: str) -> list[Any]:
@@ -193,22 +202,17 @@ def from_every_rank(compute: Callable[[], Any], group: Any, what: str) -> list[A
     it happened), not while the others wait in a later collective until the group's timeout. ``group`` None: this
     process's value alone."""
     rank = dist.get_rank(group) if group is not None else 0
-    error: BaseException | None = None
-    try:
-        mine: tuple[FailureReport | None, Any] = (None, compute())
-    except BaseException as e:
-        error = e
-        mine = (FailureReport.of(e, rank), None)
-    every: list[Any] = [mine]
+    report, value, error = _outcome(compute, rank, pickled=group is not None)
+    every: list[Any] = [(report, value)]
     if group is not None:
         every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, mine, group=group)
+        dist.all_gather_object(every, (report, value), group=group)
     reports = [report for report, _ in every]
     if any(report is not None for report in reports):
         if error is not None and is_interrupt(error):
             raise error
         raise_if_failed(reports, what, error)
-    return [value for _, value in every]
+    return [pickle.loads(value) for _, value in every] if group is not None else [value]
 
 
 @contextlib.contextmanager

@@ -348,6 +348,13 @@ def rank_from_rank(root: str) -> dict:
         out["every_error"] = (type(e).__name__, str(e))
     out["every_error_s"] = time.monotonic() - t0
     out["every_after"] = from_every_rank(lambda: rank, group, "every rank's value after the failure")
+    import threading
+
+    try:  # a value that cannot be pickled fails where it is made, and every rank hears of it
+        from_rank(threading.Lock, group, "a lock", src=1)
+    except Exception as e:
+        out["unpicklable"] = type(e).__name__, str(e)
+    out["unpicklable_after"] = from_rank(lambda: rank, group, "a value after the lock", src=1)
     return out
 
 
@@ -365,3 +372,5 @@ def test_from_rank_and_from_every_rank_give_every_rank_the_values_or_the_failure
         assert r["every_error"][0] == "StorageIOError" and "writing common.pt on every rank" in r["every_error"][1], r
         assert r["every_error_s"] < 20, r
     assert results[0]["every_error"] == results[1]["every_error"]
+    assert results[0]["unpicklable"] == results[1]["unpicklable"] and "a lock" in results[0]["unpicklable"][1]
+    assert [r["unpicklable_after"] for r in results] == [1, 1]

@@ -317,9 +317,9 @@ def test_a_save_megatron_core_never_finalized_is_torn_unless_its_tracker_names_i
     damaged, so ``fallback_on_corrupt: false`` raised over it at every restart. Once the tracker names it (written
     after ``metadata.json``), a missing ``metadata.json`` is damage."""
     import torch
+    from cpuckpt.integrations.megatron import fallback
 
     import cpuckpt
-    from cpuckpt.integrations.megatron import fallback
 
     for step in (1, 2):
         cpuckpt.save({"w": torch.full((4,), float(step))}, tmp_path / f"iter_{step:07d}", step=step)
