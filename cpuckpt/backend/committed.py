@@ -136,7 +136,15 @@ def check_complete(path: str | os.PathLike) -> Completeness:
         return _unreadable(e, None)
     if why:
         return Completeness(False, why, None, mtime)
-    return dataclasses.replace(_check_committed(path, mtime), committed=True)
+    return _as_committed(path, _check_committed(path, mtime))
+
+
+def _as_committed(path: Path, found: Completeness) -> Completeness:
+    """``found`` of a checkpoint whose commit marker was there: committed, unless the marker went while it was read
+    (cleaning or retention removing it, a save of the directory clearing it): no damage, a checkpoint going."""
+    if not found.complete and not os.path.lexists(path / METADATA_NAME):
+        return Completeness(False, f"no {METADATA_NAME}", None, None)
+    return dataclasses.replace(found, committed=True)
 
 
 def _check_committed(path: Path, mtime: float | None) -> Completeness:
@@ -192,7 +200,7 @@ def check_slot_complete(path: str | os.PathLike) -> Completeness:
         return _unreadable(e, None)
     if why:
         return Completeness(False, why, None, mtime)
-    return dataclasses.replace(_check_slot_committed(path, mtime), committed=True)
+    return _as_committed(path, _check_slot_committed(path, mtime))
 
 
 def _check_slot_committed(path: Path, mtime: float | None) -> Completeness:

@@ -336,3 +336,22 @@ def test_a_commit_refuses_a_part_of_another_save_into_the_same_directory(tmp_pat
     commit_checkpoint(path, metadata, ["__0_"], dataclasses.replace(header, files={}), fsync=False,
                       parts_of=manifest.save_id)
     assert check_complete(path).complete and verify_checkpoint(path).ok
+
+
+def test_a_metadata_removed_while_it_is_read_is_a_checkpoint_going_not_damage(tmp_path, monkeypatch):
+    """Cleaning or retention (a writer of the previous run) may remove ``.metadata`` between its ``stat`` and its
+    read: that checkpoint is going, not committed and damaged since (a restart would name it, or raise over it)."""
+    import cpuckpt
+    import cpuckpt.backend.committed as committed
+
+    d = tmp_path / "step_1"
+    cpuckpt.save({"w": torch.arange(8.0)}, d, step=1)
+    real = committed.read_metadata_bytes
+
+    def removed_first(path, *args, **kwargs):
+        (Path(path) / ".metadata").unlink(missing_ok=True)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(committed, "read_metadata_bytes", removed_first)
+    c = committed.check_complete(d)
+    assert not c.complete and not c.committed and not c.unreadable, c
