@@ -34,10 +34,8 @@ adds Megatron-LM's level-1 timers (``--timing-log-level 1``: forward-backward, o
 the device at each start and stop: where in the step a save's cost lands, not a goodput figure. ``+syncstart``,
 ``+syncstep``, ``+nodma`` and ``+nod2d`` (memory variants; any together) are probes (``benchmarks/probe``): the device
 synchronized after the iteration's save start or before each optimizer step; the copy process handed no copies; the
-device snapshot not copied; ``+nocrc``: no checksums; ``+crc1``: the copy process's checksums on one thread (a
-probed run's checkpoints are not valid).
-``+gcfreeze`` (memory variants): ``megatron: {freeze_gc: true}``, the collector's objects frozen once setup
-returned (full collections then skip them).
+device snapshot not copied (a probed run's checkpoints are not valid). ``+gcfreeze`` (memory variants): ``megatron:
+{freeze_gc: true}``, the collector's objects frozen once setup returned (full collections then skip them).
 ``+swi`` (any variant, ``none`` included, compared with ``none+swi``; a probe): the interpreter's switch interval
 0.5 ms instead of 5 in every process of the run, what the trainer pays when a thread of ours runs Python beside its
 main thread. ``+log<N>`` (any variant, ``none`` included, compared with the ``none`` of the same interval):
@@ -141,7 +139,7 @@ def _saves_between(first: int, last: int, every: int) -> int:
 
 
 # changes read outside the cpuckpt config
-_PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi", "nocrc", "crc1")  # benchmarks/probe
+_PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi")  # benchmarks/probe
 _ENV_CHANGES = ("mgc", "base", "timers", *_PROBES)
 
 

@@ -16,8 +16,7 @@ fresh process (``--train``: one rank, ZeRO-1, bf16, ``torch_adam``, the GPT of `
 ``+copyproc`` ``memory.copy_process``: the snapshot's device-to-host copies and the checksums run in a process of
               ours (CUDA IPC), none in the trainer's (with ``+snap``: the engine Megatron-LM's goodput measured best)
 ``+nocrc``    ``memory.checksum: false``: no crc32c of the memory saves (what reading every image back costs the
-              training beside it; Megatron-LM's save every iteration: ~24 ms per save, session 40)
-``+crc1``     ``io.threads: 1`` instead of 8: the checksums (and the writers' persists) on one thread
+              training beside it; Megatron-LM's save every iteration: ~19 ms per save over five pairs, session 40)
 
 The trainer prints one line per iteration (``iteration N/M | elapsed time per iteration (ms): ... | at T s |``, the
 host time since the previous line and the time of the line, by its own clock); the result is the wall time from
@@ -59,8 +58,8 @@ logger = logging.getLogger("bench_goodput_ds")
 
 VARIANTS = ("none", "ds8", "cpuckpt8", "mem8", "mem1")
 EVERY = {"none": 0, "ds8": 8, "cpuckpt8": 8, "mem8": 8, "mem1": 1}
-MODIFIERS = ("ahead", "snap", "copyproc", "u1", "nocrc", "crc1")  # u1: memory.max_uncommitted 1 (the step after a
-# save waits for it)
+MODIFIERS = ("ahead", "snap", "copyproc", "u1", "nocrc")  # u1: memory.max_uncommitted 1 (the step after a save
+# waits for it)
 _REPEAT = re.compile(r"rep\d+")  # the same run again under another name (pairs alternated in one call)
 
 
@@ -79,8 +78,6 @@ def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict
             out["memory"]["max_uncommitted"] = 1
         if "nocrc" in mods:
             out["memory"]["checksum"] = False
-        if "crc1" in mods:
-            out["io"]["threads"] = 1
     if "snap" in mods:
         out["staging"] = {"device_snapshot": True}
     return out
@@ -99,7 +96,7 @@ def check_variant(name: str, base_site: str = "") -> str | None:
     if mods and base in ("none", "ds8"):
         return f"{name}: modifiers are cpuckpt's"
     if not base.startswith("mem") and set(mods) - {"snap"}:
-        return f"{name}: +ahead, +copyproc, +u1, +nocrc and +crc1 need a memory variant"
+        return f"{name}: +ahead, +copyproc, +u1 and +nocrc need a memory variant"
     return None
 
 

@@ -16,10 +16,6 @@ PYTHONPATH with ``GOODPUT_PROBE`` set (a comma-separated list), it patches cpuck
   thread that released the GIL (a collective, a device synchronization, a file write) gets it back from another
   thread running Python after at most 0.5 ms instead of 5. The trainer's own threads of ours (the committer) run
   Python beside its main thread; this says what that costs it.
-- ``nocrc``: no checksums of memory saves (``CPUCKPT_MEMORY_CHECKSUM=false``): the copy process no longer reads
-  every image back after its copies; what that host memory traffic costs the trainer's own work.
-- ``crc1``: the copy process's crc32c on one thread instead of ``io.threads`` (``CPUCKPT_IO_THREADS=1``, which also
-  makes the writer processes' persists single-threaded): the same bytes read back, over a longer time.
 
 Another ``sitecustomize`` further down ``sys.path`` (an image's own) still runs after this one.
 """
@@ -144,7 +140,6 @@ class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 SWITCH_INTERVAL_S = 0.0005  # swi
-_OVERRIDES = {"nocrc": {"CPUCKPT_MEMORY_CHECKSUM": "false"}, "crc1": {"CPUCKPT_IO_THREADS": "1"}}
 
 
 def _install() -> None:
@@ -152,12 +147,8 @@ def _install() -> None:
         if name == "swi":  # no module to patch: the interpreter's own setting, before anything starts a thread
             sys.setswitchinterval(SWITCH_INTERVAL_S)
             continue
-        if name in _OVERRIDES:  # a configuration override, read when the trainer builds its config
-            os.environ.update(_OVERRIDES[name])
-            continue
         if name not in _PROBES:
-            known = ", ".join([*_PROBES, "swi", *_OVERRIDES])
-            print(f"probe: unknown probe {name!r} (known: {known})", file=sys.stderr, flush=True)
+            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi)", file=sys.stderr, flush=True)
             continue
         sys.meta_path.insert(0, _Patch(*_PROBES[name]))
 
