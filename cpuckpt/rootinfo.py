@@ -11,10 +11,13 @@ from typing import TypeVar
 
 from cpuckpt.paths import S3Url
 
-__all__ = ["CHECKPOINT_FILE", "LATEST_NAME", "LEFTOVER_FILE", "LOADING_PREFIX", "CheckpointInfo", "ordered"]
+__all__ = ["CHECKPOINT_FILE", "LATEST_NAME", "LEFTOVER_FILE", "LOADING_PREFIX", "REMOVING_PREFIX", "CheckpointInfo",
+           "ordered"]
 
 LATEST_NAME = "latest"
 LOADING_PREFIX = ".cpuckpt-loading-"
+# a DeepSpeed tag ``cpuckpt clean`` moved aside to delete it: never a checkpoint, never listed
+REMOVING_PREFIX = ".cpuckpt-removing-"
 # Names a save of cpuckpt or stock DCP leaves in a checkpoint directory (FORMAT.md section 1).
 _TMP = r"(\.metadata|\.cpuckpt\.json|__\d+_\.cpuckpt-part\.json)\.tmp"
 CHECKPOINT_FILE = re.compile(

@@ -44,7 +44,7 @@ from cpuckpt.errors import CpuckptError, IntegrityError
 from cpuckpt.paths import S3Url, checkpoint_path, is_s3, local_path
 from cpuckpt.procs import pid_alive
 from cpuckpt.rootinfo import CHECKPOINT_FILE as _CKPT_FILE
-from cpuckpt.rootinfo import LATEST_NAME, LOADING_PREFIX, CheckpointInfo, ordered
+from cpuckpt.rootinfo import LATEST_NAME, LOADING_PREFIX, REMOVING_PREFIX, CheckpointInfo, ordered
 from cpuckpt.rootinfo import LEFTOVER_FILE as _LEFTOVER_FILE
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 from cpuckpt.transfer.objstore import open_store
@@ -128,8 +128,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[CheckpointInfo]:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except FileNotFoundError:
         return []
-    out = [inspect_checkpoint(Path(e.path)) for e in entries
-           if e.is_dir(follow_symlinks=False) and _looks_like_checkpoint(Path(e.path))]
+    out = [inspect_checkpoint(Path(e.path)) for e in entries if not e.name.startswith(REMOVING_PREFIX)
+           and e.is_dir(follow_symlinks=False) and _looks_like_checkpoint(Path(e.path))]
     return ordered(out, lambda c: c.step, lambda c: c.mtime, lambda c: c.path.name)
 
 

@@ -159,6 +159,12 @@ def _finish_redone_commit(req: PersistRequest, dest: Path, parts: list[Path]) ->
     (dest / FAILED_NAME).unlink(missing_ok=True)
 
 
+def _mark_saving(path: Path, save_id: str) -> None:
+    """``<saving>`` of a writer's persist: never empty (``cpuckpt clean`` keeps a tag whose saving file has bytes,
+    its persist owed; an engine's own save leaves it empty). Holds the save id where known."""
+    path.write_text(f"{save_id}\n")
+
+
 def _failed_save(dest: Path) -> str | None:
     try:
         return (dest / FAILED_NAME).read_text().strip() or None
@@ -316,7 +322,7 @@ def persist_files(req: PersistRequest, queue: PersistQueue | None = None) -> Out
                 if req.saving:
                     (dest / req.saving).unlink(missing_ok=True)
                     if marker_save_id(dest / req.marker) != req.save_id:  # a rank went on meanwhile (past its wait)
-                        (dest / req.saving).touch()
+                        _mark_saving(dest / req.saving, "")
                 _finish_redone_commit(req, dest, [part_path(dest, r) for r in range(req.world_size)])
                 if req.pointer:
                     _move_pointer(Path(req.pointer[0]), str(req.pointer[1]), req, cfg)
@@ -327,7 +333,7 @@ def persist_files(req: PersistRequest, queue: PersistQueue | None = None) -> Out
             _after_the_commit_of_my_last_part(req, part, dest, deadline, queue)
             (dest / req.marker).unlink(missing_ok=True)  # whatever stands in dest is not this save from here on
             if req.saving:
-                (dest / req.saving).touch()
+                _mark_saving(dest / req.saving, req.save_id)
             part.unlink(missing_ok=True)
             if cfg.io.fsync:
                 fsync_dir(dest)

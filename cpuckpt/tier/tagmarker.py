@@ -6,7 +6,8 @@ adds two hidden files to each tag directory it writes (stock DeepSpeed, ``zero_t
 
 - ``.cpuckpt-saving``: created (and the directory fsynced) by every rank before it writes its first
   byte into the tag, right after removing the marker: a tag being (re)written is never taken for
-  complete, and is told apart from a tag written by stock DeepSpeed (which has neither file);
+  complete, and is told apart from a tag written by stock DeepSpeed (which has neither file); empty, but a
+  memory tier's writer persisting a tag into ``save_dir`` writes its save id in it;
 - ``.cpuckpt-complete.json`` (the *marker*): written by rank 0 once every rank's files are durable,
   via tmp + fsync + rename + directory fsync, before ``latest`` moves. It lists every file (path
   relative to the tag directory, the rank that wrote it, its size, per-chunk crc32c when
@@ -17,8 +18,8 @@ nodes: every file of its node listing, :mod:`cpuckpt.tier.nodefiles`, of the mar
 has the saving file or a marker that does not match the files; *unmarked* when it has neither (stock
 DeepSpeed wrote it: nothing to check). ``verify`` also compares every chunk's crc32c.
 
-:func:`clean_torn_tags` (``cpuckpt clean``) removes a torn tag only where a tag committed after it proves that
-its save is over: an engine commits its tags in the order it creates them.
+:func:`clean_torn_tags` (``cpuckpt clean --deepspeed-tags``) removes a torn tag only where a tag committed after it
+proves that its save is over: an engine commits its tags in the order it creates them (one engine per save_dir).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import stat
@@ -40,6 +42,8 @@ from cpuckpt.backend.committed import size_mismatches
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import local_path
+from cpuckpt.procs import pid_alive
+from cpuckpt.rootinfo import REMOVING_PREFIX
 from cpuckpt.tier.formats import PART_PREFIX
 from cpuckpt.tier.nodefiles import NodeFiles, read_node_files
 from cpuckpt.transfer.files import fsync_dir, write_atomic
@@ -174,8 +178,13 @@ def open_tag(tag_dir: Path, *, fsync: bool) -> None:
     tag_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):
         (tag_dir / MARKER_NAME).unlink()
-    fd = os.open(tag_dir / SAVING_NAME, os.O_WRONLY | os.O_CREAT, 0o644)
-    os.close(fd)
+    # emptied (a writer's persist names its save in it) and dated now: reopening a torn tag is a change that
+    # ``cpuckpt clean`` sees (--min-age, and its check after moving the tag aside)
+    fd = os.open(tag_dir / SAVING_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.utime(fd)
+    finally:
+        os.close(fd)
     if fsync:
         fsync_dir(tag_dir)
 
@@ -392,7 +401,7 @@ def find_latest(save_dir: str | os.PathLike, *, verify: bool = False) -> LatestT
                        root / "latest", named, status.describe())
     best: tuple[tuple[int, float], LatestTag] | None = None
     for sub in root.iterdir() if root.is_dir() else ():
-        if not (sub / MARKER_NAME).exists() or sub.name == named:
+        if sub.name.startswith(REMOVING_PREFIX) or not (sub / MARKER_NAME).exists() or sub.name == named:
             continue
         status = check_tag(root, sub.name, verify=verify)
         if status.complete and status.marker is not None:
@@ -428,7 +437,9 @@ def scan_tags(save_dir: str | os.PathLike) -> tuple[list[LatestTag], list[TagSta
     damaged: list[TagStatus] = []
     for sub in sorted(root.iterdir()) if root.is_dir() else ():
         is_named = sub.name == named
-        if sub.name == "latest" or (not is_named and not (sub / MARKER_NAME).exists()):  # latest: a pointer, no tag
+        if sub.name == "latest" or sub.name.startswith(REMOVING_PREFIX):  # a pointer; a tag being deleted
+            continue
+        if not is_named and not (sub / MARKER_NAME).exists():
             continue
         status = check_tag(root, sub.name)
         if status.committed and not status.complete:
@@ -459,61 +470,85 @@ def owned_files(marker: TagMarker, rank: int, world_size: int, tag_dir: Path | N
 
 
 # -- cleaning (``cpuckpt clean``) ----------------------------------------------------------------------------------
-ORDER_MARGIN_S = 1.0  # a commit less than this after a torn tag's last change does not order them (coarse file times)
+ORDER_MARGIN_S = 1.0  # a marker's mtime less than this after a torn tag's last change orders nothing (coarse times)
+CLOCK_MARGIN_S = 60.0  # the same for a marker's created_unix: the committing node's clock, not this file system's
 
 
 def clean_torn_tags(save_dir: str | os.PathLike, *, min_age_s: float = 0.0, fsync: bool = True,
                     dry_run: bool = False) -> list[Path]:
     """Remove torn tags of cpuckpt's engine in ``save_dir`` whose save is over; returns what was (``dry_run``: would
-    be) removed, by name.
+    be) removed, by name. Assumes one engine per ``save_dir``: another engine's commit says nothing of this one's.
 
-    A tag goes only when it never committed (``.cpuckpt-saving``, no marker file at all) and a tag of ``save_dir``
-    committed after its last change: an engine commits its checkpoints in the order it creates them (a save's
-    ``create`` commits the one before, and waits for a background commit, before its first byte), so a tag whose
-    save still waits for its commit (until the next ``engine.step()``, save or ``destroy()``, however long) is newer
-    than every commit of its engine. "After" is when the later tag's commit happened: the earlier of its marker's
-    ``created_unix`` (its engine's commit, in memory or on disk) and its marker file's mtime (a writer process
-    persists a memory tag into ``save_dir`` long after its memory commit, out of the engine's order), at least
-    :data:`ORDER_MARGIN_S` after the newest modification time in the torn tag (its directory and everything in it).
-    The marker of a later tag must parse (a garbled one dates nothing); it may be damaged since its commit.
+    A tag goes only when it never committed (``.cpuckpt-saving``, empty, no marker file at all) and a tag of
+    ``save_dir`` committed after its last change: an engine commits its checkpoints in the order it creates them (a
+    save's ``create`` commits the one before, and waits for a background commit, before its first byte), so a tag
+    whose save still waits for its commit (until the next ``engine.step()``, save or ``destroy()``, however long)
+    is newer than every commit of its engine. "After" is the earlier of the later marker's ``created_unix`` less
+    :data:`CLOCK_MARGIN_S` (its engine's commit, in memory or on disk, by its node's clock) and its mtime less
+    :data:`ORDER_MARGIN_S` (a writer process persists a memory tag long after its memory commit, out of the
+    engine's order), against the newest modification time in the torn tag (its directory and everything in it).
+    The marker of a later tag must parse and date itself (a garbled one dates nothing); it may be damaged since.
 
     Never removed: a tag with a marker file (committed, damaged since, empty or of a newer format), a tag of stock
     DeepSpeed (neither file), one ``latest`` names (a file naming it, or a symlink to it; ``latest`` itself is never
-    followed into, read through or removed), one holding a writer process's part (``.cpuckpt-part-<rank>.json``:
-    the memory tier's persist of it may still be owed: its coordinator commits from the parts), one modified in
-    the last ``min_age_s`` seconds (a writer copying into it; another process's save), one that cannot be read
-    whole, and anything that is not a directory directly under ``save_dir``. Each torn tag is judged right before
-    it goes, not from the listing; its files go first, then (the directory fsynced) ``.cpuckpt-saving``, then the
-    directory, so an interrupted removal leaves a torn tag, never one that looks like stock DeepSpeed's.
+    followed into, read through or removed), one a writer process persists (a part ``.cpuckpt-part-<rank>.json``,
+    or bytes in its saving file: its coordinator may still commit it), one modified in the last ``min_age_s``
+    seconds, one that cannot be read whole, and anything that is not a directory directly under ``save_dir``.
+    A tag judged removable is moved aside (``.cpuckpt-removing-<tag>-<pid>``, atomic: a save starting into its name
+    from then on makes a new directory), checked again and deleted, or put back if it changed (a save reopened
+    it). What a cleaner killed while deleting left under that name goes at a later clean, once untouched for
+    ``min_age_s``. A tag that cannot be moved or deleted is logged and kept; the others are cleaned.
     """
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
-    torn, commits = _survey(root)
+    torn, commits, leftovers = _survey(root)
     removed: list[Path] = []
     for tag_dir in torn:
-        why, later = _kept_because(tag_dir, commits, root, min_age_s)
+        why, later, newest = _kept_because(tag_dir, commits, root, min_age_s)
         if why is not None:
             logger.info("not removing torn DeepSpeed tag %s: %s", tag_dir, why)
             continue
         if not dry_run:
             logger.info("removing torn DeepSpeed tag %s: never committed, and %s committed after its last change",
                         tag_dir, later)
-            _remove_tag(tag_dir, fsync=fsync)
+            try:
+                if not _remove_tag(root, tag_dir, newest, fsync=fsync):
+                    continue
+            except OSError as e:
+                logger.warning("not removing torn DeepSpeed tag %s: it cannot be moved aside (%s)", tag_dir, e)
+                continue
         removed.append(tag_dir)
+    for moved in leftovers:
+        why = _leftover_kept_because(moved, min_age_s)
+        if why is not None:
+            logger.info("not deleting %s (a torn DeepSpeed tag moved aside to be deleted): %s", moved, why)
+            continue
+        if not dry_run:
+            try:
+                shutil.rmtree(moved)
+            except OSError as e:
+                logger.warning("could not delete %s (a torn DeepSpeed tag moved aside to be deleted): %s", moved, e)
+                continue
+        removed.append(moved)
     return removed
 
 
-def _survey(root: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
-    """(the tags of cpuckpt's engine that never committed, the committed tags with their commit time in ns)."""
+def _survey(root: Path) -> tuple[list[Path], list[tuple[Path, int]], list[Path]]:
+    """One listing of ``root``: (the tags of cpuckpt's engine that never committed, the committed tags with their
+    commit time in ns, what earlier cleaners moved aside). The commits are not looked at again later."""
     torn: list[Path] = []
     commits: list[tuple[Path, int]] = []
+    leftovers: list[Path] = []
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except FileNotFoundError:
-        return [], []
+        return [], [], []
     for entry in entries:
         if entry.name == "latest" or not entry.is_dir(follow_symlinks=False):
             continue
         tag_dir = Path(entry.path)
+        if entry.name.startswith(REMOVING_PREFIX):
+            leftovers.append(tag_dir)
+            continue
         if not (os.path.lexists(tag_dir / MARKER_NAME) or os.path.lexists(tag_dir / SAVING_NAME)):
             continue  # stock DeepSpeed's, or no tag at all
         try:
@@ -530,18 +565,21 @@ def _survey(root: Path) -> tuple[list[Path], list[tuple[Path, int]]]:
                 commits.append((tag_dir, when))
         elif status.state == "torn":
             torn.append(tag_dir)
-    return torn, commits
+    return torn, commits, leftovers
 
 
 def _commit_ns(tag_dir: Path, marker: TagMarker) -> int | None:
-    """When ``tag_dir``'s commit happened, in ns: the earlier of its marker's ``created_unix`` and its mtime."""
-    if marker.created_unix <= 0:
-        return None
+    """When ``tag_dir``'s commit surely happened, in ns (the margins taken off); None: its marker dates nothing."""
+    created = marker.created_unix
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 < created < math.inf:
+        return None  # not a number, NaN (fails every comparison), infinite, or never set
     try:
         mtime = os.lstat(tag_dir / MARKER_NAME).st_mtime_ns
     except OSError:
         return None
-    return min(int(marker.created_unix * 1e9), mtime)
+    if created * 1e9 > mtime + CLOCK_MARGIN_S * 1e9:  # made well after its own file was written: no time to trust
+        return None
+    return min(int(created * 1e9) - int(CLOCK_MARGIN_S * 1e9), mtime - int(ORDER_MARGIN_S * 1e9))
 
 
 def _named_by_latest(root: Path, tag_dir: Path) -> bool:
@@ -561,33 +599,42 @@ def _named_by_latest(root: Path, tag_dir: Path) -> bool:
         return False
 
 
+def _claimed(tag_dir: Path) -> str | None:
+    """Why ``tag_dir`` is a commit's or a writer's, or None. Raises OSError (its saving file gone included)."""
+    if os.path.lexists(tag_dir / MARKER_NAME):
+        return "it has a marker file (committed, or of a format this cpuckpt does not judge)"
+    parts = sorted(n for n in os.listdir(tag_dir) if n.startswith(PART_PREFIX))
+    if parts:
+        return f"a writer process persists it ({', '.join(parts)}: its coordinator may still commit it)"
+    if os.lstat(tag_dir / SAVING_NAME).st_size:
+        return f"a writer process persists it (its {SAVING_NAME} names the save)"
+    return None
+
+
 def _kept_because(tag_dir: Path, commits: list[tuple[Path, int]], root: Path,
-                  min_age_s: float) -> tuple[str | None, Path | None]:
-    """(why ``tag_dir`` stays, or None, and then the tag committed after it)."""
+                  min_age_s: float) -> tuple[str | None, Path | None, int]:
+    """(why ``tag_dir`` stays, or None, and then the tag committed after it; its newest mtime in ns)."""
     try:
         if not stat.S_ISDIR(os.lstat(tag_dir).st_mode):
-            return "not a directory", None
+            return "not a directory", None, 0
         if _named_by_latest(root, tag_dir):
-            return f"{root / 'latest'} names it", None
-        if os.path.lexists(tag_dir / MARKER_NAME):
-            return "it has a marker file (committed, or of a format this cpuckpt does not judge)", None
+            return f"{root / 'latest'} names it", None, 0
+        if (why := _claimed(tag_dir)) is not None:
+            return why, None, 0
         status = check_dir(tag_dir, tag_dir.name)
         if status.state != "torn" or status.committed:
-            return f"it is {status.state} now", None
-        parts = sorted(n for n in os.listdir(tag_dir) if n.startswith(PART_PREFIX))
-        if parts:
-            return (f"a writer process persists it ({', '.join(parts)}: its coordinator may still commit it)", None)
+            return f"it is {status.state} now", None, 0
         newest = _newest_ns(tag_dir)
     except OSError as e:  # gone, unreadable, or changing while read: nothing is decided
-        return f"it cannot be read whole ({e})", None
+        return f"it cannot be read whole ({e})", None, 0
     age_s = (time.time_ns() - newest) / 1e9
     if age_s < min_age_s:
-        return f"modified {age_s:.0f} s ago, less than {min_age_s:g} s (it may be written right now)", None
-    later = [(when, p) for p, when in commits if when > newest + int(ORDER_MARGIN_S * 1e9)]
+        return f"modified {age_s:.0f} s ago, less than {min_age_s:g} s (it may be written right now)", None, newest
+    later = [(when, p) for p, when in commits if when > newest]
     if not later:
         return ("no tag was committed after its last change (a save waits for its commit until the engine's next "
-                "step(), save or destroy())"), None
-    return None, max(later)[1]
+                "step(), save or destroy())"), None, newest
+    return None, max(later)[1], newest
 
 
 def _newest_ns(tag_dir: Path) -> int:
@@ -603,17 +650,56 @@ def _newest_ns(tag_dir: Path) -> int:
     return newest
 
 
-def _remove_tag(tag_dir: Path, *, fsync: bool) -> None:
-    """Everything but ``.cpuckpt-saving`` first (durably, with ``fsync``), then it, then the directory."""
-    for entry in os.scandir(tag_dir):
-        if entry.name == SAVING_NAME:
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
+def _remove_tag(root: Path, tag_dir: Path, newest: int, *, fsync: bool) -> bool:
+    """Move ``tag_dir`` aside, check it is still as judged (``newest``: its newest mtime then), delete it; True
+    when deleted. An unlink in place would delete the files of a save that reopened the tag meanwhile; a rename is
+    atomic: a save that opens the tag's name after it makes a new directory, one before it changed the tag
+    (``open_tag`` dates its saving file), which the check sees. Raises OSError when it cannot be moved."""
+    moved = root / f"{REMOVING_PREFIX}{tag_dir.name}-{os.getpid()}"
+    os.rename(tag_dir, moved)
+    try:
+        why = _claimed(moved) or ("modified since it was judged" if _newest_ns(moved) != newest else None)
+    except OSError as e:
+        why = f"it cannot be read whole ({e})"
+    if why is not None:
+        _put_back(moved, tag_dir, why)
+        return False
+    if fsync:  # its name gone durably before a file of it: a crash leaves a leftover, never a tag half deleted
+        fsync_dir(root)
+    try:
+        shutil.rmtree(moved)
+    except OSError as e:
+        logger.warning("torn DeepSpeed tag %s, moved aside to %s, could not be deleted whole (%s): what is left "
+                       "stays there, for a later clean", tag_dir, moved, e)
+        return False
     if fsync:
-        fsync_dir(tag_dir)
-    (tag_dir / SAVING_NAME).unlink(missing_ok=True)
-    os.rmdir(tag_dir)
+        fsync_dir(root)
+    return True
+
+
+def _put_back(moved: Path, tag_dir: Path, why: str) -> None:
+    """Undo :func:`_remove_tag`'s move: ``tag_dir`` changed between its judgement and its move."""
+    if not os.path.lexists(tag_dir):  # a save that opens it meanwhile (mkdir) may take the name first: then kept
+        try:
+            os.rename(moved, tag_dir)
+            logger.info("not removing torn DeepSpeed tag %s: %s (put back)", tag_dir, why)
+            return
+        except OSError as e:
+            why = f"{why}; putting it back failed: {e}"
+    logger.warning("not removing torn DeepSpeed tag %s: %s; a new %s was made meanwhile, so the tag is kept as %s "
+                   "(a later clean deletes it once untouched for --min-age)", tag_dir, why, tag_dir, moved)
+
+
+def _leftover_kept_because(moved: Path, min_age_s: float) -> str | None:
+    """Why a directory an earlier cleaner moved aside stays, or None: its cleaner may still run, or it changed
+    within ``min_age_s``."""
+    pid = moved.name.rpartition("-")[2]
+    if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
+        return f"its cleaner (pid {pid}) may still run"
+    try:
+        age_s = (time.time_ns() - _newest_ns(moved)) / 1e9
+    except OSError as e:
+        return f"it cannot be read whole ({e})"
+    if age_s < min_age_s:
+        return f"modified {age_s:.0f} s ago, less than {min_age_s:g} s"
+    return None

@@ -34,6 +34,7 @@ from cpuckpt.errors import CpuckptError
 from cpuckpt.format.dtypes import tensor_nbytes
 from cpuckpt.format.manifest import MANIFEST_NAME, Manifest
 from cpuckpt.paths import S3Url, checkpoint_path
+from cpuckpt.rootinfo import REMOVING_PREFIX
 from cpuckpt.roots import committed_once, find_latest, inspect_checkpoint, list_checkpoints, ordered
 from cpuckpt.tier.tagmarker import check_dir
 from cpuckpt.transfer.objstore import open_store
@@ -196,7 +197,8 @@ def scan_root(root: str | os.PathLike, *, verify: bool = False) -> list[ListedCh
     if own is not None:
         found = [own]
     else:
-        found = [info for d in sorted(r.iterdir()) if d.is_dir() and (info := identify(d)) is not None]
+        found = [info for d in sorted(r.iterdir()) if not d.name.startswith(REMOVING_PREFIX) and d.is_dir()
+                 and (info := identify(d)) is not None]
     found = ordered(found, lambda i: i.rank_step, lambda i: i.rank_time, lambda i: i.path.name)
     if verify:
         _verify_all(found)

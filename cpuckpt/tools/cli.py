@@ -356,32 +356,42 @@ def convert_cmd(path: Any, out: Any, fmt: str, max_shard_size: int | None, memor
 @click.option("--min-age", "min_age", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Durable roots: remove only leftovers untouched this long. A live save touches its directory "
                    "at least once per timeout_s, so keep this >= the trainers' timeout_s; 0 also removes saves "
-                   "that other processes are writing right now (a torn DeepSpeed tag also needs a tag committed "
-                   "after it).  [default: the default timeout_s, 600]")
+                   "that other processes are writing right now (with --deepspeed-tags a torn tag also needs a tag "
+                   "committed after it).  [default: the default timeout_s, 600]")
+@click.option("--deepspeed-tags", is_flag=True,
+              help="Also remove torn DeepSpeed tags of cpuckpt's engine (.cpuckpt-saving, no marker) once a tag "
+                   "was committed after their last change. Assumes ONE engine per save_dir: another engine's "
+                   "pending tag (an EMA or reference engine that never calls step()) would be removed. --min-age "
+                   "must exceed the longest persist of a memory-tier writer.")
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per removed path.")
-def clean_cmd(root: Any, ram: bool, min_age: float | None, dry_run: bool, as_json: bool) -> None:
+def clean_cmd(root: Any, ram: bool, min_age: float | None, deepspeed_tags: bool, dry_run: bool,
+              as_json: bool) -> None:
     """Delete leftovers of crashed saves in the checkpoint root ROOT, or (--ram) stale RAM roots.
 
     ROOT: torn checkpoint directories (no valid commit) untouched for --min-age, *.tmp files, manifest
     parts and O_DIRECT probes inside complete checkpoints, and a stray latest.tmp; complete checkpoints and
-    checkpoints being loaded stay. In a DeepSpeed save_dir: tags of cpuckpt's engine that never committed
-    (.cpuckpt-saving, no marker), untouched for --min-age, and only where another tag was committed after
-    their last change (a tag waits for its commit until the engine's next step(), save or destroy(), however
-    long; its engine commits in order); never a tag that latest names, one with a marker (committed, even if
-    damaged since), one of stock DeepSpeed, one a memory tier's writer persists (its parts there), or latest
-    itself. An s3:// ROOT: incomplete checkpoint prefixes, manifest parts and the
-    multipart uploads of dead saves, untouched for --min-age. --ram: RAM roots whose trainer and writer locks
+    checkpoints being loaded stay. With --deepspeed-tags, in a DeepSpeed save_dir of one engine: tags of
+    cpuckpt's engine that never committed (.cpuckpt-saving, no marker), untouched for --min-age, and only where
+    another tag was committed after their last change (a tag waits for its commit until the engine's next
+    step(), save or destroy(), however long; its engine commits in order); never a tag that latest names, one
+    with a marker (committed, even if damaged since), one of stock DeepSpeed, one a memory tier's writer
+    persists (its parts there, or its save id in .cpuckpt-saving), or latest itself. An s3:// ROOT: incomplete
+    checkpoint prefixes, manifest parts and the multipart uploads of dead saves, untouched for --min-age.
+    --ram: RAM roots whose trainer and writer locks
     are all free; live ones stay; and process files (``cpuckpt-<tag>-p<pid>-b<boot>-*``, e.g. the Megatron
     adapter's) of processes gone.
     """
     verb = "would remove" if dry_run else "removed"
+    failed = ""
     files: list[Path] = []
     tags: list[Path] = []  # torn DeepSpeed tags
     from cpuckpt.paths import S3Url
 
     if ram and isinstance(root, S3Url):
         _fail(f"--ram cleans RAM roots; {root} is an object-storage root")
+    if deepspeed_tags and (ram or isinstance(root, S3Url)):
+        _fail("--deepspeed-tags cleans a local DeepSpeed save_dir, not RAM roots or an object-storage root")
     if ram:
         from cpuckpt import runfiles
         from cpuckpt.tier.ramroot import RamRootError, clean_ram_roots, default_root, is_shared_dir
@@ -412,12 +422,15 @@ def clean_cmd(root: Any, ram: bool, min_age: float | None, dry_run: bool, as_jso
         min_age_s = Config().timeout_s if min_age is None else min_age
         try:
             removed = clean_incomplete(root, min_age_s=min_age_s, dry_run=dry_run)
-            if not isinstance(root, S3Url):  # a DeepSpeed save_dir is local
-                from cpuckpt.tier.tagmarker import clean_torn_tags
-
-                tags = clean_torn_tags(root, min_age_s=min_age_s, dry_run=dry_run)
         except (OSError, CpuckptError) as e:
             _fail(f"cannot clean {root}: {e}")
+        if deepspeed_tags:
+            from cpuckpt.tier.tagmarker import clean_torn_tags
+
+            try:
+                tags = clean_torn_tags(root, min_age_s=min_age_s, dry_run=dry_run)
+            except (OSError, CpuckptError) as e:  # said after what was removed already
+                failed = f"cannot clean the DeepSpeed tags of {root}: {e}"
         base, kind, what = root, "checkpoint", ""
     if as_json:
         for path in removed:
@@ -426,15 +439,17 @@ def clean_cmd(root: Any, ram: bool, min_age: float | None, dry_run: bool, as_jso
             click.echo(json.dumps({"path": str(path), "kind": "deepspeed-tag", "removed": not dry_run}))
         for path in files:
             click.echo(json.dumps({"path": str(path), "kind": "process-file", "removed": not dry_run}))
-        return
-    for path in removed:
-        click.echo(f"{verb} {what}{path}")
-    for path in tags:
-        click.echo(f"{verb} torn DeepSpeed tag {path}")
-    for path in files:
-        click.echo(f"{verb} stale process file {path}")
-    if not removed and not tags and not files:
-        click.echo(f"no stale RAM roots under {base}" if ram else f"nothing to clean in {base}")
+    else:
+        for path in removed:
+            click.echo(f"{verb} {what}{path}")
+        for path in tags:
+            click.echo(f"{verb} torn DeepSpeed tag {path}")
+        for path in files:
+            click.echo(f"{verb} stale process file {path}")
+        if not removed and not tags and not files and not failed:
+            click.echo(f"no stale RAM roots under {base}" if ram else f"nothing to clean in {base}")
+    if failed:
+        _fail(failed)
 
 def _source_root(rel: str) -> Path:
     """The source tree holding ``rel``, a file that ships with it (not the wheel): the tree the package

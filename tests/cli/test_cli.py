@@ -706,26 +706,26 @@ def test_clean_removes_a_torn_deepspeed_tag_only_once_a_later_tag_committed(tmp_
     _ds_tag(root, "global_step10", 10, b"a" * 100, ago=3000)
     torn = _ds_torn(root, "global_step20", ago=2000)  # untouched far longer than timeout_s
     (root / "latest").write_text("global_step10")
-    code, out = _run("clean", root)
+    code, out = _run("clean", "--deepspeed-tags", root)
     assert code == 0 and out.splitlines() == [f"nothing to clean in {root}"], out
     assert torn.is_dir()
 
     _ds_tag(root, "global_step30", 30, b"c" * 100)  # committed now: global_step20's save is over
     (root / "latest").write_text("global_step30")
     before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-    code, out = _run("clean", root, "--dry-run")
+    code, out = _run("clean", "--deepspeed-tags", root, "--dry-run")
     assert code == 0 and out.splitlines() == [f"would remove torn DeepSpeed tag {torn}"], out
-    code, out = _run("clean", root, "--dry-run", "--json")
+    code, out = _run("clean", "--deepspeed-tags", root, "--dry-run", "--json")
     assert code == 0 and _json_lines(out) == [{"path": str(torn), "kind": "deepspeed-tag", "removed": False}], out
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
-    code, out = _run("clean", root, "--json")
+    code, out = _run("clean", "--deepspeed-tags", root, "--json")
     assert code == 0 and _json_lines(out) == [{"path": str(torn), "kind": "deepspeed-tag", "removed": True}], out
     assert sorted(os.listdir(root)) == ["global_step10", "global_step30", "latest"]
     assert (root / "latest").read_text() == "global_step30"
     from cpuckpt.tier.tagmarker import check_tag
 
     assert [check_tag(root, t).state for t in ("global_step10", "global_step30")] == ["complete", "complete"]
-    code, out = _run("clean", root)
+    code, out = _run("clean", "--deepspeed-tags", root)
     assert code == 0 and out.splitlines() == [f"nothing to clean in {root}"], out
 
 
@@ -735,7 +735,7 @@ def test_clean_keeps_a_torn_tag_newer_than_every_commit_or_with_none(tmp_path):
     commit goes. A commit within ORDER_MARGIN_S of a tag's last change orders nothing."""
     alone = tmp_path / "alone"
     _ds_torn(alone, "global_step20", ago=5000)
-    code, out = _run("clean", alone, "--min-age", "0")
+    code, out = _run("clean", "--deepspeed-tags", alone, "--min-age", "0")
     assert code == 0 and out.splitlines() == [f"nothing to clean in {alone}"], out
 
     root = tmp_path / "save_dir"
@@ -743,7 +743,7 @@ def test_clean_keeps_a_torn_tag_newer_than_every_commit_or_with_none(tmp_path):
     _ds_tag(root, "global_step20", 20, b"b" * 100, ago=3000)
     live = _ds_torn(root, "global_step30", ago=2000)  # its commit still to come: newer than every commit
     close = _ds_torn(root, "global_step5", ago=3000.5)  # 0.5 s before global_step20's commit: not ordered
-    code, out = _run("clean", root, "--min-age", "0")
+    code, out = _run("clean", "--deepspeed-tags", root, "--min-age", "0")
     assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}"], out
     assert live.is_dir() and close.is_dir() and not dead.exists()
 
@@ -774,7 +774,7 @@ def test_clean_keeps_committed_damaged_stock_and_unjudged_deepspeed_tags(tmp_pat
     _ds_tag(root, "global_step20", 20, b"b" * 100, ago=10)
     before = {p: p.stat().st_size for p in root.rglob("*") if p.is_file() and dead not in p.parents}
     with caplog.at_level(logging.WARNING):
-        code, out = _run("clean", root)
+        code, out = _run("clean", "--deepspeed-tags", root)
     assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}"], out
     assert {p: p.stat().st_size for p in root.rglob("*") if p.is_file()} == before
     assert f"not removing DeepSpeed tag {damaged}: committed once, incomplete now" in caplog.text
@@ -783,7 +783,7 @@ def test_clean_keeps_committed_damaged_stock_and_unjudged_deepspeed_tags(tmp_pat
     torn = _ds_torn(garbled, "global_step14", ago=4000)
     later = _ds_tag(garbled, "global_step20", 20, b"b" * 100)
     (later / MARKER_NAME).write_bytes(b'{"tag": \xff')  # committed (written last), but when is unknown
-    code, out = _run("clean", garbled)
+    code, out = _run("clean", "--deepspeed-tags", garbled)
     assert code == 0 and out.splitlines() == [f"nothing to clean in {garbled}"], out
     assert torn.is_dir()
 
@@ -797,13 +797,13 @@ def test_clean_with_latest_a_symlink_never_follows_or_removes_it(tmp_path):
     _ds_tag(root, "global_step20", 20, b"b" * 100, ago=10)
     (root / "latest").symlink_to("global_step15")
     (root / "alias").symlink_to(dead)
-    code, out = _run("clean", root)
+    code, out = _run("clean", "--deepspeed-tags", root)
     assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}"], out
     assert os.readlink(root / "latest") == "global_step15" and named.is_dir()
     assert os.readlink(root / "alias") == str(dead)
     os.unlink(root / "latest")
     (root / "latest").symlink_to(root / "global_step20")
-    code, out = _run("clean", root)
+    code, out = _run("clean", "--deepspeed-tags", root)
     assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {named}"], out
     assert os.readlink(root / "latest") == str(root / "global_step20")
     assert sorted(os.listdir(root)) == ["alias", "global_step20", "latest"]
@@ -827,7 +827,7 @@ def test_clean_keeps_a_tag_a_memory_tier_writer_persists(tmp_path):
     copying = _ds_torn(root, "global_step11", ago=300)  # a writer copied into it 300 s ago
     dead = _ds_torn(root, "global_step12", ago=4000)
     _ds_tag(root, "global_step20", 20, b"b" * 100, ago=10)
-    code, out = _run("clean", root)
+    code, out = _run("clean", "--deepspeed-tags", root)
     assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}"], out
     assert parted.is_dir() and copying.is_dir()
 
@@ -836,9 +836,80 @@ def test_clean_keeps_a_tag_a_memory_tier_writer_persists(tmp_path):
     persisted = _ds_tag(mem, "global_step25", 25, b"p" * 100, ago=3000, save_id="job-0002")  # memory commit
     marker = persisted / ".cpuckpt-complete.json"
     os.utime(marker, (time.time() - 5, time.time() - 5))  # its writer's durable commit: long after the memory one
-    code, out = _run("clean", mem)
+    code, out = _run("clean", "--deepspeed-tags", mem)
     assert code == 0 and out.splitlines() == [f"nothing to clean in {mem}"], out
     assert waiting.is_dir()
+
+
+def test_clean_touches_no_deepspeed_tag_without_the_flag(tmp_path):
+    """Removing torn tags rests on one engine per save_dir (another engine's commit says nothing of this one's
+    pending tag): it is opt-in. Without --deepspeed-tags a dead torn tag and a tag left aside by a killed cleaner
+    stay; the flag is refused with --ram and for an s3:// root."""
+    root = tmp_path / "save_dir"
+    dead = _ds_torn(root, "global_step10", ago=4000)
+    _ds_tag(root, "global_step20", 20, b"b" * 100, ago=10)
+    aside = _ds_torn(root, ".cpuckpt-removing-global_step5-999999999", ago=4000)
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    code, out = _run("clean", root, "--min-age", "0")
+    assert code == 0 and out.splitlines() == [f"nothing to clean in {root}"], out
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
+    code, out = _run("clean", "--deepspeed-tags", root)
+    assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}",
+                                              f"removed torn DeepSpeed tag {aside}"], out
+    for args in (("--ram",), ("s3://bucket/run",)):
+        code, out = _run("clean", "--deepspeed-tags", *args)
+        assert code == 2 and "--deepspeed-tags cleans a local DeepSpeed save_dir" in out, out
+
+
+def test_clean_keeps_a_tag_it_cannot_delete_and_cleans_the_others(tmp_path, monkeypatch, caplog):
+    """A tag that cannot be deleted whole (EACCES in a subdirectory, say) is named in a WARNING and kept aside;
+    the other tags are still removed and printed, exit 0. A later clean deletes what was left."""
+    import logging
+    import shutil
+
+    root = tmp_path / "save_dir"
+    stuck = _ds_torn(root, "global_step5", ago=4000)
+    (stuck / "sub").mkdir()
+    (stuck / "sub" / "x").write_bytes(b"x")
+    _age(stuck, 4000)
+    _age(stuck / "sub", 4000)
+    dead = _ds_torn(root, "global_step10", ago=4000)
+    _ds_tag(root, "global_step20", 20, b"b" * 100, ago=10)
+    rmtree = shutil.rmtree
+
+    def denied(path, *args, **kwargs):
+        if "global_step5" in str(path):
+            raise PermissionError(13, "Permission denied", str(path))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", denied)
+    with caplog.at_level(logging.WARNING):
+        code, out = _run("clean", "--deepspeed-tags", root)
+    assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}"], out
+    assert f"torn DeepSpeed tag {stuck}, moved aside to" in caplog.text and "Permission denied" in caplog.text
+    (aside,) = [p for p in root.iterdir() if p.name.startswith(".cpuckpt-removing-global_step5-")]
+    assert (aside / "sub" / "x").exists() and not dead.exists()
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    _age(aside, 4000)
+    code, out = _run("clean", "--deepspeed-tags", root)
+    assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {aside}"], out
+    assert sorted(os.listdir(root)) == ["global_step20"]
+
+
+def test_clean_survives_a_marker_whose_created_unix_is_no_number(tmp_path):
+    """A later marker whose ``created_unix`` is text, NaN or out of range dates nothing: nothing removed, exit 0."""
+    from cpuckpt.tier.tagmarker import MARKER_NAME
+
+    root = tmp_path / "save_dir"
+    torn = _ds_torn(root, "global_step10", ago=4000)
+    later = _ds_tag(root, "global_step20", 20, b"b" * 100, ago=10)
+    data = json.loads((later / MARKER_NAME).read_text())
+    for bad in ("soon", float("nan"), 1e300):
+        (later / MARKER_NAME).write_text(json.dumps({**data, "created_unix": bad}))
+        _age(later, 10)
+        code, out = _run("clean", "--deepspeed-tags", root)
+        assert code == 0 and out.splitlines() == [f"nothing to clean in {root}"], (bad, out)
+    assert torn.is_dir()
 
 
 # ------------------------------------------------------------------------------- stock data files, paths

@@ -240,7 +240,9 @@ def rank_clean_torn_tags(root: str) -> dict:
     out["t2_commit"] = _raised(lambda: ckpt_ds.commit_pending(engine))[0]
     ckpt_ds.attach(engine, {"io": _IO})
     out["before_t3"] = [str(p) for p in clean_torn_tags(save_dir)]  # nothing committed after t2 yet
-    time.sleep(1.1)  # ORDER_MARGIN_S: t3's commit comes clearly after t2's last change
+    past = time.time() - 120  # t2 last changed 2 min ago: commits since are past CLOCK_MARGIN_S
+    for p in [*(save_dir / "t2").rglob("*"), save_dir / "t2"]:
+        os.utime(p, (past, past))
     h._step(engine, 2)
     engine.save_checkpoint(str(save_dir), tag="t3")
     h._step(engine, 3)  # commits t3

@@ -162,3 +162,41 @@ def test_a_writer_redoing_a_persist_whose_part_is_there_remembers_it(tmp_path):
     assert persister.persist_one(req).ok
     assert persister._MY_LAST_PART.get(part) == save_id
     persister._MY_LAST_PART.clear()
+
+
+def test_a_writer_persisting_a_tag_names_its_save_in_the_saving_file(tmp_path, monkeypatch):
+    """While a writer copies a file set into ``dest`` (before its part), ``<saving>`` holds the save id: a tag a
+    persist owes is told from a dead save of the engine (empty), which ``cpuckpt clean --deepspeed-tags`` may
+    remove once a later tag committed, however stalled the copy."""
+    import dataclasses
+    import json
+
+    from cpuckpt.format.manifest import FileEntry
+    from cpuckpt.tier.tagmarker import SAVING_NAME, clean_torn_tags, new_marker, write_marker
+
+    slot, dest = tmp_path / "slot-0", tmp_path / "save_dir" / "global_step3"
+    slot.mkdir()
+    (slot / "w.bin").write_bytes(b"w" * 100)
+    (slot / "done.json").write_text(json.dumps({"save_id": "S1", "global_step": 3}))
+    entry = FileEntry(name="w.bin", nbytes=100, chunk_bytes=100, checksum="none")
+    req = PersistRequest(seq=1, slot=str(slot), save_id="S1", step=3, dest=str(dest), rank=1, world_size=2,
+                         coordinator=False, config={"timeout_s": 5}, trainer_pid=os.getpid(),
+                         trainer_lock=str(tmp_path / "t.lock"), kind="files",
+                         files=(("w.bin", dataclasses.asdict(entry)),), marker="done.json", saving=SAVING_NAME)
+    copy, seen = persister.persist_image, []
+
+    def stalled(src, dst, *args, **kwargs):  # the copy stalls past --min-age while a later tag commits
+        seen.append((dest / SAVING_NAME).read_text())
+        for p in [*dest.rglob("*"), dest]:
+            os.utime(p, (os.path.getmtime(p) - 4000, os.path.getmtime(p) - 4000))
+        seen.append([str(p) for p in clean_torn_tags(dest.parent, min_age_s=60)])
+        return copy(src, dst, *args, **kwargs)
+
+    later = tmp_path / "save_dir" / "global_step2"
+    later.mkdir(parents=True)
+    write_marker(later, new_marker("global_step2", 1, {}, 2), fsync=False)
+    monkeypatch.setattr(persister, "persist_image", stalled)
+    persister._MY_LAST_PART.clear()
+    assert persister.persist_one(req).ok
+    persister._MY_LAST_PART.clear()
+    assert seen == ["S1\n", []] and (dest / "w.bin").read_bytes() == b"w" * 100

@@ -120,3 +120,221 @@ def test_a_garbled_marker_is_a_damaged_tag_and_an_unreadable_one_is_raised(tmp_p
         check_dir(bad)
     with pytest.raises(OSError):
         complete_tags(tmp_path)
+
+
+# ------------------------------------------------------------------------- clean_torn_tags (cpuckpt clean)
+def _backdate(path: Path, seconds: float) -> None:
+    """Every mtime under ``path`` (and its own) ``seconds`` ago."""
+    import os
+    import time
+
+    t = time.time() - seconds
+    for p in [*path.rglob("*"), path]:
+        os.utime(p, (t, t), follow_symlinks=False)
+
+
+def _torn(root: Path, tag: str, *, ago: float = 4000) -> Path:
+    """A tag cpuckpt's engine began and never committed, last changed ``ago`` seconds ago."""
+    from cpuckpt.tier.tagmarker import open_tag
+
+    d = root / tag
+    open_tag(d, fsync=False)
+    (d / FILES[0]).write_bytes(b"t" * 100)
+    _backdate(d, ago)
+    return d
+
+
+def _committed(root: Path, tag: str, step: int, *, ago: float = 10, **marker) -> Path:
+    """A committed tag, its marker's ``created_unix`` and every mtime ``ago`` seconds ago (``marker``: fields)."""
+    import dataclasses
+    import time
+
+    d = _tag(root, tag, step)
+    m = dataclasses.replace(new_marker(tag, 1, {n: TagFile(0, 100, 0) for n in FILES}, step),
+                            created_unix=time.time() - ago, **marker)
+    write_marker(d, m, fsync=False)
+    _backdate(d, ago)
+    return d
+
+
+def _removing(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(".cpuckpt-removing-"))
+
+
+def _hook_after_judging(monkeypatch, action) -> None:
+    """Run ``action(tag_dir)`` right after a torn tag was judged removable, before its removal."""
+    from cpuckpt.tier import tagmarker as tm
+
+    judge = tm._kept_because
+
+    def judged(tag_dir, *args):
+        out = judge(tag_dir, *args)
+        if out[0] is None:
+            action(tag_dir)
+        return out
+
+    monkeypatch.setattr(tm, "_kept_because", judged)
+
+
+def test_a_save_reopening_a_tag_while_it_is_removed_keeps_it_and_its_files(tmp_path, monkeypatch):
+    """Between the judgement and the removal, a save opens the dead tag's name again (``open_tag``) and writes a
+    file: the tag stays, with the new file, and nothing is left aside. It was unlinked in place: the new file went,
+    then the removal failed, and the engine later committed a marker over the missing files."""
+    from cpuckpt.tier.tagmarker import SAVING_NAME, clean_torn_tags, open_tag
+
+    root = tmp_path / "save_dir"
+    dead = _torn(root, "global_step10")
+    _committed(root, "global_step20", 20)
+
+    def save_again(tag_dir: Path) -> None:
+        open_tag(tag_dir, fsync=False)
+        (tag_dir / FILES[1]).write_bytes(b"n" * 100)
+
+    _hook_after_judging(monkeypatch, save_again)
+    assert clean_torn_tags(root) == []
+    assert (dead / FILES[1]).read_bytes() == b"n" * 100 and (dead / FILES[0]).exists()
+    assert (dead / SAVING_NAME).exists() and _removing(root) == []
+
+
+def test_reopening_a_torn_tag_is_a_change_the_cleaner_sees(tmp_path, monkeypatch):
+    """``open_tag`` alone on a dead torn tag (its saving file already there) dates it now: the removal's check
+    finds it changed and puts it back (``open_tag`` changed no time: mkdir exist_ok, O_CREAT on an existing file)."""
+    from cpuckpt.tier.tagmarker import clean_torn_tags, open_tag
+
+    root = tmp_path / "save_dir"
+    dead = _torn(root, "global_step10")
+    _committed(root, "global_step20", 20)
+    _hook_after_judging(monkeypatch, lambda tag_dir: open_tag(tag_dir, fsync=False))
+    assert clean_torn_tags(root) == []
+    assert dead.is_dir() and _removing(root) == []
+
+
+def test_a_save_opening_the_name_after_the_move_makes_a_new_tag(tmp_path, monkeypatch, caplog):
+    """Once the dead tag is moved aside, a save opening its name makes a new directory: the dead one is deleted,
+    the new one and its file stay. When the moved tag changed too (a save opened it just before the move) and its
+    name is taken, it is kept aside with a WARNING naming both, and a later clean deletes it."""
+    from cpuckpt.tier import tagmarker as tm
+
+    root = tmp_path / "save_dir"
+    _torn(root, "global_step10")
+    _committed(root, "global_step20", 20)
+    claimed = tm._claimed
+    touch_moved: list[bool] = []
+
+    def after_move(path: Path):  # the first look at the moved tag: right after the rename
+        if path.name.startswith(tm.REMOVING_PREFIX) and not (root / "global_step10").exists():
+            tm.open_tag(root / "global_step10", fsync=False)
+            (root / "global_step10" / FILES[1]).write_bytes(b"n" * 100)
+            if touch_moved:
+                (path / FILES[0]).write_bytes(b"m" * 100)
+        return claimed(path)
+
+    monkeypatch.setattr(tm, "_claimed", after_move)
+    assert tm.clean_torn_tags(root) == [root / "global_step10"]
+    assert sorted(p.name for p in (root / "global_step10").iterdir()) == sorted([FILES[1], tm.SAVING_NAME])
+    assert _removing(root) == []
+
+    import shutil
+
+    shutil.rmtree(root / "global_step10")
+    _torn(root, "global_step10")
+    touch_moved.append(True)
+    with caplog.at_level(logging.WARNING, logger="cpuckpt.tier.tagmarker"):
+        assert tm.clean_torn_tags(root) == []
+    moved = root / _removing(root)[0]
+    assert (moved / FILES[0]).read_bytes() == b"m" * 100 and (root / "global_step10" / FILES[1]).exists()
+    assert f"not removing torn DeepSpeed tag {root / 'global_step10'}:" in caplog.text
+    assert f"the tag is kept as {moved}" in caplog.text
+    monkeypatch.setattr(tm, "_claimed", claimed)
+    assert tm.clean_torn_tags(root, min_age_s=60) == []  # changed just now
+    _backdate(moved, 120)
+    assert tm.clean_torn_tags(root, min_age_s=60) == [moved] and _removing(root) == []
+    assert (root / "global_step10" / FILES[1]).exists()  # newer than every commit: its save may be live
+
+
+def test_a_tag_moved_aside_is_never_listed_and_a_later_clean_deletes_it(tmp_path):
+    """``.cpuckpt-removing-<tag>-<pid>`` (a cleaner killed while deleting) is no tag: the restart's listing,
+    find_latest, ``ls`` and the DCP root listing skip it, even holding a marker of its own name; a later clean
+    deletes it once untouched for ``min_age_s`` and its cleaner's pid is gone (one whose pid runs stays)."""
+    import os
+
+    from cpuckpt import roots
+    from cpuckpt.tier.tagmarker import clean_torn_tags, find_latest, scan_tags
+    from cpuckpt.tools.catalog import scan_root
+
+    root = tmp_path / "save_dir"
+    _committed(root, "global_step20", 20)
+    dead = _committed(root, ".cpuckpt-removing-global_step30-999999999", 30, ago=4000)
+    (dead / FILES[1]).write_bytes(b"x")  # damaged, mid-delete
+    (dead / "__0_0.distcp").write_bytes(b"d")
+    _backdate(dead, 4000)
+    live = _committed(root, f".cpuckpt-removing-global_step40-{os.getppid()}", 40, ago=4000)
+    tags, damaged = scan_tags(root)
+    assert [t.tag for t in tags] == ["global_step20"] and damaged == []
+    assert find_latest(root).tag == "global_step20"
+    assert [i.path.name for i in scan_root(root)] == ["global_step20"]
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".cpuckpt-removing-step_5-999999999").mkdir()
+    (dcp / ".cpuckpt-removing-step_5-999999999" / "__0_0.distcp").write_bytes(b"d")
+    _backdate(dcp, 4000)
+    assert roots.list_checkpoints(dcp) == [] and roots.clean_incomplete(dcp, min_age_s=60) == []
+    assert clean_torn_tags(root, min_age_s=8000, dry_run=True) == []
+    assert clean_torn_tags(root, min_age_s=60, dry_run=True) == [dead] and dead.is_dir()
+    assert clean_torn_tags(root, min_age_s=60) == [dead]
+    assert not dead.exists() and live.is_dir()
+
+
+def test_a_tag_a_writer_persists_stays_and_a_save_of_the_engine_empties_its_saving_file(tmp_path):
+    """A writer's persist names its save in ``.cpuckpt-saving``: such a tag stays however old (a persist stalled
+    past --min-age, its part not written yet). ``open_tag`` empties the file, so the engine's own save of the tag
+    is judged as any."""
+    from cpuckpt.tier.tagmarker import SAVING_NAME, clean_torn_tags, open_tag
+
+    root = tmp_path / "save_dir"
+    persisted = _torn(root, "global_step10")
+    (persisted / SAVING_NAME).write_text("job-0001\n")
+    _backdate(persisted, 4000)
+    _committed(root, "global_step20", 20)
+    assert clean_torn_tags(root) == [] and persisted.is_dir()
+    open_tag(persisted, fsync=False)
+    assert (persisted / SAVING_NAME).stat().st_size == 0
+    _backdate(persisted, 4000)
+    assert clean_torn_tags(root) == [persisted]
+
+
+def test_a_commit_dated_by_another_clock_needs_60_s(tmp_path):
+    """A later marker's ``created_unix`` (the committing node's clock) must be 60 s past the torn tag's last
+    change, its file's mtime 1 s: 30 s after it by that clock orders nothing, whatever its file says."""
+    import os
+    import time
+
+    from cpuckpt.tier.tagmarker import MARKER_NAME, clean_torn_tags
+
+    root = tmp_path / "save_dir"
+    torn = _torn(root, "global_step10", ago=4000)
+    later = _committed(root, "global_step20", 20, ago=3970)
+    os.utime(later / MARKER_NAME, (time.time() - 100, time.time() - 100))
+    assert clean_torn_tags(root) == [] and torn.is_dir()
+    _committed(root, "global_step30", 30, ago=3900)
+    assert clean_torn_tags(root) == [torn]
+
+
+def test_a_marker_whose_created_unix_is_no_time_dates_nothing(tmp_path):
+    """``created_unix`` a string, NaN, infinite, or far after its own file: no evidence of when the commit was;
+    nothing is removed, nothing raised."""
+    import json
+
+    from cpuckpt.tier.tagmarker import MARKER_NAME, clean_torn_tags
+
+    root = tmp_path / "save_dir"
+    torn = _torn(root, "global_step10")
+    later = _committed(root, "global_step20", 20)
+    text = (later / MARKER_NAME).read_text()
+    for bad in ('"soon"', "NaN", "Infinity", "1e300", str(json.loads(text)["created_unix"] + 1e6)):
+        data = text.replace(f'"created_unix":{json.loads(text)["created_unix"]!r}', f'"created_unix":{bad}')
+        assert data != text
+        (later / MARKER_NAME).write_text(data)
+        _backdate(later, 10)
+        assert clean_torn_tags(root) == [], bad
+    assert torn.is_dir()
