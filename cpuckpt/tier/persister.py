@@ -162,7 +162,9 @@ def _finish_redone_commit(req: PersistRequest, dest: Path, parts: list[Path]) ->
 def _mark_saving(path: Path, save_id: str) -> None:
     """``<saving>`` of a writer's persist: never empty (``cpuckpt clean`` keeps a tag whose saving file has bytes,
     its persist owed; an engine's own save leaves it empty). Holds the save id where known."""
-    path.write_text(f"{save_id}\n")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{save_id}\n")
 
 
 def _failed_save(dest: Path) -> str | None:

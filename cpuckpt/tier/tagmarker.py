@@ -74,6 +74,7 @@ logger = logging.getLogger(__name__)
 
 MARKER_NAME = ".cpuckpt-complete.json"
 SAVING_NAME = ".cpuckpt-saving"
+KEPT_NAME = ".cpuckpt-kept"  # in a tag ``cpuckpt clean`` moved aside and could not put back: never deleted by it
 FORMAT = "cpuckpt-deepspeed-tag"
 FORMAT_VERSION = 1
 
@@ -180,9 +181,9 @@ def open_tag(tag_dir: Path, *, fsync: bool) -> None:
         (tag_dir / MARKER_NAME).unlink()
     # emptied (a writer's persist names its save in it) and dated now: reopening a torn tag is a change that
     # ``cpuckpt clean`` sees (--min-age, and its check after moving the tag aside)
-    fd = os.open(tag_dir / SAVING_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tag_dir / SAVING_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
-        os.utime(fd)
+        os.utime(fd)  # O_TRUNC of an empty file need not date it (POSIX dates a truncation)
     finally:
         os.close(fd)
     if fsync:
@@ -656,16 +657,24 @@ def _remove_tag(root: Path, tag_dir: Path, newest: int, *, fsync: bool) -> bool:
     atomic: a save that opens the tag's name after it makes a new directory, one before it changed the tag
     (``open_tag`` dates its saving file), which the check sees. Raises OSError when it cannot be moved."""
     moved = root / f"{REMOVING_PREFIX}{tag_dir.name}-{os.getpid()}"
+    if _saving_ns(tag_dir) > newest:  # reopened by a save since the (long) walk that judged it: no move at all
+        return False
     os.rename(tag_dir, moved)
-    try:
-        why = _claimed(moved) or ("modified since it was judged" if _newest_ns(moved) != newest else None)
+    try:  # the saving file first (a reopen dates it): put back within microseconds, before a rank of it misses it
+        why = ("reopened by a save" if _saving_ns(moved) > newest else None) or _claimed(moved) or (
+            "modified since it was judged" if _newest_ns(moved) != newest else None)
     except OSError as e:
         why = f"it cannot be read whole ({e})"
     if why is not None:
         _put_back(moved, tag_dir, why)
         return False
     if fsync:  # its name gone durably before a file of it: a crash leaves a leftover, never a tag half deleted
-        fsync_dir(root)
+        try:
+            fsync_dir(root)
+        except OSError as e:
+            logger.warning("torn DeepSpeed tag %s, moved aside to %s: its directory could not be synced (%s); what "
+                           "is there stays for a later clean", tag_dir, moved, e)
+            return False
     try:
         shutil.rmtree(moved)
     except OSError as e:
@@ -678,21 +687,37 @@ def _remove_tag(root: Path, tag_dir: Path, newest: int, *, fsync: bool) -> bool:
 
 
 def _put_back(moved: Path, tag_dir: Path, why: str) -> None:
-    """Undo :func:`_remove_tag`'s move: ``tag_dir`` changed between its judgement and its move."""
-    if not os.path.lexists(tag_dir):  # a save that opens it meanwhile (mkdir) may take the name first: then kept
+    """Undo :func:`_remove_tag`'s move: ``tag_dir`` changed between its judgement and its move. Where it cannot go
+    back (a save made the name again meanwhile), it is marked kept (:data:`KEPT_NAME`): it may hold a file a rank
+    of that save is still writing, so no later clean deletes it; a person decides."""
+    if not os.path.lexists(tag_dir):
         try:
             os.rename(moved, tag_dir)
             logger.info("not removing torn DeepSpeed tag %s: %s (put back)", tag_dir, why)
             return
         except OSError as e:
             why = f"{why}; putting it back failed: {e}"
-    logger.warning("not removing torn DeepSpeed tag %s: %s; a new %s was made meanwhile, so the tag is kept as %s "
-                   "(a later clean deletes it once untouched for --min-age)", tag_dir, why, tag_dir, moved)
+    else:
+        why = f"{why}; a new {tag_dir.name} was made meanwhile"
+    with contextlib.suppress(OSError):
+        (moved / KEPT_NAME).write_text(f"{tag_dir.name}\n")
+    logger.warning("not removing torn DeepSpeed tag %s: %s; it is kept as %s, never deleted by a clean: a save's "
+                   "file may be in it (compare it with %s, then remove it by hand)", tag_dir, why, moved, tag_dir)
+
+
+def _saving_ns(tag_dir: Path) -> int:
+    """The saving file's mtime (0: none): every ``open_tag`` dates it."""
+    try:
+        return os.lstat(tag_dir / SAVING_NAME).st_mtime_ns
+    except FileNotFoundError:
+        return 0
 
 
 def _leftover_kept_because(moved: Path, min_age_s: float) -> str | None:
     """Why a directory an earlier cleaner moved aside stays, or None: its cleaner may still run, or it changed
     within ``min_age_s``."""
+    if os.path.lexists(moved / KEPT_NAME):
+        return "kept: a save made its name again while it was moved aside; remove it by hand"
     pid = moved.name.rpartition("-")[2]
     if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
         return f"its cleaner (pid {pid}) may still run"
