@@ -327,19 +327,27 @@ def clean_incomplete(root: str | os.PathLike, *, keep: Iterable[str | os.PathLik
             removed.append(info.path)
             continue
         for entry in os.scandir(info.path):
-            if _LEFTOVER_FILE.match(entry.name):
+            if _LEFTOVER_FILE.match(entry.name) and _untouched_for(entry, min_age_s):
                 if not dry_run:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
                 removed.append(Path(entry.path))
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(root):
-            if entry.name == LATEST_NAME + ".tmp" and entry.is_file(follow_symlinks=False):
+            if entry.name == LATEST_NAME + ".tmp" and entry.is_file(follow_symlinks=False) and \
+                    _untouched_for(entry, min_age_s):  # a younger one may be a commit's, about to be renamed
                 if not dry_run:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
                 removed.append(Path(entry.path))
     return removed
+
+
+def _untouched_for(entry: os.DirEntry, min_age_s: float) -> bool:
+    try:
+        return time.time() - entry.stat(follow_symlinks=False).st_mtime >= min_age_s
+    except FileNotFoundError:
+        return False
 
 
 def _newest_mtime(path: Path) -> float:

@@ -644,6 +644,8 @@ def test_clean_dry_run_lists_exactly_what_clean_removes(tmp_path):
     (root / "step_4" / f".cpuckpt-loading-{socket.gethostname()}-{os.getpid()}-0123abcd").touch()
     _age(root / "step_4", 3600)  # old, but being loaded (by this live process): stays
     (root / "latest.tmp").write_text("step_1\n")  # a pointer update that died
+    for leftover in (root / "latest.tmp", root / "step_1" / ".metadata.tmp"):  # long ago: a fresh one may be live
+        os.utime(leftover, (time.time() - 3600,) * 2)
     (root / "notes").mkdir()  # not a checkpoint: never touched
     (root / "notes" / "a.tmp").write_text("mine")
     expected = [root / "step_1" / ".metadata.tmp", root / "step_2", root / "latest.tmp"]

@@ -228,6 +228,11 @@ def test_clean_incomplete_removes_leftovers_only(tmp_path):
     assert _names(removed) == [".metadata.tmp", "__0_.cpuckpt-part.json", "latest.tmp", "step_0002"]
     assert not torn.exists() and writing.is_dir()
     assert _loads_as(good, 1)
+    # younger than min_age_s: a commit's own temporary files, about to be renamed (the pointer's, a part's)
+    (tmp_path / "latest.tmp").write_text("step_0001\n")
+    (good / "__0_.cpuckpt-part.json").write_text("{}")
+    assert cpuckpt.clean_incomplete(tmp_path, min_age_s=600) == []
+    assert (tmp_path / "latest.tmp").exists() and (good / "__0_.cpuckpt-part.json").exists()
 
 
 @pytest.mark.parametrize("what", [".metadata", "data file"])
