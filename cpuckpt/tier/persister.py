@@ -162,6 +162,7 @@ def _finish_redone_commit(req: PersistRequest, dest: Path, parts: list[Path]) ->
 def _mark_saving(path: Path, save_id: str) -> None:
     """``<saving>`` of a writer's persist: never empty (``cpuckpt clean`` keeps a tag whose saving file has bytes,
     its persist owed; an engine's own save leaves it empty). Holds the save id where known."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # again: a cleaner may have moved a dead copy aside meanwhile
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     with os.fdopen(fd, "w") as f:
         f.write(f"{save_id}\n")
