@@ -72,8 +72,8 @@ from .compat import AsyncQueueShape
 from .settings import MegatronOptions, resolve_options
 from .worker import Channel, wait_for_commit
 
-__all__ = ["DIR_MARK", "DONE_MARK", "FINALIZE_MARK", "MEMORY_MARK", "PROBE_FAILED", "URGENT_MARK", "WorkerDiedError",
-           "finalize_before_log", "finalize_saves_under", "is_watched", "watch_async_queue"]
+__all__ = ["DIR_MARK", "DONE_MARK", "FINALIZE_MARK", "MEMORY_MARK", "PROBE_FAILED", "URGENT_MARK", "WAIT_MARK",
+           "WorkerDiedError", "finalize_before_log", "finalize_saves_under", "is_watched", "watch_async_queue"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ POLL_S = 0.01
 _WATCHED = "_cpuckpt_watchdog"
 FINALIZE_MARK = "cpuckpt_finalize"  # on cpuckpt's finalize function: called (abandoned=True) for a dropped call too
 DONE_MARK = "cpuckpt_done"  # on the finalize function of a call the trainer completes: its done probe (see above)
+WAIT_MARK = "cpuckpt_wait"  # on a done probe: ``wait(timeout) -> bool``, until its save ended, at most ``timeout``
 URGENT_MARK = "cpuckpt_urgent"  # on such a function: finalize it before the next log line, waiting for its commit
 MEMORY_MARK = "cpuckpt_memory"  # on such a function: a memory-only save, waited for before a printed log line
 _LOG_LOOKS = [False]  # a log looked in this process (finalize_before_log): urgent saves wait there, not at a top
@@ -256,7 +257,18 @@ class _Watchdog:
             done += self._finalize_done(no_dist, until=until if blocking else 0)
             if not blocking or len(self.queue.async_calls) <= until:
                 return done
+            self._pause()
+
+    def _pause(self) -> None:
+        """Between two looks of a blocking finalize: until the oldest pending call's save ends on this rank, at most
+        :data:`POLL_S` (a fixed sleep made a wait for a commit cost ~POLL_S / 2 more, every urgent look)."""
+        calls = self.queue.async_calls
+        probe = _done_probe(calls[0]) if calls else None
+        wait = getattr(probe, WAIT_MARK, None) if probe is not None else None
+        if wait is None:
             time.sleep(POLL_S)
+        else:
+            wait(POLL_S)
 
     def look(self, no_dist: bool, urgent: bool, printed: bool = False) -> list[int]:
         """A non-blocking look: finalize what has ended; with ``urgent``, then wait for the commits of the urgent

@@ -46,7 +46,7 @@ from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 
 from . import compat, deferred, prepare, replay
 from .flatstate import ATOMIC, RepeatedTensors, flat_state, leaves, to_pyt
-from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, MEMORY_MARK, PROBE_FAILED, URGENT_MARK
+from .guard import DIR_MARK, DONE_MARK, FINALIZE_MARK, MEMORY_MARK, PROBE_FAILED, URGENT_MARK, WAIT_MARK
 from .memory import MegatronMemory
 from .settings import resolve_core
 from .worker import OK, PersistWait, PersistWatch, new_channel, wait_for_commit
@@ -114,6 +114,15 @@ class _Started:
     def ended(self) -> bool:
         """Whether the save has ended on this rank (committed or failed; a failed start too); never starts it."""
         return self._error is not None or (self._handle is not None and self._handle.done())
+
+    def ended_within(self, timeout: float) -> bool:
+        """:meth:`ended`, waiting at most ``timeout`` seconds for it (a save not started yet cannot end: it sleeps)."""
+        handle = self._handle
+        if self._error is not None or handle is None:
+            if self._error is None:
+                time.sleep(timeout)
+            return self._error is not None
+        return handle.ended_within(timeout)
 
     def handle(self) -> Any:
         """The handle, starting the save first if no start point did (every rank comes here alike)."""
@@ -494,6 +503,8 @@ class CpuckptSaveStrategy(TorchDistSaveShardedStrategy):
         setattr(finalize_fn, FINALIZE_MARK, True)
         setattr(finalize_fn, DIR_MARK, str(checkpoint_dir))
         probe = functools.partial(ended)  # its own object: it may carry URGENT_MARK
+        if watch is None:  # a blocking finalize waits for this save's end between its looks, not a fixed sleep
+            setattr(probe, WAIT_MARK, started.ended_within)
         if route.kind == "memory":  # waited for before the next printed log line (guard.finalize_before_log)
             setattr(probe, MEMORY_MARK, True)
             if self.memory.finalize_before_next_log:  # and before the next one, printed or not

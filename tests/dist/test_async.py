@@ -654,3 +654,23 @@ def test_dcp_process_mode_refusal_leaves_pool_intact(run_ranks, tmp_path):
     results = run_ranks(2, rank_process_mode_then_save, str(tmp_path / "ckpts"), timeout_s=90)
     for rank, out in enumerate(results):
         assert "PROCESS" in out["message"] and out["is_cpuckpt_error"], (rank, out)
+
+
+def test_ended_within_returns_when_the_save_ends_not_before(tmp_path):
+    """``AsyncSaveHandle.ended_within``: a bounded wait for the end of a save (a blocking finalize's pause between
+    two looks); False while its commit is held, True once it ends, and it raises nothing."""
+    import cpuckpt
+    from cpuckpt import faultpoint
+    from cpuckpt.testing.faults import StageActions
+
+    go = tmp_path / "go"
+    previous = faultpoint.set_handler(StageActions(f"before-rename:.metadata=wait:{go}"))
+    try:
+        h = cpuckpt.async_save({"w": torch.arange(64.0)}, tmp_path / "step_1", {"io": {"backend": "buffered"}})
+        assert not h.ended_within(0.3) and not h.done()  # its commit waits for the file
+        go.touch()
+        assert h.ended_within(60) and h.done()
+        h.wait()
+    finally:
+        faultpoint.set_handler(previous)
+    assert cpuckpt.find_latest(tmp_path) == tmp_path / "step_1"
