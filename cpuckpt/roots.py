@@ -344,6 +344,8 @@ def clean_incomplete(root: str | os.PathLike, *, keep: Iterable[str | os.PathLik
 
 
 def _untouched_for(entry: os.DirEntry, min_age_s: float) -> bool:
+    if min_age_s <= 0:  # a direct call's default: whatever its clock says
+        return True
     try:
         return time.time() - entry.stat(follow_symlinks=False).st_mtime >= min_age_s
     except FileNotFoundError:

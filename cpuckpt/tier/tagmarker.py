@@ -699,8 +699,11 @@ def _put_back(moved: Path, tag_dir: Path, why: str) -> None:
             why = f"{why}; putting it back failed: {e}"
     else:
         why = f"{why}; a new {tag_dir.name} was made meanwhile"
-    with contextlib.suppress(OSError):
+    try:
         (moved / KEPT_NAME).write_text(f"{tag_dir.name}\n")
+    except OSError as e:  # then its age alone keeps it from a later clean: say so
+        logger.warning("%s: marking it kept failed (%s); remove it by hand before a later clean --deepspeed-tags "
+                       "deletes it once untouched for --min-age", moved, e)
     logger.warning("not removing torn DeepSpeed tag %s: %s; it is kept as %s, never deleted by a clean: a save's "
                    "file may be in it (compare it with %s, then remove it by hand)", tag_dir, why, moved, tag_dir)
 

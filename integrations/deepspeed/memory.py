@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from cpuckpt.backend.collectives import from_every_rank, from_rank
 from cpuckpt.config import Config
 from cpuckpt.errors import IntegrityError
@@ -111,9 +109,7 @@ class DeepSpeedMemory:
         self.tier = MemoryTier(self.save_dir, config, slot_format=TagSlots())
         self.links = self.tier.root.path / LINKS_NAME
         self._memory_slots: dict[str, Path] = {}  # save id -> this rank's slot, of the agreed memory candidates
-        if self.names:
-            self._relink()
-        self._barrier()
+        self._on_leaders(self._relink, f"naming the memory tags of {self.links}")
 
     @property
     def names(self) -> bool:
@@ -311,9 +307,8 @@ class DeepSpeedMemory:
         slot = self.slot_of(found)
         # plans kept: when this restore fails (IntegrityError, every rank) an older candidate may need its own
         self.tier.restore_planned(slot if slot is not None else found.directory / found.tag, keep_plans=True)
-        if slot is not None and self.names:
-            self._link(found.tag, slot)
-        self._barrier()
+        self._on_leaders(lambda: self._link(found.tag, slot) if slot is not None else None,
+                         f"naming memory tag {found.tag} in {self.links}")
 
     def loaded(self, found: LatestTag) -> None:
         """``found`` was loaded: the ring's next save must not overwrite it (every rank)."""
@@ -372,9 +367,9 @@ class DeepSpeedMemory:
         else:
             (self.links / "latest").unlink(missing_ok=True)
 
-    def _barrier(self) -> None:
-        if self.tier.dist:
-            dist.barrier(group=self.tier.group)
+    def _on_leaders(self, fn: Any, what: str) -> None:
+        """Collective: ``fn`` on each node's leader, every rank waiting for all of them, a failure raised alike."""
+        from_every_rank(lambda: fn() if self.names else None, self.tier.group if self.tier.dist else None, what)
 
 
 def _names(link: Path, real: Path) -> bool:

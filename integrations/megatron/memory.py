@@ -59,9 +59,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from cpuckpt.backend.collectives import from_every_rank, from_rank
 from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import check_complete
@@ -258,10 +255,8 @@ class MegatronMemory:
             return None
         self._restarted = True
         if tier.nodes.single:
-            if self.names:
-                self._drop_partial_links()
-            if tier.dist:
-                dist.barrier(group=tier.group)
+            from_every_rank(lambda: self._drop_partial_links() if self.names else None,
+                            tier.group if tier.dist else None, f"checking the memory checkpoints in {self.np_dir}")
             return None
         slot = None
         for k in self._restart_order():  # agreed: the same slots in the same order on every rank, newest first
@@ -278,11 +273,10 @@ class MegatronMemory:
         if slot is not None:
             tier.resume_after(slot)
             self._share_megatron_files(slot)
-        step = tier.step_of(slot) if slot is not None else None
-
-        def name() -> None:  # each node's leader; every rank waits for every node's (its failure raised alike)
+        def name() -> int | None:  # each node's leader names it; every rank waits for every node's (failures alike)
+            step = tier.step_of(slot) if slot is not None else None  # reads the manifest: may fail on one node
             if not self.names:
-                return
+                return step
             self.np_dir.mkdir(parents=True, exist_ok=True)
             for link, _, _ in self._links():
                 link.unlink(missing_ok=True)
@@ -291,8 +285,9 @@ class MegatronMemory:
                 write_atomic(self.np_dir / TRACKER, str(step).encode(), fsync=False)
             else:
                 (self.np_dir / TRACKER).unlink(missing_ok=True)
+            return step
 
-        from_every_rank(name, tier.group, f"naming the restart's memory checkpoint in {self.np_dir}")
+        step = from_every_rank(name, tier.group, f"naming the restart's memory checkpoint in {self.np_dir}")[tier.rank]
         logger.info("cpuckpt memory tier: restart across %d nodes: %s", tier.nodes.nodes,
                     f"iteration {step} from memory ({slot})" if slot is not None else
                     f"no memory checkpoint every node holds; Megatron-LM loads {self.save_dir}")
@@ -315,10 +310,10 @@ class MegatronMemory:
                     if durable is None or (tier.step_of(found) or -1) >= durable]
 
         agreed: list[int] = from_rank(order, tier.group, "ordering the memory checkpoints for the restart")
-        def held() -> list[list[str]]:  # each node's leader: the Megatron files of each of its slots
+        def files_of_slots() -> list[list[str]]:  # each node's leader: the Megatron files of each of its slots
             return [sorted(e.name for e in _megatron_files(d) if e.is_file()) if self.names else [] for d in tier.slots]
 
-        every = from_every_rank(held, tier.group, "listing Megatron's files of the memory slots")
+        every = from_every_rank(files_of_slots, tier.group, "listing Megatron's files of the memory slots")
         usable = []
         for k in agreed:
             held = set().union(*(set(names[k]) for names in every))
@@ -566,24 +561,24 @@ def _shared_by_nodes(np_dir: Path, tier: MemoryTier) -> bool:
     filesystem (:func:`network_filesystem`: its listings are cached, so the test below could miss another node).
     Each leader removes the names an earlier start left, then (after a barrier) leaves its node's name, and after
     another counts the names of this start's token; one all-reduce agrees."""
-    box: list[Any] = [os.urandom(8).hex() if tier.rank == 0 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(tier.group, 0), group=tier.group)
-    token = box[0]
+    token = from_rank(lambda: os.urandom(8).hex(), tier.group, "drawing a token")
     prefix = ".cpuckpt-node-"
-    if tier.nodes.is_leader:
+    key = hashlib.sha256(tier.nodes.keys[tier.rank].encode()).hexdigest()[:16]
+    mine = np_dir / f"{prefix}{token}-{key}"
+
+    def clear() -> None:  # each leader: the names an earlier start left
         np_dir.mkdir(parents=True, exist_ok=True)
         for stale in np_dir.glob(f"{prefix}*"):
             if not stale.name.startswith(f"{prefix}{token}"):
                 stale.unlink(missing_ok=True)
-    dist.barrier(group=tier.group)
-    key = hashlib.sha256(tier.nodes.keys[tier.rank].encode()).hexdigest()[:16]
-    if tier.nodes.is_leader:
-        (np_dir / f"{prefix}{token}-{key}").touch()
-    dist.barrier(group=tier.group)
-    seen = len(list(np_dir.glob(f"{prefix}{token}-*"))) if tier.nodes.is_leader else 0
-    if tier.nodes.is_leader:
-        (np_dir / f"{prefix}{token}-{key}").unlink(missing_ok=True)
-    network = tier.nodes.is_leader and network_filesystem(np_dir) is not None
-    flag = torch.tensor([int(seen > 1 or network)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=tier.group)
-    return bool(flag.item())
+
+    def count() -> bool:  # each leader: another node's name seen, or a network filesystem
+        seen = len(list(np_dir.glob(f"{prefix}{token}-*")))
+        mine.unlink(missing_ok=True)
+        return seen > 1 or network_filesystem(np_dir) is not None
+
+    # every step on every rank (leaders act): a failure on one node is raised on all, no rank left in a barrier
+    for step, what in ((clear, "clearing"), (mine.touch, "leaving"), (count, "counting")):
+        found = from_every_rank(lambda step=step: step() if tier.nodes.is_leader else None, tier.group,
+                                f"{what} the node names in {np_dir}")
+    return any(bool(f) for f in found)
