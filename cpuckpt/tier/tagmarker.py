@@ -701,11 +701,12 @@ def _put_back(moved: Path, tag_dir: Path, why: str) -> None:
         why = f"{why}; a new {tag_dir.name} was made meanwhile"
     try:
         (moved / KEPT_NAME).write_text(f"{tag_dir.name}\n")
-    except OSError as e:  # then its age alone keeps it from a later clean: say so
-        logger.warning("%s: marking it kept failed (%s); remove it by hand before a later clean --deepspeed-tags "
-                       "deletes it once untouched for --min-age", moved, e)
-    logger.warning("not removing torn DeepSpeed tag %s: %s; it is kept as %s, never deleted by a clean: a save's "
-                   "file may be in it (compare it with %s, then remove it by hand)", tag_dir, why, moved, tag_dir)
+        kept = "never deleted by a clean"
+    except OSError as e:  # then only its age keeps it from a later clean
+        kept = (f"but marking it kept failed ({e}): a later clean --deepspeed-tags deletes it once untouched for "
+                "--min-age")
+    logger.warning("not removing torn DeepSpeed tag %s: %s; it is kept as %s, %s; a save's file may be in it "
+                   "(compare it with %s, then remove it by hand)", tag_dir, why, moved, kept, tag_dir)
 
 
 def _saving_ns(tag_dir: Path) -> int:

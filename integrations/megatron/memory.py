@@ -191,7 +191,7 @@ class MegatronMemory:
             tier = MemoryTier(self.save_dir, self.config, report_persist_failures=False)
             if not tier.nodes.single:
                 shared = _shared_by_nodes(self.np_dir, tier)
-                if shared:  # agreed (one all-reduce): every rank raises together
+                if shared:  # agreed (one all-gather): every rank raises together
                     tier.close(persist_newest=False)
                     raise ConfigError(
                         f"megatron.memory_tier across {tier.nodes.nodes} nodes: the non-persistent checkpoint "
@@ -559,8 +559,9 @@ def network_filesystem(path: Path, mounts: str | None = None) -> str | None:
 def _shared_by_nodes(np_dir: Path, tier: MemoryTier) -> bool:
     """Collective: whether several nodes' leaders see one ``np_dir`` (a shared filesystem), or one is on a network
     filesystem (:func:`network_filesystem`: its listings are cached, so the test below could miss another node).
-    Each leader removes the names an earlier start left, then (after a barrier) leaves its node's name, and after
-    another counts the names of this start's token; one all-reduce agrees."""
+    Each leader removes the names an earlier start left, then (once every leader did) leaves its node's name, then
+    (once every one is there) counts the names of this start's token; each step one all-gather, which also agrees
+    the answer and any leader's failure."""
     token = from_rank(lambda: os.urandom(8).hex(), tier.group, "drawing a token")
     prefix = ".cpuckpt-node-"
     key = hashlib.sha256(tier.nodes.keys[tier.rank].encode()).hexdigest()[:16]
