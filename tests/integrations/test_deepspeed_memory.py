@@ -253,8 +253,9 @@ def rank_restart_past_a_torn_slot(root: str) -> dict:
     return out
 
 
-def rank_memory_only_then_garbled(root: str) -> None:
-    """Steps 1-2 committed in RAM (persist_every 0), then step 1's marker garbled (rank 0), the RAM root left."""
+def rank_memory_only_then_damaged(root: str, damage: str) -> None:
+    """Steps 1-2 committed in RAM (persist_every 0), then rank 0 damages one slot since its commit: ``garble`` step
+    1's marker, or ``truncate`` a file of step 2's; the RAM root is left for the restart."""
     h = _ds()
     h._setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
@@ -272,34 +273,13 @@ def rank_memory_only_then_garbled(root: str) -> None:
     ckpt_ds.commit_pending(engine)
     dist.barrier()
     if rank == 0:
-        slots = engine.checkpoint_engine.memory_tier.slots
-        first = next(s for s in slots if read_marker(s).global_step == 1)
-        (first / MARKER_NAME).write_text('{"format": 1, "tag": "global_st')  # cut short since its commit
-    dist.barrier()  # no destroy(): the RAM root stays for the restart
-
-
-def rank_memory_only_then_truncated(root: str) -> None:
-    """Steps 1-2 committed in RAM (persist_every 0), then a file of step 2's slot cut short (rank 0)."""
-    h = _ds()
-    h._setup_env()
-    import cpuckpt.integrations.deepspeed as ckpt_ds
-    import torch.distributed as dist
-
-    from cpuckpt.tier.tagmarker import read_marker
-
-    rank = dist.get_rank()
-    ckpt_ds.install(_settings(str(Path(root) / "ram"), persist_every=0))
-    engine = h._engine(2, seed=0)
-    for k in range(1, 3):
-        h._step(engine, k)
-        _save_state(h, engine, root, rank)
-        engine.save_checkpoint(str(Path(root) / "ckpt"))
-    ckpt_ds.commit_pending(engine)
-    dist.barrier()
-    if rank == 0:
-        slot = next(s for s in engine.checkpoint_engine.memory_tier.slots if read_marker(s).global_step == 2)
-        victim = slot / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-        os.truncate(victim, victim.stat().st_size // 2)
+        step = {"garble": 1, "truncate": 2}[damage]
+        slot = next(s for s in engine.checkpoint_engine.memory_tier.slots if read_marker(s).global_step == step)
+        if damage == "garble":
+            (slot / MARKER_NAME).write_text('{"format": 1, "tag": "global_st')  # cut short since its commit
+        else:
+            victim = slot / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+            os.truncate(victim, victim.stat().st_size // 2)
     dist.barrier()  # no destroy(): the RAM root stays for the restart
 
 
@@ -538,7 +518,7 @@ def test_no_writer_without_persists_and_a_torn_memory_tag_is_never_chosen(run_ra
 def test_a_memory_tag_damaged_since_its_commit_is_named_not_skipped_as_torn(run_ranks, tmp_path):
     """A slot whose file was cut short after its commit was dropped from the candidates like a torn save: the
     restart loaded the older memory tag without a word, even with ``fallback_on_corrupt`` off."""
-    run_ranks(2, rank_memory_only_then_truncated, str(tmp_path), timeout_s=150)
+    run_ranks(2, rank_memory_only_then_damaged, str(tmp_path), "truncate", timeout_s=150)
     _wait_writers_gone(tmp_path / "ram")
     for r in run_ranks(2, rank_restart_past_a_truncated_slot, str(tmp_path), timeout_s=150):
         assert "committed, but incomplete now" in r.get("off", "") and "fallback_on_corrupt is off" in r["off"], r
@@ -550,7 +530,7 @@ def test_a_memory_tag_damaged_since_its_commit_is_named_not_skipped_as_torn(run_
 def test_a_garbled_marker_in_another_slot_does_not_fail_the_restart_from_the_newest(run_ranks, tmp_path):
     """The restart finds the slot of the memory tag it loads by the slots' markers: another slot's marker, damaged
     since its commit, is not that slot, not a failure of this one (it made the newest memory tag "not verify")."""
-    run_ranks(2, rank_memory_only_then_garbled, str(tmp_path), timeout_s=150)
+    run_ranks(2, rank_memory_only_then_damaged, str(tmp_path), "garble", timeout_s=150)
     _wait_writers_gone(tmp_path / "ram")
     for r in run_ranks(2, rank_restart_past_a_garbled_slot, str(tmp_path), timeout_s=150):
         assert Path(r["loaded"]).parent == tmp_path / "ram" / "tags" / "global_step2" and r["step"] == 2, r
