@@ -172,28 +172,15 @@ def from_rank(compute: Callable[[], Any], group: Any, what: str, src: int = 0) -
     rank = dist.get_rank(group) if group is not None else src
     box: list[Any] = [None]
     error: BaseException | None = None
+    value: Any = None
     if rank == src:
-        report, value, error = _outcome(compute, rank, pickled=group is not None)
-        box = [(report, value)]
+        report, value, payload, error = _outcome(compute, rank)
+        box = [(report, payload)]
     if group is not None:
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, src), group=group)
-    report, value = box[0]
-    if report is not None:
-        if error is not None and is_interrupt(error):
-            raise error
-        raise_if_failed([report], what, error)
-    return pickle.loads(value) if group is not None else value
-
-
-def _outcome(compute: Callable[[], Any], rank: int,
-             pickled: bool) -> tuple[FailureReport | None, Any, BaseException | None]:
-    """``compute()``'s value (``pickled``: as bytes, so that a value that cannot be pickled fails here, as this rank's
-    failure, not in the collective while the others wait) or this rank's failure: (report, value, error)."""
-    try:
-        value = compute()
-        return None, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if pickled else value, None
-    except BaseException as e:
-        return FailureReport.of(e, rank), None, e
+    report, payload = box[0]
+    _raise_reported([report], what, error)
+    return value if rank == src else pickle.loads(payload)
 
 
 def from_every_rank(compute: Callable[[], Any], group: Any, what: str) -> list[Any]:
@@ -202,17 +189,33 @@ def from_every_rank(compute: Callable[[], Any], group: Any, what: str) -> list[A
     it happened), not while the others wait in a later collective until the group's timeout. ``group`` None: this
     process's value alone."""
     rank = dist.get_rank(group) if group is not None else 0
-    report, value, error = _outcome(compute, rank, pickled=group is not None)
-    every: list[Any] = [(report, value)]
+    report, value, payload, error = _outcome(compute, rank)
+    every: list[Any] = [(report, payload)]
     if group is not None:
         every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, (report, value), group=group)
-    reports = [report for report, _ in every]
+        dist.all_gather_object(every, (report, payload), group=group)
+    _raise_reported([r for r, _ in every], what, error)
+    return [value if r == rank else pickle.loads(p) for r, (_, p) in enumerate(every)]
+
+
+def _outcome(compute: Callable[[], Any], rank: int) -> tuple[FailureReport | None, Any, bytes | None,
+                                                              BaseException | None]:
+    """``compute()``'s value and its pickle (made here, so that a value that cannot be pickled fails here, as this
+    rank's failure, not in the collective while the others wait), or this rank's failure: (report, value, pickle,
+    error)."""
+    try:
+        value = compute()
+        return None, value, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), None
+    except BaseException as e:
+        return FailureReport.of(e, rank), None, None, e
+
+
+def _raise_reported(reports: list[FailureReport | None], what: str, error: BaseException | None) -> None:
+    """The same error on every rank when a report says some rank failed; this rank's interrupt as itself."""
     if any(report is not None for report in reports):
         if error is not None and is_interrupt(error):
             raise error
         raise_if_failed(reports, what, error)
-    return [pickle.loads(value) for _, value in every] if group is not None else [value]
 
 
 @contextlib.contextmanager
