@@ -16,6 +16,7 @@ complete durable checkpoints exist with their steps. A :class:`SlotFormat` gives
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,7 +25,8 @@ from cpuckpt.backend.committed import check_complete, load_metadata, read_manife
 from cpuckpt.errors import IntegrityError
 from cpuckpt.roots import list_checkpoints
 
-__all__ = ["Committed", "DcpSlots", "SlotFormat", "marker_save_id", "marker_step", "part_path", "read_marker_json"]
+__all__ = ["Committed", "DcpSlots", "SlotFormat", "marker_save_id", "marker_step", "part_path", "read_marker_json",
+           "read_pointer"]
 
 PART_PREFIX = ".cpuckpt-part-"  # a file set's per-rank done marker in the durable directory (removed at commit)
 
@@ -96,6 +98,18 @@ def marker_save_id(path: Path) -> str | None:
     data = read_marker_json(path)
     save_id = data.get("save_id") if data is not None else None
     return save_id if isinstance(save_id, str) and save_id else None
+
+
+def read_pointer(pointer: Path) -> str | None:
+    """The name a ``latest`` pointer holds: the file's text, or, for a symlink to a directory beside it (a hand-made
+    pointer), that directory's name; None: no pointer, an empty or undecodable one, or one leading elsewhere."""
+    try:
+        return pointer.read_text().strip() or None
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    except IsADirectoryError:
+        target = Path(os.path.realpath(pointer))
+        return target.name if target.parent == Path(os.path.realpath(pointer.parent)) else None
 
 
 def marker_step(path: Path) -> int | None:

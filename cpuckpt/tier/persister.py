@@ -57,7 +57,7 @@ from cpuckpt.format.metapickle import with_checkpoint_id
 from cpuckpt.paths import S3Url, is_s3
 from cpuckpt.roots import after_commit
 from cpuckpt.tier import s3persist
-from cpuckpt.tier.formats import marker_save_id, marker_step, part_path
+from cpuckpt.tier.formats import marker_save_id, marker_step, part_path, read_pointer
 from cpuckpt.tier.imagecopy import persist_image
 from cpuckpt.tier.queue import Outcome, PersistQueue, PersistRequest
 from cpuckpt.tier.ramroot import acquire_lock, leaving_marker, lock_holder, mark_leaving
@@ -399,13 +399,7 @@ def _commit_files(req: PersistRequest, cfg: Config, dest: Path, slot: Path, dead
 def _move_pointer(pointer: Path, text: str, req: PersistRequest, cfg: Config) -> None:
     """Point ``pointer`` at ``text`` unless it names a file set of a newer step (a later save committed durably
     first, e.g. one written straight to the durable root): a persist never moves it back."""
-    try:
-        current = pointer.read_text().strip()
-    except (FileNotFoundError, UnicodeDecodeError):
-        current = ""
-    except IsADirectoryError:  # a symlink to a file set (a hand-made pointer): the one it names
-        target = Path(os.path.realpath(pointer))
-        current = target.name if target.parent == Path(os.path.realpath(pointer.parent)) else ""
+    current = read_pointer(pointer) or ""
     newer = marker_step(pointer.parent / current / req.marker) if current and current != text else None
     if newer is not None and req.step is not None and newer > req.step:
         logger.info("%s names %s (step %d), newer than step %d: left as it is", pointer, current, newer, req.step)

@@ -44,7 +44,7 @@ from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import local_path
 from cpuckpt.procs import pid_alive
 from cpuckpt.rootinfo import REMOVING_PREFIX
-from cpuckpt.tier.formats import PART_PREFIX
+from cpuckpt.tier.formats import PART_PREFIX, read_pointer
 from cpuckpt.tier.nodefiles import NodeFiles, read_node_files
 from cpuckpt.transfer.files import fsync_dir, write_atomic
 from cpuckpt.version import __version__
@@ -378,15 +378,7 @@ def refusal(status: TagStatus) -> IntegrityError:
 
 
 def _read_latest(directory: Path) -> str | None:
-    """The tag ``latest`` names: DeepSpeed's file, or a symlink to a tag of ``directory`` (a hand-made pointer)."""
-    latest = directory / "latest"
-    try:
-        return latest.read_text().strip() or None
-    except FileNotFoundError:
-        return None
-    except IsADirectoryError:
-        target = Path(os.path.realpath(latest))
-        return target.name if target.parent == Path(os.path.realpath(directory)) else None
+    return read_pointer(directory / "latest")
 
 
 def find_latest(save_dir: str | os.PathLike, *, verify: bool = False) -> LatestTag | None:
@@ -583,23 +575,6 @@ def _commit_ns(tag_dir: Path, marker: TagMarker) -> int | None:
     return min(int(created * 1e9) - int(CLOCK_MARGIN_S * 1e9), mtime - int(ORDER_MARGIN_S * 1e9))
 
 
-def _named_by_latest(root: Path, tag_dir: Path) -> bool:
-    """Whether ``root/latest`` names ``tag_dir``: a regular file holding its name, or a symlink resolving to it."""
-    latest = root / "latest"
-    try:
-        st = os.lstat(latest)
-    except FileNotFoundError:
-        return False
-    if stat.S_ISLNK(st.st_mode):
-        return os.path.realpath(latest) == os.path.realpath(tag_dir)
-    if not stat.S_ISREG(st.st_mode):
-        return False
-    try:
-        return latest.read_text().strip() == tag_dir.name
-    except UnicodeDecodeError:
-        return False
-
-
 def _claimed(tag_dir: Path) -> str | None:
     """Why ``tag_dir`` is a commit's or a writer's, or None. Raises OSError (its saving file gone included)."""
     if os.path.lexists(tag_dir / MARKER_NAME):
@@ -618,7 +593,7 @@ def _kept_because(tag_dir: Path, commits: list[tuple[Path, int]], root: Path,
     try:
         if not stat.S_ISDIR(os.lstat(tag_dir).st_mode):
             return "not a directory", None, 0
-        if _named_by_latest(root, tag_dir):
+        if _read_latest(root) == tag_dir.name:
             return f"{root / 'latest'} names it", None, 0
         if (why := _claimed(tag_dir)) is not None:
             return why, None, 0
