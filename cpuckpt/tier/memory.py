@@ -1175,7 +1175,7 @@ class MemoryTier:
                           if not c.complete and committed_once(c)]
             return found
 
-        every = from_every_rank(look, self.group if self.dist else None,
+        every = from_every_rank(look, self.group,
                                 f"looking for damaged checkpoints of {self.durable_root} and the memory tier")
         return [item for items in every for item in items]
 

@@ -280,7 +280,7 @@ class DeepSpeedMemory:
                 return []
             return [s for s in map(check_dir, self.tier.slots) if s.committed and not s.complete]
 
-        every = from_every_rank(look, self.tier.group if self.tier.dist else None,
+        every = from_every_rank(look, self.tier.group,
                                 f"looking for damaged memory tags of {self.save_dir}")
         return [s for theirs in every for s in theirs]
 
@@ -369,7 +369,7 @@ class DeepSpeedMemory:
 
     def _on_leaders(self, fn: Any, what: str) -> None:
         """Collective: ``fn`` on each node's leader, every rank waiting for all of them, a failure raised alike."""
-        from_every_rank(lambda: fn() if self.names else None, self.tier.group if self.tier.dist else None, what)
+        from_every_rank(lambda: fn() if self.names else None, self.tier.group, what)
 
 
 def _names(link: Path, real: Path) -> bool:

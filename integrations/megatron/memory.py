@@ -256,7 +256,7 @@ class MegatronMemory:
         self._restarted = True
         if tier.nodes.single:
             from_every_rank(lambda: self._drop_partial_links() if self.names else None,
-                            tier.group if tier.dist else None, f"checking the memory checkpoints in {self.np_dir}")
+                            tier.group, f"checking the memory checkpoints in {self.np_dir}")
             return None
         slot = None
         for k in self._restart_order():  # agreed: the same slots in the same order on every rank, newest first
