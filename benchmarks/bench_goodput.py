@@ -38,7 +38,9 @@ device snapshot not copied (a probed run's checkpoints are not valid). ``+gcfree
 {freeze_gc: true}``, the collector's objects frozen once setup returned (full collections then skip them).
 ``+swi`` (any variant, ``none`` included, compared with ``none+swi``; a probe): the interpreter's switch interval
 0.5 ms instead of 5 in every process of the run, what the trainer pays when a thread of ours runs Python beside its
-main thread. ``+log<N>`` (any variant, ``none`` included, compared with the ``none`` of the same interval):
+main thread. ``+aff`` (memory variants; a probe): cpuckpt's processes on one half of the physical cores, the
+trainer's on the other, whether the copy process's threads slow the trainer by sharing its cores.
+``+log<N>`` (any variant, ``none`` included, compared with the ``none`` of the same interval):
 Megatron-LM's ``--log-interval N`` instead of the benchmark's 1 (jobs log every 10-100 iterations; each line is a
 barrier and a device synchronization); the wall and the gaps are then read every N iterations.
 
@@ -139,7 +141,7 @@ def _saves_between(first: int, last: int, every: int) -> int:
 
 
 # changes read outside the cpuckpt config
-_PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi")  # benchmarks/probe
+_PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi", "aff")  # benchmarks/probe
 _ENV_CHANGES = ("mgc", "base", "timers", *_PROBES)
 
 
@@ -195,7 +197,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, io<N>, "
                              "u<N>, slots<N>, rep<N>, log<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, "
-                             "nodma, nod2d, swi)")
+                             "nodma, nod2d, swi, aff)")
     if "nod2d" in changes and not kind.endswith("snap"):
         raise ValueError(f"variant {name}: +nod2d needs a device snapshot (mem1snap, mem8snap)")
     if "nodma" in changes and not (kind.endswith("snap") and "copyproc" in changes):

@@ -16,6 +16,10 @@ PYTHONPATH with ``GOODPUT_PROBE`` set (a comma-separated list), it patches cpuck
   thread that released the GIL (a collective, a device synchronization, a file write) gets it back from another
   thread running Python after at most 0.5 ms instead of 5. The trainer's own threads of ours (the committer) run
   Python beside its main thread; this says what that costs it.
+- ``aff``: the machine's physical cores split in two halves (hyperthread siblings kept together, from
+  ``/sys/devices/system/cpu``): cpuckpt's own processes (the copy process, the writer) run on the upper half only,
+  every other process of the run (the trainer's) on the lower half. Says whether the trainer's host work is slowed
+  by the copy process's checksum threads sharing its cores (or their siblings) rather than by memory traffic.
 
 Another ``sitecustomize`` further down ``sys.path`` (an image's own) still runs after this one.
 """
@@ -140,6 +144,32 @@ class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 SWITCH_INTERVAL_S = 0.0005  # swi
+_OURS = ("cpuckpt.tier.copier", "cpuckpt.tier.persister")  # aff: the processes on the upper half
+
+
+def _core_halves() -> tuple[set[int], set[int]]:
+    """The allowed CPUs as (lower, upper) halves of their physical cores, siblings together."""
+    cores: dict[tuple[str, str], set[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        top = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(top + "physical_package_id") as f, open(top + "core_id") as g:
+                key = (f.read().strip(), g.read().strip())
+        except OSError:
+            key = ("?", str(cpu))
+        cores.setdefault(key, set()).add(cpu)
+    ordered = [cores[k] for k in sorted(cores, key=lambda k: min(cores[k]))]
+    half = max(1, len(ordered) // 2)
+    return set().union(*ordered[:half]), set().union(*ordered[half:]) or set().union(*ordered)
+
+
+def _split_cores() -> None:
+    lower, upper = _core_halves()
+    ours = any(m in sys.orig_argv for m in _OURS)
+    cpus = upper if ours else lower
+    os.sched_setaffinity(0, cpus)
+    print(f"probe: aff: pid {os.getpid()} ({'cpuckpt' if ours else 'trainer'}) on CPUs {sorted(cpus)}",
+          file=sys.stderr, flush=True)
 
 
 def _install() -> None:
@@ -147,8 +177,11 @@ def _install() -> None:
         if name == "swi":  # no module to patch: the interpreter's own setting, before anything starts a thread
             sys.setswitchinterval(SWITCH_INTERVAL_S)
             continue
+        if name == "aff":  # no module either: the process's CPUs, before it starts a thread
+            _split_cores()
+            continue
         if name not in _PROBES:
-            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi)", file=sys.stderr, flush=True)
+            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi, aff)", file=sys.stderr, flush=True)
             continue
         sys.meta_path.insert(0, _Patch(*_PROBES[name]))
 
