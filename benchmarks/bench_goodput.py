@@ -141,7 +141,7 @@ def _saves_between(first: int, last: int, every: int) -> int:
 
 
 # changes read outside the cpuckpt config
-_PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi", "aff")  # benchmarks/probe
+_PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi", "aff", "idle")  # benchmarks/probe
 _ENV_CHANGES = ("mgc", "base", "timers", *_PROBES)
 
 
@@ -197,7 +197,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, io<N>, "
                              "u<N>, slots<N>, rep<N>, log<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, "
-                             "nodma, nod2d, swi, aff)")
+                             "nodma, nod2d, swi, aff, idle)")
     if "nod2d" in changes and not kind.endswith("snap"):
         raise ValueError(f"variant {name}: +nod2d needs a device snapshot (mem1snap, mem8snap)")
     if "nodma" in changes and not (kind.endswith("snap") and "copyproc" in changes):

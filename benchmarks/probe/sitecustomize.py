@@ -20,6 +20,8 @@ PYTHONPATH with ``GOODPUT_PROBE`` set (a comma-separated list), it patches cpuck
   ``/sys/devices/system/cpu``): cpuckpt's own processes (the copy process, the writer) run on the upper half only,
   every other process of the run (the trainer's) on the lower half. Says whether the trainer's host work is slowed
   by the copy process's checksum threads sharing its cores (or their siblings) rather than by memory traffic.
+- ``idle``: cpuckpt's own processes run under ``SCHED_IDLE`` (their threads inherit it): they get a CPU only when
+  no other thread wants it, so the trainer's threads never wait in a run queue behind the checksum threads.
 
 Another ``sitecustomize`` further down ``sys.path`` (an image's own) still runs after this one.
 """
@@ -144,7 +146,7 @@ class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 SWITCH_INTERVAL_S = 0.0005  # swi
-_OURS = ("cpuckpt.tier.copier", "cpuckpt.tier.persister")  # aff: the processes on the upper half
+_OURS = ("cpuckpt.tier.copier", "cpuckpt.tier.persister")  # aff, idle: our processes
 
 
 def _core_halves() -> tuple[set[int], set[int]]:
@@ -180,8 +182,14 @@ def _install() -> None:
         if name == "aff":  # no module either: the process's CPUs, before it starts a thread
             _split_cores()
             continue
+        if name == "idle":
+            if any(m in sys.orig_argv for m in _OURS):
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                print(f"probe: idle: pid {os.getpid()} runs under SCHED_IDLE", file=sys.stderr, flush=True)
+            continue
         if name not in _PROBES:
-            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi, aff)", file=sys.stderr, flush=True)
+            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi, aff, idle)", file=sys.stderr,
+                  flush=True)
             continue
         sys.meta_path.insert(0, _Patch(*_PROBES[name]))
 
