@@ -150,9 +150,18 @@ _OURS = ("cpuckpt.tier.copier", "cpuckpt.tier.persister")  # aff, idle: our proc
 
 
 def _core_halves() -> tuple[set[int], set[int]]:
-    """The allowed CPUs as (lower, upper) halves of their physical cores, siblings together."""
+    """The machine's online CPUs as (lower, upper) halves of their physical cores, siblings together (the online
+    set, not this process's: a child of a process already on one half would halve that half again)."""
     cores: dict[tuple[str, str], set[int]] = {}
-    for cpu in sorted(os.sched_getaffinity(0)):
+    online: set[int] = set()
+    try:
+        with open("/sys/devices/system/cpu/online") as f:
+            for part in f.read().strip().split(","):
+                lo, _, hi = part.partition("-")
+                online.update(range(int(lo), int(hi or lo) + 1))
+    except (OSError, ValueError):
+        online = set(range(os.cpu_count() or 1))
+    for cpu in sorted(online):
         top = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
         try:
             with open(top + "physical_package_id") as f, open(top + "core_id") as g:
