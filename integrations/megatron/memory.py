@@ -190,9 +190,13 @@ class MegatronMemory:
             # does not raise it again at the next save.
             tier = MemoryTier(self.save_dir, self.config, report_persist_failures=False)
             if not tier.nodes.single:
-                shared = _shared_by_nodes(self.np_dir, tier)
+                try:
+                    shared = _shared_by_nodes(self.np_dir, tier)
+                except BaseException:  # agreed on every rank (from_every_rank): each closes its tier alike
+                    _close_unused(tier)
+                    raise
                 if shared:  # agreed (one all-gather): every rank raises together
-                    tier.close(persist_newest=False)
+                    _close_unused(tier)
                     raise ConfigError(
                         f"megatron.memory_tier across {tier.nodes.nodes} nodes: the non-persistent checkpoint "
                         f"directory {self.np_dir} is shared by several nodes (or on a network filesystem on some "
@@ -554,6 +558,16 @@ def network_filesystem(path: Path, mounts: str | None = None) -> str | None:
         if inside and len(point) >= len(best):
             best, kind = point, fields[2]
     return kind if kind in _NETWORK_FILESYSTEMS else None
+
+
+def _close_unused(tier: MemoryTier) -> None:
+    """Close a tier made at start that will not be used (a failure right after it was made; collective), keeping its
+    RAM root: at a restart it may hold the newest checkpoints of the run before, which a corrected relaunch loads.
+    A failure to close is logged: the failure that made the tier unusable is the one raised."""
+    try:
+        tier.close(persist_newest=False, remove_root=False)
+    except Exception as e:
+        logger.warning("closing the memory tier after a failed start: %r", e)
 
 
 def _shared_by_nodes(np_dir: Path, tier: MemoryTier) -> bool:
