@@ -30,7 +30,9 @@ What is proven (real DeepSpeed ZeRO-2 engines, real writer processes, real files
   ``ConfigError`` on every rank, before a byte moves;
 - ``memory_save_dir``: a tier whose tag naming fails right after ``deepspeed.initialize`` made it is closed before the
   failure is warned about (no copy process left, its trainer lock free, its RAM root and committed slots kept), so the
-  restart's ``load_latest`` makes it again and loads the newest memory tag.
+  restart's ``load_latest`` makes it again and loads the newest memory tag;
+- a restart (``load_latest``) lists ``save_dir`` once on rank 0, also when it makes the tier (``os.listdir`` and
+  ``os.scandir`` counted).
 """
 
 from __future__ import annotations
@@ -695,6 +697,58 @@ def test_a_tier_whose_naming_fails_right_after_it_is_made_is_closed(run_ranks, t
         assert r["slots"] == ["complete", "complete"], r  # the RAM root and its checkpoints kept
         assert Path(r["loaded"]).parent == tmp_path / "ram" / "tags" / "global_step2", r["loaded"]
         assert not r["ram_left"] and not r["children_at_end"], r
+
+
+def rank_restart_counting_listings(root: str, made_by: str) -> dict:
+    """A restart with memory tags (steps 1-2) in RAM and a newer durable tag (step 6) in ``save_dir``: every listing
+    of ``save_dir``'s entries by ``load_latest`` is recorded (``os.listdir``/``os.scandir``, which ``Path.iterdir``
+    and ``glob`` use, wrapped and passed through). The tier is made by ``initialize`` (``memory_save_dir``) or by
+    ``load_latest`` itself (its start is counted then)."""
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    save_dir = Path(root) / "ckpt"
+    made_at_initialize = {"memory_save_dir": str(save_dir)} if made_by == "initialize" else {}
+    ckpt_ds.install({**_settings(str(Path(root) / "ram"), persist_every=0), **made_at_initialize})
+    engine = h._engine(2, seed=3)
+    listings: list[str] = []
+    real = {"listdir": os.listdir, "scandir": os.scandir}
+
+    def counted(name: str):
+        def call(path=".", *args, **kwargs):
+            if isinstance(path, (str, bytes, os.PathLike)) and os.path.abspath(os.fsdecode(path)) == str(save_dir):
+                listings.append(name)
+            return real[name](path, *args, **kwargs)
+        return call
+
+    os.listdir, os.scandir = counted("listdir"), counted("scandir")
+    try:
+        path, _ = ckpt_ds.load_latest(engine, save_dir)
+    finally:
+        os.listdir, os.scandir = real["listdir"], real["scandir"]
+    h._assert_same(h._state(engine), _saved(root, 6, rank), "the durable step 6, newer than RAM's step 2")
+    engine.destroy()
+    return {"loaded": path, "listings": listings}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("made_by", ["initialize", "load_latest"])
+def test_a_restart_lists_save_dir_once(run_ranks, tmp_path, made_by):
+    """``load_latest`` with the memory tier listed ``save_dir`` three times on rank 0 (the durable candidates, a tag
+    stock DeepSpeed wrote, the damaged tags), four when it made the tier (its start looks for its newest slot), each a
+    look at a directory a writer of the previous trainer may be committing into. One listing now serves them all; on
+    one node the other ranks take rank 0's list (a tier's start, the core's, lists it once on every rank)."""
+    run_ranks(2, rank_memory_only_then_damaged, str(tmp_path), "none", timeout_s=150)
+    run_ranks(2, rank_plain_durable, str(tmp_path), timeout_s=150)
+    for rank, r in enumerate(run_ranks(2, rank_restart_counting_listings, str(tmp_path), made_by, timeout_s=200)):
+        assert Path(r["loaded"]).parent == tmp_path / "ckpt" / "global_step6", r["loaded"]
+        if rank == 0:
+            assert len(r["listings"]) == 1, r["listings"]
+        else:  # at most its tier's start (the core's look for the newest slot) when load_latest made the tier
+            assert len(r["listings"]) <= int(made_by == "load_latest"), r["listings"]
 
 
 def test_a_name_removed_by_another_rank_while_it_is_resolved_is_no_error(tmp_path, monkeypatch):
