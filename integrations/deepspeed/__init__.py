@@ -398,17 +398,21 @@ def load_latest(engine: Any, save_dir: str | os.PathLike, *, fallback_on_corrupt
     ckpt = getattr(engine, "checkpoint_engine", None)
     if fallback_on_corrupt is None:
         fallback_on_corrupt = getattr(getattr(ckpt, "settings", None), "fallback_on_corrupt", True)
-    memory = ckpt.memory_for(save_dir) if hasattr(ckpt, "memory_for") else None
+    memory = None
+    if hasattr(ckpt, "memory_for"):
+        from cpuckpt.backend.collectives import from_rank
+
+        # save_dir listed once on rank 0 (a tier made now lists it at its start): the candidates, the damaged tags
+        with ckpt.one_listing():
+            memory = ckpt.memory_for(save_dir)
+            if memory is not None:
+                candidates = memory.agreed_candidates()
+                # the damaged tags of save_dir (rank 0's look) and of every node's slots (its leader's)
+                damaged = from_rank(memory.damaged_tags, memory.tier.group, f"listing the damaged DeepSpeed tags of "
+                                    f"{save_dir}") + memory.agreed_damaged_slots()
     if memory is None:
         found = select_tag(save_dir, fallback_on_corrupt=bool(fallback_on_corrupt))
     else:
-        from cpuckpt.backend.collectives import from_rank
-        from cpuckpt.tier.tagmarker import scan_tags
-
-        candidates = memory.agreed_candidates()
-        # the damaged tags of save_dir (rank 0's look) and of every node's slots (its leader's)
-        damaged = from_rank(lambda: scan_tags(memory.save_dir)[1], memory.tier.group,
-                            f"listing the damaged DeepSpeed tags of {save_dir}") + memory.agreed_damaged_slots()
         found = _first_verified(candidates, damaged, f"{save_dir} and its memory tier",
                                 fallback_on_corrupt=bool(fallback_on_corrupt), before_check=memory.before_load)
     if found is None:

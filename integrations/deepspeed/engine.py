@@ -86,7 +86,7 @@ from cpuckpt.transfer.staging import get_pool, pool_state
 from cpuckpt.transfer.threads import new_executor, wait_future
 
 from .freeze import Frozen, NotFreezable, freeze
-from .memory import Claim, DeepSpeedMemory
+from .memory import Claim, DeepSpeedMemory, TagListings
 from .settings import Settings, resolve_settings
 from .torchfile import chunk_count, layout_torch_file
 from .zero_stall import (
@@ -195,6 +195,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._committer: cf.ThreadPoolExecutor | None = None
         self._commit_group: Any = None
         self._memory: DeepSpeedMemory | None = None  # memory_tier: made at the first checkpoint (or load_latest)
+        self._listings = TagListings()  # memory_tier: a restart's one listing of save_dir (load_latest holds it)
         self._snapshots = DeviceSnapshots()  # staging.device_snapshot: this engine's device buffers
         self.last_save_s = 0.0
         self.last_commit_s = 0.0
@@ -600,12 +601,17 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             return None
         local_path(save_dir, "DeepSpeed save_dir")
         if self._memory is None:
-            self._memory = DeepSpeedMemory(save_dir, self.settings.core)
+            self._memory = DeepSpeedMemory(save_dir, self.settings.core, self._listings)
         if self._memory.save_dir != Path(os.path.abspath(save_dir)):
             logger.warning("cpuckpt memory tier serves %s; the checkpoint in %s goes to disk directly",
                            self._memory.save_dir, save_dir)
             return None
         return self._memory
+
+    def one_listing(self) -> contextlib.AbstractContextManager[None]:
+        """Within (on this thread), a restart lists ``save_dir`` once: a memory tier made meanwhile starts from that
+        listing, and every look of ``load_latest`` (candidates, damaged tags) reads it."""
+        return self._listings.held()
 
     @property
     def memory_tier(self) -> Any:

@@ -16,7 +16,9 @@ job whose durable root is ``save_dir`` (the RAM root and ``memory.*`` keys as fo
 
 Restart: :meth:`DeepSpeedMemory.candidates` lists the complete tags of both tiers newest first (by global
 step, memory first on a tie: :meth:`cpuckpt.MemoryTier.candidates` over :class:`TagSlots`); the adapter's
-``load_latest`` loads the newest that verifies.
+``load_latest`` loads the newest that verifies. While the engine's :class:`TagListings` are held, one listing of
+``save_dir`` serves the restart's every use of it (the start of a tier it makes, the durable candidates, a tag stock
+DeepSpeed wrote, the damaged tags).
 
 Across nodes (ranks on several RAM roots: :mod:`cpuckpt.tier.nodes`) each node's slot holds its own ranks' files
 and, with ZeRO-1/2, the node's own copy of the model-states files every rank reads (the engine makes each node's
@@ -30,8 +32,11 @@ from a partner's copy before the load (:meth:`DeepSpeedMemory.before_load`), rea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,16 +68,48 @@ from cpuckpt.tier.tagmarker import (
 from cpuckpt.transfer.files import write_atomic
 from cpuckpt.transfer.sinks import Sink
 
-__all__ = ["LINKS_NAME", "Claim", "DeepSpeedMemory", "TagSlots"]
+__all__ = ["LINKS_NAME", "Claim", "DeepSpeedMemory", "TagListings", "TagSlots"]
 
 logger = logging.getLogger(__name__)
 
 LINKS_NAME = "tags"  # <RAM root>/tags/<tag> -> slot-<k>: a load_dir stock DeepSpeed reads memory tags from
 
 
+class TagListings:
+    """The listings of ``save_dir`` one engine's restart shares (:meth:`held`), so that its looks (the start of a tier
+    it makes, the durable candidates, a tag stock DeepSpeed wrote, the damaged tags) read one listing of a directory a
+    writer of the previous trainer may be committing into. Per thread: another (a background commit) lists anew."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()  # .tags: the listings made while held, by root
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Within, this thread lists each root once, at its first use; every later use reads that listing. Nested,
+        the outer listings serve."""
+        outer = getattr(self._local, "tags", None)
+        self._local.tags = outer if outer is not None else {}
+        try:
+            yield
+        finally:
+            self._local.tags = outer
+
+    def scan(self, root: Path) -> tuple[list[LatestTag], list[TagStatus]]:
+        """:func:`scan_tags` of ``root``; while :meth:`held`, the one made at its first use."""
+        tags: dict[Path, tuple[list[LatestTag], list[TagStatus]]] | None = getattr(self._local, "tags", None)
+        if tags is None:
+            return scan_tags(root)
+        if root not in tags:
+            tags[root] = scan_tags(root)
+        return tags[root]
+
+
 class TagSlots:
     """The memory tier's :class:`~cpuckpt.tier.formats.SlotFormat` for DeepSpeed tags: a slot holds one tag's
-    files and its marker; the durable root is DeepSpeed's ``save_dir``."""
+    files and its marker; the durable root is DeepSpeed's ``save_dir`` (listed through ``listings``)."""
+
+    def __init__(self, listings: TagListings | None = None) -> None:
+        self.listings = listings if listings is not None else TagListings()
 
     def committed(self, directory: Path) -> Committed | None:
         status = check_dir(directory)
@@ -83,7 +120,7 @@ class TagSlots:
 
     def durable(self, root: Path) -> list[tuple[int, Path]]:
         # damaged tags are not logged here: load_latest names them (it must not skip them as torn)
-        return [(t.global_step, t.directory / t.tag) for t in scan_tags(root)[0] if t.global_step is not None]
+        return [(t.global_step, t.directory / t.tag) for t in self.listings.scan(root)[0] if t.global_step is not None]
 
 
 @dataclass(frozen=True)
@@ -100,16 +137,34 @@ class DeepSpeedMemory:
     Args:
         save_dir: DeepSpeed's ``save_dir`` (the durable root).
         config: the core config (its ``memory`` section configures the tier).
+        listings: the engine's listings of ``save_dir`` (a restart holds them: :class:`TagListings`).
 
     Every node's leader (its lowest rank) names its node's slots (``<RAM root>/tags``).
     """
 
-    def __init__(self, save_dir: str | os.PathLike, config: Config) -> None:
+    def __init__(self, save_dir: str | os.PathLike, config: Config, listings: TagListings | None = None) -> None:
         self.save_dir = Path(os.path.abspath(save_dir))
-        self.tier = MemoryTier(self.save_dir, config, slot_format=TagSlots())
+        self.listings = listings if listings is not None else TagListings()
+        self.tier = MemoryTier(self.save_dir, config, slot_format=TagSlots(self.listings))
         self.links = self.tier.root.path / LINKS_NAME
         self._memory_slots: dict[str, Path] = {}  # save id -> this rank's slot, of the agreed memory candidates
-        self._on_leaders(self._relink, f"naming the memory tags of {self.links}")
+        try:
+            self._on_leaders(self._relink, f"naming the memory tags of {self.links}")
+        except BaseException:  # raised on every rank alike: every rank closes the tier it made
+            self._close_unstarted()
+            raise
+
+    def _close_unstarted(self) -> None:
+        """The tier was made but this object fails to start: no one else holds it, so its copy process, writer,
+        threads and mapped images would outlive the failure, and its trainer lock would refuse the next attempt
+        (after a failure warned about at initialize, ``load_latest`` or the first save makes the tier again). Closed
+        as at an exit, but with nothing persisted and the RAM root kept: it may hold the only copy of the checkpoint
+        a restart loads. A failure to close is logged: the start's own error is the one raised."""
+        try:
+            self.tier.close(persist_newest=False, remove_root=False)
+        except Exception as e:
+            logger.warning("cpuckpt memory tier: closing the tier of %s after its failed start failed too: %s",
+                           self.save_dir, e)
 
     @property
     def names(self) -> bool:
@@ -189,6 +244,11 @@ class DeepSpeedMemory:
                                       pointer=(self.save_dir / "latest", tag) if save_latest else None)
 
     # -- restart --------------------------------------------------------------------------------
+    def damaged_tags(self) -> list[TagStatus]:
+        """The tags of ``save_dir`` committed once but incomplete now (:func:`scan_tags`; while the listings are
+        held, theirs). Reads only."""
+        return list(self.listings.scan(self.save_dir)[1])
+
     def candidates(self) -> list[LatestTag]:
         """Complete tags of both tiers, newest global step first, memory first on a tie. Reads only."""
         out = []
@@ -203,7 +263,7 @@ class DeepSpeedMemory:
                 out.append(LatestTag(path.parent, path.name, status.marker.global_step, status.marker))
         # A tag stock DeepSpeed wrote (``latest`` names it, no marker) has no step to rank it by without loading it:
         # the one candidate when there is none of ours, else named in a warning (a run moved onto the tier)
-        stock = [t for t in scan_tags(self.save_dir)[0] if t.marker is None]
+        stock = [t for t in self.listings.scan(self.save_dir)[0] if t.marker is None]
         if stock and not out:
             out.append(stock[0])
         elif stock:

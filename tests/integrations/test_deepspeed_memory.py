@@ -27,7 +27,12 @@ What is proven (real DeepSpeed ZeRO-2 engines, real writer processes, real files
 - ranks with separate RAM roots (two nodes) work (tests/dist/test_multinode_deepspeed.py: two torchrun launches,
   a lost node restored from a partner's replica); what a node's leader cannot copy itself, ZeRO's
   ``elastic_checkpoint`` (every rank reads every rank's optimizer file), is refused across nodes with the same
-  ``ConfigError`` on every rank, before a byte moves.
+  ``ConfigError`` on every rank, before a byte moves;
+- ``memory_save_dir``: a tier whose tag naming fails right after ``deepspeed.initialize`` made it is closed before the
+  failure is warned about (no copy process left, its trainer lock free, its RAM root and committed slots kept), so the
+  restart's ``load_latest`` makes it again and loads the newest memory tag;
+- a restart (``load_latest``) lists ``save_dir`` once on rank 0, also when it makes the tier (``os.listdir`` and
+  ``os.scandir`` counted).
 """
 
 from __future__ import annotations
@@ -255,7 +260,7 @@ def rank_restart_past_a_torn_slot(root: str) -> dict:
 
 def rank_memory_only_then_damaged(root: str, damage: str) -> None:
     """Steps 1-2 committed in RAM (persist_every 0), then rank 0 damages one slot since its commit: ``garble`` step
-    1's marker, or ``truncate`` a file of step 2's; the RAM root is left for the restart."""
+    1's marker, or ``truncate`` a file of step 2's (``none``: neither); the RAM root is left for the restart."""
     h = _ds()
     h._setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
@@ -272,7 +277,7 @@ def rank_memory_only_then_damaged(root: str, damage: str) -> None:
         engine.save_checkpoint(str(Path(root) / "ckpt"))
     ckpt_ds.commit_pending(engine)
     dist.barrier()
-    if rank == 0:
+    if rank == 0 and damage != "none":
         step = {"garble": 1, "truncate": 2}[damage]
         slot = next(s for s in engine.checkpoint_engine.memory_tier.slots if read_marker(s).global_step == step)
         if damage == "garble":
@@ -611,6 +616,139 @@ def test_a_listing_of_both_tiers_that_fails_on_rank_0_fails_on_every_rank_at_onc
     for r in run_ranks(2, rank_listing_of_both_tiers_fails_on_rank0, str(tmp_path), timeout_s=150):
         assert r["error"] is not None and "rank 0" in r["message"] and "Input/output error" in r["message"], r
         assert f"{tmp_path / 'ckpt'} and its memory tier" in r["message"] and r["s"] < 30, r
+
+
+def _children() -> list[tuple[int, str]]:
+    """This process's child processes still running (pid, command line): a zombie has ended."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == os.getpid() and state != "Z":
+                out.append((int(proc.name), (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except (OSError, ValueError):  # not a process, or gone meanwhile
+            continue
+    return out
+
+
+def rank_naming_fails_at_initialize(root: str) -> dict:
+    """``memory_save_dir``: the tier made inside ``deepspeed.initialize`` (a copy process per rank) fails to name the
+    tags of the RAM root's committed slots right after it is made (``<RAM root>/tags`` is a file now, not a
+    directory); then that obstacle goes and the restart makes the tier again and loads the newest memory tag."""
+    import logging
+    import shutil
+
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    from cpuckpt.tier.persister import lock_held
+    from cpuckpt.tier.tagmarker import check_dir
+
+    rank = dist.get_rank()
+    save_dir, ram = Path(root) / "ckpt", Path(root) / "ram"
+    if rank == 0:
+        shutil.rmtree(ram / "tags")
+        (ram / "tags").write_text("not a directory")  # the leader's mkdir of the tags' names fails
+    dist.barrier()
+    before = _children()
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("cpuckpt").addHandler(handler)
+    ckpt_ds.install({**_settings(str(ram), persist_every=0, copy_process=True), "memory_save_dir": str(save_dir)})
+    engine = h._engine(2, seed=3)
+    logging.getLogger("cpuckpt").removeHandler(handler)
+    out: dict = {"warned": warned, "tier": engine.checkpoint_engine.memory_tier is not None,
+                 # what the failed tier started (its copy process) ended with it, and its trainer lock is free
+                 "children_left": [c for c in _children() if c not in before],
+                 "lock_held": lock_held(ram / f".rank-{rank}.lock"),
+                 "slots": sorted(check_dir(p).state for p in ram.iterdir() if p.name.startswith("slot-"))}
+    dist.barrier()
+    if rank == 0:
+        (ram / "tags").unlink()
+    dist.barrier()
+    try:
+        path, _ = ckpt_ds.load_latest(engine, save_dir)  # makes the tier: the RAM root opens again
+        out["loaded"] = path
+        h._assert_same(h._state(engine), _saved(root, 2, rank), "step 2 restored from RAM")
+    except Exception as e:
+        out["loaded"] = f"{type(e).__name__}: {e}"
+    engine.destroy()  # nothing saved by this run: nothing to persist; the RAM root removed
+    dist.barrier()  # rank 0 removes it once every rank is done
+    out["ram_left"] = sorted(p.name for p in ram.iterdir()) if ram.exists() else []
+    out["children_at_end"] = [c for c in _children() if c not in before]
+    ckpt_ds.uninstall()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_tier_whose_naming_fails_right_after_it_is_made_is_closed(run_ranks, tmp_path):
+    """The memory tier made at ``deepspeed.initialize`` (``memory_save_dir``) whose tag naming then failed was left
+    open: its copy process ran on and its trainer lock stayed held, so the restart's ``load_latest``, which makes the
+    tier again, could not open the RAM root. The failure now closes the tier before it is raised, keeping its RAM
+    root (the restart's checkpoints are there), and the restart loads the newest memory tag."""
+    run_ranks(2, rank_memory_only_then_damaged, str(tmp_path), "none", timeout_s=150)
+    for r in run_ranks(2, rank_naming_fails_at_initialize, str(tmp_path), timeout_s=200):
+        assert any("not made at initialize" in w and "naming the memory tags" in w for w in r["warned"]), r["warned"]
+        assert not r["tier"] and not r["children_left"] and not r["lock_held"], r
+        assert r["slots"] == ["complete", "complete"], r  # the RAM root and its checkpoints kept
+        assert Path(r["loaded"]).parent == tmp_path / "ram" / "tags" / "global_step2", r["loaded"]
+        assert not r["ram_left"] and not r["children_at_end"], r
+
+
+def rank_restart_counting_listings(root: str, made_by: str) -> dict:
+    """A restart with memory tags (steps 1-2) in RAM and a newer durable tag (step 6) in ``save_dir``: every listing
+    of ``save_dir``'s entries by ``load_latest`` is recorded (``os.listdir``/``os.scandir``, which ``Path.iterdir``
+    and ``glob`` use, wrapped and passed through). The tier is made by ``initialize`` (``memory_save_dir``) or by
+    ``load_latest`` itself (its start is counted then)."""
+    h = _ds()
+    h._setup_env()
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    save_dir = Path(root) / "ckpt"
+    made_at_initialize = {"memory_save_dir": str(save_dir)} if made_by == "initialize" else {}
+    ckpt_ds.install({**_settings(str(Path(root) / "ram"), persist_every=0), **made_at_initialize})
+    engine = h._engine(2, seed=3)
+    listings: list[str] = []
+    real = {"listdir": os.listdir, "scandir": os.scandir}
+
+    def counted(name: str):
+        def call(path=".", *args, **kwargs):
+            if isinstance(path, (str, bytes, os.PathLike)) and os.path.abspath(os.fsdecode(path)) == str(save_dir):
+                listings.append(name)
+            return real[name](path, *args, **kwargs)
+        return call
+
+    os.listdir, os.scandir = counted("listdir"), counted("scandir")
+    try:
+        path, _ = ckpt_ds.load_latest(engine, save_dir)
+    finally:
+        os.listdir, os.scandir = real["listdir"], real["scandir"]
+    h._assert_same(h._state(engine), _saved(root, 6, rank), "the durable step 6, newer than RAM's step 2")
+    engine.destroy()
+    return {"loaded": path, "listings": listings}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("made_by", ["initialize", "load_latest"])
+def test_a_restart_lists_save_dir_once(run_ranks, tmp_path, made_by):
+    """``load_latest`` with the memory tier listed ``save_dir`` three times on rank 0 (the durable candidates, a tag
+    stock DeepSpeed wrote, the damaged tags), four when it made the tier (its start looks for its newest slot), each a
+    look at a directory a writer of the previous trainer may be committing into. One listing now serves them all; on
+    one node the other ranks take rank 0's list (a tier's start, the core's, lists it once on every rank)."""
+    run_ranks(2, rank_memory_only_then_damaged, str(tmp_path), "none", timeout_s=150)
+    run_ranks(2, rank_plain_durable, str(tmp_path), timeout_s=150)
+    for rank, r in enumerate(run_ranks(2, rank_restart_counting_listings, str(tmp_path), made_by, timeout_s=200)):
+        assert Path(r["loaded"]).parent == tmp_path / "ckpt" / "global_step6", r["loaded"]
+        if rank == 0:
+            assert len(r["listings"]) == 1, r["listings"]
+        else:  # at most its tier's start (the core's look for the newest slot) when load_latest made the tier
+            assert len(r["listings"]) <= int(made_by == "load_latest"), r["listings"]
 
 
 def test_a_name_removed_by_another_rank_while_it_is_resolved_is_no_error(tmp_path, monkeypatch):
