@@ -352,7 +352,8 @@ def convert_cmd(path: Any, out: Any, fmt: str, max_shard_size: int | None, memor
 @click.option("--ram", is_flag=True,
               help="Remove stale memory-tier RAM roots (no live trainer or writer) under ROOT, a RAM root or the "
                    "directory holding them; default /dev/shm/cpuckpt-<uid>. Without ROOT (or with ROOT /dev/shm) "
-                   "also stale cpuckpt-* process files in /dev/shm (their owner pid gone, or another boot's).")
+                   "also stale cpuckpt-* process files in /dev/shm (their owner pid gone on this host, or this "
+                   "host's earlier boot; another host's once untouched for a day).")
 @click.option("--min-age", "min_age", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Durable roots: remove only leftovers untouched this long. A live save touches its directory "
                    "at least once per timeout_s, so keep this >= the trainers' timeout_s; 0 also removes saves "
@@ -379,8 +380,9 @@ def clean_cmd(root: Any, ram: bool, min_age: float | None, deepspeed_tags: bool,
     persists (its parts there, or its save id in .cpuckpt-saving), or latest itself. An s3:// ROOT: incomplete
     checkpoint prefixes, manifest parts and the multipart uploads of dead saves, untouched for --min-age.
     --ram: RAM roots whose trainer and writer locks
-    are all free; live ones stay; and process files (``cpuckpt-<tag>-p<pid>-b<boot>-*``, e.g. the Megatron
-    adapter's) of processes gone.
+    are all free; live ones stay; and process files (``cpuckpt-<tag>-p<pid>-b<boot>-h<host>-*``, e.g. the Megatron
+    adapter's) of processes gone (a pid is asked about on its own host only: another host's file goes once
+    untouched for a day).
     """
     verb = "would remove" if dry_run else "removed"
     failed = ""
