@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import stat
 import time
@@ -42,7 +43,7 @@ from cpuckpt.backend.committed import size_mismatches
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import local_path
-from cpuckpt.procs import pid_alive
+from cpuckpt.procs import host_tag, pid_alive
 from cpuckpt.rootinfo import REMOVING_PREFIX
 from cpuckpt.tier.formats import PART_PREFIX, read_pointer
 from cpuckpt.tier.nodefiles import NodeFiles, read_node_files
@@ -487,10 +488,12 @@ def clean_torn_tags(save_dir: str | os.PathLike, *, min_age_s: float = 0.0, fsyn
     followed into, read through or removed), one a writer process persists (a part ``.cpuckpt-part-<rank>.json``,
     or bytes in its saving file: its coordinator may still commit it), one modified in the last ``min_age_s``
     seconds, one that cannot be read whole, and anything that is not a directory directly under ``save_dir``.
-    A tag judged removable is moved aside (``.cpuckpt-removing-<tag>-<pid>``, atomic: a save starting into its name
-    from then on makes a new directory), checked again and deleted, or put back if it changed (a save reopened
-    it). What a cleaner killed while deleting left under that name goes at a later clean, once untouched for
-    ``min_age_s``. A tag that cannot be moved or deleted is logged and kept; the others are cleaned.
+    A tag judged removable is moved aside (``.cpuckpt-removing-<tag>-<pid>-h<host>``, ``host``:
+    :func:`cpuckpt.procs.host_tag`; atomic: a save starting into its name from then on makes a new directory),
+    checked again and deleted, or put back if it changed (a save reopened it). What a cleaner killed while deleting
+    left under that name goes at a later clean, once untouched for ``min_age_s`` and, when it was this host's
+    cleaner, once its pid no longer runs (another host's pid says nothing here). A tag that cannot be moved or
+    deleted is logged and kept; the others are cleaned.
     """
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
     torn, commits, leftovers = _survey(root)
@@ -631,7 +634,7 @@ def _remove_tag(root: Path, tag_dir: Path, newest: int, *, fsync: bool) -> bool:
     when deleted. An unlink in place would delete the files of a save that reopened the tag meanwhile; a rename is
     atomic: a save that opens the tag's name after it makes a new directory, one before it changed the tag
     (``open_tag`` dates its saving file), which the check sees. Raises OSError when it cannot be moved."""
-    moved = root / f"{REMOVING_PREFIX}{tag_dir.name}-{os.getpid()}"
+    moved = root / f"{REMOVING_PREFIX}{tag_dir.name}-{os.getpid()}-h{host_tag()}"
     if _saving_ns(tag_dir) > newest:  # reopened by a save since the (long) walk that judged it: no move at all
         return False
     os.rename(tag_dir, moved)
@@ -692,12 +695,24 @@ def _saving_ns(tag_dir: Path) -> int:
         return 0
 
 
+# what :func:`_remove_tag` names a tag it moves aside, after the prefix; an older cpuckpt's name (``<tag>-<pid>``,
+# no host) is judged by its pid as before
+_MOVED_RE = re.compile(r"(?P<tag>.+)-(?P<pid>\d+)-h(?P<host>[0-9a-f]{12})")
+
+
 def _leftover_kept_because(moved: Path, min_age_s: float) -> str | None:
     """Why a directory an earlier cleaner moved aside stays, or None: its cleaner may still run, or it changed
-    within ``min_age_s``."""
+    within ``min_age_s``. A cleaner's pid is asked about only on its own host: another host's cleaner (a shared
+    file system) is judged by the age alone."""
     if os.path.lexists(moved / KEPT_NAME):
         return "kept: a save made its name again while it was moved aside; remove it by hand"
-    pid = moved.name.rpartition("-")[2]
+    m = _MOVED_RE.fullmatch(moved.name[len(REMOVING_PREFIX):])
+    if m is None:  # an older cpuckpt's name, <tag>-<pid>: no host recorded
+        pid = moved.name.rpartition("-")[2]
+    elif m["host"] == host_tag():
+        pid = m["pid"]
+    else:  # another host's cleaner: its pid says nothing about this host's processes
+        pid = ""
     if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
         return f"its cleaner (pid {pid}) may still run"
     try:

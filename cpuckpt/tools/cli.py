@@ -352,7 +352,8 @@ def convert_cmd(path: Any, out: Any, fmt: str, max_shard_size: int | None, memor
 @click.option("--ram", is_flag=True,
               help="Remove stale memory-tier RAM roots (no live trainer or writer) under ROOT, a RAM root or the "
                    "directory holding them; default /dev/shm/cpuckpt-<uid>. Without ROOT (or with ROOT /dev/shm) "
-                   "also stale cpuckpt-* process files in /dev/shm (their owner pid gone, or another boot's).")
+                   "also stale cpuckpt-* process files in /dev/shm (their owner pid gone on this host, or this "
+                   "host's earlier boot; another host's once untouched for a day).")
 @click.option("--min-age", "min_age", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Durable roots: remove only leftovers untouched this long. A live save touches its directory "
                    "at least once per timeout_s, so keep this >= the trainers' timeout_s; 0 also removes saves "
@@ -364,7 +365,10 @@ def convert_cmd(path: Any, out: Any, fmt: str, max_shard_size: int | None, memor
                    "pending tag (an EMA or reference engine that never calls step()) would be removed. --min-age "
                    "must exceed the longest persist of a memory-tier writer.")
 @click.option("--dry-run", is_flag=True, help="Only list what would be removed.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per removed path.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per removed path: path, kind (checkpoint: a torn checkpoint; leftover: a file "
+                   "a save left, or a torn tag an interrupted clean moved aside; deepspeed-tag: a torn tag; "
+                   "ram-root; process-file), removed (false with --dry-run).")
 def clean_cmd(root: Any, ram: bool, min_age: float | None, deepspeed_tags: bool, dry_run: bool,
               as_json: bool) -> None:
     """Delete leftovers of crashed saves in the checkpoint root ROOT, or (--ram) stale RAM roots.
@@ -379,8 +383,14 @@ def clean_cmd(root: Any, ram: bool, min_age: float | None, deepspeed_tags: bool,
     persists (its parts there, or its save id in .cpuckpt-saving), or latest itself. An s3:// ROOT: incomplete
     checkpoint prefixes, manifest parts and the multipart uploads of dead saves, untouched for --min-age.
     --ram: RAM roots whose trainer and writer locks
-    are all free; live ones stay; and process files (``cpuckpt-<tag>-p<pid>-b<boot>-*``, e.g. the Megatron
-    adapter's) of processes gone.
+    are all free; live ones stay; and process files (``cpuckpt-<tag>-p<pid>-b<boot>-h<host>-*``, e.g. the Megatron
+    adapter's) of processes gone (a pid is asked about on its own host only: another host's file goes once
+    untouched for a day).
+
+    --json kinds: ``checkpoint`` (a torn checkpoint directory or s3:// prefix), ``leftover`` (anything else a
+    dead save or an interrupted clean left: *.tmp files, manifest parts, probes, latest.tmp, a dead save's
+    multipart upload, a torn tag moved aside to .cpuckpt-removing-*), ``deepspeed-tag`` (a torn DeepSpeed tag),
+    ``ram-root`` and ``process-file`` (--ram).
     """
     verb = "would remove" if dry_run else "removed"
     failed = ""
@@ -432,24 +442,44 @@ def clean_cmd(root: Any, ram: bool, min_age: float | None, deepspeed_tags: bool,
             except (OSError, CpuckptError) as e:  # said after what was removed already
                 failed = f"cannot clean the DeepSpeed tags of {root}: {e}"
         base, kind, what = root, "checkpoint", ""
+    kinds = [_removed_kind(root, p) if kind == "checkpoint" else kind for p in removed]
+    tag_kinds = ["leftover" if _moved_aside(p) else "deepspeed-tag" for p in tags]
     if as_json:
-        for path in removed:
-            click.echo(json.dumps({"path": str(path), "kind": kind, "removed": not dry_run}))
-        for path in tags:
-            click.echo(json.dumps({"path": str(path), "kind": "deepspeed-tag", "removed": not dry_run}))
+        for path, k in zip(removed, kinds):
+            click.echo(json.dumps({"path": str(path), "kind": k, "removed": not dry_run}))
+        for path, k in zip(tags, tag_kinds):
+            click.echo(json.dumps({"path": str(path), "kind": k, "removed": not dry_run}))
         for path in files:
             click.echo(json.dumps({"path": str(path), "kind": "process-file", "removed": not dry_run}))
     else:
         for path in removed:
             click.echo(f"{verb} {what}{path}")
-        for path in tags:
-            click.echo(f"{verb} torn DeepSpeed tag {path}")
+        for path, k in zip(tags, tag_kinds):
+            click.echo(f"{verb} torn DeepSpeed tag {path}" if k == "deepspeed-tag" else
+                       f"{verb} leftover of an interrupted clean {path}")
         for path in files:
             click.echo(f"{verb} stale process file {path}")
         if not removed and not tags and not files and not failed:
             click.echo(f"no stale RAM roots under {base}" if ram else f"nothing to clean in {base}")
     if failed:
         _fail(failed)
+
+
+def _removed_kind(root: Any, path: Any) -> str:
+    """``checkpoint`` for a checkpoint ``clean_incomplete`` removed (a directory, or s3:// prefix, directly under
+    ``root``), ``leftover`` for anything else it removed (a file in a complete checkpoint, latest.tmp, a dead
+    save's multipart upload): a consumer of --json must not take a leftover file for a checkpoint."""
+    from cpuckpt.rootinfo import LATEST_NAME
+
+    return "checkpoint" if path.parent == root and path.name != LATEST_NAME + ".tmp" else "leftover"
+
+
+def _moved_aside(path: Path) -> bool:
+    """A torn tag an interrupted clean moved aside (``.cpuckpt-removing-*``): a leftover, not a tag of the run."""
+    from cpuckpt.rootinfo import REMOVING_PREFIX
+
+    return path.name.startswith(REMOVING_PREFIX)
+
 
 def _source_root(rel: str) -> Path:
     """The source tree holding ``rel``, a file that ships with it (not the wheel): the tree the package

@@ -1,4 +1,4 @@
-"""``cpuckpt clean --ram``: stale process files in /dev/shm (owner pid + boot id), and /dev/shm itself as ROOT.
+"""``cpuckpt clean --ram``: stale process files in /dev/shm (owner pid + boot id + host), and /dev/shm itself as ROOT.
 
 Run in-process through click's ``CliRunner``; a world-writable sticky directory under ``tmp_path``
 stands in for /dev/shm, except for a dry run on the real one (which removes nothing).
@@ -10,12 +10,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from cpuckpt import runfiles
+from cpuckpt import procs, runfiles
 from cpuckpt.tier import ramroot
 from cpuckpt.tier.ramroot import RamRoot
 from cpuckpt.tools.cli import cli
@@ -42,18 +43,30 @@ def _dead_pid() -> int:
 
 def _plant(shm: Path) -> tuple[list[Path], list[Path]]:
     """Process files: (stale ones, ones that must stay)."""
-    boot = runfiles.boot_tag()
+    boot, host = runfiles.boot_tag(), procs.host_tag()
     dead = _dead_pid()
     other_boot = "f" * 12 if boot != "f" * 12 else "e" * 12  # a live pid recorded on another boot says nothing
-    stale = [shm / f"cpuckpt-megatron-p{dead}-b{boot}-r0-0123456789ab.alive",
-             shm / f"cpuckpt-megatron-p{dead}-b{boot}-r0-0123456789ab.status",
-             shm / f"cpuckpt-megatron-p{os.getpid()}-b{other_boot}-r1-0123456789ab.alive"]
-    keep = [shm / f"cpuckpt-megatron-p{os.getpid()}-b{boot}-r0-0123456789ab.alive",  # its owner runs (this process)
-            shm / "cpuckpt-something-else",  # not a process file
+    other_host = "a" * 12 if host != "a" * 12 else "b" * 12
+    me = os.getpid()
+    stale = [shm / f"cpuckpt-megatron-p{dead}-b{boot}-h{host}-r0-0123456789ab.alive",
+             shm / f"cpuckpt-megatron-p{dead}-b{boot}-h{host}-r0-0123456789ab.status",
+             shm / f"cpuckpt-megatron-p{me}-b{other_boot}-h{host}-r1-0123456789ab.alive",  # this host's earlier boot
+             shm / f"cpuckpt-megatron-p{dead}-b{boot}-r2-0123456789ab.alive",  # an older name (no host), this boot
+             shm / f"cpuckpt-megatron-p{dead}-b{boot}-h{other_host}-r3-0123456789ab.alive",  # another host's, old
+             shm / f"cpuckpt-megatron-p{dead}-b{other_boot}-r4-0123456789ab.alive"]  # no host, another boot, old
+    keep = [shm / f"cpuckpt-megatron-p{me}-b{boot}-h{host}-r0-0123456789ab.alive",  # its owner runs (this process)
+            shm / f"cpuckpt-megatron-p{me}-b{boot}-r2-0123456789ab.alive",  # so does an older name's
+            # another host's pid (a shared directory) says nothing here: gone locally, yet it stays while fresh
+            shm / f"cpuckpt-megatron-p{dead}-b{boot}-h{other_host}-r5-0123456789ab.alive",
+            shm / f"cpuckpt-megatron-p{dead}-b{other_boot}-r6-0123456789ab.alive",  # no host, another boot: may be
+            shm / "cpuckpt-something-else",  # not a process file                 # another node's, fresh: stays
             shm / "unrelated.txt"]
     for p in stale + keep:
         p.write_text("1")
-    d = shm / f"cpuckpt-megatron-p{dead}-b{boot}-r0-aaaaaaaaaaaa.dir"  # a directory of that name: never touched
+    old = time.time() - runfiles.FOREIGN_MIN_AGE_S - 60
+    for p in stale[-2:]:
+        os.utime(p, (old, old))
+    d = shm / f"cpuckpt-megatron-p{dead}-b{boot}-h{host}-r0-aaaaaaaaaaaa.dir"  # a directory of that name: never touched
     d.mkdir()
     keep.append(d)
     return stale, keep
@@ -104,14 +117,54 @@ def test_clean_ram_of_shared_dir_cleans_roots_and_process_files_json(tmp_path):
     assert not (base / "job1").exists() and all(p.exists() for p in keep)
 
 
-def test_run_file_names_record_owner_pid_and_boot(tmp_path):
+def test_run_file_names_record_owner_pid_boot_and_host(tmp_path):
     base = runfiles.run_file_base("megatron", "r3", tmp_path)
     name = Path(base).name
-    assert name.startswith(f"cpuckpt-megatron-p{os.getpid()}-b{runfiles.boot_tag()}-r3-")
+    assert name.startswith(f"cpuckpt-megatron-p{os.getpid()}-b{runfiles.boot_tag()}-h{procs.host_tag()}-r3-")
     info = runfiles.parse(name + ".alive")
-    assert (info.tag, info.pid, info.boot) == ("megatron", os.getpid(), runfiles.boot_tag())
-    assert not info.owner_gone()
+    assert (info.tag, info.pid, info.boot, info.host) == ("megatron", os.getpid(), runfiles.boot_tag(),
+                                                          procs.host_tag())
+    assert info.owner_alive() is True and not info.owner_gone()
     assert runfiles.parse("cpuckpt-1000") is None and runfiles.parse("cpuckpt-megatron-123-r0-x.alive") is None
+    old = runfiles.parse(f"cpuckpt-megatron-p{os.getpid()}-b{runfiles.boot_tag()}-r3-0123456789ab.alive")
+    assert (old.pid, old.host) == (os.getpid(), None) and old.owner_alive() is True  # an older name still reads
+
+
+def test_a_pid_is_asked_about_only_on_the_host_and_boot_that_recorded_it():
+    """Another host's pid says nothing about this host's processes: its owner cannot be judged here (None),
+    whether that pid runs here or not; nor can an older name's (no host) of another boot, which may be another
+    node's. This host's earlier boot: gone."""
+    boot, host, dead, me = runfiles.boot_tag(), procs.host_tag(), _dead_pid(), os.getpid()
+    other_boot = "f" * 12 if boot != "f" * 12 else "e" * 12
+    other_host = "a" * 12 if host != "a" * 12 else "b" * 12
+
+    def alive(pid: int, b: str, h: str | None) -> bool | None:
+        return runfiles.parse(f"cpuckpt-x-p{pid}-b{b}{f'-h{h}' if h else ''}-0123456789ab").owner_alive()
+
+    assert alive(me, boot, host) is True and alive(dead, boot, host) is False
+    assert alive(me, boot, other_host) is None and alive(dead, boot, other_host) is None
+    assert alive(me, other_boot, other_host) is None
+    assert alive(me, other_boot, host) is False  # this host's earlier boot: its processes ended with it
+    assert alive(me, boot, None) is True and alive(dead, boot, None) is False  # older names, this boot
+    assert alive(me, other_boot, None) is None  # older name, another boot: maybe another node's
+
+
+def test_clean_stale_removes_files_it_cannot_judge_only_by_age(tmp_path):
+    """``min_age_s`` decides for another host's file; this host's files go by their owner alone, whatever age."""
+    boot, host, dead = runfiles.boot_tag(), procs.host_tag(), _dead_pid()
+    other_host = "a" * 12 if host != "a" * 12 else "b" * 12
+    foreign = tmp_path / f"cpuckpt-x-p{dead}-b{boot}-h{other_host}-0123456789ab.alive"
+    mine = tmp_path / f"cpuckpt-x-p{dead}-b{boot}-h{host}-0123456789ab.alive"
+    for p in (foreign, mine):
+        p.write_text("1")
+    t = time.time() - 100
+    os.utime(foreign, (t, t))
+    assert runfiles.clean_stale(tmp_path, min_age_s=200, dry_run=True) == [mine]
+    assert runfiles.clean_stale(tmp_path, min_age_s=200) == [mine]
+    assert foreign.exists() and not mine.exists()
+    assert runfiles.clean_stale(tmp_path) == []  # the default: a day
+    assert runfiles.clean_stale(tmp_path, min_age_s=50) == [foreign]
+    assert not foreign.exists()
 
 
 def test_megatron_channels_are_run_files_and_the_first_one_removes_stale_ones(tmp_path, monkeypatch):
@@ -123,5 +176,6 @@ def test_megatron_channels_are_run_files_and_the_first_one_removes_stale_ones(tm
     monkeypatch.setattr(worker, "_cleaned_stale", False)
     stale, keep = _plant(shm)
     channel = worker.new_channel(0)
-    assert channel.base.startswith(f"{shm}/cpuckpt-megatron-p{os.getpid()}-b{runfiles.boot_tag()}-r0-")
+    assert channel.base.startswith(f"{shm}/cpuckpt-megatron-p{os.getpid()}-b{runfiles.boot_tag()}-h{procs.host_tag()}"
+                                   "-r0-")
     assert not any(p.exists() for p in stale) and all(p.exists() for p in keep)

@@ -662,7 +662,11 @@ def test_clean_dry_run_lists_exactly_what_clean_removes(tmp_path):
     planned = _json_lines(out)
     assert snapshot() == before  # removed nothing
     assert sorted(r["path"] for r in planned) == sorted(map(str, expected))
-    assert all(r["kind"] == "checkpoint" and r["removed"] is False for r in planned)
+    assert all(r["removed"] is False for r in planned)
+    # a file a save left is no checkpoint: a consumer of --json must not take step_1/.metadata.tmp for step_1
+    assert {r["path"]: r["kind"] for r in planned} == {str(root / "step_2"): "checkpoint",
+                                                       str(root / "step_1" / ".metadata.tmp"): "leftover",
+                                                       str(root / "latest.tmp"): "leftover"}
 
     code, out = _run("clean", root, "--json")
     assert code == 0, out
@@ -857,10 +861,33 @@ def test_clean_touches_no_deepspeed_tag_without_the_flag(tmp_path):
     assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before
     code, out = _run("clean", "--deepspeed-tags", root)
     assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {dead}",
-                                              f"removed torn DeepSpeed tag {aside}"], out
+                                              f"removed leftover of an interrupted clean {aside}"], out
     for args in (("--ram",), ("s3://bucket/run",)):
         code, out = _run("clean", "--deepspeed-tags", *args)
         assert code == 2 and "--deepspeed-tags cleans a local DeepSpeed save_dir" in out, out
+
+
+def test_clean_json_tells_torn_tags_from_leftovers(tmp_path):
+    """--json gives a torn tag kind deepspeed-tag and what a killed cleaner left moved aside (.cpuckpt-removing-*)
+    kind leftover, so a consumer never takes the leftover for a tag of the run (nor its name for a tag's); the
+    text says which is which too."""
+    root = tmp_path / "save_dir"
+    dead = _ds_torn(root, "global_step10", ago=4000)
+    _ds_tag(root, "global_step20", 20, b"b" * 100, ago=10)
+    aside = _ds_torn(root, ".cpuckpt-removing-global_step5-999999999", ago=4000)
+    (root / "latest.tmp").write_text("global_step20\n")  # a pointer update that died: clean_incomplete's leftover
+    os.utime(root / "latest.tmp", (time.time() - 4000,) * 2)
+    code, out = _run("clean", "--deepspeed-tags", root, "--dry-run")
+    assert code == 0 and out.splitlines() == [f"would remove {root / 'latest.tmp'}",
+                                              f"would remove torn DeepSpeed tag {dead}",
+                                              f"would remove leftover of an interrupted clean {aside}"], out
+    for dry in (True, False):
+        code, out = _run("clean", "--deepspeed-tags", root, "--json", *(["--dry-run"] if dry else []))
+        assert code == 0 and _json_lines(out) == [
+            {"path": str(root / "latest.tmp"), "kind": "leftover", "removed": not dry},
+            {"path": str(dead), "kind": "deepspeed-tag", "removed": not dry},
+            {"path": str(aside), "kind": "leftover", "removed": not dry}], out
+    assert sorted(os.listdir(root)) == ["global_step20"]
 
 
 def test_clean_keeps_a_tag_it_cannot_delete_and_cleans_the_others(tmp_path, monkeypatch, caplog):
@@ -893,8 +920,8 @@ def test_clean_keeps_a_tag_it_cannot_delete_and_cleans_the_others(tmp_path, monk
     assert (aside / "sub" / "x").exists() and not dead.exists()
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     _age(aside, 4000)
-    code, out = _run("clean", "--deepspeed-tags", root)
-    assert code == 0 and out.splitlines() == [f"removed torn DeepSpeed tag {aside}"], out
+    code, out = _run("clean", "--deepspeed-tags", root, "--json")
+    assert code == 0 and _json_lines(out) == [{"path": str(aside), "kind": "leftover", "removed": True}], out
     assert sorted(os.listdir(root)) == ["global_step20"]
 
 

@@ -61,8 +61,13 @@ def test_ls_verify_clean_on_s3(s3_server, s3_env, s3_url):
     assert code == 0 and f"{root}/step_1" in out and "complete" in out and "<- latest" in out, out
     assert "step_2" not in out, out
 
+    store.put(S3Url.parse(f"{root}/step_1") / "__0_.cpuckpt-part.json", b"{}")  # a part a save left behind
+    code, out = _run("clean", "--min-age", "0", "--dry-run", "--json", root)
+    assert code == 0, out
+    assert sorted((r["path"], r["kind"], r["removed"]) for r in map(json.loads, out.splitlines())) == [
+        (f"{root}/step_1/__0_.cpuckpt-part.json", "leftover", False), (f"{root}/step_3", "checkpoint", False)], out
     code, out = _run("clean", "--min-age", "0", root)
-    assert code == 0 and f"removed {root}/step_3" in out, out
+    assert code == 0 and f"removed {root}/step_3" in out and f"removed {root}/step_1/__0_.cpuckpt-part.json" in out, out
     code, out = _run("ls", root)
     assert "step_3" not in out, out
     code, out = _run("verify", "gs://bucket/x")

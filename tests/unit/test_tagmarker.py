@@ -214,6 +214,9 @@ def test_a_save_opening_the_name_after_the_move_makes_a_new_tag(tmp_path, monkey
     the new one and its file stay. When the moved tag changed too (a rank of that save still writing into it) and its
     name is taken, it is kept aside with a WARNING naming both, and no later clean deletes it (a file of the save
     may be only there: deleting it lost the save's data)."""
+    import os
+
+    from cpuckpt.procs import host_tag
     from cpuckpt.tier import tagmarker as tm
 
     root = tmp_path / "save_dir"
@@ -243,6 +246,7 @@ def test_a_save_opening_the_name_after_the_move_makes_a_new_tag(tmp_path, monkey
     with caplog.at_level(logging.WARNING, logger="cpuckpt.tier.tagmarker"):
         assert tm.clean_torn_tags(root) == []
     moved = root / _removing(root)[0]
+    assert moved.name == f"{tm.REMOVING_PREFIX}global_step10-{os.getpid()}-h{host_tag()}"  # its cleaner's pid, host
     assert (moved / FILES[0]).read_bytes() == b"m" * 100 and (root / "global_step10" / FILES[1]).exists()
     assert f"not removing torn DeepSpeed tag {root / 'global_step10'}:" in caplog.text
     assert f"it is kept as {moved}, never deleted by a clean" in caplog.text
@@ -254,7 +258,8 @@ def test_a_save_opening_the_name_after_the_move_makes_a_new_tag(tmp_path, monkey
 
 
 def test_a_tag_moved_aside_is_never_listed_and_a_later_clean_deletes_it(tmp_path):
-    """``.cpuckpt-removing-<tag>-<pid>`` (a cleaner killed while deleting) is no tag: the restart's listing,
+    """``.cpuckpt-removing-<tag>-<pid>`` (an older cpuckpt's name, no host; a cleaner killed while deleting) is no
+    tag: the restart's listing,
     find_latest, ``ls`` and the DCP root listing skip it, even holding a marker of its own name; a later clean
     deletes it once untouched for ``min_age_s`` and its cleaner's pid is gone (one whose pid runs stays)."""
     import os
@@ -284,6 +289,32 @@ def test_a_tag_moved_aside_is_never_listed_and_a_later_clean_deletes_it(tmp_path
     assert clean_torn_tags(root, min_age_s=60, dry_run=True) == [dead] and dead.is_dir()
     assert clean_torn_tags(root, min_age_s=60) == [dead]
     assert not dead.exists() and live.is_dir()
+
+
+def test_a_tag_another_hosts_cleaner_moved_aside_goes_by_its_age_alone(tmp_path, caplog):
+    """``.cpuckpt-removing-<tag>-<pid>-h<host>``: the cleaner's pid is asked about only on its own host. Another
+    host's (a save_dir on a shared file system) goes once untouched for ``min_age_s``, even where a process of this
+    host has its pid (it was kept while that unrelated process ran); this host's stays while its pid runs."""
+    import os
+
+    from cpuckpt.procs import host_tag
+    from cpuckpt.tier.tagmarker import clean_torn_tags
+
+    root = tmp_path / "save_dir"
+    alive = os.getppid()  # runs here, and is not this cleaner
+    here = host_tag()
+    there = format(int(here, 16) ^ 1, "012x")
+    foreign = _torn(root, f".cpuckpt-removing-global_step10-{alive}-h{there}")
+    local = _torn(root, f".cpuckpt-removing-global_step20-{alive}-h{here}")
+    with caplog.at_level(logging.INFO, logger="cpuckpt.tier.tagmarker"):
+        assert clean_torn_tags(root, min_age_s=8000) == []  # younger than min_age_s
+        assert f"not deleting {foreign} (a torn DeepSpeed tag moved aside to be deleted): modified 4000 s ago" \
+            in caplog.text
+        caplog.clear()
+        assert clean_torn_tags(root, min_age_s=60) == [foreign]
+    assert not foreign.exists() and local.is_dir()
+    assert (f"not deleting {local} (a torn DeepSpeed tag moved aside to be deleted): its cleaner (pid {alive}) may "
+            "still run") in caplog.text
 
 
 def test_a_tag_a_writer_persists_stays_and_a_save_of_the_engine_empties_its_saving_file(tmp_path):
