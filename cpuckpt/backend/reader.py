@@ -5,11 +5,11 @@ pickled code) -> ``set_up_storage_reader`` -> ``prepare_local_plan``/``prepare_g
 (unchanged) -> ``read_data(plan, planner)``.
 
 Checkpoints with a cpuckpt manifest are read by file chunk: each worker thread preads one chunk
-(aligned, so O_DIRECT works) into a slot, verifies its crc32c, and scatters the bytes into the
-destinations (``integrity.verify: sample`` checks a random share of the chunks on each load). With
-``integrity.verify: off`` byte ranges are read straight into the destination
-tensor. A destination that cannot take raw bytes (another dtype, a non-contiguous rectangle of a
-resharded load, a GPU tensor) is filled through a bounce buffer and copied on the caller's thread.
+(aligned, so O_DIRECT works) into a slot, verifies its checksum (the manifest's kind: crc32c or blocksum64),
+and scatters the bytes into the destinations (``integrity.verify: sample`` checks a random share of the chunks
+on each load). With ``integrity.verify: off`` byte ranges are read straight into the destination tensor.
+A destination that cannot take raw bytes (another dtype, a non-contiguous rectangle of a resharded load, a
+GPU tensor) is filled through a bounce buffer and copied on the caller's thread.
 Stock DCP checkpoints (no manifest) are read record by record: a plain tensor record is viewed in
 place (its data entry's zip CRC-32 checked unless ``integrity.verify: off``: stock DCP's ``torch.load`` does
 not check it), anything else goes through ``torch.load(weights_only=True)``. Non-tensor (bytes) items are
@@ -73,6 +73,7 @@ from cpuckpt.backend.committed import (
 from cpuckpt.backend.ramread import MappedFile, in_ram
 from cpuckpt.config import Config, resolve_config
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError, IntegrityError
+from cpuckpt.format.checksums import chunk_checksum, verifiable
 from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry, Manifest
 from cpuckpt.format.record import parse_record
 from cpuckpt.format.unpickle import load_value, reencode
@@ -562,7 +563,7 @@ def _read_jobs(plans: dict[str, _FilePlan], cfg: Config, opened: contextlib.Exit
         elif reads is None and in_ram(fp.path) and not to_gpu:
             # Checked its size just above: the mapping never reaches past the file's end.
             mapped[fp.path] = opened.enter_context(MappedFile(fp.path, fp.entry.nbytes))
-        mode = cfg.integrity.verify if fp.entry.checksum == "crc32c" and fp.entry.chunk_checksums else "off"
+        mode = cfg.integrity.verify if verifiable(fp.entry) else "off"
         if mode != "off" or fp.path in mapped or to_gpu:
             chunked[fp.path] = _verify_fraction(cfg, mode)
     pool = copiers = None
@@ -693,12 +694,12 @@ def _chunk_jobs(fp: _FilePlan, entry: FileEntry, cfg: Config, opened: contextlib
             # "sample" draws anew on every load, so repeated loads cover different chunks.
             draw = random.random()  # noqa: S311 - sampling, not security
             verify = verify_fraction >= 1.0 or draw < verify_fraction
-            crc = crc32c.crc32c(view[: hi - lo]) if verify else None
+            crc = chunk_checksum(entry.checksum, view[: hi - lo]) if verify else None
             if verify and (c >= len(entry.chunk_checksums) or crc != entry.chunk_checksums[c]):
                 stored = entry.chunk_checksums[c] if c < len(entry.chunk_checksums) else None
                 raise CheckpointCorrupt(
                     f"{fp.path}: checksum mismatch in bytes [{lo}, {hi}) (chunk {c}): "
-                    f"stored {stored}, read {crc}; the file is damaged"
+                    f"stored {entry.checksum} {stored}, read {crc}; the file is damaged"
                 )
             gpu = next((n.dst.device for n in needs if n.dst is not None and n.dst.is_cuda), None)
             if gpu is not None and slot is not None:

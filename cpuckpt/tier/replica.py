@@ -5,7 +5,7 @@ a gloo group dies with any member, so no collective is used): after the node's m
 the node's slot (every data file its manifest lists, the manifest, ``.metadata``) to the writer of each
 partner node over a plain TCP connection. The receiver writes it into
 ``<its RAM root>/replica-<hash of the source node key>/slot-<k>``: it checks the RAM bound first
-(the headroom check of the RAM root), preallocates every file, compares each chunk's crc32c with the
+(the headroom check of the RAM root), preallocates every file, compares each chunk's checksum with the
 source manifest's as it arrives, and commits the replica the way every checkpoint commits (manifest,
 then ``.metadata`` last) only when every byte arrived and verified and the sender confirms that its
 slot was not reused meanwhile. A replica directory is thus an ordinary checkpoint directory, complete
@@ -52,11 +52,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import crc32c
-
 from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import METADATA_NAME, check_slot_complete, metadata_damage, read_manifest
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError
+from cpuckpt.format.checksums import chunk_checksum, verifiable
 from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry, manifest_from_json
 from cpuckpt.tier.nodefiles import NODE_FILES_NAME, committed_node_files
 from cpuckpt.tier.ramroot import require_free
@@ -415,7 +414,7 @@ def receive(conn: socket.socket, root: Path, *, headroom_bytes: int, timeout_s: 
         ReplicaError: a bad token or header, a slot name outside the RAM root, a restore over a slot that
             changed since it was planned, the receiver stopping.
         RamRootError: the RAM bound (the headroom would not stay free).
-        CheckpointCorrupt: a chunk whose crc32c is not the source manifest's.
+        CheckpointCorrupt: a chunk whose checksum is not the source manifest's.
         TimeoutError / ConnectionError: the peer was too slow, or went away.
     """
     deadline = time.monotonic() + min(AUTH_S, timeout_s)
@@ -547,8 +546,9 @@ def _size(path: Path) -> int:
 
 def _receive_file(conn: socket.socket, path: Path, entry: Any, damaged: list[str]) -> None:
     """Preallocate ``path`` (a full tmpfs fails here, never as a SIGBUS later), receive and verify each chunk;
-    a chunk whose crc32c differs is named in ``damaged`` and the rest is still read (never written)."""
-    check = entry.checksum == "crc32c" and bool(entry.chunk_checksums)
+    a chunk whose checksum (of the manifest's kind) differs is named in ``damaged`` and the rest is still read (never
+    written)."""
+    check = verifiable(entry)
     chunk = entry.chunk_bytes if entry.chunk_bytes > 0 else _RECV_BYTES
     buf = bytearray(min(chunk, max(entry.nbytes, 1)))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -561,9 +561,9 @@ def _receive_file(conn: socket.socket, path: Path, entry: Any, damaged: list[str
             n = min(chunk, entry.nbytes - offset)
             view = memoryview(buf)[:n]
             _recv_exact(conn, view)
-            if check and crc32c.crc32c(view) != entry.chunk_checksums[k]:
-                damaged.append(f"{path}: chunk {k} (offset {offset}, {n} bytes) arrived with a crc32c other than "
-                               "the source manifest's")
+            if check and chunk_checksum(entry.checksum, view) != entry.chunk_checksums[k]:
+                damaged.append(f"{path}: chunk {k} (offset {offset}, {n} bytes) arrived with a {entry.checksum} "
+                               "other than the source manifest's")
             if not damaged:
                 os.pwrite(fd, view, offset)
             offset += n

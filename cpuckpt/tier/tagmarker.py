@@ -10,13 +10,14 @@ adds two hidden files to each tag directory it writes (stock DeepSpeed, ``zero_t
   memory tier's writer persisting a tag into ``save_dir`` writes its save id in it;
 - ``.cpuckpt-complete.json`` (the *marker*): written by rank 0 once every rank's files are durable,
   via tmp + fsync + rename + directory fsync, before ``latest`` moves. It lists every file (path
-  relative to the tag directory, the rank that wrote it, its size, per-chunk crc32c when
-  ``integrity.checksum`` is crc32c), the world size, the tag and the global step.
+  relative to the tag directory, the rank that wrote it, its size, per-chunk checksums (crc32c when
+  ``integrity.checksum`` is crc32c; a memory slot's may be blocksum64)), the world size, the tag and the global
+  step.
 
 A tag is *complete* when its marker parses and every listed file has its listed size (in a memory slot across
 nodes: every file of its node listing, :mod:`cpuckpt.tier.nodefiles`, of the marker's save); *torn* when it
 has the saving file or a marker that does not match the files; *unmarked* when it has neither (stock
-DeepSpeed wrote it: nothing to check). ``verify`` also compares every chunk's crc32c.
+DeepSpeed wrote it: nothing to check). ``verify`` also compares every chunk's checksum.
 
 :func:`clean_torn_tags` (``cpuckpt clean --deepspeed-tags``) removes a torn tag only where a tag committed after it
 proves that its save is over: an engine commits its tags in the order it creates them (one engine per save_dir).
@@ -37,10 +38,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import crc32c
-
 from cpuckpt.backend.committed import size_mismatches
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError
+from cpuckpt.format.checksums import KINDS, chunk_checksum, verifiable
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import local_path
 from cpuckpt.procs import host_tag, pid_alive
@@ -82,7 +82,8 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class TagFile:
-    """One file of a tag: who wrote it, its size and its per-chunk crc32c (empty: not recorded)."""
+    """One file of a tag: who wrote it, its size and its per-chunk checksums of kind ``checksum`` (empty: not
+    recorded)."""
 
     rank: int
     nbytes: int
@@ -92,7 +93,7 @@ class TagFile:
 
     @classmethod
     def of(cls, entry: FileEntry, rank: int) -> TagFile:
-        crcs = tuple(entry.chunk_checksums) if entry.checksum == "crc32c" else ()
+        crcs = tuple(entry.chunk_checksums) if entry.checksum in KINDS else ()
         return cls(rank=rank, nbytes=entry.nbytes, chunk_bytes=entry.chunk_bytes,
                    checksum=entry.checksum if crcs else "none", chunk_checksums=crcs)
 
@@ -226,16 +227,19 @@ def read_marker(tag_dir: str | os.PathLike) -> TagMarker | None:
 
 
 def _crc_problems(tag_dir: Path, name: str, f: TagFile | FileEntry) -> list[str]:
-    if not f.chunk_checksums:
+    """Each chunk of ``name`` whose checksum (of ``f``'s kind) is not the recorded one; none for a kind not known
+    here ("none")."""
+    if not verifiable(f):
         return []
     out = []
     with open(tag_dir / name, "rb", buffering=0) as fh:
         for c, stored in enumerate(f.chunk_checksums):
             lo, hi = c * f.chunk_bytes, min((c + 1) * f.chunk_bytes, f.nbytes)
             data = os.pread(fh.fileno(), hi - lo, lo)
-            crc = crc32c.crc32c(data)
+            crc = chunk_checksum(f.checksum, data)
             if len(data) != hi - lo or crc != stored:
-                out.append(f"{name}: checksum mismatch in chunk {c} (bytes [{lo}, {hi})): stored {stored}, read {crc}")
+                out.append(f"{name}: checksum mismatch in chunk {c} (bytes [{lo}, {hi})): stored {f.checksum} "
+                           f"{stored}, read {crc}")
     return out
 
 
@@ -255,7 +259,7 @@ def held_files(tag_dir: Path, marker: TagMarker) -> dict[str, TagFile | FileEntr
 
 
 def verify_files(tag_dir: Path, marker: TagMarker, names: list[str] | None = None) -> list[str]:
-    """Compare the crc32c of ``names`` (default: every file the directory holds); the mismatches found."""
+    """Compare the chunk checksums of ``names`` (default: every file the directory holds); the mismatches found."""
     held = held_files(tag_dir, marker)
     out: list[str] = []
     for name in sorted(held) if names is None else names:
@@ -269,7 +273,7 @@ def check_tag(save_dir: str | os.PathLike, tag: str, *, verify: bool = False) ->
     Args:
         save_dir: the directory given to ``save_checkpoint``/``load_checkpoint``.
         tag: the tag (its subdirectory).
-        verify: also read every listed file and compare its chunks' crc32c (files saved with
+        verify: also read every listed file and compare its chunks' checksums (files saved with
             ``integrity.checksum: none`` are checked by size only).
 
     Returns:
@@ -355,7 +359,7 @@ def require_complete(save_dir: str | os.PathLike, tag: str | None = None, *, ver
         Its marker (None for an unmarked tag when ``allow_unmarked``).
 
     Raises:
-        CheckpointCorrupt: a listed file's crc32c differs (``verify``).
+        CheckpointCorrupt: a listed file's chunk checksum differs (``verify``).
         IntegrityError: no ``latest``, no such tag, a torn tag, or an unmarked one (unless allowed).
     """
     if tag is None:

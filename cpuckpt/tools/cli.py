@@ -130,9 +130,9 @@ def cli(verbose: int) -> None:
 @click.argument("root", type=_CheckpointPath("checkpoint root", file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per checkpoint.")
 @click.option("--verify", is_flag=True,
-              help="Read every byte of each complete checkpoint and check it (crc32c); damaged ones are marked "
-                   "and the latest is the newest that verifies (the one cpuckpt.load_latest loads); exit code "
-                   "1 when one is damaged.")
+              help="Read every byte of each complete checkpoint and check it (its chunk checksums); damaged ones "
+                   "are marked and the latest is the newest that verifies (the one cpuckpt.load_latest loads); "
+                   "exit code 1 when one is damaged.")
 def ls_cmd(root: Any, as_json: bool, verify: bool) -> None:
     """List the checkpoints in ROOT: step, size, status, age; the latest is marked.
 
@@ -253,8 +253,9 @@ def inspect_cmd(path: Any, as_json: bool, tensors: bool) -> None:
 def verify_cmd(path: Any) -> None:
     """Read every byte of the checkpoint at PATH (a directory, or an s3:// prefix) and check it.
 
-    cpuckpt checkpoints: every chunk's crc32c against the manifest, file sizes, record bounds. DeepSpeed tags
-    written by cpuckpt's engine: every file's size and chunks' crc32c against the tag's marker.
+    cpuckpt checkpoints: every chunk's checksum (crc32c or blocksum64) against the manifest, file sizes, record
+    bounds. DeepSpeed tags written by cpuckpt's engine: every file's size and chunks' checksums against the tag's
+    marker.
     Stock DCP checkpoints: every record's zip CRCs, and every tensor record must load. Exit code 1
     names each damaged file and byte range; 2 means the checkpoint could not be checked at all; 3 that
     nothing was found damaged but some contents had nothing to be checked against (saved without checksums).

@@ -1,12 +1,12 @@
 """Full verification of a checkpoint (``cpuckpt verify``): every byte of every data file. Reads only.
 
 For a cpuckpt checkpoint, ``.metadata``'s crc32c is compared with the one the manifest records
-(format 2 on), every chunk of every file in the manifest is read and its crc32c compared with the
-manifest, every file's size with the manifest's, and every ``.metadata`` record must lie inside a
-listed file. For a stock DCP checkpoint (no manifest) every record is read and must load:
-its zip CRCs are checked and a tensor record is loaded with ``torch.load(weights_only=True)``; a
-non-tensor record that ``weights_only`` refuses (an arbitrary pickled object) is CRC-checked only,
-and reported as a note, never unpickled.
+(format 2 on), every chunk of every file in the manifest is read and its checksum (of the entry's kind:
+crc32c or blocksum64) compared with the manifest, every file's size with the manifest's, and every
+``.metadata`` record must lie inside a listed file. For a stock DCP checkpoint (no manifest) every record is
+read and must load: its zip CRCs are checked and a tensor record is loaded with
+``torch.load(weights_only=True)``; a non-tensor record that ``weights_only`` refuses (an arbitrary pickled
+object) is CRC-checked only, and reported as a note, never unpickled.
 
 All damage is collected (the scan does not stop at the first bad chunk), each naming the file and
 the byte range.
@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import crc32c
 import torch
 
 from cpuckpt.backend import s3commit
@@ -37,6 +36,7 @@ from cpuckpt.backend.committed import (
 )
 from cpuckpt.config import resolve_config
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError
+from cpuckpt.format.checksums import KINDS, chunk_checksum, verifiable
 from cpuckpt.format.manifest import MANIFEST_NAME, FileEntry
 from cpuckpt.paths import S3Url, checkpoint_path
 from cpuckpt.tier.tagmarker import MARKER_NAME, SAVING_NAME, TagFile, check_dir, held_files
@@ -196,7 +196,8 @@ def verify_checkpoint(path: str | os.PathLike | S3Url, *,
 
 def _verify_files(report: VerifyReport, files: _Files | _Objects, entries: Mapping[str, FileEntry | TagFile],
                   tick: Callable[[int], None], *, listed_by: str) -> None:
-    """Every listed file at its listed size, every chunk's crc32c (a manifest's files, or a DeepSpeed tag marker's)."""
+    """Every listed file at its listed size, every chunk's checksum (a manifest's files, or a DeepSpeed tag
+    marker's)."""
     for name, entry in sorted(entries.items()):
         report.files += 1
         actual = files.size(name)
@@ -208,8 +209,8 @@ def _verify_files(report: VerifyReport, files: _Files | _Objects, entries: Mappi
             where = "on disk" if isinstance(files, _Files) else "in the store"
             report.damage.append(Damage(name, lo, hi, f"{actual} bytes {where}, {listed_by} says {entry.nbytes} "
                                         "(truncated or overwritten)"))
-        if entry.checksum != "crc32c" or not entry.chunk_checksums:
-            if entry.checksum != "crc32c" or entry.nbytes:  # an empty file has no chunks: nothing to check
+        if not verifiable(entry):
+            if entry.checksum not in KINDS or entry.nbytes:  # an empty file has no chunks: nothing to check
                 report.notes.append(f"{name}: written with checksum {entry.checksum!r}; contents not verifiable")
                 report.unverified.append(name)
             continue
@@ -224,10 +225,10 @@ def _verify_files(report: VerifyReport, files: _Files | _Objects, entries: Mappi
                 report.damage.append(Damage(name, lo + len(data), hi, "missing (file ends early)"))
                 if not data:
                     continue
-            crc = crc32c.crc32c(data)
+            crc = chunk_checksum(entry.checksum, data)
             if len(data) == hi - lo and crc != stored:
-                report.damage.append(Damage(name, lo, hi, f"checksum mismatch in chunk {c}: stored {stored}, "
-                                            f"read {crc}"))
+                report.damage.append(Damage(name, lo, hi, f"checksum mismatch in chunk {c}: stored "
+                                            f"{entry.checksum} {stored}, read {crc}"))
 
 
 def _is_tag(p: Path) -> bool:
@@ -236,7 +237,7 @@ def _is_tag(p: Path) -> bool:
 
 
 def _verify_tag(p: Path, tick: Callable[[int], None]) -> VerifyReport:
-    """A DeepSpeed tag of cpuckpt's engine: every file its marker lists, at its size, every chunk's crc32c.
+    """A DeepSpeed tag of cpuckpt's engine: every file its marker lists, at its size, every chunk's checksum.
 
     Raises:
         IntegrityError: its save never committed (no marker): nothing to check against.

@@ -115,6 +115,37 @@ def test_a_damaged_byte_is_refused_and_nothing_is_committed(slot: Path, partner:
     assert not check_complete(replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")).complete
 
 
+def test_a_blocksum64_slot_is_checked_by_its_own_kind(slot: Path, partner: Listener) -> None:
+    """A slot whose manifest records blocksum64 (GPU-summed chunks) replicates whole and loads; a damaged byte is
+    named by that kind and nothing is committed."""
+    from cpuckpt.format.checksums import blocksum64
+    from cpuckpt.testing import faults
+
+    def edit(raw: dict) -> None:
+        for name, e in raw["files"].items():
+            data = memoryview((slot / name).read_bytes())
+            e["checksum"] = "blocksum64"
+            e["chunk_checksums"] = [blocksum64(data[o:o + e["chunk_bytes"]]) for o in range(0, len(data),
+                                                                                           e["chunk_bytes"])]
+
+    faults.rewrite_manifest(slot, edit)
+    _send(partner, slot)
+    target = replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")
+    assert check_complete(target).complete
+    assert {e.checksum for e in read_manifest(target).files.values()} == {"blocksum64"}
+    state = {"w": torch.zeros(300, 257), "b": torch.zeros(10, dtype=torch.int64)}
+    cpuckpt.load(state, target, {"integrity": {"verify": "always"}})
+    assert torch.equal(state["b"], torch.arange(10))
+
+    name = sorted(read_manifest(slot).files)[0]
+    data = bytearray((slot / name).read_bytes())
+    data[70_000] ^= 0x01  # in chunk 1 (64 KiB chunks)
+    (slot / name).write_bytes(bytes(data))
+    with pytest.raises(ReplicaError, match=r"chunk 1 .*blocksum64"):
+        _send(partner, slot)
+    assert not check_complete(target).complete
+
+
 def test_a_changed_metadata_is_never_sent_and_the_previous_replica_stays(slot: Path, partner: Listener) -> None:
     """A slot's ``.metadata`` changed after its commit (still a pickle of this save: a key renamed) is not sent: the
     partner's replica of the slot stays the complete one it was."""
