@@ -1,6 +1,7 @@
 """An image's bytes to durable storage: the memory tier's writer process copies each data file of a memory
 checkpoint through the file backends, checksumming every chunk on the way and comparing it with the memory
-checkpoint's checksums when it has them, so a RAM page damaged after the save is never made durable.
+checkpoint's checksums when it has them (of their kind: crc32c or blocksum64), so a RAM page damaged after the
+save is never made durable. The durable copy records crc32c, whatever kind the memory checkpoint used.
 
 Writer side only: nothing here imports torch (the writer process starts in a fraction of a second).
 """
@@ -18,6 +19,7 @@ import crc32c
 from cpuckpt import faultpoint
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, StorageIOError
+from cpuckpt.format.checksums import CRC32C, chunk_checksum, verifiable
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.tier import pinning
 from cpuckpt.transfer.files import BufferedFileBackend, get_backend
@@ -34,8 +36,9 @@ def os_error(what: str, e: OSError, path: Path, nbytes: int | None = None) -> St
 
 
 def expected_crcs(src: str, expect: FileEntry | None, nbytes: int, chunk_bytes: int) -> list[int] | None:
-    """The memory manifest's checksums of ``src`` to compare with (None: it recorded none)."""
-    if expect is None or expect.checksum != "crc32c" or not expect.chunk_checksums:
+    """The memory manifest's checksums of ``src`` to compare with, of kind ``expect.checksum`` (None: it recorded
+    none, or none of a kind known here)."""
+    if expect is None or not verifiable(expect):
         return None
     if expect.nbytes != nbytes:
         raise CheckpointCorrupt(f"memory image {src} holds {nbytes} bytes, its memory manifest says {expect.nbytes}; "
@@ -52,16 +55,17 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
     """Copy the image ``src`` to the durable file ``dst``, checksumming every chunk on the way.
 
     Chunks of ``io.chunk_bytes`` are read into page-aligned buffers on ``threads`` (default
-    ``io.threads``) threads, checksummed (crc32c, as ``SaveJob`` does for the same bytes) and written
-    at the same offset through ``io.backend`` (O_DIRECT where allowed: the last chunk is padded, and
-    ``finish_write`` truncates the file to its size and fsyncs it when ``io.fsync``). The caller
-    fsyncs ``dst``'s directory once its files are written.
+    ``io.threads``) threads, checksummed (crc32c with ``integrity.checksum: crc32c``, as ``SaveJob`` does for
+    the same bytes: the returned entry's) and written at the same offset through ``io.backend`` (O_DIRECT where
+    allowed: the last chunk is padded, and ``finish_write`` truncates the file to its size and fsyncs it when
+    ``io.fsync``). The caller fsyncs ``dst``'s directory once its files are written.
 
-    ``expect`` is ``src``'s entry in the memory checkpoint's manifest: when it records crc32c per chunk
-    (``memory.checksum``), every chunk is compared with it after it is read and before it is written
-    (its ``chunk_bytes`` is then the unit), so bytes damaged in RAM since the memory commit never reach
-    ``dst`` whole; the caller must not commit ``dst`` after an error. Between reading a chunk and
-    writing it, each task passes the fault point ``persist-chunk:<dst name>:<chunk index>``.
+    ``expect`` is ``src``'s entry in the memory checkpoint's manifest: when it records checksums per chunk
+    (``memory.checksum``; crc32c or blocksum64), every chunk's checksum of that kind is compared with it after
+    it is read and before it is written (its ``chunk_bytes`` is then the unit), so bytes damaged in RAM since
+    the memory commit never reach ``dst`` whole; the caller must not commit ``dst`` after an error. A blocksum64
+    memory entry costs a second pass over each chunk (blocksum64 to compare, crc32c to record). Between reading
+    a chunk and writing it, each task passes the fault point ``persist-chunk:<dst name>:<chunk index>``.
 
     Raises:
         CheckpointCorrupt: ``src`` does not match ``expect`` (a chunk's checksum, its size or chunk count).
@@ -70,12 +74,12 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
     """
     src_s, dst_s = str(src), str(dst)
     chunk_bytes, align = cfg.io.chunk_bytes, cfg.layout.align_bytes
-    if expect is not None and expect.checksum == "crc32c" and expect.chunk_checksums:
+    if expect is not None and verifiable(expect):
         chunk_bytes = expect.chunk_bytes  # the unit the checksums were computed in
         if chunk_bytes <= 0 or chunk_bytes % align:
             raise CheckpointCorrupt(f"memory image {src_s}: its manifest's chunk_bytes {chunk_bytes} is not a positive "
                                     f"multiple of layout.align_bytes ({align}); not persisted")
-    checksum = cfg.integrity.checksum == "crc32c"
+    checksum = cfg.integrity.checksum == CRC32C  # what the durable entry records (never the memory kind)
     reader = BufferedFileBackend()
     backend = get_backend(cfg.io.backend, Path(dst).parent, align)
     sfd = reader.open_read(src_s)
@@ -88,6 +92,7 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
         offsets = list(range(0, nbytes, chunk_bytes))
         crcs = [0] * len(offsets)
         expected = expected_crcs(src_s, expect, nbytes, chunk_bytes)
+        kind = expect.checksum if expected is not None and expect is not None else None
         name = Path(dst).name
         nthreads = max(1, min(threads or cfg.io.threads, len(offsets)))
         free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
@@ -110,13 +115,15 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
                 if got != n:
                     raise StorageIOError(f"memory image {src_s} shrank while being persisted: {got} of {n} bytes "
                                          f"at offset {off}", path=src_s, offset=off, nbytes=n)
-                if checksum or expected is not None:
+                if checksum:
                     crcs[k] = crc32c.crc32c(view[:n])
-                if expected is not None and crcs[k] != expected[k]:
-                    raise CheckpointCorrupt(
-                        f"memory image {src_s}: checksum mismatch in bytes [{off}, {off + n}) (chunk {k}): recorded "
-                        f"{expected[k]} at the memory commit, read {crcs[k]}; the RAM copy is damaged and is not "
-                        f"persisted to {dst_s}")
+                if kind is not None and expected is not None:
+                    seen = crcs[k] if checksum and kind == CRC32C else chunk_checksum(kind, view[:n])
+                    if seen != expected[k]:
+                        raise CheckpointCorrupt(
+                            f"memory image {src_s}: checksum mismatch in bytes [{off}, {off + n}) (chunk {k}): "
+                            f"recorded {kind} {expected[k]} at the memory commit, read {seen}; the RAM copy is "
+                            f"damaged and is not persisted to {dst_s}")
                 faultpoint.hit(f"persist-chunk:{name}:{k}")
                 io_n = pinning.round_up(n, align) if backend.aligned else n
                 if io_n > n:
@@ -148,4 +155,4 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
             except BufferError:  # a timed-out task still holds it: freed when it ends
                 pass
     return FileEntry(name=Path(dst).name, nbytes=nbytes, chunk_bytes=chunk_bytes,
-                     checksum="crc32c" if checksum else "none", chunk_checksums=crcs if checksum else [0] * len(crcs))
+                     checksum=CRC32C if checksum else "none", chunk_checksums=crcs if checksum else [0] * len(crcs))

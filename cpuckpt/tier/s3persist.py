@@ -2,10 +2,11 @@
 
 ``tier.persister`` runs the same steps for a directory and for a prefix; here are the steps that differ. A slot's
 image is uploaded as one multipart upload per file, its chunks (the memory manifest's ``chunk_bytes``, the unit
-its crc32c were computed in) the parts, read straight from the mapped image and compared with the memory
-manifest's checksums before they leave (:func:`persist_image_s3`); a rank's part of the manifest is an object,
-and the coordinator's writer commits with ``backend.s3commit.S3Target`` (``.metadata`` last, by a conditional
-PUT). Nothing here runs collectives: the writers of a save meet only through the objects.
+its checksums were computed in) the parts, read straight from the mapped image and compared with the memory
+manifest's checksums (of their kind: crc32c or blocksum64) before they leave (:func:`persist_image_s3`; the
+durable entries record crc32c); a rank's part of the manifest is an object, and the coordinator's writer
+commits with ``backend.s3commit.S3Target`` (``.metadata`` last, by a conditional PUT). Nothing here runs
+collectives: the writers of a save meet only through the objects.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from cpuckpt import faultpoint
 from cpuckpt.backend import s3commit
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointCorrupt, CheckpointTimeoutError, ConfigError, IntegrityError, StorageIOError
+from cpuckpt.format.checksums import CRC32C, KINDS, chunk_checksum
 from cpuckpt.format.manifest import FileEntry, part_name
 from cpuckpt.paths import S3Url
 from cpuckpt.tier.imagecopy import expected_crcs
@@ -45,7 +47,9 @@ part_save_id = s3commit.manifest_save_id  # the save a rank's manifest part obje
 
 
 def persist_image_s3(src: Path, url: S3Url, store: ObjectStore, cfg: Config, *, expect: FileEntry) -> FileEntry:
-    """Upload the memory image ``src`` to the object ``url``, each chunk checked against ``expect`` first.
+    """Upload the memory image ``src`` to the object ``url``, each chunk checked against ``expect`` first (its
+    kind: crc32c or blocksum64). The entry returned records crc32c when ``expect`` is of a kind known here (a
+    blocksum64 one: both computed per chunk), else ``expect``'s kind without checksums.
 
     Raises:
         CheckpointCorrupt: ``src`` does not match its memory manifest (size, chunk count, a checksum).
@@ -64,9 +68,10 @@ def persist_image_s3(src: Path, url: S3Url, store: ObjectStore, cfg: Config, *, 
             raise CheckpointCorrupt(f"memory image {src} holds {size} bytes, its memory manifest says "
                                     f"{expect.nbytes}; not persisted")
         expected = expected_crcs(str(src), expect, expect.nbytes, chunk_bytes)
+        durable = CRC32C if expect.checksum in KINDS else expect.checksum  # never the memory kind
         if expect.nbytes == 0:
             store.put(url, b"")
-            return FileEntry(name=url.name, nbytes=0, chunk_bytes=chunk_bytes, checksum=expect.checksum)
+            return FileEntry(name=url.name, nbytes=0, chunk_bytes=chunk_bytes, checksum=durable)
         offsets = list(range(0, expect.nbytes, chunk_bytes))
         if len(offsets) > 1 and chunk_bytes < PART_MIN_BYTES:
             raise ConfigError(f"{url}: memory chunks of {chunk_bytes} bytes are below S3's {PART_MIN_BYTES}-byte part "
@@ -80,9 +85,12 @@ def persist_image_s3(src: Path, url: S3Url, store: ObjectStore, cfg: Config, *, 
                 lo = offsets[k]
                 piece = view[lo:min(lo + chunk_bytes, expect.nbytes)]
                 crcs[k] = crc32c.crc32c(piece)
-                if expected is not None and crcs[k] != expected[k]:
-                    raise CheckpointCorrupt(f"memory image {src}: checksum mismatch in bytes [{lo}, {lo + len(piece)}) "
-                                            f"(chunk {k}) since its memory commit; not persisted")
+                if expected is not None:
+                    seen = crcs[k] if expect.checksum == CRC32C else chunk_checksum(expect.checksum, piece)
+                    if seen != expected[k]:
+                        raise CheckpointCorrupt(f"memory image {src}: checksum mismatch in bytes [{lo}, "
+                                                f"{lo + len(piece)}) (chunk {k}, {expect.checksum}) since its memory "
+                                                "commit; not persisted")
                 faultpoint.hit(f"persist-chunk:{url.name}:{k}")
                 return store.upload_part(upload, k + 1, piece)
 
@@ -97,8 +105,8 @@ def persist_image_s3(src: Path, url: S3Url, store: ObjectStore, cfg: Config, *, 
                 view.release()
     finally:
         os.close(fd)
-    return FileEntry(name=url.name, nbytes=expect.nbytes, chunk_bytes=chunk_bytes, checksum=expect.checksum,
-                     chunk_checksums=crcs if expect.checksum == "crc32c" else [])
+    return FileEntry(name=url.name, nbytes=expect.nbytes, chunk_bytes=chunk_bytes, checksum=durable,
+                     chunk_checksums=crcs if durable == CRC32C else [])
 
 
 def await_parts(store: ObjectStore, url: S3Url, save_id: str, world_size: int, deadline: float,

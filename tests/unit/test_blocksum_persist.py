@@ -1,0 +1,122 @@
+"""The memory tier writer's persist of a memory checkpoint whose manifest records blocksum64: every chunk is
+compared with the memory checksums (blocksum64) before it is written or uploaded, and the durable copy records
+crc32c (``integrity.checksum``), never the memory kind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import crc32c
+import pytest
+
+from cpuckpt.config import Config
+from cpuckpt.errors import CheckpointCorrupt, IntegrityError
+from cpuckpt.format.checksums import blocksum64
+from cpuckpt.format.manifest import FileEntry
+from cpuckpt.paths import S3Url
+from cpuckpt.tier import s3persist
+from cpuckpt.tier.imagecopy import persist_image
+from cpuckpt.transfer.objstore import Upload
+
+CHUNK = 64 * 1024
+
+
+def _sums(data: bytes, chunk: int) -> list[int]:
+    return [blocksum64(memoryview(data)[o:o + chunk]) for o in range(0, len(data), chunk)]
+
+
+def _flip(file: Path, at: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _cfg() -> Config:
+    return Config.from_dict({"io": {"chunk_bytes": CHUNK, "threads": 2, "backend": "buffered"}}, env=False)
+
+
+def _image(tmp_path: Path, nbytes: int = 5 * CHUNK + 777) -> tuple[Path, FileEntry]:
+    src = tmp_path / "ram" / "__0_0.distcp"
+    src.parent.mkdir()
+    src.write_bytes(os.urandom(nbytes))
+    data = src.read_bytes()
+    return src, FileEntry(src.name, len(data), CHUNK, "blocksum64", _sums(data, CHUNK))
+
+
+def test_persist_image_compares_blocksum64_and_records_crc32c(tmp_path):
+    src, expect = _image(tmp_path)
+    data = src.read_bytes()
+    (tmp_path / "out").mkdir()
+    out = persist_image(src, tmp_path / "out" / "ok.distcp", _cfg(), threads=3, expect=expect)
+    assert (tmp_path / "out" / "ok.distcp").read_bytes() == data
+    assert (out.checksum, out.chunk_bytes) == ("crc32c", CHUNK)
+    assert out.chunk_checksums == [crc32c.crc32c(data[o:o + CHUNK]) for o in range(0, len(data), CHUNK)]
+
+    _flip(src, 3 * CHUNK + 5)  # one RAM page damaged after the memory commit
+    with pytest.raises(CheckpointCorrupt, match=r"chunk 3\): recorded blocksum64 .*not persisted") as ei:
+        persist_image(src, tmp_path / "out" / "bad.distcp", _cfg(), expect=expect)
+    assert isinstance(ei.value, IntegrityError) and str(src) in str(ei.value)
+
+
+def test_persist_image_with_blocksum64_and_integrity_checksum_none(tmp_path):
+    """The durable copy follows ``integrity.checksum`` (none: no checksums); the memory ones are still compared."""
+    src, expect = _image(tmp_path)
+    cfg = Config.from_dict({"io": {"chunk_bytes": CHUNK, "backend": "buffered"}, "integrity": {"checksum": "none"}},
+                           env=False)
+    out = persist_image(src, tmp_path / "d", cfg, expect=expect)
+    assert out.checksum == "none" and out.chunk_checksums == [0] * 6
+    _flip(src, 7)
+    with pytest.raises(CheckpointCorrupt, match=r"chunk 0\): recorded blocksum64"):
+        persist_image(src, tmp_path / "d2", cfg, expect=expect)
+
+
+class _Store:
+    """The object store calls ``persist_image_s3`` makes, in a dict."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.parts: dict[str, dict[int, bytes]] = {}
+
+    def put(self, url: S3Url, data: bytes | memoryview, *, if_absent: bool = False) -> bool:
+        self.objects[str(url)] = bytes(data)
+        return True
+
+    def create_upload(self, url: S3Url) -> Upload:
+        self.parts[str(url)] = {}
+        return Upload(url, str(url))
+
+    def upload_part(self, upload: Upload, number: int, data: memoryview) -> str:
+        self.parts[upload.upload_id][number] = bytes(data)
+        return f"etag{number}"
+
+    def complete_upload(self, upload: Upload, etags: list[str]) -> None:
+        parts = self.parts.pop(upload.upload_id)
+        self.objects[upload.upload_id] = b"".join(parts[k] for k in sorted(parts))
+
+    def abort_upload(self, upload: Upload) -> None:
+        self.parts.pop(upload.upload_id, None)
+
+
+def test_persist_to_object_storage_compares_blocksum64_and_records_crc32c(tmp_path, monkeypatch):
+    monkeypatch.setattr(s3persist, "PART_MIN_BYTES", 1)  # 64 KiB parts: S3's 5 MiB minimum is the store's rule
+    src, expect = _image(tmp_path)
+    data = src.read_bytes()
+    store, url = _Store(), S3Url.parse("s3://bucket/ckpt/step_7") / src.name
+    out = s3persist.persist_image_s3(src, url, store, _cfg(), expect=expect)  # type: ignore[arg-type]
+    assert store.objects[str(url)] == data
+    assert (out.checksum, out.chunk_bytes, out.nbytes) == ("crc32c", CHUNK, len(data))
+    assert out.chunk_checksums == [crc32c.crc32c(data[o:o + CHUNK]) for o in range(0, len(data), CHUNK)]
+
+
+def test_an_empty_blocksum64_image_persists_as_crc32c(tmp_path, monkeypatch):
+    src, expect = _image(tmp_path, 0)
+    assert expect.chunk_checksums == []
+    out = persist_image(src, tmp_path / "d", _cfg(), expect=expect)
+    assert (out.checksum, out.nbytes, out.chunk_checksums) == ("crc32c", 0, [])
+    store = _Store()
+    out = s3persist.persist_image_s3(src, S3Url.parse("s3://bucket/x") / src.name, store, _cfg(),  # type: ignore[arg-type]
+                                     expect=expect)
+    assert (out.checksum, out.nbytes, out.chunk_checksums) == ("crc32c", 0, [])
