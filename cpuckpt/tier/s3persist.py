@@ -84,15 +84,20 @@ def persist_image_s3(src: Path, url: S3Url, store: ObjectStore, cfg: Config, *, 
             def one(k: int, cancel: threading.Event) -> str:
                 lo = offsets[k]
                 piece = view[lo:min(lo + chunk_bytes, expect.nbytes)]
-                crcs[k] = crc32c.crc32c(piece)
-                if expected is not None:
-                    seen = crcs[k] if expect.checksum == CRC32C else chunk_checksum(expect.checksum, piece)
-                    if seen != expected[k]:
-                        raise CheckpointCorrupt(f"memory image {src}: checksum mismatch in bytes [{lo}, "
-                                                f"{lo + len(piece)}) (chunk {k}, {expect.checksum}) since its memory "
-                                                "commit; not persisted")
-                faultpoint.hit(f"persist-chunk:{url.name}:{k}")
-                return store.upload_part(upload, k + 1, piece)
+                try:
+                    crcs[k] = crc32c.crc32c(piece)
+                    if expected is not None:
+                        seen = crcs[k] if expect.checksum == CRC32C else chunk_checksum(expect.checksum, piece)
+                        if seen != expected[k]:
+                            raise CheckpointCorrupt(f"memory image {src}: checksum mismatch in bytes [{lo}, "
+                                                    f"{lo + len(piece)}) (chunk {k}, {expect.checksum}) since its "
+                                                    "memory commit; not persisted")
+                    faultpoint.hit(f"persist-chunk:{url.name}:{k}")
+                    return store.upload_part(upload, k + 1, piece)
+                finally:
+                    # The error raised keeps this frame, and ``piece`` in it, alive: unreleased, it holds the
+                    # mapping, whose close then raises BufferError in place of that error.
+                    piece.release()
 
             try:
                 etags = run_parallel(one, range(len(offsets)), threads=cfg.io.threads, timeout_s=cfg.timeout_s,

@@ -110,6 +110,18 @@ def test_persist_to_object_storage_compares_blocksum64_and_records_crc32c(tmp_pa
     assert (out.checksum, out.chunk_bytes, out.nbytes) == ("crc32c", CHUNK, len(data))
     assert out.chunk_checksums == [crc32c.crc32c(data[o:o + CHUNK]) for o in range(0, len(data), CHUNK)]
 
+    del store.objects[str(url)]
+    _flip(src, 4 * CHUNK + 9)
+    with pytest.raises(CheckpointCorrupt, match=r"chunk 4, blocksum64\) since its memory commit; not persisted"):
+        s3persist.persist_image_s3(src, url, store, _cfg(), expect=expect)  # type: ignore[arg-type]
+    assert str(url) not in store.objects and not store.parts  # aborted
+    # crc32c memory checksums too: the error raised is the mismatch (it was a BufferError from closing the mapping
+    # that the failed chunk's memoryview, kept by the error's traceback, still held)
+    crcs = FileEntry(src.name, len(data), CHUNK, "crc32c",
+                     [crc32c.crc32c(data[o:o + CHUNK]) for o in range(0, len(data), CHUNK)])
+    with pytest.raises(CheckpointCorrupt, match=r"chunk 4, crc32c\) since its memory commit"):
+        s3persist.persist_image_s3(src, url, store, _cfg(), expect=crcs)  # type: ignore[arg-type]
+
 
 def test_an_empty_blocksum64_image_persists_as_crc32c(tmp_path, monkeypatch):
     src, expect = _image(tmp_path, 0)
