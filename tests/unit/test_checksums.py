@@ -98,6 +98,15 @@ def test_blocksum64_sees_a_flipped_bit_and_swapped_blocks():
     assert blocksum64(swapped) != whole
 
 
+def test_blocksum64_format_example():
+    """The worked example of docs/FORMAT.md §3.5."""
+    ones = b"\x01\x00\x00\x00" * 1024
+    assert blocksum64(ones) == 1024
+    assert blocksum64(ones + b"\xff\xff\xff\xff") == 1022
+    assert blocksum64(b"\xff\xff\xff\xff") == 2**64 - 1  # a negative total wraps
+    assert blocksum64(b"") == 0
+
+
 def test_blocksum64_refuses_a_negative_offset():
     with pytest.raises(ValueError, match="negative"):
         blocksum64(b"abc", -1)
