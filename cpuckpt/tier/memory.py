@@ -211,16 +211,19 @@ class MemoryTier:
         (failed,) = self._agree([self.rank + 1 if started is not None else 0])  # the highest failing rank, plus 1
         if not failed:
             return
-        self._abandon()
+        self.abandon()
         if started is not None:
             raise started
         raise WriterDiedError(f"rank {self.rank}: rank {failed - 1}'s writer process could not be started (see its "
                               f"writer-{failed - 1}.log); the memory tier of {self.durable_root} was not opened")
 
-    def _abandon(self) -> None:
-        """A constructor that fails lets go of what it took, with no collective: its writer is asked to stop (one
+    def abandon(self) -> None:
+        """Let go of what the tier took, with no collective, before any save: its writer is asked to stop (one
         adopted finishes what an earlier trainer owed first), its copy process ends, its images are unmapped and its
-        trainer lock released. The RAM root stays: it may hold the only copy of a checkpoint."""
+        trainer lock released. The RAM root stays: it may hold the only copy of a checkpoint. For a constructor that
+        fails, and an adapter whose start fails right after the tier was made (on one rank or on all: an interrupt
+        between collectives reaches one rank only, where a collective close would pair with the others' next
+        collective)."""
         self._stop_writer()
         self.saves.close()
         if self.copier is not None:

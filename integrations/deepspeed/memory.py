@@ -150,21 +150,13 @@ class DeepSpeedMemory:
         self._memory_slots: dict[str, Path] = {}  # save id -> this rank's slot, of the agreed memory candidates
         try:
             self._on_leaders(self._relink, f"naming the memory tags of {self.links}")
-        except BaseException:  # raised on every rank alike: every rank closes the tier it made
-            self._close_unstarted()
+        except BaseException:
+            # No one else holds the tier: its copy process, writer, threads and mapped images would outlive the
+            # failure, and its trainer lock would refuse the next attempt (after a failure warned about at initialize,
+            # load_latest or the first save makes the tier again). Let go of without a collective (an interrupt may
+            # reach one rank only), the RAM root kept: it may hold the only copy of the checkpoint a restart loads.
+            self.tier.abandon()
             raise
-
-    def _close_unstarted(self) -> None:
-        """The tier was made but this object fails to start: no one else holds it, so its copy process, writer,
-        threads and mapped images would outlive the failure, and its trainer lock would refuse the next attempt
-        (after a failure warned about at initialize, ``load_latest`` or the first save makes the tier again). Closed
-        as at an exit, but with nothing persisted and the RAM root kept: it may hold the only copy of the checkpoint
-        a restart loads. A failure to close is logged: the start's own error is the one raised."""
-        try:
-            self.tier.close(persist_newest=False, remove_root=False)
-        except Exception as e:
-            logger.warning("cpuckpt memory tier: closing the tier of %s after its failed start failed too: %s",
-                           self.save_dir, e)
 
     @property
     def names(self) -> bool:

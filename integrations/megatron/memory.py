@@ -192,11 +192,12 @@ class MegatronMemory:
             if not tier.nodes.single:
                 try:
                     shared = _shared_by_nodes(self.np_dir, tier)
-                except BaseException:  # agreed on every rank (from_every_rank): each closes its tier alike
-                    _close_unused(tier)
+                except BaseException:
+                    tier.abandon()  # no collective (an interrupt reaches one rank only); its RAM root kept
                     raise
                 if shared:  # agreed (one all-gather): every rank raises together
-                    _close_unused(tier)
+                    # its RAM root kept: at a restart it may hold the run before's newest checkpoints
+                    tier.abandon()
                     raise ConfigError(
                         f"megatron.memory_tier across {tier.nodes.nodes} nodes: the non-persistent checkpoint "
                         f"directory {self.np_dir} is shared by several nodes (or on a network filesystem on some "
@@ -558,16 +559,6 @@ def network_filesystem(path: Path, mounts: str | None = None) -> str | None:
         if inside and len(point) >= len(best):
             best, kind = point, fields[2]
     return kind if kind in _NETWORK_FILESYSTEMS else None
-
-
-def _close_unused(tier: MemoryTier) -> None:
-    """Close a tier made at start that will not be used (a failure right after it was made; collective), keeping its
-    RAM root: at a restart it may hold the newest checkpoints of the run before, which a corrected relaunch loads.
-    A failure to close is logged: the failure that made the tier unusable is the one raised."""
-    try:
-        tier.close(persist_newest=False, remove_root=False)
-    except Exception as e:
-        logger.warning("closing the memory tier after a failed start: %r", e)
 
 
 def _shared_by_nodes(np_dir: Path, tier: MemoryTier) -> bool:

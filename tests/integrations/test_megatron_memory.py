@@ -865,6 +865,7 @@ def rank_two_nodes(root: str) -> str:
     rank = dist.get_rank()
     cfg = _config(Path(root))
     cfg["memory"]["root"] = str(Path(root) / f"ram{rank}")
+    cfg["memory"]["copy_process"] = True  # a process of the tier's, which a failed start must end
     router = MegatronMemory(Path(root) / "save", Path(root) / "save" / "non_persistent", Config.from_dict(cfg))
     route = Route("memory", 4, router.np_dir / "iter_0000004")
     try:
@@ -896,6 +897,7 @@ def _retried_on_node_local_dirs(root: str, cfg: dict) -> str:
 
 
 def _child_pids() -> list[int]:
+    """This process's children still running (zombies not counted: they have exited)."""
     import os
 
     me = os.getpid()
@@ -903,10 +905,11 @@ def _child_pids() -> list[int]:
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
-                    out.append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                pass
+                state, ppid = (d / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
+                continue
+            if int(ppid) == me and state != "Z":
+                out.append(int(d.name))
     return out
 
 
@@ -921,6 +924,7 @@ def rank_two_nodes_failing_test(root: str) -> str:
     rank = dist.get_rank()
     cfg = _config(Path(root))
     cfg["memory"]["root"] = str(Path(root) / f"ram{rank}")
+    cfg["memory"]["copy_process"] = True  # a process of the tier's, which a failed start must end
     blocked = Path(root) / f"blocked{rank}"
     if not blocked.exists():
         blocked.write_text("not a directory")
