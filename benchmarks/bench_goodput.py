@@ -16,33 +16,33 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
 ``mem8snap``      ``mem8`` with the device snapshot
 
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
-``+nocrc`` (``memory.checksum: false``: no crc32c of the images), ``+io<N>`` (``io.threads: N``: the copy process's
-checksum threads, and the writer's and the trainer's I/O and staging pools), ``+copyproc``
+``+nocrc`` (``memory.checksum: false``: no crc32c of the images), ``+bsum`` (``memory.checksum_kind: blocksum64``:
+with a device snapshot and the copy process, the device bytes summed on the GPU), ``+io<N>`` (``io.threads: N``: the
+copy process's checksum threads, and the writer's and the trainer's I/O and staging pools), ``+copyproc``
 (``memory.copy_process: true``: the checksums, and with a device snapshot the D2H copies, in a process of ours),
-``+window<MiB>`` (the paced pieces' size, ``staging.d2h_window_bytes``), ``+host`` (``megatron.ordering: host``:
-the save returns once its copies are done), ``+u<N>`` (``memory.max_uncommitted: N``; ``u1``: each memory save
-finalized at the next iteration's top, at most one iteration lost), ``+slots<N>`` (``memory.slots: N`` instead of
-``--slots``: N - 1 saves may be in flight), e.g. ``mem1+nocrc``, ``mem1snap+copyproc``,
-``mem1snap+window16``, ``mem1+u1+host``; ``+rep<N>`` changes nothing (the same variant
-run again under another name, e.g. a sampled copy of an unsampled run: ``mem1snap+copyproc+rep2``); ``+base``
-runs the variant with ``--base-site``'s cpuckpt (a baseline commit's install) first on the path: before and after
-a change in one call, on one machine. ``+mgc`` (any
-variant, ``none`` included) runs Megatron-LM with ``--manual-gc``: the interpreter's automatic collector off for the
-whole run; a variant with it is compared with ``none+mgc`` (so ``none+mgc,mem1snap+copyproc+mgc`` against
-``none,mem1snap+...`` says what the trainer's garbage collections under saves cost). ``+timers`` (any variant)
-adds Megatron-LM's level-1 timers (``--timing-log-level 1``: forward-backward, optimizer, ...), which synchronize
-the device at each start and stop: where in the step a save's cost lands, not a goodput figure. ``+syncstart``,
-``+syncstep``, ``+nodma`` and ``+nod2d`` (memory variants; any together) are probes (``benchmarks/probe``): the device
-synchronized after the iteration's save start or before each optimizer step; the copy process handed no copies; the
-device snapshot not copied (a probed run's checkpoints are not valid). ``+gcfreeze`` (memory variants): ``megatron:
-{freeze_gc: true}``, the collector's objects frozen once setup returned (full collections then skip them).
-``+swi`` (any variant, ``none`` included, compared with ``none+swi``; a probe): the interpreter's switch interval
-0.5 ms instead of 5 in every process of the run, what the trainer pays when a thread of ours runs Python beside its
-main thread. ``+aff`` (memory variants; a probe): cpuckpt's processes on one half of the physical cores, the
-trainer's on the other, whether the copy process's threads slow the trainer by sharing its cores.
-``+log<N>`` (any variant, ``none`` included, compared with the ``none`` of the same interval):
-Megatron-LM's ``--log-interval N`` instead of the benchmark's 1 (jobs log every 10-100 iterations; each line is a
-barrier and a device synchronization); the wall and the gaps are then read every N iterations.
+``+window<MiB>`` (the paced pieces' size, ``staging.d2h_window_bytes``), ``+host`` (``megatron.ordering: host``: the
+save returns once its copies are done), ``+u<N>`` (``memory.max_uncommitted: N``; ``u1``: each memory save finalized
+at the next iteration's top, at most one iteration lost), ``+slots<N>`` (``memory.slots: N`` instead of ``--slots``:
+N-1 saves may be in flight), e.g. ``mem1+nocrc``, ``mem1snap+copyproc``, ``mem1snap+window16``, ``mem1+u1+host``;
+``+rep<N>`` changes nothing (the same variant run again under another name, e.g. a sampled copy of an unsampled run:
+``mem1snap+copyproc+rep2``); ``+base`` runs the variant with ``--base-site``'s cpuckpt (a baseline commit's install)
+first on the path: before and after a change in one call, on one machine. ``+mgc`` (any variant, ``none`` included)
+runs Megatron-LM with ``--manual-gc``: the interpreter's automatic collector off for the whole run; a variant with it
+is compared with ``none+mgc`` (so ``none+mgc,mem1snap+copyproc+mgc`` against ``none,mem1snap+...`` says what the
+trainer's garbage collections under saves cost). ``+timers`` (any variant) adds Megatron-LM's level-1 timers
+(``--timing-log-level 1``: forward-backward, optimizer, ...), which synchronize the device at each start and stop:
+where in the step a save's cost lands, not a goodput figure. ``+syncstart``, ``+syncstep``, ``+nodma`` and ``+nod2d``
+(memory variants; any together) are probes (``benchmarks/probe``): the device synchronized after the iteration's save
+start or before each optimizer step; the copy process handed no copies; the device snapshot not copied (a probed run's
+checkpoints are not valid). ``+gcfreeze`` (memory variants): ``megatron: {freeze_gc: true}``, the collector's objects
+frozen once setup returned (full collections then skip them). ``+swi`` (any variant, ``none`` included, compared with
+``none+swi``; a probe): the interpreter's switch interval 0.5 ms instead of 5 in every process of the run, what the
+trainer pays when a thread of ours runs Python beside its main thread. ``+aff`` (memory variants; a probe): cpuckpt's
+processes on one half of the physical cores, the trainer's on the other, whether the copy process's threads slow the
+trainer by sharing its cores; ``+idle`` (likewise): cpuckpt's processes under ``SCHED_IDLE``, whether the trainer's
+threads wait for a CPU behind them. ``+log<N>`` (any variant, ``none`` included, compared with the ``none`` of the
+same interval): Megatron-LM's ``--log-interval N`` instead of the benchmark's 1 (jobs log every 10-100 iterations;
+each line is a barrier and a device synchronization); the wall and the gaps are then read every N iterations.
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
@@ -178,6 +178,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     for change in changes:
         if change == "nocrc":
             memory["checksum"] = False
+        elif change == "bsum":
+            memory["checksum_kind"] = "blocksum64"
         elif change == "copyproc":
             memory["copy_process"] = True
         elif change == "host":
@@ -195,7 +197,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
                 change.startswith("slots") and change[len("slots"):].isdigit()) or change in _ENV_CHANGES:
             pass  # rep: a name only; slots, mgc, timers: read above; base, probes: the environment (main)
         else:
-            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, copyproc, host, window<MiB>, io<N>, "
+            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, bsum, copyproc, host, window<MiB>, "
+                             "io<N>, "
                              "u<N>, slots<N>, rep<N>, log<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, "
                              "nodma, nod2d, swi, aff, idle)")
     if "nod2d" in changes and not kind.endswith("snap"):

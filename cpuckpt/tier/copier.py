@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from cpuckpt.errors import StagingError
+from cpuckpt.format.checksums import BLOCKSUM64, KINDS, blocksum64, chunk_checksum
 from cpuckpt.tier import pinning
 
 __all__ = ["CopyProcess", "ImageDesc", "RemoteSave", "main"]
@@ -206,12 +207,14 @@ class CopyProcess:
         return True
 
     def submit(self, files: Describe, chunks: Sequence[tuple[int, int, int]], *,
-               chunk_bytes: int, checksum: bool, buffer: Any = None, ready: Any = None,
-               ops: array | None = None) -> RemoteSave:
+               chunk_bytes: int, checksum: str, buffer: Any = None, ready: Any = None,
+               ops: array | None = None, host_share: bool = False) -> RemoteSave:
         """Hand one save over: ``files`` describes its images (:data:`ImageDesc`; called under the lock that
-        orders every description sent), ``chunks`` (file index, offset, bytes) in order; with ``buffer`` (the
-        device snapshot, a uint8 CUDA tensor), ``ready`` (an interprocess CUDA event after the snapshot) and
-        ``ops`` (:data:`OP_FIELDS` int64 per copy), the copies too.
+        orders every description sent), ``chunks`` (file index, offset, bytes) in order, ``checksum`` their kind
+        (:mod:`cpuckpt.format.checksums`; empty: none); with ``buffer`` (the device snapshot, a uint8 CUDA
+        tensor), ``ready`` (an interprocess CUDA event after the snapshot) and ``ops`` (:data:`OP_FIELDS` int64 per
+        copy), the copies too; ``host_share`` (blocksum64): each chunk's sum leaves out the bytes the copies write
+        (the trainer summed them on the GPU).
 
         Raises:
             StagingError: the process could not be started or the request not sent.
@@ -236,7 +239,7 @@ class CopyProcess:
             pending[save_id] = remote
             try:
                 self._send_described(conn, files, lambda desc: ("save", save_id, desc, list(chunks), chunk_bytes,
-                                                                checksum, copy))
+                                                                checksum, copy, host_share))
             except BaseException:
                 pending.pop(save_id, None)
                 raise
@@ -645,25 +648,30 @@ class _Worker:
             self.to_prepare.popleft()
             logger.warning("preparing %s failed: %r", path, e)
 
-    def save(self, save_id: int, files: list, chunks: list, chunk_bytes: int, checksum: bool,
-             copy: tuple | None) -> None:
+    def save(self, save_id: int, files: list, chunks: list, chunk_bytes: int, checksum: str,
+             copy: tuple | None, host_share: bool) -> None:
         try:
             self.forget(files)
             if copy is not None:
                 self.use_device(copy[3])
             images = [self.image(p, o, n, chunk_bytes, pin=copy is not None) for p, o, n, _ in files]
+            copied: list[list[tuple[int, int]]] = [[] for _ in chunks]  # per chunk: (file offset, bytes) copied
             if copy is None:
                 events: list[Any] = [None] * len(chunks)
             else:
-                events = self.enqueue(images, chunks, copy)
+                events = self.enqueue(images, chunks, copy, copied)
+            if checksum not in ("", *KINDS):
+                raise ValueError(f"unknown checksum kind {checksum!r}")
         except BaseException as e:
             self.drain()  # no copy of it still lands: the trainer may reuse the snapshot buffer
             self.reply(("error", save_id, f"failed: {type(e).__name__}: {e}"))
             return
-        self.waiters.submit(self.finish, save_id, images, chunks, checksum, events, copy is not None)
+        skip = copied if host_share and checksum == BLOCKSUM64 else None
+        self.waiters.submit(self.finish, save_id, images, chunks, checksum, events, copy is not None, skip)
 
-    def enqueue(self, images: list, chunks: list, copy: tuple) -> list[Any]:
-        """All of a save's copies on this process's stream, an event after each chunk's."""
+    def enqueue(self, images: list, chunks: list, copy: tuple, copied: list[list[tuple[int, int]]]) -> list[Any]:
+        """All of a save's copies on this process's stream, an event after each chunk's; each copy's file range is
+        added to ``copied`` under its chunk."""
         import torch
 
         from cpuckpt.transfer.sinks import OP_FIELDS
@@ -690,6 +698,7 @@ class _Worker:
                 raise StagingError(f"copy {i} out of bounds: buffer [{src}, {src + nb}) of {size}, file {f} "
                                    f"[{dst}, {dst + nb})")
             dsts, srcs = by_chunk[k]
+            copied[k].append((dst, nb))
             dsts.append(tensors[f][dst : dst + nb])
             srcs.append(buffer[src : src + nb])
         ready = torch.cuda.Event.from_ipc_handle(dev, ready_handle)
@@ -706,10 +715,10 @@ class _Worker:
                 events.append(ev)
         return events
 
-    def finish(self, save_id: int, images: list, chunks: list, checksum: bool, events: list[Any],
-               copies: bool) -> None:
-        """Checksums as each chunk's copy completes; ``copied`` after the last copy, then ``done``."""
-        import crc32c
+    def finish(self, save_id: int, images: list, chunks: list, checksum: str, events: list[Any],
+               copies: bool, skip: list[list[tuple[int, int]]] | None) -> None:
+        """Checksums as each chunk's copy completes; ``copied`` after the last copy, then ``done``. ``skip``
+        (blocksum64's host share): per chunk the file ranges whose bytes are left out of its sum."""
 
         def crc(k: int) -> int:
             if events[k] is not None:
@@ -718,7 +727,9 @@ class _Worker:
                 return 0
             f, off, nb = chunks[k]
             with images[f].view()[off : off + nb] as view:
-                return crc32c.crc32c(view)
+                if skip is None:
+                    return chunk_checksum(checksum, view)
+                return blocksum64_except(view, off, skip[k])
 
         try:
             futures = [self.pool.submit(crc, k) for k in range(len(chunks))]
@@ -751,6 +762,22 @@ class _Worker:
             img.close()
         self.images.clear()
         self.buffers.clear()
+
+
+def blocksum64_except(view: memoryview, offset: int, ranges: Sequence[tuple[int, int]]) -> int:
+    """blocksum64 of the chunk ``view`` (at file offset ``offset``) without the bytes of ``ranges`` ((file offset,
+    bytes), within the chunk): the host-written bytes' share, which the device bytes' share completes."""
+    total, cursor, end = 0, offset, offset + len(view)
+    for start, nbytes in sorted(ranges):
+        if start > cursor:
+            total += blocksum64(view[cursor - offset : start - offset], cursor - offset)
+        cursor = max(cursor, start + nbytes)
+    if cursor < end:
+        total += blocksum64(view[cursor - offset :], cursor - offset)
+    return total & _MASK64
+
+
+_MASK64 = (1 << 64) - 1
 
 
 def _exit_late(close_s: float) -> None:

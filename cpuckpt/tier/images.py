@@ -554,6 +554,7 @@ class ImageSink:
         self.cfg = cfg
         self.rank = rank
         self.checksum = cfg.memory.checksum and cfg.integrity.checksum == "crc32c"
+        self.checksum_kind = cfg.memory.checksum_kind
         self.offloads = images.copier is not None
         self._chunks: list[Chunk] = [c for f in files for c in f.chunks]
         self._targets: list[tuple[torch.Tensor, memoryview]] | None = None
@@ -592,10 +593,12 @@ class ImageSink:
         def files() -> list[ImageDesc]:
             return self.images.describe(opened)
 
+        kind = self.checksum_kind if self.checksum else ""
         if copies is None:
-            return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=self.checksum)
-        return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=self.checksum,
-                             buffer=copies.buffer, ready=copies.ready, ops=copies.ops)
+            return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=kind)
+        return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=kind,
+                             buffer=copies.buffer, ready=copies.ready, ops=copies.ops,
+                             host_share=copies.host_share)
 
     def write(self, chunk: Chunk, slot: Slot) -> None:
         """Nothing to do: the copy landed in the image."""

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["DeviceSnapshot", "DeviceSnapshots", "release"]
+__all__ = ["BLOCK_BYTES", "DeviceSnapshot", "DeviceSnapshots", "Mirror", "device_chunk_sums", "release"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,39 @@ class DeviceSnapshot:
     lock: threading.Lock  # its owner's (:class:`DeviceSnapshots`)
     busy: Any = None
     held: bool = True
-    # the views of the last save into it, by their sizes: a repeated save reuses them (588 slices took ~2 ms of
-    # the trainer's thread on the 2-core box), and its sources then lie where they did (OffloadProgram.ops)
+    # the views of the last save into it, by their sizes (and places, mirrored): a repeated save reuses them (588
+    # slices took ~2 ms of the trainer's thread on the 2-core box), and its sources then lie where they did
+    # (OffloadProgram.ops)
     views: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+    weights: torch.Tensor | None = None  # blocksum64's block weights 1..blocks per chunk (mirrored saves)
+
+
+@dataclass(frozen=True)
+class Mirror:
+    """Where a save's device sources lie in its files, for a snapshot laid out as the files are: each file at
+    ``bases[f]`` of the buffer (a multiple of ``chunk_bytes``), each source at its file's base plus its data's file
+    offset (``places[i]``: (file position, offset), one per device source in order), zeros elsewhere. Then one
+    reduction over the buffer gives the device bytes' share of every chunk's blocksum64 (:mod:`cpuckpt.format.
+    checksums`), in the save's chunk order, without a byte read back on the host."""
+
+    places: tuple[tuple[int, int], ...]
+    bases: tuple[int, ...]
+    nbytes: int  # the buffer bytes the files take: a multiple of chunk_bytes
+    chunk_bytes: int
+
+
+BLOCK_BYTES = 4096  # blocksum64's block
+
+
+def device_chunk_sums(buffer: torch.Tensor, mirror: Mirror, weights: torch.Tensor) -> torch.Tensor:
+    """The device bytes' share of each chunk's blocksum64 (int64, modulo 2**64), for a buffer laid out as
+    ``mirror`` says (zeros where the files hold host bytes): block sums of its int32 words, weighted by their block's
+    position in its chunk (``weights``: 1..blocks per chunk), summed per chunk. Three kernels, on the current stream;
+    exact on any device (int64 arithmetic wraps modulo 2**64, as the definition's sum does)."""
+    per_chunk = mirror.chunk_bytes // BLOCK_BYTES
+    words = buffer[: mirror.nbytes].view(torch.int32).view(-1, BLOCK_BYTES // 4)
+    blocks = words.sum(dim=1, dtype=torch.int64)
+    return (blocks.view(-1, per_chunk) * weights).sum(dim=1)
 
 
 class DeviceSnapshots:
@@ -59,6 +89,8 @@ class DeviceSnapshots:
         self._lock = threading.Lock()
         self._buffers: list[DeviceSnapshot] = []
         self.allocations = 0
+        # the mirrored layout of the stream's repeated save (SaveJob._mirror): (its layouts, the mirror), by key
+        self.mirrors: dict[tuple, tuple[list[Any], Mirror]] = {}
 
     def __len__(self) -> int:
         """How many buffers are kept (held by a save or idle)."""
@@ -90,42 +122,62 @@ class DeviceSnapshots:
         return snap, True
 
     def snapshot_sources(self, sources: Sequence[torch.Tensor | None], device: torch.device, stream: Any,
-                         caller_stream: Any) -> tuple[list[torch.Tensor | None], DeviceSnapshot | None]:
+                         caller_stream: Any, mirror: Callable[[list[int]], Mirror | None] | None = None,
+                         ) -> tuple[list[torch.Tensor | None], DeviceSnapshot | None, torch.Tensor | None]:
         """Copy every source on ``device`` into a device buffer, enqueued on ``stream`` (already ordered after
-        the trainer's writes); returns the sources with views of the buffer in their place, and the buffer
-        (None when no source is on ``device``). Hand the buffer back with :func:`release`.
+        the trainer's writes); returns the sources with views of the buffer in their place, the buffer (None when
+        no source is on ``device``) and the device bytes' blocksum64 share per chunk (below, else None). Hand the
+        buffer back with :func:`release`.
 
-        A newly allocated buffer may be memory the trainer's stream (``caller_stream``) used and freed:
-        ``stream`` then waits for that stream once.
+        ``mirror(device source indices)``: the buffer laid out as the files are (:class:`Mirror`; None: packed),
+        and after the copy :func:`device_chunk_sums` is enqueued too, its result copied into pinned host memory
+        (read it once the next event recorded on ``stream`` completed). A newly allocated buffer may be memory
+        the trainer's stream (``caller_stream``) used and freed: ``stream`` then waits for that stream once.
         """
         idx = [i for i, s in enumerate(sources) if s is not None and s.is_cuda and s.device == device]
         if not idx:
-            return list(sources), None
+            return list(sources), None, None
         sizes = tuple(sources[i].numel() for i in idx)  # type: ignore[union-attr]
+        mirrored = mirror(idx) if mirror is not None else None
         offsets, total = [], 0
-        for n in sizes:
-            offsets.append(total)
-            total += -(-n // _ALIGN) * _ALIGN
+        if mirrored is not None:
+            offsets = [mirrored.bases[f] + off for f, off in mirrored.places]
+            total = mirrored.nbytes
+        else:
+            for n in sizes:
+                offsets.append(total)
+                total += -(-n // _ALIGN) * _ALIGN
+        key = sizes if mirrored is None else (*sizes, -1, *offsets)
         snap, fresh = self._take(device, total)
+        sums: torch.Tensor | None = None
         try:
             if fresh:
                 stream.wait_stream(caller_stream)
             elif snap.busy is not None:
                 stream.wait_event(snap.busy)  # the previous save's copies out of it come first
-            if snap.views is not None and snap.views[0] == sizes:
-                views = snap.views[1]
-            else:
-                views = [snap.buffer[o : o + n] for o, n in zip(offsets, sizes)]
-                snap.views = (sizes, views)
             with torch.cuda.stream(stream):
+                if snap.views is not None and snap.views[0] == key:
+                    views = snap.views[1]
+                else:
+                    views = [snap.buffer[o : o + n] for o, n in zip(offsets, sizes)]
+                    if mirrored is not None:  # zeros where the files hold host bytes, kept by later saves alike
+                        snap.buffer.zero_()
+                    snap.views = (key, views)
                 torch._foreach_copy_(views, [sources[i] for i in idx], non_blocking=True)  # type: ignore[misc]
+                if mirrored is not None:
+                    per_chunk = mirrored.chunk_bytes // BLOCK_BYTES
+                    if snap.weights is None or snap.weights.numel() != per_chunk:
+                        snap.weights = torch.arange(1, per_chunk + 1, dtype=torch.int64, device=device)
+                    on_device = device_chunk_sums(snap.buffer, mirrored, snap.weights)
+                    sums = torch.empty(on_device.numel(), dtype=torch.int64, pin_memory=True)
+                    sums.copy_(on_device, non_blocking=True)
         except BaseException:
             release(snap, None)
             raise
         out = list(sources)
         for i, v in zip(idx, views):
             out[i] = v
-        return out, snap
+        return out, snap, sums
 
     def clear(self) -> int:
         """Free the idle buffers (each after its last reader ended); returns how many. A buffer a save

@@ -47,6 +47,7 @@ class S3Sink:
         self.cfg = cfg
         self.rank = rank
         self.checksum = cfg.integrity.checksum == "crc32c"
+        self.checksum_kind = "crc32c"
         self._pool: HostPool | None = None
         self._uploads: list[Upload | None] = [None] * len(names)  # started by the first part of each file
         self._etags: list[list[str | None]] = [[None] * len(f.chunks) for f in files]

@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-import crc32c
 import torch
 
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError, is_interrupt
+from cpuckpt.format.checksums import BLOCKSUM64, chunk_checksum
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
-from cpuckpt.transfer.device_snapshot import DeviceSnapshot, DeviceSnapshots
+from cpuckpt.transfer.device_snapshot import BLOCK_BYTES, DeviceSnapshot, DeviceSnapshots, Mirror
 from cpuckpt.transfer.device_snapshot import release as release_snapshot
 from cpuckpt.transfer.fillplan import without_device_programs
 from cpuckpt.transfer.pacing import PACER
@@ -57,6 +57,7 @@ from cpuckpt.transfer.tracing import nvtx_range
 __all__ = ["SaveJob", "choose_mode"]
 
 _T = TypeVar("_T")
+_MASK64 = (1 << 64) - 1  # blocksum64 is a sum modulo 2**64
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ class SaveJob:
         # staging.device_snapshot: the save stream's device buffers (none given: this job's own)
         self.snapshots = snapshots if snapshots is not None else DeviceSnapshots()
         self._snapshot: DeviceSnapshot | None = None  # staging.device_snapshot: the device buffer it copied into
+        # blocksum64 of a mirrored snapshot's device bytes per chunk (pinned, int64), summed on the GPU
+        self._device_sums: torch.Tensor | None = None
         self._offloaded = False  # the sink's process copies and checksums this save (Sink.submit_offload)
 
     # -- public ---------------------------------------------------------------------------------
@@ -244,13 +247,16 @@ class SaveJob:
             # The trainer's tensors are read by one device-to-device copy; ordering waits for it only, and
             # the copies to the host read the snapshot (transfer.device_snapshot).
             try:
-                self.sources, self._snapshot = self.snapshots.snapshot_sources(
-                    self.sources, device, copier.stream, torch.cuda.current_stream(device))
+                offloading = self.sink.offloads and not any(
+                    s is not None and s.is_cuda and s.device != device for s in self.sources)
+                mirror = self._mirror if offloading and self.sink.checksum and (
+                    self.sink.checksum_kind == BLOCKSUM64) else None
+                self.sources, self._snapshot, self._device_sums = self.snapshots.snapshot_sources(
+                    self.sources, device, copier.stream, torch.cuda.current_stream(device), mirror=mirror)
                 fence.event = copier.record()
                 if self._snapshot is not None:  # the copies read the snapshot, not the tensors a program holds
                     self.files = without_device_programs(self.files)
-                if self.sink.offloads and self._snapshot is not None and not any(
-                        s is not None and s.is_cuda and s.device != device for s in self.sources):
+                if offloading and self._snapshot is not None:
                     self._offload_device(copier, slots)
                     return
             except BaseException:
@@ -283,6 +289,43 @@ class SaveJob:
         self._submit_pending(f"cpuckpt-d2h-wait-{self.rank}", self._wait_then_write, (last, events), slots,
                              copies_end=last)
 
+    def _mirror(self, idx: list[int]) -> Mirror | None:
+        """The files' places of device sources ``idx`` for a snapshot laid out as the files are (None: a source's
+        bytes are not one run of one file, or chunks are not whole blocksum64 blocks: the copy process then sums
+        the whole chunks on the host). Kept by the save stream for saves of the same layouts."""
+        chunk = self.cfg.io.chunk_bytes
+        if chunk % BLOCK_BYTES:
+            return None
+        key = (tuple(id(f) for f in self.files), tuple(idx))
+        kept = self.snapshots.mirrors.get(key)
+        if kept is not None and all(a is b for a, b in zip(kept[0], self.files)):
+            return kept[1]
+        starts: dict[int, tuple[int, int]] = {}
+        covered: dict[int, int] = {}  # bytes of each item the files hold
+        bases, base = [], 0
+        for pos, layout in enumerate(self.files):
+            bases.append(base)
+            for seg in layout.segments:
+                if seg.payload is not None:
+                    continue
+                place = (pos, seg.file_offset - seg.src_offset)
+                if starts.setdefault(seg.item, place) != place:
+                    return None
+                covered[seg.item] = covered.get(seg.item, 0) + seg.nbytes
+            base += -(-layout.nbytes // chunk) * chunk
+        places = []
+        for i in idx:  # every byte of each source is copied to its place (else the GPU would sum bytes no copy writes)
+            place = starts.get(i)
+            src = self.sources[i]
+            if (place is None or src is None or place[1] < 0 or covered.get(i) != src.numel()
+                    or place[1] + src.numel() > self.files[place[0]].nbytes):
+                return None
+            places.append(place)
+        mirror = Mirror(tuple(places), tuple(bases), base, chunk)
+        self.snapshots.mirrors.clear()  # one stream of saves repeats one layout
+        self.snapshots.mirrors[key] = (list(self.files), mirror)
+        return mirror
+
     def _offload_device(self, copier: DeviceCopier, slots: list[Slot]) -> None:
         """The sink's process copies the snapshot into the slots and checksums them (``memory.copy_process``):
         here only the host bytes (record skeletons, CPU tensors) are written and the copies described."""
@@ -314,7 +357,8 @@ class SaveJob:
         with self._lock:
             self._pending_writes += 1  # ended by the process's reply (_offload_done)
         try:
-            remote = self.sink.submit_offload(DeviceCopies(snap.buffer, ready, ops))
+            remote = self.sink.submit_offload(DeviceCopies(snap.buffer, ready, ops,
+                                                           host_share=self._device_sums is not None))
         except BaseException:
             with self._lock:
                 self._pending_writes -= 1
@@ -346,7 +390,16 @@ class SaveJob:
         if [len(c) for c in crcs] != [len(f.chunks) for f in self.files]:
             raise StagingError(f"the copy process returned {[len(c) for c in crcs]} checksums for files of "
                                f"{[len(f.chunks) for f in self.files]} chunks")
-        self._crcs = [list(c) for c in crcs]
+        if self._device_sums is None:
+            self._crcs = [list(c) for c in crcs]
+            return
+        # blocksum64 of the host bytes (the process's) plus that of the device bytes (the GPU's, summed after the
+        # snapshot; its event ended before the process's copies began, as they wait for the later ``ready``)
+        fence = self.fence
+        if fence is not None and fence.event is not None:
+            fence.event.synchronize()
+        device = iter(self._device_sums.tolist())
+        self._crcs = [[(v + next(device)) & _MASK64 for v in c] for c in crcs]
 
     def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot],
                           each: Callable[[tuple[int, Any]], object] | None) -> Any:
@@ -511,7 +564,7 @@ class SaveJob:
             with nvtx_range("cpuckpt.write"):
                 if self.sink.checksum and not self.sink.offloads:
                     with slot.view[: chunk.nbytes] as view:
-                        self._crcs[chunk.file][chunk.index] = crc32c.crc32c(view)
+                        self._crcs[chunk.file][chunk.index] = chunk_checksum(self.sink.checksum_kind, view)
                 self.sink.write(chunk, slot)
         except BaseException as e:
             self._fail(e)
@@ -563,7 +616,7 @@ class SaveJob:
         if not self.stats.stage_s:
             self.stats.stage_s = self.stats.write_s
         self.stats.extra.update(self.sink.stats())
-        checksum = "crc32c" if self.sink.checksum else "none"
+        checksum = self.sink.checksum_kind if self.sink.checksum else "none"
         entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=self.cfg.io.chunk_bytes, checksum=checksum,
                              chunk_checksums=c if self.sink.checksum else [])
                    for n, f, c in zip(self.names, self.files, self._crcs)]

@@ -44,6 +44,8 @@ class DeviceCopies:
     buffer: torch.Tensor
     ready: Any
     ops: array
+    # blocksum64: the device bytes' share is summed on the GPU (SaveJob), the sink sums only the rest of each chunk
+    host_share: bool = False
 
 
 class Offloaded(Protocol):
@@ -74,7 +76,8 @@ class Sink(Protocol):
 
     Attributes:
         name: what the statistics call it (the file backend's name, ``image``).
-        checksum: the engine computes each chunk's crc32c before ``write``.
+        checksum: the engine computes each chunk's checksum before ``write``.
+        checksum_kind: which one (:mod:`cpuckpt.format.checksums`): crc32c, or blocksum64 (the memory tier's).
         holds_every_chunk: its slots are the destination itself (one per chunk, nothing to recycle):
             the save is staged as a snapshot whatever the pool size.
         write_as_copied: GPU chunks are handed over as soon as their own copy completed, overlapping
@@ -86,6 +89,7 @@ class Sink(Protocol):
 
     name: str
     checksum: bool
+    checksum_kind: str
     holds_every_chunk: bool
     write_as_copied: bool
     offloads: bool
@@ -141,6 +145,7 @@ class PoolSink:
     holds_every_chunk = False
     write_as_copied = False
     offloads = False
+    checksum_kind = "crc32c"
 
     def __init__(self, directory: Path, names: list[str], files: list[FileLayout], cfg: Config, *,
                  rank: int) -> None:

@@ -18,7 +18,10 @@ import torch
 
 import cpuckpt
 from cpuckpt.backend.committed import read_manifest
+from cpuckpt.errors import CheckpointCorrupt
+from cpuckpt.format.checksums import blocksum64
 from cpuckpt.tier.memory import MemoryTier
+from cpuckpt.transfer import device_snapshot
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,11 +29,11 @@ pytestmark = [
 ]
 
 
-def _cfg(root: Path) -> dict:
+def _cfg(root: Path, **memory: object) -> dict:
     return {"io": {"chunk_bytes": "1MiB", "threads": 4, "backend": "buffered"}, "timeout_s": 120,
             "staging": {"device_snapshot": True},
             "memory": {"root": str(root), "persist_every": 0, "slots": 2, "headroom_bytes": 0,
-                       "copy_process": True}}
+                       "copy_process": True, **memory}}
 
 
 def _state(step: int) -> dict:
@@ -45,7 +48,7 @@ def _state(step: int) -> dict:
     }
 
 
-def _check(path: Path, step: int) -> None:
+def _check(path: Path, step: int, kind: str = "crc32c") -> None:
     want = _state(step)
     out = {k: (torch.empty_like(v).contiguous() if isinstance(v, torch.Tensor) else -1) for k, v in want.items()}
     cpuckpt.load(out, path)
@@ -55,13 +58,18 @@ def _check(path: Path, step: int) -> None:
             assert torch.equal(out[k].cpu(), v.cpu()), k
     for entry in read_manifest(path).files.values():
         data = (path / entry.name).read_bytes()
-        assert entry.checksum == "crc32c" and entry.chunk_checksums
+        assert entry.checksum == kind and entry.chunk_checksums
         for k, crc in enumerate(entry.chunk_checksums):
-            assert crc == crc32c.crc32c(data[k * entry.chunk_bytes : (k + 1) * entry.chunk_bytes]), (entry.name, k)
+            chunk = data[k * entry.chunk_bytes : (k + 1) * entry.chunk_bytes]
+            assert crc == (crc32c.crc32c(chunk) if kind == "crc32c" else blocksum64(chunk)), (entry.name, k)
 
 
-def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_path):
-    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path / "ram"))
+@pytest.mark.parametrize("kind", ["crc32c", "blocksum64"])
+def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_path, monkeypatch, kind):
+    summed = []  # blocksum64: the device bytes' share is summed on the GPU, from the mirrored snapshot
+    real = device_snapshot.device_chunk_sums
+    monkeypatch.setattr(device_snapshot, "device_chunk_sums", lambda *a: summed.append(1) or real(*a))
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path / "ram", checksum_kind=kind))
     try:
         for step in (1, 2, 3, 4):
             state = _state(step)
@@ -70,8 +78,19 @@ def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_pat
                 if isinstance(v, torch.Tensor) and v.is_cuda:
                     v.add_(1000.0)
             pending.wait()
-            _check(tier.find_latest(), step)
+            _check(tier.find_latest(), step, kind)
         assert tier.copier is not None and tier.copier.pid is not None
+        assert len(summed) == (4 if kind == "blocksum64" else 0)
+        if kind == "blocksum64":  # a byte changed in RAM after the commit: the load says so
+            latest = tier.find_latest()
+            entry = next(iter(read_manifest(latest).files.values()))
+            with open(latest / entry.name, "r+b") as f:
+                f.seek(entry.chunk_bytes + 4321)
+                byte = f.read(1)
+                f.seek(entry.chunk_bytes + 4321)
+                f.write(bytes([byte[0] ^ 0x10]))
+            with pytest.raises(CheckpointCorrupt, match="chunk 1"):
+                _check(latest, 4, kind)
     finally:
         tier.close(persist_newest=False)
 

@@ -23,7 +23,8 @@ import torch
 
 import cpuckpt
 from cpuckpt.backend.committed import read_manifest
-from cpuckpt.errors import CpuckptError
+from cpuckpt.errors import CheckpointCorrupt, CpuckptError
+from cpuckpt.format.checksums import blocksum64
 from cpuckpt.tier import copier, pinning
 from cpuckpt.tier.images import ImageFile
 from cpuckpt.tier.memory import MemoryTier
@@ -71,6 +72,35 @@ def test_memory_saves_are_checksummed_by_the_copy_process_and_load_bit_exact(tmp
     finally:
         tier.close(persist_newest=False)
     assert tier.copier.pid is None, "close() ends the copy process"
+
+
+@pytest.mark.parametrize("copy_process", [True, False])
+def test_blocksum64_memory_checkpoints_record_each_chunks_sum_and_a_changed_byte_fails_the_load(tmp_path,
+                                                                                                  copy_process):
+    """``memory.checksum_kind: blocksum64`` on the CPU: the whole chunks summed by the copy process (or the trainer's
+    threads without one); a byte changed in RAM after the commit fails the load, naming the chunk."""
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, checksum_kind="blocksum64", copy_process=copy_process))
+    try:
+        for step in (1, 2):
+            tier.save(_state(step), step).wait()
+        latest = tier.find_latest()
+        out = {"w": torch.empty(300, 257), "b": torch.empty(77, dtype=torch.bfloat16), "step": -1}
+        cpuckpt.load(out, latest)
+        assert out["step"] == 2 and torch.equal(out["w"], _state(2)["w"])
+        (entry,) = read_manifest(latest).files.values()
+        data = (latest / entry.name).read_bytes()
+        assert entry.checksum == "blocksum64" and len(entry.chunk_checksums) == -(-len(data) // entry.chunk_bytes) > 1
+        assert entry.chunk_checksums == [blocksum64(data[k : k + entry.chunk_bytes])
+                                         for k in range(0, len(data), entry.chunk_bytes)]
+        with open(latest / entry.name, "r+b") as f:
+            f.seek(entry.chunk_bytes + 999)
+            byte = f.read(1)
+            f.seek(entry.chunk_bytes + 999)
+            f.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(CheckpointCorrupt, match="chunk 1"):
+            cpuckpt.load(out, latest)
+    finally:
+        tier.close(persist_newest=False)
 
 
 def test_without_checksums_the_copy_process_records_none(tmp_path):
@@ -236,7 +266,8 @@ def test_reserved_images_go_to_the_copy_process_only_when_it_copies_into_them(tm
 
 
 def test_a_message_naming_a_class_is_refused():
-    assert copier._loads(copier._dumps(("save", 1, [("p", "o", 3, 3)], [(0, 0, 3)], 64, True, None)))[0] == "save"
+    msg = ("save", 1, [("p", "o", 3, 3)], [(0, 0, 3)], 64, "crc32c", None, False)
+    assert copier._loads(copier._dumps(msg))[0] == "save"
     with pytest.raises(pickle.UnpicklingError, match="refused"):
         copier._loads(pickle.dumps(("save", torch.device("cpu"))))
 
@@ -313,8 +344,8 @@ def test_a_save_is_answered_between_segments_of_the_images_pinned_ahead_and_clos
     try:
         conn.send_bytes(copier._dumps(("prepare", ahead, 1 << 20, None)))
         assert cudart.pinning.wait(10), "the images asked for ahead were never pinned"
-        conn.send_bytes(copier._dumps(("save", 7, [(str(small), "o", 1000, 1000)], [(0, 0, 1000)], 1 << 20, True,
-                                       None)))
+        conn.send_bytes(copier._dumps(("save", 7, [(str(small), "o", 1000, 1000)], [(0, 0, 1000)], 1 << 20,
+                                       "crc32c", None, False)))
         assert conn.poll(5), "no reply to the save"
         kind, save_id, crcs = copier._loads(conn.recv_bytes())
         assert (kind, save_id, crcs) == ("done", 7, [[crc32c.crc32c(b"x" * 1000)]])
@@ -445,9 +476,9 @@ def test_a_message_not_sent_after_its_images_were_described_ends_the_process_and
 
         monkeypatch.setattr(copier, "_dumps", fail_saves)
         with pytest.raises(CpuckptError, match="interrupted"):
-            proc.submit(lambda: [img.describe()], [(0, 0, 4096)], chunk_bytes=4096, checksum=True)
+            proc.submit(lambda: [img.describe()], [(0, 0, 4096)], chunk_bytes=4096, checksum="crc32c")
         monkeypatch.setattr(copier, "_dumps", real)
-        remote = proc.submit(lambda: [img.describe()], [(0, 0, 4096)], chunk_bytes=4096, checksum=True)
+        remote = proc.submit(lambda: [img.describe()], [(0, 0, 4096)], chunk_bytes=4096, checksum="crc32c")
         assert remote.done.result(timeout=30) == [[crc32c.crc32c(b"y" * 4096)]], "the new process's save is its own"
         assert proc.pid not in (None, first), "the process that missed a description was ended"
     finally:

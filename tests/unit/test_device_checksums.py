@@ -1,0 +1,88 @@
+"""blocksum64 split between the GPU and the copy process (``memory.checksum_kind: blocksum64``): the device bytes'
+share of each chunk from one reduction over a snapshot laid out as the files are
+(:func:`cpuckpt.transfer.device_snapshot.device_chunk_sums`), the host bytes' share from the rest of the chunk
+(:func:`cpuckpt.tier.copier.blocksum64_except`); together, each chunk's blocksum64 as the CPU computes it from the
+file. The reduction runs here on CPU tensors (the same torch integer arithmetic the GPU runs; the device path
+itself: tests/gpu/test_copy_process_gpu.py)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from cpuckpt.format.checksums import blocksum64
+from cpuckpt.tier.copier import blocksum64_except
+from cpuckpt.transfer.device_snapshot import BLOCK_BYTES, Mirror, device_chunk_sums
+
+MASK = (1 << 64) - 1
+
+
+def _files(rng: random.Random, chunk: int) -> tuple[list[bytearray], list[list[tuple[int, int]]]]:
+    """Two files of random bytes and, per file, the (offset, bytes) ranges that came from the device."""
+    files, ranges = [], []
+    for size in (3 * chunk + 1234, chunk - 7):
+        data = bytearray(rng.getrandbits(8) for _ in range(size))
+        cut, at = [], 0
+        while at < size:
+            start = at + rng.randrange(0, 300)
+            n = rng.choice([1, 2, 3, 5, 64, 4095, 4096, 9000, 2 * BLOCK_BYTES + 3])
+            if start + n > size:
+                break
+            cut.append((start, n))
+            at = start + n
+        files.append(data)
+        ranges.append(cut)
+    return files, ranges
+
+
+def test_device_share_plus_host_share_is_each_chunks_blocksum64():
+    rng = random.Random(7)
+    chunk = 4 * BLOCK_BYTES
+    files, ranges = _files(rng, chunk)
+    bases, base = [], 0
+    for data in files:
+        bases.append(base)
+        base += -(-len(data) // chunk) * chunk
+    buffer = torch.zeros(base, dtype=torch.uint8)  # the mirrored snapshot: device ranges at their files' places
+    places = []
+    for f, (data, cut) in enumerate(zip(files, ranges)):
+        for start, n in cut:
+            buffer[bases[f] + start : bases[f] + start + n] = torch.frombuffer(bytearray(data[start : start + n]),
+                                                                               dtype=torch.uint8)
+            places.append((f, start))
+    mirror = Mirror(tuple(places), tuple(bases), base, chunk)
+    weights = torch.arange(1, chunk // BLOCK_BYTES + 1, dtype=torch.int64)
+    device = [int(v) & MASK for v in device_chunk_sums(buffer, mirror, weights).tolist()]
+    k = 0
+    for data, cut in zip(files, ranges):
+        for off in range(0, len(data), chunk):
+            view = memoryview(bytes(data[off : off + chunk]))
+            # each chunk's part of the device ranges (the copy process's ops are cut at chunk boundaries)
+            inside = [(max(s, off), min(s + n, off + chunk) - max(s, off)) for s, n in cut
+                      if s < off + chunk and s + n > off]
+            host = blocksum64_except(view, off, inside)
+            assert (host + device[k]) & MASK == blocksum64(view), k
+            k += 1
+    assert k == len(device)
+
+
+def test_the_reduction_wraps_modulo_2_64_as_the_definition_does():
+    """Words of all ones and of the most negative value, so the weighted sums leave int64's range."""
+    chunk = 64 * BLOCK_BYTES
+    for word in (-1, -(2**31), 2**31 - 1):
+        data = np.full(chunk // 4, word, dtype="<i4").tobytes()
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        mirror = Mirror(((0, 0),), (0,), chunk, chunk)
+        weights = torch.arange(1, chunk // BLOCK_BYTES + 1, dtype=torch.int64)
+        (got,) = device_chunk_sums(buffer, mirror, weights).tolist()
+        assert int(got) & MASK == blocksum64(data), word
+
+
+def test_a_host_share_without_ranges_is_the_whole_chunks():
+    data = bytes(random.Random(3).getrandbits(8) for _ in range(3 * BLOCK_BYTES + 17))
+    assert blocksum64_except(memoryview(data), 8 * BLOCK_BYTES, []) == blocksum64(data)
+    overlapping = [(8 * BLOCK_BYTES + 10, 100), (8 * BLOCK_BYTES + 50, 4000)]  # sorted and merged: counted once
+    rest = blocksum64(data[:10]) + blocksum64(data[4050:], 4050)
+    assert blocksum64_except(memoryview(data), 8 * BLOCK_BYTES, overlapping) == rest & MASK
