@@ -11,7 +11,9 @@ few host bytes of the files (record skeletons); this rank's copy process, starte
    ``MAP_SHARED`` and pins itself, all of a save's copies enqueued at once on its own stream (a second
    process's copies do not queue ahead of the trainer's own device-to-host reads: the floor tool's
    ``ipc_d2h``),
-3. computes each chunk's crc32c from the image once that chunk's copy completed, on its own threads,
+3. computes each chunk's checksum from the image once that chunk's copy completed, on its own threads
+   (crc32c; or blocksum64, ``memory.checksum_kind``, of the bytes its copies do not write when the trainer
+   summed the device bytes on the GPU),
 
 and replies ``copied`` (the snapshot buffer may be reused) then ``done`` with the checksums, which the
 trainer's :class:`~cpuckpt.transfer.save_job.SaveJob` records in the memory commit. Without a device
@@ -64,7 +66,7 @@ Describe = Callable[[], Sequence[ImageDesc]]
 @dataclass
 class RemoteSave:
     """One save handed to the copy process: ``copied`` once its copies completed (the snapshot buffer is free),
-    ``done`` with the crc32c of every chunk per file (empty lists without checksums)."""
+    ``done`` with the checksum of every chunk per file (empty lists without checksums)."""
 
     copied: cf.Future[None]
     done: cf.Future[list[list[int]]]
