@@ -297,9 +297,10 @@ def test_a_tag_moved_aside_is_never_listed_and_a_later_clean_deletes_it(tmp_path
 
 
 def test_a_tag_another_hosts_cleaner_moved_aside_goes_by_its_age_alone(tmp_path, caplog):
-    """``.cpuckpt-removing-<tag>-<pid>-h<host>``: the cleaner's pid is asked about only on its own host. Another
-    host's (a save_dir on a shared file system) goes once untouched for ``min_age_s``, even where a process of this
-    host has its pid (it was kept while that unrelated process ran); this host's stays while its pid runs."""
+    """``.cpuckpt-removing-<tag>-<pid>-h<host>`` (the previous version's name): the cleaner's pid is asked about
+    only on its own host. Another host's (a save_dir on a shared file system) goes once untouched for ``min_age_s``,
+    even where a process of this host has its pid (it was kept while that unrelated process ran); this host's stays
+    while its pid runs."""
     import os
 
     from cpuckpt.procs import host_tag
