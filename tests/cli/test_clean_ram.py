@@ -7,6 +7,7 @@ stands in for /dev/shm, except for a dry run on the real one (which removes noth
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -236,11 +237,12 @@ print(json.dumps({"pid": os.getpid(), "ns": format(os.stat("/proc/self/ns/pid").
 """
 
 
-def _unshare_pid() -> list[str] | None:
+@functools.cache
+def _unshare_pid() -> tuple[str, ...] | None:
     """A command prefix that runs a program in a new pid namespace here, or None."""
     if shutil.which("unshare") is None:
         return None
-    for cmd in (["unshare", "--pid", "--fork"], ["unshare", "--user", "--map-root-user", "--pid", "--fork"]):
+    for cmd in (("unshare", "--pid", "--fork"), ("unshare", "--user", "--map-root-user", "--pid", "--fork")):
         try:
             if subprocess.run([*cmd, sys.executable, "-c", "pass"], capture_output=True, timeout=60).returncode == 0:
                 return cmd
@@ -249,7 +251,7 @@ def _unshare_pid() -> list[str] | None:
     return None
 
 
-def _in_new_pid_ns(prefix: list[str], directory: Path, min_age_s: float) -> dict:
+def _in_new_pid_ns(prefix: tuple[str, ...], directory: Path, min_age_s: float) -> dict:
     import cpuckpt
 
     env = dict(os.environ)
