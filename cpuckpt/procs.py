@@ -1,5 +1,5 @@
-"""Processes of this host: whether a pid is alive, and which host this is. Base layer (no torch), shared by roots,
-the RAM root and run files."""
+"""Processes of this host: whether a pid is alive, which host this is, and which pid namespace this process is in.
+Base layer (no torch), shared by roots, the RAM root and run files."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import hashlib
 import os
 import socket
 
-__all__ = ["host_tag", "pid_alive"]
+__all__ = ["host_tag", "pid_alive", "pid_ns_tag"]
 
 
 def pid_alive(pid: int) -> bool:
     """Whether a process of this host with that pid exists (one we may not signal counts as alive).
+
+    A pid names a process only in its own pid namespace (:func:`pid_ns_tag`): the answer is about the caller's.
 
     0 and negative pids name process groups for ``kill``, never one process: not alive.
     """
@@ -34,3 +36,22 @@ def host_tag() -> str:
     host's processes.
     """
     return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:12]
+
+
+PID_NS_PATH = "/proc/self/ns/pid"
+
+
+def pid_ns_tag() -> str | None:
+    """This process's pid namespace in a file name: the inode number of ``/proc/self/ns/pid`` in hex; None where
+    it cannot be read (no procfs, a sandbox hiding it).
+
+    Containers on one kernel may share the hostname and the boot id (host network, host IPC, one ``/dev/shm``)
+    yet each count pids in its own namespace: a pid says something only to a process of the namespace that
+    recorded it. An inode number is unique on its boot only, so it means something only next to the boot id.
+    Read anew at each call: a process forked after ``unshare(CLONE_NEWPID)`` is in another namespace than its
+    parent.
+    """
+    try:
+        return format(os.stat(PID_NS_PATH).st_ino, "x")
+    except OSError:
+        return None

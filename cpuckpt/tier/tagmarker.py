@@ -43,8 +43,9 @@ from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 from cpuckpt.format.checksums import KINDS, chunk_checksum, verifiable
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import local_path
-from cpuckpt.procs import host_tag, pid_alive
+from cpuckpt.procs import host_tag, pid_alive, pid_ns_tag
 from cpuckpt.rootinfo import REMOVING_PREFIX
+from cpuckpt.runfiles import boot_tag
 from cpuckpt.tier.formats import PART_PREFIX, read_pointer
 from cpuckpt.tier.nodefiles import NodeFiles, read_node_files
 from cpuckpt.transfer.files import fsync_dir, write_atomic
@@ -492,12 +493,14 @@ def clean_torn_tags(save_dir: str | os.PathLike, *, min_age_s: float = 0.0, fsyn
     followed into, read through or removed), one a writer process persists (a part ``.cpuckpt-part-<rank>.json``,
     or bytes in its saving file: its coordinator may still commit it), one modified in the last ``min_age_s``
     seconds, one that cannot be read whole, and anything that is not a directory directly under ``save_dir``.
-    A tag judged removable is moved aside (``.cpuckpt-removing-<tag>-<pid>-h<host>``, ``host``:
-    :func:`cpuckpt.procs.host_tag`; atomic: a save starting into its name from then on makes a new directory),
-    checked again and deleted, or put back if it changed (a save reopened it). What a cleaner killed while deleting
-    left under that name goes at a later clean, once untouched for ``min_age_s`` and, when it was this host's
-    cleaner, once its pid no longer runs (another host's pid says nothing here). A tag that cannot be moved or
-    deleted is logged and kept; the others are cleaned.
+    A tag judged removable is moved aside (``.cpuckpt-removing-<tag>-h<host>-b<boot>-n<pidns>-<pid>``: the
+    cleaner's :func:`cpuckpt.procs.host_tag`, :func:`cpuckpt.runfiles.boot_tag`, :func:`cpuckpt.procs.pid_ns_tag`
+    (left out where unreadable) and pid, last, where an older cpuckpt reads it; atomic: a save starting into its
+    name from then on makes a new directory), checked again and deleted, or put back if it changed (a save reopened
+    it). What a cleaner killed while deleting left under that name goes at a later clean, once untouched for
+    ``min_age_s`` and, unless its name records another host, boot or pid namespace (its pid says nothing here),
+    once its pid no longer runs. A tag that cannot be moved or deleted is logged and kept; the others are
+    cleaned.
     """
     root = Path(local_path(save_dir, "DeepSpeed save_dir"))
     torn, commits, leftovers = _survey(root)
@@ -638,7 +641,7 @@ def _remove_tag(root: Path, tag_dir: Path, newest: int, *, fsync: bool) -> bool:
     when deleted. An unlink in place would delete the files of a save that reopened the tag meanwhile; a rename is
     atomic: a save that opens the tag's name after it makes a new directory, one before it changed the tag
     (``open_tag`` dates its saving file), which the check sees. Raises OSError when it cannot be moved."""
-    moved = root / f"{REMOVING_PREFIX}{tag_dir.name}-{os.getpid()}-h{host_tag()}"
+    moved = root / f"{REMOVING_PREFIX}{tag_dir.name}-{_cleaner()}-{os.getpid()}"
     if _saving_ns(tag_dir) > newest:  # reopened by a save since the (long) walk that judged it: no move at all
         return False
     os.rename(tag_dir, moved)
@@ -699,24 +702,45 @@ def _saving_ns(tag_dir: Path) -> int:
         return 0
 
 
-# what :func:`_remove_tag` names a tag it moves aside, after the prefix; an older cpuckpt's name (``<tag>-<pid>``,
-# no host) is judged by its pid as before
-_MOVED_RE = re.compile(r"(?P<tag>.+)-(?P<pid>\d+)-h(?P<host>[0-9a-f]{12})")
+def _cleaner() -> str:
+    """This cleaner in the name of a tag it moves aside, before its pid: ``h<host>-b<boot>[-n<pidns>]``."""
+    pidns = pid_ns_tag()
+    return f"h{host_tag()}-b{boot_tag()}" + (f"-n{pidns}" if pidns is not None else "")
+
+
+# what :func:`_remove_tag` names a tag it moves aside, after the prefix: ``<tag>-h<host>-b<boot>[-n<pidns>]-<pid>``,
+# the pid last (an older cpuckpt reads the pid after the last dash); the version before wrote ``<tag>-<pid>-h<host>``,
+# older ones ``<tag>-<pid>`` (no host: judged by its pid as before)
+_MOVED_RE = re.compile(r"(?P<tag>.+)-h(?P<host>[0-9a-f]{12})-b(?P<boot>[0-9a-f]{12}|noboot)"
+                       r"(?:-n(?P<pidns>[0-9a-f]{1,16}))?-(?P<pid>\d+)")
+_MOVED_PID_HOST_RE = re.compile(r"(?P<tag>.+)-(?P<pid>\d+)-h(?P<host>[0-9a-f]{12})")
+
+
+def _cleaner_pid(name: str) -> str:
+    """The pid of the cleaner that moved a tag aside to ``name`` (after the prefix), where it may be asked about
+    here; "" where the name records another host, boot or pid namespace than this process's (that pid says nothing
+    here: a save_dir on a shared file system, another container of the node). A field this process cannot read
+    differs from nothing: asking about a pid only keeps a leftover longer."""
+    m = _MOVED_RE.fullmatch(name) or _MOVED_PID_HOST_RE.fullmatch(name)
+    if m is None:  # an older cpuckpt's name, <tag>-<pid>: nothing recorded but the pid
+        return name.rpartition("-")[2]
+    fields = m.groupdict()
+    here = {"host": host_tag(), "boot": boot_tag(), "pidns": pid_ns_tag()}
+    for key, mine in here.items():
+        theirs = fields.get(key)
+        if theirs not in (None, "noboot") and mine not in (None, "noboot") and theirs != mine:
+            return ""
+    return m["pid"]
 
 
 def _leftover_kept_because(moved: Path, min_age_s: float) -> str | None:
     """Why a directory an earlier cleaner moved aside stays, or None: its cleaner may still run, or it changed
-    within ``min_age_s``. A cleaner's pid is asked about only on its own host: another host's cleaner (a shared
-    file system) is judged by the age alone."""
+    within ``min_age_s``. A cleaner's pid is asked about only where its name records no other host, boot or pid
+    namespace (:func:`_cleaner_pid`): another's (a shared file system, a reboot since, another container) is
+    judged by the age alone."""
     if os.path.lexists(moved / KEPT_NAME):
         return "kept: a save made its name again while it was moved aside; remove it by hand"
-    m = _MOVED_RE.fullmatch(moved.name[len(REMOVING_PREFIX):])
-    if m is None:  # an older cpuckpt's name, <tag>-<pid>: no host recorded
-        pid = moved.name.rpartition("-")[2]
-    elif m["host"] == host_tag():
-        pid = m["pid"]
-    else:  # another host's cleaner: its pid says nothing about this host's processes
-        pid = ""
+    pid = _cleaner_pid(moved.name[len(REMOVING_PREFIX):])
     if pid.isdigit() and int(pid) != os.getpid() and pid_alive(int(pid)):
         return f"its cleaner (pid {pid}) may still run"
     try:

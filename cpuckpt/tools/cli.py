@@ -384,8 +384,9 @@ def clean_cmd(root: Any, ram: bool, min_age: float | None, deepspeed_tags: bool,
     persists (its parts there, or its save id in .cpuckpt-saving), or latest itself. An s3:// ROOT: incomplete
     checkpoint prefixes, manifest parts and the multipart uploads of dead saves, untouched for --min-age.
     --ram: RAM roots whose trainer and writer locks
-    are all free; live ones stay; and process files (``cpuckpt-<tag>-p<pid>-b<boot>-h<host>-*``, e.g. the Megatron
-    adapter's) of processes gone (a pid is asked about on its own host only: another host's file goes once
+    are all free; live ones stay; and process files (``cpuckpt-<tag>-p<pid>-b<boot>-h<host>-n<pidns>-*``, e.g. the
+    Megatron adapter's) of processes gone (a pid is asked about only on the boot, host and pid namespace that
+    recorded it; a file of this host and another boot goes when modified before this boot started, any other once
     untouched for a day).
 
     --json kinds: ``checkpoint`` (a torn checkpoint directory or s3:// prefix), ``leftover`` (anything else a

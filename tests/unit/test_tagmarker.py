@@ -246,7 +246,12 @@ def test_a_save_opening_the_name_after_the_move_makes_a_new_tag(tmp_path, monkey
     with caplog.at_level(logging.WARNING, logger="cpuckpt.tier.tagmarker"):
         assert tm.clean_torn_tags(root) == []
     moved = root / _removing(root)[0]
-    assert moved.name == f"{tm.REMOVING_PREFIX}global_step10-{os.getpid()}-h{host_tag()}"  # its cleaner's pid, host
+    from cpuckpt.runfiles import boot_tag
+
+    ns = format(os.stat("/proc/self/ns/pid").st_ino, "x")
+    # its cleaner's host, boot, pid namespace and pid, the pid last: an older cpuckpt reads it after the last dash
+    assert moved.name == f"{tm.REMOVING_PREFIX}global_step10-h{host_tag()}-b{boot_tag()}-n{ns}-{os.getpid()}"
+    assert moved.name.rpartition("-")[2] == str(os.getpid())
     assert (moved / FILES[0]).read_bytes() == b"m" * 100 and (root / "global_step10" / FILES[1]).exists()
     assert f"not removing torn DeepSpeed tag {root / 'global_step10'}:" in caplog.text
     assert f"it is kept as {moved}, never deleted by a clean" in caplog.text
@@ -292,9 +297,10 @@ def test_a_tag_moved_aside_is_never_listed_and_a_later_clean_deletes_it(tmp_path
 
 
 def test_a_tag_another_hosts_cleaner_moved_aside_goes_by_its_age_alone(tmp_path, caplog):
-    """``.cpuckpt-removing-<tag>-<pid>-h<host>``: the cleaner's pid is asked about only on its own host. Another
-    host's (a save_dir on a shared file system) goes once untouched for ``min_age_s``, even where a process of this
-    host has its pid (it was kept while that unrelated process ran); this host's stays while its pid runs."""
+    """``.cpuckpt-removing-<tag>-<pid>-h<host>`` (the previous version's name): the cleaner's pid is asked about
+    only on its own host. Another host's (a save_dir on a shared file system) goes once untouched for ``min_age_s``,
+    even where a process of this host has its pid (it was kept while that unrelated process ran); this host's stays
+    while its pid runs."""
     import os
 
     from cpuckpt.procs import host_tag
@@ -315,6 +321,40 @@ def test_a_tag_another_hosts_cleaner_moved_aside_goes_by_its_age_alone(tmp_path,
     assert not foreign.exists() and local.is_dir()
     assert (f"not deleting {local} (a torn DeepSpeed tag moved aside to be deleted): its cleaner (pid {alive}) may "
             "still run") in caplog.text
+
+
+def test_a_leftovers_cleaner_pid_is_asked_about_only_on_its_own_host_boot_and_pid_namespace(tmp_path, caplog):
+    """``.cpuckpt-removing-<tag>-h<host>-b<boot>-n<pidns>-<pid>``: a pid recorded on another boot (a reboot since:
+    that pid is another process now) or in another pid namespace (another container of the node) says nothing here;
+    such a leftover goes once untouched for ``min_age_s``, even where a process here has that pid. One of this host,
+    boot and namespace stays while its pid runs, and so do the names of the versions before (``<tag>-<pid>-h<host>``
+    of this host, ``<tag>-<pid>``)."""
+    import os
+
+    from cpuckpt.procs import host_tag
+    from cpuckpt.runfiles import boot_tag
+    from cpuckpt.tier.tagmarker import clean_torn_tags
+
+    def other(tag: str) -> str:
+        return format(int(tag, 16) ^ 1, f"0{len(tag)}x")
+
+    root = tmp_path / "save_dir"
+    alive = os.getppid()  # runs here, and is not this cleaner
+    host, boot, ns = host_tag(), boot_tag(), format(os.stat("/proc/self/ns/pid").st_ino, "x")
+    rebooted = _torn(root, f".cpuckpt-removing-global_step10-h{host}-b{other(boot)}-n{ns}-{alive}")
+    elsewhere = _torn(root, f".cpuckpt-removing-global_step20-h{host}-b{boot}-n{other(ns)}-{alive}")
+    foreign = _torn(root, f".cpuckpt-removing-global_step30-h{other(host)}-b{boot}-n{ns}-{alive}")
+    kept = [_torn(root, f".cpuckpt-removing-global_step40-h{host}-b{boot}-n{ns}-{alive}"),
+            _torn(root, f".cpuckpt-removing-global_step50-h{host}-b{boot}-{alive}"),  # no namespace readable
+            _torn(root, f".cpuckpt-removing-global_step60-{alive}-h{host}"),
+            _torn(root, f".cpuckpt-removing-global_step70-{alive}")]
+    assert clean_torn_tags(root, min_age_s=8000) == []  # younger than min_age_s
+    with caplog.at_level(logging.INFO, logger="cpuckpt.tier.tagmarker"):
+        assert clean_torn_tags(root, min_age_s=60) == [rebooted, elsewhere, foreign]
+    assert not any(p.exists() for p in (rebooted, elsewhere, foreign)) and all(p.is_dir() for p in kept)
+    for p in kept:
+        assert f"not deleting {p} (a torn DeepSpeed tag moved aside to be deleted): its cleaner (pid {alive}) may " \
+               "still run" in caplog.text
 
 
 def test_a_tag_a_writer_persists_stays_and_a_save_of_the_engine_empties_its_saving_file(tmp_path):
