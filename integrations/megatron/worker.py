@@ -18,7 +18,8 @@ The channel is two files per save in a temporary directory:
   not read from here: it is the save handle's, built from every rank's ``FailureReport``.
 - ``<base>.worker``: written by the caller before it returns (``ok`` or its own error). A missing
   report at finalize time means the caller process died.
-``<base>`` is a :mod:`cpuckpt.runfiles` name (``cpuckpt-megatron-p<trainer pid>-b<boot>-h<host>-r<rank>-<id>``):
+``<base>`` is a :mod:`cpuckpt.runfiles` name
+(``cpuckpt-megatron-p<trainer pid>-b<boot>-h<host>-n<pid namespace>-r<rank>-<id>``):
 a trainer killed with SIGKILL leaves its files behind, and the next trainer's first channel (or
 ``cpuckpt clean --ram``) removes those whose trainer is gone (another host's once untouched for a day).
 The caller process exits when the trainer that started it is gone (:func:`_watch_parent`): Megatron's

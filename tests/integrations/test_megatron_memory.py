@@ -299,7 +299,7 @@ class _HeldCommits:
 
 
 def test_memory_and_persistent_saves_then_sigkill_resume_from_memory(run_ranks, tmp_path):
-    from cpuckpt import runfiles
+    from cpuckpt import procs, runfiles
 
     with pytest.raises(AssertionError, match="rank"):
         run_ranks(2, rank_train, str(tmp_path), list(range(1, 7)), timeout_s=240, env=ENV)
@@ -308,7 +308,8 @@ def test_memory_and_persistent_saves_then_sigkill_resume_from_memory(run_ranks, 
     _wait_no_process_in(tmp_path)
     # what a trainer killed mid-save leaves in /dev/shm: the restart's first save removes it
     dead = [int((tmp_path / f"trainer-pid-{r}").read_text()) for r in range(2)]
-    stale = [runfiles.run_dir() / f"cpuckpt-megatron-p{pid}-b{runfiles.boot_tag()}-r{r}-0123456789ab.{ext}"
+    owner = f"b{runfiles.boot_tag()}-h{procs.host_tag()}-n{procs.pid_ns_tag()}"
+    stale = [runfiles.run_dir() / f"cpuckpt-megatron-p{pid}-{owner}-r{r}-0123456789ab.{ext}"
              for r, pid in enumerate(dead) for ext in ("alive", "status")]
     for path in stale:
         path.write_text("1")
