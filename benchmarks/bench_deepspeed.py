@@ -502,7 +502,7 @@ class Bench:
         for _ in range(reps):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            _, snap, _ = snapshots.snapshot_sources(sources, device, stream, torch.cuda.current_stream(device))
+            _, snap = snapshots.snapshot_sources(sources, device, stream, torch.cuda.current_stream(device))
             stream.synchronize()
             times.append(time.perf_counter() - t)
             release(snap, None)

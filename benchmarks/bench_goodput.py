@@ -203,6 +203,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
                              "nodma, nod2d, swi, aff, idle)")
     if "nod2d" in changes and not kind.endswith("snap"):
         raise ValueError(f"variant {name}: +nod2d needs a device snapshot (mem1snap, mem8snap)")
+    if "nodma" in changes and "bsum" in changes:
+        raise ValueError(f"variant {name}: +nodma with +bsum would record checksums of images no copy filled")
     if "nodma" in changes and not (kind.endswith("snap") and "copyproc" in changes):
         raise ValueError(f"variant {name}: +nodma needs the copy process's copies (<kind>snap+copyproc)")
     cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io, **adapter)

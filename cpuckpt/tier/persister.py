@@ -31,6 +31,7 @@ It exits when its trainer is gone and nothing is owed, or when asked to stop and
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -381,7 +382,7 @@ def _commit_files(req: PersistRequest, cfg: Config, dest: Path, slot: Path, dead
     if queue is not None and queue.outcome(req.seq) is not None:  # withdrawn after every part came in
         raise IntegrityError(f"{dest}: the trainer cancelled the persist of {req.save_id[:8]} (step {req.step}); "
                              "not committed")
-    write_atomic(dest / req.marker, marker, fsync=cfg.io.fsync, withdraw=True)
+    write_atomic(dest / req.marker, _durable_marker(marker, parts, dest), fsync=cfg.io.fsync, withdraw=True)
     if req.saving:
         (dest / req.saving).unlink(missing_ok=True)
     (dest / FAILED_NAME).unlink(missing_ok=True)  # an earlier save's failed commit, said here
@@ -394,6 +395,29 @@ def _commit_files(req: PersistRequest, cfg: Config, dest: Path, slot: Path, dead
             logger.warning("%s: committed; the removal of its parts is not durable: %s", dest, e)
     if req.pointer:
         _move_pointer(Path(req.pointer[0]), str(req.pointer[1]), req, cfg)
+
+
+def _durable_marker(marker: bytes, parts: list[Path], dest: Path) -> bytes:
+    """The slot's marker for the durable copy: a file whose memory checksums are not crc32c (blocksum64, which a
+    GPU can sum) records the checksums its persist computed instead (every rank's part), as a durable checkpoint's
+    manifest does, so that a release that knows crc32c only verifies it; the marker is otherwise the slot's."""
+    data = json.loads(marker)
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict) or not any(isinstance(f, dict) and f.get("checksum") not in ("crc32c", "none")
+                                               for f in files.values()):
+        return marker
+    persisted: dict[str, FileEntry] = {}
+    for part in parts:
+        persisted.update(manifest_from_json(part.read_bytes()).files)
+    for name, f in files.items():
+        if not isinstance(f, dict) or f.get("checksum") in ("crc32c", "none"):
+            continue
+        entry = persisted.get(name)
+        if entry is None:
+            raise IntegrityError(f"{dest}: no rank's part lists {name}, which the marker names")
+        crcs = entry.chunk_checksums if entry.checksum == "crc32c" else []
+        f.update(checksum="crc32c" if crcs else "none", chunk_bytes=entry.chunk_bytes, chunk_checksums=list(crcs))
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _move_pointer(pointer: Path, text: str, req: PersistRequest, cfg: Config) -> None:

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK_BYTES", "DeviceSnapshot", "DeviceSnapshots", "Mirror", "device_chunk_sums", "release"]
+__all__ = ["BLOCK_BYTES", "DeviceSnapshot", "DeviceSnapshots", "Mirror", "device_chunk_sums", "device_share",
+           "release"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class DeviceSnapshot:
     # (OffloadProgram.ops)
     views: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
     weights: torch.Tensor | None = None  # blocksum64's block weights 1..blocks per chunk (mirrored saves)
+    mirror: Mirror | None = None  # the layout of the last save into it when mirrored (None: packed)
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,9 @@ class DeviceSnapshots:
         self._lock = threading.Lock()
         self._buffers: list[DeviceSnapshot] = []
         self.allocations = 0
-        # the mirrored layout of the stream's repeated save (SaveJob._mirror): (its layouts, the mirror), by key
+        # the mirrored layout of the stream's repeated save (SaveJob._mirror): (its layouts' chunk lists, the mirror)
         self.mirrors: dict[tuple, tuple[list[Any], Mirror]] = {}
+        self.mirror_refused = False  # a save's mirror was refused (said once per stream)
 
     def __len__(self) -> int:
         """How many buffers are kept (held by a save or idle)."""
@@ -123,20 +126,18 @@ class DeviceSnapshots:
 
     def snapshot_sources(self, sources: Sequence[torch.Tensor | None], device: torch.device, stream: Any,
                          caller_stream: Any, mirror: Callable[[list[int]], Mirror | None] | None = None,
-                         ) -> tuple[list[torch.Tensor | None], DeviceSnapshot | None, torch.Tensor | None]:
+                         ) -> tuple[list[torch.Tensor | None], DeviceSnapshot | None]:
         """Copy every source on ``device`` into a device buffer, enqueued on ``stream`` (already ordered after
-        the trainer's writes); returns the sources with views of the buffer in their place, the buffer (None when
-        no source is on ``device``) and the device bytes' blocksum64 share per chunk (below, else None). Hand the
-        buffer back with :func:`release`.
+        the trainer's writes); returns the sources with views of the buffer in their place, and the buffer (None
+        when no source is on ``device``). Hand the buffer back with :func:`release`.
 
-        ``mirror(device source indices)``: the buffer laid out as the files are (:class:`Mirror`; None: packed),
-        and after the copy :func:`device_chunk_sums` is enqueued too, its result copied into pinned host memory
-        (read it once the next event recorded on ``stream`` completed). A newly allocated buffer may be memory
-        the trainer's stream (``caller_stream``) used and freed: ``stream`` then waits for that stream once.
+        ``mirror(device source indices)``: the buffer laid out as the files are (:class:`Mirror`, kept as the
+        buffer's ``mirror``; None: packed), for :func:`device_share`. A newly allocated buffer may be memory the
+        trainer's stream (``caller_stream``) used and freed: ``stream`` then waits for that stream once.
         """
         idx = [i for i, s in enumerate(sources) if s is not None and s.is_cuda and s.device == device]
         if not idx:
-            return list(sources), None, None
+            return list(sources), None
         sizes = tuple(sources[i].numel() for i in idx)  # type: ignore[union-attr]
         mirrored = mirror(idx) if mirror is not None else None
         offsets, total = [], 0
@@ -149,7 +150,6 @@ class DeviceSnapshots:
                 total += -(-n // _ALIGN) * _ALIGN
         key = sizes if mirrored is None else (*sizes, -1, *offsets)
         snap, fresh = self._take(device, total)
-        sums: torch.Tensor | None = None
         try:
             if fresh:
                 stream.wait_stream(caller_stream)
@@ -164,20 +164,15 @@ class DeviceSnapshots:
                         snap.buffer.zero_()
                     snap.views = (key, views)
                 torch._foreach_copy_(views, [sources[i] for i in idx], non_blocking=True)  # type: ignore[misc]
-                if mirrored is not None:
-                    per_chunk = mirrored.chunk_bytes // BLOCK_BYTES
-                    if snap.weights is None or snap.weights.numel() != per_chunk:
-                        snap.weights = torch.arange(1, per_chunk + 1, dtype=torch.int64, device=device)
-                    on_device = device_chunk_sums(snap.buffer, mirrored, snap.weights)
-                    sums = torch.empty(on_device.numel(), dtype=torch.int64, pin_memory=True)
-                    sums.copy_(on_device, non_blocking=True)
+            snap.mirror = mirrored
         except BaseException:
             release(snap, None)
             raise
         out = list(sources)
         for i, v in zip(idx, views):
             out[i] = v
-        return out, snap, sums
+        return out, snap
+
 
     def clear(self) -> int:
         """Free the idle buffers (each after its last reader ended); returns how many. A buffer a save
@@ -193,6 +188,24 @@ def _free(buffers: list[DeviceSnapshot]) -> None:
     for b in buffers:
         if b.busy is not None:
             b.busy.synchronize()  # its memory goes back to the allocator: no copy may still read it
+
+
+def device_share(snap: DeviceSnapshot, stream: Any) -> torch.Tensor | None:
+    """Enqueue on ``stream``, after the snapshot's copy into ``snap`` (a mirrored one: ``snap.mirror``), the device
+    bytes' share of each chunk's blocksum64 (:func:`device_chunk_sums`), copied into pinned host memory: read it once
+    an event recorded on ``stream`` after this call completed. None for a packed snapshot. Enqueued after the event
+    the trainer's stream waits for (the snapshot's copy), so the trainer never waits for the sums."""
+    mirror = snap.mirror
+    if mirror is None:
+        return None
+    per_chunk = mirror.chunk_bytes // BLOCK_BYTES
+    with torch.cuda.stream(stream):
+        if snap.weights is None or snap.weights.numel() != per_chunk:
+            snap.weights = torch.arange(1, per_chunk + 1, dtype=torch.int64, device=snap.buffer.device)
+        on_device = device_chunk_sums(snap.buffer, mirror, snap.weights)
+        sums = torch.empty(on_device.numel(), dtype=torch.int64, pin_memory=True)
+        sums.copy_(on_device, non_blocking=True)
+    return sums
 
 
 def release(snap: DeviceSnapshot | None, last_reader: Any) -> None:

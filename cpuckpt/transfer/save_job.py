@@ -37,7 +37,7 @@ from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, StagingError, S
 from cpuckpt.format.checksums import BLOCKSUM64, chunk_checksum
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
-from cpuckpt.transfer.device_snapshot import BLOCK_BYTES, DeviceSnapshot, DeviceSnapshots, Mirror
+from cpuckpt.transfer.device_snapshot import BLOCK_BYTES, DeviceSnapshot, DeviceSnapshots, Mirror, device_share
 from cpuckpt.transfer.device_snapshot import release as release_snapshot
 from cpuckpt.transfer.fillplan import without_device_programs
 from cpuckpt.transfer.pacing import PACER
@@ -147,6 +147,7 @@ class SaveJob:
         self._snapshot: DeviceSnapshot | None = None  # staging.device_snapshot: the device buffer it copied into
         # blocksum64 of a mirrored snapshot's device bytes per chunk (pinned, int64), summed on the GPU
         self._device_sums: torch.Tensor | None = None
+        self._sums_done: Any = None  # the CUDA event after their copy to the host
         self._offloaded = False  # the sink's process copies and checksums this save (Sink.submit_offload)
 
     # -- public ---------------------------------------------------------------------------------
@@ -251,9 +252,12 @@ class SaveJob:
                     s is not None and s.is_cuda and s.device != device for s in self.sources)
                 mirror = self._mirror if offloading and self.sink.checksum and (
                     self.sink.checksum_kind == BLOCKSUM64) else None
-                self.sources, self._snapshot, self._device_sums = self.snapshots.snapshot_sources(
+                self.sources, self._snapshot = self.snapshots.snapshot_sources(
                     self.sources, device, copier.stream, torch.cuda.current_stream(device), mirror=mirror)
-                fence.event = copier.record()
+                fence.event = copier.record()  # what the trainer's next writes wait for: the copy, not the sums
+                if self._snapshot is not None and mirror is not None:
+                    self._device_sums = device_share(self._snapshot, copier.stream)
+                    self._sums_done = copier.record()
                 if self._snapshot is not None:  # the copies read the snapshot, not the tensors a program holds
                     self.files = without_device_programs(self.files)
                 if offloading and self._snapshot is not None:
@@ -290,16 +294,31 @@ class SaveJob:
                              copies_end=last)
 
     def _mirror(self, idx: list[int]) -> Mirror | None:
-        """The files' places of device sources ``idx`` for a snapshot laid out as the files are (None: a source's
-        bytes are not one run of one file, or chunks are not whole blocksum64 blocks: the copy process then sums
-        the whole chunks on the host). Kept by the save stream for saves of the same layouts."""
+        """The files' places of device sources ``idx`` for a snapshot laid out as the files are, or None (logged
+        once per stream): a source's bytes are not one run of one file; chunks are not whole blocksum64 blocks; or
+        the files take more than twice the device bytes (CPU tensors in the state: GPU memory for host bytes). The
+        copy process then sums whole chunks on the host. Kept by the save stream while the layouts' geometry (their
+        chunk lists, shared by every save of one plan) and the sources' sizes repeat."""
         chunk = self.cfg.io.chunk_bytes
-        if chunk % BLOCK_BYTES:
-            return None
-        key = (tuple(id(f) for f in self.files), tuple(idx))
+        sizes = tuple(self.sources[i].numel() for i in idx)  # type: ignore[union-attr]
+        key = (tuple(id(f.chunks) for f in self.files), tuple(idx), sizes)
         kept = self.snapshots.mirrors.get(key)
-        if kept is not None and all(a is b for a, b in zip(kept[0], self.files)):
+        if kept is not None and all(a is f.chunks for a, f in zip(kept[0], self.files)):
             return kept[1]
+        why, mirror = self._mirror_of(idx, sizes, chunk)
+        if mirror is None:
+            if not self.snapshots.mirror_refused:
+                self.snapshots.mirror_refused = True
+                logger.info("rank %d: memory checksums (blocksum64) summed on the host, not on the GPU: %s",
+                            self.rank, why)
+            return None
+        self.snapshots.mirrors.clear()  # one stream of saves repeats one layout
+        self.snapshots.mirrors[key] = ([f.chunks for f in self.files], mirror)
+        return mirror
+
+    def _mirror_of(self, idx: list[int], sizes: tuple[int, ...], chunk: int) -> tuple[str, Mirror | None]:
+        if chunk % BLOCK_BYTES:
+            return f"io.chunk_bytes {chunk} is not a multiple of {BLOCK_BYTES}", None
         starts: dict[int, tuple[int, int]] = {}
         covered: dict[int, int] = {}  # bytes of each item the files hold
         bases, base = [], 0
@@ -310,21 +329,21 @@ class SaveJob:
                     continue
                 place = (pos, seg.file_offset - seg.src_offset)
                 if starts.setdefault(seg.item, place) != place:
-                    return None
+                    return f"item {seg.item}'s bytes are not one run of one file", None
                 covered[seg.item] = covered.get(seg.item, 0) + seg.nbytes
             base += -(-layout.nbytes // chunk) * chunk
         places = []
-        for i in idx:  # every byte of each source is copied to its place (else the GPU would sum bytes no copy writes)
+        for i, n in zip(idx, sizes):  # every byte of each source copied to its place (else the GPU sums bytes no copy
+            if n == 0:                # writes); an empty one anywhere
+                places.append((0, 0))
+                continue
             place = starts.get(i)
-            src = self.sources[i]
-            if (place is None or src is None or place[1] < 0 or covered.get(i) != src.numel()
-                    or place[1] + src.numel() > self.files[place[0]].nbytes):
-                return None
+            if place is None or place[1] < 0 or covered.get(i) != n or place[1] + n > self.files[place[0]].nbytes:
+                return f"item {i}'s {n} bytes are not all placed in one file", None
             places.append(place)
-        mirror = Mirror(tuple(places), tuple(bases), base, chunk)
-        self.snapshots.mirrors.clear()  # one stream of saves repeats one layout
-        self.snapshots.mirrors[key] = (list(self.files), mirror)
-        return mirror
+        if base > 2 * sum(sizes) + 2 * chunk:
+            return f"the files take {base} bytes of device memory for {sum(sizes)} device bytes", None
+        return "", Mirror(tuple(places), tuple(bases), base, chunk)
 
     def _offload_device(self, copier: DeviceCopier, slots: list[Slot]) -> None:
         """The sink's process copies the snapshot into the slots and checksums them (``memory.copy_process``):
@@ -395,11 +414,14 @@ class SaveJob:
             return
         # blocksum64 of the host bytes (the process's) plus that of the device bytes (the GPU's, summed after the
         # snapshot; its event ended before the process's copies began, as they wait for the later ``ready``)
-        fence = self.fence
-        if fence is not None and fence.event is not None:
-            fence.event.synchronize()
-        device = iter(self._device_sums.tolist())
-        self._crcs = [[(v + next(device)) & _MASK64 for v in c] for c in crcs]
+        if self._sums_done is not None:
+            self._sums_done.synchronize()
+        device = self._device_sums.tolist()
+        if len(device) != len(self._chunks):
+            raise StagingError(f"the device share of the checksums has {len(device)} values for {len(self._chunks)} "
+                               "chunks")
+        shares = iter(device)
+        self._crcs = [[(v + next(shares)) & _MASK64 for v in c] for c in crcs]
 
     def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot],
                           each: Callable[[tuple[int, Any]], object] | None) -> Any:

@@ -182,13 +182,13 @@ def test_checksums_of_cuda_saves_are_the_disk_paths_and_follow_each_chunks_copy(
     disk_entries = disk.wait_done(60)
     gate = threading.Event()
 
-    class GatedCrc:
-        @staticmethod
-        def crc32c(view: memoryview) -> int:
-            assert gate.wait(60), "test gate never opened"
-            return crc32c.crc32c(view)
+    real = engine.chunk_checksum
 
-    monkeypatch.setattr(engine, "crc32c", GatedCrc)
+    def gated_checksum(kind: str, view: memoryview) -> int:
+        assert gate.wait(60), "test gate never opened"
+        return real(kind, view)
+
+    monkeypatch.setattr(engine, "chunk_checksum", gated_checksum)
     images = ImageSet(ram_dir, pin=True)
     try:
         job = _image(ram_dir, sd, images)

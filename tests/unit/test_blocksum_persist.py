@@ -132,3 +132,35 @@ def test_an_empty_blocksum64_image_persists_as_crc32c(tmp_path, monkeypatch):
     out = s3persist.persist_image_s3(src, S3Url.parse("s3://bucket/x") / src.name, store, _cfg(),  # type: ignore[arg-type]
                                      expect=expect)
     assert (out.checksum, out.nbytes, out.chunk_checksums) == ("crc32c", 0, [])
+
+
+def test_a_file_sets_durable_marker_records_the_persists_crc32c_in_place_of_blocksum64(tmp_path):
+    """A DeepSpeed tag persisted from a blocksum64 slot: its durable marker records what the writers' persists
+    computed (crc32c), as a durable manifest does, so a release that knows crc32c only verifies it; a marker of crc32c
+    files is the slot's, byte for byte; a file no rank's part lists is an IntegrityError (never committed)."""
+    import json
+
+    from cpuckpt.format.manifest import Manifest
+    from cpuckpt.tier.persister import _durable_marker
+    from cpuckpt.tier.tagmarker import TagFile, TagMarker
+
+    a, b = os.urandom(5000), os.urandom(300)
+    memory = {"model.pt": TagFile(0, len(a), 4096, "blocksum64", (blocksum64(a[:4096]), blocksum64(a[4096:]))),
+              "optim.pt": TagFile(1, len(b), 4096, "crc32c", (crc32c.crc32c(b),))}
+    marker = TagMarker("global_step4", 2, memory, global_step=4, save_id="s1").to_json().encode()
+    parts = []
+    for rank, (name, data) in enumerate((("model.pt", a), ("optim.pt", b))):
+        crcs = [crc32c.crc32c(data[k : k + 4096]) for k in range(0, len(data), 4096)]
+        part = tmp_path / f"part-{rank}"
+        entry = FileEntry(name, len(data), 4096, "crc32c", crcs)
+        part.write_text(Manifest(save_id="s1", files={name: entry}).to_json())
+        parts.append(part)
+    durable = TagMarker.from_json(_durable_marker(marker, parts, tmp_path).decode(), "durable")
+    assert durable.files["model.pt"] == TagFile(0, len(a), 4096, "crc32c", (crc32c.crc32c(a[:4096]),
+                                                                             crc32c.crc32c(a[4096:])))
+    assert durable.files["optim.pt"] == memory["optim.pt"] and durable.save_id == "s1" and durable.global_step == 4
+    plain = TagMarker("global_step4", 2, {"optim.pt": memory["optim.pt"]}, save_id="s1").to_json().encode()
+    assert _durable_marker(plain, parts, tmp_path) == plain
+    with pytest.raises(IntegrityError, match=r"model\.pt"):
+        _durable_marker(marker, parts[1:], tmp_path)
+    assert json.loads(marker)["files"]["model.pt"]["checksum"] == "blocksum64"

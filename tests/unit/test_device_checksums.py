@@ -69,8 +69,9 @@ def test_device_share_plus_host_share_is_each_chunks_blocksum64():
 
 
 def test_the_reduction_wraps_modulo_2_64_as_the_definition_does():
-    """Words of all ones and of the most negative value, so the weighted sums leave int64's range."""
-    chunk = 64 * BLOCK_BYTES
+    """Whole 32 MiB chunks of -1, the most negative and the most positive word: their weighted sums leave int64's
+    range (8192 blocks of up to 2**41 each, weighted up to 8192), and wrap to the definition's value."""
+    chunk = 8192 * BLOCK_BYTES
     for word in (-1, -(2**31), 2**31 - 1):
         data = np.full(chunk // 4, word, dtype="<i4").tobytes()
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)

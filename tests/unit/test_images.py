@@ -354,14 +354,14 @@ def test_image_job_staged_before_its_checksums_are_done(tmp_path, monkeypatch):
 
     gate, seen = threading.Event(), []
 
-    class SlowCrc:
-        @staticmethod
-        def crc32c(view):
-            seen.append(threading.current_thread().name)
-            assert gate.wait(30), "test gate never opened"
-            return crc32c.crc32c(view)
+    real = engine.chunk_checksum
 
-    monkeypatch.setattr(engine, "crc32c", SlowCrc)
+    def slow_checksum(kind, view):
+        seen.append(threading.current_thread().name)
+        assert gate.wait(30), "test gate never opened"
+        return real(kind, view)
+
+    monkeypatch.setattr(engine, "chunk_checksum", slow_checksum)
     cfg = _cfg()
     images = ImageSet(tmp_path / "ram", pin=False)
     try:
