@@ -16,7 +16,9 @@ fresh process (``--train``: one rank, ZeRO-1, bf16, ``torch_adam``, the GPT of `
 ``+copyproc`` ``memory.copy_process``: the snapshot's device-to-host copies and the checksums run in a process of
               ours (CUDA IPC), none in the trainer's (with ``+snap``: the engine Megatron-LM's goodput measured best)
 ``+nocrc``    ``memory.checksum: false``: no crc32c of the memory saves (what reading every image back costs the
-              training beside it; Megatron-LM's save every iteration: ~19 ms per save over five pairs, session 40)
+              training beside it; Megatron-LM's save every iteration: ~19 ms per save over six pairs, session 41)
+``+bsum``     ``memory.checksum_kind: blocksum64``: with ``+snap+copyproc`` the device bytes' share of the checksums
+              summed on the GPU, the rest by the copy process (no read of every image back)
 
 The trainer prints one line per iteration (``iteration N/M | elapsed time per iteration (ms): ... | at T s |``, the
 host time since the previous line and the time of the line, by its own clock); the result is the wall time from
@@ -58,7 +60,7 @@ logger = logging.getLogger("bench_goodput_ds")
 
 VARIANTS = ("none", "ds8", "cpuckpt8", "mem8", "mem1")
 EVERY = {"none": 0, "ds8": 8, "cpuckpt8": 8, "mem8": 8, "mem1": 1}
-MODIFIERS = ("ahead", "snap", "copyproc", "u1", "nocrc")  # u1: memory.max_uncommitted 1 (the step after a save
+MODIFIERS = ("ahead", "snap", "copyproc", "u1", "nocrc", "bsum")  # u1: memory.max_uncommitted 1 (the step after a save
 # waits for it)
 _REPEAT = re.compile(r"rep\d+")  # the same run again under another name (pairs alternated in one call)
 
@@ -78,6 +80,8 @@ def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict
             out["memory"]["max_uncommitted"] = 1
         if "nocrc" in mods:
             out["memory"]["checksum"] = False
+        if "bsum" in mods:
+            out["memory"]["checksum_kind"] = "blocksum64"
     if "snap" in mods:
         out["staging"] = {"device_snapshot": True}
     return out
@@ -96,7 +100,7 @@ def check_variant(name: str, base_site: str = "") -> str | None:
     if mods and base in ("none", "ds8"):
         return f"{name}: modifiers are cpuckpt's"
     if not base.startswith("mem") and set(mods) - {"snap"}:
-        return f"{name}: +ahead, +copyproc, +u1 and +nocrc need a memory variant"
+        return f"{name}: +ahead, +copyproc, +u1, +nocrc and +bsum need a memory variant"
     return None
 
 
