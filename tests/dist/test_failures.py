@@ -355,6 +355,22 @@ def rank_from_rank(root: str) -> dict:
     except Exception as e:
         out["unpicklable"] = type(e).__name__, str(e)
     out["unpicklable_after"] = from_rank(lambda: rank, group, "a value after the lock", src=1)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    # Ctrl-C on the computing rank: raised there as itself, a failure naming it on the others, the ranks in step after
+    for name, call in (("interrupt", lambda: from_rank(interrupted, group, "reading on rank 1", src=1)),
+                       ("every_interrupt", lambda: from_every_rank(lambda: interrupted() if rank == 1 else rank, group,
+                                                                   "reading on every rank"))):
+        try:
+            call()
+            out[name] = "returned"
+        except KeyboardInterrupt:
+            out[name] = "KeyboardInterrupt"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    out["interrupt_after"] = from_every_rank(lambda: rank, group, "every rank's value after the interrupts")
     return out
 
 
@@ -374,3 +390,8 @@ def test_from_rank_and_from_every_rank_give_every_rank_the_values_or_the_failure
     assert results[0]["every_error"] == results[1]["every_error"]
     assert results[0]["unpicklable"] == results[1]["unpicklable"] and "a lock" in results[0]["unpicklable"][1]
     assert [r["unpicklable_after"] for r in results] == [1, 1]
+    for key, what in (("interrupt", "reading on rank 1"), ("every_interrupt", "reading on every rank")):
+        assert results[1][key] == "KeyboardInterrupt", results[1][key]
+        assert results[0][key].startswith("Cpuckpt") and what in results[0][key] and "KeyboardInterrupt" in \
+            results[0][key], results[0][key]
+    assert [r["interrupt_after"] for r in results] == [[0, 1], [0, 1]]
