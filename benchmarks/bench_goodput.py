@@ -16,7 +16,7 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
 ``mem8snap``      ``mem8`` with the device snapshot
 
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
-``+nocrc`` (``memory.checksum: false``: no crc32c of the images), ``+bsum`` (``memory.checksum_kind: blocksum64``:
+``+nocrc`` (``memory.checksum: false``: no crc32c of the images), ``+bsum`` (``memory.checksum_kind: blocksum32``:
 with a device snapshot and the copy process, the device bytes summed on the GPU), ``+io<N>`` (``io.threads: N``: the
 copy process's checksum threads, and the writer's and the trainer's I/O and staging pools), ``+copyproc``
 (``memory.copy_process: true``: the checksums, and with a device snapshot the D2H copies, in a process of ours),
@@ -179,7 +179,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
         if change == "nocrc":
             memory["checksum"] = False
         elif change == "bsum":
-            memory["checksum_kind"] = "blocksum64"
+            memory["checksum_kind"] = "blocksum32"
         elif change == "copyproc":
             memory["copy_process"] = True
         elif change == "host":

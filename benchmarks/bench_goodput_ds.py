@@ -17,7 +17,7 @@ fresh process (``--train``: one rank, ZeRO-1, bf16, ``torch_adam``, the GPT of `
               ours (CUDA IPC), none in the trainer's (with ``+snap``: the engine Megatron-LM's goodput measured best)
 ``+nocrc``    ``memory.checksum: false``: no crc32c of the memory saves (what reading every image back costs the
               training beside it; Megatron-LM's save every iteration: ~19 ms per save over six pairs, session 41)
-``+bsum``     ``memory.checksum_kind: blocksum64``: with ``+snap+copyproc`` the device bytes' share of the checksums
+``+bsum``     ``memory.checksum_kind: blocksum32``: with ``+snap+copyproc`` the device bytes' share of the checksums
               summed on the GPU, the rest by the copy process (no read of every image back)
 
 The trainer prints one line per iteration (``iteration N/M | elapsed time per iteration (ms): ... | at T s |``, the
@@ -81,7 +81,7 @@ def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict
         if "nocrc" in mods:
             out["memory"]["checksum"] = False
         if "bsum" in mods:
-            out["memory"]["checksum_kind"] = "blocksum64"
+            out["memory"]["checksum_kind"] = "blocksum32"
     if "snap" in mods:
         out["staging"] = {"device_snapshot": True}
     return out

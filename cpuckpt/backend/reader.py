@@ -5,7 +5,7 @@ pickled code) -> ``set_up_storage_reader`` -> ``prepare_local_plan``/``prepare_g
 (unchanged) -> ``read_data(plan, planner)``.
 
 Checkpoints with a cpuckpt manifest are read by file chunk: each worker thread preads one chunk
-(aligned, so O_DIRECT works) into a slot, verifies its checksum (the manifest's kind: crc32c or blocksum64),
+(aligned, so O_DIRECT works) into a slot, verifies its checksum (the manifest's kind: crc32c or blocksum32),
 and scatters the bytes into the destinations (``integrity.verify: sample`` checks a random share of the chunks
 on each load). With ``integrity.verify: off`` byte ranges are read straight into the destination tensor.
 A destination that cannot take raw bytes (another dtype, a non-contiguous rectangle of a resharded load, a

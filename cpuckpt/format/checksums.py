@@ -3,13 +3,14 @@
 Two kinds (docs/FORMAT.md §3.5):
 
 - ``crc32c``: CRC-32C of the chunk's bytes; what every writer records for the files it writes.
-- ``blocksum64``: the chunk zero-padded to whole 4096-byte blocks, read as signed little-endian int32 words;
-  block ``b``'s word sum ``s_b`` weighted by ``b + 1``; the total mod 2**64. One reduction, so a GPU can compute it
-  over device bytes where a CRC would be a serial scan; additive over disjoint byte ranges (:func:`blocksum64` with
-  ``offset``), so the few bytes of a chunk written by the host and its device bytes are summed apart. The block
-  weights make swapping two blocks with different sums change the value, which a plain word sum would miss.
+- ``blocksum32``: the chunk zero-padded to whole 4096-byte blocks, read as little-endian 32-bit words; block ``b``'s
+  word sum ``s_b`` (mod 2**32) weighted by ``2b + 1``; the total mod 2**32. Linear mod 2**32 in every byte, so it is
+  additive over disjoint byte ranges (:func:`blocksum32` with ``offset``): the bytes of a chunk written by the host
+  and its device bytes are summed apart. A GPU sums the blocks in 32-bit integers, with no wider copy of the data
+  (a sum in 64 bits made torch convert every word first: twice the data's size in device memory). The odd weights
+  make every single changed byte change the value, and swapping two blocks with different sums usually does.
 
-numpy is imported on the first :func:`blocksum64` only: the memory tier's writer process imports this module and
+numpy is imported on the first :func:`blocksum32` only: the memory tier's writer process imports this module and
 starts in a fraction of a second when it never meets the kind.
 """
 
@@ -19,15 +20,15 @@ from typing import Any, Protocol
 
 import crc32c
 
-__all__ = ["BLOCKSUM64", "CRC32C", "KINDS", "blocksum64", "chunk_checksum", "verifiable"]
+__all__ = ["BLOCKSUM32", "CRC32C", "KINDS", "blocksum32", "chunk_checksum", "verifiable"]
 
 CRC32C = "crc32c"
-BLOCKSUM64 = "blocksum64"
-KINDS = (CRC32C, BLOCKSUM64)  # the kinds a reader verifies; anything else ("none", a newer writer's) is not
+BLOCKSUM32 = "blocksum32"
+KINDS = (CRC32C, BLOCKSUM32)  # the kinds a reader verifies; anything else ("none", a newer writer's) is not
 
 BLOCK_BYTES = 4096
 _WORDS = BLOCK_BYTES // 4
-_MASK = (1 << 64) - 1
+_MASK = (1 << 32) - 1
 
 
 class _Checksummed(Protocol):
@@ -48,25 +49,24 @@ def chunk_checksum(kind: str, data: Any) -> int:
     """
     if kind == CRC32C:
         return crc32c.crc32c(data)
-    if kind == BLOCKSUM64:
-        return blocksum64(data)
+    if kind == BLOCKSUM32:
+        return blocksum32(data)
     raise ValueError(f"unknown chunk checksum kind {kind!r} (known: {', '.join(KINDS)})")
 
 
-def blocksum64(data: Any, offset: int = 0) -> int:
-    """The blocksum64 contribution of the bytes ``data`` lying at byte ``offset`` of a chunk (every other byte zero).
+def blocksum32(data: Any, offset: int = 0) -> int:
+    """The blocksum32 contribution of the bytes ``data`` lying at byte ``offset`` of a chunk (every other byte zero).
 
-    With ``offset`` 0 and the whole chunk, the chunk's blocksum64. The contributions of any partition of a chunk
-    into byte ranges, summed mod 2**64, are the chunk's: a signed int32 word is ``sum_{k<3} u8(b_k) * 256**k +
-    i8(b_3) * 2**24``, each byte's part its own, so a range may start or end inside a word. Whole aligned blocks
-    are reduced in place by numpy (which releases the GIL); only the partial blocks at the two edges are copied,
-    zero-padded, each at most one block.
+    With ``offset`` 0 and the whole chunk, the chunk's blocksum32. The contributions of any partition of a chunk
+    into byte ranges, summed mod 2**32, are the chunk's (each byte's part is ``u8 * 256**(position % 4) * (2b + 1)``,
+    its own), so a range may start or end inside a word. Whole aligned blocks are reduced in place by numpy (which
+    releases the GIL); only the partial blocks at the two edges are copied, zero-padded, each at most one block.
 
     Raises:
         ValueError: ``offset`` is negative.
     """
     if offset < 0:
-        raise ValueError(f"blocksum64 offset {offset} is negative")
+        raise ValueError(f"blocksum32 offset {offset} is negative")
     import numpy as np  # here, not at the top: see the module docstring
 
     view = memoryview(data).cast("B")
@@ -80,11 +80,11 @@ def blocksum64(data: Any, offset: int = 0) -> int:
     nblocks = (n - lo) // BLOCK_BYTES
     if nblocks:
         first = (offset + lo) // BLOCK_BYTES
-        words = np.frombuffer(view, dtype="<i4", count=nblocks * _WORDS, offset=lo).reshape(nblocks, _WORDS)
-        sums = words.sum(axis=1, dtype=np.int64)  # |sum| < 2**41: exact
-        weights = np.arange(first + 1, first + 1 + nblocks, dtype=np.int64)
-        # int64 array arithmetic wraps mod 2**64: the low 64 bits, which are all the checksum keeps
-        total += int((sums * weights).sum(dtype=np.int64))
+        words = np.frombuffer(view, dtype="<u4", count=nblocks * _WORDS, offset=lo).reshape(nblocks, _WORDS)
+        sums = words.sum(axis=1, dtype=np.uint64) & np.uint64(_MASK)  # s_b mod 2**32 (< 2**42 before: exact)
+        weights = 2 * np.arange(first, first + nblocks, dtype=np.uint64) + np.uint64(1)
+        # uint64 array arithmetic wraps mod 2**64, a multiple of 2**32: the low 32 bits stay exact
+        total += int((sums * weights).sum(dtype=np.uint64))
         lo += nblocks * BLOCK_BYTES
     if lo < n:
         total += _partial_block(np, view[lo:], offset + lo)
@@ -96,4 +96,4 @@ def _partial_block(np: Any, piece: Any, offset: int) -> int:
     block, at = divmod(offset, BLOCK_BYTES)
     buf = np.zeros(BLOCK_BYTES, dtype=np.uint8)
     buf[at:at + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
-    return (block + 1) * int(buf.view("<i4").sum(dtype=np.int64))
+    return (2 * block + 1) * int(buf.view("<u4").sum(dtype=np.uint64))

@@ -12,7 +12,7 @@ few host bytes of the files (record skeletons); this rank's copy process, starte
    process's copies do not queue ahead of the trainer's own device-to-host reads: the floor tool's
    ``ipc_d2h``),
 3. computes each chunk's checksum from the image once that chunk's copy completed, on its own threads
-   (crc32c; or blocksum64, ``memory.checksum_kind``, of the bytes its copies do not write when the trainer
+   (crc32c; or blocksum32, ``memory.checksum_kind``, of the bytes its copies do not write when the trainer
    summed the device bytes on the GPU),
 
 and replies ``copied`` (the snapshot buffer may be reused) then ``done`` with the checksums, which the
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from cpuckpt.errors import StagingError
-from cpuckpt.format.checksums import BLOCKSUM64, KINDS, blocksum64, chunk_checksum
+from cpuckpt.format.checksums import BLOCKSUM32, KINDS, blocksum32, chunk_checksum
 from cpuckpt.tier import pinning
 
 __all__ = ["CopyProcess", "ImageDesc", "RemoteSave", "main"]
@@ -215,7 +215,7 @@ class CopyProcess:
         orders every description sent), ``chunks`` (file index, offset, bytes) in order, ``checksum`` their kind
         (:mod:`cpuckpt.format.checksums`; empty: none); with ``buffer`` (the device snapshot, a uint8 CUDA
         tensor), ``ready`` (an interprocess CUDA event after the snapshot) and ``ops`` (:data:`OP_FIELDS` int64 per
-        copy), the copies too; ``host_share`` (blocksum64): each chunk's sum leaves out the bytes the copies write
+        copy), the copies too; ``host_share`` (blocksum32): each chunk's sum leaves out the bytes the copies write
         (the trainer summed them on the GPU).
 
         Raises:
@@ -668,7 +668,7 @@ class _Worker:
             self.drain()  # no copy of it still lands: the trainer may reuse the snapshot buffer
             self.reply(("error", save_id, f"failed: {type(e).__name__}: {e}"))
             return
-        skip = copied if host_share and checksum == BLOCKSUM64 else None
+        skip = copied if host_share and checksum == BLOCKSUM32 else None
         self.waiters.submit(self.finish, save_id, images, chunks, checksum, events, copy is not None, skip)
 
     def enqueue(self, images: list, chunks: list, copy: tuple, copied: list[list[tuple[int, int]]]) -> list[Any]:
@@ -720,7 +720,7 @@ class _Worker:
     def finish(self, save_id: int, images: list, chunks: list, checksum: str, events: list[Any],
                copies: bool, skip: list[list[tuple[int, int]]] | None) -> None:
         """Checksums as each chunk's copy completes; ``copied`` after the last copy, then ``done``. ``skip``
-        (blocksum64's host share): per chunk the file ranges whose bytes are left out of its sum."""
+        (blocksum32's host share): per chunk the file ranges whose bytes are left out of its sum."""
 
         def crc(k: int) -> int:
             if events[k] is not None:
@@ -731,7 +731,7 @@ class _Worker:
             with images[f].view()[off : off + nb] as view:
                 if skip is None:
                     return chunk_checksum(checksum, view)
-                return blocksum64_except(view, off, skip[k])
+                return blocksum32_except(view, off, skip[k])
 
         try:
             futures = [self.pool.submit(crc, k) for k in range(len(chunks))]
@@ -766,20 +766,20 @@ class _Worker:
         self.buffers.clear()
 
 
-def blocksum64_except(view: memoryview, offset: int, ranges: Sequence[tuple[int, int]]) -> int:
-    """blocksum64 of the chunk ``view`` (at file offset ``offset``) without the bytes of ``ranges`` ((file offset,
+def blocksum32_except(view: memoryview, offset: int, ranges: Sequence[tuple[int, int]]) -> int:
+    """blocksum32 of the chunk ``view`` (at file offset ``offset``) without the bytes of ``ranges`` ((file offset,
     bytes), within the chunk): the host-written bytes' share, which the device bytes' share completes."""
     total, cursor, end = 0, offset, offset + len(view)
     for start, nbytes in sorted(ranges):
         if start > cursor:
-            total += blocksum64(view[cursor - offset : start - offset], cursor - offset)
+            total += blocksum32(view[cursor - offset : start - offset], cursor - offset)
         cursor = max(cursor, start + nbytes)
     if cursor < end:
-        total += blocksum64(view[cursor - offset :], cursor - offset)
-    return total & _MASK64
+        total += blocksum32(view[cursor - offset :], cursor - offset)
+    return total & _MASK32
 
 
-_MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
 
 
 def _exit_late(close_s: float) -> None:

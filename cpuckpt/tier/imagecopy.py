@@ -1,6 +1,6 @@
 """An image's bytes to durable storage: the memory tier's writer process copies each data file of a memory
 checkpoint through the file backends, checksumming every chunk on the way and comparing it with the memory
-checkpoint's checksums when it has them (of their kind: crc32c or blocksum64), so a RAM page damaged after the
+checkpoint's checksums when it has them (of their kind: crc32c or blocksum32), so a RAM page damaged after the
 save is never made durable. The durable copy records crc32c, whatever kind the memory checkpoint used.
 
 Writer side only: nothing here imports torch (the writer process starts in a fraction of a second).
@@ -61,10 +61,10 @@ def persist_image(src: str | os.PathLike, dst: str | os.PathLike, cfg: Config, *
     ``io.fsync``). The caller fsyncs ``dst``'s directory once its files are written.
 
     ``expect`` is ``src``'s entry in the memory checkpoint's manifest: when it records checksums per chunk
-    (``memory.checksum``; crc32c or blocksum64), every chunk's checksum of that kind is compared with it after
+    (``memory.checksum``; crc32c or blocksum32), every chunk's checksum of that kind is compared with it after
     it is read and before it is written (its ``chunk_bytes`` is then the unit), so bytes damaged in RAM since
-    the memory commit never reach ``dst`` whole; the caller must not commit ``dst`` after an error. A blocksum64
-    memory entry costs a second pass over each chunk (blocksum64 to compare, crc32c to record). Between reading
+    the memory commit never reach ``dst`` whole; the caller must not commit ``dst`` after an error. A blocksum32
+    memory entry costs a second pass over each chunk (blocksum32 to compare, crc32c to record). Between reading
     a chunk and writing it, each task passes the fault point ``persist-chunk:<dst name>:<chunk index>``.
 
     Raises:

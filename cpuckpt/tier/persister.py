@@ -398,7 +398,7 @@ def _commit_files(req: PersistRequest, cfg: Config, dest: Path, slot: Path, dead
 
 
 def _durable_marker(marker: bytes, parts: list[Path], dest: Path) -> bytes:
-    """The slot's marker for the durable copy: a file whose memory checksums are not crc32c (blocksum64, which a
+    """The slot's marker for the durable copy: a file whose memory checksums are not crc32c (blocksum32, which a
     GPU can sum) records the checksums its persist computed instead (every rank's part), as a durable checkpoint's
     manifest does, so that a release that knows crc32c only verifies it; the marker is otherwise the slot's."""
     data = json.loads(marker)

@@ -3,7 +3,7 @@
 ``tier.persister`` runs the same steps for a directory and for a prefix; here are the steps that differ. A slot's
 image is uploaded as one multipart upload per file, its chunks (the memory manifest's ``chunk_bytes``, the unit
 its checksums were computed in) the parts, read straight from the mapped image and compared with the memory
-manifest's checksums (of their kind: crc32c or blocksum64) before they leave (:func:`persist_image_s3`; the
+manifest's checksums (of their kind: crc32c or blocksum32) before they leave (:func:`persist_image_s3`; the
 durable entries record crc32c); a rank's part of the manifest is an object, and the coordinator's writer
 commits with ``backend.s3commit.S3Target`` (``.metadata`` last, by a conditional PUT). Nothing here runs
 collectives: the writers of a save meet only through the objects.
@@ -48,8 +48,8 @@ part_save_id = s3commit.manifest_save_id  # the save a rank's manifest part obje
 
 def persist_image_s3(src: Path, url: S3Url, store: ObjectStore, cfg: Config, *, expect: FileEntry) -> FileEntry:
     """Upload the memory image ``src`` to the object ``url``, each chunk checked against ``expect`` first (its
-    kind: crc32c or blocksum64). The entry returned records crc32c when ``expect`` is of a kind known here (a
-    blocksum64 one: both computed per chunk), else ``expect``'s kind without checksums.
+    kind: crc32c or blocksum32). The entry returned records crc32c when ``expect`` is of a kind known here (a
+    blocksum32 one: both computed per chunk), else ``expect``'s kind without checksums.
 
     Raises:
         CheckpointCorrupt: ``src`` does not match its memory manifest (size, chunk count, a checksum).

@@ -11,7 +11,7 @@ adds two hidden files to each tag directory it writes (stock DeepSpeed, ``zero_t
 - ``.cpuckpt-complete.json`` (the *marker*): written by rank 0 once every rank's files are durable,
   via tmp + fsync + rename + directory fsync, before ``latest`` moves. It lists every file (path
   relative to the tag directory, the rank that wrote it, its size, per-chunk checksums (crc32c when
-  ``integrity.checksum`` is crc32c; a memory slot's may be blocksum64)), the world size, the tag and the global
+  ``integrity.checksum`` is crc32c; a memory slot's may be blocksum32)), the world size, the tag and the global
   step.
 
 A tag is *complete* when its marker parses and every listed file has its listed size (in a memory slot across

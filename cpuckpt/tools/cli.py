@@ -253,7 +253,7 @@ def inspect_cmd(path: Any, as_json: bool, tensors: bool) -> None:
 def verify_cmd(path: Any) -> None:
     """Read every byte of the checkpoint at PATH (a directory, or an s3:// prefix) and check it.
 
-    cpuckpt checkpoints: every chunk's checksum (crc32c or blocksum64) against the manifest, file sizes, record
+    cpuckpt checkpoints: every chunk's checksum (crc32c or blocksum32) against the manifest, file sizes, record
     bounds. DeepSpeed tags written by cpuckpt's engine: every file's size and chunks' checksums against the tag's
     marker.
     Stock DCP checkpoints: every record's zip CRCs, and every tensor record must load. Exit code 1

@@ -2,7 +2,7 @@
 
 For a cpuckpt checkpoint, ``.metadata``'s crc32c is compared with the one the manifest records
 (format 2 on), every chunk of every file in the manifest is read and its checksum (of the entry's kind:
-crc32c or blocksum64) compared with the manifest, every file's size with the manifest's, and every
+crc32c or blocksum32) compared with the manifest, every file's size with the manifest's, and every
 ``.metadata`` record must lie inside a listed file. For a stock DCP checkpoint (no manifest) every record is
 read and must load: its zip CRCs are checked and a tensor record is loaded with
 ``torch.load(weights_only=True)``; a non-tensor record that ``weights_only`` refuses (an arbitrary pickled

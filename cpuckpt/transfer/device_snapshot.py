@@ -46,7 +46,7 @@ class DeviceSnapshot:
     # slices took ~2 ms of the trainer's thread on the 2-core box), and its sources then lie where they did
     # (OffloadProgram.ops)
     views: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
-    weights: torch.Tensor | None = None  # blocksum64's block weights 1..blocks per chunk (mirrored saves)
+    weights: torch.Tensor | None = None  # blocksum32's block weights 2b + 1 per chunk (mirrored saves)
     mirror: Mirror | None = None  # the layout of the last save into it when mirrored (None: packed)
 
 
@@ -55,7 +55,7 @@ class Mirror:
     """Where a save's device sources lie in its files, for a snapshot laid out as the files are: each file at
     ``bases[f]`` of the buffer (a multiple of ``chunk_bytes``), each source at its file's base plus its data's file
     offset (``places[i]``: (file position, offset), one per device source in order), zeros elsewhere. Then one
-    reduction over the buffer gives the device bytes' share of every chunk's blocksum64 (:mod:`cpuckpt.format.
+    reduction over the buffer gives the device bytes' share of every chunk's blocksum32 (:mod:`cpuckpt.format.
     checksums`), in the save's chunk order, without a byte read back on the host."""
 
     places: tuple[tuple[int, int], ...]
@@ -64,18 +64,18 @@ class Mirror:
     chunk_bytes: int
 
 
-BLOCK_BYTES = 4096  # blocksum64's block
+BLOCK_BYTES = 4096  # blocksum32's block
 
 
 def device_chunk_sums(buffer: torch.Tensor, mirror: Mirror, weights: torch.Tensor) -> torch.Tensor:
-    """The device bytes' share of each chunk's blocksum64 (int64, modulo 2**64), for a buffer laid out as
-    ``mirror`` says (zeros where the files hold host bytes): block sums of its int32 words, weighted by their block's
-    position in its chunk (``weights``: 1..blocks per chunk), summed per chunk. Three kernels, on the current stream;
-    exact on any device (int64 arithmetic wraps modulo 2**64, as the definition's sum does)."""
+    """The device bytes' share of each chunk's blocksum32 (int64; the caller keeps it mod 2**32), for a buffer laid
+    out as ``mirror`` says (zeros where the files hold host bytes): block sums of its 32-bit words in 32-bit integers
+    (no wider copy of the buffer: a sum in 64 bits made torch convert every word first), weighted by their block's
+    position in its chunk (``weights``: 2b + 1, int64) and summed per chunk, exactly (under 2**58)."""
     per_chunk = mirror.chunk_bytes // BLOCK_BYTES
     words = buffer[: mirror.nbytes].view(torch.int32).view(-1, BLOCK_BYTES // 4)
-    blocks = words.sum(dim=1, dtype=torch.int64)
-    return (blocks.view(-1, per_chunk) * weights).sum(dim=1)
+    blocks = words.sum(dim=1, dtype=torch.int32)  # mod 2**32, as the definition's s_b
+    return (blocks.view(-1, per_chunk).to(torch.int64) * weights).sum(dim=1)
 
 
 class DeviceSnapshots:
@@ -192,7 +192,7 @@ def _free(buffers: list[DeviceSnapshot]) -> None:
 
 def device_share(snap: DeviceSnapshot, stream: Any) -> torch.Tensor | None:
     """Enqueue on ``stream``, after the snapshot's copy into ``snap`` (a mirrored one: ``snap.mirror``), the device
-    bytes' share of each chunk's blocksum64 (:func:`device_chunk_sums`), copied into pinned host memory: read it once
+    bytes' share of each chunk's blocksum32 (:func:`device_chunk_sums`), copied into pinned host memory: read it once
     an event recorded on ``stream`` after this call completed. None for a packed snapshot. Enqueued after the event
     the trainer's stream waits for (the snapshot's copy), so the trainer never waits for the sums."""
     mirror = snap.mirror
@@ -201,7 +201,7 @@ def device_share(snap: DeviceSnapshot, stream: Any) -> torch.Tensor | None:
     per_chunk = mirror.chunk_bytes // BLOCK_BYTES
     with torch.cuda.stream(stream):
         if snap.weights is None or snap.weights.numel() != per_chunk:
-            snap.weights = torch.arange(1, per_chunk + 1, dtype=torch.int64, device=snap.buffer.device)
+            snap.weights = 2 * torch.arange(per_chunk, dtype=torch.int64, device=snap.buffer.device) + 1
         on_device = device_chunk_sums(snap.buffer, mirror, snap.weights)
         sums = torch.empty(on_device.numel(), dtype=torch.int64, pin_memory=True)
         sums.copy_(on_device, non_blocking=True)

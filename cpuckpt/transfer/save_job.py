@@ -34,7 +34,7 @@ import torch
 
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError, is_interrupt
-from cpuckpt.format.checksums import BLOCKSUM64, chunk_checksum
+from cpuckpt.format.checksums import BLOCKSUM32, chunk_checksum
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.device_snapshot import BLOCK_BYTES, DeviceSnapshot, DeviceSnapshots, Mirror, device_share
@@ -57,7 +57,7 @@ from cpuckpt.transfer.tracing import nvtx_range
 __all__ = ["SaveJob", "choose_mode"]
 
 _T = TypeVar("_T")
-_MASK64 = (1 << 64) - 1  # blocksum64 is a sum modulo 2**64
+_MASK32 = (1 << 32) - 1  # blocksum32 is a sum modulo 2**32
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class SaveJob:
         # staging.device_snapshot: the save stream's device buffers (none given: this job's own)
         self.snapshots = snapshots if snapshots is not None else DeviceSnapshots()
         self._snapshot: DeviceSnapshot | None = None  # staging.device_snapshot: the device buffer it copied into
-        # blocksum64 of a mirrored snapshot's device bytes per chunk (pinned, int64), summed on the GPU
+        # blocksum32 of a mirrored snapshot's device bytes per chunk (pinned, int64), summed on the GPU
         self._device_sums: torch.Tensor | None = None
         self._sums_done: Any = None  # the CUDA event after their copy to the host
         self._offloaded = False  # the sink's process copies and checksums this save (Sink.submit_offload)
@@ -251,7 +251,7 @@ class SaveJob:
                 offloading = self.sink.offloads and not any(
                     s is not None and s.is_cuda and s.device != device for s in self.sources)
                 mirror = self._mirror if offloading and self.sink.checksum and (
-                    self.sink.checksum_kind == BLOCKSUM64) else None
+                    self.sink.checksum_kind == BLOCKSUM32) else None
                 self.sources, self._snapshot = self.snapshots.snapshot_sources(
                     self.sources, device, copier.stream, torch.cuda.current_stream(device), mirror=mirror)
                 fence.event = copier.record()  # what the trainer's next writes wait for: the copy, not the sums
@@ -266,6 +266,9 @@ class SaveJob:
             except BaseException:
                 for slot in slots:
                     source.release(slot)
+                if self._snapshot is not None:  # never handed over: free for the next save once our stream is past it
+                    release_snapshot(self._snapshot, copier.record())
+                    self._snapshot = None
                 raise
         if self.cfg.staging.d2h_window_bytes and self._chunks:
             # Paced from the trainer's thread (transfer.pacing): the copies overlap its next steps, a piece
@@ -295,7 +298,7 @@ class SaveJob:
 
     def _mirror(self, idx: list[int]) -> Mirror | None:
         """The files' places of device sources ``idx`` for a snapshot laid out as the files are, or None (logged
-        once per stream): a source's bytes are not one run of one file; chunks are not whole blocksum64 blocks; or
+        once per stream): a source's bytes are not one run of one file; chunks are not whole blocksum32 blocks; or
         the files take more than twice the device bytes (CPU tensors in the state: GPU memory for host bytes). The
         copy process then sums whole chunks on the host. Kept by the save stream while the layouts' geometry (their
         chunk lists, shared by every save of one plan) and the sources' sizes repeat."""
@@ -309,7 +312,7 @@ class SaveJob:
         if mirror is None:
             if not self.snapshots.mirror_refused:
                 self.snapshots.mirror_refused = True
-                logger.info("rank %d: memory checksums (blocksum64) summed on the host, not on the GPU: %s",
+                logger.info("rank %d: memory checksums (blocksum32) summed on the host, not on the GPU: %s",
                             self.rank, why)
             return None
         self.snapshots.mirrors.clear()  # one stream of saves repeats one layout
@@ -385,12 +388,13 @@ class SaveJob:
             release_snapshot(snap, copier.record())  # the next save's snapshot waits for this one's copy
             raise
         self._offloaded = True
-        remote.copied.add_done_callback(lambda fut: self._offload_copied(snap, fut))
+        remote.copied.add_done_callback(lambda fut: self._offload_copied(snap, ready, fut))
         remote.done.add_done_callback(self._offload_done)
 
-    def _offload_copied(self, snap: DeviceSnapshot, fut: cf.Future) -> None:
-        """The process's copies out of the snapshot ended (or it failed with none still running)."""
-        release_snapshot(snap, None)
+    def _offload_copied(self, snap: DeviceSnapshot, ready: Any, fut: cf.Future) -> None:
+        """The process's copies out of the snapshot ended (or it failed with none still running): the buffer is free
+        once ``ready`` (after everything this process's stream did with it: the copy in, the sums) completed."""
+        release_snapshot(snap, ready)
         if fut.exception() is None:
             self._mark_staged()
 
@@ -412,7 +416,7 @@ class SaveJob:
         if self._device_sums is None:
             self._crcs = [list(c) for c in crcs]
             return
-        # blocksum64 of the host bytes (the process's) plus that of the device bytes (the GPU's, summed after the
+        # blocksum32 of the host bytes (the process's) plus that of the device bytes (the GPU's, summed after the
         # snapshot; its event ended before the process's copies began, as they wait for the later ``ready``)
         if self._sums_done is not None:
             self._sums_done.synchronize()
@@ -421,7 +425,7 @@ class SaveJob:
             raise StagingError(f"the device share of the checksums has {len(device)} values for {len(self._chunks)} "
                                "chunks")
         shares = iter(device)
-        self._crcs = [[(v + next(shares)) & _MASK64 for v in c] for c in crcs]
+        self._crcs = [[(v + next(shares)) & _MASK32 for v in c] for c in crcs]
 
     def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot],
                           each: Callable[[tuple[int, Any]], object] | None) -> Any:

@@ -44,7 +44,7 @@ class DeviceCopies:
     buffer: torch.Tensor
     ready: Any
     ops: array
-    # blocksum64: the device bytes' share is summed on the GPU (SaveJob), the sink sums only the rest of each chunk
+    # blocksum32: the device bytes' share is summed on the GPU (SaveJob), the sink sums only the rest of each chunk
     host_share: bool = False
 
 
@@ -77,7 +77,7 @@ class Sink(Protocol):
     Attributes:
         name: what the statistics call it (the file backend's name, ``image``).
         checksum: the engine computes each chunk's checksum before ``write``.
-        checksum_kind: which one (:mod:`cpuckpt.format.checksums`): crc32c, or blocksum64 (the memory tier's).
+        checksum_kind: which one (:mod:`cpuckpt.format.checksums`): crc32c, or blocksum32 (the memory tier's).
         holds_every_chunk: its slots are the destination itself (one per chunk, nothing to recycle):
             the save is staged as a snapshot whatever the pool size.
         write_as_copied: GPU chunks are handed over as soon as their own copy completed, overlapping

@@ -19,7 +19,7 @@ import torch
 import cpuckpt
 from cpuckpt.backend.committed import read_manifest
 from cpuckpt.errors import CheckpointCorrupt
-from cpuckpt.format.checksums import blocksum64
+from cpuckpt.format.checksums import blocksum32
 from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.transfer import device_snapshot
 
@@ -61,12 +61,12 @@ def _check(path: Path, step: int, kind: str = "crc32c") -> None:
         assert entry.checksum == kind and entry.chunk_checksums
         for k, crc in enumerate(entry.chunk_checksums):
             chunk = data[k * entry.chunk_bytes : (k + 1) * entry.chunk_bytes]
-            assert crc == (crc32c.crc32c(chunk) if kind == "crc32c" else blocksum64(chunk)), (entry.name, k)
+            assert crc == (crc32c.crc32c(chunk) if kind == "crc32c" else blocksum32(chunk)), (entry.name, k)
 
 
-@pytest.mark.parametrize("kind", ["crc32c", "blocksum64"])
+@pytest.mark.parametrize("kind", ["crc32c", "blocksum32"])
 def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_path, monkeypatch, kind):
-    summed = []  # blocksum64: the device bytes' share is summed on the GPU, from the mirrored snapshot
+    summed = []  # blocksum32: the device bytes' share is summed on the GPU, from the mirrored snapshot
     real = device_snapshot.device_chunk_sums
     monkeypatch.setattr(device_snapshot, "device_chunk_sums", lambda *a: summed.append(1) or real(*a))
     tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path / "ram", checksum_kind=kind))
@@ -80,15 +80,15 @@ def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_pat
             pending.wait()
             _check(tier.find_latest(), step, kind)
         assert tier.copier is not None and tier.copier.pid is not None
-        assert len(summed) == (4 if kind == "blocksum64" else 0)
+        assert len(summed) == (4 if kind == "blocksum32" else 0)
         # another structure into the same buffers (a new layout: the buffer zeroed again), an empty GPU tensor in it
         other = {**_state(5), "extra": torch.ones(5000, device="cuda"), "empty": torch.empty(0, device="cuda")}
         tier.save(other, 5).wait()
         out = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else -1) for k, v in other.items()}
         cpuckpt.load(out, tier.find_latest())
         assert all(torch.equal(out[k].cpu(), v.cpu()) for k, v in other.items() if isinstance(v, torch.Tensor))
-        assert len(summed) == (5 if kind == "blocksum64" else 0)
-        if kind == "blocksum64":  # a byte changed in RAM after the commit: the load says so
+        assert len(summed) == (5 if kind == "blocksum32" else 0)
+        if kind == "blocksum32":  # a byte changed in RAM after the commit: the load says so
             latest = tier.find_latest()
             entry = next(iter(read_manifest(latest).files.values()))
             with open(latest / entry.name, "r+b") as f:

@@ -1,8 +1,8 @@
-"""Checkpoints whose manifest records blocksum64 chunk checksums: every reader and verifier of chunk checksums
+"""Checkpoints whose manifest records blocksum32 chunk checksums: every reader and verifier of chunk checksums
 takes them as it takes crc32c (load, ``cpuckpt verify``, the DeepSpeed tag check; the writer's persist:
 test_blocksum_persist.py).
 
-A blocksum64 checkpoint is made by saving normally (crc32c) and rewriting the manifest's entries to blocksum64 with
+A blocksum32 checkpoint is made by saving normally (crc32c) and rewriting the manifest's entries to blocksum32 with
 values recomputed from the data files (``faults.rewrite_manifest``: the manifest's own crc32c made anew), as a
 memory save whose chunks were summed on the GPU would record them.
 """
@@ -20,7 +20,7 @@ import cpuckpt
 from cpuckpt.backend import reader as reader_mod
 from cpuckpt.backend.committed import read_manifest
 from cpuckpt.errors import CheckpointCorrupt
-from cpuckpt.format.checksums import blocksum64
+from cpuckpt.format.checksums import blocksum32
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.testing import faults
 from cpuckpt.tier.tagmarker import TagFile, verify_files
@@ -41,15 +41,15 @@ def _blank() -> dict:
 
 
 def _sums(data: bytes, chunk: int) -> list[int]:
-    return [blocksum64(memoryview(data)[o:o + chunk]) for o in range(0, len(data), chunk)]
+    return [blocksum32(memoryview(data)[o:o + chunk]) for o in range(0, len(data), chunk)]
 
 
 def _to_blocksum(path: Path) -> None:
-    """Rewrite the committed manifest at ``path``: every file's chunks summed with blocksum64."""
+    """Rewrite the committed manifest at ``path``: every file's chunks summed with blocksum32."""
 
     def edit(raw: dict) -> None:
         for name, e in raw["files"].items():
-            e["checksum"] = "blocksum64"
+            e["checksum"] = "blocksum32"
             e["chunk_checksums"] = _sums((path / name).read_bytes(), e["chunk_bytes"])
 
     faults.rewrite_manifest(path, edit)
@@ -69,13 +69,13 @@ def ckpt(tmp_path: Path) -> Path:
     cpuckpt.save(_state(), path, CFG, step=7)
     _to_blocksum(path)
     m = read_manifest(path)
-    assert m is not None and m.files and all(e.checksum == "blocksum64" for e in m.files.values())
+    assert m is not None and m.files and all(e.checksum == "blocksum32" for e in m.files.values())
     assert any(len(e.chunk_checksums) > 1 for e in m.files.values())
     return path
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["pread", "mapped"])
-def test_a_blocksum64_checkpoint_loads_and_a_flipped_byte_is_refused(ckpt, monkeypatch, mapped):
+def test_a_blocksum32_checkpoint_loads_and_a_flipped_byte_is_refused(ckpt, monkeypatch, mapped):
     monkeypatch.setattr(reader_mod, "in_ram", lambda p: mapped)  # the RAM root's path: chunks checked in the mapping
     state = _blank()
     cpuckpt.load(state, ckpt, CFG)
@@ -85,11 +85,11 @@ def test_a_blocksum64_checkpoint_loads_and_a_flipped_byte_is_refused(ckpt, monke
     name = sorted(read_manifest(ckpt).files)[0]
     _flip(ckpt / name, CHUNK + 4321)  # in chunk 1
     with pytest.raises(CheckpointCorrupt, match=r"checksum mismatch in bytes \[65536, 131072\) \(chunk 1\): "
-                                                r"stored blocksum64"):
+                                                r"stored blocksum32"):
         cpuckpt.load(_blank(), ckpt, CFG)
 
 
-def test_verify_checks_blocksum64_chunks(ckpt):
+def test_verify_checks_blocksum32_chunks(ckpt):
     report = verify_checkpoint(ckpt)
     m = read_manifest(ckpt)
     assert report.ok and not report.unverified and not report.notes, report
@@ -101,7 +101,7 @@ def test_verify_checks_blocksum64_chunks(ckpt):
     _flip(ckpt / name, 2 * CHUNK + 17)  # in chunk 2
     report = verify_checkpoint(ckpt)
     (d,) = report.damage
-    assert (d.file, d.lo, d.hi) == (name, 2 * CHUNK, 3 * CHUNK) and "blocksum64" in d.what, d
+    assert (d.file, d.lo, d.hi) == (name, 2 * CHUNK, 3 * CHUNK) and "blocksum32" in d.what, d
     res = CliRunner().invoke(cli, ["verify", str(ckpt)], catch_exceptions=False)
     assert res.exit_code == 1 and "checksum mismatch in chunk 2" in res.output, res.output
 
@@ -121,16 +121,16 @@ def test_an_unknown_kind_is_not_verifiable_not_damage(ckpt):
     assert torch.equal(state["w"], _state()["w"])
 
 
-def test_a_deepspeed_tag_marker_keeps_blocksum64_and_its_check_uses_it(tmp_path):
+def test_a_deepspeed_tag_marker_keeps_blocksum32_and_its_check_uses_it(tmp_path):
     data = os.urandom(3 * CHUNK + 100)
     (tmp_path / "f.pt").write_bytes(data)
-    entry = FileEntry("f.pt", len(data), CHUNK, "blocksum64", _sums(data, CHUNK))
+    entry = FileEntry("f.pt", len(data), CHUNK, "blocksum32", _sums(data, CHUNK))
     tf = TagFile.of(entry, rank=0)
-    assert (tf.checksum, tf.chunk_checksums) == ("blocksum64", tuple(entry.chunk_checksums))
+    assert (tf.checksum, tf.chunk_checksums) == ("blocksum32", tuple(entry.chunk_checksums))
     from cpuckpt.tier.tagmarker import new_marker
 
     marker = new_marker("global_step1", 1, {"f.pt": tf}, 1)
     assert verify_files(tmp_path, marker) == []
     _flip(tmp_path / "f.pt", CHUNK + 1)
     (problem,) = verify_files(tmp_path, marker)
-    assert "f.pt: checksum mismatch in chunk 1" in problem and "blocksum64" in problem, problem
+    assert "f.pt: checksum mismatch in chunk 1" in problem and "blocksum32" in problem, problem

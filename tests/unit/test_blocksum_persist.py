@@ -1,5 +1,5 @@
-"""The memory tier writer's persist of a memory checkpoint whose manifest records blocksum64: every chunk is
-compared with the memory checksums (blocksum64) before it is written or uploaded, and the durable copy records
+"""The memory tier writer's persist of a memory checkpoint whose manifest records blocksum32: every chunk is
+compared with the memory checksums (blocksum32) before it is written or uploaded, and the durable copy records
 crc32c (``integrity.checksum``), never the memory kind."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointCorrupt, IntegrityError
-from cpuckpt.format.checksums import blocksum64
+from cpuckpt.format.checksums import blocksum32
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import S3Url
 from cpuckpt.tier import s3persist
@@ -23,7 +23,7 @@ CHUNK = 64 * 1024
 
 
 def _sums(data: bytes, chunk: int) -> list[int]:
-    return [blocksum64(memoryview(data)[o:o + chunk]) for o in range(0, len(data), chunk)]
+    return [blocksum32(memoryview(data)[o:o + chunk]) for o in range(0, len(data), chunk)]
 
 
 def _flip(file: Path, at: int) -> None:
@@ -43,10 +43,10 @@ def _image(tmp_path: Path, nbytes: int = 5 * CHUNK + 777) -> tuple[Path, FileEnt
     src.parent.mkdir()
     src.write_bytes(os.urandom(nbytes))
     data = src.read_bytes()
-    return src, FileEntry(src.name, len(data), CHUNK, "blocksum64", _sums(data, CHUNK))
+    return src, FileEntry(src.name, len(data), CHUNK, "blocksum32", _sums(data, CHUNK))
 
 
-def test_persist_image_compares_blocksum64_and_records_crc32c(tmp_path):
+def test_persist_image_compares_blocksum32_and_records_crc32c(tmp_path):
     src, expect = _image(tmp_path)
     data = src.read_bytes()
     (tmp_path / "out").mkdir()
@@ -56,12 +56,12 @@ def test_persist_image_compares_blocksum64_and_records_crc32c(tmp_path):
     assert out.chunk_checksums == [crc32c.crc32c(data[o:o + CHUNK]) for o in range(0, len(data), CHUNK)]
 
     _flip(src, 3 * CHUNK + 5)  # one RAM page damaged after the memory commit
-    with pytest.raises(CheckpointCorrupt, match=r"chunk 3\): recorded blocksum64 .*not persisted") as ei:
+    with pytest.raises(CheckpointCorrupt, match=r"chunk 3\): recorded blocksum32 .*not persisted") as ei:
         persist_image(src, tmp_path / "out" / "bad.distcp", _cfg(), expect=expect)
     assert isinstance(ei.value, IntegrityError) and str(src) in str(ei.value)
 
 
-def test_persist_image_with_blocksum64_and_integrity_checksum_none(tmp_path):
+def test_persist_image_with_blocksum32_and_integrity_checksum_none(tmp_path):
     """The durable copy follows ``integrity.checksum`` (none: no checksums); the memory ones are still compared."""
     src, expect = _image(tmp_path)
     cfg = Config.from_dict({"io": {"chunk_bytes": CHUNK, "backend": "buffered"}, "integrity": {"checksum": "none"}},
@@ -69,7 +69,7 @@ def test_persist_image_with_blocksum64_and_integrity_checksum_none(tmp_path):
     out = persist_image(src, tmp_path / "d", cfg, expect=expect)
     assert out.checksum == "none" and out.chunk_checksums == [0] * 6
     _flip(src, 7)
-    with pytest.raises(CheckpointCorrupt, match=r"chunk 0\): recorded blocksum64"):
+    with pytest.raises(CheckpointCorrupt, match=r"chunk 0\): recorded blocksum32"):
         persist_image(src, tmp_path / "d2", cfg, expect=expect)
 
 
@@ -100,7 +100,7 @@ class _Store:
         self.parts.pop(upload.upload_id, None)
 
 
-def test_persist_to_object_storage_compares_blocksum64_and_records_crc32c(tmp_path, monkeypatch):
+def test_persist_to_object_storage_compares_blocksum32_and_records_crc32c(tmp_path, monkeypatch):
     monkeypatch.setattr(s3persist, "PART_MIN_BYTES", 1)  # 64 KiB parts: S3's 5 MiB minimum is the store's rule
     src, expect = _image(tmp_path)
     data = src.read_bytes()
@@ -112,7 +112,7 @@ def test_persist_to_object_storage_compares_blocksum64_and_records_crc32c(tmp_pa
 
     del store.objects[str(url)]
     _flip(src, 4 * CHUNK + 9)
-    with pytest.raises(CheckpointCorrupt, match=r"chunk 4, blocksum64\) since its memory commit; not persisted"):
+    with pytest.raises(CheckpointCorrupt, match=r"chunk 4, blocksum32\) since its memory commit; not persisted"):
         s3persist.persist_image_s3(src, url, store, _cfg(), expect=expect)  # type: ignore[arg-type]
     assert str(url) not in store.objects and not store.parts  # aborted
     # crc32c memory checksums too: the error raised is the mismatch (it was a BufferError from closing the mapping
@@ -123,7 +123,7 @@ def test_persist_to_object_storage_compares_blocksum64_and_records_crc32c(tmp_pa
         s3persist.persist_image_s3(src, url, store, _cfg(), expect=crcs)  # type: ignore[arg-type]
 
 
-def test_an_empty_blocksum64_image_persists_as_crc32c(tmp_path, monkeypatch):
+def test_an_empty_blocksum32_image_persists_as_crc32c(tmp_path, monkeypatch):
     src, expect = _image(tmp_path, 0)
     assert expect.chunk_checksums == []
     out = persist_image(src, tmp_path / "d", _cfg(), expect=expect)
@@ -134,8 +134,8 @@ def test_an_empty_blocksum64_image_persists_as_crc32c(tmp_path, monkeypatch):
     assert (out.checksum, out.nbytes, out.chunk_checksums) == ("crc32c", 0, [])
 
 
-def test_a_file_sets_durable_marker_records_the_persists_crc32c_in_place_of_blocksum64(tmp_path):
-    """A DeepSpeed tag persisted from a blocksum64 slot: its durable marker records what the writers' persists
+def test_a_file_sets_durable_marker_records_the_persists_crc32c_in_place_of_blocksum32(tmp_path):
+    """A DeepSpeed tag persisted from a blocksum32 slot: its durable marker records what the writers' persists
     computed (crc32c), as a durable manifest does, so a release that knows crc32c only verifies it; a marker of crc32c
     files is the slot's, byte for byte; a file no rank's part lists is an IntegrityError (never committed)."""
     import json
@@ -145,7 +145,7 @@ def test_a_file_sets_durable_marker_records_the_persists_crc32c_in_place_of_bloc
     from cpuckpt.tier.tagmarker import TagFile, TagMarker
 
     a, b = os.urandom(5000), os.urandom(300)
-    memory = {"model.pt": TagFile(0, len(a), 4096, "blocksum64", (blocksum64(a[:4096]), blocksum64(a[4096:]))),
+    memory = {"model.pt": TagFile(0, len(a), 4096, "blocksum32", (blocksum32(a[:4096]), blocksum32(a[4096:]))),
               "optim.pt": TagFile(1, len(b), 4096, "crc32c", (crc32c.crc32c(b),))}
     marker = TagMarker("global_step4", 2, memory, global_step=4, save_id="s1").to_json().encode()
     parts = []
@@ -163,4 +163,4 @@ def test_a_file_sets_durable_marker_records_the_persists_crc32c_in_place_of_bloc
     assert _durable_marker(plain, parts, tmp_path) == plain
     with pytest.raises(IntegrityError, match=r"model\.pt"):
         _durable_marker(marker, parts[1:], tmp_path)
-    assert json.loads(marker)["files"]["model.pt"]["checksum"] == "blocksum64"
+    assert json.loads(marker)["files"]["model.pt"]["checksum"] == "blocksum32"

@@ -24,7 +24,7 @@ import torch
 import cpuckpt
 from cpuckpt.backend.committed import read_manifest
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError
-from cpuckpt.format.checksums import blocksum64
+from cpuckpt.format.checksums import blocksum32
 from cpuckpt.tier import copier, pinning
 from cpuckpt.tier.images import ImageFile
 from cpuckpt.tier.memory import MemoryTier
@@ -75,11 +75,11 @@ def test_memory_saves_are_checksummed_by_the_copy_process_and_load_bit_exact(tmp
 
 
 @pytest.mark.parametrize("copy_process", [True, False])
-def test_blocksum64_memory_checkpoints_record_each_chunks_sum_and_a_changed_byte_fails_the_load(tmp_path,
+def test_blocksum32_memory_checkpoints_record_each_chunks_sum_and_a_changed_byte_fails_the_load(tmp_path,
                                                                                                   copy_process):
-    """``memory.checksum_kind: blocksum64`` on the CPU: the whole chunks summed by the copy process (or the trainer's
+    """``memory.checksum_kind: blocksum32`` on the CPU: the whole chunks summed by the copy process (or the trainer's
     threads without one); a byte changed in RAM after the commit fails the load, naming the chunk."""
-    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, checksum_kind="blocksum64", copy_process=copy_process))
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, checksum_kind="blocksum32", copy_process=copy_process))
     try:
         for step in (1, 2):
             tier.save(_state(step), step).wait()
@@ -89,8 +89,8 @@ def test_blocksum64_memory_checkpoints_record_each_chunks_sum_and_a_changed_byte
         assert out["step"] == 2 and torch.equal(out["w"], _state(2)["w"])
         (entry,) = read_manifest(latest).files.values()
         data = (latest / entry.name).read_bytes()
-        assert entry.checksum == "blocksum64" and len(entry.chunk_checksums) == -(-len(data) // entry.chunk_bytes) > 1
-        assert entry.chunk_checksums == [blocksum64(data[k : k + entry.chunk_bytes])
+        assert entry.checksum == "blocksum32" and len(entry.chunk_checksums) == -(-len(data) // entry.chunk_bytes) > 1
+        assert entry.chunk_checksums == [blocksum32(data[k : k + entry.chunk_bytes])
                                          for k in range(0, len(data), entry.chunk_bytes)]
         with open(latest / entry.name, "r+b") as f:
             f.seek(entry.chunk_bytes + 999)

@@ -1,7 +1,7 @@
-"""blocksum64 split between the GPU and the copy process (``memory.checksum_kind: blocksum64``): the device bytes'
+"""blocksum32 split between the GPU and the copy process (``memory.checksum_kind: blocksum32``): the device bytes'
 share of each chunk from one reduction over a snapshot laid out as the files are
 (:func:`cpuckpt.transfer.device_snapshot.device_chunk_sums`), the host bytes' share from the rest of the chunk
-(:func:`cpuckpt.tier.copier.blocksum64_except`); together, each chunk's blocksum64 as the CPU computes it from the
+(:func:`cpuckpt.tier.copier.blocksum32_except`); together, each chunk's blocksum32 as the CPU computes it from the
 file. The reduction runs here on CPU tensors (the same torch integer arithmetic the GPU runs; the device path
 itself: tests/gpu/test_copy_process_gpu.py)."""
 
@@ -12,11 +12,11 @@ import random
 import numpy as np
 import torch
 
-from cpuckpt.format.checksums import blocksum64
-from cpuckpt.tier.copier import blocksum64_except
+from cpuckpt.format.checksums import blocksum32
+from cpuckpt.tier.copier import blocksum32_except
 from cpuckpt.transfer.device_snapshot import BLOCK_BYTES, Mirror, device_chunk_sums
 
-MASK = (1 << 64) - 1
+MASK = (1 << 32) - 1
 
 
 def _files(rng: random.Random, chunk: int) -> tuple[list[bytearray], list[list[tuple[int, int]]]]:
@@ -37,7 +37,7 @@ def _files(rng: random.Random, chunk: int) -> tuple[list[bytearray], list[list[t
     return files, ranges
 
 
-def test_device_share_plus_host_share_is_each_chunks_blocksum64():
+def test_device_share_plus_host_share_is_each_chunks_blocksum32():
     rng = random.Random(7)
     chunk = 4 * BLOCK_BYTES
     files, ranges = _files(rng, chunk)
@@ -53,7 +53,7 @@ def test_device_share_plus_host_share_is_each_chunks_blocksum64():
                                                                                dtype=torch.uint8)
             places.append((f, start))
     mirror = Mirror(tuple(places), tuple(bases), base, chunk)
-    weights = torch.arange(1, chunk // BLOCK_BYTES + 1, dtype=torch.int64)
+    weights = 2 * torch.arange(chunk // BLOCK_BYTES, dtype=torch.int64) + 1
     device = [int(v) & MASK for v in device_chunk_sums(buffer, mirror, weights).tolist()]
     k = 0
     for data, cut in zip(files, ranges):
@@ -62,28 +62,28 @@ def test_device_share_plus_host_share_is_each_chunks_blocksum64():
             # each chunk's part of the device ranges (the copy process's ops are cut at chunk boundaries)
             inside = [(max(s, off), min(s + n, off + chunk) - max(s, off)) for s, n in cut
                       if s < off + chunk and s + n > off]
-            host = blocksum64_except(view, off, inside)
-            assert (host + device[k]) & MASK == blocksum64(view), k
+            host = blocksum32_except(view, off, inside)
+            assert (host + device[k]) & MASK == blocksum32(view), k
             k += 1
     assert k == len(device)
 
 
-def test_the_reduction_wraps_modulo_2_64_as_the_definition_does():
-    """Whole 32 MiB chunks of -1, the most negative and the most positive word: their weighted sums leave int64's
-    range (8192 blocks of up to 2**41 each, weighted up to 8192), and wrap to the definition's value."""
+def test_the_reduction_wraps_its_block_sums_mod_2_32_as_the_definition_does():
+    """Whole 32 MiB chunks of words whose block sums leave 32 bits (2**31, 2**31 - 1, 2**32 - 1 repeated): summed in
+    32-bit integers (no wider copy of the buffer), they wrap to the definition's s_b mod 2**32."""
     chunk = 8192 * BLOCK_BYTES
-    for word in (-1, -(2**31), 2**31 - 1):
+    for word in (-(2**31), 2**31 - 1, -1):
         data = np.full(chunk // 4, word, dtype="<i4").tobytes()
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         mirror = Mirror(((0, 0),), (0,), chunk, chunk)
-        weights = torch.arange(1, chunk // BLOCK_BYTES + 1, dtype=torch.int64)
+        weights = 2 * torch.arange(chunk // BLOCK_BYTES, dtype=torch.int64) + 1
         (got,) = device_chunk_sums(buffer, mirror, weights).tolist()
-        assert int(got) & MASK == blocksum64(data), word
+        assert int(got) & MASK == blocksum32(data), word
 
 
 def test_a_host_share_without_ranges_is_the_whole_chunks():
     data = bytes(random.Random(3).getrandbits(8) for _ in range(3 * BLOCK_BYTES + 17))
-    assert blocksum64_except(memoryview(data), 8 * BLOCK_BYTES, []) == blocksum64(data)
+    assert blocksum32_except(memoryview(data), 8 * BLOCK_BYTES, []) == blocksum32(data)
     overlapping = [(8 * BLOCK_BYTES + 10, 100), (8 * BLOCK_BYTES + 50, 4000)]  # sorted and merged: counted once
-    rest = blocksum64(data[:10]) + blocksum64(data[4050:], 4050)
-    assert blocksum64_except(memoryview(data), 8 * BLOCK_BYTES, overlapping) == rest & MASK
+    rest = blocksum32(data[:10]) + blocksum32(data[4050:], 4050)
+    assert blocksum32_except(memoryview(data), 8 * BLOCK_BYTES, overlapping) == rest & MASK

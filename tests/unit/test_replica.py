@@ -115,24 +115,24 @@ def test_a_damaged_byte_is_refused_and_nothing_is_committed(slot: Path, partner:
     assert not check_complete(replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")).complete
 
 
-def test_a_blocksum64_slot_is_checked_by_its_own_kind(slot: Path, partner: Listener) -> None:
-    """A slot whose manifest records blocksum64 (GPU-summed chunks) replicates whole and loads; a damaged byte is
+def test_a_blocksum32_slot_is_checked_by_its_own_kind(slot: Path, partner: Listener) -> None:
+    """A slot whose manifest records blocksum32 (GPU-summed chunks) replicates whole and loads; a damaged byte is
     named by that kind and nothing is committed."""
-    from cpuckpt.format.checksums import blocksum64
+    from cpuckpt.format.checksums import blocksum32
     from cpuckpt.testing import faults
 
     def edit(raw: dict) -> None:
         for name, e in raw["files"].items():
             data = memoryview((slot / name).read_bytes())
-            e["checksum"] = "blocksum64"
-            e["chunk_checksums"] = [blocksum64(data[o:o + e["chunk_bytes"]]) for o in range(0, len(data),
+            e["checksum"] = "blocksum32"
+            e["chunk_checksums"] = [blocksum32(data[o:o + e["chunk_bytes"]]) for o in range(0, len(data),
                                                                                            e["chunk_bytes"])]
 
     faults.rewrite_manifest(slot, edit)
     _send(partner, slot)
     target = replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")
     assert check_complete(target).complete
-    assert {e.checksum for e in read_manifest(target).files.values()} == {"blocksum64"}
+    assert {e.checksum for e in read_manifest(target).files.values()} == {"blocksum32"}
     state = {"w": torch.zeros(300, 257), "b": torch.zeros(10, dtype=torch.int64)}
     cpuckpt.load(state, target, {"integrity": {"verify": "always"}})
     assert torch.equal(state["b"], torch.arange(10))
@@ -141,7 +141,7 @@ def test_a_blocksum64_slot_is_checked_by_its_own_kind(slot: Path, partner: Liste
     data = bytearray((slot / name).read_bytes())
     data[70_000] ^= 0x01  # in chunk 1 (64 KiB chunks)
     (slot / name).write_bytes(bytes(data))
-    with pytest.raises(ReplicaError, match=r"chunk 1 .*blocksum64"):
+    with pytest.raises(ReplicaError, match=r"chunk 1 .*blocksum32"):
         _send(partner, slot)
     assert not check_complete(target).complete
 
