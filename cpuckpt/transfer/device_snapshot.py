@@ -71,7 +71,8 @@ def device_chunk_sums(buffer: torch.Tensor, mirror: Mirror, weights: torch.Tenso
     """The device bytes' share of each chunk's blocksum32 (int64; the caller keeps it mod 2**32), for a buffer laid
     out as ``mirror`` says (zeros where the files hold host bytes): block sums of its 32-bit words in 32-bit integers
     (no wider copy of the buffer: a sum in 64 bits made torch convert every word first), weighted by their block's
-    position in its chunk (``weights``: 2b + 1, int64) and summed per chunk, exactly (under 2**58)."""
+    position in its chunk (``weights``: 2b + 1, int64) and summed per chunk: exact mod 2**32 for any chunk size
+    (under 2**58 for 32 MiB chunks; int64 wraps mod 2**64 beyond)."""
     per_chunk = mirror.chunk_bytes // BLOCK_BYTES
     words = buffer[: mirror.nbytes].view(torch.int32).view(-1, BLOCK_BYTES // 4)
     blocks = words.sum(dim=1, dtype=torch.int32)  # mod 2**32, as the definition's s_b

@@ -378,13 +378,15 @@ class SaveJob:
         ready.record(copier.stream)
         with self._lock:
             self._pending_writes += 1  # ended by the process's reply (_offload_done)
+        # From here the buffer is the hand-over's to release, never the caller's except (an interrupt once the process
+        # has it would free it under its copies, and the callback again later: a leak is the safer side of a race)
+        self._snapshot = None
         try:
             remote = self.sink.submit_offload(DeviceCopies(snap.buffer, ready, ops,
                                                            host_share=self._device_sums is not None))
         except BaseException:
             with self._lock:
                 self._pending_writes -= 1
-            self._snapshot = None
             release_snapshot(snap, copier.record())  # the next save's snapshot waits for this one's copy
             raise
         self._offloaded = True
