@@ -267,8 +267,7 @@ class SaveJob:
                 for slot in slots:
                     source.release(slot)
                 if self._snapshot is not None:  # never handed over: free for the next save once our stream is past it
-                    release_snapshot(self._snapshot, copier.record())
-                    self._snapshot = None
+                    self._release_unsent(copier)
                 raise
         if self.cfg.staging.d2h_window_bytes and self._chunks:
             # Paced from the trainer's thread (transfer.pacing): the copies overlap its next steps, a piece
@@ -295,6 +294,18 @@ class SaveJob:
             release_snapshot(self._snapshot, last)
         self._submit_pending(f"cpuckpt-d2h-wait-{self.rank}", self._wait_then_write, (last, events), slots,
                              copies_end=last)
+
+    def _release_unsent(self, copier: DeviceCopier) -> None:
+        """The snapshot buffer of a save that failed before its hand-over goes back once this save's stream is past
+        it; where not even that event can be recorded (a broken CUDA context) it stays held, and the save's own
+        failure is the one raised."""
+        snap, self._snapshot = self._snapshot, None
+        try:
+            last = copier.record()
+        except Exception as e:
+            logger.warning("rank %d: a device snapshot buffer stays held after a failed save: %r", self.rank, e)
+            return
+        release_snapshot(snap, last)
 
     def _mirror(self, idx: list[int]) -> Mirror | None:
         """The files' places of device sources ``idx`` for a snapshot laid out as the files are, or None (logged
