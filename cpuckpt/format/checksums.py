@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 import crc32c
 
-__all__ = ["BLOCKSUM32", "CRC32C", "KINDS", "blocksum32", "chunk_checksum", "verifiable"]
+__all__ = ["BLOCKSUM32", "CRC32C", "KINDS", "blocksum32", "blocksum32_except", "blocksum32_plus", "chunk_checksum",
+           "verifiable"]
 
 CRC32C = "crc32c"
 BLOCKSUM32 = "blocksum32"
@@ -89,6 +90,25 @@ def blocksum32(data: Any, offset: int = 0) -> int:
     if lo < n:
         total += _partial_block(np, view[lo:], offset + lo)
     return total & _MASK
+
+
+def blocksum32_except(view: Any, offset: int, ranges: Any) -> int:
+    """blocksum32 of the chunk ``view`` (at file offset ``offset``) without the bytes of ``ranges`` ((file offset,
+    bytes) pairs within the chunk, in any order, overlaps counted once): the share of the bytes another party did
+    not sum (the memory tier's copy process: the host-written bytes, the GPU having summed the device bytes)."""
+    total, cursor, end = 0, offset, offset + len(view)
+    for start, nbytes in sorted(ranges):
+        if start > cursor:
+            total += blocksum32(view[cursor - offset : start - offset], cursor - offset)
+        cursor = max(cursor, start + nbytes)
+    if cursor < end:
+        total += blocksum32(view[cursor - offset :], cursor - offset)
+    return total & _MASK
+
+
+def blocksum32_plus(*shares: int) -> int:
+    """The blocksum32 of a chunk from its byte ranges' shares (any ints, negative ones too): their sum mod 2**32."""
+    return sum(shares) & _MASK
 
 
 def _partial_block(np: Any, piece: Any, offset: int) -> int:

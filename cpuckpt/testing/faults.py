@@ -58,6 +58,7 @@ __all__ = [
     "KillingBackend",
     "StageActions",
     "child_env",
+    "flip_byte",
     "install",
     "make_backend",
     "uninstall",
@@ -273,3 +274,13 @@ def rewrite_manifest(path: str | os.PathLike, edit: Callable[[dict[str, Any]], N
     raw.pop("manifest_crc32c", None)
     edit(raw)
     file.write_text(signed_json(raw))
+
+
+def flip_byte(path: str | os.PathLike, offset: int, mask: int = 0x10) -> None:
+    """Damage one byte of ``path`` in place (XOR ``mask`` at ``offset``): a RAM page or a disk block changed after
+    the commit, which checksums must report."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from cpuckpt.errors import StagingError
-from cpuckpt.format.checksums import BLOCKSUM32, KINDS, blocksum32, chunk_checksum
+from cpuckpt.format.checksums import BLOCKSUM32, KINDS, blocksum32_except, chunk_checksum
 from cpuckpt.tier import pinning
 
 __all__ = ["CopyProcess", "ImageDesc", "RemoteSave", "main"]
@@ -764,22 +764,6 @@ class _Worker:
             img.close()
         self.images.clear()
         self.buffers.clear()
-
-
-def blocksum32_except(view: memoryview, offset: int, ranges: Sequence[tuple[int, int]]) -> int:
-    """blocksum32 of the chunk ``view`` (at file offset ``offset``) without the bytes of ``ranges`` ((file offset,
-    bytes), within the chunk): the host-written bytes' share, which the device bytes' share completes."""
-    total, cursor, end = 0, offset, offset + len(view)
-    for start, nbytes in sorted(ranges):
-        if start > cursor:
-            total += blocksum32(view[cursor - offset : start - offset], cursor - offset)
-        cursor = max(cursor, start + nbytes)
-    if cursor < end:
-        total += blocksum32(view[cursor - offset :], cursor - offset)
-    return total & _MASK32
-
-
-_MASK32 = (1 << 32) - 1
 
 
 def _exit_late(close_s: float) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError, is_interrupt
-from cpuckpt.format.checksums import BLOCKSUM32, chunk_checksum
+from cpuckpt.format.checksums import BLOCKSUM32, blocksum32_plus, chunk_checksum
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.device_snapshot import BLOCK_BYTES, DeviceSnapshot, DeviceSnapshots, Mirror, device_share
@@ -57,7 +57,6 @@ from cpuckpt.transfer.tracing import nvtx_range
 __all__ = ["SaveJob", "choose_mode"]
 
 _T = TypeVar("_T")
-_MASK32 = (1 << 32) - 1  # blocksum32 is a sum modulo 2**32
 
 logger = logging.getLogger(__name__)
 
@@ -438,7 +437,7 @@ class SaveJob:
             raise StagingError(f"the device share of the checksums has {len(device)} values for {len(self._chunks)} "
                                "chunks")
         shares = iter(device)
-        self._crcs = [[(v + next(shares)) & _MASK32 for v in c] for c in crcs]
+        self._crcs = [[blocksum32_plus(v, next(shares)) for v in c] for c in crcs]
 
     def _enqueue_snapshot(self, copier: DeviceCopier, slots: list[Slot],
                           each: Callable[[tuple[int, Any]], object] | None) -> Any:

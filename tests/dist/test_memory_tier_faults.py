@@ -32,6 +32,8 @@ import _helpers as H
 import pytest
 import torch
 
+from cpuckpt.testing.faults import flip_byte
+
 pytestmark = pytest.mark.timeout(180)
 
 SEED = 14  # picks the chunk each writer is killed in (printed in every failure message)
@@ -65,14 +67,6 @@ def _assert_state(out: dict, step: int, ranks: tuple[int, ...], what: str) -> No
     for r in ranks:
         for key in ("w", "b"):
             H.assert_bitexact(out[f"r{r}"][key], _state(step, r)[f"r{r}"][key], f"{what}: rank {r} {key}")
-
-
-def _flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x10]))
 
 
 def _durable_steps(durable: Path) -> list[int]:
@@ -135,7 +129,7 @@ def test_a_flipped_byte_in_a_memory_image_fails_its_load_and_its_persist(tmp_pat
         newest = Path(owed.slot)
         entry = read_manifest(newest).files["__0_0.distcp"]
         assert entry.checksum == "crc32c" and len(entry.chunk_checksums) == NCHUNKS, entry
-        _flip_byte(newest / "__0_0.distcp", 3 * CHUNK + 17)  # inside w's data; the mapping shares the page
+        flip_byte(newest / "__0_0.distcp", 3 * CHUNK + 17)  # inside w's data; the mapping shares the page
         with pytest.raises(IntegrityError, match=r"checksum mismatch .*\(chunk 3\)"):
             tier.load(_targets(0), newest)  # from this process's mapped images
         with pytest.raises(IntegrityError, match=r"checksum mismatch .*\(chunk 3\)"):

@@ -20,6 +20,7 @@ import cpuckpt
 from cpuckpt.backend.committed import read_manifest
 from cpuckpt.errors import CheckpointCorrupt
 from cpuckpt.format.checksums import blocksum32
+from cpuckpt.testing.faults import flip_byte
 from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.transfer import device_snapshot
 
@@ -91,11 +92,7 @@ def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_pat
         if kind == "blocksum32":  # a byte changed in RAM after the commit: the load says so
             latest = tier.find_latest()
             entry = next(iter(read_manifest(latest).files.values()))
-            with open(latest / entry.name, "r+b") as f:
-                f.seek(entry.chunk_bytes + 4321)
-                byte = f.read(1)
-                f.seek(entry.chunk_bytes + 4321)
-                f.write(bytes([byte[0] ^ 0x10]))
+            flip_byte(latest / entry.name, entry.chunk_bytes + 4321)
             with pytest.raises(CheckpointCorrupt, match="chunk 1"):
                 cpuckpt.load(out, latest)
     finally:

@@ -23,6 +23,7 @@ from cpuckpt.errors import CheckpointCorrupt
 from cpuckpt.format.checksums import blocksum32
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.testing import faults
+from cpuckpt.testing.faults import flip_byte
 from cpuckpt.tier.tagmarker import TagFile, verify_files
 from cpuckpt.tools.cli import cli
 from cpuckpt.tools.verification import verify_checkpoint
@@ -55,14 +56,6 @@ def _to_blocksum(path: Path) -> None:
     faults.rewrite_manifest(path, edit)
 
 
-def _flip(file: Path, at: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x10]))
-
-
 @pytest.fixture
 def ckpt(tmp_path: Path) -> Path:
     path = tmp_path / "step_7"
@@ -83,7 +76,7 @@ def test_a_blocksum32_checkpoint_loads_and_a_flipped_byte_is_refused(ckpt, monke
     assert torch.equal(state["w"], want["w"]) and torch.equal(state["b"], want["b"]) and state["step"] == 7
 
     name = sorted(read_manifest(ckpt).files)[0]
-    _flip(ckpt / name, CHUNK + 4321)  # in chunk 1
+    flip_byte(ckpt / name, CHUNK + 4321)  # in chunk 1
     with pytest.raises(CheckpointCorrupt, match=r"checksum mismatch in bytes \[65536, 131072\) \(chunk 1\): "
                                                 r"stored blocksum32"):
         cpuckpt.load(_blank(), ckpt, CFG)
@@ -98,7 +91,7 @@ def test_verify_checks_blocksum32_chunks(ckpt):
     assert code_out.exit_code == 0 and code_out.output.startswith("OK "), code_out.output
 
     name = sorted(m.files)[0]
-    _flip(ckpt / name, 2 * CHUNK + 17)  # in chunk 2
+    flip_byte(ckpt / name, 2 * CHUNK + 17)  # in chunk 2
     report = verify_checkpoint(ckpt)
     (d,) = report.damage
     assert (d.file, d.lo, d.hi) == (name, 2 * CHUNK, 3 * CHUNK) and "blocksum32" in d.what, d
@@ -131,6 +124,6 @@ def test_a_deepspeed_tag_marker_keeps_blocksum32_and_its_check_uses_it(tmp_path)
 
     marker = new_marker("global_step1", 1, {"f.pt": tf}, 1)
     assert verify_files(tmp_path, marker) == []
-    _flip(tmp_path / "f.pt", CHUNK + 1)
+    flip_byte(tmp_path / "f.pt", CHUNK + 1)
     (problem,) = verify_files(tmp_path, marker)
     assert "f.pt: checksum mismatch in chunk 1" in problem and "blocksum32" in problem, problem

@@ -15,6 +15,7 @@ from cpuckpt.errors import CheckpointCorrupt, IntegrityError
 from cpuckpt.format.checksums import blocksum32
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.paths import S3Url
+from cpuckpt.testing.faults import flip_byte
 from cpuckpt.tier import s3persist
 from cpuckpt.tier.imagecopy import persist_image
 from cpuckpt.transfer.objstore import Upload
@@ -24,14 +25,6 @@ CHUNK = 64 * 1024
 
 def _sums(data: bytes, chunk: int) -> list[int]:
     return [blocksum32(memoryview(data)[o:o + chunk]) for o in range(0, len(data), chunk)]
-
-
-def _flip(file: Path, at: int) -> None:
-    with open(file, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0x10]))
 
 
 def _cfg() -> Config:
@@ -55,7 +48,7 @@ def test_persist_image_compares_blocksum32_and_records_crc32c(tmp_path):
     assert (out.checksum, out.chunk_bytes) == ("crc32c", CHUNK)
     assert out.chunk_checksums == [crc32c.crc32c(data[o:o + CHUNK]) for o in range(0, len(data), CHUNK)]
 
-    _flip(src, 3 * CHUNK + 5)  # one RAM page damaged after the memory commit
+    flip_byte(src, 3 * CHUNK + 5)  # one RAM page damaged after the memory commit
     with pytest.raises(CheckpointCorrupt, match=r"chunk 3\): recorded blocksum32 .*not persisted") as ei:
         persist_image(src, tmp_path / "out" / "bad.distcp", _cfg(), expect=expect)
     assert isinstance(ei.value, IntegrityError) and str(src) in str(ei.value)
@@ -68,7 +61,7 @@ def test_persist_image_with_blocksum32_and_integrity_checksum_none(tmp_path):
                            env=False)
     out = persist_image(src, tmp_path / "d", cfg, expect=expect)
     assert out.checksum == "none" and out.chunk_checksums == [0] * 6
-    _flip(src, 7)
+    flip_byte(src, 7)
     with pytest.raises(CheckpointCorrupt, match=r"chunk 0\): recorded blocksum32"):
         persist_image(src, tmp_path / "d2", cfg, expect=expect)
 
@@ -111,7 +104,7 @@ def test_persist_to_object_storage_compares_blocksum32_and_records_crc32c(tmp_pa
     assert out.chunk_checksums == [crc32c.crc32c(data[o:o + CHUNK]) for o in range(0, len(data), CHUNK)]
 
     del store.objects[str(url)]
-    _flip(src, 4 * CHUNK + 9)
+    flip_byte(src, 4 * CHUNK + 9)
     with pytest.raises(CheckpointCorrupt, match=r"chunk 4, blocksum32\) since its memory commit; not persisted"):
         s3persist.persist_image_s3(src, url, store, _cfg(), expect=expect)  # type: ignore[arg-type]
     assert str(url) not in store.objects and not store.parts  # aborted

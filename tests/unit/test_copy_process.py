@@ -25,6 +25,7 @@ import cpuckpt
 from cpuckpt.backend.committed import read_manifest
 from cpuckpt.errors import CheckpointCorrupt, CpuckptError
 from cpuckpt.format.checksums import blocksum32
+from cpuckpt.testing.faults import flip_byte
 from cpuckpt.tier import copier, pinning
 from cpuckpt.tier.images import ImageFile
 from cpuckpt.tier.memory import MemoryTier
@@ -92,11 +93,7 @@ def test_blocksum32_memory_checkpoints_record_each_chunks_sum_and_a_changed_byte
         assert entry.checksum == "blocksum32" and len(entry.chunk_checksums) == -(-len(data) // entry.chunk_bytes) > 1
         assert entry.chunk_checksums == [blocksum32(data[k : k + entry.chunk_bytes])
                                          for k in range(0, len(data), entry.chunk_bytes)]
-        with open(latest / entry.name, "r+b") as f:
-            f.seek(entry.chunk_bytes + 999)
-            byte = f.read(1)
-            f.seek(entry.chunk_bytes + 999)
-            f.write(bytes([byte[0] ^ 0x01]))
+        flip_byte(latest / entry.name, entry.chunk_bytes + 999, 0x01)
         with pytest.raises(CheckpointCorrupt, match="chunk 1"):
             cpuckpt.load(out, latest)
     finally:

@@ -1,7 +1,7 @@
 """blocksum32 split between the GPU and the copy process (``memory.checksum_kind: blocksum32``): the device bytes'
 share of each chunk from one reduction over a snapshot laid out as the files are
 (:func:`cpuckpt.transfer.device_snapshot.device_chunk_sums`), the host bytes' share from the rest of the chunk
-(:func:`cpuckpt.tier.copier.blocksum32_except`); together, each chunk's blocksum32 as the CPU computes it from the
+(:func:`cpuckpt.format.checksums.blocksum32_except`); together, each chunk's blocksum32 as the CPU computes it from the
 file. The reduction runs here on CPU tensors (the same torch integer arithmetic the GPU runs; the device path
 itself: tests/gpu/test_copy_process_gpu.py)."""
 
@@ -13,9 +13,8 @@ from types import MethodType, SimpleNamespace
 import numpy as np
 import torch
 
-from cpuckpt.format.checksums import blocksum32
+from cpuckpt.format.checksums import blocksum32, blocksum32_except
 from cpuckpt.format.layout import LayoutCache, LayoutItem
-from cpuckpt.tier.copier import blocksum32_except
 from cpuckpt.transfer.device_snapshot import BLOCK_BYTES, DeviceSnapshots, Mirror, device_chunk_sums
 from cpuckpt.transfer.save_job import SaveJob
 
