@@ -45,7 +45,7 @@ class DeviceSnapshot:
     # the views of the last save into it, by their sizes (and places, mirrored): a repeated save reuses them (588
     # slices took ~2 ms of the trainer's thread on the 2-core box), and its sources then lie where they did
     # (OffloadProgram.ops)
-    views: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+    views: tuple[tuple, list[torch.Tensor]] | None = None
     weights: torch.Tensor | None = None  # blocksum32's block weights 2b + 1 per chunk (mirrored saves)
     mirror: Mirror | None = None  # the layout of the last save into it when mirrored (None: packed)
 
@@ -149,7 +149,7 @@ class DeviceSnapshots:
             for n in sizes:
                 offsets.append(total)
                 total += -(-n // _ALIGN) * _ALIGN
-        key = sizes if mirrored is None else (*sizes, -1, *offsets)
+        key: tuple = sizes if mirrored is None else (sizes, tuple(offsets))  # never equal across the two layouts
         snap, fresh = self._take(device, total)
         try:
             if fresh:
@@ -173,7 +173,6 @@ class DeviceSnapshots:
         for i, v in zip(idx, views):
             out[i] = v
         return out, snap
-
 
     def clear(self) -> int:
         """Free the idle buffers (each after its last reader ended); returns how many. A buffer a save
