@@ -7,7 +7,9 @@ process computes the checksums only) runs in tests/unit/test_copy_process.py.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -18,11 +20,12 @@ import torch
 
 import cpuckpt
 from cpuckpt.backend.committed import read_manifest
-from cpuckpt.errors import CheckpointCorrupt
+from cpuckpt.errors import CheckpointCorrupt, CpuckptError
 from cpuckpt.format.checksums import blocksum32
 from cpuckpt.testing.faults import flip_byte
 from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.transfer import device_snapshot
+from cpuckpt.transfer.device_snapshot import Mirror, device_chunk_sums
 
 pytestmark = [
     pytest.mark.gpu,
@@ -97,6 +100,51 @@ def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_pat
                 cpuckpt.load(out, latest)
     finally:
         tier.close(persist_newest=False)
+
+
+@pytest.mark.parametrize("kind", ["crc32c", "blocksum32"])
+def test_a_save_whose_copy_process_is_killed_gives_its_snapshot_buffer_back(tmp_path, kind):
+    """The save fails naming the process; its device snapshot is released, not leaked: the next save (another
+    process) reuses the one buffer instead of allocating a second."""
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path / "ram", checksum_kind=kind))
+    try:
+        tier.save(_state(1), 1).wait()
+        snaps = tier.saves.snapshots
+        assert (snaps.allocations, len(snaps)) == (1, 1)
+        pid = tier.copier.pid
+        os.kill(pid, signal.SIGSTOP)  # it takes the next save's message without answering
+        handle = tier.save(_state(2), 2)
+        time.sleep(0.3)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(CpuckptError, match=rf"copy process \(pid {pid}\) exited"):
+            handle.wait()
+        for step in (3, 4):
+            tier.save(_state(step), step).wait()
+            _check(tier.find_latest(), step, kind)
+        assert tier.copier.pid not in (None, pid)
+        assert (snaps.allocations, len(snaps)) == (1, 1), "the failed save's snapshot buffer was not given back"
+    finally:
+        tier.close(persist_newest=False)
+
+
+def test_the_device_sums_take_no_copy_of_the_snapshot_and_equal_the_definition():
+    """blocksum32's reduction over a 256 MiB snapshot: its GPU memory beside the buffer stays a small fraction of it
+    (a 64-bit sum had torch convert every word first: twice the buffer), and each chunk's share is the definition's."""
+    nbytes, chunk = 256 << 20, 1 << 20
+    g = torch.Generator(device="cuda").manual_seed(7)
+    buf = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), dtype=torch.int32, device="cuda", generator=g)
+    buf = buf.view(torch.uint8)
+    weights = 2 * torch.arange(chunk // device_snapshot.BLOCK_BYTES, dtype=torch.int64, device="cuda") + 1
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    sums = device_chunk_sums(buf, Mirror((), (0,), nbytes, chunk), weights)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra <= nbytes // 64, f"the sums took {extra} bytes of GPU memory for a {nbytes}-byte snapshot"
+    host = buf.cpu().numpy().tobytes()
+    for k in (0, 1, 131, 255):
+        assert int(sums[k]) & 0xFFFFFFFF == blocksum32(host[k * chunk : (k + 1) * chunk]), k
 
 
 def _sized(step: int, mib: int) -> dict:
