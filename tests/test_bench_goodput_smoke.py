@@ -106,9 +106,8 @@ def test_the_probes_patch_what_they_are_asked_for(tmp_path: Path) -> None:
             "sent = {}\n"
             "copier = NS(submit=lambda files, chunks, **kw: sent.update(kw))\n"
             "sink = NS(images=NS(copier=copier, describe=list), _opened=[1], _chunks=[], checksum=True,\n"
-            "          checksum_kind='crc32c',\n"
             "          cfg=NS(io=NS(chunk_bytes=1)))\n"
-            "ImageSink.submit_offload(sink, DeviceCopies(torch.zeros(1), None, array('q', [1, 2, 3])))\n"
+            "ImageSink.submit_offload(sink, DeviceCopies(torch.zeros(1), None, array('q', [1, 2, 3])), 'crc32c')\n"
             "dst, src = torch.zeros(3), torch.ones(3)\n"
             "device_snapshot.torch._foreach_copy_([dst], [src])\n"
             "print('copied', int(dst.sum()), 'ops', len(sent['ops']))\n")

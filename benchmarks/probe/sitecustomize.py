@@ -78,10 +78,10 @@ def _no_dma(module: Any) -> str:
     fn = module.ImageSink.submit_offload
 
     @functools.wraps(fn)
-    def submit_offload(self: Any, copies: Any) -> Any:
+    def submit_offload(self: Any, copies: Any, kind: str) -> Any:
         if copies is not None:
             copies = dataclasses.replace(copies, ops=array("q"))
-        return fn(self, copies)
+        return fn(self, copies, kind)
 
     module.ImageSink.submit_offload = submit_offload
     return "ImageSink.submit_offload hands the copy process no copies"

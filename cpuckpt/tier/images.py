@@ -582,8 +582,8 @@ class ImageSink:
         self._opened = opened
         return self
 
-    def submit_offload(self, copies: DeviceCopies | None) -> Offloaded:
-        """The copy process takes the checksums (and with ``copies`` the device bytes) of this save."""
+    def submit_offload(self, copies: DeviceCopies | None, kind: str) -> Offloaded:
+        """The copy process takes the checksums (of ``kind``; and with ``copies`` the device bytes) of this save."""
         copier = self.images.copier
         if copier is None or not self._opened:
             raise RuntimeError("ImageSink.submit_offload without a copy process or before open()")
@@ -593,7 +593,7 @@ class ImageSink:
         def files() -> list[ImageDesc]:
             return self.images.describe(opened)
 
-        kind = self.checksum_kind if self.checksum else ""
+        kind = kind if self.checksum else ""
         if copies is None:
             return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=kind)
         return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=kind,

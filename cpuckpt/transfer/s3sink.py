@@ -112,7 +112,7 @@ class S3Sink:
             except OSError as e:  # the save's own error says more; the next save to this path cleans up
                 logger.warning("rank %d: could not abort the upload of %s: %s", self.rank, up.url, e)
 
-    def submit_offload(self, copies: DeviceCopies | None) -> Offloaded:
+    def submit_offload(self, copies: DeviceCopies | None, kind: str) -> Offloaded:
         raise NotImplementedError("the S3 sink computes nothing in another process")
 
     def stats(self) -> dict[str, float]:

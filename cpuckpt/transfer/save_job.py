@@ -34,14 +34,14 @@ import torch
 
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, StagingError, StorageIOError, is_interrupt
-from cpuckpt.format.checksums import BLOCKSUM32, blocksum32_plus, chunk_checksum
+from cpuckpt.format.checksums import BLOCKSUM32, CRC32C, blocksum32_plus, chunk_checksum
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.format.manifest import FileEntry
 from cpuckpt.transfer.device_snapshot import BLOCK_BYTES, DeviceSnapshot, DeviceSnapshots, Mirror, device_share
 from cpuckpt.transfer.device_snapshot import release as release_snapshot
 from cpuckpt.transfer.fillplan import without_device_programs
 from cpuckpt.transfer.pacing import PACER
-from cpuckpt.transfer.sinks import DeviceCopies, PoolSink, Sink, SlotSource
+from cpuckpt.transfer.sinks import AUTO, DeviceCopies, PoolSink, Sink, SlotSource
 from cpuckpt.transfer.staging import (
     CopyFence,
     DeviceCopier,
@@ -148,6 +148,9 @@ class SaveJob:
         self._device_sums: torch.Tensor | None = None
         self._sums_done: Any = None  # the CUDA event after their copy to the host
         self._offloaded = False  # the sink's process copies and checksums this save (Sink.submit_offload)
+        # the kind of this save's chunk checksums: the sink's, "auto" resolved (blocksum32 once a mirrored snapshot is
+        # taken, below)
+        self._kind = CRC32C if self.sink.checksum_kind == AUTO else self.sink.checksum_kind
 
     # -- public ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -250,13 +253,15 @@ class SaveJob:
                 offloading = self.sink.offloads and not any(
                     s is not None and s.is_cuda and s.device != device for s in self.sources)
                 mirror = self._mirror if offloading and self.sink.checksum and (
-                    self.sink.checksum_kind == BLOCKSUM32) else None
+                    self.sink.checksum_kind in (BLOCKSUM32, AUTO)) else None
                 self.sources, self._snapshot = self.snapshots.snapshot_sources(
                     self.sources, device, copier.stream, torch.cuda.current_stream(device), mirror=mirror)
                 fence.event = copier.record()  # what the trainer's next writes wait for: the copy, not the sums
                 if self._snapshot is not None and mirror is not None:
                     self._device_sums = device_share(self._snapshot, copier.stream)
-                    self._sums_done = copier.record()
+                    if self._device_sums is not None:
+                        self._kind = BLOCKSUM32
+                        self._sums_done = copier.record()
                 if self._snapshot is not None:  # the copies read the snapshot, not the tensors a program holds
                     self.files = without_device_programs(self.files)
                 if offloading and self._snapshot is not None:
@@ -393,7 +398,7 @@ class SaveJob:
         self._snapshot = None
         try:
             remote = self.sink.submit_offload(DeviceCopies(snap.buffer, ready, ops,
-                                                           host_share=self._device_sums is not None))
+                                                           host_share=self._device_sums is not None), self._kind)
         except BaseException:
             with self._lock:
                 self._pending_writes -= 1
@@ -602,7 +607,7 @@ class SaveJob:
             with nvtx_range("cpuckpt.write"):
                 if self.sink.checksum and not self.sink.offloads:
                     with slot.view[: chunk.nbytes] as view:
-                        self._crcs[chunk.file][chunk.index] = chunk_checksum(self.sink.checksum_kind, view)
+                        self._crcs[chunk.file][chunk.index] = chunk_checksum(self._kind, view)
                 self.sink.write(chunk, slot)
         except BaseException as e:
             self._fail(e)
@@ -619,7 +624,7 @@ class SaveJob:
             self._finalized = True
         if self.sink.offloads and self.sink.checksum and not self._offloaded and not self._cancel.is_set():
             try:
-                remote = self.sink.submit_offload(None)
+                remote = self.sink.submit_offload(None, self._kind)
             except BaseException as e:
                 self._fail(e)
             else:
@@ -654,7 +659,7 @@ class SaveJob:
         if not self.stats.stage_s:
             self.stats.stage_s = self.stats.write_s
         self.stats.extra.update(self.sink.stats())
-        checksum = self.sink.checksum_kind if self.sink.checksum else "none"
+        checksum = self._kind if self.sink.checksum else "none"
         entries = [FileEntry(name=n, nbytes=f.nbytes, chunk_bytes=self.cfg.io.chunk_bytes, checksum=checksum,
                              chunk_checksums=c if self.sink.checksum else [])
                    for n, f, c in zip(self.names, self.files, self._crcs)]

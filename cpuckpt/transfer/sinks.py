@@ -30,8 +30,10 @@ from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.transfer.files import FileBackend, fsync_dir, get_backend
 from cpuckpt.transfer.staging import HostPool, LeaseOrder, Slot, get_pool
 
-__all__ = ["DeviceCopies", "MappedBytes", "Offloaded", "PoolSink", "Sink", "SinkFactory", "SlotSource", "pool_sink"]
+__all__ = ["AUTO", "DeviceCopies", "MappedBytes", "Offloaded", "PoolSink", "Sink", "SinkFactory", "SlotSource",
+           "pool_sink"]
 
+AUTO = "auto"  # Sink.checksum_kind: blocksum32 where the GPU sums a save's device bytes, crc32c elsewhere
 OP_FIELDS = 5  # a copy of DeviceCopies.ops: chunk position, offset in the buffer, file index, file offset, bytes
 
 
@@ -77,7 +79,9 @@ class Sink(Protocol):
     Attributes:
         name: what the statistics call it (the file backend's name, ``image``).
         checksum: the engine computes each chunk's checksum before ``write``.
-        checksum_kind: which one (:mod:`cpuckpt.format.checksums`): crc32c, or blocksum32 (the memory tier's).
+        checksum_kind: which one (:mod:`cpuckpt.format.checksums`): crc32c, or blocksum32 (the memory tier's); or
+            ``auto`` (the memory tier's): blocksum32 for a save whose device snapshot the GPU sums, crc32c otherwise.
+            The save job resolves it per save.
         holds_every_chunk: its slots are the destination itself (one per chunk, nothing to recycle):
             the save is staged as a snapshot whatever the pool size.
         write_as_copied: GPU chunks are handed over as soon as their own copy completed, overlapping
@@ -94,9 +98,9 @@ class Sink(Protocol):
     write_as_copied: bool
     offloads: bool
 
-    def submit_offload(self, copies: DeviceCopies | None) -> Offloaded:
-        """(``offloads`` only.) Hand the save's checksums, and with ``copies`` its device bytes, to the sink's
-        process; the host bytes are in the slots already."""
+    def submit_offload(self, copies: DeviceCopies | None, kind: str) -> Offloaded:
+        """(``offloads`` only.) Hand the save's checksums (of ``kind``, :mod:`cpuckpt.format.checksums`), and with
+        ``copies`` its device bytes, to the sink's process; the host bytes are in the slots already."""
         ...
 
     def open(self, nslots: int, done: cf.Future) -> SlotSource:
@@ -220,7 +224,7 @@ class PoolSink:
                 if fd is not None:
                     self._backend.close(fd)
 
-    def submit_offload(self, copies: DeviceCopies | None) -> Offloaded:
+    def submit_offload(self, copies: DeviceCopies | None, kind: str) -> Offloaded:
         raise NotImplementedError("the pool sink computes nothing in another process")
 
     def stats(self) -> dict[str, float]:

@@ -68,12 +68,14 @@ def _check(path: Path, step: int, kind: str = "crc32c") -> None:
             assert crc == (crc32c.crc32c(chunk) if kind == "crc32c" else blocksum32(chunk)), (entry.name, k)
 
 
-@pytest.mark.parametrize("kind", ["crc32c", "blocksum32"])
-def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_path, monkeypatch, kind):
+@pytest.mark.parametrize("configured", ["crc32c", "blocksum32", "auto"])
+def test_device_snapshot_saves_copied_by_the_copy_process_load_bit_exact(tmp_path, monkeypatch, configured):
+    """``auto``: a device snapshot the copy process copies is summed on the GPU, so its saves record blocksum32."""
+    kind = "crc32c" if configured == "crc32c" else "blocksum32"
     summed = []  # blocksum32: the device bytes' share is summed on the GPU, from the mirrored snapshot
     real = device_snapshot.device_chunk_sums
     monkeypatch.setattr(device_snapshot, "device_chunk_sums", lambda *a: summed.append(1) or real(*a))
-    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path / "ram", checksum_kind=kind))
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path / "ram", checksum_kind=configured))
     try:
         for step in (1, 2, 3, 4):
             state = _state(step)

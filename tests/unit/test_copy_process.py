@@ -60,8 +60,10 @@ def _check(path: Path, step: int) -> None:
     assert checked > 1
 
 
-def test_memory_saves_are_checksummed_by_the_copy_process_and_load_bit_exact(tmp_path):
-    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path))
+@pytest.mark.parametrize("kind", ["crc32c", "auto"])
+def test_memory_saves_are_checksummed_by_the_copy_process_and_load_bit_exact(tmp_path, kind):
+    """``checksum_kind: auto`` without a GPU (no device snapshot to sum) records crc32c, as the default does."""
+    tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, checksum_kind=kind))
     try:
         assert tier.copier is not None
         for step in (1, 2, 3):
