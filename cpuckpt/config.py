@@ -241,8 +241,8 @@ class MemoryConfig:
                               "instead of a read of every image back on the host (a save every iteration read 4.7 GB "
                               "per iteration). Elsewhere the host sums whole chunks, at about half crc32c's speed. "
                               "Weaker than crc32c against some multi-bit changes (docs/FORMAT.md). Persists still "
-                              "write crc32c. auto: blocksum32 for a save whose device bytes the GPU sums that way, "
-                              "crc32c for every other.",
+                              "write crc32c. auto: blocksum32 for a save whose device bytes the GPU sums that way "
+                              "(the same GPU memory as blocksum32's), crc32c for every other.",
                               choices=("crc32c", "blocksum32", "auto"))
     copy_process: bool = _opt(False, "Compute memory saves' checksums, and with staging.device_snapshot copy their GPU "
                               "bytes from the snapshot over CUDA IPC, in a process of ours per rank (started with the "
