@@ -327,8 +327,8 @@ class SaveJob:
         if mirror is None:
             if not self.snapshots.mirror_refused:
                 self.snapshots.mirror_refused = True
-                logger.info("rank %d: memory checksums not summed on the GPU (%s: on the host): %s", self.rank,
-                            "crc32c" if self.sink.checksum_kind == AUTO else self.sink.checksum_kind, why)
+                logger.info("rank %d: memory checksums not summed on the GPU (the host sums whole chunks: "
+                            "blocksum32, or with checksum_kind auto crc32c): %s", self.rank, why)
             return None
         self.snapshots.mirrors.clear()  # one stream of saves repeats one layout
         self.snapshots.mirrors[key] = ([f.chunks for f in self.files], mirror)
