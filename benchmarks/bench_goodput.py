@@ -51,7 +51,8 @@ arrival times of Megatron-LM's own ``iteration N/...`` log lines, as a ratio to 
 timers exclude the saves (``save_checkpoint_and_time`` stops its interval timer around them) and are only
 listed beside it. Also per variant: the cost per save ((wall - none's wall) / saves in the window), the
 largest single-iteration gap between consecutive log lines against their median (and which iteration), the
-whole run from launch to exit (start-up, slot preparation and the final wait included) against ``none``'s,
+whole run from launch to exit (start-up, slot preparation and the final wait included) against ``none``'s, and
+its two ends against none's (launch to the first iteration's line; the last one's to the exit),
 and Megatron-LM's ``save-checkpoint`` timers. ``--floor`` runs ``overlap_floor.py`` (copied from the shared
 tools into an ignored folder) in the same call for the floor of a full snapshot every iteration. ``--sample``
 names variants whose trainer's main thread is sampled (``benchmarks/stack_sampler``: every 2 ms, inside the
@@ -106,6 +107,20 @@ def goodput(iters: list[dict[str, Any]], warm: int) -> dict[str, Any]:
             "wall_s": round(pts[-1][1] - pts[0][1], 3), "gap_median_ms": round(1000 * med, 1),
             "gap_max_ms": round(1000 * worst, 1), "gap_max_it": worst_it,
             "gap_max_over_median": round(worst / med, 2) if med else None}
+
+
+def run_ends(iters: list[dict[str, Any]], run_s: float | None, ref: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Launch to exit in its two ends, by the lines' arrival (seconds since launch): from launch to the first
+    iteration's line (``start_s``: set-up, slots reserved and pinned) and from the last iteration's line to the exit
+    (``end_s``: final saves, persists, teardown); with ``ref`` (none's ends) each over none's."""
+    ts = [x["t"] for x in iters]
+    if not ts or not run_s:
+        return {}
+    out: dict[str, Any] = {"start_s": round(min(ts), 2), "end_s": round(run_s - max(ts), 2)}
+    for end in ("start", "end"):
+        if ref is not None and f"{end}_s" in ref:
+            out[f"{end}_over_none_s"] = round(out[f"{end}_s"] - ref[f"{end}_s"], 1)
+    return out
 
 
 def summarize(name: str, r: dict[str, Any], ref: dict[str, Any] | None, saves_in_window: int,
@@ -395,6 +410,11 @@ def self_test() -> int:
     assert abs(g["wall_s"] - (20 * 0.15 + 0.45)) < 1e-6, g
     assert g["gap_max_it"] == 17 and g["gap_max_ms"] == 600.0 and g["gap_median_ms"] == 150.0, g
     assert _saves_between(10, 30, 8) == 2 and _saves_between(10, 30, 1) == 20
+    ends = run_ends(parse_log(lines)["iters"], t + 7.5)
+    assert ends == {"start_s": 5.15, "end_s": 7.5}, ends
+    later = [{**x, "t": x["t"] + 2.0} for x in parse_log(lines)["iters"]]  # 2 s more set-up, 1 s more at the end
+    over = run_ends(later, t + 10.5, ends)
+    assert (over["start_over_none_s"], over["end_over_none_s"]) == (2.0, 1.0), over
     fake = {"none": {"inclusive_ms": {"training.py:train": 150.0}, "leaf_ms": {}},
             "mem1": {"inclusive_ms": {"training.py:train": 300.0, "checkpointing.py:save_checkpoint": 120.0},
                      "leaf_ms": {"a < b": 80.0}}}
@@ -474,8 +494,9 @@ def main(argv: list[str] | None = None) -> int:
             g = goodput(r["iters"], args.warm)
             saves = _saves_between(g.get("first", args.warm), g.get("last", args.iters), every)
             s = summarize(name, r, refs.get(ref_key), saves, args.warm)
+            s.update(run_ends(r["iters"], r["wall_s"], refs.get(ref_key)))  # arrival times: since launch
             if kind == "none":
-                refs[ref_key] = {**g, "run_s": r["wall_s"]}
+                refs[ref_key] = {**g, "run_s": r["wall_s"], **run_ends(r["iters"], r["wall_s"])}
             if sampled and not args.dry_run:
                 sample = read_samples(b, name, max((x["it"] for x in r["iters"]), default=0))
                 if sample is not None:
@@ -484,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
             results["summary"].append(s)
             rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
                          f'{s.get("gap_max_ms")} @{s.get("gap_max_it")} ({s.get("gap_max_over_median")}x)',
-                         s.get("gap_median_ms"), s.get("run_s"), s.get("run_over_none_s"), s.get("np_timer_median_ms"),
+                         s.get("gap_median_ms"), s.get("run_s"), s.get("run_over_none_s"),
+                         f'{s.get("start_over_none_s")} / {s.get("end_over_none_s")}', s.get("np_timer_median_ms"),
                          s.get("save_timer_ms")])
             if not args.dry_run:
                 (b.out / "bench_goodput.json").write_text(json.dumps(results, indent=1, default=str))
@@ -500,11 +522,12 @@ def main(argv: list[str] | None = None) -> int:
             (b.out / "bench_goodput.json").write_text(json.dumps(results, indent=1, default=str))
     table = format_table(
         ["variant", "rc", "wall x none", f"wall s it {args.warm}-last", "ms per save", "saves",
-         "largest gap ms @it (x median)", "median gap ms", "run s", "run - none s", "np timer ms", "save timer ms"],
+         "largest gap ms @it (x median)", "median gap ms", "run s", "run - none s", "start / end - none s",
+         "np timer ms", "save timer ms"],
         rows, title=f"goodput: Megatron-LM 24x1024, {args.iters} iterations, memory durable every {args.durable}, "
                     f"slots {args.slots}",
         footnotes=["wall: from the arrival of iteration lines (the job's clock), not Megatron's timers; "
-                   "run s: launch to exit"])
+                   "run s: launch to exit; start / end: launch to the first iteration's line, the last one's to exit"])
     print()
     print(table)
     if results.get("samples"):
