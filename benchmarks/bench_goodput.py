@@ -494,9 +494,10 @@ def main(argv: list[str] | None = None) -> int:
             g = goodput(r["iters"], args.warm)
             saves = _saves_between(g.get("first", args.warm), g.get("last", args.iters), every)
             s = summarize(name, r, refs.get(ref_key), saves, args.warm)
-            s.update(run_ends(r["iters"], r["wall_s"], refs.get(ref_key)))  # arrival times: since launch
+            ends = run_ends(r["iters"], r["wall_s"], refs.get(ref_key))  # arrival times: since launch
+            s.update(ends)
             if kind == "none":
-                refs[ref_key] = {**g, "run_s": r["wall_s"], **run_ends(r["iters"], r["wall_s"])}
+                refs[ref_key] = {**g, "run_s": r["wall_s"], **ends}
             if sampled and not args.dry_run:
                 sample = read_samples(b, name, max((x["it"] for x in r["iters"]), default=0))
                 if sample is not None:

@@ -593,10 +593,10 @@ class ImageSink:
         def files() -> list[ImageDesc]:
             return self.images.describe(opened)
 
-        kind = kind if self.checksum else ""
+        checksum = kind if self.checksum else ""
         if copies is None:
-            return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=kind)
-        return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=kind,
+            return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=checksum)
+        return copier.submit(files, chunks, chunk_bytes=self.cfg.io.chunk_bytes, checksum=checksum,
                              buffer=copies.buffer, ready=copies.ready, ops=copies.ops,
                              host_share=copies.host_share)
 

@@ -24,6 +24,8 @@ import torch
 import cpuckpt
 from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.config import Config
+from cpuckpt.format.checksums import blocksum32
+from cpuckpt.testing.faults import flip_byte, rewrite_manifest
 from cpuckpt.tier import replica
 from cpuckpt.tier.nodes import NodeMap
 from cpuckpt.tier.persister import replicate_one
@@ -106,10 +108,7 @@ def test_replica_is_byte_identical_complete_and_loads(slot: Path, partner: Liste
 
 def test_a_damaged_byte_is_refused_and_nothing_is_committed(slot: Path, partner: Listener) -> None:
     _send(partner, slot)  # a complete replica first: the failed one below must not leave it looking complete
-    name = sorted(read_manifest(slot).files)[0]
-    data = bytearray((slot / name).read_bytes())
-    data[70_000] ^= 0x01  # in chunk 1 (64 KiB chunks)
-    (slot / name).write_bytes(bytes(data))
+    flip_byte(slot / sorted(read_manifest(slot).files)[0], 70_000, 0x01)  # in chunk 1 (64 KiB chunks)
     with pytest.raises(ReplicaError, match=r"chunk 1 .*crc32c"):
         _send(partner, slot)
     assert not check_complete(replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")).complete
@@ -118,9 +117,6 @@ def test_a_damaged_byte_is_refused_and_nothing_is_committed(slot: Path, partner:
 def test_a_blocksum32_slot_is_checked_by_its_own_kind(slot: Path, partner: Listener) -> None:
     """A slot whose manifest records blocksum32 (GPU-summed chunks) replicates whole and loads; a damaged byte is
     named by that kind and nothing is committed."""
-    from cpuckpt.format.checksums import blocksum32
-    from cpuckpt.testing import faults
-
     def edit(raw: dict) -> None:
         for name, e in raw["files"].items():
             data = memoryview((slot / name).read_bytes())
@@ -128,7 +124,7 @@ def test_a_blocksum32_slot_is_checked_by_its_own_kind(slot: Path, partner: Liste
             e["chunk_checksums"] = [blocksum32(data[o:o + e["chunk_bytes"]]) for o in range(0, len(data),
                                                                                            e["chunk_bytes"])]
 
-    faults.rewrite_manifest(slot, edit)
+    rewrite_manifest(slot, edit)
     _send(partner, slot)
     target = replica_dir(partner.root, "hostA:boot:/ram0", "slot-1")
     assert check_complete(target).complete
@@ -137,10 +133,7 @@ def test_a_blocksum32_slot_is_checked_by_its_own_kind(slot: Path, partner: Liste
     cpuckpt.load(state, target, {"integrity": {"verify": "always"}})
     assert torch.equal(state["b"], torch.arange(10))
 
-    name = sorted(read_manifest(slot).files)[0]
-    data = bytearray((slot / name).read_bytes())
-    data[70_000] ^= 0x01  # in chunk 1 (64 KiB chunks)
-    (slot / name).write_bytes(bytes(data))
+    flip_byte(slot / sorted(read_manifest(slot).files)[0], 70_000, 0x01)  # in chunk 1 (64 KiB chunks)
     with pytest.raises(ReplicaError, match=r"chunk 1 .*blocksum32"):
         _send(partner, slot)
     assert not check_complete(target).complete
