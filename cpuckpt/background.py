@@ -43,6 +43,7 @@ from cpuckpt.backend.collectives import (
     gather_failures,
     new_gloo_group,
     one_contract,
+    peers,
     raise_if_failed,
     resolve_stateful,
     run_dcp,
@@ -416,7 +417,7 @@ class Checkpointer:
         except BaseException as e:  # shared with the peers below, so that no rank waits for this one
             error = e
         what = f"async save of {writer.path}"
-        if not self._dist:
+        if not self._dist or peers(self._require_groups().plan_group) is None:
             agree_or_raise(error, 0, None, what)
             return cached is not None
         # One all-reduce answers both: does every rank have the plan, and is every rank's directory usable?

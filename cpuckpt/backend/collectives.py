@@ -34,6 +34,7 @@ __all__ = [
     "gather_failures",
     "new_gloo_group",
     "one_contract",
+    "peers",
     "raise_if_failed",
     "resolve_stateful",
     "run_dcp",
@@ -60,6 +61,14 @@ def checkpoint_group(process_group: Any = None, timeout_s: float | None = None) 
         if pg not in _GROUPS:
             _GROUPS[pg] = new_gloo_group(pg, timeout_s)
         return _GROUPS[pg]
+
+
+def peers(group: Any) -> Any:
+    """``group``, or None where it holds this process alone: an agreement among one rank is that rank's own value,
+    and a gloo collective on a group of one still costs ~0.2-0.4 ms (six or more per memory save every iteration)."""
+    if group is not None and dist.get_world_size(group) == 1:
+        return None
+    return group
 
 
 def new_gloo_group(process_group: Any = None, timeout_s: float | None = None) -> Any:
@@ -149,6 +158,7 @@ def agree_or_raise(error: BaseException | None, rank: int, group: Any, what: str
     One all-reduce of a flag when every rank is fine; the reports are gathered only after a failure.
     A local ``KeyboardInterrupt``/``SystemExit`` is raised as itself, after the peers learned of it.
     """
+    group = peers(group)
     if group is not None:
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from cpuckpt.api import load
-from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group, from_every_rank
+from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group, from_every_rank, peers
 from cpuckpt.backend.commit import clear_commit
 from cpuckpt.backend.committed import check_complete, read_manifest
 from cpuckpt.backend.reader import ReadStats, StorageReader
@@ -490,10 +490,11 @@ class MemoryTier:
         """Every rank's maximum of ``flags`` (one all-reduce). Waited in slices of at most 10 ms, not in one blocking
         call: a rank waiting for a late one still gets Ctrl-C (KeyboardInterrupt) at once; the group's own
         timeout (``timeout_s``) bounds the wait."""
-        if not self.dist:
+        group = peers(self.group) if self.dist else None
+        if group is None:
             return flags
         t = torch.tensor(flags, dtype=torch.int64)
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
         pause = 0.0001  # doubles up to 10 ms: a save's agreement adds microseconds, a long wait polls slowly
         while not work.is_completed():
             time.sleep(pause)

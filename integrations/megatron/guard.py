@@ -62,7 +62,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group
+from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group, peers
 from cpuckpt.config import Config
 from cpuckpt.errors import CheckpointTimeoutError, ConfigError, CpuckptError
 from cpuckpt.transfer.pacing import PACER
@@ -330,7 +330,7 @@ class _Watchdog:
         mine = self._dead_worker()
         late = waited_s > self.timeout_s
         flags = torch.tensor([1 if mine else 0, 1 if late else 0], dtype=torch.int32)
-        group = None if no_dist else checkpoint_group(None, self.timeout_s)
+        group = None if no_dist else peers(checkpoint_group(None, self.timeout_s))
         if group is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
         if int(flags[0]):
@@ -429,8 +429,8 @@ class _Watchdog:
     def _agreed(self, mine: bool | int, no_dist: bool) -> bool:
         """Whether the call may be finalized: its probe said ended on every rank, or :data:`PROBE_FAILED` on one (one
         all-reduce on cpuckpt's gloo group; ``no_dist``: this rank's)."""
-        group = None if no_dist else checkpoint_group(None, self.timeout_s)
-        if group is None:  # no_dist, or no process group at all
+        group = None if no_dist else peers(checkpoint_group(None, self.timeout_s))
+        if group is None:  # no_dist, no process group at all, or this rank alone
             return bool(mine)
         failed = mine == PROBE_FAILED
         flags = torch.tensor([1 if mine else 0, -1 if failed else 0], dtype=torch.int32)

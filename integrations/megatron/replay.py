@@ -51,7 +51,7 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 
-from cpuckpt.backend.collectives import checkpoint_group
+from cpuckpt.backend.collectives import checkpoint_group, peers
 
 from .compat import replace_function
 from .flatstate import ATOMIC, CapturedTensors, leaves
@@ -538,10 +538,11 @@ class StateDictReuse:
 
     def _agree(self, replay: bool, stay: bool) -> tuple[bool, bool]:
         """Whether every rank replays this save, and whether reuse stays on everywhere (an all-reduce of both)."""
-        if not (dist.is_available() and dist.is_initialized()):
+        group = peers(checkpoint_group(None, self.timeout_s))
+        if group is None:  # no process group, or this rank alone
             return replay, stay
         flags = torch.tensor([int(replay), int(stay)], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=checkpoint_group(None, self.timeout_s))
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
         return bool(flags[0]), bool(flags[1])
 
     def _turn_off(self, why: str) -> None:
