@@ -16,8 +16,10 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
 ``mem8snap``      ``mem8`` with the device snapshot
 
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
-``+nocrc`` (``memory.checksum: false``: no crc32c of the images), ``+bsum`` (``memory.checksum_kind: blocksum32``:
-with a device snapshot and the copy process, the device bytes summed on the GPU), ``+io<N>`` (``io.threads: N``: the
+``+nocrc`` (``memory.checksum: false``: no checksums of the images), ``+bsum`` (``memory.checksum_kind: blocksum32``:
+with a device snapshot and the copy process, the device bytes summed on the GPU; what the default ``auto`` takes
+there), ``+crc`` (``memory.checksum_kind: crc32c``: every image read back for its crc32c, the default before session
+43), ``+io<N>`` (``io.threads: N``: the
 copy process's checksum threads, and the writer's and the trainer's I/O and staging pools), ``+copyproc``
 (``memory.copy_process: true``: the checksums, and with a device snapshot the D2H copies, in a process of ours),
 ``+window<MiB>`` (the paced pieces' size, ``staging.d2h_window_bytes``), ``+host`` (``megatron.ordering: host``: the
@@ -195,6 +197,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             memory["checksum"] = False
         elif change == "bsum":
             memory["checksum_kind"] = "blocksum32"
+        elif change == "crc":
+            memory["checksum_kind"] = "crc32c"
         elif change == "copyproc":
             memory["copy_process"] = True
         elif change == "host":
@@ -212,14 +216,18 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
                 change.startswith("slots") and change[len("slots"):].isdigit()) or change in _ENV_CHANGES:
             pass  # rep: a name only; slots, mgc, timers: read above; base, probes: the environment (main)
         else:
-            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, bsum, copyproc, host, window<MiB>, "
-                             "io<N>, "
+            raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, bsum, crc, copyproc, host, "
+                             "window<MiB>, io<N>, "
                              "u<N>, slots<N>, rep<N>, log<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, "
                              "nodma, nod2d, swi, aff, idle)")
     if "nod2d" in changes and not kind.endswith("snap"):
         raise ValueError(f"variant {name}: +nod2d needs a device snapshot (mem1snap, mem8snap)")
+    if "bsum" in changes and "crc" in changes:
+        raise ValueError(f"variant {name}: +bsum and +crc name two checksum kinds")
     if "nodma" in changes and "bsum" in changes:
         raise ValueError(f"variant {name}: +nodma with +bsum would record checksums of images no copy filled")
+    if "nodma" in changes and "checksum_kind" not in memory:  # auto would take blocksum32 of the unfilled images
+        memory["checksum_kind"] = "crc32c"
     if "nodma" in changes and not (kind.endswith("snap") and "copyproc" in changes):
         raise ValueError(f"variant {name}: +nodma needs the copy process's copies (<kind>snap+copyproc)")
     cfg = megatron_config(str(cfg), cfg, ordering=ordering, staging=staging, memory=memory, io=io, **adapter)

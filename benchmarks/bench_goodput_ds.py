@@ -18,7 +18,9 @@ fresh process (``--train``: one rank, ZeRO-1, bf16, ``torch_adam``, the GPT of `
 ``+nocrc``    ``memory.checksum: false``: no crc32c of the memory saves (what reading every image back costs the
               training beside it; Megatron-LM's save every iteration: ~19 ms per save over six pairs, session 41)
 ``+bsum``     ``memory.checksum_kind: blocksum32``: with ``+snap+copyproc`` the device bytes' share of the checksums
-              summed on the GPU, the rest by the copy process (no read of every image back)
+              summed on the GPU, the rest by the copy process (no read of every image back); what the default
+              ``auto`` takes there
+``+crc``      ``memory.checksum_kind: crc32c``: every image read back for its crc32c (the default before session 43)
 
 The trainer prints one line per iteration (``iteration N/M | elapsed time per iteration (ms): ... | at T s |``, the
 host time since the previous line and the time of the line, by its own clock); the result is the wall time from
@@ -60,8 +62,8 @@ logger = logging.getLogger("bench_goodput_ds")
 
 VARIANTS = ("none", "ds8", "cpuckpt8", "mem8", "mem1")
 EVERY = {"none": 0, "ds8": 8, "cpuckpt8": 8, "mem8": 8, "mem1": 1}
-MODIFIERS = ("ahead", "snap", "copyproc", "u1", "nocrc", "bsum")  # u1: memory.max_uncommitted 1 (the step after a save
-# waits for it)
+# u1: memory.max_uncommitted 1 (the step after a save waits for it)
+MODIFIERS = ("ahead", "snap", "copyproc", "u1", "nocrc", "bsum", "crc")
 _REPEAT = re.compile(r"rep\d+")  # the same run again under another name (pairs alternated in one call)
 
 
@@ -82,6 +84,8 @@ def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict
             out["memory"]["checksum"] = False
         if "bsum" in mods:
             out["memory"]["checksum_kind"] = "blocksum32"
+        if "crc" in mods:
+            out["memory"]["checksum_kind"] = "crc32c"
     if "snap" in mods:
         out["staging"] = {"device_snapshot": True}
     return out
@@ -95,12 +99,14 @@ def check_variant(name: str, base_site: str = "") -> str | None:
         return f"unknown variant {base}; known: {VARIANTS}"
     if not set(mods) <= set(MODIFIERS) or len(set(changes)) != len(changes):
         return f"{name}: modifiers are {MODIFIERS}, +base and +rep<N>, each once"
+    if {"bsum", "crc"} <= set(mods):
+        return f"{name}: +bsum and +crc name two checksum kinds"
     if "base" in changes and not base_site:
         return f"{name}: +base needs --base-site"
     if mods and base in ("none", "ds8"):
         return f"{name}: modifiers are cpuckpt's"
     if not base.startswith("mem") and set(mods) - {"snap"}:
-        return f"{name}: +ahead, +copyproc, +u1, +nocrc and +bsum need a memory variant"
+        return f"{name}: +ahead, +copyproc, +u1, +nocrc, +bsum and +crc need a memory variant"
     return None
 
 

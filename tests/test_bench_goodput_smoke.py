@@ -46,7 +46,7 @@ def test_dry_run_takes_memory_variants_with_changes(tmp_path: Path) -> None:
 def test_dry_run_takes_the_variants_the_device_calls_ask_for(tmp_path: Path) -> None:
     """What BENCHMARKS.md's owed calls name (a variant refused on the device machine costs that call's variants)."""
     names = ("none+mgc,mem8snap+copyproc,mem1snap+copyproc+mgc,mem1snap+copyproc+slots5+rep2,mem1snap+copyproc+io1,"
-             "mem1snap+copyproc+base")
+             "mem1snap+copyproc+base,mem1snap+copyproc+crc")
     proc = _bench("--dry-run", "--out", str(tmp_path), "--variants", names, "--base-site", "/opt/base-site", cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     blocks = {b.split("\n", 1)[0]: b for b in proc.stdout.split("# ")[1:]}
@@ -82,11 +82,13 @@ def test_dry_run_takes_the_synchronization_variants(tmp_path: Path) -> None:
     assert "--log-interval 10" not in blocks["none+timers"]
     # every variant is checked before the first runs, and every error is said at once (one run here)
     bad = _bench("--dry-run", "--out", str(tmp_path), "--iters", "60", "--variants",
-                 "none,none+syncstart,mem1+nod2d,mem1snap+nodma,mem1+log0,none+log30,mem1snap+fast", cwd=REPO)
+                 "none,none+syncstart,mem1+nod2d,mem1snap+nodma,mem1+log0,none+log30,mem1snap+fast,"
+                 "mem1snap+copyproc+bsum+crc", cwd=REPO)
     assert bad.returncode != 0 and "# none\n" not in bad.stdout, bad.stdout  # nothing ran
     for variant, why in (("none+syncstart", "unknown variant none+syncstart"), ("mem1+nod2d", "device snapshot"),
                          ("mem1snap+nodma", "copy process"), ("mem1+log0", "N >= 1"),
-                         ("none+log30", "fewer than 3 log lines"), ("mem1snap+fast", "unknown change")):
+                         ("none+log30", "fewer than 3 log lines"), ("mem1snap+fast", "unknown change"),
+                         ("mem1snap+copyproc+bsum+crc", "two checksum kinds")):
         assert why in bad.stderr and variant in bad.stderr, (variant, bad.stderr)
 
 

@@ -62,7 +62,7 @@ def _check(path: Path, step: int) -> None:
 
 @pytest.mark.parametrize("kind", ["crc32c", "auto"])
 def test_memory_saves_are_checksummed_by_the_copy_process_and_load_bit_exact(tmp_path, kind):
-    """``checksum_kind: auto`` without a GPU (no device snapshot to sum) records crc32c, as the default does."""
+    """``checksum_kind: auto`` (the default) without a GPU (no device snapshot to sum) records crc32c."""
     tier = MemoryTier(tmp_path / "durable", _cfg(tmp_path, checksum_kind=kind))
     try:
         assert tier.copier is not None
