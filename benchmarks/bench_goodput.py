@@ -48,20 +48,20 @@ each line is a barrier and a device synchronization); the wall and the gaps are 
 
 Every variant that saves runs with ``--ckpt-assume-constant-structure`` (what a job saving this often sets).
 
-The result is the wall time from iteration ``--warm`` (default 10) to the last iteration, taken from the
-arrival times of Megatron-LM's own ``iteration N/...`` log lines, as a ratio to ``none``'s; Megatron-LM's
-timers exclude the saves (``save_checkpoint_and_time`` stops its interval timer around them) and are only
-listed beside it. Also per variant: the cost per save ((wall - none's wall) / saves in the window), the
-largest single-iteration gap between consecutive log lines against their median (and which iteration), the
-whole run from launch to exit (start-up, slot preparation and the final wait included) against ``none``'s, and
-its two ends against none's (launch to the first iteration's line; the last one's to the exit),
-and Megatron-LM's ``save-checkpoint`` timers. ``--floor`` runs ``overlap_floor.py`` (copied from the shared
-tools into an ignored folder) in the same call for the floor of a full snapshot every iteration. ``--sample``
-names variants whose trainer's main thread is sampled (``benchmarks/stack_sampler``: every 2 ms, inside the
-training loop): the functions it was in, as ms per iteration, against ``none``'s, to say where a variant's time goes
-(the sampler's own cost is in the sampled runs' wall too, so their wall ratio is not the result). ``--pyspy``
-names variants whose trainer is recorded by ``py-spy record --gil`` from outside (a carried wheel on the GPU
-machine) for ``--pyspy-seconds`` from iteration warm + 10: which of its threads held the interpreter, and where.
+The result is the wall time from iteration ``--warm`` (default 10) to the last iteration, taken from the arrival
+times of Megatron-LM's own ``iteration N/...`` log lines, as a ratio to ``none``'s; Megatron-LM's timers exclude the
+saves (``save_checkpoint_and_time`` stops its interval timer around them) and are only listed beside it. Also per
+variant: the cost per save ((wall - none's wall) / saves in the window), the largest single-iteration gap between
+consecutive log lines against their median (and which iteration), the whole run from launch to exit (start-up, slot
+preparation and the final wait included) against ``none``'s, and its two ends against none's (launch to the first
+iteration's line; the last one's to the exit), the median time from a save's call to its memory commit (cpuckpt's
+telemetry), and Megatron-LM's ``save-checkpoint`` timers. ``--floor`` runs ``overlap_floor.py`` (copied from the
+shared tools into an ignored folder) in the same call for the floor of a full snapshot every iteration. ``--sample``
+names variants whose trainer's main thread is sampled (``benchmarks/stack_sampler``: every 2 ms, inside the training
+loop): the functions it was in, as ms per iteration, against ``none``'s, to say where a variant's time goes (the
+sampler's own cost is in the sampled runs' wall too, so their wall ratio is not the result). ``--pyspy`` names
+variants whose trainer is recorded by ``py-spy record --gil`` from outside (a carried wheel on the GPU machine) for
+``--pyspy-seconds`` from iteration warm + 10: which of its threads held the interpreter, and where.
 
     python -m benchmarks.bench_goodput --megatron-lm .megatron-lm --out $OUT
     python -m benchmarks.bench_goodput --dry-run        # the commands only
@@ -125,6 +125,14 @@ def run_ends(iters: list[dict[str, Any]], run_s: float | None, ref: dict[str, An
     return out
 
 
+def commit_ms(telemetry: list[dict[str, Any]], skip: int = 5) -> float | None:
+    """Median time from a save's call to its memory commit (rank 0's ``async_save`` records' ``persist_s``), past the
+    first ``skip`` saves: losing at most one iteration at a printed log line rests on it being under an iteration."""
+    ms = [1000 * x["persist_s"] for x in telemetry
+          if x.get("event") == "async_save" and x.get("rank") == 0 and x.get("persist_s") is not None][skip:]
+    return round(statistics.median(ms), 1) if ms else None
+
+
 def summarize(name: str, r: dict[str, Any], ref: dict[str, Any] | None, saves_in_window: int,
               warm: int) -> dict[str, Any]:
     g = goodput(r["iters"], warm)
@@ -133,6 +141,7 @@ def summarize(name: str, r: dict[str, Any], ref: dict[str, Any] | None, saves_in
                            "save_timer_ms": [round(x["ms"]) for x in r["saves"]][:6],
                            "np_timer_median_ms": round(statistics.median(x["ms"] for x in r["np_saves"]), 1)
                            if r["np_saves"] else None,
+                           "commit_ms": commit_ms(r.get("telemetry_file") or []),
                            "errors": r["errors"][:3]}
     if ref is not None and ref.get("wall_s") and g.get("wall_s") and ref.get("iters") == g.get("iters"):
         out["ratio"] = round(g["wall_s"] / ref["wall_s"], 3)
@@ -423,6 +432,9 @@ def self_test() -> int:
     later = [{**x, "t": x["t"] + 2.0} for x in parse_log(lines)["iters"]]  # 2 s more set-up, 1 s more at the end
     over = run_ends(later, t + 10.5, ends)
     assert (over["start_over_none_s"], over["end_over_none_s"]) == (2.0, 1.0), over
+    records = [{"event": "async_save", "rank": r, "persist_s": 0.1 * k} for k in range(1, 10) for r in (0, 1)]
+    assert commit_ms(records + [{"event": "save", "rank": 0, "persist_s": 9.0}]) == 750.0  # rank 0, saves 6-9
+    assert commit_ms(records[:10]) is None
     fake = {"none": {"inclusive_ms": {"training.py:train": 150.0}, "leaf_ms": {}},
             "mem1": {"inclusive_ms": {"training.py:train": 300.0, "checkpointing.py:save_checkpoint": 120.0},
                      "leaf_ms": {"a < b": 80.0}}}
@@ -515,8 +527,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
                          f'{s.get("gap_max_ms")} @{s.get("gap_max_it")} ({s.get("gap_max_over_median")}x)',
                          s.get("gap_median_ms"), s.get("run_s"), s.get("run_over_none_s"),
-                         f'{s.get("start_over_none_s")} / {s.get("end_over_none_s")}', s.get("np_timer_median_ms"),
-                         s.get("save_timer_ms")])
+                         f'{s.get("start_over_none_s")} / {s.get("end_over_none_s")}', s.get("commit_ms"),
+                         s.get("np_timer_median_ms"), s.get("save_timer_ms")])
             if not args.dry_run:
                 (b.out / "bench_goodput.json").write_text(json.dumps(results, indent=1, default=str))
         if args.floor and args.budget and b.left() < args.floor_budget + 10:
@@ -532,11 +544,12 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(
         ["variant", "rc", "wall x none", f"wall s it {args.warm}-last", "ms per save", "saves",
          "largest gap ms @it (x median)", "median gap ms", "run s", "run - none s", "start / end - none s",
-         "np timer ms", "save timer ms"],
+         "commit ms", "np timer ms", "save timer ms"],
         rows, title=f"goodput: Megatron-LM 24x1024, {args.iters} iterations, memory durable every {args.durable}, "
                     f"slots {args.slots}",
         footnotes=["wall: from the arrival of iteration lines (the job's clock), not Megatron's timers; "
-                   "run s: launch to exit; start / end: launch to the first iteration's line, the last one's to exit"])
+                   "run s: launch to exit; start / end: launch to the first iteration's line, the last one's to exit; "
+                   "commit: a save's call to its memory commit (median, telemetry)"])
     print()
     print(table)
     if results.get("samples"):
