@@ -35,7 +35,8 @@ trainer's garbage collections under saves cost). ``+timers`` (any variant) adds 
 (``--timing-log-level 1``: forward-backward, optimizer, ...), which synchronize the device at each start and stop:
 where in the step a save's cost lands, not a goodput figure. ``+syncstart``, ``+syncstep``, ``+nodma`` and ``+nod2d``
 (memory variants; any together) are probes (``benchmarks/probe``): the device synchronized after the iteration's save
-start or before each optimizer step; the copy process handed no copies; the device snapshot not copied (a probed run's
+start or before each optimizer step; the copy process handed no copies (its saves then record crc32c: compare with
+``+crc``); the device snapshot not copied (a probed run's
 checkpoints are not valid). ``+gcfreeze`` (memory variants): ``megatron: {freeze_gc: true}``, the collector's objects
 frozen once setup returned (full collections then skip them). ``+swi`` (any variant, ``none`` included, compared with
 ``none+swi``; a probe): the interpreter's switch interval 0.5 ms instead of 5 in every process of the run, what the
@@ -231,8 +232,8 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
                              "nodma, nod2d, swi, aff, idle)")
     if "nod2d" in changes and not kind.endswith("snap"):
         raise ValueError(f"variant {name}: +nod2d needs a device snapshot (mem1snap, mem8snap)")
-    if "bsum" in changes and "crc" in changes:
-        raise ValueError(f"variant {name}: +bsum and +crc name two checksum kinds")
+    if len({"bsum", "crc", "nocrc"} & set(changes)) > 1:
+        raise ValueError(f"variant {name}: +bsum, +crc and +nocrc are three different checksum settings: one at most")
     if "nodma" in changes and "bsum" in changes:
         raise ValueError(f"variant {name}: +nodma with +bsum would record checksums of images no copy filled")
     if "nodma" in changes and "checksum_kind" not in memory:  # auto would take blocksum32 of the unfilled images

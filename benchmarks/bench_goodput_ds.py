@@ -15,8 +15,8 @@ fresh process (``--train``: one rank, ZeRO-1, bf16, ``torch_adam``, the GPT of `
               only), the host copies follow from the snapshot
 ``+copyproc`` ``memory.copy_process``: the snapshot's device-to-host copies and the checksums run in a process of
               ours (CUDA IPC), none in the trainer's (with ``+snap``: the engine Megatron-LM's goodput measured best)
-``+nocrc``    ``memory.checksum: false``: no crc32c of the memory saves (what reading every image back costs the
-              training beside it; Megatron-LM's save every iteration: ~19 ms per save over six pairs, session 41)
+``+nocrc``    ``memory.checksum: false``: no checksums of the memory saves (what they cost the training beside
+              it: with crc32c, reading every image back; with blocksum32, the GPU's reduction and the host share)
 ``+bsum``     ``memory.checksum_kind: blocksum32``: with ``+snap+copyproc`` the device bytes' share of the checksums
               summed on the GPU, the rest by the copy process (no read of every image back); what the default
               ``auto`` takes there
@@ -99,8 +99,8 @@ def check_variant(name: str, base_site: str = "") -> str | None:
         return f"unknown variant {base}; known: {VARIANTS}"
     if not set(mods) <= set(MODIFIERS) or len(set(changes)) != len(changes):
         return f"{name}: modifiers are {MODIFIERS}, +base and +rep<N>, each once"
-    if {"bsum", "crc"} <= set(mods):
-        return f"{name}: +bsum and +crc name two checksum kinds"
+    if len({"bsum", "crc", "nocrc"} & set(mods)) > 1:
+        return f"{name}: +bsum, +crc and +nocrc are three different checksum settings: one at most"
     if "base" in changes and not base_site:
         return f"{name}: +base needs --base-site"
     if mods and base in ("none", "ds8"):

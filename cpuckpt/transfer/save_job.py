@@ -314,9 +314,11 @@ class SaveJob:
     def _mirror(self, idx: list[int]) -> Mirror | None:
         """The files' places of device sources ``idx`` for a snapshot laid out as the files are, or None (logged
         once per stream): a source's bytes are not one run of one file; chunks are not whole blocksum32 blocks; or
-        the files take more than twice the device bytes (CPU tensors in the state: GPU memory for host bytes). The
-        copy process then sums whole chunks on the host. Kept by the save stream while the layouts' geometry (their
-        chunk lists, shared by every save of one plan) and the sources' sizes repeat."""
+        the files take more GPU memory than the device bytes allow (CPU tensors in the state: GPU memory for host
+        bytes): with blocksum32 asked for, twice the device bytes; with ``auto`` (the default, which nobody chose
+        for its memory), one chunk per file more. The copy process then sums whole chunks on the host. Kept by the
+        save stream while the layouts' geometry (their chunk lists, shared by every save of one plan) and the
+        sources' sizes repeat."""
         chunk = self.cfg.io.chunk_bytes
         sizes = tuple(self.sources[i].numel() for i in idx)  # type: ignore[union-attr]
         key = (tuple(id(f.chunks) for f in self.files), tuple(idx), sizes)
@@ -359,8 +361,10 @@ class SaveJob:
             if place is None or place[1] < 0 or covered.get(i) != n or place[1] + n > self.files[place[0]].nbytes:
                 return f"item {i}'s {n} bytes are not all placed in one file", None
             places.append(place)
-        if base > 2 * sum(sizes) + 2 * chunk:
-            return f"the files take {base} bytes of device memory for {sum(sizes)} device bytes", None
+        device = sum(sizes)
+        most = device + (len(self.files) + 1) * chunk if self.sink.checksum_kind == AUTO else 2 * device + 2 * chunk
+        if base > most:
+            return f"the files take {base} bytes of device memory for {device} device bytes (at most {most})", None
         return "", Mirror(tuple(places), tuple(bases), base, chunk)
 
     def _offload_device(self, copier: DeviceCopier, slots: list[Slot]) -> None:

@@ -237,13 +237,13 @@ def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, ve
 
     Every rank checks the marker and every listed file's size; with ``verify``, each rank also
     reads its share of the files (those it wrote, when the world size is the saving one) and
-    compares every chunk's crc32c. One all-gather of the outcomes (when torch.distributed is
-    initialised) makes every rank raise the same error.
+    compares every chunk's checksum (crc32c; blocksum32 in a memory tag). One all-gather of the outcomes
+    (when torch.distributed is initialised) makes every rank raise the same error.
 
     Args:
         save_dir: the directory to load from (``save_dir``, or a memory tag's ``<RAM root>/tags``).
         tag: the tag; None: the one ``save_dir/latest`` names.
-        verify: compare the crc32c the marker records (files saved with ``integrity.checksum: none``
+        verify: compare the checksums the marker records (files saved with ``integrity.checksum: none``
             are checked by size only).
         allow_unmarked: accept a tag that stock DeepSpeed wrote (no cpuckpt files to check).
 
@@ -252,7 +252,7 @@ def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, ve
 
     Raises:
         IntegrityError: the tag is missing, torn, or unmarked (unless allowed); ``CheckpointCorrupt``
-            when a chunk's crc32c differs. The same class and message on every rank.
+            when a chunk's checksum differs. The same class and message on every rank.
     """
     import torch.distributed as dist
 
@@ -278,7 +278,7 @@ def check_before_load(save_dir: str | os.PathLike, tag: str | None = None, *, ve
 
 
 def select_tag(save_dir: str | os.PathLike, *, fallback_on_corrupt: bool = True) -> LatestTag | None:
-    """The newest complete tag of ``save_dir`` whose every listed file passes its crc32c, on every rank.
+    """The newest complete tag of ``save_dir`` whose every listed file passes its checksums, on every rank.
 
     Collective (every rank calls it): rank 0's listing (:func:`cpuckpt.tier.tagmarker.scan_tags`: the complete tags,
     ``latest``'s first, and those committed but damaged since) is broadcast, then each candidate goes through

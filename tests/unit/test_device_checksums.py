@@ -91,10 +91,11 @@ def test_a_host_share_without_ranges_is_the_whole_chunks():
     assert blocksum32_except(memoryview(data), 8 * BLOCK_BYTES, overlapping) == rest & MASK
 
 
-def _job(files: list, sources: list, chunk: int) -> SimpleNamespace:
-    """The parts of a SaveJob that ``_mirror`` reads (its layouts, sources, config, save stream)."""
+def _job(files: list, sources: list, chunk: int, kind: str = "blocksum32") -> SimpleNamespace:
+    """The parts of a SaveJob that ``_mirror`` reads (its layouts, sources, config, sink's kind, save stream)."""
     job = SimpleNamespace(files=files, sources=sources, rank=0, snapshots=DeviceSnapshots(),
-                          cfg=SimpleNamespace(io=SimpleNamespace(chunk_bytes=chunk)))
+                          cfg=SimpleNamespace(io=SimpleNamespace(chunk_bytes=chunk)),
+                          sink=SimpleNamespace(checksum_kind=kind))
     job._mirror_of = MethodType(SaveJob._mirror_of, job)
     job._mirror = MethodType(SaveJob._mirror, job)
     return job
@@ -160,3 +161,20 @@ def test_a_mirrored_snapshot_and_the_host_bytes_give_every_chunks_blocksum32_of_
                 assert (blocksum32_except(view, c.offset, inside) + next(device)) & MASK == blocksum32(view), seed
         assert next(device, None) is None
     assert mirrored > 20 and refused > 0, (mirrored, refused)  # the memory bound refuses some (CPU-heavy states)
+
+
+def test_auto_mirrors_a_snapshot_only_at_about_the_device_bytes():
+    """``auto`` (the default, chosen by nobody for its GPU memory) lays a snapshot out as the files only where that
+    costs at most a chunk per file more than the device bytes; blocksum32, asked for, up to twice them. A state whose
+    host tensors are a third of the files: blocksum32 mirrors it, auto does not (its saves record crc32c)."""
+    chunk = 4 * BLOCK_BYTES
+    device, host = torch.zeros(10 * chunk, dtype=torch.uint8), torch.ones(5 * chunk, dtype=torch.uint8)
+    files, _, _ = LayoutCache().plan([LayoutItem(device.numel()), LayoutItem(host.numel())], num_files=1,
+                                     chunk_bytes=chunk, align_bytes=512, align_data_min_bytes=1024)
+    asked = _job(files, [device, host], chunk, "blocksum32")._mirror([0])
+    assert asked is not None and asked.nbytes >= 15 * chunk
+    assert _job(files, [device, host], chunk, "auto")._mirror([0]) is None
+    small, _, _ = LayoutCache().plan([LayoutItem(device.numel()), LayoutItem(100)], num_files=1, chunk_bytes=chunk,
+                                     align_bytes=512, align_data_min_bytes=1024)
+    mirror = _job(small, [device, torch.ones(100, dtype=torch.uint8)], chunk, "auto")._mirror([0])
+    assert mirror is not None and mirror.nbytes <= device.numel() + 2 * chunk
