@@ -453,11 +453,12 @@ class Checkpointer:
         mine = None if local is None else FailureReport.of(local, w.rank)
         outcome: list[FailureReport | None] | None = None  # the reports that fail the save; None: committed
         groups = self._require_groups()
+        shared = self._dist and peers(groups.commit_group) is not None  # a rank alone agrees with itself
         try:
             # results travel only when the plan was reused, and only once per layout (_ResultsRelay)
             sent = (mine, groups.results.outgoing(w.last_results))
             gathered: list[Any] = [sent]
-            if self._dist:
+            if shared:
                 gathered = [None] * dist.get_world_size(groups.commit_group)
                 dist.all_gather_object(gathered, sent, group=groups.commit_group)
             reports = [g[0] for g in gathered]
@@ -477,7 +478,7 @@ class Checkpointer:
                     outcome = [dataclasses.replace(failed, message=f"commit failed (coordinator): {failed.message}")]
                 else:
                     after_commit(w.path, w.config)  # `latest`, cleaning, retention: only when configured
-            if self._dist and not agreed:
+            if shared and not agreed:
                 box = [outcome]
                 dist.broadcast_object_list(box, src=groups.coordinator, group=groups.commit_group)
                 outcome = box[0]

@@ -178,7 +178,8 @@ def from_rank(compute: Callable[[], Any], group: Any, what: str, src: int = 0) -
     """``compute()`` on rank ``src`` of ``group``, its value given to every rank in one broadcast; collective. A
     failure there travels in that broadcast and is raised on every rank at once (the same error; an interrupt as
     itself on ``src``), not while the others wait until the group's timeout; no other collective is added (a save
-    across nodes calls it every time). ``group`` None: this process alone computes it."""
+    across nodes calls it every time). ``group`` None (or of this process alone): this process computes it."""
+    group = peers(group)
     rank = dist.get_rank(group) if group is not None else src
     box: list[Any] = [None]
     error: BaseException | None = None
@@ -196,8 +197,9 @@ def from_rank(compute: Callable[[], Any], group: Any, what: str, src: int = 0) -
 def from_every_rank(compute: Callable[[], Any], group: Any, what: str) -> list[Any]:
     """``compute()`` on every rank of ``group``, every rank's value to every rank in one all-gather (by rank);
     collective. A failure on any rank travels in it and is raised on every rank alike (an interrupt as itself where
-    it happened), not while the others wait in a later collective until the group's timeout. ``group`` None: this
-    process's value alone."""
+    it happened), not while the others wait in a later collective until the group's timeout. ``group`` None (or of
+    this process alone): this process's value alone."""
+    group = peers(group)
     rank = dist.get_rank(group) if group is not None else 0
     report, value, payload, error = _outcome(compute, rank)
     every: list[Any] = [(report, payload)]

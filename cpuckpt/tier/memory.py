@@ -1077,7 +1077,7 @@ class MemoryTier:
             error = e
         agree_or_raise(error, self.rank, self.group, f"listing the checkpoints of "
                        f"{self.durable_root} and the memory tier")
-        if not self.dist:
+        if not self.dist or peers(self.group) is None:
             return [path for _, path in listing]
         box: list[Any] = [listing if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
