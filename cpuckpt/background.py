@@ -453,8 +453,9 @@ class Checkpointer:
         mine = None if local is None else FailureReport.of(local, w.rank)
         outcome: list[FailureReport | None] | None = None  # the reports that fail the save; None: committed
         groups = self._require_groups()
-        shared = self._dist and peers(groups.commit_group) is not None  # a rank alone agrees with itself
+        shared = self._dist  # whether the outcome travels: a rank alone agrees with itself
         try:
+            shared = self._dist and peers(groups.commit_group) is not None
             # results travel only when the plan was reused, and only once per layout (_ResultsRelay)
             sent = (mine, groups.results.outgoing(w.last_results))
             gathered: list[Any] = [sent]

@@ -168,8 +168,8 @@ class StagingConfig:
                                  "ordering of the trainer's next writes (ordering stream/optimizer) then waits for "
                                  "that copy only, not for PCIe. Costs device memory as large as those bytes, kept "
                                  "for later saves; where the GPU sums the memory checksums (memory.checksum_kind "
-                                 "blocksum32, or auto where that adds at most a chunk per file), as large as the "
-                                 "save's files.")
+                                 "blocksum32, or auto where that adds at most a chunk per file and one more), as large "
+                                 "as the save's files.")
 
 
 @dataclass(frozen=True)
@@ -244,8 +244,8 @@ class MemoryConfig:
                               "per iteration). Elsewhere the host sums whole chunks, at about half crc32c's speed. "
                               "Weaker than crc32c against some multi-bit changes (docs/FORMAT.md). Persists still "
                               "write crc32c. auto (the default): blocksum32 for a save whose device bytes the GPU "
-                              "sums that way where the files take at most a chunk per file more GPU memory than the "
-                              "device bytes, crc32c for every other (a "
+                              "sums that way where the files take at most a chunk per file and one more of GPU "
+                              "memory than the device bytes, crc32c for every other (a "
                               "DeepSpeed save every iteration: 190 against 334 ms per save; Megatron-LM's: within "
                               "the noise; BENCHMARKS.md, session 43).",
                               choices=("crc32c", "blocksum32", "auto"))

@@ -179,6 +179,8 @@ def from_rank(compute: Callable[[], Any], group: Any, what: str, src: int = 0) -
     failure there travels in that broadcast and is raised on every rank at once (the same error; an interrupt as
     itself on ``src``), not while the others wait until the group's timeout; no other collective is added (a save
     across nodes calls it every time). ``group`` None (or of this process alone): this process computes it."""
+    if group is not None and not 0 <= src < dist.get_world_size(group):
+        raise ValueError(f"from_rank: src {src} is not a rank of a group of {dist.get_world_size(group)}")
     group = peers(group)
     rank = dist.get_rank(group) if group is not None else src
     box: list[Any] = [None]

@@ -316,22 +316,20 @@ class SaveJob:
         once per stream): a source's bytes are not one run of one file; chunks are not whole blocksum32 blocks; or
         the files take more GPU memory than the device bytes allow (CPU tensors in the state: GPU memory for host
         bytes): with blocksum32 asked for, twice the device bytes; with ``auto`` (the default, which nobody chose
-        for its memory), one chunk per file more. The copy process then sums whole chunks on the host. Kept by the
-        save stream while the layouts' geometry (their chunk lists, shared by every save of one plan) and the
-        sources' sizes repeat."""
+        for its memory), a chunk per file and one more. The copy process then sums whole chunks on the host. The
+        answer (a refusal too) is kept by the save stream while the kind, the layouts' geometry (their chunk lists,
+        shared by every save of one plan) and the sources' sizes repeat."""
         chunk = self.cfg.io.chunk_bytes
         sizes = tuple(self.sources[i].numel() for i in idx)  # type: ignore[union-attr]
-        key = (tuple(id(f.chunks) for f in self.files), tuple(idx), sizes)
+        key = (self.sink.checksum_kind, tuple(id(f.chunks) for f in self.files), tuple(idx), sizes)
         kept = self.snapshots.mirrors.get(key)
         if kept is not None and all(a is f.chunks for a, f in zip(kept[0], self.files)):
             return kept[1]
         why, mirror = self._mirror_of(idx, sizes, chunk)
-        if mirror is None:
-            if not self.snapshots.mirror_refused:
-                self.snapshots.mirror_refused = True
-                logger.info("rank %d: memory checksums not summed on the GPU (the host sums whole chunks: "
-                            "blocksum32, or with checksum_kind auto crc32c): %s", self.rank, why)
-            return None
+        if mirror is None and not self.snapshots.mirror_refused:
+            self.snapshots.mirror_refused = True
+            logger.info("rank %d: memory checksums not summed on the GPU (the host sums whole chunks: "
+                        "blocksum32, or with checksum_kind auto crc32c): %s", self.rank, why)
         self.snapshots.mirrors.clear()  # one stream of saves repeats one layout
         self.snapshots.mirrors[key] = ([f.chunks for f in self.files], mirror)
         return mirror

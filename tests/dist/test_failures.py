@@ -397,24 +397,27 @@ def test_from_rank_and_from_every_rank_give_every_rank_the_values_or_the_failure
     assert [r["interrupt_after"] for r in results] == [[0, 1], [0, 1]]
 
 
-def rank_agreement_among_one(_: int) -> tuple[bool, int, str]:
-    """An agreement on a gloo group (cpuckpt's): (whether the group holds this rank alone, all-reduces made, the
-    error a failure on rank 0 raised here)."""
+def rank_agreement_among_one(_: int) -> tuple[bool, int, str, list]:
+    """Agreements on a gloo group (cpuckpt's): (whether the group holds this rank alone, collectives made, the error
+    a failure on rank 0 raised here, rank 0's value and every rank's as from_rank and from_every_rank gave them)."""
     import torch.distributed as dist
 
-    from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group, peers
+    from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group, from_every_rank, from_rank, peers
     from cpuckpt.errors import CpuckptError
 
     group = checkpoint_group()
     rank = dist.get_rank()
     made = []
-    real = dist.all_reduce
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_object", "broadcast_object_list")}
 
-    def counted(*args, **kwargs):
-        made.append(1)
-        return real(*args, **kwargs)
+    def counting(name):
+        def counted(*args, **kwargs):
+            made.append(name)
+            return real[name](*args, **kwargs)
+        return counted
 
-    dist.all_reduce = counted
+    for name in real:
+        setattr(dist, name, counting(name))
     try:
         agree_or_raise(None, rank, group, "nothing failed")
         try:
@@ -424,9 +427,12 @@ def rank_agreement_among_one(_: int) -> tuple[bool, int, str]:
             message = str(e)
         else:
             message = ""
+        values = [from_rank(lambda: f"rank {rank}'s", group, "a listing"),
+                  from_every_rank(lambda: rank * 10, group, "the slots")]
     finally:
-        dist.all_reduce = real
-    return peers(group) is None, len(made), message
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return peers(group) is None, len(made), message, values
 
 
 def test_an_agreement_among_one_rank_makes_no_collective_and_raises_the_same_error(run_ranks):
@@ -434,8 +440,10 @@ def test_an_agreement_among_one_rank_makes_no_collective_and_raises_the_same_err
     every iteration), and a failure is raised as across two ranks, naming the rank and the save."""
     alone = run_ranks(1, rank_agreement_among_one, 1, timeout_s=60)
     two = run_ranks(2, rank_agreement_among_one, 2, timeout_s=60)
-    assert alone[0][:2] == (True, 0)
-    assert [r[:2] for r in two] == [(False, 2), (False, 2)]
-    for _, _, message in alone + two:
+    assert alone[0][:2] == (True, 0) and alone[0][3] == ["rank 0's", [0]]
+    # two all-reduces, the failure's reports gathered, a broadcast, an all-gather
+    assert [r[:2] for r in two] == [(False, 5), (False, 5)]
+    assert [r[3] for r in two] == [["rank 0's", [0, 10]]] * 2
+    for _, _, message, _ in alone + two:
         assert "async save of /ckpt/step_1" in message and "rank 0" in message and "No space left" in message, \
             message

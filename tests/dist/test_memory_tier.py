@@ -915,19 +915,24 @@ def _saves_counted(durable: str, ram: str) -> dict:
     try:
         for step in range(2, 5):
             tier.save(_state(step, rank), step).wait()
+        newest = tier.find_latest()  # the listing every rank agrees on
         tier.close()
     finally:
         for name in _AGREEMENTS:
             setattr(dist, name, real[name])
-    return {"made": made, "durable": [c.step for c in cpuckpt.list_checkpoints(durable) if c.complete]}
+    return {"made": made, "durable": [c.step for c in cpuckpt.list_checkpoints(durable) if c.complete],
+            "newest": newest is not None and Path(newest).name}
 
 
 def test_a_tier_of_one_rank_agrees_with_itself_without_collectives(run_ranks, tmp_path):
     """On one rank the repeated saves' and the close's agreements (the claim, the fill, the plan's reuse, the commit,
-    the close's waits and listing) make no collective; the same saves on two ranks make them. Both persist every
-    2nd step durably."""
+    the close's waits) and a restart's listing make no collective; the same on two ranks make them. Both persist
+    every 2nd step durably and list the newest memory checkpoint alike."""
     (alone,) = run_ranks(1, _saves_counted, str(tmp_path / "d1"), str(tmp_path / "ram1"), timeout_s=120)
     two = run_ranks(2, _saves_counted, str(tmp_path / "d2"), str(tmp_path / "ram2"), timeout_s=120)
-    assert alone == {"made": dict.fromkeys(_AGREEMENTS, 0), "durable": [2, 4]}, alone
+    assert alone["made"] == dict.fromkeys(_AGREEMENTS, 0) and alone["durable"] == [2, 4], alone
+    assert alone["newest"] and [r["newest"] for r in two] == [alone["newest"]] * 2, (alone, two)
     for r in two:
-        assert r["durable"] == [2, 4] and r["made"]["all_reduce"] > 6 and r["made"]["all_gather_object"] >= 3, r
+        made = r["made"]
+        assert r["durable"] == [2, 4] and made["all_reduce"] > 6, r
+        assert made["all_gather_object"] >= 3 and made["broadcast_object_list"] >= 4, r  # commits, the listing
