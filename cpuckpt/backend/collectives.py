@@ -145,7 +145,7 @@ def _local_interrupt(failures: dict[int, BaseException], rank: int | None) -> Ba
 def gather_failures(error: BaseException | None, rank: int, group: Any) -> list[FailureReport | None]:
     """All-gather every rank's failure (``None`` = fine) on ``group``; collective when ``group`` is set."""
     mine = None if error is None else FailureReport.of(error, rank)
-    if group is None:
+    if peers(group) is None:  # no group, or this rank alone
         return [mine]
     reports: list[FailureReport | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, mine, group=group)

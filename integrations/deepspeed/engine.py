@@ -63,7 +63,7 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from cpuckpt.api import PoolPreparation, prepare_pool_in_background
-from cpuckpt.backend.collectives import checkpoint_group, gather_failures, new_gloo_group, raise_if_failed
+from cpuckpt.backend.collectives import checkpoint_group, gather_failures, new_gloo_group, peers, raise_if_failed
 from cpuckpt.config import Config
 from cpuckpt.errors import ConfigError, CpuckptError, FailureReport, StagingError
 from cpuckpt.format.manifest import FileEntry
@@ -793,7 +793,7 @@ _RESERVED_DIRS: set[str] = set()  # a RAM root opens once per process: one engin
 
 
 def _all_gather(obj: Any, group: Any) -> list[Any]:
-    if group is None:
+    if peers(group) is None:  # no group, or this rank alone
         return [obj]
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)

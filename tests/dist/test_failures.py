@@ -402,7 +402,14 @@ def rank_agreement_among_one(_: int) -> tuple[bool, int, str, list]:
     a failure on rank 0 raised here, rank 0's value and every rank's as from_rank and from_every_rank gave them)."""
     import torch.distributed as dist
 
-    from cpuckpt.backend.collectives import agree_or_raise, checkpoint_group, from_every_rank, from_rank, peers
+    from cpuckpt.backend.collectives import (
+        agree_or_raise,
+        checkpoint_group,
+        from_every_rank,
+        from_rank,
+        gather_failures,
+        peers,
+    )
     from cpuckpt.errors import CpuckptError
 
     group = checkpoint_group()
@@ -428,7 +435,7 @@ def rank_agreement_among_one(_: int) -> tuple[bool, int, str, list]:
         else:
             message = ""
         values = [from_rank(lambda: f"rank {rank}'s", group, "a listing"),
-                  from_every_rank(lambda: rank * 10, group, "the slots")]
+                  from_every_rank(lambda: rank * 10, group, "the slots"), gather_failures(None, rank, group)]
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
@@ -440,10 +447,10 @@ def test_an_agreement_among_one_rank_makes_no_collective_and_raises_the_same_err
     every iteration), and a failure is raised as across two ranks, naming the rank and the save."""
     alone = run_ranks(1, rank_agreement_among_one, 1, timeout_s=60)
     two = run_ranks(2, rank_agreement_among_one, 2, timeout_s=60)
-    assert alone[0][:2] == (True, 0) and alone[0][3] == ["rank 0's", [0]]
-    # two all-reduces, the failure's reports gathered, a broadcast, an all-gather
-    assert [r[:2] for r in two] == [(False, 5), (False, 5)]
-    assert [r[3] for r in two] == [["rank 0's", [0, 10]]] * 2
+    assert alone[0][:2] == (True, 0) and alone[0][3] == ["rank 0's", [0], [None]]
+    # two all-reduces, the failure's reports gathered, a broadcast, two all-gathers
+    assert [r[:2] for r in two] == [(False, 6), (False, 6)]
+    assert [r[3] for r in two] == [["rank 0's", [0, 10], [None, None]]] * 2
     for _, _, message, _ in alone + two:
         assert "async save of /ckpt/step_1" in message and "rank 0" in message and "No space left" in message, \
             message
