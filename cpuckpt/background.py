@@ -268,6 +268,8 @@ class _Groups:
             self.plan_group = checkpoint_group(process_group, timeout_s)  # the caller's thread only
             self.commit_group = new_gloo_group(process_group, timeout_s)  # the committer only
             self.coordinator = dist.get_global_rank(self.commit_group, 0)
+        # whether agreements travel (both groups hold the same ranks): a rank alone agrees with itself
+        self.shared = peers(self.commit_group) is not None
         self.committer = new_executor(1, "cpuckpt-commit")  # one thread: commit collectives stay ordered
         self.results = _ResultsRelay()  # the committer's
 
@@ -417,7 +419,7 @@ class Checkpointer:
         except BaseException as e:  # shared with the peers below, so that no rank waits for this one
             error = e
         what = f"async save of {writer.path}"
-        if not self._dist or peers(self._require_groups().plan_group) is None:
+        if not self._require_groups().shared:
             agree_or_raise(error, 0, None, what)
             return cached is not None
         # One all-reduce answers both: does every rank have the plan, and is every rank's directory usable?
@@ -453,9 +455,8 @@ class Checkpointer:
         mine = None if local is None else FailureReport.of(local, w.rank)
         outcome: list[FailureReport | None] | None = None  # the reports that fail the save; None: committed
         groups = self._require_groups()
-        shared = self._dist  # whether the outcome travels: a rank alone agrees with itself
+        shared = groups.shared
         try:
-            shared = self._dist and peers(groups.commit_group) is not None
             # results travel only when the plan was reused, and only once per layout (_ResultsRelay)
             sent = (mine, groups.results.outgoing(w.last_results))
             gathered: list[Any] = [sent]

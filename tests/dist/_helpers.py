@@ -204,3 +204,29 @@ def refuse_forks() -> None:
         raise OSError(11, "planted: cannot fork")
 
     subprocess.Popen = refuse  # type: ignore[misc, assignment]
+
+
+AGREEMENTS = ("all_reduce", "all_gather_object", "broadcast_object_list")
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[dict[str, int]]:
+    """How many of each :data:`AGREEMENTS` collective this process makes inside the block (the real ones run)."""
+    import torch.distributed as dist
+
+    made = dict.fromkeys(AGREEMENTS, 0)
+    real = {name: getattr(dist, name) for name in AGREEMENTS}
+
+    def counting(name: str) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            made[name] += 1
+            return real[name](*args, **kwargs)
+        return counted
+
+    for name in AGREEMENTS:
+        setattr(dist, name, counting(name))
+    try:
+        yield made
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)

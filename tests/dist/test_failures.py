@@ -399,7 +399,7 @@ def test_from_rank_and_from_every_rank_give_every_rank_the_values_or_the_failure
 
 def rank_agreement_among_one(_: int) -> tuple[bool, int, str, list]:
     """Agreements on a gloo group (cpuckpt's): (whether the group holds this rank alone, collectives made, the error
-    a failure on rank 0 raised here, rank 0's value and every rank's as from_rank and from_every_rank gave them)."""
+    a failure on rank 0 raised here, what from_rank, from_every_rank and gather_failures gave)."""
     import torch.distributed as dist
 
     from cpuckpt.backend.collectives import (
@@ -414,18 +414,7 @@ def rank_agreement_among_one(_: int) -> tuple[bool, int, str, list]:
 
     group = checkpoint_group()
     rank = dist.get_rank()
-    made = []
-    real = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_object", "broadcast_object_list")}
-
-    def counting(name):
-        def counted(*args, **kwargs):
-            made.append(name)
-            return real[name](*args, **kwargs)
-        return counted
-
-    for name in real:
-        setattr(dist, name, counting(name))
-    try:
+    with H.counting_collectives() as made:
         agree_or_raise(None, rank, group, "nothing failed")
         try:
             agree_or_raise(OSError(errno.ENOSPC, "No space left on device") if rank == 0 else None, rank, group,
@@ -436,10 +425,7 @@ def rank_agreement_among_one(_: int) -> tuple[bool, int, str, list]:
             message = ""
         values = [from_rank(lambda: f"rank {rank}'s", group, "a listing"),
                   from_every_rank(lambda: rank * 10, group, "the slots"), gather_failures(None, rank, group)]
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-    return peers(group) is None, len(made), message, values
+    return peers(group) is None, sum(made.values()), message, values
 
 
 def test_an_agreement_among_one_rank_makes_no_collective_and_raises_the_same_error(run_ranks):

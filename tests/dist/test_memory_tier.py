@@ -887,39 +887,23 @@ def test_persists_of_one_destination_in_a_row_all_commit(run_ranks, tmp_path):
         assert not r["error"] and r["step"] == 5 and r["exact"], (rank, r)
 
 
-_AGREEMENTS = ("all_reduce", "all_gather_object", "broadcast_object_list")
-
-
 def _saves_counted(durable: str, ram: str) -> dict:
-    """Rank body: 4 memory saves (every 2nd persisted) and a close, counting the agreements (all-reduces,
-    all-gathers and broadcasts) made after the first save (which plans with DCP, whose own collectives stay)."""
+    """Rank body: 4 memory saves (every 2nd persisted), a restart's listing and a close, counting the agreements
+    (all-reduces, all-gathers and broadcasts) made after the first save (which plans with DCP, whose own collectives
+    stay)."""
     import torch.distributed as dist
 
     import cpuckpt
     from cpuckpt.tier.memory import MemoryTier
 
     rank = dist.get_rank()
-    made: dict[str, int] = dict.fromkeys(_AGREEMENTS, 0)
-    real = {name: getattr(dist, name) for name in _AGREEMENTS}
-
-    def counting(name: str):
-        def counted(*args, **kwargs):
-            made[name] += 1
-            return real[name](*args, **kwargs)
-        return counted
-
     tier = MemoryTier(durable, _cfg(Path(ram), persist_every=2))
     tier.save(_state(1, rank), 1).wait()
-    for name in _AGREEMENTS:
-        setattr(dist, name, counting(name))
-    try:
+    with H.counting_collectives() as made:
         for step in range(2, 5):
             tier.save(_state(step, rank), step).wait()
         newest = tier.find_latest()  # the listing every rank agrees on
         tier.close()
-    finally:
-        for name in _AGREEMENTS:
-            setattr(dist, name, real[name])
     return {"made": made, "durable": [c.step for c in cpuckpt.list_checkpoints(durable) if c.complete],
             "newest": newest is not None and Path(newest).name}
 
@@ -930,7 +914,7 @@ def test_a_tier_of_one_rank_agrees_with_itself_without_collectives(run_ranks, tm
     every 2nd step durably and list the newest memory checkpoint alike."""
     (alone,) = run_ranks(1, _saves_counted, str(tmp_path / "d1"), str(tmp_path / "ram1"), timeout_s=120)
     two = run_ranks(2, _saves_counted, str(tmp_path / "d2"), str(tmp_path / "ram2"), timeout_s=120)
-    assert alone["made"] == dict.fromkeys(_AGREEMENTS, 0) and alone["durable"] == [2, 4], alone
+    assert alone["made"] == dict.fromkeys(H.AGREEMENTS, 0) and alone["durable"] == [2, 4], alone
     assert alone["newest"] and [r["newest"] for r in two] == [alone["newest"]] * 2, (alone, two)
     for r in two:
         made = r["made"]
