@@ -14,7 +14,8 @@ With ``background_commit`` (the default for async saves) the commit DeepSpeed re
 for storage: the tensors already sit in the host pool. The next ``create()`` (the next save),
 ``cleanup()`` (``engine.destroy()``) and :meth:`CpuckptCheckpointEngine.wait` wait for it and raise
 its failure, which every rank learns from the same all-gather (the same error on every rank); with the
-memory tier and ``memory.max_uncommitted: 1`` so does the end of the ``step()`` that requested it
+memory tier so does the end of the ``step()`` that requested it where saves come every iteration (or always, with
+``memory.max_uncommitted: 1``), so a kill after the trainer's log line loses one iteration at most
 (:meth:`CpuckptCheckpointEngine.after_boundary_step`: a memory or a disk checkpoint alike; DeepSpeed's pipeline
 engine calls no ``step()``, so there it waits only at the next save). Commits that DeepSpeed makes right after
 ``create`` with the same info object (``save_16bit_model``), and the one in ``cleanup``, block: their callers expect
@@ -209,6 +210,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                                  or self.settings.memory_tier)
         self._slots_reserved = False  # memory_save_dir: done once, when DeepSpeed's engine is built (engine_built)
         self._uncommitted = _Uncommitted()
+        self._save_steps: tuple[int | None, int | None] = (None, None)  # DeepSpeed's global step at the last two saves
         weakref.finalize(self, _warn_uncommitted, self._uncommitted)  # at exit too, while the engine lives
         if self.settings.memory_save_dir and not self.settings.memory_tier:  # e.g. the tier turned off in ds_config
             logger.warning("cpuckpt: memory_save_dir %s is ignored: memory_tier is off", self.settings.memory_save_dir)
@@ -235,6 +237,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                                           and memory.names)
         self._info = info
         self._ckpt = _Checkpoint(info, claim=claim)
+        ds = self._ds_engine() if self._ds_engine is not None else None
+        self._save_steps = (self._save_steps[1], getattr(ds, "global_steps", None))
         self._uncommitted.where, self._uncommitted.pid = str(self._ckpt.tag_dir), os.getpid()
 
     def _require_node_copies(self, memory: DeepSpeedMemory) -> None:
@@ -647,13 +651,22 @@ class CpuckptCheckpointEngine(CheckpointEngine):
 
     def after_boundary_step(self, ds_engine: Any) -> None:
         """The end of a ``step()`` that updated the model, whose start requested the commit of the save before it
-        (DeepSpeed's decoupled commit, here in the background). With the memory tier and ``memory.max_uncommitted:
-        1`` the step waits for that commit (a checkpoint that went to disk too: ``when_full: disk``), so a job killed
-        after the trainer logs iteration N + 1 restarts from N (the default waits only at the next save: where the
-        commit outlasts an iteration, from N - 1). DeepSpeed's ``PipelineEngine`` commits from its next save only
-        (it calls no ``step()``): there this does not hold."""
-        if self.settings.memory_tier and self.settings.core.memory.max_uncommitted == 1:
+        (DeepSpeed's decoupled commit, here in the background). With the memory tier the step waits for that commit
+        (a checkpoint that went to disk too: ``when_full: disk``), so a job killed after the trainer logs iteration
+        N + 1 restarts from N: with ``memory.max_uncommitted: 1`` always, with the default (0) where that save came one
+        step after the one before it (saves every iteration, whose next save would wait for the commit anyway: the
+        wait moves before the log line and costs nothing more). Saves further apart are not waited for before the next
+        save (a commit outlasting an iteration would cost each of them the difference); nor is a job's first save.
+        DeepSpeed's ``PipelineEngine`` commits from its next save only (it calls no ``step()``): there this does not
+        hold."""
+        if self.settings.memory_tier and self._wait_after_step():
             self._wait_background()
+
+    def _wait_after_step(self) -> bool:
+        """Whether the step after a save waits for its commit (:meth:`after_boundary_step`)."""
+        wanted = self.settings.core.memory.max_uncommitted
+        before, last = self._save_steps
+        return wanted == 1 or (wanted == 0 and before is not None and last is not None and last - before <= 1)
 
     def after_optimizer_step(self, ds_engine: Any) -> None:
         """After the first optimizer step (``prepare_pool``): size this rank's checkpoint, prepare the pool."""

@@ -20,10 +20,10 @@ What is proven (real DeepSpeed ZeRO-2 engines, real writer processes, real files
 - rank 1's writer cannot write (ENOSPC): the tag is never committed durably (no marker, no ``latest``), the
   next ``save_checkpoint`` raises ``PersistError`` on every rank, and so does ``engine.destroy()`` (its
   persist of the newest fails again), promptly, not after ``timeout_s``;
-- a memory save every iteration, its memory commits slowed or held: with ``memory.max_uncommitted: 1`` the step after
-  a save waits for its commit, so at the trainer's log of N the newest complete tag (a whole-job kill's restart) is
-  N - 1, and it loads bit-exact; without it, two behind (the commit, held until every rank has logged, is waited for
-  only at the next save), unless the iteration's work outlasts the commit (it ends in the background);
+- a memory save every iteration, its memory commits slowed or held: the step after a save waits for its commit
+  (with ``memory.max_uncommitted: 1`` always; by default from the second save on), so at the trainer's log of N the
+  newest complete tag (a whole-job kill's restart) is N - 1, and it loads bit-exact; with saves every second
+  iteration no step waits (each commit, held until every rank has logged, is waited for only at the next save);
 - ranks with separate RAM roots (two nodes) work (tests/dist/test_multinode_deepspeed.py: two torchrun launches,
   a lost node restored from a partner's replica); what a node's leader cannot copy itself, ZeRO's
   ``elastic_checkpoint`` (every rank reads every rank's optimizer file), is refused across nodes with the same
@@ -380,17 +380,17 @@ def rank_two_nodes(root: str) -> tuple[str, str]:
     return "", ""
 
 
-def rank_newest_at_each_log(root: str, max_uncommitted: int, work: str) -> dict:
-    """A DeepSpeed loop with a memory save every iteration, its memory commits (rank 0's rename of the slot's marker)
-    slowed or held: the step (whose start requests the commit of the previous save: DeepSpeed's decoupled commit, ours
-    in the background), the iteration's other work, the log, then the save. The newest complete tag at each log is what
-    a whole-job kill right after that log restarts from (``load_latest``'s choice); at the last log it is loaded by a
-    fresh engine. Each rank reads its own.
+def rank_newest_at_each_log(root: str, max_uncommitted: int, every: int) -> dict:
+    """A DeepSpeed loop with a memory save every ``every`` iterations, its memory commits (rank 0's rename of the slot's
+    marker) slowed or held: the step (whose start requests the commit of the previous save: DeepSpeed's decoupled
+    commit, ours in the background), the log, then the save. The newest complete tag at each log is what a whole-job
+    kill right after that log restarts from (``load_latest``'s choice); at the last log it is loaded by a fresh engine.
+    Each rank reads its own.
 
-    ``max_uncommitted: 1``: each commit is slowed by 0.8 s (the step waits for it; no release could come). Otherwise
-    it is held, with no time window: ``work="none"``, until every rank has read the log; ``work="commit"``, until every
-    rank has begun the iteration's work, which lasts until this rank sees the commit (30 s at most: a commit that does
-    not end in the background leaves the log two behind)."""
+    A commit the step is expected to wait for is slowed by 0.8 s (no release could come while the step waits); one it
+    is expected not to wait for is held until every rank has read the log (a step that waited would never end): with
+    ``max_uncommitted: 1`` every commit is waited for; with the default (0) a commit whose save came one iteration
+    after the save before it, not the job's first save's, nor those of saves further apart."""
     h = _ds()
     h._setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
@@ -405,44 +405,38 @@ def rank_newest_at_each_log(root: str, max_uncommitted: int, work: str) -> dict:
     engine = h._engine(2, seed=0)
     memory = None
     marker_rename = "before-rename:.cpuckpt-complete.json"  # the slot's marker: its memory commit
+    saved: list[int] = []
 
     def newest() -> int | None:
         found = memory.candidates() if memory is not None else []
         return found[0].global_step if found else None
 
-    def mark(what: str, it: int) -> None:  # this rank is past a point of iteration ``it``: releases a held commit
-        (Path(root) / f"{what}{it}_rank{rank}").touch()
-
     at_log: dict[int, int | None] = {}
-    for it in range(1, 5):
-        # no commit is in flight here (the save before waited for the previous one): the hold set now is that of the
-        # commit this step requests, of the save of iteration it - 1
-        if max_uncommitted == 1:
-            faults.install(f"{marker_rename}=sleep:0.8")  # waited for by the step: no release to wait for
-        else:
-            released_by = "logged" if work == "none" else "working"
-            faults.install(";".join(f"{marker_rename}=wait:{Path(root) / f'{released_by}{it}_rank{r}'}"
+    for it in range(1, 3 * every + 2):
+        if saved and saved[-1] == it - 1:  # this step requests the commit of that save; none other is in flight
+            # (the save waited for the commit before it): the fault set now is that commit's
+            waited = max_uncommitted == 1 or (len(saved) > 1 and saved[-1] - saved[-2] == 1)
+            faults.install(f"{marker_rename}=sleep:0.8" if waited else
+                           ";".join(f"{marker_rename}=wait:{Path(root) / f'logged{it}_rank{r}'}"
                                     for r in range(dist.get_world_size())))
         h._step(engine, it)
-        mark("working", it)
-        if work == "commit" and it > 1:  # the work outlasts the commit: it ends once the commit is seen
-            deadline = time.monotonic() + 30
-            while newest() != it - 1 and time.monotonic() < deadline:
-                time.sleep(0.02)
         dist.barrier()  # the log line; rank 0's commit is visible to every rank after it
         memory = memory or engine.checkpoint_engine.memory_for(str(save_dir))
         at_log[it] = newest()
-        mark("logged", it)
-        _save_state(h, engine, root, rank)
-        engine.save_checkpoint(str(save_dir))
-    faults.install(f"{marker_rename}=sleep:0.8" if max_uncommitted == 1 else "")
+        (Path(root) / f"logged{it}_rank{rank}").touch()  # releases a held commit
+        if it % every == 0:
+            _save_state(h, engine, root, rank)
+            engine.save_checkpoint(str(save_dir))
+            saved.append(it)
+    faults.install(f"{marker_rename}=sleep:0.8")
     ckpt_ds.commit_pending(engine)
     faults.uninstall()
     out = {"log": at_log}
-    if at_log[4] is not None:  # what a kill right after the last log restarts from: its values, bit-exact
+    last = at_log[max(at_log)]
+    if last is not None:  # what a kill right after the last log restarts from: its values, bit-exact
         restarted = h._engine(2, seed=3)
-        path, _ = restarted.load_checkpoint(str(memory.links), tag=f"global_step{at_log[4]}")
-        h._assert_same(h._state(restarted), _saved(root, at_log[4], rank), f"global_step{at_log[4]} from RAM")
+        path, _ = restarted.load_checkpoint(str(memory.links), tag=f"global_step{last}")
+        h._assert_same(h._state(restarted), _saved(root, last, rank), f"global_step{last} from RAM")
         out["loaded"] = Path(path).parent.name
         restarted.destroy()
     engine.destroy()
@@ -450,10 +444,10 @@ def rank_newest_at_each_log(root: str, max_uncommitted: int, work: str) -> dict:
 
 
 def rank_newest_three_ways(root: str) -> list[dict]:
-    """``memory.max_uncommitted: 1``; the default, with no other work in the iteration; the default, with work that
-    outlasts the held commit; in one launch of the ranks."""
-    return [rank_newest_at_each_log(str(Path(root) / name), k, work)
-            for name, k, work in (("u1", 1, "none"), ("default", 0, "none"), ("worked", 0, "commit"))]
+    """``memory.max_uncommitted: 1`` and the default with a save every iteration; the default with a save every second
+    iteration; in one launch of the ranks."""
+    return [rank_newest_at_each_log(str(Path(root) / name), k, every)
+            for name, k, every in (("u1", 1, 1), ("default", 0, 1), ("apart", 0, 2))]
 
 
 # ----------------------------------------------------------------------------------- test side
@@ -565,18 +559,21 @@ def test_elastic_checkpoints_across_nodes_are_refused_on_every_rank(run_ranks, t
 
 
 @pytest.mark.timeout(300)
-def test_with_max_uncommitted_1_a_kill_after_the_log_of_n_restarts_from_n_minus_1(run_ranks, tmp_path):
+def test_a_kill_after_the_log_of_n_restarts_from_n_minus_1_with_saves_every_iteration(run_ranks, tmp_path):
     one_behind = {it: it - 1 if it > 1 else None for it in range(1, 5)}
-    two_behind = {it: it - 2 if it > 2 else None for it in range(1, 5)}
-    for u1, default, worked in run_ranks(2, rank_newest_three_ways, str(tmp_path), timeout_s=240):
-        # the step after a save waits for its commit: the newest tag at the log of N is N - 1, and it loads bit-exact
+    for u1, default, apart in run_ranks(2, rank_newest_three_ways, str(tmp_path), timeout_s=240):
+        # max_uncommitted 1: the step after a save waits for its commit: the newest tag at the log of N is N - 1, and
+        # it loads bit-exact
         assert u1["log"] == one_behind and u1["loaded"] == "global_step3", u1
-        # the control: without it the commit of N - 1 (held until every rank has read the log of N) is waited for
-        # only at the save of N: two behind; a step that waited for it would never end
-        assert default["log"] == two_behind and default["loaded"] == "global_step2", default
-        # the default where the iteration's work outlasts the commit (held until the work begins; the work ends once
-        # the commit is seen, 30 s at most): the commit ends in the background, one iteration lost there too
-        assert worked["log"] == one_behind and worked["loaded"] == "global_step3", worked
+        # the default with saves every iteration: the same from the second save on (the first save's commit, held
+        # until every rank has logged, was not waited for: a step that waited for it would never end)
+        assert default["log"] == {1: None, 2: None, 3: 2, 4: 3} and default["loaded"] == "global_step3", default
+        # the control, saves every second iteration: no step waits (each commit held until every rank has logged
+        # the step that requested it); the next save waits for it. At the logs of 4 and 6 the commit released at the
+        # log before may or may not have ended
+        log = apart["log"]
+        assert {it: log[it] for it in (1, 2, 3, 5, 7)} == {1: None, 2: None, 3: None, 5: 2, 7: 4}, apart
+        assert log[4] in (None, 2) and log[6] in (2, 4) and apart["loaded"] == "global_step4", apart
 
 
 def rank_listing_of_both_tiers_fails_on_rank0(root: str) -> dict:
