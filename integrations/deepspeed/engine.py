@@ -14,8 +14,9 @@ With ``background_commit`` (the default for async saves) the commit DeepSpeed re
 for storage: the tensors already sit in the host pool. The next ``create()`` (the next save),
 ``cleanup()`` (``engine.destroy()``) and :meth:`CpuckptCheckpointEngine.wait` wait for it and raise
 its failure, which every rank learns from the same all-gather (the same error on every rank); with the
-memory tier so does the end of the ``step()`` that requested it where saves come every iteration (or always, with
-``memory.max_uncommitted: 1``), so a kill after the trainer's log line loses one iteration at most
+memory tier so does the end of the ``step()`` that requested it where saves come every iteration (from this
+engine's second save on) or always with ``memory.max_uncommitted: 1``, so that a kill after the trainer's log line
+then loses one iteration at most
 (:meth:`CpuckptCheckpointEngine.after_boundary_step`: a memory or a disk checkpoint alike; DeepSpeed's pipeline
 engine calls no ``step()``, so there it waits only at the next save). Commits that DeepSpeed makes right after
 ``create`` with the same info object (``save_16bit_model``), and the one in ``cleanup``, block: their callers expect
@@ -126,7 +127,7 @@ def _log_failure(fut: cf.Future[None]) -> None:
     err = fut.exception()
     if err is not None:
         logger.error("background commit of a DeepSpeed checkpoint failed (raised at the next save, "
-                     "commit_pending or destroy): %s", err)
+                     "commit_pending or destroy, or the step that waits for it): %s", err)
 
 
 @dataclass
@@ -158,6 +159,7 @@ class _Checkpoint:
     written: list[tuple[Path, FileEntry]] = field(default_factory=list)  # sync saves, durable
     opened: set[Path] = field(default_factory=set)  # tag directories made incomplete by this rank
     global_step: int | None = None  # from the model states file, when this rank wrote one
+    ds_step: int | None = None  # DeepSpeed's global step at create() (the same on every rank), when bound
     error: BaseException | None = None  # a deferred save's staging failed (raised by the commit)
 
     @property
@@ -210,7 +212,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
                                  or self.settings.memory_tier)
         self._slots_reserved = False  # memory_save_dir: done once, when DeepSpeed's engine is built (engine_built)
         self._uncommitted = _Uncommitted()
-        self._save_steps: tuple[int | None, int | None] = (None, None)  # DeepSpeed's global step at the last two saves
+        # DeepSpeed's global step at the last two saves whose commit went to the background (after_boundary_step)
+        self._save_steps: tuple[int | None, int | None] = (None, None)
         weakref.finalize(self, _warn_uncommitted, self._uncommitted)  # at exit too, while the engine lives
         if self.settings.memory_save_dir and not self.settings.memory_tier:  # e.g. the tier turned off in ds_config
             logger.warning("cpuckpt: memory_save_dir %s is ignored: memory_tier is off", self.settings.memory_save_dir)
@@ -236,9 +239,8 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._write_model_states_per_node(claim is not None and memory is not None and memory.across_nodes
                                           and memory.names)
         self._info = info
-        self._ckpt = _Checkpoint(info, claim=claim)
         ds = self._ds_engine() if self._ds_engine is not None else None
-        self._save_steps = (self._save_steps[1], getattr(ds, "global_steps", None))
+        self._ckpt = _Checkpoint(info, claim=claim, ds_step=getattr(ds, "global_steps", None))
         self._uncommitted.where, self._uncommitted.pid = str(self._ckpt.tag_dir), os.getpid()
 
     def _require_node_copies(self, memory: DeepSpeedMemory) -> None:
@@ -442,6 +444,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._uncommitted.where = None  # a failed commit raises (or, in the background, logs) its own error
         ckpt.jobs, self._jobs = self._jobs, []
         if self.settings.async_save and self.settings.background_commit and not direct:
+            self._save_steps = (self._save_steps[1], ckpt.ds_step)
             group = self._background_group()
             fut = self._background_executor().submit(self._finish, ckpt, group)
             fut.add_done_callback(_log_failure)  # told at once, even if nobody waits for it
@@ -653,20 +656,22 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         """The end of a ``step()`` that updated the model, whose start requested the commit of the save before it
         (DeepSpeed's decoupled commit, here in the background). With the memory tier the step waits for that commit
         (a checkpoint that went to disk too: ``when_full: disk``), so a job killed after the trainer logs iteration
-        N + 1 restarts from N: with ``memory.max_uncommitted: 1`` always, with the default (0) where that save came one
-        step after the one before it (saves every iteration, whose next save would wait for the commit anyway: the
-        wait moves before the log line and costs nothing more). Saves further apart are not waited for before the next
-        save (a commit outlasting an iteration would cost each of them the difference); nor is a job's first save.
-        DeepSpeed's ``PipelineEngine`` commits from its next save only (it calls no ``step()``): there this does not
-        hold."""
+        N + 1 restarts from N: with ``memory.max_uncommitted: 1`` always, otherwise where that save's commit went to
+        the background exactly one global step after the one before it (saves every iteration). There the next save
+        waits for the commit anyway (commits are serialized): the wait moves before the log line, and what it costs
+        more is at most the work between ``step()`` and the next ``save_checkpoint``. Saves further apart are waited
+        for at the next save only (a commit outlasting an iteration would cost each of them the difference), and so is
+        the first save of this engine (a process's, after a restart too); a blocking commit (``save_16bit_model``)
+        does not count. DeepSpeed's ``PipelineEngine`` commits from its next save only (it calls no ``step()``):
+        there this does not hold."""
         if self.settings.memory_tier and self._wait_after_step():
             self._wait_background()
 
     def _wait_after_step(self) -> bool:
         """Whether the step after a save waits for its commit (:meth:`after_boundary_step`)."""
-        wanted = self.settings.core.memory.max_uncommitted
         before, last = self._save_steps
-        return wanted == 1 or (wanted == 0 and before is not None and last is not None and last - before <= 1)
+        return (self.settings.core.memory.max_uncommitted == 1
+                or (before is not None and last is not None and last - before == 1))
 
     def after_optimizer_step(self, ds_engine: Any) -> None:
         """After the first optimizer step (``prepare_pool``): size this rank's checkpoint, prepare the pool."""

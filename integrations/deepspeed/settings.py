@@ -49,7 +49,9 @@ class AdapterOptions:
             ``engine.step()`` runs in a background thread instead of blocking that step: the
             tensors are already in host memory, so the optimizer update cannot change the
             checkpoint; ``latest`` is written once every rank's files are durable. A failure is
-            raised (on every rank) at the next save, ``commit_pending`` or ``engine.destroy()``.
+            raised (on every rank) at the next save, ``commit_pending`` or ``engine.destroy()``, or by the
+            ``step()`` that waits for the commit (memory tier: saves every iteration, or
+            ``memory.max_uncommitted: 1``).
             False: that step waits until the checkpoint is durable (DeepSpeed's own decoupled timing).
         ordering: with ``async_save``, when ``save()`` returns. ``host`` (default): once every byte is
             in the host pool (the trainer then stalls for the whole device-to-host copy).

@@ -390,7 +390,8 @@ def rank_newest_at_each_log(root: str, max_uncommitted: int, every: int) -> dict
     A commit the step is expected to wait for is slowed by 0.8 s (no release could come while the step waits); one it
     is expected not to wait for is held until every rank has read the log (a step that waited would never end): with
     ``max_uncommitted: 1`` every commit is waited for; with the default (0) a commit whose save came one iteration
-    after the save before it, not the job's first save's, nor those of saves further apart."""
+    after the save before it, not the job's first save's, nor those of saves further apart (here each after a
+    ``save_16bit_model`` at the same step, whose commit blocks)."""
     h = _ds()
     h._setup_env()
     import cpuckpt.integrations.deepspeed as ckpt_ds
@@ -426,6 +427,8 @@ def rank_newest_at_each_log(root: str, max_uncommitted: int, every: int) -> dict
         (Path(root) / f"logged{it}_rank{rank}").touch()  # releases a held commit
         if it % every == 0:
             _save_state(h, engine, root, rank)
+            if every > 1:  # a blocking save at the same step first (its commit is not one the step waits for)
+                engine.save_16bit_model(str(Path(root) / "model16"))
             engine.save_checkpoint(str(save_dir))
             saved.append(it)
     faults.install(f"{marker_rename}=sleep:0.8")
@@ -568,9 +571,9 @@ def test_a_kill_after_the_log_of_n_restarts_from_n_minus_1_with_saves_every_iter
         # the default with saves every iteration: the same from the second save on (the first save's commit, held
         # until every rank has logged, was not waited for: a step that waited for it would never end)
         assert default["log"] == {1: None, 2: None, 3: 2, 4: 3} and default["loaded"] == "global_step3", default
-        # the control, saves every second iteration: no step waits (each commit held until every rank has logged
-        # the step that requested it); the next save waits for it. At the logs of 4 and 6 the commit released at the
-        # log before may or may not have ended
+        # the control, saves every second iteration, each after a save_16bit_model at the same step: no step waits
+        # (each commit held until every rank has logged the step that requested it); the next save waits for it.
+        # At the logs of 4 and 6 the commit released at the log before may or may not have ended
         log = apart["log"]
         assert {it: log[it] for it in (1, 2, 3, 5, 7)} == {1: None, 2: None, 3: None, 5: 2, 7: 4}, apart
         assert log[4] in (None, 2) and log[6] in (2, 4) and apart["loaded"] == "global_step4", apart
