@@ -97,8 +97,12 @@ logger = logging.getLogger("bench_goodput")
 VARIANTS = ("none", "torch_dist8", "cpuckpt8", "mem8", "mem8snap", "mem1", "mem1snap")
 
 
-def goodput(iters: list[dict[str, Any]], warm: int) -> dict[str, Any]:
-    """Wall time of iterations ``warm``..last from the log lines' arrival times, and the largest gap."""
+def goodput(iters: list[dict[str, Any]], warm: int, every: int = 0) -> dict[str, Any]:
+    """Wall time of iterations ``warm``..last from the log lines' arrival times, and the largest gap.
+
+    With saves every ``every`` > 1 iterations (the save of N follows N's line), also the median gap that holds a save
+    (the one ending at line N + 1) and the median of the others, and their difference: what a save costs within the
+    run, whatever the machine's drift between runs does to their ratios."""
     pts = sorted({x["it"]: x["t"] for x in iters}.items())
     pts = [(it, t) for it, t in pts if it >= warm]
     if len(pts) < 3:
@@ -106,10 +110,18 @@ def goodput(iters: list[dict[str, Any]], warm: int) -> dict[str, Any]:
     gaps = [(b[0], b[1] - a[1]) for a, b in itertools.pairwise(pts)]
     med = statistics.median(g for _, g in gaps)
     worst_it, worst = max(gaps, key=lambda g: g[1])
-    return {"first": pts[0][0], "last": pts[-1][0], "iters": pts[-1][0] - pts[0][0],
-            "wall_s": round(pts[-1][1] - pts[0][1], 3), "gap_median_ms": round(1000 * med, 1),
-            "gap_max_ms": round(1000 * worst, 1), "gap_max_it": worst_it,
-            "gap_max_over_median": round(worst / med, 2) if med else None}
+    out = {"first": pts[0][0], "last": pts[-1][0], "iters": pts[-1][0] - pts[0][0],
+           "wall_s": round(pts[-1][1] - pts[0][1], 3), "gap_median_ms": round(1000 * med, 1),
+           "gap_max_ms": round(1000 * worst, 1), "gap_max_it": worst_it,
+           "gap_max_over_median": round(worst / med, 2) if med else None}
+    if every > 1:
+        with_save = [g for it, g in gaps if (it - 1) % every == 0]
+        others = [g for it, g in gaps if (it - 1) % every]
+        if with_save and others:
+            a, b = statistics.median(with_save), statistics.median(others)
+            out.update({"save_gap_ms": round(1000 * a, 1), "other_gap_ms": round(1000 * b, 1),
+                        "save_gap_over_others_ms": round(1000 * (a - b), 1)})
+    return out
 
 
 def run_ends(iters: list[dict[str, Any]], run_s: float | None, ref: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -135,8 +147,8 @@ def commit_ms(telemetry: list[dict[str, Any]], skip: int = 5) -> float | None:
 
 
 def summarize(name: str, r: dict[str, Any], ref: dict[str, Any] | None, saves_in_window: int,
-              warm: int) -> dict[str, Any]:
-    g = goodput(r["iters"], warm)
+              warm: int, every: int = 0) -> dict[str, Any]:
+    g = goodput(r["iters"], warm, every)
     out: dict[str, Any] = {"variant": name, "rc": r["rc"], "timed_out": r["timed_out"], **g,
                            "run_s": r["wall_s"], "saves": saves_in_window,
                            "save_timer_ms": [round(x["ms"]) for x in r["saves"]][:6],
@@ -428,6 +440,9 @@ def self_test() -> int:
     assert abs(g["wall_s"] - (20 * 0.15 + 0.45)) < 1e-6, g
     assert g["gap_max_it"] == 17 and g["gap_max_ms"] == 600.0 and g["gap_median_ms"] == 150.0, g
     assert _saves_between(10, 30, 8) == 2 and _saves_between(10, 30, 1) == 20
+    g8 = goodput(parse_log(lines)["iters"], 10, 8)  # saves after 16 and 24: the gaps ending at 17 (600) and 25 (150)
+    assert (g8["save_gap_ms"], g8["other_gap_ms"], g8["save_gap_over_others_ms"]) == (375.0, 150.0, 225.0), g8
+    assert "save_gap_ms" not in goodput(parse_log(lines)["iters"], 10, 1)  # every gap holds a save: nothing to compare
     ends = run_ends(parse_log(lines)["iters"], t + 7.5)
     assert ends == {"start_s": 5.15, "end_s": 7.5}, ends
     later = [{**x, "t": x["t"] + 2.0} for x in parse_log(lines)["iters"]]  # 2 s more set-up, 1 s more at the end
@@ -514,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault("gil", {})[name] = prof
             g = goodput(r["iters"], args.warm)
             saves = _saves_between(g.get("first", args.warm), g.get("last", args.iters), every)
-            s = summarize(name, r, refs.get(ref_key), saves, args.warm)
+            s = summarize(name, r, refs.get(ref_key), saves, args.warm, every)
             ends = run_ends(r["iters"], r["wall_s"], refs.get(ref_key))  # arrival times: since launch
             s.update(ends)
             if kind == "none":
@@ -527,8 +542,9 @@ def main(argv: list[str] | None = None) -> int:
             results["summary"].append(s)
             rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
                          f'{s.get("gap_max_ms")} @{s.get("gap_max_it")} ({s.get("gap_max_over_median")}x)',
-                         s.get("gap_median_ms"), s.get("run_s"), s.get("run_over_none_s"),
-                         f'{s.get("start_over_none_s")} / {s.get("end_over_none_s")}', s.get("commit_ms"),
+                         s.get("gap_median_ms"), s.get("save_gap_over_others_ms"), s.get("run_s"),
+                         s.get("run_over_none_s"), f'{s.get("start_over_none_s")} / {s.get("end_over_none_s")}',
+                         s.get("commit_ms"),
                          s.get("np_timer_median_ms"), s.get("save_timer_ms")])
             if not args.dry_run:
                 (b.out / "bench_goodput.json").write_text(json.dumps(results, indent=1, default=str))
@@ -544,13 +560,14 @@ def main(argv: list[str] | None = None) -> int:
             (b.out / "bench_goodput.json").write_text(json.dumps(results, indent=1, default=str))
     table = format_table(
         ["variant", "rc", "wall x none", f"wall s it {args.warm}-last", "ms per save", "saves",
-         "largest gap ms @it (x median)", "median gap ms", "run s", "run - none s", "start / end - none s",
-         "commit ms", "np timer ms", "save timer ms"],
+         "largest gap ms @it (x median)", "median gap ms", "save gap - others ms", "run s", "run - none s",
+         "start / end - none s", "commit ms", "np timer ms", "save timer ms"],
         rows, title=f"goodput: Megatron-LM 24x1024, {args.iters} iterations, memory durable every {args.durable}, "
                     f"slots {args.slots}",
         footnotes=["wall: from the arrival of iteration lines (the job's clock), not Megatron's timers; "
                    "run s: launch to exit; start / end: launch to the first iteration's line, the last one's to exit; "
-                   "commit: a save's call to its memory commit (median, telemetry)"])
+                   "commit: a save's call to its memory commit (median, telemetry); save gap - others: saves every K "
+                   "> 1, the median gap holding a save over the median of the others (the run's own baseline)"])
     print()
     print(table)
     if results.get("samples"):
