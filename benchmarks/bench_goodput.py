@@ -14,6 +14,9 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
                   the optimizer step waits for that copy only and the copies to the host may take the whole
                   iteration (where a forward and backward are shorter than the state's device-to-host copy)
 ``mem8snap``      ``mem8`` with the device snapshot
+``mem<K>``        (and ``mem<K>snap``) memory checkpoints every K iterations, any K: with K > 1 the table's "save gap -
+                  others" is a save's cost within its own run, free of the drift between runs (``mem2``: nearly a
+                  save every iteration, half the gaps without one)
 
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
 ``+nocrc`` (``memory.checksum: false``: no checksums of the images), ``+bsum`` (``memory.checksum_kind: blocksum32``:
@@ -79,6 +82,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -95,6 +99,15 @@ from benchmarks.common import format_table
 logger = logging.getLogger("bench_goodput")
 
 VARIANTS = ("none", "torch_dist8", "cpuckpt8", "mem8", "mem8snap", "mem1", "mem1snap")
+_MEMORY_KIND = re.compile(r"mem([1-9][0-9]*)(snap)?")
+
+
+def memory_every(kind: str) -> int | None:
+    """The memory save interval of a memory kind (``mem<K>``, ``mem<K>snap``: mem8 and mem1 by default; mem2 puts a
+    save in every other gap, so a save's cost within its own run is read at nearly a save every iteration); None for
+    another kind."""
+    m = _MEMORY_KIND.fullmatch(kind)
+    return int(m.group(1)) if m else None
 
 
 def goodput(iters: list[dict[str, Any]], warm: int, every: int = 0) -> dict[str, Any]:
@@ -205,7 +218,9 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
     if kind == "cpuckpt8":
         cfg = megatron_config(a.config, tmp / "cpuckpt8.yaml", ordering="optimizer")
         return b.argv("cpuckpt", "goodput", [*base, *save, "--save-interval", "8", *ASYNC], config=str(cfg)), 8
-    every = {"mem8": 8, "mem8snap": 8, "mem1": 1, "mem1snap": 1}[kind]
+    every = memory_every(kind)
+    if every is None:
+        raise ValueError(f"variant {name}: unknown kind {kind!r}")
     slots = next((int(c[len("slots"):]) for c in changes if c.startswith("slots") and c[len("slots"):].isdigit()),
                  a.slots)
     cfg = memory_tier_config(a.config, tmp / f"{name}.yaml", ram, slots)
@@ -262,8 +277,10 @@ def variant_error(b: Bench, args: argparse.Namespace, name: str, tmp: Path) -> s
     """Why ``name`` cannot run as asked (None: it can): its kind, its changes, the arguments it needs."""
     kind, *changes = name.split("+")
     general = {c for c in changes if c in ("mgc", "timers", "swi") or (c.startswith("log") and c[3:].isdigit())}
-    if kind not in VARIANTS or (not kind.startswith("mem") and set(changes) != general):
-        return (f"unknown variant {name}; known: {VARIANTS} (memory ones with +nocrc, +copyproc, +window<MiB>, ...; "
+    memory = memory_every(kind) is not None
+    if (kind not in VARIANTS and not memory) or (not memory and set(changes) != general):
+        return (f"unknown variant {name}; known: {VARIANTS} and mem<K>[snap] (memory ones with +nocrc, +copyproc, "
+                "+window<MiB>, ...; "
                 "any with +mgc, +timers, +log<N>)")
     try:
         interval = log_interval(changes)

@@ -46,7 +46,7 @@ def test_dry_run_takes_memory_variants_with_changes(tmp_path: Path) -> None:
 def test_dry_run_takes_the_variants_the_device_calls_ask_for(tmp_path: Path) -> None:
     """What BENCHMARKS.md's owed calls name (a variant refused on the device machine costs that call's variants)."""
     names = ("none+mgc,mem8snap+copyproc,mem1snap+copyproc+mgc,mem1snap+copyproc+slots5+rep2,mem1snap+copyproc+io1,"
-             "mem1snap+copyproc+base,mem1snap+copyproc+crc")
+             "mem1snap+copyproc+base,mem1snap+copyproc+crc,mem2snap+copyproc")
     proc = _bench("--dry-run", "--out", str(tmp_path), "--variants", names, "--base-site", "/opt/base-site", cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     blocks = {b.split("\n", 1)[0]: b for b in proc.stdout.split("# ")[1:]}
@@ -54,6 +54,7 @@ def test_dry_run_takes_the_variants_the_device_calls_ask_for(tmp_path: Path) -> 
     assert "--manual-gc" in blocks["none+mgc"] and "--manual-gc" in blocks["mem1snap+copyproc+mgc"]
     assert "--manual-gc" not in blocks["mem8snap+copyproc"]
     assert "--non-persistent-save-interval 8 " in blocks["mem8snap+copyproc"]
+    assert "--non-persistent-save-interval 2 " in blocks["mem2snap+copyproc"]  # mem<K>: any interval
     assert "PYTHONPATH=/opt/base-site" + os.pathsep in blocks["mem1snap+copyproc+base"]  # the baseline's cpuckpt first
     assert "/opt/base-site" not in blocks["mem1snap+copyproc+io1"]
     unset = _bench("--dry-run", "--out", str(tmp_path), "--variants", "mem1snap+copyproc+base", cwd=REPO)
