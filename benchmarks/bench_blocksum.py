@@ -3,21 +3,25 @@
 With ``memory.checksum_kind: auto`` (the default) a save whose device snapshot the copy process copies gets its
 checksums from one reduction over the snapshot on the GPU (:func:`cpuckpt.transfer.device_snapshot.device_share`),
 enqueued on the copy stream after the snapshot's copy, beside the trainer's next step. At a DeepSpeed save every 8
-iterations (13.6 GB) the iteration after each save took ~20 ms more than with crc32c (BENCHMARKS.md, session 44);
-this says how much of that the reduction and the snapshot's copy are, on the machine it runs on (needs a GPU):
+iterations (13.6 GB) a save cost less within its run with it than with crc32c, but the runs with it were slower in the
+iterations a save's effects had left (BENCHMARKS.md, session 44); this says what the reduction and the snapshot's copy
+cost a step beside them, on the machine it runs on (needs a GPU):
 
-    python -m benchmarks.bench_blocksum [--gb 4.7,13.6] [--reps 5] [--step-ms 120]
+    python -m benchmarks.bench_blocksum [--gb 4.7,13.6] [--reps 7] [--step-ms 120]
     python -m benchmarks.bench_blocksum --smoke      # CPU: small buffers, the reduction checked against the definition
 
-Per size, a buffer laid out as a save's files (one file of whole chunks of ``io.chunk_bytes``, random words):
+First the CUDA reduction over a 64 MiB snapshot is checked against the definition (the host's blocksum32). Then per
+size, a buffer laid out as a save's files (one file of whole chunks of ``io.chunk_bytes``, random words):
 
 * ``reduce ms``: the reduction and its pinned copy alone (CUDA events; median of ``--reps``), and ``GB/s`` over it;
 * ``launch ms``: the host time of that call (the trainer's thread pays it where the save starts there);
-* ``d2d ms``: a device-to-device copy of the same bytes alone (the snapshot's copy);
+* ``d2d ms``: a device-to-device copy of the same bytes alone, in ``--pieces`` tensors by one ``_foreach_copy_`` (the
+  snapshot's copy: one copy per saved tensor; a single contiguous copy is faster);
 * ``step ms``: a training-shaped step alone (bf16 matmuls and memory-bound element-wise ops, calibrated to about
-  ``--step-ms``), then with, enqueued on a side stream just before it, the reduction (``+reduce``), the copy
-  (``+d2d``) and both in a save's order (``+both``): the step's added milliseconds are what the work costs a step
-  beside it.
+  ``--step-ms``), then with, enqueued on a side stream just before it, the reduction (``+reduce``: its host launch
+  included, as the step's first kernels wait behind it), the copy (``+d2d``) and both in a save's order (``+both``):
+  the step's added milliseconds, the median of the differences with the step alone measured in the same round (the
+  four are interleaved in each of the ``--reps`` rounds, so that the GPU's drift falls on all alike).
 
 The table goes to stdout (medians; ``--json`` writes the rows too).
 """
@@ -101,16 +105,17 @@ class Step:
         self.units = max(1, round(target_ms / per_unit))
 
 
-def measure(gb: float, chunk: int, reps: int, step: Step) -> list[object]:
+def measure(gb: float, chunk: int, reps: int, step: Step, pieces: int) -> list[object]:
     """One table row for a snapshot of ``gb`` GB."""
     from cpuckpt.transfer.device_snapshot import device_share
 
     device = torch.device("cuda")
     snap = _snapshot(int(gb * 1e9), chunk, device)
-    if gb * 1e9 <= 2**30:  # the host check reads the buffer back: small sizes only
-        _check(snap, chunk)
     side = torch.cuda.Stream()
-    other = torch.empty_like(snap.buffer)  # type: ignore[attr-defined]
+    buffer = snap.buffer  # type: ignore[attr-defined]
+    other = torch.empty_like(buffer)
+    size = -(-buffer.numel() // pieces)
+    sources, targets = list(buffer.split(size)), list(other.split(size))
     main = torch.cuda.current_stream()
 
     def reduce() -> None:
@@ -118,7 +123,7 @@ def measure(gb: float, chunk: int, reps: int, step: Step) -> list[object]:
 
     def d2d() -> None:
         with torch.cuda.stream(side):
-            other.copy_(snap.buffer, non_blocking=True)  # type: ignore[attr-defined]
+            torch._foreach_copy_(targets, sources, non_blocking=True)
 
     def both() -> None:
         d2d()
@@ -142,14 +147,14 @@ def measure(gb: float, chunk: int, reps: int, step: Step) -> list[object]:
                 work()
             step()
 
-        return statistics.median(_timed(run, main) for _ in range(reps))
+        return _timed(run, main)
 
-    alone = beside(None)
-    with_reduce, with_d2d, with_both = beside(reduce), beside(d2d), beside(both)
-    nbytes = snap.buffer.numel()  # type: ignore[attr-defined]
+    rounds = [[beside(w) for w in (None, reduce, d2d, both)] for _ in range(reps)]  # interleaved: drift falls alike
+    alone = statistics.median(r[0] for r in rounds)
+    added = [statistics.median(r[k] - r[0] for r in rounds) for k in (1, 2, 3)]
+    nbytes = buffer.numel()
     return [f"{nbytes / 1e9:.2f}", f"{reduce_ms:.2f}", f"{nbytes / reduce_ms / 1e6:.0f}",
-            f"{statistics.median(launch):.2f}", f"{d2d_ms:.2f}", f"{alone:.1f}",
-            f"{with_reduce - alone:+.2f}", f"{with_d2d - alone:+.2f}", f"{with_both - alone:+.2f}"]
+            f"{statistics.median(launch):.2f}", f"{d2d_ms:.2f}", f"{alone:.1f}", *(f"{a:+.2f}" for a in added)]
 
 
 HEADER = ["GB", "reduce ms", "GB/s", "launch ms", "d2d ms", "step ms", "+reduce", "+d2d", "+both"]
@@ -165,7 +170,8 @@ def smoke(chunk: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gb", default="4.7,13.6", help="snapshot sizes, GB (comma-separated)")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--pieces", type=int, default=1024, help="tensors of the snapshot's device copy")
     p.add_argument("--step-ms", type=float, default=120.0)
     p.add_argument("--chunk-mib", type=int, default=32, help="io.chunk_bytes of the snapshot's files")
     p.add_argument("--json", default="", help="also write the rows here")
@@ -178,11 +184,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_blocksum needs a GPU (--smoke runs the CPU check)")
+    _check(_snapshot(64 << 20, chunk, torch.device("cuda")), chunk)  # the CUDA reduction equals the definition
     step = Step(torch.device("cuda"))
     step.calibrate(args.step_ms)
     rows = []
     for gb in filter(None, args.gb.split(",")):
-        rows.append(measure(float(gb), chunk, args.reps, step))
+        rows.append(measure(float(gb), chunk, args.reps, step, args.pieces))
         torch.cuda.empty_cache()  # the buffers of one size are gone before the next size's
     print(f"blocksum32's reduction on {torch.cuda.get_device_name()} (medians of {args.reps}; step: {step.units} "
           f"units, ~{args.step_ms:.0f} ms; +: the step's added ms with that work on a side stream)")

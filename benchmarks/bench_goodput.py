@@ -14,9 +14,9 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
                   the optimizer step waits for that copy only and the copies to the host may take the whole
                   iteration (where a forward and backward are shorter than the state's device-to-host copy)
 ``mem8snap``      ``mem8`` with the device snapshot
-``mem<K>``        (and ``mem<K>snap``) memory checkpoints every K iterations, any K: with K > 1 the table's "save gap -
-                  others" is a save's cost within its own run, free of the drift between runs (``mem2``: nearly a
-                  save every iteration, half the gaps without one)
+``mem<K>``        (and ``mem<K>snap``) memory checkpoints every K iterations, any K: with K >= 4 the table's "save in
+                  run" is a save's cost within its own run, free of the drift between runs (the gaps after a save over
+                  the quiet second half of the interval)
 
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
 ``+nocrc`` (``memory.checksum: false``: no checksums of the images), ``+bsum`` (``memory.checksum_kind: blocksum32``:
@@ -113,9 +113,11 @@ def memory_every(kind: str) -> int | None:
 def goodput(iters: list[dict[str, Any]], warm: int, every: int = 0) -> dict[str, Any]:
     """Wall time of iterations ``warm``..last from the log lines' arrival times, and the largest gap.
 
-    With saves every ``every`` > 1 iterations (the save of N follows N's line), also the median gap that holds a save
-    (the one ending at line N + 1) and the median of the others, and their difference: what a save costs within the
-    run, whatever the machine's drift between runs does to their ratios."""
+    With saves every ``every`` >= 4 iterations (the save of N follows N's line), also what a save costs within its own
+    run, whatever the machine's drift between runs does to the ratios: the median gap at each position after a save
+    (``after_save_ms``: the gaps ending at N + 1 .. N + every), and the sum over those positions of their excess over
+    the median of the positions in the second half of the interval (``save_cost_in_run_ms``): the cost of a save
+    whose effects (its call, its copies, its checksums) end within half the interval."""
     pts = sorted({x["it"]: x["t"] for x in iters}.items())
     pts = [(it, t) for it, t in pts if it >= warm]
     if len(pts) < 3:
@@ -127,13 +129,15 @@ def goodput(iters: list[dict[str, Any]], warm: int, every: int = 0) -> dict[str,
            "wall_s": round(pts[-1][1] - pts[0][1], 3), "gap_median_ms": round(1000 * med, 1),
            "gap_max_ms": round(1000 * worst, 1), "gap_max_it": worst_it,
            "gap_max_over_median": round(worst / med, 2) if med else None}
-    if every > 1:
-        with_save = [g for it, g in gaps if (it - 1) % every == 0]
-        others = [g for it, g in gaps if (it - 1) % every]
-        if with_save and others:
-            a, b = statistics.median(with_save), statistics.median(others)
-            out.update({"save_gap_ms": round(1000 * a, 1), "other_gap_ms": round(1000 * b, 1),
-                        "save_gap_over_others_ms": round(1000 * (a - b), 1)})
+    if every >= 4:
+        by_position: dict[int, list[float]] = collections.defaultdict(list)
+        for it, g in gaps:
+            by_position[(it - 1) % every + 1].append(g)  # the gap ending at N + p, N a save's iteration
+        if len(by_position) == every:
+            after = [statistics.median(by_position[p]) for p in range(1, every + 1)]
+            quiet = statistics.median(after[every // 2:])
+            out.update({"after_save_ms": [round(1000 * a, 1) for a in after],
+                        "save_cost_in_run_ms": round(1000 * sum(a - quiet for a in after), 1)})
     return out
 
 
@@ -287,6 +291,9 @@ def variant_error(b: Bench, args: argparse.Namespace, name: str, tmp: Path) -> s
         variant_argv(b, name, tmp / "check", tmp, tmp / "check-ram", args.iters)  # the changes' own checks
     except ValueError as e:
         return str(e) if str(e).startswith("variant ") else f"variant {name}: {e}"
+    every = memory_every(kind)
+    if every and not _saves_between(args.warm, args.iters, every):
+        return f"variant {name}: no memory save falls in iterations {args.warm}-{args.iters} (nothing to measure)"
     if interval is not None and (args.iters - args.warm) // interval < 2:
         return (f"variant {name}: with --log-interval {interval} fewer than 3 log lines fall in iterations "
                 f"{args.warm}-{args.iters} (no wall to compare)")
@@ -458,8 +465,8 @@ def self_test() -> int:
     assert g["gap_max_it"] == 17 and g["gap_max_ms"] == 600.0 and g["gap_median_ms"] == 150.0, g
     assert _saves_between(10, 30, 8) == 2 and _saves_between(10, 30, 1) == 20
     g8 = goodput(parse_log(lines)["iters"], 10, 8)  # saves after 16 and 24: the gaps ending at 17 (600) and 25 (150)
-    assert (g8["save_gap_ms"], g8["other_gap_ms"], g8["save_gap_over_others_ms"]) == (375.0, 150.0, 225.0), g8
-    assert "save_gap_ms" not in goodput(parse_log(lines)["iters"], 10, 1)  # every gap holds a save: nothing to compare
+    assert g8["after_save_ms"] == [375.0] + [150.0] * 7 and g8["save_cost_in_run_ms"] == 225.0, g8
+    assert "after_save_ms" not in goodput(parse_log(lines)["iters"], 10, 2)  # no quiet half to compare with
     ends = run_ends(parse_log(lines)["iters"], t + 7.5)
     assert ends == {"start_s": 5.15, "end_s": 7.5}, ends
     later = [{**x, "t": x["t"] + 2.0} for x in parse_log(lines)["iters"]]  # 2 s more set-up, 1 s more at the end
@@ -546,7 +553,11 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault("gil", {})[name] = prof
             g = goodput(r["iters"], args.warm)
             saves = _saves_between(g.get("first", args.warm), g.get("last", args.iters), every)
-            s = summarize(name, r, refs.get(ref_key), saves, args.warm, every)
+            # the gaps after a save by position: lines every iteration, and no durable save in the window off the
+            # memory saves' positions (Megatron-LM makes a durable save instead of that iteration's memory save)
+            in_run = every if (log_interval(changes) or 1) == 1 and not (
+                args.durable <= args.iters and every and args.durable % every) else 0
+            s = summarize(name, r, refs.get(ref_key), saves, args.warm, in_run)
             ends = run_ends(r["iters"], r["wall_s"], refs.get(ref_key))  # arrival times: since launch
             s.update(ends)
             if kind == "none":
@@ -559,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
             results["summary"].append(s)
             rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
                          f'{s.get("gap_max_ms")} @{s.get("gap_max_it")} ({s.get("gap_max_over_median")}x)',
-                         s.get("gap_median_ms"), s.get("save_gap_over_others_ms"), s.get("run_s"),
+                         s.get("gap_median_ms"), s.get("save_cost_in_run_ms"), s.get("run_s"),
                          s.get("run_over_none_s"), f'{s.get("start_over_none_s")} / {s.get("end_over_none_s")}',
                          s.get("commit_ms"),
                          s.get("np_timer_median_ms"), s.get("save_timer_ms")])
@@ -577,14 +588,15 @@ def main(argv: list[str] | None = None) -> int:
             (b.out / "bench_goodput.json").write_text(json.dumps(results, indent=1, default=str))
     table = format_table(
         ["variant", "rc", "wall x none", f"wall s it {args.warm}-last", "ms per save", "saves",
-         "largest gap ms @it (x median)", "median gap ms", "save gap - others ms", "run s", "run - none s",
+         "largest gap ms @it (x median)", "median gap ms", "save in run ms", "run s", "run - none s",
          "start / end - none s", "commit ms", "np timer ms", "save timer ms"],
         rows, title=f"goodput: Megatron-LM 24x1024, {args.iters} iterations, memory durable every {args.durable}, "
                     f"slots {args.slots}",
         footnotes=["wall: from the arrival of iteration lines (the job's clock), not Megatron's timers; "
                    "run s: launch to exit; start / end: launch to the first iteration's line, the last one's to exit; "
-                   "commit: a save's call to its memory commit (median, telemetry); save gap - others: saves every K "
-                   "> 1, the median gap holding a save over the median of the others (the run's own baseline)"])
+                   "commit: a save's call to its memory commit (median, telemetry); save in run: saves every K >= 4, "
+                   "the gaps after a save over the quiet second half of the interval, summed (per position in the "
+                   "JSON: after_save_ms)"])
     print()
     print(table)
     if results.get("samples"):
