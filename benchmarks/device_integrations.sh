@@ -9,8 +9,12 @@
 # "save" is the torch_dist-vs-cpuckpt save comparison), bounded by MLM_TIMEOUT seconds (default 480; the
 # script gets --budget MLM_TIMEOUT-20 and skips a phase that cannot fit), e.g.
 #   MLM_ARGS="--phases load" bash benchmarks/device_integrations.sh setup megatron-lm
-# Needs the carried wheels in .whl/ (megatron-core 0.19.2, deepspeed, nvidia-resiliency-ext, ...) and, for
-# the megatron-lm phase, a Megatron-LM checkout in .megatron-lm/ (not part of this repository).
+# Needs the carried wheels in .whl/ (for the image's CPython 3.12: megatron-core 0.19.2, deepspeed 0.19.8 (a
+# py3-none-any wheel built from its sdist), nvidia-resiliency-ext 0.7.0 (manylinux_2_39), crc32c, hjson, pydantic
+# with its pydantic-core, annotated-types, typing-inspection, typing-extensions, tqdm, nvidia-ml-py, psutil, py-spy)
+# and, for the megatron-lm, mlm-tests and goodput phases, a Megatron-LM tree (d98e8a64) in .megatron-lm/ (not part of
+# this repository; its tests/ and docs/ left out, the carry is 64 MiB at most). Phase blocksum: benchmarks/
+# bench_blocksum.py (BLOCKSUM_ARGS).
 # Results go to $OUT (logs, JSON) and to stdout (tables).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -73,6 +77,10 @@ print('torch', torch.__version__, 'megatron-core', megatron.core.__version__, 'd
         --megatron-lm .megatron-lm --out "$OUT" --budget $((GOODPUT_TIMEOUT - 20)) "${EXTRA[@]}" ${GOODPUT_ARGS:-} 2>&1 \
         | tee "$OUT/bench_goodput.log" | grep -v "^\s*$" | tail -45
       rm -rf /root/cpuckpt-goodput /dev/shm/cpuckpt*
+      ;;
+    blocksum)  # benchmarks/bench_blocksum.py: blocksum32's reduction and the snapshot's copy beside a step
+      PYTHONPATH=$BENCH_PATH timeout 300 python3 -m benchmarks.bench_blocksum --json "$OUT/bench_blocksum.json" \
+        ${BLOCKSUM_ARGS:-} 2>&1 | tee "$OUT/bench_blocksum.log" | tail -8
       ;;
     goodput-ds)  # benchmarks/bench_goodput_ds.py: whole DeepSpeed runs per variant (GOODPUT_DS_ARGS)
       EXTRA=(); [ -d /tmp/site-base ] && EXTRA=(--base-site /tmp/site-base)  # +base variants
