@@ -103,11 +103,16 @@ class CopyProcess:
     """This rank's copy process, as its trainer sees it: started at the first save (or :meth:`start`),
     restarted by the save after one died, ended by :meth:`close`. Thread-safe."""
 
-    def __init__(self, rank: int, log_path: Path, *, threads: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, log_path: Path, *, threads: int, timeout_s: float,
+                 warm_device: int | None = None) -> None:
         self.rank = rank
         self.log_path = Path(log_path)
         self.threads = threads
         self.timeout_s = timeout_s
+        # a process that will copy device snapshots imports torch and makes its CUDA context as it starts (-1: no
+        # device in use yet, torch imported only), beside the trainer's work until its first message needs them:
+        # otherwise both came at the first image it pins, inside the wait of a job before it trains
+        self.warm_device = warm_device
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
@@ -145,7 +150,8 @@ class CopyProcess:
             with open(self.log_path, "ab") as log:
                 self._proc = subprocess.Popen(
                     [sys.executable, "-m", "cpuckpt.tier.copier", "--fd", str(theirs.fileno()),
-                     "--threads", str(self.threads), "--close-s", str(self.timeout_s)],
+                     "--threads", str(self.threads), "--close-s", str(self.timeout_s),
+                     *(["--warm-device", str(self.warm_device)] if self.warm_device is not None else [])],
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True,
                     pass_fds=(theirs.fileno(),), start_new_session=True)
         except OSError as e:
@@ -777,8 +783,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--close-s", type=float, default=600.0, help="bound on the exit after the last message")
+    ap.add_argument("--warm-device", type=int, default=None, help="import torch and make this CUDA device's context "
+                    "at once (-1: import torch only), beside the first messages")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s copier %(process)d %(levelname)s %(message)s")
+    if a.warm_device is not None:
+        threading.Thread(target=_warm, args=(a.warm_device,), name="cpuckpt-copy-warm", daemon=True).start()
     conn = Connection(a.fd)
     worker = _Worker(conn, a.threads)
     # Messages are read as they come, so the trainer's send never waits for this process (its socket buffer
@@ -833,6 +843,26 @@ def main(argv: list[str] | None = None) -> int:
         watchdog.cancel()
         conn.close()
     return 0
+
+
+def _warm(device: int) -> None:
+    """Import torch and make ``device``'s CUDA context (``device`` < 0: import only) before a message needs them; a
+    message that comes first waits for the same import and context (Python's import lock, torch's lazy init). A
+    failure is only logged: the message that needs them reports its own."""
+    import time
+
+    t0 = time.monotonic()
+    try:
+        import torch
+
+        imported = time.monotonic() - t0
+        if device >= 0 and torch.cuda.is_available():
+            torch.cuda.set_device(device)
+            torch.cuda.synchronize(device)  # the context exists from here on
+        logger.info("warm: torch imported in %.2f s, device %s ready %.2f s after the start", imported,
+                    device if device >= 0 else "none", time.monotonic() - t0)
+    except Exception as e:
+        logger.warning("warm: making torch and device %d ready failed: %r", device, e)
 
 
 if __name__ == "__main__":

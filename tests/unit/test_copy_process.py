@@ -483,3 +483,35 @@ def test_a_message_not_sent_after_its_images_were_described_ends_the_process_and
     finally:
         proc.close()
         img.close()
+
+
+def _torch_loaded(pid: int) -> bool:
+    """Whether process ``pid`` has torch's C library mapped (it imported torch)."""
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps")
+def test_a_copy_process_that_will_copy_snapshots_imports_torch_before_any_message(tmp_path):
+    """A tier that copies device snapshots starts its copy process warm: torch imported (and, with CUDA in use, the
+    trainer's device made ready) as it starts, not at the first image it pins, inside the job's wait before training.
+    One that only checksums stays without torch (the import costs it seconds and hundreds of MB)."""
+    warm = MemoryTier(tmp_path / "durable-warm", _cfg(tmp_path / "warm") | {"staging": {"device_snapshot": True}})
+    cold = MemoryTier(tmp_path / "durable-cold", _cfg(tmp_path / "cold"))
+    try:
+        assert warm.copier is not None and warm.copier.warm_device == -1  # no CUDA in use here: torch only
+        assert cold.copier is not None and cold.copier.warm_device is None
+        deadline = time.monotonic() + 60
+        while not _torch_loaded(warm.copier.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log_path = warm.copier.log_path
+        assert _torch_loaded(warm.copier.pid), log_path.read_text()
+        deadline = time.monotonic() + 30
+        while "warm: torch imported" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = log_path.read_text()
+        assert "warm: torch imported" in log and "device none ready" in log, log
+        assert not _torch_loaded(cold.copier.pid)
+    finally:
+        warm.close(persist_newest=False)
+        cold.close(persist_newest=False)
