@@ -787,8 +787,10 @@ def main(argv: list[str] | None = None) -> int:
                     "at once (-1: import torch only), beside the first messages")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s copier %(process)d %(levelname)s %(message)s")
+    warm = None
     if a.warm_device is not None:
-        threading.Thread(target=_warm, args=(a.warm_device,), name="cpuckpt-copy-warm", daemon=True).start()
+        warm = threading.Thread(target=_warm, args=(a.warm_device,), name="cpuckpt-copy-warm", daemon=True)
+        warm.start()
     conn = Connection(a.fd)
     worker = _Worker(conn, a.threads)
     # Messages are read as they come, so the trainer's send never waits for this process (its socket buffer
@@ -839,6 +841,8 @@ def main(argv: list[str] | None = None) -> int:
         watchdog = threading.Timer(a.close_s, _exit_late, (a.close_s,))
         watchdog.daemon = True
         watchdog.start()
+        if warm is not None:  # an import or a CUDA init cut short by the interpreter's exit could abort it
+            warm.join()
         worker.close()
         watchdog.cancel()
         conn.close()
