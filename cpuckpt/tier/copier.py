@@ -787,10 +787,6 @@ def main(argv: list[str] | None = None) -> int:
                     "at once (-1: import torch only), beside the first messages")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s copier %(process)d %(levelname)s %(message)s")
-    warm = None
-    if a.warm_device is not None:
-        warm = threading.Thread(target=_warm, args=(a.warm_device,), name="cpuckpt-copy-warm", daemon=True)
-        warm.start()
     conn = Connection(a.fd)
     worker = _Worker(conn, a.threads)
     # Messages are read as they come, so the trainer's send never waits for this process (its socket buffer
@@ -810,7 +806,12 @@ def main(argv: list[str] | None = None) -> int:
             inbox.put(None)
 
     threading.Thread(target=read, name="cpuckpt-copy-inbox", daemon=True).start()
+    warm = None
+    if a.warm_device is not None:
+        warm = threading.Thread(target=_warm, args=(a.warm_device,), name="cpuckpt-copy-warm", daemon=True)
     try:
+        if warm is not None:
+            warm.start()
         while True:
             if worker.to_prepare and inbox.empty():
                 worker.prepare_next()
@@ -842,10 +843,14 @@ def main(argv: list[str] | None = None) -> int:
         watchdog.daemon = True
         watchdog.start()
         if warm is not None:  # an import or a CUDA init cut short by the interpreter's exit could abort it
-            warm.join()
+            warm.join(min(a.close_s, 60.0))
         worker.close()
         watchdog.cancel()
         conn.close()
+    if warm is not None and warm.is_alive():  # still in torch's import or CUDA's init: no finalization beside it
+        logger.warning("warm: not done at the exit; leaving without the interpreter's finalization")
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

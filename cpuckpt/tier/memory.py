@@ -159,10 +159,13 @@ class MemoryTier:
         # a full RAM filesystem is refused before an image grows (headroom kept), never a SIGBUS mid-copy
         # memory.copy_process: this rank's copy process checksums the images (and copies a device snapshot into
         # them, which it pins itself: the trainer's process then pins nothing).
-        # a copy process that copies device snapshots makes torch and its CUDA context ready as it starts (-1: no
-        # device in use yet), beside the trainer's reservation, not at the first image it pins
-        device = caller_device()
-        warm = (-1 if device is None else device) if self.config.staging.device_snapshot else None
+        # on a CUDA machine a copy process that will copy device snapshots makes torch and its CUDA context ready as
+        # it starts (-1: no device in use yet, torch only), beside the trainer's reservation, not at the first image
+        # it pins; elsewhere it only ever checksums, without torch
+        warm = None
+        if m.copy_process and self.config.staging.device_snapshot and torch.cuda.is_available():
+            device = caller_device()
+            warm = -1 if device is None else device
         self.copier = (CopyProcess(self.rank, self.root.path / f"copier-{self.rank}.log",
                                    threads=self.config.io.threads, timeout_s=self.config.timeout_s, warm_device=warm)
                        if m.copy_process else None)

@@ -492,14 +492,26 @@ def _torch_loaded(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps")
-def test_a_copy_process_that_will_copy_snapshots_imports_torch_before_any_message(tmp_path):
-    """A tier that copies device snapshots starts its copy process warm: torch imported (and, with CUDA in use, the
-    trainer's device made ready) as it starts, not at the first image it pins, inside the job's wait before training.
-    One that only checksums stays without torch (the import costs it seconds and hundreds of MB)."""
-    warm = MemoryTier(tmp_path / "durable-warm", _cfg(tmp_path / "warm") | {"staging": {"device_snapshot": True}})
-    cold = MemoryTier(tmp_path / "durable-cold", _cfg(tmp_path / "cold"))
+def test_a_copy_process_that_will_copy_snapshots_imports_torch_before_any_message(tmp_path, monkeypatch):
+    """On a CUDA machine a tier that copies device snapshots starts its copy process warm: torch imported (and, with
+    CUDA in use, the trainer's device made ready) as it starts, not at the first image it pins, inside the job's wait
+    before training. Without CUDA, or without a device snapshot, it only ever checksums: no torch (the import costs it
+    seconds and hundreds of MB). Here CUDA is said to be available but not in use: torch only."""
+    snap = {"staging": {"device_snapshot": True}}
+    no_cuda = MemoryTier(tmp_path / "durable-nocuda", _cfg(tmp_path / "nocuda") | snap)
     try:
-        assert warm.copier is not None and warm.copier.warm_device == -1  # no CUDA in use here: torch only
+        assert no_cuda.copier is not None and no_cuda.copier.warm_device is None
+    finally:
+        no_cuda.close(persist_newest=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    warm = MemoryTier(tmp_path / "durable-warm", _cfg(tmp_path / "warm") | snap)
+    try:
+        cold = MemoryTier(tmp_path / "durable-cold", _cfg(tmp_path / "cold"))
+    except BaseException:
+        warm.close(persist_newest=False)
+        raise
+    try:
+        assert warm.copier is not None and warm.copier.warm_device == -1  # CUDA not initialized here: torch only
         assert cold.copier is not None and cold.copier.warm_device is None
         deadline = time.monotonic() + 60
         while not _torch_loaded(warm.copier.pid) and time.monotonic() < deadline:
