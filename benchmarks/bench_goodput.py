@@ -103,9 +103,8 @@ _MEMORY_KIND = re.compile(r"mem([1-9][0-9]*)(snap)?")
 
 
 def memory_every(kind: str) -> int | None:
-    """The memory save interval of a memory kind (``mem<K>``, ``mem<K>snap``: mem8 and mem1 by default; mem2 puts a
-    save in every other gap, so a save's cost within its own run is read at nearly a save every iteration); None for
-    another kind."""
+    """The memory save interval of a memory kind (``mem<K>``, ``mem<K>snap``: mem8 and mem1 by default; with K >= 4 a
+    save's cost is also read within its own run, :func:`goodput`); None for another kind."""
     m = _MEMORY_KIND.fullmatch(kind)
     return int(m.group(1)) if m else None
 
@@ -281,8 +280,8 @@ def variant_error(b: Bench, args: argparse.Namespace, name: str, tmp: Path) -> s
     """Why ``name`` cannot run as asked (None: it can): its kind, its changes, the arguments it needs."""
     kind, *changes = name.split("+")
     general = {c for c in changes if c in ("mgc", "timers", "swi") or (c.startswith("log") and c[3:].isdigit())}
-    memory = memory_every(kind) is not None
-    if (kind not in VARIANTS and not memory) or (not memory and set(changes) != general):
+    every = memory_every(kind)
+    if every is None and (kind not in VARIANTS or set(changes) != general):
         return (f"unknown variant {name}; known: {VARIANTS} and mem<K>[snap] (memory ones with +nocrc, +copyproc, "
                 "+window<MiB>, ...; "
                 "any with +mgc, +timers, +log<N>)")
@@ -291,7 +290,6 @@ def variant_error(b: Bench, args: argparse.Namespace, name: str, tmp: Path) -> s
         variant_argv(b, name, tmp / "check", tmp, tmp / "check-ram", args.iters)  # the changes' own checks
     except ValueError as e:
         return str(e) if str(e).startswith("variant ") else f"variant {name}: {e}"
-    every = memory_every(kind)
     if every and not _saves_between(args.warm, args.iters, every):
         return f"variant {name}: no memory save falls in iterations {args.warm}-{args.iters} (nothing to measure)"
     if interval is not None and (args.iters - args.warm) // interval < 2:

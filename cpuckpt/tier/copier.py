@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from array import array
 from collections.abc import Callable, Sequence
@@ -858,8 +859,6 @@ def _warm(device: int) -> None:
     """Import torch and make ``device``'s CUDA context (``device`` < 0: import only) before a message needs them; a
     message that comes first waits for the same import and context (Python's import lock, torch's lazy init). A
     failure is only logged: the message that needs them reports its own."""
-    import time
-
     t0 = time.monotonic()
     try:
         import torch

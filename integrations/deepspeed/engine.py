@@ -239,7 +239,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         self._write_model_states_per_node(claim is not None and memory is not None and memory.across_nodes
                                           and memory.names)
         self._info = info
-        ds = self._ds_engine() if self._ds_engine is not None else None
+        ds = self._bound_engine()
         self._ckpt = _Checkpoint(info, claim=claim, ds_step=getattr(ds, "global_steps", None))
         self._uncommitted.where, self._uncommitted.pid = str(self._ckpt.tag_dir), os.getpid()
 
@@ -247,7 +247,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         """Across nodes every node's slot must hold every file its ranks load: refused (the same ``ConfigError`` on
         every rank, before the slot is claimed) where DeepSpeed's loads read other ranks' files that a node's
         leader cannot write itself."""
-        ds = self._ds_engine() if self._ds_engine is not None else None
+        ds = self._bound_engine()
         why = ("the DeepSpeed engine is not known (save through engine.save_checkpoint)" if ds is None else
                "MoE layers (their expert files are written by one data-parallel rank)" if ds.has_moe_layers else
                "zero_optimization.elastic_checkpoint (every rank reads every rank's optimizer file)"
@@ -263,7 +263,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         """ZeRO-1/2 across nodes: this node's leader also writes the model-states file of a memory checkpoint into its
         node's slot (every rank loads it; its values are the same on every data-parallel rank). Set per checkpoint:
         a checkpoint that goes to disk keeps DeepSpeed's one writer per file."""
-        ds = self._ds_engine() if self._ds_engine is not None else None
+        ds = self._bound_engine()
         if ds is None:
             return
         if self._model_states_writer is None:
@@ -632,6 +632,10 @@ class CpuckptCheckpointEngine(CheckpointEngine):
         return False
 
     # -- zero-stall ordering and pool preparation (called by the DeepSpeedEngine hooks) -------------
+    def _bound_engine(self) -> Any:
+        """The DeepSpeed engine :meth:`bind` remembered, or None (none bound, or gone)."""
+        return self._ds_engine() if self._ds_engine is not None else None
+
     def bind(self, ds_engine: Any) -> None:
         """Remember the DeepSpeed engine (weakly): its module's buffers are snapshotted at save time."""
         if self._ds_engine is None or self._ds_engine() is not ds_engine:
@@ -738,7 +742,7 @@ class CpuckptCheckpointEngine(CheckpointEngine):
             logger.info("cpuckpt: save waited %.3f s for the host pool's preparation", waited)
 
     def _buffers(self) -> set[tuple[int, tuple[int, ...]]]:
-        ds_engine = self._ds_engine() if self._ds_engine is not None else None
+        ds_engine = self._bound_engine()
         module = getattr(ds_engine, "module", None) if ds_engine is not None else None
         return buffer_pointers(module) if module is not None else set()
 
