@@ -94,7 +94,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_megatron_lm import ASYNC, ITER_RE, Bench, LineHook, megatron_config, memory_tier_config, parse_log
-from benchmarks.common import format_table
+from benchmarks.common import file_safe, format_table
 
 logger = logging.getLogger("bench_goodput")
 
@@ -304,19 +304,21 @@ SAMPLER = Path(__file__).resolve().parent / "stack_sampler"
 PROBE = Path(__file__).resolve().parent / "probe"  # +syncstart, +syncstep, +nodma, +nod2d
 
 
-def sample_env(b: Bench, name: str) -> dict[str, str]:
-    """The environment that loads the stack sampler into the trainer of ``name``."""
-    return {"PYTHONPATH": os.pathsep.join([str(SAMPLER), b.env["PYTHONPATH"]]),
-            "CPUCKPT_SAMPLE_OUT": str(b.out / f"samples_{name}")}
+def sample_env(env: dict[str, str], out: Path, name: str, **where: str) -> dict[str, str]:
+    """The environment (``env`` with the sampler first on its path) that loads the stack sampler into the trainer of
+    ``name``; ``where``: the sampler's ``CPUCKPT_SAMPLE_MATCH`` / ``CPUCKPT_SAMPLE_LOOP`` (default: Megatron-LM's)."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(SAMPLER), env["PYTHONPATH"]]),
+            "CPUCKPT_SAMPLE_OUT": str(out / f"samples_{file_safe(name)}"),
+            **{f"CPUCKPT_SAMPLE_{k.upper()}": v for k, v in where.items()}}
 
 
-def read_samples(b: Bench, name: str, iterations: int) -> dict[str, Any] | None:
+def read_samples(out: Path, name: str, iterations: int) -> dict[str, Any] | None:
     """The sampler's counts of ``name``'s trainer as ms per iteration (its largest file: the trainer)."""
-    files = sorted((b.out / f"samples_{name}").glob("sample_*.json"), key=lambda f: f.stat().st_size)
+    files = sorted((out / f"samples_{file_safe(name)}").glob("sample_*.json"), key=lambda f: f.stat().st_size)
     if not files or iterations <= 0:
         return None
     data = json.loads(files[-1].read_text())
-    shutil.rmtree(b.out / f"samples_{name}", ignore_errors=True)  # the files back from the machine are few
+    shutil.rmtree(out / f"samples_{file_safe(name)}", ignore_errors=True)  # the files back from the machine are few
     per = data["interval_ms"] / iterations
     return {"in_loop": data["in_loop"], "samples": data["samples"], "iterations": iterations,
             "inclusive_ms": {k: round(v * per, 2) for k, v in data["inclusive"].items()},
@@ -539,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd, every = variant_argv(b, name, root, tmp, ram, args.iters)
             sampled = name in args.sample.split(",")
             gil = GilProfile(b.out, name, args.warm + 10, args.pyspy_seconds) if name in args.pyspy.split(",") else None
-            env = sample_env(b, name) if sampled else None
+            env = sample_env(b.env, b.out, name) if sampled else None
             if "base" in changes:  # the same run with the baseline's cpuckpt first on the path (--base-site)
                 env = {**(env or {}), "PYTHONPATH": os.pathsep.join([args.base_site, (env or b.env)["PYTHONPATH"]])}
             probes = [c for c in changes if c in _PROBES]
@@ -561,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "none":
                 refs[ref_key] = {**g, "run_s": r["wall_s"], **ends}
             if sampled and not args.dry_run:
-                sample = read_samples(b, name, max((x["it"] for x in r["iters"]), default=0))
+                sample = read_samples(b.out, name, max((x["it"] for x in r["iters"]), default=0))
                 if sample is not None:
                     results.setdefault("samples", {})[name] = sample
             results["runs"][name] = {k: v for k, v in r.items() if k not in ("telemetry_file",)}

@@ -33,7 +33,9 @@ and where; the sampler's cost is in that run's wall too, so its ratio is not the
 with ``--base-site``'s cpuckpt first on the path, ``+rep<N>`` runs it again under another name, ``+u1`` with
 ``memory.max_uncommitted: 1``. ``--kill VARIANTS`` also runs those memory variants killed (the whole job, as
 iteration ``--kill-after-log``'s line arrives) and relaunched from the newest complete tag: the iterations lost, and
-whether the relaunch logs the losses of ``none``.
+whether the relaunch logs the losses of ``none``. ``--sample VARIANTS`` samples those variants' trainer's main thread
+inside its loop every 2 ms (``benchmarks/stack_sampler``, as ``bench_goodput --sample``): where a save's time goes,
+as ms per iteration against ``none``'s (sample ``none`` too; the sampler's cost is in the sampled runs' wall).
 
     python -m benchmarks.bench_goodput_ds --out $OUT                       # one H200
     python -m benchmarks.bench_goodput_ds --smoke --out /tmp/g             # CPU, gloo, a tiny model
@@ -54,7 +56,16 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_deepspeed import GPT, SMOKE_MODEL, add_model_args, free_port, import_adapter, model_argv
-from benchmarks.bench_goodput import GilProfile, _saves_between, gil_table, goodput, summarize
+from benchmarks.bench_goodput import (
+    GilProfile,
+    _saves_between,
+    gil_table,
+    goodput,
+    read_samples,
+    sample_env,
+    sample_table,
+    summarize,
+)
 from benchmarks.bench_megatron_lm import JobKiller, run
 from benchmarks.common import file_safe, format_table
 
@@ -151,6 +162,15 @@ def train(args: argparse.Namespace) -> int:
         path, _ = import_adapter().load_latest(engine, args.save)
         print(f"resumed from global step {engine.global_steps} ({path})", flush=True)
         first = engine.global_steps + 1
+    _train_loop(engine, args, first, every, device)
+    engine.destroy()
+    return 0
+
+
+def _train_loop(engine: Any, args: argparse.Namespace, first: int, every: int, device: Any) -> None:
+    """Iterations ``first``..``--iters``, a save after every ``every``-th (the frame ``--sample`` samples in)."""
+    import torch
+
     last = time.perf_counter()
     for it in range(first, args.iters + 1):
         g = torch.Generator(device=device).manual_seed(it)
@@ -165,8 +185,6 @@ def train(args: argparse.Namespace) -> int:
         if every and it % every == 0:
             engine.save_checkpoint(args.save, tag=f"global_step{it}")
         last = time.perf_counter()
-    engine.destroy()
-    return 0
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -234,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model, few iterations")
     ap.add_argument("--pyspy", default="", help="variants whose trainer's GIL is profiled by py-spy from outside")
     ap.add_argument("--pyspy-seconds", type=float, default=6.0)
+    ap.add_argument("--sample", default="", help="variants whose trainer's main thread is sampled (a profile)")
     ap.add_argument("--base-site", default="", help="another cpuckpt install (a baseline commit's wheel): variants "
                     "named +base run with it first on PYTHONPATH (before and after in one call)")
     ap.add_argument("--train", action="store_true", help=argparse.SUPPRESS)  # the trainer of one run
@@ -290,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             run_env = env
             if "base" in name.split("+")[1:]:
                 run_env = {**env, "PYTHONPATH": os.pathsep.join([args.base_site, env["PYTHONPATH"]])}
+            sampled = name in args.sample.split(",")
+            if sampled:  # the trainer's main thread inside its loop (this module's train)
+                run_env = sample_env(run_env, out, name, match="--train", loop="bench_goodput_ds.py:_train_loop")
             r = run(name, argv_run, run_env, out / f"ds_{file_safe(name)}.log", args.timeout,
                     gil.hook() if gil else None)
             if gil is not None and (prof := gil.summary()) is not None:
@@ -298,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             if r["iters"] and not own:
                 logger.warning("%s: no trainer clock in its iteration lines; timed by their arrival", name)
             r["iters"] = own or r["iters"]
+            if sampled and (sample := read_samples(out, name, max((x["it"] for x in r["iters"]), default=0))):
+                results.setdefault("samples", {})[name] = sample
             g = goodput(r["iters"], args.warm)
             every = EVERY[name.split("+")[0]]
             s = summarize(name, r, ref, _saves_between(g.get("first", args.warm), g.get("last", args.iters), every),
@@ -341,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "from the newest complete tag (load_latest)"))
     if results.get("gil"):
         print(gil_table(results["gil"]))
+    if results.get("samples"):
+        print(sample_table(results["samples"]))
     return 0 if all(s["rc"] == 0 for s in results["summary"]) else 1
 
 
