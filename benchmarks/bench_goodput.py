@@ -14,9 +14,10 @@ Every variant is a whole ``pretrain_gpt.py`` run from scratch (24 x 1024 GPT, 16
                   the optimizer step waits for that copy only and the copies to the host may take the whole
                   iteration (where a forward and backward are shorter than the state's device-to-host copy)
 ``mem8snap``      ``mem8`` with the device snapshot
-``mem<K>``        (and ``mem<K>snap``) memory checkpoints every K iterations, any K: with K >= 4 the table's "save in
+``mem<K>``        (and ``mem<K>snap``) memory checkpoints every K iterations, any K: with K >= 2 the table's "save in
                   run" is a save's cost within its own run, free of the drift between runs (the gaps after a save over
-                  the quiet second half of the interval)
+                  the quiet second half of the interval; ``mem2``: where a save's effects end within the next
+                  iteration, what a save every iteration costs each one)
 
 A memory variant may name changes after ``+`` to say what a part costs (not defaults; not a result by themselves):
 ``+nocrc`` (``memory.checksum: false``: no checksums of the images), ``+bsum`` (``memory.checksum_kind: blocksum32``:
@@ -40,7 +41,10 @@ where in the step a save's cost lands, not a goodput figure. ``+syncstart``, ``+
 (memory variants; any together) are probes (``benchmarks/probe``): the device synchronized after the iteration's save
 start or before each optimizer step; the copy process handed no copies (its saves then record crc32c: compare with
 ``+crc``); the device snapshot not copied (a probed run's
-checkpoints are not valid). ``+gcfreeze`` (memory variants): ``megatron: {freeze_gc: true}``, the collector's objects
+checkpoints are not valid). ``+alt`` with ``+nodma`` or ``+nod2d``: the probe acts on every other save only, and the
+table's "save in run" column holds the median gap after a probed save minus the median after a plain one (the probe's
+effect within one run, free of the drift between runs; ``+alt`` alone is the control, ~0).
+``+gcfreeze`` (memory variants): ``megatron: {freeze_gc: true}``, the collector's objects
 frozen once setup returned (full collections then skip them). ``+swi`` (any variant, ``none`` included, compared with
 ``none+swi``; a probe): the interpreter's switch interval 0.5 ms instead of 5 in every process of the run, what the
 trainer pays when a thread of ours runs Python beside its main thread. ``+aff`` (memory variants; a probe): cpuckpt's
@@ -103,7 +107,7 @@ _MEMORY_KIND = re.compile(r"mem([1-9][0-9]*)(snap)?")
 
 
 def memory_every(kind: str) -> int | None:
-    """The memory save interval of a memory kind (``mem<K>``, ``mem<K>snap``: mem8 and mem1 by default; with K >= 4 a
+    """The memory save interval of a memory kind (``mem<K>``, ``mem<K>snap``: mem8 and mem1 by default; with K >= 2 a
     save's cost is also read within its own run, :func:`goodput`); None for another kind."""
     m = _MEMORY_KIND.fullmatch(kind)
     return int(m.group(1)) if m else None
@@ -112,11 +116,13 @@ def memory_every(kind: str) -> int | None:
 def goodput(iters: list[dict[str, Any]], warm: int, every: int = 0) -> dict[str, Any]:
     """Wall time of iterations ``warm``..last from the log lines' arrival times, and the largest gap.
 
-    With saves every ``every`` >= 4 iterations (the save of N follows N's line), also what a save costs within its own
+    With saves every ``every`` >= 2 iterations (the save of N follows N's line), also what a save costs within its own
     run, whatever the machine's drift between runs does to the ratios: the median gap at each position after a save
     (``after_save_ms``: the gaps ending at N + 1 .. N + every), and the sum over those positions of their excess over
     the median of the positions in the second half of the interval (``save_cost_in_run_ms``): the cost of a save
-    whose effects (its call, its copies, its checksums) end within half the interval."""
+    whose effects (its call, its copies, its checksums) end within half the interval (every 2: within the iteration
+    after its call, which a commit within that iteration says; crc32c's read-back of a 13.6 GB DeepSpeed save
+    reached 3 iterations further)."""
     pts = sorted({x["it"]: x["t"] for x in iters}.items())
     pts = [(it, t) for it, t in pts if it >= warm]
     if len(pts) < 3:
@@ -128,7 +134,7 @@ def goodput(iters: list[dict[str, Any]], warm: int, every: int = 0) -> dict[str,
            "wall_s": round(pts[-1][1] - pts[0][1], 3), "gap_median_ms": round(1000 * med, 1),
            "gap_max_ms": round(1000 * worst, 1), "gap_max_it": worst_it,
            "gap_max_over_median": round(worst / med, 2) if med else None}
-    if every >= 4:
+    if every >= 2:
         by_position: dict[int, list[float]] = collections.defaultdict(list)
         for it, g in gaps:
             by_position[(it - 1) % every + 1].append(g)  # the gap ending at N + p, N a save's iteration
@@ -138,6 +144,25 @@ def goodput(iters: list[dict[str, Any]], warm: int, every: int = 0) -> dict[str,
             out.update({"after_save_ms": [round(1000 * a, 1) for a in after],
                         "save_cost_in_run_ms": round(1000 * sum(a - quiet for a in after), 1)})
     return out
+
+
+def alt_gaps(iters: list[dict[str, Any]], alts: list[dict[str, Any]], warm: int) -> dict[str, Any]:
+    """``+alt`` (benchmarks/probe): the gaps from iteration ``warm`` on whose interval holds exactly one save's start,
+    split by whether that save was probed: the probe's effect within one run (``alt_effect_ms``: the median gap after
+    a probed save minus the median after a plain one), free of the drift between runs."""
+    pts = sorted({x["it"]: x["t"] for x in iters}.items())
+    split: dict[bool, list[float]] = {True: [], False: []}
+    for (it0, t0), (it1, t1) in itertools.pairwise(pts):
+        if it0 < warm or it1 != it0 + 1:
+            continue
+        inside = [a["probed"] for a in alts if t0 < a["t"] <= t1]
+        if len(inside) == 1:
+            split[inside[0]].append(t1 - t0)
+    if not split[True] or not split[False]:
+        return {"alt_counts": [len(split[True]), len(split[False])]}
+    probed, plain = statistics.median(split[True]), statistics.median(split[False])
+    return {"alt_probed_ms": round(1000 * probed, 1), "alt_plain_ms": round(1000 * plain, 1),
+            "alt_effect_ms": round(1000 * (probed - plain), 1), "alt_counts": [len(split[True]), len(split[False])]}
 
 
 def run_ends(iters: list[dict[str, Any]], run_s: float | None, ref: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -172,6 +197,8 @@ def summarize(name: str, r: dict[str, Any], ref: dict[str, Any] | None, saves_in
                            if r["np_saves"] else None,
                            "commit_ms": commit_ms(r.get("telemetry_file") or []),
                            "errors": r["errors"][:3]}
+    if r.get("alt"):
+        out.update(alt_gaps(r["iters"], r["alt"], warm))
     if ref is not None and ref.get("wall_s") and g.get("wall_s") and ref.get("iters") == g.get("iters"):
         out["ratio"] = round(g["wall_s"] / ref["wall_s"], 3)
         extra_s = g["wall_s"] - ref["wall_s"]
@@ -196,7 +223,7 @@ def _saves_between(first: int, last: int, every: int) -> int:
 
 
 # changes read outside the cpuckpt config
-_PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi", "aff", "idle")  # benchmarks/probe
+_PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi", "aff", "idle", "alt")  # benchmarks/probe
 _ENV_CHANGES = ("mgc", "base", "timers", *_PROBES)
 
 
@@ -466,7 +493,20 @@ def self_test() -> int:
     assert _saves_between(10, 30, 8) == 2 and _saves_between(10, 30, 1) == 20
     g8 = goodput(parse_log(lines)["iters"], 10, 8)  # saves after 16 and 24: the gaps ending at 17 (600) and 25 (150)
     assert g8["after_save_ms"] == [375.0] + [150.0] * 7 and g8["save_cost_in_run_ms"] == 225.0, g8
-    assert "after_save_ms" not in goodput(parse_log(lines)["iters"], 10, 2)  # no quiet half to compare with
+    g2 = goodput(parse_log(lines)["iters"], 10, 2)  # one 600 among ten gaps ending at odd iterations: the median holds
+    assert g2["after_save_ms"] == [150.0, 150.0] and g2["save_cost_in_run_ms"] == 0.0, g2
+    # +alt: a start between lines N and N + 1, probed at odd starts; the probed saves' gaps 30 ms longer
+    alt_lines, alts, t = [], [], 5.0
+    for it in range(1, 31):
+        if it > 1:
+            alts.append((t + 0.01, f"probe: alt: start {it - 1} {'probed' if (it - 1) % 2 else 'plain'}"))
+        t += 0.18 if it > 1 and (it - 1) % 2 else 0.15
+        alt_lines.append((t, f" [2026-12-03 10:00:00] iteration {it:8d}/      30 | consumed samples: {4 * it} | "
+                             f"elapsed time per iteration (ms): 150.0 | learning rate: 1.0E-04 |"))
+    parsed = parse_log(sorted(alt_lines + alts))
+    a = alt_gaps(parsed["iters"], parsed["alt"], 10)
+    assert (a["alt_probed_ms"], a["alt_plain_ms"], a["alt_effect_ms"], a["alt_counts"]) == (180.0, 150.0, 30.0,
+                                                                                           [10, 10]), a
     ends = run_ends(parse_log(lines)["iters"], t + 7.5)
     assert ends == {"start_s": 5.15, "end_s": 7.5}, ends
     later = [{**x, "t": x["t"] + 2.0} for x in parse_log(lines)["iters"]]  # 2 s more set-up, 1 s more at the end
@@ -570,7 +610,10 @@ def main(argv: list[str] | None = None) -> int:
             results["summary"].append(s)
             rows.append([name, s["rc"], s.get("ratio"), s.get("wall_s"), s.get("per_save_ms"), s.get("saves"),
                          f'{s.get("gap_max_ms")} @{s.get("gap_max_it")} ({s.get("gap_max_over_median")}x)',
-                         s.get("gap_median_ms"), s.get("save_cost_in_run_ms"), s.get("run_s"),
+                         s.get("gap_median_ms"),
+                         s.get("save_cost_in_run_ms") if "alt_counts" not in s else
+                         f'alt {s.get("alt_probed_ms")} - {s.get("alt_plain_ms")} = {s.get("alt_effect_ms")} '
+                         f'({s["alt_counts"][0]}/{s["alt_counts"][1]})', s.get("run_s"),
                          s.get("run_over_none_s"), f'{s.get("start_over_none_s")} / {s.get("end_over_none_s")}',
                          s.get("commit_ms"),
                          s.get("np_timer_median_ms"), s.get("save_timer_ms")])
@@ -594,9 +637,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"slots {args.slots}",
         footnotes=["wall: from the arrival of iteration lines (the job's clock), not Megatron's timers; "
                    "run s: launch to exit; start / end: launch to the first iteration's line, the last one's to exit; "
-                   "commit: a save's call to its memory commit (median, telemetry); save in run: saves every K >= 4, "
+                   "commit: a save's call to its memory commit (median, telemetry); save in run: saves every K >= 2, "
                    "the gaps after a save over the quiet second half of the interval, summed (per position in the "
-                   "JSON: after_save_ms)"])
+                   "JSON: after_save_ms); +alt: median gap after a probed save - after a plain one = the probe's "
+                   "effect within the run (gaps counted)"])
     print()
     print(table)
     if results.get("samples"):

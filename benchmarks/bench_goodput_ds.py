@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         title=f"goodput: DeepSpeed ZeRO-1 GPT {args.layers}x{args.hidden}, {args.iters} iterations, memory durable "
               f"every {args.durable}, slots 3",
         footnotes=["wall: by the trainer's own clock in its iteration lines; run s: launch to exit; save in run: "
-                   "saves every K >= 4, the gaps after a save (its call, the iterations its copies and checksums "
+                   "saves every K >= 2, the gaps after a save (its call, the iterations its copies and checksums "
                    "overlap) over the quiet second half of the interval, summed: a save's cost within its own run "
                    "(per position in the JSON: after_save_ms)"]))
     if kills:

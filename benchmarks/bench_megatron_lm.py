@@ -90,6 +90,7 @@ NP_SAVE_RE = re.compile(r"save-checkpoint-non-persistent \.*: \(?([\d.]+)(?:, ([
 LOAD_RE = re.compile(r"load-checkpoint \.*: \(?([\d.]+)(?:, ([\d.]+)\))?")
 LOADED_RE = re.compile(r"successfully loaded checkpoint from (\S+).*iteration\D+(\d+)")
 VALUES_RE = re.compile(r"(lm loss|grad norm): [-+\d.Ee]+")  # on an iteration's line: what a continuation must equal
+ALT_RE = re.compile(r"probe: alt: start (\d+) (probed|plain)")  # benchmarks/probe's alt: which saves were probed
 SAVED_RE = re.compile(r"successfully saved checkpoint from iteration\s+(\d+) to (\S+)")
 # cpuckpt.integrations.megatron.strategy (INFO): cpuckpt's share of Megatron's load-checkpoint.
 MLOAD_RE = re.compile(r"cpuckpt megatron load (\S+): translate ([\d.]+) s, cpuckpt\.load ([\d.]+) s, "
@@ -144,7 +145,7 @@ def _max_ms(m: re.Match) -> float:
 def parse_log(lines: Sequence[tuple[float, str]]) -> dict[str, Any]:
     """Everything the phases read from one run's log; ``lines`` are (seconds since start, text)."""
     out: dict[str, Any] = {"iters": [], "saves": [], "np_saves": [], "load_ms": None, "loaded": [], "saved": [],
-                           "mload": [], "telemetry": [], "worker_errors": [], "errors": []}
+                           "mload": [], "telemetry": [], "worker_errors": [], "errors": [], "alt": []}
     for t, line in lines:
         if m := ITER_RE.search(line):
             out["iters"].append({"t": round(t, 4), "it": int(m.group(1)), "ms": float(m.group(2)),  # 0.1 ms: gaps
@@ -160,6 +161,8 @@ def parse_log(lines: Sequence[tuple[float, str]]) -> dict[str, Any]:
             out["load_ms"] = _max_ms(m)
         elif m := LOADED_RE.search(line):
             out["loaded"].append(line.strip())
+        elif m := ALT_RE.search(line):
+            out["alt"].append({"t": round(t, 4), "start": int(m.group(1)), "probed": m.group(2) == "probed"})
         elif m := SAVED_RE.search(line):
             out["saved"].append({"t": round(t, 2), "it": int(m.group(1)), "dir": m.group(2)})
         elif m := MLOAD_RE.search(line):

@@ -22,6 +22,9 @@ PYTHONPATH with ``GOODPUT_PROBE`` set (a comma-separated list), it patches cpuck
   by the copy process's checksum threads sharing its cores (or their siblings) rather than by memory traffic.
 - ``idle``: cpuckpt's own processes run under ``SCHED_IDLE`` (their threads inherit it): they get a CPU only when
   no other thread wants it, so the trainer's threads never wait in a run queue behind the checksum threads.
+- ``alt``: ``nodma`` and ``nod2d`` act on every other save only (the odd starts of ``deferred.start_all``), and each
+  start prints ``probe: alt: start N probed|plain`` before it runs: the gaps after probed and plain saves of one
+  run compare a probe's effect free of the drift between runs (alone, a control: both halves alike).
 
 Another ``sitecustomize`` further down ``sys.path`` (an image's own) still runs after this one.
 """
@@ -74,12 +77,35 @@ def _sync_before_a_step(module: Any) -> str:
     return "order_pending_saves synchronizes the device first"
 
 
+_ALT = {"on": False, "probing": True, "starts": 0}  # alt: whether the save being started is a probed one
+
+
+def _probing() -> bool:
+    return not _ALT["on"] or bool(_ALT["probing"])
+
+
+def _alternate(module: Any) -> str:
+    fn = module.start_all
+
+    @functools.wraps(fn)
+    def start_all(*args: Any, **kwargs: Any) -> Any:
+        if module._STARTS:  # this call starts a save: every other one is probed, the first one first
+            _ALT["starts"] += 1
+            _ALT["probing"] = _ALT["starts"] % 2 == 1
+            print(f"probe: alt: start {_ALT['starts']} {'probed' if _ALT['probing'] else 'plain'}", file=sys.stderr,
+                  flush=True)
+        return fn(*args, **kwargs)
+
+    module.start_all = start_all
+    return "nodma and nod2d act on every other start of start_all"
+
+
 def _no_dma(module: Any) -> str:
     fn = module.ImageSink.submit_offload
 
     @functools.wraps(fn)
     def submit_offload(self: Any, copies: Any, kind: str) -> Any:
-        if copies is not None:
+        if copies is not None and _probing():
             copies = dataclasses.replace(copies, ops=array("q"))
         return fn(self, copies, kind)
 
@@ -97,6 +123,10 @@ class _NoCopyTorch:
 
     @staticmethod
     def _foreach_copy_(*args: Any, **kwargs: Any) -> None:
+        if not _probing():
+            import torch
+
+            torch._foreach_copy_(*args, **kwargs)
         return None
 
 
@@ -110,15 +140,16 @@ _PROBES: dict[str, tuple[str, Callable[[Any], str]]] = {
     "syncstep": ("cpuckpt.integrations.megatron.strategy", _sync_before_a_step),
     "nodma": ("cpuckpt.tier.images", _no_dma),
     "nod2d": ("cpuckpt.transfer.device_snapshot", _no_d2d),
+    "alt": ("cpuckpt.integrations.megatron.deferred", _alternate),
 }
 
 
 class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Applies ``patch`` to ``module`` once it is executed (a finder first on ``sys.meta_path``)."""
 
-    def __init__(self, module: str, patch: Callable[[Any], str]) -> None:
+    def __init__(self, module: str, patches: list[Callable[[Any], str]]) -> None:
         self.module = module
-        self.patch = patch
+        self.patches = patches
         self._inner: Any = None
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
@@ -141,8 +172,9 @@ class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module: Any) -> None:
         self._inner.exec_module(module)
         sys.meta_path.remove(self)
-        what = self.patch(module)
-        print(f"probe: {self.module}: {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
+        for patch in self.patches:
+            what = patch(module)
+            print(f"probe: {self.module}: {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
 SWITCH_INTERVAL_S = 0.0005  # swi
@@ -184,6 +216,7 @@ def _split_cores() -> None:
 
 
 def _install() -> None:
+    patches: dict[str, list[Callable[[Any], str]]] = {}
     for name in filter(None, os.environ.get("GOODPUT_PROBE", "").split(",")):
         if name == "swi":  # no module to patch: the interpreter's own setting, before anything starts a thread
             sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -200,7 +233,11 @@ def _install() -> None:
             print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi, aff, idle)", file=sys.stderr,
                   flush=True)
             continue
-        sys.meta_path.insert(0, _Patch(*_PROBES[name]))
+        _ALT["on"] = _ALT["on"] or name == "alt"
+        module, patch = _PROBES[name]
+        patches.setdefault(module, []).append(patch)
+    for module, each in patches.items():
+        sys.meta_path.insert(0, _Patch(module, each))
 
 
 def _chain_original() -> None:
