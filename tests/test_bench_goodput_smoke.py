@@ -128,6 +128,30 @@ def test_the_probes_patch_what_they_are_asked_for(tmp_path: Path) -> None:
     assert "\ndef order_pending_saves(" in (REPO / "integrations" / "megatron" / "strategy.py").read_text()
 
 
+def test_alt_probes_every_other_save_only(tmp_path: Path) -> None:
+    """``alt``: nod2d acts on the saves of odd starts only, and each start says which it was, before it runs."""
+    code = ("from cpuckpt.integrations.megatron import deferred\n"
+            "from cpuckpt.transfer import device_snapshot\n"
+            "import torch\n"
+            "def start():\n"
+            "    dst = torch.zeros(3)\n"
+            "    device_snapshot.torch._foreach_copy_([dst], [torch.ones(3)])\n"
+            "    print('copied', int(dst.sum()), flush=True)\n"
+            "for _ in range(3):\n"
+            "    deferred.defer(start)\n"
+            "    deferred.start_all()\n"
+            "deferred.start_all()\n")  # nothing to start: not counted
+    env = {**os.environ, "GOODPUT_PROBE": "alt,nod2d",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "probe"),
+                                          *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(("probe: alt:", "copied"))]
+    assert lines == ["probe: alt: start 1 probed", "copied 0", "probe: alt: start 2 plain", "copied 3",
+                     "probe: alt: start 3 probed", "copied 0"], proc.stdout
+
+
 def test_two_instruments_and_the_images_sitecustomize_each_run_once(tmp_path: Path) -> None:
     """The probe and the stack sampler on one path (a sampled probed variant): each runs once, then the
     image's own sitecustomize; they ran each other without end before."""
