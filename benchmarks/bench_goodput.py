@@ -149,13 +149,18 @@ def goodput(iters: list[dict[str, Any]], warm: int, every: int = 0) -> dict[str,
 def alt_gaps(iters: list[dict[str, Any]], alts: list[dict[str, Any]], warm: int) -> dict[str, Any]:
     """``+alt`` (benchmarks/probe): the gaps from iteration ``warm`` on whose interval holds exactly one save's start,
     split by whether that save was probed: the probe's effect within one run (``alt_effect_ms``: the median gap after
-    a probed save minus the median after a plain one), free of the drift between runs."""
+    a probed save minus the median after a plain one), free of the drift between runs. A start belongs to the gap
+    after the last iteration line read before it (``after_it``, by the order of the lines: one pipe carries both)."""
     pts = sorted({x["it"]: x["t"] for x in iters}.items())
+    starts: dict[int, list[bool]] = collections.defaultdict(list)
+    for a in alts:
+        if a.get("after_it") is not None:
+            starts[a["after_it"]].append(a["probed"])
     split: dict[bool, list[float]] = {True: [], False: []}
     for (it0, t0), (it1, t1) in itertools.pairwise(pts):
         if it0 < warm or it1 != it0 + 1:
             continue
-        inside = [a["probed"] for a in alts if t0 < a["t"] <= t1]
+        inside = starts.get(it0, [])
         if len(inside) == 1:
             split[inside[0]].append(t1 - t0)
     if not split[True] or not split[False]:

@@ -310,10 +310,11 @@ def main(argv: list[str] | None = None) -> int:
             if "base" in name.split("+")[1:]:
                 run_env = {**env, "PYTHONPATH": os.pathsep.join([args.base_site, env["PYTHONPATH"]])}
             sampled = name in args.sample.split(",")
-            if sampled:  # the trainer's main thread inside its loop (this module's train)
-                run_env = sample_env(run_env, out, name, match="--train", loop="bench_goodput_ds.py:_train_loop")
-            r = run(name, argv_run, run_env, out / f"ds_{file_safe(name)}.log", args.timeout,
-                    gil.hook() if gil else None)
+            # the trainer's main thread inside its loop (this module's _train_loop); "--train --variant" is in no
+            # other process's command line (the writer's has --trainer-lock); the measured run only, not --kill's
+            r = run(name, argv_run, sample_env(run_env, out, name, match="--train --variant",
+                                               loop="bench_goodput_ds.py:_train_loop") if sampled else run_env,
+                    out / f"ds_{file_safe(name)}.log", args.timeout, gil.hook() if gil else None)
             if gil is not None and (prof := gil.summary()) is not None:
                 results.setdefault("gil", {})[name] = prof
             own = own_clock(Path(r["log"]))

@@ -162,7 +162,8 @@ def parse_log(lines: Sequence[tuple[float, str]]) -> dict[str, Any]:
         elif m := LOADED_RE.search(line):
             out["loaded"].append(line.strip())
         elif m := ALT_RE.search(line):
-            out["alt"].append({"t": round(t, 4), "start": int(m.group(1)), "probed": m.group(2) == "probed"})
+            out["alt"].append({"t": round(t, 4), "start": int(m.group(1)), "probed": m.group(2) == "probed",
+                               "after_it": out["iters"][-1]["it"] if out["iters"] else None})
         elif m := SAVED_RE.search(line):
             out["saved"].append({"t": round(t, 2), "it": int(m.group(1)), "dir": m.group(2)})
         elif m := MLOAD_RE.search(line):
@@ -494,7 +495,8 @@ class Bench:
         logger.info("== %s (timeout %.0f s, %.0f s into the benchmark)", name, timeout, self.elapsed())
         telemetry = self.out / f"telemetry_{name}.jsonl"
         telemetry.unlink(missing_ok=True)
-        run_env = {**self.env, "CPUCKPT_TELEMETRY_FILE": str(telemetry), **(env or {})}
+        # the run's own telemetry file last: a whole environment passed in (a sampled run's) may name another
+        run_env = {**self.env, **(env or {}), "CPUCKPT_TELEMETRY_FILE": str(telemetry)}
         r = run(name, argv, run_env, run_log(self.out, name), timeout, on_line)
         r["telemetry_file"] = read_telemetry_file(telemetry)
         logger.info("%s: rc %s%s, wall %.1f s, %d iterations, save-checkpoint ms %s, load-checkpoint ms %s",

@@ -2,7 +2,7 @@
 and with memory checkpoints, reads their iteration lines and prints the goodput table (asserting no speed); the memory
 variant (a save every iteration, ``+u1``: each committed before the next line) killed as iteration 6's line arrives
 (the kill lands a little later on a loaded box) resumes from the save before the last line it logged, or from that
-line's own, and logs the losses of the run without checkpoints."""
+line's own, and logs the losses of the run without checkpoints; both runs' trainers sampled (``--sample``)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def test_bench_goodput_ds_smoke(tmp_path: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_goodput_ds", "--smoke", "--variants",
-                           "none,mem1+ahead+u1", "--kill", "mem1+ahead+u1", "--kill-after-log", "6", "--out",
-                           str(tmp_path)],
+                           "none,mem1+ahead+u1", "--kill", "mem1+ahead+u1", "--kill-after-log", "6", "--sample",
+                           "none,mem1+ahead+u1", "--out", str(tmp_path)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=290)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     results = json.loads((tmp_path / "bench_goodput_ds.json").read_text())
@@ -44,3 +44,11 @@ def test_bench_goodput_ds_smoke(tmp_path: Path) -> None:
     assert kill["relaunch_rc"] == 0 and kill["values_equal"] and kill["compared"] == 10 - kill["resumed_from"], kill
     assert kill["before_kill_equal"] and kill["before_kill_compared"] >= 6, kill  # the control: the same run up to it
     assert (tmp_path / "ds_mem1_ahead_u1_resumed.log").is_file()  # no "+" in names (the device hands those back)
+    # --sample: the trainers' main threads inside their loops, read and removed; the killed runs and our writer
+    # processes (whose command lines hold --train... but not "--train --variant") sampled nothing
+    samples = results["samples"]
+    assert sorted(samples) == ["mem1+ahead+u1", "none"], samples.keys()
+    assert all(s["in_loop"] > 0 and s["inclusive_ms"].get("bench_goodput_ds.py:_train_loop", 0) > 0
+               for s in samples.values()), samples
+    assert not list(tmp_path.glob("samples_*")), list(tmp_path.glob("samples_*/*"))
+    assert "trainer main thread, sampled" in proc.stdout
