@@ -41,7 +41,10 @@ where in the step a save's cost lands, not a goodput figure. ``+syncstart``, ``+
 (memory variants; any together) are probes (``benchmarks/probe``): the device synchronized after the iteration's save
 start or before each optimizer step; the copy process handed no copies (its saves then record crc32c: compare with
 ``+crc``); the device snapshot not copied (a probed run's
-checkpoints are not valid). ``+alt`` with ``+nodma`` or ``+nod2d``: the probe acts on every other save only, and the
+checkpoints are not valid). ``+pace<G>`` / ``+dmadelay<MS>`` (with ``+copyproc``; probes): the copy process enqueues
+a save's copies at ``G`` GB/s at most, or starts them ``MS`` ms late (past the forward): whether the trainer's slowdown
+beside a save follows the copies' rate or their timing. ``+alt`` with ``+nodma`` or ``+nod2d``: the probe acts on
+every other save only, and the
 table's "save in run" column holds the median gap after a probed save minus the median after a plain one (the probe's
 effect within one run, free of the drift between runs; ``+alt`` alone is the control, ~0).
 ``+gcfreeze`` (memory variants): ``megatron: {freeze_gc: true}``, the collector's objects
@@ -232,6 +235,12 @@ _PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi", "aff", "idle", "alt
 _ENV_CHANGES = ("mgc", "base", "timers", *_PROBES)
 
 
+def is_probe(change: str) -> bool:
+    """A change made by benchmarks/probe: a named one, or ``pace<G>`` / ``dmadelay<MS>`` (the copy process's copies)."""
+    return change in _PROBES or any(change.startswith(p) and change[len(p):].isdigit() and int(change[len(p):]) > 0
+                                    for p in ("pace", "dmadelay"))
+
+
 def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: int) -> tuple[list[str], int]:
     """The command line of a variant and its save interval (0: none)."""
     a = b.args
@@ -285,13 +294,16 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
             memory["max_uncommitted"] = int(change[1:])
         elif (change.startswith("rep") and change[len("rep"):].isdigit()) or (
                 change.startswith("log") and change[3:].isdigit()) or (
-                change.startswith("slots") and change[len("slots"):].isdigit()) or change in _ENV_CHANGES:
+                change.startswith("slots") and change[len("slots"):].isdigit()) or change in _ENV_CHANGES or \
+                is_probe(change):
             pass  # rep: a name only; slots, mgc, timers: read above; base, probes: the environment (main)
         else:
             raise ValueError(f"variant {name}: unknown change {change!r} (nocrc, bsum, crc, copyproc, host, "
                              "window<MiB>, io<N>, "
                              "u<N>, slots<N>, rep<N>, log<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, "
-                             "nodma, nod2d, swi, aff, idle)")
+                             "nodma, nod2d, swi, aff, idle, alt, pace<G>, dmadelay<MS>)")
+    if any(c.startswith(("pace", "dmadelay")) for c in changes) and "copyproc" not in changes:
+        raise ValueError(f"variant {name}: +pace<G> and +dmadelay<MS> pace the copy process's copies: +copyproc")
     if "nod2d" in changes and not kind.endswith("snap"):
         raise ValueError(f"variant {name}: +nod2d needs a device snapshot (mem1snap, mem8snap)")
     if len({"bsum", "crc", "nocrc"} & set(changes)) > 1:
@@ -589,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             env = sample_env(b.env, b.out, name) if sampled else None
             if "base" in changes:  # the same run with the baseline's cpuckpt first on the path (--base-site)
                 env = {**(env or {}), "PYTHONPATH": os.pathsep.join([args.base_site, (env or b.env)["PYTHONPATH"]])}
-            probes = [c for c in changes if c in _PROBES]
+            probes = [c for c in changes if is_probe(c)]
             if probes:  # one thing of the iteration changed (benchmarks/probe)
                 env = {**(env or {}), "GOODPUT_PROBE": ",".join(probes),
                        "PYTHONPATH": os.pathsep.join([str(PROBE), (env or b.env)["PYTHONPATH"]])}

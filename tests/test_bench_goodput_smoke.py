@@ -152,6 +152,38 @@ def test_alt_probes_every_other_save_only(tmp_path: Path) -> None:
                      "probe: alt: start 3 probed", "copied 0"], proc.stdout
 
 
+def test_pace_and_dmadelay_probes_hold_the_copy_process_copies(tmp_path: Path) -> None:
+    """``pace<G>``: a save's copies enqueued at G GB/s at most; ``dmadelay<MS>``: started MS ms late; torch's
+    ``_foreach_copy_`` is torch's own again after the save (a stand-in for the copy process's ``_Worker``)."""
+    site = str(REPO / "benchmarks" / "probe" / "sitecustomize.py")
+    code = ("import importlib.util, sys, time, types, torch\n"
+            f"spec = importlib.util.spec_from_file_location('probe_site', {site!r})\n"
+            "probe = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(probe)  # GOODPUT_PROBE unset: patches nothing itself\n"
+            "real = torch._foreach_copy_\n"
+            "for name in ('pace1', 'dmadelay60'):\n"
+            "    class Worker:\n"
+            "        def enqueue(self, n):\n"
+            "            for _ in range(n):\n"
+            "                torch._foreach_copy_([torch.empty(4 << 20, dtype=torch.uint8)],\n"
+            "                                     [torch.ones(4 << 20, dtype=torch.uint8)])\n"
+            "            return n\n"
+            "    module, patch = probe._parametric(name)\n"
+            "    patch(types.SimpleNamespace(_Worker=Worker))\n"
+            "    t0 = time.monotonic()\n"
+            "    assert Worker().enqueue(20) == 20\n"
+            "    print(name, module, round(time.monotonic() - t0, 3), torch._foreach_copy_ is real)\n"
+            "print('unknown', probe._parametric('pace0'), probe._parametric('pacex'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "GOODPUT_PROBE": ""},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()}
+    # 20 copies of 4 MiB at 1 GB/s: the last enqueued ~80 ms after the first; unpaced, 60 ms late
+    assert rows["pace1"][0] == "cpuckpt.tier.copier" and float(rows["pace1"][1]) >= 0.075, rows
+    assert float(rows["dmadelay60"][1]) >= 0.06 and rows["pace1"][2] == rows["dmadelay60"][2] == "True", rows
+    assert rows["unknown"] == ["None", "None"], rows
+
+
 def test_two_instruments_and_the_images_sitecustomize_each_run_once(tmp_path: Path) -> None:
     """The probe and the stack sampler on one path (a sampled probed variant): each runs once, then the
     image's own sitecustomize; they ran each other without end before."""

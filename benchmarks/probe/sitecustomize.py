@@ -22,6 +22,11 @@ PYTHONPATH with ``GOODPUT_PROBE`` set (a comma-separated list), it patches cpuck
   by the copy process's checksum threads sharing its cores (or their siblings) rather than by memory traffic.
 - ``idle``: cpuckpt's own processes run under ``SCHED_IDLE`` (their threads inherit it): they get a CPU only when
   no other thread wants it, so the trainer's threads never wait in a run queue behind the checksum threads.
+- ``pace<G>``: the copy process enqueues a save's device-to-host copies chunk by chunk at ``G`` GB/s at most
+  (copies spread over the iteration instead of a burst at the link's 55 GB/s); ``dmadelay<MS>``: it starts them
+  ``MS`` ms after the save's message (past the trainer's forward). Both hold the process's next message meanwhile.
+  Whether the trainer's host work slows with the rate of the copies' traffic, or with when it comes, not only
+  with its bytes.
 - ``alt``: ``nodma`` and ``nod2d`` act on every other save only (the odd starts of ``deferred.start_all``), and each
   start prints ``probe: alt: start N probed|plain`` before it runs: the gaps after probed and plain saves of one
   run compare a probe's effect free of the drift between runs (alone, a control: both halves alike).
@@ -135,6 +140,54 @@ def _no_d2d(module: Any) -> str:
     return "the device snapshot copies nothing"
 
 
+def _paced_copies(rate_gbps: float, delay_ms: float) -> Callable[[Any], str]:
+    """The copy process's ``_Worker.enqueue`` after ``delay_ms``, its copies enqueued at ``rate_gbps`` at most (0:
+    as fast as the host enqueues them)."""
+
+    def patch(module: Any) -> str:
+        fn = module._Worker.enqueue
+
+        @functools.wraps(fn)
+        def enqueue(self: Any, *args: Any, **kwargs: Any) -> Any:
+            import time
+
+            import torch
+
+            if delay_ms:
+                time.sleep(delay_ms / 1e3)
+            if not rate_gbps:
+                return fn(self, *args, **kwargs)
+            real = torch._foreach_copy_
+            due = [time.monotonic()]
+
+            def paced(dsts: Any, srcs: Any, **kw: Any) -> Any:
+                wait = due[0] - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                due[0] = max(due[0], time.monotonic()) + sum(d.numel() * d.element_size() for d in dsts) / (
+                    rate_gbps * 1e9)
+                return real(dsts, srcs, **kw)
+
+            torch._foreach_copy_ = paced  # this process's only caller is this method (one thread runs it)
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                torch._foreach_copy_ = real
+
+        module._Worker.enqueue = enqueue
+        return f"the copies start {delay_ms:g} ms late, at {rate_gbps:g} GB/s at most (0: unpaced)"
+
+    return patch
+
+
+def _parametric(name: str) -> tuple[str, Callable[[Any], str]] | None:
+    """``pace<G>`` and ``dmadelay<MS>``: the copy process's copies paced or delayed."""
+    for prefix, make in (("pace", lambda v: _paced_copies(v, 0.0)), ("dmadelay", lambda v: _paced_copies(0.0, v))):
+        if name.startswith(prefix) and name[len(prefix):].isdigit() and int(name[len(prefix):]) > 0:
+            return "cpuckpt.tier.copier", make(float(name[len(prefix):]))
+    return None
+
+
 _PROBES: dict[str, tuple[str, Callable[[Any], str]]] = {
     "syncstart": ("cpuckpt.integrations.megatron.deferred", _sync_after_a_start),
     "syncstep": ("cpuckpt.integrations.megatron.strategy", _sync_before_a_step),
@@ -229,12 +282,13 @@ def _install() -> None:
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
                 print(f"probe: idle: pid {os.getpid()} runs under SCHED_IDLE", file=sys.stderr, flush=True)
             continue
-        if name not in _PROBES:
-            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi, aff, idle)", file=sys.stderr,
-                  flush=True)
+        found = _PROBES.get(name) or _parametric(name)
+        if found is None:
+            print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi, aff, idle, pace<G>, "
+                  f"dmadelay<MS>)", file=sys.stderr, flush=True)
             continue
         _ALT["on"] = _ALT["on"] or name == "alt"
-        module, patch = _PROBES[name]
+        module, patch = found
         patches.setdefault(module, []).append(patch)
     for module, each in patches.items():
         sys.meta_path.insert(0, _Patch(module, each))
