@@ -153,35 +153,44 @@ def test_alt_probes_every_other_save_only(tmp_path: Path) -> None:
 
 
 def test_pace_and_dmadelay_probes_hold_the_copy_process_copies(tmp_path: Path) -> None:
-    """``pace<G>``: a save's copies enqueued at G GB/s at most; ``dmadelay<MS>``: started MS ms late; torch's
-    ``_foreach_copy_`` is torch's own again after the save (a stand-in for the copy process's ``_Worker``)."""
+    """``pace<G>``: the copy process's ``_foreach_copy_`` enqueues at G GB/s at most; ``dmadelay<MS>``: a save's first
+    copy (none for 20 ms before it) waits MS ms. Only the copy process is patched, which runs ``cpuckpt.tier.copier``
+    as ``__main__`` and starts with the probe in place."""
     site = str(REPO / "benchmarks" / "probe" / "sitecustomize.py")
-    code = ("import importlib.util, sys, time, types, torch\n"
+    code = ("import importlib.util, time, torch\n"
             f"spec = importlib.util.spec_from_file_location('probe_site', {site!r})\n"
             "probe = importlib.util.module_from_spec(spec)\n"
-            "spec.loader.exec_module(probe)  # GOODPUT_PROBE unset: patches nothing itself\n"
+            "spec.loader.exec_module(probe)  # not the copy process: patches nothing itself\n"
             "real = torch._foreach_copy_\n"
-            "for name in ('pace1', 'dmadelay60'):\n"
-            "    class Worker:\n"
-            "        def enqueue(self, n):\n"
-            "            for _ in range(n):\n"
-            "                torch._foreach_copy_([torch.empty(4 << 20, dtype=torch.uint8)],\n"
-            "                                     [torch.ones(4 << 20, dtype=torch.uint8)])\n"
-            "            return n\n"
-            "    module, patch = probe._parametric(name)\n"
-            "    patch(types.SimpleNamespace(_Worker=Worker))\n"
+            "def save(n):\n"
             "    t0 = time.monotonic()\n"
-            "    assert Worker().enqueue(20) == 20\n"
-            "    print(name, module, round(time.monotonic() - t0, 3), torch._foreach_copy_ is real)\n"
-            "print('unknown', probe._parametric('pace0'), probe._parametric('pacex'))\n")
+            "    for _ in range(n):\n"
+            "        torch._foreach_copy_([torch.empty(4 << 20, dtype=torch.uint8)], [torch.ones(4 << 20, "
+            "dtype=torch.uint8)])\n"
+            "    return round(time.monotonic() - t0, 3)\n"
+            "print('untouched', torch._foreach_copy_ is real, probe._pacing('pace0'), probe._pacing('pacex'))\n"
+            "probe.pace_foreach_copy(torch, 1.0, 0.0)\n"
+            "print('pace1', save(20))\n"
+            "torch._foreach_copy_ = real\n"
+            "probe.pace_foreach_copy(torch, 0.0, 60.0)\n"
+            "first = save(5)\n"
+            "time.sleep(0.05)\n"
+            "print('dmadelay60', first, save(5), save(5))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "GOODPUT_PROBE": ""},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()}
-    # 20 copies of 4 MiB at 1 GB/s: the last enqueued ~80 ms after the first; unpaced, 60 ms late
-    assert rows["pace1"][0] == "cpuckpt.tier.copier" and float(rows["pace1"][1]) >= 0.075, rows
-    assert float(rows["dmadelay60"][1]) >= 0.06 and rows["pace1"][2] == rows["dmadelay60"][2] == "True", rows
-    assert rows["unknown"] == ["None", "None"], rows
+    assert rows["untouched"] == ["True", "None", "None"], rows
+    assert float(rows["pace1"][0]) >= 0.075, rows  # 20 x 4 MiB at 1 GB/s: the last enqueued ~80 ms after the first
+    first, after_a_pause, right_after = map(float, rows["dmadelay60"])
+    assert first >= 0.06 and after_a_pause >= 0.06 and right_after < 0.06, rows  # a new save after 20 ms of none
+    env = {**os.environ, "GOODPUT_PROBE": "pace30,dmadelay40",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "probe"),
+                                          *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+    copier = subprocess.run([sys.executable, "-m", "cpuckpt.tier.copier", "--help"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)  # runs as __main__: starts, patched
+    assert copier.returncode == 0, copier.stderr
+    assert "probe: pace30:" in copier.stderr and "probe: dmadelay40:" in copier.stderr, copier.stderr
 
 
 def test_two_instruments_and_the_images_sitecustomize_each_run_once(tmp_path: Path) -> None:

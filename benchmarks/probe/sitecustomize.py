@@ -140,51 +140,40 @@ def _no_d2d(module: Any) -> str:
     return "the device snapshot copies nothing"
 
 
-def _paced_copies(rate_gbps: float, delay_ms: float) -> Callable[[Any], str]:
-    """The copy process's ``_Worker.enqueue`` after ``delay_ms``, its copies enqueued at ``rate_gbps`` at most (0:
-    as fast as the host enqueues them)."""
+def pace_foreach_copy(torch: Any, rate_gbps: float, delay_ms: float) -> str:
+    """``pace<G>`` / ``dmadelay<MS>`` in the copy process: its ``torch._foreach_copy_`` (called by nothing else
+    there: a save's copies, one call per chunk, back to back) enqueues at ``rate_gbps`` at most (0: unpaced), and
+    the first call of a save (none for 20 ms before it) waits ``delay_ms`` first. Patched on torch itself: the process
+    runs ``cpuckpt.tier.copier`` as ``__main__``, which no import of that name patches."""
+    import time
 
-    def patch(module: Any) -> str:
-        fn = module._Worker.enqueue
+    real = torch._foreach_copy_
+    state = {"due": 0.0, "last": 0.0}
 
-        @functools.wraps(fn)
-        def enqueue(self: Any, *args: Any, **kwargs: Any) -> Any:
-            import time
+    def paced(dsts: Any, srcs: Any, **kw: Any) -> Any:
+        now = time.monotonic()
+        if delay_ms and now - state["last"] > 0.02:
+            time.sleep(delay_ms / 1e3)
+            now = time.monotonic()
+        if rate_gbps:
+            wait = state["due"] - now
+            if wait > 0:
+                time.sleep(wait)
+            state["due"] = max(state["due"], now) + sum(d.numel() * d.element_size() for d in dsts) / (
+                rate_gbps * 1e9)
+        out = real(dsts, srcs, **kw)
+        state["last"] = time.monotonic()
+        return out
 
-            import torch
-
-            if delay_ms:
-                time.sleep(delay_ms / 1e3)
-            if not rate_gbps:
-                return fn(self, *args, **kwargs)
-            real = torch._foreach_copy_
-            due = [time.monotonic()]
-
-            def paced(dsts: Any, srcs: Any, **kw: Any) -> Any:
-                wait = due[0] - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                due[0] = max(due[0], time.monotonic()) + sum(d.numel() * d.element_size() for d in dsts) / (
-                    rate_gbps * 1e9)
-                return real(dsts, srcs, **kw)
-
-            torch._foreach_copy_ = paced  # this process's only caller is this method (one thread runs it)
-            try:
-                return fn(self, *args, **kwargs)
-            finally:
-                torch._foreach_copy_ = real
-
-        module._Worker.enqueue = enqueue
-        return f"the copies start {delay_ms:g} ms late, at {rate_gbps:g} GB/s at most (0: unpaced)"
-
-    return patch
+    torch._foreach_copy_ = paced
+    return f"the copies start {delay_ms:g} ms late, at {rate_gbps:g} GB/s at most (0: unpaced)"
 
 
-def _parametric(name: str) -> tuple[str, Callable[[Any], str]] | None:
-    """``pace<G>`` and ``dmadelay<MS>``: the copy process's copies paced or delayed."""
-    for prefix, make in (("pace", lambda v: _paced_copies(v, 0.0)), ("dmadelay", lambda v: _paced_copies(0.0, v))):
+def _pacing(name: str) -> tuple[float, float] | None:
+    """``pace<G>`` -> (G, 0), ``dmadelay<MS>`` -> (0, MS); None for another name."""
+    for prefix, make in (("pace", lambda v: (v, 0.0)), ("dmadelay", lambda v: (0.0, v))):
         if name.startswith(prefix) and name[len(prefix):].isdigit() and int(name[len(prefix):]) > 0:
-            return "cpuckpt.tier.copier", make(float(name[len(prefix):]))
+            return make(float(name[len(prefix):]))
     return None
 
 
@@ -282,7 +271,15 @@ def _install() -> None:
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
                 print(f"probe: idle: pid {os.getpid()} runs under SCHED_IDLE", file=sys.stderr, flush=True)
             continue
-        found = _PROBES.get(name) or _parametric(name)
+        pacing = _pacing(name)
+        if pacing is not None:  # the copy process only (a process of its own; torch is imported there anyway)
+            if "cpuckpt.tier.copier" in sys.orig_argv:
+                import torch
+
+                what = pace_foreach_copy(torch, *pacing)
+                print(f"probe: {name}: {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            continue
+        found = _PROBES.get(name)
         if found is None:
             print(f"probe: unknown probe {name!r} (known: {', '.join(_PROBES)}, swi, aff, idle, pace<G>, "
                   f"dmadelay<MS>)", file=sys.stderr, flush=True)
