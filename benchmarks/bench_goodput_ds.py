@@ -21,6 +21,8 @@ fresh process (``--train``: one rank, ZeRO-1, bf16, ``torch_adam``, the GPT of `
               summed on the GPU, the rest by the copy process (no read of every image back); what the default
               ``auto`` takes there
 ``+crc``      ``memory.checksum_kind: crc32c``: every image read back for its crc32c (the default before session 43)
+``+slots<N>`` ``memory.slots: N`` (2-9) instead of 3 (the adapter's default is 2: a slot fewer to reserve and pin
+              before training, 13.6 GB)
 
 The trainer prints one line per iteration (``iteration N/M | elapsed time per iteration (ms): ... | at T s |``, the
 host time since the previous line and the time of the line, by its own clock); the result is the wall time from
@@ -76,6 +78,7 @@ EVERY = {"none": 0, "ds8": 8, "cpuckpt8": 8, "mem8": 8, "mem1": 1}
 # u1: memory.max_uncommitted 1 (the step after a save waits for it)
 MODIFIERS = ("ahead", "snap", "copyproc", "u1", "nocrc", "bsum", "crc")
 _REPEAT = re.compile(r"rep\d+")  # the same run again under another name (pairs alternated in one call)
+_SLOTS = re.compile(r"slots([2-9])")  # memory.slots instead of 3 (the adapter's default, configs/deepspeed.yaml: 2)
 
 
 def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict[str, Any] | None:
@@ -85,7 +88,8 @@ def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict
         return None
     out: dict[str, Any] = {"ordering": "optimizer", "io": {"threads": 8}}
     if base.startswith("mem"):
-        out.update(memory_tier=True, memory={"root": ram, "slots": 3, "persist_every": durable_every,
+        slots = next((int(m.group(1)) for x in mods if (m := _SLOTS.fullmatch(x))), 3)
+        out.update(memory_tier=True, memory={"root": ram, "slots": slots, "persist_every": durable_every,
                                              "copy_process": "copyproc" in mods})
         if "ahead" in mods:
             out["memory_save_dir"] = save
@@ -105,11 +109,15 @@ def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict
 def check_variant(name: str, base_site: str = "") -> str | None:
     """Why ``name`` is not a variant (None: it is)."""
     base, *changes = name.split("+")
-    mods = [m for m in changes if m != "base" and not _REPEAT.fullmatch(m)]
+    mods = [m for m in changes if m != "base" and not _REPEAT.fullmatch(m) and not _SLOTS.fullmatch(m)]
+    if len([m for m in changes if _SLOTS.fullmatch(m)]) > 1:
+        return f"{name}: one +slots<N> at most"
+    if any(_SLOTS.fullmatch(m) for m in changes) and not base.startswith("mem"):
+        return f"{name}: +slots<N> needs a memory variant"
     if base not in VARIANTS:
         return f"unknown variant {base}; known: {VARIANTS}"
     if not set(mods) <= set(MODIFIERS) or len(set(changes)) != len(changes):
-        return f"{name}: modifiers are {MODIFIERS}, +base and +rep<N>, each once"
+        return f"{name}: modifiers are {MODIFIERS}, +slots<N>, +base and +rep<N>, each once"
     if len({"bsum", "crc", "nocrc"} & set(mods)) > 1:
         return f"{name}: +bsum, +crc and +nocrc are three different checksum settings: one at most"
     if "base" in changes and not base_site:
@@ -354,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         ["variant", "rc", "wall x none", f"wall s it {args.warm}-last", "ms per save", "saves",
          "largest gap ms @it (x median)", "median gap ms", "save in run ms", "run s", "run - none s"], rows,
         title=f"goodput: DeepSpeed ZeRO-1 GPT {args.layers}x{args.hidden}, {args.iters} iterations, memory durable "
-              f"every {args.durable}, slots 3",
+              f"every {args.durable}, slots 3 unless +slots<N>",
         footnotes=["wall: by the trainer's own clock in its iteration lines; run s: launch to exit; save in run: "
                    "saves every K >= 2, the gaps after a save (its call, the iterations its copies and checksums "
                    "overlap) over the quiet second half of the interval, summed: a save's cost within its own run "

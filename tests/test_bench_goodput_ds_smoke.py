@@ -52,3 +52,18 @@ def test_bench_goodput_ds_smoke(tmp_path: Path) -> None:
                for s in samples.values()), samples
     assert not list(tmp_path.glob("samples_*")), list(tmp_path.glob("samples_*/*"))
     assert "trainer main thread, sampled" in proc.stdout
+
+
+def test_slots_modifier_sets_the_memory_slots() -> None:
+    """``+slots<N>``: the memory tier's slots (3 without it); one at most, on a memory variant only."""
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.bench_goodput_ds import check_variant, settings
+    finally:
+        sys.path.remove(str(REPO))
+    assert settings("mem8+ahead+snap+copyproc+slots2", "/ram", 64)["memory"]["slots"] == 2
+    assert settings("mem8+ahead", "/ram", 64)["memory"]["slots"] == 3
+    assert check_variant("mem8+ahead+snap+copyproc+slots2") is None
+    assert "memory variant" in check_variant("none+slots2")
+    assert "one +slots<N>" in check_variant("mem8+slots2+slots3")
+    assert "modifiers are" in check_variant("mem8+slots1")
