@@ -302,8 +302,12 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
                              "window<MiB>, io<N>, "
                              "u<N>, slots<N>, rep<N>, log<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, "
                              "nodma, nod2d, swi, aff, idle, alt, pace<G>, dmadelay<MS>)")
-    if any(c.startswith(("pace", "dmadelay")) for c in changes) and "copyproc" not in changes:
-        raise ValueError(f"variant {name}: +pace<G> and +dmadelay<MS> pace the copy process's copies: +copyproc")
+    if any(c.startswith(("pace", "dmadelay")) for c in changes):
+        if not (kind.endswith("snap") and "copyproc" in changes):  # else the copy process copies nothing
+            raise ValueError(f"variant {name}: +pace<G> and +dmadelay<MS> pace the copy process's copies of a "
+                             "device snapshot (<kind>snap+copyproc)")
+        if "alt" in changes:
+            raise ValueError(f"variant {name}: +alt alternates +nodma and +nod2d only, not +pace<G> or +dmadelay<MS>")
     if "nod2d" in changes and not kind.endswith("snap"):
         raise ValueError(f"variant {name}: +nod2d needs a device snapshot (mem1snap, mem8snap)")
     if len({"bsum", "crc", "nocrc"} & set(changes)) > 1:

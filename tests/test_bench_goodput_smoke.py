@@ -153,44 +153,51 @@ def test_alt_probes_every_other_save_only(tmp_path: Path) -> None:
 
 
 def test_pace_and_dmadelay_probes_hold_the_copy_process_copies(tmp_path: Path) -> None:
-    """``pace<G>``: the copy process's ``_foreach_copy_`` enqueues at G GB/s at most; ``dmadelay<MS>``: a save's first
-    copy (none for 20 ms before it) waits MS ms. Only the copy process is patched, which runs ``cpuckpt.tier.copier``
-    as ``__main__`` and starts with the probe in place."""
+    """``pace<G>``: the copy process's ``_foreach_copy_`` enqueues at G GB/s at most; ``dmadelay<MS>``: a save's
+    copies start MS ms late, from where it opens the trainer's event (``Event.from_ipc_handle``, once per save). Only
+    the copy process is patched, which runs ``cpuckpt.tier.copier`` as ``__main__`` and starts with the probe."""
     site = str(REPO / "benchmarks" / "probe" / "sitecustomize.py")
     code = ("import importlib.util, time, torch\n"
             f"spec = importlib.util.spec_from_file_location('probe_site', {site!r})\n"
             "probe = importlib.util.module_from_spec(spec)\n"
             "spec.loader.exec_module(probe)  # not the copy process: patches nothing itself\n"
-            "real = torch._foreach_copy_\n"
+            "real_copy, real_open = torch._foreach_copy_, torch.cuda.Event.__dict__['from_ipc_handle']\n"
             "def save(n):\n"
             "    t0 = time.monotonic()\n"
+            "    try:\n"
+            "        torch.cuda.Event.from_ipc_handle(0, b'x')  # a save opens the trainer's event (no CUDA here)\n"
+            "    except Exception:\n"
+            "        pass\n"
             "    for _ in range(n):\n"
             "        torch._foreach_copy_([torch.empty(4 << 20, dtype=torch.uint8)], [torch.ones(4 << 20, "
             "dtype=torch.uint8)])\n"
             "    return round(time.monotonic() - t0, 3)\n"
-            "print('untouched', torch._foreach_copy_ is real, probe._pacing('pace0'), probe._pacing('pacex'))\n"
+            "print('untouched', torch._foreach_copy_ is real_copy, probe._pacing('pace0'), probe._pacing('pacex'))\n"
             "probe.pace_foreach_copy(torch, 1.0, 0.0)\n"
             "print('pace1', save(20))\n"
-            "torch._foreach_copy_ = real\n"
+            "torch._foreach_copy_ = real_copy\n"
+            "torch.cuda.Event.from_ipc_handle = real_open\n"
             "probe.pace_foreach_copy(torch, 0.0, 60.0)\n"
-            "first = save(5)\n"
-            "time.sleep(0.05)\n"
-            "print('dmadelay60', first, save(5), save(5))\n")
+            "t0 = time.monotonic()\n"
+            "for _ in range(5):\n"
+            "    torch._foreach_copy_([torch.empty(4 << 20, dtype=torch.uint8)], [torch.ones(4 << 20, "
+            "dtype=torch.uint8)])\n"
+            "print('dmadelay60', save(5), save(5), round(time.monotonic() - t0, 3))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, "GOODPUT_PROBE": ""},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()}
     assert rows["untouched"] == ["True", "None", "None"], rows
     assert float(rows["pace1"][0]) >= 0.075, rows  # 20 x 4 MiB at 1 GB/s: the last enqueued ~80 ms after the first
-    first, after_a_pause, right_after = map(float, rows["dmadelay60"])
-    assert first >= 0.06 and after_a_pause >= 0.06 and right_after < 0.06, rows  # a new save after 20 ms of none
+    first, second, both = map(float, rows["dmadelay60"])
+    assert first >= 0.06 and second >= 0.06 and both < 0.3, rows  # each save once, not each copy (20 x 60 ms)
     env = {**os.environ, "GOODPUT_PROBE": "pace30,dmadelay40",
            "PYTHONPATH": os.pathsep.join([str(REPO / "benchmarks" / "probe"),
                                           *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
     copier = subprocess.run([sys.executable, "-m", "cpuckpt.tier.copier", "--help"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)  # runs as __main__: starts, patched
     assert copier.returncode == 0, copier.stderr
-    assert "probe: pace30:" in copier.stderr and "probe: dmadelay40:" in copier.stderr, copier.stderr
+    assert "probe: pace/dmadelay: each save's copies start 40 ms late, at 30 GB/s" in copier.stderr, copier.stderr
 
 
 def test_two_instruments_and_the_images_sitecustomize_each_run_once(tmp_path: Path) -> None:

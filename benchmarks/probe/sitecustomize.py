@@ -24,7 +24,8 @@ PYTHONPATH with ``GOODPUT_PROBE`` set (a comma-separated list), it patches cpuck
   no other thread wants it, so the trainer's threads never wait in a run queue behind the checksum threads.
 - ``pace<G>``: the copy process enqueues a save's device-to-host copies chunk by chunk at ``G`` GB/s at most
   (copies spread over the iteration instead of a burst at the link's 55 GB/s); ``dmadelay<MS>``: it starts them
-  ``MS`` ms after the save's message (past the trainer's forward). Both hold the process's next message meanwhile.
+  ``MS`` ms after the save's message (past the trainer's forward). Both hold the process's next message, and the
+  start of the save's checksums, meanwhile.
   Whether the trainer's host work slows with the rate of the copies' traffic, or with when it comes, not only
   with its bytes.
 - ``alt``: ``nodma`` and ``nod2d`` act on every other save only (the odd starts of ``deferred.start_all``), and each
@@ -141,32 +142,37 @@ def _no_d2d(module: Any) -> str:
 
 
 def pace_foreach_copy(torch: Any, rate_gbps: float, delay_ms: float) -> str:
-    """``pace<G>`` / ``dmadelay<MS>`` in the copy process: its ``torch._foreach_copy_`` (called by nothing else
-    there: a save's copies, one call per chunk, back to back) enqueues at ``rate_gbps`` at most (0: unpaced), and
-    the first call of a save (none for 20 ms before it) waits ``delay_ms`` first. Patched on torch itself: the process
-    runs ``cpuckpt.tier.copier`` as ``__main__``, which no import of that name patches."""
+    """``pace<G>`` / ``dmadelay<MS>`` in the copy process: each save's copies start ``delay_ms`` late, and its
+    ``torch._foreach_copy_`` (called by nothing else there: a save's copies, one call per chunk, back to back)
+    enqueues at ``rate_gbps`` at most (0: unpaced). A save begins where ``_Worker.enqueue`` opens the trainer's
+    event, once per save before its first copy (``torch.cuda.Event.from_ipc_handle``): the delay and a fresh pace
+    clock go there. Patched on torch itself: the process runs ``cpuckpt.tier.copier`` as ``__main__``, which no
+    import of that name patches. Both hold the process's message loop, and with it the start of the save's
+    checksums (handed to their threads once every copy is enqueued)."""
     import time
 
-    real = torch._foreach_copy_
-    state = {"due": 0.0, "last": 0.0}
+    real_copy = torch._foreach_copy_
+    real_open = torch.cuda.Event.from_ipc_handle  # bound to the class
+    state = {"due": 0.0}
+
+    def from_ipc_handle(cls: Any, device: Any, handle: Any) -> Any:
+        if delay_ms:
+            time.sleep(delay_ms / 1e3)
+        state["due"] = time.monotonic()
+        return real_open(device, handle)
 
     def paced(dsts: Any, srcs: Any, **kw: Any) -> Any:
-        now = time.monotonic()
-        if delay_ms and now - state["last"] > 0.02:
-            time.sleep(delay_ms / 1e3)
-            now = time.monotonic()
         if rate_gbps:
-            wait = state["due"] - now
-            if wait > 0:
-                time.sleep(wait)
+            now = time.monotonic()
+            if state["due"] > now:
+                time.sleep(state["due"] - now)
             state["due"] = max(state["due"], now) + sum(d.numel() * d.element_size() for d in dsts) / (
                 rate_gbps * 1e9)
-        out = real(dsts, srcs, **kw)
-        state["last"] = time.monotonic()
-        return out
+        return real_copy(dsts, srcs, **kw)
 
+    torch.cuda.Event.from_ipc_handle = classmethod(from_ipc_handle)
     torch._foreach_copy_ = paced
-    return f"the copies start {delay_ms:g} ms late, at {rate_gbps:g} GB/s at most (0: unpaced)"
+    return f"each save's copies start {delay_ms:g} ms late, at {rate_gbps:g} GB/s at most (0: unpaced)"
 
 
 def _pacing(name: str) -> tuple[float, float] | None:
@@ -259,6 +265,7 @@ def _split_cores() -> None:
 
 def _install() -> None:
     patches: dict[str, list[Callable[[Any], str]]] = {}
+    paced = (0.0, 0.0)  # pace<G>, dmadelay<MS>: (G, MS), one patch for both
     for name in filter(None, os.environ.get("GOODPUT_PROBE", "").split(",")):
         if name == "swi":  # no module to patch: the interpreter's own setting, before anything starts a thread
             sys.setswitchinterval(SWITCH_INTERVAL_S)
@@ -273,11 +280,7 @@ def _install() -> None:
             continue
         pacing = _pacing(name)
         if pacing is not None:  # the copy process only (a process of its own; torch is imported there anyway)
-            if "cpuckpt.tier.copier" in sys.orig_argv:
-                import torch
-
-                what = pace_foreach_copy(torch, *pacing)
-                print(f"probe: {name}: {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
+            paced = (max(paced[0], pacing[0]), max(paced[1], pacing[1]))
             continue
         found = _PROBES.get(name)
         if found is None:
@@ -289,6 +292,11 @@ def _install() -> None:
         patches.setdefault(module, []).append(patch)
     for module, each in patches.items():
         sys.meta_path.insert(0, _Patch(module, each))
+    if any(paced) and "cpuckpt.tier.copier" in sys.orig_argv:
+        import torch
+
+        what = pace_foreach_copy(torch, *paced)
+        print(f"probe: pace/dmadelay: {what} (pid {os.getpid()})", file=sys.stderr, flush=True)
 
 
 def _chain_original() -> None:
