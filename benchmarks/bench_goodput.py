@@ -235,10 +235,12 @@ _PROBES = ("syncstart", "syncstep", "nodma", "nod2d", "swi", "aff", "idle", "alt
 _ENV_CHANGES = ("mgc", "base", "timers", *_PROBES)
 
 
+_PACING = re.compile(r"(pace|dmadelay)[1-9][0-9]*")  # benchmarks/probe: the copy process's copies paced or late
+
+
 def is_probe(change: str) -> bool:
-    """A change made by benchmarks/probe: a named one, or ``pace<G>`` / ``dmadelay<MS>`` (the copy process's copies)."""
-    return change in _PROBES or any(change.startswith(p) and change[len(p):].isdigit() and int(change[len(p):]) > 0
-                                    for p in ("pace", "dmadelay"))
+    """A change made by benchmarks/probe: a named one, or ``pace<G>`` / ``dmadelay<MS>`` (:data:`_PACING`)."""
+    return change in _PROBES or _PACING.fullmatch(change) is not None
 
 
 def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: int) -> tuple[list[str], int]:
@@ -302,7 +304,7 @@ def variant_argv(b: Bench, name: str, root: Path, tmp: Path, ram: Path, iters: i
                              "window<MiB>, io<N>, "
                              "u<N>, slots<N>, rep<N>, log<N>, gcfreeze, mgc, base, timers, syncstart, syncstep, "
                              "nodma, nod2d, swi, aff, idle, alt, pace<G>, dmadelay<MS>)")
-    if any(c.startswith(("pace", "dmadelay")) for c in changes):
+    if any(_PACING.fullmatch(c) for c in changes):
         if not (kind.endswith("snap") and "copyproc" in changes):  # else the copy process copies nothing
             raise ValueError(f"variant {name}: +pace<G> and +dmadelay<MS> pace the copy process's copies of a "
                              "device snapshot (<kind>snap+copyproc)")

@@ -109,10 +109,11 @@ def settings(variant: str, ram: str, durable_every: int, save: str = "") -> dict
 def check_variant(name: str, base_site: str = "") -> str | None:
     """Why ``name`` is not a variant (None: it is)."""
     base, *changes = name.split("+")
-    mods = [m for m in changes if m != "base" and not _REPEAT.fullmatch(m) and not _SLOTS.fullmatch(m)]
-    if len([m for m in changes if _SLOTS.fullmatch(m)]) > 1:
+    slots = [m for m in changes if _SLOTS.fullmatch(m)]
+    mods = [m for m in changes if m != "base" and not _REPEAT.fullmatch(m) and m not in slots]
+    if len(slots) > 1:
         return f"{name}: one +slots<N> at most"
-    if any(_SLOTS.fullmatch(m) for m in changes) and not base.startswith("mem"):
+    if slots and not base.startswith("mem"):
         return f"{name}: +slots<N> needs a memory variant"
     if base not in VARIANTS:
         return f"unknown variant {base}; known: {VARIANTS}"

@@ -42,6 +42,7 @@ import functools
 import importlib.abc
 import importlib.util
 import os
+import re
 import sys
 from array import array
 from collections.abc import Callable
@@ -175,12 +176,16 @@ def pace_foreach_copy(torch: Any, rate_gbps: float, delay_ms: float) -> str:
     return f"each save's copies start {delay_ms:g} ms late, at {rate_gbps:g} GB/s at most (0: unpaced)"
 
 
+_PACING = re.compile(r"(pace|dmadelay)([1-9][0-9]*)")
+
+
 def _pacing(name: str) -> tuple[float, float] | None:
     """``pace<G>`` -> (G, 0), ``dmadelay<MS>`` -> (0, MS); None for another name."""
-    for prefix, make in (("pace", lambda v: (v, 0.0)), ("dmadelay", lambda v: (0.0, v))):
-        if name.startswith(prefix) and name[len(prefix):].isdigit() and int(name[len(prefix):]) > 0:
-            return make(float(name[len(prefix):]))
-    return None
+    m = _PACING.fullmatch(name)
+    if m is None:
+        return None
+    value = float(m.group(2))
+    return (value, 0.0) if m.group(1) == "pace" else (0.0, value)
 
 
 _PROBES: dict[str, tuple[str, Callable[[Any], str]]] = {
@@ -193,7 +198,7 @@ _PROBES: dict[str, tuple[str, Callable[[Any], str]]] = {
 
 
 class _Patch(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Applies ``patch`` to ``module`` once it is executed (a finder first on ``sys.meta_path``)."""
+    """Applies ``patches`` to ``module``, in order, once it is executed (a finder first on ``sys.meta_path``)."""
 
     def __init__(self, module: str, patches: list[Callable[[Any], str]]) -> None:
         self.module = module
