@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures as cf
+import functools
 import io
 import logging
 import os
@@ -428,10 +429,12 @@ class _Mapped:
     the file's size; a larger one is mapped anew), pinned in chunk-aligned segments for copies that are kept
     across saves and sizes while their pages stay in the file (:mod:`cpuckpt.tier.pinning`)."""
 
-    def __init__(self, path: str, owner: str, nbytes: int) -> None:
+    def __init__(self, path: str, owner: str, nbytes: int,
+                 prefault: Callable[[int, int], object] | None = None) -> None:
         import mmap
 
         self.path, self.owner, self.nbytes, self.pinned = path, owner, nbytes, False
+        self._prefault = prefault  # (address, bytes): the pages faulted in before they are registered
         self._regs: dict[int, int] = {}  # registered: offset -> bytes
         self._pin_failed = False
         self._fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -497,6 +500,8 @@ class _Mapped:
                 continue
             if budget is not None and made >= budget:
                 break
+            if self._prefault is not None:
+                self._prefault(base + off, n)
             if int(cudart.cudaHostRegister(base + off, n, 0)) != 0:
                 consume_cuda_error()
                 size = self.size()
@@ -567,6 +572,9 @@ class _Worker:
         self.conn = conn
         self.send_lock = threading.Lock()
         self.pool = cf.ThreadPoolExecutor(max(1, threads), thread_name_prefix="cpuckpt-copy-crc")
+        # a segment's pages faulted in on the checksum threads before it is pinned (idle then: before training, or
+        # before a save's copies are enqueued)
+        self.prefault = functools.partial(pinning.populate, pool=self.pool, parts=max(1, threads))
         self.waiters = cf.ThreadPoolExecutor(1, thread_name_prefix="cpuckpt-copy-wait")
         self.buffers: dict[int, Any] = {}
         self.images: dict[str, _Mapped] = {}
@@ -620,7 +628,7 @@ class _Worker:
         if held is not None:
             del self.images[path]
             held.close()
-        held = _Mapped(path, owner, nbytes)
+        held = _Mapped(path, owner, nbytes, self.prefault)
         self.images[path] = held
         return held
 

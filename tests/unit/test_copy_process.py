@@ -6,6 +6,7 @@ Single trainer process, real RAM-root files, a real copy process (``python -m cp
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import pickle
 import queue
@@ -150,6 +151,46 @@ def test_an_image_describes_the_smallest_size_it_had_since_its_last_description(
         other.close()
     finally:
         img.close()
+
+
+def _rss_of_mapping(address: int) -> int:
+    """Bytes of the mapping starting at ``address`` that this process's page tables map (``/proc/self/smaps``)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            rss = next(entry for entry in lines[i + 1:] if entry.startswith("Rss:"))
+            return int(rss.split()[1]) * 1024
+    raise AssertionError(f"no mapping starts at {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps")
+def test_populate_maps_a_ranges_pages_for_writing_without_changing_its_bytes(tmp_path):
+    """What the copy process does before each registration: the segment's pages are in its page tables afterwards
+    (so ``cudaHostRegister`` pins without faulting them), split over the pool's threads, the file's bytes as they
+    were."""
+    import ctypes
+    import mmap
+
+    nbytes = 8 << 20
+    data = os.urandom(nbytes)
+    path = tmp_path / "image"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDWR)
+    mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    anchor = ctypes.c_char.from_buffer(mapped)
+    try:
+        address = ctypes.addressof(anchor)
+        assert _rss_of_mapping(address) == 0, "a fresh mapping has no pages mapped yet"
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            assert pinning.populate(address + pinning.PAGE, nbytes - 2 * pinning.PAGE, pool, parts=3)
+        # (the kernel may map a few neighbours of what it faults in too)
+        assert _rss_of_mapping(address) >= nbytes - 2 * pinning.PAGE, "the range's pages are mapped"
+        assert not pinning.populate(address, 0, None, parts=1), "nothing to do"
+        assert mapped[:] == data
+    finally:
+        del anchor
+        mapped.close()
+        os.close(fd)
 
 
 def test_registrations_are_kept_only_while_their_pages_stayed_in_the_file():
