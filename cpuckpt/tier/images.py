@@ -53,6 +53,9 @@ __all__ = ["ImageFile", "ImageSet", "ImageSink"]
 
 logger = logging.getLogger(__name__)
 
+PREFAULT_THREADS = 16  # threads faulting an image's pages in before it is pinned (staging's pretouch: 16 took 0.7 s
+# for 13 GB on the H200 machine, one thread 5.6 s)
+
 _MiB = 1 << 20
 CAPACITY_ROUND_BYTES = 2 * _MiB  # mappings grow in these steps, so a slightly larger save reuses them
 
@@ -210,10 +213,19 @@ class ImageFile:
             self.pinned = bool(wanted) and all(self._regs.get(off) == n for off, n in wanted)
             return
         self._unregister([off for off, n in self._regs.items() if (off, n) not in wanted])
+        missing = [(off, n) for off, n in wanted if self._regs.get(off) != n]
+        if missing:
+            threads = max(1, min(PREFAULT_THREADS, os.cpu_count() or 1, sum(n for _, n in missing) // (64 << 20)))
+            with cf.ThreadPoolExecutor(threads, thread_name_prefix="cpuckpt-prefault") as pool:
+                self._register(missing, pool, threads)
+        if not self._pin_failed:
+            self.pinned = True
+
+    def _register(self, missing: list[tuple[int, int]], pool: cf.Executor, threads: int) -> None:
+        """Pin each missing segment, its pages faulted in on ``pool`` first (:func:`pinning.populate`)."""
         cudart = torch.cuda.cudart()
-        for off, n in wanted:
-            if self._regs.get(off) == n:
-                continue
+        for off, n in missing:
+            pinning.populate(self._base + off, n, pool, threads)
             err = cudart.cudaHostRegister(self._base + off, n, 0)
             if int(err) != 0:
                 consume_cuda_error()
@@ -225,7 +237,6 @@ class ImageFile:
                 return
             self._regs[off] = n
             self.pins += 1
-        self.pinned = True
 
     def _unregister(self, offsets: Sequence[int]) -> None:
         if not offsets:

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 MIN_SEGMENT_BYTES = 64 << 20  # registrations are whole chunks, at least this large
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23  # Linux 5.14+ (Python's mmap names it from 3.12 on only)
+POPULATE_PIECE_MIN_BYTES = 16 << 20  # smaller pieces gain less than a thread's hand-off costs
 _populate_works: bool | None = None  # unknown until the first call; False once the kernel refused it
 
 
@@ -62,7 +63,7 @@ def stale(registered: Mapping[int, int], wanted: list[tuple[int, int]] | None, i
 
 
 def populate(address: int, nbytes: int, pool: cf.Executor | None, parts: int) -> bool:
-    """Fault the mapped range ``[address, address + nbytes)`` in for writing, in ``parts`` page-aligned pieces on
+    """Fault the mapped range ``[address, address + nbytes)`` in for writing, in up to ``parts`` page-aligned pieces on
     ``pool``, without touching its bytes (``MADV_POPULATE_WRITE``), so that the ``cudaHostRegister`` after it pins
     pages already mapped: one thread of the driver faults a RAM-root image's pages at ~2-3 GB/s, which is most of
     what pinning before training waits for. False (and nothing done) where the kernel lacks it: the registration
@@ -71,7 +72,8 @@ def populate(address: int, nbytes: int, pool: cf.Executor | None, parts: int) ->
     if _populate_works is False or nbytes <= 0:
         return False
     libc = _libc()
-    step = round_up(-(-nbytes // max(1, parts)), PAGE)
+    parts = max(1, min(parts, nbytes // POPULATE_PIECE_MIN_BYTES))
+    step = round_up(-(-nbytes // parts), PAGE)
 
     def one(off: int) -> int:
         if libc.madvise(address + off, min(step, nbytes - off), MADV_POPULATE_WRITE) == 0:

@@ -171,7 +171,7 @@ def test_populate_maps_a_ranges_pages_for_writing_without_changing_its_bytes(tmp
     import ctypes
     import mmap
 
-    nbytes = 8 << 20
+    nbytes = 3 * pinning.POPULATE_PIECE_MIN_BYTES + 2 * pinning.PAGE  # three pieces
     data = os.urandom(nbytes)
     path = tmp_path / "image"
     path.write_bytes(data)
