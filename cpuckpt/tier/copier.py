@@ -572,9 +572,10 @@ class _Worker:
         self.conn = conn
         self.send_lock = threading.Lock()
         self.pool = cf.ThreadPoolExecutor(max(1, threads), thread_name_prefix="cpuckpt-copy-crc")
-        # a segment's pages faulted in on the checksum threads before it is pinned (idle then: before training, or
-        # before a save's copies are enqueued)
-        self.prefault = functools.partial(pinning.populate, pool=self.pool, parts=max(1, threads))
+        # a segment's pages faulted in before it is pinned, on threads of their own (the checksum threads may be
+        # waiting for a save's copies; threads start at the first registration)
+        self.prefault_pool = cf.ThreadPoolExecutor(max(1, threads), thread_name_prefix="cpuckpt-copy-prefault")
+        self.prefault = functools.partial(pinning.populate, pool=self.prefault_pool, parts=max(1, threads))
         self.waiters = cf.ThreadPoolExecutor(1, thread_name_prefix="cpuckpt-copy-wait")
         self.buffers: dict[int, Any] = {}
         self.images: dict[str, _Mapped] = {}
@@ -775,6 +776,7 @@ class _Worker:
     def close(self) -> None:
         self.waiters.shutdown(wait=True)
         self.pool.shutdown(wait=True)
+        self.prefault_pool.shutdown(wait=True)
         for img in self.images.values():
             img.close()
         self.images.clear()

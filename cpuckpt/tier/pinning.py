@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 MIN_SEGMENT_BYTES = 64 << 20  # registrations are whole chunks, at least this large
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23  # Linux 5.14+ (Python's mmap names it from 3.12 on only)
-POPULATE_PIECE_MIN_BYTES = 16 << 20  # smaller pieces gain less than a thread's hand-off costs
+POPULATE_PIECE_MIN_BYTES = 4 << 20  # smaller pieces gain less than a thread's hand-off costs
 _populate_works: bool | None = None  # unknown until the first call; False once the kernel refused it
 
 
