@@ -18,6 +18,7 @@ import functools
 import logging
 import mmap
 import os
+import sys
 from collections.abc import Mapping
 
 __all__ = ["MIN_SEGMENT_BYTES", "PAGE", "populate", "round_up", "segment_bytes", "segments", "stale"]
@@ -66,30 +67,35 @@ def populate(address: int, nbytes: int, pool: cf.Executor | None, parts: int) ->
     """Fault the mapped range ``[address, address + nbytes)`` in for writing, in up to ``parts`` page-aligned pieces on
     ``pool``, without touching its bytes (``MADV_POPULATE_WRITE``), so that the ``cudaHostRegister`` after it pins
     pages already mapped: one thread of the driver faults a RAM-root image's pages at ~2-3 GB/s, which is most of
-    what pinning before training waits for. False (and nothing done) where the kernel lacks it: the registration
-    faults the pages itself."""
+    what pinning before training waits for. False where nothing was done: a kernel without it (before 5.14, or
+    not Linux; then never tried again) or a range it refused; the registration faults the pages itself."""
     global _populate_works
     if _populate_works is False or nbytes <= 0:
         return False
+    if not sys.platform.startswith("linux"):
+        _populate_works = False
+        return False
+    start = address - address % PAGE  # the range's first page (a segment of a mapping: that page is in it)
+    nbytes += address - start
     libc = _libc()
     parts = max(1, min(parts, nbytes // POPULATE_PIECE_MIN_BYTES))
     step = round_up(-(-nbytes // parts), PAGE)
 
     def one(off: int) -> int:
-        if libc.madvise(address + off, min(step, nbytes - off), MADV_POPULATE_WRITE) == 0:
+        if libc.madvise(start + off, min(step, nbytes - off), MADV_POPULATE_WRITE) == 0:
             return 0
         return ctypes.get_errno() or errno.EINVAL
 
     offsets = range(0, nbytes, step)
     codes = list(pool.map(one, offsets)) if pool is not None and len(offsets) > 1 else [one(o) for o in offsets]
     failed = next((c for c in codes if c), 0)
-    if failed in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # a kernel before 5.14, or a filter refusing it
-        if _populate_works is None:
-            logger.info("madvise(MADV_POPULATE_WRITE) unavailable (%s); pinning faults the pages itself",
-                        os.strerror(failed))
+    if failed in (errno.EINVAL, errno.ENOSYS, errno.EPERM) and _populate_works is None:
+        # never worked here: a kernel before 5.14, or a filter refusing it
+        logger.info("madvise(MADV_POPULATE_WRITE) unavailable (%s); pinning faults the pages itself",
+                    os.strerror(failed))
         _populate_works = False
         return False
-    if failed:  # e.g. ENOMEM, EFAULT: the registration after it reports what is wrong with the range
+    if failed:  # e.g. EFAULT past the file's end: the registration after it reports what is wrong with the range
         logger.debug("madvise(MADV_POPULATE_WRITE) of %d bytes failed: %s", nbytes, os.strerror(failed))
         return False
     _populate_works = True
