@@ -574,8 +574,9 @@ class _Worker:
         self.pool = cf.ThreadPoolExecutor(max(1, threads), thread_name_prefix="cpuckpt-copy-crc")
         # a segment's pages faulted in before it is pinned, on threads of their own (the checksum threads may be
         # waiting for a save's copies; threads start at the first registration)
-        self.prefault_pool = cf.ThreadPoolExecutor(max(1, threads), thread_name_prefix="cpuckpt-copy-prefault")
-        self.prefault = functools.partial(pinning.populate, pool=self.prefault_pool, parts=max(1, threads))
+        prefaulting = pinning.prefault_threads()
+        self.prefault_pool = cf.ThreadPoolExecutor(prefaulting, thread_name_prefix="cpuckpt-copy-prefault")
+        self.prefault = functools.partial(pinning.populate, pool=self.prefault_pool, parts=prefaulting)
         self.waiters = cf.ThreadPoolExecutor(1, thread_name_prefix="cpuckpt-copy-wait")
         self.buffers: dict[int, Any] = {}
         self.images: dict[str, _Mapped] = {}

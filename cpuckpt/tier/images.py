@@ -53,8 +53,6 @@ __all__ = ["ImageFile", "ImageSet", "ImageSink"]
 
 logger = logging.getLogger(__name__)
 
-PREFAULT_THREADS = 16  # threads faulting an image's pages in before it is pinned (staging's pretouch: 16 took 0.7 s
-# for 13 GB on the H200 machine, one thread 5.6 s)
 
 _MiB = 1 << 20
 CAPACITY_ROUND_BYTES = 2 * _MiB  # mappings grow in these steps, so a slightly larger save reuses them
@@ -215,7 +213,8 @@ class ImageFile:
         self._unregister([off for off, n in self._regs.items() if (off, n) not in wanted])
         missing = [(off, n) for off, n in wanted if self._regs.get(off) != n]
         if missing:
-            threads = max(1, min(PREFAULT_THREADS, os.cpu_count() or 1, sum(n for _, n in missing) // (64 << 20)))
+            threads = max(1, min(pinning.prefault_threads(),
+                                 sum(n for _, n in missing) // pinning.POPULATE_PIECE_MIN_BYTES))
             with cf.ThreadPoolExecutor(threads, thread_name_prefix="cpuckpt-prefault") as pool:
                 self._register(missing, pool, threads)
         if not self._pin_failed:
