@@ -37,6 +37,7 @@ PER_PROCESS = {
     ("cpuckpt/roots.py", "_LOADING"): "retention after any stream's commit skips what this process loads",
     ("cpuckpt/tier/nodecopies.py", "_CLASSES"): "one subclass per planner class: a stable identity (plan key)",
     ("cpuckpt/faultpoint.py", "_HANDLER"): "tests install one handler for every thread of the process",
+    ("cpuckpt/tier/pinning.py", "_populate_works"): "whether this kernel has MADV_POPULATE_WRITE: the process's",
     ("cpuckpt/tier/persister.py", "_MY_LAST_PART"): "the writer process is one rank's: the parts it wrote, per path",
     ("cpuckpt/backend/inflight.py", "_STREAMS"): "its readers (retention, SIGTERM, wait_all) ask about the process",
     ("cpuckpt/background.py", "_DEFAULTS"): "the function API (cpuckpt.async_save) has no object: one per group",
