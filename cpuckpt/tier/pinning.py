@@ -74,9 +74,10 @@ def prefault_threads() -> int:
 def populate(address: int, nbytes: int, pool: cf.Executor | None, parts: int) -> bool:
     """Fault the mapped range ``[address, address + nbytes)`` in for writing, in up to ``parts`` page-aligned pieces on
     ``pool``, without touching its bytes (``MADV_POPULATE_WRITE``), so that the ``cudaHostRegister`` after it pins
-    pages already mapped: one thread of the driver faults a RAM-root image's pages at ~2-3 GB/s, which is most of
-    what pinning before training waits for. False where nothing was done: a kernel without it (before 5.14, or
-    not Linux; then never tried again) or a range it refused; the registration faults the pages itself."""
+    pages already mapped instead of faulting each in on the driver's one thread (a registration of a RAM-root image
+    ran at 2.6-3.3 GB/s; how much of that is the faults: ``benchmarks.bench_pin``). False where nothing was done: a
+    kernel without it (before 5.14, or not Linux; then never tried again) or a range it refused; the registration
+    faults the pages itself."""
     global _populate_works
     if _populate_works is False or nbytes <= 0:
         return False
