@@ -53,7 +53,6 @@ __all__ = ["ImageFile", "ImageSet", "ImageSink"]
 
 logger = logging.getLogger(__name__)
 
-
 _MiB = 1 << 20
 CAPACITY_ROUND_BYTES = 2 * _MiB  # mappings grow in these steps, so a slightly larger save reuses them
 
@@ -213,8 +212,7 @@ class ImageFile:
         self._unregister([off for off, n in self._regs.items() if (off, n) not in wanted])
         missing = [(off, n) for off, n in wanted if self._regs.get(off) != n]
         if missing:
-            threads = max(1, min(pinning.prefault_threads(),
-                                 sum(n for _, n in missing) // pinning.POPULATE_PIECE_MIN_BYTES))
+            threads = pinning.prefault_threads()  # started as populate's pieces need them
             with cf.ThreadPoolExecutor(threads, thread_name_prefix="cpuckpt-prefault") as pool:
                 self._register(missing, pool, threads)
         if not self._pin_failed:
