@@ -41,7 +41,7 @@ def pin_once(directory: str, nbytes: int, mode: str, threads: int) -> list[objec
     """An image of ``nbytes`` pinned as ``mode`` says by ``threads`` threads: the table row (see ``main``)."""
     kind = mode.rstrip("0123456789")
     faulting = int(mode[len(kind):] or 0)
-    if kind not in ("plain", "segment", "whole") or (kind != "plain" and faulting < 1):
+    if kind not in ("plain", "segment", "whole") or (kind != "plain") != (faulting >= 1):
         raise SystemExit(f"bench_pin: unknown mode {mode!r}")
     if kind == "segment" and threads != 1:
         raise SystemExit("bench_pin: segment<P> registers on one thread (--threads 1), as the tier does")
@@ -61,7 +61,7 @@ def pin_once(directory: str, nbytes: int, mode: str, threads: int) -> list[objec
                 nonlocal faulted_s
                 t = time.perf_counter()
                 if not pinning.populate(ptr, n, faulters, faulting):
-                    raise RuntimeError("madvise(MADV_POPULATE_WRITE) is not available here")
+                    raise RuntimeError("madvise(MADV_POPULATE_WRITE) failed or is not available here (debug log: why)")
                 faulted_s += time.perf_counter() - t
 
             def register(segment: tuple[int, int]) -> int:

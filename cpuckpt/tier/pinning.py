@@ -21,6 +21,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+from cpuckpt.transfer.threads import usable_cpus
+
 __all__ = ["MIN_SEGMENT_BYTES", "PAGE", "populate", "prefault_threads", "round_up", "segment_bytes", "segments",
            "stale"]
 
@@ -67,17 +69,19 @@ def stale(registered: Mapping[int, int], wanted: list[tuple[int, int]] | None, i
 
 
 def prefault_threads() -> int:
-    """Threads for :func:`populate`: :data:`PREFAULT_THREADS`, at most one per CPU."""
-    return max(1, min(PREFAULT_THREADS, os.cpu_count() or 1))
+    """Threads for :func:`populate`: :data:`PREFAULT_THREADS`, at most one per CPU this process may run on (its
+    affinity, not the machine's count)."""
+    return max(1, min(PREFAULT_THREADS, usable_cpus()))
 
 
 def populate(address: int, nbytes: int, pool: cf.Executor | None, parts: int) -> bool:
     """Fault the mapped range ``[address, address + nbytes)`` in for writing, in up to ``parts`` page-aligned pieces on
     ``pool``, without touching its bytes (``MADV_POPULATE_WRITE``), so that the ``cudaHostRegister`` after it pins
     pages already mapped instead of faulting each in on the driver's one thread (a registration of a RAM-root image
-    ran at 2.6-3.3 GB/s; how much of that is the faults: ``benchmarks.bench_pin``). False where nothing was done: a
+    ran at 2.6-3.3 GB/s; how much of that is the faults: ``benchmarks.bench_pin``). False where it did not complete: a
     kernel without it (before 5.14, or not Linux; then never tried again) or a range it refused; the registration
-    faults the pages itself."""
+    faults the pages itself (some pieces may have been faulted in all the same). A pool that takes no work (no thread
+    could start, or the interpreter is exiting) skips it likewise: pinning never fails for want of a prefault."""
     global _populate_works
     if _populate_works is False or nbytes <= 0:
         return False
@@ -96,7 +100,11 @@ def populate(address: int, nbytes: int, pool: cf.Executor | None, parts: int) ->
         return ctypes.get_errno() or errno.EINVAL
 
     offsets = range(0, nbytes, step)
-    codes = list(pool.map(one, offsets)) if pool is not None and len(offsets) > 1 else [one(o) for o in offsets]
+    try:
+        codes = list(pool.map(one, offsets)) if pool is not None and len(offsets) > 1 else [one(o) for o in offsets]
+    except RuntimeError as e:  # "can't start new thread", "cannot schedule new futures after interpreter shutdown"
+        logger.debug("the prefault of %d bytes was skipped: %s", nbytes, e)
+        return False
     failed = next((c for c in codes if c), 0)
     if failed in (errno.EINVAL, errno.ENOSYS, errno.EPERM) and _populate_works is None:
         # never worked here: a kernel before 5.14, or a filter refusing it

@@ -21,7 +21,6 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import mmap
-import os
 import threading
 import time
 from array import array
@@ -35,6 +34,7 @@ from cpuckpt.errors import CheckpointTimeoutError, StagingError
 from cpuckpt.format.layout import Chunk, FileLayout
 from cpuckpt.transfer.fillplan import FillProgram
 from cpuckpt.transfer.pacing import PACER
+from cpuckpt.transfer.threads import usable_cpus
 
 __all__ = [
     "CopyFence", "DeviceCopier", "HostPool", "LeaseOrder", "Slot", "caller_device", "existing_pool", "fill_chunk",
@@ -64,7 +64,7 @@ def pretouch_pages(t: torch.Tensor) -> None:
     one intra-op thread); 16 threads took 0.7 s. ``zero_`` releases the GIL, so the threads overlap.
     """
     n = t.numel()
-    threads = max(1, min(PRETOUCH_THREADS, os.cpu_count() or 1, n // (64 << 20)))
+    threads = max(1, min(PRETOUCH_THREADS, usable_cpus(), n // (64 << 20)))
     if threads == 1:
         t.zero_()
         return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import sys
 import threading
 import time
@@ -19,7 +20,8 @@ from typing import TypeVar
 
 from cpuckpt.errors import CheckpointTimeoutError, CpuckptError, is_interrupt
 
-__all__ = ["Cancelled", "new_executor", "run_parallel", "shared_executor", "stop_after_interrupt", "wait_future"]
+__all__ = ["Cancelled", "new_executor", "run_parallel", "shared_executor", "stop_after_interrupt", "usable_cpus",
+           "wait_future"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -126,6 +128,15 @@ def run_parallel(
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
         settle(ended=False, leaving=True)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity where the platform has one (a container's or a launcher's
+    CPU set), else the machine's count. Sizes the pools that fault pages in."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def new_executor(threads: int, name: str) -> cf.ThreadPoolExecutor:

@@ -153,21 +153,28 @@ def test_an_image_describes_the_smallest_size_it_had_since_its_last_description(
         img.close()
 
 
-def _rss_of_mapping(address: int) -> int:
-    """Bytes of the mapping starting at ``address`` that this process's page tables map (``/proc/self/smaps``)."""
+def _smaps_of_mapping(address: int) -> dict[str, int]:
+    """The ``/proc/self/smaps`` sizes (bytes) of the mapping starting at ``address``: ``Rss`` (pages this process's
+    page tables map), ``Private_Dirty`` (of those, written through this mapping), ..."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     for i, line in enumerate(lines):
         if line.split("-", 1)[0] == f"{address:x}":
-            rss = next(entry for entry in lines[i + 1:] if entry.startswith("Rss:"))
-            return int(rss.split()[1]) * 1024
+            sizes = {}
+            for entry in lines[i + 1:]:
+                name, _, rest = entry.partition(":")
+                if not rest.strip().endswith("kB"):
+                    break
+                sizes[name] = int(rest.split()[0]) * 1024
+            return sizes
     raise AssertionError(f"no mapping starts at {address:#x}")
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps")
 def test_populate_maps_a_ranges_pages_for_writing_without_changing_its_bytes(tmp_path):
-    """What the copy process does before each registration: the segment's pages are in its page tables afterwards
-    (so ``cudaHostRegister`` pins without faulting them), split over the pool's threads, the file's bytes as they
-    were."""
+    """What the copy process does before each registration: the segment's pages are in its page tables afterwards,
+    faulted for writing (so ``cudaHostRegister``, which pins them writable, faults none), split over the pool's
+    threads, the file's bytes as they were. A range it refuses (past the file's end) or a pool that takes no work
+    skips it without turning it off."""
     import ctypes
     import mmap
 
@@ -176,11 +183,12 @@ def test_populate_maps_a_ranges_pages_for_writing_without_changing_its_bytes(tmp
     path = tmp_path / "image"
     path.write_bytes(data)
     fd = os.open(path, os.O_RDWR)
+    os.fsync(fd)  # the pages clean: only a write fault makes them dirty again
     mapped = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     anchor = ctypes.c_char.from_buffer(mapped)
     try:
         address = ctypes.addressof(anchor)
-        assert _rss_of_mapping(address) == 0, "a fresh mapping has no pages mapped yet"
+        assert _smaps_of_mapping(address)["Rss"] == 0, "a fresh mapping has no pages mapped yet"
         pieces = []
 
         class Pool(concurrent.futures.ThreadPoolExecutor):
@@ -195,10 +203,22 @@ def test_populate_maps_a_ranges_pages_for_writing_without_changing_its_bytes(tmp
             pytest.skip("this kernel has no MADV_POPULATE_WRITE")
         assert done and len(pieces) == 3, f"split over the pool's threads: {pieces}"
         # (the kernel may map a few neighbours of what it faults in too)
-        assert _rss_of_mapping(address) >= nbytes - 2 * pinning.PAGE, "the range's pages are mapped"
+        sizes = _smaps_of_mapping(address)
+        assert sizes["Rss"] >= nbytes - 2 * pinning.PAGE, f"the range's pages are mapped: {sizes}"
+        assert sizes["Private_Dirty"] >= nbytes - 2 * pinning.PAGE, f"faulted for writing, not reading: {sizes}"
         assert not pinning.populate(address, 0, None, parts=1), "nothing to do"
         assert pinning.populate(address + 100, pinning.PAGE, None, parts=1), "from the page an unaligned start is in"
-        assert mapped[:] == data
+
+        kept = nbytes - 2 * pinning.PAGE
+        os.ftruncate(fd, kept)  # the mapping's last two pages now lie past the file's end
+        assert not pinning.populate(address + kept - pinning.PAGE, 3 * pinning.PAGE, None, parts=1), \
+            "pages past the file's end are refused (the registration reports them)"
+        refusing = concurrent.futures.ThreadPoolExecutor(2)
+        refusing.shutdown()
+        assert not pinning.populate(address, kept, refusing, parts=2), "a pool that takes no work: skipped"
+        assert pinning._populate_works is True, "neither turned it off"
+        assert pinning.populate(address, kept, None, parts=1)
+        assert mapped[:kept] == data[:kept]
     finally:
         del anchor
         mapped.close()
@@ -381,6 +401,7 @@ def test_a_save_is_answered_between_segments_of_the_images_pinned_ahead_and_clos
     monkeypatch.setattr(copier, "queue", types.SimpleNamespace(SimpleQueue=Inbox))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(pinning, "populate", lambda *a, **k: False)  # the files stay sparse
     ahead = []
     for i in range(2):  # 4 segments of 64 MiB each, sparse (nothing is really pinned)
         path = tmp_path / f"ahead{i}"
@@ -421,6 +442,7 @@ def test_a_wait_for_the_images_pinned_ahead_is_answered_once_every_segment_is_re
     cudart = _SlowCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(pinning, "populate", lambda *a, **k: False)  # the files stay sparse
     ahead = []
     for i in range(2):  # 2 x 2 segments of 64 MiB, sparse
         path = tmp_path / f"ahead{i}"
