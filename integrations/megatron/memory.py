@@ -311,8 +311,9 @@ class MegatronMemory:
 
         def order() -> list[int]:
             durable = _tracked_iteration(self.save_dir)
-            return [tier.slots.index(found) for found in slots
-                    if durable is None or (tier.step_of(found) or -1) >= durable]
+            # the step listed, not rank 0's slot's: a replaced node's slot is empty until its restore from a replica
+            steps = [c.step if (c := tier.listed(found)) is not None and c.step is not None else -1 for found in slots]
+            return [tier.slots.index(found) for found, step in zip(slots, steps) if durable is None or step >= durable]
 
         agreed: list[int] = from_rank(order, tier.group, "ordering the memory checkpoints for the restart")
         def files_of_slots() -> list[list[str]]:  # each node's leader: the Megatron files of each of its slots

@@ -897,6 +897,58 @@ def _retried_on_node_local_dirs(root: str, cfg: dict) -> str:
     return f"; root kept: {kept}; children left: {children}; saved after"
 
 
+def rank_lost_node(root: str, phase: str, lost: int) -> tuple[int | None, int | None]:
+    """Two nodes (a RAM root and ``D`` each), ``memory.replicas: 1``. ``train``: iterations 5 and 6 saved to memory,
+    finalized and replicated, then the job dies. ``restart`` (node ``lost``'s RAM root and ``D`` gone, ``--save``'s
+    tracker naming an older 4): ``prepare_restart``'s iteration and this node's ``D`` tracker."""
+    import torch
+    import torch.distributed as dist
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+
+    from cpuckpt.config import Config
+
+    rank = dist.get_rank()
+    base = Path(root)
+    cfg = _config(base)
+    cfg["memory"] = {**cfg["memory"], "root": str(base / f"ram{rank}"), "replicas": 1, "replica_host": "127.0.0.1",
+                     "prepare_slots": False, "persist_every": 0}
+    np_dir = base / f"np{rank}"
+    router = MegatronMemory(base / "save", np_dir, Config.from_dict(cfg))
+    if phase == "restart":
+        found = router.prepare_restart()
+        tracked = _read_tracker(np_dir)
+        router.close()
+        return found, tracked
+    router.prepare_restart()
+    for it in (5, 6):
+        route = router.route(np_dir / f"iter_{it:07d}")
+        if rank == 0:  # megatron-core's common state, rank 0's, in D's iter_<N> (the slot)
+            route.path.mkdir(parents=True, exist_ok=True)
+            (route.path / "common.pt").write_bytes(b"common %d" % it)
+        dist.barrier()
+        handle, _ = router.save({f"r{rank}": torch.full((64, 33), float(it))}, route)
+        handle.wait()
+        router.finalized(route)
+    router.tier.wait_persisted()
+    assert router.tier.replicated(6)
+    dist.barrier()
+    router.tier.abandon()  # the job dies: the RAM roots stay
+    return None, _read_tracker(np_dir)
+
+
+@pytest.mark.parametrize("lost", [0, 1])
+def test_a_lost_node_restarts_from_a_replica_newer_than_the_durable_tracker(run_ranks, tmp_path, lost):
+    """Either node lost (rank 0's too): its slot of iteration 6 comes back from the other node's replica and both
+    nodes' ``D`` name 6, never ``--save``'s older 4 (before: rank 0 read the step from its own slot, empty on a
+    replaced node, and dropped 6 whenever rank 0's node was the one lost)."""
+    assert run_ranks(2, rank_lost_node, str(tmp_path), "train", lost, timeout_s=120, env=ENV) == [(None, 6)] * 2
+    shutil.rmtree(tmp_path / f"ram{lost}")
+    shutil.rmtree(tmp_path / f"np{lost}")
+    (tmp_path / "save").mkdir(exist_ok=True)
+    (tmp_path / "save" / TRACKER).write_text("4")  # an older persistent save
+    assert run_ranks(2, rank_lost_node, str(tmp_path), "restart", lost, timeout_s=120, env=ENV) == [(6, 6)] * 2
+
+
 def _child_pids() -> list[int]:
     """This process's children still running (zombies not counted: they have exited)."""
     import os
