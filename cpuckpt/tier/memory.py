@@ -179,7 +179,11 @@ class MemoryTier:
         self._adopted: int | None = None  # the pid of an earlier trainer's writer this one adopted (its stop cleared)
         self._replication: Replication | None = None  # memory.replicas across nodes; set once the writers listen
         self._pending: dict[Path, list[Restore]] = {}  # slots to restore from another node's copy before a load
-        newest_in_memory = next((path for path in self.candidates() if path in self.slots), None)
+        try:  # a listing that fails on any rank fails on every rank: what this tier took is let go first
+            newest_in_memory = next((path for path in self.own_candidates() if path in self.slots), None)
+        except BaseException:
+            self.abandon()
+            raise
         self._next = self._agree_next(self._slot_after(newest_in_memory))
         self._last: _LastSave | None = None  # the newest memory save (close() and SIGTERM persist it if needed)
         self.last_persist: PersistRequest | None = None
@@ -1067,6 +1071,26 @@ class MemoryTier:
         """
         return [path for _, path in self._listing(state_dict, planner)]
 
+    def own_candidates(self, state_dict: dict[str, Any] | None = None, *, planner: Any = None) -> list[Path | S3Url]:
+        """Collective: :meth:`candidates` as each rank lists them (across nodes: its own node's slots), where a
+        listing that fails on one rank (the durable root unreadable there: a stale mount, object storage refusing) is
+        raised on every rank alike, not left to the others' next collective and its timeout. For a caller that
+        agrees on the order itself (rank 0's, or the collective agreement across nodes)."""
+        return [path for _, path in self._agreed_listing(state_dict, planner)]
+
+    def _agreed_listing(self, state_dict: dict[str, Any] | None,
+                        planner: Any) -> list[tuple[Hashable, Path | S3Url]]:
+        """Collective: this rank's :meth:`_listing`; a failure on any rank is raised on every rank."""
+        listing: list[tuple[Hashable, Path | S3Url]] = []
+        error: BaseException | None = None
+        try:
+            listing = self._listing(state_dict, planner)
+        except BaseException as e:  # raised alike on every rank, not while the others wait in a collective
+            error = e
+        agree_or_raise(error, self.rank, self.group, f"listing the checkpoints of "
+                       f"{self.durable_root} and the memory tier")
+        return listing
+
     def _agreed_candidates(self, state_dict: dict[str, Any] | None = None, *,
                            planner: Any = None) -> list[Path | S3Url]:
         """Collective: :meth:`candidates` as rank 0 lists them, the same checkpoints in the same order on every rank
@@ -1076,14 +1100,7 @@ class MemoryTier:
         between two ranks' scans would make them load different checkpoints, silently (restart.py agrees the
         core's candidates the same way).
         """
-        listing: list[tuple[Hashable, Path | S3Url]] = []
-        error: BaseException | None = None
-        try:
-            listing = self._listing(state_dict, planner)
-        except BaseException as e:  # raised alike on every rank, not while the others wait in the broadcast
-            error = e
-        agree_or_raise(error, self.rank, self.group, f"listing the checkpoints of "
-                       f"{self.durable_root} and the memory tier")
+        listing = self._agreed_listing(state_dict, planner)
         if not self.dist or peers(self.group) is None:
             return [path for _, path in listing]
         box: list[Any] = [listing if self.rank == 0 else None]
@@ -1136,8 +1153,9 @@ class MemoryTier:
         """Restart: load the newest checkpoint that loads cleanly, falling back to the next on damage.
 
         A checkpoint whose checksums or sizes do not verify (:class:`IntegrityError`, raised by the load on
-        every rank) is skipped with a warning naming why, so a damaged newest checkpoint costs some
-        steps instead of becoming NaNs or a crash loop. Returns the path loaded, or None (nothing to load).
+        every rank), or that was committed and is incomplete now (a data file truncated or missing: never listed),
+        is skipped with a warning naming why, so a damaged newest checkpoint costs some steps instead of becoming
+        NaNs or a crash loop. Returns the path loaded, or None (nothing to load).
 
         Raises:
             CheckpointCorrupt: checkpoints exist but none loads, or none is complete but some were committed and are
@@ -1146,6 +1164,9 @@ class MemoryTier:
         """
         found = self._agreed_candidates(state_dict, planner=planner)
         plan = dict(self._pending)  # a fallback's restore was planned with the rest: kept for it
+        damaged = self._agreed_damaged()  # never listed: a newer one among them is skipped, said here
+        for where, why in damaged:
+            logger.warning("cpuckpt memory tier: skipping %s: committed, but incomplete now (%s)", where, why)
         failures: list[str] = []
         for path in found:
             self._pending = {path: plan[path]} if path in plan else {}
@@ -1160,7 +1181,6 @@ class MemoryTier:
                 continue
             self.resume_after(path)
             return path
-        damaged = self._agreed_damaged()
         if failures or damaged:
             raise CheckpointCorrupt(
                 f"no memory or durable checkpoint of {self.durable_root} loads cleanly ("

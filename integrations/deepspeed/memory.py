@@ -289,7 +289,7 @@ class DeepSpeedMemory:
         if not self.across_nodes:
             return from_rank(self.candidates, group, f"listing the DeepSpeed tags of {self.save_dir} and its memory "
                                                       "tier")
-        paths = self.tier.candidates()  # collective: memory checkpoints every node holds or gets back from a copy
+        paths = self.tier.own_candidates()  # collective: memory checkpoints every node holds or gets back from a copy
         self._memory_slots = {}
 
         def listing() -> tuple[list[tuple[str, Any]] | None, dict[str, tuple[str, int | None]]]:

@@ -254,14 +254,20 @@ class MegatronMemory:
         files on every node and every ``D`` names it (link and tracker), so Megatron-LM loads it from RAM on every
         rank; otherwise every ``D``'s tracker goes, and Megatron-LM loads ``--save``'s (resharding if the topology
         changed). Returns the memory checkpoint's iteration, or None. On one node only the names of slots saved
-        across nodes go (a changed topology: :meth:`_drop_partial_links`), and None is returned."""
+        across nodes go (a changed topology: :meth:`_drop_partial_links`), the ring's next save goes past the slot
+        ``D``'s tracker names (:meth:`_tracked_slot`), and None is returned."""
         tier = self.tier
         if self._restarted:
             return None
         self._restarted = True
         if tier.nodes.single:
-            from_every_rank(lambda: self._drop_partial_links() if self.names else None,
-                            tier.group, f"checking the memory checkpoints in {self.np_dir}")
+            def check() -> int | None:
+                self._drop_partial_links()
+                return self._tracked_slot()
+
+            k = from_rank(check, tier.group, f"checking the memory checkpoints in {self.np_dir}")
+            if k is not None:  # Megatron-LM loads it (or --save's newer one): the ring's next save goes past it
+                tier.resume_after(tier.slots[k])
             return None
         slot = None
         for k in self._restart_order():  # agreed: the same slots in the same order on every rank, newest first
@@ -307,7 +313,7 @@ class MegatronMemory:
         ``metadata.json`` (written by Megatron's finalize: a save committed in memory but not finalized yet is not a
         checkpoint Megatron-LM knows)."""
         tier = self.tier
-        slots = [found for found in tier.candidates() if found in tier.slots]  # collective; newest first
+        slots = [found for found in tier.own_candidates() if found in tier.slots]  # collective; newest first
 
         def order() -> list[int]:
             durable = _tracked_iteration(self.save_dir)
@@ -331,6 +337,18 @@ class MegatronMemory:
                             " and ".join(n for n in (MEGATRON_COMMON, MEGATRON_METADATA) if n not in held),
                             "a persistent save" if MEGATRON_COMMON not in held else "not finalized")
         return usable
+
+    def _tracked_slot(self) -> int | None:
+        """The index of the slot ``D``'s tracker names through its link (None: none, or not one of the tier's). The
+        slot the tier would fill next is the one after its newest commit, which may be a save Megatron never
+        finalized (a kill in between): Megatron-LM loads the tracked one, older, and the first save after the restart
+        must not refill it."""
+        tracked = _tracked_iteration(self.np_dir)
+        link = self.np_dir / f"iter_{tracked:07d}" if tracked is not None else None
+        if link is None or not link.is_symlink():
+            return None
+        target = os.path.realpath(link)
+        return next((k for k, d in enumerate(self.tier.slots) if os.path.realpath(d) == target), None)
 
     def _drop_partial_links(self) -> None:
         """One node after a run across nodes: a slot linked in ``D`` that lacks files its ``.metadata`` names (it

@@ -812,6 +812,29 @@ def test_restart_over_a_committed_checkpoint_damaged_since_raises_instead_of_sta
     _close_idle(tier)
 
 
+def test_a_newer_checkpoint_damaged_since_its_commit_is_named_when_an_older_one_loads(tmp_path, caplog):
+    """Memory step 2 loses a data file's tail after its commit: load_latest loads step 1 (the fallback the tier
+    promises), and a warning names the skipped step 2 and why (before: step 1 loaded without a word)."""
+    import logging
+
+    tier, _ = _one(tmp_path, persist_every=0)
+    tier.save(_state(1, 0), 1).wait()
+    tier.save(_state(2, 0), 2).wait()
+    damaged = tier.find_latest()
+    tier.close(persist_newest=False, remove_root=False)  # the job dies; its RAM root stays
+    data = damaged / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 4096)
+
+    tier, _ = _one(tmp_path, persist_every=0)
+    target = _targets(0)
+    with caplog.at_level(logging.WARNING, logger="cpuckpt"):
+        loaded = tier.load_latest(target)
+    assert loaded is not None and loaded != damaged and tier.step_of(loaded) == 1
+    assert f"skipping {damaged}: committed, but incomplete now (" in caplog.text, caplog.text
+    _close_idle(tier)
+
+
 def _writer_cannot_start_on_rank_1(durable: str, ram: str) -> dict:
     """Rank body: memory saves at steps 1-3, persist every 2nd; rank 1 cannot start a process (Popen fails)."""
     import torch.distributed as dist

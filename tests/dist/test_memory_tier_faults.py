@@ -413,3 +413,43 @@ def test_a_failed_commit_is_reported_alike_on_every_rank_when_its_slot_is_reused
     # before: rank 1 raised before its before_fill while rank 0 ran it and went on into the tier's agreement
     assert [(r["outcome"], r["filled"]) for r in res] == [(res[0]["outcome"], res[0]["filled"])] * 2, res
     assert res[0]["outcome"] == "StorageIOError" and res[0]["filled"] == ["slot-0"], res
+
+
+def rank_listing_fails_on_rank_1(base: str) -> str:
+    """The durable root's listing fails on rank 1 only, once (a stale mount, object storage refusing): opening the
+    tier raises there and on rank 0 alike; the tier is let go of on both, so a second open succeeds."""
+    import torch.distributed as dist
+
+    import cpuckpt.tier.formats as formats
+    from cpuckpt.errors import StorageIOError
+    from cpuckpt.tier.memory import MemoryTier
+
+    rank = dist.get_rank()
+    if rank == 1:
+        real, calls = formats.list_checkpoints, []
+
+        def failing_once(root):
+            if not calls:
+                calls.append(root)
+                raise StorageIOError(f"listing {root}: refused (injected)", path=str(root))
+            return real(root)
+
+        formats.list_checkpoints = failing_once
+    cfg = {"timeout_s": 20, "memory": {"root": f"{base}/ram", "slots": 2, "headroom_bytes": 0,
+                                       "prepare_slots": False}}
+    try:
+        MemoryTier(f"{base}/durable", cfg)
+    except StorageIOError as e:
+        failed = f"{type(e).__name__}: {e}"
+    else:
+        failed = "opened"
+    tier = MemoryTier(f"{base}/durable", cfg)  # the first one's lock and processes were let go of
+    tier.close()
+    return failed
+
+
+def test_a_listing_that_fails_on_one_rank_fails_opening_the_tier_on_every_rank(run_ranks, tmp_path):
+    """Not one rank raising while the other waits in the tier's next collective until the group's timeout."""
+    res = run_ranks(2, rank_listing_fails_on_rank_1, str(tmp_path), timeout_s=90)
+    for rank, failed in enumerate(res):
+        assert failed.startswith("StorageIOError") and "refused (injected)" in failed, f"rank {rank}: {failed}"

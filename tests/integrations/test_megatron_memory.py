@@ -812,6 +812,44 @@ def test_reusing_a_slot_moves_the_tracker_off_the_checkpoint_it_held(tmp_path):
     assert (router.np_dir / "iter_0000016").is_symlink() and (slot / "common.pt").read_bytes() == b"new"
 
 
+def test_the_first_save_after_a_restart_keeps_the_checkpoint_megatron_loads(tmp_path):
+    """Iteration 11 committed in memory but killed before Megatron finalized it: the restart loads the tracked 10,
+    and the next save goes to 11's slot, never 10's (before: the ring went on after its newest commit, 11, refilled
+    10's slot and left no loadable memory checkpoint until that save was finalized)."""
+    import torch
+    from cpuckpt.integrations.megatron.memory import MegatronMemory
+
+    from cpuckpt.config import Config
+
+    cfg = Config.from_dict({**_config(tmp_path), "memory": {**_config(tmp_path)["memory"], "prepare_slots": False}})
+    np_dir = tmp_path / "save" / "non_persistent"
+
+    def save(router: MegatronMemory, it: int, *, finalize: bool) -> tuple[Path, int | None]:
+        route = router.route(np_dir / f"iter_{it:07d}")
+        route.path.mkdir(parents=True, exist_ok=True)
+        (route.path / "common.pt").write_bytes(b"common %d" % it)  # megatron-core's, before the strategy runs
+        handle, _ = router.save({"w": torch.full((4096,), float(it))}, route)
+        tracked_meanwhile = _read_tracker(np_dir)
+        handle.wait()
+        if finalize:  # Megatron-LM's finalize: metadata.json, then D's tracker
+            (route.path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+            (np_dir / TRACKER).write_text(str(it))
+        return Path(os.path.realpath(route.path)), tracked_meanwhile
+
+    router = MegatronMemory(tmp_path / "save", np_dir, cfg)
+    slot10, _ = save(router, 10, finalize=True)
+    slot11, _ = save(router, 11, finalize=False)  # killed before its finalize
+    router.tier.abandon()
+    router = MegatronMemory(tmp_path / "save", np_dir, cfg)
+    try:
+        assert router.prepare_restart() is None and _read_tracker(np_dir) == 10
+        again, tracked_meanwhile = save(router, 11, finalize=False)
+        assert again == slot11 != slot10, "the first save after the restart refilled the slot Megatron-LM loaded"
+        assert tracked_meanwhile == 10 and (np_dir / "iter_0000010").is_symlink(), "10 stays loadable meanwhile"
+    finally:
+        router.close()
+
+
 def test_skip_when_full_is_refused_for_megatron(tmp_path):
     """``when_full: skip`` (which the adapter refused: Megatron-LM would still name the skipped iteration
     in its tracker) was removed: a Megatron config that still sets it fails, saying so."""
