@@ -68,7 +68,7 @@ from cpuckpt.tier.images import AllocatedAhead, ImageSet
 from cpuckpt.tier.nodecopies import with_node_copies
 from cpuckpt.tier.nodes import NodeMap, agree_held, held_saves, node_commit, node_key
 from cpuckpt.tier.queue import PersistQueue, PersistRequest
-from cpuckpt.tier.ramroot import RamRoot, acquire_lock, job_id_for, leaving_marker, leaving_pid
+from cpuckpt.tier.ramroot import RamRoot, acquire_lock, durable_name, job_id_for, leaving_marker, leaving_pid
 from cpuckpt.tier.recovery import Replication, Restore, agree_available, node_copies, slots_present
 from cpuckpt.tier.replica import DRAIN_S
 from cpuckpt.transfer.staging import caller_device
@@ -287,7 +287,7 @@ class MemoryTier:
         root, error = None, None
         try:
             root = RamRoot.open(m.root or None, m.job or job_id_for(self.durable_root), self.rank,
-                                headroom_bytes=m.headroom_bytes)
+                                headroom_bytes=m.headroom_bytes, durable=durable_name(self.durable_root))
         except BaseException as e:  # an interrupt too: raised as itself once the peers learned of it
             if self.group is None:
                 raise

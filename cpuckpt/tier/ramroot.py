@@ -40,13 +40,9 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from cpuckpt.errors import ConfigError, RamRootError
 from cpuckpt.procs import pid_alive
-
-if TYPE_CHECKING:
-    from cpuckpt.config import MemoryConfig
 
 __all__ = [
     "TINY_BYTES",
@@ -56,6 +52,7 @@ __all__ = [
     "acquire_lock",
     "clean_ram_roots",
     "default_root",
+    "durable_name",
     "job_id_for",
     "lock_holder",
     "require_free",
@@ -111,16 +108,21 @@ def _default_base(uid: int) -> Path:
     return default_root("x", uid=uid).parent
 
 
+def durable_name(durable_root: str | os.PathLike) -> str:
+    """``durable_root`` as a RAM root's owner record names it: an absolute path, or a URL as it is."""
+    text = os.fspath(durable_root)
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    return text.rstrip("/") if "://" in text else os.path.abspath(text)
+
+
 def job_id_for(durable_root: str | os.PathLike) -> str:
     """A job id that is the same on every restart of a job that saves to ``durable_root``.
 
     ``<basename>-<first 12 hex digits of sha256 of the absolute path>``; URLs (``s3://...``) are
     taken as they are.
     """
-    text = os.fspath(durable_root)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    full = text.rstrip("/") if "://" in text else os.path.abspath(text)
+    full = durable_name(durable_root)
     base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(full))[:64].lstrip(".") or "root"
     return f"{base}-{hashlib.sha256(full.encode()).hexdigest()[:12]}"
 
@@ -338,6 +340,9 @@ class Owner:
     host: str
     boot_id: str
     created_unix: float
+    # the durable root of the tier that made it (:func:`durable_name`; "": not recorded, an older record): two jobs
+    # given one memory.job must not resume from each other's checkpoints
+    durable: str = ""
 
     def to_json(self) -> bytes:
         return (json.dumps(dataclasses.asdict(self), sort_keys=True) + "\n").encode()
@@ -352,12 +357,16 @@ class Owner:
         for key, kind in types.items():
             if not isinstance(obj.get(key), kind) or isinstance(obj.get(key), bool):
                 raise ValueError(f"field {key!r} missing or of the wrong type")
+        durable = obj.get("durable", "")
+        if not isinstance(durable, str):
+            raise ValueError("field 'durable' of the wrong type")
         return cls(job=obj["job"], uid=obj["uid"], host=obj["host"], boot_id=obj["boot_id"],
-                   created_unix=float(obj["created_unix"]))
+                   created_unix=float(obj["created_unix"]), durable=durable)
 
     @classmethod
-    def current(cls, job: str, uid: int) -> Owner:
-        return cls(job=job, uid=uid, host=socket.gethostname(), boot_id=_boot_id(), created_unix=time.time())
+    def current(cls, job: str, uid: int, durable: str = "") -> Owner:
+        return cls(job=job, uid=uid, host=socket.gethostname(), boot_id=_boot_id(), created_unix=time.time(),
+                   durable=durable)
 
 
 def _boot_id() -> str:
@@ -413,9 +422,9 @@ def _replace_owner(dir_fd: int, owner: Owner) -> None:
     os.fsync(dir_fd)
 
 
-def _claim_owner(path: Path, dir_fd: int, job: str, uid: int) -> Owner:
+def _claim_owner(path: Path, dir_fd: int, job: str, uid: int, durable: str) -> Owner:
     """Create the owner record, or accept/take over/refuse the one there (caller holds .open.lock)."""
-    now = Owner.current(job, uid)
+    now = Owner.current(job, uid, durable)
     try:
         fd = _private_file(os.open(OWNER_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                                    0o600, dir_fd=dir_fd))
@@ -434,6 +443,12 @@ def _claim_owner(path: Path, dir_fd: int, job: str, uid: int) -> Owner:
             f"RAM root {path} belongs to job {record.job!r} of uid {record.uid} (see {path / OWNER_NAME}), not "
             f"to job {job!r} of uid {uid}; set memory.job or memory.root so that each job has its own root, or, "
             f"if job {record.job!r} is over, remove it with `cpuckpt clean`", path=path)
+    if record is not None and durable and record.durable and record.durable != durable:
+        raise RamRootError(
+            f"RAM root {path} of job {job!r} holds the memory checkpoints of the durable root {record.durable} (see "
+            f"{path / OWNER_NAME}), not of {durable}: two jobs were given one memory.job; give each its own "
+            f"memory.job (or leave it unset: it is derived from the durable root) or memory.root, or, if the job of "
+            f"{record.durable} is over, remove its RAM root with `cpuckpt clean`", path=path)
     if record is not None and record.boot_id == now.boot_id and record.host == now.host:
         return record
     if record is None:
@@ -576,20 +591,15 @@ class RamRoot:
         self.close()
 
     @classmethod
-    def for_config(cls, memory: MemoryConfig, durable_root: str | os.PathLike, rank: int) -> RamRoot:
-        """Open the RAM root that ``memory`` (the ``memory`` section of the config) names for ``durable_root``."""
-        return cls.open(memory.root or None, memory.job or job_id_for(durable_root), rank,
-                        headroom_bytes=memory.headroom_bytes)
-
-    @classmethod
     def open(cls, path: str | os.PathLike | None, job: str, rank: int, *, headroom_bytes: int = 1 << 30,
-             uid: int | None = None) -> RamRoot:
-        """Create or join the RAM root of ``job`` and take rank ``rank``'s trainer lock in it.
+             uid: int | None = None, durable: str = "") -> RamRoot:
+        """Create or join the RAM root of ``job`` and take rank ``rank``'s trainer lock in it; ``durable``
+        (:func:`durable_name`) is the durable root of the tier opening it, recorded by the first.
 
         ``path`` None means :func:`default_root`. Refused (:class:`RamRootError`): a root (or its
         per-user parent) that is a symlink, not a directory, not ``uid``'s or open to group/others;
-        a root of another job or user; a root left by another boot or host while some lock in it is
-        still held (without one it is taken over, with a warning); a tiny filesystem (< 256 MiB);
+        a root of another job or user, or of another durable root; a root left by another boot or host while
+        some lock in it is still held (without one it is taken over, with a warning); a tiny filesystem (< 256 MiB);
         rank ``rank`` already open in a live process.
         """
         if not job:
@@ -604,7 +614,7 @@ class RamRoot:
                            "memory.root to a RAM filesystem", SHM_DIR, root)
         for _ in range(_OPEN_ATTEMPTS):
             opened = cls._try_open(root, job, rank, uid=uid, headroom_bytes=headroom_bytes,
-                                   private_parent=private_parent)
+                                   private_parent=private_parent, durable=durable)
             if opened is not None:
                 return opened
         raise RamRootError(f"RAM root {root} was removed {_OPEN_ATTEMPTS} times while being opened; stop whatever "
@@ -613,7 +623,7 @@ class RamRoot:
 
     @classmethod
     def _try_open(cls, root: Path, job: str, rank: int, *, uid: int, headroom_bytes: int,
-                  private_parent: bool) -> RamRoot | None:
+                  private_parent: bool, durable: str) -> RamRoot | None:
         if private_parent:
             _mkdir_private(root.parent)
             try:
@@ -647,7 +657,7 @@ class RamRoot:
             if open_fd is None:
                 return None
             try:
-                owner = _claim_owner(root, dir_fd, job, uid)
+                owner = _claim_owner(root, dir_fd, job, uid, durable)
                 name = f".rank-{rank}.lock"
                 lock_fd = acquire_lock(name, dir_fd=dir_fd)
                 if lock_fd is None:

@@ -345,6 +345,26 @@ def test_the_ram_root_of_another_job_is_refused(tmp_path):
         _one(tmp_path, job="my-job")
 
 
+def test_a_ram_root_of_another_durable_root_is_refused_for_the_same_job_name(tmp_path):
+    """Two experiments given one ``memory.job`` (from ``$SLURM_JOB_NAME``, say), each its own durable root: the
+    second is refused with an error naming both roots, never resumed from the first's memory checkpoint (before: it
+    loaded the other experiment's step and adopted its owed persists); its own durable root reopens it."""
+    from cpuckpt.tier.memory import MemoryTier
+    from cpuckpt.tier.ramroot import RamRootError
+
+    cfg = _cfg(tmp_path / "ram")
+    cfg["memory"].update(job="train", persist_every=0)
+    a = MemoryTier(tmp_path / "experiment-A", cfg)
+    a.save(_state(5, 0), 5).wait()
+    a.abandon()  # experiment A dies; its RAM root stays
+    with pytest.raises(RamRootError, match=rf"{tmp_path / 'experiment-A'}.*not of {tmp_path / 'experiment-B'}"):
+        MemoryTier(tmp_path / "experiment-B", cfg)
+    again = MemoryTier(tmp_path / "experiment-A", cfg)
+    target = _targets(0)
+    assert again.step_of(again.load_latest(target)) == 5
+    _close_idle(again)
+
+
 def test_memory_use_stays_flat_over_200_saves(tmp_path):
     """Trainer + writer RSS and the RAM root's bytes after 200 saves vs after 50 (persist every 4th).
 
