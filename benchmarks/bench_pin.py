@@ -34,7 +34,7 @@ from benchmarks.common import format_table
 from cpuckpt.tier import pinning
 
 CHUNK = 32 << 20  # io.chunk_bytes' default: the tier's segments are 64 MiB
-PROBE = 256 << 20
+PROBE = 32 << 20  # inside the first segment: a copy may not span two registrations
 
 
 def pin_once(directory: str, nbytes: int, mode: str, threads: int) -> list[object]:
