@@ -2,7 +2,7 @@
 
 The memory tier's ring, restart order, persist-newest-at-exit and stale-request checks need two answers
 about the checkpoints they see, and nothing else: which save (and step) a slot holds complete, and which
-complete durable checkpoints exist with their steps. A :class:`SlotFormat` gives them:
+complete durable checkpoints exist with the steps they rank by (:class:`Durable`). A :class:`SlotFormat` gives them:
 
 - :class:`DcpSlots` (the default): DCP checkpoint directories (``.metadata`` + cpuckpt manifest), what
   :meth:`cpuckpt.tier.memory.MemoryTier.save` writes;
@@ -19,14 +19,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from cpuckpt.backend.committed import check_complete, load_metadata, read_manifest
 from cpuckpt.errors import IntegrityError
 from cpuckpt.roots import list_checkpoints
 
-__all__ = ["Committed", "DcpSlots", "SlotFormat", "marker_save_id", "marker_step", "part_path", "read_marker_json",
-           "read_pointer"]
+__all__ = ["Committed", "DcpSlots", "Durable", "SlotFormat", "marker_save_id", "marker_step", "part_path",
+           "read_marker_json", "read_pointer"]
 
 PART_PREFIX = ".cpuckpt-part-"  # a file set's per-rank done marker in the durable directory (removed at commit)
 
@@ -42,6 +42,17 @@ class Committed:
     created: float = 0.0
 
 
+class Durable(NamedTuple):
+    """A complete checkpoint of the durable root: ``rank`` is the step it ranks by among the memory tier's (its own,
+    or for one that records none, e.g. a stock ``dcp.save`` the job made before it used the tier, the highest step
+    committed before it, -1 for none: :func:`cpuckpt.rootinfo.ordered`'s rule), ``step`` the one it records (None:
+    none)."""
+
+    rank: int
+    path: Path
+    step: int | None
+
+
 class SlotFormat(Protocol):
     """How the memory tier recognises complete checkpoints (see the module docstring). Reads only, no collectives."""
 
@@ -49,8 +60,8 @@ class SlotFormat(Protocol):
         """The complete checkpoint ``directory`` holds, or None (incomplete, torn, empty)."""
         ...
 
-    def durable(self, root: Path) -> list[tuple[int, Path]]:
-        """(step, path) of every complete checkpoint of the durable ``root`` that records its step."""
+    def durable(self, root: Path) -> list[Durable]:
+        """Every complete checkpoint of the durable ``root`` the tier may restart from, with the step it ranks by."""
         ...
 
 
@@ -64,8 +75,14 @@ class DcpSlots:
         manifest = read_manifest(directory)
         return Committed(status.step, manifest.save_id, manifest.created_unix) if manifest is not None else None
 
-    def durable(self, root: Path) -> list[tuple[int, Path]]:
-        return [(c.step, c.path) for c in list_checkpoints(root) if c.complete and c.step is not None]
+    def durable(self, root: Path) -> list[Durable]:
+        out, highest = [], -1
+        for c in list_checkpoints(root):  # oldest first, by the rule that ranks a step-less one
+            if c.step is not None:
+                highest = max(highest, c.step)
+            if c.complete:
+                out.append(Durable(c.step if c.step is not None else highest, c.path, c.step))
+        return out
 
 
 def missing_files(directory: Path) -> list[str]:

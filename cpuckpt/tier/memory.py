@@ -1000,7 +1000,7 @@ class MemoryTier:
     # -- state ----------------------------------------------------------------------------------
     def persisted(self, step: int) -> bool:
         """Whether step ``step`` has a complete durable checkpoint."""
-        return any(s == step for s, _ in self.format.durable(self.durable_root))
+        return any(d.step == step for d in self.format.durable(self.durable_root))
 
     def replicated(self, step: int) -> bool:
         """Whether this node's memory checkpoint of ``step`` has a committed copy on every partner node
@@ -1130,8 +1130,8 @@ class MemoryTier:
                 held = agree_held(mine, self.world_size, self.group)
             found = [(step, 1, self._created(slot, save_id), str(slot), ("memory", step, save_id), slot)
                      for (step, save_id), slot in held.items()]
-        found += [(step, 0, 0.0, str(path), ("durable", str(path)), path)
-                  for step, path in self.format.durable(self.durable_root)]
+        found += [(d.rank, 0, 0.0, str(d.path), ("durable", str(d.path)), d.path)
+                  for d in self.format.durable(self.durable_root)]
         return [(f[4], f[5]) for f in sorted(found, key=lambda f: f[:4], reverse=True)]
 
     def _created(self, slot: Path, save_id: str) -> float:

@@ -46,7 +46,7 @@ from cpuckpt.config import Config
 from cpuckpt.errors import IntegrityError
 from cpuckpt.format.layout import FileLayout
 from cpuckpt.format.manifest import FileEntry
-from cpuckpt.tier.formats import Committed
+from cpuckpt.tier.formats import Committed, Durable
 from cpuckpt.tier.memory import MemoryTier
 from cpuckpt.tier.nodefiles import NODE_FILES_NAME, NodeFiles, write_node_files
 from cpuckpt.tier.queue import PersistRequest
@@ -118,9 +118,11 @@ class TagSlots:
             return None
         return Committed(marker.global_step, marker.save_id)
 
-    def durable(self, root: Path) -> list[tuple[int, Path]]:
-        # damaged tags are not logged here: load_latest names them (it must not skip them as torn)
-        return [(t.global_step, t.directory / t.tag) for t in self.listings.scan(root)[0] if t.global_step is not None]
+    def durable(self, root: Path) -> list[Durable]:
+        # damaged tags are not logged here: load_latest names them (it must not skip them as torn); a tag stock
+        # DeepSpeed wrote (no step recorded) is the adapter's to rank (DeepSpeedMemory.candidates)
+        return [Durable(t.global_step, t.directory / t.tag, t.global_step) for t in self.listings.scan(root)[0]
+                if t.global_step is not None]
 
 
 @dataclass(frozen=True)

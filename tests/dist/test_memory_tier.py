@@ -855,6 +855,28 @@ def test_a_newer_checkpoint_damaged_since_its_commit_is_named_when_an_older_one_
     _close_idle(tier)
 
 
+def test_checkpoints_of_the_durable_root_that_record_no_step_are_restarted_from(tmp_path):
+    """A job moving onto the tier: its durable root holds a stock ``dcp.save`` and a ``cpuckpt.save`` given no step.
+    The tier restarts from the newer of them, as ``cpuckpt.load_latest`` does (before: none was listed, and the job
+    started from scratch over them); a memory save of any step then ranks above them, and ``persisted`` still answers
+    for recorded steps only."""
+    import torch.distributed.checkpoint as dcp
+
+    import cpuckpt
+
+    durable = tmp_path / "durable"
+    cpuckpt.save(_state(1, 0), durable / "run1_final")
+    dcp.save(_state(2, 0), checkpoint_id=str(durable / "run2_final"))
+    tier, _ = _one(tmp_path, persist_every=0)
+    target = _targets(0)
+    assert tier.load_latest(target) == durable / "run2_final" and target["step"] == 2
+    assert torch.equal(target["r0"]["w"], _state(2, 0)["r0"]["w"])
+    assert not tier.persisted(-1) and not tier.persisted(2)
+    tier.save(_state(0, 0), 0).wait()
+    assert tier.find_latest() in tier.slots, "a memory step ranks above checkpoints that record none"
+    _close_idle(tier)
+
+
 def _writer_cannot_start_on_rank_1(durable: str, ram: str) -> dict:
     """Rank body: memory saves at steps 1-3, persist every 2nd; rank 1 cannot start a process (Popen fails)."""
     import torch.distributed as dist
