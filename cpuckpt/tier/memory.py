@@ -182,7 +182,7 @@ class MemoryTier:
         try:  # a listing that fails on any rank fails on every rank: what this tier took is let go first
             newest_in_memory = next((path for path in self.own_candidates() if path in self.slots), None)
         except BaseException:
-            self.abandon()
+            self._let_go()  # no writer was started or adopted yet: an earlier trainer's is left to its work
             raise
         self._next = self._agree_next(self._slot_after(newest_in_memory))
         self._last: _LastSave | None = None  # the newest memory save (close() and SIGTERM persist it if needed)
@@ -236,6 +236,10 @@ class MemoryTier:
         between collectives reaches one rank only, where a collective close would pair with the others' next
         collective)."""
         self._stop_writer()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """:meth:`abandon` but for the writer: the saves' stream, the copy process, the images, the trainer lock."""
         self.saves.close()
         if self.copier is not None:
             self.copier.close()
@@ -1164,9 +1168,7 @@ class MemoryTier:
         """
         found = self._agreed_candidates(state_dict, planner=planner)
         plan = dict(self._pending)  # a fallback's restore was planned with the rest: kept for it
-        damaged = self._agreed_damaged()  # never listed: a newer one among them is skipped, said here
-        for where, why in damaged:
-            logger.warning("cpuckpt memory tier: skipping %s: committed, but incomplete now (%s)", where, why)
+        damaged = self._agreed_damaged()  # never listed: one newer than the checkpoint loaded is named below
         failures: list[str] = []
         for path in found:
             self._pending = {path: plan[path]} if path in plan else {}
@@ -1180,29 +1182,35 @@ class MemoryTier:
                 failures.append(f"{path}: {e}")
                 continue
             self.resume_after(path)
+            loaded = self.step_of(path)
+            for where, why, step in damaged:  # skipped: newer than the one loaded, or of no known step
+                if step is None or loaded is None or step >= loaded:
+                    logger.warning("cpuckpt memory tier: skipped %s (step %s): committed, but incomplete now (%s)",
+                                   where, step, why)
             return path
         if failures or damaged:
             raise CheckpointCorrupt(
                 f"no memory or durable checkpoint of {self.durable_root} loads cleanly ("
-                + "; ".join(failures + [f"{where}: committed, but incomplete now ({why})" for where, why in damaged])
+                + "; ".join(failures + [f"{where}: committed, but incomplete now ({why})" for where, why, _ in damaged])
                 + ("); the state dict may be partly overwritten: do not train from it" if failures else
                    "); not starting from scratch over committed checkpoints"))
         return None
 
-    def _agreed_damaged(self) -> list[tuple[str, str]]:
-        """Collective: (where, why) of every checkpoint committed once (its ``.metadata`` is there) but incomplete now
-        (a data file truncated or missing), in every node's slots (its leader looks) and in the durable root (rank 0
-        looks), on every rank alike (one all-gather). A restart raises over them rather than start from scratch, as
-        ``cpuckpt.load_latest`` does. Only DCP checkpoints tell: another format's slot is complete or not."""
+    def _agreed_damaged(self) -> list[tuple[str, str, int | None]]:
+        """Collective: (where, why, step) of every checkpoint committed once (its ``.metadata`` is there) but
+        incomplete now (a data file truncated or missing), in every node's slots (its leader looks) and in the durable
+        root (rank 0 looks), on every rank alike (one all-gather). A restart raises over them rather than start from
+        scratch, as ``cpuckpt.load_latest`` does. Only DCP checkpoints tell: another format's slot is complete or
+        not."""
         if not isinstance(self.format, DcpSlots):
             return []
-        def look() -> list[tuple[str, str]]:
-            found: list[tuple[str, str]] = []
+        def look() -> list[tuple[str, str, int | None]]:
+            found: list[tuple[str, str, int | None]] = []
             if self.nodes.is_leader:
-                found += [(str(slot), status.reason) for slot in self.slots
+                found += [(str(slot), status.reason, status.step) for slot in self.slots
                           if (status := check_complete(slot)).committed and not status.complete]
             if self.rank == 0:
-                found += [(str(c.path), c.reason) for c in list_checkpoints(self.durable_root)
+                found += [(str(c.path), c.reason, c.step) for c in list_checkpoints(self.durable_root)
                           if not c.complete and committed_once(c)]
             return found
 

@@ -108,12 +108,17 @@ def _default_base(uid: int) -> Path:
     return default_root("x", uid=uid).parent
 
 
-def durable_name(durable_root: str | os.PathLike) -> str:
-    """``durable_root`` as a RAM root's owner record names it: an absolute path, or a URL as it is."""
+def _path_text(durable_root: str | os.PathLike) -> str:
     text = os.fspath(durable_root)
-    if isinstance(text, bytes):
-        text = os.fsdecode(text)
-    return text.rstrip("/") if "://" in text else os.path.abspath(text)
+    return os.fsdecode(text) if isinstance(text, bytes) else text
+
+
+def durable_name(durable_root: str | os.PathLike) -> str:
+    """``durable_root`` as a RAM root's owner record names it: the directory itself, symlinks resolved (a relaunch
+    may reach it by another path; a link pointed at another experiment since names another root), or a URL as it
+    is."""
+    text = _path_text(durable_root)
+    return text.rstrip("/") if "://" in text else os.path.realpath(text)
 
 
 def job_id_for(durable_root: str | os.PathLike) -> str:
@@ -122,7 +127,8 @@ def job_id_for(durable_root: str | os.PathLike) -> str:
     ``<basename>-<first 12 hex digits of sha256 of the absolute path>``; URLs (``s3://...``) are
     taken as they are.
     """
-    full = durable_name(durable_root)
+    text = _path_text(durable_root)
+    full = text.rstrip("/") if "://" in text else os.path.abspath(text)  # the path as given: ids of old roots stay
     base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(full))[:64].lstrip(".") or "root"
     return f"{base}-{hashlib.sha256(full.encode()).hexdigest()[:12]}"
 
@@ -450,6 +456,9 @@ def _claim_owner(path: Path, dir_fd: int, job: str, uid: int, durable: str) -> O
             f"memory.job (or leave it unset: it is derived from the durable root) or memory.root, or, if the job of "
             f"{record.durable} is over, remove its RAM root with `cpuckpt clean`", path=path)
     if record is not None and record.boot_id == now.boot_id and record.host == now.host:
+        if durable and not record.durable:  # a record of an earlier version: it names the durable root from now on
+            record = dataclasses.replace(record, durable=durable)
+            _replace_owner(dir_fd, record)
         return record
     if record is None:
         reason = f"its owner record {path / OWNER_NAME} is unusable: {why}"

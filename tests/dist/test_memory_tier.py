@@ -16,6 +16,7 @@ What is proven, with real files, real processes and no mocks:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -359,9 +360,23 @@ def test_a_ram_root_of_another_durable_root_is_refused_for_the_same_job_name(tmp
     a.abandon()  # experiment A dies; its RAM root stays
     with pytest.raises(RamRootError, match=rf"{tmp_path / 'experiment-A'}.*not of {tmp_path / 'experiment-B'}"):
         MemoryTier(tmp_path / "experiment-B", cfg)
-    again = MemoryTier(tmp_path / "experiment-A", cfg)
+    (tmp_path / "link-to-A").symlink_to(tmp_path / "experiment-A")
+    again = MemoryTier(tmp_path / "link-to-A", cfg)  # the same directory by another path: the same job
     target = _targets(0)
     assert again.step_of(again.load_latest(target)) == 5
+    again.abandon()
+
+    # a record an earlier version wrote (no durable root in it) is accepted, and names the root from then on
+    record = tmp_path / "ram" / ".owner.json"
+    fields = json.loads(record.read_text())
+    del fields["durable"]
+    record.write_text(json.dumps(fields))
+    again = MemoryTier(tmp_path / "experiment-A", cfg)
+    again.abandon()
+    assert json.loads(record.read_text())["durable"] == str((tmp_path / "experiment-A").resolve())
+    with pytest.raises(RamRootError, match=r"two jobs were given one memory\.job"):
+        MemoryTier(tmp_path / "experiment-B", cfg)
+    again = MemoryTier(tmp_path / "experiment-A", cfg)
     _close_idle(again)
 
 
@@ -851,7 +866,27 @@ def test_a_newer_checkpoint_damaged_since_its_commit_is_named_when_an_older_one_
     with caplog.at_level(logging.WARNING, logger="cpuckpt"):
         loaded = tier.load_latest(target)
     assert loaded is not None and loaded != damaged and tier.step_of(loaded) == 1
-    assert f"skipping {damaged}: committed, but incomplete now (" in caplog.text, caplog.text
+    assert f"skipped {damaged} (step 2): committed, but incomplete now (" in caplog.text, caplog.text
+    _close_idle(tier)
+
+
+def test_an_older_checkpoint_damaged_since_its_commit_is_not_named_when_a_newer_one_loads(tmp_path, caplog):
+    """Step 1 of three slots damaged, steps 2 and 3 intact: step 3 loads and no checkpoint is said to be skipped."""
+    import logging
+
+    tier, _ = _one(tmp_path, persist_every=0, slots=3)
+    for step in (1, 2, 3):
+        tier.save(_state(step, 0), step).wait()
+    damaged = next(slot for slot in tier.slots if tier.step_of(slot) == 1)
+    tier.close(persist_newest=False, remove_root=False)
+    data = damaged / "__0_0.distcp"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 4096)
+
+    tier, _ = _one(tmp_path, persist_every=0, slots=3)
+    with caplog.at_level(logging.WARNING, logger="cpuckpt"):
+        assert tier.step_of(tier.load_latest(_targets(0))) == 3
+    assert "committed, but incomplete now" not in caplog.text, caplog.text
     _close_idle(tier)
 
 
