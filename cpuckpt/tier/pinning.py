@@ -81,7 +81,7 @@ def populate(address: int, nbytes: int, pool: cf.Executor | None, parts: int) ->
     ran at 2.6-3.3 GB/s; how much of that is the faults: ``benchmarks.bench_pin``). False where it did not complete: a
     kernel without it (before 5.14, or not Linux; then never tried again) or a range it refused; the registration
     faults the pages itself (some pieces may have been faulted in all the same). A pool that refuses work (no thread
-    could start, or the interpreter is exiting) returns False likewise, pieces it took before refusing may still run
+    could start, or the interpreter is exiting) returns False likewise; pieces it took before refusing may still run
     after (they only fault pages in, or fail on a range unmapped meanwhile): pinning never fails for want of it."""
     global _populate_works
     if _populate_works is False or nbytes <= 0:
