@@ -235,7 +235,9 @@ class _MarkedFiles:
         return Committed(data.get("global_step"), data["save_id"]) if data and "save_id" in data else None
 
     def durable(self, root: Path) -> list:
-        return [(c.step, d) for d in (sorted(root.iterdir()) if root.is_dir() else [])
+        from cpuckpt.tier.formats import Durable
+
+        return [Durable(c.step, d, c.step) for d in (sorted(root.iterdir()) if root.is_dir() else [])
                 if d.is_dir() and (c := self.committed(d)) is not None and c.step is not None]
 
 
