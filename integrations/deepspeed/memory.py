@@ -116,7 +116,7 @@ class TagSlots:
         marker = status.marker
         if not status.complete or marker is None or not marker.save_id:
             return None
-        return Committed(marker.global_step, marker.save_id)
+        return Committed(marker.global_step, marker.save_id, marker.created_unix)  # rank 0's clock, in every copy
 
     def durable(self, root: Path) -> list[Durable]:
         # damaged tags are not logged here: load_latest names them (it must not skip them as torn); a tag stock

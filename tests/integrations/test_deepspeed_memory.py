@@ -772,3 +772,22 @@ def test_a_name_removed_by_another_rank_while_it_is_resolved_is_no_error(tmp_pat
     monkeypatch.setattr(os, "readlink", removed_first)
     assert not _names(link, slot.resolve())
     assert not _names(link, slot.resolve())  # and once gone
+
+
+def test_memory_tags_of_one_step_carry_their_commit_time(tmp_path):
+    """Two memory tags of one step (a rewind: the abandoned one may still sit in another slot) are told apart by when
+    they were committed, the later first, never by slot name: the slot format reports each marker's ``created_unix``
+    (before: 0.0 for both, so ``slot-1`` won over a later ``slot-0``)."""
+    import dataclasses
+
+    from cpuckpt.integrations.deepspeed.memory import TagSlots
+
+    from cpuckpt.tier.tagmarker import new_marker, write_marker
+
+    for name, created in (("slot-0", 200.0), ("slot-1", 100.0)):
+        (tmp_path / name).mkdir()
+        marker = dataclasses.replace(new_marker("global_step7", 1, {}, 7, save_id=name), created_unix=created)
+        write_marker(tmp_path / name, marker, fsync=False)
+    found = {name: TagSlots().committed(tmp_path / name) for name in ("slot-0", "slot-1")}
+    assert {name: (c.step, c.save_id, c.created) for name, c in found.items()} == {
+        "slot-0": (7, "slot-0", 200.0), "slot-1": (7, "slot-1", 100.0)}
