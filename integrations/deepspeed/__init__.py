@@ -417,7 +417,16 @@ def load_latest(engine: Any, save_dir: str | os.PathLike, *, fallback_on_corrupt
                                 fallback_on_corrupt=bool(fallback_on_corrupt), before_check=memory.before_load)
     if found is None:
         return None, None
-    out = engine.load_checkpoint(str(found.directory), tag=found.tag, **load_kwargs)
-    if memory is not None:
-        memory.loaded(found)
+    if memory is None:
+        return engine.load_checkpoint(str(found.directory), tag=found.tag, **load_kwargs)
+    from cpuckpt.backend.collectives import agree_or_raise
+
+    out, error = (None, None), None
+    try:
+        out = engine.load_checkpoint(str(found.directory), tag=found.tag, **load_kwargs)
+    except BaseException as e:  # one rank's failed load: raised on every rank, not left to the next collective
+        error = e
+    agree_or_raise(error, memory.tier.rank, memory.tier.group, f"loading DeepSpeed tag {found.tag} of "
+                   f"{found.directory}")
+    memory.loaded(found)
     return out

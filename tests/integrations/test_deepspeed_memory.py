@@ -791,3 +791,45 @@ def test_memory_tags_of_one_step_carry_their_commit_time(tmp_path):
     found = {name: TagSlots().committed(tmp_path / name) for name in ("slot-0", "slot-1")}
     assert {name: (c.step, c.save_id, c.created) for name, c in found.items()} == {
         "slot-0": (7, "slot-0", 200.0), "slot-1": (7, "slot-1", 100.0)}
+
+
+def rank_restart_whose_load_fails_on_rank_1(root: str) -> dict:
+    h = _ds()
+    h._setup_env()
+    import time
+
+    import cpuckpt.integrations.deepspeed as ckpt_ds
+    import torch.distributed as dist
+
+    from cpuckpt.errors import CpuckptError
+
+    ckpt_ds.install(_settings(str(Path(root) / "ram"), persist_every=0))
+    engine = h._engine(2, seed=3)
+    if dist.get_rank() == 1:  # a file only rank 1 reads turns out unreadable inside DeepSpeed's own load
+
+        def load_checkpoint(load_dir, tag=None, **kwargs):
+            raise OSError(5, "Input/output error", f"{load_dir}/{tag}/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+
+        engine.load_checkpoint = load_checkpoint
+    t0 = time.monotonic()
+    try:
+        ckpt_ds.load_latest(engine, Path(root) / "ckpt")
+        out = {"error": None}
+    except (CpuckptError, OSError) as e:
+        out = {"error": type(e).__name__, "message": str(e)}
+    out["s"] = time.monotonic() - t0
+    engine.checkpoint_engine.memory_tier.close(persist_newest=False)
+    ckpt_ds.uninstall()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank(run_ranks, tmp_path):
+    """``load_latest`` with the memory tier: DeepSpeed's ``load_checkpoint`` raising on rank 1 only (an unreadable
+    file) left rank 0 waiting in the tier's next collective until the group's timeout. Both ranks now raise,
+    naming rank 1's error and the tag."""
+    run_ranks(2, rank_memory_only_then_damaged, str(tmp_path), "none", timeout_s=150)
+    _wait_writers_gone(tmp_path / "ram")
+    for r in run_ranks(2, rank_restart_whose_load_fails_on_rank_1, str(tmp_path), timeout_s=150):
+        assert r["error"] is not None and "Input/output error" in r["message"], r
+        assert "global_step2" in r["message"], r
