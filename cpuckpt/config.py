@@ -202,7 +202,8 @@ class MemoryConfig:
 
     root: str = _opt("", "RAM root directory; empty: /dev/shm/cpuckpt-<uid>/<job>.", path=True)
     job: str = _opt("", "Job identity of the RAM root, stable across restarts of the same job; empty: derived "
-                    "from the durable root's absolute path.")
+                    "from the durable root's absolute path. The RAM root records its durable root: a tier of "
+                    "another durable root given the same job is refused.")
     slots: int = _opt(2, "Memory checkpoints kept in RAM (a ring of reused images, one shard per rank each).",
                       min=1, max=64)
     max_uncommitted: int = _opt(0, "Memory saves that may still be uncommitted when save() returns, that save "
